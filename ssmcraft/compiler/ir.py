@@ -1,0 +1,87 @@
+"""The derived update's intermediate representation (IR): what code generation reads.
+
+An ``UpdateIR`` is plain data: per-token reductions and coefficients as sympy
+expressions over the spec's symbols, the structure class, and which coefficients fill
+the slots of that class's recurrence:
+
+- ``scalar_decay`` / ``diagonal_decay``:  ``S_t = a . S_prev + B``
+- ``rank1``: ``S_t = a . S_prev - c . (S_prev u) v^T + B``  (c per row, or per head)
+- ``general``: linear in S_prev but none of the above; ``S_t`` given element-wise
+- ``nonlinear``: an explicit step on a non-quadratic loss; ``S_t`` given element-wise
+and in every class the readout ``y = oc . (S_t oq) + oh`` (or element-wise for general).
+``B = p q^T`` when it factorises (it does for every library objective).
+Element layouts: a coefficient's ``dims`` are the state dimensions it varies over.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import sympy
+
+KINDS = ("scalar_decay", "diagonal_decay", "rank1", "general", "nonlinear")
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    name: str
+    expr: sympy.Expr
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReductionIR:
+    name: str
+    body: sympy.Expr
+    over: str
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UpdateIR:
+    spec_name: str
+    source: str
+    dims: tuple[str, str]
+    state: str                                  # name of the state symbol (new state in readout)
+    inputs: dict                                # name -> dims
+    params: dict                                # name -> dims
+    kind: str
+    update: str                                 # implicit | explicit
+    approximation: str                          # exact | diagonal
+    reductions: tuple = ()                      # ReductionIR, input-only, dependency order
+    coefficients: tuple = ()                    # Coefficient, dependency order (CSE temps first)
+    slots: dict = field(default_factory=dict)   # slot -> coefficient name (or None)
+    state_reductions: tuple = ()                # general/nonlinear: reductions over S_prev / S
+    state_update: sympy.Expr | None = None      # general/nonlinear: element of S_t (symbol S_prev)
+    readout: sympy.Expr | None = None           # general: element of y (symbol state)
+    readout_reductions: tuple = ()
+
+    # -- views ---------------------------------------------------------------------------
+    def coefficient(self, slot: str) -> Coefficient | None:
+        name = self.slots.get(slot)
+        return next((c for c in self.coefficients if c.name == name), None)
+
+    def is_per_head_step(self) -> bool:
+        c = self.coefficient("c")
+        return c is not None and not c.dims
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable form of the IR (``ssmcraft derive --json``)."""
+        s = sympy.sstr
+        return {
+            "spec": self.spec_name, "source": self.source, "dims": list(self.dims), "state": self.state,
+            "kind": self.kind, "update": self.update, "approximation": self.approximation,
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "params": {k: list(v) for k, v in self.params.items()},
+            "reductions": [{"name": r.name, "over": r.over, "dims": list(r.dims), "body": s(r.body)} for r in self.reductions],
+            "coefficients": [{"name": c.name, "dims": list(c.dims), "expr": s(c.expr)} for c in self.coefficients],
+            "slots": dict(self.slots),
+            "state_reductions": [{"name": r.name, "over": r.over, "dims": list(r.dims), "body": s(r.body)} for r in self.state_reductions],
+            "state_update": None if self.state_update is None else s(self.state_update),
+            "readout_reductions": [{"name": r.name, "over": r.over, "dims": list(r.dims), "body": s(r.body)} for r in self.readout_reductions],
+            "readout": None if self.readout is None else s(self.readout),
+        }
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,33 @@
+"""Where the objective library and the shipped specs live.
+
+In a source checkout they are the top-level ``objectives/`` and ``specs/`` folders; an
+installed ssmcraft carries the same files as package data under ``ssmcraft/data/``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def roots(kind: str) -> list[Path]:
+    """Folders holding ``kind`` ("objectives" or "specs"), checkout first."""
+    return [p for p in (_PACKAGE.parent / kind, _PACKAGE / "data" / kind) if p.is_dir()]
+
+
+def find_objective(name: str) -> Path | None:
+    """The library file for ``name`` (``longhorn`` or ``longhorn.yaml``), or None."""
+    stem = Path(name).name
+    if not stem.endswith((".yaml", ".yml")):
+        stem += ".yaml"
+    for root in roots("objectives"):
+        if (root / stem).exists():
+            return root / stem
+    return None
+
+
+def library_names() -> list[str]:
+    names = set()
+    for root in roots("objectives"):
+        names |= {p.stem for p in root.glob("*.yaml")}
+    return sorted(names)

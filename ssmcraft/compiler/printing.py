@@ -1,0 +1,46 @@
+"""Sympy printers for generated code: PyTorch (reference recurrence) and Triton (kernels).
+
+Both print element expressions whose symbols are tensors laid out for broadcasting
+(row-indexed ``[..., d, 1]``, column-indexed ``[..., 1, m]``, both ``[..., d, m]``,
+per-head scalars ``[..., 1, 1]``), so one expression serves any leading shape.
+"""
+from __future__ import annotations
+
+import sympy
+from sympy.printing.pycode import PythonCodePrinter
+
+
+class TorchPrinter(PythonCodePrinter):
+    """Prints element expressions as PyTorch tensor code."""
+
+    _torch_functions = {"exp": "torch.exp", "log": "torch.log", "sqrt": "torch.sqrt", "Abs": "torch.abs",
+                        "sign": "torch.sign", "sigmoid": "torch.sigmoid", "softplus": "F.softplus", "silu": "F.silu"}
+
+    def _print_Function(self, expr):
+        name = type(expr).__name__
+        if name in self._torch_functions:
+            return f"{self._torch_functions[name]}({self._print(expr.args[0])})"
+        raise NotImplementedError(f"no PyTorch printing for {name}")
+
+    _print_exp = _print_log = _print_Abs = _print_sign = _print_Function
+
+    def _print_sqrt(self, expr):
+        return f"torch.sqrt({self._print(expr.args[0])})"
+
+    def _print_Pow(self, expr, rational=False):
+        base, exp = expr.args
+        if exp == sympy.Rational(1, 2):
+            return f"torch.sqrt({self._print(base)})"
+        if exp == -1:
+            return f"1/{self.parenthesize(base, sympy.printing.precedence.PRECEDENCE['Pow'])}"
+        return super()._print_Pow(expr, rational=rational)
+
+    def _print_Rational(self, expr):
+        return f"({expr.p}/{expr.q})"
+
+    def _print_Symbol(self, expr):
+        return expr.name
+
+
+def torch_code(e) -> str:
+    return TorchPrinter({"fully_qualified_modules": False}).doprint(e)

@@ -1,0 +1,311 @@
+"""Stage 1: YAML -> a frozen, schema-checked ``Spec``.
+
+Every problem is a ``SpecError`` naming the source (file path, ``<text>`` or ``<dict>``),
+the key (dotted path) and what is wrong. YAML is read with the safe loader; expression
+strings are only parsed (``expr.parse``), never evaluated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ssmcraft.compiler import expr as E
+from ssmcraft.errors import SpecError
+
+IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+RESERVED = {"S_prev"} | set(E.FUNCTIONS)
+TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update",
+            "approximation", "output", "source"}
+INPUT_KEYS = {"shape", "positive", "bounded", "normalize", "activation"}
+PARAM_KEYS = {"shape", "positive", "negative", "init", "trainable"}
+ACTIVATIONS = {"identity", "silu", "sigmoid", "softplus", "exp", "tanh", "relu", "elu1"}
+INIT_NAMES = {"zeros", "ones", "s4d_real", "retnet_decay"}
+INIT_FORMS = {"constant": 1, "uniform": 2, "normal": 2, "log_uniform": 2}
+
+
+@dataclass(frozen=True)
+class InputDecl:
+    """A per-token input produced by the layer's projections."""
+    name: str
+    shape: tuple[str, ...]          # () per-head scalar, (d,) or (m,)
+    positive: bool = False
+    bounded: bool = False           # value in (0, 1)
+    normalize: bool = False         # L2-normalised over its dimension
+    activation: str | None = None   # explicit override of the implied activation
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    """A learned, token-independent tensor (per head when the layer has heads)."""
+    name: str
+    shape: tuple[str, ...]
+    positive: bool = False
+    negative: bool = False
+    init: Any = "zeros"             # a name in INIT_NAMES or {form: args}
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    summary: str
+    state: str                       # the state's name (S)
+    dims: tuple[str, str]            # (rows, cols) = (value dim d, key dim m)
+    inputs: Mapping[str, InputDecl]
+    params: Mapping[str, ParamDecl]
+    let: tuple[tuple[str, str], ...]
+    objective: str
+    update: str                      # implicit | explicit
+    approximation: str               # exact | diagonal
+    output: str
+    source: str = "<dict>"           # where the spec came from (for messages)
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def output_dim(self) -> str:
+        return self.dims[0]
+
+    def declared(self) -> list[str]:
+        return [self.state, "S_prev", *self.inputs, *self.params, *self.dims]
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe loader that refuses duplicate keys (a silent overwrite hides typos)."""
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
+    """Return (raw mapping, source label) for a path, YAML text or a mapping."""
+    if isinstance(spec, Mapping):
+        return dict(spec), str(spec.get("source", "<dict>")) if isinstance(spec.get("source"), str) else "<dict>"
+    if isinstance(spec, Path) or (isinstance(spec, str) and "\n" not in spec and spec.strip().endswith((".yaml", ".yml"))):
+        path = Path(spec)
+        if not path.exists():
+            from ssmcraft.compiler.library import find_objective
+            found = find_objective(str(spec))
+            if found is None:
+                raise SpecError(str(spec), "", "no such file")
+            path = found
+        text, source = path.read_text(encoding="utf-8", errors="replace"), str(spec)
+    elif isinstance(spec, str):
+        text, source = spec, "<text>"
+        if "\n" not in spec and ":" not in spec:
+            from ssmcraft.compiler.library import find_objective
+            found = find_objective(spec)
+            if found is not None:
+                text, source = found.read_text(encoding="utf-8"), str(found)
+    else:
+        raise SpecError("<spec>", "", f"expected a path, YAML text or a mapping, got {type(spec).__name__}")
+    if len(text) > 200_000:
+        raise SpecError(source, "", "spec text larger than 200 kB")
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(source, "", f"invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise SpecError(source, "", "invalid YAML: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise SpecError(source, "", f"expected a mapping at the top level, got {type(data).__name__}")
+    return data, source
+
+
+def _bool(src, key, value) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(src, key, f"expected true or false, got {value!r}")
+    return value
+
+
+def _str(src, key, value, *, allow_empty=False) -> str:
+    if not isinstance(value, str) or (not allow_empty and not value.strip()):
+        raise SpecError(src, key, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _ident(src, key, value) -> str:
+    if not isinstance(value, str) or not IDENT.match(value):
+        raise SpecError(src, key, f"{value!r} is not a valid name (letters, digits, '_', starting with a letter, at most 32)")
+    if value in RESERVED:
+        raise SpecError(src, key, f"{value!r} is reserved")
+    return value
+
+
+def _shape(src, key, value, dims) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > 2:
+        raise SpecError(src, key, f"expected a list of at most 2 dimension names, got {value!r}")
+    for v in value:
+        if v not in dims:
+            raise SpecError(src, key, f"unknown dimension {v!r}; the state declares {', '.join(dims)}")
+    if len(value) == 2 and tuple(value) != tuple(dims):
+        raise SpecError(src, key, f"a matrix must have the state's shape [{', '.join(dims)}], got {value!r}")
+    return tuple(value)
+
+
+def _keys(src, key, value, allowed):
+    if not isinstance(value, dict):
+        raise SpecError(src, key, f"expected a mapping, got {type(value).__name__}")
+    for k in value:
+        if k not in allowed:
+            raise SpecError(src, f"{key}.{k}" if key else str(k), f"unknown key; allowed: {', '.join(sorted(allowed))}")
+
+
+def _init(src, key, value):
+    if isinstance(value, bool):
+        raise SpecError(src, key, f"expected an initialiser, got {value!r}")
+    if isinstance(value, (int, float)):
+        return {"constant": float(value)}
+    if isinstance(value, str):
+        if value not in INIT_NAMES:
+            raise SpecError(src, key, f"unknown initialiser {value!r}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
+        return value
+    if isinstance(value, dict) and len(value) == 1:
+        (form, args), = value.items()
+        if form not in INIT_FORMS:
+            raise SpecError(src, key, f"unknown initialiser {form!r}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
+        args = args if isinstance(args, list) else [args]
+        if len(args) != INIT_FORMS[form] or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+            raise SpecError(src, key, f"{form} takes {INIT_FORMS[form]} number(s), got {value[form]!r}")
+        if form in ("uniform", "log_uniform") and not args[0] < args[1]:
+            raise SpecError(src, key, f"{form} needs low < high, got {args}")
+        if form == "log_uniform" and args[0] <= 0:
+            raise SpecError(src, key, "log_uniform needs positive bounds")
+        return {form: [float(a) for a in args]}
+    raise SpecError(src, key, f"expected an initialiser name or {{form: args}}, got {value!r}")
+
+
+def _expression(src, key, value, declared: set[str]) -> str:
+    text = _str(src, key, value)
+    try:
+        tree = E.parse(text)
+    except E.ParseError as e:
+        raise SpecError(src, key, f"syntax error: {e}") from None
+    unknown = sorted(E.names(tree) - declared)
+    if unknown:
+        raise SpecError(src, key, f"unknown name {unknown[0]!r}; declared: {', '.join(sorted(declared, key=_order))}")
+    return text
+
+
+def _order(name: str):
+    return (name != "S", name != "S_prev", name)
+
+
+def load_spec(spec: str | Path | Mapping) -> Spec:
+    """Read and validate a spec (a path, YAML text or a mapping) into a frozen ``Spec``."""
+    raw, src = read_source(spec)
+    _keys(src, "", raw, TOP_KEYS)
+    for required in ("name", "state", "inputs", "objective", "update", "output"):
+        if required not in raw:
+            raise SpecError(src, required, "missing (required)")
+    name = _ident(src, "name", raw["name"])
+    summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
+
+    state = raw["state"]
+    if not isinstance(state, dict) or len(state) != 1:
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}}, got {state!r}")
+    (state_name, dims), = state.items()
+    state_name = _ident(src, "state", state_name)
+    if not isinstance(dims, list) or len(dims) != 2:
+        raise SpecError(src, f"state.{state_name}", f"expected two dimension names like [d, m], got {dims!r}")
+    for dname in dims:
+        _ident(src, f"state.{state_name}", dname)
+    if dims[0] == dims[1]:
+        raise SpecError(src, f"state.{state_name}", "the two dimensions must have different names")
+    dims = tuple(dims)
+
+    inputs_raw = raw["inputs"]
+    if not isinstance(inputs_raw, dict) or not inputs_raw:
+        raise SpecError(src, "inputs", "expected a non-empty mapping of input declarations")
+    taken = {state_name, *dims}
+    inputs: dict[str, InputDecl] = {}
+    for iname, decl in inputs_raw.items():
+        key = f"inputs.{iname}"
+        iname = _ident(src, key, iname)
+        if iname in taken:
+            raise SpecError(src, key, f"name {iname!r} is already used")
+        _keys(src, key, decl, INPUT_KEYS)
+        if "shape" not in decl:
+            raise SpecError(src, f"{key}.shape", "missing (required)")
+        shape = _shape(src, f"{key}.shape", decl["shape"], dims)
+        if len(shape) == 2:
+            raise SpecError(src, f"{key}.shape", "inputs are vectors or scalars; matrices come from outer()")
+        act = decl.get("activation")
+        if act is not None and act not in ACTIVATIONS:
+            raise SpecError(src, f"{key}.activation", f"unknown activation {act!r}; known: {', '.join(sorted(ACTIVATIONS))}")
+        inputs[iname] = InputDecl(
+            iname, shape,
+            positive=_bool(src, f"{key}.positive", decl.get("positive", False)),
+            bounded=_bool(src, f"{key}.bounded", decl.get("bounded", False)),
+            normalize=_bool(src, f"{key}.normalize", decl.get("normalize", False)),
+            activation=act,
+        )
+        if inputs[iname].normalize and len(shape) != 1:
+            raise SpecError(src, f"{key}.normalize", "only a vector input can be normalised")
+        taken.add(iname)
+
+    params: dict[str, ParamDecl] = {}
+    params_raw = raw.get("params", {}) or {}
+    if not isinstance(params_raw, dict):
+        raise SpecError(src, "params", f"expected a mapping, got {type(params_raw).__name__}")
+    for pname, decl in params_raw.items():
+        key = f"params.{pname}"
+        pname = _ident(src, key, pname)
+        if pname in taken:
+            raise SpecError(src, key, f"name {pname!r} is already used")
+        _keys(src, key, decl, PARAM_KEYS)
+        shape = _shape(src, f"{key}.shape", decl.get("shape", []), dims)
+        p = ParamDecl(
+            pname, shape,
+            positive=_bool(src, f"{key}.positive", decl.get("positive", False)),
+            negative=_bool(src, f"{key}.negative", decl.get("negative", False)),
+            init=_init(src, f"{key}.init", decl.get("init", "zeros")),
+            trainable=_bool(src, f"{key}.trainable", decl.get("trainable", True)),
+        )
+        if p.positive and p.negative:
+            raise SpecError(src, key, "cannot be both positive and negative")
+        params[pname] = p
+        taken.add(pname)
+
+    declared = {state_name, "S_prev", *inputs, *params, *dims}
+    lets: list[tuple[str, str]] = []
+    let_raw = raw.get("let", {}) or {}
+    if not isinstance(let_raw, dict):
+        raise SpecError(src, "let", f"expected a mapping of name: expression, got {type(let_raw).__name__}")
+    for lname, text in let_raw.items():
+        key = f"let.{lname}"
+        lname = _ident(src, key, lname)
+        if lname in declared:
+            raise SpecError(src, key, f"name {lname!r} is already used")
+        lets.append((lname, _expression(src, key, text, declared)))
+        declared.add(lname)   # a let may use the lets before it
+
+    objective = _expression(src, "objective", raw["objective"], declared)
+    update = raw["update"]
+    if update not in ("implicit", "explicit"):
+        raise SpecError(src, "update", f"expected implicit or explicit, got {update!r}")
+    approximation = raw.get("approximation", "exact")
+    if approximation not in ("exact", "diagonal"):
+        raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
+    out_declared = declared - {"S_prev"}
+    output = _expression(src, "output", raw["output"], out_declared | {"S_prev"})
+    if "S_prev" in E.names(E.parse(output)):
+        raise SpecError(src, "output", "the output reads the new state S, not S_prev")
+    return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
+                update, approximation, output, source=src, raw=raw)

@@ -1,0 +1,442 @@
+"""Stage 2: the symbolic objective, in element form.
+
+Every expression of the spec is lowered to a *typed element expression*: a shape
+``(rows, cols)`` over the dimension names (``"1"`` for a singleton) and a sympy scalar
+that gives one element. Symbols carry the dimensions they vary over (an input ``x: [d]``
+is ``x`` indexed by the row index, the state ``S`` by both); a contraction (matrix
+product, ``dot``, ``sq``) becomes a *reduction*: a fresh symbol ``_rN`` standing for the
+sum of a body over one dimension. Because the two state dimensions have different names,
+an element is a function of at most one row index and one column index, and transposes
+cost nothing. This is the representation every later stage works on; sympy's own
+MatrixSymbol calculus is avoided on purpose (its ``diff`` silently returns 0 on sums of
+trace terms: ENV.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from ssmcraft.compiler import expr as E
+from ssmcraft.compiler.functions import SCALAR_FUNCTIONS
+from ssmcraft.compiler.spec import Spec
+from ssmcraft.errors import SpecError
+
+ONE = "1"
+MAX_EXPONENT = 16
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """``symbol = sum over `over` of body``; ``dims`` are the dimensions left free."""
+    symbol: sympy.Symbol
+    body: sympy.Expr
+    over: str
+    dims: frozenset
+
+
+@dataclass
+class Algebra:
+    """Symbol table and reduction registry shared by the stages of one derivation."""
+    dims: tuple[str, str]
+    symbol_dims: dict = field(default_factory=dict)     # Symbol -> frozenset of dim names
+    reductions: dict = field(default_factory=dict)      # Symbol -> Reduction
+    _keys: dict = field(default_factory=dict)           # (body, over) -> Symbol
+    _count: int = 0
+
+    def symbol(self, name: str, dims=(), **assumptions) -> sympy.Symbol:
+        s = sympy.Symbol(name, **assumptions)
+        self.symbol_dims[s] = frozenset(dims)
+        return s
+
+    def size(self, dim: str) -> sympy.Symbol:
+        return next(s for s, d in self.symbol_dims.items() if s.name == dim and not d)
+
+    def dims_of(self, e) -> frozenset:
+        out = frozenset()
+        for s in e.free_symbols:
+            out |= self.symbol_dims.get(s, frozenset())
+        return out
+
+    def reduce(self, body: sympy.Expr, over: str) -> sympy.Expr:
+        """The sum of ``body`` over dimension ``over`` (a new or shared reduction symbol)."""
+        body = sympy.sympify(body)
+        if body == 0:
+            return sympy.Integer(0)
+        if over not in self.dims_of(body):
+            return body * self.size(over)
+        # pull factors that do not vary over `over` out of the sum
+        inner, outer = [], []
+        for f in sympy.Mul.make_args(body):
+            (inner if over in self.dims_of(f) else outer).append(f)
+        body = sympy.Mul(*inner)
+        key = (body, over)
+        if key not in self._keys:
+            dims = self.dims_of(body) - {over}
+            assumptions = {"real": True}
+            if body.is_nonnegative:
+                assumptions = {"nonnegative": True}
+            sym = self.symbol(f"_r{self._count}", dims, **assumptions)
+            self._count += 1
+            self.reductions[sym] = Reduction(sym, body, over, dims)
+            self._keys[key] = sym
+        return sympy.Mul(*outer) * self._keys[key]
+
+    def reductions_in(self, e) -> list[Reduction]:
+        """Every reduction ``e`` uses, directly or through other reductions, inner first."""
+        seen: dict = {}
+
+        def visit(x):
+            for s in sorted(x.free_symbols, key=lambda s: s.name):
+                if s in self.reductions and s not in seen:
+                    visit(self.reductions[s].body)
+                    seen[s] = self.reductions[s]
+        visit(sympy.sympify(e))
+        return list(seen.values())
+
+    def depends_on(self, e, var: sympy.Symbol) -> bool:
+        for s in sympy.sympify(e).free_symbols:
+            if s == var or (s in self.reductions and self.depends_on(self.reductions[s].body, var)):
+                return True
+        return False
+
+    def substitute(self, e, mapping: dict) -> sympy.Expr:
+        """Substitute symbols in ``e`` and, consistently, inside every reduction it uses."""
+        e = sympy.sympify(e)
+        sub = dict(mapping)
+        for r in self.reductions_in(e):
+            body = r.body.xreplace(sub)
+            if body != r.body:
+                sub[r.symbol] = self.reduce(body, r.over)
+        return e.xreplace(sub)
+
+    def expand(self, e) -> sympy.Expr:
+        """``e`` with reductions as explicit sums and symbols indexed (``S[i, j]``), for display."""
+        index = {self.dims[0]: sympy.Symbol("i"), self.dims[1]: sympy.Symbol("j")}
+
+        def indexed(x):
+            sub = {}
+            for s in x.free_symbols:
+                dims = self.symbol_dims.get(s)
+                if dims and s not in self.reductions:
+                    sub[s] = sympy.IndexedBase(s.name)[tuple(index[d] for d in self.dims if d in dims)]
+            return x.xreplace(sub)
+
+        def walk(x):
+            sub = {}
+            for s in x.free_symbols:
+                if s in self.reductions:
+                    r = self.reductions[s]
+                    sub[s] = sympy.Sum(walk(r.body), (index[r.over], 1, self.size(r.over)))
+            return indexed(x.xreplace(sub))
+
+        return walk(sympy.sympify(e))
+
+
+@dataclass(frozen=True)
+class Square:
+    """A lazy [n, n] matrix: a sum of ``coef * diag(w)`` and ``coef * outer(u, v)`` terms.
+
+    Square matrices cannot be represented element-wise (both indices would be the same
+    dimension), so they are kept as terms and only ever used as factors of a product.
+    """
+    dim: str
+    terms: tuple  # ("diag", w) | ("outer", u, v)
+
+    def scale(self, c):
+        return Square(self.dim, tuple(
+            ("diag", c * t[1]) if t[0] == "diag" else ("outer", c * t[1], t[2]) for t in self.terms))
+
+    def transpose(self):
+        return Square(self.dim, tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in self.terms))
+
+
+@dataclass(frozen=True)
+class Value:
+    shape: tuple[str, str]
+    expr: object   # sympy.Expr, or Square when shape is [n, n]
+
+    @property
+    def is_scalar(self):
+        return self.shape == (ONE, ONE)
+
+
+def show_shape(shape) -> str:
+    r, c = shape
+    if r == ONE and c == ONE:
+        return "scalar"
+    if c == ONE:
+        return f"[{r}]"
+    if r == ONE:
+        return f"T([{c}])"
+    return f"[{r}, {c}]"
+
+
+class Lowering:
+    """Lowers AST nodes of one spec to ``Value`` s over a shared ``Algebra``."""
+
+    def __init__(self, spec: Spec, algebra: Algebra | None = None):
+        self.spec = spec
+        d, m = spec.dims
+        self.alg = algebra or Algebra(spec.dims)
+        alg = self.alg
+        self.env: dict[str, Value] = {}
+        for dim in spec.dims:
+            self.env[dim] = Value((ONE, ONE), alg.symbol(dim, (), positive=True, integer=True))
+        for name in (spec.state, "S_prev"):
+            self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
+        for name, decl in spec.inputs.items():
+            assume = {"positive": True} if (decl.positive or decl.bounded) else {"real": True}
+            self.env[name] = Value(_vector_shape(decl.shape), alg.symbol(name, decl.shape, **assume))
+        for name, decl in spec.params.items():
+            assume = {"positive": True} if decl.positive else {"negative": True} if decl.negative else {"real": True}
+            self.env[name] = Value(_matrix_shape(decl.shape), alg.symbol(name, decl.shape, **assume))
+        self._let_text = dict(spec.let)
+        self._lowering_lets: list[str] = []
+        self.key = ""
+
+    @property
+    def state(self) -> sympy.Symbol:
+        return self.env[self.spec.state].expr
+
+    @property
+    def state_prev(self) -> sympy.Symbol:
+        return self.env["S_prev"].expr
+
+    # -- entry point ---------------------------------------------------------------
+    def lower_text(self, key: str, text: str) -> Value:
+        self.key = key
+        tree = E.parse(text)
+        value = self.lower(tree)
+        if isinstance(value.expr, Square):
+            self.fail(tree, f"the result is an [{value.shape[0]}, {value.shape[1]}] matrix, which is only supported as a factor of a product")
+        return value
+
+    def fail(self, node, problem: str):
+        raise SpecError(self.spec.source, self.key, f"{problem} (in '{E.unparse(node)}', column {node.pos + 1})")
+
+    # -- the rules -----------------------------------------------------------------
+    def lower(self, node) -> Value:
+        if isinstance(node, E.Num):
+            return Value((ONE, ONE), sympy.Rational(node.value.numerator, node.value.denominator))
+        if isinstance(node, E.Name):
+            return self.name(node)
+        if isinstance(node, E.Neg):
+            v = self.lower(node.operand)
+            return Value(v.shape, v.expr.scale(-1) if isinstance(v.expr, Square) else -v.expr)
+        if isinstance(node, E.BinOp):
+            if node.op == "**":
+                return self.power(node)
+            a, b = self.lower(node.left), self.lower(node.right)
+            if node.op == "*":
+                return self.matmul(node, a, b)
+            if node.op == "/":
+                if isinstance(b.expr, Square):
+                    self.fail(node, "cannot divide by a square matrix")
+                if isinstance(a.expr, Square):
+                    if not b.is_scalar:
+                        self.fail(node, "a square matrix can only be divided by a scalar")
+                    return Value(a.shape, a.expr.scale(1 / b.expr))
+                return self.elementwise(node, a, b, lambda x, y: x / y)
+            if node.op in "+-":
+                sign = 1 if node.op == "+" else -1
+                if isinstance(a.expr, Square) or isinstance(b.expr, Square):
+                    if a.shape != b.shape or not (isinstance(a.expr, Square) and isinstance(b.expr, Square)):
+                        self.fail(node, f"cannot add {show_shape(a.shape)} and {show_shape(b.shape)}")
+                    return Value(a.shape, Square(a.expr.dim, a.expr.terms + b.expr.scale(sign).terms))
+                return self.elementwise(node, a, b, lambda x, y: x + sign * y)
+        if isinstance(node, E.Call):
+            return self.call(node)
+        raise AssertionError(f"unknown node {node!r}")
+
+    def name(self, node: E.Name) -> Value:
+        if node.id in self.env:
+            return self.env[node.id]
+        if node.id in self._let_text:
+            if node.id in self._lowering_lets:
+                self.fail(node, f"'let' definitions refer to each other in a cycle: {' -> '.join(self._lowering_lets + [node.id])}")
+            self._lowering_lets.append(node.id)
+            key = self.key
+            self.key = f"let.{node.id}"
+            value = self.lower(E.parse(self._let_text[node.id]))
+            self.key = key
+            self._lowering_lets.pop()
+            self.env[node.id] = value
+            return value
+        self.fail(node, f"unknown name {node.id!r}")
+
+    def power(self, node: E.BinOp) -> Value:
+        base = self.lower(node.left)
+        exponent = node.right
+        sign = 1
+        while isinstance(exponent, E.Neg):
+            sign, exponent = -sign, exponent.operand
+        if not isinstance(exponent, E.Num):
+            self.fail(node, "the exponent of '**' must be a number")
+        value = sign * exponent.value
+        if abs(value) > MAX_EXPONENT or (value.denominator not in (1, 2, 3, 4)):
+            self.fail(node, f"exponent {value} not allowed (integers or halves/thirds/quarters up to {MAX_EXPONENT})")
+        if isinstance(base.expr, Square):
+            self.fail(node, "powers of square matrices are not supported")
+        return Value(base.shape, base.expr ** sympy.Rational(value.numerator, value.denominator))
+
+    def broadcast(self, node, a: Value, b: Value) -> tuple[str, str]:
+        """The shape of an elementwise combination (scalars and vectors broadcast by name)."""
+        for v in (a, b):
+            if isinstance(v.expr, Square):
+                self.fail(node, f"an [{v.shape[0]}, {v.shape[1]}] matrix is only supported as a factor of a product")
+        if a.shape == b.shape or b.is_scalar:
+            return a.shape
+        if a.is_scalar:
+            return b.shape
+        mats = [v.shape for v in (a, b) if ONE not in v.shape]
+        vecs = [v.shape for v in (a, b) if ONE in v.shape]
+        if len(mats) == 1 and len(vecs) == 1:
+            vdim = vecs[0][0] if vecs[0][0] != ONE else vecs[0][1]
+            if vdim in mats[0]:
+                return mats[0]
+        hint = " (use outer(a, b) for an outer product)" if not mats else ""
+        self.fail(node, f"shapes {show_shape(a.shape)} and {show_shape(b.shape)} do not match{hint}")
+
+    def elementwise(self, node, a: Value, b: Value, op) -> Value:
+        shape = self.broadcast(node, a, b)
+        return Value(shape, op(a.expr, b.expr))
+
+    def matmul(self, node, a: Value, b: Value) -> Value:
+        if a.is_scalar or b.is_scalar:
+            s, other = (a, b) if a.is_scalar else (b, a)
+            if isinstance(other.expr, Square):
+                return Value(other.shape, other.expr.scale(s.expr))
+            return Value(other.shape, s.expr * other.expr)
+        (r, n1), (n2, c) = a.shape, b.shape
+        if n1 != n2:
+            self.fail(node, f"cannot multiply {show_shape(a.shape)} by {show_shape(b.shape)}: inner dimensions {n1} and {n2} differ"
+                      + (" (use dot(a, b) or had(a, b))" if ONE in a.shape and ONE in b.shape else ""))
+        if isinstance(b.expr, Square):
+            if isinstance(a.expr, Square):
+                self.fail(node, "products of two square matrices are not supported")
+            total = sympy.Integer(0)
+            for t in b.expr.terms:
+                if t[0] == "diag":
+                    total += a.expr * t[1]
+                else:  # a * u * T(v)
+                    total += self.alg.reduce(a.expr * t[1], n1) * t[2]
+            return Value((r, c), total)
+        if isinstance(a.expr, Square):
+            total = sympy.Integer(0)
+            for t in a.expr.terms:
+                if t[0] == "diag":
+                    total += t[1] * b.expr
+                else:  # u * (T(v) * b)
+                    total += t[1] * self.alg.reduce(t[2] * b.expr, n1)
+            return Value((r, c), total)
+        if n1 == ONE:
+            if r == c:
+                return Value((r, c), Square(r, (("outer", a.expr, b.expr),)))
+            return Value((r, c), a.expr * b.expr)
+        if r == c and r != ONE:
+            self.fail(node, f"the product is an [{r}, {c}] matrix, which is only supported as a factor of a product")
+        return Value((r, c), self.alg.reduce(a.expr * b.expr, n1))
+
+    def total(self, e, shape) -> sympy.Expr:
+        for dim in shape:
+            if dim != ONE:
+                e = self.alg.reduce(e, dim)
+        return e
+
+    def call(self, node: E.Call) -> Value:
+        f = node.func
+        args = [self.lower(a) for a in node.args]
+        if f == "ones":
+            arg = node.args[0]
+            if not isinstance(arg, E.Name) or arg.id not in self.spec.dims:
+                self.fail(node, f"ones() takes a dimension name ({', '.join(self.spec.dims)})")
+            return Value((arg.id, ONE), sympy.Integer(1))
+        if f == "T":
+            v = args[0]
+            expr = v.expr.transpose() if isinstance(v.expr, Square) else v.expr
+            return Value((v.shape[1], v.shape[0]), expr)
+        for a in args:
+            if isinstance(a.expr, Square):
+                self.fail(node, f"{f}() of an [{a.shape[0]}, {a.shape[1]}] matrix is not supported")
+        if f in SCALAR_FUNCTIONS:
+            return Value(args[0].shape, SCALAR_FUNCTIONS[f](args[0].expr))
+        if f == "sq":
+            return Value((ONE, ONE), self.total(args[0].expr ** 2, args[0].shape))
+        if f == "wsq":
+            v, w = args
+            shape = self.broadcast(node, v, w)
+            if shape != v.shape:
+                self.fail(node, f"the weight {show_shape(w.shape)} does not fit the vector {show_shape(v.shape)}")
+            return Value((ONE, ONE), self.total(w.expr * v.expr ** 2, v.shape))
+        if f == "dot":
+            a, b = args
+            if set(a.shape) != set(b.shape) or sorted(a.shape) != sorted(b.shape):
+                self.fail(node, f"dot() needs two arguments of the same shape, got {show_shape(a.shape)} and {show_shape(b.shape)}")
+            return Value((ONE, ONE), self.total(a.expr * b.expr, a.shape))
+        if f == "had":
+            return self.elementwise(node, args[0], args[1], lambda x, y: x * y)
+        if f == "outer":
+            a, b = args
+            for v in (a, b):
+                if v.shape[1] != ONE and v.shape[0] != ONE or v.is_scalar:
+                    self.fail(node, f"outer() takes two vectors, got {show_shape(v.shape)}")
+            ra = a.shape[0] if a.shape[0] != ONE else a.shape[1]
+            rb = b.shape[0] if b.shape[0] != ONE else b.shape[1]
+            if ra == rb:
+                return Value((ra, rb), Square(ra, (("outer", a.expr, b.expr),)))
+            return Value((ra, rb), a.expr * b.expr)
+        if f == "diag":
+            v = args[0]
+            if ONE not in v.shape or v.is_scalar:
+                self.fail(node, f"diag() takes a vector, got {show_shape(v.shape)}")
+            n = v.shape[0] if v.shape[0] != ONE else v.shape[1]
+            return Value((n, n), Square(n, (("diag", v.expr),)))
+        self.fail(node, f"unknown function {f!r}")
+
+
+def _vector_shape(shape: tuple[str, ...]) -> tuple[str, str]:
+    return (ONE, ONE) if not shape else (shape[0], ONE)
+
+
+def _matrix_shape(shape: tuple[str, ...]) -> tuple[str, str]:
+    if len(shape) == 2:
+        return (shape[0], shape[1])
+    return _vector_shape(shape)
+
+
+@dataclass(frozen=True)
+class SymbolicObjective:
+    """Stage 2's result: the loss and the readout as element expressions."""
+    spec: Spec
+    lowering: Lowering
+    loss: sympy.Expr       # scalar
+    output: sympy.Expr     # one element of y (varies over the output dimension)
+
+    @property
+    def algebra(self) -> Algebra:
+        return self.lowering.alg
+
+    def matrix_form(self) -> str:
+        """The loss written with explicit sums (readable, for ``ssmcraft derive``)."""
+        return sympy.sstr(self.algebra.expand(self.loss))
+
+
+def symbolic_objective(spec: Spec) -> SymbolicObjective:
+    """Lower the spec's objective and output; check they are a scalar and a vector over rows."""
+    low = Lowering(spec)
+    for name, text in spec.let:
+        low.key = f"let.{name}"
+        low.name(E.Name(name, 0))
+    loss = low.lower_text("objective", spec.objective)
+    if not loss.is_scalar:
+        raise SpecError(spec.source, "objective", f"the objective must be a scalar, got a {show_shape(loss.shape)} value")
+    if not low.alg.depends_on(loss.expr, low.state):
+        raise SpecError(spec.source, "objective", f"the objective does not depend on the state {spec.state}")
+    out = low.lower_text("output", spec.output)
+    d = spec.dims[0]
+    if out.shape not in ((d, ONE), (ONE, d)):
+        raise SpecError(spec.source, "output", f"the output must be a vector over {d} (like {spec.state}*q), got {show_shape(out.shape)}")
+    if not low.alg.depends_on(out.expr, low.state):
+        raise SpecError(spec.source, "output", f"the output does not read the state {spec.state}")
+    return SymbolicObjective(spec, low, sympy.sympify(loss.expr), sympy.sympify(out.expr))

@@ -1,0 +1,24 @@
+"""The project's own error types: every user-facing failure is one of these.
+
+The CLI prints ``str(error)`` on one line and exits with status 2; it never shows a
+traceback for these.
+"""
+from __future__ import annotations
+
+
+class SsmcraftError(Exception):
+    """Base class of every error ssmcraft raises on purpose."""
+
+
+class SpecError(SsmcraftError):
+    """A malformed spec: names the file (or ``<text>``/``<dict>``), the key and the problem."""
+
+    def __init__(self, source: str, key: str, problem: str):
+        self.source = source
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+
+
+class DerivationError(SpecError):
+    """The spec is well formed but its update cannot be derived as asked."""

@@ -1,0 +1,248 @@
+"""The PyTorch runtime of a generated reference module: layouts, the per-step loop, a
+vectorised CPU path and the state-space tools that evaluation needs.
+
+Shapes (DESIGN.md, "The Python API"): inputs ``[B, T, H, n]`` (``[B, T, H]`` for a
+per-head scalar), params of their declared shape or ``[H, *shape]``, state
+``[B, H, d, m]``, output ``[B, T, H, d]``. Internally every tensor is laid out as
+``[B, T, H, r, c]`` with ``r = d or 1`` and ``c = m or 1`` so that generated element
+expressions broadcast (see ``ssmcraft.compiler.codegen``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssmcraft.errors import SsmcraftError
+
+SCAN_CHUNK = 64
+
+
+@dataclass
+class Layout:
+    env: dict            # name -> [B|1, T|1, H|1, r, c]
+    B: int
+    T: int
+    H: int
+    d: int
+    m: int
+    dtype: torch.dtype   # compute dtype (float32 or float64)
+    out_dtype: torch.dtype
+    S0: torch.Tensor | None
+
+
+def _fail(msg: str):
+    raise SsmcraftError(msg)
+
+
+def _default_param(decl, H):
+    init = decl.init
+    if init == "zeros" or init == "ones" or (isinstance(init, dict) and "constant" in init):
+        value = 0.0 if init == "zeros" else 1.0 if init == "ones" else init["constant"]
+        return value
+    return None
+
+
+def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
+    """Validate and lay out the inputs, params and initial state of one call."""
+    if not isinstance(inputs, dict):
+        _fail(f"{spec.name}: inputs must be a dict of tensors, got {type(inputs).__name__}")
+    unknown = sorted(set(inputs) - set(ir.inputs))
+    if unknown:
+        _fail(f"{spec.name}: unknown input {unknown[0]!r}; the spec declares {', '.join(ir.inputs)}")
+    missing = [n for n in ir.inputs if n not in inputs]
+    if missing:
+        _fail(f"{spec.name}: missing input {missing[0]!r}")
+    params = dict(params or {})
+    unknown = sorted(set(params) - set(ir.params))
+    if unknown:
+        _fail(f"{spec.name}: unknown param {unknown[0]!r}; the spec declares {', '.join(ir.params) or 'none'}")
+    sizes: dict = {}
+    dims = ir.dims
+
+    def note(dim, n, what):
+        if sizes.setdefault(dim, n) != n:
+            _fail(f"{spec.name}: {what} has {dim} = {n}, but another tensor has {dim} = {sizes[dim]}")
+
+    bth = None
+    dtypes = []
+    for name, idims in ir.inputs.items():
+        t = inputs[name]
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{spec.name}: input {name!r} must be a tensor")
+        want = 3 + len(idims)
+        if t.dim() != want:
+            shape = "[B, T, H]" if not idims else f"[B, T, H, {idims[0]}]"
+            _fail(f"{spec.name}: input {name!r} must be {shape}, got shape {list(t.shape)}")
+        if bth is None:
+            bth = tuple(t.shape[:3])
+        elif tuple(t.shape[:3]) != bth:
+            _fail(f"{spec.name}: input {name!r} has [B, T, H] = {list(t.shape[:3])}, expected {list(bth)}")
+        for dim, n in zip(idims, t.shape[3:]):
+            note(dim, n, f"input {name!r}")
+        dtypes.append(t.dtype)
+    B, T, H = bth
+    for name, pdims in ir.params.items():
+        if name not in params:
+            continue
+        t = params[name]
+        if not isinstance(t, torch.Tensor):
+            t = params[name] = torch.as_tensor(t)
+        if t.dim() == len(pdims) + 1:
+            if t.shape[0] not in (1, H):
+                _fail(f"{spec.name}: param {name!r} has {t.shape[0]} heads, the inputs have H = {H}")
+        elif t.dim() != len(pdims):
+            _fail(f"{spec.name}: param {name!r} must have shape [{', '.join(pdims)}] or [H, {', '.join(pdims)}], got {list(t.shape)}")
+        for dim, n in zip(pdims, t.shape[t.dim() - len(pdims):]):
+            note(dim, n, f"param {name!r}")
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[:2]) != (B, H):
+            _fail(f"{spec.name}: initial_state must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got {list(initial_state.shape)}")
+        note(dims[0], initial_state.shape[2], "initial_state")
+        note(dims[1], initial_state.shape[3], "initial_state")
+    for dim in dims:
+        if dim not in sizes:
+            _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    out_dtype = dtypes[0] if dtypes[0].is_floating_point else dtype
+
+    def shape5(idims, lead):
+        r = sizes[dims[0]] if dims[0] in idims else 1
+        c = sizes[dims[1]] if dims[1] in idims else 1
+        return (*lead, r, c)
+
+    env = {}
+    for name, idims in ir.inputs.items():
+        env[name] = inputs[name].to(dtype).reshape(shape5(idims, (B, T, H)))
+    for name, pdims in ir.params.items():
+        if name not in params:
+            value = _default_param(spec.params[name], H)
+            if value is None:
+                _fail(f"{spec.name}: param {name!r} has a random init ({spec.params[name].init}); pass it in params")
+            t = torch.full([sizes[d] for d in pdims], value, dtype=dtype, device=inputs[next(iter(ir.inputs))].device)
+        else:
+            t = params[name].to(dtype)
+        heads = t.shape[0] if t.dim() == len(pdims) + 1 else 1
+        env[name] = t.reshape(shape5(pdims, (1, 1, heads)))
+    S0 = None if initial_state is None else initial_state.to(dtype)
+    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
+
+
+def at(value, t: int):
+    """Slice time step ``t`` of a laid-out tensor (size-1 time axes broadcast)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 5:
+        return value
+    return value[:, t if value.shape[1] > 1 else 0]
+
+
+def _initial(lay: Layout, device) -> torch.Tensor:
+    if lay.S0 is not None:
+        return lay.S0
+    return torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device)
+
+
+def _device(lay: Layout):
+    return next(iter(lay.env.values())).device
+
+
+def reference_loop(module, lay: Layout, *, every: int | None = None):
+    """The literal recurrence: coefficients, step and readout at each t.
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m], states [B, T//every, H, d, m] or None).
+    """
+    d, m = lay.d, lay.m
+    S = _initial(lay, _device(lay))
+    ys, states = [], []
+    for t in range(lay.T):
+        env_t = {k: at(v, t) for k, v in lay.env.items()}
+        co = module.coefficients(env_t, d, m)
+        S = module.step(S, env_t, co, d, m).expand(lay.B, lay.H, d, m)
+        ys.append(module.readout(S, env_t, co, d, m)[..., 0])
+        if every and (t + 1) % every == 0:
+            states.append(S)
+    y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
+    st = torch.stack(states, dim=1) if states else None
+    return y, S, st
+
+
+def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
+    """Inclusive scan of S_t = A_t S_{t-1} + B_t over dim 1 (Hillis-Steele, log T passes)."""
+    T = A.shape[1]
+    off = 1
+    while off < T:
+        A_prev = torch.cat([torch.ones_like(A[:, :off]), A[:, :-off]], dim=1)
+        B_prev = torch.cat([torch.zeros_like(Bt[:, :off]), Bt[:, :-off]], dim=1)
+        Bt = A * B_prev + Bt
+        A = A * A_prev
+        off *= 2
+    return Bt
+
+
+def diagonal_states(module, lay: Layout, co: dict) -> torch.Tensor:
+    """All states [B, T, H, d, m] of a (scalar or elementwise) decay recurrence, chunked scan."""
+    full = (lay.B, lay.T, lay.H, lay.d, lay.m)
+    a = co["a"]
+    A = (a if isinstance(a, torch.Tensor) else torch.tensor(float(a), dtype=lay.dtype, device=_device(lay))).expand(full)
+    Bt = (co["p"] * co["q"] if "p" in co else co["B"]).expand(full)
+    S = _initial(lay, _device(lay))
+    out = []
+    for s in range(0, lay.T, SCAN_CHUNK):
+        Ac, Bc = A[:, s:s + SCAN_CHUNK], Bt[:, s:s + SCAN_CHUNK].clone()
+        Bc[:, 0] = Bc[:, 0] + Ac[:, 0] * S
+        states = _scan(Ac, Bc)
+        out.append(states)
+        S = states[:, -1]
+    return torch.cat(out, dim=1) if out else A.new_zeros(full)
+
+
+def vectorised(module, ir, lay: Layout):
+    """The fastest PyTorch path: coefficients for all t at once, then a chunked parallel scan
+    (decay classes) or a loop over the precomputed coefficients (rank-1, general).
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m]).
+    """
+    d, m = lay.d, lay.m
+    co = module.coefficients(lay.env, d, m)
+    if lay.T == 0:
+        return reference_loop(module, lay)[:2]
+    if ir.kind in ("scalar_decay", "diagonal_decay"):
+        states = diagonal_states(module, lay, co)
+        y = module.readout(states, lay.env, co, d, m)[..., 0]
+        return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
+    S = _initial(lay, _device(lay))
+    ys = []
+    for t in range(lay.T):
+        co_t = {k: at(v, t) for k, v in co.items()}
+        env_t = {k: at(v, t) for k, v in lay.env.items()} if ir.kind in ("general", "nonlinear") or ir.readout is not None else None
+        S = module.step(S, env_t, co_t, d, m).expand(lay.B, lay.H, d, m)
+        ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
+    return torch.stack(ys, dim=1), S
+
+
+def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:
+    """Outputs [B, T, H, d] read from the state of the last ``window`` tokens only.
+
+    For ``S_t = a_t . S_{t-1} + B_t`` the window state is
+    ``S_t - (a_{t-w+1} ... a_t) . S_{t-w}`` (Stuffed Mamba's state-difference window).
+    """
+    if ir.kind not in ("scalar_decay", "diagonal_decay"):
+        raise SsmcraftError(f"{ir.spec_name}: the state-difference sliding window needs a weighted-sum "
+                            f"recurrence (scalar or elementwise decay); this objective is {ir.kind}")
+    if window < 1:
+        raise SsmcraftError(f"window must be >= 1, got {window}")
+    d, m = lay.d, lay.m
+    co = module.coefficients(lay.env, d, m)
+    states = diagonal_states(module, lay, co)
+    full = states.shape
+    a = co["a"]
+    A = (a if isinstance(a, torch.Tensor) else torch.tensor(float(a), dtype=lay.dtype, device=states.device)).expand(full)
+    if bool((A <= 0).any()):
+        raise SsmcraftError(f"{ir.spec_name}: the decay is not positive everywhere on these inputs; "
+                            "the window product needs log(a)")
+    logcum = torch.cumsum(torch.log(A.double()), dim=1)
+    if lay.T > window:
+        decay = torch.exp(logcum[:, window:] - logcum[:, :-window]).to(states.dtype)
+        windowed = states.clone()
+        windowed[:, window:] = states[:, window:] - decay * states[:, :-window]
+        states = windowed
+    return module.readout(states, lay.env, co, d, m)[..., 0].expand(lay.B, lay.T, lay.H, d)
