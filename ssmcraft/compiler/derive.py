@@ -152,6 +152,9 @@ def implicit_update(so: SymbolicObjective) -> sympy.Expr:
         raise DerivationError(src, "objective", "the objective is not quadratic in "
                               f"{spec.state}, so it has no closed-form minimiser; use update: explicit") from None
     except NotRowSeparable as e:
+        if not is_affine(alg, g, S):
+            raise DerivationError(src, "objective", "the objective is not quadratic in "
+                                  f"{spec.state}, so it has no closed-form minimiser; use update: explicit") from None
         raise DerivationError(src, "objective", f"the objective couples the rows of {spec.state} ({e}); "
                               "the implicit update needs a row-separable objective; use update: explicit") from None
     alpha = _simplify(parts.alpha)

@@ -20,6 +20,7 @@ MAX_LENGTH = 4000
 MAX_DEPTH = 48
 MAX_NODES = 2000
 MAX_NUMBER_DIGITS = 24
+MAX_DECIMAL_EXPONENT = 30
 
 FUNCTIONS = {
     # name: number of arguments
@@ -95,6 +96,8 @@ def tokenize(text: str) -> list[tuple[str, str, int]]:
         start = m.start(kind)
         if kind == "number" and len(value) > MAX_NUMBER_DIGITS:
             raise ParseError(f"number literal longer than {MAX_NUMBER_DIGITS} characters", start)
+        if kind == "number" and "e" in value.lower() and abs(int(value.lower().split("e")[1])) > MAX_DECIMAL_EXPONENT:
+            raise ParseError(f"number literal out of range (decimal exponent beyond {MAX_DECIMAL_EXPONENT})", start)
         if kind == "name" and value.startswith("_"):
             raise ParseError(f"names may not start with '_': {value!r}", start)
         tokens.append((kind, value, start))

@@ -21,8 +21,11 @@ def find_objective(name: str) -> Path | None:
     if not stem.endswith((".yaml", ".yml")):
         stem += ".yaml"
     for root in roots("objectives"):
-        if (root / stem).exists():
-            return root / stem
+        try:
+            if (root / stem).is_file():
+                return root / stem
+        except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+            return None
     return None
 
 

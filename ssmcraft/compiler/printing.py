@@ -16,7 +16,14 @@ class TorchPrinter(PythonCodePrinter):
     _torch_functions = {"exp": "torch.exp", "log": "torch.log", "sqrt": "torch.sqrt", "Abs": "torch.abs",
                         "sign": "torch.sign", "sigmoid": "torch.sigmoid", "softplus": "F.softplus", "silu": "F.silu"}
 
+    def _print_number(self, expr):
+        return repr(float(expr))
+
+    _print_Exp1 = _print_NumberSymbol = _print_number
+
     def _print_Function(self, expr):
+        if expr.is_number:
+            return self._print_number(expr)
         name = type(expr).__name__
         if name in self._torch_functions:
             return f"{self._torch_functions[name]}({self._print(expr.args[0])})"
@@ -25,9 +32,13 @@ class TorchPrinter(PythonCodePrinter):
     _print_exp = _print_log = _print_Abs = _print_sign = _print_Function
 
     def _print_sqrt(self, expr):
+        if expr.is_number:
+            return self._print_number(expr)
         return f"torch.sqrt({self._print(expr.args[0])})"
 
     def _print_Pow(self, expr, rational=False):
+        if expr.is_number and not expr.is_Rational:
+            return self._print_number(expr)
         base, exp = expr.args
         if exp == sympy.Rational(1, 2):
             return f"torch.sqrt({self._print(base)})"

@@ -6,6 +6,8 @@ strings are only parsed (``expr.parse``), never evaluated.
 """
 from __future__ import annotations
 
+import builtins
+import keyword
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +19,9 @@ from ssmcraft.compiler import expr as E
 from ssmcraft.errors import SpecError
 
 IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
-RESERVED = {"S_prev"} | set(E.FUNCTIONS)
+# names the generated PyTorch/Triton code uses, Python's keywords and builtins
+CODE_NAMES = {"torch", "F", "tl", "triton", "math", "env", "co", "erase"}
+RESERVED = {"S_prev"} | set(E.FUNCTIONS) | CODE_NAMES | set(keyword.kwlist) | set(dir(builtins))
 TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update",
             "approximation", "output", "source"}
 INPUT_KEYS = {"shape", "positive", "bounded", "normalize", "activation"}
@@ -81,6 +85,9 @@ def _construct_mapping(loader, node, deep=False):
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int, float, bool)) and key is not None:
+            raise yaml.constructor.ConstructorError(None, None, f"a key must be a plain name, got {type(key).__name__}",
+                                                    key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
@@ -96,13 +103,16 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
         return dict(spec), str(spec.get("source", "<dict>")) if isinstance(spec.get("source"), str) else "<dict>"
     if isinstance(spec, Path) or (isinstance(spec, str) and "\n" not in spec and spec.strip().endswith((".yaml", ".yml"))):
         path = Path(spec)
-        if not path.exists():
+        if not _is_file(path):
             from ssmcraft.compiler.library import find_objective
             found = find_objective(str(spec))
             if found is None:
                 raise SpecError(str(spec), "", "no such file")
             path = found
-        text, source = path.read_text(encoding="utf-8", errors="replace"), str(spec)
+        try:
+            text, source = path.read_text(encoding="utf-8", errors="replace"), str(spec)
+        except OSError as e:
+            raise SpecError(str(spec), "", f"cannot read: {e.strerror}") from None
     elif isinstance(spec, str):
         text, source = spec, "<text>"
         if "\n" not in spec and ":" not in spec:
@@ -128,6 +138,13 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
     return data, source
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+        return False
+
+
 def _bool(src, key, value) -> bool:
     if not isinstance(value, bool):
         raise SpecError(src, key, f"expected true or false, got {value!r}")
@@ -144,7 +161,9 @@ def _ident(src, key, value) -> str:
     if not isinstance(value, str) or not IDENT.match(value):
         raise SpecError(src, key, f"{value!r} is not a valid name (letters, digits, '_', starting with a letter, at most 32)")
     if value in RESERVED:
-        raise SpecError(src, key, f"{value!r} is reserved")
+        why = "a name the generated code uses" if value in CODE_NAMES else \
+            "a Python keyword or builtin" if value not in E.FUNCTIONS and value != "S_prev" else "a function or S_prev"
+        raise SpecError(src, key, f"{value!r} is reserved ({why})")
     return value
 
 
@@ -228,6 +247,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         _ident(src, f"state.{state_name}", dname)
     if dims[0] == dims[1]:
         raise SpecError(src, f"state.{state_name}", "the two dimensions must have different names")
+    if state_name in dims:
+        raise SpecError(src, f"state.{state_name}", "a dimension cannot have the state's name")
     dims = tuple(dims)
 
     inputs_raw = raw["inputs"]

@@ -81,16 +81,18 @@ class _Builder:
                 ds |= dims_table.get(s, frozenset())
             return ds
 
-        for sym, value in temps:
-            dims_table[sym] = dims_of(value)
-            out.append(Coefficient(sym.name, value, _ordered(dims_table[sym], self.order)))
-        by_name = {}
-        for name, value in zip(names, reduced):
-            sym = sympy.Symbol(name, real=True)
-            dims_table[sym] = dims_of(value)
-            by_name[name] = sym
-            out.append(Coefficient(name, value, _ordered(dims_table[sym], self.order)))
-        # dims of named coefficients referenced by later ones
+        pending = [(sym, value) for sym, value in temps]
+        pending += [(sympy.Symbol(name, real=True), value) for name, value in zip(names, reduced)]
+        defined, emitted = {sym for sym, _ in pending}, set()
+        while pending:   # emit in dependency order (a CSE temp may use a named coefficient)
+            ready = [(sym, value) for sym, value in pending if (value.free_symbols & defined) <= emitted]
+            if not ready:
+                raise AssertionError(f"cyclic coefficients: {pending}")
+            for sym, value in ready:
+                dims_table[sym] = dims_of(value)
+                out.append(Coefficient(sym.name, value, _ordered(dims_table[sym], self.order)))
+                emitted.add(sym)
+            pending = [item for item in pending if item[0] not in emitted]
         reductions = []
         for c in out:
             for r in self.alg.reductions_in(c.expr):

@@ -208,6 +208,11 @@ class Lowering:
         self.key = key
         tree = E.parse(text)
         value = self.lower(tree)
+        exprs = [] if isinstance(value.expr, Square) else [sympy.sympify(value.expr)]
+        exprs += [r.body for e in exprs for r in self.alg.reductions_in(e)]
+        if any(e.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo) for e in exprs):
+            raise SpecError(self.spec.source, key, "the expression is undefined: it divides by zero, "
+                            "takes log(0) or is otherwise not finite")
         if isinstance(value.expr, Square):
             self.fail(tree, f"the result is an [{value.shape[0]}, {value.shape[1]}] matrix, which is only supported as a factor of a product")
         return value
@@ -265,15 +270,25 @@ class Lowering:
             return value
         self.fail(node, f"unknown name {node.id!r}")
 
+    def constant(self, node):
+        """Fold a numeric subexpression (numbers, unary minus, + - * /) to a Fraction, or None."""
+        if isinstance(node, E.Num):
+            return node.value
+        if isinstance(node, E.Neg):
+            v = self.constant(node.operand)
+            return None if v is None else -v
+        if isinstance(node, E.BinOp) and node.op in "+-*/":
+            a, b = self.constant(node.left), self.constant(node.right)
+            if a is None or b is None or (node.op == "/" and b == 0):
+                return None
+            return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else None}[node.op]
+        return None
+
     def power(self, node: E.BinOp) -> Value:
         base = self.lower(node.left)
-        exponent = node.right
-        sign = 1
-        while isinstance(exponent, E.Neg):
-            sign, exponent = -sign, exponent.operand
-        if not isinstance(exponent, E.Num):
+        value = self.constant(node.right)
+        if value is None:
             self.fail(node, "the exponent of '**' must be a number")
-        value = sign * exponent.value
         if abs(value) > MAX_EXPONENT or (value.denominator not in (1, 2, 3, 4)):
             self.fail(node, f"exponent {value} not allowed (integers or halves/thirds/quarters up to {MAX_EXPONENT})")
         if isinstance(base.expr, Square):
@@ -439,4 +454,6 @@ def symbolic_objective(spec: Spec) -> SymbolicObjective:
         raise SpecError(spec.source, "output", f"the output must be a vector over {d} (like {spec.state}*q), got {show_shape(out.shape)}")
     if not low.alg.depends_on(out.expr, low.state):
         raise SpecError(spec.source, "output", f"the output does not read the state {spec.state}")
+    if low.alg.depends_on(out.expr, low.state_prev):
+        raise SpecError(spec.source, "output", "the output reads S_prev (through a let); it must read the new state")
     return SymbolicObjective(spec, low, sympy.sympify(loss.expr), sympy.sympify(out.expr))

@@ -178,12 +178,17 @@ def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
     return Bt
 
 
+def _full(value, lay: Layout) -> torch.Tensor:
+    """A slot value (tensor or python number) broadcast to [B, T, H, d, m]."""
+    t = torch.as_tensor(value, dtype=lay.dtype, device=_device(lay))
+    return t.expand(lay.B, lay.T, lay.H, lay.d, lay.m)
+
+
 def diagonal_states(module, lay: Layout, co: dict) -> torch.Tensor:
     """All states [B, T, H, d, m] of a (scalar or elementwise) decay recurrence, chunked scan."""
     full = (lay.B, lay.T, lay.H, lay.d, lay.m)
-    a = co["a"]
-    A = (a if isinstance(a, torch.Tensor) else torch.tensor(float(a), dtype=lay.dtype, device=_device(lay))).expand(full)
-    Bt = (co["p"] * co["q"] if "p" in co else co["B"]).expand(full)
+    A = _full(co["a"], lay)
+    Bt = _full(co["p"] * co["q"] if "p" in co else co["B"], lay)
     S = _initial(lay, _device(lay))
     out = []
     for s in range(0, lay.T, SCAN_CHUNK):
@@ -233,9 +238,7 @@ def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:
     d, m = lay.d, lay.m
     co = module.coefficients(lay.env, d, m)
     states = diagonal_states(module, lay, co)
-    full = states.shape
-    a = co["a"]
-    A = (a if isinstance(a, torch.Tensor) else torch.tensor(float(a), dtype=lay.dtype, device=states.device)).expand(full)
+    A = _full(co["a"], lay)
     if bool((A <= 0).any()):
         raise SsmcraftError(f"{ir.spec_name}: the decay is not positive everywhere on these inputs; "
                             "the window product needs log(a)")
