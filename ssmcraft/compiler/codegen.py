@@ -74,6 +74,8 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         f"Tensors are laid out for broadcasting: [{d}]-indexed values as [..., {d}, 1], [{m}]-indexed",
         f"as [..., 1, {m}], [{d}, {m}] as [..., {d}, {m}] and per-head scalars as [..., 1, 1].",
         '"""',
+        "import math",
+        "",
         "import torch",
         "import torch.nn.functional as F",
         "",

@@ -11,6 +11,12 @@ import sympy
 class sigmoid(sympy.Function):
     """1 / (1 + exp(-x))."""
 
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return 1 / (1 + sympy.exp(-x))
+
+    def _eval_evalf(self, prec):
+        return self._eval_rewrite_as_exp(*self.args)._eval_evalf(prec)
+
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
@@ -25,6 +31,12 @@ class sigmoid(sympy.Function):
 class softplus(sympy.Function):
     """log(1 + exp(x))."""
 
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return sympy.log(1 + sympy.exp(x))
+
+    def _eval_evalf(self, prec):
+        return self._eval_rewrite_as_exp(*self.args)._eval_evalf(prec)
+
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
@@ -37,6 +49,12 @@ class softplus(sympy.Function):
 
 class silu(sympy.Function):
     """x * sigmoid(x)."""
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return x / (1 + sympy.exp(-x))
+
+    def _eval_evalf(self, prec):
+        return self._eval_rewrite_as_exp(*self.args)._eval_evalf(prec)
 
     def fdiff(self, argindex=1):
         x = self.args[0]

@@ -19,11 +19,21 @@ class TorchPrinter(PythonCodePrinter):
     def _print_number(self, expr):
         return repr(float(expr))
 
+    @staticmethod
+    def _on_host(expr) -> bool:
+        """True when only dimension sizes (python ints in generated code) appear."""
+        return bool(expr.free_symbols) and all(s.is_integer for s in expr.free_symbols)
+
+    def _print_host(self, expr):
+        return "(" + sympy.pycode(expr.rewrite(sympy.exp), fully_qualified_modules=True) + ")"
+
     _print_Exp1 = _print_NumberSymbol = _print_number
 
     def _print_Function(self, expr):
         if expr.is_number:
             return self._print_number(expr)
+        if self._on_host(expr):
+            return self._print_host(expr)
         name = type(expr).__name__
         if name in self._torch_functions:
             return f"{self._torch_functions[name]}({self._print(expr.args[0])})"
@@ -34,11 +44,15 @@ class TorchPrinter(PythonCodePrinter):
     def _print_sqrt(self, expr):
         if expr.is_number:
             return self._print_number(expr)
+        if self._on_host(expr):
+            return self._print_host(expr)
         return f"torch.sqrt({self._print(expr.args[0])})"
 
     def _print_Pow(self, expr, rational=False):
         if expr.is_number and not expr.is_Rational:
             return self._print_number(expr)
+        if self._on_host(expr):
+            return self._print_host(expr)
         base, exp = expr.args
         if exp == sympy.Rational(1, 2):
             return f"torch.sqrt({self._print(base)})"
