@@ -1,0 +1,138 @@
+"""Chunked rank-1 family (DeltaNet, Gated DeltaNet, general per-head rank-1) under the Triton
+interpreter, against the float64 reference recurrence: output, final state and every gradient
+(inputs, initial state; with a gradient on the final state), buffers poisoned with NaN."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
+from ssmcraft.kernels.reference import layout  # noqa: E402
+
+# relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(R, "POISON", True)
+    monkeypatch.setattr(R, "INTERPRET_BV", None)
+    monkeypatch.setattr(R, "CHUNK", 64)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(errs):
+    bad = {k: v for k, v in errs.items() if not v <= TOL.get(k, TOL["grad"])}
+    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+
+
+def test_supports():
+    for name in ("deltanet", "gated_deltanet"):
+        assert R.supports(ssmcraft.compile(name).ir) is None
+    assert "per head" in R.supports(ssmcraft.compile("longhorn").ir)
+    assert "rank1" in R.supports(ssmcraft.compile("mamba").ir)
+
+
+def _objective_case(name, B, T, H, d, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    ins = {"x": r(B, T, H, d), "k": nk(r(B, T, H, m)), "q": nk(r(B, T, H, m)), "beta": torch.sigmoid(r(B, T, H))}
+    if name == "gated_deltanet":
+        ins["alpha"] = torch.sigmoid(1.0 + r(B, T, H))
+    return ins, r(B, H, d, m), g
+
+
+@pytest.mark.parametrize("name,T,chunk", [
+    ("deltanet", 1, 64), ("deltanet", 7, 16), ("deltanet", 65, 32),
+    ("gated_deltanet", 1, 16), ("gated_deltanet", 7, 64), ("gated_deltanet", 65, 64),
+])
+def test_objective_matches_reference(name, T, chunk, monkeypatch):
+    monkeypatch.setattr(R, "CHUNK", chunk)
+    obj = ssmcraft.compile(name)
+    B, H, d, m = 2, 2, 24, 16
+    ins, S0, g = _objective_case(name, B, T, H, d, m, seed=T)
+    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
+    s0 = S0.clone().requires_grad_()
+    y_ref, S_ref = obj.reference(leaves, None, s0)
+    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
+    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), s0])
+
+    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
+    s1 = S0.float().requires_grad_()
+    lay = layout(obj.ir, obj.spec, lv, None, s1)
+    co = obj.module.coefficients(lay.env, lay.d, lay.m)
+    y, S = R.forward(obj, lay, co, True)
+    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m) and S.dtype == torch.float32
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), s1])
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, "S0"], got, ref_g)})
+    check(errs)
+
+
+def _loop(v, u, q, p, oq, c, a, h0, ps=None):
+    """H_t = a H - c v (u^T H) + q (ps p)^T, o_t = H_t^T oq (kernel layout), float64."""
+    u = v if u is None else u
+    q = v if q is None else q
+    p = p if ps is None else p * ps[..., None]
+    Hs, outs = h0, []
+    for t in range(v.shape[1]):
+        at = 1.0 if a is None else a[:, t, :, None, None]
+        e = torch.einsum("bhk,bhkv->bhv", u[:, t], Hs)
+        Hs = at * Hs - c[:, t, :, None, None] * v[:, t, :, :, None] * e[:, :, None, :] + q[:, t, :, :, None] * p[:, t, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", Hs, oq[:, t]))
+    return torch.stack(outs, 1), Hs
+
+
+@pytest.mark.parametrize("T,K,V,chunk,general,sep_u,decay,scale,bv", [
+    (33, 20, 40, 32, True, True, True, True, 16),     # every slot distinct, odd K and V, 3 value blocks
+    (65, 16, 24, 64, False, True, False, False, None),  # u != v, merged insert (q == v), no decay
+    (40, 16, 16, 16, True, False, False, False, None),  # q != v, no decay, chunk 16
+    (21, 16, 40, 16, False, False, True, True, 16),     # merged, decay, fused p scale, 3 value blocks
+])
+def test_general_slots(T, K, V, chunk, general, sep_u, decay, scale, bv, monkeypatch):
+    monkeypatch.setattr(R, "INTERPRET_BV", bv)
+    g = torch.Generator().manual_seed(T + K)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    B, H = 1, 2
+    ins = {"v": nk(r(B, T, H, K)), "u": nk(r(B, T, H, K)) if sep_u else None,
+           "q": nk(r(B, T, H, K)) if general else None, "p": r(B, T, H, V), "oq": r(B, T, H, K),
+           "c": torch.rand(B, T, H, generator=g, dtype=torch.float64),
+           "a": 0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64) if decay else None,
+           "h0": r(B, H, K, V), "ps": torch.randn(B, T, H, generator=g, dtype=torch.float64) if scale else None}
+    names = [n for n, t in ins.items() if t is not None]
+    ref_in = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o_ref, h_ref = _loop(*ref_in.values())
+    do, dh = r(*o_ref.shape), r(*h_ref.shape)
+    ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), [ref_in[n] for n in names])
+    x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["oq"], u=x["u"], q=x["q"], a=x["a"], ps=x["ps"],
+                          initial_state=x["h0"], output_final_state=True, chunk_size=chunk)
+    got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), [x[n] for n in names])
+    errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
+    errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(names, got, ref_g)})
+    check(errs)
+
+
+def test_no_grad_path_and_empty():
+    g = torch.Generator().manual_seed(0)
+    v = torch.nn.functional.normalize(torch.randn(1, 5, 1, 16, generator=g), dim=-1)
+    p, c = torch.randn(1, 5, 1, 16, generator=g), torch.rand(1, 5, 1, generator=g)
+    with torch.no_grad():
+        o, ht = R.chunk_rank1(v, p, c, v, output_final_state=False)
+    ref, _ = _loop(v.double(), None, None, p.double(), v.double(), c.double(), None,
+                   torch.zeros(1, 1, 16, 16, dtype=torch.float64))
+    assert ht is None and rel(o, ref) < TOL["y"]
+    o0, h0 = R.chunk_rank1(v[:, :0], p[:, :0], c[:, :0], v[:, :0], output_final_state=True)
+    assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0
