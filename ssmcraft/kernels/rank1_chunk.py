@@ -737,6 +737,25 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 # family interface (ssmcraft.kernels.triton_backend)
 # ----------------------------------------------------------------------------------------
 
+MIN_GPU_KEY_DIM = 32
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """Refuse shapes this kernel is known to fail on, so that the backend picks the next family.
+
+    On the GPU a key dimension K < 32 gives NaN outputs in bf16 and an illegal memory access
+    in the backward (found by the export GPU check, 2026-11-22; not yet diagnosed); the
+    interpreter tests pass at small K, so only the GPU is refused.
+    """
+    if mode != "triton":
+        return None
+    m = ir.dims[1]
+    for name, dims in ir.inputs.items():
+        if dims == (m,) and name in inputs and inputs[name].shape[-1] < MIN_GPU_KEY_DIM:
+            return f"K = {inputs[name].shape[-1]} < {MIN_GPU_KEY_DIM} (known GPU fault at small K)"
+    return None
+
+
 def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not."""
     if ir.kind != "rank1":

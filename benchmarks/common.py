@@ -1,0 +1,96 @@
+"""Shared helpers for the kernel benchmark scripts (run on the GPU through the `device` tool).
+
+Timing (`bench_ms`: triton.testing.do_bench median; `once_ms`: CUDA events, for slow anchors
+such as the naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_ms`), NaN poisoning
+(`poison_like`, `all_written`), error metrics (`rel_rms`) and a small JSON/stdout `Report`.
+Import as ``from common import ...`` with ``benchmarks/`` on ``sys.path`` (each script does that).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from ssmcraft.kernels.commands import bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: F401
+
+
+def once_ms(fn, reps: int = 2) -> float:
+    """Median of ``reps`` timed calls after one warm-up (CUDA events); for anchors too slow for do_bench."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def floor_ms(nbytes: int, bandwidth: float) -> float:
+    return nbytes / bandwidth * 1e3
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def all_written(*tensors) -> bool:
+    """True if no tensor holds a NaN (outputs were allocated NaN-filled)."""
+    return all(not torch.isnan(t.float()).any().item() for t in tensors if t is not None)
+
+
+def rel_rms(got, ref) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+class Report:
+    """Collects rows, prints them as they come, writes JSON at the end."""
+
+    def __init__(self, name: str):
+        self.data = {"name": name, "date": _dt.datetime.now().isoformat(timespec="seconds"),
+                     "device": device_name(), "torch": torch.__version__, "git": git_rev(),
+                     "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "rows": []}
+        self.t0 = time.time()
+        print(f"# {name}: {self.data['device']}, torch {torch.__version__}, {self.data['date']}", flush=True)
+
+    def add(self, **row):
+        row["t_s"] = round(time.time() - self.t0, 1)
+        self.data["rows"].append(row)
+        print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+
+    def set(self, key, value):
+        self.data[key] = value
+        print(f"  {key}: {_fmt(value)}", flush=True)
+
+    def write(self, path: str | None):
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(self.data, f, indent=1, default=str)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,134 @@
+"""Which generated Triton kernel runs a compiled objective, and how it is called.
+
+``ssmcraft.kernels.dispatch`` asks :func:`select` for a runner; a runner is called as
+``runner(obj, inputs, params, initial_state, output_final_state) -> (y, S_T, backend)`` with
+the reference API's shapes (``y [B, T, H, d]``, ``S_T [B, H, d, m]``) and ``backend`` naming
+what ran, e.g. ``"triton:diagonal-chunked"`` or ``"triton-interpret:rank1-row"``.
+
+When Triton runs:
+  * CUDA tensors and ``obj.prefer`` in ("auto", "triton");
+  * CPU tensors when ``TRITON_INTERPRET=1`` is set and ``obj.prefer == "interpret"`` (how CI
+    tests the kernels).
+Families are tried in a fixed order -- ``diagonal`` (scalar/elementwise decays),
+``rank1_row`` and ``general``, then ``rank1_chunk`` (moved first for a per-head step size on
+the GPU, where the chunked rank-1 kernel is the fast one). A family whose module does not
+exist yet, or whose ``supports(ir)`` gives a reason, is skipped; nothing falls back
+silently: the name returned says what ran, and :func:`why_not` says why nothing did.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+FAMILIES = ("diagonal", "rank1_row", "general", "rank1_chunk")
+
+
+def _mode(inputs, prefer) -> tuple[str | None, str]:
+    """("triton" | "interpret" | None, why not)."""
+    tensors = [t for t in (inputs or {}).values() if hasattr(t, "device")]
+    if not tensors:
+        return None, "no input tensors"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return None, f"triton is not importable ({e})"
+    dev = tensors[0].device.type
+    if any(t.device.type != dev for t in tensors):
+        return None, "inputs are on different devices"
+    if dev == "cuda":
+        if prefer in ("auto", "triton"):
+            return "triton", ""
+        return None, f"prefer={prefer!r} does not select Triton for CUDA tensors"
+    if dev == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return None, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1 with prefer='interpret'"
+        if prefer != "interpret":
+            return None, f"CPU tensors under TRITON_INTERPRET=1 run the interpreter only with prefer='interpret' (prefer={prefer!r})"
+        return "interpret", ""
+    return None, f"no Triton backend for {dev} tensors"
+
+
+def _order(ir, mode) -> list[str]:
+    order = list(FAMILIES)
+    if mode == "triton" and ir.kind == "rank1" and ir.is_per_head_step():
+        order.remove("rank1_chunk")
+        order.insert(1, "rank1_chunk")
+    return order
+
+
+def _load(family: str):
+    """(module, None) or (None, why it is unavailable)."""
+    name = f"ssmcraft.kernels.{family}"
+    try:
+        return importlib.import_module(name), None
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None, "not implemented yet"
+        return None, f"import failed: {e}"
+    except ImportError as e:
+        return None, f"import failed: {e}"
+
+
+def _candidates(obj, mode, inputs=None):
+    """[(family, module, reason)] in the order they are tried (reason None = runs it).
+
+    A family may also define ``supports_inputs(ir, inputs, mode)`` to refuse shapes it is
+    known to fail on (a reason string), so that the next family runs them, by name.
+    """
+    out = []
+    for fam in _order(obj.ir, mode):
+        mod, reason = _load(fam)
+        if mod is not None:
+            try:
+                reason = mod.supports(obj.ir)
+                if reason is None and inputs is not None and hasattr(mod, "supports_inputs"):
+                    reason = mod.supports_inputs(obj.ir, inputs, mode)
+            except Exception as e:  # a family that cannot even inspect the IR does not run it
+                reason = f"supports() failed: {e}"
+        out.append((fam, mod, reason))
+    return out
+
+
+def _runner(fam: str, mod, mode: str):
+    kernel = getattr(mod, "BACKEND_NAME", fam.replace("_", "-"))
+    name = f"{'triton' if mode == 'triton' else 'triton-interpret'}:{kernel}"
+
+    def run(obj, inputs, params, initial_state, output_final_state):
+        if hasattr(mod, "forward_inputs"):
+            y, S = mod.forward_inputs(obj, inputs, params, initial_state, output_final_state)
+        else:
+            from ssmcraft.kernels.reference import layout
+            lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
+            co = obj.module.coefficients(lay.env, lay.d, lay.m)
+            y, S = mod.forward(obj, lay, co, output_final_state)
+            y = y.to(lay.out_dtype)
+        return y, (S if output_final_state else None), name
+
+    run.backend = name
+    return run
+
+
+def select(obj, inputs, prefer):
+    """A runner for ``obj`` on these inputs, or None when no Triton kernel can run them."""
+    mode, _ = _mode(inputs, prefer)
+    if mode is None:
+        return None
+    for fam, mod, reason in _candidates(obj, mode, inputs):
+        if reason is None:
+            return _runner(fam, mod, mode)
+    return None
+
+
+def why_not(obj, inputs) -> str:
+    """Why :func:`select` finds no kernel (for error messages)."""
+    mode, reason = _mode(inputs, obj.prefer)
+    if mode is None:
+        return reason
+    parts = [f"{fam}: {reason}" for fam, _, reason in _candidates(obj, mode, inputs) if reason is not None]
+    return f"no kernel family runs {obj.ir.kind} objective {obj.name!r} (" + "; ".join(parts) + ")"
+
+
+def families(obj, inputs=None, prefer="auto") -> list[tuple[str, str | None]]:
+    """Each family and why it would not run ``obj`` (None if it would), in the order tried."""
+    mode, _ = _mode(inputs, prefer) if inputs else ("triton", "")
+    return [(fam, reason) for fam, _, reason in _candidates(obj, mode or "triton")]

@@ -1,0 +1,195 @@
+"""The diagonal-decay Triton kernels vs the reference recurrence, under TRITON_INTERPRET=1.
+
+Every diagonal-family library objective: output, final state and EVERY gradient (each input,
+each param, the initial state, with a gradient on the final state too) against the float64
+reference loop, outputs NaN-poisoned first (the kernels must write all of them). Odd lengths
+(1, 7, 65), padded K (m = 5 -> BK = 8), value blocks that do not divide d, several time
+groups (the time-parallel passes) and per-head / shared params. GPU checks in fp32 and bf16:
+benchmarks/bench_diagonal.py.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported by anything below
+
+import pytest  # noqa: E402
+import sympy  # noqa: E402
+import torch  # noqa: E402
+
+import ssmcraft  # noqa: E402
+from ssmcraft.compiler.functions import sigmoid, silu, softplus  # noqa: E402
+from ssmcraft.kernels import diagonal as D  # noqa: E402
+from ssmcraft.kernels.triton_printer import triton_code  # noqa: E402
+
+# relative RMS error vs the float64 reference, fp32 kernel (interpreter)
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
+
+DIAGONAL = ["longhorn_diag", "mamba", "gla", "hgrn", "retnet", "linear_attention"]
+
+
+def _inputs(obj, B, T, H, d, m, seed=0, per_head_params=True):
+    g = torch.Generator().manual_seed(seed)
+    ir = obj.ir
+    size = {ir.dims[0]: d, ir.dims[1]: m}
+    inputs = {}
+    for n, dims in ir.inputs.items():
+        t = torch.randn([B, T, H] + [size[x] for x in dims], generator=g, dtype=torch.float64)
+        decl = obj.spec.inputs[n]
+        if decl.bounded:
+            t = torch.sigmoid(t + 1.5)
+        elif decl.positive:
+            t = torch.nn.functional.softplus(t)
+        inputs[n] = t
+    params = {}
+    for n, dims in ir.params.items():
+        shape = ([H] if per_head_params else []) + [size[x] for x in dims]
+        t = torch.rand(shape, generator=g, dtype=torch.float64)
+        params[n] = -(t + 0.2) if obj.spec.params[n].negative else t * 0.5 + 0.4
+    S0 = torch.randn(B, H, d, m, generator=g, dtype=torch.float64)
+    return inputs, params, S0
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _check(name, B, T, H, d, m, config, per_head_params=True, with_s0=True):
+    obj = ssmcraft.compile(name) if isinstance(name, str) else name
+    inputs, params, S0 = _inputs(obj, B, T, H, d, m, per_head_params=per_head_params)
+    # reference, float64
+    ri = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+    rp = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    rS = S0.clone().requires_grad_(True) if with_s0 else None
+    y, S = obj.reference(ri, rp, rS, True)
+    gy, gS = torch.randn_like(y), torch.randn_like(S)
+    ((y * gy).sum() + (S * gS).sum()).backward()
+    # kernel, fp32, outputs poisoned
+    ki = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
+    kp = {k: v.float().requires_grad_(True) for k, v in params.items()}
+    kS = S0.float().requires_grad_(True) if with_s0 else None
+    D.set_poison(True)
+    try:
+        y2, S2 = D.diagonal_scan(obj, {**ki, **kp}, None if kS is None else kS.transpose(-1, -2), True, config=config)
+        S2 = S2.transpose(-1, -2)
+        ((y2 * gy.float()).sum() + (S2 * gS.float()).sum()).backward()
+    finally:
+        D.set_poison(False)
+    pairs = [("y", y2, y), ("S_T", S2, S)]
+    pairs += [(f"d{k}", ki[k].grad, ri[k].grad) for k in ki]
+    pairs += [(f"d{k}", kp[k].grad, rp[k].grad) for k in kp]
+    if with_s0:
+        pairs.append(("dS0", kS.grad, rS.grad))
+    for what, got, ref in pairs:
+        assert got is not None, f"{name}: no gradient for {what}"
+        assert got.shape == ref.shape, (what, got.shape, ref.shape)
+        assert not torch.isnan(got).any(), f"{name}: {what} has NaN (unwritten output?)"
+        tol = TOL.get(what, TOL["grad"])
+        assert _rel(got, ref) <= tol, f"{name} T={T}: {what} rel RMS {_rel(got, ref):.2e} > {tol}"
+
+
+# one table: (objective, B, T, H, d, m, config)
+CASES = [
+    ("longhorn_diag", 1, 1, 2, 12, 5, D.Config(BV=16, num_warps=1, NG=1, NSUB=1)),
+    ("longhorn_diag", 2, 7, 1, 12, 5, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),     # 2 value blocks, d % BV != 0
+    ("longhorn_diag", 1, 65, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=3, NSUB=1)),     # 9 chunks in 3 groups
+    ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),             # [H, d, m] param A
+    ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),
+    ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
+    ("retnet", 1, 13, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
+    ("linear_attention", 1, 1, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),
+    ("longhorn_diag", 1, 9, 1, 32, 16, D.Config(BV=16, num_warps=1, NG=2, NSUB=1, DOTRED=True)),  # sums on "tensor cores"
+]
+
+
+@pytest.mark.parametrize("name,B,T,H,d,m,config", CASES, ids=[f"{c[0]}-T{c[2]}-NG{c[6].NG}{'-dot' if c[6].DOTRED else ''}" for c in CASES])
+def test_kernel_matches_reference(name, B, T, H, d, m, config):
+    _check(name, B, T, H, d, m, config)
+
+
+def test_shared_params_and_no_initial_state():
+    # retnet's gamma and mamba's A given without a head axis (shared by every head), no S0
+    _check("retnet", 1, 5, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1), per_head_params=False, with_s0=False)
+
+
+def test_rule_config_and_default_sub_chunks():
+    # the interpreter's rule config (no config given) with the GPU's sub-chunk layout (NSUB=4)
+    _check("longhorn_diag", 1, 7, 1, 8, 4, None)
+
+
+def test_mitigated_decay_real_power_and_sign():
+    # Stuffed Mamba's retention scaling: a -> sign(a) |a|^1.5 (its derivative has DiracDelta -> 0)
+    obj = ssmcraft.compile("longhorn_diag").mitigated(retention=1.5, insertion=0.5)
+    _check(obj, 1, 5, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1))
+
+
+def test_every_diagonal_library_objective_is_supported():
+    for name in DIAGONAL:
+        assert D.supports(ssmcraft.compile(name).ir) is None, name
+    for name in ("longhorn", "deltanet", "cauchy_delta"):
+        assert D.supports(ssmcraft.compile(name).ir) is not None, name
+
+
+def test_zero_length_and_forward_only():
+    obj = ssmcraft.compile("longhorn_diag")
+    inputs, params, S0 = _inputs(obj, 1, 0, 1, 8, 4)
+    y, S = D.diagonal_scan(obj, {k: v.float() for k, v in inputs.items()}, S0.float().transpose(-1, -2), True)
+    assert y.shape == (1, 0, 1, 8) and torch.equal(S, S0.float().transpose(-1, -2))
+    inputs, params, S0 = _inputs(obj, 1, 3, 1, 8, 4)
+    with torch.no_grad():
+        y, S = D.diagonal_scan(obj, {k: v.float() for k, v in inputs.items()}, None, False)
+    yr, _ = obj.reference(inputs, params, None, False)
+    assert S is None and _rel(y, yr) < TOL["y"]
+
+
+def test_generated_source_is_readable():
+    obj = ssmcraft.compile("longhorn_diag")
+    plan = D._plan(obj.ir)
+    src = D._Gen(plan, pad_k=False, ls=8).source("test")
+    for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
+        assert f"def {kernel}(" in src
+    assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
+    assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves
+    compile(src, "generated", "exec")
+
+
+@pytest.mark.parametrize("expr,expected", [
+    ("1 - c*k**2", "1.0 - c*(k*k)"),
+    ("exp(A*delta)", "tl.exp(A*delta)"),
+    ("sqrt(x)/y**2", "tl.sqrt(x)/(y*y)"),
+    ("x**(-1/2)", "(1.0 / tl.sqrt(x))"),
+    ("log(Abs(x))", "tl.log(tl.abs(x))"),
+])
+def test_printer(expr, expected):
+    assert triton_code(sympy.sympify(expr)) == expected
+
+
+def test_printer_functions_evaluate_like_torch():
+    import math
+    x = sympy.Symbol("x", real=True)
+    env = {"tl": _TlNumpy}
+    for e, ref in [(sigmoid(x), lambda v: 1 / (1 + math.exp(-v))), (softplus(x), lambda v: math.log1p(math.exp(v))),
+                   (silu(x), lambda v: v / (1 + math.exp(-v))), (x ** sympy.Rational(3, 2), lambda v: v ** 1.5),
+                   (sympy.sign(x) * sympy.Abs(x) ** 0.5, lambda v: math.copysign(abs(v) ** 0.5, v))]:
+        code = triton_code(e)
+        for v in (0.3, 1.7, 3.0):
+            assert abs(eval(code, env, {"x": v}) - ref(v)) < 1e-9, (e, code)
+
+
+class _TlNumpy:
+    """tl.* stand-ins for evaluating printed scalar code in plain Python."""
+    import math as _m
+    exp = staticmethod(_m.exp)
+    log = staticmethod(_m.log)
+    sqrt = staticmethod(_m.sqrt)
+    abs = staticmethod(abs)
+    minimum = staticmethod(min)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def sigmoid(v):
+        import math
+        return 1 / (1 + math.exp(-v))
+
+    @staticmethod
+    def where(c, a, b):
+        return a if c else b
