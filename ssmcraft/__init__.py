@@ -16,6 +16,7 @@ _LAZY = {
     "compile": ("ssmcraft.compiler.api", "compile"),
     "CompiledObjective": ("ssmcraft.compiler.api", "CompiledObjective"),
     "load_spec": ("ssmcraft.compiler.spec", "load_spec"),
+    "load_trial": ("ssmcraft.search.load", "load_trial"),
     "SsmcraftError": ("ssmcraft.errors", "SsmcraftError"),
     "SpecError": ("ssmcraft.errors", "SpecError"),
 }

@@ -22,7 +22,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "search": ("ssmcraft.search.commands", "search over objectives and hyperparameters"),
     "leaderboard": ("ssmcraft.search.leaderboard_commands", "print a search's leaderboard"),
     "export": ("ssmcraft.export.commands", "export a trial as a standalone PyTorch module"),
-    "study": ("ssmcraft.search.study_commands", "run a study spec and write its report"),
 }
 
 

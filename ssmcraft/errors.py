@@ -19,6 +19,9 @@ class SpecError(SsmcraftError):
         self.problem = problem
         super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
 
+    def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries
+        return (type(self), (self.source, self.key, self.problem))
+
 
 class DerivationError(SpecError):
     """The spec is well formed but its update cannot be derived as asked."""

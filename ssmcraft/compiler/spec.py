@@ -116,10 +116,12 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
     elif isinstance(spec, str):
         text, source = spec, "<text>"
         if "\n" not in spec and ":" not in spec:
-            from ssmcraft.compiler.library import find_objective
+            from ssmcraft.compiler.library import find_objective, library_names
             found = find_objective(spec)
             if found is not None:
                 text, source = found.read_text(encoding="utf-8"), str(found)
+            elif re.match(r"^[A-Za-z][A-Za-z0-9_]*$", spec.strip()):
+                raise SpecError(spec.strip(), "", "no such objective in the library; known: " + ", ".join(library_names()))
     else:
         raise SpecError("<spec>", "", f"expected a path, YAML text or a mapping, got {type(spec).__name__}")
     if len(text) > 200_000:

@@ -788,11 +788,12 @@ def _split_p(ir):
     if co is None or co.dims != ("d",):
         return None
     dims = {**ir.inputs, **ir.params}
-    fac = co.expr.as_ordered_factors()
-    if len(fac) != 2 or not all(f.is_Symbol and f.name in dims for f in fac):
+    # the expression is sympy here and its printed text in an exported module: read the text
+    names = str(co.expr).replace(" ", "").split("*")
+    if len(names) != 2 or not all(n in dims for n in names):
         return None
-    s = [f.name for f in fac if tuple(dims[f.name]) == ()]
-    x = [f.name for f in fac if tuple(dims[f.name]) == ("d",)]
+    s = [n for n in names if tuple(dims[n]) == ()]
+    x = [n for n in names if tuple(dims[n]) == ("d",)]
     return (s[0], x[0]) if len(s) == 1 and len(x) == 1 else None
 
 

@@ -1,0 +1,112 @@
+"""The exported language model: ``from_pretrained``, recurrent ``step`` and ``generate``.
+
+Part of ssmcraft and copied into exported modules (not into ``--layer-only`` ones); the
+same rules as ``ssmcraft.export.runtime`` apply.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.export.runtime import (MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, default_dir, load_safetensors,
+                                     read_config)
+from ssmcraft.layers.config import LMConfig
+from ssmcraft.layers.lm import LM
+
+
+class Model(LM):
+    """The exported LM: ``tokens [B, T]`` int64 -> ``logits [B, T, V]`` (parallel form).
+
+    Recurrent form, with a state whose size does not grow with the sequence::
+
+        state = model.init_state(batch_size)          # per layer: conv window + [B, H, d, m]
+        logits_t, state = model.step(token_t, state)  # token_t [B] -> logits_t [B, V]
+
+    ``generate(ids, max_new_tokens)`` runs the prompt and the new tokens through ``step``.
+    ``model.backend`` says which recurrence path ran last (``triton`` or
+    ``torch-vectorised``; see ``Objective``).
+    """
+
+    def __init__(self, config: dict | None = None):
+        config = dict(config if config is not None else MODEL_CONFIG)
+        super().__init__(LMConfig.from_dict(config, "config.json", "model"), OBJECTIVE)
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None) -> "Model":
+        """The trained model in ``path`` (default: the folder of this module), in eval mode."""
+        path = path or default_dir()
+        config = read_config(path)
+        model = cls(config["model"])
+        weights = os.path.join(path, WEIGHTS_FILE)
+        if not os.path.isfile(weights):
+            raise SsmcraftError(f"{path}: no {WEIGHTS_FILE}")
+        model.load_state_dict(load_safetensors(weights), strict=True)
+        model = model.to(device)
+        if dtype is not None:
+            model = model.to(dtype)
+        return model.eval()
+
+    @property
+    def backend(self) -> str | None:
+        """The recurrence path the mixers ran last (None before the first call)."""
+        names = [m.last_backend for m in self.mixers if m.last_backend is not None]
+        return ",".join(sorted(set(names))) if names else None
+
+    def init_state(self, batch_size: int = 1) -> list:
+        """The recurrent state for ``batch_size`` sequences: one cache per layer."""
+        return self.init_cache(batch_size)
+
+    @staticmethod
+    def state_size(state: list) -> int:
+        """Number of elements of a recurrent state (the same after any number of steps)."""
+        total = 0
+        for cache in state:
+            total += sum(t.numel() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+        return total
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``ids`` (``[T]`` or ``[B, T]``, ints) by ``max_new_tokens`` tokens.
+
+        Greedy when ``temperature == 0``, else sampled from ``softmax(logits / temperature)``
+        (restricted to the ``top_k`` most likely when given). Returns ``[B, T + max_new_tokens]``
+        (``[T + max_new_tokens]`` for a 1-D prompt). Runs recurrently: memory does not grow
+        with the length.
+        """
+        device = self.embed.weight.device
+        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
+        squeeze = ids.dim() == 1
+        if squeeze:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise SsmcraftError(f"generate: ids must be [T] or [B, T] with T >= 1, got shape {list(ids.shape)}")
+        state = self.init_state(ids.shape[0])
+        for t in range(ids.shape[1]):
+            logits, state = self.step(ids[:, t], state)
+        out = [ids]
+        for _ in range(int(max_new_tokens)):
+            nxt = self._pick(logits, temperature, top_k, generator)
+            out.append(nxt[:, None])
+            logits, state = self.step(nxt, state)
+        result = torch.cat(out, dim=1)
+        return result[0] if squeeze else result
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = F.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def from_pretrained(path: str | None = None, device="cpu", dtype: torch.dtype | None = None) -> Model:
+    """``Model.from_pretrained``: the trained model of an export folder (default: this module's)."""
+    return Model.from_pretrained(path, device, dtype)

@@ -1,0 +1,85 @@
+"""Causal softmax attention with rotary position embeddings: the baseline mixer.
+
+Shapes: hidden ``[B, T, d_model]``, per head ``[B, H, T, d_head]`` with
+``d_head = d_model / H`` (even, for the rotary pairs). Recurrent mode keeps a growing
+key/value cache, so its memory is O(T), unlike an objective mixer's constant state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.layers.config import AttentionConfig
+from ssmcraft.layers.mitigation import Mitigation
+
+
+@dataclass
+class KVCache:
+    """Keys and values so far ``[B, H, t, d_head]`` and the next position."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: int
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate pairs ``(x[..., i], x[..., i + d/2])`` of x ``[B, H, T, d]`` by ``pos * base**(-2i/d)``."""
+    d = x.shape[-1]
+    freqs = base ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) * 2 / d)
+    angles = positions.to(torch.float32)[:, None] * freqs[None]                 # [T, d/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class AttentionMixer(nn.Module):
+    def __init__(self, cfg: AttentionConfig, d_model: int):
+        super().__init__()
+        if cfg.heads < 1 or d_model % cfg.heads or (d_model // cfg.heads) % 2:
+            raise SpecError("<mixer>", "heads", f"d_model = {d_model} must split into {cfg.heads} heads of even size")
+        self.cfg, self.H, self.hd = cfg, cfg.heads, d_model // cfg.heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+        self.last_backend = "sdpa"
+
+    def _qkv(self, h: torch.Tensor, positions: torch.Tensor):
+        B, T, _ = h.shape
+        q, k, v = self.qkv(h).view(B, T, 3, self.H, self.hd).permute(2, 0, 3, 1, 4)
+        return rotary(q, positions, self.cfg.rope_base), rotary(k, positions, self.cfg.rope_base), v
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
+        B, T, C = h.shape
+        q, k, v = self._qkv(h, torch.arange(T, device=h.device))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def init_cache(self, batch_size: int) -> KVCache:
+        """An empty key/value cache on the module's device and in its dtype."""
+        w = self.qkv.weight
+        empty = torch.zeros(batch_size, self.H, 0, self.hd, device=w.device, dtype=w.dtype)
+        return KVCache(empty, empty.clone(), 0)
+
+    def step(self, h_t: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+        """h_t ``[B, d_model]`` -> (``[B, d_model]``, the cache with this token appended)."""
+        B, C = h_t.shape
+        q, k, v = self._qkv(h_t[:, None], torch.tensor([cache.pos], device=h_t.device))
+        k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(y.reshape(B, C)), KVCache(k, v, cache.pos + 1)
+
+    def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
+        raise SsmcraftError("the attention mixer has no recurrent state to trace")
+
+    def set_mitigation(self, mitigation: Mitigation | None) -> None:
+        if mitigation is not None and not mitigation.is_identity:
+            raise SsmcraftError(f"mitigation {mitigation.label()} does not apply to the attention mixer "
+                                "(it has no recurrent state)")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "attention", "heads": self.H, "d_head": self.hd, "rope_base": self.cfg.rope_base}

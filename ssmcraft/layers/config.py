@@ -1,0 +1,111 @@
+"""Configuration dataclasses of the mixers and the LM; each round-trips through a JSON dict.
+
+``from_mapping`` refuses unknown keys and names the offending key, so a typo in an
+experiment spec (``model.mixer.stat_size``) is an error, not a silently ignored setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ssmcraft.errors import SpecError
+
+
+@dataclass
+class ObjectiveMixerConfig:
+    """The Mamba/Longhorn block around a compiled objective.
+
+    objective: a library name (``longhorn``), a path, YAML text or the spec mapping itself.
+    heads: H; the value dim per head is ``d = expand * d_model / H``. state_size: m.
+    conv_kernel: the depthwise causal conv width (<= 1: no conv).
+    value_input: the ``[d]`` input fed the conv output directly (Mamba's ``x``); ``auto``
+    picks the only ``[d]`` input with no constraint or activation, ``none`` projects all.
+    low_rank: rank of the projections of constrained ``[d]`` inputs (step sizes, gates:
+    Mamba's ``dt_rank``); ``auto`` = ceil(d_model / 16).
+    dt_min, dt_max: softplus-activated inputs start at values log-uniform in this range
+    (Mamba's dt initialisation, via the projection bias).
+    plain_activation: elementwise function of unconstrained non-value inputs (keys, queries).
+    input_bias: per-input constant for the projection bias (pre-activation), overriding the
+    defaults (dt init for softplus, 0 otherwise).
+    skip: the ``D * x`` skip; gate: ``y * silu(z)``.
+    """
+
+    objective: Any = "longhorn"
+    heads: int = 1
+    state_size: int = 16
+    expand: int = 2
+    conv_kernel: int = 4
+    value_input: str = "auto"
+    low_rank: Any = "auto"
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    plain_activation: str = "identity"
+    input_bias: dict = field(default_factory=dict)
+    skip: bool = True
+    gate: bool = True
+    kind: str = "objective"
+
+
+@dataclass
+class AttentionConfig:
+    """Causal softmax attention with rotary position embeddings (the baseline mixer)."""
+
+    heads: int = 4
+    rope_base: float = 10000.0
+    kind: str = "attention"
+
+
+MIXER_KINDS = {"objective": ObjectiveMixerConfig, "attention": AttentionConfig}
+
+
+@dataclass
+class LMConfig:
+    """The small LM: embedding, ``n_layers`` x (RMSNorm, mixer, RMSNorm, gated MLP), tied head.
+
+    mlp_ratio: hidden size of the gated MLP over d_model (0: no MLP, Mamba-style blocks).
+    mixer: a mapping with ``kind`` (``objective`` or ``attention``) and that kind's fields.
+    """
+
+    vocab_size: int
+    d_model: int = 64
+    n_layers: int = 2
+    mlp_ratio: float = 4.0
+    mixer: dict = field(default_factory=lambda: {"kind": "objective"})
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<config>", key: str = "model") -> "LMConfig":
+        cfg = from_mapping(cls, data, source, key)
+        mixer_config(cfg.mixer, source, f"{key}.mixer")   # validate early
+        return cfg
+
+
+def from_mapping(cls, data: Mapping[str, Any], source: str, key: str):
+    """``cls(**data)`` refusing unknown keys and missing required ones (as ``SpecError``)."""
+    if not isinstance(data, Mapping):
+        raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise SpecError(source, f"{key}.{k}", f"unknown key; allowed: {', '.join(sorted(names))}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for r in required:
+        if r not in data:
+            raise SpecError(source, f"{key}.{r}", "missing (required)")
+    return cls(**dict(data))
+
+
+def mixer_config(data: Mapping[str, Any], source: str = "<config>", key: str = "model.mixer"):
+    """The mixer config dataclass for a mapping with a ``kind``."""
+    if not isinstance(data, Mapping):
+        raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
+    kind = data.get("kind", "objective")
+    if kind not in MIXER_KINDS:
+        raise SpecError(source, f"{key}.kind", f"unknown mixer kind {kind!r}; known: {', '.join(MIXER_KINDS)}")
+    return from_mapping(MIXER_KINDS[kind], {**data, "kind": kind}, source, key)

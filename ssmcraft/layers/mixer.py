@@ -1,0 +1,238 @@
+"""The Mamba/Longhorn block around any compiled objective.
+
+Data flow for hidden states ``h [B, T, d_model]`` (``D = expand * d_model = H * d``):
+
+    x, z   = in_proj(h)                        x, z: [B, T, D]   (z only with gate)
+    u      = silu(causal_depthwise_conv(x))    [B, T, D]
+    inputs = one tensor per spec input, from u (shapes the compiled-objective API takes):
+               the value input (Mamba's x):     u viewed [B, T, H, d]
+               other [d] inputs, constrained:    low-rank  D -> r -> H*d  (Mamba's dt_proj)
+               other [d] inputs, plain:          linear    D -> H*d
+               [m] inputs (keys, queries, ...):  linear    D -> H*m       -> [B, T, H, m]
+               scalar inputs (per head):         linear    D -> H         -> [B, T, H]
+             each followed by its activation (``activations.implied_activation``) and, if
+             declared, L2 normalisation over its vector
+    params = the spec's learned params, per head [H, *shape] (``params.py``)
+    y      = objective(inputs, params)         [B, T, H, d]  -> [B, T, D]
+    y      = (y + skip * u) * silu(z)
+    out    = out_proj(y)                       [B, T, d_model]
+
+The state is ``[B, H, d, m]``. ``step`` runs one token with a carried conv window and
+recurrent state and gives the same outputs as ``forward``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.layers.activations import (apply_activation, implied_activation, inverse_softplus,
+                                         l2_normalize, log_uniform)
+from ssmcraft.layers.config import ObjectiveMixerConfig
+from ssmcraft.layers.conv import CausalConv1d
+from ssmcraft.layers.mitigation import Mitigation
+from ssmcraft.layers.objectives import compile_objective
+from ssmcraft.layers.params import from_raw, initial_value, to_raw
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecurrentCache:
+    """One mixer's carried state in recurrent mode: conv window ``[B, D, k-1]``, state ``[B, H, d, m]``."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+
+
+def is_constrained(decl) -> bool:
+    return bool(decl.positive or decl.bounded or decl.normalize or decl.activation)
+
+
+def choose_value_input(spec, setting: str) -> str | None:
+    """The input fed the conv output directly (see ``ObjectiveMixerConfig.value_input``)."""
+    row = spec.dims[0]
+    if setting == "none":
+        return None
+    if setting != "auto":
+        decl = spec.inputs.get(setting)
+        if decl is None or tuple(decl.shape) != (row,):
+            vectors = [n for n, d in spec.inputs.items() if tuple(d.shape) == (row,)]
+            raise SpecError("<mixer>", "value_input", f"{setting!r} is not a [{row}] input of objective "
+                            f"{spec.name}; its [{row}] inputs: {', '.join(vectors) or 'none'}")
+        return setting
+    plain = [n for n, d in spec.inputs.items() if tuple(d.shape) == (row,) and not is_constrained(d)]
+    return plain[0] if len(plain) == 1 else None
+
+
+class ObjectiveMixer(nn.Module):
+    """Sequence mixer from a compiled objective; see the module docstring.
+
+    ``objective``: an already compiled objective (else ``cfg.objective`` is compiled).
+    """
+
+    def __init__(self, cfg: ObjectiveMixerConfig, d_model: int, objective: Any = None):
+        super().__init__()
+        self.cfg, self.d_model = cfg, d_model
+        self.obj = objective if objective is not None else compile_objective(cfg.objective)
+        spec = self.obj.spec
+        H, D = cfg.heads, cfg.expand * d_model
+        if H < 1 or D % H:
+            raise SpecError("<mixer>", "heads", f"expand * d_model = {D} is not divisible by heads = {H}")
+        self.H, self.D, self.d, self.m = H, D, D // H, cfg.state_size
+        row, col = spec.dims
+        self.sizes = {row: self.d, col: self.m}
+        self.in_proj = nn.Linear(d_model, 2 * D if cfg.gate else D, bias=False)
+        self.conv = CausalConv1d(D, cfg.conv_kernel)
+        self.value_name = choose_value_input(spec, cfg.value_input)
+        self.rank = math.ceil(d_model / 16) if cfg.low_rank == "auto" else int(cfg.low_rank)
+        self.activation = {n: implied_activation(decl, cfg.plain_activation) for n, decl in spec.inputs.items()}
+        unknown_bias = set(cfg.input_bias) - set(spec.inputs)
+        if unknown_bias:
+            raise SpecError("<mixer>", "input_bias", f"unknown input(s) {sorted(unknown_bias)}; "
+                            f"objective {spec.name} has {', '.join(spec.inputs)}")
+        self.proj = nn.ModuleDict()
+        self.route: dict[str, str] = {}
+        for name, decl in spec.inputs.items():
+            if name != self.value_name:
+                self.proj[name] = self._projection(name, decl)
+            else:
+                self.route[name] = "conv output"
+        self.param_decls = dict(spec.params)
+        self.raw_params = nn.ParameterDict()
+        for name, decl in self.param_decls.items():
+            raw = to_raw(decl, initial_value(decl, self.sizes, H))
+            self.raw_params[name] = nn.Parameter(raw, requires_grad=bool(decl.trainable))
+        self.skip = nn.Parameter(torch.ones(D)) if cfg.skip else None
+        self.out_proj = nn.Linear(D, d_model, bias=False)
+        self.mitigation = Mitigation()
+        self._scaled_obj = None
+        self.last_backend: str | None = None
+
+    # --- construction helpers -------------------------------------------------------------
+    def _projection(self, name: str, decl) -> nn.Module:
+        n_out = self.H * (self.sizes[decl.shape[0]] if decl.shape else 1)
+        act = self.activation[name]
+        has_bias = act != "identity"
+        if tuple(decl.shape) == (self.obj.spec.dims[0],) and is_constrained(decl):
+            last = nn.Linear(self.rank, n_out, bias=True)
+            module: nn.Module = nn.Sequential(nn.Linear(self.D, self.rank, bias=False), last)
+            self.route[name] = f"low-rank {self.D}->{self.rank}->{n_out}"
+            has_bias = True
+        else:
+            last = module = nn.Linear(self.D, n_out, bias=has_bias)
+            self.route[name] = f"linear {self.D}->{n_out}"
+        if has_bias:
+            with torch.no_grad():
+                last.bias.copy_(self._bias_init(name, n_out))
+        return module
+
+    def _bias_init(self, name: str, n: int) -> torch.Tensor:
+        if name in self.cfg.input_bias:
+            return torch.full((n,), float(self.cfg.input_bias[name]))
+        if self.activation[name] == "softplus":
+            return inverse_softplus(log_uniform(n, self.cfg.dt_min, self.cfg.dt_max))
+        return torch.zeros(n)
+
+    # --- the pieces of forward ------------------------------------------------------------
+    def param_values(self) -> dict[str, torch.Tensor]:
+        """name -> ``[H, *shape]`` with the sign constraints applied."""
+        return {n: from_raw(self.param_decls[n], p) for n, p in self.raw_params.items()}
+
+    def _split_in(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        xz = self.in_proj(h)
+        if self.cfg.gate:
+            x, z = xz.chunk(2, dim=-1)
+            return x, z
+        return xz, None
+
+    def project(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """u ``[B, T, D]`` -> spec input name -> ``[B, T, H, n]`` (``[B, T, H]`` for scalars)."""
+        B, T, _ = u.shape
+        out = {}
+        for name, decl in self.obj.spec.inputs.items():
+            v = u if name == self.value_name else self.proj[name](u)
+            v = apply_activation(self.activation[name], v)
+            v = v.view(B, T, self.H, -1) if decl.shape else v.view(B, T, self.H)
+            out[name] = l2_normalize(v) if decl.normalize else v
+        return out
+
+    def _finish(self, y: torch.Tensor, u: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """y ``[B, T, H, d]``, u and z ``[B, T, D]`` -> ``[B, T, d_model]``."""
+        y = y.reshape(*u.shape)
+        if self.skip is not None:
+            y = y + self.skip * u
+        if z is not None:
+            y = y * F.silu(z)
+        return self.out_proj(y)
+
+    def _active_objective(self):
+        return self._scaled_obj if self.mitigation.scales else self.obj
+
+    def _recur(self, inputs, params, state=None):
+        obj = self._active_objective()
+        if self.mitigation.window is not None:
+            if state is not None:
+                raise SsmcraftError("the sliding-window mitigation has no one-token recurrent mode")
+            y = obj.sliding_window(inputs, params, self.mitigation.window)
+            S = None
+        else:
+            y, S = obj(inputs, params, initial_state=state, output_final_state=state is not None)
+        self.last_backend = getattr(obj, "backend", None)
+        return y, S
+
+    # --- public API -----------------------------------------------------------------------
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]`` (parallel mode)."""
+        x, z = self._split_in(h)
+        u = F.silu(self.conv(x))
+        y, _ = self._recur(self.project(u), self.param_values())
+        return self._finish(y, u, z)
+
+    def init_cache(self, batch_size: int) -> RecurrentCache:
+        """Zero conv window and state, on the module's device and in its dtype."""
+        w = self.in_proj.weight
+        return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
+                              torch.zeros(batch_size, self.H, self.d, self.m, device=w.device, dtype=w.dtype))
+
+    def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
+        """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
+        x, z = self._split_in(h_t[:, None])
+        u_t, conv_state = self.conv.step(x[:, 0], cache.conv)
+        u = F.silu(u_t)[:, None]
+        y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
+        return self._finish(y, u, z)[:, 0], RecurrentCache(conv_state, S)
+
+    def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
+        """States over time for inputs h ``[B, T, d_model]``: ``[B, T // every, H, d, m]``.
+
+        With a retention/insertion mitigation the mitigated recurrence is traced; the
+        sliding window has no single state, so its trace is the unmitigated one.
+        """
+        x, _ = self._split_in(h)
+        u = F.silu(self.conv(x))
+        return self._active_objective().trace(self.project(u), self.param_values(), every=every)
+
+    def set_mitigation(self, mitigation: Mitigation | None) -> None:
+        """Apply a training-free mitigation (``None``: none); refusals raise ``SsmcraftError``."""
+        mitigation = mitigation or Mitigation()
+        self._scaled_obj = (self.obj.mitigated(retention=mitigation.retention, insertion=mitigation.insertion)
+                            if mitigation.scales else None)
+        self.mitigation = mitigation
+
+    def describe(self) -> dict[str, Any]:
+        spec = self.obj.spec
+        return {"kind": "objective", "objective": spec.name,
+                "structure": getattr(self.obj, "structure_kind", None), "heads": self.H,
+                "d": self.d, "m": self.m, "value_input": self.value_name,
+                "inputs": {n: {"route": self.route[n], "activation": self.activation[n],
+                               "normalize": bool(spec.inputs[n].normalize)} for n in spec.inputs},
+                "params": {n: {"shape": [self.H, *(self.sizes[s] for s in d.shape)],
+                               "constraint": "negative" if d.negative else "positive" if d.positive else None,
+                               "trainable": bool(d.trainable)} for n, d in self.param_decls.items()}}

@@ -1,0 +1,46 @@
+"""Compiling the objective a mixer config names, and storing it so a run can be rebuilt.
+
+A run's resolved config embeds the objective's spec mapping (not only its name), so a
+checkpoint loads even after the library file changed or on a machine without it.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from ssmcraft.errors import SsmcraftError
+
+log = logging.getLogger(__name__)
+
+
+def compile_objective(ref: Any):
+    """``ssmcraft.compile(ref)``: ``ref`` a library name, path, YAML text or spec mapping."""
+    import ssmcraft
+
+    compile_ = getattr(ssmcraft, "compile", None)
+    if compile_ is None:
+        raise SsmcraftError("the objective compiler is not available (ssmcraft.compile is missing)")
+    if isinstance(ref, str) and _is_bare_name(ref):
+        from ssmcraft.compiler.library import find_objective, library_names
+
+        if find_objective(ref) is None:
+            raise SsmcraftError(f"unknown objective {ref!r}: not a file, and the library has "
+                                f"{', '.join(library_names()) or 'no objectives'}")
+    obj = compile_(dict(ref) if isinstance(ref, Mapping) else ref)
+    log.info("compiled objective %s (structure %s)", obj.spec.name, getattr(obj, "structure_kind", "?"))
+    return obj
+
+
+def _is_bare_name(ref: str) -> bool:
+    """A library name like ``longhorn`` (not YAML text, not an existing file)."""
+    return "\n" not in ref and ":" not in ref and not Path(ref).exists()
+
+
+def spec_mapping(obj) -> dict[str, Any]:
+    """The compiled objective's spec as a plain mapping (what ``compile`` accepts back)."""
+    raw = getattr(obj.spec, "raw", None)
+    if not raw:
+        raise SsmcraftError(f"objective {obj.spec.name}: its spec mapping is not available to store")
+    return copy.deepcopy(dict(raw))

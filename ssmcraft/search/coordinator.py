@@ -1,0 +1,270 @@
+"""The coordinator: the one process that owns the Optuna study (ask/tell), hands trials
+to an executor as stateless jobs, and records what comes back.
+
+Invariants, and how they hold when the coordinator is killed (SIGKILL) and started again
+with the same command:
+
+- only the coordinator writes the study; executors and trials return data;
+- a trial counts once it is told (COMPLETE, PRUNED or FAIL): told trials are never re-run,
+  and every tell is on disk before the next trial is asked for (the journal fsyncs);
+- a trial left RUNNING by a dead coordinator of the same run folder is *stale*: it is
+  re-queued first (``enqueue_trial`` with its params and seed), then failed with the
+  reason; a re-queue is recorded on the new trial (``requeue_of``), so a coordinator
+  killed between the two steps does not re-queue it twice;
+- a torn last journal line and a stale journal lock are repaired (``storage``).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.search import reports
+from ssmcraft.search.executor import Capacity, Executor, Job
+from ssmcraft.search.objectives import check_objectives, compile_objective
+from ssmcraft.search.outcome import Outcome, TrialFn, is_number, judge
+from ssmcraft.search.provenance import code_version
+from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, trial_dir, write_json
+from ssmcraft.search.samplers import build_pruner, build_sampler, describe
+from ssmcraft.search.space import build_config, objective_of, param_names, suggest
+from ssmcraft.search.spec import SearchSpec, spec_hash
+from ssmcraft.search.storage import RunLock, mask_url, open_storage
+from ssmcraft.search.trial import train_trial
+
+STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+POLL_S = 0.2
+
+
+@dataclass
+class SearchResult:
+    study: optuna.Study
+    out_dir: Path
+    storage: str                       # which storage ran, in words
+    executor: str                      # which executor ran, in words
+    counts: dict[str, int] = field(default_factory=dict)   # complete / pruned / failed
+    requeued: list[int] = field(default_factory=list)      # stale trials re-queued on start
+    stopped: str = ""                  # why the loop ended
+    reports: list[str] = field(default_factory=list)       # files written / skipped, in words
+
+
+def counts_toward_budget(t: optuna.trial.FrozenTrial) -> bool:
+    return t.state in FINISHED and not t.user_attrs.get("stale", False)
+
+
+def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
+               trial_fn: TrialFn = train_trial, storage_url: str | None = None,
+               compile_fn: Callable[[dict], Any] | None = compile_objective,
+               plots: bool = True, log: Callable[[str], None] = print) -> SearchResult:
+    """Run (or resume) the search ``spec`` in ``out_dir`` until ``budget.trials`` trials
+    are finished or ``budget.total_seconds`` has passed.
+
+    ``compile_fn`` checks every objective variant before the first trial (None skips the
+    check; each trial still compiles its own objective). Resuming needs the same spec
+    (``budget.trials`` and ``budget.total_seconds`` may differ).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(out_dir):
+        if compile_fn is not None:
+            n, seconds = check_objectives(spec, compile_fn)
+            log(f"objectives: all {n} variants of the space derive (checked in {seconds:.1f} s)")
+        else:
+            log("objectives: variants not checked before the search (each trial compiles its own)")
+        can_report = getattr(trial_fn, "can_report", None)
+        if spec.pruner.name != "none" and can_report is not None and not can_report():
+            raise SpecError(spec.source, "pruner", "the trial function cannot report intermediate "
+                                                   "values (train_run takes no report=); remove the pruner")
+        storage, storage_desc = open_storage(out_dir, storage_url, writer=True, log=log)
+        study = _open_study(spec, storage, out_dir, log)
+        owner = f"{socket.gethostname()}:{out_dir.resolve()}"
+        requeued = recover_stale(study, storage, owner, own_all=storage_url is None, log=log)
+        write_json(out_dir / RUN_INFO, {
+            "study": spec.name, "spec": SPEC_COPY, "started": time.time(),
+            "storage": ({"kind": "journal"} if storage_url is None else
+                        {"kind": "rdb", "url": mask_url(storage_url),
+                         "password_hidden": mask_url(storage_url) != storage_url})})
+        try:
+            capacity = executor.start(spec.resources)
+            log(f"search: study {spec.name!r}, storage: {storage_desc}; executor: {capacity.description}")
+            log(f"search: sampler {describe(spec.sampler)}; pruner {describe(spec.pruner)}")
+            loop = _Loop(spec, study, out_dir, executor, capacity, trial_fn, owner, log)
+            stopped = loop.run()
+        finally:
+            executor.close()
+        trials = study.get_trials(deepcopy=False)
+        counts = {k: sum(t.state == s and counts_toward_budget(t) for t in trials) for k, s in STATES.items()}
+        written = reports.write_reports(study, out_dir, plots=plots)
+        return SearchResult(study, out_dir, storage_desc, capacity.description, counts,
+                            requeued, stopped, written)
+
+
+def _open_study(spec: SearchSpec, storage, out_dir: Path, log) -> optuna.Study:
+    """Load the study of this spec from ``storage``, or create it."""
+    sampler, pruner = build_sampler(spec.sampler), build_pruner(spec.pruner)
+    digest = spec_hash(spec.raw)
+    try:
+        study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+    except KeyError:
+        study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler,
+                                    pruner=pruner, directions=spec.directions)
+        _stamp(study, spec, digest, out_dir)
+        log(f"search: created study {spec.name!r}")
+        return study
+    stored = study.user_attrs.get("spec_sha256")
+    if stored is None and not study.trials:  # created by a coordinator killed right after
+        _stamp(study, spec, digest, out_dir)
+    elif stored != digest:
+        raise SsmcraftError(f"{out_dir}: study {spec.name!r} was created from a different spec "
+                            f"(sha256 {str(stored)[:12]} vs {digest[:12]}); use another --out, or "
+                            f"--resume without SPEC to continue it with its own spec ({SPEC_COPY})")
+    done = sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
+    log(f"search: resuming study {spec.name!r}: {done} of {spec.budget.trials} trials finished")
+    return study
+
+
+def _stamp(study: optuna.Study, spec: SearchSpec, digest: str, out_dir: Path) -> None:
+    """Record on a new study what it was created from; keep a copy of the spec."""
+    (out_dir / SPEC_COPY).write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+    for key, value in {"metrics": spec.metrics, "param_names": param_names(spec), "spec": spec.raw,
+                       "spec_base": str(spec.base), "code_version": code_version(),
+                       "spec_sha256": digest}.items():  # the hash last: it marks the study complete
+        study.set_user_attr(key, value)
+
+
+def recover_stale(study: optuna.Study, storage, owner: str, *, own_all: bool, log) -> list[int]:
+    """Fail the RUNNING trials a dead coordinator of this folder left behind, re-queueing
+    each first with its params and seed; returns their numbers. ``own_all``: the storage
+    is this folder's own journal, so every running trial is this folder's."""
+    trials = study.get_trials(deepcopy=False)
+    already = {t.user_attrs["requeue_of"] for t in trials if "requeue_of" in t.user_attrs}
+    study_id = storage.get_study_id_from_name(study.study_name)
+    stale, foreign = [], 0
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        if t.user_attrs.get("owner", owner if own_all else None) != owner:
+            foreign += 1
+            continue
+        if t.number not in already:
+            attrs = {"requeue_of": t.number}
+            if "seed" in t.user_attrs:
+                attrs["seed"] = t.user_attrs["seed"]
+            study.enqueue_trial(t.params, user_attrs=attrs)
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+        storage.set_trial_user_attr(trial_id, "stale", True)
+        storage.set_trial_user_attr(trial_id, "status", "failed")
+        storage.set_trial_user_attr(trial_id, "reason", "stale: its coordinator stopped while it ran; re-queued")
+        study.tell(t.number, state=TrialState.FAIL)
+        stale.append(t.number)
+    if stale:
+        log(f"search: {len(stale)} trial(s) left running by a stopped coordinator failed and re-queued: {stale}")
+    if foreign:
+        log(f"search: {foreign} running trial(s) belong to other coordinators; left alone")
+    return stale
+
+
+class _Loop:
+    """Keeps the executor full, records outcomes, rewrites the leaderboard as it goes."""
+
+    def __init__(self, spec: SearchSpec, study: optuna.Study, out_dir: Path, executor: Executor,
+                 capacity: Capacity, trial_fn: TrialFn, owner: str, log) -> None:
+        self.spec, self.study, self.out_dir = spec, study, out_dir
+        self.executor, self.capacity, self.trial_fn = executor, capacity, trial_fn
+        self.owner, self.log = owner, log
+        self.running: dict[int, optuna.Trial] = {}
+        self.reported: dict[int, set[int]] = {}
+        self.driver_code = code_version()
+
+    def run(self) -> str:
+        spec = self.spec
+        finished = sum(counts_toward_budget(t) for t in self.study.get_trials(deepcopy=False))
+        deadline = None if spec.budget.total_seconds is None else time.monotonic() + spec.budget.total_seconds
+        stopped = f"{spec.budget.trials} trials finished"
+        while True:
+            while len(self.running) < self.capacity.slots and finished + len(self.running) < spec.budget.trials:
+                if deadline is not None and time.monotonic() > deadline:
+                    stopped = f"total time budget ({spec.budget.total_seconds:g} s) reached"
+                    break
+                finished += self._start_one()
+            if not self.running:
+                return stopped
+            for job, outcome in self.executor.wait(POLL_S):
+                self._record(self.running.pop(job.number), job, outcome)
+                finished += 1
+                reports.write_leaderboard(self.study, self.out_dir)
+
+    def _start_one(self) -> int:
+        """Ask for a trial and submit it; returns 1 when it failed before it could start."""
+        trial = self.study.ask()
+        trial.set_user_attr("owner", self.owner)
+        try:
+            params = suggest(trial, self.spec)
+            seed = trial.user_attrs.get("seed", self.spec.seed + trial.number)
+            config = build_config(self.spec, params, seed=seed, device=self.capacity.device)
+        except SsmcraftError as e:  # e.g. an objective file that disappeared
+            self._tell(trial, "failed", None, {"status": "failed", "reason": f"objective invalid: {e}"})
+            return 1
+        out = trial_dir(self.out_dir, trial.number)
+        out.mkdir(parents=True, exist_ok=True)
+        objective = objective_of(config)
+        for key, value in {"seed": seed, "objective": objective.get("name"), "objective_spec": objective,
+                           "trial_dir": str(out.relative_to(self.out_dir))}.items():
+            trial.set_user_attr(key, value)
+        write_json(out / TRIAL_INFO, {
+            "study": self.spec.name, "number": trial.number, "seed": seed, "params": params,
+            "objective": objective.get("name"), "config": config, "driver_code_version": self.driver_code,
+            "requeue_of": trial.user_attrs.get("requeue_of")})
+        self.running[trial.number] = trial
+        self.executor.submit(Job(trial.number, self.trial_fn, config, out,
+                                 lambda step, metrics, t=trial: self._on_report(t, step, metrics),
+                                 self.spec.budget.hard_timeout))
+        return 0
+
+    def _on_report(self, trial: optuna.Trial, step: int, metrics: dict) -> bool:
+        """An intermediate report (single-metric studies): record it, say whether to prune."""
+        if not self.spec.single_metric:
+            return False
+        value = metrics.get(self.spec.metrics[0])
+        steps = self.reported.setdefault(trial.number, set())
+        if is_number(value) and step not in steps:  # a re-run attempt reports steps again
+            steps.add(step)
+            trial.report(float(value), int(step))
+        return trial.should_prune()
+
+    def _record(self, trial: optuna.Trial, job: Job, outcome: Outcome) -> None:
+        verdict = judge(outcome, self.spec.metrics)
+        metrics = outcome.metrics or {}
+        record = {"status": verdict.state, "reason": verdict.reason, "metrics": metrics,
+                  "wall_s": outcome.wall_s, "attempts": outcome.attempts, "host": outcome.host,
+                  "code_version": outcome.code_version, "kernel_hash": metrics.get("kernel_hash"),
+                  "state_bytes": metrics.get("state_bytes")}
+        self._tell(trial, verdict.state, verdict.values, record)
+        info_path = job.out_dir / TRIAL_INFO
+        info = _read_json(info_path)
+        write_json(info_path, {**info, "outcome": record})
+        values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.spec.metrics, verdict.values or ()))
+        wall = f"{outcome.wall_s:.1f} s" if outcome.wall_s is not None else "?"
+        said = "; ".join(x for x in (values, verdict.reason) if x)
+        self.log(f"trial {trial.number:>3} {verdict.state:<8} {trial.user_attrs.get('objective', '?')}  "
+                 f"{said}  ({wall})")
+
+    def _tell(self, trial: optuna.Trial, state: str, values, record: dict) -> None:
+        for key, value in record.items():
+            trial.set_user_attr(key, value)
+        self.study.tell(trial, values=list(values) if values else None, state=STATES[state])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,250 @@
+"""The Ray executor: one Ray task per trial, on one machine or a cluster.
+
+- Where: ``address="local"`` starts a private Ray instance bound to 127.0.0.1 with no
+  dashboard; any other address (``host:port``, ``auto``, ``ray://...``) joins that cluster.
+  A Ray session already initialised in this process (tests share one) is used as is.
+  Either way the same tasks run; the log says which case it was.
+- Resources: each task asks for ``cpus_per_trial`` CPUs and ``gpus_per_trial`` GPUs
+  (1 when the cluster has GPUs, else 0; a fraction packs trials onto one GPU); the
+  number of trials in flight is what the cluster holds, capped by ``max_concurrent``.
+  A trial given a GPU checks that CUDA sees it before it starts.
+- Failures: a trial's own exception is caught on the worker (``outcome.execute``); a
+  worker that dies (killed, segfault, ``os._exit``, node lost) has its task re-run by Ray
+  up to ``max_retries`` times; past that the trial fails with the reason. A trial past its
+  hard time limit, counted from the start of its latest attempt (a queued trial is not
+  timed), is cancelled with ``force=True``, which kills its worker.
+- Reports: trials send intermediate metrics to a small actor; ``wait`` drains it and
+  passes each report to the coordinator, and the trial sees the pruning decision at its
+  next report (one report late: the decision needs the coordinator, which is the study's
+  only writer).
+- On a cluster the run folder must be on a filesystem every node sees, or trial folders
+  (checkpoints) stay on the node that ran them; metrics come back either way.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.search.executor import Capacity, Job
+from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, one_line, plain
+from ssmcraft.search.spec import Resources
+
+LOOPBACK = "127.0.0.1"
+
+
+class ReportBroker:
+    """Ray actor between running trials and the coordinator (see the module doc): holds
+    the attempts that started and the reports made since the coordinator last looked,
+    and the pruning decisions."""
+
+    def __init__(self) -> None:
+        self._started: list[int] = []
+        self._pending: list[tuple[int, int, dict]] = []
+        self._prune: set[int] = set()
+
+    def started(self, number: int) -> None:
+        self._started.append(number)
+
+    def report(self, number: int, step: int, metrics: dict) -> bool:
+        self._pending.append((number, step, metrics))
+        return number in self._prune
+
+    def drain(self) -> tuple[list[int], list[tuple[int, int, dict]]]:
+        out = (self._started, self._pending)
+        self._started, self._pending = [], []
+        return out
+
+    def prune(self, number: int) -> None:
+        self._prune.add(number)
+
+
+def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
+                  broker, wants_gpu: bool) -> Outcome:
+    """The Ray task: say it started, check the GPU it was given, ``outcome.execute``."""
+    import ray
+
+    broker.started.remote(number)
+
+    def report(step: int, metrics: dict) -> bool:
+        return ray.get(broker.report.remote(number, int(step), plain(metrics)))
+
+    host = {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    if wants_gpu:
+        import torch
+
+        if not host["gpu_ids"] or not torch.cuda.is_available():
+            return Outcome(error=f"error: this trial was given GPU {host['gpu_ids']} but CUDA sees none "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+                           host=host)
+        host["device_name"] = torch.cuda.get_device_name(0)
+    return execute(trial_fn, config, Path(out_dir), report, host=host)
+
+
+def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], None] = print) -> bool:
+    """Initialise Ray for the search; returns whether this call started it (and so
+    whether ``close`` must shut it down).
+
+    A local instance is kept on loopback by its node address and
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (ENV.md: without it Ray swaps 127.0.0.1 for a
+    public interface), which Ray reads when it is first imported: this function sets it
+    before importing Ray, and refuses to run when Ray, imported earlier without it, bound
+    elsewhere anyway.
+    """
+    if address == "local":
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    elif num_cpus is not None:
+        raise SsmcraftError("num_cpus applies to a local Ray instance only, not to a cluster")
+    import ray
+
+    if ray.is_initialized():
+        log(f"ray: using the Ray session already initialised in this process "
+            f"({ray.get_runtime_context().gcs_address})")
+        return False
+    kwargs: dict = {"include_dashboard": False, "logging_level": "warning"}
+    if address == "local":
+        kwargs.update(num_cpus=num_cpus, _node_ip_address=LOOPBACK)
+    ray.init(address=address, **kwargs)
+    gcs = ray.get_runtime_context().gcs_address
+    if address != "local":
+        log(f"ray: connected to the Ray cluster at {gcs}")
+        return True
+    if not gcs.startswith(LOOPBACK + ":"):
+        ray.shutdown()
+        raise SsmcraftError(f"the local Ray instance bound to {gcs}, not to loopback (Ray was imported "
+                            f"before ssmcraft could set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; set it "
+                            f"in the environment); refusing to run")
+    log(f"ray: started a local Ray instance at {gcs} (loopback only, no dashboard)")
+    return True
+
+
+def describe_ray_error(e: Exception, attempts: int | None) -> str:
+    """One-line reason for a task that did not return an ``Outcome``."""
+    import ray.exceptions as rex
+
+    tries = f" ({attempts} attempts)" if attempts else ""
+    if isinstance(e, rex.OutOfMemoryError):
+        return f"out of memory: Ray's memory monitor killed the worker{tries}: {one_line(str(e), 300)}"
+    if isinstance(e, (rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError)):
+        return f"worker died{tries}: {type(e).__name__}: {one_line(str(e), 300)}"
+    if isinstance(e, rex.RayTaskError):  # the task itself failed before execute() ran
+        cause = e.cause if e.cause is not None else e
+        return f"error: on the worker: {type(cause).__name__}: {one_line(str(cause), 300)}"
+    return f"error: {type(e).__name__}: {one_line(str(e), 300)}"
+
+
+class RayExecutor:
+    """See the module doc. ``num_cpus`` sizes a local instance (default: all cores)."""
+
+    def __init__(self, address: str = "local", *, num_cpus: int | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.address = address
+        self.num_cpus = num_cpus
+        self.log = log
+        self._owns_session = False
+        self._task = None
+        self._broker = None
+        self._wants_gpu = False
+        self._running: dict = {}  # ObjectRef -> job
+        self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
+
+    def start(self, resources: Resources) -> Capacity:
+        self._owns_session = connect(self.address, num_cpus=self.num_cpus, log=self.log)
+        import ray  # after connect(), which sets Ray's environment first
+        total = ray.cluster_resources()
+        cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+        gpt = resources.gpus_per_trial
+        if gpt is None:
+            gpt = 1.0 if gpus >= 1 else 0.0
+        if gpt > 0 and gpus == 0:
+            raise SsmcraftError(f"resources.gpus_per_trial is {gpt:g} but the Ray cluster has no GPU")
+        slots = math.floor(cpus / resources.cpus_per_trial)
+        if gpt > 0:
+            slots = min(slots, math.floor(gpus / gpt))
+        if resources.max_concurrent is not None:
+            slots = min(slots, resources.max_concurrent)
+        if slots < 1:
+            raise SsmcraftError(f"the Ray cluster ({cpus:g} CPUs, {gpus:g} GPUs) cannot hold one trial "
+                                f"({resources.cpus_per_trial:g} CPUs, {gpt:g} GPUs)")
+        self._wants_gpu = gpt > 0
+        # a GPU trial gets a fresh worker process (max_calls=1): a reused one would keep the
+        # CUDA context of the GPU it saw first; CPU trials reuse workers (0: no limit)
+        self._task = ray.remote(num_cpus=resources.cpus_per_trial, num_gpus=gpt,
+                                max_calls=1 if gpt > 0 else 0, max_retries=resources.max_retries,
+                                retry_exceptions=False)(run_on_worker)
+        self._broker = ray.remote(num_cpus=0)(ReportBroker).remote()
+        device = "cuda" if gpt > 0 else "cpu"
+        return Capacity(slots, device, (
+            f"ray ({cpus:g} CPUs, {gpus:g} GPUs; {slots} trials at a time, each "
+            f"{resources.cpus_per_trial:g} CPU and {gpt:g} GPU; up to {resources.max_retries} "
+            f"retries when a worker dies)"))
+
+    def submit(self, job: Job) -> None:
+        ref = self._task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
+                                self._broker, self._wants_gpu)
+        self._running[ref] = job
+
+    def wait(self, timeout: float) -> list[tuple[Job, Outcome]]:
+        import ray
+
+        if not self._running:
+            return []
+        refs = list(self._running)
+        ray.wait(refs, num_returns=1, timeout=timeout)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        # a finished task's reports are all in the broker (report() waits for it): relay
+        # them while the task still counts as running, so none is lost
+        self._relay_reports()
+        now = time.monotonic()
+        done: list[tuple[Job, Outcome]] = []
+        for ref in ready:
+            job = self._running.pop(ref)
+            started = self._started.pop(job.number, now)
+            try:
+                outcome = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                outcome = Outcome(error=describe_ray_error(e, count_attempts(job.out_dir)),
+                                  wall_s=now - started, attempts=count_attempts(job.out_dir))
+            done.append((job, outcome))
+        for ref, job in list(self._running.items()):
+            started = self._started.get(job.number)
+            if started is not None and now - started > job.time_limit_s:
+                ray.cancel(ref, force=True)
+                del self._running[ref], self._started[job.number]
+                done.append((job, Outcome(
+                    error=f"timeout: no result within {job.time_limit_s:g} s (hard limit); its worker was killed",
+                    wall_s=now - started, attempts=count_attempts(job.out_dir))))
+        return done
+
+    def _relay_reports(self) -> None:
+        import ray
+
+        if self._broker is None:
+            return
+        jobs = {job.number: job for job in self._running.values()}
+        started, reports = ray.get(self._broker.drain.remote())
+        for number in started:
+            if number in jobs:
+                self._started[number] = time.monotonic()
+        for number, step, metrics in reports:
+            job = jobs.get(number)
+            if job is not None and job.on_report(step, metrics):
+                self._broker.prune.remote(number)
+
+    def close(self) -> None:
+        import ray
+
+        for ref in list(self._running):
+            ray.cancel(ref, force=True)
+        self._running.clear()
+        self._started.clear()
+        if self._broker is not None:
+            ray.kill(self._broker)
+            self._broker = None
+        if self._owns_session:
+            ray.shutdown()
+            self._owns_session = False

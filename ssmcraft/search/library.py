@@ -1,0 +1,53 @@
+"""Finding an objective spec for the search space: a library name (``longhorn``, from
+``ssmcraft.compiler.library``), a name from the spec's own ``objectives_dir``, or a YAML
+path relative to the search spec. A failed lookup says where it looked."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ssmcraft.compiler import library as compiler_library
+from ssmcraft.errors import SpecError
+
+
+def library_names(extra: Path | None = None) -> list[str]:
+    """Every objective name available: ``extra``'s and the library's."""
+    own = {p.stem for p in extra.glob("*.yaml")} if extra is not None else set()
+    return sorted(own | set(compiler_library.library_names()))
+
+
+def is_path(ref: str) -> bool:
+    """A reference is a path (not a library name) when it names a YAML file."""
+    return ref.endswith((".yaml", ".yml"))
+
+
+def find_objective(ref: str, base: Path, extra: Path | None = None,
+                   source: str = "<spec>", key: str = "objective") -> Path:
+    """Path of the objective spec ``ref``: a YAML path relative to ``base`` (the search
+    spec's folder), else a name in ``extra`` (``objectives_dir``) or the library."""
+    if is_path(ref):
+        path = (base / ref).resolve()
+        if not path.is_file():
+            raise SpecError(source, key, f"objective file {ref!r} not found (looked at {path})")
+        return path
+    if extra is not None and (extra / f"{ref}.yaml").is_file():
+        return extra / f"{ref}.yaml"
+    path = compiler_library.find_objective(ref)
+    if path is None:
+        where = [str(extra)] if extra is not None else []
+        where += [str(r) for r in compiler_library.roots("objectives")]
+        raise SpecError(source, key, f"unknown objective {ref!r}; known ({', '.join(where) or 'no library'}): "
+                                     f"{', '.join(library_names(extra)) or 'none'}")
+    return path
+
+
+def load_objective(path: Path) -> dict:
+    """The objective spec dict stored in ``path`` (safe YAML; the compiler validates it)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "", "an objective spec must be a mapping")
+    return data

@@ -1,0 +1,65 @@
+"""The run folder of a search, and opening its study for reading.
+
+::
+
+    DIR/
+      coordinator.lock   held by the running coordinator (flock)
+      journal.log        the Optuna study (unless --storage URL)
+      run.json           study name and storage (password masked)
+      search.yaml        the spec the study was created from
+      leaderboard.csv, pareto.png | history.png, state_size.png, importances.png
+      trials/0007/       one folder per trial: trial.json (config, seed, params,
+                         provenance, outcome), attempts.log, error.txt, and whatever
+                         the trial writes (checkpoint, metrics.json, curves)
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import optuna
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.search.storage import open_storage
+
+RUN_INFO = "run.json"
+SPEC_COPY = "search.yaml"
+TRIALS = "trials"
+TRIAL_INFO = "trial.json"
+
+
+def trial_dir(out_dir: Path, number: int) -> Path:
+    return Path(out_dir) / TRIALS / f"{number:04d}"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` atomically (temp file + rename), so a reader never sees half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_run_info(out_dir: Path) -> dict:
+    path = Path(out_dir) / RUN_INFO
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SsmcraftError(f"{out_dir}: not a search folder (no {RUN_INFO})") from None
+
+
+def open_study(out_dir: Path, storage_url: str | None = None) -> optuna.Study:
+    """The folder's study, for reading (leaderboard, load_trial); writes nothing."""
+    info = read_run_info(out_dir)
+    storage = info["storage"]
+    if storage_url is None and storage["kind"] == "rdb":
+        if storage["password_hidden"]:
+            raise SsmcraftError(f"{out_dir}: the study is in {storage['url']}; pass its URL with "
+                                f"the password (--storage), which run.json does not keep")
+        storage_url = storage["url"]
+    backend, _ = open_storage(Path(out_dir), storage_url, writer=False)
+    try:
+        return optuna.load_study(study_name=info["study"], storage=backend,
+                                 sampler=optuna.samplers.RandomSampler())
+    except KeyError:
+        raise SsmcraftError(f"{out_dir}: study {info['study']!r} not found in its storage") from None

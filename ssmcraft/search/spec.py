@@ -1,0 +1,485 @@
+"""Search specs: YAML -> a frozen, validated ``SearchSpec``.
+
+Everything that can be checked without running a trial is checked here, with a one-line
+``SpecError`` naming the file, the key and the problem: unknown keys, bad ranges, unknown
+objectives and term values, a pruner on a multi-metric study, a searched key that is also
+fixed. (Whether each objective variant *derives* is checked by
+``ssmcraft.search.objectives.check_objectives``, which calls the compiler.)
+
+Format (every key; defaults after ``=``)::
+
+    name: quickstart                      # study name
+    seed: 0                               # = 0; trial seed = seed + trial number
+    task:  {name: mqar, ...}              # the experiment sections of ssmcraft.train
+    model: {d_model: 64, n_layers: 2}     #   (ssmcraft/train/config.py), passed as is,
+    train: {batch_size: 16, ...}          #   plus the searched values and MANAGED below
+    objectives_dir: my_objectives/        # = absent; searched before the library
+    budget:
+      trials: 8                           # finished trials wanted (failed ones count)
+      tokens_per_trial: 1_000_000         # -> train.tokens
+      seconds_per_trial: 120              # -> train.max_seconds (training stops itself)
+      timeout_grace: 30                   # = 30; killed at seconds_per_trial + this
+      total_seconds: null                 # = null; no new trial after this (per run)
+    space:
+      objective: {choice: [longhorn, ./mine.yaml, {compose: {...}, label: comp}]}
+      approximation: {choice: [exact, diagonal]}   # overrides every objective's
+      m:  {int: [8, 32], step: 8}         # aliases: m, d_model/width, lr (ALIASES)
+      lr: {float: [1.0e-4, 3.0e-3], log: true}
+      model.mixer.heads: {choice: [1, 2]} # or a dotted path under model/train/task
+    rank: {val_loss: minimize, tokens_per_s: maximize}
+    sampler: {name: tpe, ...}             # = tpe for one metric, nsga2 for several
+    pruner: {name: median, ...}           # = none; single-metric studies only
+    resources: {cpus_per_trial: 1, gpus_per_trial: auto, max_concurrent: auto,
+                max_retries: 2}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from ssmcraft.errors import SpecError
+from ssmcraft.search import library
+from ssmcraft.search.compose import TERMS, check_choices
+
+# space key -> config path
+ALIASES: dict[str, tuple[str, ...]] = {
+    "m": ("model", "mixer", "state_size"),
+    "d_model": ("model", "d_model"),
+    "width": ("model", "d_model"),
+    "lr": ("train", "lr"),
+    "approximation": ("objective", "approximation"),
+}
+PATH_ROOTS = ("model", "train", "task")
+# config paths the search sets itself, and from what
+MANAGED: dict[tuple[str, ...], str] = {
+    ("train", "tokens"): "budget.tokens_per_trial",
+    ("train", "max_seconds"): "budget.seconds_per_trial",
+    ("train", "device"): "resources.gpus_per_trial",
+    ("model", "mixer", "objective"): "space.objective",
+}
+TOP_KEYS = ("name", "seed", "task", "model", "train", "objectives_dir", "budget",
+            "space", "rank", "sampler", "pruner", "resources")
+DIRECTIONS = ("minimize", "maximize")
+
+
+# ---------------------------------------------------------------- dataclasses
+
+@dataclass(frozen=True)
+class Param:
+    """One searched hyperparameter. ``name`` is the space key and Optuna's param name."""
+    name: str
+    path: tuple[str, ...]          # where the value goes in the trial config
+    kind: str                      # choice | int | float
+    choices: tuple = ()
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+
+
+@dataclass(frozen=True)
+class ObjectiveOption:
+    """One entry of ``space.objective.choice``: a library name, a file, or a composition
+    whose terms each hold one value (fixed) or several (searched as ``label.term``)."""
+    label: str
+    kind: str                                  # library | file | compose
+    path: Path | None = None                   # library / file
+    terms: tuple[tuple[str, tuple], ...] = ()  # compose: (term, values)
+
+    def searched_terms(self) -> list[tuple[str, tuple]]:
+        return [(t, v) for t, v in self.terms if len(v) > 1]
+
+
+@dataclass(frozen=True)
+class Budget:
+    trials: int
+    tokens_per_trial: int
+    seconds_per_trial: float
+    timeout_grace: float = 30.0
+    total_seconds: float | None = None
+
+    @property
+    def hard_timeout(self) -> float:
+        """Seconds after which a trial that has not returned is killed."""
+        return self.seconds_per_trial + self.timeout_grace
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float | None = None        # None: auto (1 when the cluster has GPUs)
+    max_concurrent: int | None = None          # None: as many as the resources allow
+    max_retries: int = 2                       # re-runs of a trial whose worker died
+
+
+@dataclass(frozen=True)
+class Component:
+    """A sampler or pruner: its name and every option, defaults filled in."""
+    name: str
+    options: dict
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    name: str
+    source: str                    # file path or "<dict>", for messages
+    base: Path                     # folder relative paths are taken from
+    seed: int
+    task: dict
+    model: dict
+    train: dict
+    objectives_dir: Path | None
+    budget: Budget
+    objectives: tuple[ObjectiveOption, ...]
+    params: tuple[Param, ...]      # every other searched key, in spec order
+    rank: tuple[tuple[str, str], ...]   # (metric, direction)
+    sampler: Component
+    pruner: Component
+    resources: Resources
+    raw: dict = field(repr=False)  # the parsed YAML, for hashing and copying
+
+    @property
+    def metrics(self) -> list[str]:
+        return [m for m, _ in self.rank]
+
+    @property
+    def directions(self) -> list[str]:
+        return [d for _, d in self.rank]
+
+    @property
+    def single_metric(self) -> bool:
+        return len(self.rank) == 1
+
+    def option(self, label: str) -> ObjectiveOption:
+        return next(o for o in self.objectives if o.label == label)
+
+
+def spec_hash(raw: Mapping) -> str:
+    """Content hash of a spec, ignoring the keys that may change when a study is resumed
+    (``budget.trials``, ``budget.total_seconds``: a study may be extended)."""
+    data = json.loads(json.dumps(raw, sort_keys=True, default=str))
+    for key in ("trials", "total_seconds"):
+        data.get("budget", {}).pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- loading
+
+def load_search_spec(spec: str | Path | Mapping, source: str | None = None,
+                     base: Path | None = None) -> SearchSpec:
+    """Parse and validate a search spec: a YAML file path or an already-parsed mapping.
+    Relative paths in it are taken from ``base``: by default the file's folder (the
+    current folder for a mapping)."""
+    if isinstance(spec, Mapping):
+        return _parse(dict(spec), source or "<dict>", base or Path.cwd())
+    path = Path(spec)
+    if not path.is_file():
+        raise SpecError(str(path), "", "search spec not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+    return _parse(raw, source or str(path), base or path.resolve().parent)
+
+
+class _Checker:
+    """Validation helpers bound to one spec source, so every error names it."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, problem: str):
+        raise SpecError(self.source, key, problem)
+
+    def mapping(self, key: str, value: Any, allowed: tuple[str, ...] | None = None) -> dict:
+        if not isinstance(value, Mapping):
+            self.fail(key, f"expected a mapping, got {_kind(value)}")
+        if allowed is not None:
+            for k in value:
+                if k not in allowed:
+                    self.fail(f"{key}.{k}" if key else str(k), f"unknown key; allowed: {', '.join(allowed)}")
+        return dict(value)
+
+    def number(self, key: str, value: Any, *, integer: bool = False, min: float | None = None,
+               above: float | None = None) -> float:
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok or (not integer and not math.isfinite(value)):
+            self.fail(key, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+        if min is not None and value < min:
+            self.fail(key, f"must be >= {min}, got {value!r}")
+        if above is not None and value <= above:
+            self.fail(key, f"must be > {above}, got {value!r}")
+        return value
+
+    def boolean(self, key: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            self.fail(key, f"expected true or false, got {value!r}")
+        return value
+
+    def options(self, key: str, given: dict, schema: dict[str, tuple[Any, Callable]]) -> dict:
+        """Fill ``given`` from ``schema`` (name -> (default, check(key, value)))."""
+        self.mapping(key, given, tuple(schema) + ("name",))
+        return {n: (check(f"{key}.{n}", given[n]) if n in given else default)
+                for n, (default, check) in schema.items()}
+
+
+def _lookup(sections: Mapping, path: tuple[str, ...]) -> Any:
+    """The value at ``path`` in the sections, or None when any step is missing."""
+    node: Any = sections
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
+    c = _Checker(source)
+    raw = c.mapping("", raw, TOP_KEYS)
+    for key in ("name", "task", "model", "budget", "space", "rank"):
+        if key not in raw:
+            c.fail(key, "missing (required)")
+    name = raw["name"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        c.fail("name", f"expected a name of letters, digits, '_', '.', '-', got {name!r}")
+    seed = c.number("seed", raw.get("seed", 0), integer=True, min=0)
+    sections = {k: c.mapping(k, raw.get(k, {})) for k in PATH_ROOTS}
+    for path, origin in MANAGED.items():
+        if _lookup(sections, path) is not None:
+            c.fail(".".join(path), f"set by the search from {origin}; remove it here")
+    objectives_dir = None
+    if raw.get("objectives_dir") is not None:
+        objectives_dir = (base / str(raw["objectives_dir"])).resolve()
+        if not objectives_dir.is_dir():
+            c.fail("objectives_dir", f"not a folder: {objectives_dir}")
+
+    rank = _parse_rank(c, raw["rank"])
+    objectives, params = _parse_space(c, raw["space"], base, objectives_dir)
+    for p in params:
+        if p.path[0] in sections and _lookup(sections, p.path) is not None:
+            c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is also fixed in {p.path[0]}:; set it in one place")
+        if p.path in MANAGED:
+            c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is set by the search from {MANAGED[p.path]}")
+    return SearchSpec(
+        name=name, source=source, base=base, seed=seed, objectives_dir=objectives_dir,
+        budget=_parse_budget(c, raw["budget"]), objectives=objectives, params=params, rank=rank,
+        sampler=_parse_sampler(c, raw.get("sampler", {}), len(rank), seed),
+        pruner=_parse_pruner(c, raw.get("pruner", {"name": "none"}), len(rank)),
+        resources=_parse_resources(c, raw.get("resources", {})), raw=raw, **sections)
+
+
+def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
+    rank = c.mapping("rank", value)
+    if not rank:
+        c.fail("rank", "name at least one metric with minimize or maximize")
+    for metric, direction in rank.items():
+        if direction not in DIRECTIONS:
+            c.fail(f"rank.{metric}", f"expected minimize or maximize, got {direction!r}")
+    return tuple(rank.items())
+
+
+def _parse_budget(c: _Checker, value: Any) -> Budget:
+    b = c.mapping("budget", value, ("trials", "tokens_per_trial", "seconds_per_trial",
+                                    "timeout_grace", "total_seconds"))
+    for key in ("trials", "tokens_per_trial", "seconds_per_trial"):
+        if key not in b:
+            c.fail(f"budget.{key}", "missing (required)")
+    total = b.get("total_seconds")
+    return Budget(
+        trials=c.number("budget.trials", b["trials"], integer=True, min=1),
+        tokens_per_trial=c.number("budget.tokens_per_trial", b["tokens_per_trial"], integer=True, min=1),
+        seconds_per_trial=c.number("budget.seconds_per_trial", b["seconds_per_trial"], above=0),
+        timeout_grace=c.number("budget.timeout_grace", b.get("timeout_grace", 30.0), min=0),
+        total_seconds=None if total is None else c.number("budget.total_seconds", total, above=0))
+
+
+def _parse_resources(c: _Checker, value: Any) -> Resources:
+    def gpus(key, v):
+        if v == "auto":
+            return None
+        v = c.number(key, v, min=0)
+        if v > 1 and v != int(v):
+            c.fail(key, f"a trial takes a fraction of one GPU or whole GPUs, got {v}")
+        return float(v)
+
+    def concurrent(key, v):
+        return None if v == "auto" else c.number(key, v, integer=True, min=1)
+
+    o = c.options("resources", c.mapping("resources", value), {
+        "cpus_per_trial": (1.0, lambda k, v: float(c.number(k, v, above=0))),
+        "gpus_per_trial": (None, gpus),
+        "max_concurrent": (None, concurrent),
+        "max_retries": (2, lambda k, v: c.number(k, v, integer=True, min=0)),
+    })
+    return Resources(**o)
+
+
+def _seed(c: _Checker):
+    return lambda k, v: c.number(k, v, integer=True, min=0)
+
+
+def _parse_sampler(c: _Checker, value: Any, n_metrics: int, seed: int) -> Component:
+    given = c.mapping("sampler", value)
+    name = given.get("name", "tpe" if n_metrics == 1 else "nsga2")
+    pos_int = lambda k, v: c.number(k, v, integer=True, min=1)  # noqa: E731
+    schemas = {
+        # TPE for one metric: multivariate + group handle the conditional (define-by-run)
+        # space of composed objectives; constant liar keeps parallel trials apart.
+        "tpe": {"seed": (seed, _seed(c)), "n_startup_trials": (10, pos_int),
+                "n_ei_candidates": (24, pos_int),
+                "multivariate": (True, c.boolean), "group": (True, c.boolean),
+                "constant_liar": (True, c.boolean)},
+        "nsga2": {"seed": (seed, _seed(c)), "population_size": (50, lambda k, v: c.number(k, v, integer=True, min=2)),
+                  "mutation_prob": (None, lambda k, v: None if v is None else c.number(k, v, min=0)),
+                  "crossover_prob": (0.9, lambda k, v: c.number(k, v, min=0)),
+                  "swapping_prob": (0.5, lambda k, v: c.number(k, v, min=0))},
+        "random": {"seed": (seed, _seed(c))},
+    }
+    if name not in schemas:
+        c.fail("sampler.name", f"expected one of {', '.join(schemas)}, got {name!r}")
+    return Component(name, c.options("sampler", given, schemas[name]))
+
+
+def _parse_pruner(c: _Checker, value: Any, n_metrics: int) -> Component:
+    given = {"name": value} if isinstance(value, str) else c.mapping("pruner", value)
+    name = given.get("name", "none")
+    nonneg = lambda k, v: c.number(k, v, integer=True, min=0)  # noqa: E731
+    schemas = {
+        "none": {},
+        # steps are tokens seen: warmup and resources are in tokens
+        "median": {"n_startup_trials": (5, nonneg), "n_warmup_steps": (0, nonneg),
+                   "interval_steps": (1, lambda k, v: c.number(k, v, integer=True, min=1)),
+                   "n_min_trials": (1, lambda k, v: c.number(k, v, integer=True, min=1))},
+        "successive_halving": {
+            "min_resource": ("auto", lambda k, v: v if v == "auto" else c.number(k, v, integer=True, min=1)),
+            "reduction_factor": (4, lambda k, v: c.number(k, v, integer=True, min=2)),
+            "min_early_stopping_rate": (0, nonneg), "bootstrap_count": (0, nonneg)},
+    }
+    if name not in schemas:
+        c.fail("pruner.name", f"expected one of {', '.join(schemas)}, got {name!r}")
+    if name != "none" and n_metrics > 1:
+        c.fail("pruner", f"pruning needs a single ranking metric (Optuna cannot prune "
+                         f"multi-objective trials); rank has {n_metrics}")
+    return Component(name, c.options("pruner", given, schemas[name]))
+
+
+# ---------------------------------------------------------------- the space
+
+def _parse_space(c: _Checker, value: Any, base: Path, objectives_dir: Path | None
+                 ) -> tuple[tuple[ObjectiveOption, ...], tuple[Param, ...]]:
+    space = c.mapping("space", value)
+    if "objective" not in space:
+        c.fail("space.objective", "missing (required): {choice: [library names, files or {compose: ...}]}")
+    objective = space.pop("objective")
+    objectives = _parse_objectives(c, objective, base, objectives_dir)
+    params, seen = [], {}
+    for key, dist in space.items():
+        path = ALIASES.get(key) or _dotted(c, key)
+        if path in seen:
+            c.fail(f"space.{key}", f"same setting as space.{seen[path]} ({'.'.join(path)})")
+        seen[path] = key
+        params.append(_parse_param(c, f"space.{key}", key, path, dist))
+    approx = next((p for p in params if p.path == ("objective", "approximation")), None)
+    if approx is not None:
+        if approx.kind != "choice":
+            c.fail("space.approximation", "expected {choice: [exact, diagonal]}")
+        for v in approx.choices:
+            check_choices({"approximation": v}, c.source, "space.approximation")
+        if any(isinstance(e, Mapping) and "approximation" in e["compose"] for e in objective["choice"]):
+            c.fail("space.approximation", "also set in a compose entry; set it in one place")
+    return objectives, tuple(params)
+
+
+def _dotted(c: _Checker, key: str) -> tuple[str, ...]:
+    path = tuple(str(key).split("."))
+    if len(path) < 2 or path[0] not in PATH_ROOTS or not all(path):
+        c.fail(f"space.{key}", f"unknown key; use one of {', '.join(ALIASES)} or a dotted "
+                               f"path under {', '.join(PATH_ROOTS)} (e.g. model.n_layers)")
+    return path
+
+
+def _parse_param(c: _Checker, key: str, name: str, path: tuple[str, ...], dist: Any) -> Param:
+    d = c.mapping(key, dist, ("choice", "int", "float", "step", "log"))
+    kinds = [k for k in ("choice", "int", "float") if k in d]
+    if len(kinds) != 1:
+        c.fail(key, "give exactly one of choice: [...], int: [low, high], float: [low, high]")
+    kind = kinds[0]
+    if kind == "choice":
+        if set(d) != {"choice"}:
+            c.fail(key, "step and log apply to int and float ranges only")
+        choices = d["choice"]
+        if not isinstance(choices, list) or not choices:
+            c.fail(f"{key}.choice", "expected a non-empty list")
+        for v in choices:
+            if not isinstance(v, (str, int, float, bool)) or v is None:
+                c.fail(f"{key}.choice", f"choices must be strings, numbers or booleans, got {v!r}")
+        if len(set(map(repr, choices))) != len(choices):
+            c.fail(f"{key}.choice", "duplicate choices")
+        return Param(name, path, "choice", choices=tuple(choices))
+    bounds = d[kind]
+    integer = kind == "int"
+    if not isinstance(bounds, list) or len(bounds) != 2:
+        c.fail(f"{key}.{kind}", "expected [low, high]")
+    low, high = (c.number(f"{key}.{kind}", b, integer=integer) for b in bounds)
+    if low > high:
+        c.fail(f"{key}.{kind}", f"low {low} is above high {high}")
+    log = c.boolean(f"{key}.log", d.get("log", False))
+    step = d.get("step")
+    if step is not None:
+        step = c.number(f"{key}.step", step, integer=integer, above=0)
+        if log:
+            c.fail(key, "step and log: true cannot be combined")
+    if log and low <= 0:
+        c.fail(f"{key}.{kind}", f"log: true needs low > 0, got {low}")
+    return Param(name, path, kind, low=low, high=high, step=step, log=log)
+
+
+def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path | None
+                      ) -> tuple[ObjectiveOption, ...]:
+    key = "space.objective"
+    choices = c.mapping(key, value, ("choice",)).get("choice")
+    if not isinstance(choices, list) or not choices:
+        c.fail(f"{key}.choice", "expected a non-empty list of library names, files or {compose: ...}")
+    n_compose = sum(isinstance(e, Mapping) for e in choices)
+    options, compose_i = [], 0
+    for i, entry in enumerate(choices):
+        ekey = f"{key}.choice[{i}]"
+        if isinstance(entry, str):
+            path = library.find_objective(entry, base, objectives_dir, c.source, ekey)
+            kind = "file" if library.is_path(entry) else "library"
+            options.append(ObjectiveOption(entry, kind, path=path))
+            continue
+        e = c.mapping(ekey, entry, ("compose", "label"))
+        if "compose" not in e:
+            c.fail(ekey, "expected a library name, a .yaml path or {compose: {term: value or [values]}}")
+        compose_i += 1
+        label = e.get("label", "composed" if n_compose == 1 else f"composed_{compose_i}")
+        if not isinstance(label, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", label):
+            c.fail(f"{ekey}.label", f"expected an identifier, got {label!r}")
+        terms = c.mapping(f"{ekey}.compose", e["compose"], tuple(TERMS))
+        resolved = []
+        for term in TERMS:
+            values = terms.get(term, [TERMS[term][0]])
+            values = values if isinstance(values, list) else [values]
+            if not values or len(set(map(repr, values))) != len(values):
+                c.fail(f"{ekey}.compose.{term}", "expected a value or a non-empty list without duplicates")
+            for v in values:
+                check_choices({term: v}, c.source, f"{ekey}.compose")
+            resolved.append((term, tuple(values)))
+        options.append(ObjectiveOption(label, "compose", terms=tuple(resolved)))
+    labels = [o.label for o in options]
+    dup = next((x for x in labels if labels.count(x) > 1), None)
+    if dup is not None:
+        c.fail(f"{key}.choice", f"{dup!r} appears twice")
+    return tuple(options)

@@ -1,0 +1,119 @@
+"""Trial functions that train nothing, for testing the search machinery and for trying
+a cluster or a spec without training (``ssmcraft search SPEC --trial-function
+ssmcraft.search.testing:quadratic``). Like ``optuna.testing``, shipped so that workers on
+any node can import them.
+
+Each follows the trial function contract of ``ssmcraft.search.outcome``. Behaviour that
+depends on the trial reads its number from ``out_dir/trial.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ssmcraft.search.outcome import count_attempts
+from ssmcraft.search.space import objective_of
+
+
+def trial_number(out_dir: Path) -> int:
+    return json.loads((Path(out_dir) / "trial.json").read_text())["number"]
+
+
+def _numbers(node, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a config tree, by dotted path."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_numbers(v, f"{prefix}{k}."))
+        return out
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return {prefix[:-1]: float(node)}
+    return {}
+
+
+def quadratic(config: dict, out_dir: Path, report) -> dict:
+    """Deterministic metrics from the config: a smooth function of the numeric model and
+    train settings plus a per-objective offset; reports 4 intermediate values on the way."""
+    x = {**_numbers(config["model"], "model."), **_numbers(config["train"], "train.")}
+    name = objective_of(config)["name"]
+    offset = sum(map(ord, name)) % 7 / 7
+    loss = 1.0 + offset + sum((math.log10(abs(v) + 1e-12) % 1 - 0.5) ** 2 for v in x.values())
+    tokens = int(config["train"]["tokens"])
+    for i in range(1, 5):
+        if report(tokens * i // 4, {"val_loss": loss * (1 + 1 / i)}):
+            return {"status": "pruned", "tokens": tokens * i // 4}
+    return {"val_loss": loss, "tokens_per_s": 1000.0 / (1 + offset), "tokens": tokens,
+            "state_bytes": 4 * int(x.get("model.mixer.state_size", 16)) * 64}
+
+
+@dataclass
+class Scripted:
+    """``quadratic``, except for the trials named in ``script`` (trial number -> what to
+    do): ``raise``, ``nan``, ``oom``, ``diverged``, ``time_limit`` (metrics with status
+    timeout, as training returns at ``train.max_seconds``), ``sleep`` (``sleep_s`` seconds),
+    ``exit`` (kill the worker process), ``exit_once`` (kill it on the first attempt only),
+    ``bad_curve`` (report poor intermediate values, ``steps`` times, ``sleep_s`` apart).
+    Every trial sleeps ``delay_s`` first."""
+    script: dict[int, str] = field(default_factory=dict)
+    sleep_s: float = 30.0
+    delay_s: float = 0.0
+    steps: int = 20
+
+    def __call__(self, config: dict, out_dir: Path, report) -> dict:
+        time.sleep(self.delay_s)
+        action = self.script.get(trial_number(out_dir))
+        if action == "raise":
+            raise ValueError("scripted failure")
+        if action == "oom":
+            raise MemoryError("scripted: CUDA out of memory. Tried to allocate 2.00 GiB")
+        if action == "nan":
+            return {"val_loss": float("nan"), "tokens": 1}
+        if action == "diverged":
+            return {"status": "diverged", "reason": "loss became inf at step 3", "tokens": 3}
+        if action == "time_limit":
+            return {**quadratic(config, out_dir, report), "status": "timeout", "tokens": 7}
+        if action == "sleep":
+            time.sleep(self.sleep_s)
+        if action == "exit" or (action == "exit_once" and count_attempts(Path(out_dir)) == 1):
+            os._exit(3)
+        if action == "bad_curve":
+            for i in range(1, self.steps + 1):
+                if report(i * 1000, {"val_loss": 100.0}):
+                    return {"status": "pruned", "tokens": i * 1000}
+                time.sleep(self.sleep_s)
+            return {"val_loss": 100.0, "tokens": self.steps * 1000}
+        return quadratic(config, out_dir, report)
+
+
+def sleepy(config: dict, out_dir: Path, report) -> dict:
+    """``quadratic`` after sleeping ``config["train"]["sleep_s"]`` seconds (default 0.5):
+    a trial slow enough to kill a coordinator in the middle of."""
+    time.sleep(float(config["train"].get("sleep_s", 0.5)))
+    return quadratic(config, out_dir, report)
+
+
+def tiny_spec(**overrides) -> dict:
+    """A small valid search spec over composed objectives only (needs no objective
+    library), for tests and for trying the machinery; top-level keys in ``overrides``
+    replace the defaults."""
+    spec = {
+        "name": "tiny",
+        "task": {"name": "mqar", "seq_len": 32},
+        "model": {"d_model": 16, "n_layers": 1},
+        "budget": {"trials": 4, "tokens_per_trial": 1000, "seconds_per_trial": 5, "timeout_grace": 2},
+        "space": {
+            "objective": {"choice": [{"compose": {"proximity": ["plain", "scalar_decay"],
+                                                  "step": ["scalar", "per_channel"]}}]},
+            "m": {"int": [8, 32], "step": 8},
+            "lr": {"float": [1.0e-4, 1.0e-2], "log": True},
+        },
+        "rank": {"val_loss": "minimize"},
+        "sampler": {"name": "tpe", "n_startup_trials": 2},
+        "resources": {"max_retries": 1},
+    }
+    spec.update(overrides)
+    return spec

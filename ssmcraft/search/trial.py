@@ -1,0 +1,60 @@
+"""The default trial: compile the objective, train, evaluate, return the metrics.
+
+It is a plain function of its arguments (see ``ssmcraft.search.outcome`` for the trial
+function contract), so any executor can ship it to a worker. Training code is imported
+here, on the worker, not when the search starts.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Callable
+
+from ssmcraft.search.objectives import compile_objective
+from ssmcraft.search.space import objective_of
+
+
+def train_trial(config: dict, out_dir: Path, report: Callable[[int, dict], bool]) -> dict:
+    """Compile the trial's objective (a ``SpecError`` here fails the trial with the
+    compiler's message), then ``ssmcraft.train.train_run(config, out_dir)``, passing
+    ``report`` when ``train_run`` takes it (``can_report``).
+
+    Adds ``kernel_hash`` (content hash of the derived update's IR, from which the
+    generated code is printed) and, when training does not report it, ``state_bytes``
+    (fp32 recurrent state per sequence, all layers).
+    """
+    compiled = compile_objective(objective_of(config))
+    from ssmcraft.train import train_run
+
+    kwargs = {"report": report} if can_report() else {}
+    metrics = dict(train_run(config, out_dir, progress=False, **kwargs))
+    metrics["kernel_hash"] = compiled.ir.content_hash()
+    if "state_bytes" not in metrics:
+        metrics["state_bytes"] = state_bytes(out_dir)
+    return metrics
+
+
+def can_report() -> bool:
+    """Whether ``train_run`` takes ``report=`` (intermediate values, pruning)."""
+    from ssmcraft.train import train_run
+
+    return "report" in inspect.signature(train_run).parameters
+
+
+def state_bytes(run_dir: Path) -> int | None:
+    """Bytes of recurrent state one sequence carries through the run's model: fp32
+    ``[H, d, m]`` per objective mixer; None when a mixer's state grows with the context
+    (attention). Built from the run's config; no weights needed."""
+    from ssmcraft.layers import LM
+    from ssmcraft.train.checkpoint import load_config, model_config
+
+    total = 0
+    for mixer in LM(model_config(load_config(run_dir))).mixers:
+        d = mixer.describe()
+        if d.get("kind") != "objective":
+            return None
+        total += 4 * d["heads"] * d["d"] * d["m"]
+    return total
+
+
+train_trial.can_report = can_report

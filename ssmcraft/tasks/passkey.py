@@ -1,0 +1,132 @@
+"""Passkey retrieval, byte-level (one token per byte, vocabulary 256).
+
+A sequence is an instruction, filler text repeated to the chosen length, a needle sentence
+holding a random key of ``digits`` decimal digits inserted at a chosen depth of the filler
+(0 = right after the instruction, 1 = right before the question; snapped to the
+nearest sentence start), the question and the key::
+
+    There is an important info hidden ... <filler> The pass key is 71432. Remember it.
+    71432 is the pass key. <filler> What is the pass key? The pass key is 71432
+
+``inputs`` are the first T bytes, ``targets`` the next byte at each position but ``IGNORE``
+everywhere except the positions that predict the answer's digits (the last ``digits``
+positions). A trial counts as retrieved when every digit is predicted (argmax, teacher
+forcing; identical to greedy decoding of the answer).
+
+``PasskeyTask`` is the trainable variant (random depth per example); ``passkey_batch``
+builds the fixed-length, fixed-depth batches of the evaluation grid.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ssmcraft.tasks.base import IGNORE, Options, Task, token_accuracy
+
+PREFIX = (b"There is an important info hidden inside a lot of irrelevant text. "
+          b"Find it and memorize it. I will quiz you about the important information there.\n")
+FILLER = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = b"The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = b"What is the pass key? The pass key is "
+VOCAB = 256
+DEFAULTS = {"seq_len": 256, "digits": 5, "depth": None, "test_seq_len": None}
+
+
+def min_length(digits: int) -> int:
+    """Shortest context (in bytes) that holds the prompt, the needle and the answer."""
+    return len(PREFIX) + len(NEEDLE.replace(b"{key}", b"0" * digits)) + len(QUESTION) + digits
+
+
+def sentence_start_near(filler: bytes, position: float) -> int:
+    """The sentence start in ``filler`` (0, after each ". ", or its end) closest to ``position``."""
+    starts = [0] + [i + 2 for i in range(len(filler) - 1) if filler[i:i + 2] == b". "] + [len(filler)]
+    return min(starts, key=lambda s: (abs(s - position), s))
+
+
+def passkey_text(seq_len: int, depth: float, key: bytes) -> tuple[bytes, int]:
+    """The ``seq_len + 1`` bytes of one example and the index where the answer starts."""
+    digits = len(key)
+    needle = NEEDLE.replace(b"{key}", key)
+    n_fill = seq_len + 1 - (len(PREFIX) + len(needle) + len(QUESTION) + digits)
+    if n_fill < 0:
+        raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
+    cut = sentence_start_near(filler, depth * n_fill)
+    text = PREFIX + filler[:cut] + needle + filler[cut:] + QUESTION + key
+    assert len(text) == seq_len + 1
+    return text, seq_len + 1 - digits
+
+
+def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, digits: int = 5,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs [B, T], targets [B, T], keys [B, digits])`` int64; ``depth`` a float or ``[B]``.
+
+    Only the last ``digits`` targets are scored: they are the key's digits as bytes.
+    """
+    key_digits = torch.randint(0, 10, (batch_size, digits), generator=generator)
+    depths = depth if isinstance(depth, torch.Tensor) else torch.full((batch_size,), float(depth))
+    rows = []
+    for b in range(batch_size):
+        key = bytes(48 + int(c) for c in key_digits[b])
+        text, _ = passkey_text(seq_len, float(depths[b]), key)
+        rows.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64))
+    seq = torch.stack(rows)                                  # [B, T + 1]
+    inputs, targets = seq[:, :-1].clone(), seq[:, 1:].clone()
+    targets[:, : seq_len - digits] = IGNORE
+    return inputs, targets, key_digits
+
+
+def retrieved(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: every scored position predicted (logits ``[B, T, V]``, targets ``[B, T]``)."""
+    mask = targets != IGNORE
+    ok = (logits.argmax(-1) == targets) | ~mask
+    return ok.all(dim=1)
+
+
+class PasskeyTask(Task):
+    """Trainable passkey retrieval: depth uniform in [0, 1] per example unless ``depth`` is fixed."""
+
+    name = "passkey"
+    vocab_size = VOCAB
+
+    def __init__(self, seq_len: int = 256, digits: int = 5, depth: float | None = None,
+                 test_seq_len: int | None = None):
+        self.seq_len, self.digits, self.depth = int(seq_len), int(digits), depth
+        self.eval_seq_len = int(test_seq_len or seq_len)
+        for T in (self.seq_len, self.eval_seq_len):
+            if T < min_length(self.digits):
+                raise ValueError(f"seq_len {T} is shorter than the passkey prompt ({min_length(self.digits)} bytes)")
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "<experiment>") -> "PasskeyTask":
+        o = Options(cfg, DEFAULTS, source)
+        depth = None if o.get("depth") is None else o.float("depth", 0.0, 1.0)
+        test_len = None if o.get("test_seq_len") is None else o.int("test_seq_len", 1)
+        try:
+            return cls(o.int("seq_len", 1), o.int("digits", 1), depth, test_len)
+        except ValueError as e:
+            o.fail("", str(e))
+
+    def sample(self, split, batch_size, seq_len=None, generator=None):
+        T = self.default_len(split, seq_len)
+        if self.depth is None:
+            depth = torch.rand(batch_size, generator=generator)
+        else:
+            depth = float(self.depth)
+        inputs, targets, _ = passkey_batch(batch_size, T, depth, self.digits, generator)
+        return inputs, targets
+
+    def score(self, logits, targets):
+        correct, scored = token_accuracy(logits, targets)
+        hits = retrieved(logits, targets)
+        return {"digit_accuracy": (correct, scored), "accuracy": (int(hits.sum()), hits.numel())}
+
+    def constant_metrics(self):
+        return {"chance_accuracy": 0.1 ** self.digits}
+
+    def describe(self):
+        return {"name": self.name, "vocab": self.vocab_size, "seq_len": self.seq_len,
+                "test_seq_len": self.eval_seq_len, "digits": self.digits, "depth": self.depth}

@@ -1,0 +1,152 @@
+"""Experiment specs: reading, ``--set`` overrides, defaults and validation.
+
+An experiment spec (YAML) has four sections; everything but ``task`` has defaults::
+
+    name: train_quick
+    seed: 0
+    task:  {name: mqar, vocab: 128, seq_len: 64, num_kv_pairs: 4}    # see ssmcraft.tasks
+    model: {d_model: 64, n_layers: 2, mlp_ratio: 2,
+            mixer: {kind: objective, objective: longhorn, state_size: 16}}  # ssmcraft.layers.config
+    train: {batch_size: 32, tokens: 1_000_000, lr: 3.0e-3, ...}    # TRAIN_DEFAULTS below
+
+``resolve`` returns a complete, validated mapping (every default filled in); it is what a
+run directory records. Task and mixer keys are validated by their builders.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.layers.config import LMConfig
+
+TOP_DEFAULTS: dict[str, Any] = {"name": "experiment", "seed": 0}
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "batch_size": 32,
+    "tokens": 1_000_000,        # training budget in input tokens (batch_size * seq_len per step)
+    "max_seconds": None,        # optional wall-clock limit of the training loop
+    "lr": 3.0e-3,
+    "min_lr_ratio": 0.1,        # cosine decays to lr * min_lr_ratio
+    "warmup": 0.05,             # fraction of the steps (< 1) or a number of steps (>= 1)
+    "weight_decay": 0.1,        # on matrices of linear layers and the embedding only
+    "betas": [0.9, 0.95],
+    "grad_clip": 1.0,           # max global gradient norm (0: off)
+    "eval_every": 100,          # steps between validations (0: only at the end)
+    "eval_batches": 4,
+    "eval_batch_size": 64,
+    "val_seed": 1234,           # the validation set is the same for every run seed
+    "device": "auto",           # auto | cpu | cuda | cuda:N
+    "precision": "auto",        # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    "threads": None,            # torch CPU threads (None: leave torch's default)
+    "backend": "auto",          # recurrence path: auto (fastest available) | reference | torch | triton
+    "save_model": True,
+}
+MODEL_DEFAULTS = {**LMConfig(vocab_size=0).to_dict(), "vocab_size": None}   # None: the task's vocabulary
+SECTIONS = {"task", "model", "train"}
+
+
+def load_experiment(path: str | Path) -> dict[str, Any]:
+    """The mapping of an experiment YAML file (``SpecError`` naming the file on problems)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SsmcraftError(f"{path}: no such experiment file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise SpecError(str(path), "", f"invalid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SpecError(str(path), "", "expected a mapping at the top level")
+    return data
+
+
+def apply_overrides(cfg: Mapping[str, Any], overrides: Iterable[str], source: str = "--set") -> dict[str, Any]:
+    """A copy of ``cfg`` with each ``dotted.key=value`` set; values parse as YAML (``1e-3``, ``[1, 2]``)."""
+    out = copy.deepcopy(dict(cfg))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(source, item, "expected key=value, e.g. train.lr=1e-3")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        value = number_or_same(value)
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(source, key, f"{part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def number_or_same(value: Any) -> Any:
+    """``"3e-3"`` -> 0.003: YAML 1.1 reads exponents without a dot as strings."""
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _section(cfg: Mapping, name: str, defaults: Mapping[str, Any], source: str) -> dict[str, Any]:
+    given = cfg.get(name, {}) or {}
+    if not isinstance(given, Mapping):
+        raise SpecError(source, name, f"expected a mapping, got {type(given).__name__}")
+    for k in given:
+        if k not in defaults:
+            raise SpecError(source, f"{name}.{k}", f"unknown key; allowed: {', '.join(sorted(defaults))}")
+    return {**copy.deepcopy(dict(defaults)), **copy.deepcopy(dict(given))}
+
+
+def resolve(cfg: Mapping[str, Any], source: str = "<experiment>") -> dict[str, Any]:
+    """The complete experiment mapping with defaults filled in; structural errors are ``SpecError``."""
+    if not isinstance(cfg, Mapping):
+        raise SpecError(source, "", "expected a mapping")
+    for k in cfg:
+        if k not in SECTIONS and k not in TOP_DEFAULTS:
+            raise SpecError(source, str(k), f"unknown key; allowed: {', '.join(sorted(SECTIONS | set(TOP_DEFAULTS)))}")
+    if "task" not in cfg or not isinstance(cfg["task"], Mapping) or "name" not in cfg["task"]:
+        raise SpecError(source, "task", "missing (required): a mapping with a task name")
+    out = {k: cfg.get(k, v) for k, v in TOP_DEFAULTS.items()}
+    if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
+        raise SpecError(source, "seed", f"expected an integer, got {out['seed']!r}")
+    out["task"] = copy.deepcopy(dict(cfg["task"]))
+    out["model"] = _section(cfg, "model", MODEL_DEFAULTS, source)
+    out["train"] = _section(cfg, "train", TRAIN_DEFAULTS, source)
+    _check_train(out["train"], source)
+    LMConfig.from_dict({**out["model"], "vocab_size": out["model"]["vocab_size"] or 1}, source, "model")
+    return out
+
+
+def _check_train(t: dict[str, Any], source: str) -> None:
+    def positive(key, integer=False, allow_zero=False):
+        v = t[key] = number_or_same(t[key])
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or (allow_zero and v == 0))
+        if not ok or (integer and float(v) != int(v)):
+            raise SpecError(source, f"train.{key}", f"expected a {'non-negative' if allow_zero else 'positive'} "
+                            f"{'integer' if integer else 'number'}, got {v!r}")
+        if integer:
+            t[key] = int(v)
+
+    for key in ("batch_size", "tokens", "eval_batches", "eval_batch_size"):
+        positive(key, integer=True)
+    positive("eval_every", integer=True, allow_zero=True)
+    for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):
+        positive(key, allow_zero=key != "lr")
+    t["betas"] = [number_or_same(b) for b in t["betas"]] if isinstance(t["betas"], list) else t["betas"]
+    if t["max_seconds"] is not None:
+        positive("max_seconds")
+    if t["backend"] not in ("auto", "reference", "torch", "triton", "interpret"):
+        raise SpecError(source, "train.backend", f"expected auto, reference, torch, triton or interpret, "
+                        f"got {t['backend']!r}")
+    if t["precision"] not in ("auto", "fp32", "bf16"):
+        raise SpecError(source, "train.precision", f"expected auto, fp32 or bf16, got {t['precision']!r}")
+    if not (isinstance(t["betas"], list) and len(t["betas"]) == 2):
+        raise SpecError(source, "train.betas", f"expected [beta1, beta2], got {t['betas']!r}")

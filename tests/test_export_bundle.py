@@ -1,0 +1,164 @@
+"""Export internals: the bundle built from ssmcraft's source, every library objective through
+an export, the torch-only safetensors reader/writer, and the inline Triton kernels under
+the interpreter (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ssmcraft.errors import SsmcraftError
+
+LIBRARY = ("linear_attention", "retnet", "gla", "mamba", "hgrn", "deltanet", "gated_deltanet", "longhorn",
+           "longhorn_diag", "gated_longhorn", "wd_longhorn", "cauchy_delta")
+
+
+def tiny_lm(compiled, name, heads=1, n_layers=1, seed=0):
+    from ssmcraft.layers import LM, LMConfig
+
+    torch.manual_seed(seed)
+    cfg = LMConfig(vocab_size=24, d_model=16, n_layers=n_layers, mlp_ratio=2,
+                   mixer={"kind": "objective", "objective": dict(compiled(name).spec.raw), "heads": heads,
+                          "state_size": 4})
+    return LM(cfg, compiled(name)).eval()
+
+
+def source(tmp_path):
+    from ssmcraft.export.exporter import TrialSource
+
+    return TrialSource("train", tmp_path / "run", tmp_path / "run")
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_every_library_objective_exports_and_reproduces(compiled, name, tmp_path):
+    from ssmcraft.export.exporter import export_model
+
+    model = tiny_lm(compiled, name, heads=2)
+    result = export_model(model, tmp_path / "exp", source(tmp_path), check=True)
+    v = result.verified
+    assert v["max_abs_diff"] < 1e-5 and v["step_max_abs_diff"] < 1e-5, v
+    assert v["backend"] == "torch-vectorised"
+    assert result.structure == compiled(name).ir.kind
+
+
+def test_layer_only_bundle_has_no_lm(compiled, tmp_path):
+    from ssmcraft.export.exporter import export_model
+
+    model = tiny_lm(compiled, "gated_deltanet", n_layers=2)
+    result = export_model(model, tmp_path / "exp", source(tmp_path), layer_only=True)
+    text = result.module.read_text()
+    assert "class Mixer(ObjectiveMixer)" in text and "class LM(" not in text and "class Model(" not in text
+    assert result.verified["layers"] == 2 and result.verified["max_abs_diff"] < 1e-5
+
+
+def test_bundle_refuses_missing_and_duplicate_definitions(compiled):
+    from ssmcraft.export import exporter
+    from ssmcraft.export.assemble import ExportError, bundle
+
+    obj = compiled("longhorn")
+    gen = exporter.generated_sections(obj, {}, {"ir_hash": "x"}, None)
+    plan = [p for p in exporter.LAYER_PLAN if p[:2] != ("module", "ssmcraft.layers.conv")]
+    with pytest.raises(ExportError, match="CausalConv1d"):
+        bundle("# header", plan, gen)
+    with pytest.raises(ExportError, match="defined by both"):
+        bundle("# header", exporter.LAYER_PLAN + [("module", "ssmcraft.layers.conv")], gen)
+    text = bundle("# header", exporter.LAYER_PLAN, gen)
+    assert "from ssmcraft" not in "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith(("#", "pass")))
+
+
+def test_generated_recurrence_becomes_a_class(compiled):
+    from ssmcraft.export.assemble import ExportError, recurrence_section
+
+    obj = compiled("mamba")
+    ns = {"torch": torch, "F": torch.nn.functional}
+    exec(recurrence_section(obj.source).body, ns)   # noqa: S102 - our own generated text
+    rec = ns["Recurrence"]
+    assert rec.KIND == obj.module.KIND and rec.SLOTS == obj.module.SLOTS
+    env = {"x": torch.randn(2, 3, 1, 4, 1), "k": torch.randn(2, 3, 1, 1, 5), "q": torch.randn(2, 3, 1, 1, 5),
+           "delta": torch.rand(2, 3, 1, 4, 1), "A": -torch.rand(1, 1, 1, 4, 5)}
+    a, b = rec.coefficients(env, 4, 5), obj.module.coefficients(env, 4, 5)
+    assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+    bad = obj.source + "\n\nHELPER = 2\n\n\ndef extra(env, d, m):\n    return HELPER\n"
+    with pytest.raises(ExportError, match="HELPER"):
+        recurrence_section(bad)
+
+
+def test_safetensors_reader_and_writer_match_the_library(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ssmcraft.export.runtime import load_safetensors, save_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, generator=g).half(), "f64": torch.randn(4, generator=g).double(),
+        "i64": torch.arange(-3, 6), "i32": torch.arange(5, dtype=torch.int32), "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "strided": torch.randn(4, 6, generator=g)[:, ::2],
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "lib.safetensors"), metadata={"a": "b"})
+    save_safetensors(tensors, tmp_path / "ours.safetensors", {"a": "b"})
+    for path in ("lib.safetensors", "ours.safetensors"):
+        for reader in (load_safetensors, load_file):
+            got = reader(str(tmp_path / path))
+            assert set(got) == set(tensors)
+            for k, v in tensors.items():
+                assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), (path, k)
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 12)
+    with pytest.raises(SsmcraftError, match="not a safetensors file"):
+        load_safetensors(tmp_path / "bad.safetensors")
+
+
+INTERPRETED = textwrap.dedent(r'''
+    import importlib.util, json, os, sys
+    for blocked in ("ssmcraft", "safetensors", "yaml", "sympy", "optuna"):
+        sys.modules[blocked] = None
+    import torch
+    torch.set_grad_enabled(False)
+    out = {}
+    for folder in sys.argv[1:]:
+        [name] = [f[:-3] for f in os.listdir(folder) if f.endswith(".py")]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, name + ".py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        model = mod.from_pretrained(folder)
+        ids = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+        ref = model(ids)
+        mod.OBJECTIVE.prefer = "interpret"
+        got = model(ids)
+        backend = model.backend
+        state = model.init_state(2)
+        steps = []
+        for t in range(3):
+            lt, state = model.step(ids[:, t], state)
+            steps.append(lt)
+        out[name] = {"diff": float((got - ref).abs().max()), "backend": backend,
+                     "step_diff": float((torch.stack(steps, 1) - ref[:, :3]).abs().max())}
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
+    pytest.importorskip("triton")
+    from ssmcraft.export.exporter import export_model
+
+    folders = []
+    for name in ("longhorn", "deltanet"):
+        result = export_model(tiny_lm(compiled, name, heads=2), tmp_path / name, source(tmp_path), check=False)
+        if not result.kernels.startswith("inline"):
+            pytest.skip(f"{name}: no inline kernels in this ssmcraft ({result.kernels})")
+        folders.append(str(tmp_path / name))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, *folders], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    for name, r in res.items():
+        assert r["backend"].startswith("triton-interpret:"), (name, r)
+        assert r["diff"] < 1e-4 and r["step_diff"] < 1e-4, (name, r)

@@ -1,0 +1,288 @@
+"""The coordinator with the in-process executor and fake trials: failures recorded with
+their reason, reproducibility, pruning, resume after a torn journal or stale trials,
+reports, and the CLI. (Ray: test_search_ray.py; a killed driver: test_search_resume.py.)"""
+from __future__ import annotations
+
+import copy
+import csv
+import os
+import sys
+import time
+import types
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from ssmcraft import cli
+from ssmcraft.errors import DerivationError, SpecError, SsmcraftError
+from ssmcraft.search import InlineExecutor, compose_objective, find_trial, load_search_spec, load_trial, run_search
+from ssmcraft.search.coordinator import recover_stale
+from ssmcraft.search.reports import pareto_fronts
+from ssmcraft.search.rundir import open_study
+from ssmcraft.search.space import suggest
+from ssmcraft.search.storage import RunLock, open_storage
+from ssmcraft.search.testing import Scripted, quadratic, tiny_spec
+
+
+def search(out, trial_fn=quadratic, *, plots=False, logs=None, compile_fn=None, **overrides):
+    spec = load_search_spec(tiny_spec(**overrides))
+    return run_search(spec, out, executor=InlineExecutor(), trial_fn=trial_fn, compile_fn=compile_fn,
+                      plots=plots, log=(logs.append if logs is not None else lambda line: None))
+
+
+def by_number(study):
+    return {t.number: t for t in study.get_trials(deepcopy=False)}
+
+
+def budget(**changes):
+    return {**tiny_spec()["budget"], **changes}
+
+
+def test_failures_are_recorded_with_their_reason_and_the_search_goes_on(tmp_path):
+    fn = Scripted({1: "raise", 2: "nan", 3: "oom", 4: "sleep", 5: "diverged", 7: "time_limit"}, sleep_s=30)
+    start = time.monotonic()
+    result = search(tmp_path / "run", fn, budget=budget(trials=8, seconds_per_trial=0.5, timeout_grace=0.5))
+    assert time.monotonic() - start < 15  # the sleeping trial was stopped at its limit
+    trials = by_number(result.study)
+    expected = {
+        0: (TrialState.COMPLETE, None),
+        1: (TrialState.FAIL, "error: ValueError: scripted failure"),
+        2: (TrialState.FAIL, "diverged: val_loss is nan"),
+        3: (TrialState.FAIL, "out of memory: MemoryError: scripted: CUDA out of memory"),
+        4: (TrialState.FAIL, "timeout: no result within 1 s (hard limit)"),
+        5: (TrialState.FAIL, "diverged: loss became inf at step 3"),
+        6: (TrialState.COMPLETE, None),
+        7: (TrialState.COMPLETE, "timeout: stopped after 7 tokens (train.max_seconds)"),
+    }
+    for n, (state, reason) in expected.items():
+        assert trials[n].state == state, (n, trials[n].user_attrs.get("reason"))
+        if reason is None:
+            assert trials[n].user_attrs["reason"] is None
+        else:
+            assert trials[n].user_attrs["reason"].startswith(reason)
+    assert result.counts == {"complete": 3, "pruned": 0, "failed": 5}
+    assert "ValueError: scripted failure" in (tmp_path / "run/trials/0001/error.txt").read_text()
+    with open(tmp_path / "run/leaderboard.csv") as f:
+        rows = list(csv.DictReader(f))
+    ranked = [float(r["metric.val_loss"]) for r in rows if r["rank"]]
+    assert len(ranked) == 3 and ranked == sorted(ranked)
+    assert {r["trial"]: r["reason"] for r in rows}["3"].startswith("out of memory")
+    assert [r["status"] for r in rows][3:] == ["failed"] * 5 and len(rows) == 8
+
+
+def test_a_trial_whose_objective_does_not_derive_fails_with_the_compilers_message(tmp_path):
+    def fn(config, out_dir, report):
+        raise DerivationError("<dict>", "objective", "not quadratic in S; use update: explicit")
+
+    result = search(tmp_path / "run", fn, budget=budget(trials=1))
+    (trial,) = result.study.trials
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["reason"] == ("objective does not derive: <dict>: objective: "
+                                          "not quadratic in S; use update: explicit")
+
+
+def test_a_rejected_variant_is_reported_before_any_trial(tmp_path):
+    def compile_fn(objective):
+        if objective["inputs"]["beta"]["shape"] == []:
+            raise SpecError("<dict>", "inputs.beta", "scalar step not supported")
+
+    with pytest.raises(SpecError, match="scalar step not supported"):
+        search(tmp_path / "run", compile_fn=compile_fn)
+    assert not (tmp_path / "run" / "journal.log").exists()
+    result = search(tmp_path / "ok", compile_fn=lambda objective: None, budget=budget(trials=1))
+    assert result.counts["complete"] == 1
+
+
+def test_a_fixed_seed_reproduces_the_parameter_sequence(tmp_path):
+    def params(name, seed):
+        result = search(tmp_path / name, seed=seed, budget=budget(trials=6))
+        return [t.params for t in result.study.trials]
+
+    first = params("a", 3)
+    assert params("b", 3) == first
+    assert params("c", 4) != first
+    assert len({str(p) for p in first}) == 6
+
+
+def test_pruning_stops_a_bad_trial(tmp_path):
+    fn = Scripted({3: "bad_curve"}, sleep_s=0, steps=5)
+    result = search(tmp_path / "run", fn, budget=budget(trials=5),
+                    pruner={"name": "median", "n_startup_trials": 2})
+    trials = by_number(result.study)
+    assert trials[3].state == TrialState.PRUNED
+    assert trials[3].intermediate_values == {1000: 100.0}
+    assert trials[3].user_attrs["reason"] == "pruned"
+    assert len(trials[0].intermediate_values) == 4  # every trial's reports are recorded
+
+
+def test_a_pruner_needs_a_trial_function_that_reports(tmp_path):
+    def fn(config, out_dir, report):
+        return quadratic(config, out_dir, report)
+
+    fn.can_report = lambda: False
+    with pytest.raises(SpecError, match="cannot report intermediate values"):
+        search(tmp_path / "run", fn, pruner={"name": "median"})
+
+
+def test_resume_tolerates_a_torn_journal_line_and_a_stale_lock(tmp_path):
+    out = tmp_path / "run"
+    first = search(out, budget=budget(trials=3))
+    values = {t.number: t.values for t in first.study.trials}
+    with open(out / "journal.log", "ab") as f:
+        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 3, "us')   # killed mid-write
+    os.symlink(out / "journal.log", out / "journal.log.lock")              # killed holding the lock
+    logs: list[str] = []
+    start = time.monotonic()
+    second = search(out, logs=logs, budget=budget(trials=5))
+    assert time.monotonic() - start < 10  # did not wait for Optuna's 30 s lock grace period
+    assert any("torn last line" in line for line in logs)
+    assert any("stale journal lock" in line for line in logs)
+    trials = second.study.trials
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    assert {t.number: t.values for t in trials[:3]} == values
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert (out / "journal.log").read_bytes().endswith(b"\n")
+
+
+def test_stale_running_trials_are_failed_and_requeued_once(tmp_path):
+    out = tmp_path / "run"
+    search(out, budget=budget(trials=2))
+    # a coordinator that died while trial 2 ran
+    storage, _ = open_storage(out, None, writer=True)
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    dead = study.ask()
+    dead.set_user_attr("seed", 1234)
+    params = suggest(dead, load_search_spec(tiny_spec()))
+
+    logs: list[str] = []
+    result = search(out, logs=logs, budget=budget(trials=3))
+    trials = by_number(result.study)
+    assert trials[2].state == TrialState.FAIL and trials[2].user_attrs["stale"] is True
+    assert trials[2].user_attrs["reason"].startswith("stale:")
+    assert trials[3].params == params and trials[3].user_attrs["requeue_of"] == 2
+    assert trials[3].user_attrs["seed"] == 1234 and trials[3].state == TrialState.COMPLETE
+    assert result.requeued == [2] and len(trials) == 4
+    assert result.counts == {"complete": 3, "pruned": 0, "failed": 0}  # the stale one does not count
+
+    # killed between re-queueing and failing: the next start must not re-queue again
+    again = study.ask()
+    study.enqueue_trial(again.params, user_attrs={"requeue_of": again.number})
+    n_before = len(study.trials)
+    assert recover_stale(study, storage, "someone:else", own_all=True, log=lambda s: None) == [again.number]
+    assert len(study.trials) == n_before
+    assert study.trials[again.number].state == TrialState.FAIL
+
+
+def test_a_different_spec_in_the_same_folder_is_refused(tmp_path):
+    search(tmp_path / "run", budget=budget(trials=1))
+    with pytest.raises(SsmcraftError, match="different spec"):
+        search(tmp_path / "run", model={"d_model": 32, "n_layers": 1})
+
+
+def test_one_coordinator_per_folder(tmp_path):
+    (tmp_path / "run").mkdir()
+    with RunLock(tmp_path / "run"):
+        with pytest.raises(SsmcraftError, match=f"another ssmcraft search is running here \\(pid {os.getpid()}\\)"):
+            search(tmp_path / "run")
+
+
+def test_pareto_fronts():
+    points = [(1, 5), (2, 2), (5, 1), (3, 3), (4, 4), (2, 2)]
+    assert pareto_fronts(points, ["minimize", "minimize"]) == [0, 0, 0, 1, 2, 0]
+    assert pareto_fronts(points, ["minimize", "maximize"]) == [0, 1, 2, 1, 1, 1]
+
+
+def test_multi_metric_study_ranks_by_pareto_front_and_writes_every_plot(tmp_path):
+    result = search(tmp_path / "run", plots=True, budget=budget(trials=6),
+                    rank={"val_loss": "minimize", "tokens_per_s": "maximize"},
+                    sampler={"name": "nsga2", "population_size": 4})
+    for name in ("pareto.png", "state_size.png", "importances.png", "leaderboard.csv"):
+        assert (tmp_path / "run" / name).stat().st_size > 1000, result.reports
+    with open(tmp_path / "run/leaderboard.csv") as f:
+        rows = list(csv.DictReader(f))
+    front = [(float(r["metric.val_loss"]), float(r["metric.tokens_per_s"])) for r in rows if r["pareto"] == "True"]
+    others = [(float(r["metric.val_loss"]), float(r["metric.tokens_per_s"])) for r in rows if r["pareto"] == "False"]
+    assert front and [r["rank"] for r in rows] == [str(i) for i in range(1, 7)]
+    for v, s in others:  # everything off the front is dominated by a point on it
+        assert any(fv <= v and fs >= s and (fv, fs) != (v, s) for fv, fs in front)
+
+
+def test_single_metric_reports_history_and_importances(tmp_path):
+    result = search(tmp_path / "run", plots=True, budget=budget(trials=4))
+    assert any(line.endswith("history.png") for line in result.reports)
+    assert (tmp_path / "run/importances.png").exists() and (tmp_path / "run/state_size.png").exists()
+
+
+def test_find_and_load_trial(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    result = search(out, Scripted({1: "raise"}), budget=budget(trials=4))
+    best = min((t for t in result.study.trials if t.state == TrialState.COMPLETE), key=lambda t: t.values[0])
+    assert find_trial(out, "best") == out / "trials" / f"{best.number:04d}"
+    assert find_trial(out, 2) == out / "trials" / "0002"
+    with pytest.raises(SsmcraftError, match="trial 1 did not complete \\(error: ValueError"):
+        find_trial(out, 1)
+    with pytest.raises(SsmcraftError, match="no finished trial 9; finished: 0, 1, 2, 3"):
+        find_trial(out, "9")
+    fake_train = types.ModuleType("ssmcraft.train")  # the real one imports torch: slow here
+    fake_train.load_run = lambda path: ("model", path)
+    monkeypatch.setitem(sys.modules, "ssmcraft.train", fake_train)
+    assert load_trial(out, "best") == ("model", find_trial(out, "best"))
+
+
+def test_cli_search_resume_and_leaderboard(tmp_path, capsys):
+    import yaml
+
+    (tmp_path / "lib").mkdir()  # a relative objectives_dir: --resume must still find it
+    (tmp_path / "lib" / "custom.yaml").write_text(yaml.safe_dump(compose_objective({}) | {"name": "custom"}))
+    raw = tiny_spec(budget=budget(trials=2), objectives_dir="lib")
+    raw["space"]["objective"]["choice"].append("custom")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "run"
+    common = ["--out", str(out), "--executor", "inline", "--no-objective-check", "--no-plots",
+              "--trial-function", "ssmcraft.search.testing:quadratic"]
+    assert cli.main(["search", str(spec), *common]) == 0
+    printed = capsys.readouterr().out
+    assert "2 complete, 0 pruned, 0 failed (executor: inline" in printed and "journal file" in printed
+    assert printed.count("  complete  ") == 2  # the leaderboard table
+    assert cli.main(["search", "--resume", "--trials", "3", *common]) == 0
+    assert "resuming study 'tiny': 2 of 3 trials finished" in capsys.readouterr().out
+    assert len(open_study(out).trials) == 3
+    assert cli.main(["leaderboard", str(out), "--top", "1"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["rank", "trial", "status", "objective"] and len(table) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["search", "missing.yaml", "--out", "{tmp}/x", "--executor", "inline"], "missing.yaml: search spec not found"),
+    (["search", "--resume", "--out", "{tmp}/none", "--executor", "inline"], "holds no search to resume"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline"], "bad.yaml: budget.trials: must be >= 1"),
+    (["leaderboard", "{tmp}"], "not a search folder"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--trial-function", "nope"], "expected MODULE:NAME"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    import yaml
+
+    raw = copy.deepcopy(tiny_spec())
+    raw["budget"]["trials"] = 0
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    if "--trial-function" in argv:
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(tiny_spec()))
+    assert cli.main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_rdb_storage_holds_the_study_and_run_json_keeps_no_password(tmp_path):
+    from ssmcraft.search.rundir import read_run_info
+    from ssmcraft.search.storage import mask_url
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    spec = load_search_spec(tiny_spec(budget=budget(trials=2)))
+    result = run_search(spec, tmp_path / "run", executor=InlineExecutor(), trial_fn=quadratic,
+                        storage_url=url, compile_fn=None, plots=False, log=lambda line: None)
+    assert result.storage == f"RDB {url}" and not (tmp_path / "run" / "journal.log").exists()
+    assert len(open_study(tmp_path / "run").trials) == 2  # found through run.json
+    assert read_run_info(tmp_path / "run")["storage"] == {"kind": "rdb", "url": url, "password_hidden": False}
+    assert mask_url("postgresql://me:secret@db.example/ssm") == "postgresql://me:***@db.example/ssm"

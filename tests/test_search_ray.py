@@ -1,0 +1,150 @@
+"""The Ray executor, on one local Ray instance shared by the module (started through the
+executor's own ``connect``): killed workers retried, hard timeouts, the same records and
+leaderboard schema as in-process, pruning through the report broker, loopback only."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import pytest
+from optuna.trial import TrialState
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.search import InlineExecutor, load_search_spec, run_search
+from ssmcraft.search.executor_ray import RayExecutor, connect
+from ssmcraft.search.reports import columns
+from ssmcraft.search.testing import Scripted, quadratic, tiny_spec
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+
+
+@pytest.fixture(scope="module")
+def ray():
+    """One local Ray instance for the module, started as the search starts it (Ray is
+    imported only here: ``connect`` must set its environment first)."""
+    assert connect("local", num_cpus=2, log=lambda line: None)
+    import ray
+
+    yield ray
+    ray.shutdown()
+
+
+def search(out, trial_fn=quadratic, executor=None, **overrides):
+    spec = load_search_spec(tiny_spec(**overrides))
+    return run_search(spec, out, executor=executor or RayExecutor(), trial_fn=trial_fn, compile_fn=None,
+                      plots=False, log=lambda line: None)
+
+
+def budget(**changes):
+    return {**tiny_spec()["budget"], **changes}
+
+
+def by_number(study):
+    return {t.number: t for t in study.get_trials(deepcopy=False)}
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets the processes listen on, from /proc."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # per-word little endian
+                ip = b"".join(words)
+                text = ".".join(map(str, ip)) if width == 8 else (
+                    ".".join(map(str, ip[12:])) if ip[:12] == b"\0" * 10 + b"\xff\xff" else ip.hex())
+                out.append((text, int(port, 16)))
+    return out
+
+
+def test_ray_listens_on_loopback_only(ray):
+    sockets = _listening(_descendants(os.getpid()) | {os.getpid()})
+    assert len(sockets) >= 2, sockets  # the GCS and the raylet at least
+    loopback = {"127.0.0.1", "00000000000000000000000000000001"}
+    assert all(ip in loopback for ip, _ in sockets), sockets
+    assert 8265 not in {port for _, port in sockets}  # no dashboard
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def test_a_killed_worker_is_retried_a_bounded_number_of_times(ray, tmp_path):
+    result = search(tmp_path / "run", Scripted({0: "exit_once", 1: "exit"}),
+                    budget=budget(trials=3, timeout_grace=30), resources={"max_retries": 1})
+    trials = by_number(result.study)
+    assert trials[0].state == TrialState.COMPLETE and trials[0].user_attrs["attempts"] == 2
+    assert trials[1].state == TrialState.FAIL
+    assert trials[1].user_attrs["reason"].startswith("worker died (2 attempts): WorkerCrashedError")
+    assert trials[2].state == TrialState.COMPLETE
+
+
+def test_a_trial_past_its_hard_limit_is_killed(ray, tmp_path):
+    start = time.monotonic()
+    result = search(tmp_path / "run", Scripted({0: "sleep"}, sleep_s=120),
+                    budget=budget(trials=3, seconds_per_trial=1, timeout_grace=1))
+    assert time.monotonic() - start < 60
+    trials = by_number(result.study)
+    assert trials[0].state == TrialState.FAIL
+    assert trials[0].user_attrs["reason"] == "timeout: no result within 2 s (hard limit); its worker was killed"
+    assert trials[1].state == trials[2].state == TrialState.COMPLETE
+
+
+def test_ray_records_failures_and_the_leaderboard_like_inline(ray, tmp_path):
+    fn = Scripted({1: "raise", 2: "nan", 3: "oom", 4: "diverged"})
+    runs = {name: search(tmp_path / name, fn, executor=executor, budget=budget(trials=6))
+            for name, executor in (("ray", RayExecutor()), ("inline", InlineExecutor()))}
+    reasons = {name: {t.number: t.user_attrs["reason"] for t in r.study.trials} for name, r in runs.items()}
+    assert reasons["ray"] == reasons["inline"]
+    assert reasons["ray"][3].startswith("out of memory")
+    assert columns(runs["ray"].study) == columns(runs["inline"].study)
+    header = {name: (tmp_path / name / "leaderboard.csv").read_text().splitlines()[0] for name in runs}
+    assert header["ray"] == header["inline"]
+    assert runs["ray"].executor.startswith("ray (2 CPUs, 0 GPUs; 2 trials at a time")
+    host = runs["ray"].study.trials[0].user_attrs["host"]
+    assert host["pid"] != os.getpid() and "node_id" in host
+
+
+def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):
+    fn = Scripted({2: "bad_curve"}, sleep_s=0.2, steps=40)
+    result = search(tmp_path / "run", fn, budget=budget(trials=3), resources={"cpus_per_trial": 2},
+                    pruner={"name": "median", "n_startup_trials": 2})
+    trials = by_number(result.study)
+    assert result.executor.startswith("ray (2 CPUs, 0 GPUs; 1 trials at a time")
+    assert trials[2].state == TrialState.PRUNED
+    assert 1 <= len(trials[2].intermediate_values) < 10  # stopped long before its 40 steps
+    assert len(trials[0].intermediate_values) == 4
+
+
+def test_asking_for_a_gpu_the_cluster_lacks_is_an_error(ray, tmp_path):
+    with pytest.raises(SsmcraftError, match="gpus_per_trial is 1 but the Ray cluster has no GPU"):
+        search(tmp_path / "run", resources={"gpus_per_trial": 1})

@@ -1,0 +1,272 @@
+"""Search specs, composed objectives and the space: everything checked before a trial runs."""
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ssmcraft.errors import DerivationError, SpecError
+from ssmcraft.search import compose_objective, load_search_spec
+from ssmcraft.search.compose import TERMS, check_choices
+from ssmcraft.search.objectives import check_objectives
+from ssmcraft.search.space import build_config, objective_of, objective_variants, param_names, resolve_objective
+from ssmcraft.search.spec import spec_hash
+from ssmcraft.search.testing import tiny_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ compose
+
+def test_compose_longhorn_matches_the_published_spec():
+    spec = compose_objective({"proximity": "plain", "data": "regression", "step": "per_channel",
+                              "update": "implicit", "approximation": "exact"})
+    assert spec["objective"] == "sq(S - S_prev)/2 + wsq(S*k - x, beta)/2"
+    assert spec["inputs"]["beta"] == {"shape": ["d"], "positive": True, "bounded": True}
+    assert spec["state"] == {"S": ["d", "m"]} and spec["output"] == "S*q"
+    assert (spec["update"], spec["approximation"]) == ("implicit", "exact")
+    assert "alpha" not in spec["inputs"] and "normalize" not in spec["inputs"]["k"]
+
+
+@pytest.mark.parametrize("choices, objective, extra", [
+    ({"proximity": "scalar_decay", "step": "scalar"},
+     "sq(S - alpha*S_prev)/2 + beta*sq(S*k - x)/2", {"alpha": {"shape": [], "bounded": True}}),
+    ({"proximity": "diagonal_decay"},
+     "sq(S - had(T(alpha), S_prev))/2 + wsq(S*k - x, beta)/2", {"alpha": {"shape": ["m"], "bounded": True}}),
+    ({"data": "linear", "step": "scalar"}, "sq(S - S_prev)/2 - beta*dot(S*k, x)", {}),
+    ({"data": "linear", "step": "per_channel"}, "sq(S - S_prev)/2 - dot(S*k, had(beta, x))", {}),
+])
+def test_compose_terms(choices, objective, extra):
+    spec = compose_objective(choices)
+    assert spec["objective"] == objective
+    for name, decl in extra.items():
+        assert spec["inputs"][name] == decl
+    assert spec["inputs"]["beta"]["shape"] == ([] if choices.get("step") == "scalar" else ["d"])
+
+
+def test_compose_every_combination_has_its_own_name_and_normalize_reaches_k():
+    names = set()
+    for values in itertools.product(*TERMS.values()):
+        spec = compose_objective(dict(zip(TERMS, values)))
+        names.add(spec["name"])
+        assert spec["inputs"]["k"].get("normalize", False) == dict(zip(TERMS, values))["normalize"]
+    assert len(names) == len(list(itertools.product(*TERMS.values())))
+
+
+@pytest.mark.parametrize("choices, key", [
+    ({"proximty": "plain"}, "compose.proximty"),
+    ({"update": "implicitt"}, "compose.update"),
+    ({"normalize": 1}, "compose.normalize"),   # 1 is not True
+    ({"step": ["scalar"]}, "compose.step"),
+])
+def test_compose_rejects_unknown_terms_and_values(choices, key):
+    with pytest.raises(SpecError) as e:
+        check_choices(choices)
+    assert e.value.key == key
+
+
+# ------------------------------------------------------------------ spec validation
+
+def _with(path: str, value):
+    """tiny_spec() with the dotted ``path`` set to ``value`` (``...`` deletes it)."""
+    spec = copy.deepcopy(tiny_spec())
+    *parents, last = path.split("/")
+    node = spec
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    if value is ...:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return spec
+
+
+BAD_SPECS = [
+    # (change, key in the error, words in the problem)
+    (("colour", "red"), "colour", "unknown key"),
+    (("name", ...), "name", "missing"),
+    (("name", "a b"), "name", "expected a name"),
+    (("budget/trials", 0), "budget.trials", ">= 1"),
+    (("budget/trials", 2.5), "budget.trials", "integer"),
+    (("budget/seconds_per_trial", -1), "budget.seconds_per_trial", "> 0"),
+    (("budget/tokens", 5), "budget.tokens", "unknown key"),
+    (("budget/tokens_per_trial", ...), "budget.tokens_per_trial", "missing"),
+    (("rank/val_loss", "lowest"), "rank.val_loss", "minimize or maximize"),
+    (("rank", {}), "rank", "at least one metric"),
+    (("space/m", {"int": [32, 8]}), "space.m.int", "above high"),
+    (("space/m", {"int": [8, 32], "stride": 8}), "space.m.stride", "unknown key"),
+    (("space/lr", {"float": [0.0, 1.0], "log": True}), "space.lr.float", "low > 0"),
+    (("space/lr", {"float": [1e-4, 1.0], "log": True, "step": 0.1}), "space.lr", "cannot be combined"),
+    (("space/lr", {"float": [1e-4], "log": True}), "space.lr.float", "[low, high]"),
+    (("space/lr", {"choice": []}), "space.lr.choice", "non-empty"),
+    (("space/lr", {"choice": [1, 1]}), "space.lr.choice", "duplicate"),
+    (("space/lr", {"int": [1, 2], "float": [1, 2]}), "space.lr", "exactly one"),
+    (("space/heads", {"choice": [1, 2]}), "space.heads", "dotted path"),
+    (("space/optimizer.lr", {"choice": [1, 2]}), "space.optimizer.lr", "dotted path"),
+    (("space/train.lr", {"choice": [0.1, 0.2]}), "space.train.lr", "same setting as space.lr"),
+    (("space/model.d_model", {"choice": [16, 32]}), "space.model.d_model", "also fixed in model"),
+    (("space/objective", ...), "space.objective", "missing"),
+    (("space/objective", {"choice": ["no_such_objective"]}), "space.objective.choice[0]", "unknown objective"),
+    (("space/objective", {"choice": ["missing.yaml"]}), "space.objective.choice[0]", "not found"),
+    (("space/objective", {"choice": [{"compose": {"proximity": "decay"}}]}),
+     "space.objective.choice[0].compose.proximity", "not one of"),
+    (("space/objective", {"choice": [{"compose": {"data": []}}]}),
+     "space.objective.choice[0].compose.data", "non-empty"),
+    (("space/objective", {"choice": [{"compose": {}, "label": "a"}, {"compose": {}, "label": "a"}]}),
+     "space.objective.choice", "appears twice"),
+    (("space/objective", {"choice": [{"recipe": {}}]}), "space.objective.choice[0].recipe", "unknown key"),
+    (("space/approximation", {"choice": ["exact", "approx"]}), "space.approximation.approximation", "not one of"),
+    (("space/objective", {"choice": [{"compose": {"approximation": ["exact", "diagonal"]}}]}),
+     None, None),  # valid alone; see the next case for the clash with space.approximation
+    (("train", {"tokens": 10}), "train.tokens", "budget.tokens_per_trial"),
+    (("train", {"max_seconds": 1}), "train.max_seconds", "set by the search"),
+    (("model", {"mixer": {"objective": "longhorn"}}), "model.mixer.objective", "space.objective"),
+    (("space/train.device", {"choice": ["cpu", "cuda"]}), "space.train.device", "set by the search"),
+    (("space/model.mixer.state_size", {"choice": [8]}), "space.model.mixer.state_size", "same setting as space.m"),
+    (("eval", {}), "eval", "unknown key"),
+    (("pruner", {"name": "median", "patience": 3}), "pruner.patience", "unknown key"),
+    (("pruner", {"name": "hyperband"}), "pruner.name", "expected one of"),
+    (("sampler", {"name": "tpe", "n_startup_trials": 0}), "sampler.n_startup_trials", ">= 1"),
+    (("sampler", {"name": "cmaes"}), "sampler.name", "expected one of"),
+    (("resources", {"gpus_per_trial": 1.5}), "resources.gpus_per_trial", "fraction"),
+    (("resources", {"cpus": 2}), "resources.cpus", "unknown key"),
+    (("objectives_dir", "no/such/dir"), "objectives_dir", "not a folder"),
+]
+
+
+@pytest.mark.parametrize("change, key, problem", BAD_SPECS, ids=[f"{c[0]}" for c, _, _ in BAD_SPECS])
+def test_bad_specs_are_reported_with_key_and_problem(change, key, problem):
+    spec = _with(*change)
+    if key is None:
+        load_search_spec(spec)
+        return
+    with pytest.raises(SpecError) as e:
+        load_search_spec(spec, source="s.yaml")
+    assert e.value.key == key, str(e.value)
+    assert problem in e.value.problem, str(e.value)
+    assert str(e.value).startswith("s.yaml: ") and "\n" not in str(e.value)
+
+
+def test_pruner_needs_a_single_metric():
+    spec = tiny_spec(rank={"val_loss": "minimize", "tokens_per_s": "maximize"},
+                     pruner={"name": "median"}, sampler={"name": "nsga2"})
+    with pytest.raises(SpecError, match="single ranking metric"):
+        load_search_spec(spec)
+
+
+def test_approximation_set_twice_is_rejected():
+    spec = _with("space/objective", {"choice": [{"compose": {"approximation": "diagonal"}}]})
+    spec["space"]["approximation"] = {"choice": ["exact", "diagonal"]}
+    with pytest.raises(SpecError, match="set it in one place"):
+        load_search_spec(spec)
+
+
+def test_defaults_are_explicit():
+    spec = load_search_spec(tiny_spec(sampler={}, seed=7))
+    assert spec.sampler.name == "tpe"
+    assert spec.sampler.options == {"seed": 7, "n_startup_trials": 10, "n_ei_candidates": 24,
+                                    "multivariate": True, "group": True, "constant_liar": True}
+    multi = load_search_spec(tiny_spec(rank={"val_loss": "minimize", "tokens_per_s": "maximize"}, sampler={}))
+    assert multi.sampler.name == "nsga2" and multi.sampler.options["population_size"] == 50
+    assert spec.pruner.name == "none"
+    assert spec.resources.gpus_per_trial is None and spec.resources.max_retries == 1
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
+        load_search_spec(bad)
+    with pytest.raises(SpecError, match="search spec not found"):
+        load_search_spec(tmp_path / "nope.yaml")
+
+
+def test_objective_files_and_objectives_dir_resolve_relative_to_the_spec(tmp_path):
+    mine = compose_objective({"proximity": "scalar_decay"}) | {"name": "mine"}
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "custom.yaml").write_text(yaml.safe_dump(mine))
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(mine))
+    raw = tiny_spec(objectives_dir="lib")
+    raw["space"]["objective"] = {"choice": ["custom", "own.yaml"]}
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_search_spec(path)
+    assert [o.kind for o in spec.objectives] == ["library", "file"]
+    assert resolve_objective(spec, {"objective": "own.yaml"})["name"] == "mine"
+
+
+# ------------------------------------------------------------------ the space
+
+def test_variants_cover_terms_and_the_approximation_override():
+    raw = tiny_spec()
+    raw["space"]["approximation"] = {"choice": ["exact", "diagonal"]}
+    spec = load_search_spec(raw)
+    variants = list(objective_variants(spec))
+    assert len(variants) == 2 * 2 * 2
+    assert {v["approximation"] for _, v in variants} == {"exact", "diagonal"}
+    assert param_names(spec) == ["objective", "composed.proximity", "composed.step", "m", "lr", "approximation"]
+
+
+def test_build_config_puts_values_where_they_belong():
+    raw = tiny_spec(train={"batch_size": 8}, model={"d_model": 16, "mixer": {"heads": 2}})
+    raw["space"]["model.n_layers"] = {"choice": [1, 2]}
+    spec = load_search_spec(raw)
+    params = {"objective": "composed", "composed.proximity": "scalar_decay", "composed.step": "scalar",
+              "m": 16, "lr": 0.01, "model.n_layers": 2}
+    config = build_config(spec, params, seed=5, device="cpu")
+    objective = compose_objective({"proximity": "scalar_decay", "step": "scalar"})
+    assert config == {
+        "name": "tiny", "seed": 5, "task": {"name": "mqar", "seq_len": 32},
+        "model": {"d_model": 16, "n_layers": 2, "mixer": {"heads": 2, "state_size": 16, "objective": objective}},
+        "train": {"batch_size": 8, "lr": 0.01, "tokens": 1000, "max_seconds": 5, "device": "cpu"}}
+    assert objective_of(config) is config["model"]["mixer"]["objective"]
+    assert spec.raw["model"] == {"d_model": 16, "mixer": {"heads": 2}}  # the spec is not modified
+
+
+def test_spec_hash_ignores_only_the_extendable_budget():
+    a = tiny_spec()
+    b = copy.deepcopy(a)
+    b["budget"]["trials"] = 99
+    c = copy.deepcopy(a)
+    c["budget"]["tokens_per_trial"] = 99
+    assert spec_hash(a) == spec_hash(b) != spec_hash(c)
+
+
+# ------------------------------------------------------------------ the compiler check
+
+def test_check_objectives_names_the_rejected_variant():
+    spec = load_search_spec(tiny_spec())
+    seen = []
+
+    def compile_fn(objective):
+        seen.append(objective["name"])
+        if "_sdec_" in objective["name"] and "_sstep_" in objective["name"]:
+            raise DerivationError("<dict>", "objective", "not quadratic in S")
+
+    with pytest.raises(SpecError) as e:
+        check_objectives(spec, compile_fn)
+    assert "composed.proximity=scalar_decay, composed.step=scalar" in str(e.value)
+    assert "not quadratic in S" in str(e.value)
+    n, _ = check_objectives(spec, lambda objective: None)
+    assert n == 4 and len(set(seen)) == len(seen)
+
+
+def test_compile_objective_calls_ssmcraft_compile(monkeypatch):
+    import ssmcraft
+    from ssmcraft.search.objectives import compile_objective
+
+    monkeypatch.setattr(ssmcraft, "compile", lambda spec: ("compiled", spec["name"]), raising=False)
+    assert compile_objective({"name": "x"}) == ("compiled", "x")
+
+
+def test_quickstart_spec_is_valid():
+    if not (REPO / "objectives" / "longhorn.yaml").is_file():
+        pytest.skip("the objective library (objectives/*.yaml) is not there yet")
+    spec = load_search_spec(REPO / "specs" / "quickstart.yaml")
+    assert spec.budget.trials >= 4 and len(spec.objectives) >= 3
+    assert spec.task["name"] == "mqar"
