@@ -70,12 +70,17 @@ def load_generated(stem: str, key: str, source: str):
     path = cache_dir() / f"{stem}_{key}.py"
     if not path.exists() or path.read_text(encoding="utf-8") != source:
         write_atomic(path, source)
+    return import_file(path, name)
+
+
+def import_file(path: Path, name: str):
+    """Import the Python file ``path`` as module ``name`` (registered in ``sys.modules``)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[name]
+        sys.modules.pop(name, None)
         raise
     return module

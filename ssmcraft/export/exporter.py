@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import datetime
-import importlib.util
 import inspect
 import json
 import logging
@@ -422,16 +421,8 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
 
 def import_module_from(path: Path, name: str | None = None):
     """Import a Python file under a fresh module name (removed from sys.modules by the caller)."""
-    name = name or f"_ssmcraft_export_check_{uuid.uuid4().hex[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
+    from ssmcraft.compiler.cache import import_file
+    return import_file(path, name or f"_ssmcraft_export_check_{uuid.uuid4().hex[:8]}")
 
 
 @torch.no_grad()
