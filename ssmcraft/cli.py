@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "search": ("ssmcraft.search.commands", "search over objectives and hyperparameters"),
     "leaderboard": ("ssmcraft.search.leaderboard_commands", "print a search's leaderboard"),
     "export": ("ssmcraft.export.commands", "export a trial as a standalone PyTorch module"),
+    "study": ("ssmcraft.study.commands", "run a study spec and write its report"),
 }
 
 

@@ -1,0 +1,468 @@
+"""One runner per study kind: ``run_<kind>(params, thresholds, ctx) -> result`` (see
+``report.write_report`` for the result's shape). Training is ``ssmcraft.train.train_run``,
+evaluation ``ssmcraft.train.eval_run.eval_run``, the search ``ssmcraft.search.run_search``.
+
+Every run lives in ``DIR/runs/<cell>``; a cell whose ``metrics.json`` (or ``eval.json``)
+already exists is read back, not re-run, so an interrupted study resumes with the same
+command.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.study import verdict as V
+
+log = logging.getLogger("ssmcraft.study")
+
+
+@dataclass
+class Context:
+    out: Path
+    device: str = "auto"            # train.device / EvalOptions.device
+    say: Callable[[str], None] = print
+
+
+# ------------------------------------------------------------------ cells
+
+def _lr_tag(lr: float) -> str:
+    return f"{lr:g}".replace("+", "")
+
+
+def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str, seed: int, m: int | None = None,
+               lr: float | None = None, seq_len: int | None = None) -> tuple[dict, Path]:
+    """Train one cell with ``train_run`` (or read its metrics back); returns (metrics, run dir).
+    A refused config (``SsmcraftError``) is recorded as status "error", not raised."""
+    from ssmcraft.search.trial import state_bytes
+    from ssmcraft.train import train_run
+
+    run_dir = ctx.out / "runs" / rel
+    done = run_dir / "metrics.json"
+    if done.is_file():
+        return json.loads(done.read_text()), run_dir
+    cfg = {"name": rel.replace("/", "_"), "seed": seed, "task": copy.deepcopy(exp["task"]),
+           "model": copy.deepcopy(exp["model"]), "train": copy.deepcopy(exp.get("train", {}))}
+    mixer = dict(cfg["model"].get("mixer") or {})
+    if objective == "attention":
+        cfg["model"]["mixer"] = {"kind": "attention", "heads": mixer.get("heads", 1)}
+    else:
+        mixer.update(kind="objective", objective=objective)
+        if m is not None:
+            mixer["state_size"] = m
+        cfg["model"]["mixer"] = mixer
+    if lr is not None:
+        cfg["train"]["lr"] = lr
+    if seq_len is not None:
+        cfg["task"]["seq_len"] = seq_len
+    cfg["train"]["device"] = ctx.device
+    ctx.say(f"study: train {rel}")
+    try:
+        metrics = dict(train_run(cfg, run_dir))
+    except SsmcraftError as e:
+        ctx.say(f"study: {rel} refused: {e}")
+        return {"status": "error", "reason": str(e)}, run_dir
+    metrics["state_bytes"] = state_bytes(run_dir)
+    if metrics["state_bytes"] is None:      # attention: its KV cache at the training length, fp32
+        d, L = cfg["model"].get("d_model", 256), cfg["task"]["seq_len"]
+        metrics["state_bytes_kv_cache"] = 2 * 4 * L * d * int(cfg["model"].get("n_layers", 1))
+    done.write_text(json.dumps(metrics, default=str))
+    return metrics, run_dir
+
+
+def eval_cell(ctx: Context, run_dir: Path, label: str, options) -> dict:
+    """``eval_run`` into ``run_dir/eval_<label>`` (or read back); a refused mitigation returns
+    ``{"refused": message}``."""
+    from ssmcraft.train.eval_run import eval_run
+
+    out = run_dir / f"eval_{label.replace('=', '').replace(',', '_')}"
+    done = out / "eval.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    options.device = ctx.device
+    try:
+        return eval_run(run_dir, options, out)
+    except SsmcraftError as e:
+        ctx.say(f"study: {run_dir.name} {label}: refused: {e}")
+        return {"refused": str(e)}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path.name
+
+
+def _device_of(metrics: list[dict]) -> str | None:
+    return next((m.get("device") for m in metrics if m.get("device")), None)
+
+
+# ------------------------------------------------------------------ 1. MQAR at equal state size
+
+def run_mqar_state_size(p: dict, th: dict, ctx: Context) -> dict:
+    exp, seeds = p["experiment"], p["seeds"]
+    cells: dict[str, dict[int, list[float]]] = {}
+    rows, all_metrics, raw = [], [], []
+    for obj in p["objectives"]:
+        sizes = [None] if obj == "attention" else p["state_sizes"]
+        for m in sizes:
+            by_lr: dict[float, list[dict]] = {}
+            for lr in p["lrs"]:
+                for seed in seeds:
+                    rel = f"{obj}/m{m if m is not None else 'na'}/lr{_lr_tag(lr)}/s{seed}"
+                    metrics, _ = train_cell(ctx, exp, rel, objective=obj, seed=seed, m=m, lr=lr)
+                    all_metrics.append(metrics)
+                    by_lr.setdefault(lr, []).append(metrics)
+                    raw.append({"objective": obj, "m": m, "lr": lr, "seed": seed, "status": metrics.get("status"),
+                                "accuracy": metrics.get("accuracy"), "val_loss": metrics.get("val_loss")})
+            best_lr = max(by_lr, key=lambda lr: V.mean_std([x.get("accuracy") for x in by_lr[lr]])[0] or -1.0)
+            accs = [x.get("accuracy") for x in by_lr[best_lr]]
+            mean, std, n = V.mean_std(accs)
+            first = by_lr[best_lr][0]
+            sb = first.get("state_bytes") or first.get("state_bytes_kv_cache")
+            cells.setdefault(obj, {})[m if m is not None else 0] = [a for a in accs if a is not None]
+            rows.append({"objective": obj, "m": m, "state_bytes": sb,
+                         "state_kind": "KV cache at L" if first.get("state_bytes") is None else "recurrent",
+                         "best_lr": best_lr, "accuracy_mean": mean, "accuracy_std": std, "seeds": n,
+                         "chance": first.get("chance_accuracy"),
+                         "val_loss": V.mean_std([x.get("val_loss") for x in by_lr[best_lr]])[0]})
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for obj in p["objectives"]:
+        rs = [r for r in rows if r["objective"] == obj and r["state_bytes"]]
+        if obj == "attention":
+            for r in rs:
+                ax.axhline(r["accuracy_mean"] or 0, ls="--", color="gray", label=f"attention (KV {r['state_bytes']} B)")
+            continue
+        ax.errorbar([r["state_bytes"] for r in rs], [r["accuracy_mean"] or 0 for r in rs],
+                    yerr=[r["accuracy_std"] for r in rs], marker="o", capsize=3, label=obj)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("recurrent state per sequence (bytes, fp32)")
+    ax.set_ylabel("MQAR accuracy (best lr)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7)
+    ax.set_title("MQAR accuracy vs state size")
+    plots = [_save(fig, ctx.out / "accuracy_vs_state_bytes.png")]
+    recurrent_cells = {o: c for o, c in cells.items() if o != "attention"}
+    verdicts = V.mqar_state_size(recurrent_cells, th["tol"])
+    return {"tables": [{"title": "Best-lr MQAR accuracy per cell", "rows": rows,
+                        "columns": ["objective", "m", "state_bytes", "state_kind", "best_lr", "accuracy_mean",
+                                    "accuracy_std", "seeds", "chance", "val_loss"]},
+                       {"title": "Every run", "rows": raw,
+                        "columns": ["objective", "m", "lr", "seed", "status", "accuracy", "val_loss"]}],
+            "plots": plots, "verdicts": verdicts, "device": _device_of(all_metrics),
+            "data": {"cells": {o: {str(m): v for m, v in c.items()} for o, c in cells.items()}, "runs": raw}}
+
+
+# ------------------------------------------------------------------ 2. exact vs diagonal
+
+def run_exact_vs_diagonal(p: dict, th: dict, ctx: Context) -> dict:
+    exact, diag = p["objectives"]
+    acc, loss, speed_mqar, speed_text = ({o: [] for o in (exact, diag)} for _ in range(4))
+    raw, all_metrics = [], []
+    for obj in (exact, diag):
+        for seed in p["seeds"]:
+            mq, _ = train_cell(ctx, p["mqar"], f"mqar/{obj}/s{seed}", objective=obj, seed=seed)
+            tx, _ = train_cell(ctx, p["text"], f"text/{obj}/s{seed}", objective=obj, seed=seed)
+            all_metrics += [mq, tx]
+            acc[obj].append(mq.get("accuracy"))
+            loss[obj].append(tx.get("val_loss"))
+            speed_mqar[obj].append(mq.get("tokens_per_s"))
+            speed_text[obj].append(tx.get("tokens_per_s"))
+            raw.append({"objective": obj, "seed": seed, "mqar_status": mq.get("status"),
+                        "mqar_accuracy": mq.get("accuracy"), "mqar_tokens_per_s": mq.get("tokens_per_s"),
+                        "text_status": tx.get("status"), "text_val_loss": tx.get("val_loss"),
+                        "text_tokens_per_s": tx.get("tokens_per_s"), "backend": str(tx.get("backend"))})
+    rows = []
+    for obj in (exact, diag):
+        row = {"objective": obj}
+        for name, series in (("mqar_accuracy", acc), ("text_val_loss", loss), ("mqar_tokens_per_s", speed_mqar),
+                             ("text_tokens_per_s", speed_text)):
+            mean, std, n = V.mean_std(series[obj])
+            row[name] = None if mean is None else f"{mean:.4g} ± {std:.2g}"
+            row[f"_{name}"] = mean
+            row["seeds"] = n
+        rows.append(row)
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
+    for ax, (title, series) in zip(axes, (("MQAR accuracy", acc), ("byte-LM val loss", loss),
+                                          ("tokens/s (byte LM)", speed_text))):
+        stats = [V.mean_std(series[o]) for o in (exact, diag)]
+        ax.bar([exact, diag], [s[0] or 0 for s in stats], yerr=[s[1] for s in stats], capsize=4,
+               color=["tab:blue", "tab:orange"])
+        ax.set_title(title, fontsize=9)
+    plots = [_save(fig, ctx.out / "exact_vs_diagonal.png")]
+    ratio = None
+    e, d = V.mean_std(speed_text[exact])[0], V.mean_std(speed_text[diag])[0]
+    if e and d:
+        ratio = d / e
+    bench, bench_rows = {}, []
+    if p.get("bench_shape"):
+        bench = kernel_bench([exact, diag], p["bench_shape"], ctx)
+        bench_rows = [{"objective": o, **{k: b.get(k) for k in ("backend", "fwd_ms", "fwd_bwd_ms", "fwd_GBps",
+                                                                 "fwd_bwd_x_floor", "skipped")}}
+                      for o, b in bench.items()]
+    notes = [f"speed: the diagonal kernel trains {ratio:.2f}x the tokens/s of the exact one (byte LM)"
+             if ratio else "speed: not measured", "speed is tokens/s of the training step (forward + backward, "
+             "validation excluded) on this device; see `ssmcraft bench` for the kernel alone"]
+    return {"tables": [{"title": "Mean ± sample std over seeds", "rows": rows,
+                        "columns": ["objective", "mqar_accuracy", "text_val_loss", "mqar_tokens_per_s",
+                                    "text_tokens_per_s", "seeds"]},
+                       {"title": "Every run", "rows": raw, "columns": list(raw[0]) if raw else []}]
+            + ([{"title": f"Kernel alone (ssmcraft bench, shape B,T,H,d,m = {p['bench_shape']})", "rows": bench_rows,
+                 "columns": ["objective", "backend", "fwd_ms", "fwd_bwd_ms", "fwd_GBps", "fwd_bwd_x_floor",
+                             "skipped"]}] if bench_rows else []),
+            "plots": plots, "verdicts": V.exact_vs_diagonal(acc, loss, exact, diag, th["acc_tol"], th["loss_tol"]),
+            "notes": notes, "device": _device_of(all_metrics),
+            "data": {"accuracy": acc, "val_loss": loss, "tokens_per_s_mqar": speed_mqar,
+                     "tokens_per_s_text": speed_text, "diag_over_exact_speed": ratio, "runs": raw,
+                     "kernel_bench": bench}}
+
+
+def kernel_bench(objectives: list[str], shape: list[int], ctx: Context) -> dict[str, dict]:
+    """``ssmcraft bench``'s measurement (``run_bench``) per objective; on a machine without
+    CUDA (or ``--device cpu``) each is recorded as skipped with the reason."""
+    from ssmcraft.kernels.commands import run_bench
+
+    out = {}
+    for obj in objectives:
+        if ctx.device == "cpu":
+            out[obj] = {"skipped": "--device cpu: kernel timings need CUDA"}
+            continue
+        try:
+            out[obj] = run_bench(obj, tuple(shape))
+        except (SsmcraftError, ImportError, RuntimeError) as e:
+            out[obj] = {"skipped": str(e).splitlines()[0][:200]}
+        ctx.say(f"study: bench {obj}: {out[obj].get('fwd_bwd_ms', out[obj].get('skipped'))}")
+    return out
+
+
+# ------------------------------------------------------------------ 3. extrapolation
+
+def _eval_options(p: dict, mitigation=None):
+    from ssmcraft.train.eval_run import EvalOptions
+
+    return EvalOptions(extrapolate=p["extrapolate"], mitigation=mitigation, **p.get("eval", {}))
+
+
+def run_extrapolation(p: dict, th: dict, ctx: Context) -> dict:
+    from ssmcraft.layers.mitigation import Mitigation
+
+    rows, curves, all_metrics = [], {}, []
+    per_seed: dict[tuple[str, str], list[dict]] = {}
+    for obj in p["objectives"]:
+        for seed in p["seeds"]:
+            metrics, run_dir = train_cell(ctx, p["experiment"], f"{obj}/s{seed}", objective=obj, seed=seed)
+            all_metrics.append(metrics)
+            if metrics.get("status") in ("error", "diverged"):
+                per_seed.setdefault((obj, "plain"), []).append({"refused": f"training {metrics.get('status')}: "
+                                                                           f"{metrics.get('reason')}"})
+                continue
+            settings = [("plain", None)] + [(t, Mitigation.parse(t)) for t in p["mitigations"]]
+            for label, mit in settings:
+                s = eval_cell(ctx, run_dir, label, _eval_options(p, mit))
+                if "refused" in s:
+                    per_seed.setdefault((obj, label), []).append(s)
+                    continue
+                key = "plain" if mit is None else mit.label()
+                c = s["loss_by_position"]["curves"][key]
+                st = s["state"].get(key) if isinstance(s.get("state"), dict) else None
+                per_seed.setdefault((obj, label), []).append(
+                    {"within": c["loss_within_train_len"], "beyond": c["extrapolation_loss"],
+                     "exploded": None if st is None else st["exploded"],
+                     "flags": 0 if st is None else len(st["flags"])})
+                if seed == p["seeds"][0]:
+                    curves[(obj, label)] = (c["positions"], c["loss"])
+    L = p["experiment"]["task"].get("seq_len")
+    for (obj, label), results in per_seed.items():
+        ok = [r for r in results if "refused" not in r]
+        if not ok:
+            rows.append({"objective": obj, "setting": label, "refused": results[0]["refused"], "within": None,
+                         "beyond": None, "exploded": None})
+            continue
+        within = V.mean_std([r["within"] for r in ok])
+        beyond = V.mean_std([r["beyond"] for r in ok])
+        exploded_flags = [r["exploded"] for r in ok if r["exploded"] is not None]
+        rows.append({"objective": obj, "setting": label, "refused": None, "within": within[0], "beyond": beyond[0],
+                     "beyond_std": beyond[1], "ratio": (beyond[0] / within[0]) if within[0] and beyond[0] else None,
+                     "exploded": any(exploded_flags) if exploded_flags else None,    # None: not traced (window)
+                     "explosion_flags": sum(r["flags"] for r in ok), "seeds": len(ok)})
+    plt = _plt()
+    plots = []
+    for mode in ("plain", "mitigated"):
+        keys = [k for k in curves if (k[1] == "plain") == (mode == "plain")]
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for obj, label in keys:
+            xs, ys = curves[(obj, label)]
+            ax.plot(xs, [float("nan") if y is None else y for y in ys], label=f"{obj} ({label})")
+        if L:
+            ax.axvline(L, color="gray", ls=":", label="training length")
+        ax.set_xlabel("position")
+        ax.set_ylabel("loss (nats/byte)")
+        ax.set_title(f"loss by position to {p['extrapolate']}x L ({mode})")
+        ax.legend(fontsize=7)
+        plots.append(_save(fig, ctx.out / f"loss_by_position_{mode}.png"))
+    verdicts = V.extrapolation(rows, th["max_ratio"], th["improve_tol"], len(p["seeds"]))
+    refusals = [f"{r['objective']} {r['setting']}: {r['refused']}" for r in rows if r.get("refused")]
+    return {"tables": [{"title": f"Loss within L vs in the last L of {p['extrapolate']}x L", "rows": rows,
+                        "columns": ["objective", "setting", "within", "beyond", "beyond_std", "ratio", "exploded",
+                                    "explosion_flags", "seeds", "refused"]}],
+            "plots": plots, "verdicts": verdicts, "device": _device_of(all_metrics),
+            "notes": ["refused (recorded, not run): " + r for r in refusals],
+            "data": {"rows": rows, "train_len": L}}
+
+
+# ------------------------------------------------------------------ 4. state capacity
+
+def run_state_capacity(p: dict, th: dict, ctx: Context) -> dict:
+    obj = p["objective"]
+    raw, all_metrics, points = [], [], {}
+    for m in p["state_sizes"]:
+        by_len: dict[int, bool | None] = {}
+        for L in p["train_lengths"]:
+            flags = []
+            for seed in p["seeds"]:
+                metrics, run_dir = train_cell(ctx, p["experiment"], f"m{m}/L{L}/s{seed}", objective=obj, seed=seed,
+                                              m=m, seq_len=L)
+                all_metrics.append(metrics)
+                exploded = None
+                if metrics.get("status") not in ("error", "diverged"):
+                    s = eval_cell(ctx, run_dir, "plain", _eval_options(p))
+                    if "refused" not in s and isinstance(s.get("state"), dict) and "plain" in s["state"]:
+                        exploded = bool(s["state"]["plain"]["exploded"])
+                raw.append({"m": m, "train_len": L, "seed": seed, "status": metrics.get("status"),
+                            "val_loss": metrics.get("val_loss"), "exploded": exploded})
+                flags.append(exploded)
+            known = [f for f in flags if f is not None]
+            by_len[L] = None if not known else any(known)       # any seed exploding counts
+        points[m] = V.min_safe_length(by_len)
+    verdict, fit = V.state_capacity(points, int(th["min_points"]), th["min_r2"], len(p["seeds"]))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    have = [(m, L) for m, L in points.items() if L is not None]
+    ax.scatter([m for m, _ in have], [L for _, L in have], label="shortest explosion-free L")
+    cens = [m for m, L in points.items() if L is None]
+    if cens:
+        top = max(p["train_lengths"])
+        ax.scatter(cens, [top] * len(cens), marker="^", color="red", label=f"> {top} (not reached)")
+    if fit["slope"] is not None:
+        xs = sorted(points)
+        ax.plot(xs, [fit["slope"] * x + fit["intercept"] for x in xs], "--",
+                label=f"fit L = {fit['slope']:.3g} m + {fit['intercept']:.3g} (R² {fit['r2']:.2f})")
+    ax.set_xlabel("state size m")
+    ax.set_ylabel("training length")
+    ax.set_title(f"state capacity ({obj})")
+    ax.legend(fontsize=7)
+    plots = [_save(fig, ctx.out / "state_capacity.png")]
+    rows = [{"m": m, "shortest_explosion_free_len": L} for m, L in points.items()]
+    return {"tables": [{"title": "Shortest training length with no state explosion", "rows": rows,
+                        "columns": ["m", "shortest_explosion_free_len"]},
+                       {"title": "Every run", "rows": raw,
+                        "columns": ["m", "train_len", "seed", "status", "val_loss", "exploded"]}],
+            "plots": plots, "verdicts": [verdict], "device": _device_of(all_metrics),
+            "notes": [f"fit: {fit}", "a length counts as explosion-free when no seed's run at it, nor at any "
+                      "longer tested length, flags an explosion (ssmcraft.train.state_stats rule)"],
+            "data": {"points": {str(m): L for m, L in points.items()}, "fit": fit, "runs": raw}}
+
+
+# ------------------------------------------------------------------ 5. composed search
+
+def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
+    import optuna
+
+    from ssmcraft.search import reports
+    from ssmcraft.search.coordinator import run_search
+    from ssmcraft.search.executor import InlineExecutor
+    from ssmcraft.search.library import library_names
+    from ssmcraft.search.objectives import compile_objective
+    from ssmcraft.search.spec import load_search_spec
+    from ssmcraft.search.trial import train_trial
+
+    raw = copy.deepcopy(p["search"])
+    if ctx.device != "auto":
+        res = raw.setdefault("resources", {})
+        if ctx.device == "cpu":
+            res["gpus_per_trial"] = 0
+        elif not res.get("gpus_per_trial"):
+            res["gpus_per_trial"] = 1
+    spec = load_search_spec(raw, source="study search", base=base)
+    if p["executor"] == "ray":
+        from ssmcraft.search.executor_ray import RayExecutor
+
+        executor = RayExecutor("local")
+    else:
+        executor = InlineExecutor()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    result = run_search(spec, ctx.out / "search", executor=executor, trial_fn=train_trial,
+                        compile_fn=compile_objective, plots=True, log=ctx.say)
+    table = reports.rows(result.study)
+    metric_cols = [f"metric.{m}" for m in spec.metrics]
+    front = [r for r in table if r["pareto"]]
+    library = set(library_names())
+    novel = [r for r in table if r["rank"] is not None and r["objective"] not in library]
+    best = novel[0] if novel else None
+    update_text, notes = None, []
+    if best is not None and best.get("objective_spec"):
+        compiled = compile_objective(json.loads(best["objective_spec"]))
+        update_text = str(compiled.update)
+        (ctx.out / "best_composed_update.txt").write_text(
+            f"# trial {best['trial']}: {best['objective']}\n# {json.loads(best['objective_spec']).get('objective')}\n"
+            f"{update_text}\n")
+        notes.append(f"best non-library objective: trial {best['trial']} {best['objective']} (rank {best['rank']}, "
+                     f"{'on' if best['pareto'] else 'not on'} the Pareto front); derived update in "
+                     "best_composed_update.txt and below")
+    plt = _plt()
+    plots = []
+    if len(spec.metrics) >= 2:
+        done = [r for r in table if r["rank"] is not None]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in done:
+            x, y = r.get(metric_cols[1]), r.get(metric_cols[0])
+            if x is None or y is None:
+                continue
+            ax.scatter(x, y, color="tab:red" if r["pareto"] else "tab:gray",
+                       marker="*" if r["objective"] not in library else "o", s=60)
+            ax.annotate(r["objective"], (x, y), fontsize=6)
+        ax.set_xlabel(spec.metrics[1])
+        ax.set_ylabel(spec.metrics[0])
+        ax.set_title("trials (red: Pareto front, *: not in the library)")
+        plots.append(_save(fig, ctx.out / "pareto.png"))
+    device = next((r.get("metric.device") for r in table if r.get("metric.device")), None)
+    for r in table:
+        r["in_library"] = r["objective"] in library
+    result_tables = [{"title": "Pareto front", "rows": front,
+                      "columns": ["rank", "trial", "objective", "in_library", *metric_cols, "state_bytes"]},
+                     {"title": "All finished trials", "rows": table,
+                      "columns": ["rank", "trial", "status", "objective", "in_library", "pareto", *metric_cols,
+                                  "reason"]}]
+    if update_text:
+        notes.append("derived update of the best non-library objective:\n\n```\n" + update_text + "\n```")
+    return {"tables": result_tables, "plots": plots, "verdicts": [V.composed_search(front, library)],
+            "notes": notes, "device": device or executor_device(result),
+            "data": {"front": front, "best_non_library": best, "update": update_text, "counts": result.counts,
+                     "search_dir": "search"}}
+
+
+def executor_device(result) -> str:
+    return result.executor
+
+
+RUNNERS = {"mqar_state_size": run_mqar_state_size, "exact_vs_diagonal": run_exact_vs_diagonal,
+           "extrapolation": run_extrapolation, "state_capacity": run_state_capacity,
+           "composed_search": run_composed_search}

@@ -1,0 +1,244 @@
+"""Verdicts: does the small-scale result agree with the paper? Computed from numbers with
+stated thresholds (no hand-written conclusions). Each returns a dict::
+
+    {"claim": str, "verdict": "agrees" | "disagrees" | "inconclusive",
+     "evidence": str, "confidence": "high" | "medium" | "low", "confidence_reason": str}
+
+Confidence of a difference ``diff`` between two groups measured over ``n`` seeds each with
+spread ``s`` (the larger sample standard deviation of the two; 0 when n == 1):
+high when n >= 3 and |diff| > 2 s; medium when n >= 2 and |diff| > s; else low.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+AGREES, DISAGREES, INCONCLUSIVE = "agrees", "disagrees", "inconclusive"
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float, int]:
+    """(mean, sample std (0 for one value), n) over the finite values."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not xs:
+        return None, 0.0, 0
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0), len(xs)
+
+
+def confidence(diff: float | None, spread: float, n: int) -> tuple[str, str]:
+    if diff is None:
+        return "low", "no finite numbers"
+    why = f"{n} seed(s), |difference| {abs(diff):.4g} vs spread {spread:.4g}"
+    if n >= 3 and abs(diff) > 2 * spread:
+        return "high", why + " (n >= 3 and |diff| > 2 x spread)"
+    if n >= 2 and abs(diff) > spread:
+        return "medium", why + " (n >= 2 and |diff| > spread)"
+    return "low", why + (" (one seed: no spread estimate)" if n < 2 else " (difference within the spread)")
+
+
+def _v(claim, verdict, evidence, conf) -> dict:
+    return {"claim": claim, "verdict": verdict, "evidence": evidence, "confidence": conf[0],
+            "confidence_reason": conf[1]}
+
+
+def compare(claim: str, a_name: str, a: Sequence[float], b_name: str, b: Sequence[float], tol: float,
+            higher_is_better: bool = True) -> dict:
+    """Claim "a is better than b": agrees when mean(a) beats mean(b) by more than ``tol``,
+    disagrees when b beats a by more than ``tol``, else inconclusive."""
+    ma, sa, na = mean_std(a)
+    mb, sb, nb = mean_std(b)
+    if ma is None or mb is None:
+        return _v(claim, INCONCLUSIVE, f"missing numbers ({a_name}: {ma}, {b_name}: {mb})", confidence(None, 0, 0))
+    diff = (ma - mb) if higher_is_better else (mb - ma)
+    verdict = AGREES if diff > tol else DISAGREES if diff < -tol else INCONCLUSIVE
+    ev = (f"{a_name} {ma:.4g} ± {sa:.2g} vs {b_name} {mb:.4g} ± {sb:.2g} (n={na}/{nb}); "
+          f"advantage of {a_name} {diff:+.4g}, tolerance {tol:g}")
+    return _v(claim, verdict, ev, confidence(diff, max(sa, sb), min(na, nb)))
+
+
+def mqar_state_size(cells: dict[str, dict[int, list[float]]], tol: float) -> list[dict]:
+    """``cells[objective][m]``: best-lr MQAR accuracy per seed.
+
+    1. Longhorn (best of longhorn / longhorn_diag) >= Mamba at equal state size: per m,
+       Longhorn's mean minus Mamba's; agrees when it is > -tol at a majority of sizes,
+       disagrees when it is < -tol at a majority.
+    2. Accuracy grows with state size (Zoology): per recurrent objective, mean accuracy at the
+       largest m minus at the smallest; agrees when > tol for a majority of objectives,
+       disagrees when < -tol for a majority."""
+    out = []
+    longhorns = [o for o in ("longhorn", "longhorn_diag") if o in cells]
+    claim1 = "Longhorn recalls at least as well as Mamba at equal state size (Longhorn paper, MQAR)"
+    if longhorns and "mamba" in cells:
+        sizes = sorted(set.intersection(*(set(cells[o]) for o in [*longhorns, "mamba"])))
+        margins, spreads, ns = [], [], []
+        for m in sizes:
+            best = max(longhorns, key=lambda o: mean_std(cells[o][m])[0] or 0.0)
+            ml, sl, nl = mean_std(cells[best][m])
+            mm, sm, nm = mean_std(cells["mamba"][m])
+            if ml is None or mm is None:
+                continue
+            margins.append((m, ml - mm))
+            spreads.append(max(sl, sm))
+            ns.append(min(nl, nm))
+        wins = sum(d > -tol for _, d in margins)
+        losses = sum(d < -tol for _, d in margins)
+        verdict = AGREES if margins and wins > len(margins) / 2 else DISAGREES if losses > len(margins) / 2 \
+            else INCONCLUSIVE
+        ev = "; ".join(f"m={m}: Longhorn - Mamba = {d:+.3f}" for m, d in margins) + f" (tolerance {tol:g})"
+        worst = min(margins, key=lambda t: abs(t[1]))[1] if margins else None
+        out.append(_v(claim1, verdict, ev or "no comparable cells",
+                      confidence(worst, max(spreads, default=0.0), min(ns, default=0))))
+    else:
+        out.append(_v(claim1, INCONCLUSIVE, "needs longhorn (or longhorn_diag) and mamba in the grid",
+                      confidence(None, 0, 0)))
+    claim2 = "MQAR accuracy grows with state size (Zoology / Longhorn protocol)"
+    growth, spreads, ns = [], [], []
+    for o, by_m in cells.items():
+        if o == "attention" or len(by_m) < 2:
+            continue
+        lo, hi = min(by_m), max(by_m)
+        a, sa, na = mean_std(by_m[lo])
+        b, sb, nb = mean_std(by_m[hi])
+        if a is None or b is None:
+            continue
+        growth.append((o, b - a))
+        spreads.append(max(sa, sb))
+        ns.append(min(na, nb))
+    if growth:
+        up = sum(g > tol for _, g in growth)
+        down = sum(g < -tol for _, g in growth)
+        verdict = AGREES if up > len(growth) / 2 else DISAGREES if down > len(growth) / 2 else INCONCLUSIVE
+        ev = "; ".join(f"{o}: {g:+.3f} from smallest to largest m" for o, g in growth) + f" (tolerance {tol:g})"
+        typical = statistics.median(g for _, g in growth)
+        out.append(_v(claim2, verdict, ev, confidence(typical, max(spreads), min(ns))))
+    else:
+        out.append(_v(claim2, INCONCLUSIVE, "needs at least two state sizes", confidence(None, 0, 0)))
+    return out
+
+
+def exact_vs_diagonal(acc: dict[str, list[float]], loss: dict[str, list[float]], exact: str, diagonal: str,
+                      acc_tol: float, loss_tol: float) -> list[dict]:
+    """The rebuttal's toy result: the exact Longhorn recalls better than the diagonal one; and
+    (the reviewers' question) whether it also models bytes better."""
+    return [
+        compare(f"exact Longhorn ({exact}) beats the diagonal approximation ({diagonal}) on MQAR accuracy "
+                "(Longhorn rebuttal)", exact, acc[exact], diagonal, acc[diagonal], acc_tol),
+        compare(f"exact Longhorn ({exact}) reaches a lower byte-LM validation loss than {diagonal} "
+                "(reviewers' open question; no published answer)", exact, loss[exact], diagonal, loss[diagonal],
+                loss_tol, higher_is_better=False),
+    ]
+
+
+def extrapolates(within: float | None, beyond: float | None, exploded: bool, max_ratio: float) -> bool | None:
+    """Loss beyond the training length at most ``max_ratio`` x the loss within it, no explosion."""
+    if within is None or beyond is None or not math.isfinite(beyond) or within <= 0:
+        return None if within is None else False
+    return beyond / within <= max_ratio and not bool(exploded)
+
+
+def extrapolation(rows: list[dict], max_ratio: float, improve_tol: float, n_seeds: int) -> list[dict]:
+    """``rows``: {objective, setting ("plain" or a mitigation label), within, beyond, exploded,
+    refused}. Claims: Longhorn extrapolates to N x L (Longhorn paper); Mamba/GLA trained at L
+    degrade beyond L (Stuffed Mamba); a training-free mitigation lowers the loss beyond L
+    (Stuffed Mamba)."""
+    plain = {r["objective"]: r for r in rows if r["setting"] == "plain" and not r.get("refused")}
+    conf_n = ("low", f"{n_seeds} seed(s); loss ratio threshold {max_ratio:g}") if n_seeds < 2 else \
+        ("medium", f"{n_seeds} seeds (mean over seeds); loss ratio threshold {max_ratio:g}")
+    out = []
+
+    def ratio(r):
+        return None if r["within"] in (None, 0) or r["beyond"] is None else r["beyond"] / r["within"]
+
+    if "longhorn" in plain:
+        r = plain["longhorn"]
+        ok = extrapolates(r["within"], r["beyond"], r["exploded"], max_ratio)
+        out.append(_v("Longhorn trained at L extrapolates to the evaluated length (Longhorn paper: 16x)",
+                      INCONCLUSIVE if ok is None else AGREES if ok else DISAGREES,
+                      f"longhorn: loss beyond/within = {ratio(r)}, state explosion {r['exploded']}", conf_n))
+    others = [o for o in ("mamba", "gla") if o in plain]
+    if others:
+        bad = {o: extrapolates(plain[o]["within"], plain[o]["beyond"], plain[o]["exploded"], max_ratio) for o in others}
+        known = {o: b for o, b in bad.items() if b is not None}
+        degrade = sum(not b for b in known.values())
+        verdict = INCONCLUSIVE if not known else AGREES if degrade > len(known) / 2 else DISAGREES
+        ev = "; ".join(f"{o}: ratio {ratio(plain[o])}, explosion {plain[o]['exploded']}" for o in others)
+        out.append(_v("Mamba / GLA trained at L degrade beyond L (Stuffed Mamba)", verdict, ev, conf_n))
+    helped, tried = [], []
+    for r in rows:
+        if r["setting"] == "plain" or r.get("refused") or r["objective"] not in plain:
+            continue
+        p = plain[r["objective"]]
+        if p["beyond"] is None or r["beyond"] is None:
+            continue
+        tried.append(r)
+        if r["beyond"] < p["beyond"] - improve_tol:
+            helped.append(f"{r['objective']} {r['setting']}: {p['beyond']:.3f} -> {r['beyond']:.3f}")
+    if tried:
+        degraded = [o for o, p in plain.items()
+                    if extrapolates(p["within"], p["beyond"], p["exploded"], max_ratio) is False]
+        verdict = AGREES if helped else DISAGREES if degraded else INCONCLUSIVE   # nothing to mitigate
+        ev = ("lowered the loss beyond L: " + "; ".join(helped) if helped else
+              f"no mitigation lowered the loss beyond L by more than {improve_tol:g}") + \
+             f" ({len(tried)} applicable settings; degraded without mitigation: {', '.join(degraded) or 'none'})"
+        out.append(_v("a training-free mitigation lowers the loss beyond L (Stuffed Mamba)", verdict, ev, conf_n))
+    return out
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> dict:
+    """Least-squares ``y = slope x + intercept`` and R^2 (None when fewer than 2 points)."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        return {"slope": None, "intercept": None, "r2": None, "n": n}
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": intercept, "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, "n": n}
+
+
+def min_safe_length(exploded_by_length: dict[int, bool | None]) -> int | None:
+    """Shortest training length L such that no run at L or any longer tested length exploded
+    (None: every tested length, or the longest, exploded)."""
+    best = None
+    for L in sorted(exploded_by_length, reverse=True):
+        if exploded_by_length[L] is False:
+            best = L
+        else:
+            break
+    return best
+
+
+def state_capacity(points: dict[int, int | None], min_points: int, min_r2: float, n_seeds: int) -> tuple[dict, dict]:
+    """``points[m]``: shortest explosion-free training length (None: not reached). Stuffed
+    Mamba: it grows linearly with m. Agrees when >= min_points sizes have a length and the fit
+    has slope > 0 and R^2 >= min_r2; disagrees when it has slope <= 0 or R^2 < min_r2;
+    inconclusive with fewer points. Returns (verdict, fit)."""
+    have = sorted((m, L) for m, L in points.items() if L is not None)
+    fit = linear_fit([m for m, _ in have], [L for _, L in have])
+    claim = "the shortest explosion-free training length grows linearly with state size (Stuffed Mamba)"
+    censored = [m for m, L in points.items() if L is None]
+    ev = (f"points (m, L): {have}; not reached within the tested lengths: {censored or 'none'}; fit slope "
+          f"{fit['slope']}, R^2 {fit['r2']} (need >= {min_points:g} points, slope > 0, R^2 >= {min_r2:g})")
+    if len(have) < min_points:
+        verdict = INCONCLUSIVE
+    elif fit["slope"] is not None and fit["slope"] > 0 and fit["r2"] >= min_r2:
+        verdict = AGREES
+    else:
+        verdict = DISAGREES
+    conf = ("low", f"{n_seeds} seed(s), {len(have)} point(s)") if len(have) < 4 or n_seeds < 2 else \
+        ("medium", f"{n_seeds} seeds, {len(have)} points, R^2 {fit['r2']:.3f}")
+    return _v(claim, verdict, ev, conf), fit
+
+
+def composed_search(front: list[dict], library: set[str]) -> dict:
+    """``front``: Pareto-front rows {objective, ...}. The issue's claim: a search over composed
+    objectives puts an objective that is not in the library on the Pareto front."""
+    novel = [r["objective"] for r in front if r.get("objective") not in library]
+    claim = "the Pareto front of a search over composed objectives holds an objective not in the library"
+    ev = (f"front: {[r.get('objective') for r in front]}; not in the library: {novel or 'none'}")
+    conf = ("low", f"{len(front)} trial(s) on the front, one seed per trial")
+    if not front:
+        return _v(claim, INCONCLUSIVE, "no complete trial", conf)
+    return _v(claim, AGREES if novel else DISAGREES, ev, conf)
