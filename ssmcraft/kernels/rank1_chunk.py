@@ -740,20 +740,24 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 MIN_GPU_KEY_DIM = 32
 
 
-def supports_inputs(ir, inputs, mode) -> str | None:
-    """Refuse shapes this kernel is known to fail on, so that the backend picks the next family.
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """Refuse sizes this kernel is known to fail on, so that the next family runs them.
 
     On the GPU a key dimension K < 32 gives NaN outputs in bf16 and an illegal memory access
     in the backward (found by the export GPU check, 2026-11-22; not yet diagnosed); the
-    interpreter tests pass at small K, so only the GPU is refused.
+    interpreter tests pass at small K, so only the GPU is refused. ``sizes``: {dim: size}.
     """
-    if mode != "triton":
-        return None
-    m = ir.dims[1]
-    for name, dims in ir.inputs.items():
-        if dims == (m,) and name in inputs and inputs[name].shape[-1] < MIN_GPU_KEY_DIM:
-            return f"K = {inputs[name].shape[-1]} < {MIN_GPU_KEY_DIM} (known GPU fault at small K)"
+    K = sizes.get(ir.dims[1])
+    if mode == "triton" and K is not None and K < MIN_GPU_KEY_DIM:
+        return f"K = {K} < {MIN_GPU_KEY_DIM} (known GPU fault at small K)"
     return None
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    m = ir.dims[1]
+    sizes = {m: inputs[n].shape[-1] for n, dims in ir.inputs.items() if dims == (m,) and n in inputs}
+    return supports_sizes(ir, sizes, mode)
 
 
 def supports(ir) -> str | None:
