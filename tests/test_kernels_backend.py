@@ -13,6 +13,7 @@ import torch  # noqa: E402
 import ssmcraft  # noqa: E402
 from ssmcraft.errors import SsmcraftError  # noqa: E402
 from ssmcraft.kernels import triton_backend as TB  # noqa: E402
+from helpers import rel_rms as _rel  # noqa: E402
 
 
 def _inputs(obj, B=1, T=5, H=2, d=8, m=4, seed=0):
@@ -25,10 +26,6 @@ def _inputs(obj, B=1, T=5, H=2, d=8, m=4, seed=0):
         out[n] = torch.sigmoid(t) if decl.bounded else torch.nn.functional.softplus(t) if decl.positive else t
     params = {n: -torch.rand([size[x] for x in dims], generator=g) - 0.5 for n, dims in obj.ir.params.items()}
     return out, params
-
-
-def _rel(a, b):
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def test_interpret_runs_the_diagonal_kernel_and_says_so():

@@ -19,6 +19,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.compiler.functions import sigmoid, silu, softplus  # noqa: E402
 from ssmcraft.kernels import diagonal as D  # noqa: E402
 from ssmcraft.kernels.triton_printer import triton_code  # noqa: E402
+from helpers import rel_rms as _rel  # noqa: E402
 
 # relative RMS error vs the float64 reference, fp32 kernel (interpreter)
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -46,11 +47,6 @@ def _inputs(obj, B, T, H, d, m, seed=0, per_head_params=True):
         params[n] = -(t + 0.2) if obj.spec.params[n].negative else t * 0.5 + 0.4
     S0 = torch.randn(B, H, d, m, generator=g, dtype=torch.float64)
     return inputs, params, S0
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def _check(name, B, T, H, d, m, config, per_head_params=True, with_s0=True):

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import general as G  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
+from helpers import rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernel vs float64 reference. The derived
 # adjoint of a quotient update (Cauchy) cancels terms of size ~1 in fp32: its gradients land
@@ -35,11 +36,6 @@ COL_CAUCHY = dict(BASE, name="col_cauchy", summary="test: Cauchy column regressi
 def _poison(monkeypatch):
     monkeypatch.setattr(G, "POISON", True)
     monkeypatch.setattr(G, "CHUNK", 32)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _compile(which):

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
+from helpers import assert_within, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -25,14 +26,8 @@ def _poison(monkeypatch):
     monkeypatch.setattr(R, "CHUNK", 64)
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def check(errs):
-    bad = {k: v for k, v in errs.items() if not v <= TOL.get(k, TOL["grad"])}
-    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+    assert_within(errs, TOL)
 
 
 def test_supports():

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_row as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||: fp32 kernels vs float64 references
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -26,14 +27,8 @@ def _poison(monkeypatch):
     R.set_config()
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def check(errs):
-    bad = {k: v for k, v in errs.items() if not v <= TOL.get(k, TOL["grad"])}
-    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+    assert_within(errs, TOL)
 
 
 def test_supports():
@@ -44,18 +39,9 @@ def test_supports():
 
 
 def _inputs(obj, B, T, H, d, m, seed):
-    g = torch.Generator().manual_seed(seed)
-    ins = {}
-    for n, dims in obj.ir.inputs.items():
-        decl = obj.spec.inputs[n]
-        x = torch.randn(B, T, H, *[d if x == obj.ir.dims[0] else m for x in dims], generator=g, dtype=torch.float64)
-        if decl.bounded:
-            x = 0.2 + 0.6 * torch.sigmoid(x)
-        elif decl.positive:
-            x = torch.nn.functional.softplus(x) + 0.1
-        if decl.normalize:
-            x = x / x.norm(dim=-1, keepdim=True)
-        ins[n] = x
+    """Inputs per declaration, an initial state and the generator for further draws."""
+    ins, _ = random_inputs(obj.spec, B=B, T=T, H=H, sizes=dict(zip(obj.ir.dims, (d, m))), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     return ins, torch.randn(B, H, d, m, generator=g, dtype=torch.float64), g
 
 

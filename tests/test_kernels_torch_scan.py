@@ -8,17 +8,9 @@ import torch
 
 import ssmcraft
 from ssmcraft.kernels import reference as R
+from helpers import random_inputs
 
 DECAYS = ["linear_attention", "retnet", "gla", "mamba", "hgrn", "longhorn_diag"]
-
-
-def _inputs(obj, B, T, H, d, m, g):
-    out = {}
-    for name, decl in obj.spec.inputs.items():
-        shape = [B, T, H] + [{obj.spec.dims[0]: d, obj.spec.dims[1]: m}[x] for x in decl.shape]
-        t = torch.randn(*shape, generator=g, dtype=torch.float64)
-        out[name] = torch.sigmoid(t) if decl.bounded else torch.nn.functional.softplus(t) if decl.positive else t
-    return out
 
 
 @pytest.mark.parametrize("T", [1, 7, R.SCAN_CHUNK + 5])
@@ -27,10 +19,8 @@ def test_scan_matches_reference_loop(name, T):
     g = torch.Generator().manual_seed(T)
     obj = ssmcraft.compile(name)
     B, H, d, m = 2, 2, 3, 4
-    inputs = {k: v.requires_grad_() for k, v in _inputs(obj, B, T, H, d, m, g).items()}
-    params = {"A": -torch.rand(H, d, m, generator=g, dtype=torch.float64) - 0.1} if "A" in obj.spec.params else {}
-    if "gamma" in obj.spec.params:
-        params["gamma"] = torch.rand(H, generator=g, dtype=torch.float64)
+    inputs, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes=dict(zip(obj.spec.dims, (d, m))), seed=T)
+    inputs = {k: v.requires_grad_() for k, v in inputs.items()}
     S0 = torch.randn(B, H, d, m, generator=g, dtype=torch.float64, requires_grad=True)
     lay = R.layout(obj.ir, obj.spec, inputs, params, S0)
     co = obj.module.coefficients(lay.env, d, m)
