@@ -85,14 +85,48 @@ def test_composed_search_via_cli_writes_front_and_update(tmp_path, capsys):
     if best is not None:     # a composed objective finished: its derived update is written out
         assert (out / "best_composed_update.txt").read_text().count("S_t") >= 1
         assert "S_t =" in (out / "report.md").read_text()
+        confirm = results["data"]["confirm"]        # re-trained on byte-level text next to the best library layer
+        assert confirm[0]["objective"] == best["objective"] and not confirm[0]["in_library"]
+        assert all(r["val_loss_mean"] is not None for r in confirm)
+        assert (out / "runs" / "confirm" / best["objective"] / "s0" / "metrics.json").is_file()
     assert (out / "search" / "leaderboard.csv").is_file()
 
 
 def test_cli_check_and_errors(tmp_path, capsys):
     assert main(["study", str(SPECS / "state_capacity.yaml"), "--out", str(tmp_path), "--check"]) == 0
     printed = capsys.readouterr().out
-    assert "valid state_capacity study" in printed and "full: 16 training runs, at most 16 min" in printed
+    assert "valid state_capacity study" in printed and "full: 16 training runs, at most 64 min" in printed
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nkind: nope\nsmoke: {}\nfull: {}\n")
     assert main(["study", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "unknown study kind" in capsys.readouterr().err
+
+
+def test_shards_split_cells_without_overlap_then_plain_run_reports(tmp_path):
+    trained = {}
+    for i in range(2):
+        said = []
+        done = run_study(SPECS / "state_capacity.yaml", tmp_path, device="cpu", scale="smoke", say=said.append,
+                         shard=(i, 2))
+        assert done["report"] is None and not (tmp_path / "report.md").exists()
+        trained[i] = {s.split()[-1] for s in said if s.startswith("study: train")}
+        evals = [p for p in (tmp_path / "runs").rglob("eval_plain/eval.json")]
+        assert len(evals) == sum(len(v) for v in trained.values())     # each shard evaluates only its cells
+    assert trained[0] and trained[1] and not trained[0] & trained[1]
+    assert len(trained[0] | trained[1]) == 4                               # 2 m x 2 L
+    said = []
+    run_study(SPECS / "state_capacity.yaml", tmp_path, device="cpu", scale="smoke", say=said.append)
+    assert not [s for s in said if s.startswith("study: train")]         # everything read back
+    _check(tmp_path, "state_capacity")
+
+
+def test_shard_argument_and_search_refusal(tmp_path, capsys):
+    from ssmcraft.study.commands import parse_shard
+
+    assert parse_shard("1/3") == (1, 3)
+    for bad in ("3/3", "-1/2", "a/b", "1"):
+        with pytest.raises(Exception, match="shard"):
+            parse_shard(bad)
+    assert main(["study", str(SPECS / "composed_search.yaml"), "--out", str(tmp_path), "--scale", "smoke",
+                 "--device", "cpu", "--shard", "0/2"]) == 2
+    assert "--shard does not apply" in capsys.readouterr().err

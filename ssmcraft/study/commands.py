@@ -3,6 +3,10 @@
 Runs the study a spec under ``specs/studies/`` describes and writes ``DIR/report.md`` (date,
 device, command, tables, PNG plots beside it, and whether the numbers agree with the paper)
 and ``DIR/results.json``. Started again with the same command, finished cells are read back.
+
+``--shard I/N`` trains only every N-th cell (from the I-th) and writes no report: start N such
+processes on one GPU or several (small models leave a GPU mostly idle), then the plain command
+once more to read every cell back and write the report.
 """
 from __future__ import annotations
 
@@ -21,13 +25,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to train and evaluate (default auto: the GPU when there is one)")
     p.add_argument("--scale", default="full", choices=("smoke", "full"),
                    help="smoke: tiny models and few steps (a CPU-minute); full (default): the GPU size")
+    p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                   help="train only cells I, I+N, I+2N, ... and write no report (run N of these side by side, "
+                        "then the command without --shard to write the report)")
     p.add_argument("--check", action="store_true", help="validate the spec (both scales) and exit")
     p.add_argument("--quiet", action="store_true", help="warnings only")
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N (two integers), got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text}: needs N >= 1 and 0 <= I < N")
+    return i, n
+
+
 def run_study(spec_path, out: Path, device: str = "auto", scale: str = "full", command: str | None = None,
-              say=print) -> dict:
-    """Run a study; returns {"report", "results", "verdicts"}."""
+              say=print, shard: tuple[int, int] | None = None) -> dict:
+    """Run a study; returns {"report", "results", "verdicts"} (report and results None for a shard)."""
     from ssmcraft.study.report import write_report
     from ssmcraft.study.runners import RUNNERS, Context
     from ssmcraft.study.spec import load_study_spec
@@ -36,13 +54,20 @@ def run_study(spec_path, out: Path, device: str = "auto", scale: str = "full", c
     params = spec.params(scale)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out=out, device=device, say=say)
+    if shard is not None and spec.kind == "composed_search":
+        raise SsmcraftError(f"{spec.source}: a composed_search study is one search; it spreads its trials itself "
+                            "(search.resources), so --shard does not apply")
+    ctx = Context(out=out, device=device, say=say, shard=shard)
     t0 = time.perf_counter()
     runner = RUNNERS[spec.kind]
     if spec.kind == "composed_search":
         result = runner(params, spec.thresholds, ctx, spec.base)
     else:
         result = runner(params, spec.thresholds, ctx)
+    if shard is not None:
+        say(f"study: shard {shard[0]}/{shard[1]} trained its cells in {time.perf_counter() - t0:.0f} s "
+            "(no report: run the command without --shard to write it)")
+        return {"report": None, "results": None, "verdicts": []}
     dev = _describe_device(result.get("device"), device)
     command = command or f"ssmcraft study {spec.source} --out {out} --device {device} --scale {scale}"
     report, results = write_report(out, spec=spec, scale=scale, device=dev, command=command, result=result,
@@ -104,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join(["ssmcraft", "study", shlex.quote(str(args.spec)), "--out", shlex.quote(str(args.out)),
                         "--device", args.device, "--scale", args.scale])
     done = run_study(spec, args.out, args.device, args.scale, command=command,
-                     say=(lambda s: None) if args.quiet else print)
+                     say=(lambda s: None) if args.quiet else print, shard=args.shard)
+    if done["report"] is None:
+        return 0
     for v in done["verdicts"]:
         print(f"{v['verdict'].upper():13s} {v['claim']} (confidence {v['confidence']})")
     print(f"wrote {done['report']} and {done['results']}")

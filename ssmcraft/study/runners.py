@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +26,20 @@ class Context:
     out: Path
     device: str = "auto"            # train.device / EvalOptions.device
     say: Callable[[str], None] = print
+    shard: tuple[int, int] | None = None    # (i, n): train only cells i, i+n, i+2n, ... (``--shard i/n``)
+    cells_seen: int = 0
+    owned: set = field(default_factory=set)  # run dirs this process trains and evaluates
+
+    def claim(self, run_dir: Path) -> bool:
+        """Whether this process owns the next cell (every cell when not sharded). Cells are
+        numbered in the runner's fixed order, so ``n`` processes with ``--shard 0/n`` ...
+        ``--shard n-1/n`` split a study without overlap; a later unsharded run reads them all back."""
+        idx = self.cells_seen
+        self.cells_seen += 1
+        mine = self.shard is None or idx % self.shard[1] == self.shard[0]
+        if mine:
+            self.owned.add(run_dir)
+        return mine
 
 
 # ------------------------------------------------------------------ cells
@@ -34,17 +48,23 @@ def _lr_tag(lr: float) -> str:
     return f"{lr:g}".replace("+", "")
 
 
-def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str, seed: int, m: int | None = None,
-               lr: float | None = None, seq_len: int | None = None) -> tuple[dict, Path]:
+def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str | dict, seed: int, m: int | None = None,
+               lr: float | None = None, seq_len: int | None = None,
+               batch_size: int | None = None) -> tuple[dict, Path]:
     """Train one cell with ``train_run`` (or read its metrics back); returns (metrics, run dir).
-    A refused config (``SsmcraftError``) is recorded as status "error", not raised."""
+    ``objective``: a library name, "attention", or an objective spec (a mapping, e.g. a composed
+    objective found by a search). A refused config (``SsmcraftError``) is recorded as status
+    "error", not raised."""
     from ssmcraft.search.trial import state_bytes
     from ssmcraft.train import train_run
 
     run_dir = ctx.out / "runs" / rel
     done = run_dir / "metrics.json"
+    mine = ctx.claim(run_dir)
     if done.is_file():
         return json.loads(done.read_text()), run_dir
+    if not mine:
+        return {"status": "error", "reason": f"cell of another shard (not trained by shard {ctx.shard[0]}/{ctx.shard[1]})"}, run_dir
     cfg = {"name": rel.replace("/", "_"), "seed": seed, "task": copy.deepcopy(exp["task"]),
            "model": copy.deepcopy(exp["model"]), "train": copy.deepcopy(exp.get("train", {}))}
     mixer = dict(cfg["model"].get("mixer") or {})
@@ -59,6 +79,8 @@ def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str, seed: int, 
         cfg["train"]["lr"] = lr
     if seq_len is not None:
         cfg["task"]["seq_len"] = seq_len
+    if batch_size is not None:
+        cfg["train"]["batch_size"] = batch_size
     cfg["train"]["device"] = ctx.device
     ctx.say(f"study: train {rel}")
     try:
@@ -83,6 +105,8 @@ def eval_cell(ctx: Context, run_dir: Path, label: str, options) -> dict:
     done = out / "eval.json"
     if done.is_file():
         return json.loads(done.read_text())
+    if run_dir not in ctx.owned:
+        return {"refused": "cell of another shard"}
     options.device = ctx.device
     try:
         return eval_run(run_dir, options, out)
@@ -211,7 +235,7 @@ def run_exact_vs_diagonal(p: dict, th: dict, ctx: Context) -> dict:
     if e and d:
         ratio = d / e
     bench, bench_rows = {}, []
-    if p.get("bench_shape"):
+    if p.get("bench_shape") and ctx.shard is None:
         bench = kernel_bench([exact, diag], p["bench_shape"], ctx)
         bench_rows = [{"objective": o, **{k: b.get(k) for k in ("backend", "fwd_ms", "fwd_bwd_ms", "fwd_GBps",
                                                                  "fwd_bwd_x_floor", "skipped")}}
@@ -337,9 +361,12 @@ def run_state_capacity(p: dict, th: dict, ctx: Context) -> dict:
         by_len: dict[int, bool | None] = {}
         for L in p["train_lengths"]:
             flags = []
+            # tokens_per_batch: the same tokens per step at every L (batch = tokens_per_batch // L), so
+            # every length sees the same number of steps and tokens (Stuffed Mamba's protocol)
+            batch = max(1, p["tokens_per_batch"] // L) if p.get("tokens_per_batch") else None
             for seed in p["seeds"]:
                 metrics, run_dir = train_cell(ctx, p["experiment"], f"m{m}/L{L}/s{seed}", objective=obj, seed=seed,
-                                              m=m, seq_len=L)
+                                              m=m, seq_len=L, batch_size=batch)
                 all_metrics.append(metrics)
                 exploded = None
                 if metrics.get("status") not in ("error", "diverged"):
@@ -389,7 +416,6 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
     from ssmcraft.search import reports
     from ssmcraft.search.coordinator import run_search
     from ssmcraft.search.executor import InlineExecutor
-    from ssmcraft.search.library import library_names
     from ssmcraft.search.objectives import compile_objective
     from ssmcraft.search.spec import load_search_spec
     from ssmcraft.search.trial import train_trial
@@ -414,7 +440,7 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
     table = reports.rows(result.study)
     metric_cols = [f"metric.{m}" for m in spec.metrics]
     front = [r for r in table if r["pareto"]]
-    library = set(library_names())
+    library = _library()
     novel = [r for r in table if r["rank"] is not None and r["objective"] not in library]
     best = novel[0] if novel else None
     update_text, notes = None, []
@@ -453,10 +479,45 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                                   "reason"]}]
     if update_text:
         notes.append("derived update of the best non-library objective:\n\n```\n" + update_text + "\n```")
+    confirm_rows = []
+    if p.get("confirm") and best is not None:
+        confirm_rows = confirm_on_text(ctx, p, best, next((r for r in table if r["rank"] is not None
+                                                            and r["objective"] in library), None))
+        result_tables.append({"title": "Confirmation on byte-level text (same model and budget for both)",
+                              "rows": confirm_rows, "columns": ["objective", "in_library", "m", "val_loss_mean",
+                                                                "val_loss_std", "seeds", "tokens_per_s"]})
     return {"tables": result_tables, "plots": plots, "verdicts": [V.composed_search(front, library)],
             "notes": notes, "device": device or executor_device(result),
             "data": {"front": front, "best_non_library": best, "update": update_text, "counts": result.counts,
-                     "search_dir": "search"}}
+                     "search_dir": "search", "confirm": confirm_rows}}
+
+
+def confirm_on_text(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:
+    """Train the best non-library objective and the best library one (by search rank) on the
+    ``confirm`` text experiment, each at its trial's state size, ``confirm_seeds`` seeds."""
+    rows = []
+    for r in (novel, library_best):
+        if r is None:
+            continue
+        obj = json.loads(r["objective_spec"]) if r["objective"] not in _library() else r["objective"]
+        m = r.get("param.m")
+        losses, speeds = [], []
+        for seed in p["confirm_seeds"]:
+            metrics, _ = train_cell(ctx, p["confirm"], f"confirm/{r['objective']}/s{seed}", objective=obj, seed=seed,
+                                    m=int(m) if m is not None else None)
+            losses.append(metrics.get("val_loss"))
+            speeds.append(metrics.get("tokens_per_s"))
+        mean, std, n = V.mean_std(losses)
+        rows.append({"objective": r["objective"], "in_library": r["objective"] in _library(), "m": m,
+                     "val_loss_mean": mean, "val_loss_std": std, "seeds": n,
+                     "tokens_per_s": V.mean_std(speeds)[0]})
+    return rows
+
+
+def _library() -> set[str]:
+    from ssmcraft.search.library import library_names
+
+    return set(library_names())
 
 
 def executor_device(result) -> str:

@@ -176,10 +176,12 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
     "state_capacity": {
         "experiment": (True, None, _E("text")), "objective": (False, "mamba", lambda c, k, v, ctx: c.string(k, v)),
         "state_sizes": (True, None, _INTS), "train_lengths": (True, None, _INTS),
-        "extrapolate": (False, 16, _INT), "eval": (False, {}, _EV), "seeds": (False, [0], _S)},
+        "extrapolate": (False, 16, _INT), "eval": (False, {}, _EV), "seeds": (False, [0], _S),
+        "tokens_per_batch": (False, None, _INT)},
     "composed_search": {
         "search": (True, None, lambda c, k, v, ctx: _search(c, k, v, ctx["source"], ctx["base"])),
-        "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v))},
+        "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v)),
+        "confirm": (False, None, _E("text")), "confirm_seeds": (False, [0], _S)},
 }
 
 
