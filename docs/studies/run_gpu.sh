@@ -6,7 +6,8 @@
 #
 # Each SPEC runs as SHARDS processes (`ssmcraft study SPEC --out W/NAME --shard i/SHARDS`;
 # small models leave a GPU mostly idle, so several share it), then once more without --shard
-# to read every cell back and write W/NAME/report.md. Everything stops by DEADLINE_S seconds
+# to read every cell back and write W/NAME/report.md (SHARDS 1: one plain run, which is how a
+# composed search runs: it spreads its own trials through Ray). Everything stops by DEADLINE_S seconds
 # after the start. Finished cells of an earlier call, carried in as .study_out/ (the unpacked
 # studies.tgz), are reused, so a study cut off by the deadline resumes in the next call.
 # Needs optuna + ray wheels in .whl_search/ (carried), like the search runs (BENCHMARKS.md).
@@ -26,6 +27,11 @@ left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 pids=()
 for item in "$@"; do
   spec=${item%%:*}; n=${item##*:}; name=$(basename $spec .yaml)
+  if [ "$n" = 1 ]; then     # one process: it writes its own report (the only way for a composed search)
+    timeout $(( $(left) - 25 )) python3 -m ssmcraft.cli study $spec --out $W/$name > $W/${name}_report.log 2>&1 &
+    pids+=($!)
+    continue
+  fi
   for i in $(seq 0 $((n - 1))); do
     timeout $(( $(left) - 75 )) python3 -m ssmcraft.cli study $spec --out $W/$name --shard $i/$n \
       > $W/${name}_shard$i.log 2>&1 &
@@ -35,8 +41,8 @@ done
 wait "${pids[@]}"
 echo "shards done after $(( $(date +%s) - T0 )) s"
 for item in "$@"; do
-  spec=${item%%:*}; name=$(basename $spec .yaml)
-  timeout $(( $(left) - 25 )) python3 -m ssmcraft.cli study $spec --out $W/$name > $W/${name}_report.log 2>&1
+  spec=${item%%:*}; n=${item##*:}; name=$(basename $spec .yaml)
+  [ "$n" = 1 ] || timeout $(( $(left) - 25 )) python3 -m ssmcraft.cli study $spec --out $W/$name > $W/${name}_report.log 2>&1
   echo "$name: rc $? after $(( $(date +%s) - T0 )) s"; tail -n 8 $W/${name}_report.log
 done
 kill $SMI
