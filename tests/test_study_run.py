@@ -45,6 +45,9 @@ def test_study_runs_at_smoke_scale(kind, tmp_path):
         cells = results["tables"][0]["rows"]
         assert {r["objective"] for r in cells} == {"longhorn_diag", "mamba", "attention"}
         assert all(r["state_bytes"] for r in cells)
+        assert {r["objective"]: r["layers"] for r in cells}["attention"] == 2          # the spec's override
+        assert all(r["layers"] == 1 for r in cells if r["objective"] != "attention")
+        assert all("/" in r["solved"] for r in cells)
         assert (tmp_path / "accuracy_vs_state_bytes.png").is_file()
     elif kind == "exact_vs_diagonal":
         assert set(results["data"]["accuracy"]) == {"longhorn", "longhorn_diag"}
@@ -66,10 +69,18 @@ def test_extrapolation_records_mitigations_and_resumes(tmp_path):
             assert (obj, s) in settings
     for r in rows:      # every setting either ran (a loss beyond L) or records its refusal
         assert r["beyond"] is not None or r["refused"]
-    # the same command again reads every cell back instead of training
+    refused = {r["setting"]: r["refused"] for r in rows if r["objective"] == "longhorn"}
+    assert "rank-1" in refused["retention=0.9,insertion=1"] and "rank1" in refused["window=8"]
+    # the same command again reads every cell back instead of training, refusals included (the
+    # weights may be gone by then: a study resumed elsewhere carries only its records)
+    for weights in tmp_path.rglob("model.safetensors"):
+        weights.unlink()
     said = []
-    run_study(SPECS / "extrapolation.yaml", tmp_path, device="cpu", scale="smoke", say=said.append)
+    again = run_study(SPECS / "extrapolation.yaml", tmp_path, device="cpu", scale="smoke", say=said.append)
     assert not [s for s in said if s.startswith("study: train")]
+    rows2 = json.loads(again["results"].read_text())["data"]["rows"]
+    assert {(r["objective"], r["setting"]): r["refused"] for r in rows2} == \
+        {(r["objective"], r["setting"]): r["refused"] for r in rows}
 
 
 def test_composed_search_via_cli_writes_front_and_update(tmp_path, capsys):

@@ -74,3 +74,13 @@ def test_composed_search_verdict():
     assert V.composed_search([{"objective": "mamba"}, {"objective": "c_sdec_regr"}], lib)["verdict"] == "agrees"
     assert V.composed_search([{"objective": "mamba"}], lib)["verdict"] == "disagrees"
     assert V.composed_search([], lib)["verdict"] == "inconclusive"
+
+
+def test_a_difference_within_the_seed_spread_is_inconclusive():
+    """Bimodal MQAR runs (solved or stuck at chance): a mean gap smaller than the spread is no evidence."""
+    acc = {"longhorn": [0.13, 0.98, 0.99], "longhorn_diag": [0.98, 0.14, 0.15]}
+    loss = {"longhorn": [1.0, 1.0, 1.0], "longhorn_diag": [1.0, 1.0, 1.0]}
+    a, _ = V.exact_vs_diagonal(acc, loss, "longhorn", "longhorn_diag", 0.01, 0.01)
+    assert a["verdict"] == "inconclusive" and "within the seed spread" in a["evidence"]
+    one_seed = {"longhorn": [0.9], "longhorn_diag": [0.5]}
+    assert V.exact_vs_diagonal(one_seed, loss, "longhorn", "longhorn_diag", 0.01, 0.01)[0]["verdict"] == "agrees"

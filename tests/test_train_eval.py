@@ -97,6 +97,20 @@ def test_explosion_fires_on_an_exploding_state_and_not_on_a_stable_one():
     assert _verdict(broken)["exploded"]
 
 
+def test_a_signed_mean_near_zero_does_not_flag_alone():
+    """Stable norm and variance, but the signed mean goes from ~0 within L to 10x that beyond:
+    the mean's ratio is recorded, not flagged (cancellation is not growth)."""
+    T, L = 64, 16
+    S = _trace(stable=True, T=T, L=L)
+    S = S - S.flatten(3).mean(-1)[..., None, None]                 # zero mean at every step
+    shift = torch.zeros(T)
+    shift[:L], shift[L:] = 1e-3, 1e-2
+    S = S + shift[None, :, None, None, None]
+    v = _verdict(S, L=L)
+    assert not v["exploded"] and not v["flags"]
+    assert v["ratios"]["mean"][0][0] > 5 and v["ratios"]["norm"][0][0] < 1.5
+
+
 def test_explosion_on_real_objectives_constant_input():
     """Linear attention's state sums every write: it grows ~t and explodes at 4x; Longhorn's
     implicit update converges to a fixed point and stays in range."""

@@ -52,5 +52,7 @@ rows = [l.split(",") for l in open(sys.argv[1] + "/gpu_util.csv") if l.count(","
 u = [float(r[1].split()[0]) for r in rows]
 print(f"GPU utilisation: mean {sum(u) / max(1, len(u)):.0f}% over {len(u)} samples (every 5 s)")
 PY
-(cd $W && find . -type f ! -name '*.safetensors' ! -name '*.pt' | tar czf $OUT/studies.tgz -T -)
+# the returned archive must stay under 16 MiB: no weights, per-step histories or per-run plots
+(cd $W && find . -type f ! -name '*.safetensors' ! -name '*.pt' ! -name history.json ! -path '*/runs/*.png' \
+   ! -path '*/trials/*.png' | tar czf $OUT/studies.tgz -T -)
 ls -la $OUT/studies.tgz

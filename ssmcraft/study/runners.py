@@ -98,13 +98,17 @@ def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str | dict, seed
 
 def eval_cell(ctx: Context, run_dir: Path, label: str, options) -> dict:
     """``eval_run`` into ``run_dir/eval_<label>`` (or read back); a refused mitigation returns
-    ``{"refused": message}``."""
+    ``{"refused": message}``, kept in ``refused.json`` so a resumed study reads the refusal back
+    (the weights may be gone by then). A summary read back has its explosion verdict recomputed
+    from the recorded statistics (``state_stats.json``) with the current rule."""
     from ssmcraft.train.eval_run import eval_run
 
     out = run_dir / f"eval_{label.replace('=', '').replace(',', '_')}"
-    done = out / "eval.json"
+    done, refused = out / "eval.json", out / "refused.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        return _current_rule(out, json.loads(done.read_text()))
+    if refused.is_file():
+        return json.loads(refused.read_text())
     if run_dir not in ctx.owned:
         return {"refused": "cell of another shard"}
     options.device = ctx.device
@@ -112,7 +116,25 @@ def eval_cell(ctx: Context, run_dir: Path, label: str, options) -> dict:
         return eval_run(run_dir, options, out)
     except SsmcraftError as e:
         ctx.say(f"study: {run_dir.name} {label}: refused: {e}")
+        out.mkdir(parents=True, exist_ok=True)
+        refused.write_text(json.dumps({"refused": str(e)}))
         return {"refused": str(e)}
+
+
+def _current_rule(out: Path, summary: dict) -> dict:
+    """Re-apply ``state_stats.detect_explosion`` to the statistics an evaluation recorded."""
+    from ssmcraft.train.state_stats import detect_explosion
+
+    stats_file = out / "state_stats.json"
+    if not stats_file.is_file() or not isinstance(summary.get("state"), dict):
+        return summary
+    for label, entry in json.loads(stats_file.read_text()).items():
+        if isinstance(entry, dict) and "stats" in entry and label in summary["state"]:
+            rule = entry.get("explosion") or {}
+            v = detect_explosion(entry["times"], entry["stats"], rule.get("train_len", summary.get("train_len")),
+                                 rule.get("factor", 3.0))
+            summary["state"][label] = {"exploded": v["exploded"], "flags": v["flags"]}
+    return summary
 
 
 def _plt():
@@ -137,11 +159,22 @@ def _device_of(metrics: list[dict]) -> str | None:
 
 # ------------------------------------------------------------------ 1. MQAR at equal state size
 
+SOLVED = 0.5     # an MQAR run "solved" the task when its accuracy reaches this (runs are bimodal)
+
+
+def _solved(accs) -> str:
+    known = [a for a in accs if a is not None]
+    return f"{sum(a >= SOLVED for a in known)}/{len(known)}"
+
+
 def run_mqar_state_size(p: dict, th: dict, ctx: Context) -> dict:
-    exp, seeds = p["experiment"], p["seeds"]
+    from ssmcraft.study.spec import experiment_for
+
+    seeds = p["seeds"]
     cells: dict[str, dict[int, list[float]]] = {}
     rows, all_metrics, raw = [], [], []
     for obj in p["objectives"]:
+        exp = experiment_for(p["experiment"], p.get("overrides", {}), obj)
         sizes = [None] if obj == "attention" else p["state_sizes"]
         for m in sizes:
             by_lr: dict[float, list[dict]] = {}
@@ -162,6 +195,7 @@ def run_mqar_state_size(p: dict, th: dict, ctx: Context) -> dict:
             rows.append({"objective": obj, "m": m, "state_bytes": sb,
                          "state_kind": "KV cache at L" if first.get("state_bytes") is None else "recurrent",
                          "best_lr": best_lr, "accuracy_mean": mean, "accuracy_std": std, "seeds": n,
+                         "solved": _solved(accs), "layers": exp["model"].get("n_layers"),
                          "chance": first.get("chance_accuracy"),
                          "val_loss": V.mean_std([x.get("val_loss") for x in by_lr[best_lr]])[0]})
     plt = _plt()
@@ -184,8 +218,8 @@ def run_mqar_state_size(p: dict, th: dict, ctx: Context) -> dict:
     recurrent_cells = {o: c for o, c in cells.items() if o != "attention"}
     verdicts = V.mqar_state_size(recurrent_cells, th["tol"])
     return {"tables": [{"title": "Best-lr MQAR accuracy per cell", "rows": rows,
-                        "columns": ["objective", "m", "state_bytes", "state_kind", "best_lr", "accuracy_mean",
-                                    "accuracy_std", "seeds", "chance", "val_loss"]},
+                        "columns": ["objective", "layers", "m", "state_bytes", "state_kind", "best_lr",
+                                    "accuracy_mean", "accuracy_std", "solved", "seeds", "chance", "val_loss"]},
                        {"title": "Every run", "rows": raw,
                         "columns": ["objective", "m", "lr", "seed", "status", "accuracy", "val_loss"]}],
             "plots": plots, "verdicts": verdicts, "device": _device_of(all_metrics),
@@ -220,6 +254,7 @@ def run_exact_vs_diagonal(p: dict, th: dict, ctx: Context) -> dict:
             row[name] = None if mean is None else f"{mean:.4g} ± {std:.2g}"
             row[f"_{name}"] = mean
             row["seeds"] = n
+        row["mqar_solved"] = _solved(acc[obj])
         rows.append(row)
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
@@ -244,8 +279,8 @@ def run_exact_vs_diagonal(p: dict, th: dict, ctx: Context) -> dict:
              if ratio else "speed: not measured", "speed is tokens/s of the training step (forward + backward, "
              "validation excluded) on this device; see `ssmcraft bench` for the kernel alone"]
     return {"tables": [{"title": "Mean ± sample std over seeds", "rows": rows,
-                        "columns": ["objective", "mqar_accuracy", "text_val_loss", "mqar_tokens_per_s",
-                                    "text_tokens_per_s", "seeds"]},
+                        "columns": ["objective", "mqar_accuracy", "mqar_solved", "text_val_loss",
+                                    "mqar_tokens_per_s", "text_tokens_per_s", "seeds"]},
                        {"title": "Every run", "rows": raw, "columns": list(raw[0]) if raw else []}]
             + ([{"title": f"Kernel alone (ssmcraft bench, shape B,T,H,d,m = {p['bench_shape']})", "rows": bench_rows,
                  "columns": ["objective", "backend", "fwd_ms", "fwd_bwd_ms", "fwd_GBps", "fwd_bwd_x_floor",

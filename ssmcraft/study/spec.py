@@ -114,6 +114,25 @@ def _mitigations(c: _C, key: str, v: Any) -> list[str]:
     return out
 
 
+def _overrides(c: _C, key: str, v: Any) -> dict:
+    """objective -> a partial ``{task, model, train}`` merged over the experiment for that objective."""
+    out = {}
+    for obj, part in c.mapping(key, v).items():
+        part = c.mapping(f"{key}.{obj}", part)
+        unknown = set(part) - {"task", "model", "train"}
+        if unknown:
+            c.fail(f"{key}.{obj}.{sorted(unknown)[0]}", "unknown key; expected task, model, train")
+        for name, sub in part.items():
+            c.mapping(f"{key}.{obj}.{name}", sub)
+        out[str(obj)] = part
+    return out
+
+
+def experiment_for(experiment: dict, overrides: dict, objective: str) -> dict:
+    """The experiment one objective trains with: ``overrides[objective]`` merged over it."""
+    return _deep_merge(experiment, overrides.get(objective, {}))
+
+
 def _eval(c: _C, key: str, v: Any) -> dict:
     e = c.mapping(key, v)
     schema = {"batches": c.pos_int, "batch_size": c.pos_int, "explosion_factor": c.pos_float,
@@ -159,7 +178,8 @@ _M = lambda c, k, v, ctx: _mitigations(c, k, v)  # noqa: E731
 KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
     "mqar_state_size": {
         "experiment": (True, None, _E("mqar")), "objectives": (True, None, _O),
-        "state_sizes": (True, None, _INTS), "lrs": (True, None, _FLOATS), "seeds": (False, [0], _S)},
+        "state_sizes": (True, None, _INTS), "lrs": (True, None, _FLOATS), "seeds": (False, [0], _S),
+        "overrides": (False, {}, lambda c, k, v, ctx: _overrides(c, k, v))},
     "exact_vs_diagonal": {
         "mqar": (True, None, _E("mqar")), "text": (True, None, _E("text")),
         "objectives": (False, ["longhorn", "longhorn_diag"],

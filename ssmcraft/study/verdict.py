@@ -44,7 +44,8 @@ def _v(claim, verdict, evidence, conf) -> dict:
 def compare(claim: str, a_name: str, a: Sequence[float], b_name: str, b: Sequence[float], tol: float,
             higher_is_better: bool = True) -> dict:
     """Claim "a is better than b": agrees when mean(a) beats mean(b) by more than ``tol``,
-    disagrees when b beats a by more than ``tol``, else inconclusive."""
+    disagrees when b beats a by more than ``tol``, else inconclusive; also inconclusive when
+    both have several seeds and the difference lies within the seed spread."""
     ma, sa, na = mean_std(a)
     mb, sb, nb = mean_std(b)
     if ma is None or mb is None:
@@ -53,6 +54,9 @@ def compare(claim: str, a_name: str, a: Sequence[float], b_name: str, b: Sequenc
     verdict = AGREES if diff > tol else DISAGREES if diff < -tol else INCONCLUSIVE
     ev = (f"{a_name} {ma:.4g} ± {sa:.2g} vs {b_name} {mb:.4g} ± {sb:.2g} (n={na}/{nb}); "
           f"advantage of {a_name} {diff:+.4g}, tolerance {tol:g}")
+    if verdict != INCONCLUSIVE and min(na, nb) >= 2 and abs(diff) <= max(sa, sb):
+        verdict = INCONCLUSIVE
+        ev += f"; within the seed spread {max(sa, sb):.2g}"
     return _v(claim, verdict, ev, confidence(diff, max(sa, sb), min(na, nb)))
 
 
