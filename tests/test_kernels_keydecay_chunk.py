@@ -1,0 +1,148 @@
+"""Key-decay chunked family (GLA, RetNet, HGRN, linear attention) under the Triton interpreter,
+fp32, against the float64 reference recurrence: output, final state and EVERY gradient (inputs,
+params, initial state; with a gradient on the final state too), every kernel buffer poisoned
+with NaN first. Odd lengths cross chunk boundaries at chunk sizes 16, 32 and 64; K and V are
+padded (m = 12 -> 16, d = 20 -> 32); strongly decaying gates (log alpha down to -5 per step)
+check the stability claim. GPU checks in fp32 and bf16: benchmarks/bench_keydecay_chunk.py."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
+from ssmcraft.kernels.reference import layout  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
+
+# relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference. With strongly
+# decaying gates the gate's gradient is compared as d(log alpha) = alpha * d alpha, the kernel's own
+# variable: the reverse-cumsum identity gives d(log alpha) to fp32 *absolute* accuracy
+# (eps * sum |q dq - k dk|), which the chain rule d alpha = d(log alpha) / alpha then divides by
+# alpha (down to e^-5 here), so d alpha's relative error there measures that division, not the kernel.
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(KD, "POISON", True)
+    monkeypatch.setattr(KD, "INTERPRET_BV", None)
+    monkeypatch.setattr(KD, "INTERPRET_BK", None)
+    monkeypatch.setattr(KD, "CHUNK", 64)
+
+
+def test_supports():
+    for name in ("gla", "retnet", "hgrn", "linear_attention"):
+        assert KD.supports(ssmcraft.compile(name).ir) is None, name
+    assert "key dimension" in KD.supports(ssmcraft.compile("longhorn_diag").ir)
+    assert "key dimension" in KD.supports(ssmcraft.compile("mamba").ir)      # a = exp(A delta) over (d, m)
+    assert "rank1" in KD.supports(ssmcraft.compile("deltanet").ir)
+    real_decay = ssmcraft.compile({
+        "name": "signed_decay", "state": {"S": ["d", "m"]},
+        "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"]}, "q": {"shape": ["m"]}},
+        "params": {"gamma": {"shape": [], "init": "ones"}},
+        "objective": "sq(S - gamma*S_prev)/2 - dot(S*k, x)", "update": "implicit", "output": "S*q"})
+    assert "not provably positive" in KD.supports(real_decay.ir)
+
+
+def _run_objective(obj, ins, params, S0, dy, dS):
+    """Ours through the family interface (layout + generated coefficients + kernel), fp32."""
+    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
+    lp = {k: v.float().requires_grad_() for k, v in params.items()}
+    s1 = S0.float().requires_grad_()
+    y, S = KD.forward_inputs(obj, lv, lp, s1, True)
+    assert y.dtype == torch.float32 and S.dtype == torch.float32
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *lp.values(), s1])
+    return y, S, got
+
+
+def _check_objective(name, T, chunk, monkeypatch, B=1, H=2, d=20, m=12, strong=False):
+    monkeypatch.setattr(KD, "CHUNK", chunk)
+    obj = ssmcraft.compile(name)
+    ins, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": d, "m": m}, seed=T + chunk)
+    g = torch.Generator().manual_seed(T)
+    if strong:      # log alpha uniform in (-5, -0.01): e^{b_i - b_j} spans e^-320 .. 1 within a chunk
+        ins["alpha"] = torch.exp(-0.01 - 4.99 * torch.rand(ins["alpha"].shape, generator=g, dtype=torch.float64))
+    S0 = torch.randn(B, H, d, m, generator=g, dtype=torch.float64)
+    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
+    pleaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    s0 = S0.clone().requires_grad_()
+    y_ref, S_ref = obj.reference(leaves, pleaves, s0)
+    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
+    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), *pleaves.values(), s0])
+    y, S, got = _run_objective(obj, ins, params, S0, dy, dS)
+    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m)
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, *pleaves, "S0"], got, ref_g)})
+    if strong:
+        i = list(leaves).index("alpha")
+        errs["dalpha"] = rel(got[i] * ins["alpha"], ref_g[i] * ins["alpha"])    # d(log alpha)
+    assert_within(errs, TOL)
+
+
+@pytest.mark.parametrize("name,T,chunk", [
+    ("gla", 1, 64), ("gla", 7, 16), ("gla", 65, 64), ("gla", 130, 32),
+    ("retnet", 1, 16), ("retnet", 130, 64),
+    ("hgrn", 7, 64), ("hgrn", 65, 32),
+    ("linear_attention", 130, 64),
+])
+def test_objective_matches_reference(name, T, chunk, monkeypatch):
+    _check_objective(name, T, chunk, monkeypatch)
+
+
+@pytest.mark.parametrize("T,chunk", [(130, 64)])
+def test_strongly_decaying_gates(T, chunk, monkeypatch):
+    _check_objective("gla", T, chunk, monkeypatch, strong=True)
+
+
+def _loop(q, k, v, g, h0):
+    """h_t = diag(e^{g_t}) h_{t-1} + k_t v_t^T, o_t = h_t^T q_t (kernel layout), float64."""
+    h, outs = h0, []
+    for t in range(q.shape[1]):
+        h = torch.exp(g[:, t])[..., None] * h + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, t]))
+    return torch.stack(outs, 1), h
+
+
+@pytest.mark.parametrize("T,K,V,chunk,bk,bv,with_h0,with_dht", [
+    (70, 20, 40, 64, 16, 16, True, True),      # 2 key blocks x 3 value blocks in the sequential kernels
+    (33, 16, 24, 32, None, 16, False, False),  # no initial state, no final-state gradient
+])
+def test_kernel_level(T, K, V, chunk, bk, bv, with_h0, with_dht, monkeypatch):
+    monkeypatch.setattr(KD, "INTERPRET_BK", bk)
+    monkeypatch.setattr(KD, "INTERPRET_BV", bv)
+    g = torch.Generator().manual_seed(T + K)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    B, H = 1, 2
+    ins = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V),
+           -2.0 * torch.rand(B, T, H, K, generator=g, dtype=torch.float64)]
+    h0 = r(B, H, K, V) if with_h0 else torch.zeros(B, H, K, V, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in ins + [h0]]
+    o_ref, h_ref = _loop(*ref_in)
+    do = r(*o_ref.shape)
+    dh = r(*h_ref.shape) if with_dht else torch.zeros_like(h_ref)
+    ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), ref_in if with_h0 else ref_in[:4])
+    x = [t.float().requires_grad_() for t in ins]
+    s = h0.float().requires_grad_() if with_h0 else None
+    o, ht = KD.chunk_key_decay(*x, initial_state=s, output_final_state=True, chunk_size=chunk)
+    loss = (o.double() * do).sum() + ((ht.double() * dh).sum() if with_dht else 0.)
+    got = torch.autograd.grad(loss, x + ([s] if with_h0 else []))
+    errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
+    errs.update({f"d{n}": rel(a, b) for n, a, b in zip(["q", "k", "v", "g", "h0"], got, ref_g)})
+    assert_within(errs, TOL)
+
+
+def test_no_grad_path_and_empty():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 1, 16, generator=g) for _ in range(3))
+    lg = -torch.rand(1, 5, 1, 16, generator=g)
+    with torch.no_grad():
+        o, ht = KD.chunk_key_decay(q, k, v, lg, output_final_state=False)
+    ref, _ = _loop(q.double(), k.double(), v.double(), lg.double(), torch.zeros(1, 1, 16, 16, dtype=torch.float64))
+    assert ht is None and rel(o, ref) < TOL["y"]
+    o0, h0 = KD.chunk_key_decay(q[:, :0], k[:, :0], v[:, :0], lg[:, :0], output_final_state=True)
+    assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0
