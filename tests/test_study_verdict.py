@@ -70,10 +70,35 @@ def test_state_capacity_fit_and_verdicts():
 
 
 def test_composed_search_verdict():
-    lib = {"mamba", "longhorn"}
-    assert V.composed_search([{"objective": "mamba"}, {"objective": "c_sdec_regr"}], lib)["verdict"] == "agrees"
-    assert V.composed_search([{"objective": "mamba"}], lib)["verdict"] == "disagrees"
-    assert V.composed_search([], lib)["verdict"] == "inconclusive"
+    new = {"objective": "c_ddec_regr", "same_as": None}
+    same = {"objective": "c_sdec_regr_cstep_impl_exact", "same_as": "gated_longhorn"}
+    lib = {"objective": "mamba", "same_as": "mamba"}
+    assert V.composed_search([lib, new])["verdict"] == "agrees"
+    v = V.composed_search([lib, same])           # a composed twin of a library layer is not new
+    assert v["verdict"] == "disagrees" and "(= gated_longhorn)" in v["evidence"]
+    assert V.composed_search([lib])["verdict"] == "disagrees"
+    assert V.composed_search([])["verdict"] == "inconclusive"
+
+
+def test_library_match_by_derived_update():
+    """The composed scalar-decay regression with a per-channel step derives exactly gated_longhorn."""
+    import json
+
+    import ssmcraft
+    from ssmcraft.search.compose import compose_objective
+    from ssmcraft.study.runners import library_match
+
+    twin = compose_objective({"proximity": "scalar_decay", "data": "regression", "step": "per_channel",
+                              "update": "implicit"})
+    other = compose_objective({"proximity": "diagonal_decay", "data": "regression", "step": "per_channel",
+                               "update": "implicit"})
+    lib = {"gated_longhorn", "longhorn", "mamba"}
+    cache: dict = {}
+    assert library_match({"objective": twin["name"], "objective_spec": json.dumps(twin)}, lib, ssmcraft.compile,
+                         cache) == "gated_longhorn"
+    assert library_match({"objective": other["name"], "objective_spec": json.dumps(other)}, lib, ssmcraft.compile,
+                         cache) is None
+    assert library_match({"objective": "mamba"}, lib, ssmcraft.compile, cache) == "mamba"
 
 
 def test_a_difference_within_the_seed_spread_is_inconclusive():

@@ -474,9 +474,12 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                         compile_fn=compile_objective, plots=True, log=ctx.say)
     table = reports.rows(result.study)
     metric_cols = [f"metric.{m}" for m in spec.metrics]
-    front = [r for r in table if r["pareto"]]
     library = _library()
-    novel = [r for r in table if r["rank"] is not None and r["objective"] not in library]
+    for r in table:      # library membership by derived update, not by name
+        r["same_as"] = library_match(r, library, compile_objective)
+        r["in_library"] = r["same_as"] is not None
+    front = [r for r in table if r["pareto"]]
+    novel = [r for r in table if r["rank"] is not None and not r["in_library"]]
     best = novel[0] if novel else None
     update_text, notes = None, []
     if best is not None and best.get("objective_spec"):
@@ -498,30 +501,30 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
             if x is None or y is None:
                 continue
             ax.scatter(x, y, color="tab:red" if r["pareto"] else "tab:gray",
-                       marker="*" if r["objective"] not in library else "o", s=60)
+                       marker="*" if not r["in_library"] else "o", s=60)
             ax.annotate(r["objective"], (x, y), fontsize=6)
         ax.set_xlabel(spec.metrics[1])
         ax.set_ylabel(spec.metrics[0])
         ax.set_title("trials (red: Pareto front, *: not in the library)")
         plots.append(_save(fig, ctx.out / "pareto.png"))
     device = next((r.get("metric.device") for r in table if r.get("metric.device")), None)
-    for r in table:
-        r["in_library"] = r["objective"] in library
     result_tables = [{"title": "Pareto front", "rows": front,
-                      "columns": ["rank", "trial", "objective", "in_library", *metric_cols, "state_bytes"]},
-                     {"title": "All finished trials", "rows": table,
-                      "columns": ["rank", "trial", "status", "objective", "in_library", "pareto", *metric_cols,
-                                  "reason"]}]
+                      "columns": ["rank", "trial", "objective", "same_as", *metric_cols, "state_bytes"]},
+                     {"title": "All finished trials (same_as: the library layer whose derived update it is)",
+                      "rows": table, "columns": ["rank", "trial", "status", "objective", "same_as", "pareto",
+                                                 *metric_cols, "reason"]}]
     if update_text:
         notes.append("derived update of the best non-library objective:\n\n```\n" + update_text + "\n```")
     confirm_rows = []
     if p.get("confirm") and best is not None:
         confirm_rows = confirm_on_text(ctx, p, best, next((r for r in table if r["rank"] is not None
                                                             and r["objective"] in library), None))
-        result_tables.append({"title": "Confirmation on byte-level text (same model and budget for both)",
+        task = p["confirm"]["task"].get("name")
+        result_tables.append({"title": f"Confirmation on {task} (same model and budget for both)",
                               "rows": confirm_rows, "columns": ["objective", "in_library", "m", "val_loss_mean",
-                                                                "val_loss_std", "seeds", "tokens_per_s"]})
-    return {"tables": result_tables, "plots": plots, "verdicts": [V.composed_search(front, library)],
+                                                                "val_loss_std", "accuracy_mean", "seeds",
+                                                                "tokens_per_s"]})
+    return {"tables": result_tables, "plots": plots, "verdicts": [V.composed_search(front)],
             "notes": notes, "device": device or executor_device(result),
             "data": {"front": front, "best_non_library": best, "update": update_text, "counts": result.counts,
                      "search_dir": "search", "confirm": confirm_rows}}
@@ -529,23 +532,25 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
 
 def confirm_on_text(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:
     """Train the best non-library objective and the best library one (by search rank) on the
-    ``confirm`` text experiment, each at its trial's state size, ``confirm_seeds`` seeds."""
+    ``confirm`` experiment (the other task: byte-level text after an MQAR search, MQAR after a
+    text search), each at its trial's state size, ``confirm_seeds`` seeds."""
     rows = []
     for r in (novel, library_best):
         if r is None:
             continue
-        obj = json.loads(r["objective_spec"]) if r["objective"] not in _library() else r["objective"]
+        obj = json.loads(r["objective_spec"]) if not r["in_library"] else (r["same_as"] or r["objective"])
         m = r.get("param.m")
-        losses, speeds = [], []
+        losses, speeds, accs = [], [], []
         for seed in p["confirm_seeds"]:
             metrics, _ = train_cell(ctx, p["confirm"], f"confirm/{r['objective']}/s{seed}", objective=obj, seed=seed,
                                     m=int(m) if m is not None else None)
             losses.append(metrics.get("val_loss"))
             speeds.append(metrics.get("tokens_per_s"))
+            accs.append(metrics.get("accuracy"))
         mean, std, n = V.mean_std(losses)
-        rows.append({"objective": r["objective"], "in_library": r["objective"] in _library(), "m": m,
+        rows.append({"objective": r["objective"], "in_library": r["in_library"], "m": m,
                      "val_loss_mean": mean, "val_loss_std": std, "seeds": n,
-                     "tokens_per_s": V.mean_std(speeds)[0]})
+                     "accuracy_mean": V.mean_std(accs)[0], "tokens_per_s": V.mean_std(speeds)[0]})
     return rows
 
 
@@ -553,6 +558,40 @@ def _library() -> set[str]:
     from ssmcraft.search.library import library_names
 
     return set(library_names())
+
+
+def update_fingerprint(compiled) -> str:
+    """A name-free hash of a compiled objective's derived update (its IR without the spec's
+    name and file): two specs that derive the same recurrence share it."""
+    import hashlib
+
+    ir = compiled.ir.to_json()
+    ir.pop("spec", None)
+    ir.pop("source", None)
+    return hashlib.sha256(json.dumps(ir, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def library_match(row: dict, library: set[str], compile_fn, _cache: dict | None = None) -> str | None:
+    """The library layer a trial's objective is (by name, or by derived update), or None."""
+    if row.get("objective") in library:
+        return row["objective"]
+    spec = row.get("objective_spec")
+    if not spec:
+        return None
+    cache = _FINGERPRINTS if _cache is None else _cache
+    if not cache:
+        for name in sorted(library):
+            try:
+                cache[update_fingerprint(compile_fn(name))] = name
+            except SsmcraftError:
+                continue
+    try:
+        return cache.get(update_fingerprint(compile_fn(json.loads(spec))))
+    except SsmcraftError:
+        return None
+
+
+_FINGERPRINTS: dict[str, str] = {}
 
 
 def executor_device(result) -> str:

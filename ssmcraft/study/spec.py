@@ -201,7 +201,7 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
     "composed_search": {
         "search": (True, None, lambda c, k, v, ctx: _search(c, k, v, ctx["source"], ctx["base"])),
         "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v)),
-        "confirm": (False, None, _E("text")), "confirm_seeds": (False, [0], _S)},
+        "confirm": (False, None, _E(None)), "confirm_seeds": (False, [0], _S)},
 }
 
 

@@ -236,12 +236,15 @@ def state_capacity(points: dict[int, int | None], min_points: int, min_r2: float
     return _v(claim, verdict, ev, conf), fit
 
 
-def composed_search(front: list[dict], library: set[str]) -> dict:
-    """``front``: Pareto-front rows {objective, ...}. The issue's claim: a search over composed
+def composed_search(front: list[dict]) -> dict:
+    """``front``: Pareto-front rows {objective, same_as, ...} (``same_as``: the library layer the
+    objective derives to, None for a new one). The issue's claim: a search over composed
     objectives puts an objective that is not in the library on the Pareto front."""
-    novel = [r["objective"] for r in front if r.get("objective") not in library]
+    novel = [r["objective"] for r in front if r.get("same_as") is None]
     claim = "the Pareto front of a search over composed objectives holds an objective not in the library"
-    ev = (f"front: {[r.get('objective') for r in front]}; not in the library: {novel or 'none'}")
+    named = [r.get("objective") + (f" (= {r['same_as']})" if r.get("same_as") not in (None, r.get("objective")) else "")
+             for r in front]
+    ev = f"front: {named}; not in the library: {novel or 'none'}"
     conf = ("low", f"{len(front)} trial(s) on the front, one seed per trial")
     if not front:
         return _v(claim, INCONCLUSIVE, "no complete trial", conf)
