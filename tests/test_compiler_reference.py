@@ -381,3 +381,12 @@ def test_fast_path_gradients_equal_reference_gradients_long_T(name, compiled, ra
     for label, a, b in zip(names + pnames + ["initial_state"], *grads):
         scale = 1 + a.abs().max().item()
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9 * scale, msg=lambda m: f"d/d{label}: {m}")
+
+
+@pytest.mark.parametrize("name,says", [("linear_attention", "the identity"), ("longhorn", "rank-1 erase")])
+def test_retention_refusal_names_the_transition(name, says):
+    """No decay to scale: the refusal says what the transition is instead (identity for linear
+    attention, identity minus a rank-1 erase for Longhorn)."""
+    with pytest.raises(SsmcraftError, match=says):
+        ssmcraft.compile(name).mitigated(retention=0.9)
+    assert ssmcraft.compile(name).mitigated(insertion=0.5).ir.kind == ssmcraft.compile(name).ir.kind

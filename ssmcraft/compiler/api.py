@@ -115,8 +115,10 @@ def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
     if retention != 1.0:
         a = coefs[ir.slots["a"]]
         if a.expr == 1:
+            what = ("identity minus a rank-1 erase" if ir.kind == "rank1" else
+                    "the identity: the state sums every write and forgets nothing")
             raise SsmcraftError(f"{ir.spec_name}: this objective has no decay to scale (its transition is "
-                                "identity minus a rank-1 erase); retention scaling applies to decays")
+                                f"{what}); retention scaling applies to decays")
         r = sympy.Float(retention)
         scaled = a.expr ** r if a.expr.is_positive else sympy.sign(a.expr) * sympy.Abs(a.expr) ** r
         coefs[a.name] = Coefficient(a.name, scaled, a.dims)
