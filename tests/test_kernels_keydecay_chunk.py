@@ -108,16 +108,20 @@ def _loop(q, k, v, g, h0):
     return torch.stack(outs, 1), h
 
 
-@pytest.mark.parametrize("T,K,V,chunk,bk,bv,with_h0,with_dht", [
-    (70, 20, 40, 64, 16, 16, True, True),      # 2 key blocks x 3 value blocks in the sequential kernels
-    (33, 16, 24, 32, None, 16, False, False),  # no initial state, no final-state gradient
+@pytest.mark.parametrize("T,K,V,chunk,bk,bv,with_h0,with_dht,B,H", [
+    (70, 20, 40, 64, 16, 16, True, True, 1, 2),      # 2 key blocks x 3 value blocks in the sequential kernels
+    (33, 16, 24, 32, None, 16, False, False, 1, 2),  # no initial state, no final-state gradient
+    # training shapes (one head, small K, d_inner values), with the blocks the GPU's autotuner
+    # can pick: key blocks of 32 / 64 larger than K, several value blocks of 32 / 64
+    (130, 16, 256, 64, 64, 64, False, False, 2, 1),
+    (70, 8, 128, 64, 32, 64, False, False, 2, 1),
+    (77, 4, 96, 64, 32, 32, True, True, 2, 2),
 ])
-def test_kernel_level(T, K, V, chunk, bk, bv, with_h0, with_dht, monkeypatch):
+def test_kernel_level(T, K, V, chunk, bk, bv, with_h0, with_dht, B, H, monkeypatch):
     monkeypatch.setattr(KD, "INTERPRET_BK", bk)
     monkeypatch.setattr(KD, "INTERPRET_BV", bv)
     g = torch.Generator().manual_seed(T + K)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    B, H = 1, 2
     ins = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V),
            -2.0 * torch.rand(B, T, H, K, generator=g, dtype=torch.float64)]
     h0 = r(B, H, K, V) if with_h0 else torch.zeros(B, H, K, V, dtype=torch.float64)
@@ -146,3 +150,17 @@ def test_no_grad_path_and_empty():
     assert ht is None and rel(o, ref) < TOL["y"]
     o0, h0 = KD.chunk_key_decay(q[:, :0], k[:, :0], v[:, :0], lg[:, :0], output_final_state=True)
     assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0
+
+
+def test_grad_kernel_config_rule():
+    """The configs the GPU's autotuner may compile and time for ``_bwd_grad_kernel`` (it runs every
+    config it keeps): Triton 3.6 faults (illegal memory access) with 8 warps at BK = 16, so 8 warps
+    are pruned by rule below BK = 64 (BENCHMARKS.md, "Key-decay chunked", run 3)."""
+    cfgs = KD.GRAD_CONFIGS
+    assert any(c.num_warps == 8 for c in cfgs)
+    for K in (4, 8, 16, 32, 48, 64, 128, 256):
+        bk = KD._pow2(K)
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            kept = KD.grad_configs(cfgs, {}, H=1, K=K, V=256, BT=64, BC=16, BK=bk, PREC=KD._prec(dt))
+            assert kept and {c.kwargs["BV"] for c in kept} == {32, 64}, (K, dt)
+            assert any(c.num_warps == 8 for c in kept) == (bk >= 64), (K, dt)

@@ -82,11 +82,35 @@ MAX_K = 256                         # whole key rows live in registers in the pa
 BACKEND_NAME = "keydecay-chunked"
 
 
-def _tune(configs, key):
-    """Autotune on a GPU; under the interpreter the launcher passes a config chosen by rule."""
+def _tune(configs, key, prune=None):
+    """Autotune on a GPU; under the interpreter the launcher passes a config chosen by rule.
+    ``prune(configs, nargs, **kwargs)`` drops configs by rule before any is compiled or timed
+    (the autotuner runs every config it keeps, so a config that faults kills the process even
+    when it would not have won)."""
     if _INTERPRET:
         return lambda fn: fn
-    return triton.autotune(configs=configs, key=key)
+    return triton.autotune(configs=configs, key=key,
+                           prune_configs_by={"early_config_prune": prune} if prune else None)
+
+
+GRAD_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+                for bv, w, s in ((64, 4, 1), (64, 8, 1), (32, 4, 1))]
+
+
+def grad_configs(configs, nargs=None, **kw):
+    """Configs of ``_bwd_grad_kernel`` that may run at these constexprs (the autotuner's
+    ``early_config_prune``; ``BK`` is the padded key block).
+
+    With 8 warps (two warpgroups splitting the N dimension of each tensor-core product), Triton 3.6
+    on an H200 miscompiles the products whose N is the key block (dO H^T, V dH^T, dA K, dA^T Q)
+    when BK = 16 (every K <= 16): compute-sanitizer reports "Invalid __shared__ read of size 1024
+    bytes" and the launch faults with an illegal memory access (seen with fp32 I/O; the bf16 launch
+    ran clean under the sanitizer, but bf16 at BK = 16 still faults intermittently, cause open, so
+    it is pruned there too). 4 warps run clean under the sanitizer at BK = 16. 8 warps are kept
+    only for BK >= 64, where every GPU check has run them (BENCHMARKS.md, "Key-decay chunked", run 3)."""
+    if kw.get("BK", 64) < 64:
+        return [c for c in configs if c.num_warps < 8]
+    return list(configs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -313,9 +337,7 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
     tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@_tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv, w, s in ((64, 4, 1), (64, 8, 1), (32, 4, 1))],
-       key=["H", "K", "V", "BT", "BC"])
+@_tune(GRAD_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=grad_configs)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _bwd_grad_kernel(q, k, v, gc, hs, dhs, do, dq, dk, dv, dg, T, NT,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -433,6 +455,7 @@ def _bwd_grad_kernel(q, k, v, gc, hs, dhs, do, dq, dk, dv, dg, T, NT,
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
+
 
 
 def _prec(dtype) -> str:
