@@ -474,9 +474,9 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                         compile_fn=compile_objective, plots=True, log=ctx.say)
     table = reports.rows(result.study)
     metric_cols = [f"metric.{m}" for m in spec.metrics]
-    library = _library()
+    library, fingerprints = _library(), {}
     for r in table:      # library membership by derived update, not by name
-        r["same_as"] = library_match(r, library, compile_objective)
+        r["same_as"] = library_match(r, library, compile_objective, fingerprints)
         r["in_library"] = r["same_as"] is not None
     front = [r for r in table if r["pareto"]]
     novel = [r for r in table if r["rank"] is not None and not r["in_library"]]
@@ -517,8 +517,8 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
         notes.append("derived update of the best non-library objective:\n\n```\n" + update_text + "\n```")
     confirm_rows = []
     if p.get("confirm") and best is not None:
-        confirm_rows = confirm_on_text(ctx, p, best, next((r for r in table if r["rank"] is not None
-                                                            and r["objective"] in library), None))
+        confirm_rows = confirm_on_other_task(ctx, p, best, next((r for r in table if r["rank"] is not None
+                                                                  and r["in_library"]), None))
         task = p["confirm"]["task"].get("name")
         result_tables.append({"title": f"Confirmation on {task} (same model and budget for both)",
                               "rows": confirm_rows, "columns": ["objective", "in_library", "m", "val_loss_mean",
@@ -530,7 +530,7 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                      "search_dir": "search", "confirm": confirm_rows}}
 
 
-def confirm_on_text(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:
+def confirm_on_other_task(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:
     """Train the best non-library objective and the best library one (by search rank) on the
     ``confirm`` experiment (the other task: byte-level text after an MQAR search, MQAR after a
     text search), each at its trial's state size, ``confirm_seeds`` seeds."""
@@ -571,27 +571,25 @@ def update_fingerprint(compiled) -> str:
     return hashlib.sha256(json.dumps(ir, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def library_match(row: dict, library: set[str], compile_fn, _cache: dict | None = None) -> str | None:
-    """The library layer a trial's objective is (by name, or by derived update), or None."""
+def library_match(row: dict, library: set[str], compile_fn, fingerprints: dict) -> str | None:
+    """The library layer a trial's objective is (by name, or by derived update), or None.
+    ``fingerprints`` (update fingerprint -> library name) is filled on first use; pass the same
+    dict for every row of a table."""
     if row.get("objective") in library:
         return row["objective"]
     spec = row.get("objective_spec")
     if not spec:
         return None
-    cache = _FINGERPRINTS if _cache is None else _cache
-    if not cache:
+    if not fingerprints:
         for name in sorted(library):
             try:
-                cache[update_fingerprint(compile_fn(name))] = name
+                fingerprints[update_fingerprint(compile_fn(name))] = name
             except SsmcraftError:
                 continue
     try:
-        return cache.get(update_fingerprint(compile_fn(json.loads(spec))))
+        return fingerprints.get(update_fingerprint(compile_fn(json.loads(spec))))
     except SsmcraftError:
         return None
-
-
-_FINGERPRINTS: dict[str, str] = {}
 
 
 def executor_device(result) -> str:
