@@ -33,16 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ssmcraft  # noqa: E402
-from common import Report, all_written, floor_bytes, random_inputs  # noqa: E402
+from common import Report, all_written, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
+from common import rel_rms as rel  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}     # relative RMS error, every compared tensor
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def sync():
@@ -51,18 +47,20 @@ def sync():
 
 
 def bench(fn):
+    """do_bench median on the GPU; one timed call under --smoke (the interpreter)."""
     if SMOKE:
         t0 = time.time()
         fn()
         return (time.time() - t0) * 1e3
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return bench_ms(fn, warmup=25, rep=200)
 
 
 def copy_bw():
-    x = torch.empty(1 << (12 if SMOKE else 28), dtype=torch.float32, device=DEV).normal_()
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / (bench(lambda: y.copy_(x)) * 1e-3)
+    if SMOKE:
+        x = torch.empty(1 << 12, dtype=torch.float32, device=DEV).normal_()
+        y = torch.empty_like(x)
+        return 2 * x.numel() * 4 / (bench(lambda: y.copy_(x)) * 1e-3)
+    return copy_bandwidth(DEV, 1 << 30)
 
 
 # ------------------------------------------------------------------------------------------
