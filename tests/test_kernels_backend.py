@@ -71,17 +71,35 @@ def test_why_not_names_every_family():
     inputs, _ = _inputs(obj)
     obj.prefer = "interpret"
     reasons = dict(TB.families(obj, inputs, "interpret"))
-    assert list(reasons) == ["diagonal", "rank1_row", "general", "rank1_chunk"]
+    assert list(reasons) == ["keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk"]
+    assert reasons["keydecay_chunk"] is not None
     assert reasons["diagonal"] is not None
     msg = TB.why_not(obj, inputs)
     assert "diagonal:" in msg or TB.select(obj, inputs, "interpret") is not None
+
+
+@pytest.mark.parametrize("name", ["gla", "retnet", "hgrn"])
+def test_key_decays_run_the_keydecay_family_and_say_so(name):
+    # the diagonal family stays tested on these objectives by calling it directly
+    # (tests/test_kernels_diagonal.py, test_family_contract_forward_on_a_layout below)
+    obj = ssmcraft.compile(name)
+    obj.prefer = "interpret"
+    inputs, _ = _inputs(obj, T=5)
+    params = {n: torch.tensor([0.9, 0.7]) for n in obj.ir.params}
+    S0 = torch.randn(1, 2, 8, 4)
+    y, S = obj(inputs, params, S0, True)
+    assert obj.backend == "triton-interpret:keydecay-chunked"
+    yr, Sr = obj.reference(inputs, params, S0, True)
+    assert _rel(y, yr) < 1e-5 and _rel(S, Sr) < 1e-5
+    reasons = dict(TB.families(obj, inputs, "interpret"))
+    assert reasons["keydecay_chunk"] is None and reasons["diagonal"] is None
 
 
 def test_missing_family_module_is_skipped(monkeypatch):
     real = TB._load
 
     def fake(family):
-        if family == "diagonal":
+        if family in ("keydecay_chunk", "diagonal"):
             return None, "not implemented yet"
         return real(family)
     monkeypatch.setattr(TB, "_load", fake)
@@ -96,7 +114,7 @@ def test_missing_family_module_is_skipped(monkeypatch):
 
 def test_rank1_per_head_prefers_chunked_on_gpu_only():
     obj = ssmcraft.compile("deltanet")
-    assert TB._order(obj.ir, "triton")[:2] == ["diagonal", "rank1_chunk"]
+    assert TB._order(obj.ir, "triton")[:3] == ["keydecay_chunk", "diagonal", "rank1_chunk"]
     assert TB._order(obj.ir, "interpret") == list(TB.FAMILIES)
 
 

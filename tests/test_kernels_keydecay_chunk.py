@@ -152,15 +152,17 @@ def test_no_grad_path_and_empty():
     assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0
 
 
-def test_grad_kernel_config_rule():
-    """The configs the GPU's autotuner may compile and time for ``_bwd_grad_kernel`` (it runs every
-    config it keeps): Triton 3.6 faults (illegal memory access) with 8 warps at BK = 16, so 8 warps
-    are pruned by rule below BK = 64 (BENCHMARKS.md, "Key-decay chunked", run 3)."""
-    cfgs = KD.GRAD_CONFIGS
-    assert any(c.num_warps == 8 for c in cfgs)
+def test_config_rule():
+    """The configs the GPU's autotuner may compile and time (it runs every config it keeps):
+    Triton 3.6 faulted (illegal memory access) with 8 warps at a key block of 16, so 8 warps are
+    pruned by rule below a key block of 64 (BENCHMARKS.md, "Key-decay chunked", run 3), and key
+    blocks larger than the padded K are dropped."""
+    par, intra = KD.PAR_CONFIGS, KD.INTRA_CONFIGS
     for K in (4, 8, 16, 32, 48, 64, 128, 256):
         bk = KD._pow2(K)
-        for dt in (torch.float32, torch.bfloat16, torch.float16):
-            kept = KD.grad_configs(cfgs, {}, H=1, K=K, V=256, BT=64, BC=16, BK=bk, PREC=KD._prec(dt))
-            assert kept and {c.kwargs["BV"] for c in kept} == {32, 64}, (K, dt)
-            assert any(c.num_warps == 8 for c in kept) == (bk >= 64), (K, dt)
+        kept = KD.warp_rule(par, {}, H=1, K=K, V=256, BT=64, BC=16, BK=bk)
+        assert {c.kwargs["BV"] for c in kept} == {32, 64}, K
+        assert any(c.num_warps == 8 for c in kept) == (bk >= 64), K
+        kept = KD.warp_rule(intra, {}, H=1, K=K, BT=64, BC=16)
+        assert kept and max(c.kwargs["BK"] for c in kept) == min(bk, 64), K
+        assert all(c.num_warps < 8 for c in kept)

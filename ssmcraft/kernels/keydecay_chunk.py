@@ -53,12 +53,18 @@ Since ``b_i = sum_{r<=i} g_r`` and ``bl = sum_r g_r`` over the chunk's tokens,
 
     dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl          (reverse cumsum within the chunk)
 
-Kernels, top to bottom: ``_fwd_state_kernel`` (sequential over chunks per (key block, value
-block, head): the block-local cumulative sums ``gc``, the chunk-start states ``hs [B, H, NT, K, V]`` and the
-final state), ``_fwd_out_kernel`` (parallel over chunks: A and o), ``_bwd_state_kernel`` (reverse
-over chunks: ``dhs``, the state gradient at each chunk's end, and dh0) and ``_bwd_grad_kernel``
-(parallel over chunks: recomputes A, then dq, dk, dv, dg). Saved for the backward: the inputs,
-g, ``gc`` (the size of g) and ``hs``; the [B, T, H, BT] matrix A is recomputed, not stored.
+Kernels, top to bottom. Forward: ``_fwd_state_kernel`` (sequential over chunks per (key block,
+value block, head): the block-local cumulative sums ``gc``, the chunk-start states
+``hs [B, H, NT, K, V]`` and the final state), ``_intra_A_kernel`` (per (chunk, sub-block): the
+rows of A, stored ``[B, T, H, BT]`` in the I/O dtype) and ``_fwd_out_kernel`` (per (value block,
+chunk): o). Backward: ``_bwd_state_kernel`` (reverse over chunks: ``dhs``, the state gradient at
+each chunk's end, and dh0), ``_bwd_dv_kernel`` (per (value block, chunk): dv),
+``_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
+``_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
+[BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``_bwd_dg_kernel`` (per
+(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg).
+Saved for the backward: the inputs, g, ``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``;
+no ``[B, T, d, m]`` tensor is formed.
 
 Shapes (kernel level, FLA layout): q, k, g [B, T, H, K]; v [B, T, H, V]; initial / final state
 [B, H, K, V] fp32; output [B, T, H, V] in v's dtype. I/O fp32, bf16 or fp16; state, cumulative
@@ -66,13 +72,12 @@ sums and every reduction fp32. Measured figures: BENCHMARKS.md, "Key-decay chunk
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
 POISON = False                      # tests: fill every output buffer with NaN before the kernels write it
@@ -82,35 +87,9 @@ MAX_K = 256                         # whole key rows live in registers in the pa
 BACKEND_NAME = "keydecay-chunked"
 
 
-def _tune(configs, key, prune=None):
-    """Autotune on a GPU; under the interpreter the launcher passes a config chosen by rule.
-    ``prune(configs, nargs, **kwargs)`` drops configs by rule before any is compiled or timed
-    (the autotuner runs every config it keeps, so a config that faults kills the process even
-    when it would not have won)."""
-    if _INTERPRET:
-        return lambda fn: fn
-    return triton.autotune(configs=configs, key=key,
-                           prune_configs_by={"early_config_prune": prune} if prune else None)
-
-
-GRAD_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-                for bv, w, s in ((64, 4, 1), (64, 8, 1), (32, 4, 1))]
-
-
-def grad_configs(configs, nargs=None, **kw):
-    """Configs of ``_bwd_grad_kernel`` that may run at these constexprs (the autotuner's
-    ``early_config_prune``; ``BK`` is the padded key block).
-
-    With 8 warps (two warpgroups splitting the N dimension of each tensor-core product), Triton 3.6
-    on an H200 miscompiles the products whose N is the key block (dO H^T, V dH^T, dA K, dA^T Q)
-    when BK = 16 (every K <= 16): compute-sanitizer reports "Invalid __shared__ read of size 1024
-    bytes" and the launch faults with an illegal memory access (seen with fp32 I/O; the bf16 launch
-    ran clean under the sanitizer, but bf16 at BK = 16 still faults intermittently, cause open, so
-    it is pruned there too). 4 warps run clean under the sanitizer at BK = 16. 8 warps are kept
-    only for BK >= 64, where every GPU check has run them (BENCHMARKS.md, "Key-decay chunked", run 3)."""
-    if kw.get("BK", 64) < 64:
-        return [c for c in configs if c.num_warps < 8]
-    return list(configs)
+PAR_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
+INTRA_CONFIGS = [triton.Config({"BK": bk}, num_warps=w, num_stages=2) for bk in (16, 32, 64) for w in (1, 2, 4)]
+A_CONFIGS = [triton.Config({}, num_warps=w, num_stages=2) for w in (1, 2, 4)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,7 +176,7 @@ def _tot(gc, i_b, i_h, t0, M: tl.constexpr, T, H, K: tl.constexpr, o_k, m_k, BC:
 def _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
                 BT: tl.constexpr, BC: tl.constexpr):
     """From the block-local sums lc (each a direct sum, never a difference of large ones):
-    b = the chunk's prefix sums b_i, sx = bl - b_j, bl, and own = the total of each row's block."""
+    b = the chunk's prefix sums b_i, sx = bl - b_j, and bl."""
     b_own = _ref_rows(gc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BC, BC - 1)
     blk = (o_i // BC)[:, None]
     b_pre = tl.zeros_like(b_lc)
@@ -208,87 +187,104 @@ def _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
         b_pre += tl.where(blk > M, b_t, 0.)
         b_post += tl.where(blk < M, b_t, 0.)
         b_bl += tl.sum(b_t, axis=0)
-    return b_pre + b_lc, b_post + (b_own - b_lc), b_bl, b_own
+    return b_pre + b_lc, b_post + (b_own - b_lc), b_bl
 
 
 @triton.jit
-def _kt(b_k, b_lc, b_own, gc, i_b, i_h, t0, I: tl.constexpr, T, H, K: tl.constexpr, o_i, o_k, m_k,
-        BC: tl.constexpr, DT: tl.constexpr):
-    """k_j e^{R_I - b_j} for rows j before sub-block I (0 elsewhere); R_I = b just before block I.
-    The exponent (tot_J - lc_j) + sum of the whole blocks between is a sum of g's, <= 0 for g <= 0."""
-    blk = (o_i // BC)[:, None]
-    before = blk < I
-    b_x = b_own - b_lc
-    for M in tl.static_range(1, I):
-        b_x += tl.where(blk < M, _tot(gc, i_b, i_h, t0, M, T, H, K, o_k, m_k, BC)[None, :], 0.)
-    return tl.where(before, b_k * tl.exp(tl.where(before, b_x, 0.)), 0.).to(DT)
+def _sub_rows(p, i_b, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
+    """[BC, BK] fp32 tile of a [B, T, H, K] tensor at the times t (rows past T: 0)."""
+    r = _rows(i_b, i_h, t, T, H)
+    return tl.load(p + r[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=0.).to(tl.float32)
 
 
 @triton.jit
-def _intra_offdiag(b_qs, b_k, b_lc, b_own, gc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
-                   BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """Off-diagonal sub-blocks of A: rows of block I against the columns before it, as tensor-core
-    products of (q e^{b - R_I}) (b_qs = q e^{lc}, for every row) and (k e^{R_I - b})."""
-    b_A = tl.zeros([BT, BT], dtype=tl.float32)
-    for I in tl.static_range(1, BT // BC):
-        b_kt = _kt(b_k, b_lc, b_own, gc, i_b, i_h, t0, I, T, H, K, o_i, o_k, m_k, BC, DT)
+def _causal(A, row, m_t, o_i, BT: tl.constexpr, DT: tl.constexpr):
+    """The chunk's [BT, BT] block of A (rows ``row``), lower triangle incl. the diagonal, in DT."""
+    mask = m_t[:, None] & (o_i[:, None] >= o_i[None, :])
+    return tl.load(A + row[:, None] * BT + o_i[None, :], mask=mask, other=0.).to(DT)
+
+
+@_tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T"])
+def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    BK: tl.constexpr, PREC: tl.constexpr):
+    """Per (chunk, sub-block I): the rows of I in A[i, j] = sum_k q_ik k_jk e^{b_ik - b_jk}, j <= i.
+    Columns of earlier blocks J are tensor-core products (q e^{b - R_I}) (k_J e^{R_I - b_J})^T with
+    R_I = b just before block I (both exponents <= 0); the diagonal block is summed elementwise.
+    Entries above the diagonal are not written (readers mask them)."""
+    NC: tl.constexpr = BT // BC
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    I = i_c % NC
+    t0 = (i_c // NC) * BT
+    DT = A.dtype.element_ty
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    t_I = t0 + I * BC + o_c
+    m_I = t_I < T
+    r_I = _rows(i_b, i_h, t_I, T, H)
+    b_q = _sub_rows(q, i_b, i_h, t_I, T, H, K, o_k, m_k)
+    b_lc = tl.load(gc + r_I[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_qs = (b_q * tl.exp(b_lc)).to(DT)                    # q e^{b_i - R_I}
+    b_s = tl.zeros([BK], dtype=tl.float32)                # sum of g over the whole blocks after J, before I
+    for jj in range(I):
+        J = I - 1 - jj
+        t_J = t0 + J * BC + o_c
+        b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
+        b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+        b_oJ = _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)     # sum of g over block J
+        b_kt = (b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :])).to(DT)       # k_j e^{R_I - b_j}
         b_a = tl.dot(b_qs, tl.trans(b_kt), input_precision=PREC)
-        b_A += tl.where(((o_i // BC) == I)[:, None], b_a, 0.)
-    return b_A
+        tl.store(A + r_I[:, None] * BT + J * BC + o_c[None, :], b_a.to(DT), mask=m_I[:, None])
+        b_s += b_oJ
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for c in range(BC):          # diagonal block: e^{b_i - b_c} = e^{lc_i - lc_c}, c <= i
+        t_c = t0 + I * BC + c
+        r_c = _rows(i_b, i_h, t_c, T, H)
+        b_kc = tl.load(k + r_c * K + o_k, mask=m_k & (t_c < T), other=0.).to(tl.float32)
+        b_lcc = tl.load(gc + r_c * K + o_k, mask=m_k, other=0.)
+        low = (o_c >= c)[:, None]
+        b_e = tl.exp(tl.where(low, b_lc - b_lcc[None, :], 0.))
+        b_ac = tl.sum(tl.where(low, b_q * b_kc[None, :] * b_e, 0.), axis=1)
+        b_d = tl.where(o_c[None, :] == c, b_ac[:, None], b_d)
+    tl.store(A + r_I[:, None] * BT + I * BC + o_c[None, :], b_d.to(DT), mask=m_I[:, None])
 
 
-@_tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv, w, s in ((64, 4, 2), (64, 8, 2), (32, 4, 2))],
-       key=["H", "K", "V", "BT", "BC"])
+@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _fwd_out_kernel(q, k, v, gc, hs, o, T, NT,
+def _fwd_out_kernel(q, v, gc, hs, A, o, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: A (lower triangular incl. the diagonal) and o = (q e^b) h0 + A v."""
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    """Per (value block, chunk): o = (q e^b) h0 + A v."""
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
     DT = o.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
-    o_t = t0 + o_i
-    m_t = o_t < T
-    row = _rows(i_b, i_h, o_t, T, H)
+    m_t = (t0 + o_i) < T
+    row = _rows(i_b, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_q = _sub_rows(q, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_b, b_sx, b_bl, b_own = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
-
-    b_qs = (b_q * tl.exp(b_lc)).to(DT)
-    b_A = _intra_offdiag(b_qs, b_k, b_lc, b_own, gc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC, DT, PREC)
-    # diagonal sub-blocks: column j = g(i) = (i // BC) * BC + c of row i, j <= i
-    for c in range(BC):
-        o_g = (o_i // BC) * BC + c
-        m_g = (t0 + o_g) < T
-        r_g = _rows(i_b, i_h, t0 + o_g, T, H)
-        b_kg = tl.load(k + r_g[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_k[None, :], other=0.).to(tl.float32)
-        b_bg = tl.load(gc + r_g[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-        low = ((o_i % BC) >= c)[:, None]
-        b_e = tl.exp(tl.where(low, b_lc - b_bg, 0.))
-        b_ac = tl.sum(tl.where(low, b_q * b_kg * b_e, 0.), axis=1)
-        b_A = tl.where((o_i[None, :] == o_g[:, None]) & low, b_ac[:, None], b_A)
-
-    b_Ad = b_A.to(DT)
+    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
     b_qe = (b_q * tl.exp(b_b)).to(DT)
-    base = (i_bh.to(tl.int64) * NT + i_t) * K * V
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
-        b_o = tl.dot(b_qe, b_h.to(DT), input_precision=PREC)
-        b_o += tl.dot(b_Ad, b_v, input_precision=PREC)
-        tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(DT), mask=m_tv)
+    b_A = _causal(A, row, m_t, o_i, BT, DT)
+    b_h = tl.load(hs + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.)
+    b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
+    b_o = tl.dot(b_qe, b_h.to(DT), input_precision=PREC)
+    b_o += tl.dot(b_A, b_v, input_precision=PREC)
+    tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(DT), mask=m_tv)
 
 
 @_tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
@@ -337,38 +333,72 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
     tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@_tune(GRAD_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=grad_configs)
+@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_grad_kernel(q, k, v, gc, hs, dhs, do, dq, dk, dv, dg, T, NT,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: recompute A, then dq, dk, dg (phase 1: value-axis products; phase 2: intra-chunk
-    terms and the decay's gradient) and dv (phase 3)."""
+def _bwd_dv_kernel(k, gc, A, do, dhs, dv, T, NT,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Per (value block, chunk): dv = A^T dO + (k e^{bl - b}) dH."""
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    DT = do.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    t0 = i_t * BT
+    m_t = (t0 + o_i) < T
+    row = _rows(i_b, i_h, t0 + o_i, T, H)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_k = _sub_rows(k, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
+    b_kd = (b_k * tl.exp(b_sx)).to(DT)
+    b_A = _causal(A, row, m_t, o_i, BT, DT)
+    b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
+    b_dh = tl.load(dhs + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+                   mask=m_k[:, None] & m_v[None, :], other=0.)
+    b_dv = tl.dot(tl.trans(b_A), b_do, input_precision=PREC)
+    b_dv += tl.dot(b_kd, b_dh.to(DT), input_precision=PREC)
+    tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+
+@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT", "V_run"])
+def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, summing over value blocks: dA = dO V^T (lower triangle), the state terms
+    dq = e^b o (dO h0^T), dk = e^{bl - b} o (V dH^T) (fp32 scratch, finished by the intra kernel)
+    and dL/dbl = sum_j k_j o dk_j + e^{bl} o sum_v h0 dH.
+
+    ``V_run`` (= V) is a runtime argument on purpose, the loop's bound: with a compile-time trip count (>= 2)
+    Triton 3.6 miscompiles this software-pipelined loop (num_stages=2) on an H200 with bf16 I/O,
+    and dA = dO V^T comes out wrong (relative error 0.94 at V = 256, K = 16, 32; every config);
+    with the trip count known only at run time, or num_stages=1, it is exact (BENCHMARKS.md,
+    "Key-decay chunked", session 3)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    DT = q.dtype.element_ty
+    DT = do.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
-    o_t = t0 + o_i
-    m_t = o_t < T
-    row = _rows(i_b, i_h, o_t, T, H)
+    m_t = (t0 + o_i) < T
+    row = _rows(i_b, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     base = (i_bh.to(tl.int64) * NT + i_t) * K * V
-    b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_b, b_sx, b_bl, b_own = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
-
-    # ---- phase 1: dA = dO V^T, dO h0^T, V dH^T, sum_v h0 dH ------------------------------
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkh = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
+    for i_v in range(tl.cdiv(V_run, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
@@ -382,86 +412,131 @@ def _bwd_grad_kernel(q, k, v, gc, hs, dhs, do, dq, dk, dv, dg, T, NT,
         b_dkh += tl.dot(b_v, tl.trans(b_dh.to(DT)), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     b_dA = tl.where(o_i[:, None] >= o_i[None, :], b_dA, 0.)
+    tl.store(dA + row[:, None] * BT + o_i[None, :], b_dA, mask=m_t[:, None])
+    b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
+    b_dk = b_dkh * tl.exp(b_sx)
+    tl.store(dqi + row[:, None] * K + o_k[None, :], b_dqh * tl.exp(b_b), mask=m_tk)
+    tl.store(dki + row[:, None] * K + o_k[None, :], b_dk, mask=m_tk)
+    b_k = _sub_rows(k, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_dbl = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_bl) * b_hdh
+    tl.store(dbl + (i_bh.to(tl.int64) * NT + i_t) * K + o_k, b_dbl, mask=m_k)
 
-    # ---- phase 2: A; dq, dk (inter + intra); dg --------------------------------------------
-    b_eq = tl.exp(b_lc)              # e^{b_i - R_I}, R_I = b just before row i's block
-    b_ek = tl.exp(b_own - b_lc)      # e^{R_{J+1} - b_j}
-    b_qs = (b_q * b_eq).to(DT)
-    b_A = _intra_offdiag(b_qs, b_k, b_lc, b_own, gc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC, DT, PREC)
-    b_dqo = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dko = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dAt = tl.trans(b_dA)
-    blk = (o_i // BC)[:, None]
-    for I in tl.static_range(1, BT // BC):
-        # dq of block I from the columns before it: dA[I, :I] (k e^{R_I - b})
-        b_kt = _kt(b_k, b_lc, b_own, gc, i_b, i_h, t0, I, T, H, K, o_i, o_k, m_k, BC, DT)
-        b_dqo += tl.dot(tl.where(blk == I, b_dA, 0.).to(DT), b_kt, input_precision=PREC)
-        # dk of block J = I - 1 from the rows after it: dA[I:, J]^T (q e^{b - R_I})
-        after = blk >= I
-        b_x = b_lc
-        for M in tl.static_range(I, BT // BC):
-            b_x += tl.where(blk > M, _tot(gc, i_b, i_h, t0, M, T, H, K, o_k, m_k, BC)[None, :], 0.)
-        b_qt = tl.where(after, b_q * tl.exp(tl.where(after, b_x, 0.)), 0.).to(DT)
-        b_dko += tl.dot(tl.where(blk == I - 1, b_dAt, 0.).to(DT), b_qt, input_precision=PREC)
-    b_ebl = tl.exp(b_sx)                                                                  # e^{bl - b}
-    b_dkh = b_dkh * b_ebl
-    b_dq = tl.exp(b_b) * b_dqh + b_eq * b_dqo
-    b_dk = b_dkh + b_ek * b_dko
-    # diagonal sub-blocks: partner row g(i) = (i // BC) * BC + c; one exponential serves
-    # A and dq (g <= i: e^{b_i - b_g}) and dk (g >= i: e^{b_g - b_i})
+
+@_tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      BK: tl.constexpr, PREC: tl.constexpr):
+    """Per (key block, chunk x sub-block I): dq, dk of the rows of I = the inter terms plus
+    dq_i += sum_{j<=i} dA_ij k_j e^{b_i - b_j},  dk_j += sum_{i>=j} dA_ij q_i e^{b_i - b_j}
+    (earlier / later blocks as tensor-core products against references at the block boundaries,
+    the diagonal block elementwise). Then db = q o dq - k o dk: ``dgl`` gets its reverse cumulative
+    sum within I and ``dbt`` its total over I (``_bwd_dg_kernel`` adds the later blocks' totals).
+    Key columns are independent."""
+    NC: tl.constexpr = BT // BC
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_t = i_c // NC
+    I = i_c % NC
+    DT = q.dtype.element_ty
+    t0 = i_t * BT
+    o_c = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    t_I = t0 + I * BC + o_c
+    m_I = t_I < T
+    r_I = _rows(i_b, i_h, t_I, T, H)
+    m_Ik = m_I[:, None] & m_k[None, :]
+    p_I = r_I[:, None] * K + o_k[None, :]
+    b_q = _sub_rows(q, i_b, i_h, t_I, T, H, K, o_k, m_k)
+    b_k = _sub_rows(k, i_b, i_h, t_I, T, H, K, o_k, m_k)
+    b_lc = tl.load(gc + p_I, mask=m_k[None, :], other=0.)
+    b_own = _ref_vec(gc, i_b, i_h, t0 + I * BC + BC - 1, T, H, K, o_k, m_k)
+    # dq from the blocks J < I: dA[I, J] (k_J e^{R_I - b_J}), then e^{b_i - R_I}
+    b_dqo = tl.zeros([BC, BK], dtype=tl.float32)
+    b_s = tl.zeros([BK], dtype=tl.float32)
+    for jj in range(I):
+        t_J = t0 + (I - 1 - jj) * BC + o_c          # block J = I - 1 - jj
+        b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
+        b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+        b_oJ = _ref_vec(gc, i_b, i_h, t0 + (I - jj) * BC - 1, T, H, K, o_k, m_k)
+        b_kt = (b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :])).to(DT)
+        b_da = tl.load(dA + r_I[:, None] * BT + (I - 1 - jj) * BC + o_c[None, :], mask=m_I[:, None], other=0.).to(DT)
+        b_dqo += tl.dot(b_da, b_kt, input_precision=PREC)
+        b_s += b_oJ
+    # dk from the blocks J > I: dA[J, I]^T (q_J e^{b_J - R_{I+1}}), then e^{R_{I+1} - b_j}
+    b_dko = tl.zeros([BC, BK], dtype=tl.float32)
+    b_s = tl.zeros([BK], dtype=tl.float32)
+    for J in range(I + 1, NC):
+        t_J = t0 + J * BC + o_c
+        r_J = _rows(i_b, i_h, t_J, T, H)
+        b_qJ = _sub_rows(q, i_b, i_h, t_J, T, H, K, o_k, m_k)
+        b_lJ = tl.load(gc + r_J[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+        b_qt = (b_qJ * tl.exp(b_lJ + b_s[None, :])).to(DT)
+        b_da = tl.load(dA + r_J[:, None] * BT + I * BC + o_c[None, :], mask=(t_J < T)[:, None], other=0.).to(DT)
+        b_dko += tl.dot(tl.trans(b_da), b_qt, input_precision=PREC)
+        b_s += _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
+    b_dq = tl.load(dqi + p_I, mask=m_Ik, other=0.) + tl.exp(b_lc) * b_dqo
+    b_dk = tl.load(dki + p_I, mask=m_Ik, other=0.) + tl.exp(b_own[None, :] - b_lc) * b_dko
+    # diagonal block: partner row c; one exponential serves dq (c <= i) and dk (c >= i)
     for c in range(BC):
-        o_g = (o_i // BC) * BC + c
-        m_g = (t0 + o_g) < T
-        r_g = _rows(i_b, i_h, t0 + o_g, T, H)
-        m_gk = m_g[:, None] & m_k[None, :]
-        b_kg = tl.load(k + r_g[:, None] * K + o_k[None, :], mask=m_gk, other=0.).to(tl.float32)
-        b_qg = tl.load(q + r_g[:, None] * K + o_k[None, :], mask=m_gk, other=0.).to(tl.float32)
-        b_bg = tl.load(gc + r_g[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-        low = ((o_i % BC) >= c)[:, None]
-        up = ((o_i % BC) <= c)[:, None]
-        b_x = b_lc - b_bg
+        t_c = t0 + I * BC + c
+        r_c = _rows(i_b, i_h, t_c, T, H)
+        m_c = m_k & (t_c < T)
+        b_qc = tl.load(q + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
+        b_kc = tl.load(k + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
+        b_lcc = tl.load(gc + r_c * K + o_k, mask=m_k, other=0.)
+        b_dac = tl.load(dA + r_I * BT + I * BC + c, mask=m_I, other=0.)               # dA[i, c]
+        b_dar = tl.load(dA + r_c * BT + I * BC + o_c, mask=m_I & (t_c < T), other=0.)  # dA[c, i]
+        low = (o_c >= c)[:, None]
+        up = (o_c <= c)[:, None]
+        b_x = b_lc - b_lcc[None, :]
         b_e = tl.exp(tl.where(low, b_x, tl.where(up, -b_x, 0.)))
-        sel = o_i[None, :] == o_g[:, None]
-        b_ac = tl.sum(tl.where(low, b_q * b_kg * b_e, 0.), axis=1)
-        b_A = tl.where(sel & low, b_ac[:, None], b_A)
-        b_dag = tl.sum(tl.where(sel, b_dA, 0.), axis=1)        # dA[i, g(i)]
-        b_dga = tl.sum(tl.where(sel, b_dAt, 0.), axis=1)       # dA[g(i), i]
-        b_dq += tl.where(low, b_dag[:, None] * b_kg * b_e, 0.)
-        b_dk += tl.where(up, b_dga[:, None] * b_qg * b_e, 0.)
-    b_dbl = tl.sum(b_k * b_dkh, axis=0) + tl.exp(b_bl) * b_hdh
+        b_dq += tl.where(low, b_dac[:, None] * b_kc[None, :] * b_e, 0.)
+        b_dk += tl.where(up, b_dar[:, None] * b_qc[None, :] * b_e, 0.)
     b_db = b_q * b_dq - b_k * b_dk
-    b_dg = tl.cumsum(b_db, axis=0, reverse=True) + b_dbl[None, :]
-    tl.store(dq + row[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + row[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + row[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    tl.store(dq + p_I, b_dq.to(dq.dtype.element_ty), mask=m_Ik)
+    tl.store(dk + p_I, b_dk.to(dk.dtype.element_ty), mask=m_Ik)
+    tl.store(dgl + p_I, tl.cumsum(b_db, axis=0, reverse=True), mask=m_Ik)
+    tl.store(dbt + ((i_bh.to(tl.int64) * NT + i_t) * NC + I) * K + o_k, tl.sum(b_db, axis=0), mask=m_k)
 
-    # ---- phase 3: dv = A^T dO + (k e^{bl - b}) dH ---------------------------------------------
-    b_Ad = b_A.to(DT)
-    b_kd = (b_k * b_ebl).to(DT)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
-        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-        b_dv = tl.dot(tl.trans(b_Ad), b_do, input_precision=PREC)
-        b_dv += tl.dot(b_kd, b_dh.to(DT), input_precision=PREC)
-        tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+@_tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def _bwd_dg_kernel(dgl, dbt, dbl, dg, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr):
+    """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
+    later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
+    chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)"""
+    NC: tl.constexpr = BT // BC
+    i_k = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_i = tl.arange(0, BT)
+    m_t = (i_t * BT + o_i) < T
+    row = _rows(i_b, i_h, i_t * BT + o_i, T, H)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    base = (i_bh.to(tl.int64) * NT + i_t) * K
+    b_off = tl.zeros([BT, BK], dtype=tl.float32) + tl.load(dbl + base + o_k, mask=m_k, other=0.)[None, :]
+    blk = (o_i // BC)[:, None]
+    for M in tl.static_range(1, NC):
+        b_t = tl.load(dbt + (base * NC + M * K) + o_k, mask=m_k, other=0.)
+        b_off += tl.where(blk < M, b_t[None, :], 0.)
+    p = row[:, None] * K + o_k[None, :]
+    m = m_t[:, None] & m_k[None, :]
+    tl.store(dg + p, tl.load(dgl + p, mask=m, other=0.) + b_off, mask=m)
 
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
 # ----------------------------------------------------------------------------------------
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(n)))
-
-
-
-def _prec(dtype) -> str:
-    # fp32 I/O: three-pass tf32 (fp32-accurate); bf16/fp16 I/O: the operands are bf16/fp16
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
 
 def _state_opts(K: int, V: int) -> dict:
     """Blocks of the sequential kernels, chosen by rule under the interpreter (autotuned on a GPU)."""
@@ -477,6 +552,18 @@ def _par_opts(V: int) -> dict:
     return {"BV": INTERPRET_BV or _pow2(V)}
 
 
+def _intra_opts(K: int) -> dict:
+    """Key block of the backward's per-key-block kernels, by rule under the interpreter (at most the
+    padded K)."""
+    if not _INTERPRET:
+        return {}
+    return {"BK": min(INTERPRET_BK or _pow2(K), _pow2(K))}
+
+
+def _par_grid(V, NT, BH):
+    return lambda meta: (triton.cdiv(V, meta["BV"]), NT, BH)
+
+
 def _state_grid(K, V, BH):
     return lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), BH)
 
@@ -488,7 +575,8 @@ def _empty(*shape, device, dtype):
 
 
 def _fwd(q, k, v, g, h0, BT):
-    """o [B,T,H,V] (v's dtype), ht [B,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V]."""
+    """o [B,T,H,V] (v's dtype), ht [B,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
+    A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
@@ -500,13 +588,16 @@ def _fwd(q, k, v, g, h0, BT):
     _fwd_state_kernel[_state_grid(K, V, B * H)](
         k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, **_state_opts(K, V))
+    BC, BK = min(SUB, BT), _pow2(K)
+    A = _empty(B, T, H, BT, device=dev, dtype=dt)
+    _intra_A_kernel[(NT * (BT // BC), B * H)](q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    _fwd_out_kernel[(NT, B * H)](q, k, v, gc, hs, o, T, NT, H=H, K=K, V=V, BT=BT, BC=min(SUB, BT),
-                                 BK=_pow2(K), PREC=prec, **_par_opts(V))
-    return o, ht, gc, hs
+    _fwd_out_kernel[_par_grid(V, NT, B * H)](q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+                                             BK=BK, PREC=prec, **_par_opts(V))
+    return o, ht, gc, hs, A
 
 
-def _bwd(q, k, v, g, gc, hs, do, dht, BT):
+def _bwd(q, k, v, g, gc, hs, A, do, dht, BT):
     """(dq, dk, dv in the I/O dtype; dg fp32 [B,T,H,K]; dh0 fp32 [B,H,K,V])."""
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -520,12 +611,26 @@ def _bwd(q, k, v, g, gc, hs, do, dht, BT):
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     _bwd_state_kernel[_state_grid(K, V, B * H)](
         q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, **_state_opts(K, V))
+    BC, BK = min(SUB, BT), _pow2(K)
+    dv = _empty(B, T, H, V, device=dev, dtype=dt)
+    _bwd_dv_kernel[_par_grid(V, NT, B * H)](k, gc, A, do, dhs, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+                                            BK=BK, PREC=prec, **_par_opts(V))
+    dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
+    dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
+    dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
+    dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
+    _bwd_inter_kernel[(NT, B * H)](q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
+                                   BC=BC, BK=BK, PREC=prec, **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
-    dv = _empty(B, T, H, V, device=dev, dtype=dt)
+    dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
+    dbt = _empty(B, H, NT * (BT // BC), K, device=dev, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
+    _bwd_intra_kernel[grid](q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
+                            PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
-    _bwd_grad_kernel[(NT, B * H)](q, k, v, gc, hs, dhs, do, dq, dk, dv, dg, T, NT, H=H, K=K, V=V, BT=BT,
-                                  BC=min(SUB, BT), BK=_pow2(K), PREC=prec, **_par_opts(V))
+    grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
+    _bwd_dg_kernel[grid](dgl, dbt, dbl, dg, T, NT, H=H, K=K, BT=BT, BC=BC, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
@@ -538,19 +643,19 @@ class KeyDecayChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, h0, output_final_state, chunk_size):
-        o, ht, gc, hs = _fwd(q, k, v, g, h0, chunk_size)
+        o, ht, gc, hs, A = _fwd(q, k, v, g, h0, chunk_size)
         if any(ctx.needs_input_grad[:5]):
-            ctx.save_for_backward(q, k, v, g, gc, hs)
+            ctx.save_for_backward(q, k, v, g, gc, hs, A)
         ctx.chunk_size = chunk_size
         ctx.has_h0 = h0 is not None
         return o, (ht if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, gc, hs = ctx.saved_tensors
+        q, k, v, g, gc, hs, A = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, do, dht, ctx.chunk_size)
+        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, A, do, dht, ctx.chunk_size)
         return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None
 
 

@@ -46,24 +46,16 @@ Measured figures: BENCHMARKS.md, "Rank-1 per head (chunked)".
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward``
 BACKEND_NAME = "rank1-chunk"
-
-
-def _tune(configs, key):
-    """Autotune on a GPU; under the interpreter the launcher passes a config chosen by rule."""
-    if _INTERPRET:
-        return lambda fn: fn
-    return triton.autotune(configs=configs, key=key)
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,7 +95,7 @@ def _solve_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @_tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS"])
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
                  T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -322,7 +314,7 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
 
 
 @_tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS"])
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
                  du, dv, dq, dp, dps, doq, dc, da,
@@ -537,16 +529,6 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
 # ----------------------------------------------------------------------------------------
 # host wrappers
 # ----------------------------------------------------------------------------------------
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(n)))
-
-
-def _prec(dtype) -> str:
-    # fp32 I/O: three-pass tf32 (fp32-accurate) everywhere; bf16/fp16 I/O: their products are
-    # bf16/fp16, and the fp32 ones (the block inverse) take one tf32 pass
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
 
 def _launch_opts(V: int) -> dict:
     """Config chosen by rule under the interpreter (multi-config autotune fails there)."""

@@ -9,10 +9,12 @@ When Triton runs:
   * CUDA tensors and ``obj.prefer`` in ("auto", "triton");
   * CPU tensors when ``TRITON_INTERPRET=1`` is set and ``obj.prefer == "interpret"`` (how CI
     tests the kernels).
-Families are tried in a fixed order -- ``diagonal`` (scalar/elementwise decays),
-``rank1_row`` and ``general``, then ``rank1_chunk`` (moved first for a per-head step size on
-the GPU, where the chunked rank-1 kernel is the fast one). A family whose module does not
-exist yet, or whose ``supports(ir)`` gives a reason, is skipped; nothing falls back
+Families are tried in a fixed order -- ``keydecay_chunk`` (decays that are scalar or vary over
+the key dimension only, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on
+tensor cores), ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``),
+``rank1_row`` and ``general``, then ``rank1_chunk`` (moved before ``rank1_row`` for a per-head
+step size on the GPU, where the chunked rank-1 kernel is the fast one). A family whose module
+does not exist yet, or whose ``supports(ir)`` gives a reason, is skipped; nothing falls back
 silently: the name returned says what ran, and :func:`why_not` says why nothing did.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import importlib
 import os
 
-FAMILIES = ("diagonal", "rank1_row", "general", "rank1_chunk")
+FAMILIES = ("keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk")
 
 
 def _mode(inputs, prefer) -> tuple[str | None, str]:
@@ -52,7 +54,7 @@ def _order(ir, mode) -> list[str]:
     order = list(FAMILIES)
     if mode == "triton" and ir.kind == "rank1" and ir.is_per_head_step():
         order.remove("rank1_chunk")
-        order.insert(1, "rank1_chunk")
+        order.insert(order.index("rank1_row"), "rank1_chunk")
     return order
 
 

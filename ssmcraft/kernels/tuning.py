@@ -1,0 +1,54 @@
+"""Autotuning shared by the chunked Triton families: interpreter-aware ``tune``, the config rule
+``warp_rule`` and the block-size helpers ``pow2`` / ``prec``."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tune(configs, key, prune=None):
+    """Autotune on a GPU; under the interpreter (multi-config autotune fails there) the launcher
+    passes a config chosen by rule. ``prune(configs, nargs, **kwargs)`` drops configs by rule
+    before any is compiled or timed: the autotuner runs every config it keeps, so a config that
+    faults kills the process even when it would not have won. Kernels tuned here must not read
+    what they write (the autotuner launches them many times on the same buffers)."""
+    if INTERPRET:
+        return lambda fn: fn
+    return triton.autotune(configs=configs, key=key,
+                           prune_configs_by={"early_config_prune": prune} if prune else None)
+
+
+def warp_rule(configs, nargs=None, **kw):
+    """``early_config_prune``: the configs the autotuner may compile and time at these constexprs.
+
+    With 8 warps (two warpgroups splitting the N dimension of each tensor-core product), Triton 3.6
+    on an H200 miscompiled products whose N is a key block of 16 (compute-sanitizer: "Invalid
+    __shared__ read of size 1024 bytes", then an illegal memory access; BENCHMARKS.md, "Key-decay
+    chunked", run 3), so 8 warps are kept only where the key block ``BK`` (a config's or the
+    launch's) is >= 64. Key-block configs larger than the padded K repeat it and are dropped."""
+    bk = kw.get("BK")
+    kpad = pow2(kw["K"]) if "K" in kw else None
+    out = []
+    for c in configs:
+        b = c.kwargs.get("BK", bk)
+        if kpad is not None and "BK" in c.kwargs and b > kpad:
+            continue
+        if c.num_warps >= 8 and (b or 0) < 64:
+            continue
+        out.append(c)
+    return out or list(configs[:1])
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """The power of two >= n, at least ``lo`` (tensor-core products need blocks of 16)."""
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def prec(dtype) -> str:
+    """``input_precision`` of tl.dot: fp32 I/O takes three-pass tf32 (fp32-accurate); bf16/fp16
+    I/O products are bf16/fp16 (an fp32 product there, e.g. a block inverse, takes one tf32 pass)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
