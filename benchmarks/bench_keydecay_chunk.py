@@ -204,6 +204,26 @@ def timings(rep, bw, fla, B, T, H, K, V, do_diag=True):
     return (q, k, x, gl, do)
 
 
+def stress(rep, name, B, T, H, d, m, n):
+    """n forward+backward calls in bf16 at one shape, back to back (the way the autotuner's timing
+    and a training loop launch the kernels), then one synchronisation: an intermittent fault shows
+    up here as an error."""
+    obj = ssmcraft.compile(name)
+    ins, params = random_inputs(obj, B, T, H, d, m, torch.bfloat16, DEV, seed=1)
+    li = {k: v.detach().requires_grad_() for k, v in ins.items()}
+    lp = {k: v.float().detach().requires_grad_() for k, v in params.items()}
+    t0 = time.time()
+    for _ in range(n):
+        y, S = KD.forward_inputs(obj, li, lp, None, True)
+        torch.autograd.grad(y.float().sum() + S.sum(), [*li.values(), *lp.values()])
+    sync()
+    ok = bool(torch.isfinite(y.float()).all())
+    rep.add(section="stress", spec=name, B=B, T=T, H=H, d=d, m=m, dtype="bfloat16", calls=n, ok=ok,
+            seconds=round(time.time() - t0, 2))
+    print(f"stress {name} B{B} T{T} H{H} d{d} m{m} bf16: {n} fwd+bwd calls {'ok' if ok else 'NON-FINITE'}")
+    return ok
+
+
 def profile(rep, fla, tensors):
     from torch.profiler import ProfilerActivity, profile as prof
     q, k, x, gl, do = tensors
@@ -233,6 +253,8 @@ def main():
     ap.add_argument("--no-diag", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--stress", type=int, default=0,
+                    help="with --training-shapes: that many bf16 fwd+bwd calls back to back at each training shape")
     ap.add_argument("--training-shapes", action="store_true",
                     help="also check the shapes a training run feeds the kernel (H=1, small K, long and odd T)")
     args = ap.parse_args()
@@ -274,6 +296,14 @@ def main():
                 ok = False
                 traceback.print_exc()
             rep.write(out)
+        if args.training_shapes and args.stress:
+            for case in cases[5:]:
+                try:
+                    ok &= stress(rep, *case, n=args.stress)
+                except Exception:
+                    ok = False
+                    traceback.print_exc()
+                rep.write(out)
         print("\n## correctness vs float64 reference (relative RMS; tol fp32 1e-4, bf16 3e-2)")
         for r in rep.data["rows"]:
             if r.get("section") == "check":

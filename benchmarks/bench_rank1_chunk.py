@@ -80,8 +80,8 @@ def grads(y, S, leaves, s0, dy, dS):
     return dict(zip(names + ["h0"], gs))
 
 
-def check_objective(name, B, T, seed=0, fla=None):
-    H, K, V = SHAPE["H"], SHAPE["K"], SHAPE["V"]
+def check_objective(name, B, T, seed=0, fla=None, H=None, K=None, V=None):
+    H, K, V = H or SHAPE["H"], K or SHAPE["K"], V or SHAPE["V"]
     obj = ssmcraft.compile(name)
     ins, h0 = make_inputs(name, B, T, H, K, V, seed)
     t0 = time.time()
@@ -100,7 +100,7 @@ def check_objective(name, B, T, seed=0, fla=None):
         errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
         errs.update({f"d{k}": rel(gg[k], g_ref[k]) for k in g_ref})
         ok = all(e <= TOL[dtype] for e in errs.values())
-        rows.append((f"{name} {str(dtype)[6:]} B{B} T{T}", ok, errs))
+        rows.append((f"{name} {str(dtype)[6:]} B{B} T{T} H{H} K{K} V{V}", ok, errs))
     if fla is not None and name == "deltanet":
         errs = fla_errors(fla, ins, h0, dy, dS, y_ref, S_ref, g_ref)
         rows.append((f"  (FLA chunk_delta_rule bf16, for scale) T{T}", None, errs))
@@ -334,6 +334,8 @@ def main():
     ap.add_argument("--no-warm", action="store_true")
     ap.add_argument("--fla-check", action="store_true", help="also print FLA's bf16 error (compiles more FLA variants)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run (interpreter, tiny sizes)")
+    ap.add_argument("--training-shapes", action="store_true",
+                    help="checks only, at the shapes a training run feeds the kernel (one head, small K, d_inner values)")
     args = ap.parse_args()
     print(f"# device {devname()}, torch {torch.__version__}, triton {triton.__version__}")
     fla = None
@@ -349,10 +351,18 @@ def main():
     if not args.no_check:
         rows = []
         Ts = (20, 1) if SMOKE else ((2048,) if args.quick else (2048, 1, 4097))
+        if args.training_shapes:     # (B, T, H, K, V) as the mixer calls it
+            shapes = [(1, 20, 1, 8, 48)] if SMOKE else [(4, 256, 1, 16, 256), (8, 64, 1, 8, 128), (2, 1000, 1, 16, 512),
+                                                        (3, 333, 2, 16, 96), (4, 256, 1, 32, 256)]
+            for B, T, H, K, V in shapes:
+                for name in ("deltanet", "gated_deltanet"):
+                    rows += check_objective(name, B, T, H=H, K=K, V=V)
+            Ts = ()
         for T in Ts:
             for name in ("deltanet", "gated_deltanet"):
                 rows += check_objective(name, 1 if SMOKE else 8, T, fla=fla if args.fla_check else None)
-        rows += check_general(*((1, 20) if SMOKE else ()))
+        if not args.training_shapes:
+            rows += check_general(*((1, 20) if SMOKE else ()))
         print(f"\n## correctness vs float64 reference (relative RMS error; tol fp32 {TOL[torch.float32]:g}, "
               f"bf16 {TOL[torch.bfloat16]:g})")
         print_rows(rows)
