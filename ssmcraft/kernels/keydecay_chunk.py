@@ -56,9 +56,9 @@ Since ``b_i = sum_{r<=i} g_r`` and ``bl = sum_r g_r`` over the chunk's tokens,
 Kernels, top to bottom. Forward: ``_fwd_state_kernel`` (sequential over chunks per (key block,
 value block, head): the block-local cumulative sums ``gc``, the chunk-start states
 ``hs [B, H, NT, K, V]`` and the final state), ``_intra_A_kernel`` (per (chunk, sub-block): the
-rows of A, stored ``[B, T, H, BT]`` in the I/O dtype) and ``_fwd_out_kernel`` (per (value block,
-chunk): o). Backward: ``_bwd_state_kernel`` (reverse over chunks: ``dhs``, the state gradient at
-each chunk's end, and dh0), ``_bwd_dv_kernel`` (per (value block, chunk): dv),
+rows of A, stored ``[B, T, H, BT]`` in the I/O dtype) and ``_chunk_apply_kernel`` (per (value
+block, chunk): o). Backward: ``_bwd_state_kernel`` (reverse over chunks: ``dhs``, the state
+gradient at each chunk's end, and dh0), ``_chunk_apply_kernel`` again (dv, the transposed products),
 ``_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
 ``_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
 [BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``_bwd_dg_kernel`` (per
@@ -253,18 +253,20 @@ def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.con
     tl.store(A + r_I[:, None] * BT + I * BC + o_c[None, :], b_d.to(DT), mask=m_I[:, None])
 
 
-@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
+@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC", "BWD"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _fwd_out_kernel(q, v, gc, hs, A, o, T, NT,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per (value block, chunk): o = (q e^b) h0 + A v."""
+def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, BWD: tl.constexpr, PREC: tl.constexpr):
+    """Per (value block, chunk), the two products of a chunk's rows with its state and A:
+    forward (BWD=False): o  = (q e^b) h0 + A v            key = q, x = v,  st = hs;
+    backward (BWD=True): dv = (k e^{bl - b}) dH + A^T dO   key = k, x = dO, st = dhs."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    DT = o.dtype.element_ty
+    DT = x.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
     m_t = (t0 + o_i) < T
@@ -274,17 +276,21 @@ def _fwd_out_kernel(q, v, gc, hs, A, o, T, NT,
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    b_q = _sub_rows(q, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_key = _sub_rows(key, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
-    b_qe = (b_q * tl.exp(b_b)).to(DT)
     b_A = _causal(A, row, m_t, o_i, BT, DT)
-    b_h = tl.load(hs + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.)
-    b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
-    b_o = tl.dot(b_qe, b_h.to(DT), input_precision=PREC)
-    b_o += tl.dot(b_A, b_v, input_precision=PREC)
-    tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(DT), mask=m_tv)
+    if BWD:
+        b_key = (b_key * tl.exp(b_sx)).to(DT)
+        b_A = tl.trans(b_A)
+    else:
+        b_key = (b_key * tl.exp(b_b)).to(DT)
+    b_st = tl.load(st + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+                   mask=m_k[:, None] & m_v[None, :], other=0.)
+    b_x = tl.load(x + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
+    b_o = tl.dot(b_key, b_st.to(DT), input_precision=PREC)
+    b_o += tl.dot(b_A, b_x, input_precision=PREC)
+    tl.store(out + row[:, None] * V + o_v[None, :], b_o.to(out.dtype.element_ty), mask=m_tv)
 
 
 @_tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
@@ -331,40 +337,6 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
         b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.).to(DT)
         b_dh = b_dh * tl.exp(b_bl)[:, None] + tl.dot(tl.trans(b_qe), b_do, input_precision=PREC)
     tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
-
-
-@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
-@triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_dv_kernel(k, gc, A, do, dhs, dv, T, NT,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per (value block, chunk): dv = A^T dO + (k e^{bl - b}) dH."""
-    i_v = tl.program_id(0)
-    i_t = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    DT = do.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    t0 = i_t * BT
-    m_t = (t0 + o_i) < T
-    row = _rows(i_b, i_h, t0 + o_i, T, H)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_tv = m_t[:, None] & m_v[None, :]
-    b_k = _sub_rows(k, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
-    b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
-    b_kd = (b_k * tl.exp(b_sx)).to(DT)
-    b_A = _causal(A, row, m_t, o_i, BT, DT)
-    b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
-    b_dh = tl.load(dhs + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :], other=0.)
-    b_dv = tl.dot(tl.trans(b_A), b_do, input_precision=PREC)
-    b_dv += tl.dot(b_kd, b_dh.to(DT), input_precision=PREC)
-    tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 @_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
@@ -592,8 +564,8 @@ def _fwd(q, k, v, g, h0, BT):
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
     _intra_A_kernel[(NT * (BT // BC), B * H)](q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    _fwd_out_kernel[_par_grid(V, NT, B * H)](q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-                                             BK=BK, PREC=prec, **_par_opts(V))
+    _chunk_apply_kernel[_par_grid(V, NT, B * H)](q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+                                                 BK=BK, BWD=False, PREC=prec, **_par_opts(V))
     return o, ht, gc, hs, A
 
 
@@ -613,8 +585,8 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT):
         q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, **_state_opts(K, V))
     BC, BK = min(SUB, BT), _pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
-    _bwd_dv_kernel[_par_grid(V, NT, B * H)](k, gc, A, do, dhs, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-                                            BK=BK, PREC=prec, **_par_opts(V))
+    _chunk_apply_kernel[_par_grid(V, NT, B * H)](k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+                                                 BK=BK, BWD=True, PREC=prec, **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
