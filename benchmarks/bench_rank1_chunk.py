@@ -345,7 +345,7 @@ def main():
         fla = {"delta": chunk_delta_rule, "gated": chunk_gated_delta_rule}
     except Exception as e:  # noqa: BLE001
         print(f"# FLA unavailable: {e}")
-    if not (args.no_warm or SMOKE):
+    if not (args.no_warm or SMOKE or args.training_shapes):     # the warm-up compiles the standard shape only
         warm(WARM_MODES if not args.no_check else [m for m in WARM_MODES if m[0] == "bf16" and not m[1]])
     t0 = time.time()
     if not args.no_check:

@@ -204,6 +204,19 @@ def _causal(A, row, m_t, o_i, BT: tl.constexpr, DT: tl.constexpr):
     return tl.load(A + row[:, None] * BT + o_i[None, :], mask=mask, other=0.).to(DT)
 
 
+@triton.jit
+def _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_k, BC: tl.constexpr):
+    """Sub-block J of k scaled to a later reference R (the b just before the sub-block being
+    built): k_j e^{R - b_j} = k_j e^{(tot_J - lc_j) + s}, with ``b_s`` the sum of g over the whole
+    sub-blocks between J and R (every exponent <= 0 for g <= 0). Returns that [BC, BK] fp32 tile and
+    tot_J, the [BK] sum of g over J (added to ``b_s`` before the next J down)."""
+    t_J = t0 + J * BC + o_c
+    b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
+    b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_oJ = _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
+    return b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :]), b_oJ
+
+
 @_tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -232,11 +245,8 @@ def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.con
     b_s = tl.zeros([BK], dtype=tl.float32)                # sum of g over the whole blocks after J, before I
     for jj in range(I):
         J = I - 1 - jj
-        t_J = t0 + J * BC + o_c
-        b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
-        b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-        b_oJ = _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)     # sum of g over block J
-        b_kt = (b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :])).to(DT)       # k_j e^{R_I - b_j}
+        b_kt, b_oJ = _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K, o_c, o_k, m_k, BC)    # k_j e^{R_I - b_j}
+        b_kt = b_kt.to(DT)
         b_a = tl.dot(b_qs, tl.trans(b_kt), input_precision=PREC)
         tl.store(A + r_I[:, None] * BT + J * BC + o_c[None, :], b_a.to(DT), mask=m_I[:, None])
         b_s += b_oJ
@@ -432,11 +442,8 @@ def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
     b_dqo = tl.zeros([BC, BK], dtype=tl.float32)
     b_s = tl.zeros([BK], dtype=tl.float32)
     for jj in range(I):
-        t_J = t0 + (I - 1 - jj) * BC + o_c          # block J = I - 1 - jj
-        b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
-        b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-        b_oJ = _ref_vec(gc, i_b, i_h, t0 + (I - jj) * BC - 1, T, H, K, o_k, m_k)
-        b_kt = (b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :])).to(DT)
+        b_kt, b_oJ = _key_to_ref(k, gc, i_b, i_h, t0, I - 1 - jj, b_s, T, H, K, o_c, o_k, m_k, BC)
+        b_kt = b_kt.to(DT)
         b_da = tl.load(dA + r_I[:, None] * BT + (I - 1 - jj) * BC + o_c[None, :], mask=m_I[:, None], other=0.).to(DT)
         b_dqo += tl.dot(b_da, b_kt, input_precision=PREC)
         b_s += b_oJ
