@@ -17,6 +17,7 @@ from typing import Callable
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.study import verdict as V
+from ssmcraft.study.rediscovery import census_rows, fingerprint_of, rediscoveries, row_fingerprint, space_census
 
 log = logging.getLogger("ssmcraft.study")
 
@@ -474,9 +475,10 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                         compile_fn=compile_objective, plots=True, log=ctx.say)
     table = reports.rows(result.study)
     metric_cols = [f"metric.{m}" for m in spec.metrics]
-    library, fingerprints = _library(), {}
+    leave_out = list(p.get("leave_out") or [])
+    library, fingerprints, derived = _library() - set(leave_out), {}, {}
     for r in table:      # library membership by derived update, not by name
-        r["same_as"] = library_match(r, library, compile_objective, fingerprints)
+        r["same_as"] = library_match(r, library, compile_objective, fingerprints, derived)
         r["in_library"] = r["same_as"] is not None
     front = [r for r in table if r["pareto"]]
     novel = [r for r in table if r["rank"] is not None and not r["in_library"]]
@@ -515,6 +517,12 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                                                  *metric_cols, "reason"]}]
     if update_text:
         notes.append("derived update of the best non-library objective:\n\n```\n" + update_text + "\n```")
+    verdicts = [V.composed_search(front)]
+    rediscovery = None
+    if leave_out:
+        result_tables.insert(0, _rediscovery_table(spec, table, leave_out, compile_objective, derived))
+        rediscovery = result_tables[0]["rows"]
+        verdicts.append(V.rediscovery(rediscovery))
     confirm_rows = []
     if p.get("confirm") and best is not None:
         confirm_rows = confirm_on_other_task(ctx, p, best, next((r for r in table if r["rank"] is not None
@@ -524,10 +532,28 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
                               "rows": confirm_rows, "columns": ["objective", "in_library", "m", "val_loss_mean",
                                                                 "val_loss_std", "accuracy_mean", "seeds",
                                                                 "tokens_per_s"]})
-    return {"tables": result_tables, "plots": plots, "verdicts": [V.composed_search(front)],
+    return {"tables": result_tables, "plots": plots, "verdicts": verdicts,
             "notes": notes, "device": device or executor_device(result),
             "data": {"front": front, "best_non_library": best, "update": update_text, "counts": result.counts,
-                     "search_dir": "search", "confirm": confirm_rows}}
+                     "search_dir": "search", "confirm": confirm_rows, "leave_out": leave_out,
+                     "rediscovery": rediscovery}}
+
+
+def _rediscovery_table(spec, table: list[dict], leave_out: list[str], compile_fn, derived: dict) -> dict:
+    """Leave-one-out: for each layer left out of the library, the odds that the space holds it
+    (a census of every objective the space can select, derived) next to what the search did."""
+    targets = {name: fingerprint_of(name, compile_fn, derived) for name in leave_out}
+    census = space_census(spec, targets, compile_fn, derived)
+    found = rediscoveries(table, targets, compile_fn, derived)
+    ranked = sum(1 for r in table if r["rank"] is not None)
+    rows = census_rows(census, found, len(table), ranked)
+    for r in rows:
+        r["space_variants"] = census["variants"]
+    return {"title": f"Leave-one-out rediscovery (left out of the library: {', '.join(leave_out)}; the space "
+                     f"selects {census['variants']} distinct objectives, {census['underivable']} of which do not derive)",
+            "rows": rows, "columns": ["left_out", "variants_in_space", "p_per_uniform_trial", "uniform_expected_trials",
+                                      "p_uniform_within_budget", "rediscovered", "first_trial", "times_trained",
+                                      "best_rank", "of_ranked", "on_front"]}
 
 
 def confirm_on_other_task(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:
@@ -560,36 +586,20 @@ def _library() -> set[str]:
     return set(library_names())
 
 
-def update_fingerprint(compiled) -> str:
-    """A name-free hash of a compiled objective's derived update (its IR without the spec's
-    name and file): two specs that derive the same recurrence share it."""
-    import hashlib
-
-    ir = compiled.ir.to_json()
-    ir.pop("spec", None)
-    ir.pop("source", None)
-    return hashlib.sha256(json.dumps(ir, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def library_match(row: dict, library: set[str], compile_fn, fingerprints: dict) -> str | None:
+def library_match(row: dict, library: set[str], compile_fn, fingerprints: dict, cache: dict | None = None) -> str | None:
     """The library layer a trial's objective is (by name, or by derived update), or None.
     ``fingerprints`` (update fingerprint -> library name) is filled on first use; pass the same
-    dict for every row of a table."""
+    dict for every row of a table (and the same ``cache`` of derived fingerprints)."""
     if row.get("objective") in library:
         return row["objective"]
-    spec = row.get("objective_spec")
-    if not spec:
+    if not row.get("objective_spec"):
         return None
     if not fingerprints:
         for name in sorted(library):
-            try:
-                fingerprints[update_fingerprint(compile_fn(name))] = name
-            except SsmcraftError:
-                continue
-    try:
-        return fingerprints.get(update_fingerprint(compile_fn(json.loads(spec))))
-    except SsmcraftError:
-        return None
+            fp = fingerprint_of(name, compile_fn, cache)
+            if fp is not None:
+                fingerprints[fp] = name
+    return fingerprints.get(row_fingerprint(row, compile_fn, cache))
 
 
 def executor_device(result) -> str:

@@ -159,6 +159,29 @@ def _search(c: _C, key: str, v: Any, source: str, base: Path) -> dict:
     return s
 
 
+def _leave_out(c: _C, key: str, v: Any) -> list[str]:
+    """Library layers removed from the library for a leave-one-out search (checked against the
+    space in ``_check_leave_out`` once the scale's search is known)."""
+    from ssmcraft.search.library import library_names
+
+    names = c.seq(key, v, c.string, min_len=0)
+    if len(set(names)) != len(names):
+        c.fail(key, "lists a layer twice")
+    library = set(library_names())
+    for n in names:
+        if n not in library:
+            c.fail(key, f"{n!r} is not a library objective; known: {', '.join(sorted(library))}")
+    return names
+
+
+def _check_leave_out(c: _C, params: dict) -> None:
+    """A left-out layer must not be offered to the search by name."""
+    choices = (((params.get("search") or {}).get("space") or {}).get("objective") or {}).get("choice") or []
+    for n in params.get("leave_out") or []:
+        if n in [e for e in choices if isinstance(e, str)]:
+            c.fail("search.space.objective", f"{n!r} is left out of the library (leave_out) but listed here by name")
+
+
 def _executor(c: _C, key: str, v: Any) -> str:
     if v not in ("inline", "ray"):
         c.fail(key, f"expected inline or ray, got {v!r}")
@@ -201,7 +224,8 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
     "composed_search": {
         "search": (True, None, lambda c, k, v, ctx: _search(c, k, v, ctx["source"], ctx["base"])),
         "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v)),
-        "confirm": (False, None, _E(None)), "confirm_seeds": (False, [0], _S)},
+        "confirm": (False, None, _E(None)), "confirm_seeds": (False, [0], _S),
+        "leave_out": (False, [], lambda c, k, v, ctx: _leave_out(c, k, v))},
 }
 
 
@@ -281,5 +305,7 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
             params[k] = check(sc, k, merged[k], ctx)
             if params[k] is None:
                 params[k] = merged[k]
+        if kind == "composed_search":
+            _check_leave_out(sc, params)
         scales[scale] = params
     return StudySpec(name, kind, source, base, claim, thresholds, scales, raw)

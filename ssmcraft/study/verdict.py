@@ -249,3 +249,29 @@ def composed_search(front: list[dict]) -> dict:
     if not front:
         return _v(claim, INCONCLUSIVE, "no complete trial", conf)
     return _v(claim, AGREES if novel else DISAGREES, ev, conf)
+
+
+def rediscovery(rows: list[dict]) -> dict:
+    """``rows``: one per layer left out of the library (``rediscovery.census_rows``). The claim
+    (issue 14): with these layers removed, the search rediscovers each from the pieces, by derived
+    update. Agrees when every one was trained by some trial; disagrees when one was not, though the
+    space holds it; inconclusive when the space cannot express one (then the search could not)."""
+    claim = ("with " + ", ".join(r["left_out"] for r in rows) + " left out of the library, the search "
+             "rediscovers each from the composed pieces (same derived update)")
+    parts = []
+    for r in rows:
+        if not r["variants_in_space"]:
+            parts.append(f"{r['left_out']}: not expressible in this space")
+        elif r["rediscovered"]:
+            parts.append(f"{r['left_out']}: first at trial {r['first_trial']} (uniform search expects "
+                         f"{r['uniform_expected_trials']}), trained {r['times_trained']}x, best rank "
+                         f"{r['best_rank']} of {r['of_ranked']}{', on the Pareto front' if r['on_front'] else ''}")
+        else:
+            parts.append(f"{r['left_out']}: not drawn (chance within the budget under uniform sampling "
+                         f"{r['p_uniform_within_budget']})")
+    conf = ("low", "one search, one seed per trial; the first-trial count depends on the sampler's seed")
+    if not rows:
+        return _v(claim, INCONCLUSIVE, "nothing left out", conf)
+    if any(not r["variants_in_space"] for r in rows):
+        return _v(claim, INCONCLUSIVE, "; ".join(parts), conf)
+    return _v(claim, AGREES if all(r["rediscovered"] for r in rows) else DISAGREES, "; ".join(parts), conf)

@@ -1,0 +1,102 @@
+"""Leave-one-out rediscovery: the space census (which compositions derive a left-out layer, and
+the odds of drawing one), the search-side count, the verdict, and the spec checks."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import ssmcraft
+from ssmcraft.errors import SpecError
+from ssmcraft.search.compose import compose_objective
+from ssmcraft.search.spec import load_search_spec
+from ssmcraft.study import verdict as V
+from ssmcraft.study.rediscovery import census_rows, fingerprint_of, rediscoveries, space_census
+from ssmcraft.study.spec import load_study_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs" / "studies"
+
+SEARCH = {
+    "name": "loo", "task": {"name": "mqar"}, "model": {"d_model": 16, "n_layers": 1},
+    "budget": {"trials": 4, "tokens_per_trial": 1000, "seconds_per_trial": 10},
+    "space": {"objective": {"choice": [
+        "mamba",
+        {"compose": {"proximity": ["plain", "scalar_decay"], "data": "regression",
+                     "step": ["scalar", "per_channel"], "update": "implicit"}},
+    ]}},
+    "rank": {"val_loss": "minimize"},
+}
+
+
+def _longhorn_twin() -> dict:
+    return compose_objective({"proximity": "plain", "data": "regression", "step": "per_channel",
+                              "update": "implicit"})
+
+
+def test_census_counts_the_compositions_that_derive_a_left_out_layer():
+    spec = load_search_spec(copy.deepcopy(SEARCH), source="t")
+    cache: dict = {}
+    targets = {"longhorn": fingerprint_of("longhorn", ssmcraft.compile, cache),
+               "gated_longhorn": fingerprint_of("gated_longhorn", ssmcraft.compile, cache),
+               "deltanet": fingerprint_of("deltanet", ssmcraft.compile, cache)}
+    census = space_census(spec, targets, ssmcraft.compile, cache)
+    assert census["variants"] == 5 and census["underivable"] == 0         # mamba + 2 x 2 compositions
+    lh = census["targets"]["longhorn"]
+    # one of the four compositions; P = 1/2 (option) x 1/2 (proximity) x 1/2 (step)
+    assert lh["variants"] == 1 and lh["p_per_trial"] == pytest.approx(0.125) and lh["expected_trials"] == 8
+    assert census["targets"]["gated_longhorn"]["variants"] == 1          # scalar decay + per-channel step
+    assert census["targets"]["deltanet"]["variants"] == 0                 # explicit steps are not in this space
+    assert census["targets"]["deltanet"]["expected_trials"] is None
+
+
+def test_rediscoveries_reads_the_first_trial_in_order_and_the_best_rank():
+    twin = json.dumps(_longhorn_twin(), sort_keys=True)
+    other = json.dumps(compose_objective({"proximity": "scalar_decay", "data": "regression", "step": "scalar",
+                                          "update": "implicit"}), sort_keys=True)
+    table = [  # out of order on purpose; a failed twin still counts as drawn
+        {"trial": 5, "objective": "c_plain", "objective_spec": twin, "rank": 1, "pareto": True},
+        {"trial": 0, "objective": "mamba", "objective_spec": None, "rank": 3, "pareto": False},
+        {"trial": 2, "objective": "c_plain", "objective_spec": twin, "rank": None, "pareto": False},
+        {"trial": 1, "objective": "c_sdec", "objective_spec": other, "rank": 2, "pareto": False},
+    ]
+    cache: dict = {}
+    targets = {"longhorn": fingerprint_of("longhorn", ssmcraft.compile, cache),
+               "deltanet": fingerprint_of("deltanet", ssmcraft.compile, cache)}
+    found = rediscoveries(table, targets, ssmcraft.compile, cache)
+    assert found["longhorn"] == {"trials": [2, 5], "first_trial": 2, "trials_until_first": 3, "complete": 1,
+                                 "best_rank": 1, "on_front": True}
+    assert found["deltanet"]["trials"] == [] and found["deltanet"]["first_trial"] is None
+    census = {"variants": 5, "underivable": 0,
+              "targets": {"longhorn": {"variants": 1, "p_per_trial": 0.125, "expected_trials": 8.0, "examples": []},
+                          "deltanet": {"variants": 0, "p_per_trial": 0.0, "expected_trials": None, "examples": []}}}
+    rows = census_rows(census, found, n_trials=4, n_ranked=3)
+    lh, dn = rows
+    assert lh["rediscovered"] and lh["first_trial"] == 3 and lh["times_trained"] == 2 and lh["best_rank"] == 1
+    assert lh["p_uniform_within_budget"] == pytest.approx(1 - 0.875 ** 4, abs=1e-3)
+    assert not dn["rediscovered"] and dn["p_uniform_within_budget"] is None
+    assert V.rediscovery(rows)["verdict"] == "inconclusive"       # deltanet is not expressible here
+    assert V.rediscovery([lh])["verdict"] == "agrees"
+    assert V.rediscovery([{**lh, "rediscovered": False, "first_trial": None}])["verdict"] == "disagrees"
+    assert V.rediscovery([])["verdict"] == "inconclusive"
+
+
+def test_leave_out_is_checked_in_the_study_spec():
+    raw = yaml.safe_load((SPECS / "composed_search.yaml").read_text())
+    bad = copy.deepcopy(raw)
+    bad["base"]["leave_out"] = ["not_a_layer"]
+    with pytest.raises(SpecError, match="not a library objective") as e:
+        load_study_spec(bad, source="s.yaml")
+    assert e.value.key.endswith("leave_out")
+    bad = copy.deepcopy(raw)
+    bad["base"]["leave_out"] = ["mamba"]               # the smoke space offers mamba by name
+    with pytest.raises(SpecError, match="left out of the library"):
+        load_study_spec(bad, source="s.yaml")
+    bad["base"]["leave_out"] = ["longhorn", "longhorn"]
+    with pytest.raises(SpecError, match="twice"):
+        load_study_spec(bad, source="s.yaml")
+    ok = copy.deepcopy(raw)
+    ok["base"]["leave_out"] = ["gla"]
+    assert load_study_spec(ok, source="s.yaml").params("smoke")["leave_out"] == ["gla"]
