@@ -71,7 +71,7 @@ def test_why_not_names_every_family():
     inputs, _ = _inputs(obj)
     obj.prefer = "interpret"
     reasons = dict(TB.families(obj, inputs, "interpret"))
-    assert list(reasons) == ["keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk"]
+    assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk"]
     assert reasons["keydecay_chunk"] is not None
     assert reasons["diagonal"] is not None
     msg = TB.why_not(obj, inputs)
@@ -114,7 +114,7 @@ def test_missing_family_module_is_skipped(monkeypatch):
 
 def test_rank1_per_head_prefers_chunked_on_gpu_only():
     obj = ssmcraft.compile("deltanet")
-    assert TB._order(obj.ir, "triton")[:3] == ["keydecay_chunk", "diagonal", "rank1_chunk"]
+    assert TB._order(obj.ir, "triton")[:4] == ["decode", "keydecay_chunk", "diagonal", "rank1_chunk"]
     assert TB._order(obj.ir, "interpret") == list(TB.FAMILIES)
 
 

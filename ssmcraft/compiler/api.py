@@ -39,6 +39,7 @@ class CompiledObjective:
     source: str = field(repr=False)
     backend: str | None = None          # which path the last __call__ ran
     prefer: str = "auto"                # auto | reference | torch | triton | interpret
+    _paths: dict = field(default_factory=dict, repr=False, compare=False)   # call signature -> runner
 
     # -- description --------------------------------------------------------------
     @property

@@ -57,6 +57,42 @@ def _unpack(names) -> list[str]:
     return [f"    {n} = env[{n!r}]" for n in names]
 
 
+def _slot_closure(ir: UpdateIR, name: str):
+    """(coefficients, reductions, leaf names) that coefficient ``name`` needs, in dependency order."""
+    coefs = {c.name: c for c in ir.coefficients}
+    reds = {r.name: r for r in ir.reductions}
+    want: set = set()
+
+    def visit(sym_name):
+        if sym_name in want:
+            return
+        want.add(sym_name)
+        node = coefs.get(sym_name) or reds.get(sym_name)
+        if node is not None:
+            body = node.expr if sym_name in coefs else node.body
+            for s in body.free_symbols:
+                visit(s.name)
+    visit(name)
+    leaves = [n for n in (*ir.inputs, *ir.params) if n in want]
+    return ([c for c in ir.coefficients if c.name in want], [r for r in ir.reductions if r.name in want], leaves)
+
+
+def slot_functions(ir: UpdateIR) -> list[str]:
+    """``slot_<slot>(env, d, m)``: one slot's coefficient alone, from only the leaves it needs (the
+    kernels' host paths compute just the slots that are not plain inputs)."""
+    d, m = ir.dims
+    out = []
+    for slot, name in ir.slots.items():
+        coefs, reds, leaves = _slot_closure(ir, name)
+        out += ["", "", f"def slot_{slot}(env, {d}, {m}):",
+                f'    """Slot {slot!r} alone (needs {", ".join(leaves) or "no leaves"})."""',
+                *_unpack(leaves),
+                *[_reduction_code(r, ir.dims) for r in reds],
+                *[f"    {c.name} = {torch_code(c.expr)}" for c in coefs],
+                f"    return {name}"]
+    return out
+
+
 def reference_source(ir: UpdateIR, header: str) -> str:
     """Python source of the reference module for ``ir``."""
     d, m = ir.dims
@@ -92,6 +128,7 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         *[_reduction_code(r, ir.dims) for r in ir.reductions],
         *[f"    {c.name} = {torch_code(c.expr)}" for c in ir.coefficients],
         f"    return {{{slot_dict}}}",
+        *slot_functions(ir),
         "",
         "",
         f"def step({S}_prev, env, co, {d}, {m}):",

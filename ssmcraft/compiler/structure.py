@@ -220,3 +220,32 @@ def renumber(ir: UpdateIR) -> UpdateIR:
 def build_ir(so: SymbolicObjective) -> UpdateIR:
     """Stages 3 and 4: derive the update and classify it."""
     return classify(so, derive_update(so))
+
+
+def element_form(ir: UpdateIR) -> UpdateIR:
+    """A structured update (decay or rank-1) rewritten element-wise, as a ``general`` IR: the
+    same recurrence, with ``S_t[i, j]`` one expression in ``S_prev``, the leaves and reductions
+    (``a S_prev - c (S_prev u) v + p q``, coefficients substituted). The fused one-token
+    (decode) kernel is generated from it (``ssmcraft.kernels.decode``). General and nonlinear
+    IRs are returned unchanged."""
+    if ir.kind in ("general", "nonlinear"):
+        return ir
+    row, col = ir.dims
+    expanded: dict = {}
+    for c in ir.coefficients:
+        expanded[c.name] = sympy.sympify(c.expr).xreplace(
+            {sympy.Symbol(n, real=True): e for n, e in expanded.items()})
+
+    def slot(name, default=None):
+        key = ir.slots.get(name)
+        return expanded[key] if key is not None else default
+    S_prev = sympy.Symbol("S_prev", real=True)
+    F = slot("a", 1) * S_prev
+    F += slot("p") * slot("q") if "p" in ir.slots else slot("B")
+    state_reductions = ()
+    if ir.kind == "rank1":
+        erase = sympy.Symbol("_rS", real=True)
+        state_reductions = (ReductionIR("_rS", S_prev * slot("u"), col, (row,)),)
+        F -= slot("c") * erase * slot("v")
+    return replace(ir, kind="general", state_update=F, state_reductions=state_reductions,
+                   spec_name=ir.spec_name + "_elem")

@@ -1090,30 +1090,40 @@ def _as_ir(objective):
 
 # -- the family contract (ssmcraft.kernels.triton_backend) ----------------------------
 
+def _call_tensors(obj, inputs: dict, params: dict | None, H: int, d: int, m: int) -> dict:
+    """The kernel's tensors: the inputs as given, params as tensors, constant-init params filled."""
+    dev = next(iter(inputs.values())).device
+    tensors = dict(inputs)
+    for k, v in (params or {}).items():
+        tensors[k] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=dev)
+    leaves = _get_plan(obj.ir).leaves
+    for n in obj.ir.params:
+        if n not in tensors and n in leaves:
+            from ssmcraft.kernels.reference import _default_param as dp
+            value = dp(obj.spec.params[n], H)
+            shape = [d if x == obj.ir.dims[0] else m for x in obj.ir.params[n]]
+            tensors[n] = torch.full(shape, float(value), dtype=torch.float32, device=dev)
+    return tensors
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature (``lay`` from ``reference.validate``, which has
+    checked the shapes once): the tensors go to the kernel as given, in their own dtype."""
+    H, d, m, out_dtype = lay.H, lay.d, lay.m, lay.out_dtype
+
+    def fn(inputs, params, initial_state, output_final_state):
+        s0 = None if initial_state is None else initial_state.transpose(-1, -2)
+        y, S = diagonal_scan(obj, _call_tensors(obj, inputs, params, H, d, m), s0, output_final_state)
+        return y.to(out_dtype), (S.transpose(-1, -2) if S is not None else None)
+    return fn
+
+
 def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
     """The backend's entry: validate like the reference (on meta tensors: no copies), then run the
     kernel on the tensors as given. Returns (y [B,T,H,d] in the first input's dtype, S_T [B,H,d,m] fp32 or None)."""
-    from ssmcraft.kernels.reference import layout
-    meta_in = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
-               for k, v in inputs.items()}
-    params = dict(params or {})
-    meta_p = {k: torch.empty(torch.as_tensor(v).shape, dtype=torch.float32, device="meta") for k, v in params.items()}
-    meta_s = None if initial_state is None else torch.empty(initial_state.shape, device="meta")
-    lay = layout(obj.ir, obj.spec, meta_in, meta_p, meta_s)
-    tensors = dict(inputs)
-    for k, v in params.items():
-        t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=next(iter(inputs.values())).device)
-        tensors[k] = t
-    for n in obj.ir.params:
-        if n not in tensors and n in _get_plan(obj.ir).leaves:
-            from ssmcraft.kernels.reference import _default_param as dp
-            value = dp(obj.spec.params[n], lay.H)
-            dims = obj.ir.params[n]
-            shape = [lay.d if x == obj.ir.dims[0] else lay.m for x in dims]
-            tensors[n] = torch.full(shape, float(value), dtype=torch.float32, device=next(iter(inputs.values())).device)
-    s0 = None if initial_state is None else initial_state.transpose(-1, -2)
-    y, S = diagonal_scan(obj, tensors, s0, output_final_state)
-    return y.to(lay.out_dtype), (S.transpose(-1, -2) if S is not None else None)
+    from ssmcraft.kernels.reference import validate
+    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
+    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
 
 
 def forward(obj, lay, co, output_final_state: bool):

@@ -336,9 +336,13 @@ def kernel_source(ir, step: Step, header: str) -> str:
 
 
 _MODULES: dict = {}
+_BY_ID: dict = {}      # id(ir) -> (ir, module entry): hashing an IR prints sympy, far too slow per call
 
 
 def _module(ir):
+    hit = _BY_ID.get(id(ir))
+    if hit is not None and hit[0] is ir:
+        return hit[1]
     key = ir.content_hash()
     if key not in _MODULES:
         step = build_step(ir)
@@ -346,6 +350,7 @@ def _module(ir):
         source = kernel_source(ir, step, header)
         mod = cache.load_generated(f"general_{ir.spec_name}", cache.key_for("general", source), source)
         _MODULES[key] = (step, mod, source)
+    _BY_ID[id(ir)] = (ir, _MODULES[key])
     return _MODULES[key]
 
 

@@ -109,10 +109,12 @@ def _rows(i_b, i_h, t, T, H):
 @triton.jit(do_not_specialize=["T", "NT"])
 def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr,
+                      LOG_G: tl.constexpr):
     """Sequential over chunks, one program per (key block x value block, batch * head):
     gc = cumulative sums of g within each BC-row sub-block (key rows are independent, so
-    blocks over K are too), hs[chunk] = state at the chunk's start, ht = final state."""
+    blocks over K are too), hs[chunk] = state at the chunk's start, ht = final state.
+    LOG_G: the tensor holds the decay a itself and g = log a is taken here."""
     i_kv = tl.program_id(0)
     i_bh = tl.program_id(1)
     NV = tl.cdiv(V, BV)
@@ -139,7 +141,7 @@ def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
         row = (i_b * T + o_t).to(tl.int64) * H + i_h
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(hs + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
-        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_tk, LOG_G)
         if i_v == 0:      # block-local cumulative sums (rows past T: g = 0)
             b_lc = tl.reshape(tl.cumsum(tl.reshape(b_g, (BT // BC, BC, BK)), axis=1), (BT, BK))
             tl.store(gc + row[:, None] * K + o_k[None, :], b_lc, mask=m_tk)
@@ -150,6 +152,14 @@ def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
         b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.).to(DT)
         b_h = b_h * tl.exp(b_bl)[:, None] + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
     tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def _log_decay(ptr, mask, LOG_G: tl.constexpr):
+    """The log-decay tile at ``ptr`` in fp32 (0 where masked); LOG_G: the memory holds a, take log."""
+    if LOG_G:
+        return tl.log(tl.load(ptr, mask=mask, other=1.).to(tl.float32))
+    return tl.load(ptr, mask=mask, other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -309,7 +319,8 @@ def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
 @triton.jit(do_not_specialize=["T", "NT"])
 def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr,
+                      LOG_G: tl.constexpr):
     """Reverse over chunks: dhs[chunk] = gradient of the state at the chunk's end;
     dH <- e^{bl} o dH + (q e^b)^T dO; dh0 = the gradient of the initial state."""
     i_kv = tl.program_id(0)
@@ -339,7 +350,7 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
         m_t = o_t < T
         row = _rows(i_b, i_h, o_t, T, H)
         tl.store(dhs + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
-        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float32)
+        b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_t[:, None] & m_k[None, :], LOG_G)
         b_b = tl.cumsum(b_g, axis=0)
         b_bl = tl.sum(b_g, axis=0)
         b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float32)
@@ -486,11 +497,12 @@ def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
 
 @_tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_dg_kernel(dgl, dbt, dbl, dg, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr):
+def _bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, LOG_G: tl.constexpr):
     """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
     later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
-    chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)"""
+    chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)
+    LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a."""
     NC: tl.constexpr = BT // BC
     i_k = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -510,7 +522,10 @@ def _bwd_dg_kernel(dgl, dbt, dbl, dg, T, NT, H: tl.constexpr, K: tl.constexpr, B
         b_off += tl.where(blk < M, b_t[None, :], 0.)
     p = row[:, None] * K + o_k[None, :]
     m = m_t[:, None] & m_k[None, :]
-    tl.store(dg + p, tl.load(dgl + p, mask=m, other=0.) + b_off, mask=m)
+    b_dg = tl.load(dgl + p, mask=m, other=0.) + b_off
+    if LOG_G:
+        b_dg = b_dg / tl.load(g + p, mask=m, other=1.).to(tl.float32)
+    tl.store(dg + p, b_dg, mask=m)
 
 
 # ----------------------------------------------------------------------------------------
@@ -553,7 +568,7 @@ def _empty(*shape, device, dtype):
     return torch.empty(*shape, device=device, dtype=dtype)
 
 
-def _fwd(q, k, v, g, h0, BT):
+def _fwd(q, k, v, g, h0, BT, log_g=False):
     """o [B,T,H,V] (v's dtype), ht [B,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
     A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward)."""
     B, T, H, K = k.shape
@@ -566,7 +581,8 @@ def _fwd(q, k, v, g, h0, BT):
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     _fwd_state_kernel[_state_grid(K, V, B * H)](
         k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
-        H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, **_state_opts(K, V))
+        H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g,
+        **_state_opts(K, V))
     BC, BK = min(SUB, BT), _pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
     _intra_A_kernel[(NT * (BT // BC), B * H)](q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
@@ -576,7 +592,7 @@ def _fwd(q, k, v, g, h0, BT):
     return o, ht, gc, hs, A
 
 
-def _bwd(q, k, v, g, gc, hs, A, do, dht, BT):
+def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     """(dq, dk, dv in the I/O dtype; dg fp32 [B,T,H,K]; dh0 fp32 [B,H,K,V])."""
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -589,7 +605,8 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT):
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     _bwd_state_kernel[_state_grid(K, V, B * H)](
-        q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, **_state_opts(K, V))
+        q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, LOG_G=log_g,
+        **_state_opts(K, V))
     BC, BK = min(SUB, BT), _pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
     _chunk_apply_kernel[_par_grid(V, NT, B * H)](k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
@@ -609,7 +626,7 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT):
                             PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
-    _bwd_dg_kernel[grid](dgl, dbt, dbl, dg, T, NT, H=H, K=K, BT=BT, BC=BC, **_intra_opts(K))
+    _bwd_dg_kernel[grid](dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
@@ -621,11 +638,11 @@ class KeyDecayChunkFunction(torch.autograd.Function):
     """(q, k, v, g, h0|None) -> (o, ht|None), FLA layout; gradients for all five (and via dht)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, output_final_state, chunk_size):
-        o, ht, gc, hs, A = _fwd(q, k, v, g, h0, chunk_size)
+    def forward(ctx, q, k, v, g, h0, output_final_state, chunk_size, log_g=False):
+        o, ht, gc, hs, A = _fwd(q, k, v, g, h0, chunk_size, log_g)
         if any(ctx.needs_input_grad[:5]):
             ctx.save_for_backward(q, k, v, g, gc, hs, A)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.log_g = chunk_size, log_g
         ctx.has_h0 = h0 is not None
         return o, (ht if output_final_state else None)
 
@@ -634,8 +651,8 @@ class KeyDecayChunkFunction(torch.autograd.Function):
         q, k, v, g, gc, hs, A = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, A, do, dht, ctx.chunk_size)
-        return dq, dk, dv, dg, (dh0 if ctx.has_h0 else None), None, None
+        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, A, do, dht, ctx.chunk_size, ctx.log_g)
+        return dq, dk, dv, dg.to(g.dtype), (dh0 if ctx.has_h0 else None), None, None, None
 
 
 # ----------------------------------------------------------------------------------------
@@ -646,7 +663,7 @@ _IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool = False,
-                    chunk_size: int = 64):
+                    chunk_size: int = 64, log_space: bool = True):
     """h_t = diag(exp(g_t)) h_{t-1} + k_t v_t^T;  o_t = h_t^T q_t  (FLA's chunk_gla with scale 1).
 
     Args:
@@ -654,6 +671,8 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         k: insert key [B, T, H, K].
         v: inserted value [B, T, H, V]; its dtype (fp32, bf16 or fp16) is the I/O dtype.
         g: log decay [B, T, H, K] (any float dtype; used in fp32). g <= 0 is the stable regime.
+            With ``log_space=False`` it is the decay a > 0 itself: the kernels take its log as they
+            load it and return dL/da (no log-space copy is made).
         initial_state: [B, H, K, V] (kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
@@ -676,7 +695,7 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         return o, (S if output_final_state else None)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, ht = KeyDecayChunkFunction.apply(q.to(dt).contiguous(), k.to(dt).contiguous(), v.contiguous(),
-                                        g.float().contiguous(), h0, output_final_state, chunk_size)
+                                        g.contiguous(), h0, output_final_state, chunk_size, not log_space)
     return o, ht
 
 
@@ -782,3 +801,37 @@ def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output
     co = obj.module.coefficients(lay.env, lay.d, lay.m)
     y, S = forward(obj, lay, co, output_final_state)
     return y.to(lay.out_dtype), S
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature (``lay`` from ``reference.validate``): slots that
+    are plain inputs go to the kernels as they are, in their own dtype; the decay ``a`` is passed
+    as is and its log taken inside the kernels (``log_space=False``). GLA runs with no PyTorch op
+    besides the kernels. Returns ``fn(inputs, params, initial_state, output_final_state)``."""
+    from ssmcraft.kernels.slots import CallSlots, bindings
+    binds = bindings(obj.ir)
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    out_dtype = lay.out_dtype
+    io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
+
+    def vec(x, n, device):
+        """A slot as [B, T, H, n] (per-head values and numbers broadcast)."""
+        if not isinstance(x, torch.Tensor):
+            return torch.full((B, T, H, n), float(x), device=device, dtype=torch.float32)
+        return x.unsqueeze(-1).expand(B, T, H, n) if x.dim() == 3 else x
+
+    def fn(inputs, params, initial_state, output_final_state):
+        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m)
+        dev = cs.device
+        a = vec(cs.get("a"), m, dev)
+        o, ht = chunk_key_decay(vec(cs.get("oq"), m, dev).to(io), vec(cs.get("q"), m, dev).to(io),
+                                vec(cs.get("p"), d, dev).to(io), a,
+                                initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
+                                output_final_state=output_final_state, chunk_size=CHUNK, log_space=False)
+        oc, oh = cs.get("oc", 1.0), cs.get("oh")
+        if isinstance(oc, torch.Tensor) or oc != 1.0:
+            o = o * (oc.unsqueeze(-1) if isinstance(oc, torch.Tensor) and oc.dim() == 3 else oc)
+        if oh is not None:
+            o = o + (oh.unsqueeze(-1) if isinstance(oh, torch.Tensor) and oh.dim() == 3 else oh)
+        return o.to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
+    return fn

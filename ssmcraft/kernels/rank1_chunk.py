@@ -834,3 +834,40 @@ def forward(obj, lay, co, output_final_state):
         y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
     S = None if ht is None else ht.transpose(-1, -2)
     return y, S
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature (``lay``: sizes and dtypes, from
+    ``reference.validate``): slots that are plain inputs go to the kernel as they are, in their own
+    dtype (DeltaNet: no PyTorch op besides the kernels); others are computed (``slots.CallSlots``).
+    Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
+    from ssmcraft.kernels.slots import CallSlots, bindings
+    binds = bindings(obj.ir)
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    out_dtype = lay.out_dtype
+    io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
+    same = {s: binds[s].kind == "leaf" and binds[s] == binds["v"] for s in ("u", "q")}
+
+    def head(x, device, one_is_none=False):
+        """A per-head slot as [B, T, H] (a number broadcast; None for a decay of 1)."""
+        if isinstance(x, torch.Tensor):
+            return x
+        return None if one_is_none and x == 1.0 else torch.full((B, T, H), float(x), device=device)
+
+    def fn(inputs, params, initial_state, output_final_state):
+        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m)
+        v = cs.get("v")
+        u = None if same["u"] else cs.get("u")
+        q = None if same["q"] else cs.get("q")
+        ps, p = cs.split("p")
+        o, ht = chunk_rank1(v, p.to(io), head(cs.get("c"), cs.device), cs.get("oq"), u=u, q=q,
+                            a=head(cs.get("a", 1.0), cs.device, one_is_none=True), ps=ps,
+                            initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
+                            output_final_state=output_final_state, chunk_size=CHUNK)
+        oc, oh = cs.get("oc", 1.0), cs.get("oh")
+        if isinstance(oc, torch.Tensor) or oc != 1.0:
+            o = o * (oc.unsqueeze(-1) if isinstance(oc, torch.Tensor) and oc.dim() == 3 else oc)
+        if oh is not None:
+            o = o + (oh.unsqueeze(-1) if isinstance(oh, torch.Tensor) and oh.dim() == 3 else oh)
+        return o.to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
+    return fn

@@ -128,6 +128,21 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
     return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
 
 
+def validate(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
+    """``layout``'s checks and sizes without touching data: the tensors are replaced by meta
+    tensors of the same shape and dtype (no copies). Its ``env`` holds meta tensors."""
+    def meta(t, dtype=None):
+        if not isinstance(t, torch.Tensor):
+            t = torch.as_tensor(t)
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
+    if not isinstance(inputs, dict):
+        return layout(ir, spec, inputs, params, initial_state)      # raises the usual error
+    meta_in = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    meta_p = {k: meta(v, torch.float32) for k, v in (params or {}).items()}
+    meta_s = None if initial_state is None else meta(initial_state)
+    return layout(ir, spec, meta_in, meta_p, meta_s)
+
+
 def at(value, t: int):
     """Slice time step ``t`` of a laid-out tensor (size-1 time axes broadcast)."""
     if not isinstance(value, torch.Tensor) or value.dim() < 5:

@@ -9,7 +9,8 @@ When Triton runs:
   * CUDA tensors and ``obj.prefer`` in ("auto", "triton");
   * CPU tensors when ``TRITON_INTERPRET=1`` is set and ``obj.prefer == "interpret"`` (how CI
     tests the kernels).
-Families are tried in a fixed order -- ``keydecay_chunk`` (decays that are scalar or vary over
+Families are tried in a fixed order -- ``decode`` (one-token calls only: the fused kernel of
+the update in element form), ``keydecay_chunk`` (decays that are scalar or vary over
 the key dimension only, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on
 tensor cores), ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``),
 ``rank1_row`` and ``general``, then ``rank1_chunk`` (moved before ``rank1_row`` for a per-head
@@ -22,7 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 
-FAMILIES = ("keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk")
+FAMILIES = ("decode", "keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk")
 
 
 def _mode(inputs, prefer) -> tuple[str | None, str]:
@@ -75,7 +76,10 @@ def _candidates(obj, mode, inputs=None):
     """[(family, module, reason)] in the order they are tried (reason None = runs it).
 
     A family may also define ``supports_inputs(ir, inputs, mode)`` to refuse shapes it is
-    known to fail on (a reason string), so that the next family runs them, by name.
+    known to fail on (a reason string), so that the next family runs them, by name, and
+    ``prepare(obj, lay) -> fn(inputs, params, initial_state, output_final_state)``: a runner
+    specialised to one call signature (``lay`` from ``reference.validate`` carries its sizes and
+    dtypes), which ``dispatch`` keeps and calls without further checks.
     """
     out = []
     for fam in _order(obj.ir, mode):
@@ -107,6 +111,17 @@ def _runner(fam: str, mod, mode: str):
         return y, (S if output_final_state else None), name
 
     run.backend = name
+    if hasattr(mod, "prepare"):
+        def specialise(obj, lay):
+            """A runner for one call signature: ``lay`` (``reference.validate``) has its sizes."""
+            fn = mod.prepare(obj, lay)
+
+            def fast(obj, inputs, params, initial_state, output_final_state):
+                y, S = fn(inputs, params, initial_state, output_final_state)
+                return y, (S if output_final_state else None), name
+            fast.backend = name
+            return fast
+        run.specialise = specialise
     return run
 
 

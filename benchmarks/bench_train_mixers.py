@@ -1,0 +1,124 @@
+"""Issue 12: training throughput of the 20M byte LM (``specs/longhorn_20m_bytes.yaml``'s model) with
+the Longhorn, Mamba, GLA and DeltaNet mixers, and the same LM with an anchor kernel swapped into
+the mixer's recurrence (FLA for GLA / DeltaNet / exact Longhorn, mamba's selective_scan for Mamba).
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_train_mixers.py [--mamba DIR] [--no-anchors] [--out FILE]
+
+One training step = forward, loss, backward, AdamW step, bf16 autocast (as ``ssmcraft train`` on
+CUDA), B=16, T=512 random bytes; tokens/s over 20 steps after 5 warm-up steps. The anchors
+replace only ``obj(inputs, params)`` inside each mixer (projections, conv, gate and MLP are the
+same code), so the gap between a row and its anchor row is the recurrence's share.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Report  # noqa: E402
+
+DEV = "cuda"
+MIXERS = ("longhorn", "mamba", "gla", "deltanet")
+
+
+def build(objective: str):
+    from ssmcraft.layers.config import LMConfig
+    from ssmcraft.layers.lm import LM
+    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
+                              "mixer": {"kind": "objective", "objective": objective, "heads": 1, "state_size": 16}})
+    return LM(cfg).to(DEV)
+
+
+def anchor_recurrence(objective: str, mamba_dir: str | None):
+    """fn(inputs, params) -> y [B, T, H, d] computing the objective with an external kernel."""
+    if objective == "gla":
+        from fla.ops.gla import chunk_gla
+        return lambda i, p: chunk_gla(i["q"], i["k"], i["x"], i["alpha"].float().log(), scale=1.0)[0]
+    if objective in ("deltanet", "longhorn"):
+        from fla.ops.delta_rule import fused_recurrent_delta_rule
+        if objective == "deltanet":     # K = 16: FLA's chunked form faults at this K (ENV.md)
+            return lambda i, p: fused_recurrent_delta_rule(i["q"], i["k"], i["x"], i["beta"], scale=1.0)[0]
+
+        def longhorn(i, p):
+            b, k = i["beta"].float(), i["k"].float()
+            c = (b / (1 + b * (k * k).sum(-1, keepdim=True))).to(i["x"].dtype)
+            return fused_recurrent_delta_rule(i["q"], i["k"], i["x"], c, scale=1.0)[0]
+        return longhorn
+    if objective == "mamba":
+        sys.path.insert(0, mamba_dir or "")
+        import selective_scan_cuda as ssc
+
+        from bench_public_path import SelectiveScan, mamba_layout
+
+        def mamba(i, p):
+            A = p["A"][0] if p["A"].dim() == 3 else p["A"]
+            out, _ = SelectiveScan.apply(ssc, *mamba_layout(i, {"A": A}))
+            return out.transpose(1, 2)[:, :, None]
+        return mamba
+    raise ValueError(objective)
+
+
+def swap(lm, fn, label):
+    for m in lm.mixers:
+        def recur(inputs, params, state=None, m=m):
+            m.last_backend = label
+            return fn(inputs, params), None
+        m._recur = recur
+
+
+def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5) -> tuple[float, float]:
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    data = torch.randint(0, 256, (steps + warmup, B, T + 1), device=DEV, generator=g)
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = lm(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for i in range(warmup):
+        step(data[i])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(data[warmup + i])
+    torch.cuda.synchronize()
+    return B * T * steps / (time.perf_counter() - t0), torch.cuda.max_memory_allocated() / 2**30
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mamba", help="directory holding mamba's built selective_scan_cuda extension")
+    ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rep = Report("bench_train_mixers (issue 12)")
+    for name in MIXERS:
+        torch.manual_seed(0)
+        lm = build(name)
+        tps, mem = tokens_per_s(lm)
+        rep.add(mixer=name, path="ssmcraft", backend=lm.backends(), tokens_per_s=tps, peak_GiB=mem,
+                params_M=sum(p.numel() for p in lm.parameters()) / 1e6)
+        if args.no_anchors:
+            continue
+        try:
+            torch.manual_seed(0)
+            lm = build(name)
+            swap(lm, anchor_recurrence(name, args.mamba), f"anchor:{name}")
+            tps_a, mem_a = tokens_per_s(lm)
+            rep.add(mixer=name, path="anchor kernel", backend=lm.backends(), tokens_per_s=tps_a, peak_GiB=mem_a,
+                    ours_over_anchor=tps / tps_a)
+        except Exception as e:  # noqa: BLE001
+            rep.add(mixer=name, path="anchor kernel", error=f"{type(e).__name__}: {str(e)[:200]}")
+    rep.write(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""How the slots of a structured update come from one call's tensors, decided once per objective.
+
+The kernels of the structured families take their slots (``a, c, u, v, p, q, oq, oc, oh``; see
+``ssmcraft/compiler/ir.py``) in FLA's layout: ``[B, T, H, n]`` for a vector slot, ``[B, T, H]`` for a
+per-head one, or a number. Most library objectives' slots are plain inputs (DeltaNet's
+``u = v = q = k``, ``c = beta``; GLA's ``a = alpha``, ``p = x``), so the fast path passes the
+caller's tensors straight to the kernel, in their own dtype: no copy, no cast, no PyTorch op. A
+slot whose coefficient is an expression is computed from only the leaves it needs
+(``slot_<name>`` in the generated reference module), in fp32.
+
+``bindings(ir)`` classifies every slot once:
+
+- ``const``:    a number (``a = 1``);
+- ``leaf``:     an input or param as it is;
+- ``scaled``:   ``s * x`` with ``s`` a per-head scalar leaf and ``x`` a vector leaf (DeltaNet's
+                ``p = beta x``: the kernels fuse the per-head scale);
+- ``computed``: anything else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+
+@dataclass(frozen=True)
+class Binding:
+    kind: str                 # const | leaf | scaled | computed
+    dims: tuple = ()          # the slot's dims (() per head, (d,) or (m,) a vector)
+    value: float = 0.0        # const
+    leaf: str = ""            # leaf / scaled: the vector (or only) leaf
+    scale: str = ""           # scaled: the per-head scalar leaf
+
+
+def _expanded(ir) -> dict:
+    """Coefficient name -> expression in leaves and reductions only (earlier names substituted)."""
+    out: dict = {}
+    for c in ir.coefficients:
+        out[c.name] = sympy.sympify(c.expr).xreplace({sympy.Symbol(n, real=True): e for n, e in out.items()})
+    return out
+
+
+def bindings(ir) -> dict[str, Binding]:
+    """slot -> Binding for every slot of ``ir`` (see the module docstring)."""
+    exprs = _expanded(ir)
+    dims_of = {c.name: tuple(c.dims) for c in ir.coefficients}
+    leaves = {**{n: tuple(d) for n, d in ir.inputs.items()}, **{n: tuple(d) for n, d in ir.params.items()}}
+    out = {}
+    for slot, name in ir.slots.items():
+        e = exprs[name]
+        dims = dims_of[name]
+        if e.is_number:
+            out[slot] = Binding("const", dims, value=float(e))
+        elif e.is_Symbol and e.name in leaves and leaves[e.name] == dims:
+            out[slot] = Binding("leaf", dims, leaf=e.name)
+        elif isinstance(e, sympy.Mul) and len(e.args) == 2 and all(a.is_Symbol and a.name in leaves for a in e.args):
+            a, b = (x.name for x in e.args)
+            if leaves[a] == () and leaves[b] == dims and dims:
+                out[slot] = Binding("scaled", dims, leaf=b, scale=a)
+            elif leaves[b] == () and leaves[a] == dims and dims:
+                out[slot] = Binding("scaled", dims, leaf=a, scale=b)
+            else:
+                out[slot] = Binding("computed", dims)
+        else:
+            out[slot] = Binding("computed", dims)
+    return out
+
+
+class CallSlots:
+    """One call's slot values in FLA layout, from the caller's tensors (see ``bindings``).
+
+    ``inputs``: name -> ``[B, T, H, n]`` / ``[B, T, H]``; ``params``: name -> declared shape or
+    ``[H, *shape]`` (missing ones take their constant init). ``B, T, H, d, m``: the call's sizes.
+    """
+
+    def __init__(self, obj, binds: dict, inputs: dict, params: dict | None, B, T, H, d, m):
+        self.obj, self.binds, self.inputs = obj, binds, inputs
+        self.params = dict(params or {})
+        self.B, self.T, self.H, self.d, self.m = B, T, H, d, m
+        self.device = next(iter(inputs.values())).device
+
+    def _size(self, dims):
+        return [self.d if x == self.obj.ir.dims[0] else self.m for x in dims]
+
+    def leaf(self, name: str) -> torch.Tensor:
+        """An input as given, or a param broadcast to the FLA layout of its dims."""
+        if name in self.inputs:
+            return self.inputs[name]
+        dims = tuple(self.obj.ir.params[name])
+        t = self.params.get(name)
+        if t is None:
+            from ssmcraft.kernels.reference import _default_param
+            value = _default_param(self.obj.spec.params[name], self.H)
+            t = torch.full(self._size(dims), float(value), dtype=torch.float32, device=self.device)
+        t = torch.as_tensor(t, device=self.device)
+        heads = t.shape[0] if t.dim() == len(dims) + 1 else 1
+        return t.reshape(1, 1, heads, *self._size(dims)).expand(self.B, self.T, self.H, *self._size(dims))
+
+    def _env(self, names) -> dict:
+        """Leaves laid out for the generated code ([B|1, T|1, H|1, r, c], fp32)."""
+        ir = self.obj.ir
+        env = {}
+        for n in names:
+            dims = tuple(ir.inputs.get(n, ir.params.get(n, ())))
+            t = self.leaf(n).float()
+            r = self.d if ir.dims[0] in dims else 1
+            c = self.m if ir.dims[1] in dims else 1
+            env[n] = t.reshape(*t.shape[:3], r, c)
+        return env
+
+    def computed(self, slot: str):
+        """The slot from its own generated function, fp32, in FLA layout (or a number)."""
+        from ssmcraft.compiler.codegen import _slot_closure
+        _, _, names = _slot_closure(self.obj.ir, self.obj.ir.slots[slot])
+        value = getattr(self.obj.module, f"slot_{slot}")(self._env(names), self.d, self.m)
+        if not isinstance(value, torch.Tensor):
+            return float(value)
+        dims = self.binds[slot].dims
+        n = self._size(dims)
+        value = value.expand(self.B, self.T, self.H, value.shape[3], value.shape[4])
+        return value.reshape(self.B, self.T, self.H, *n)
+
+    def get(self, slot: str, default=None):
+        """The slot's value: a tensor in FLA layout (a leaf in its own dtype) or a number; a
+        ``scaled`` slot is returned whole (``s * x``; use ``split`` to keep it fused)."""
+        b = self.binds.get(slot)
+        if b is None:
+            return default
+        if b.kind == "const":
+            return b.value
+        if b.kind == "leaf":
+            return self.leaf(b.leaf)
+        if b.kind == "scaled":
+            return self.leaf(b.scale).unsqueeze(-1) * self.leaf(b.leaf)
+        return self.computed(slot)
+
+    def split(self, slot: str):
+        """(per-head scale or None, vector) of a slot: ``scaled`` slots stay factored."""
+        b = self.binds[slot]
+        if b.kind == "scaled":
+            return self.leaf(b.scale), self.leaf(b.leaf)
+        return None, self.get(slot)

@@ -1,0 +1,201 @@
+"""The public fast path ``obj(...)`` (issue 12), under TRITON_INTERPRET=1:
+
+- the path is chosen once per call signature: a repeated call does no sympy work, no family
+  probing and no validation (the families' ``supports`` are not called again);
+- slots that are plain inputs reach the kernel as the caller's tensors, in their own dtype (no
+  fp32 copies); computed slots come from their own generated function;
+- one-token calls (decode) run the fused element-form kernel, for every library objective, and
+  match the float64 reference on the output, the final state and every gradient (inputs,
+  params, initial state), with the kernel's outputs poisoned by NaN first;
+- GLA's decay goes to the kernels as is (their log is taken in the kernels, log_space=False).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.compiler.library import library_names  # noqa: E402
+from ssmcraft.compiler.structure import element_form  # noqa: E402
+from ssmcraft.kernels import general as G, keydecay_chunk as KD, rank1_chunk as RC  # noqa: E402
+from ssmcraft.kernels import triton_backend as TB  # noqa: E402
+from ssmcraft.kernels.slots import bindings  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
+
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
+
+
+def _interpret(name):
+    obj = ssmcraft.compile(name)
+    obj.prefer = "interpret"
+    return obj
+
+
+def _run_and_grads(fn, inputs, params, S0):
+    leaves = {**{f"in.{k}": v for k, v in inputs.items()}, **{f"param.{k}": v for k, v in params.items()}, "S0": S0}
+    for t in leaves.values():
+        t.grad = None
+    y, S = fn(inputs, params, S0, True)
+    g = torch.Generator().manual_seed(7)
+    wy, wS = torch.randn(y.shape, generator=g, dtype=torch.float64), torch.randn(S.shape, generator=g, dtype=torch.float64)
+    ((y.double() * wy).sum() + (S.double() * wS).sum()).backward()
+    return y, S, {k: t.grad.clone() for k, t in leaves.items()}
+
+
+def test_path_is_chosen_once_per_signature(monkeypatch):
+    obj = _interpret("longhorn_diag")
+    inputs, params = random_inputs(obj.spec, T=5, dtype=torch.float32)
+    obj(inputs, params)
+    calls = []
+    for fam in TB.FAMILIES:
+        mod, _ = TB._load(fam)
+        if mod is not None:
+            real = mod.supports
+            monkeypatch.setattr(mod, "supports", lambda ir, real=real: calls.append(ir) or real(ir))
+    import ssmcraft.kernels.reference as R
+    for fname in ("layout", "validate"):
+        real = getattr(R, fname)
+        monkeypatch.setattr(R, fname, lambda *a, real=real, fname=fname, **k: calls.append(fname) or real(*a, **k))
+    y1, _ = obj(inputs, params)
+    y2, _ = obj({k: v.clone() for k, v in inputs.items()}, params)
+    assert calls == [] and torch.equal(y1, y2)
+    assert obj.backend == "triton-interpret:diagonal-chunked"
+    # a new signature (another T) chooses again, and validates once
+    inputs3, params3 = random_inputs(obj.spec, T=4, dtype=torch.float32)
+    obj(inputs3, params3)
+    assert calls.count("validate") == 1 and len(calls) > 1
+    n = len(calls)
+    obj(inputs3, params3)
+    assert len(calls) == n
+
+
+def test_a_new_prefer_or_interpret_setting_is_a_new_signature(monkeypatch):
+    obj = _interpret("gla")
+    inputs, _ = random_inputs(obj.spec, T=3, dtype=torch.float32)
+    obj(inputs)
+    assert obj.backend.startswith("triton-interpret:")
+    obj.prefer = "torch"
+    obj(inputs)
+    assert obj.backend == "torch-vectorised"
+    obj.prefer = "reference"
+    obj(inputs)
+    assert obj.backend == "reference-loop"
+
+
+def test_bindings_of_library_layers():
+    b = bindings(ssmcraft.compile("deltanet").ir)
+    assert (b["u"].kind, b["u"].leaf) == ("leaf", "k") and b["v"] == b["u"] and b["q"] == b["u"]
+    assert (b["c"].kind, b["c"].leaf) == ("leaf", "beta") and (b["p"].kind, b["p"].scale, b["p"].leaf) == ("scaled", "beta", "x")
+    assert (b["a"].kind, b["a"].value) == ("const", 1.0)
+    g = bindings(ssmcraft.compile("gla").ir)
+    assert (g["a"].leaf, g["p"].leaf, g["q"].leaf, g["oq"].leaf) == ("alpha", "x", "k", "q")
+    lh = bindings(ssmcraft.compile("longhorn").ir)
+    assert lh["c"].kind == "computed" and lh["p"].kind == "computed" and lh["u"].leaf == "k"
+    assert bindings(ssmcraft.compile("gated_deltanet").ir)["c"].kind == "computed"      # alpha * beta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deltanet_slots_reach_the_kernel_uncopied(monkeypatch, dtype):
+    obj = _interpret("deltanet")
+    monkeypatch.setattr(TB, "_order", lambda ir, mode: ["rank1_chunk"])
+    seen = {}
+    real = RC.chunk_rank1
+
+    def spy(v, p, c, oq, **kw):
+        seen.update(v=v, p=p, c=c, oq=oq, **kw)
+        return real(v, p, c, oq, **kw)
+    monkeypatch.setattr(RC, "chunk_rank1", spy)
+    inputs, _ = random_inputs(obj.spec, T=5, sizes={"d": 8, "m": 4}, dtype=dtype)
+    y, _ = obj(inputs)
+    assert obj.backend == "triton-interpret:rank1-chunk" and y.dtype == dtype
+    assert seen["v"] is inputs["k"] and seen["u"] is None and seen["q"] is None      # u = v = q = k, read once
+    assert seen["p"] is inputs["x"] and seen["ps"] is inputs["beta"] and seen["c"] is inputs["beta"]
+    assert seen["oq"] is inputs["q"] and seen["a"] is None
+
+
+def test_gla_decay_reaches_the_kernel_as_is(monkeypatch):
+    obj = _interpret("gla")
+    seen = {}
+    real = KD.chunk_key_decay
+
+    def spy(q, k, v, g, **kw):
+        seen.update(q=q, k=k, v=v, g=g, **kw)
+        return real(q, k, v, g, **kw)
+    monkeypatch.setattr(KD, "chunk_key_decay", spy)
+    monkeypatch.setattr(KD, "CHUNK", 16)
+    inputs, _ = random_inputs(obj.spec, T=21, sizes={"d": 8, "m": 4}, dtype=torch.bfloat16)
+    obj(inputs)
+    assert obj.backend == "triton-interpret:keydecay-chunked"
+    assert seen["g"] is inputs["alpha"] and seen["log_space"] is False
+    assert seen["v"] is inputs["x"] and seen["k"] is inputs["k"] and seen["q"] is inputs["q"]
+
+
+@pytest.mark.parametrize("log_space", [True, False])
+def test_key_decay_log_space_and_linear_decay_agree(monkeypatch, log_space):
+    monkeypatch.setattr(KD, "POISON", True)
+    g = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 2, 19, 2, 8, 16
+    q, k = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    a = 0.5 + 0.5 * torch.rand(B, T, H, K, generator=g, dtype=torch.float64)
+    h0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
+    leaves64 = [q, k, v, a, h0]
+    ref = [t.clone().requires_grad_(True) for t in leaves64]
+    # float64 reference: h_t = diag(a_t) h_{t-1} + k_t v_t^T, o_t = h_t^T q_t
+    h, outs = ref[4], []
+    for t in range(T):
+        h = ref[3][:, t, :, :, None] * h + ref[1][:, t, :, :, None] * ref[2][:, t, :, None, :]
+        outs.append((h * ref[0][:, t, :, :, None]).sum(-2))
+    o_ref, ht_ref = torch.stack(outs, 1), h
+    mine = [t.float().clone().requires_grad_(True) for t in leaves64]
+    decay = mine[3] if not log_space else None
+    o, ht = KD.chunk_key_decay(mine[0], mine[1], mine[2], mine[3] if not log_space else mine[3].log(),
+                               initial_state=mine[4], output_final_state=True, chunk_size=16, log_space=log_space)
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    ((o.double() * w).sum() + ht.double().square().sum()).backward()
+    ((o_ref * w).sum() + ht_ref.square().sum()).backward()
+    errs = {"y": rel_rms(o, o_ref), "S_T": rel_rms(ht, ht_ref)}
+    errs.update({f"d{n}": rel_rms(a_.grad, b_.grad) for n, a_, b_ in zip("qkvah", mine, ref)})
+    assert decay is None or decay.grad is not None
+    assert_within(errs, TOL)
+
+
+@pytest.mark.parametrize("name", library_names())
+def test_one_token_calls_run_the_fused_kernel(monkeypatch, name):
+    monkeypatch.setattr(G, "POISON", True)
+    obj = _interpret(name)
+    inputs, params = random_inputs(obj.spec, B=3, T=1, sizes={obj.spec.dims[0]: 5, obj.spec.dims[1]: 3})
+    inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
+    params = {k: v.float().requires_grad_(True) for k, v in params.items()}
+    S0 = torch.randn(3, 2, 5, 3).requires_grad_(True)
+    y, S, grads = _run_and_grads(obj, inputs, params, S0)
+    assert obj.backend == "triton-interpret:decode-fused"
+    ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
+    ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
+    ref_S0 = S0.detach().double().requires_grad_(True)
+    yr, Sr, gr = _run_and_grads(obj.reference, ref_in, ref_p, ref_S0)
+    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
+    assert_within(errs, TOL)
+
+
+def test_longer_calls_do_not_take_the_decode_kernel():
+    obj = _interpret("deltanet")
+    inputs, _ = random_inputs(obj.spec, T=2, dtype=torch.float32)
+    obj(inputs)
+    assert "decode" not in obj.backend
+    from ssmcraft.kernels import decode
+    assert "T = 1" in decode.supports_inputs(obj.ir, inputs, "interpret")
+
+
+def test_element_form_is_the_same_recurrence():
+    for name in ("longhorn", "gated_deltanet", "mamba", "gla"):
+        obj = ssmcraft.compile(name)
+        eir = element_form(obj.ir)
+        assert eir.kind == "general" and eir.state_update is not None
+        assert (len(eir.state_reductions) == 1) == (obj.ir.kind == "rank1")
+    ir = ssmcraft.compile("cauchy_delta").ir
+    assert element_form(ir) is ir
