@@ -79,6 +79,7 @@ class CallSlots:
         self.params = dict(params or {})
         self.B, self.T, self.H, self.d, self.m = B, T, H, d, m
         self.device = next(iter(inputs.values())).device
+        self._computed = None
 
     def _size(self, dims):
         return [self.d if x == self.obj.ir.dims[0] else self.m for x in dims]
@@ -97,23 +98,36 @@ class CallSlots:
         heads = t.shape[0] if t.dim() == len(dims) + 1 else 1
         return t.reshape(1, 1, heads, *self._size(dims)).expand(self.B, self.T, self.H, *self._size(dims))
 
-    def _env(self, names) -> dict:
-        """Leaves laid out for the generated code ([B|1, T|1, H|1, r, c], fp32)."""
+    def _env(self, fp32) -> dict:
+        """Every leaf laid out for the generated code ([B|1, T|1, H|1, r, c]); those in ``fp32`` are
+        converted (they feed a computed slot), the others are views of the caller's tensors."""
         ir = self.obj.ir
         env = {}
-        for n in names:
+        for n in (*ir.inputs, *ir.params):
             dims = tuple(ir.inputs.get(n, ir.params.get(n, ())))
-            t = self.leaf(n).float()
+            t = self.leaf(n)
+            t = t.float() if n in fp32 else t
             r = self.d if ir.dims[0] in dims else 1
             c = self.m if ir.dims[1] in dims else 1
             env[n] = t.reshape(*t.shape[:3], r, c)
         return env
 
+    def _all_computed(self) -> dict:
+        """The generated ``coefficients`` once per call for every computed slot together (they
+        share their sub-expressions, e.g. Longhorn's ``c`` inside ``p = c x``)."""
+        if self._computed is None:
+            from ssmcraft.compiler.codegen import _slot_closure
+            ir = self.obj.ir
+            need: set = set()
+            for slot, b in self.binds.items():
+                if b.kind == "computed":
+                    need |= set(_slot_closure(ir, ir.slots[slot])[2])
+            self._computed = self.obj.module.coefficients(self._env(need), self.d, self.m)
+        return self._computed
+
     def computed(self, slot: str):
-        """The slot from its own generated function, fp32, in FLA layout (or a number)."""
-        from ssmcraft.compiler.codegen import _slot_closure
-        _, _, names = _slot_closure(self.obj.ir, self.obj.ir.slots[slot])
-        value = getattr(self.obj.module, f"slot_{slot}")(self._env(names), self.d, self.m)
+        """The slot from the generated coefficients, fp32, in FLA layout (or a number)."""
+        value = self._all_computed()[slot]
         if not isinstance(value, torch.Tensor):
             return float(value)
         dims = self.binds[slot].dims
