@@ -23,7 +23,9 @@ def update_formula(ir: UpdateIR) -> str:
     B = "p q^T" if "p" in ir.slots else "B"
     a = c("a")
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
-    if ir.kind in ("scalar_decay", "diagonal_decay"):
+    if ir.states:
+        upd = "\n".join(f"{x}_t[i,j] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
+    elif ir.kind in ("scalar_decay", "diagonal_decay"):
         upd = f"{S}_t = {decay} + {B}"
     elif ir.kind == "rank1":
         upd = f"{S}_t = {decay} - c . ({S}_prev u) v^T + {B}"
@@ -55,6 +57,22 @@ def _reduction_code(r, dims) -> str:
 
 def _unpack(names) -> list[str]:
     return [f"    {n} = env[{n!r}]" for n in names]
+
+
+def _multi_state_step(ir: UpdateIR, names) -> list[str]:
+    """``step`` of a several-state update: a tuple of previous states -> a tuple of new ones."""
+    d, m = ir.dims
+    prevs = [f"{x}_prev" for x in ir.states]
+    news = ", ".join(f"({torch_code(e)}) + 0 * {p}" for e, p in zip(ir.state_updates, prevs))
+    return [f"STATES = {tuple(ir.states)!r}",
+            "",
+            "",
+            f"def step(prev, env, co, {d}, {m}):",
+            f'    """One step: the previous states ({", ".join(prevs)}), each [..., {d}, {m}] -> the new ones, in order."""',
+            f"    {', '.join(prevs)}, = prev",
+            *_unpack(names),
+            *[_reduction_code(r, ir.dims) for r in ir.state_reductions],
+            f"    return ({news},)"]
 
 
 def reference_source(ir: UpdateIR, header: str) -> str:
@@ -94,11 +112,16 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         f"    return {{{slot_dict}}}",
         "",
         "",
-        f"def step({S}_prev, env, co, {d}, {m}):",
-        f'    """One step: {S}_prev [..., {d}, {m}] -> {S}_t."""',
     ]
+    if ir.states:
+        out += _multi_state_step(ir, names)
+    else:
+        out += [f"def step({S}_prev, env, co, {d}, {m}):",
+                f'    """One step: {S}_prev [..., {d}, {m}] -> {S}_t."""']
     body = []
-    if ir.kind in ("scalar_decay", "diagonal_decay", "rank1"):
+    if ir.states:
+        pass
+    elif ir.kind in ("scalar_decay", "diagonal_decay", "rank1"):
         a = ir.coefficient("a")
         decay = f"{S}_prev" if a.expr == 1 else f"co['a'] * {S}_prev"
         inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
@@ -116,9 +139,15 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     out += [
         "",
         "",
-        f"def readout({S}, env, co, {d}, {m}):",
-        f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""',
     ]
+    if ir.states:
+        out += [f"def readout(states, env, co, {d}, {m}):",
+                f'    """The output y [..., {d}, 1] read from the new states ({", ".join(ir.states)}), each [..., {d}, {m}]."""',
+                f"    {', '.join(ir.states)}, = states"]
+        S = ir.states[0]
+    else:
+        out += [f"def readout({S}, env, co, {d}, {m}):",
+                f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""']
     if ir.readout is None:
         oh = " + co['oh']" if "oh" in ir.slots else ""
         out.append(f"    return co['oc'] * ({S} * co['oq']).sum(-1, keepdim=True){oh}")
