@@ -345,7 +345,7 @@ def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
     """``state:`` -> (names in declaration order, the shared dims). Several states must share
     one shape [d, m] (the kernels keep one [K, V] tile per state)."""
     if not isinstance(state, dict) or not state:
-        raise SpecError(src, "state", f"expected entries like {{S: [d, m]}} (one per state), got {state!r}")
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {state!r}")
     names, shapes = [], []
     for sname, dims in state.items():
         sname = _ident(src, "state", sname)
