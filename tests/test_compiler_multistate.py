@@ -190,3 +190,30 @@ def test_gradients_reach_every_initial_state():
     y, S = obj(inputs, params, initial_state=S0)
     (y.sum() + S[0].square().sum() + S[1].sum()).backward()
     assert all(s.grad is not None and s.grad.abs().sum() > 0 for s in S0)
+
+
+def loop_momentum_longhorn(inp, S0):
+    """Hand loop: per row i, d_i = argmin ||d - mu d_prev_i||^2/2 + beta_i ((s_prev_i + d) k - x_i)^2/2,
+    by torch.linalg.solve of (I + beta_i k k^T) d_i = mu d_prev_i + beta_i (x_i - s_prev_i k) k; then s_i += d_i."""
+    D, S = (s.clone() for s in S0)
+    ys = []
+    for t in range(inp["x"].shape[1]):
+        k, x, beta, mu, q = (inp[n][:, t] for n in ("k", "x", "beta", "mu", "q"))
+        A = torch.eye(k.shape[-1], dtype=F64) + beta[..., :, None, None] * (k[..., :, None] * k[..., None, :])[..., None, :, :]
+        r = x - (S @ k[..., None])[..., 0]
+        rhs = mu[..., None, None] * D + (beta * r)[..., None] * k[..., None, :]
+        D = torch.linalg.solve(A, rhs[..., None])[..., 0]
+        S = S + D
+        ys.append((S @ q[..., None])[..., 0])
+    return torch.stack(ys, 1), (D, S)
+
+
+def test_reference_equals_hand_loop():
+    obj, inputs, params, S0 = _setup("momentum_longhorn", T=6, seed=13)
+    y, S = obj.reference(inputs, params, initial_state=S0)
+    y_h, S_h = loop_momentum_longhorn(inputs, S0)
+    torch.testing.assert_close(y, y_h, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(S, S_h, rtol=RTOL, atol=ATOL)
+    y0, S0_T = obj.reference(inputs, params)            # no initial state: zeros
+    torch.testing.assert_close((y0, S0_T), loop_momentum_longhorn(inputs, tuple(torch.zeros_like(s) for s in S0)),
+                               rtol=RTOL, atol=ATOL)
