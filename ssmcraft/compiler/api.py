@@ -87,20 +87,15 @@ class CompiledObjective:
 
     @property
     def traced_state(self) -> str:
-        """The state ``trace`` follows: with several states, the last declared one the output
-        reads (momentum Longhorn's S, not its step D); ``trace(state=...)`` picks another."""
-        names = self.ir.state_names
-        if not self.ir.states:
-            return names[0]
-        read = {s.name for s in sympy.sympify(self.ir.readout).free_symbols}
-        read |= {s.name for r in self.ir.readout_reductions for s in r.body.free_symbols}
-        return [x for x in names if x in read][-1]
+        """The state ``trace`` follows (``kernels.reference.traced_state``); ``trace(state=...)`` picks another."""
+        from ssmcraft.kernels.reference import traced_state
+        return traced_state(self.ir)
 
     def trace(self, inputs: Mapping, params: Mapping | None = None, initial_state=None, every: int = 1,
               state: str | None = None):
         """States over time, [B, T // every, H, d, m] (every ``every``-th step), reference loop;
         with several states, of ``state`` (default ``traced_state``, the state the output reads)."""
-        from ssmcraft.kernels.reference import reference_loop
+        from ssmcraft.kernels.reference import empty_trace, reference_loop
         names = self.ir.state_names
         state = self.traced_state if state is None else state
         if state not in names:
@@ -108,7 +103,7 @@ class CompiledObjective:
         lay = self._layout(inputs, params, initial_state)
         _, S, states = reference_loop(self.module, lay, every=max(1, int(every)), traced=names.index(state))
         if states is None:
-            states = torch_zeros_like_state(S, lay)
+            states = empty_trace(S, lay)
         return states
 
     def sliding_window(self, inputs: Mapping, params: Mapping | None = None, window: int = 256,
@@ -122,12 +117,6 @@ class CompiledObjective:
         """A copy whose decay is raised to ``retention`` (a -> a**retention; > 1 forgets faster)
         and whose input term is scaled by ``insertion`` (Stuffed Mamba's training-free fixes)."""
         return from_ir(self.spec, mitigate(self.ir, retention, insertion), self.symbolic)
-
-
-def torch_zeros_like_state(S, lay):
-    """An empty trace [B, 0, H, d, m] in the state's dtype and device."""
-    first = S[0] if isinstance(S, tuple) else S
-    return first.new_zeros(lay.B, 0, lay.H, lay.d, lay.m)
 
 
 def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:

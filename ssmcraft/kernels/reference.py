@@ -9,6 +9,7 @@ expressions broadcast (see ``ssmcraft.compiler.codegen``).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,24 @@ def _initial_states(ir, spec, initial_state) -> list:
               f"({', '.join(ir.states)}), got {type(initial_state).__name__}"
               + (f" of {len(initial_state)}" if isinstance(initial_state, (tuple, list)) else ""))
     return [(f"initial_state[{i}] ({x})", t) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+
+
+def traced_state(ir) -> str:
+    """The state a trace follows: with several states the last declared one that the output
+    reads (momentum Longhorn's S, not its step D), so that state statistics describe the
+    memory that is read. Works on the IR and on its JSON form (expressions as text)."""
+    names = ir.state_names
+    if not ir.states:
+        return names[0]
+    exprs = [ir.readout, *(r.body for r in ir.readout_reductions)]
+    read = {w for e in exprs for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", str(e))}
+    return [x for x in names if x in read][-1]
+
+
+def empty_trace(S, lay: Layout) -> torch.Tensor:
+    """A trace with no time points, [B, 0, H, d, m], in the (first) state's dtype and device."""
+    first = S[0] if isinstance(S, tuple) else S
+    return first.new_zeros(lay.B, 0, lay.H, lay.d, lay.m)
 
 
 def n_states(module) -> int:
