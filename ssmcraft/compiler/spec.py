@@ -3,6 +3,13 @@
 Every problem is a ``SpecError`` naming the source (file path, ``<text>`` or ``<dict>``),
 the key (dotted path) and what is wrong. YAML is read with the safe loader; expression
 strings are only parsed (``expr.parse``), never evaluated.
+
+Several states (``state: {D: [d, m], S: [d, m]}``, one shared shape): ``objective:`` maps
+each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state,
+``X_prev`` names each state's previous value (``S_prev`` stays the name with one state), and
+the states update in declaration order, so a loss may read the new values of the states
+declared before its own, never of a later one (``Spec.states`` and friends; see
+``derive.derive_stages``).
 """
 from __future__ import annotations
 
