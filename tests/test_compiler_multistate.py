@@ -39,6 +39,17 @@ SECOND_MOMENT = {"name": "second_moment", "state": {"S": ["d", "m"], "V": ["d", 
                                "V": "sq(V - mu*V_prev - had(A, had(S - S_prev, S - S_prev)))/2"},
                  "update": "implicit", "output": "S*q + V*k"}
 CASES = {"momentum_longhorn": "momentum_longhorn", "explicit_step": EXPLICIT_D, "second_moment": SECOND_MOMENT}
+# a grid of two-state losses: the first state's loss times the second's, with the updates cycling
+# through (implicit, implicit), (explicit, implicit), (implicit, explicit)
+FIRST = ["sq(D - mu*D_prev)/2 + sq((S_prev + D)*k - x)/2", "sq(D - D_prev)/2 + wsq(D*k - x + S_prev*q, beta)/2"]
+SECOND = ["sq(S - S_prev - D)/2", "sq(S - mu*S_prev)/2 + wsq(S*k - x, beta)/2 + dot(S, D)",
+          "sq(S - S_prev - had(D, D))/2 + mu*dot(S*k, x)"]
+UPDATES = [("implicit", "implicit"), ("explicit", "implicit"), ("implicit", "explicit")]
+GRID = {f"grid{i}{j}": {"name": f"grid{i}{j}", "state": {"D": ["d", "m"], "S": ["d", "m"]}, "inputs": INPUTS,
+                        "objective": {"D": a, "S": b}, "output": "S*q + D*k" if j else "S*q",
+                        "update": dict(zip("DS", UPDATES[(i + j) % 3]))}
+        for i, a in enumerate(FIRST) for j, b in enumerate(SECOND)}
+ALL = {**CASES, **GRID}
 
 
 def _stage_loss(ev, text, values, name, X):
@@ -90,7 +101,7 @@ def _output(spec, ev, new):
 
 def _setup(case, T, seed):
     from helpers import random_inputs
-    obj = ssmcraft.compile(CASES[case])
+    obj = ssmcraft.compile(ALL[case])
     inputs, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": d, "m": m}, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     S0 = tuple(torch.randn(B, H, d, m, generator=g, dtype=F64) for _ in obj.spec.states)
@@ -103,7 +114,7 @@ def _ev(spec, inputs, params, b, t, h):
     return Evaluator(spec, {"d": d, "m": m}, vals)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_each_state_minimises_or_steps_its_own_loss(case):
     obj, inputs, params, S0 = _setup(case, T=1, seed=5)
     spec = obj.spec
@@ -129,7 +140,7 @@ def test_each_state_minimises_or_steps_its_own_loss(case):
             torch.testing.assert_close(y[b, 0, h], _output(spec, ev, new).detach(), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_five_steps_equal_the_literal_stages(case):
     T = 5
     obj, inputs, params, S0 = _setup(case, T=T, seed=9)
@@ -155,6 +166,8 @@ def test_five_steps_equal_the_literal_stages(case):
 def test_kinds_stages_and_ir():
     kinds = {c: ssmcraft.compile(v).ir.kind for c, v in CASES.items()}
     assert kinds == {"momentum_longhorn": "general", "explicit_step": "general", "second_moment": "nonlinear"}
+    grid = {c: ssmcraft.compile(v).ir.kind for c, v in GRID.items()}
+    assert grid == {f"grid{i}{j}": "nonlinear" if j == 2 else "general" for i in range(2) for j in range(3)}
     so = symbolic_objective(load_spec("momentum_longhorn"))
     stages = dict(derive_stages(so))
     S, S_prev, D = (so.lowering.env[n].expr for n in ("S", "S_prev", "D"))
