@@ -55,7 +55,10 @@ def test_derive_prints_every_stage(name, capsys, compiled):
     for marker in ("[1] spec", "[2] symbolic objective", "[3] derived update", f"[4] structure: {obj.ir.kind}",
                    "[5] code", "S_t", "y_t"):
         assert marker in out, f"missing {marker!r}"
-    assert obj.spec.objective in out
+    for text in obj.spec.objectives or (obj.spec.objective,):     # several states: each state's loss
+        assert text in out
+    for x in obj.spec.states:
+        assert f"L_{x} = " in out and f"{x}_t[i,j] = " in out
     if obj.spec.approximation == "diagonal":
         assert "diagonal approximation" in out
     assert obj.ir.content_hash() in out
@@ -81,7 +84,10 @@ def test_derive_json(name, capsys, compiled):
     assert set(data["inputs"]) == set(obj.spec.inputs)
     names = {c["name"] for c in data["coefficients"]}
     assert set(data["slots"].values()) <= names
-    if data["kind"] in ("general", "nonlinear"):
+    if obj.spec.states:             # several states: one update per state, none in state_update
+        assert data["states"] == list(obj.spec.states) and set(data["state_updates"]) == set(obj.spec.states)
+        assert data["state_update"] is None and all(data["state_updates"].values())
+    elif data["kind"] in ("general", "nonlinear"):
         assert data["state_update"]
     else:
         assert {"a"} <= set(data["slots"]) and ({"p", "q"} <= set(data["slots"]) or "B" in data["slots"])

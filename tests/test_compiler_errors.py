@@ -94,6 +94,14 @@ def obj(text: str) -> str:
     return spec(objective=text)
 
 
+MULTI_OBJ = {"D": "sq(D - D_prev/2)/2 + wsq((S_prev + D)*k - x, beta)/2", "S": "sq(S - S_prev - D)/2"}
+
+
+def multi(**changes) -> str:
+    """A two-state spec (D then S), with top-level keys replaced as in ``spec``."""
+    return spec(**{"state": {"D": ["d", "m"], "S": ["d", "m"]}, "objective": MULTI_OBJ, **changes})
+
+
 INJECTION_MARKER = Path("/tmp/ssmcraft_pwned")
 
 # (id, spec text, expected key, regex the problem must match)
@@ -206,6 +214,30 @@ CASES = [
     ("division_by_zero", obj("sq(S - S_prev)/0"), "objective", r"zero|infinite|undefined|not finite|zoo"),
     ("zero_to_negative_power", obj("sq(S - S_prev)/2 + 0**-1*dot(S*k, x)"), "objective", r"zero|infinite|undefined|not finite|zoo"),
     ("log_of_zero", obj("sq(S - S_prev)/2 + log(0)*dot(S*k, x)"), "objective", r"zero|infinite|undefined|not finite|zoo"),
+    # several states (objectives/momentum_longhorn.yaml's form)
+    ("multi_objective_string", multi(objective="sq(S - S_prev)"), "objective", r"mapping state -> loss"),
+    ("multi_objective_unknown_state", multi(objective={**MULTI_OBJ, "V": "sq(S)"}), "objective.V", r"unknown key; allowed: D, S"),
+    ("multi_objective_missing_state", multi(objective={"D": MULTI_OBJ["D"]}), "objective.S", r"missing"),
+    ("multi_reads_later_state", multi(objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + dot(S*k, x)"}), "objective.D",
+     r"'S' is the new value of a state updated after D.*use S_prev"),
+    ("multi_reads_later_via_let", multi(let={"z": "S*k"}, objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + dot(z, x)"}),
+     "objective.D", r"reads 'S' \(through a let\)"),
+    ("multi_loss_ignores_state", multi(objective={**MULTI_OBJ, "S": "sq(D - S_prev)"}), "objective.S", r"does not depend on the state S"),
+    ("multi_loss_not_scalar", multi(objective={**MULTI_OBJ, "S": "S - S_prev"}), "objective.S", r"must be a scalar"),
+    ("multi_shapes_differ", multi(state={"D": ["d", "m"], "S": ["m", "d"]}), "state.S", r"first state's shape \[d, m\]"),
+    ("multi_state_named_prev", multi(state={"D": ["d", "m"], "D_prev": ["d", "m"]}), "state.D_prev", r"previous value"),
+    ("multi_input_clashes_prev", multi(inputs=inputs_with(D_prev={"shape": ["d"]})), "inputs.D_prev", r"already used"),
+    ("multi_update_bad", multi(update="newton2"), "update", r"implicit or explicit"),
+    ("multi_update_unknown_state", multi(update={"D": "implicit", "X": "implicit"}), "update.X", r"unknown key"),
+    ("multi_update_missing_state", multi(update={"D": "implicit"}), "update.S", r"missing"),
+    ("multi_update_bad_value", multi(update={"D": "implicit", "S": 3}), "update.S", r"implicit or explicit"),
+    ("multi_approximation_list", multi(approximation=["exact"]), "approximation", r"mapping state -> value"),
+    ("multi_approximation_diagonal", multi(approximation={"D": "diagonal"}), "approximation.D", r"not supported with several states"),
+    ("multi_output_reads_prev", multi(output="S_prev*q"), "output", r"new states, not S_prev"),
+    ("multi_output_reads_none", multi(output="x"), "output", r"reads none of the states"),
+    ("multi_implicit_not_quadratic", multi(objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + exp(dot(D*k, x))"}),
+     "objective.D", r"not quadratic in D"),
+    ("multi_unknown_name", multi(objective={**MULTI_OBJ, "S": "sq(S - S_prev - E)/2"}), "objective.S", r"unknown name 'E'"),
 ]
 
 

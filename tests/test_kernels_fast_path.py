@@ -164,7 +164,18 @@ def test_key_decay_log_space_and_linear_decay_agree(monkeypatch, log_space):
     assert_within(errs, TOL)
 
 
-@pytest.mark.parametrize("name", library_names())
+SINGLE_STATE = [n for n in library_names() if not ssmcraft.compile(n).ir.states]
+
+
+def test_several_states_leave_one_token_calls_to_the_general_family():
+    from ssmcraft.kernels import decode
+    several = [n for n in library_names() if n not in SINGLE_STATE]
+    assert several, "the library has a several-state objective (momentum_longhorn)"
+    for n in several:
+        assert "several states" in decode.supports(ssmcraft.compile(n).ir)
+
+
+@pytest.mark.parametrize("name", SINGLE_STATE)
 def test_one_token_calls_run_the_fused_kernel(monkeypatch, name):
     monkeypatch.setattr(G, "POISON", True)
     obj = _interpret(name)

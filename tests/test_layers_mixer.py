@@ -45,7 +45,9 @@ def test_recurrent_mode_equals_parallel_mode(name):
         y, cache = mixer.step(h[:, t], cache)
         outs.append(y)
     torch.testing.assert_close(torch.stack(outs, 1), parallel, rtol=1e-9, atol=1e-10)
-    assert cache.state.shape == (2, 2, 16, 4)                   # [B, H, d = 2 * 16 / 2, m]
+    states = cache.state if mixer.obj.spec.states else (cache.state,)      # several states: a tuple
+    assert len(states) == len(mixer.obj.spec.state_names())
+    assert all(s.shape == (2, 2, 16, 4) for s in states)      # [B, H, d = 2 * 16 / 2, m]
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)

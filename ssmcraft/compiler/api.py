@@ -71,7 +71,8 @@ class CompiledObjective:
 
     def reference(self, inputs: Mapping, params: Mapping | None = None, initial_state=None,
                   output_final_state: bool = True):
-        """The plain per-step loop. inputs [B,T,H,n] / [B,T,H]; returns (y [B,T,H,d], S_T [B,H,d,m])."""
+        """The plain per-step loop. inputs [B,T,H,n] / [B,T,H]; returns (y [B,T,H,d], S_T [B,H,d,m]).
+        With several states ``initial_state`` and ``S_T`` are tuples of [B,H,d,m], in declaration order."""
         from ssmcraft.kernels.reference import reference_loop
         lay = self._layout(inputs, params, initial_state)
         y, S, _ = reference_loop(self.module, lay)
@@ -85,13 +86,25 @@ class CompiledObjective:
         self.backend = backend
         return y, S
 
-    def trace(self, inputs: Mapping, params: Mapping | None = None, initial_state=None, every: int = 1):
-        """States over time, [B, T // every, H, d, m] (every ``every``-th step), reference loop."""
-        from ssmcraft.kernels.reference import reference_loop
+    @property
+    def traced_state(self) -> str:
+        """The state ``trace`` follows (``kernels.reference.traced_state``); ``trace(state=...)`` picks another."""
+        from ssmcraft.kernels.reference import traced_state
+        return traced_state(self.ir)
+
+    def trace(self, inputs: Mapping, params: Mapping | None = None, initial_state=None, every: int = 1,
+              state: str | None = None):
+        """States over time, [B, T // every, H, d, m] (every ``every``-th step), reference loop;
+        with several states, of ``state`` (default ``traced_state``, the state the output reads)."""
+        from ssmcraft.kernels.reference import empty_trace, reference_loop
+        names = self.ir.state_names
+        state = self.traced_state if state is None else state
+        if state not in names:
+            raise SsmcraftError(f"{self.name}: no state {state!r} to trace; states: {', '.join(names)}")
         lay = self._layout(inputs, params, initial_state)
-        _, S, states = reference_loop(self.module, lay, every=max(1, int(every)))
+        _, S, states = reference_loop(self.module, lay, every=max(1, int(every)), traced=names.index(state))
         if states is None:
-            states = S.new_zeros(lay.B, 0, lay.H, lay.d, lay.m)
+            states = empty_trace(S, lay)
         return states
 
     def sliding_window(self, inputs: Mapping, params: Mapping | None = None, window: int = 256,

@@ -23,7 +23,9 @@ def update_formula(ir: UpdateIR) -> str:
     B = "p q^T" if "p" in ir.slots else "B"
     a = c("a")
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
-    if ir.kind in ("scalar_decay", "diagonal_decay"):
+    if ir.states:
+        upd = "\n".join(f"{x}_t[i,j] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
+    elif ir.kind in ("scalar_decay", "diagonal_decay"):
         upd = f"{S}_t = {decay} + {B}"
     elif ir.kind == "rank1":
         upd = f"{S}_t = {decay} - c . ({S}_prev u) v^T + {B}"
@@ -77,20 +79,20 @@ def _slot_closure(ir: UpdateIR, name: str):
     return ([c for c in ir.coefficients if c.name in want], [r for r in ir.reductions if r.name in want], leaves)
 
 
-def slot_functions(ir: UpdateIR) -> list[str]:
-    """``slot_<slot>(env, d, m)``: one slot's coefficient alone, from only the leaves it needs (the
-    kernels' host paths compute just the slots that are not plain inputs)."""
+def _multi_state_step(ir: UpdateIR, names) -> list[str]:
+    """``step`` of a several-state update: a tuple of previous states -> a tuple of new ones."""
     d, m = ir.dims
-    out = []
-    for slot, name in ir.slots.items():
-        coefs, reds, leaves = _slot_closure(ir, name)
-        out += ["", "", f"def slot_{slot}(env, {d}, {m}):",
-                f'    """Slot {slot!r} alone (needs {", ".join(leaves) or "no leaves"})."""',
-                *_unpack(leaves),
-                *[_reduction_code(r, ir.dims) for r in reds],
-                *[f"    {c.name} = {torch_code(c.expr)}" for c in coefs],
-                f"    return {name}"]
-    return out
+    prevs = [f"{x}_prev" for x in ir.states]
+    news = ", ".join(f"({torch_code(e)}) + 0 * {p}" for e, p in zip(ir.state_updates, prevs))
+    return [f"STATES = {tuple(ir.states)!r}",
+            "",
+            "",
+            f"def step(prev, env, co, {d}, {m}):",
+            f'    """One step: the previous states ({", ".join(prevs)}), each [..., {d}, {m}] -> the new ones, in order."""',
+            f"    {', '.join(prevs)}, = prev",
+            *_unpack(names),
+            *[_reduction_code(r, ir.dims) for r in ir.state_reductions],
+            f"    return ({news},)"]
 
 
 def reference_source(ir: UpdateIR, header: str) -> str:
@@ -128,14 +130,18 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         *[_reduction_code(r, ir.dims) for r in ir.reductions],
         *[f"    {c.name} = {torch_code(c.expr)}" for c in ir.coefficients],
         f"    return {{{slot_dict}}}",
-        *slot_functions(ir),
         "",
         "",
-        f"def step({S}_prev, env, co, {d}, {m}):",
-        f'    """One step: {S}_prev [..., {d}, {m}] -> {S}_t."""',
     ]
+    if ir.states:
+        out += _multi_state_step(ir, names)
+    else:
+        out += [f"def step({S}_prev, env, co, {d}, {m}):",
+                f'    """One step: {S}_prev [..., {d}, {m}] -> {S}_t."""']
     body = []
-    if ir.kind in ("scalar_decay", "diagonal_decay", "rank1"):
+    if ir.states:
+        pass
+    elif ir.kind in ("scalar_decay", "diagonal_decay", "rank1"):
         a = ir.coefficient("a")
         decay = f"{S}_prev" if a.expr == 1 else f"co['a'] * {S}_prev"
         inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
@@ -153,9 +159,15 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     out += [
         "",
         "",
-        f"def readout({S}, env, co, {d}, {m}):",
-        f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""',
     ]
+    if ir.states:
+        out += [f"def readout(states, env, co, {d}, {m}):",
+                f'    """The output y [..., {d}, 1] read from the new states ({", ".join(ir.states)}), each [..., {d}, {m}]."""',
+                f"    {', '.join(ir.states)}, = states"]
+        S = ir.states[0]
+    else:
+        out += [f"def readout({S}, env, co, {d}, {m}):",
+                f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""']
     if ir.readout is None:
         oh = " + co['oh']" if "oh" in ir.slots else ""
         out.append(f"    return co['oc'] * ({S} * co['oq']).sum(-1, keepdim=True){oh}")

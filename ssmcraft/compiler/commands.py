@@ -18,16 +18,25 @@ def stages(spec_arg) -> dict:
     """Run the pure stages one by one and return their printable results."""
     from ssmcraft.compiler.api import generate_reference
     from ssmcraft.compiler.codegen import coefficient_lines, update_formula
-    from ssmcraft.compiler.derive import derive_update
+    from ssmcraft.compiler.derive import compose_stages, derive_stages, derive_update
     from ssmcraft.compiler.spec import load_spec
-    from ssmcraft.compiler.structure import classify
+    from ssmcraft.compiler.structure import classify, classify_states
     from ssmcraft.compiler.symbolic import symbolic_objective
 
     t0 = time.perf_counter()
     spec = load_spec(spec_arg)
     so = symbolic_objective(spec)
-    F = derive_update(so)
-    ir = classify(so, F)
+    per_state = {}
+    if spec.states:     # several states: each stage's own update, then composed (previous states only)
+        own = derive_stages(so)
+        composed = compose_stages(so, own)
+        ir = classify_states(so, composed)
+        F = tuple(e for _, e in composed)
+        per_state = {x: (sympy.sstr(so.algebra.expand(L)), sympy.sstr(so.algebra.expand(e)))
+                     for (x, L), (_, e) in zip(so.losses, own)}
+    else:
+        F = derive_update(so)
+        ir = classify(so, F)
     derived = time.perf_counter() - t0
     import torch  # noqa: F401  (not timed: the generated module imports it; after the spec, so errors stay fast)
 
@@ -36,7 +45,8 @@ def stages(spec_arg) -> dict:
     seconds = (derived, time.perf_counter() - t1)
     alg = so.algebra
     return {"spec": spec, "symbolic": so, "update": F, "ir": ir, "source": source, "seconds": seconds,
-            "objective_sum": sympy.sstr(alg.expand(so.loss)), "update_sum": sympy.sstr(alg.expand(F)),
+            "objective_sum": sympy.sstr(alg.expand(so.loss)), "per_state": per_state,
+            "update_sum": sympy.sstr(alg.expand(F)) if not spec.states else None,
             "formula": update_formula(ir), "coefficients": coefficient_lines(ir)}
 
 
@@ -53,7 +63,11 @@ def run(args) -> int:
     print(f"{spec.name}: {' '.join(spec.summary.split())}")
     print(f"source: {spec.source}")
     print("\n[1] spec")
-    print(f"  state  {spec.state}: [{d}, {m}]   (S_prev = previous state)")
+    if spec.states:
+        print(f"  states {', '.join(f'{x}: [{d}, {m}]' for x in spec.states)}   (X_prev = previous value of X; "
+              "updated in this order, each with the earlier ones at their new values)")
+    else:
+        print(f"  state  {spec.state}: [{d}, {m}]   (S_prev = previous state)")
     for n, i in spec.inputs.items():
         flags = [f for f in ("positive", "bounded", "normalize") if getattr(i, f)] + ([f"activation={i.activation}"] if i.activation else [])
         print(f"  input  {n}: [{', '.join(i.shape)}] {' '.join(flags)}")
@@ -61,12 +75,25 @@ def run(args) -> int:
         print(f"  param  {n}: [{', '.join(p.shape)}] init={p.init}{'' if p.trainable else ' (fixed)'}")
     for n, t in spec.let:
         print(f"  let    {n} = {t}")
-    print(f"  objective  L = {spec.objective}")
-    print(f"  update: {spec.update}, approximation: {spec.approximation}, output: y = {spec.output}")
+    if spec.states:
+        for x, text, upd in zip(spec.states, spec.objectives, spec.updates):
+            print(f"  objective  L_{x} = {text}   (update: {upd})")
+        print(f"  output: y = {spec.output}")
+    else:
+        print(f"  objective  L = {spec.objective}")
+        print(f"  update: {spec.update}, approximation: {spec.approximation}, output: y = {spec.output}")
     print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + ")")
-    print(f"  L = {st['objective_sum']}")
-    print(f"\n[3] derived update ({spec.update}{', exact' if spec.approximation == 'exact' else ''})")
-    print(f"  S_t[i,j] = {st['update_sum']}")
+    if spec.states:
+        for x, (loss, _) in st["per_state"].items():
+            print(f"  L_{x} = {loss}")
+        print("\n[3] derived update, state by state (block-coordinate, in declaration order)")
+        for (x, (_, own)), upd in zip(st["per_state"].items(), spec.updates):
+            print(f"  {x}_t[i,j] = {own}   ({upd})")
+        print("  composed (each in the previous states only): see [4]")
+    else:
+        print(f"  L = {st['objective_sum']}")
+        print(f"\n[3] derived update ({spec.update}{', exact' if spec.approximation == 'exact' else ''})")
+        print(f"  S_t[i,j] = {st['update_sum']}")
     print(f"\n[4] structure: {ir.kind}" + (" (diagonal approximation)" if spec.approximation == "diagonal" else ""))
     for line in st["formula"].splitlines():
         print(f"  {line}")

@@ -198,3 +198,61 @@ def derive_update(so: SymbolicObjective) -> sympy.Expr:
     if so.spec.update == "implicit":
         return implicit_update(so)
     return explicit_update(so)
+
+
+@dataclass(frozen=True)
+class _StateView:
+    """The part of a ``Lowering`` the single-state derivations read, for one of several states."""
+    alg: Algebra
+    state: sympy.Symbol
+    state_prev: sympy.Symbol
+
+
+def state_view(so: SymbolicObjective, index: int) -> SymbolicObjective:
+    """State ``index`` of a several-state objective as a single-state one: its own loss, update and
+    approximation, every other state (new or previous value) a constant symbol."""
+    from dataclasses import replace
+    spec = so.spec
+    name = spec.states[index]
+    view_spec = replace(spec, state=name, objective=spec.objectives[index], update=spec.updates[index],
+                        approximation=spec.approximations[index], states=(), objectives=(), updates=(),
+                        approximations=())
+    new, prev = so.lowering.state_of(name)
+    return SymbolicObjective(view_spec, _StateView(so.algebra, new, prev), so.losses[index][1], so.output)
+
+
+def derive_stages(so: SymbolicObjective) -> tuple:
+    """Several states, block-coordinate (Gauss-Seidel) in declaration order: per state
+    ``(name, F)`` with ``F`` that state's own update (implicit minimiser or explicit step of its
+    loss), reading the earlier states' new values and every ``X_prev``. Errors name
+    ``objective.X`` (or ``approximation.X``)."""
+    spec = so.spec
+    out = []
+    for i, name in enumerate(spec.states):
+        if spec.approximations[i] != "exact":
+            raise DerivationError(spec.source, f"approximation.{name}", "the diagonal approximation is not "
+                                  "supported with several states (their update is classified general or nonlinear)")
+        try:
+            out.append((name, derive_update(state_view(so, i))))
+        except DerivationError as e:
+            key = f"objective.{name}" if e.key == "objective" else e.key
+            raise DerivationError(e.source, key, e.problem) from None
+    return tuple(out)
+
+
+def compose_stages(so: SymbolicObjective, stages) -> tuple:
+    """The stages' updates with every earlier state's new value replaced by its own update, so
+    that each is an element expression in the previous states and the inputs only."""
+    alg = so.algebra
+    done: dict = {}
+    out = []
+    for name, F in stages:
+        F = alg.substitute(F, done) if done else F
+        done[so.lowering.state_of(name)[0]] = F
+        out.append((name, F))
+    return tuple(out)
+
+
+def derive_updates(so: SymbolicObjective) -> tuple:
+    """Several states: ``((name, F(previous states)), ...)`` in declaration order."""
+    return compose_stages(so, derive_stages(so))

@@ -8,6 +8,8 @@ the slots of that class's recurrence:
 - ``rank1``: ``S_t = a . S_prev - c . (S_prev u) v^T + B``  (c per row, or per head)
 - ``general``: linear in S_prev but none of the above; ``S_t`` given element-wise
 - ``nonlinear``: an explicit step on a non-quadratic loss; ``S_t`` given element-wise
+- several states (``states``, ``state_updates``): one element expression per state in the
+  previous states, kind ``general`` (jointly linear) or ``nonlinear``; readout element-wise
 and in every class the readout ``y = oc . (S_t oq) + oh`` (or element-wise for general).
 ``B = p q^T`` when it factorises (it does for every library objective).
 Element layouts: a coefficient's ``dims`` are the state dimensions it varies over.
@@ -56,6 +58,12 @@ class UpdateIR:
     state_update: sympy.Expr | None = None      # general/nonlinear: element of S_t (symbol S_prev)
     readout: sympy.Expr | None = None           # general: element of y (symbol state)
     readout_reductions: tuple = ()
+    states: tuple = ()                          # several states: names, in update order (else empty)
+    state_updates: tuple = ()                   # several states: element of each X_t (symbols X_prev)
+
+    @property
+    def state_names(self) -> tuple:
+        return self.states or (self.state,)
 
     # -- views ---------------------------------------------------------------------------
     def coefficient(self, slot: str) -> Coefficient | None:
@@ -69,7 +77,7 @@ class UpdateIR:
     def to_json(self) -> dict:
         """A JSON-serialisable form of the IR (``ssmcraft derive --json``)."""
         s = sympy.sstr
-        return {
+        return self.to_json_states({
             "spec": self.spec_name, "source": self.source, "dims": list(self.dims), "state": self.state,
             "kind": self.kind, "update": self.update, "approximation": self.approximation,
             "inputs": {k: list(v) for k, v in self.inputs.items()},
@@ -81,7 +89,14 @@ class UpdateIR:
             "state_update": None if self.state_update is None else s(self.state_update),
             "readout_reductions": [{"name": r.name, "over": r.over, "dims": list(r.dims), "body": s(r.body)} for r in self.readout_reductions],
             "readout": None if self.readout is None else s(self.readout),
-        }
+        })
+
+    def to_json_states(self, out: dict) -> dict:
+        """Add the several-state fields (absent for one state, so existing IR hashes stay)."""
+        if self.states:
+            out["states"] = list(self.states)
+            out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        return out
 
     def content_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]

@@ -3,6 +3,13 @@
 Every problem is a ``SpecError`` naming the source (file path, ``<text>`` or ``<dict>``),
 the key (dotted path) and what is wrong. YAML is read with the safe loader; expression
 strings are only parsed (``expr.parse``), never evaluated.
+
+Several states (``state: {D: [d, m], S: [d, m]}``, one shared shape): ``objective:`` maps
+each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state,
+``X_prev`` names each state's previous value (``S_prev`` stays the name with one state), and
+the states update in declaration order, so a loss may read the new values of the states
+declared before its own, never of a later one (``Spec.states`` and friends; see
+``derive.derive_stages``).
 """
 from __future__ import annotations
 
@@ -68,13 +75,28 @@ class Spec:
     output: str
     source: str = "<dict>"           # where the spec came from (for messages)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # several states (empty with one): names in declaration order (the update order), and per
+    # state its loss, update and approximation; `state` is then the last state, `objective`,
+    # `update` and `approximation` summaries for display
+    states: tuple[str, ...] = ()
+    objectives: tuple[str, ...] = ()
+    updates: tuple[str, ...] = ()
+    approximations: tuple[str, ...] = ()
 
     @property
     def output_dim(self) -> str:
         return self.dims[0]
 
+    def state_names(self) -> tuple[str, ...]:
+        """Every state in declaration order (one name for a single-state spec)."""
+        return self.states or (self.state,)
+
+    def prev_name(self, state: str) -> str:
+        """The name of a state's previous value: ``S_prev`` with one state, ``X_prev`` with several."""
+        return f"{state}_prev" if self.states else "S_prev"
+
     def declared(self) -> list[str]:
-        return [self.state, "S_prev", *self.inputs, *self.params, *self.dims]
+        return [n for s in self.state_names() for n in (s, self.prev_name(s))] + [*self.inputs, *self.params, *self.dims]
 
 
 class _Loader(yaml.SafeLoader):
@@ -238,25 +260,15 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     name = _ident(src, "name", raw["name"])
     summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
 
-    state = raw["state"]
-    if not isinstance(state, dict) or len(state) != 1:
-        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}}, got {state!r}")
-    (state_name, dims), = state.items()
-    state_name = _ident(src, "state", state_name)
-    if not isinstance(dims, list) or len(dims) != 2:
-        raise SpecError(src, f"state.{state_name}", f"expected two dimension names like [d, m], got {dims!r}")
-    for dname in dims:
-        _ident(src, f"state.{state_name}", dname)
-    if dims[0] == dims[1]:
-        raise SpecError(src, f"state.{state_name}", "the two dimensions must have different names")
-    if state_name in dims:
-        raise SpecError(src, f"state.{state_name}", "a dimension cannot have the state's name")
-    dims = tuple(dims)
+    state_names, dims = _states(src, raw["state"])
+    state_name = state_names[-1]
+    multi = len(state_names) > 1
+    prevs = [f"{x}_prev" for x in state_names] if multi else ["S_prev"]
 
     inputs_raw = raw["inputs"]
     if not isinstance(inputs_raw, dict) or not inputs_raw:
         raise SpecError(src, "inputs", "expected a non-empty mapping of input declarations")
-    taken = {state_name, *dims}
+    taken = {*state_names, *prevs, *dims}
     inputs: dict[str, InputDecl] = {}
     for iname, decl in inputs_raw.items():
         key = f"inputs.{iname}"
@@ -306,7 +318,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         params[pname] = p
         taken.add(pname)
 
-    declared = {state_name, "S_prev", *inputs, *params, *dims}
+    declared = {*state_names, *prevs, *inputs, *params, *dims}
     lets: list[tuple[str, str]] = []
     let_raw = raw.get("let", {}) or {}
     if not isinstance(let_raw, dict):
@@ -319,6 +331,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         lets.append((lname, _expression(src, key, text, declared)))
         declared.add(lname)   # a let may use the lets before it
 
+    if multi:
+        return _multi_state_spec(src, raw, name, summary, state_names, dims, inputs, params, lets, declared)
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
     if update not in ("implicit", "explicit"):
@@ -332,3 +346,93 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         raise SpecError(src, "output", "the output reads the new state S, not S_prev")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
+
+
+def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
+    """``state:`` -> (names in declaration order, the shared dims). Several states must share
+    one shape [d, m] (the kernels keep one [K, V] tile per state)."""
+    if not isinstance(state, dict) or not state:
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {state!r}")
+    names, shapes = [], []
+    for sname, dims in state.items():
+        sname = _ident(src, "state", sname)
+        if not isinstance(dims, list) or len(dims) != 2:
+            raise SpecError(src, f"state.{sname}", f"expected two dimension names like [d, m], got {dims!r}")
+        for dname in dims:
+            _ident(src, f"state.{sname}", dname)
+        if dims[0] == dims[1]:
+            raise SpecError(src, f"state.{sname}", "the two dimensions must have different names")
+        if shapes and tuple(dims) != shapes[0]:
+            raise SpecError(src, f"state.{sname}", f"every state must have the first state's shape "
+                            f"[{', '.join(shapes[0])}], got {dims!r}")
+        names.append(sname)
+        shapes.append(tuple(dims))
+    dims = shapes[0]
+    for sname in names:
+        if sname in dims:
+            raise SpecError(src, f"state.{sname}", "a dimension cannot have a state's name")
+        if len(names) > 1:
+            if sname.endswith("_prev") and sname[:-5] in names:
+                raise SpecError(src, f"state.{sname}", f"{sname!r} names the previous value of state {sname[:-5]!r}")
+            if len(sname) > 27:
+                raise SpecError(src, f"state.{sname}", "with several states a state's name has at most 27 "
+                                f"characters (its previous value is {sname}_prev)")
+    return tuple(names), dims
+
+
+def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...]:
+    """A setting given once for every state (a string) or as a mapping state -> value."""
+    if value is None:
+        value = default
+    if isinstance(value, str):
+        if value not in allowed:
+            raise SpecError(src, key, f"expected {' or '.join(allowed)} (or a mapping state -> value), got {value!r}")
+        return tuple(value for _ in states)
+    if not isinstance(value, dict):
+        raise SpecError(src, key, f"expected {' or '.join(allowed)}, or a mapping state -> value, got {value!r}")
+    _keys(src, key, value, set(states))
+    out = []
+    for sname in states:
+        if sname not in value:
+            if default is None:
+                raise SpecError(src, f"{key}.{sname}", "missing (every state needs one)")
+            out.append(default)
+            continue
+        if value[sname] not in allowed:
+            raise SpecError(src, f"{key}.{sname}", f"expected {' or '.join(allowed)}, got {value[sname]!r}")
+        out.append(value[sname])
+    return tuple(out)
+
+
+def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, lets, declared) -> Spec:
+    """The rest of a spec with several states: ``objective:`` maps each state to its loss; the
+    states update in declaration order, so a state's loss may read the states declared before
+    it (new values) and every ``X_prev``, never a later state's new value."""
+    objective = raw["objective"]
+    if not isinstance(objective, dict):
+        raise SpecError(src, "objective", f"with several states ({', '.join(states)}) the objective is a "
+                        f"mapping state -> loss, got {type(objective).__name__}")
+    _keys(src, "objective", objective, set(states))
+    losses = []
+    for i, sname in enumerate(states):
+        key = f"objective.{sname}"
+        if sname not in objective:
+            raise SpecError(src, key, "missing (every state needs its loss)")
+        text = _expression(src, key, objective[sname], declared)
+        later = [x for x in states[i + 1:] if x in E.names(E.parse(text))]
+        if later:
+            raise SpecError(src, key, f"{later[0]!r} is the new value of a state updated after {sname} "
+                            f"(states update in declaration order: {', '.join(states)}); use {later[0]}_prev")
+        losses.append(text)
+    updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
+    approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
+    prevs = {f"{x}_prev" for x in states}
+    output = _expression(src, "output", raw["output"], declared)
+    read_prev = sorted(prevs & E.names(E.parse(output)))
+    if read_prev:
+        raise SpecError(src, "output", f"the output reads the new states, not {read_prev[0]}")
+    summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
+    return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
+                "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),
+                summary_of(approximations), output, source=src, raw=raw, states=tuple(states),
+                objectives=tuple(losses), updates=updates, approximations=approximations)

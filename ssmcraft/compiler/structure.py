@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import sympy
 
-from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine, derive_update, is_affine
+from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine, derive_update, derive_updates, is_affine
 from ssmcraft.compiler.ir import Coefficient, ReductionIR, UpdateIR
 from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
@@ -214,11 +214,50 @@ def renumber(ir: UpdateIR) -> UpdateIR:
     return replace(ir, reductions=ren_group(ir.reductions), state_reductions=ren_group(ir.state_reductions),
                    readout_reductions=ren_group(ir.readout_reductions),
                    coefficients=tuple(Coefficient(c.name, ren(c.expr), c.dims) for c in ir.coefficients),
-                   state_update=ren(ir.state_update), readout=ren(ir.readout))
+                   state_update=ren(ir.state_update), readout=ren(ir.readout),
+                   state_updates=tuple(ren(e) for e in ir.state_updates))
+
+
+def is_linear_in(alg: Algebra, exprs, variables) -> bool:
+    """Whether every expression is jointly affine in the matrix ``variables``: affine in each
+    one, and still affine when all are replaced by one matrix ``Z`` (a product of two of them
+    would become quadratic in ``Z``)."""
+    Z = alg.symbol("_Z_joint", tuple(alg.dims), real=True)
+    for e in exprs:
+        if not all(is_affine(alg, e, v) for v in variables):
+            return False
+        if not is_affine(alg, alg.substitute(e, {v: Z for v in variables}), Z):
+            return False
+    return True
+
+
+def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
+    """The IR of a several-state update ``((name, F), ...)`` (each ``F`` in the previous states):
+    ``general`` when the joint recurrence is linear in the previous states, else ``nonlinear``;
+    the readout is element-wise over the new states."""
+    spec, alg = so.spec, so.algebra
+    prevs = [so.lowering.state_of(x)[1] for x in spec.states]
+    Fs = [F for _, F in updates]
+    kind = "general" if is_linear_in(alg, Fs, prevs) else "nonlinear"
+    state_reductions = []
+    for F in Fs:
+        for r in alg.reductions_in(F):
+            if r not in state_reductions:
+                state_reductions.append(r)
+    ir = UpdateIR(spec_name=spec.name, source=spec.source, dims=spec.dims, state=spec.state,
+                  inputs={k: v.shape for k, v in spec.inputs.items()},
+                  params={k: v.shape for k, v in spec.params.items()},
+                  update=spec.update, approximation=spec.approximation, kind=kind,
+                  state_reductions=_reduction_irs(state_reductions, spec.dims),
+                  readout=so.output, readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
+                  states=tuple(spec.states), state_updates=tuple(sympy.factor_terms(sympy.cancel(F)) for F in Fs))
+    return renumber(ir)
 
 
 def build_ir(so: SymbolicObjective) -> UpdateIR:
     """Stages 3 and 4: derive the update and classify it."""
+    if so.spec.states:
+        return classify_states(so, derive_updates(so))
     return classify(so, derive_update(so))
 
 

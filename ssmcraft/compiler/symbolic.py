@@ -183,8 +183,9 @@ class Lowering:
         self.env: dict[str, Value] = {}
         for dim in spec.dims:
             self.env[dim] = Value((ONE, ONE), alg.symbol(dim, (), positive=True, integer=True))
-        for name in (spec.state, "S_prev"):
-            self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
+        for state in spec.state_names():
+            for name in (state, spec.prev_name(state)):
+                self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
         for name, decl in spec.inputs.items():
             assume = {"positive": True} if (decl.positive or decl.bounded) else {"real": True}
             self.env[name] = Value(_vector_shape(decl.shape), alg.symbol(name, decl.shape, **assume))
@@ -201,7 +202,11 @@ class Lowering:
 
     @property
     def state_prev(self) -> sympy.Symbol:
-        return self.env["S_prev"].expr
+        return self.env[self.spec.prev_name(self.spec.state)].expr
+
+    def state_of(self, name: str) -> tuple[sympy.Symbol, sympy.Symbol]:
+        """(new, previous) symbols of one state."""
+        return self.env[name].expr, self.env[self.spec.prev_name(name)].expr
 
     # -- entry point ---------------------------------------------------------------
     def lower_text(self, key: str, text: str) -> Value:
@@ -425,8 +430,9 @@ class SymbolicObjective:
     """Stage 2's result: the loss and the readout as element expressions."""
     spec: Spec
     lowering: Lowering
-    loss: sympy.Expr       # scalar
+    loss: sympy.Expr       # scalar (with several states: the sum of their losses, for display)
     output: sympy.Expr     # one element of y (varies over the output dimension)
+    losses: tuple = ()     # several states: (state name, its loss) in declaration order
 
     @property
     def algebra(self) -> Algebra:
@@ -443,17 +449,50 @@ def symbolic_objective(spec: Spec) -> SymbolicObjective:
     for name, text in spec.let:
         low.key = f"let.{name}"
         low.name(E.Name(name, 0))
+    if spec.states:
+        return _multi_state_objective(spec, low)
     loss = low.lower_text("objective", spec.objective)
     if not loss.is_scalar:
         raise SpecError(spec.source, "objective", f"the objective must be a scalar, got a {show_shape(loss.shape)} value")
     if not low.alg.depends_on(loss.expr, low.state):
         raise SpecError(spec.source, "objective", f"the objective does not depend on the state {spec.state}")
+    out = _output(spec, low)
+    if not low.alg.depends_on(out, low.state):
+        raise SpecError(spec.source, "output", f"the output does not read the state {spec.state}")
+    if low.alg.depends_on(out, low.state_prev):
+        raise SpecError(spec.source, "output", "the output reads S_prev (through a let); it must read the new state")
+    return SymbolicObjective(spec, low, sympy.sympify(loss.expr), out)
+
+
+def _output(spec: Spec, low: Lowering) -> sympy.Expr:
     out = low.lower_text("output", spec.output)
     d = spec.dims[0]
     if out.shape not in ((d, ONE), (ONE, d)):
         raise SpecError(spec.source, "output", f"the output must be a vector over {d} (like {spec.state}*q), got {show_shape(out.shape)}")
-    if not low.alg.depends_on(out.expr, low.state):
-        raise SpecError(spec.source, "output", f"the output does not read the state {spec.state}")
-    if low.alg.depends_on(out.expr, low.state_prev):
-        raise SpecError(spec.source, "output", "the output reads S_prev (through a let); it must read the new state")
-    return SymbolicObjective(spec, low, sympy.sympify(loss.expr), sympy.sympify(out.expr))
+    return sympy.sympify(out.expr)
+
+
+def _multi_state_objective(spec: Spec, low: Lowering) -> SymbolicObjective:
+    """Several states: one scalar loss per state, each depending on its own state and not on a
+    later state's new value (also through a ``let``); the output reads new states only."""
+    alg, src = low.alg, spec.source
+    losses = []
+    for i, (name, text) in enumerate(zip(spec.states, spec.objectives)):
+        key = f"objective.{name}"
+        loss = low.lower_text(key, text)
+        if not loss.is_scalar:
+            raise SpecError(src, key, f"the loss must be a scalar, got a {show_shape(loss.shape)} value")
+        if not alg.depends_on(loss.expr, low.state_of(name)[0]):
+            raise SpecError(src, key, f"the loss does not depend on the state {name}")
+        for later in spec.states[i + 1:]:
+            if alg.depends_on(loss.expr, low.state_of(later)[0]):
+                raise SpecError(src, key, f"the loss reads {later!r} (through a let), the new value of a state "
+                                f"updated after {name}; use {later}_prev")
+        losses.append((name, sympy.sympify(loss.expr)))
+    out = _output(spec, low)
+    if not any(alg.depends_on(out, low.state_of(x)[0]) for x in spec.states):
+        raise SpecError(src, "output", f"the output reads none of the states {', '.join(spec.states)}")
+    for x in spec.states:
+        if alg.depends_on(out, low.state_of(x)[1]):
+            raise SpecError(src, "output", f"the output reads {x}_prev (through a let); it must read the new states")
+    return SymbolicObjective(spec, low, sympy.Add(*(e for _, e in losses)), out, tuple(losses))

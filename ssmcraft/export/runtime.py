@@ -35,7 +35,8 @@ import tempfile
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.reference import layout, reference_loop, sliding_window, vectorised
+from ssmcraft.kernels.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
+                                        vectorised)
 from ssmcraft.layers.config import mixer_config
 from ssmcraft.layers.mixer import ObjectiveMixer
 
@@ -75,6 +76,8 @@ class IRView:
         self.inputs = {k: tuple(v) for k, v in data["inputs"].items()}
         self.params = {k: tuple(v) for k, v in data["params"].items()}
         self.slots = dict(data.get("slots", {}))
+        self.states = tuple(data.get("states", ()))            # several states (absent with one)
+        self.state_updates = tuple(data.get("state_updates", {}).values())
         for key in ("coefficients", "reductions", "state_reductions", "readout_reductions"):
             setattr(self, key, tuple(IRRecord(r) for r in data.get(key, ())))
         self._hash = content_hash
@@ -82,6 +85,10 @@ class IRView:
     def coefficient(self, slot: str):
         name = self.slots.get(slot)
         return next((c for c in self.coefficients if c.name == name), None)
+
+    @property
+    def state_names(self) -> tuple:
+        return self.states or (self.data["state"],)
 
     def is_per_head_step(self) -> bool:
         c = self.coefficient("c")
@@ -164,10 +171,12 @@ class Objective:
         return y.to(lay.out_dtype), (S if output_final_state else None)
 
     def trace(self, inputs, params=None, initial_state=None, every: int = 1):
-        """States over time ``[B, T // every, H, d, m]`` (reference loop)."""
+        """States over time ``[B, T // every, H, d, m]`` (reference loop); with several states of
+        the one the output reads (``traced_state``)."""
         lay = layout(self.ir, self.spec, inputs, params, initial_state)
-        _, S, states = reference_loop(self.module, lay, every=max(1, int(every)))
-        return S.new_zeros(lay.B, 0, lay.H, lay.d, lay.m) if states is None else states
+        traced = self.ir.state_names.index(traced_state(self.ir))
+        _, S, states = reference_loop(self.module, lay, every=max(1, int(every)), traced=traced)
+        return empty_trace(S, lay) if states is None else states
 
     def sliding_window(self, inputs, params=None, window: int = 256, initial_state=None):
         lay = layout(self.ir, self.spec, inputs, params, initial_state)

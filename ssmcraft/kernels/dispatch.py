@@ -19,6 +19,8 @@ from ssmcraft.errors import SsmcraftError
 
 
 def _key(t):
+    if isinstance(t, (tuple, list)):          # several states: a tuple of initial states
+        return tuple(_key(x) for x in t)
     return (t.shape, t.dtype, t.device) if hasattr(t, "shape") else type(t)
 
 

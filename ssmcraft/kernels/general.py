@@ -50,25 +50,32 @@ POISON = False           # tests: allocate outputs with NaN
 
 @dataclass
 class Step:
-    """The update, readout and their adjoints over one algebra (element expressions)."""
+    """The update, readout and their adjoints over one algebra (element expressions).
+
+    One entry per state in the list fields (one state: lists of one); with several states
+    ``L_F = sum_X sum_ij G_X F_X`` and each state's adjoint is ``d L_F / d X_prev``."""
     alg: Algebra
     dims: tuple
-    S_prev: sympy.Symbol
-    S: sympy.Symbol
-    G: sympy.Symbol
+    S_prevs: list
+    Ss: list
+    Gs: list
     DY: sympy.Symbol
     leaves: list            # [(name, dims tuple, Symbol)] in a stable order
-    F: sympy.Expr
+    Fs: list
     readout: sympy.Expr
-    dS_ro: sympy.Expr       # d(sum DY*y)/dS
+    dS_ros: list            # d(sum DY*y)/dX per state
     din_ro: dict            # leaf -> d(sum DY*y)/d leaf
-    dS_prev: sympy.Expr     # d(sum G*F)/dS_prev
-    din_F: dict             # leaf -> d(sum G*F)/d leaf
+    dS_prevs: list          # d(sum_X G_X*F_X)/dX_prev per state
+    din_F: dict             # leaf -> d(sum_X G_X*F_X)/d leaf
+
+    @property
+    def n_states(self) -> int:
+        return len(self.Ss)
 
 
 def _symbols_of(ir) -> dict:
     out = {}
-    exprs = [ir.state_update, ir.readout, *(c.expr for c in ir.coefficients)]
+    exprs = [ir.state_update, *ir.state_updates, ir.readout, *(c.expr for c in ir.coefficients)]
     exprs += [r.body for r in (*ir.reductions, *ir.state_reductions, *ir.readout_reductions)]
     for e in exprs:
         if e is None:
@@ -93,9 +100,10 @@ def build_step(ir) -> Step:
 
     for dim in (d, m):
         sym(dim, (), positive=True, integer=True)
-    S_prev = sym("S_prev", (d, m))
-    S = sym(ir.state, (d, m))
-    G = sym("_G", (d, m))
+    several = bool(ir.states)
+    S_prevs = [sym(f"{x}_prev" if several else "S_prev", (d, m)) for x in ir.state_names]
+    Ss = [sym(x, (d, m)) for x in ir.state_names]
+    Gs = [sym(f"_G{i}" if several else "_G", (d, m)) for i in range(len(Ss))]
     DY = sym("_DY", (d,))
     leaves = []
     for name, ldims in list(ir.inputs.items()) + list(ir.params.items()):
@@ -118,16 +126,16 @@ def build_step(ir) -> Step:
     if ir.readout is not None:
         readout = sympy.sympify(ir.readout)
     else:
-        readout = coef("oc", 1) * alg.reduce(S * coef("oq", None), m) + coef("oh", 0)
+        readout = coef("oc", 1) * alg.reduce(Ss[0] * coef("oq", None), m) + coef("oh", 0)
     readout = alg.substitute(sympy.sympify(readout), {})
-    F = sympy.sympify(ir.state_update)
+    Fs = [sympy.sympify(F) for F in (ir.state_updates if several else (ir.state_update,))]
     L_ro = alg.reduce(DY * readout, d)
-    L_F = alg.reduce(alg.reduce(G * F, m), d)
-    dS_ro = gradient(alg, L_ro, S)
-    dS_prev = gradient(alg, L_F, S_prev)
+    L_F = sympy.Add(*(alg.reduce(alg.reduce(G * F, m), d) for G, F in zip(Gs, Fs)))
+    dS_ros = [gradient(alg, L_ro, S) for S in Ss]
+    dS_prevs = [gradient(alg, L_F, S_prev) for S_prev in S_prevs]
     din_ro = {n: gradient(alg, L_ro, s) for n, _, s in leaves}
     din_F = {n: gradient(alg, L_F, s) for n, _, s in leaves}
-    return Step(alg, (d, m), S_prev, S, G, DY, leaves, F, readout, dS_ro, din_ro, dS_prev, din_F)
+    return Step(alg, (d, m), S_prevs, Ss, Gs, DY, leaves, Fs, readout, dS_ros, din_ro, dS_prevs, din_F)
 
 
 # ----------------------------------------------------------------------------------------
@@ -159,8 +167,9 @@ class _Printer:
     def __init__(self, step: Step):
         self._code = _triton_code
         d, m = step.dims
-        self.names = {d: "V_f", m: "K_f", step.S_prev.name: "sp", step.S.name: "st", step.G.name: "g",
-                      step.DY.name: "dy"}
+        self.names = {d: "V_f", m: "K_f", step.DY.name: "dy"}
+        for sfx, S_prev, S, G in zip(_suffixes(step), step.S_prevs, step.Ss, step.Gs):
+            self.names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
         for n, _, s in step.leaves:
             self.names[s.name] = f"l_{n}"
         self.step = step
@@ -189,6 +198,17 @@ class _Printer:
                 lines.append(f"{indent}{self.names[r.symbol.name]} = tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), "
                              f"axis={axis}, keep_dims=True)")
         return lines
+
+
+def _suffixes(step: Step) -> list[str]:
+    """Per-state suffix of the kernel's variables: ``sp``, ``st``, ``g`` with one state,
+    ``sp0``, ``sp1``, ... with several."""
+    return [""] if step.n_states == 1 else [str(i) for i in range(step.n_states)]
+
+
+def _sbase(i: int, ns: int) -> str:
+    """The (batch*head, state) index of a state tile: state i of ns, stacked after [B, H]."""
+    return "i_bh.to(tl.int64)" if ns == 1 else f"(i_bh.to(tl.int64) * {ns} + {i})"
 
 
 def _leaf_load(name, ldims, step, indent) -> str:
@@ -239,45 +259,50 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "    Z2 = tl.zeros([BK, BV], dtype=tl.float32)",
         "    Z11 = tl.zeros([1, 1], dtype=tl.float32)",
     ]
-    F_code = pr.expr(step.F)
-    fwd_red_F = pr.reductions([step.F], I2)
+    ns, sfx = step.n_states, _suffixes(step)
+    states = list(zip(range(ns), sfx))
+    F_codes = [pr.expr(F) for F in step.Fs]
+    fwd_red_F = pr.reductions(step.Fs, I2)
     pr_ro = pr.reductions([step.readout], I2)
     fwd = [
         "@triton.jit",
         f"def fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):",
-        '    """One program per (batch, head): the whole state, transposed [BK, BV], in registers."""',
+        '    """One program per (batch, head): the whole state' + ("" if ns == 1 else f" (each of {ns})")
+        + ', transposed [BK, BV], in registers."""',
         *preamble,
-        "    sp = tl.zeros([BK, BV], dtype=tl.float32)",
+        *[f"    sp{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_S0:",
-        "        sp += tl.load(S0 + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)",
+        *[f"        sp{x} += tl.load(S0 + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
+          for i, x in states],
         "    if STORE_CK:",
-        "        tl.store(CK + i_bh.to(tl.int64) * NC * K * V + tile, sp, mask=MASK)",
+        *[f"        tl.store(CK + {_sbase(i, ns)} * NC * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
         "    for t in range(0, T):",
         "        row = (b.to(tl.int64) * T + t) * H + h",
         *[_leaf_load(n, ld, step, I1) for n, ld, _ in step.leaves],
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
-        f"        st = tl.where(MASK, {F_code} + Z2, 0.0)",
+        *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
         f"        y = tl.sum({pr.expr(step.readout)} + ZR, axis=0)",
         "        tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)",
-        "        sp = st",
+        *[f"        sp{x} = st{x}" for _, x in states],
         "        if STORE_CK:",
         "            if (t + 1) % CHUNK == 0:",
         "                if (t + 1) // CHUNK < NC:",
-        "                    tl.store(CK + (i_bh.to(tl.int64) * NC + (t + 1) // CHUNK) * K * V + tile, sp, mask=MASK)",
+        *[f"                    tl.store(CK + ({_sbase(i, ns)} * NC + (t + 1) // CHUNK) * K * V + tile, sp{x}, mask=MASK)"
+          for i, x in states],
         "    if STORE_ST:",
-        "        tl.store(ST + i_bh.to(tl.int64) * K * V + tile, sp, mask=MASK)",
+        *[f"        tl.store(ST + {_sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
     ]
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
-    rec_red = pr.reductions([step.F], I2)
+    rec_red = pr.reductions(step.Fs, I2)
     pr.done = set()
-    b_fwd = pr.reductions([step.F], I2)
+    b_fwd = pr.reductions(step.Fs, I2)
     b_ro = pr.reductions([step.readout], I2)
-    b_a = pr.reductions([step.dS_ro, *step.din_ro.values()], I2)
-    b_b = pr.reductions([step.dS_prev, *step.din_F.values()], I2)
+    b_a = pr.reductions([*step.dS_ros, *step.din_ro.values()], I2)
+    b_b = pr.reductions([*step.dS_prevs, *step.din_F.values()], I2)
     grads = []
     for n, ld, s in step.leaves:
         parts = [e for e in (step.din_ro[n], step.din_F[n]) if e != 0]
@@ -285,6 +310,14 @@ def kernel_source(ir, step: Step, header: str) -> str:
             grads.append((n, ld, "0.0"))
             continue
         grads.append((n, ld, " + ".join(f"({pr.expr(e)})" for e in parts)))
+    if ns == 1:     # one state: the step's new value and adjoint replace the old ones in place
+        recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
+        adjoint_back = [f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
+    else:           # several: every new value (adjoint) reads every old one, so two phases
+        recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states),
+                     *(f"            sp{x} = st{x}" for _, x in states)]
+        adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
+                        *(f"            g{x} = gn{x}" for _, x in states)]
     bwd = [
         "@triton.jit",
         f"def bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
@@ -292,45 +325,48 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):",
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
         *preamble,
-        "    g = tl.zeros([BK, BV], dtype=tl.float32)",
+        *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_DHT:",
-        "        g += tl.load(DHT + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)",
-        "    scr = SCR + i_bh.to(tl.int64) * CHUNK * BK * BV + offs_k[:, None] * BV + offs_v[None, :]",
+        *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
+          for i, x in states],
+        *[f"    scr{x} = SCR + {_sbase(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + offs_v[None, :]"
+          for i, x in states],
         "    for jc in range(0, NC):",
         "        ci = NC - 1 - jc",
         "        t0 = ci * CHUNK",
         "        t1 = tl.minimum(t0 + CHUNK, T)",
-        "        sp = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=MASK, other=0.)",
+        *[f"        sp{x} = tl.load(CK + ({_sbase(i, ns)} * NC + ci) * K * V + tile, mask=MASK, other=0.)"
+          for i, x in states],
         "        for t in range(t0, t1):",
         "            row = (b.to(tl.int64) * T + t) * H + h",
         *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
-        "            tl.store(scr + (t - t0) * BK * BV, sp)",
+        *[f"            tl.store(scr{x} + (t - t0) * BK * BV, sp{x})" for _, x in states],
         *rec_red,
-        f"            sp = tl.where(MASK, {F_code} + Z2, 0.0)",
+        *recompute,
         "        tl.debug_barrier()",
         "        for jt in range(0, t1 - t0):",
         "            t = t1 - 1 - jt",
         "            row = (b.to(tl.int64) * T + t) * H + h",
         *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
         "            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]",
-        "            sp = tl.load(scr + (t - t0) * BK * BV)",
+        *[f"            sp{x} = tl.load(scr{x} + (t - t0) * BK * BV)" for _, x in states],
         *b_fwd,
-        f"            st = tl.where(MASK, {F_code} + Z2, 0.0)",
+        *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *b_ro,
         "            # readout adjoint: G += d(sum DY*y)/dS",
         *b_a,
-        f"            g = g + tl.where(MASK, {pr.expr(step.dS_ro)} + Z2, 0.0)",
+        *[f"            g{x} = g{x} + tl.where(MASK, {pr.expr(step.dS_ros[i])} + Z2, 0.0)" for i, x in states],
         "            # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev",
         *b_b,
         *[line for n, ld, val in grads for line in _leaf_store(n, ld, step, val, I2)],
-        f"            g = tl.where(MASK, {pr.expr(step.dS_prev)} + Z2, 0.0)",
+        *adjoint_back,
         "    if STORE_DS0:",
-        "        tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, g, mask=MASK)",
+        *[f"        tl.store(DS0 + {_sbase(i, ns)} * K * V + tile, g{x}, mask=MASK)" for i, x in states],
     ]
     doc = "\n".join(["# " + header, "# Generated by ssmcraft (ssmcraft/kernels/general.py): edit the spec, not this file.",
                      f'"""Fused sequential kernels of {ir.spec_name!r} ({ir.kind}).', "",
-                     f"    S_t[i,j] = {sympy.sstr(step.F)}",
-                     *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}" for r in step.alg.reductions_in(step.F)),
+                     *(f"    {S.name}_t[i,j] = {sympy.sstr(F)}" for S, F in zip(step.Ss, step.Fs)),
+                     *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}" for r in step.alg.reductions_in(sympy.Add(*step.Fs))),
                      f"    y_t[i] = {sympy.sstr(step.readout)}", '"""'])
     return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *fwd, "", "", *bwd]) + "\n"
 
@@ -373,6 +409,22 @@ def _warps(BK, BV):
     return 1 if _interpreting() else (4 if n <= 2048 else 8 if n <= 8192 else 16)
 
 
+def _stacked(ir) -> tuple:
+    """Several states travel stacked as one tensor [B, H, n, ...]; one state as [B, H, ...]."""
+    return (len(ir.states),) if ir.states else ()
+
+
+def _stack_states(ir, S0):
+    """A tuple of per-state tensors [B, H, r, c] -> one [B, H, n, r, c] (None stays None)."""
+    if S0 is None or not ir.states:
+        return S0
+    return torch.stack(tuple(S0), dim=2)
+
+
+def _unstack_states(ir, S):
+    return tuple(S.unbind(2)) if (S is not None and ir.states) else S
+
+
 class _GeneralFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ir, shape, out_dtype, output_final_state, S0, *leaves):
@@ -381,10 +433,11 @@ class _GeneralFunction(torch.autograd.Function):
         dev = leaves[0].device
         BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
         NC = max(1, triton.cdiv(T, CHUNK))
+        ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
-        ST = _new((B, H, K, V), dev)
-        CK = _new((B, H, NC, K, V), dev) if training else None
+        ST = _new((B, H, *ns, K, V), dev)
+        CK = _new((B, H, *ns, NC, K, V), dev) if training else None
         d = torch.empty(1, device=dev)
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
@@ -407,8 +460,9 @@ class _GeneralFunction(torch.autograd.Function):
         BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
         NC = max(1, triton.cdiv(T, CHUNK))
         grads = [_new(x.shape, dev) for x in leaves]
-        DS0 = _new((B, H, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(B * H * CHUNK * BK * BV, device=dev, dtype=torch.float32)
+        ns = _stacked(ctx.ir)
+        DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
+        SCR = torch.empty(B * H * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
         d = torch.empty(1, device=dev)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
@@ -434,8 +488,9 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
     tensors: the spec's inputs and params, d-indexed ``[B, T, H, V]``, m-indexed
       ``[B, T, H, K]``, scalars ``[B, T, H]`` (params may be given in these expanded forms or of
       their declared shape / ``[H, *shape]``); fp32 or bf16.
-    initial_state: ``[B, H, K, V]`` or None.
-    Returns ``(y [B, T, H, V]`` in the first input's dtype, ``S_T [B, H, K, V]`` fp32 or None).
+    initial_state: ``[B, H, K, V]`` or None (several states: a tuple of them, declaration order).
+    Returns ``(y [B, T, H, V]`` in the first input's dtype, ``S_T [B, H, K, V]`` fp32 (a tuple with
+    several states) or None).
     """
     obj = objective
     if isinstance(objective, str):
@@ -452,8 +507,9 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
                 V = s
             else:
                 K = s
+    initial_state = _stack_states(ir, initial_state)
     if initial_state is not None:
-        K, V = initial_state.shape[2], initial_state.shape[3]
+        K, V = initial_state.shape[-2], initial_state.shape[-1]
     leaves = []
     for n, dims in list(ir.inputs.items()) + list(ir.params.items()):
         t = tensors[n]
@@ -465,7 +521,7 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
     out_dtype = first.dtype if first.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V), out_dtype, output_final_state, S0, *leaves)
-    return y, (S.transpose(-1, -2) if S is not None else None)
+    return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -500,5 +556,6 @@ def forward(obj, lay, co, output_final_state):
         elif not dims:
             t = t.reshape(B, T, H)
         leaves.append(t.contiguous())
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V), torch.float32, output_final_state, lay.S0, *leaves)
-    return y.to(lay.dtype), S
+    S0 = _stack_states(ir, lay.S0)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V), torch.float32, output_final_state, S0, *leaves)
+    return y.to(lay.dtype), _unstack_states(ir, S)

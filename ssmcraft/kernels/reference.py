@@ -9,6 +9,7 @@ expressions broadcast (see ``ssmcraft.compiler.codegen``).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ class Layout:
     m: int
     dtype: torch.dtype   # compute dtype (float32 or float64)
     out_dtype: torch.dtype
-    S0: torch.Tensor | None
+    S0: torch.Tensor | tuple | None     # a tuple of [B, H, d, m] (declaration order) with several states
 
 
 def _fail(msg: str):
@@ -95,11 +96,12 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
             _fail(f"{spec.name}: param {name!r} must have shape [{', '.join(pdims)}] or [H, {', '.join(pdims)}], got {list(t.shape)}")
         for dim, n in zip(pdims, t.shape[t.dim() - len(pdims):]):
             note(dim, n, f"param {name!r}")
-    if initial_state is not None:
-        if initial_state.dim() != 4 or tuple(initial_state.shape[:2]) != (B, H):
-            _fail(f"{spec.name}: initial_state must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got {list(initial_state.shape)}")
-        note(dims[0], initial_state.shape[2], "initial_state")
-        note(dims[1], initial_state.shape[3], "initial_state")
+    for what, t in _initial_states(ir, spec, initial_state):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != (B, H):
+            _fail(f"{spec.name}: {what} must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got "
+                  f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        note(dims[0], t.shape[2], what)
+        note(dims[1], t.shape[3], what)
     for dim in dims:
         if dim not in sizes:
             _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
@@ -124,7 +126,9 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
             t = params[name].to(dtype)
         heads = t.shape[0] if t.dim() == len(pdims) + 1 else 1
         env[name] = t.reshape(shape5(pdims, (1, 1, heads)))
-    S0 = None if initial_state is None else initial_state.to(dtype)
+    S0 = None
+    if initial_state is not None:
+        S0 = tuple(t.to(dtype) for t in initial_state) if ir.states else initial_state.to(dtype)
     return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
 
 
@@ -139,8 +143,52 @@ def validate(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layo
         return layout(ir, spec, inputs, params, initial_state)      # raises the usual error
     meta_in = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     meta_p = {k: meta(v, torch.float32) for k, v in (params or {}).items()}
-    meta_s = None if initial_state is None else meta(initial_state)
+    meta_s = (None if initial_state is None else tuple(meta(t) for t in initial_state)
+              if isinstance(initial_state, (tuple, list)) else meta(initial_state))
     return layout(ir, spec, meta_in, meta_p, meta_s)
+
+
+def _initial_states(ir, spec, initial_state) -> list:
+    """[(what, tensor)] of the initial state(s); several states take a tuple in declaration order."""
+    if initial_state is None:
+        return []
+    if not ir.states:
+        return [("initial_state", initial_state)]
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(ir.states):
+        _fail(f"{spec.name}: initial_state must be a tuple of {len(ir.states)} tensors, one per state "
+              f"({', '.join(ir.states)}), got {type(initial_state).__name__}"
+              + (f" of {len(initial_state)}" if isinstance(initial_state, (tuple, list)) else ""))
+    return [(f"initial_state[{i}] ({x})", t) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+
+
+def traced_state(ir) -> str:
+    """The state a trace follows: with several states the last declared one that the output
+    reads (momentum Longhorn's S, not its step D), so that state statistics describe the
+    memory that is read. Works on the IR and on its JSON form (expressions as text)."""
+    names = ir.state_names
+    if not ir.states:
+        return names[0]
+    exprs = [ir.readout, *(r.body for r in ir.readout_reductions)]
+    read = {w for e in exprs for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", str(e))}
+    return [x for x in names if x in read][-1]
+
+
+def empty_trace(S, lay: Layout) -> torch.Tensor:
+    """A trace with no time points, [B, 0, H, d, m], in the (first) state's dtype and device."""
+    first = S[0] if isinstance(S, tuple) else S
+    return first.new_zeros(lay.B, 0, lay.H, lay.d, lay.m)
+
+
+def n_states(module) -> int:
+    """How many states a generated reference module carries."""
+    return len(getattr(module, "STATES", ())) or 1
+
+
+def expand_state(S, lay: Layout):
+    """A step's result broadcast to [B, H, d, m] (each state of a tuple)."""
+    if isinstance(S, tuple):
+        return tuple(x.expand(lay.B, lay.H, lay.d, lay.m) for x in S)
+    return S.expand(lay.B, lay.H, lay.d, lay.m)
 
 
 def at(value, t: int):
@@ -150,31 +198,34 @@ def at(value, t: int):
     return value[:, t if value.shape[1] > 1 else 0]
 
 
-def _initial(lay: Layout, device) -> torch.Tensor:
+def _initial(lay: Layout, device, count: int = 1):
+    """The initial state, or a tuple of ``count`` states when the module has several."""
     if lay.S0 is not None:
         return lay.S0
-    return torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device)
+    zeros = [torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device) for _ in range(count)]
+    return tuple(zeros) if count > 1 else zeros[0]
 
 
 def _device(lay: Layout):
     return next(iter(lay.env.values())).device
 
 
-def reference_loop(module, lay: Layout, *, every: int | None = None):
+def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int = 0):
     """The literal recurrence: coefficients, step and readout at each t.
 
-    Returns (y [B, T, H, d], S_T [B, H, d, m], states [B, T//every, H, d, m] or None).
+    Returns (y [B, T, H, d], S_T [B, H, d, m] (a tuple with several states),
+    states [B, T//every, H, d, m] or None); with several states ``traced`` picks the state traced.
     """
     d, m = lay.d, lay.m
-    S = _initial(lay, _device(lay))
+    S = _initial(lay, _device(lay), n_states(module))
     ys, states = [], []
     for t in range(lay.T):
         env_t = {k: at(v, t) for k, v in lay.env.items()}
         co = module.coefficients(env_t, d, m)
-        S = module.step(S, env_t, co, d, m).expand(lay.B, lay.H, d, m)
+        S = expand_state(module.step(S, env_t, co, d, m), lay)
         ys.append(module.readout(S, env_t, co, d, m)[..., 0])
         if every and (t + 1) % every == 0:
-            states.append(S)
+            states.append(S[traced] if isinstance(S, tuple) else S)
     y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
     st = torch.stack(states, dim=1) if states else None
     return y, S, st
@@ -233,13 +284,13 @@ def vectorised(module, ir, lay: Layout):
         states = diagonal_states(module, lay, co)
         y = module.readout(states, lay.env, co, d, m)[..., 0]
         return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
-    S = _initial(lay, _device(lay))
+    S = _initial(lay, _device(lay), n_states(module))
     needs_env = ir.kind in ("general", "nonlinear") or ir.readout is not None
     ys = []
     for t in range(lay.T):
         co_t = {k: at(v, t) for k, v in co.items()}
         env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
-        S = module.step(S, env_t, co_t, d, m).expand(lay.B, lay.H, d, m)
+        S = expand_state(module.step(S, env_t, co_t, d, m), lay)
         ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
     return torch.stack(ys, dim=1), S
 

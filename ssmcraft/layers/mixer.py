@@ -17,7 +17,7 @@ Data flow for hidden states ``h [B, T, d_model]`` (``D = expand * d_model = H * 
     y      = (y + skip * u) * silu(z)
     out    = out_proj(y)                       [B, T, d_model]
 
-The state is ``[B, H, d, m]``. ``step`` runs one token with a carried conv window and
+The state is ``[B, H, d, m]`` (a tuple of them for an objective with several states). ``step`` runs one token with a carried conv window and
 recurrent state and gives the same outputs as ``forward``.
 """
 from __future__ import annotations
@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RecurrentCache:
-    """One mixer's carried state in recurrent mode: conv window ``[B, D, k-1]``, state ``[B, H, d, m]``."""
+    """One mixer's carried state in recurrent mode: conv window ``[B, D, k-1]``, state ``[B, H, d, m]``
+    (an objective with several states: a tuple of them, in the spec's declaration order)."""
 
     conv: torch.Tensor
-    state: torch.Tensor
+    state: torch.Tensor | tuple
 
 
 def is_constrained(decl) -> bool:
@@ -198,8 +199,10 @@ class ObjectiveMixer(nn.Module):
     def init_cache(self, batch_size: int) -> RecurrentCache:
         """Zero conv window and state, on the module's device and in its dtype."""
         w = self.in_proj.weight
+        states = tuple(torch.zeros(batch_size, self.H, self.d, self.m, device=w.device, dtype=w.dtype)
+                       for _ in self.obj.spec.state_names())
         return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
-                              torch.zeros(batch_size, self.H, self.d, self.m, device=w.device, dtype=w.dtype))
+                              states if self.obj.spec.states else states[0])
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
@@ -212,6 +215,8 @@ class ObjectiveMixer(nn.Module):
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         """States over time for inputs h ``[B, T, d_model]``: ``[B, T // every, H, d, m]``.
 
+        With several states, the state the output reads (``CompiledObjective.traced_state``: the
+        last declared state the output reads), so that state statistics describe the memory read.
         With a retention/insertion mitigation the mitigated recurrence is traced; the
         sliding window has no single state, so its trace is the unmitigated one.
         """
