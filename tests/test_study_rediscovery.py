@@ -66,20 +66,25 @@ def test_rediscoveries_reads_the_first_trial_in_order_and_the_best_rank():
     targets = {"longhorn": fingerprint_of("longhorn", ssmcraft.compile, cache),
                "deltanet": fingerprint_of("deltanet", ssmcraft.compile, cache)}
     found = rediscoveries(table, targets, ssmcraft.compile, cache)
-    assert found["longhorn"] == {"trials": [2, 5], "first_trial": 2, "trials_until_first": 3, "complete": 1,
-                                 "best_rank": 1, "on_front": True}
+    assert found["longhorn"] == {"trials": [2, 5], "first_trial": 2, "trials_until_first": 3,
+                                 "trials_until_trained": 4, "complete": 1, "best_rank": 1, "on_front": True}
     assert found["deltanet"]["trials"] == [] and found["deltanet"]["first_trial"] is None
     census = {"variants": 5, "underivable": 0,
               "targets": {"longhorn": {"variants": 1, "p_per_trial": 0.125, "expected_trials": 8.0, "examples": []},
                           "deltanet": {"variants": 0, "p_per_trial": 0.0, "expected_trials": None, "examples": []}}}
     rows = census_rows(census, found, n_trials=4, n_ranked=3)
     lh, dn = rows
-    assert lh["rediscovered"] and lh["first_trial"] == 3 and lh["times_trained"] == 2 and lh["best_rank"] == 1
+    assert lh["rediscovered"] and (lh["first_drawn"], lh["first_trained"]) == (3, 4)
+    assert (lh["times_drawn"], lh["times_trained"], lh["best_rank"]) == (2, 1, 1)
     assert lh["p_uniform_within_budget"] == pytest.approx(1 - 0.875 ** 4, abs=1e-3)
     assert not dn["rediscovered"] and dn["p_uniform_within_budget"] is None
     assert V.rediscovery(rows)["verdict"] == "inconclusive"       # deltanet is not expressible here
     assert V.rediscovery([lh])["verdict"] == "agrees"
-    assert V.rediscovery([{**lh, "rediscovered": False, "first_trial": None}])["verdict"] == "disagrees"
+    drawn_only = {**lh, "rediscovered": False, "first_trained": None, "times_trained": 0, "best_rank": None}
+    v = V.rediscovery([drawn_only])
+    assert v["verdict"] == "disagrees" and "no such trial finished" in v["evidence"]
+    v = V.rediscovery([{**drawn_only, "first_drawn": None, "times_drawn": 0}])
+    assert v["verdict"] == "disagrees" and "not drawn" in v["evidence"]
     assert V.rediscovery([])["verdict"] == "inconclusive"
 
 
