@@ -52,6 +52,21 @@ def test_census_counts_the_compositions_that_derive_a_left_out_layer():
     assert census["targets"]["deltanet"]["expected_trials"] is None
 
 
+def test_census_adds_the_chances_of_every_selection_of_one_objective():
+    """Two options of the space select Longhorn's twin: its chance is the sum of both draws."""
+    raw = copy.deepcopy(SEARCH)
+    raw["space"]["objective"]["choice"] = [
+        {"compose": {"proximity": ["plain", "scalar_decay"], "step": "per_channel"}, "label": "a"},
+        {"compose": {"proximity": "plain", "step": ["per_channel", "scalar"]}, "label": "b"}]
+    spec = load_search_spec(raw, source="t")
+    cache: dict = {}
+    census = space_census(spec, {"longhorn": fingerprint_of("longhorn", ssmcraft.compile, cache)},
+                          ssmcraft.compile, cache)
+    assert census["variants"] == 3                                  # 2 + 2 selections, one objective shared
+    lh = census["targets"]["longhorn"]
+    assert lh["variants"] == 1 and lh["p_per_trial"] == pytest.approx(0.5)    # 1/2 x 1/2, twice
+
+
 def test_rediscoveries_reads_the_first_trial_in_order_and_the_best_rank():
     twin = json.dumps(_longhorn_twin(), sort_keys=True)
     other = json.dumps(compose_objective({"proximity": "scalar_decay", "data": "regression", "step": "scalar",
@@ -108,8 +123,9 @@ def test_leave_out_is_checked_in_the_study_spec():
 
 
 def test_leave_one_out_study_runs_at_smoke_scale(tmp_path):
-    """The shipped spec end to end on the CPU: Longhorn (left out) is in the space as the
-    per-channel implicit regression; the report opens with the rediscovery table."""
+    """The shipped spec end to end on the CPU: both left-out layers are in the space (Longhorn as
+    the per-channel implicit regression, Gated DeltaNet as the decay-then-explicit step on a scalar
+    decay), one of its 8 compositions each; the report opens with the rediscovery table."""
     from ssmcraft.study.commands import run_study
 
     run_study(SPECS / "leave_one_out.yaml", tmp_path, device="cpu", scale="smoke", say=lambda s: None)
@@ -117,8 +133,10 @@ def test_leave_one_out_study_runs_at_smoke_scale(tmp_path):
     table = results["tables"][0]
     assert table["title"].startswith("Leave-one-out rediscovery")
     rows = {r["left_out"]: r for r in table["rows"]}
-    assert rows["longhorn"]["variants_in_space"] == 1 and rows["longhorn"]["p_per_uniform_trial"] == 0.5
-    assert rows["gated_deltanet"]["variants_in_space"] == 0
+    for name in ("longhorn", "gated_deltanet"):
+        assert rows[name]["variants_in_space"] == 1 and rows[name]["p_per_uniform_trial"] == 0.125
+        assert rows[name]["uniform_expected_trials"] == 8.0
+        assert rows[name]["p_uniform_within_budget"] == pytest.approx(1 - 0.875 ** 3, abs=1e-3)
     claims = [v["claim"] for v in results["verdicts"]]
     assert any("rediscovers" in c for c in claims)
     drawn = results["data"]["rediscovery"]
