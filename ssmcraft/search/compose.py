@@ -57,6 +57,7 @@ explicit, normalize`` (tests/test_search_compose.py checks each by derived updat
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
@@ -72,13 +73,15 @@ TERMS: dict[str, tuple[Any, ...]] = {
     "normalize": (False, True),
 }
 
-# proximity -> (term, its minimiser A: where decay_explicit takes the data step, extra input)
+# proximity -> (term, its minimiser A: where decay_explicit takes the data step, {input: declaration})
 _PROXIMITY = {
-    "plain": ("sq(S - S_prev)/2", "S_prev", None),
-    "scalar_decay": ("sq(S - alpha*S_prev)/2", "alpha*S_prev", ("alpha", [])),
-    "diagonal_decay": ("sq(S - had(T(alpha), S_prev))/2", "had(T(alpha), S_prev)", ("alpha", ["m"])),
-    "channel_decay": ("sq(S - diag(alpha)*S_prev)/2", "diag(alpha)*S_prev", ("alpha", ["d"])),
-    "weight_decay": ("sq(S - S_prev)/2 + lam*sq(S)/2", "S_prev/(1 + lam)", ("lam", [])),
+    "plain": ("sq(S - S_prev)/2", "S_prev", {}),
+    "scalar_decay": ("sq(S - alpha*S_prev)/2", "alpha*S_prev", {"alpha": {"shape": [], "bounded": True}}),
+    "diagonal_decay": ("sq(S - had(T(alpha), S_prev))/2", "had(T(alpha), S_prev)",
+                       {"alpha": {"shape": ["m"], "bounded": True}}),
+    "channel_decay": ("sq(S - diag(alpha)*S_prev)/2", "diag(alpha)*S_prev", {"alpha": {"shape": ["d"], "bounded": True}}),
+    "weight_decay": ("sq(S - S_prev)/2 + lam*sq(S)/2", "S_prev/(1 + lam)",
+                     {"lam": {"shape": [], "positive": True, "bounded": True}}),
 }
 # (data, step) -> the loss of one pair as a template in {r} (the residual), {k} and {x}
 _LOSS = {
@@ -202,11 +205,7 @@ def compose_objective(choices: Mapping[str, Any]) -> dict:
     inputs: dict[str, Any] = {"x": {"shape": ["d"]}, "k": key, "q": {"shape": ["m"]}}
     step_shape = [] if c["step"] == "scalar" else ["d"]
     inputs["beta"] = {"shape": step_shape, "positive": True, "bounded": True}
-    extra = _PROXIMITY[c["proximity"]][2]
-    if extra is not None:
-        name, shape = extra
-        inputs[name] = {"shape": shape, "bounded": True} if name == "alpha" else \
-            {"shape": shape, "positive": True, "bounded": True}
+    inputs.update(copy.deepcopy(_PROXIMITY[c["proximity"]][2]))
     if c["keys"] == 2:
         inputs["k2"] = dict(key)
         inputs["x2"] = {"shape": ["d"]}
