@@ -283,6 +283,25 @@ def test_cli_search_resume_and_leaderboard(tmp_path, capsys):
     assert table[0].split()[:4] == ["rank", "trial", "status", "objective"] and len(table) == 2
 
 
+def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    import ssmcraft
+
+    def compile_fn(objective):
+        if objective["inputs"]["beta"]["shape"] == []:
+            raise DerivationError("<dict>", "objective", "no closed form here")
+
+    monkeypatch.setattr(ssmcraft, "compile", compile_fn)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec()))
+    assert cli.main(["search", str(spec), "--out", str(tmp_path / "run"), "--check"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "valid; 2 of 4 variants of the space derive" in printed[0]
+    listed = [line for line in printed if line.startswith("  does not derive: ")]
+    assert len(listed) == 2 and all("_sstep_" in line and "no closed form here" in line for line in listed)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["search", "missing.yaml", "--out", "{tmp}/x", "--executor", "inline"], "missing.yaml: search spec not found"),
     (["search", "--resume", "--out", "{tmp}/none", "--executor", "inline"], "holds no search to resume"),
