@@ -82,13 +82,42 @@ def test_a_trial_whose_objective_does_not_derive_fails_with_the_compilers_messag
                                           "not quadratic in S; use update: explicit")
 
 
-def test_a_rejected_variant_is_reported_before_any_trial(tmp_path):
+def test_an_underivable_composition_fails_its_trials_and_the_search_goes_on(tmp_path):
+    """The compose space multiplies terms: a variant the compiler refuses is listed before the
+    search, and each trial that draws it fails with the compiler's reason; the others run."""
+    from ssmcraft.search.space import objective_of
+
     def compile_fn(objective):
         if objective["inputs"]["beta"]["shape"] == []:
             raise SpecError("<dict>", "inputs.beta", "scalar step not supported")
 
-    with pytest.raises(SpecError, match="scalar step not supported"):
-        search(tmp_path / "run", compile_fn=compile_fn)
+    def trial_fn(config, out_dir, report):
+        compile_fn(objective_of(config))
+        return quadratic(config, out_dir, report)
+
+    logs: list = []
+    result = search(tmp_path / "run", trial_fn, compile_fn=compile_fn, logs=logs, budget=budget(trials=6))
+    assert any("2 of 4 variants of the space derive" in line for line in logs)
+    trials = result.study.trials
+    scalar = [t for t in trials if t.params["composed.step"] == "scalar"]
+    assert len(trials) == 6 and scalar and len(scalar) < 6
+    for t in trials:
+        if t in scalar:
+            assert t.state == TrialState.FAIL
+            assert t.user_attrs["reason"] == "objective invalid: <dict>: inputs.beta: scalar step not supported"
+        else:
+            assert t.state == TrialState.COMPLETE
+
+
+def test_a_rejected_library_objective_is_reported_before_any_trial(tmp_path):
+    def compile_fn(objective):
+        if objective["name"] == "mamba":
+            raise SpecError("<dict>", "objective", "mamba refused")
+
+    choice = tiny_spec()["space"]["objective"]["choice"] + ["mamba"]
+    space = {**tiny_spec()["space"], "objective": {"choice": choice}}
+    with pytest.raises(SpecError, match="mamba refused"):
+        search(tmp_path / "run", compile_fn=compile_fn, space=space)
     assert not (tmp_path / "run" / "journal.log").exists()
     result = search(tmp_path / "ok", compile_fn=lambda objective: None, budget=budget(trials=1))
     assert result.counts["complete"] == 1
@@ -252,6 +281,25 @@ def test_cli_search_resume_and_leaderboard(tmp_path, capsys):
     assert cli.main(["leaderboard", str(out), "--top", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:4] == ["rank", "trial", "status", "objective"] and len(table) == 2
+
+
+def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    import ssmcraft
+
+    def compile_fn(objective):
+        if objective["inputs"]["beta"]["shape"] == []:
+            raise DerivationError("<dict>", "objective", "no closed form here")
+
+    monkeypatch.setattr(ssmcraft, "compile", compile_fn)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec()))
+    assert cli.main(["search", str(spec), "--out", str(tmp_path / "run"), "--check"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "valid; 2 of 4 variants of the space derive" in printed[0]
+    listed = [line for line in printed if line.startswith("  does not derive: ")]
+    assert len(listed) == 2 and all("_sstep_" in line and "no closed form here" in line for line in listed)
 
 
 @pytest.mark.parametrize("argv, message", [

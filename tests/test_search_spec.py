@@ -239,7 +239,7 @@ def test_spec_hash_ignores_only_the_extendable_budget():
 
 # ------------------------------------------------------------------ the compiler check
 
-def test_check_objectives_names_the_rejected_variant():
+def test_check_objectives_lists_underivable_compositions_and_rejects_a_library_layer():
     spec = load_search_spec(tiny_spec())
     seen = []
 
@@ -248,12 +248,27 @@ def test_check_objectives_names_the_rejected_variant():
         if "_sdec_" in objective["name"] and "_sstep_" in objective["name"]:
             raise DerivationError("<dict>", "objective", "not quadratic in S")
 
-    with pytest.raises(SpecError) as e:
-        check_objectives(spec, compile_fn)
-    assert "composed.proximity=scalar_decay, composed.step=scalar" in str(e.value)
-    assert "not quadratic in S" in str(e.value)
-    n, _ = check_objectives(spec, lambda objective: None)
-    assert n == 4 and len(set(seen)) == len(seen)
+    check = check_objectives(spec, compile_fn)       # a composed variant: listed, not fatal
+    assert (check.total, check.derive) == (4, 3) and len(check.underivable) == 1
+    assert "composed.proximity=scalar_decay, composed.step=scalar" in check.underivable[0]
+    assert "not quadratic in S" in check.underivable[0] and "3 of 4 variants" in check.summary()
+    assert len(set(seen)) == len(seen)
+    assert check_objectives(spec, lambda objective: None).summary().startswith("all 4 variants")
+
+    with pytest.raises(SpecError, match="no objective of the space derives"):
+        check_objectives(spec, lambda objective: compile_fn({"name": "c_sdec_sstep_"}))
+
+    raw = tiny_spec()
+    raw["space"]["objective"]["choice"].append("mamba")
+    library = load_search_spec(raw)
+
+    def refuse_mamba(objective):
+        if objective["name"] == "mamba":
+            raise DerivationError("<dict>", "objective", "no closed form")
+
+    with pytest.raises(SpecError) as e:                # a library layer: the spec is wrong
+        check_objectives(library, refuse_mamba)
+    assert "mamba (objective=mamba) is rejected by the compiler" in str(e.value) and "no closed form" in str(e.value)
 
 
 def test_compile_objective_calls_ssmcraft_compile(monkeypatch):

@@ -4,6 +4,10 @@
 #
 #   bash docs/studies/run_gpu.sh DEADLINE_S SPEC:SHARDS [SPEC:SHARDS ...]
 #
+# e.g. issue 14's three searches, side by side on one H200 in at most 9 minutes:
+#   bash docs/studies/run_gpu.sh 540 specs/studies/composed_search.yaml:1 \
+#       specs/studies/composed_search_bytes.yaml:1 specs/studies/leave_one_out.yaml:1
+#
 # Each SPEC runs as SHARDS processes (`ssmcraft study SPEC --out W/NAME --shard i/SHARDS`;
 # small models leave a GPU mostly idle, so several share it), then once more without --shard
 # to read every cell back and write W/NAME/report.md (SHARDS 1: one plain run, which is how a

@@ -84,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
             raise SsmcraftError(f"--trials must be >= 1, got {args.trials}")
         spec = dataclasses.replace(spec, budget=dataclasses.replace(spec.budget, trials=args.trials))
     if args.check:
-        n, seconds = check_objectives(spec)
-        print(f"{spec.source}: valid; all {n} objective variants derive ({seconds:.1f} s)")
+        check = check_objectives(spec)
+        print(f"{spec.source}: valid; {check.summary()}")
+        for line in check.underivable:
+            print(f"  does not derive: {line}")
         return 0
     if args.executor == "inline":
         if args.address is not None:

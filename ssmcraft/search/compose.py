@@ -2,69 +2,132 @@
 of named models.
 
 An online-learning objective is a proximity term (how far the new state may move from
-the old one) plus a data term (what the state should predict), minimised exactly
-(``implicit``) or by one gradient step (``explicit``), optionally with the transition
-replaced by its diagonal. ``compose_objective`` turns one choice per term into an
-objective spec dict in the public format of DESIGN.md ("The objective spec"); the
-compiler, not this module, decides whether the result derives.
+the old one) plus a data term (what the state should predict from one or two key/value
+pairs), minimised exactly (``implicit``), by one gradient step (``explicit``), by one
+Newton step (``newton``), or by decaying first and then taking one gradient step of the
+data term (``decay_explicit``); optionally with the transition replaced by its diagonal.
+``compose_objective`` turns one choice per term into an objective spec dict in the public
+format of DESIGN.md ("The objective spec"); the compiler, not this module, decides whether
+the result derives (today: no closed form for a non-quadratic ``implicit`` loss or for two
+keys ``implicit``, and no ``update: newton`` yet; a search records such a trial as failed
+with the compiler's reason and goes on).
 
-The terms (``TERMS`` lists every allowed value, the first being the default):
+The terms (``TERMS`` lists every allowed value, the first being the default; a term left
+out takes its default, so every composition written before a term existed keeps its name
+and spec). ``r = S*k - x`` is the residual, ``w`` the step ``beta``:
 
 ==============  ==================================================================
 proximity       ``plain``: ``sq(S - S_prev)/2``;
-                ``scalar_decay``: ``sq(S - alpha*S_prev)/2`` with ``alpha`` of shape [];
+                ``scalar_decay``: ``sq(S - alpha*S_prev)/2``, ``alpha`` of shape [];
                 ``diagonal_decay``: ``sq(S - had(T(alpha), S_prev))/2``, ``alpha`` [m]
-                (a decay per key channel, GLA-style). ``alpha`` is bounded.
-data            ``regression``: ``beta*sq(S*k - x)/2`` (scalar step) or
-                ``wsq(S*k - x, beta)/2`` (per-channel step);
-                ``linear``: ``- beta*dot(S*k, x)`` or ``- dot(S*k, had(beta, x))``.
-step            ``scalar`` (``beta`` of shape [], one per head) or ``per_channel``
-                (``beta`` [d], one per value channel); positive and bounded.
-update          ``implicit`` | ``explicit``
+                (a decay per key channel, GLA-style);
+                ``channel_decay``: ``sq(S - diag(alpha)*S_prev)/2``, ``alpha`` [d]
+                (a decay per value channel, one per row of S);
+                ``weight_decay``: ``sq(S - S_prev)/2 + lam*sq(S)/2``, ``lam`` of shape [].
+                ``alpha`` and ``lam`` are bounded inputs, in (0, 1).
+data            ``regression``: ``beta*sq(r)/2`` (scalar step) or ``wsq(r, beta)/2``
+                (per-channel step);
+                ``linear``: ``- beta*dot(S*k, x)`` or ``- dot(S*k, had(beta, x))``;
+                ``huber`` (pseudo-Huber): ``beta*(sqrt(1 + sq(r)) - 1)`` or, per channel,
+                ``dot(beta, sqrt(ones(d) + had(r, r)) - ones(d))``;
+                ``cauchy``: ``beta*log(1 + sq(r))/2`` or, per channel,
+                ``dot(beta, log(ones(d) + had(r, r)))/2``. With a scalar step the robust
+                losses act on the residual's norm (``cauchy_delta`` in the library), with a
+                per-channel step on each channel's residual, weighted by its step.
+keys            ``1`` | ``2``: a second key/value pair ``k2`` [m], ``x2`` [d] adds the same
+                data term on ``S*k2 - x2`` with the same step (a rank-2 update).
+step            ``per_channel`` (``beta`` [d], one per value channel) or ``scalar``
+                (``beta`` of shape [], one per head); positive and bounded.
+update          ``implicit``: the minimiser; ``explicit``: one gradient step of the whole
+                objective from ``S_prev``; ``newton``: one Newton step from ``S_prev`` (the
+                compiler's ``update: newton``); ``decay_explicit``: ``S_t = A - grad l(A)``,
+                the data term's gradient step taken from the proximity's own minimiser
+                ``A`` (``S_prev``, ``alpha*S_prev``, ``had(T(alpha), S_prev)``,
+                ``diag(alpha)*S_prev``, ``S_prev/(1 + lam)``): decay first, then the data
+                step, Gated DeltaNet's order. It is written as the minimiser of
+                ``sq(S - A)/2 + <S, grad l(A)>`` (``update: implicit``; the gradient
+                spelled out with ``A`` in a ``let:``), as the library writes Gated DeltaNet.
 approximation   ``exact`` | ``diagonal``
-normalize       ``false`` | ``true``: L2-normalise the key ``k``.
+normalize       ``false`` | ``true``: L2-normalise the keys (``k``, and ``k2``).
 ==============  ==================================================================
+
+Gated DeltaNet is ``scalar_decay, regression, scalar, decay_explicit, normalize``; Longhorn
+is ``plain, regression, per_channel, implicit``; DeltaNet is ``plain, regression, scalar,
+explicit, normalize`` (tests/test_search_compose.py checks each by derived update).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
 
 # term -> allowed values; the first one is the default when a term is left out
 TERMS: dict[str, tuple[Any, ...]] = {
-    "proximity": ("plain", "scalar_decay", "diagonal_decay"),
-    "data": ("regression", "linear"),
+    "proximity": ("plain", "scalar_decay", "diagonal_decay", "channel_decay", "weight_decay"),
+    "data": ("regression", "linear", "huber", "cauchy"),
+    "keys": (1, 2),
     "step": ("per_channel", "scalar"),
-    "update": ("implicit", "explicit"),
+    "update": ("implicit", "explicit", "newton", "decay_explicit"),
     "approximation": ("exact", "diagonal"),
     "normalize": (False, True),
 }
 
+# proximity -> (term, its minimiser A: where decay_explicit takes the data step, {input: declaration})
 _PROXIMITY = {
-    "plain": "sq(S - S_prev)/2",
-    "scalar_decay": "sq(S - alpha*S_prev)/2",
-    "diagonal_decay": "sq(S - had(T(alpha), S_prev))/2",
+    "plain": ("sq(S - S_prev)/2", "S_prev", {}),
+    "scalar_decay": ("sq(S - alpha*S_prev)/2", "alpha*S_prev", {"alpha": {"shape": [], "bounded": True}}),
+    "diagonal_decay": ("sq(S - had(T(alpha), S_prev))/2", "had(T(alpha), S_prev)",
+                       {"alpha": {"shape": ["m"], "bounded": True}}),
+    "channel_decay": ("sq(S - diag(alpha)*S_prev)/2", "diag(alpha)*S_prev", {"alpha": {"shape": ["d"], "bounded": True}}),
+    "weight_decay": ("sq(S - S_prev)/2 + lam*sq(S)/2", "S_prev/(1 + lam)",
+                     {"lam": {"shape": [], "positive": True, "bounded": True}}),
 }
-_DATA = {  # (data, step) -> term
-    ("regression", "scalar"): "beta*sq(S*k - x)/2",
-    ("regression", "per_channel"): "wsq(S*k - x, beta)/2",
-    ("linear", "scalar"): "- beta*dot(S*k, x)",
-    ("linear", "per_channel"): "- dot(S*k, had(beta, x))",
+# (data, step) -> the loss of one pair as a template in {r} (the residual), {k} and {x}
+_LOSS = {
+    ("regression", "scalar"): "beta*sq({r})/2",
+    ("regression", "per_channel"): "wsq({r}, beta)/2",
+    ("linear", "scalar"): "- beta*dot(S*{k}, {x})",
+    ("linear", "per_channel"): "- dot(S*{k}, had(beta, {x}))",
+    ("huber", "scalar"): "beta*(sqrt(1 + sq({r})) - 1)",
+    ("huber", "per_channel"): "dot(beta, sqrt(ones(d) + had({r}, {r})) - ones(d))",
+    ("cauchy", "scalar"): "beta*log(1 + sq({r}))/2",
+    ("cauchy", "per_channel"): "dot(beta, log(ones(d) + had({r}, {r})))/2",
 }
+# (data, step) -> <S, grad of that loss at A>, {r} now the residual at A (a let: name)
+_LINEARISED = {
+    ("regression", "scalar"): "beta*dot(S*{k}, {r})",
+    ("regression", "per_channel"): "dot(S*{k}, had(beta, {r}))",
+    ("linear", "scalar"): _LOSS[("linear", "scalar")],
+    ("linear", "per_channel"): _LOSS[("linear", "per_channel")],
+    ("huber", "scalar"): "beta*dot(S*{k}, {r})/sqrt(1 + sq({r}))",
+    ("huber", "per_channel"): "dot(S*{k}, had(beta, {r})/sqrt(ones(d) + had({r}, {r})))",
+    ("cauchy", "scalar"): "beta*dot(S*{k}, {r})/(1 + sq({r}))",
+    ("cauchy", "per_channel"): "dot(S*{k}, had(beta, {r})/(ones(d) + had({r}, {r})))",
+}
+_PAIRS = {1: (("k", "x", "residual"),), 2: (("k", "x", "residual"), ("k2", "x2", "residual2"))}
 _WORDS = {
     "plain": "no decay",
     "scalar_decay": "a scalar decay",
     "diagonal_decay": "a per-key-channel decay",
+    "channel_decay": "a per-value-channel decay",
+    "weight_decay": "weight decay",
     "regression": "online regression",
     "linear": "a linear (Hebbian) data term",
+    "huber": "pseudo-Huber regression",
+    "cauchy": "Cauchy regression",
     "scalar": "a per-head step size",
     "per_channel": "a per-channel step size",
+    "implicit": "implicit",
+    "explicit": "explicit",
+    "newton": "Newton",
+    "decay_explicit": "decay-then-explicit",
 }
 _ABBREV = {
-    "plain": "plain", "scalar_decay": "sdec", "diagonal_decay": "ddec",
-    "regression": "regr", "linear": "lin", "scalar": "sstep", "per_channel": "cstep",
-    "implicit": "impl", "explicit": "expl", "exact": "exact", "diagonal": "diag",
+    "plain": "plain", "scalar_decay": "sdec", "diagonal_decay": "ddec", "channel_decay": "cdec",
+    "weight_decay": "wdec", "regression": "regr", "linear": "lin", "huber": "hubr", "cauchy": "caur",
+    "scalar": "sstep", "per_channel": "cstep", "implicit": "impl", "explicit": "expl", "newton": "newt",
+    "decay_explicit": "dexp", "exact": "exact", "diagonal": "diag",
 }
 
 
@@ -89,10 +152,41 @@ def check_choices(choices: Mapping[str, Any], source: str = "<dict>", key: str =
 
 def composed_name(choices: Mapping[str, Any]) -> str:
     """A stable, readable identifier for a composition (at most 32 characters, as the
-    compiler wants), e.g. ``c_sdec_regr_cstep_impl_exact_n`` (``_n``: normalised keys)."""
+    compiler wants), e.g. ``c_sdec_regr_cstep_impl_exact_n`` (``_n``: normalised keys;
+    ``regr2``: two key/value pairs)."""
     c = check_choices(choices)
     parts = [_ABBREV[c[t]] for t in ("proximity", "data", "step", "update", "approximation")]
+    if c["keys"] != 1:
+        parts[1] += str(c["keys"])
     return "_".join(["c", *parts] + (["n"] if c["normalize"] else []))
+
+
+def _join(terms: list[str]) -> str:
+    """Terms joined by `` + ``, a term that starts with ``-`` by a space."""
+    out = terms[0]
+    for t in terms[1:]:
+        out += f" {t}" if t.startswith("-") else f" + {t}"
+    return out
+
+
+def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
+    """The pieces of a composition as spec text: ``proximity``, ``anchor`` (the proximity's
+    minimiser A), ``data`` (the data loss at S), ``let`` and ``objective`` (what the spec's
+    ``objective:`` holds, with its ``let:``)."""
+    c = check_choices(choices)
+    proximity, anchor, _ = _PROXIMITY[c["proximity"]]
+    pairs = _PAIRS[c["keys"]]
+    data = _join([_LOSS[(c["data"], c["step"])].format(r=f"S*{k} - {x}", k=k, x=x) for k, x, _ in pairs])
+    let: dict[str, str] = {}
+    if c["update"] == "decay_explicit":
+        let["anchor"] = anchor
+        for k, x, r in pairs:
+            let[r] = f"anchor*{k} - {x}"
+        linear = [_LINEARISED[(c["data"], c["step"])].format(r=r, k=k, x=x) for k, x, r in pairs]
+        objective = _join(["sq(S - anchor)/2", *linear])
+    else:
+        objective = _join([proximity, data])
+    return {"proximity": proximity, "anchor": anchor, "data": data, "let": let, "objective": objective}
 
 
 def compose_objective(choices: Mapping[str, Any]) -> dict:
@@ -104,27 +198,30 @@ def compose_objective(choices: Mapping[str, Any]) -> dict:
     'sq(S - S_prev)/2 + wsq(S*k - x, beta)/2'
     """
     c = check_choices(choices)
+    terms = compose_terms(c)
     key: dict[str, Any] = {"shape": ["m"]}
     if c["normalize"]:
         key["normalize"] = True
     inputs: dict[str, Any] = {"x": {"shape": ["d"]}, "k": key, "q": {"shape": ["m"]}}
     step_shape = [] if c["step"] == "scalar" else ["d"]
     inputs["beta"] = {"shape": step_shape, "positive": True, "bounded": True}
-    if c["proximity"] != "plain":
-        inputs["alpha"] = {"shape": [] if c["proximity"] == "scalar_decay" else ["m"], "bounded": True}
-    data = _DATA[(c["data"], c["step"])]
-    objective = f"{_PROXIMITY[c['proximity']]} {data}" if data.startswith("-") else \
-        f"{_PROXIMITY[c['proximity']]} + {data}"
-    summary = (f"composed: {c['update']} {_WORDS[c['data']]} with {_WORDS[c['step']]}, "
+    inputs.update(copy.deepcopy(_PROXIMITY[c["proximity"]][2]))
+    if c["keys"] == 2:
+        inputs["k2"] = dict(key)
+        inputs["x2"] = {"shape": ["d"]}
+    summary = (f"composed: {_WORDS[c['update']]} {_WORDS[c['data']]} with {_WORDS[c['step']]}, "
                f"{_WORDS[c['proximity']]}, {c['approximation']} transition"
+               + (", two key/value pairs" if c["keys"] == 2 else "")
                + (", normalised keys" if c["normalize"] else ""))
     return {
         "name": composed_name(c),
         "summary": summary,
         "state": {"S": ["d", "m"]},
         "inputs": inputs,
-        "objective": objective,
-        "update": c["update"],
+        **({"let": terms["let"]} if terms["let"] else {}),
+        "objective": terms["objective"],
+        # decay_explicit is written as the minimiser of its linearised objective
+        "update": "implicit" if c["update"] == "decay_explicit" else c["update"],
         "approximation": c["approximation"],
         "output": "S*q",
     }

@@ -75,8 +75,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
     out_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(out_dir):
         if compile_fn is not None:
-            n, seconds = check_objectives(spec, compile_fn)
-            log(f"objectives: all {n} variants of the space derive (checked in {seconds:.1f} s)")
+            log(f"objectives: {check_objectives(spec, compile_fn).summary()}")
         else:
             log("objectives: variants not checked before the search (each trial compiles its own)")
         can_report = getattr(trial_fn, "can_report", None)

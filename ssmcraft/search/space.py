@@ -92,9 +92,11 @@ def objective_of(config: dict) -> dict:
     return node
 
 
-def objective_variants(spec: SearchSpec) -> Iterator[tuple[dict[str, Any], dict]]:
-    """Every distinct objective the space can select, as (params that select it, spec
-    dict): each option times its searched terms times the approximation override."""
+def objective_variants(spec: SearchSpec, distinct: bool = True) -> Iterator[tuple[dict[str, Any], dict]]:
+    """Every objective the space can select, as (params that select it, spec dict): each
+    option times its searched terms times the approximation override. ``distinct``: each
+    objective once (the first params that select it); else every selection, so that the
+    chances of the selections that give one objective can be added up."""
     approx = [p for p in spec.params if p.path == APPROXIMATION_PATH]
     seen: set[str] = set()
     for option in spec.objectives:
@@ -104,7 +106,7 @@ def objective_variants(spec: SearchSpec) -> Iterator[tuple[dict[str, Any], dict]
             params = {OBJECTIVE_PARAM: option.label, **dict(zip((n for n, _ in axes), values))}
             objective = resolve_objective(spec, params)
             key = json.dumps(objective, sort_keys=True)
-            if key not in seen:
+            if not distinct or key not in seen:
                 seen.add(key)
                 yield params, objective
 

@@ -552,8 +552,8 @@ def _rediscovery_table(spec, table: list[dict], leave_out: list[str], compile_fn
     return {"title": f"Leave-one-out rediscovery (left out of the library: {', '.join(leave_out)}; the space "
                      f"selects {census['variants']} distinct objectives, {census['underivable']} of which do not derive)",
             "rows": rows, "columns": ["left_out", "variants_in_space", "p_per_uniform_trial", "uniform_expected_trials",
-                                      "p_uniform_within_budget", "rediscovered", "first_trial", "times_trained",
-                                      "best_rank", "of_ranked", "on_front"]}
+                                      "p_uniform_within_budget", "rediscovered", "first_drawn", "first_trained",
+                                      "times_drawn", "times_trained", "best_rank", "of_ranked", "on_front"]}
 
 
 def confirm_on_other_task(ctx: Context, p: dict, novel: dict, library_best: dict | None) -> list[dict]:

@@ -254,21 +254,26 @@ def composed_search(front: list[dict]) -> dict:
 def rediscovery(rows: list[dict]) -> dict:
     """``rows``: one per layer left out of the library (``rediscovery.census_rows``). The claim
     (issue 14): with these layers removed, the search rediscovers each from the pieces, by derived
-    update. Agrees when every one was trained by some trial; disagrees when one was not, though the
-    space holds it; inconclusive when the space cannot express one (then the search could not)."""
+    update. Agrees when every one was drawn and trained (a ranked trial derived it); disagrees when
+    one was not, though the space holds it; inconclusive when the space cannot express one (then
+    the search could not)."""
     claim = ("with " + ", ".join(r["left_out"] for r in rows) + " left out of the library, the search "
              "rediscovers each from the composed pieces (same derived update)")
     parts = []
     for r in rows:
+        odds = (f"uniform sampling expects the first draw at trial {r['uniform_expected_trials']} and draws it "
+                f"within this budget with chance {r['p_uniform_within_budget']}")
         if not r["variants_in_space"]:
             parts.append(f"{r['left_out']}: not expressible in this space")
         elif r["rediscovered"]:
-            parts.append(f"{r['left_out']}: first at trial {r['first_trial']} (uniform search expects "
-                         f"{r['uniform_expected_trials']}), trained {r['times_trained']}x, best rank "
+            parts.append(f"{r['left_out']}: first drawn at trial {r['first_drawn']}, first trained at trial "
+                         f"{r['first_trained']} ({odds}), trained {r['times_trained']}x, best rank "
                          f"{r['best_rank']} of {r['of_ranked']}{', on the Pareto front' if r['on_front'] else ''}")
+        elif r["first_drawn"] is not None:
+            parts.append(f"{r['left_out']}: drawn {r['times_drawn']}x (first at trial {r['first_drawn']}) but no "
+                         f"such trial finished ({odds})")
         else:
-            parts.append(f"{r['left_out']}: not drawn (chance within the budget under uniform sampling "
-                         f"{r['p_uniform_within_budget']})")
+            parts.append(f"{r['left_out']}: not drawn ({odds})")
     conf = ("low", "one search, one seed per trial; the first-trial count depends on the sampler's seed")
     if not rows:
         return _v(claim, INCONCLUSIVE, "nothing left out", conf)
