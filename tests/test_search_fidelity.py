@@ -4,6 +4,8 @@ pruners), the rule checked against an independent replay of the records, determi
 and a killed driver resuming with no rung decision lost or repeated."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from ssmcraft.search import InlineExecutor, load_search_spec, run_search
 from ssmcraft.search.fidelity import Fidelity, decide, plan
 from ssmcraft.search.rundir import open_study
 from ssmcraft.search.testing import curve, tiny_spec
-from tests.test_search_subprocess import ENV, search_command
+from tests.test_search_subprocess import ENV, REPO, search_command
 
 # 32 tokens a step (batch 1 x seq_len 32); min_tokens 96 (3 steps): rungs at 96 and 288
 # tokens; the full budget 864 tokens (27 steps)
@@ -181,3 +183,29 @@ def test_a_killed_driver_resumes_with_no_rung_decision_lost_or_repeated(tmp_path
     for t in counted:
         assert [r["go_on"] for r in t.user_attrs["rungs"]] == verdicts[t.user_attrs["candidate"]]
         assert t.state == (TrialState.COMPLETE if all(verdicts[t.user_attrs["candidate"]]) else TrialState.PRUNED)
+
+
+def test_the_fidelity_comparison_at_tiny_scale(tmp_path, capsys):
+    """benchmarks/search_fidelity.py on the composed-search study's smoke space, real
+    training, a few seconds per arm."""
+    loader = importlib.util.spec_from_file_location("search_fidelity", REPO / "benchmarks" / "search_fidelity.py")
+    script = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(script)
+    assert script.main(["--scale", "smoke", "--seconds", "3", "--trials", "5", "--min-tokens", "128",
+                        "--executor", "inline", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "compare.json").read_text())
+    full, multi = result["rows"]
+    assert (full["arm"], multi["arm"]) == ("full_budget", "fidelity")
+    assert full["stopped_at_a_rung"] == 0 and full["candidates"] == full["full_budget"] >= 1
+    assert multi["candidates"] == multi["full_budget"] + multi["stopped_at_a_rung"] + multi["failed"] >= 1
+    for row in (full, multi):
+        assert row["candidates_per_gpu_hour"] == pytest.approx(row["candidates"] / (row["wall_s"] / 3600), rel=0.05)  # wall_s: 0.1 s
+    assert result["ratio"] == pytest.approx(multi["candidates_per_gpu_hour"] / full["candidates_per_gpu_hour"])
+    study = open_study(tmp_path / "fidelity")
+    assert study.user_attrs["spec"]["fidelity"] == {"kind": "successive_halving", "min_tokens": 128, "eta": 3}
+    for t in study.trials:  # real training reports on every rung (train.eval_every set by the search)
+        assert t.user_attrs["rungs"][0]["tokens"] == 128
+        if t.state == TrialState.PRUNED:
+            assert t.user_attrs["reason"].startswith("stopped at rung")
+            assert t.user_attrs["metrics"]["tokens"] == t.user_attrs["rungs"][-1]["tokens"]
+    assert "candidates per GPU-hour, successive_halving / full budget: " in capsys.readouterr().out
