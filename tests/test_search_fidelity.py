@@ -7,12 +7,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import signal
 import subprocess
-import time
 
 import pytest
-import yaml
 from optuna.trial import TrialState
 
 from ssmcraft.errors import SpecError
@@ -20,7 +17,7 @@ from ssmcraft.search import InlineExecutor, load_search_spec, run_search
 from ssmcraft.search.fidelity import Fidelity, decide, plan
 from ssmcraft.search.rundir import open_study
 from ssmcraft.search.testing import curve, tiny_spec
-from tests.test_search_subprocess import ENV, REPO, search_command
+from tests.test_search_subprocess import ENV, REPO, kill_driver_when
 
 # 32 tokens a step (batch 1 x seq_len 32); min_tokens 96 (3 steps): rungs at 96 and 288
 # tokens; the full budget 864 tokens (27 steps)
@@ -144,25 +141,12 @@ def test_hyperband_brackets(tmp_path):
 
 def test_a_killed_driver_resumes_with_no_rung_decision_lost_or_repeated(tmp_path):
     raw = fidelity_spec(train={"batch_size": 1, "sleep_s": 1.5})
-    spec = tmp_path / "search.yaml"
-    spec.write_text(yaml.safe_dump(raw))
-    out = tmp_path / "run"
-    command = search_command(spec, out, "inline", "ssmcraft.search.testing:curve")
-    driver = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while True:  # kill it once a running trial has passed a rung, after some trials finished
-        try:
-            trials = open_study(out).trials if (out / "run.json").exists() else []
-        except Exception:  # the study is being created
-            trials = []
+
+    def ready(trials):  # a running trial has passed a rung and goes on, after one finished
         rungs = trials[-1].user_attrs.get("rungs") if trials else None
-        if len(trials) >= 2 and trials[-1].state == TrialState.RUNNING and rungs and rungs[-1]["go_on"]:
-            break
-        assert driver.poll() is None, driver.stdout.read().decode()
-        assert time.monotonic() < deadline, [t.state for t in trials]
-        time.sleep(0.05)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
+        return len(trials) >= 2 and trials[-1].state == TrialState.RUNNING and rungs and rungs[-1]["go_on"]
+
+    command, out, trials = kill_driver_when(tmp_path, raw, "ssmcraft.search.testing:curve", ready, timeout=90)
     killed = trials[-1]
     done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
