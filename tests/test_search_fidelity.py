@@ -134,6 +134,8 @@ def test_hyperband_brackets(tmp_path):
         assert [r["rung"] for r in t.user_attrs.get("rungs", [])][:1] == ([bracket] if bracket < 2 else [])
         if bracket == 2:  # no rung: straight to the full budget
             assert t.state == TrialState.COMPLETE and t.user_attrs["fidelity"]["eval_every"] is None
+        else:  # validations on the bracket's first rung (3 steps, 9 steps) and its multiples
+            assert t.user_attrs["fidelity"]["eval_every"] == 3 * 3 ** bracket
     assert {t.user_attrs["fidelity"]["bracket"] for t in trials} == {0, 1, 2}
     verdicts = replay(trials, 3)
     assert all([r["go_on"] for r in t.user_attrs.get("rungs", [])] == verdicts.get(t.number, []) for t in trials)

@@ -16,9 +16,11 @@ reports. Spec block (every key; defaults after ``=``)::
 How a trial goes through the rungs:
 
 - rungs are the token counts ``min_tokens * eta**k`` below ``budget.tokens_per_trial``
-  (the full budget is the last, implicit rung). The search sets ``train.eval_every`` to
-  the steps of ``min_tokens`` (rounded to whole steps of ``batch_size * seq_len``), so a
-  validation falls on every rung; ``train.eval_every`` is then not the spec's to set;
+  (the full budget is the last, implicit rung), rounded to whole steps of ``batch_size *
+  seq_len``. The search sets ``train.eval_every`` to the steps of the trial's first rung,
+  so a validation falls on every rung (``train.eval_every`` is then not the spec's to
+  set); a trial that goes on past the last rung keeps validating at that interval (with
+  eta 3 and 3 rungs, 27 validations in a full-budget run: their cost is in the figures);
 - at its first report at or past a rung's tokens, the trial's ``metric`` is placed
   among every value recorded at that rung of its bracket so far (itself included; ties
   go to the older trial): in the top ``max(1, n // eta)`` it goes on, otherwise it is
@@ -124,8 +126,8 @@ def plan(fidelity: Fidelity, config: dict, candidate: int) -> Plan:
     steps = [s for s in steps if s < total_steps]  # the train loop validates before its last step only
     if not steps:
         return Plan(bracket, (), None)
-    config["train"]["eval_every"] = base
-    return Plan(bracket, tuple(s * per_step for s in steps), base)
+    config["train"]["eval_every"] = steps[0]  # every later rung is a multiple of the first
+    return Plan(bracket, tuple(s * per_step for s in steps), steps[0])
 
 
 @dataclass(frozen=True)
