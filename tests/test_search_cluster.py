@@ -99,7 +99,7 @@ class LocalCluster:
             [*command, "start", *common, *args], env=ENV if head else {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_for_nodes(self, n: int, timeout: float = 40) -> None:
+    def wait_for_nodes(self, n: int, timeout: float = 60) -> None:
         probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error'); "
                  "print(sum(x['Alive'] for x in ray.nodes()))")
         deadline = time.monotonic() + timeout

@@ -6,7 +6,8 @@ candidates per GPU-hour (``gpus`` GPUs held for the arm's wall time).
 
 Both arms get ``budget.total_seconds = seconds`` (no new trial after it; running trials
 finish, so an arm's wall time is a little longer, and is what is counted) and the same
-``budget.trials`` cap; objectives are compiled once before both (not timed). Only
+``budget.trials`` cap; objectives are compiled once before both (not timed; the
+executor's start, e.g. a local Ray instance, is in each arm's wall time). Only
 full-budget trials are compared on quality: a stopped trial's loss is a partial one.
 ``benchmarks/search_fidelity.py`` is the command-line front end.
 """
