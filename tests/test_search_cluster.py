@@ -1,12 +1,14 @@
 """A two-node Ray cluster simulated on this machine: a head (``ray start --head``) and a
-worker node (``ray start --address``), each its own raylet with one CPU, and ``ssmcraft
-search SPEC --address HEAD`` as a separate driver process. The worker node's raylet is
-killed (SIGKILL) while a trial runs there: the trial is re-run on the surviving node
-(``resources.max_retries``), recorded with both attempts and the lost node, and the search
-finishes with every trial complete.
+worker node (``ray start --address``), each its own raylet with one CPU (so two trials
+run at once, one of them on the worker node), and ``ssmcraft search SPEC --address HEAD``
+as a separate driver process. The worker node's raylet is killed (SIGKILL) while a trial
+runs there: the trial is re-run on the surviving node (``resources.max_retries``) and
+recorded as retried, with its two attempts, and the search finishes with every trial
+complete.
 
-Only the processes this test starts are stopped (their process groups; never ``ray
-stop``, which would stop every Ray process on the machine), in a fixture's teardown.
+Only the processes this test starts are stopped (the nodes' process groups; Ray's worker
+processes leave the group but exit with their raylet), in a fixture's teardown; never
+``ray stop``, which would stop every Ray process on the machine.
 """
 from __future__ import annotations
 
@@ -92,8 +94,7 @@ class LocalCluster:
     def start(self, name: str, *args: str, head: bool = False) -> None:
         log = open(self.temp_dir / f"{name}.out", "w")
         common = ["--block", "--num-gpus=0", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-                  "--object-store-memory=100000000", f"--temp-dir={self.temp_dir / 'ray'}",
-                  f"--resources={json.dumps({name: 1})}"]
+                  "--object-store-memory=100000000", f"--temp-dir={self.temp_dir / 'ray'}"]
         command = [sys.executable, "-m", "ray.scripts.scripts"] if head else [sys.executable, "-c", WORKER_NODE]
         self.nodes[name] = subprocess.Popen(
             [*command, "start", *common, *args], env=ENV if head else {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
