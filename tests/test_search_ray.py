@@ -15,7 +15,8 @@ from ssmcraft.errors import SsmcraftError
 from ssmcraft.search import InlineExecutor, load_search_spec, run_search
 from ssmcraft.search.executor_ray import RayExecutor, connect
 from ssmcraft.search.reports import columns
-from ssmcraft.search.testing import Scripted, quadratic, tiny_spec
+from ssmcraft.search.testing import Scripted, curve, quadratic, tiny_spec
+from tests.test_search_fidelity import fidelity_spec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
@@ -141,8 +142,23 @@ def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):
     trials = by_number(result.study)
     assert result.executor.startswith("ray (2 CPUs, 0 GPUs; 1 trials at a time")
     assert trials[2].state == TrialState.PRUNED
-    assert 1 <= len(trials[2].intermediate_values) < 10  # stopped long before its 40 steps
+    assert trials[2].intermediate_values == {1000: 100.0}  # stopped at its first report: none late
     assert len(trials[0].intermediate_values) == 4
+
+
+def test_ray_trials_stop_at_their_rung_as_inline_ones_do(ray, tmp_path):
+    raw = fidelity_spec(budget={"trials": 8, "tokens_per_trial": 864, "seconds_per_trial": 30},
+                        resources={"cpus_per_trial": 2})  # one at a time: the same order as inline
+    runs = {name: run_search(load_search_spec(raw), tmp_path / name, executor=executor, trial_fn=curve,
+                             compile_fn=None, plots=False, log=lambda line: None)
+            for name, executor in (("ray", RayExecutor()), ("inline", InlineExecutor()))}
+    ray_trials, inline_trials = (r.study.get_trials(deepcopy=False) for r in runs.values())
+    assert [t.user_attrs["rungs"] for t in ray_trials] == [t.user_attrs["rungs"] for t in inline_trials]
+    assert [t.state for t in ray_trials] == [t.state for t in inline_trials]
+    for t in ray_trials:  # a stopped trial trained no token past its rung
+        if t.state == TrialState.PRUNED:
+            assert t.user_attrs["metrics"]["tokens"] == t.user_attrs["rungs"][-1]["tokens"]
+    assert TrialState.PRUNED in {t.state for t in ray_trials}
 
 
 def test_asking_for_a_gpu_the_cluster_lacks_is_an_error(ray, tmp_path):

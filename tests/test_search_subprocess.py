@@ -37,26 +37,35 @@ def _trials(out: Path) -> list:
         return []
 
 
-def test_a_killed_driver_resumes_with_the_same_command(tmp_path):
-    raw = tiny_spec(budget={"trials": 6, "tokens_per_trial": 1000, "seconds_per_trial": 30},
-                    train={"sleep_s": 0.6})
+def kill_driver_when(tmp_path: Path, raw: dict, trial_function: str, ready, timeout: float = 120):
+    """Start ``ssmcraft search`` (inline) on ``raw`` in a process of its own and SIGKILL it
+    once ``ready(trials)`` holds; returns the command (to start it again), the run folder
+    and the trials as they were."""
     spec = tmp_path / "search.yaml"
     spec.write_text(yaml.safe_dump(raw))
     out = tmp_path / "run"
-    command = search_command(spec, out, "inline", "ssmcraft.search.testing:sleepy")
+    command = search_command(spec, out, "inline", trial_function)
     driver = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while True:  # kill it while a trial runs (handed to the executor), after two have finished
-        trials = _trials(out)
-        states = [t.state for t in trials]
-        if (states.count(TrialState.COMPLETE) >= 2 and states[-1] == TrialState.RUNNING
-                and "trial_dir" in trials[-1].user_attrs):
-            break
+    deadline = time.monotonic() + timeout
+    while not ready(trials := _trials(out)):
         assert driver.poll() is None, driver.stdout.read().decode()
-        assert time.monotonic() < deadline, states
+        assert time.monotonic() < deadline, [t.state for t in trials]
         time.sleep(0.05)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
+    return command, out, trials
+
+
+def test_a_killed_driver_resumes_with_the_same_command(tmp_path):
+    raw = tiny_spec(budget={"trials": 6, "tokens_per_trial": 1000, "seconds_per_trial": 30},
+                    train={"sleep_s": 0.6})
+
+    def ready(trials):  # a trial runs (handed to the executor), after two have finished
+        states = [t.state for t in trials]
+        return (states.count(TrialState.COMPLETE) >= 2 and states[-1] == TrialState.RUNNING
+                and "trial_dir" in trials[-1].user_attrs)
+
+    command, out, _ = kill_driver_when(tmp_path, raw, "ssmcraft.search.testing:sleepy", ready)
     before = {t.number: t for t in open_study(out).trials}
     finished = {n: t.values for n, t in before.items() if t.state == TrialState.COMPLETE}
     (running,) = [t for t in before.values() if t.state == TrialState.RUNNING]

@@ -11,10 +11,13 @@ with the same command:
   re-queued first (``enqueue_trial`` with its params and seed), then failed with the
   reason; a re-queue is recorded on the new trial (``requeue_of``), so a coordinator
   killed between the two steps does not re-queue it twice;
-- a torn last journal line and a stale journal lock are repaired (``storage``).
+- a torn last journal line and a stale journal lock are repaired (``storage``);
+- with ``fidelity:`` the coordinator also decides at each rung which trials go on
+  (``ssmcraft.search.fidelity``); every decision is on the trial before the trial hears it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -27,6 +30,7 @@ import yaml
 from optuna.trial import TrialState
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.search import fidelity as fid
 from ssmcraft.search import reports
 from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
@@ -154,7 +158,7 @@ def recover_stale(study: optuna.Study, storage, owner: str, *, own_all: bool, lo
             foreign += 1
             continue
         if t.number not in already:
-            attrs = {"requeue_of": t.number}
+            attrs = {"requeue_of": t.number, "candidate": t.user_attrs.get("candidate", t.number)}
             if "seed" in t.user_attrs:
                 attrs["seed"] = t.user_attrs["seed"]
             study.enqueue_trial(t.params, user_attrs=attrs)
@@ -181,6 +185,8 @@ class _Loop:
         self.owner, self.log = owner, log
         self.running: dict[int, optuna.Trial] = {}
         self.reported: dict[int, set[int]] = {}
+        self.plans: dict[int, fid.Plan] = {}         # trial -> its rungs (fidelity)
+        self.stopped_at: dict[int, str] = {}         # trial -> why a rung stopped it
         self.driver_code = code_version()
 
     def run(self) -> str:
@@ -215,13 +221,18 @@ class _Loop:
         out = trial_dir(self.out_dir, trial.number)
         out.mkdir(parents=True, exist_ok=True)
         objective = objective_of(config)
-        for key, value in {"seed": seed, "objective": objective.get("name"), "objective_spec": objective,
-                           "trial_dir": str(out.relative_to(self.out_dir))}.items():
+        candidate = trial.user_attrs.get("candidate", trial.number)
+        attrs = {"seed": seed, "candidate": candidate, "objective": objective.get("name"),
+                 "objective_spec": objective, "trial_dir": str(out.relative_to(self.out_dir))}
+        if self.spec.fidelity is not None:
+            self.plans[trial.number] = plan = fid.plan(self.spec.fidelity, config, candidate)
+            attrs["fidelity"] = plan.as_attr()
+        for key, value in attrs.items():
             trial.set_user_attr(key, value)
         write_json(out / TRIAL_INFO, {
             "study": self.spec.name, "number": trial.number, "seed": seed, "params": params,
             "objective": objective.get("name"), "config": config, "driver_code_version": self.driver_code,
-            "requeue_of": trial.user_attrs.get("requeue_of")})
+            "requeue_of": trial.user_attrs.get("requeue_of"), "fidelity": attrs.get("fidelity")})
         self.running[trial.number] = trial
         self.executor.submit(Job(trial.number, self.trial_fn, config, out,
                                  lambda step, metrics, t=trial: self._on_report(t, step, metrics),
@@ -229,7 +240,10 @@ class _Loop:
         return 0
 
     def _on_report(self, trial: optuna.Trial, step: int, metrics: dict) -> bool:
-        """An intermediate report (single-metric studies): record it, say whether to prune."""
+        """An intermediate report: a rung (fidelity), or for single-metric studies a value
+        for the pruner; record it, say whether to stop."""
+        if self.spec.fidelity is not None:
+            return self._on_rung(trial, step, metrics)
         if not self.spec.single_metric:
             return False
         value = metrics.get(self.spec.metrics[0])
@@ -239,8 +253,38 @@ class _Loop:
             trial.report(float(value), int(step))
         return trial.should_prune()
 
+    def _on_rung(self, trial: optuna.Trial, step: int, metrics: dict) -> bool:
+        """The first report at or past the trial's next rung decides that rung (or replays
+        the decision an earlier run of the same candidate recorded); returns True to stop."""
+        plan, fidelity = self.plans[trial.number], self.spec.fidelity
+        records = list(trial.user_attrs.get("rungs", []))
+        tokens = metrics.get("tokens", step)
+        if len(records) >= len(plan.tokens) or not is_number(tokens) or tokens < plan.tokens[len(records)]:
+            return False
+        rung = plan.bracket + len(records)
+        candidate = trial.user_attrs["candidate"]
+        trials = self.study.get_trials(deepcopy=False)
+        earlier = fid.recorded(trials, candidate).get(rung)
+        if earlier is not None:
+            record = {**earlier, "replayed": True}
+        else:
+            others = fid.rung_table(trials, plan.bracket, rung)
+            others.pop(candidate, None)
+            record = fid.decide(fidelity, rung, int(tokens), candidate, metrics.get(fidelity.metric),
+                                others).as_attr()
+        trial.set_user_attr("rungs", records + [record])
+        if record["go_on"]:
+            return False
+        self.stopped_at[trial.number] = record["reason"]
+        return True
+
     def _record(self, trial: optuna.Trial, job: Job, outcome: Outcome) -> None:
         verdict = judge(outcome, self.spec.metrics)
+        if verdict.state == "pruned" and trial.number in self.stopped_at:
+            verdict = dataclasses.replace(verdict, reason=f"stopped at {self.stopped_at.pop(trial.number)}")
+        if (outcome.attempts or 1) > 1:
+            retried = f"retried: {outcome.attempts} attempts (the worker of each earlier one died)"
+            verdict = dataclasses.replace(verdict, reason="; ".join(filter(None, (verdict.reason, retried))))
         metrics = outcome.metrics or {}
         record = {"status": verdict.state, "reason": verdict.reason, "metrics": metrics,
                   "wall_s": outcome.wall_s, "attempts": outcome.attempts, "host": outcome.host,

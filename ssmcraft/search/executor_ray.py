@@ -13,10 +13,11 @@
   up to ``max_retries`` times; past that the trial fails with the reason. A trial past its
   hard time limit, counted from the start of its latest attempt (a queued trial is not
   timed), is cancelled with ``force=True``, which kills its worker.
-- Reports: trials send intermediate metrics to a small actor; ``wait`` drains it and
-  passes each report to the coordinator, and the trial sees the pruning decision at its
-  next report (one report late: the decision needs the coordinator, which is the study's
-  only writer).
+- Reports: trials send intermediate metrics to a small actor on the driver's node (it
+  must outlive any worker node); ``wait`` drains it and passes each report to the
+  coordinator (the study's only writer), whose decision (go on or stop) the actor holds
+  until the trial, polling, picks it up: a trial waits for the answer to each report
+  (a rung decision must not be one report late), a fraction of a second.
 - On a cluster the run folder must be on a filesystem every node sees, or trial folders
   (checkpoints) stay on the node that ran them; metrics come back either way.
 """
@@ -34,6 +35,7 @@ from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, o
 from ssmcraft.search.spec import Resources
 
 LOOPBACK = "127.0.0.1"
+REPORT_POLL_S = 0.05   # how often a trial waiting for the answer to its report asks
 
 
 class ReportBroker:
@@ -44,22 +46,26 @@ class ReportBroker:
     def __init__(self) -> None:
         self._started: list[int] = []
         self._pending: list[tuple[int, int, dict]] = []
-        self._prune: set[int] = set()
+        self._decisions: dict[tuple[int, int], bool] = {}
 
     def started(self, number: int) -> None:
         self._started.append(number)
 
-    def report(self, number: int, step: int, metrics: dict) -> bool:
-        self._pending.append((number, step, metrics))
-        return number in self._prune
+    def report(self, number: int, step: int, metrics: dict) -> None:
+        if (number, step) not in self._decisions:  # a re-run attempt gets the same answer
+            self._pending.append((number, step, metrics))
+
+    def decision(self, number: int, step: int) -> bool | None:
+        """True: stop; False: go on; None: the coordinator has not answered yet."""
+        return self._decisions.get((number, step))
 
     def drain(self) -> tuple[list[int], list[tuple[int, int, dict]]]:
         out = (self._started, self._pending)
         self._started, self._pending = [], []
         return out
 
-    def prune(self, number: int) -> None:
-        self._prune.add(number)
+    def decide(self, number: int, step: int, stop: bool) -> None:
+        self._decisions.setdefault((number, step), stop)  # the first answer stands
 
 
 def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
@@ -70,7 +76,10 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
     broker.started.remote(number)
 
     def report(step: int, metrics: dict) -> bool:
-        return ray.get(broker.report.remote(number, int(step), plain(metrics)))
+        broker.report.remote(number, int(step), plain(metrics))
+        while (stop := ray.get(broker.decision.remote(number, int(step)))) is None:
+            time.sleep(REPORT_POLL_S)
+        return stop
 
     host = {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
     if wants_gpu:
@@ -176,7 +185,10 @@ class RayExecutor:
         self._task = ray.remote(num_cpus=resources.cpus_per_trial, num_gpus=gpt,
                                 max_calls=1 if gpt > 0 else 0, max_retries=resources.max_retries,
                                 retry_exceptions=False)(run_on_worker)
-        self._broker = ray.remote(num_cpus=0)(ReportBroker).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._broker = ray.remote(num_cpus=0, scheduling_strategy=here)(ReportBroker).remote()
         device = "cuda" if gpt > 0 else "cpu"
         return Capacity(slots, device, (
             f"ray ({cpus:g} CPUs, {gpus:g} GPUs; {slots} trials at a time, each "
@@ -232,8 +244,8 @@ class RayExecutor:
                 self._started[number] = time.monotonic()
         for number, step, metrics in reports:
             job = jobs.get(number)
-            if job is not None and job.on_report(step, metrics):
-                self._broker.prune.remote(number)
+            if job is not None:
+                self._broker.decide.remote(number, step, bool(job.on_report(step, metrics)))
 
     def close(self) -> None:
         import ray

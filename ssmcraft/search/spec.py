@@ -31,6 +31,8 @@ Format (every key; defaults after ``=``)::
     pruner: {name: median, ...}           # = none; single-metric studies only
     resources: {cpus_per_trial: 1, gpus_per_trial: auto, max_concurrent: auto,
                 max_retries: 2}
+    fidelity: {kind: successive_halving, min_tokens: 100_000, eta: 3,   # = absent: every
+               metric: val_loss}      # trial trains to the full budget (ssmcraft.search.fidelity)
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import yaml
 from ssmcraft.errors import SpecError
 from ssmcraft.search import library
 from ssmcraft.search.compose import TERMS, check_choices
+from ssmcraft.search.fidelity import FIDELITY_KINDS, Fidelity
 
 # space key -> config path
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -65,7 +68,7 @@ MANAGED: dict[tuple[str, ...], str] = {
     ("model", "mixer", "objective"): "space.objective",
 }
 TOP_KEYS = ("name", "seed", "task", "model", "train", "objectives_dir", "budget",
-            "space", "rank", "sampler", "pruner", "resources")
+            "space", "rank", "sampler", "pruner", "resources", "fidelity")
 DIRECTIONS = ("minimize", "maximize")
 
 
@@ -144,6 +147,7 @@ class SearchSpec:
     pruner: Component
     resources: Resources
     raw: dict = field(repr=False)  # the parsed YAML, for hashing and copying
+    fidelity: Fidelity | None = None   # multi-fidelity (rungs on tokens seen); None: off
 
     @property
     def metrics(self) -> list[str]:
@@ -265,6 +269,16 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
             c.fail("objectives_dir", f"not a folder: {objectives_dir}")
 
     rank = _parse_rank(c, raw["rank"])
+    budget = _parse_budget(c, raw["budget"])
+    pruner = _parse_pruner(c, raw.get("pruner", {"name": "none"}), len(rank))
+    fidelity = None
+    if raw.get("fidelity") is not None:
+        fidelity = _parse_fidelity(c, raw["fidelity"], dict(rank), budget)
+        if pruner.name != "none":
+            c.fail("fidelity", f"and pruner {pruner.name!r} both stop trials early; keep one")
+        if _lookup(sections, ("train", "eval_every")) is not None:
+            c.fail("train.eval_every", "set by the search from fidelity.min_tokens (a validation on every "
+                                       "rung); remove it here")
     objectives, params = _parse_space(c, raw["space"], base, objectives_dir)
     for p in params:
         if p.path[0] in sections and _lookup(sections, p.path) is not None:
@@ -273,10 +287,9 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
             c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is set by the search from {MANAGED[p.path]}")
     return SearchSpec(
         name=name, source=source, base=base, seed=seed, objectives_dir=objectives_dir,
-        budget=_parse_budget(c, raw["budget"]), objectives=objectives, params=params, rank=rank,
-        sampler=_parse_sampler(c, raw.get("sampler", {}), len(rank), seed),
-        pruner=_parse_pruner(c, raw.get("pruner", {"name": "none"}), len(rank)),
-        resources=_parse_resources(c, raw.get("resources", {})), raw=raw, **sections)
+        budget=budget, objectives=objectives, params=params, rank=rank,
+        sampler=_parse_sampler(c, raw.get("sampler", {}), len(rank), seed), pruner=pruner,
+        resources=_parse_resources(c, raw.get("resources", {})), raw=raw, fidelity=fidelity, **sections)
 
 
 def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
@@ -302,6 +315,29 @@ def _parse_budget(c: _Checker, value: Any) -> Budget:
         seconds_per_trial=c.number("budget.seconds_per_trial", b["seconds_per_trial"], above=0),
         timeout_grace=c.number("budget.timeout_grace", b.get("timeout_grace", 30.0), min=0),
         total_seconds=None if total is None else c.number("budget.total_seconds", total, above=0))
+
+
+def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budget) -> Fidelity:
+    f = c.mapping("fidelity", value, ("kind", "min_tokens", "eta", "metric", "direction"))
+    for key in ("kind", "min_tokens"):
+        if key not in f:
+            c.fail(f"fidelity.{key}", "missing (required)")
+    if f["kind"] not in FIDELITY_KINDS:
+        c.fail("fidelity.kind", f"expected one of {', '.join(FIDELITY_KINDS)}, got {f['kind']!r}")
+    min_tokens = c.number("fidelity.min_tokens", f["min_tokens"], integer=True, min=1)
+    if min_tokens >= budget.tokens_per_trial:
+        c.fail("fidelity.min_tokens", f"{min_tokens} leaves no rung below budget.tokens_per_trial "
+                                      f"({budget.tokens_per_trial})")
+    metric = f.get("metric", "val_loss")
+    if not isinstance(metric, str) or not metric:
+        c.fail("fidelity.metric", f"expected a metric name, got {metric!r}")
+    direction = f.get("direction", rank.get(metric, "minimize"))
+    if direction not in DIRECTIONS:
+        c.fail("fidelity.direction", f"expected minimize or maximize, got {direction!r}")
+    if metric in rank and rank[metric] != direction:
+        c.fail("fidelity.direction", f"{direction}, but rank says {metric}: {rank[metric]}")
+    return Fidelity(f["kind"], min_tokens, c.number("fidelity.eta", f.get("eta", 3), integer=True, min=2),
+                    metric, direction)
 
 
 def _parse_resources(c: _Checker, value: Any) -> Resources:

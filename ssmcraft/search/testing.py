@@ -89,6 +89,28 @@ class Scripted:
         return quadratic(config, out_dir, report)
 
 
+def curve(config: dict, out_dir: Path, report) -> dict:
+    """``quadratic``'s final loss reached along a straight learning curve, reported like
+    ``train_run`` does: after every ``train.eval_every`` steps of ``batch_size * seq_len``
+    tokens (``report(step, {"val_loss", "tokens"})``), stopping when told to; sleeps
+    ``train.sleep_s`` (default 0, not part of the loss) spread over the steps. For
+    multi-fidelity tests."""
+    from ssmcraft.search.fidelity import tokens_per_step
+
+    train = {k: v for k, v in config["train"].items() if k != "sleep_s"}
+    final = quadratic({**config, "train": train}, out_dir, lambda step, metrics: False)
+    full, per_step = int(config["train"]["tokens"]), tokens_per_step(config)
+    steps, every = max(1, full // per_step), int(config["train"].get("eval_every", 100))
+    pause = float(config["train"].get("sleep_s", 0.0)) / steps
+    for step in range(1, steps + 1):
+        time.sleep(pause)
+        tokens = step * per_step
+        loss = final["val_loss"] + 1.0 - tokens / full
+        if every and step % every == 0 and step < steps and report(step, {"val_loss": loss, "tokens": tokens}):
+            return {"status": "pruned", "reason": f"stopped after step {step}", "val_loss": loss, "tokens": tokens}
+    return {**final, "tokens": steps * per_step}
+
+
 def sleepy(config: dict, out_dir: Path, report) -> dict:
     """``quadratic`` after sleeping ``config["train"]["sleep_s"]`` seconds (default 0.5):
     a trial slow enough to kill a coordinator in the middle of."""
