@@ -203,9 +203,11 @@ def busy(fn, n=30):
     return gpu, wall, host
 
 
-def timings(rep, fla, ssc, B=8, T=2048):
+def timings(rep, fla, ssc, B=8, T=2048, only=None):
     dt = torch.bfloat16
     for name, (H, d, m), anchor in CASES:
+        if only and name not in only:
+            continue
         obj = ssmcraft.compile(name)
         inputs, params = random_inputs(obj, B, T, H, d, m, dt, DEV, requires_grad=True)
         if "k" in inputs and name in ("deltanet", "gated_deltanet", "longhorn"):
@@ -324,14 +326,17 @@ def main():
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--bf16-only", action="store_true", help="correctness checks in bf16 only")
+    ap.add_argument("--only", help="comma-separated objectives: time and check only these")
     ap.add_argument("--fp32-chunked", action="store_true", help="also check FLA's chunked kernels in fp32 (slow)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of obj() fwd+bwd")
     args = ap.parse_args()
     rep = Report("bench_public_path (issue 12)")
     rep.set("copy_bandwidth_GBps", copy_bandwidth(torch.device(DEV)) / 1e9)
     fla, ssc = load_fla(), load_mamba(args.mamba)
+    only = set(args.only.split(",")) if args.only else None
+    want = (lambda n: only is None or n in only)
     if not args.no_time:
-        timings(rep, fla, ssc)
+        timings(rep, fla, ssc, only=only)
     if not args.no_decode:
         decode(rep)
     if args.host_profile:
@@ -340,12 +345,16 @@ def main():
         # FLA's chunked kernels autotune for minutes in fp32: --fp32-chunked adds those cases
         for dt in ((torch.float32, torch.bfloat16) if not args.bf16_only else (torch.bfloat16,)):
             if fla is not None:
-                check(rep, "deltanet", fla, ssc, dt, d=64, m=64)
+                if want("deltanet"):
+                    check(rep, "deltanet", fla, ssc, dt, d=64, m=64)
                 if dt != torch.float32 or args.fp32_chunked:
-                    check(rep, "gla", fla, ssc, dt, d=64, m=64)
-                    check(rep, "gated_deltanet", fla, ssc, dt, d=64, m=64, backward=False)
-                check(rep, "longhorn", fla, ssc, dt, H=4, d=64, m=16, reference=True)
-            if ssc is not None:
+                    if want("gla"):
+                        check(rep, "gla", fla, ssc, dt, d=64, m=64)
+                    if want("gated_deltanet"):
+                        check(rep, "gated_deltanet", fla, ssc, dt, d=64, m=64, backward=False)
+                if want("longhorn"):
+                    check(rep, "longhorn", fla, ssc, dt, H=4, d=64, m=16, reference=True)
+            if ssc is not None and want("mamba"):
                 check(rep, "mamba", fla, ssc, dt, H=1, d=256, m=16)
     rep.write(args.out)
     print("\n# summary (bf16, B=8, T=2048): objective | ours fwd / fwd+bwd ms | anchor fwd / fwd+bwd ms | "
