@@ -4,9 +4,11 @@
   dashboard; any other address (``host:port``, ``auto``, ``ray://...``) joins that cluster.
   A Ray session already initialised in this process (tests share one) is used as is.
   Either way the same tasks run; the log says which case it was.
-- Resources: each task asks for ``cpus_per_trial`` CPUs and ``gpus_per_trial`` GPUs
-  (1 when the cluster has GPUs, else 0; a fraction packs trials onto one GPU); the
-  number of trials in flight is what the cluster holds, capped by ``max_concurrent``.
+- Resources: each task asks for ``cpus_per_trial`` CPUs and ``gpus_per_trial`` GPUs (a
+  fraction packs trials onto one GPU; ``auto``: 0 without GPUs, else as many trials per
+  GPU as their measured memory allows, ``ssmcraft.search.packing``: the first trial's
+  config is probed on one GPU at the first submission, and ``Capacity.slots`` follows);
+  the number of trials in flight is what the cluster holds, capped by ``max_concurrent``.
   A trial given a GPU checks that CUDA sees it before it starts.
 - Failures: a trial's own exception is caught on the worker (``outcome.execute``); a
   worker that dies (killed, segfault, ``os._exit``, node lost) has its task re-run by Ray
@@ -31,9 +33,12 @@ from typing import Callable
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.search.executor import Capacity, Job
 from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, one_line, plain
+from ssmcraft.search.packing import AutoPacker, probe_memory
+from ssmcraft.search.rundir import run_dir_of
 from ssmcraft.search.spec import Resources
 
 LOOPBACK = "127.0.0.1"
+PROBE_TIMEOUT_S = 600   # the GPU memory probe of gpus_per_trial auto (a few steps; compiles the kernels)
 
 
 class ReportBroker:
@@ -151,6 +156,8 @@ class RayExecutor:
         self._wants_gpu = False
         self._running: dict = {}  # ObjectRef -> job
         self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
+        self._packer: AutoPacker | None = None  # gpus_per_trial auto on GPUs
+        self._capacity: Capacity | None = None
 
     def start(self, resources: Resources) -> Capacity:
         self._owns_session = connect(self.address, num_cpus=self.num_cpus, log=self.log)
@@ -158,7 +165,9 @@ class RayExecutor:
         total = ray.cluster_resources()
         cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
         gpt = resources.gpus_per_trial
-        if gpt is None:
+        self._packer = None
+        if gpt is None:  # auto: packed on GPUs (one per GPU until the probe), else CPU trials
+            self._packer = AutoPacker(resources, cpus, gpus, self.log) if gpus >= 1 else None
             gpt = 1.0 if gpus >= 1 else 0.0
         if gpt > 0 and gpus == 0:
             raise SsmcraftError(f"resources.gpus_per_trial is {gpt:g} but the Ray cluster has no GPU")
@@ -178,13 +187,21 @@ class RayExecutor:
                                 retry_exceptions=False)(run_on_worker)
         self._broker = ray.remote(num_cpus=0)(ReportBroker).remote()
         device = "cuda" if gpt > 0 else "cpu"
-        return Capacity(slots, device, (
+        self._probe_cpus = resources.cpus_per_trial
+        share = "GPUs packed from measured memory" if self._packer is not None else f"{gpt:g} GPU"
+        self._capacity = Capacity(slots, device, (
             f"ray ({cpus:g} CPUs, {gpus:g} GPUs; {slots} trials at a time, each "
-            f"{resources.cpus_per_trial:g} CPU and {gpt:g} GPU; up to {resources.max_retries} "
+            f"{resources.cpus_per_trial:g} CPU and {share}; up to {resources.max_retries} "
             f"retries when a worker dies)"))
+        return self._capacity
 
     def submit(self, job: Job) -> None:
-        ref = self._task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
+        task = self._task
+        if self._packer is not None:
+            packing = self._packer.first(job.config, run_dir_of(job.out_dir), self._probe)
+            self._capacity.slots = self._packer.slots()
+            task = task.options(num_gpus=packing.gpu_fraction)
+        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
                                 self._broker, self._wants_gpu)
         self._running[ref] = job
 
@@ -210,6 +227,8 @@ class RayExecutor:
                 outcome = Outcome(error=describe_ray_error(e, count_attempts(job.out_dir)),
                                   wall_s=now - started, attempts=count_attempts(job.out_dir))
             done.append((job, outcome))
+            if self._packer is not None and self._packer.observe(outcome.metrics):
+                self._capacity.slots = self._packer.slots()
         for ref, job in list(self._running.items()):
             started = self._started.get(job.number)
             if started is not None and now - started > job.time_limit_s:
@@ -219,6 +238,13 @@ class RayExecutor:
                     error=f"timeout: no result within {job.time_limit_s:g} s (hard limit); its worker was killed",
                     wall_s=now - started, attempts=count_attempts(job.out_dir))))
         return done
+
+    def _probe(self, config: dict) -> dict:
+        """``packing.probe_memory(config)`` as a Ray task on one whole GPU (a fresh worker)."""
+        import ray
+
+        task = ray.remote(num_cpus=self._probe_cpus, num_gpus=1, max_calls=1, max_retries=0)(probe_memory)
+        return ray.get(task.remote(config), timeout=PROBE_TIMEOUT_S)
 
     def _relay_reports(self) -> None:
         import ray

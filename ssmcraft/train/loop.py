@@ -16,7 +16,10 @@ same for every run seed, so runs compare on the same data).
     tokens, steps      consumed input tokens (batch_size * seq_len per step) and steps
     tokens_per_s       tokens / time spent in training steps (validation excluded)
     wall_s, train_s    whole run / training steps only
-    peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss)
+    peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss);
+                       peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
+    compile            train.compile's record: setting, enabled, reason (and a fallback's)
+    data_device, log_every   where batches were built; steps between host read-backs
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
@@ -43,7 +46,7 @@ from ssmcraft.tasks import build_task
 from ssmcraft.train import checkpoint, plots
 from ssmcraft.train.compiled import compile_model, run_compiled_step
 from ssmcraft.train.config import resolve
-from ssmcraft.train.device import autocast, peak_memory, pick_device, pick_precision, reset_peak_memory
+from ssmcraft.train.device import autocast, peak_memory, peak_reserved, pick_device, pick_precision, reset_peak_memory
 from ssmcraft.train.schedule import lr_at, warmup_steps
 from ssmcraft.train.validate import batch_loss, evaluate
 
@@ -310,7 +313,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, 
         "tokens": tokens, "steps": len(train),
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "wall_s": time.perf_counter() - t_start, "train_s": train_s,
-        "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+        "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "peak_memory_reserved_bytes": peak_reserved(device),
         "backend": model.backends(), "objective": mixer.get("objective", "attention"),
         "structure": mixer.get("structure"), "n_params": n_params, "device": str(device),
         "precision": precision, "seed": cfg["seed"], "task": task.describe(), "mixer": mixer,
