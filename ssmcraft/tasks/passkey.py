@@ -78,14 +78,14 @@ def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, di
     if dev.type == "cpu" and bool(((depths < 0) | (depths > 1)).any()):   # (no GPU sync to check)
         raise ValueError(f"depth must lie in [0, 1], got {depths.tolist()}")
     filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
-    starts = sentence_starts(filler)
+    starts = sentence_starts(filler).to(dev)
     # the sentence start nearest to depth * n_fill (the first, i.e. smallest, on a tie)
-    cut = starts[(starts.to(dev, torch.float64)[None, :] - depths.double()[:, None] * n_fill).abs().argmin(1)]
+    cut = starts[(starts.double()[None, :] - depths.double()[:, None] * n_fill).abs().argmin(1)]
     # the text is PREFIX + filler[:cut] + needle + filler[cut:] + QUESTION + key: index the
     # constant bytes, then write the key digits into the needle and the answer
     const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, dev)
     pos = torch.arange(seq_len + 1, device=dev)[None, :].expand(batch_size, -1)
-    lp, ln, cut = len(PREFIX), len(template), cut.to(dev)[:, None]
+    lp, ln, cut = len(PREFIX), len(template), cut[:, None]
     in_needle = (pos >= lp + cut) & (pos < lp + cut + ln)
     after = pos >= lp + cut + ln
     idx = torch.where(in_needle, lp + n_fill + (pos - lp - cut), torch.where(after, pos - ln, pos))
