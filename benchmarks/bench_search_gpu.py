@@ -137,9 +137,12 @@ def run_mode(base: dict, mode: str, args, out: Path) -> dict:
     outcomes = trial_outcomes(run_dir)
     ok = [o for o in outcomes if o.get("status") == "complete"]
     tokens = sum((o.get("metrics") or {}).get("tokens") or 0 for o in outcomes)
+    first = [(o.get("metrics") or {}).get("first_step_s") for o in ok]
+    first = [f for f in first if isinstance(f, (int, float))]
     packing = run_dir / "packing.json"
     row = {"mode": mode, "rc": proc.returncode, "trials_ok": len(ok), "trials_other": len(outcomes) - len(ok),
            "span_s": span, "trials_per_hour": len(ok) / span * 3600, "tokens_per_s_all": tokens / span,
+           "first_step_s_mean": sum(first) / len(first) if first else None,
            "packing": json.loads(packing.read_text())["current"] if packing.is_file() else None,
            "compile": [(o.get("metrics") or {}).get("compile") for o in ok[:1]],
            **sampler.summary()}
@@ -152,15 +155,20 @@ def pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+def secs(x) -> str:
+    return "n/a" if x is None else f"{x:.1f} s"
+
+
 def table(rows: list[dict], smi: bool) -> str:
     lines = ["| mode | trials finished (other) | span | trials/hour | tokens/s, all trials | mean GPU utilisation "
-             "| samples with GPU busy | trials per GPU |", "|---|---|---|---|---|---|---|---|"]
+             "| samples with GPU busy | trials per GPU | first step (compile, JIT) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         util = "n/a" if r["gpu_util_mean"] is None else f"{r['gpu_util_mean']:.0f}%"
         k = r["packing"]["trials_per_gpu"] if r["packing"] else "-"
         lines.append(f"| {r['mode']} | {r['trials_ok']} ({r['trials_other']}) | {r['span_s']:.0f} s | "
                      f"{r['trials_per_hour']:.0f} | {r['tokens_per_s_all']:.0f} | {util} | "
-                     f"{pct(r['gpu_busy_fraction'])} | {k} |")
+                     f"{pct(r['gpu_busy_fraction'])} | {k} | {secs(r['first_step_s_mean'])} |")
     if not smi:
         lines.append("\nnvidia-smi not found on this machine: GPU utilisation not sampled (n/a).")
     return "\n".join(lines)

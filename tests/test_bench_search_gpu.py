@@ -49,3 +49,12 @@ def test_sampler_summary(tmp_path):
     assert s == {"gpu_util_mean": 60.0, "gpu_busy_fraction": 0.75, "gpu_mem_used_mib_max": 9100, "samples": 4}
     sampler.available = False
     assert sampler.summary()["gpu_util_mean"] is None
+
+
+def test_table_rows_and_missing_nvidia_smi():
+    row = {"mode": "after", "trials_ok": 12, "trials_other": 1, "span_s": 180.0, "trials_per_hour": 240.0,
+           "tokens_per_s_all": 1.5e6, "gpu_util_mean": None, "gpu_busy_fraction": None,
+           "packing": {"trials_per_gpu": 8}, "first_step_s_mean": 12.34}
+    text = bench.table([row], smi=False)
+    assert "| after | 12 (1) | 180 s | 240 | 1500000 | n/a | n/a | 8 | 12.3 s |" in text
+    assert "nvidia-smi not found" in text

@@ -130,4 +130,26 @@ def test_ray_executor_asks_ray_for_the_packed_fraction(tmp_path):
     assert record["current"]["trials_per_gpu"] == 3 and record["current"]["gpu_fraction"] == 0.3333
     assert record["decisions"][0]["slots"] == 6                    # 2 GPUs x 3, within 8 CPU slots
     reasons = [t.user_attrs["reason"] for t in result.study.trials]
+    assert all(t.user_attrs["host"]["gpu_share"] == 0.3333 for t in result.study.trials)
     assert len(reasons) == 3 and all("was given GPU" in r and "CUDA sees none" in r for r in reasons), reasons
+
+
+def test_probe_runs_the_cut_config_and_a_cpu_run_measures_nothing(monkeypatch, tmp_path):
+    """probe_memory's own path on CPU (the GPU's properties faked): the short run trains,
+    reports no GPU peak, and the packer then packs nothing, saying why."""
+    import types
+
+    import torch
+
+    from ssmcraft.search.packing import probe_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=H200, name="fake"))
+    config = {"name": "probe", "seed": 0, "task": {"name": "mqar", "vocab": 64, "seq_len": 32, "num_kv_pairs": 4},
+              "model": {"d_model": 16, "n_layers": 1, "mixer": {"kind": "objective", "objective": "longhorn",
+                                                                  "state_size": 8}},
+              "train": {"batch_size": 4, "tokens": 10**9, "device": "cpu"}}
+    found = probe_memory(config)
+    assert found == {"peak_bytes": None, "gpu_bytes": H200, "device_name": "fake", "status": "ok"}
+    packer = AutoPacker(Resources(), cpus=4, gpus=1, log=lambda line: None)
+    assert "memory probe measured nothing" in packer.first(config, tmp_path, lambda c: found).reason

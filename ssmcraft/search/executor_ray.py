@@ -158,6 +158,7 @@ class RayExecutor:
         self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
         self._packer: AutoPacker | None = None  # gpus_per_trial auto on GPUs
         self._capacity: Capacity | None = None
+        self._shares: dict[int, float] = {}     # trial number -> Ray num_gpus (packed trials)
 
     def start(self, resources: Resources) -> Capacity:
         self._owns_session = connect(self.address, num_cpus=self.num_cpus, log=self.log)
@@ -201,6 +202,7 @@ class RayExecutor:
             packing = self._packer.first(job.config, run_dir_of(job.out_dir), self._probe)
             self._capacity.slots = self._packer.slots()
             task = task.options(num_gpus=packing.gpu_fraction)
+            self._shares[job.number] = packing.gpu_fraction
         ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
                                 self._broker, self._wants_gpu)
         self._running[ref] = job
@@ -226,7 +228,7 @@ class RayExecutor:
             except ray.exceptions.RayError as e:
                 outcome = Outcome(error=describe_ray_error(e, count_attempts(job.out_dir)),
                                   wall_s=now - started, attempts=count_attempts(job.out_dir))
-            done.append((job, outcome))
+            done.append((job, self._with_share(job, outcome)))
             if self._packer is not None and self._packer.observe(outcome.metrics):
                 self._capacity.slots = self._packer.slots()
         for ref, job in list(self._running.items()):
@@ -234,10 +236,17 @@ class RayExecutor:
             if started is not None and now - started > job.time_limit_s:
                 ray.cancel(ref, force=True)
                 del self._running[ref], self._started[job.number]
-                done.append((job, Outcome(
+                done.append((job, self._with_share(job, Outcome(
                     error=f"timeout: no result within {job.time_limit_s:g} s (hard limit); its worker was killed",
-                    wall_s=now - started, attempts=count_attempts(job.out_dir))))
+                    wall_s=now - started, attempts=count_attempts(job.out_dir)))))
         return done
+
+    def _with_share(self, job: Job, outcome: Outcome) -> Outcome:
+        """``outcome`` with the GPU share Ray gave the trial (packed trials) in its host record."""
+        share = self._shares.pop(job.number, None)
+        if share is not None:
+            outcome.host = {**(outcome.host or {}), "gpu_share": share}
+        return outcome
 
     def _probe(self, config: dict) -> dict:
         """``packing.probe_memory(config)`` as a Ray task on one whole GPU (a fresh worker)."""

@@ -20,6 +20,7 @@ same for every run seed, so runs compare on the same data).
                        peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
     compile            train.compile's record: setting, enabled, reason (and a fallback's)
     data_device, log_every   where batches were built; steps between host read-backs
+    first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
@@ -162,7 +163,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     bar = _progress_bar(steps) if progress and sys.stderr.isatty() else None
     model.train()
     readback = _ReadBack(device, history, bar, tc["log_every"])
-    t_loop, eval_s = time.perf_counter(), 0.0
+    t_loop, eval_s, first_step_s = time.perf_counter(), 0.0, None
     for step in range(steps):
         if tc["max_seconds"] is not None and time.perf_counter() - t_loop - eval_s >= tc["max_seconds"]:
             diverged = readback.flush()
@@ -181,6 +182,9 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
         else:
             loss, grad_norm = one_step(train_model)
+        if step == 0:  # compile and kernel JIT happen here: timed on their own (one sync)
+            _sync(device)
+            first_step_s = time.perf_counter() - t_loop
         readback.add(step, inputs.numel(), lr, loss, grad_norm)
         evaluate_now = bool(tc["eval_every"]) and (step + 1) % tc["eval_every"] == 0 and step + 1 < steps
         diverged = readback.maybe_flush(now=step + 1 == steps or evaluate_now)
@@ -194,8 +198,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
             if report is not None and report(step + 1, _report_values(last_val, readback.tokens)):
                 status, reason = "pruned", f"stopped by the report callback after step {step + 1}"
                 break
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     train_s = time.perf_counter() - t_loop - eval_s
     if bar is not None:
         bar.close()
@@ -209,9 +212,15 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         log.warning("run %s diverged: %s", cfg["name"], reason)
     metrics = _metrics(cfg, model, task, history, final, status, reason, readback.tokens, train_s, t_start, device,
                        precision, n_params)
-    metrics.update(compile=compile_info, data_device=str(data_device), log_every=tc["log_every"])
+    metrics.update(compile=compile_info, data_device=str(data_device), log_every=tc["log_every"],
+                   first_step_s=first_step_s)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
