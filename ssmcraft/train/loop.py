@@ -5,6 +5,20 @@ global-norm gradient clipping, bf16 autocast on CUDA, a token budget and an opti
 wall-clock limit, periodic validation on a fixed validation set (``train.val_seed``, the
 same for every run seed, so runs compare on the same data).
 
+Kept off the host's critical path (issue 13), so that small runs keep a GPU busy:
+
+- batches are built on the training device from a generator seeded per run
+  (``train.data_on_device``; false: built on the host and copied, the issue-5 behaviour);
+  the validation batches are built on the host from ``val_seed`` (the same on every
+  device) and moved once;
+- loss and gradient norm stay on the device and are read back every ``train.log_every``
+  steps, one transfer (1: a sync every step); a non-finite value is found at the
+  read-back and the run ends ``diverged`` at the step where it first occurred, the
+  reason saying how many steps later it was seen; a sticky device flag makes the fused
+  AdamW skip that step and every later one, so the weights are the last finite ones;
+- ``train.compile`` (auto: on for CUDA) compiles the LM around the recurrence
+  (``ssmcraft.train.compiled``); evaluation sums on the device and reads back once.
+
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
     status             "ok" | "diverged" (non-finite loss or gradient) | "timeout" (hit
