@@ -253,7 +253,12 @@ class RayExecutor:
         import ray
 
         task = ray.remote(num_cpus=self._probe_cpus, num_gpus=1, max_calls=1, max_retries=0)(probe_memory)
-        return ray.get(task.remote(config), timeout=PROBE_TIMEOUT_S)
+        ref = task.remote(config)
+        try:
+            return ray.get(ref, timeout=PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)   # it would hold its GPU; the packer records the failure
+            raise
 
     def _relay_reports(self) -> None:
         import ray
