@@ -159,6 +159,7 @@ class RayExecutor:
         self._packer: AutoPacker | None = None  # gpus_per_trial auto on GPUs
         self._capacity: Capacity | None = None
         self._shares: dict[int, float] = {}     # trial number -> Ray num_gpus (packed trials)
+        self._probe_cpus = 1.0
 
     def start(self, resources: Resources) -> Capacity:
         self._owns_session = connect(self.address, num_cpus=self.num_cpus, log=self.log)
@@ -203,8 +204,7 @@ class RayExecutor:
             self._capacity.slots = self._packer.slots()
             task = task.options(num_gpus=packing.gpu_fraction)
             self._shares[job.number] = packing.gpu_fraction
-        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
-                                self._broker, self._wants_gpu)
+        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number, self._broker, self._wants_gpu)
         self._running[ref] = job
 
     def wait(self, timeout: float) -> list[tuple[Job, Outcome]]:
