@@ -131,8 +131,11 @@ def run_mode(base: dict, mode: str, args, out: Path) -> dict:
     print(f"[{mode}] {' '.join(cmd)}", flush=True)
     with Sampler(folder / "nvidia_smi.csv") as sampler, open(folder / "search.log", "w") as log:
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              timeout=args.seconds + args.trial_seconds + args.grace + 300)
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=args.seconds + args.trial_seconds + args.grace + 300).returncode
+        except subprocess.TimeoutExpired:   # killed; the trials that finished still count
+            rc = "killed: past its time limit"
         span = time.monotonic() - t0
     outcomes = trial_outcomes(run_dir)
     ok = [o for o in outcomes if o.get("status") == "complete"]
@@ -140,14 +143,14 @@ def run_mode(base: dict, mode: str, args, out: Path) -> dict:
     first = [(o.get("metrics") or {}).get("first_step_s") for o in ok]
     first = [f for f in first if isinstance(f, (int, float))]
     packing = run_dir / "packing.json"
-    row = {"mode": mode, "rc": proc.returncode, "trials_ok": len(ok), "trials_other": len(outcomes) - len(ok),
+    row = {"mode": mode, "rc": rc, "trials_ok": len(ok), "trials_other": len(outcomes) - len(ok),
            "span_s": span, "trials_per_hour": len(ok) / span * 3600, "tokens_per_s_all": tokens / span,
            "first_step_s_mean": sum(first) / len(first) if first else None,
            "packing": json.loads(packing.read_text())["current"] if packing.is_file() else None,
            "compile": [(o.get("metrics") or {}).get("compile") for o in ok[:1]],
            **sampler.summary()}
-    if proc.returncode != 0:
-        print(f"[{mode}] search exited with {proc.returncode}; see {folder / 'search.log'}", flush=True)
+    if rc != 0:
+        print(f"[{mode}] search exited with {rc}; see {folder / 'search.log'}", flush=True)
     return row
 
 
