@@ -19,6 +19,10 @@ On the GPU machine (optuna and ray installed)::
 
     python benchmarks/bench_search_gpu.py --seconds 150 --out $OUT/bench_search
 
+First (on CUDA, unless ``--no-sync-check``) it counts the host syncs of one 40-step
+training run of the spec's first objective, by Python line (``torch.cuda`` sync debug
+mode): a line counted about 40 times is a per-step sync left somewhere.
+
 ``--device cpu`` is a smoke test anywhere: the model is shrunk (printed), trials run on
 CPU, and without ``nvidia-smi`` the GPU columns say so. Each mode's run folder (with
 ``packing.json``), its spec and the samples stay under ``--out``; ``results.json`` holds
@@ -154,6 +158,48 @@ def run_mode(base: dict, mode: str, args, out: Path) -> dict:
     return row
 
 
+def sync_config(base: dict, steps: int, device: str) -> dict:
+    """The experiment config of the sync check: the spec's sections, its first named
+    objective and first state size, ``steps`` steps."""
+    objective = next(o for o in base["space"]["objective"]["choice"] if isinstance(o, str))
+    m = base["space"].get("m", {}).get("choice", [16])[0]
+    task = base["task"]
+    return {"name": "sync_check", "seed": 0, "task": task,
+            "model": {**base["model"], "mixer": {**base["model"].get("mixer", {}), "objective": objective,
+                                                 "state_size": m}},
+            "train": {**base.get("train", {}), "tokens": steps * base["train"]["batch_size"] * task["seq_len"],
+                      "save_model": False, "device": device}}
+
+
+def sync_check(base: dict, steps: int = 40) -> list[tuple[str, int]] | None:
+    """Host syncs of one training run of the spec's first named objective on the GPU, with
+    ``torch.cuda.set_sync_debug_mode("warn")``: ``[(where, count)]``, most frequent first
+    (``where`` is the Python line that synchronised). A location counted about ``steps``
+    times is a per-step sync; the read-back shows up once per ``train.log_every`` steps."""
+    import warnings
+
+    import torch
+
+    from ssmcraft.train import train_run
+
+    if not torch.cuda.is_available():
+        return None
+    config = sync_config(base, steps, "cuda")
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_run(config, Path(tmp))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])
+
+
 def pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
@@ -187,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke run with a shrunk model (any machine)")
     p.add_argument("--executor", choices=("ray", "inline"), default="ray")
+    p.add_argument("--no-sync-check", action="store_true",
+                   help="skip the count of host syncs in one training run (CUDA sync debug mode)")
     p.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -200,6 +248,11 @@ def main(argv=None) -> int:
     smi = shutil.which("nvidia-smi") is not None
     if not smi:
         print("nvidia-smi not found: GPU utilisation will not be sampled; trials/hour still measured")
+    if args.device == "cuda" and not args.no_sync_check:
+        found = sync_check(base)
+        print("host syncs in one 40-step training run (sync debug mode; where: count):")
+        print("  " + ("CUDA not available here" if found is None else ", ".join(f"{w}: {n}" for w, n in found[:12])
+                      or "none"), flush=True)
     rows = [run_mode(base, mode, args, out) for mode in modes]
     (out / "results.json").write_text(json.dumps({"spec": str(args.spec), "args": vars(args) | {
         "spec": str(args.spec), "out": str(out)}, "rows": rows}, indent=2, default=str))

@@ -58,3 +58,15 @@ def test_table_rows_and_missing_nvidia_smi():
     text = bench.table([row], smi=False)
     assert "| after | 12 (1) | 180 s | 240 | 1500000 | n/a | n/a | 8 | 12.3 s |" in text
     assert "nvidia-smi not found" in text
+
+
+def test_sync_check_config_is_a_valid_experiment_and_cpu_skips_it():
+    from ssmcraft.train.config import resolve
+
+    cfg = resolve(bench.sync_config(BASE, 40, "cpu"), "bench")
+    assert cfg["train"]["tokens"] == 40 * 64 * 256 and cfg["model"]["mixer"]["objective"] == "longhorn"
+    assert cfg["train"]["log_every"] == BASE["train"]["log_every"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bench.sync_check(BASE) is None
