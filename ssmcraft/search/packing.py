@@ -19,6 +19,10 @@ GPU), so ``auto`` runs several per GPU, as many as fit in its memory:
    for the trials submitted after that. Trials of the space differ (state size, objective
    structure): the probe measures the first, the rest correct it.
 
+On a cluster every GPU is assumed to be like the probed one (the same k on each).
+Trials sharing a GPU are time-sliced by the driver (no MPS): the packing fills the idle
+gaps of each trial (Python, data, host work) with the others' kernels.
+
 Every decision (probe result, plan, its reason, each update) is logged and written to
 ``packing.json`` in the run folder. A probe that fails packs nothing: one trial per GPU,
 with the reason in the log and the file. On a machine without GPUs ``auto`` means CPU
