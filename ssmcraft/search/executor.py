@@ -35,8 +35,11 @@ class Job:
     time_limit_s: float
 
 
-@dataclass(frozen=True)
+@dataclass
 class Capacity:
+    """What ``start`` acquired. ``slots`` may change while the search runs (the Ray
+    executor sets it once it has measured how many trials fit a GPU, and lowers it when a
+    trial needed more): the coordinator reads it before each submission."""
     slots: int            # trials at once
     device: str           # "cpu", "cuda" or "auto": what trials are told to train on (train.device)
     description: str      # for the log: which executor, where, with what

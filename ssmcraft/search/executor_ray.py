@@ -4,9 +4,11 @@
   dashboard; any other address (``host:port``, ``auto``, ``ray://...``) joins that cluster.
   A Ray session already initialised in this process (tests share one) is used as is.
   Either way the same tasks run; the log says which case it was.
-- Resources: each task asks for ``cpus_per_trial`` CPUs and ``gpus_per_trial`` GPUs
-  (1 when the cluster has GPUs, else 0; a fraction packs trials onto one GPU); the
-  number of trials in flight is what the cluster holds, capped by ``max_concurrent``.
+- Resources: each task asks for ``cpus_per_trial`` CPUs and ``gpus_per_trial`` GPUs (a
+  fraction packs trials onto one GPU; ``auto``: 0 without GPUs, else as many trials per
+  GPU as their measured memory allows, ``ssmcraft.search.packing``: the first trial's
+  config is probed on one GPU at the first submission, and ``Capacity.slots`` follows);
+  the number of trials in flight is what the cluster holds, capped by ``max_concurrent``.
   A trial given a GPU checks that CUDA sees it before it starts.
 - Failures: a trial's own exception is caught on the worker (``outcome.execute``); a
   worker that dies (killed, segfault, ``os._exit``, node lost) has its task re-run by Ray
@@ -32,10 +34,13 @@ from typing import Callable
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.search.executor import Capacity, Job
 from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, one_line, plain
+from ssmcraft.search.packing import AutoPacker, probe_memory
+from ssmcraft.search.rundir import run_dir_of
 from ssmcraft.search.spec import Resources
 
 LOOPBACK = "127.0.0.1"
 REPORT_POLL_S = 0.05   # how often a trial waiting for the answer to its report asks
+PROBE_TIMEOUT_S = 600   # the GPU memory probe of gpus_per_trial auto (a few steps; compiles the kernels)
 
 
 class ReportBroker:
@@ -160,6 +165,10 @@ class RayExecutor:
         self._wants_gpu = False
         self._running: dict = {}  # ObjectRef -> job
         self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
+        self._packer: AutoPacker | None = None  # gpus_per_trial auto on GPUs
+        self._capacity: Capacity | None = None
+        self._shares: dict[int, float] = {}     # trial number -> Ray num_gpus (packed trials)
+        self._probe_cpus = 1.0
 
     def start(self, resources: Resources) -> Capacity:
         self._owns_session = connect(self.address, num_cpus=self.num_cpus, log=self.log)
@@ -167,7 +176,9 @@ class RayExecutor:
         total = ray.cluster_resources()
         cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
         gpt = resources.gpus_per_trial
-        if gpt is None:
+        self._packer = None
+        if gpt is None:  # auto: packed on GPUs (one per GPU until the probe), else CPU trials
+            self._packer = AutoPacker(resources, cpus, gpus, self.log) if gpus >= 1 else None
             gpt = 1.0 if gpus >= 1 else 0.0
         if gpt > 0 and gpus == 0:
             raise SsmcraftError(f"resources.gpus_per_trial is {gpt:g} but the Ray cluster has no GPU")
@@ -190,14 +201,22 @@ class RayExecutor:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._broker = ray.remote(num_cpus=0, scheduling_strategy=here)(ReportBroker).remote()
         device = "cuda" if gpt > 0 else "cpu"
-        return Capacity(slots, device, (
+        self._probe_cpus = resources.cpus_per_trial
+        share = "GPUs packed from measured memory" if self._packer is not None else f"{gpt:g} GPU"
+        self._capacity = Capacity(slots, device, (
             f"ray ({cpus:g} CPUs, {gpus:g} GPUs; {slots} trials at a time, each "
-            f"{resources.cpus_per_trial:g} CPU and {gpt:g} GPU; up to {resources.max_retries} "
+            f"{resources.cpus_per_trial:g} CPU and {share}; up to {resources.max_retries} "
             f"retries when a worker dies)"))
+        return self._capacity
 
     def submit(self, job: Job) -> None:
-        ref = self._task.remote(job.trial_fn, job.config, str(job.out_dir), job.number,
-                                self._broker, self._wants_gpu)
+        task = self._task
+        if self._packer is not None:
+            packing = self._packer.first(job.config, run_dir_of(job.out_dir), self._probe)
+            self._capacity.slots = self._packer.slots()
+            task = task.options(num_gpus=packing.gpu_fraction)
+            self._shares[job.number] = packing.gpu_fraction
+        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number, self._broker, self._wants_gpu)
         self._running[ref] = job
 
     def wait(self, timeout: float) -> list[tuple[Job, Outcome]]:
@@ -221,16 +240,37 @@ class RayExecutor:
             except ray.exceptions.RayError as e:
                 outcome = Outcome(error=describe_ray_error(e, count_attempts(job.out_dir)),
                                   wall_s=now - started, attempts=count_attempts(job.out_dir))
-            done.append((job, outcome))
+            done.append((job, self._with_share(job, outcome)))
+            if self._packer is not None and self._packer.observe(outcome.metrics):
+                self._capacity.slots = self._packer.slots()
         for ref, job in list(self._running.items()):
             started = self._started.get(job.number)
             if started is not None and now - started > job.time_limit_s:
                 ray.cancel(ref, force=True)
                 del self._running[ref], self._started[job.number]
-                done.append((job, Outcome(
+                done.append((job, self._with_share(job, Outcome(
                     error=f"timeout: no result within {job.time_limit_s:g} s (hard limit); its worker was killed",
-                    wall_s=now - started, attempts=count_attempts(job.out_dir))))
+                    wall_s=now - started, attempts=count_attempts(job.out_dir)))))
         return done
+
+    def _with_share(self, job: Job, outcome: Outcome) -> Outcome:
+        """``outcome`` with the GPU share Ray gave the trial (packed trials) in its host record."""
+        share = self._shares.pop(job.number, None)
+        if share is not None:
+            outcome.host = {**(outcome.host or {}), "gpu_share": share}
+        return outcome
+
+    def _probe(self, config: dict) -> dict:
+        """``packing.probe_memory(config)`` as a Ray task on one whole GPU (a fresh worker)."""
+        import ray
+
+        task = ray.remote(num_cpus=self._probe_cpus, num_gpus=1, max_calls=1, max_retries=0)(probe_memory)
+        ref = task.remote(config)
+        try:
+            return ray.get(ref, timeout=PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)   # it would hold its GPU; the packer records the failure
+            raise
 
     def _relay_reports(self) -> None:
         import ray

@@ -33,6 +33,11 @@ def trial_dir(out_dir: Path, number: int) -> Path:
     return Path(out_dir) / TRIALS / f"{number:04d}"
 
 
+def run_dir_of(trial_folder: Path) -> Path:
+    """The run folder a trial folder (``trial_dir``) lies in."""
+    return Path(trial_folder).parent.parent
+
+
 def write_json(path: Path, data: dict) -> None:
     """Write ``data`` atomically (temp file + rename), so a reader never sees half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

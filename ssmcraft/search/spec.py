@@ -30,7 +30,9 @@ Format (every key; defaults after ``=``)::
     sampler: {name: tpe, ...}             # = tpe for one metric, nsga2 for several
     pruner: {name: median, ...}           # = none; single-metric studies only
     resources: {cpus_per_trial: 1, gpus_per_trial: auto, max_concurrent: auto,
-                max_retries: 2}
+                max_retries: 2, max_trials_per_gpu: 8}
+                                          # gpus_per_trial auto: trials packed per GPU from
+                                          # their measured memory (ssmcraft.search.packing)
     fidelity: {kind: successive_halving, min_tokens: 100_000, eta: 3,   # = absent: every
                metric: val_loss}      # trial trains to the full budget (ssmcraft.search.fidelity)
 """
@@ -117,9 +119,11 @@ class Budget:
 @dataclass(frozen=True)
 class Resources:
     cpus_per_trial: float = 1.0
-    gpus_per_trial: float | None = None        # None: auto (1 when the cluster has GPUs)
+    gpus_per_trial: float | None = None        # None: auto (packed from measured memory when the
+                                               # cluster has GPUs: ssmcraft.search.packing; else 0)
     max_concurrent: int | None = None          # None: as many as the resources allow
     max_retries: int = 2                       # re-runs of a trial whose worker died
+    max_trials_per_gpu: int = 8                # cap of gpus_per_trial auto
 
 
 @dataclass(frozen=True)
@@ -357,6 +361,7 @@ def _parse_resources(c: _Checker, value: Any) -> Resources:
         "gpus_per_trial": (None, gpus),
         "max_concurrent": (None, concurrent),
         "max_retries": (2, lambda k, v: c.number(k, v, integer=True, min=0)),
+        "max_trials_per_gpu": (8, lambda k, v: c.number(k, v, integer=True, min=1)),
     })
     return Resources(**o)
 

@@ -7,7 +7,9 @@ A task is a source of ``(inputs, targets)`` batches of token ids:
   (-100, PyTorch's ``cross_entropy`` default ``ignore_index``) where nothing is scored.
 
 Batches are drawn from a ``torch.Generator`` the caller owns, so a run is reproducible from
-its seed alone and no task keeps random state of its own.
+its seed alone and no task keeps random state of its own. A batch is made on the
+generator's device (a CUDA generator: built by torch ops on the GPU, no host work; the
+same seed gives the same batch on the same kind of device, not across CPU and GPU).
 """
 from __future__ import annotations
 
@@ -42,12 +44,19 @@ class Task:
         """
         raise NotImplementedError
 
+    def to(self, device) -> "Task":
+        """Move the task's data (if it holds any, e.g. a corpus) to ``device``; returns self."""
+        return self
+
     def describe(self) -> dict[str, Any]:
         """A JSON-serialisable description (name, sizes, and data provenance)."""
         raise NotImplementedError
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[float, float]]:
         """Task-specific metrics of one batch as ``name -> (numerator, denominator)``.
+
+        Numbers or 0-dim tensors (left on the device: ``evaluate`` sums them there and
+        reads them back once).
 
         logits ``[B, T, V]``, targets ``[B, T]``. Sums over batches divided give the metric
         (so batches of different sizes average correctly). None by default.
@@ -76,14 +85,15 @@ def check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
-    """(correct, scored) counts of argmax predictions at positions whose target is not IGNORE.
+def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, scored) counts of argmax predictions at positions whose target is not IGNORE,
+    as 0-dim int64 tensors on the logits' device (no host sync).
 
     logits ``[B, T, V]``, targets ``[B, T]``.
     """
     mask = targets != IGNORE
     correct = (logits.argmax(-1) == targets) & mask
-    return int(correct.sum()), int(mask.sum())
+    return correct.sum(), mask.sum()
 
 
 class Options:

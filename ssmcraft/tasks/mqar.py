@@ -25,22 +25,27 @@ DEFAULTS = {"vocab": 8192, "seq_len": 64, "num_kv_pairs": 4, "test_seq_len": Non
 
 def mqar_batch(batch_size: int, seq_len: int, num_kv_pairs: int, vocab: int, power_a: float,
                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MQAR batch: ``(inputs [B, T], targets [B, T])`` int64; see the module docstring."""
+    """One MQAR batch: ``(inputs [B, T], targets [B, T])`` int64; see the module docstring.
+
+    Built with torch ops on the generator's device (a CUDA generator gives a batch made on
+    the GPU, no host work or copy); the same seed gives the same batch on the same device.
+    """
     n, B, T = num_kv_pairs, batch_size, seq_len
     key_vocab = vocab // 2
     check_sizes(T, n, vocab)
     g = generator
-    keys = torch.rand(B, key_vocab - 1, generator=g).argsort(dim=1)[:, :n] + 1            # [B, n]
-    values = torch.rand(B, vocab - key_vocab, generator=g).argsort(dim=1)[:, :n] + key_vocab
-    inputs = torch.randint(0, vocab, (B, T), generator=g)
+    dev = g.device if g is not None else torch.device("cpu")
+    keys = torch.rand(B, key_vocab - 1, generator=g, device=dev).argsort(dim=1)[:, :n] + 1            # [B, n]
+    values = torch.rand(B, vocab - key_vocab, generator=g, device=dev).argsort(dim=1)[:, :n] + key_vocab
+    inputs = torch.randint(0, vocab, (B, T), generator=g, device=dev)
     inputs[:, 0:2 * n:2] = keys
     inputs[:, 1:2 * n:2] = values
     space = (T - 2 * n) // 2
-    p = power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1)
+    p = power_a * torch.arange(1, space + 1, dtype=torch.float64, device=dev) ** (power_a - 1)
     gaps = torch.multinomial(p.expand(B, space), n, replacement=False, generator=g)       # [B, n]
     query_pos = 2 * n + 2 * gaps
     inputs.scatter_(1, query_pos, keys)
-    targets = torch.full((B, T), IGNORE, dtype=torch.int64)
+    targets = torch.full((B, T), IGNORE, dtype=torch.int64, device=dev)
     targets.scatter_(1, query_pos, values)
     return inputs, targets
 

@@ -40,8 +40,7 @@ def min_length(digits: int) -> int:
 
 def sentence_start_near(filler: bytes, position: float) -> int:
     """The sentence start in ``filler`` (0, after each ". ", or its end) closest to ``position``."""
-    starts = [0] + [i + 2 for i in range(len(filler) - 1) if filler[i:i + 2] == b". "] + [len(filler)]
-    return min(starts, key=lambda s: (abs(s - position), s))
+    return min(sentence_starts(filler).tolist(), key=lambda s: (abs(s - position), s))
 
 
 def passkey_text(seq_len: int, depth: float, key: bytes) -> tuple[bytes, int]:
@@ -64,19 +63,49 @@ def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, di
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(inputs [B, T], targets [B, T], keys [B, digits])`` int64; ``depth`` a float or ``[B]``.
 
-    Only the last ``digits`` targets are scored: they are the key's digits as bytes.
+    Only the last ``digits`` targets are scored: they are the key's digits as bytes. Built
+    with torch ops on the generator's device (no per-example Python); byte for byte the
+    text of ``passkey_text`` (the tests compare the two).
     """
-    key_digits = torch.randint(0, 10, (batch_size, digits), generator=generator)
-    depths = depth if isinstance(depth, torch.Tensor) else torch.full((batch_size,), float(depth))
-    rows = []
-    for b in range(batch_size):
-        key = bytes(48 + int(c) for c in key_digits[b])
-        text, _ = passkey_text(seq_len, float(depths[b]), key)
-        rows.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64))
-    seq = torch.stack(rows)                                  # [B, T + 1]
+    dev = generator.device if generator is not None else torch.device("cpu")
+    key_digits = torch.randint(0, 10, (batch_size, digits), generator=generator, device=dev)
+    depths = (depth.to(dev) if isinstance(depth, torch.Tensor)
+              else torch.full((batch_size,), float(depth), device=dev))
+    template = NEEDLE.replace(b"{key}", b"\0" * digits)     # the needle with NUL where the digits go
+    n_fill = seq_len + 1 - (len(PREFIX) + len(template) + len(QUESTION) + digits)
+    if n_fill < 0:
+        raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
+    if dev.type == "cpu" and bool(((depths < 0) | (depths > 1)).any()):   # (no GPU sync to check)
+        raise ValueError(f"depth must lie in [0, 1], got {depths.tolist()}")
+    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
+    starts = sentence_starts(filler).to(dev)
+    # the sentence start nearest to depth * n_fill (the first, i.e. smallest, on a tie)
+    cut = starts[(starts.double()[None, :] - depths.double()[:, None] * n_fill).abs().argmin(1)]
+    # the text is PREFIX + filler[:cut] + needle + filler[cut:] + QUESTION + key: index the
+    # constant bytes, then write the key digits into the needle and the answer
+    const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, dev)
+    pos = torch.arange(seq_len + 1, device=dev)[None, :].expand(batch_size, -1)
+    lp, ln, cut = len(PREFIX), len(template), cut[:, None]
+    in_needle = (pos >= lp + cut) & (pos < lp + cut + ln)
+    after = pos >= lp + cut + ln
+    idx = torch.where(in_needle, lp + n_fill + (pos - lp - cut), torch.where(after, pos - ln, pos))
+    idx = torch.where(pos >= lp + n_fill + ln, pos, idx)     # QUESTION and the answer: in place
+    seq = const[idx]
+    slot = torch.cumsum((seq == 0).to(torch.int64), dim=1) - 1   # NULs in order: 2 needle keys, then the answer
+    key_bytes = 48 + key_digits
+    seq = torch.where(seq == 0, key_bytes.gather(1, (slot % digits).clamp_min(0)), seq)
     inputs, targets = seq[:, :-1].clone(), seq[:, 1:].clone()
     targets[:, : seq_len - digits] = IGNORE
     return inputs, targets, key_digits
+
+
+def sentence_starts(filler: bytes) -> torch.Tensor:
+    """Every sentence start of ``filler`` (0, after each ". ", and its end), ascending, int64."""
+    return torch.tensor([0] + [i + 2 for i in range(len(filler) - 1) if filler[i:i + 2] == b". "] + [len(filler)])
+
+
+def _bytes(data: bytes, device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.int64)
 
 
 def retrieved(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -113,7 +142,8 @@ class PasskeyTask(Task):
     def sample(self, split, batch_size, seq_len=None, generator=None):
         T = self.default_len(split, seq_len)
         if self.depth is None:
-            depth = torch.rand(batch_size, generator=generator)
+            depth = torch.rand(batch_size, generator=generator,
+                               device=generator.device if generator is not None else None)
         else:
             depth = float(self.depth)
         inputs, targets, _ = passkey_batch(batch_size, T, depth, self.digits, generator)
@@ -122,7 +152,7 @@ class PasskeyTask(Task):
     def score(self, logits, targets):
         correct, scored = token_accuracy(logits, targets)
         hits = retrieved(logits, targets)
-        return {"digit_accuracy": (correct, scored), "accuracy": (int(hits.sum()), hits.numel())}
+        return {"digit_accuracy": (correct, scored), "accuracy": (hits.sum(), hits.numel())}
 
     def constant_metrics(self):
         return {"chance_accuracy": 0.1 ** self.digits}

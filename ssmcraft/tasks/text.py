@@ -36,11 +36,16 @@ def split_blocks(data: torch.Tensor, val_fraction: float, block_size: int) -> tu
 
 
 def windows(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator | None):
-    """``(inputs [B, T], targets [B, T])`` int64 from random windows of ``data`` [N] uint8."""
+    """``(inputs [B, T], targets [B, T])`` int64 from random windows of ``data`` [N] uint8.
+
+    The window offsets are drawn on the generator's device and the batch is sliced where
+    ``data`` lives (on the GPU after ``TextTask.to``: no host work per batch).
+    """
     if data.numel() < seq_len + 1:
         raise ValueError(f"split has {data.numel()} bytes, fewer than one window of {seq_len + 1}")
-    starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
+    starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator,
+                           device=generator.device if generator is not None else None).to(data.device)
+    idx = starts[:, None] + torch.arange(seq_len + 1, device=data.device)
     seq = data[idx].to(torch.int64)
     return seq[:, :-1], seq[:, 1:]
 
@@ -70,6 +75,11 @@ class TextTask(Task):
         test_len = None if o.get("test_seq_len") is None else o.int("test_seq_len", 1)
         return cls(corpus, o.int("seq_len", 1), test_len, o.float("val_fraction", 1e-4, 0.5),
                    o.int("block_size", 1))
+
+    def to(self, device) -> "TextTask":
+        """Move both splits to ``device`` once (batches are then sliced there)."""
+        self.train_data, self.val_data = self.train_data.to(device), self.val_data.to(device)
+        return self
 
     def sample(self, split, batch_size, seq_len=None, generator=None):
         T = self.default_len(split, seq_len)

@@ -43,6 +43,10 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "threads": None,            # torch CPU threads (None: leave torch's default)
     "backend": "auto",          # recurrence path: auto (fastest available) | reference | torch | triton
     "save_model": True,
+    "log_every": 50,            # steps between host read-backs of loss/grad norm (1: sync every step);
+                                # a divergence is detected at the read-back, at most log_every - 1 steps late
+    "compile": "auto",          # torch.compile of the LM around the recurrence: auto (on for CUDA) | true | false
+    "data_on_device": True,     # build task batches on the training device (False: on the host, then copied)
 }
 MODEL_DEFAULTS = {**LMConfig(vocab_size=0).to_dict(), "vocab_size": None}   # None: the task's vocabulary
 SECTIONS = {"task", "model", "train"}
@@ -138,6 +142,11 @@ def _check_train(t: dict[str, Any], source: str) -> None:
     for key in ("batch_size", "tokens", "eval_batches", "eval_batch_size"):
         positive(key, integer=True)
     positive("eval_every", integer=True, allow_zero=True)
+    positive("log_every", integer=True)
+    if t["compile"] not in ("auto", True, False):
+        raise SpecError(source, "train.compile", f"expected auto, true or false, got {t['compile']!r}")
+    if not isinstance(t["data_on_device"], bool):
+        raise SpecError(source, "train.data_on_device", f"expected true or false, got {t['data_on_device']!r}")
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):
         positive(key, allow_zero=key != "lr")
     t["betas"] = [number_or_same(b) for b in t["betas"]] if isinstance(t["betas"], list) else t["betas"]

@@ -42,6 +42,11 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def peak_reserved(device: torch.device) -> int | None:
+    """Peak bytes PyTorch's CUDA allocator held (allocated plus cached); None off CUDA."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
 def peak_memory(device: torch.device) -> tuple[int, str]:
     """(bytes, kind): CUDA's max allocated on GPU; the process's peak RSS on CPU (whole process)."""
     if device.type == "cuda":

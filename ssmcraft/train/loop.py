@@ -5,6 +5,20 @@ global-norm gradient clipping, bf16 autocast on CUDA, a token budget and an opti
 wall-clock limit, periodic validation on a fixed validation set (``train.val_seed``, the
 same for every run seed, so runs compare on the same data).
 
+Kept off the host's critical path (issue 13), so that small runs keep a GPU busy:
+
+- batches are built on the training device from a generator seeded per run
+  (``train.data_on_device``; false: built on the host and copied, the issue-5 behaviour);
+  the validation batches are built on the host from ``val_seed`` (the same on every
+  device) and moved once;
+- loss and gradient norm stay on the device and are read back every ``train.log_every``
+  steps, one transfer (1: a sync every step); a non-finite value is found at the
+  read-back and the run ends ``diverged`` at the step where it first occurred, the
+  reason saying how many steps later it was seen; a sticky device flag makes the fused
+  AdamW skip that step and every later one, so the weights are the last finite ones;
+- ``train.compile`` (auto: on for CUDA) compiles the LM around the recurrence
+  (``ssmcraft.train.compiled``); evaluation sums on the device and reads back once.
+
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
     status             "ok" | "diverged" (non-finite loss or gradient) | "timeout" (hit
@@ -16,7 +30,11 @@ same for every run seed, so runs compare on the same data).
     tokens, steps      consumed input tokens (batch_size * seq_len per step) and steps
     tokens_per_s       tokens / time spent in training steps (validation excluded)
     wall_s, train_s    whole run / training steps only
-    peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss)
+    peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss);
+                       peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
+    compile            train.compile's record: setting, enabled, reason (and a fallback's)
+    data_device, log_every   where batches were built; steps between host read-backs
+    first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
@@ -41,8 +59,9 @@ from ssmcraft.layers.objectives import compile_objective, spec_mapping
 from ssmcraft.layers.config import AttentionConfig, mixer_config
 from ssmcraft.tasks import build_task
 from ssmcraft.train import checkpoint, plots
+from ssmcraft.train.compiled import compile_model, run_compiled_step
 from ssmcraft.train.config import resolve
-from ssmcraft.train.device import autocast, peak_memory, pick_device, pick_precision, reset_peak_memory
+from ssmcraft.train.device import autocast, peak_memory, peak_reserved, pick_device, pick_precision, reset_peak_memory
 from ssmcraft.train.schedule import lr_at, warmup_steps
 from ssmcraft.train.validate import batch_loss, evaluate
 
@@ -142,78 +161,148 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
 
     steps = max(1, tc["tokens"] // (tc["batch_size"] * task.seq_len))
     warm = warmup_steps(tc["warmup"], steps)
+    # fused AdamW on every device: it skips a step on the device-side flag (below), no sync
     opt = torch.optim.AdamW(param_groups(model, tc["weight_decay"]), lr=tc["lr"], betas=tuple(tc["betas"]),
-                            **({"fused": True} if device.type == "cuda" else {}))
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    val_batches = task.fixed_batches("val", tc["eval_batches"], tc["eval_batch_size"], seed=tc["val_seed"])
+                            fused=True)
+    data_device = device if tc["data_on_device"] else torch.device("cpu")
+    task.to(data_device)
+    gen = torch.Generator(device=data_device).manual_seed(cfg["seed"] + 1)
+    val_batches = [(x.to(device), y.to(device)) for x, y in  # the same on every device; moved once
+                   task.fixed_batches("val", tc["eval_batches"], tc["eval_batch_size"], seed=tc["val_seed"])]
+    train_model, compile_info = compile_model(model, tc["compile"], device)
+    log.info("data built on %s; host read-back every %d step(s)", data_device, tc["log_every"])
     history: dict[str, list] = {"train": [], "val": []}
     status, reason, step = "ok", None, 0
-    train_s, tokens = 0.0, 0
     reset_peak_memory(device)
     bar = _progress_bar(steps) if progress and sys.stderr.isatty() else None
     model.train()
+    readback = _ReadBack(device, history, bar, tc["log_every"])
+    t_loop, eval_s, first_step_s = time.perf_counter(), 0.0, None
     for step in range(steps):
-        if tc["max_seconds"] is not None and train_s >= tc["max_seconds"]:
-            status, reason = "timeout", f"train.max_seconds={tc['max_seconds']} reached after {step} of {steps} steps"
+        if tc["max_seconds"] is not None and time.perf_counter() - t_loop - eval_s >= tc["max_seconds"]:
+            diverged = readback.flush()
+            status, reason = ("diverged", diverged) if diverged else ("timeout", (
+                f"train.max_seconds={tc['max_seconds']} reached after {readback.steps} of {steps} steps"))
             break
-        t0 = time.perf_counter()
         lr = lr_at(step, steps, tc["lr"], warm, tc["min_lr_ratio"])
         for group in opt.param_groups:
             group["lr"] = lr
         inputs, targets = (t.to(device, non_blocking=True) for t in task.sample("train", tc["batch_size"], None, gen))
-        loss_value, grad_norm, problem = _optimizer_step(model, opt, inputs, targets, amp, tc["grad_clip"])
-        if problem is not None:
-            status, reason = "diverged", f"{problem} at step {step}"
+
+        def one_step(module):
+            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped)
+
+        if step == 0 and train_model is not model:
+            (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
+        else:
+            loss, grad_norm = one_step(train_model)
+        if step == 0:  # compile and kernel JIT happen here: timed on their own (one sync)
+            _sync(device)
+            first_step_s = time.perf_counter() - t_loop
+        readback.add(step, inputs.numel(), lr, loss, grad_norm)
+        evaluate_now = bool(tc["eval_every"]) and (step + 1) % tc["eval_every"] == 0 and step + 1 < steps
+        diverged = readback.maybe_flush(now=step + 1 == steps or evaluate_now)
+        if diverged:
+            status, reason = "diverged", diverged
             break
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        train_s += time.perf_counter() - t0
-        tokens += inputs.numel()
-        history["train"].append({"step": step, "tokens": tokens, "loss": loss_value, "lr": lr,
-                                 "grad_norm": grad_norm})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / max(train_s, 1e-9):.0f}")
-        if tc["eval_every"] and (step + 1) % tc["eval_every"] == 0 and step + 1 < steps:
-            last_val = _validate(model, task, val_batches, device, amp, history, step, tokens)
-            if report is not None and report(step + 1, _report_values(last_val, tokens)):
+        if evaluate_now:
+            t_eval = time.perf_counter()
+            last_val = _validate(model, task, val_batches, device, amp, history, step, readback.tokens)
+            eval_s += time.perf_counter() - t_eval
+            if report is not None and report(step + 1, _report_values(last_val, readback.tokens)):
                 status, reason = "pruned", f"stopped by the report callback after step {step + 1}"
                 break
+    _sync(device)
+    train_s = time.perf_counter() - t_loop - eval_s
     if bar is not None:
         bar.close()
     if status == "pruned":
         final = last_val
         log.info("run %s pruned after step %d", cfg["name"], step + 1)
     elif status != "diverged":
-        final = _validate(model, task, val_batches, device, amp, history, step, tokens)
+        final = _validate(model, task, val_batches, device, amp, history, step, readback.tokens)
     else:
         final = {"loss": None}
         log.warning("run %s diverged: %s", cfg["name"], reason)
-    metrics = _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, t_start, device,
+    metrics = _metrics(cfg, model, task, history, final, status, reason, readback.tokens, train_s, t_start, device,
                        precision, n_params)
+    metrics.update(compile=compile_info, data_device=str(data_device), log_every=tc["log_every"],
+                   first_step_s=first_step_s)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
 
 
-def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float) -> tuple[float, float, str | None]:
-    """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm, problem).
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    ``problem`` names a non-finite loss or gradient; then no update is applied, so the
-    weights stay the last finite ones.
+
+def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
+                    stopped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
+    tensors left on the device (no host sync).
+
+    A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
+    fused AdamW skips its update while the flag is set (``found_inf``, the protocol
+    ``GradScaler`` uses), so the weights stay the last finite ones whatever the host
+    learns later (``_ReadBack``).
     """
+    opt.zero_grad(set_to_none=True)
     with amp():
         logits = model(inputs)
     loss = batch_loss(logits, targets)
-    loss_value = float(loss.detach())
-    if not math.isfinite(loss_value):
-        return loss_value, float("nan"), f"training loss is {loss_value}"
-    opt.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")))
-    if not math.isfinite(grad_norm):
-        return loss_value, grad_norm, f"gradient norm is {grad_norm}"
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
+                                               grad_clip or float("inf"))
+    loss = loss.detach()
+    stopped |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    opt.found_inf = stopped.float()
     opt.step()
-    return loss_value, grad_norm, None
+    return loss, grad_norm
+
+
+class _ReadBack:
+    """Per-step loss and gradient norm kept on the device, read back every ``every`` steps
+    in one transfer (the only host sync of the training loop); the history, token count and
+    progress bar are updated then. A non-finite value found at a read-back ends the run as
+    ``diverged`` at the step where it first occurred (detected at most ``every - 1`` steps
+    later; the steps in between changed nothing: ``_optimizer_step``)."""
+
+    def __init__(self, device: torch.device, history: dict, bar, every: int):
+        self.history, self.bar, self.every = history, bar, every
+        self.stopped = torch.zeros((), dtype=torch.bool, device=device)
+        self.pending: list[tuple[int, int, float, torch.Tensor, torch.Tensor]] = []
+        self.tokens = self.steps = 0
+
+    def add(self, step: int, n_tokens: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append((step, n_tokens, lr, loss, grad_norm))
+
+    def maybe_flush(self, now: bool) -> str | None:
+        """``flush`` when ``now`` or ``every`` steps are pending."""
+        return self.flush() if now or len(self.pending) >= self.every else None
+
+    def flush(self) -> str | None:
+        """Read back the pending steps; the divergence reason at a non-finite value, else None."""
+        if not self.pending:
+            return None
+        values = torch.stack([torch.stack([loss.float(), gn.float()]) for *_, loss, gn in self.pending]).tolist()
+        pending, self.pending = self.pending, []
+        for (step, n_tokens, lr, _, _), (loss, grad_norm) in zip(pending, values):
+            problem = (f"training loss is {loss}" if not math.isfinite(loss) else
+                       f"gradient norm is {grad_norm}" if not math.isfinite(grad_norm) else None)
+            if problem is not None:
+                late = pending[-1][0] - step
+                return f"{problem} at step {step}" + (f" (seen at the read-back {late} step(s) later, "
+                                                      f"train.log_every={self.every})" if late else "")
+            self.tokens += n_tokens
+            self.steps += 1
+            self.history["train"].append({"step": step, "tokens": self.tokens, "loss": loss, "lr": lr,
+                                          "grad_norm": grad_norm})
+            if self.bar is not None:
+                self.bar.update(1)
+        if self.bar is not None and self.history["train"]:
+            self.bar.set_postfix(loss=f"{self.history['train'][-1]['loss']:.3f}")
+        return None
 
 
 def _progress_bar(steps: int):
@@ -247,7 +336,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, 
         "tokens": tokens, "steps": len(train),
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "wall_s": time.perf_counter() - t_start, "train_s": train_s,
-        "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+        "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "peak_memory_reserved_bytes": peak_reserved(device),
         "backend": model.backends(), "objective": mixer.get("objective", "attention"),
         "structure": mixer.get("structure"), "n_params": n_params, "device": str(device),
         "precision": precision, "seed": cfg["seed"], "task": task.describe(), "mixer": mixer,

@@ -22,25 +22,26 @@ def evaluate(model, task: Task, batches, device: torch.device, autocast) -> dict
     """``loss`` (mean over every scored token of ``batches``) and the task's metrics.
 
     ``batches``: ``[(inputs [B, T], targets [B, T]), ...]``; ``autocast``: a callable giving
-    the precision context.
+    the precision context. Sums stay on the device; the one host sync is the read-back at
+    the end (the GPU runs every batch back to back).
     """
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
-    sums: dict[str, list[float]] = {}
+    total = count = 0
+    sums: dict[str, list] = {}
     for inputs, targets in batches:
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast():
             logits = model(inputs)
         losses = token_losses(logits, targets)
-        total += float(losses.sum())
-        count += int((targets != IGNORE).sum())
+        total = total + losses.sum()
+        count = count + (targets != IGNORE).sum()
         for name, (num, den) in task.score(logits, targets).items():
-            acc = sums.setdefault(name, [0.0, 0.0])
-            acc[0] += num
-            acc[1] += den
+            acc = sums.setdefault(name, [0, 0])
+            acc[0] = acc[0] + num
+            acc[1] = acc[1] + den
     model.train(was_training)
-    out = {"loss": total / max(count, 1)}
-    out.update({name: num / max(den, 1) for name, (num, den) in sums.items()})
+    out = {"loss": float(total) / max(float(count), 1.0)}
+    out.update({name: float(num) / max(float(den), 1.0) for name, (num, den) in sums.items()})
     out.update(task.constant_metrics())
     return out

@@ -1,0 +1,70 @@
+"""``train.compile``: torch.compile of the LM's non-recurrent work, the recurrence left opaque.
+
+What is compiled: the whole LM forward (embedding, norms, projections, short conv, gates,
+MLPs, the head; the backward through AOT autograd), with each objective mixer's
+recurrence call (``ObjectiveMixer._recur``: the Triton kernels' autograd Functions, or the
+PyTorch scan on CPU) wrapped in ``torch.compiler.disable``, so Dynamo breaks the graph
+there and the kernels run exactly as they do eagerly. Compiling Triton autograd Functions
+inside a Dynamo graph is what this avoids: it is fragile across torch versions.
+
+Settings: ``auto`` compiles on CUDA and not on CPU (where the recurrence dominates and the
+C++ compile costs more than it saves in a short trial); ``true`` compiles on any device;
+``false`` never. A compile failure is never silent: the run logs a warning, goes on eager,
+and records the reason under ``compile`` in its metrics (``run_compiled_step``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def compile_decision(setting: Any, device: torch.device) -> tuple[bool, str]:
+    """(compile?, why) for ``train.compile`` = ``setting`` on ``device``."""
+    if setting is False:
+        return False, "train.compile is false"
+    if setting is True:
+        return True, "train.compile is true"
+    if device.type == "cuda":
+        return True, "train.compile auto: on for CUDA"
+    return False, f"train.compile auto: off on {device.type}"
+
+
+def compile_model(model: torch.nn.Module, setting: Any, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """(the module to train with, the compile record ``{setting, enabled, reason}``).
+
+    The returned module shares ``model``'s parameters. Evaluation keeps using ``model``
+    (eager: its batch and length differ, which would recompile).
+    """
+    enabled, reason = compile_decision(setting, device)
+    info = {"setting": setting, "enabled": enabled, "reason": reason}
+    if not enabled:
+        return model, info
+    opaque = 0
+    for module in model.modules():
+        recur = getattr(module, "_recur", None)
+        if recur is not None:
+            module._recur = torch.compiler.disable(recur)
+            opaque += 1
+    info["opaque_recurrences"] = opaque
+    log.info("torch.compile: %s; %d recurrence call(s) left to the kernels (graph breaks)", reason, opaque)
+    return torch.compile(model), info
+
+
+def run_compiled_step(step: Callable[[torch.nn.Module], Any], compiled: torch.nn.Module,
+                      eager: torch.nn.Module, info: dict) -> tuple[Any, torch.nn.Module]:
+    """Run ``step(module)`` with the compiled module; if compiling fails, say so loudly,
+    record it in ``info`` (``enabled`` false, ``fallback``), and run it eager instead.
+    Returns (the step's result, the module to use from now on). Call it for the first
+    step only (that is when Dynamo and Inductor compile); later errors are real errors."""
+    try:
+        return step(compiled), compiled
+    except Exception as e:  # noqa: BLE001: any compile error; recorded and logged, not hidden
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        info.update(enabled=False, fallback=f"torch.compile failed: {type(e).__name__}: {first}; ran eager")
+        log.warning("torch.compile failed at the first step (%s: %s): training eager instead",
+                    type(e).__name__, first)
+        return step(eager), eager

@@ -1,0 +1,132 @@
+"""The GPU-friendly training path, exercised on CPU: batches built by torch ops on the
+generator's device (the vectorised passkey builder is the per-example text, byte for
+byte), host read-back every ``train.log_every`` steps with divergence found late but the
+weights those of the first bad step, ``train.compile`` (decision, the compiled path with
+Dynamo and AOT autograd, and its loud fallback), and the config checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmcraft.errors import SpecError
+from ssmcraft.tasks import build_task
+from ssmcraft.tasks.passkey import passkey_batch, passkey_text
+from ssmcraft.train import load_run, loop, train_run
+from ssmcraft.train.compiled import compile_decision
+from ssmcraft.train.config import resolve
+
+
+def mqar_config(**train):
+    return {"name": "tiny", "seed": 0,
+            "task": {"name": "mqar", "vocab": 64, "seq_len": 32, "num_kv_pairs": 4},
+            "model": {"d_model": 32, "n_layers": 1, "mlp_ratio": 2,
+                      "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 8}},
+            "train": {"batch_size": 8, "tokens": 8 * 32 * 10, "eval_every": 0, "eval_batches": 1,
+                      "eval_batch_size": 8, **train}}
+
+
+@pytest.mark.parametrize("seq_len", [300, 401])
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0, None])
+def test_vectorised_passkey_is_the_per_example_text(seq_len, depth):
+    g = torch.Generator().manual_seed(seq_len)
+    depths = torch.rand(6, generator=g) if depth is None else depth
+    inputs, targets, keys = passkey_batch(6, seq_len, depths, 5, g)
+    for b in range(6):
+        key = bytes(48 + int(c) for c in keys[b])
+        text, _ = passkey_text(seq_len, float(depths[b]) if depth is None else depth, key)
+        assert bytes(inputs[b].tolist()) + bytes([int(targets[b, -1])]) == text
+
+
+@pytest.mark.parametrize("task", [{"name": "mqar", "vocab": 64, "seq_len": 32, "num_kv_pairs": 4},
+                                  {"name": "passkey", "seq_len": 300}])
+def test_batches_are_made_on_the_generators_device_and_repeat_per_seed(task):
+    t = build_task(task)
+    a = t.sample("train", 4, generator=torch.Generator(device="cpu").manual_seed(3))
+    b = t.sample("train", 4, generator=torch.Generator(device="cpu").manual_seed(3))
+    c = t.sample("train", 4, generator=torch.Generator(device="cpu").manual_seed(4))
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and not torch.equal(a[0], c[0])
+    assert a[0].device.type == "cpu" and a[0].dtype == torch.int64
+
+
+def test_text_task_moved_once_slices_where_its_data_is(tmp_path):
+    (tmp_path / "a.py").write_text("".join(f"x{i} = {i}\n" for i in range(3000)))
+    task = build_task({"name": "text", "corpus": str(tmp_path), "seq_len": 16, "block_size": 512})
+    g = torch.Generator().manual_seed(0)
+    before = task.sample("train", 3, generator=g)
+    assert task.to("cpu") is task
+    again = task.sample("train", 3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(before[0], again[0]) and torch.equal(before[0][:, 1:], before[1][:, :-1])
+
+
+def _poison_step(monkeypatch, at_call: int):
+    real = loop.batch_loss
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        loss = real(logits, targets)
+        return loss * float("nan") if calls["n"] == at_call else loss
+
+    monkeypatch.setattr(loop, "batch_loss", poisoned)
+
+
+def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, monkeypatch):
+    """log_every 4: NaN at step 5 is read back after step 7, the reason says so, and the
+    steps in between changed nothing: the weights equal a per-step-sync run's."""
+    _poison_step(monkeypatch, 6)
+    late = train_run(mqar_config(log_every=4, tokens=8 * 32 * 8), tmp_path / "late")
+    _poison_step(monkeypatch, 6)
+    sync = train_run(mqar_config(log_every=1, tokens=8 * 32 * 8), tmp_path / "sync")
+    assert late["status"] == sync["status"] == "diverged"
+    assert late["reason"] == ("training loss is nan at step 5 (seen at the read-back 2 step(s) later, "
+                              "train.log_every=4)")
+    assert sync["reason"] == "training loss is nan at step 5"
+    assert late["steps"] == sync["steps"] == 5 and late["tokens"] == sync["tokens"] == 5 * 8 * 32
+    a, b = load_run(tmp_path / "late").state_dict(), load_run(tmp_path / "sync").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.isfinite(v).all() for v in a.values())
+    assert late["log_every"] == 4 and late["data_device"] == "cpu"
+
+
+def test_compile_decision():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_decision("auto", cpu) == (False, "train.compile auto: off on cpu")
+    assert compile_decision("auto", cuda) == (True, "train.compile auto: on for CUDA")
+    assert compile_decision(True, cpu)[0] and not compile_decision(False, cuda)[0]
+
+
+def test_compiled_training_matches_eager(tmp_path, monkeypatch):
+    """train.compile true on CPU through Dynamo + AOT autograd (the ``aot_eager`` backend:
+    Inductor's C++ build takes a minute here; the GPU runs Inductor), the recurrence a
+    graph break: the same losses as eager."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend="aot_eager"))
+    eager = train_run(mqar_config(compile=False, tokens=8 * 32 * 3, save_model=False), tmp_path / "eager")
+    compiled = train_run(mqar_config(compile=True, tokens=8 * 32 * 3, save_model=False), tmp_path / "compiled")
+    assert compiled["compile"] == {"setting": True, "enabled": True, "reason": "train.compile is true",
+                                   "opaque_recurrences": 1}
+    assert eager["compile"]["enabled"] is False
+    assert compiled["train_loss_last"] == pytest.approx(eager["train_loss_last"], rel=1e-5)
+
+
+def test_a_failed_compile_falls_back_loudly(tmp_path, monkeypatch, caplog):
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("inductor: no C compiler\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
+    m = train_run(mqar_config(compile=True, tokens=8 * 32 * 2, save_model=False), tmp_path)
+    assert m["status"] == "ok" and m["steps"] == 2
+    assert m["compile"]["enabled"] is False
+    assert m["compile"]["fallback"] == "torch.compile failed: RuntimeError: inductor: no C compiler; ran eager"
+    assert "torch.compile failed at the first step" in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("compile", "yes", "train.compile: expected auto, true or false"),
+    ("log_every", 0, "train.log_every: expected a positive integer"),
+    ("data_on_device", "no", "train.data_on_device: expected true or false"),
+])
+def test_bad_settings_are_named(key, value, message):
+    with pytest.raises(SpecError, match=message):
+        resolve(mqar_config(**{key: value}), "x.yaml")
