@@ -83,8 +83,10 @@ class SelectiveScan(torch.autograd.Function):
 
 def mamba_layout(inputs, params):
     """Our Mamba objective's tensors ([B, T, 1, n]) in selective_scan's layout (differentiable)."""
+    dt = inputs["x"].dtype           # the kernel wants u, delta, B, C in one dtype
+
     def bdl(t):
-        return t[:, :, 0].transpose(1, 2).contiguous()
+        return t[:, :, 0].transpose(1, 2).to(dt).contiguous()
     return (bdl(inputs["x"]), bdl(inputs["delta"]), params["A"].float().contiguous(),
             bdl(inputs["k"]).unsqueeze(1), bdl(inputs["q"]).unsqueeze(1))
 

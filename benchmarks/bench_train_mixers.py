@@ -97,10 +97,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mamba", help="directory holding mamba's built selective_scan_cuda extension")
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--only", help="comma-separated mixers (default: all four)")
     ap.add_argument("--out")
     args = ap.parse_args()
     rep = Report("bench_train_mixers (issue 12)")
-    for name in MIXERS:
+    for name in (args.only.split(",") if args.only else MIXERS):
         torch.manual_seed(0)
         lm = build(name)
         tps, mem = tokens_per_s(lm)
