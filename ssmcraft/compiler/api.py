@@ -108,7 +108,7 @@ class CompiledObjective:
 
 def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
     """The IR with the decay coefficient raised to ``retention`` and the input term scaled."""
-    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1"):
+    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
         raise SsmcraftError(f"{ir.spec_name}: retention/insertion scaling needs a decay and an additive "
                             f"input term; this objective's update is {ir.kind}")
     coefs = {c.name: c for c in ir.coefficients}
@@ -116,6 +116,7 @@ def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
         a = coefs[ir.slots["a"]]
         if a.expr == 1:
             what = ("identity minus a rank-1 erase" if ir.kind == "rank1" else
+                    "identity minus a low-rank erase" if ir.kind == "rankr" else
                     "the identity: the state sums every write and forgets nothing")
             raise SsmcraftError(f"{ir.spec_name}: this objective has no decay to scale (its transition is "
                                 f"{what}); retention scaling applies to decays")

@@ -221,7 +221,8 @@ def _psd(G) -> tuple[bool, str]:
         for idx in combinations(range(R), size):
             minor = Gs.extract(list(idx), list(idx)).det(method="berkowitz")
             if not _shown(minor, "nonnegative"):
-                return False, sympy.sstr(_shortest(minor))
+                known = "is negative" if _shown(minor, "negative") else "is not known to be non-negative"
+                return False, f"{sympy.sstr(_shortest(minor))}, {known}"
     return True, ""
 
 
@@ -264,8 +265,7 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str) -> sympy.Expr:
     ok, minor = _psd(G)
     if not ok:
         raise DerivationError(src, "objective", f"cannot show {what} is convex in {spec.state}: a principal "
-                              f"minor of the weights of its rank-{R} part, {minor}, is not known to be "
-                              "non-negative (declare the inputs in it positive)")
+                              f"minor of the weights of its rank-{R} part, {minor} (declare the inputs in it positive)")
     # Woodbury: y = -gamma/alpha, M_rl = sum_j w_rj beta_lj / alpha_j, z = (I + M)^-1 W y,
     # s = y - sum_r z_r beta_r / alpha; the inverse as adjugate / determinant over named sums
     y = -gamma / alpha

@@ -6,6 +6,10 @@ the slots of that class's recurrence:
 
 - ``scalar_decay`` / ``diagonal_decay``:  ``S_t = a . S_prev + B``
 - ``rank1``: ``S_t = a . S_prev - c . (S_prev u) v^T + B``  (c per row, or per head)
+- ``rankr``: ``S_t = a . S_prev - sum_{r,l} c_rl . (S_prev u_l) v_r^T + B`` with L, R <= 4
+  column vectors (slots ``u0..u{L-1}``, ``v0..v{R-1}``) and row factors ``c{r}{l}`` (per row
+  or per head; a slot absent where the factor is 0): several keys or regression terms,
+  Woodbury updates; its diagonal approximation is a ``diagonal_decay``
 - ``general``: linear in S_prev but none of the above; ``S_t`` given element-wise
 - ``nonlinear``: an explicit step on a non-quadratic loss; ``S_t`` given element-wise
 and in every class the readout ``y = oc . (S_t oq) + oh`` (or element-wise for general).
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-KINDS = ("scalar_decay", "diagonal_decay", "rank1", "general", "nonlinear")
+KINDS = ("scalar_decay", "diagonal_decay", "rank1", "rankr", "general", "nonlinear")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,19 @@ class UpdateIR:
 
     def is_per_head_step(self) -> bool:
         c = self.coefficient("c")
+        if self.kind == "rankr":
+            cs = [self.coefficient(slot) for slot in self.erase_slots()]
+            return bool(cs) and all(not c.dims for c in cs)
         return c is not None and not c.dims
+
+    def ranks(self) -> tuple[int, int]:
+        """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors."""
+        return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
+                sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
+
+    def erase_slots(self) -> list[str]:
+        """``rankr``: the slots ``c{r}{l}`` present (nonzero row factors), in order."""
+        return [s for s in self.slots if len(s) == 3 and s[0] == "c" and s[1:].isdigit()]
 
     def to_json(self) -> dict:
         """A JSON-serialisable form of the IR (``ssmcraft derive --json``)."""

@@ -2,7 +2,9 @@
 
 The update ``F(S_prev)`` is decomposed as affine in ``S_prev`` (``derive.affine``):
 no row functional -> a (scalar or elementwise) decay; one functional whose weight splits
-into a row factor times a column vector -> identity-minus-rank-1 (``rank1``); anything
+into a row factor times a column vector -> identity-minus-rank-1 (``rank1``); up to
+``MAX_RANK`` functionals over column vectors whose weights are sums of row factors times
+at most ``MAX_RANK`` column vectors -> ``rankr`` (several keys, Woodbury updates); anything
 else linear -> ``general``; not affine -> ``nonlinear``. ``approximation: diagonal``
 keeps the transition's diagonal ``a + beta * w`` (Longhorn's ``1 - eps k^2``) and the
 input term. The per-token coefficients are simplified, named and CSE'd here.
@@ -13,7 +15,7 @@ from dataclasses import replace
 
 import sympy
 
-from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine, derive_update, is_affine
+from ssmcraft.compiler.derive import MAX_RANK, NotAffine, NotRowSeparable, affine, derive_update, is_affine
 from ssmcraft.compiler.ir import Coefficient, ReductionIR, UpdateIR
 from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
@@ -38,6 +40,37 @@ def split_dims(alg: Algebra, e, row: str, col: str):
         else:
             return None
     return sympy.Mul(*rowp), sympy.Mul(*colp)
+
+
+def low_rank(alg: Algebra, terms, row: str, col: str):
+    """Write ``sum_l beta_l (S_prev u_l)`` as ``-sum_{r,l} C[r][l] (S_prev u_l) v_r`` with column
+    vectors ``u_l, v_r`` and row factors ``C[r][l]`` (0 where absent): (us, vs, C), or None when
+    some ``u`` varies over rows, some weight does not split, or more than ``MAX_RANK`` vectors."""
+    us = [w for _, w in terms]
+    if len(us) > MAX_RANK or any(row in alg.dims_of(u) for u in us):
+        return None
+    vs: list = []
+    columns = []                             # per l: {v index: row factor}
+    for beta, _ in terms:
+        num, den = sympy.fraction(sympy.together(-beta))
+        if col in alg.dims_of(den):
+            return None
+        by_v: dict = {}
+        for term in sympy.Add.make_args(sympy.expand(num)):
+            split = split_dims(alg, term, row, col)
+            if split is None:
+                return None
+            rowp, colp = split
+            idx = next((i for i, v in enumerate(vs) if v == colp), None)
+            if idx is None:
+                vs.append(colp)
+                idx = len(vs) - 1
+            by_v[idx] = by_v.get(idx, 0) + rowp
+        columns.append({i: c / den for i, c in by_v.items()})
+    if len(vs) > MAX_RANK:
+        return None
+    C = [[columns[l].get(r, 0) for l in range(len(us))] for r in range(len(vs))]
+    return us, vs, C
 
 
 def _ordered(dims, order) -> tuple[str, ...]:
@@ -157,8 +190,22 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
                 kind = "general"
         else:
             kind = "general"
+        if kind == "general":
+            lr = low_rank(alg, parts.terms, row, col)
+            if lr is not None:
+                kind = "rankr"
+                us, vs, C = lr
+                for r in range(len(vs)):
+                    for l in range(len(us)):
+                        if simplify(C[r][l]) != 0:
+                            b.add(f"c{r}{l}", C[r][l])
+                b.add("a", parts.alpha, reuse=False)
+                for l, u in enumerate(us):
+                    b.add(f"u{l}", u, reuse=False)
+                for r, v in enumerate(vs):
+                    b.add(f"v{r}", v, reuse=False)
 
-    if kind in ("scalar_decay", "diagonal_decay", "rank1"):
+    if kind in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
         pq = split_dims(alg, gamma, row, col)
         if pq is not None:
             b.add("p", pq[0])
@@ -187,6 +234,8 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     state_update, state_reductions = None, ()
     if kind in ("general", "nonlinear"):
         state_update = sympy.factor_terms(sympy.cancel(F))
+        if spec.update == "newton":    # cancel() expands (r - x)**2 + 1 under square roots
+            state_update = min((state_update, sympy.factor_terms(sympy.together(F))), key=sympy.count_ops)
         state_reductions = _reduction_irs(alg.reductions_in(F), spec.dims)
     for r in reductions:
         if alg.depends_on(r.body, S) or alg.depends_on(r.body, S_prev):
