@@ -226,9 +226,11 @@ def _psd(G) -> tuple[bool, str]:
     return True, ""
 
 
-def solve_rows(so: SymbolicObjective, parts: Affine, what: str) -> sympy.Expr:
+def solve_rows(so: SymbolicObjective, parts: Affine, what: str, simplify=_simplify) -> sympy.Expr:
     """Solve the row system ``alpha . s + sum_r beta_r (w_r . s) + gamma = 0`` for ``s`` (element
-    form), after showing it is positive definite. ``what`` names the matrix in refusals."""
+    form), after showing it is positive definite. ``what`` names the matrix in refusals;
+    ``simplify`` is applied to the bodies of the sums it forms (the default cancels, which
+    expands polynomials: a Newton step keeps ``(r - x)**2 + 1`` whole instead)."""
     spec, alg = so.spec, so.algebra
     src = spec.source
     alpha = _simplify(parts.alpha)
@@ -255,8 +257,8 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str) -> sympy.Expr:
                                   "non-negative (declare it positive)")
         # row system s (diag(alpha) + w beta^T) = -gamma, solved by Sherman-Morrison
         y = -gamma / alpha
-        num = alg.reduce(_simplify(y * w), cols)
-        den = 1 + alg.reduce(_simplify(w * beta / alpha), cols)
+        num = alg.reduce(simplify(y * w), cols)
+        den = 1 + alg.reduce(simplify(w * beta / alpha), cols)
         return y - num * (beta / alpha) / den
     G = _column_free_factors(alg, parts.terms, cols)
     if G is None:
@@ -269,8 +271,8 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str) -> sympy.Expr:
     # Woodbury: y = -gamma/alpha, M_rl = sum_j w_rj beta_lj / alpha_j, z = (I + M)^-1 W y,
     # s = y - sum_r z_r beta_r / alpha; the inverse as adjugate / determinant over named sums
     y = -gamma / alpha
-    u = sympy.Matrix([alg.reduce(_simplify(y * w), cols) for _, w in parts.terms])
-    A = sympy.eye(R) + sympy.Matrix(R, R, lambda r, l: alg.reduce(_simplify(parts.terms[r][1] * parts.terms[l][0] / alpha), cols))
+    u = sympy.Matrix([alg.reduce(simplify(y * w), cols) for _, w in parts.terms])
+    A = sympy.eye(R) + sympy.Matrix(R, R, lambda r, l: alg.reduce(simplify(parts.terms[r][1] * parts.terms[l][0] / alpha), cols))
     det = sympy.expand(A.det(method="berkowitz"))
     z = A.adjugate(method="berkowitz") * u
     return y - sum(sympy.expand(z[r]) * parts.terms[r][0] for r in range(R)) / (alpha * det)
@@ -301,7 +303,12 @@ def newton_update(so: SymbolicObjective) -> sympy.Expr:
         parts = affine(alg, linear, D)
     except (NotAffine, NotRowSeparable) as e:
         raise _not_quadratic(so, e) from None
-    return S_prev + solve_rows(so, parts, "the Hessian of the objective at S_prev (one Newton step)")
+    # the linearised coefficients are small: sympy.simplify folds rho'' (e.g. 1/sqrt(u) - r**2/u**(3/2)
+    # into 1/u**(3/2)) where cancel() would expand u = (r - x)**2 + 1
+    parts = Affine(sympy.simplify(parts.alpha), tuple((sympy.simplify(b), sympy.simplify(w)) for b, w in parts.terms),
+                   sympy.simplify(parts.gamma))
+    return S_prev + solve_rows(so, parts, "the Hessian of the objective at S_prev (one Newton step)",
+                               simplify=sympy.factor_terms)
 
 
 def explicit_update(so: SymbolicObjective) -> sympy.Expr:
