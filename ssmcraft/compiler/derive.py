@@ -192,13 +192,21 @@ def _column_free_factors(alg: Algebra, terms, col: str):
     """``G`` with ``beta_r = sum_l G[r][l] w_l`` and every ``G[r][l]`` free of the column dimension,
     or None. Found by evaluating at R points of the column symbols, then verified symbolically."""
     R = len(terms)
+    single = [[0] * R for _ in range(R)]      # first: every beta_r a multiple of one w_l (kept unexpanded)
+    for r, (beta, _) in enumerate(terms):
+        l = next((l for l, (_, w) in enumerate(terms) if col not in alg.dims_of(_simplify(beta / w))), None)
+        if l is None:
+            break
+        single[r][l] = sympy.factor_terms(sympy.together(beta / terms[l][1]))
+    else:
+        return single
     col_syms = sorted((s for t in terms for e in t for s in e.free_symbols if col in alg.symbol_dims.get(s, ())),
                       key=lambda s: s.name)
     col_syms = list(dict.fromkeys(col_syms))
     for attempt in range(3):
         def at(e, p):
-            return e.xreplace({s: sympy.Rational(2 + 3 * i + 7 * p + 11 * attempt, 3 + p + attempt)
-                               for i, s in enumerate(col_syms)})
+            # symbol i at point p: (i + 2)**(p + 1 + attempt) / (p + 2), Vandermonde-like (generic)
+            return e.xreplace({s: sympy.Rational((i + 2) ** (p + 1 + attempt), p + 2) for i, s in enumerate(col_syms)})
         Wp = sympy.Matrix(R, R, lambda p, l: at(terms[l][1], p))
         if Wp.det() == 0:
             continue
@@ -217,7 +225,8 @@ def _psd(G) -> tuple[bool, str]:
     from itertools import combinations
     R = len(G)
     Gs = sympy.Matrix(R, R, lambda r, l: (G[r][l] + G[l][r]) / 2)
-    for size in range(1, R + 1):
+    sizes = [1] if Gs.is_diagonal() else range(1, R + 1)    # a diagonal G: its entries suffice
+    for size in sizes:
         for idx in combinations(range(R), size):
             minor = Gs.extract(list(idx), list(idx)).det(method="berkowitz")
             if not _shown(minor, "nonnegative"):

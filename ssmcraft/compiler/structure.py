@@ -53,14 +53,16 @@ def low_rank(alg: Algebra, terms, row: str, col: str):
     columns = []                             # per l: {v index: row factor}
     for beta, _ in terms:
         num, den = sympy.fraction(sympy.together(-beta))
-        if col in alg.dims_of(den):
+        den_split = split_dims(alg, den, row, col)       # a weighted proximity divides by a column vector
+        if den_split is None:
             return None
+        den, den_col = den_split
         by_v: dict = {}
         for term in sympy.Add.make_args(sympy.expand(num)):
             split = split_dims(alg, term, row, col)
             if split is None:
                 return None
-            rowp, colp = split
+            rowp, colp = split[0], split[1] / den_col
             idx = next((i for i, v in enumerate(vs) if v == colp), None)
             if idx is None:
                 vs.append(colp)
