@@ -92,12 +92,17 @@ def affine(alg: Algebra, expr: sympy.Expr, var: sympy.Symbol) -> Affine:
     functionals: dict = {}   # placeholder symbol -> weight w
 
     def functional(w):
+        """``sum_j V_ij w_ij`` as (row factors of w) * a functional symbol, so that ``lam_i k_j``
+        and ``k_j`` give one functional (a Newton step on a row-weighted objective)."""
+        row_factors = [f for f in sympy.Mul.make_args(w) if alg.dims_of(f) == {rows}]
+        outer = sympy.Mul(*row_factors)
+        w = sympy.Mul(*[f for f in sympy.Mul.make_args(w) if f not in row_factors])
         for sym, w0 in functionals.items():
             if sympy.cancel(w0 - w) == 0:
-                return sym
+                return outer * sym
         sym = sympy.Symbol(f"_phi{len(functionals)}", real=True)
         functionals[sym] = w
-        return sym
+        return outer * sym
 
     def normalise(e):
         """Replace var-dependent reductions by combinations of row functionals."""

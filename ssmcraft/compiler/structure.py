@@ -42,6 +42,22 @@ def split_dims(alg: Algebra, e, row: str, col: str):
     return sympy.Mul(*rowp), sympy.Mul(*colp)
 
 
+def merge_proportional(alg: Algebra, terms, col: str) -> tuple:
+    """Terms ``beta_l (S_prev w_l)`` with ``w_l`` a column-constant multiple of an earlier ``w``
+    folded into that one (``alpha k`` and ``k`` are one functional, e.g. a Newton step on Gated
+    Longhorn)."""
+    kept: list = []
+    for beta, w in terms:
+        for i, (beta0, w0) in enumerate(kept):
+            ratio = simplify(w / w0)
+            if col not in alg.dims_of(ratio):
+                kept[i] = (beta0 + beta * ratio, w0)
+                break
+        else:
+            kept.append((beta, w))
+    return tuple(kept)
+
+
 def low_rank(alg: Algebra, terms, row: str, col: str):
     """Write ``sum_l beta_l (S_prev u_l)`` as ``-sum_{r,l} C[r][l] (S_prev u_l) v_r`` with column
     vectors ``u_l, v_r`` and row factors ``C[r][l]`` (0 where absent): (us, vs, C), or None when
@@ -154,6 +170,8 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     b = _Builder(alg, spec.dims)
     try:
         parts = affine(alg, F, S_prev)
+        if len(parts.terms) > 1:
+            parts = replace(parts, terms=merge_proportional(alg, parts.terms, col))
         kind = None
     except NotAffine:
         parts, kind = None, "nonlinear"
