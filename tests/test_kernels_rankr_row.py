@@ -16,8 +16,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import find_objective  # noqa: E402
 from ssmcraft.kernels import general as G  # noqa: E402
 from ssmcraft.kernels import rankr_row as RR  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
-from helpers import rel_rms as rel  # noqa: E402
+from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error, fp32 kernel vs float64 reference: the Woodbury coefficients are
 # quotients of O(1) sums (~20 flops each), so fp32 rounding leaves ~1e-6
@@ -47,30 +46,12 @@ def _poison(monkeypatch):
     monkeypatch.setattr(RR, "ROW_BLOCK", 4)
 
 
-def _inputs(obj, B, T, H, d, m, seed):
-    g = torch.Generator().manual_seed(seed)
-    ins = {}
-    for n, dims in obj.ir.inputs.items():
-        decl = obj.spec.inputs[n]
-        x = torch.randn(B, T, H, *[d if x == obj.ir.dims[0] else m for x in dims], generator=g, dtype=torch.float64)
-        if decl.bounded:
-            x = 0.2 + 0.6 * torch.sigmoid(x)
-        elif decl.positive:
-            x = 0.5 + torch.rand(x.shape, generator=g, dtype=torch.float64)
-        elif len(dims) == 1 and dims[0] != obj.ir.dims[0]:
-            x = x / x.norm(dim=-1, keepdim=True)         # keys of norm 1, as the mixer's do
-        ins[n] = x
-    params = {n: 0.2 + 0.6 * torch.rand(H, *[d if x == obj.ir.dims[0] else m for x in dims], generator=g,
-                                        dtype=torch.float64) for n, dims in obj.ir.params.items()}
-    return ins, params, torch.randn(B, H, d, m, generator=g, dtype=torch.float64) * 0.5, g
-
-
 def test_supports_and_dispatch():
     obj = ssmcraft.compile("longhorn_2key")
     assert obj.ir.kind == "rankr" and obj.ir.ranks() == (2, 2) and RR.supports(obj.ir) is None
     assert "rank-r" in RR.supports(ssmcraft.compile("longhorn").ir)
     assert "rank-r" not in (G.supports(obj.ir) or "rank-r") and G.supports(obj.ir) is not None
-    ins, _, S0, _ = _inputs(obj, 1, 3, 1, 6, 4, seed=1)
+    ins, _, S0, _ = kernel_inputs(obj, 1, 3, 1, 6, 4, seed=1, unit_keys=True)
     obj.prefer = "interpret"
     y, S = obj({k: v.float() for k, v in ins.items()}, initial_state=S0.float())
     assert obj.backend == "triton-interpret:rankr-row"
@@ -86,34 +67,15 @@ def test_matches_reference(which, T, chunk, monkeypatch):
     obj = ssmcraft.compile({"rr_explicit_head": EXPLICIT_HEAD, "rr_rank3": RANK3}.get(which, which))
     assert obj.ir.kind == "rankr" and RR.supports(obj.ir) is None
     B, H, d, m = 2, 1, 10, 8                  # 3 row blocks of 4, the last one partial
-    ins, params, S0, g = _inputs(obj, B, T, H, d, m, seed=T)
-    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    pr = {k: v.clone().requires_grad_() for k, v in params.items()}
-    s0 = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, pr, s0)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
-    wrt = [*leaves.values(), *pr.values(), s0]
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), wrt)
-
-    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
-    pv = {k: v.float().requires_grad_() for k, v in params.items()}
-    s1 = S0.float().requires_grad_()
-    lay = layout(obj.ir, obj.spec, lv, pv, s1)
-    y, S = RR.forward(obj, lay, None, True)
-    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m) and S.dtype == torch.float32
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *pv.values(), s1])
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, *pr, "S0"], got, ref_g)})
-    bad = {k: v for k, v in errs.items() if not v <= TOL.get(k, TOL["grad"])}
-    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+    ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=T, unit_keys=True)
+    assert_within(kernel_errors(obj, lambda o, lay: RR.forward(o, lay, None, True), ins, params, S0, g), TOL)
 
 
 def test_bf16_io_and_no_initial_state():
     """bf16 inputs give a bf16 output from fp32 state (the interpreter computes in fp32 after
     loading); no initial state starts from zeros; inference path (no checkpoints)."""
     obj = ssmcraft.compile("longhorn_2key")
-    ins, _, _, _ = _inputs(obj, 1, 4, 2, 6, 4, seed=4)
+    ins, _, _, _ = kernel_inputs(obj, 1, 4, 2, 6, 4, seed=4, unit_keys=True)
     obj.prefer = "interpret"
     with torch.no_grad():
         y, S = obj({k: v.bfloat16() for k, v in ins.items()})
