@@ -51,7 +51,7 @@ class UpdateIR:
     inputs: dict                                # name -> dims
     params: dict                                # name -> dims
     kind: str
-    update: str                                 # implicit | explicit
+    update: str                                 # implicit | explicit | newton
     approximation: str                          # exact | diagonal
     reductions: tuple = ()                      # ReductionIR, input-only, dependency order
     coefficients: tuple = ()                    # Coefficient, dependency order (CSE temps first)

@@ -21,9 +21,15 @@ from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
 
 
+LARGE = 150      # operations: above this a coefficient is not factored nor reused (multivariate
+                 # factoring of a rank-4 Woodbury coefficient takes minutes; cancel keeps it exact)
+
+
 def simplify(e) -> sympy.Expr:
     """Cheap canonical simplification for per-token coefficients (rational functions)."""
     e = sympy.cancel(sympy.together(sympy.sympify(e)))
+    if sympy.count_ops(e) > LARGE:
+        return sympy.factor_terms(e)
     factored = sympy.factor(e)
     return factored if sympy.count_ops(factored) <= sympy.count_ops(e) else sympy.factor_terms(e)
 
@@ -105,7 +111,7 @@ class _Builder:
 
     def add(self, slot: str, expr, *, reuse: bool = True):
         expr = simplify(expr)
-        if reuse:
+        if reuse and sympy.count_ops(expr) <= LARGE:
             for name, value in self.named:
                 if value.is_Symbol or value.is_number:
                     continue
