@@ -21,15 +21,17 @@ from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
 
 
-LARGE = 150      # operations: above this a coefficient is not factored nor reused (multivariate
-                 # factoring of a rank-4 Woodbury coefficient takes minutes; cancel keeps it exact)
+LARGE = 150      # operations: above this a coefficient is not simplified nor reused (multivariate
+                 # gcds and factoring of a rank-4 Woodbury coefficient take minutes)
 
 
 def simplify(e) -> sympy.Expr:
-    """Cheap canonical simplification for per-token coefficients (rational functions)."""
-    e = sympy.cancel(sympy.together(sympy.sympify(e)))
+    """Cheap canonical simplification for per-token coefficients (rational functions); a large
+    one (a rank-3/4 Woodbury coefficient, already a ratio of polynomials) is kept as it is."""
+    e = sympy.sympify(e)
     if sympy.count_ops(e) > LARGE:
-        return sympy.factor_terms(e)
+        return e
+    e = sympy.cancel(sympy.together(e))
     factored = sympy.factor(e)
     return factored if sympy.count_ops(factored) <= sympy.count_ops(e) else sympy.factor_terms(e)
 
@@ -45,6 +47,20 @@ def split_dims(alg: Algebra, e, row: str, col: str):
             colp.append(f)
         else:
             return None
+    return sympy.Mul(*rowp), sympy.Mul(*colp)
+
+
+def _split_monomial(alg: Algebra, e, row: str, col: str):
+    """``split_dims`` of a product without factoring it first (the terms of an expanded sum)."""
+    rowp, colp = [], []
+    for f in sympy.Mul.make_args(e):
+        dims = alg.dims_of(f)
+        if col not in dims:
+            rowp.append(f)
+        elif row not in dims:
+            colp.append(f)
+        else:
+            return split_dims(alg, e, row, col)
     return sympy.Mul(*rowp), sympy.Mul(*colp)
 
 
@@ -75,13 +91,15 @@ def low_rank(alg: Algebra, terms, row: str, col: str):
     columns = []                             # per l: {v index: row factor}
     for beta, _ in terms:
         num, den = sympy.fraction(sympy.together(-beta))
-        den_split = split_dims(alg, den, row, col)       # a weighted proximity divides by a column vector
+        # a weighted proximity divides by a column vector; a Woodbury determinant is column-free
+        # (and too large to factor quickly)
+        den_split = (den, 1) if col not in alg.dims_of(den) else split_dims(alg, den, row, col)
         if den_split is None:
             return None
         den, den_col = den_split
         by_v: dict = {}
         for term in sympy.Add.make_args(sympy.expand(num)):
-            split = split_dims(alg, term, row, col)
+            split = _split_monomial(alg, term, row, col)
             if split is None:
                 return None
             rowp, colp = split[0], split[1] / den_col
