@@ -124,9 +124,9 @@ def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
         scaled = a.expr ** r if a.expr.is_positive else sympy.sign(a.expr) * sympy.Abs(a.expr) ** r
         coefs[a.name] = Coefficient(a.name, scaled, a.dims)
     if insertion != 1.0:
-        slot = ir.slots.get("p") or ir.slots["B"]
-        c = coefs[slot]
-        coefs[slot] = Coefficient(c.name, sympy.Float(insertion) * c.expr, c.dims)
+        for slot in [ir.slots[s] for s in ir.input_slots()] or [ir.slots.get("p") or ir.slots["B"]]:
+            c = coefs[slot]
+            coefs[slot] = Coefficient(c.name, sympy.Float(insertion) * c.expr, c.dims)
     tag = f"_ret{retention:g}_ins{insertion:g}".replace(".", "p").replace("-", "m")
     return replace(ir, coefficients=tuple(coefs[c.name] for c in ir.coefficients), spec_name=ir.spec_name + tag)
 

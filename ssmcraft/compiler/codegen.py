@@ -21,6 +21,8 @@ def update_formula(ir: UpdateIR) -> str:
     S = ir.state
     c = ir.coefficient
     B = "p q^T" if "p" in ir.slots else "B"
+    if ir.input_slots():
+        B = " + ".join(f"{s} v{s[1]}^T" for s in ir.input_slots())
     a = c("a")
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
     if ir.kind in ("scalar_decay", "diagonal_decay"):
@@ -105,6 +107,8 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         a = ir.coefficient("a")
         decay = f"{S}_prev" if a.expr == 1 else f"co['a'] * {S}_prev"
         inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
+        if ir.input_slots():
+            inp = " + ".join(f"co['{s}'] * co['v{s[1]}']" for s in ir.input_slots())
         if ir.kind == "rank1":
             body.append(f"    erase = co['c'] * ({S}_prev * co['u']).sum(-1, keepdim=True) * co['v']")
             body.append(f"    return {decay} - erase + {inp}")

@@ -179,7 +179,7 @@ MAX_RANK = 4      # the largest low-rank part solved in closed form (an r x r in
 
 
 def _not_quadratic(so: SymbolicObjective, e: Exception) -> DerivationError:
-    """The refusal when the (linearised) gradient is not affine / not row-separable in ``var``."""
+    """The refusal when the gradient (linearised, for newton) is not affine or not row-separable."""
     spec, alg = so.spec, so.algebra
     src = spec.source
     if isinstance(e, NotRowSeparable) and is_affine(alg, gradient(alg, so.loss, so.lowering.state), so.lowering.state):

@@ -9,7 +9,9 @@ the slots of that class's recurrence:
 - ``rankr``: ``S_t = a . S_prev - sum_{r,l} c_rl . (S_prev u_l) v_r^T + B`` with L, R <= 4
   column vectors (slots ``u0..u{L-1}``, ``v0..v{R-1}``) and row factors ``c{r}{l}`` (per row
   or per head; a slot absent where the factor is 0): several keys or regression terms,
-  Woodbury updates; its diagonal approximation is a ``diagonal_decay``
+  Woodbury updates; its diagonal approximation is a ``diagonal_decay``. Its input term is
+  ``B = sum_r p_r v_r^T`` (slots ``p{r}``, row factors over the same ``v_r``) when it lies in
+  their span (it does for regressions on the keys), else a ``B`` slot
 - ``general``: linear in S_prev but none of the above; ``S_t`` given element-wise
 - ``nonlinear``: an explicit step on a non-quadratic loss; ``S_t`` given element-wise
 and in every class the readout ``y = oc . (S_t oq) + oh`` (or element-wise for general).
@@ -77,6 +79,10 @@ class UpdateIR:
         """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors."""
         return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
                 sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
+
+    def input_slots(self) -> list[str]:
+        """``rankr``: the slots ``p{r}`` of ``B = sum_r p_r v_r^T`` present, in order."""
+        return [s for s in self.slots if len(s) == 2 and s[0] == "p" and s[1].isdigit()]
 
     def erase_slots(self) -> list[str]:
         """``rankr``: the slots ``c{r}{l}`` present (nonzero row factors), in order."""

@@ -64,6 +64,32 @@ def _split_monomial(alg: Algebra, e, row: str, col: str):
     return sympy.Mul(*rowp), sympy.Mul(*colp)
 
 
+def by_column(alg: Algebra, e, vs: list, row: str, col: str, grow: bool = True):
+    """``e`` as ``sum_r f_r v_r`` with row factors ``f_r`` and column vectors ``v_r`` in ``vs``
+    (appended to it when ``grow``): {r: f_r}, or None if some term does not split."""
+    num, den = sympy.fraction(sympy.together(e))
+    # a weighted proximity divides by a column vector; a Woodbury determinant is column-free
+    # (and too large to factor quickly)
+    den_split = (den, 1) if col not in alg.dims_of(den) else split_dims(alg, den, row, col)
+    if den_split is None:
+        return None
+    den, den_col = den_split
+    out: dict = {}
+    for term in sympy.Add.make_args(sympy.expand(num)):
+        split = _split_monomial(alg, term, row, col)
+        if split is None:
+            return None
+        rowp, colp = split[0], split[1] / den_col
+        idx = next((i for i, v in enumerate(vs) if v == colp), None)
+        if idx is None:
+            if not grow:
+                return None
+            vs.append(colp)
+            idx = len(vs) - 1
+        out[idx] = out.get(idx, 0) + rowp
+    return {i: c / den for i, c in out.items()}
+
+
 def merge_proportional(alg: Algebra, terms, col: str) -> tuple:
     """Terms ``beta_l (S_prev w_l)`` with ``w_l`` a column-constant multiple of an earlier ``w``
     folded into that one (``alpha k`` and ``k`` are one functional, e.g. a Newton step on Gated
@@ -90,25 +116,10 @@ def low_rank(alg: Algebra, terms, row: str, col: str):
     vs: list = []
     columns = []                             # per l: {v index: row factor}
     for beta, _ in terms:
-        num, den = sympy.fraction(sympy.together(-beta))
-        # a weighted proximity divides by a column vector; a Woodbury determinant is column-free
-        # (and too large to factor quickly)
-        den_split = (den, 1) if col not in alg.dims_of(den) else split_dims(alg, den, row, col)
-        if den_split is None:
+        by_v = by_column(alg, -beta, vs, row, col)
+        if by_v is None:
             return None
-        den, den_col = den_split
-        by_v: dict = {}
-        for term in sympy.Add.make_args(sympy.expand(num)):
-            split = _split_monomial(alg, term, row, col)
-            if split is None:
-                return None
-            rowp, colp = split[0], split[1] / den_col
-            idx = next((i for i, v in enumerate(vs) if v == colp), None)
-            if idx is None:
-                vs.append(colp)
-                idx = len(vs) - 1
-            by_v[idx] = by_v.get(idx, 0) + rowp
-        columns.append({i: c / den for i, c in by_v.items()})
+        columns.append(by_v)
     if len(vs) > MAX_RANK:
         return None
     C = [[columns[l].get(r, 0) for l in range(len(us))] for r in range(len(vs))]
@@ -248,8 +259,16 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
                     b.add(f"u{l}", u, reuse=False)
                 for r, v in enumerate(vs):
                     b.add(f"v{r}", v, reuse=False)
+                # the input term over the same column vectors: B = sum_r p_r v_r^T (no [d, m] tensor)
+                inputs = by_column(alg, parts.gamma, vs, row, col, grow=False) if parts.gamma != 0 else {}
+                if inputs is not None:
+                    for r, f in sorted(inputs.items()):
+                        if simplify(f) != 0:
+                            b.add(f"p{r}", f)
+                else:
+                    b.add("B", parts.gamma)
 
-    if kind in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
+    if kind in ("scalar_decay", "diagonal_decay", "rank1"):
         pq = split_dims(alg, gamma, row, col)
         if pq is not None:
             b.add("p", pq[0])

@@ -93,6 +93,8 @@ def slot_update(ir, alg: Algebra, coef, S_prev) -> sympy.Expr:
     F = coef("a", 1) * S_prev
     for c, u, v in erase:
         F -= coef(c, 0) * alg.reduce(S_prev * coef(u, None), m) * coef(v, None)
+    if ir.input_slots():
+        return F + sum(coef(s, None) * coef(f"v{s[1]}", None) for s in ir.input_slots())
     return F + (coef("p", None) * coef("q", None) if "p" in ir.slots else coef("B", 0))
 
 
