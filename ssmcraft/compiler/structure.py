@@ -36,31 +36,18 @@ def simplify(e) -> sympy.Expr:
     return factored if sympy.count_ops(factored) <= sympy.count_ops(e) else sympy.factor_terms(e)
 
 
-def split_dims(alg: Algebra, e, row: str, col: str):
-    """Split a product ``e`` into (row part incl. scalars, column part), or None."""
+def split_dims(alg: Algebra, e, row: str, col: str, factor: bool = True):
+    """Split a product ``e`` into (row part incl. scalars, column part), or None. ``factor=False``
+    (the terms of an expanded sum) tries the product as it is before factoring it."""
     rowp, colp = [], []
-    for f in sympy.Mul.make_args(sympy.factor(e)):
+    for f in sympy.Mul.make_args(sympy.factor(e) if factor else e):
         dims = alg.dims_of(f)
         if col not in dims:
             rowp.append(f)
         elif row not in dims:
             colp.append(f)
         else:
-            return None
-    return sympy.Mul(*rowp), sympy.Mul(*colp)
-
-
-def _split_monomial(alg: Algebra, e, row: str, col: str):
-    """``split_dims`` of a product without factoring it first (the terms of an expanded sum)."""
-    rowp, colp = [], []
-    for f in sympy.Mul.make_args(e):
-        dims = alg.dims_of(f)
-        if col not in dims:
-            rowp.append(f)
-        elif row not in dims:
-            colp.append(f)
-        else:
-            return split_dims(alg, e, row, col)
+            return None if factor else split_dims(alg, e, row, col)
     return sympy.Mul(*rowp), sympy.Mul(*colp)
 
 
@@ -76,7 +63,7 @@ def by_column(alg: Algebra, e, vs: list, row: str, col: str, grow: bool = True):
     den, den_col = den_split
     out: dict = {}
     for term in sympy.Add.make_args(sympy.expand(num)):
-        split = _split_monomial(alg, term, row, col)
+        split = split_dims(alg, term, row, col, factor=False)
         if split is None:
             return None
         rowp, colp = split[0], split[1] / den_col
