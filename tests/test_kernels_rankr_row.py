@@ -59,14 +59,14 @@ def test_supports_and_dispatch():
     assert rel(y, y_ref) < TOL["y"] and rel(S, S_ref) < TOL["S_T"]
 
 
-@pytest.mark.parametrize("which,T,chunk", [
-    ("longhorn_2key", 1, 32), ("longhorn_2key", 7, 4), ("rr_explicit_head", 5, 2), ("rr_rank3", 3, 2),
+@pytest.mark.parametrize("which,T,chunk,B", [
+    ("longhorn_2key", 1, 32, 2), ("longhorn_2key", 7, 4, 2), ("rr_explicit_head", 5, 2, 2), ("rr_rank3", 3, 2, 1),
 ])
-def test_matches_reference(which, T, chunk, monkeypatch):
+def test_matches_reference(which, T, chunk, B, monkeypatch):
     monkeypatch.setattr(G, "CHUNK", chunk)
     obj = ssmcraft.compile({"rr_explicit_head": EXPLICIT_HEAD, "rr_rank3": RANK3}.get(which, which))
     assert obj.ir.kind == "rankr" and RR.supports(obj.ir) is None
-    B, H, d, m = 2, 1, 10, 8                  # 3 row blocks of 4, the last one partial
+    H, d, m = 1, 10, 8                         # 3 row blocks of 4, the last one partial
     ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=T, unit_keys=True)
     assert_within(kernel_errors(obj, lambda o, lay: RR.forward(o, lay, None, True), ins, params, S0, g), TOL)
 
