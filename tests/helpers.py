@@ -51,3 +51,51 @@ def assert_within(errs: dict, tol: dict) -> None:
     """Every error in ``errs`` is within ``tol[name]`` (``tol["grad"]`` for gradients); NaN fails."""
     bad = {k: v for k, v in errs.items() if not v <= tol.get(k, tol["grad"])}
     assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+
+
+def kernel_errors(obj, run, ins, params, S0, g) -> dict:
+    """Relative RMS errors of a kernel against ``obj.reference`` (float64): the output, the final
+    state and every gradient (inputs, params, initial state) under random cotangents ``dy, dS``
+    drawn from ``g``. ``run(obj, layout) -> (y, S_T)`` gets the fp32 layout of the same values."""
+    import torch
+
+    from ssmcraft.kernels.reference import layout
+    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
+    pr = {k: v.clone().requires_grad_() for k, v in params.items()}
+    s0 = S0.clone().requires_grad_()
+    y_ref, S_ref = obj.reference(leaves, pr, s0)
+    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
+    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), *pr.values(), s0])
+    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
+    pv = {k: v.float().requires_grad_() for k, v in params.items()}
+    s1 = S0.float().requires_grad_()
+    y, S = run(obj, layout(obj.ir, obj.spec, lv, pv, s1))
+    assert y.shape == y_ref.shape and S.shape == S_ref.shape and S.dtype == torch.float32
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *pv.values(), s1])
+    errs = {"y": rel_rms(y, y_ref), "S_T": rel_rms(S, S_ref)}
+    errs.update({f"d{n}": rel_rms(a, b) for n, a, b in zip([*leaves, *pr, "S0"], got, ref_g)})
+    return errs
+
+
+def kernel_inputs(obj, B, T, H, d, m, seed, unit_keys=False):
+    """Float64 inputs, per-head params (in (0.2, 0.8)) and an initial state for kernel tests, in the
+    ranges the spec declares: bounded -> (0.2, 0.8), positive -> (0.5, 1.5), ``normalize`` (or, with
+    ``unit_keys``, every vector over the key dimension) -> unit norm. Returns (ins, params, S0, g)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    size = lambda dims: [d if x == obj.ir.dims[0] else m for x in dims]     # noqa: E731
+    ins = {}
+    for n, dims in obj.ir.inputs.items():
+        decl = obj.spec.inputs[n]
+        x = torch.randn(B, T, H, *size(dims), generator=g, dtype=torch.float64)
+        if decl.bounded:
+            x = 0.2 + 0.6 * torch.sigmoid(x)
+        elif decl.positive:
+            x = 0.5 + torch.rand(x.shape, generator=g, dtype=torch.float64)
+        if decl.normalize or (unit_keys and tuple(dims) == (obj.ir.dims[1],)):
+            x = x / x.norm(dim=-1, keepdim=True)
+        ins[n] = x
+    params = {n: 0.2 + 0.6 * torch.rand(H, *size(dims), generator=g, dtype=torch.float64)
+              for n, dims in obj.ir.params.items()}
+    return ins, params, torch.randn(B, H, d, m, generator=g, dtype=torch.float64) * 0.5, g

@@ -89,6 +89,11 @@ def test_derive_json(name, capsys, compiled):
         assert data["state_update"] is None and all(data["state_updates"].values())
     elif data["kind"] in ("general", "nonlinear"):
         assert data["state_update"]
+    elif data["kind"] == "rankr":        # B = sum_r p_r v_r^T, or a B slot
+        inputs = [s for s in data["slots"] if s[0] == "p"]
+        assert "a" in data["slots"] and (inputs or "B" in data["slots"])
+        assert all(f"v{s[1]}" in data["slots"] for s in inputs)
+        assert {f"u{s[2]}" for s in data["slots"] if len(s) == 3 and s[0] == "c"} <= set(data["slots"])
     else:
         assert {"a"} <= set(data["slots"]) and ({"p", "q"} <= set(data["slots"]) or "B" in data["slots"])
 

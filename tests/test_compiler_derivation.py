@@ -11,6 +11,7 @@ perturbed variants of each:
   equals the Newton solve with autograd's Hessian (which must be positive definite), and
   has lower loss than random perturbations of it;
 - explicit: the step equals ``S_prev - autograd grad L(S_prev)``;
+- newton: the step equals one Newton step from ``S_prev`` with autograd's Hessian there;
 - diagonal: the step equals ``diag(J) . S_prev + F(0)`` where ``J`` is autograd's Jacobian
   of the *exact* update ``F`` with respect to ``S_prev`` (off-diagonals dropped, input term kept);
 - the output is the output expression at the new state;
@@ -266,11 +267,11 @@ def loss_grad(ev: Evaluator, S, S_prev, create_graph=False):
     return g
 
 
-def newton_argmin(ev: Evaluator, S_prev):
-    """One Newton step from 0 with autograd's Hessian: the exact minimiser of a quadratic.
-    Differentiable with respect to S_prev. Returns (S*, H)."""
+def newton_argmin(ev: Evaluator, S_prev, start=None):
+    """One Newton step from ``start`` (0) with autograd's Hessian: the exact minimiser of a
+    quadratic. Differentiable with respect to S_prev. Returns (S*, H)."""
     d, m = S_prev.shape
-    S0 = torch.zeros(d, m, dtype=F64, requires_grad=True)
+    S0 = (torch.zeros(d, m, dtype=F64) if start is None else start.detach().clone()).requires_grad_(True)
     (g,) = torch.autograd.grad(ev.loss(S0, S_prev), S0, create_graph=True)
     g = g.reshape(-1)
     rows = []
@@ -284,6 +285,8 @@ def newton_argmin(ev: Evaluator, S_prev):
 def exact_step(ev: Evaluator, S_prev, update: str):
     if update == "implicit":
         return newton_argmin(ev, S_prev)[0]
+    if update == "newton":
+        return newton_argmin(ev, S_prev, start=S_prev)[0]
     if not S_prev.requires_grad:
         return S_prev - loss_grad(ev, S_prev, S_prev)
     # differentiable in S_prev: L(S, S_prev) at S = S_prev, through both arguments
@@ -320,7 +323,7 @@ def _implicit_ok(name: str) -> bool:
     return _raw(name)["update"] == "implicit"
 
 
-NONQUADRATIC = {"cauchy_delta"}
+NONQUADRATIC = {"cauchy_delta", "huber_longhorn"}
 
 
 def _variant(name: str, rng: random.Random):
@@ -329,7 +332,7 @@ def _variant(name: str, rng: random.Random):
     raw["name"] = f"{name}_v"
     d, m = raw["state"]["S"]
     obj = raw["objective"]
-    convex = raw["update"] == "implicit"
+    convex = raw["update"] in ("implicit", "newton")
     quadratic = name not in NONQUADRATIC
     tags = []
     if rng.random() < 0.5:
@@ -364,7 +367,8 @@ def _variant(name: str, rng: random.Random):
         raw["approximation"] = "diagonal" if raw.get("approximation", "exact") == "exact" else "exact"
         tags.append(raw["approximation"])
     raw["objective"] = obj
-    valid = (raw["update"] == "explicit" or (quadratic and convex)) and (raw.get("approximation") != "diagonal" or quadratic)
+    valid = (raw["update"] == "explicit" or (raw["update"] == "newton" and convex) or (quadratic and convex)) \
+        and (raw.get("approximation") != "diagonal" or quadratic)
     return raw, valid, tags
 
 
@@ -437,6 +441,27 @@ output: "W*qry"
     # a learned negative param decay per column, in an exact Longhorn step
     "param_decay_rank1": {**LONGHORN, "name": "pdr", "params": {"A": {"shape": ["m"], "negative": True, "init": {"constant": -1}}},
                           "objective": "sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"},
+    # Woodbury: rank-2/3/4 row systems (several keys, cross terms, weighted proximities)
+    "rank2_weighted": {**LONGHORN, "name": "r2w", "inputs": {**LONGHORN["inputs"], "k2": {"shape": ["m"]},
+                                                              "b2": {"shape": ["d"], "positive": True}},
+                       "objective": "sq(S - S_prev)/2 + wsq(S*k - x, beta)/2 + wsq(S*k2 - x, b2)/2"},
+    "rank2_cross_terms": {**LONGHORN, "name": "r2c",
+                          "objective": "sq(S - S_prev)/2 + dot(S*k, S*q)/4 + sq(S*k)/2 + sq(S*q)/2 - dot(S*k, x)"},
+    "rank3_weighted_prox": {**LONGHORN, "name": "r3p",
+                            "inputs": {**LONGHORN["inputs"], "k2": {"shape": ["m"]}, "k3": {"shape": ["m"]},
+                                       "b0": {"shape": [], "positive": True}, "w": {"shape": ["m"], "positive": True}},
+                            "objective": "sq(had(w, S - S_prev))/2 + b0*sq(S*k - x)/2 + b0*sq(S*k2 + x)/2 + wsq(S*k3 - x, beta)/2"},
+    "rank4_per_head": {**LONGHORN, "name": "r4h",
+                       "inputs": {**LONGHORN["inputs"], "k2": {"shape": ["m"]}, "k3": {"shape": ["m"]},
+                                  "b0": {"shape": [], "positive": True}},
+                       "objective": "sq(S - S_prev)/2 + b0*(sq(S*k - x) + sq(S*k2) + sq(S*k3 - x) + sq(S*q))/2"},
+    "rank2_diagonal": {**_raw("longhorn_2key"), "name": "r2d", "approximation": "diagonal"},
+    "rank2_explicit": {**_raw("longhorn_2key"), "name": "r2e", "update": "explicit"},
+    # one Newton step: equal to the minimiser on a quadratic, robust on pseudo-Huber (two keys)
+    "newton_rank2": {**_raw("longhorn_2key"), "name": "nr2", "update": "newton"},
+    "newton_huber_rank2": {**LONGHORN, "name": "nh2", "update": "newton",
+                           "inputs": {**LONGHORN["inputs"], "k2": {"shape": ["m"]}},
+                           "objective": "sq(S - S_prev)/2 + dot(beta, sqrt(1 + had(S*k - x, S*k - x)) - ones(d)) + wsq(S*k2 - x, beta)/2"},
 }
 
 CASES = ([pytest.param(n, True, id=n) for n in LIBRARY] + _variants()
@@ -457,7 +482,7 @@ def _compile(spec_src, valid):
         with pytest.raises(DerivationError) as ei:
             ssmcraft.compile(spec_src)
         msg = str(ei.value)
-        assert "\n" not in msg and ("explicit" in msg or "convex" in msg or "quadratic" in msg), msg
+        assert "\n" not in msg and ("explicit" in msg or "convex" in msg or "quadratic" in msg or "nonlinear" in msg), msg
         pytest.skip(f"expected derivation error: {msg}")       # asserted above; nothing to run
     _COMPILED[key] = ssmcraft.compile(spec_src)
     return _COMPILED[key]
@@ -632,7 +657,8 @@ def test_library_update_kinds():
     kinds = {n: ssmcraft.compile(n).ir.kind for n in LIBRARY}
     expect = {"linear_attention": "scalar_decay", "retnet": "scalar_decay", "gla": "diagonal_decay",
               "hgrn": "diagonal_decay", "mamba": "diagonal_decay", "longhorn_diag": "diagonal_decay",
-              "longhorn": "rank1", "deltanet": "rank1", "gated_deltanet": "rank1", "cauchy_delta": "nonlinear"}
+              "longhorn": "rank1", "deltanet": "rank1", "gated_deltanet": "rank1", "cauchy_delta": "nonlinear",
+              "longhorn_2key": "rankr", "huber_longhorn": "nonlinear"}
     for name, kind in expect.items():
         assert kinds[name] == kind, (name, kinds[name])
     assert ssmcraft.compile("deltanet").ir.is_per_head_step()

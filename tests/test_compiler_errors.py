@@ -136,8 +136,8 @@ CASES = [
     ("objective_not_string", spec(objective=5), "objective", r"non-empty string"),
     ("objective_empty", obj(""), "objective", r"non-empty string|empty"),
     ("objective_blank", obj("   "), "objective", r"non-empty string|empty"),
-    ("update_typo", spec(update="implict"), "update", r"implicit or explicit"),
-    ("update_bool", spec(update=True), "update", r"implicit or explicit"),
+    ("update_typo", spec(update="implict"), "update", r"implicit, explicit or newton"),
+    ("update_bool", spec(update=True), "update", r"implicit, explicit or newton"),
     ("approximation_typo", spec(approximation="diag"), "approximation", r"exact or diagonal"),
     ("param_init_unknown", spec(params={"A": {"shape": ["d", "m"], "init": "glorot"}}), "params.A.init", r"unknown initialiser"),
     ("param_init_bad_range", spec(params={"A": {"shape": ["m"], "init": {"uniform": [1, 0]}}}), "params.A.init", r"low < high"),
@@ -187,7 +187,13 @@ CASES = [
     # --- derivation -----------------------------------------------------------------------
     ("implicit_not_quadratic", obj("sq(S - S_prev)/2 + sq(S*k - x)**2"), "objective", r"not quadratic.*explicit"),
     ("implicit_exp", obj("sq(S - S_prev)/2 + sq(exp(S*k) - x)"), "objective", r"not quadratic.*explicit"),
-    ("implicit_rank2", obj("sq(S - S_prev)/2 + wsq(S*k - x, beta)/2 + sq(S*q - x)/2"), "objective", r"rank-2.*Woodbury"),
+    ("implicit_rank5", obj("sq(S - S_prev)/2 + sq(S*k - x)/2 + sq(S*q - x)/2 + sq(S*exp(k))/2 + sq(S*exp(q))/2 + sq(S*sigmoid(k))/2"),
+     "objective", r"rank-5.*rank <= 4.*Woodbury.*explicit"),
+    ("implicit_rank2_indefinite", obj("sq(S - S_prev)/2 + dot(S*k, S*q)"), "objective", r"convex.*minor.*rank-2.*-1, is negative"),
+    ("newton_cauchy", spec(update="newton", objective="sq(S - S_prev)/2 + dot(beta, log(1 + had(S*k - x, S*k - x)))"),
+     "objective", r"Hessian.*Newton.*convex.*rank-1"),
+    ("newton_couples_rows", spec(update="newton", objective="sq(S - S_prev)/2 + sqrt(1 + sq(S*k - x))"),
+     "objective", r"Hessian.*couples the rows.*explicit"),
     ("implicit_nonconvex", obj("-sq(S - S_prev)/2 + wsq(S*k - x, beta)/2"), "objective", r"convex"),
     ("implicit_linear_only", obj("dot(S*k, x)"), "objective", r"linear"),
     ("implicit_couples_rows", obj("sq(S - S_prev)/2 + sq(T(x)*S)"), "objective", r"rows|explicit"),
@@ -340,7 +346,7 @@ def test_huge_number_literals_are_rejected_quickly(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-CLI_CASES = ["yaml_unclosed_flow", "inject_import", "implicit_rank2"]   # each subprocess imports torch: ~4 s CPU
+CLI_CASES = ["yaml_unclosed_flow", "inject_import", "implicit_rank5"]   # each subprocess imports torch: ~4 s CPU
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):

@@ -126,10 +126,13 @@ def loop_gated_deltanet(inp, S0, params=None):
     return _run(step, inp, S0)
 
 
-def _row_solve(lhs_diag, beta, k, rhs):
-    """Solve per row i: (lhs_diag_i I + beta_i k k^T) s_i = rhs_i with torch.linalg.solve."""
+def _row_solve(lhs_diag, beta, k, rhs, *more):
+    """Solve per row i: (lhs_diag_i I + beta_i k k^T + ...) s_i = rhs_i with torch.linalg.solve;
+    ``more`` adds further (beta, k) pairs (several keys)."""
     m = k.shape[-1]
-    Amat = lhs_diag[..., :, None, None] * _eye(m) + beta[..., :, None, None] * _outer(k, k)[..., None, :, :]
+    Amat = lhs_diag[..., :, None, None] * _eye(m)
+    for b, kk in [(beta, k), *zip(more[::2], more[1::2])]:
+        Amat = Amat + b[..., :, None, None] * _outer(kk, kk)[..., None, :, :]
     return torch.linalg.solve(Amat, rhs[..., None])[..., 0]
 
 
@@ -158,7 +161,27 @@ def loop_cauchy_delta(inp, S0, params=None):
     return _run(step, inp, S0)
 
 
+def loop_longhorn_2key(inp, S0, params=None):
+    """argmin ||S - S_prev||^2/2 + sum_i beta_i ((s_i k - x_i)^2 + (s_i k2 - x2_i)^2)/2, by a solve per row."""
+    def step(S, it):
+        k, k2, x, x2, beta = it["k"], it["k2"], it["x"], it["x2"], it["beta"]
+        return _row_solve(torch.ones_like(beta), beta, k, S + _outer(beta * x, k) + _outer(beta * x2, k2), beta, k2)
+    return _run(step, inp, S0)
+
+
+def loop_huber_longhorn(inp, S0, params=None):
+    """One Newton step from S_prev on ||S - S_prev||^2/2 + sum_i beta_i (sqrt(1 + r_i^2) - 1), r = S k - x:
+    gradient beta_i r_i / sqrt(1 + r_i^2) k, Hessian I + beta_i (1 + r_i^2)^(-3/2) k k^T, per row."""
+    def step(S, it):
+        k, x, beta = it["k"], it["x"], it["beta"]
+        r = (S @ k[..., None])[..., 0] - x
+        grad = _outer(beta * r / torch.sqrt(1 + r * r), k)
+        return S - _row_solve(torch.ones_like(beta), beta * (1 + r * r) ** -1.5, k, grad)
+    return _run(step, inp, S0)
+
+
 LOOPS = {
+    "longhorn_2key": loop_longhorn_2key, "huber_longhorn": loop_huber_longhorn,
     "longhorn": loop_longhorn, "longhorn_diag": loop_longhorn_diag, "deltanet": loop_deltanet,
     "gla": loop_gla, "mamba": loop_mamba, "linear_attention": loop_linear_attention, "retnet": loop_retnet,
     "hgrn": loop_hgrn, "gated_deltanet": loop_gated_deltanet, "gated_longhorn": loop_gated_longhorn,

@@ -71,7 +71,9 @@ def test_why_not_names_every_family():
     inputs, _ = _inputs(obj)
     obj.prefer = "interpret"
     reasons = dict(TB.families(obj, inputs, "interpret"))
-    assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk"]
+    assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "general",
+                             "rank1_chunk"]
+    assert "rank-r" in reasons["rankr_row"]
     assert reasons["keydecay_chunk"] is not None
     assert reasons["diagonal"] is not None
     msg = TB.why_not(obj, inputs)

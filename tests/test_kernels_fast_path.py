@@ -206,11 +206,12 @@ def test_longer_calls_do_not_take_the_decode_kernel():
 
 
 def test_element_form_is_the_same_recurrence():
-    for name in ("longhorn", "gated_deltanet", "mamba", "gla"):
+    for name in ("longhorn", "gated_deltanet", "mamba", "gla", "longhorn_2key"):
         obj = ssmcraft.compile(name)
         eir = element_form(obj.ir)
         assert eir.kind == "general" and eir.state_update is not None
-        assert (len(eir.state_reductions) == 1) == (obj.ir.kind == "rank1")
+        n_keys = {"rank1": 1, "rankr": obj.ir.ranks()[0]}.get(obj.ir.kind, 0)    # one S_prev u_l per key
+        assert len(eir.state_reductions) == n_keys
     ir = ssmcraft.compile("cauchy_delta").ir
     assert element_form(ir) is ir
 

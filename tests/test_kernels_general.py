@@ -13,8 +13,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import general as G  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
-from helpers import rel_rms as rel  # noqa: E402
+from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernel vs float64 reference. The derived
 # adjoint of a quotient update (Cauchy) cancels terms of size ~1 in fp32: its gradients land
@@ -59,24 +58,6 @@ def test_printer_keeps_denominators():
     assert eval(code, {"x": 1.3, "y": 0.7, "b": -2.1}) == pytest.approx(float((-b * x / (1 + y)).subs({x: 1.3, y: 0.7, b: -2.1})))
 
 
-def _inputs(obj, B, T, H, d, m, seed):
-    g = torch.Generator().manual_seed(seed)
-    ins = {}
-    for n, dims in obj.ir.inputs.items():
-        decl = obj.spec.inputs[n]
-        x = torch.randn(B, T, H, *[d if x == obj.ir.dims[0] else m for x in dims], generator=g, dtype=torch.float64)
-        if decl.bounded:
-            x = 0.2 + 0.6 * torch.sigmoid(x)
-        if decl.normalize:
-            x = x / x.norm(dim=-1, keepdim=True)
-        ins[n] = x
-    params = {}
-    for n, dims in obj.ir.params.items():
-        params[n] = 0.2 + 0.6 * torch.rand(H, *[d if x == obj.ir.dims[0] else m for x in dims], generator=g,
-                                           dtype=torch.float64)
-    return ins, params, torch.randn(B, H, d, m, generator=g, dtype=torch.float64) * 0.5, g
-
-
 @pytest.mark.parametrize("which,T,chunk", [
     ("cauchy_delta", 1, 32), ("cauchy_delta", 7, 4), ("cauchy_delta", 33, 16),
     ("col_delta", 7, 4), ("col_cauchy", 9, 4),
@@ -85,34 +66,15 @@ def test_matches_reference(which, T, chunk, monkeypatch):
     monkeypatch.setattr(G, "CHUNK", chunk)
     obj = _compile({"col_delta": COL_DELTA, "col_cauchy": COL_CAUCHY}.get(which, which))
     B, H, d, m = (1, 1, 12, 8) if T > 16 else (2, 2, 12, 8)
-    ins, params, S0, g = _inputs(obj, B, T, H, d, m, seed=T)
-    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    pr = {k: v.clone().requires_grad_() for k, v in params.items()}
-    s0 = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, pr, s0)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
-    wrt = [*leaves.values(), *pr.values(), s0]
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), wrt)
-
-    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
-    pv = {k: v.float().requires_grad_() for k, v in params.items()}
-    s1 = S0.float().requires_grad_()
-    lay = layout(obj.ir, obj.spec, lv, pv, s1)
-    y, S = G.forward(obj, lay, None, True)
-    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m) and S.dtype == torch.float32
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *pv.values(), s1])
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, *pr, "S0"], got, ref_g)})
-    bad = {k: v for k, v in errs.items() if not v <= TOL.get(k, TOL["grad"])}
-    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+    ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=T)
+    assert_within(kernel_errors(obj, lambda o, lay: G.forward(o, lay, None, True), ins, params, S0, g), TOL)
 
 
 def test_kernel_level_fla_layout():
     """general_scan: FLA layout ([B, H, K, V] states), no initial state, inference path."""
     obj = _compile("cauchy_delta")
     B, T, H, d, m = 1, 5, 1, 12, 8
-    ins, _, _, _ = _inputs(obj, B, T, H, d, m, seed=5)
+    ins, _, _, _ = kernel_inputs(obj, B, T, H, d, m, seed=5)
     y_ref, S_ref = obj.reference(ins, None, None)
     with torch.no_grad():
         y, S = G.general_scan(obj, {k: v.float() for k, v in ins.items()}, output_final_state=True)

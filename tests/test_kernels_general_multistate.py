@@ -27,11 +27,15 @@ def _poison(monkeypatch):
     monkeypatch.setattr(G, "POISON", True)
 
 
-@pytest.mark.parametrize("which,T,chunk", [("momentum_longhorn", 1, 32), ("momentum_longhorn", 9, 4),
-                                           ("second_moment", 7, 4)])
-def test_matches_reference(which, T, chunk, monkeypatch):
+@pytest.mark.parametrize("which,T,chunk,rows", [("momentum_longhorn", 1, 32, None), ("momentum_longhorn", 9, 4, None),
+                                                ("second_moment", 7, 4, None), ("momentum_longhorn", 9, 4, 4)])
+def test_matches_reference(which, T, chunk, rows, monkeypatch):
+    """rows: rows per program (row tiling, as the rank-r family runs it; valid here because
+    momentum_longhorn's step sums over m only), None for one row block."""
     monkeypatch.setattr(G, "CHUNK", chunk)
     obj = ssmcraft.compile({"second_moment": SECOND_MOMENT}.get(which, which))
+    if rows is not None:
+        assert G.row_sums(G._module(obj.ir)[0]) == []
     B, H, d, m = 2, 2, 12, 8
     ins, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": d, "m": m}, seed=T)
     g = torch.Generator().manual_seed(T + 100)
@@ -50,7 +54,7 @@ def test_matches_reference(which, T, chunk, monkeypatch):
     pv = {k: v.float().requires_grad_() for k, v in params.items()}
     s1 = tuple(s.float().requires_grad_() for s in S0)
     lay = layout(obj.ir, obj.spec, lv, pv, s1)
-    y, S = G.forward(obj, lay, None, True)
+    y, S = G.forward(obj, lay, None, True, row_block=rows)
     assert y.shape == (B, T, H, d) and isinstance(S, tuple) and len(S) == len(S0)
     assert all(s.shape == (B, H, d, m) and s.dtype == torch.float32 for s in S)
     loss = (y.double() * dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, dS))

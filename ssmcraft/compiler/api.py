@@ -122,7 +122,7 @@ class CompiledObjective:
 
 def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
     """The IR with the decay coefficient raised to ``retention`` and the input term scaled."""
-    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1"):
+    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
         raise SsmcraftError(f"{ir.spec_name}: retention/insertion scaling needs a decay and an additive "
                             f"input term; this objective's update is {ir.kind}")
     coefs = {c.name: c for c in ir.coefficients}
@@ -130,6 +130,7 @@ def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
         a = coefs[ir.slots["a"]]
         if a.expr == 1:
             what = ("identity minus a rank-1 erase" if ir.kind == "rank1" else
+                    "identity minus a low-rank erase" if ir.kind == "rankr" else
                     "the identity: the state sums every write and forgets nothing")
             raise SsmcraftError(f"{ir.spec_name}: this objective has no decay to scale (its transition is "
                                 f"{what}); retention scaling applies to decays")
@@ -137,9 +138,9 @@ def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:
         scaled = a.expr ** r if a.expr.is_positive else sympy.sign(a.expr) * sympy.Abs(a.expr) ** r
         coefs[a.name] = Coefficient(a.name, scaled, a.dims)
     if insertion != 1.0:
-        slot = ir.slots.get("p") or ir.slots["B"]
-        c = coefs[slot]
-        coefs[slot] = Coefficient(c.name, sympy.Float(insertion) * c.expr, c.dims)
+        for slot in [ir.slots[s] for s in ir.input_slots()] or [ir.slots.get("p") or ir.slots["B"]]:
+            c = coefs[slot]
+            coefs[slot] = Coefficient(c.name, sympy.Float(insertion) * c.expr, c.dims)
     tag = f"_ret{retention:g}_ins{insertion:g}".replace(".", "p").replace("-", "m")
     return replace(ir, coefficients=tuple(coefs[c.name] for c in ir.coefficients), spec_name=ir.spec_name + tag)
 

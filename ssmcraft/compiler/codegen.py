@@ -21,6 +21,8 @@ def update_formula(ir: UpdateIR) -> str:
     S = ir.state
     c = ir.coefficient
     B = "p q^T" if "p" in ir.slots else "B"
+    if ir.input_slots():
+        B = " + ".join(f"{s} v{s[1]}^T" for s in ir.input_slots())
     a = c("a")
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
     if ir.states:
@@ -29,6 +31,9 @@ def update_formula(ir: UpdateIR) -> str:
         upd = f"{S}_t = {decay} + {B}"
     elif ir.kind == "rank1":
         upd = f"{S}_t = {decay} - c . ({S}_prev u) v^T + {B}"
+    elif ir.kind == "rankr":
+        erase = " + ".join(f"c{s[1]}{s[2]} . ({S}_prev u{s[2]}) v{s[1]}^T" for s in ir.erase_slots())
+        upd = f"{S}_t = {decay} - ({erase}) + {B}"
     else:
         upd = f"{S}_t[i,j] = " + sympy.sstr(ir.state_update)
     if ir.readout is None:
@@ -141,12 +146,20 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     body = []
     if ir.states:
         pass
-    elif ir.kind in ("scalar_decay", "diagonal_decay", "rank1"):
+    elif ir.kind in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
         a = ir.coefficient("a")
         decay = f"{S}_prev" if a.expr == 1 else f"co['a'] * {S}_prev"
         inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
+        if ir.input_slots():
+            inp = " + ".join(f"co['{s}'] * co['v{s[1]}']" for s in ir.input_slots())
         if ir.kind == "rank1":
             body.append(f"    erase = co['c'] * ({S}_prev * co['u']).sum(-1, keepdim=True) * co['v']")
+            body.append(f"    return {decay} - erase + {inp}")
+        elif ir.kind == "rankr":
+            for l in range(ir.ranks()[0]):
+                body.append(f"    phi{l} = ({S}_prev * co['u{l}']).sum(-1, keepdim=True)")
+            erase = " + ".join(f"co['{s}'] * phi{s[2]} * co['v{s[1]}']" for s in ir.erase_slots())
+            body.append(f"    erase = {erase}")
             body.append(f"    return {decay} - erase + {inp}")
         else:
             body.append(f"    return {decay} + {inp}")

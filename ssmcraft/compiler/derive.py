@@ -8,9 +8,19 @@
   ``alpha * V + sum_r beta_r * (V w_r)_row + gamma``: the elementwise part, the row
   functionals ``(V w)_i = sum_j V_ij w_ij`` and the constant. Raises ``NotAffine`` or
   ``NotRowSeparable`` otherwise.
-- ``implicit``: solve grad L(S) = 0 row by row. The row system is diagonal plus at most
-  one rank-1 term and is solved in closed form (Sherman-Morrison).
+- ``implicit``: solve grad L(S) = 0 row by row. The row system
+  ``s (diag(alpha) + sum_r beta_r w_r^T) = -gamma`` (diagonal plus rank r <= 4) is solved in
+  closed form: Sherman-Morrison for r = 1, Woodbury with an r x r inverse (adjugate over
+  determinant, over named reductions) for r = 2..4. Convexity: ``alpha > 0`` and the low-rank
+  part written as ``W^T G W`` with ``G`` (row factors) positive semidefinite, every principal
+  minor of its symmetric part shown non-negative by sympy.
 - ``explicit``: one gradient step from ``S_prev``.
+- ``newton``: one Newton step from ``S_prev``: the gradient linearised at ``S_prev``
+  (``grad L(S_prev) + H(S_prev)[D] = 0``, the Hessian-vector product by reverse mode through
+  ``sum G . grad L``) is affine in the step ``D`` and solved by the same row solver, so
+  the Hessian at ``S_prev`` must be shown positive definite. On a quadratic loss it equals
+  ``implicit``; on a non-quadratic one (e.g. pseudo-Huber regression) it is a robust implicit
+  step and the recurrence is nonlinear.
 """
 from __future__ import annotations
 
@@ -82,12 +92,17 @@ def affine(alg: Algebra, expr: sympy.Expr, var: sympy.Symbol) -> Affine:
     functionals: dict = {}   # placeholder symbol -> weight w
 
     def functional(w):
+        """``sum_j V_ij w_ij`` as (row factors of w) * a functional symbol, so that ``lam_i k_j``
+        and ``k_j`` give one functional (a Newton step on a row-weighted objective)."""
+        row_factors = [f for f in sympy.Mul.make_args(w) if alg.dims_of(f) == {rows}]
+        outer = sympy.Mul(*row_factors)
+        w = sympy.Mul(*[f for f in sympy.Mul.make_args(w) if f not in row_factors])
         for sym, w0 in functionals.items():
             if sympy.cancel(w0 - w) == 0:
-                return sym
+                return outer * sym
         sym = sympy.Symbol(f"_phi{len(functionals)}", real=True)
         functionals[sym] = w
-        return sym
+        return outer * sym
 
     def normalise(e):
         """Replace var-dependent reductions by combinations of row functionals."""
@@ -140,49 +155,174 @@ def _simplify(e):
     return sympy.factor_terms(sympy.cancel(sympy.together(e)))
 
 
-def implicit_update(so: SymbolicObjective) -> sympy.Expr:
-    """Closed-form minimiser of the objective in S, as an element expression in S_prev."""
+def _forms(e):
+    """Equivalent forms of ``e`` for sympy's sign queries, cheapest first (lazily): expanding
+    ``(r - x)**2 + 1`` hides that it is positive, so unexpanded forms come before the
+    canonical one, and ``sympy.simplify`` (which rebuilds such squares) comes last."""
+    together = sympy.together(e)
+    yield from (e, together, sympy.factor_terms(together))
+    yield _simplify(e)
+    yield sympy.factor(_simplify(e))
+    yield sympy.simplify(e)
+
+
+def _shown(e, sign: str) -> bool:
+    """Whether sympy shows ``e`` positive / nonnegative in one of its forms."""
+    return any(getattr(f, f"is_{sign}") is True for f in _forms(e))
+
+
+def _shortest(e):
+    return min(_forms(e), key=sympy.count_ops)
+
+
+MAX_RANK = 4      # the largest low-rank part solved in closed form (an r x r inverse)
+
+
+def _not_quadratic(so: SymbolicObjective, e: Exception) -> DerivationError:
+    """The refusal when the gradient (linearised, for newton) is not affine or not row-separable."""
     spec, alg = so.spec, so.algebra
-    S = so.lowering.state
     src = spec.source
-    g = gradient(alg, so.loss, S)
-    try:
-        parts = affine(alg, g, S)
-    except NotAffine:
-        raise DerivationError(src, "objective", "the objective is not quadratic in "
-                              f"{spec.state}, so it has no closed-form minimiser; use update: explicit") from None
-    except NotRowSeparable as e:
-        if not is_affine(alg, g, S):
-            raise DerivationError(src, "objective", "the objective is not quadratic in "
-                                  f"{spec.state}, so it has no closed-form minimiser; use update: explicit") from None
-        raise DerivationError(src, "objective", f"the objective couples the rows of {spec.state} ({e}); "
-                              "the implicit update needs a row-separable objective; use update: explicit") from None
+    if isinstance(e, NotRowSeparable) and is_affine(alg, gradient(alg, so.loss, so.lowering.state), so.lowering.state):
+        return DerivationError(src, "objective", f"the objective couples the rows of {spec.state} ({e}); "
+                               f"the {spec.update} update needs a row-separable objective; use update: explicit")
+    if spec.update == "newton":
+        return DerivationError(src, "objective", f"the Hessian of the objective couples the rows of {spec.state} "
+                               f"({e}); one Newton step needs a row-separable Hessian; use update: explicit")
+    return DerivationError(src, "objective", "the objective is not quadratic in "
+                           f"{spec.state}, so it has no closed-form minimiser; use update: explicit "
+                           "(or update: newton for one Newton step)")
+
+
+def _column_free_factors(alg: Algebra, terms, col: str):
+    """``G`` with ``beta_r = sum_l G[r][l] w_l`` and every ``G[r][l]`` free of the column dimension,
+    or None. Found by evaluating at R points of the column symbols, then verified symbolically."""
+    R = len(terms)
+    single = [[0] * R for _ in range(R)]      # first: every beta_r a multiple of one w_l (kept unexpanded)
+    for r, (beta, _) in enumerate(terms):
+        l = next((l for l, (_, w) in enumerate(terms) if col not in alg.dims_of(_simplify(beta / w))), None)
+        if l is None:
+            break
+        single[r][l] = sympy.factor_terms(sympy.together(beta / terms[l][1]))
+    else:
+        return single
+    col_syms = sorted((s for t in terms for e in t for s in e.free_symbols if col in alg.symbol_dims.get(s, ())),
+                      key=lambda s: s.name)
+    col_syms = list(dict.fromkeys(col_syms))
+    for attempt in range(3):
+        def at(e, p):
+            # symbol i at point p: (i + 2)**(p + 1 + attempt) / (p + 2), Vandermonde-like (generic)
+            return e.xreplace({s: sympy.Rational((i + 2) ** (p + 1 + attempt), p + 2) for i, s in enumerate(col_syms)})
+        Wp = sympy.Matrix(R, R, lambda p, l: at(terms[l][1], p))
+        if Wp.det() == 0:
+            continue
+        G = []
+        for beta, _ in terms:
+            sol = Wp.LUsolve(sympy.Matrix([at(beta, p) for p in range(R)]))
+            G.append([_simplify(g) for g in sol])
+        if all(_simplify(beta - sum(G[r][l] * terms[l][1] for l in range(R))) == 0 for r, (beta, _) in enumerate(terms)):
+            return G
+    return None
+
+
+def _psd(G) -> tuple[bool, str]:
+    """Whether the symmetric part of ``G`` is shown positive semidefinite (every principal minor
+    non-negative); else the first minor sympy cannot sign."""
+    from itertools import combinations
+    R = len(G)
+    Gs = sympy.Matrix(R, R, lambda r, l: (G[r][l] + G[l][r]) / 2)
+    sizes = [1] if Gs.is_diagonal() else range(1, R + 1)    # a diagonal G: its entries suffice
+    for size in sizes:
+        for idx in combinations(range(R), size):
+            minor = Gs.extract(list(idx), list(idx)).det(method="berkowitz")
+            if not _shown(minor, "nonnegative"):
+                known = "is negative" if _shown(minor, "negative") else "is not known to be non-negative"
+                return False, f"{sympy.sstr(_shortest(minor))}, {known}"
+    return True, ""
+
+
+def solve_rows(so: SymbolicObjective, parts: Affine, what: str, simplify=_simplify) -> sympy.Expr:
+    """Solve the row system ``alpha . s + sum_r beta_r (w_r . s) + gamma = 0`` for ``s`` (element
+    form), after showing it is positive definite. ``what`` names the matrix in refusals;
+    ``simplify`` is applied to the bodies of the sums it forms (the default cancels, which
+    expands polynomials: a Newton step keeps ``(r - x)**2 + 1`` whole instead)."""
+    spec, alg = so.spec, so.algebra
+    src = spec.source
     alpha = _simplify(parts.alpha)
     if alpha == 0 and not parts.terms:
         raise DerivationError(src, "objective", f"the objective is linear in {spec.state}: it has no minimiser "
                               "(add a proximity term such as sq(S - S_prev)/2)")
-    if alpha.is_positive is not True:
-        raise DerivationError(src, "objective", f"cannot show the objective is strictly convex in {spec.state}: "
+    if not _shown(parts.alpha, "positive"):
+        raise DerivationError(src, "objective", f"cannot show {what} is strictly convex in {spec.state}: "
                               f"the coefficient of its quadratic part, {sympy.sstr(alpha)}, is not known to be "
                               "positive (declare the inputs or params in it positive)")
-    if len(parts.terms) > 1:
-        raise DerivationError(src, "objective", f"the normal equations have a rank-{len(parts.terms)} part "
-                              "(Woodbury), which ssmcraft does not solve in closed form yet; use update: explicit")
+    R = len(parts.terms)
+    if R > MAX_RANK:
+        raise DerivationError(src, "objective", f"the normal equations have a rank-{R} part; ssmcraft solves "
+                              f"diagonal plus rank <= {MAX_RANK} in closed form (Woodbury); use update: explicit")
     gamma = parts.gamma
     cols = spec.dims[1]
     if not parts.terms:
         return -gamma / alpha
-    beta, w = parts.terms[0]
-    ratio = _simplify(beta / w)
-    if ratio.is_nonnegative is not True:
-        raise DerivationError(src, "objective", f"cannot show the objective is convex in {spec.state}: "
-                              f"the weight of its rank-1 part, {sympy.sstr(ratio)}, is not known to be "
-                              "non-negative (declare it positive)")
-    # row system s (diag(alpha) + w beta^T) = -gamma, solved by Sherman-Morrison
+    if R == 1:
+        beta, w = parts.terms[0]
+        if not _shown(beta / w, "nonnegative"):
+            raise DerivationError(src, "objective", f"cannot show {what} is convex in {spec.state}: "
+                                  f"the weight of its rank-1 part, {sympy.sstr(_shortest(w / beta))}, is not known to be "
+                                  "non-negative (declare it positive)")
+        # row system s (diag(alpha) + w beta^T) = -gamma, solved by Sherman-Morrison
+        y = -gamma / alpha
+        num = alg.reduce(simplify(y * w), cols)
+        den = 1 + alg.reduce(simplify(w * beta / alpha), cols)
+        return y - num * (beta / alpha) / den
+    G = _column_free_factors(alg, parts.terms, cols)
+    if G is None:
+        raise DerivationError(src, "objective", f"cannot show {what} is convex in {spec.state}: its rank-{R} "
+                              "part is not of the form W^T G W with G free of the column dimension")
+    ok, minor = _psd(G)
+    if not ok:
+        raise DerivationError(src, "objective", f"cannot show {what} is convex in {spec.state}: a principal "
+                              f"minor of the weights of its rank-{R} part, {minor} (declare the inputs in it positive)")
+    # Woodbury: y = -gamma/alpha, M_rl = sum_j w_rj beta_lj / alpha_j, z = (I + M)^-1 W y,
+    # s = y - sum_r z_r beta_r / alpha; the inverse as adjugate / determinant over named sums
     y = -gamma / alpha
-    num = alg.reduce(_simplify(y * w), cols)
-    den = 1 + alg.reduce(_simplify(w * beta / alpha), cols)
-    return y - num * (beta / alpha) / den
+    u = sympy.Matrix([alg.reduce(simplify(y * w), cols) for _, w in parts.terms])
+    A = sympy.eye(R) + sympy.Matrix(R, R, lambda r, l: alg.reduce(simplify(parts.terms[r][1] * parts.terms[l][0] / alpha), cols))
+    det = sympy.expand(A.det(method="berkowitz"))
+    z = A.adjugate(method="berkowitz") * u
+    return y - sum(sympy.expand(z[r]) * parts.terms[r][0] for r in range(R)) / (alpha * det)
+
+
+def implicit_update(so: SymbolicObjective) -> sympy.Expr:
+    """Closed-form minimiser of the objective in S, as an element expression in S_prev."""
+    alg = so.algebra
+    S = so.lowering.state
+    g = gradient(alg, so.loss, S)
+    try:
+        parts = affine(alg, g, S)
+    except (NotAffine, NotRowSeparable) as e:
+        raise _not_quadratic(so, e) from None
+    return solve_rows(so, parts, "the objective")
+
+
+def newton_update(so: SymbolicObjective) -> sympy.Expr:
+    """One Newton step from S_prev: ``S_prev + D`` with ``grad L(S_prev) + H(S_prev)[D] = 0``."""
+    alg = so.algebra
+    S, S_prev = so.lowering.state, so.lowering.state_prev
+    rows, cols = so.spec.dims
+    g = gradient(alg, so.loss, S)
+    D = alg.symbol("_D", (rows, cols), real=True)
+    hvp = gradient(alg, alg.reduce(alg.reduce(g * D, cols), rows), S)     # H(S)[D]
+    linear = alg.substitute(g + hvp, {S: S_prev})
+    try:
+        parts = affine(alg, linear, D)
+    except (NotAffine, NotRowSeparable) as e:
+        raise _not_quadratic(so, e) from None
+    # the linearised coefficients are small: sympy.simplify folds rho'' (e.g. 1/sqrt(u) - r**2/u**(3/2)
+    # into 1/u**(3/2)) where cancel() would expand u = (r - x)**2 + 1
+    parts = Affine(sympy.simplify(parts.alpha), tuple((sympy.simplify(b), sympy.simplify(w)) for b, w in parts.terms),
+                   sympy.simplify(parts.gamma))
+    return S_prev + solve_rows(so, parts, "the Hessian of the objective at S_prev (one Newton step)",
+                               simplify=sympy.factor_terms)
 
 
 def explicit_update(so: SymbolicObjective) -> sympy.Expr:
@@ -197,6 +337,8 @@ def derive_update(so: SymbolicObjective) -> sympy.Expr:
     """The update F(S_prev) that the spec's ``update:`` asks for (element form)."""
     if so.spec.update == "implicit":
         return implicit_update(so)
+    if so.spec.update == "newton":
+        return newton_update(so)
     return explicit_update(so)
 
 

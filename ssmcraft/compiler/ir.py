@@ -6,6 +6,12 @@ the slots of that class's recurrence:
 
 - ``scalar_decay`` / ``diagonal_decay``:  ``S_t = a . S_prev + B``
 - ``rank1``: ``S_t = a . S_prev - c . (S_prev u) v^T + B``  (c per row, or per head)
+- ``rankr``: ``S_t = a . S_prev - sum_{r,l} c_rl . (S_prev u_l) v_r^T + B`` with L, R <= 4
+  column vectors (slots ``u0..u{L-1}``, ``v0..v{R-1}``) and row factors ``c{r}{l}`` (per row
+  or per head; a slot absent where the factor is 0): several keys or regression terms,
+  Woodbury updates; its diagonal approximation is a ``diagonal_decay``. Its input term is
+  ``B = sum_r p_r v_r^T`` (slots ``p{r}``, row factors over the same ``v_r``) when it lies in
+  their span (it does for regressions on the keys), else a ``B`` slot
 - ``general``: linear in S_prev but none of the above; ``S_t`` given element-wise
 - ``nonlinear``: an explicit step on a non-quadratic loss; ``S_t`` given element-wise
 - several states (``states``, ``state_updates``): one element expression per state in the
@@ -22,7 +28,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-KINDS = ("scalar_decay", "diagonal_decay", "rank1", "general", "nonlinear")
+KINDS = ("scalar_decay", "diagonal_decay", "rank1", "rankr", "general", "nonlinear")
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class UpdateIR:
     inputs: dict                                # name -> dims
     params: dict                                # name -> dims
     kind: str
-    update: str                                 # implicit | explicit
+    update: str                                 # implicit | explicit | newton
     approximation: str                          # exact | diagonal
     reductions: tuple = ()                      # ReductionIR, input-only, dependency order
     coefficients: tuple = ()                    # Coefficient, dependency order (CSE temps first)
@@ -72,7 +78,23 @@ class UpdateIR:
 
     def is_per_head_step(self) -> bool:
         c = self.coefficient("c")
+        if self.kind == "rankr":
+            cs = [self.coefficient(slot) for slot in self.erase_slots()]
+            return bool(cs) and all(not c.dims for c in cs)
         return c is not None and not c.dims
+
+    def ranks(self) -> tuple[int, int]:
+        """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors."""
+        return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
+                sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
+
+    def input_slots(self) -> list[str]:
+        """``rankr``: the slots ``p{r}`` of ``B = sum_r p_r v_r^T`` present, in order."""
+        return [s for s in self.slots if len(s) == 2 and s[0] == "p" and s[1].isdigit()]
+
+    def erase_slots(self) -> list[str]:
+        """``rankr``: the slots ``c{r}{l}`` present (nonzero row factors), in order."""
+        return [s for s in self.slots if len(s) == 3 and s[0] == "c" and s[1:].isdigit()]
 
     def to_json(self) -> dict:
         """A JSON-serialisable form of the IR (``ssmcraft derive --json``)."""

@@ -70,7 +70,7 @@ class Spec:
     params: Mapping[str, ParamDecl]
     let: tuple[tuple[str, str], ...]
     objective: str
-    update: str                      # implicit | explicit
+    update: str                      # implicit | explicit | newton
     approximation: str               # exact | diagonal
     output: str
     source: str = "<dict>"           # where the spec came from (for messages)
@@ -335,8 +335,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         return _multi_state_spec(src, raw, name, summary, state_names, dims, inputs, params, lets, declared)
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
-    if update not in ("implicit", "explicit"):
-        raise SpecError(src, "update", f"expected implicit or explicit, got {update!r}")
+    if update not in ("implicit", "explicit", "newton"):
+        raise SpecError(src, "update", f"expected implicit, explicit or newton, got {update!r}")
     approximation = raw.get("approximation", "exact")
     if approximation not in ("exact", "diagonal"):
         raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")

@@ -2,7 +2,9 @@
 
 The update ``F(S_prev)`` is decomposed as affine in ``S_prev`` (``derive.affine``):
 no row functional -> a (scalar or elementwise) decay; one functional whose weight splits
-into a row factor times a column vector -> identity-minus-rank-1 (``rank1``); anything
+into a row factor times a column vector -> identity-minus-rank-1 (``rank1``); up to
+``MAX_RANK`` functionals over column vectors whose weights are sums of row factors times
+at most ``MAX_RANK`` column vectors -> ``rankr`` (several keys, Woodbury updates); anything
 else linear -> ``general``; not affine -> ``nonlinear``. ``approximation: diagonal``
 keeps the transition's diagonal ``a + beta * w`` (Longhorn's ``1 - eps k^2``) and the
 input term. The per-token coefficients are simplified, named and CSE'd here.
@@ -13,31 +15,103 @@ from dataclasses import replace
 
 import sympy
 
-from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine, derive_update, derive_updates, is_affine
+from ssmcraft.compiler.derive import (MAX_RANK, NotAffine, NotRowSeparable, affine, derive_update, derive_updates,
+                                     is_affine)
 from ssmcraft.compiler.ir import Coefficient, ReductionIR, UpdateIR
 from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
 
 
+LARGE = 150      # operations: above this a coefficient is not simplified nor reused (multivariate
+                 # gcds and factoring of a rank-4 Woodbury coefficient take minutes)
+
+
 def simplify(e) -> sympy.Expr:
-    """Cheap canonical simplification for per-token coefficients (rational functions)."""
-    e = sympy.cancel(sympy.together(sympy.sympify(e)))
+    """Cheap canonical simplification for per-token coefficients (rational functions); a large
+    one (a rank-3/4 Woodbury coefficient, already a ratio of polynomials) is kept as it is."""
+    e = sympy.sympify(e)
+    if sympy.count_ops(e) > LARGE:
+        return e
+    e = sympy.cancel(sympy.together(e))
     factored = sympy.factor(e)
     return factored if sympy.count_ops(factored) <= sympy.count_ops(e) else sympy.factor_terms(e)
 
 
-def split_dims(alg: Algebra, e, row: str, col: str):
-    """Split a product ``e`` into (row part incl. scalars, column part), or None."""
+def split_dims(alg: Algebra, e, row: str, col: str, factor: bool = True):
+    """Split a product ``e`` into (row part incl. scalars, column part), or None. ``factor=False``
+    (the terms of an expanded sum) tries the product as it is before factoring it."""
     rowp, colp = [], []
-    for f in sympy.Mul.make_args(sympy.factor(e)):
+    for f in sympy.Mul.make_args(sympy.factor(e) if factor else e):
         dims = alg.dims_of(f)
         if col not in dims:
             rowp.append(f)
         elif row not in dims:
             colp.append(f)
         else:
-            return None
+            return None if factor else split_dims(alg, e, row, col)
     return sympy.Mul(*rowp), sympy.Mul(*colp)
+
+
+def by_column(alg: Algebra, e, vs: list, row: str, col: str, grow: bool = True):
+    """``e`` as ``sum_r f_r v_r`` with row factors ``f_r`` and column vectors ``v_r`` in ``vs``
+    (appended to it when ``grow``): {r: f_r}, or None if some term does not split."""
+    num, den = sympy.fraction(sympy.together(e))
+    # a weighted proximity divides by a column vector; a Woodbury determinant is column-free
+    # (and too large to factor quickly)
+    den_split = (den, 1) if col not in alg.dims_of(den) else split_dims(alg, den, row, col)
+    if den_split is None:
+        return None
+    den, den_col = den_split
+    out: dict = {}
+    for term in sympy.Add.make_args(sympy.expand(num)):
+        split = split_dims(alg, term, row, col, factor=False)
+        if split is None:
+            return None
+        rowp, colp = split[0], split[1] / den_col
+        idx = next((i for i, v in enumerate(vs) if v == colp), None)
+        if idx is None:
+            if not grow:
+                return None
+            vs.append(colp)
+            idx = len(vs) - 1
+        out[idx] = out.get(idx, 0) + rowp
+    return {i: c / den for i, c in out.items()}
+
+
+def merge_proportional(alg: Algebra, terms, col: str) -> tuple:
+    """Terms ``beta_l (S_prev w_l)`` with ``w_l`` a column-constant multiple of an earlier ``w``
+    folded into that one (``alpha k`` and ``k`` are one functional, e.g. a Newton step on Gated
+    Longhorn)."""
+    kept: list = []
+    for beta, w in terms:
+        for i, (beta0, w0) in enumerate(kept):
+            ratio = simplify(w / w0)
+            if col not in alg.dims_of(ratio):
+                kept[i] = (beta0 + beta * ratio, w0)
+                break
+        else:
+            kept.append((beta, w))
+    return tuple(kept)
+
+
+def low_rank(alg: Algebra, terms, row: str, col: str):
+    """Write ``sum_l beta_l (S_prev u_l)`` as ``-sum_{r,l} C[r][l] (S_prev u_l) v_r`` with column
+    vectors ``u_l, v_r`` and row factors ``C[r][l]`` (0 where absent): (us, vs, C), or None when
+    some ``u`` varies over rows, some weight does not split, or more than ``MAX_RANK`` vectors."""
+    us = [w for _, w in terms]
+    if len(us) > MAX_RANK or any(row in alg.dims_of(u) for u in us):
+        return None
+    vs: list = []
+    columns = []                             # per l: {v index: row factor}
+    for beta, _ in terms:
+        by_v = by_column(alg, -beta, vs, row, col)
+        if by_v is None:
+            return None
+        columns.append(by_v)
+    if len(vs) > MAX_RANK:
+        return None
+    C = [[columns[l].get(r, 0) for l in range(len(us))] for r in range(len(vs))]
+    return us, vs, C
 
 
 def _ordered(dims, order) -> tuple[str, ...]:
@@ -54,7 +128,7 @@ class _Builder:
 
     def add(self, slot: str, expr, *, reuse: bool = True):
         expr = simplify(expr)
-        if reuse:
+        if reuse and sympy.count_ops(expr) <= LARGE:
             for name, value in self.named:
                 if value.is_Symbol or value.is_number:
                     continue
@@ -119,6 +193,8 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     b = _Builder(alg, spec.dims)
     try:
         parts = affine(alg, F, S_prev)
+        if len(parts.terms) > 1:
+            parts = replace(parts, terms=merge_proportional(alg, parts.terms, col))
         kind = None
     except NotAffine:
         parts, kind = None, "nonlinear"
@@ -157,6 +233,28 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
                 kind = "general"
         else:
             kind = "general"
+        if kind == "general":
+            lr = low_rank(alg, parts.terms, row, col)
+            if lr is not None:
+                kind = "rankr"
+                us, vs, C = lr
+                for r in range(len(vs)):
+                    for l in range(len(us)):
+                        if simplify(C[r][l]) != 0:
+                            b.add(f"c{r}{l}", C[r][l])
+                b.add("a", parts.alpha, reuse=False)
+                for l, u in enumerate(us):
+                    b.add(f"u{l}", u, reuse=False)
+                for r, v in enumerate(vs):
+                    b.add(f"v{r}", v, reuse=False)
+                # the input term over the same column vectors: B = sum_r p_r v_r^T (no [d, m] tensor)
+                inputs = by_column(alg, parts.gamma, vs, row, col, grow=False) if parts.gamma != 0 else {}
+                if inputs is not None:
+                    for r, f in sorted(inputs.items()):
+                        if simplify(f) != 0:
+                            b.add(f"p{r}", f)
+                else:
+                    b.add("B", parts.gamma)
 
     if kind in ("scalar_decay", "diagonal_decay", "rank1"):
         pq = split_dims(alg, gamma, row, col)
@@ -187,6 +285,8 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     state_update, state_reductions = None, ()
     if kind in ("general", "nonlinear"):
         state_update = sympy.factor_terms(sympy.cancel(F))
+        if spec.update == "newton":    # cancel() expands (r - x)**2 + 1 under square roots
+            state_update = min((state_update, sympy.factor_terms(sympy.together(F))), key=sympy.count_ops)
         state_reductions = _reduction_irs(alg.reductions_in(F), spec.dims)
     for r in reductions:
         if alg.depends_on(r.body, S) or alg.depends_on(r.body, S_prev):
@@ -262,11 +362,13 @@ def build_ir(so: SymbolicObjective) -> UpdateIR:
 
 
 def element_form(ir: UpdateIR) -> UpdateIR:
-    """A structured update (decay or rank-1) rewritten element-wise, as a ``general`` IR: the
-    same recurrence, with ``S_t[i, j]`` one expression in ``S_prev``, the leaves and reductions
-    (``a S_prev - c (S_prev u) v + p q``, coefficients substituted). The fused one-token
-    (decode) kernel is generated from it (``ssmcraft.kernels.decode``). General and nonlinear
-    IRs are returned unchanged."""
+    """A structured update (decay, rank-1 or rank-r) rewritten element-wise, as a ``general``
+    IR: the same recurrence, with ``S_t[i, j]`` one expression in ``S_prev``, the leaves and
+    reductions (``a S_prev - sum_rl c_rl (S_prev u_l) v_r + B``, coefficients substituted; one
+    erase ``c (S_prev u) v`` for rank-1, ``B = p q`` or ``sum_r p_r v_r`` by the slots). The
+    fused one-token (decode) kernel and the row-tiled rank-r kernel are generated from it
+    (``ssmcraft.kernels.decode``, ``ssmcraft.kernels.general``). General and nonlinear IRs are
+    returned unchanged."""
     if ir.kind in ("general", "nonlinear"):
         return ir
     row, col = ir.dims
@@ -280,11 +382,20 @@ def element_form(ir: UpdateIR) -> UpdateIR:
         return expanded[key] if key is not None else default
     S_prev = sympy.Symbol("S_prev", real=True)
     F = slot("a", 1) * S_prev
-    F += slot("p") * slot("q") if "p" in ir.slots else slot("B")
-    state_reductions = ()
+    if ir.input_slots():
+        F += sum(slot(p) * slot(f"v{p[1]}") for p in ir.input_slots())
+    else:
+        F += slot("p") * slot("q") if "p" in ir.slots else slot("B")
     if ir.kind == "rank1":
-        erase = sympy.Symbol("_rS", real=True)
-        state_reductions = (ReductionIR("_rS", S_prev * slot("u"), col, (row,)),)
-        F -= slot("c") * erase * slot("v")
-    return replace(ir, kind="general", state_update=F, state_reductions=state_reductions,
+        erase = [("c", "u", "v")]
+    elif ir.kind == "rankr":
+        erase = [(c, f"u{c[2]}", f"v{c[1]}") for c in ir.erase_slots()]
+    else:
+        erase = []
+    reductions: dict = {}           # u slot -> ReductionIR of S_prev u (one per key, shared by the v's)
+    for c, u, v in erase:
+        if u not in reductions:
+            reductions[u] = ReductionIR(f"_rS{u[1:]}", S_prev * slot(u), col, (row,))
+        F -= slot(c) * sympy.Symbol(reductions[u].name, real=True) * slot(v)
+    return replace(ir, kind="general", state_update=F, state_reductions=tuple(reductions.values()),
                    spec_name=ir.spec_name + "_elem")

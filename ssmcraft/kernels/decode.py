@@ -11,6 +11,7 @@ launch, the state read once and written once. It is first in the dispatch order 
 from __future__ import annotations
 
 import torch
+import triton
 
 BACKEND_NAME = "decode-fused"
 
@@ -18,7 +19,7 @@ BACKEND_NAME = "decode-fused"
 def supports(ir) -> str | None:
     """Every structure class with a structured or element-wise readout (cheap: kind only; the
     kernel itself is generated on the first one-token call)."""
-    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1", "general", "nonlinear"):
+    if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1", "rankr", "general", "nonlinear"):
         return f"structure {ir.kind!r} has no element form"
     if getattr(ir, "states", ()):
         return "several states: the general family's fused kernel runs their one-token calls"
@@ -45,11 +46,12 @@ def prepare(obj, lay):
         raise SsmcraftError(f"{obj.name}: no fused one-token kernel: {reason}")
     names = [*eir.inputs, *eir.params]
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    BV = triton.next_power_of_2(d)          # one row block: all rows in one program
     out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
     def fn(inputs, params, initial_state, output_final_state):
         cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m)
         leaves = [cs.leaf(n).contiguous() for n in names]
-        return general._GeneralFunction.apply(eir, (B, T, H, m, d), out_dtype, output_final_state,
+        return general._GeneralFunction.apply(eir, (B, T, H, m, d, BV), out_dtype, output_final_state,
                                               initial_state, *leaves)
     return fn

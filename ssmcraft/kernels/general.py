@@ -26,6 +26,18 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
 generated source is readable and cached (``ssmcraft.compiler.cache``).
+
+Row tiling: the grid is ``(B*H, NV)``, program ``(bh, iv)`` owning rows
+``iv*BV .. iv*BV + BV - 1`` of the state. A general update may sum over rows, so it runs with
+one block (``NV = 1``); a row-separable one (``rankr``, ``ssmcraft.kernels.rankr_row``) runs
+several, and the gradients of leaves shared by the rows (over ``m`` or per head) are written
+per row block (``[NV, ...]``) and summed on the host. Structured updates are lowered to their
+element form (``ssmcraft.compiler.structure.element_form``), general ones give ``ir.state_update``.
+
+Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpoint, scratch
+block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host. The
+generator composes them with row tiling (scratch blocks ordered ``[B*H, NV, n]``), but
+several-state updates are classified ``general`` and so run with one row block.
 """
 from __future__ import annotations
 
@@ -38,6 +50,7 @@ import triton
 
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
+from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
@@ -86,7 +99,8 @@ def _symbols_of(ir) -> dict:
 
 
 def build_step(ir) -> Step:
-    """Lower the IR of a general/nonlinear update into one ``Algebra`` and derive the adjoints."""
+    """Lower the IR of an update into one ``Algebra`` and derive the adjoints."""
+    ir = element_form(ir)                   # structured (rank1/rankr): the element form of its slots
     d, m = ir.dims
     alg = Algebra(tuple(ir.dims))
     alg._count = 1000                       # new reductions: _r1000, ... (never clash with the IR's)
@@ -211,6 +225,13 @@ def _sbase(i: int, ns: int) -> str:
     return "i_bh.to(tl.int64)" if ns == 1 else f"(i_bh.to(tl.int64) * {ns} + {i})"
 
 
+def _scr_block(i: int, ns: int) -> str:
+    """The scratch block of state i of ns in program (batch*head, row block): blocks of
+    ``CHUNK * BK * BV`` ordered [B*H, NV, ns]."""
+    blk = "(i_bh.to(tl.int64) * tl.num_programs(1) + i_v)"
+    return blk if ns == 1 else f"({blk} * {ns} + {i})"
+
+
 def _leaf_load(name, ldims, step, indent) -> str:
     d, m = step.dims
     v = f"l_{name}"
@@ -229,10 +250,10 @@ def _leaf_store(name, ldims, step, value, indent) -> list[str]:
     d, m = step.dims
     if tuple(ldims) == (d,):
         return [f"{indent}tl.store(D_{name} + row * V + offs_v, tl.sum({value} + ZR, axis=0), mask=mask_v)"]
-    if tuple(ldims) == (m,):
-        return [f"{indent}tl.store(D_{name} + row * K + offs_k, tl.sum({value} + ZC, axis=1), mask=mask_k)"]
+    if tuple(ldims) == (m,):       # shared by the rows: one partial sum per row block
+        return [f"{indent}tl.store(D_{name} + i_v * NBT * K + row * K + offs_k, tl.sum({value} + ZC, axis=1), mask=mask_k)"]
     if not ldims:
-        return [f"{indent}tl.store(D_{name} + row, tl.sum(tl.sum({value} + Z11, axis=1), axis=0))"]
+        return [f"{indent}tl.store(D_{name} + i_v * NBT + row, tl.sum(tl.sum({value} + Z11, axis=1), axis=0))"]
     return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
 
 
@@ -244,9 +265,10 @@ def kernel_source(ir, step: Step, header: str) -> str:
     I1, I2 = " " * 8, " " * 12
     preamble = [
         "    i_bh = tl.program_id(0)",
+        "    i_v = tl.program_id(1)",
         "    b = i_bh // H",
         "    h = i_bh % H",
-        "    offs_v = tl.arange(0, BV)",
+        "    offs_v = i_v * BV + tl.arange(0, BV)",
         "    offs_k = tl.arange(0, BK)",
         "    mask_v = offs_v < V",
         "    mask_k = offs_k < K",
@@ -269,7 +291,7 @@ def kernel_source(ir, step: Step, header: str) -> str:
         f"def fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):",
-        '    """One program per (batch, head): the whole state' + ("" if ns == 1 else f" (each of {ns})")
+        '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers."""',
         *preamble,
         *[f"    sp{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
@@ -329,7 +351,8 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "    if HAS_DHT:",
         *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
-        *[f"    scr{x} = SCR + {_sbase(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + offs_v[None, :]"
+        "    NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
+        *[f"    scr{x} = SCR + {_scr_block(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
           for i, x in states],
         "    for jc in range(0, NC):",
         "        ci = NC - 1 - jc",
@@ -428,10 +451,11 @@ def _unstack_states(ir, S):
 class _GeneralFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ir, shape, out_dtype, output_final_state, S0, *leaves):
+        """shape: (B, T, H, K, V, BV), BV the rows per program (``next_power_of_2(V)``: one block)."""
         step, mod, _ = _module(ir)
-        B, T, H, K, V = shape
+        B, T, H, K, V, BV = shape
         dev = leaves[0].device
-        BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+        BK, NV = triton.next_power_of_2(K), triton.cdiv(V, BV)
         NC = max(1, triton.cdiv(T, CHUNK))
         ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
@@ -441,7 +465,7 @@ class _GeneralFunction(torch.autograd.Function):
         d = torch.empty(1, device=dev)
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
-            mod.fwd_kernel[(B * H,)](*leaves, S0c if S0c is not None else d, y, ST, CK if CK is not None else d,
+            mod.fwd_kernel[(B * H, NV)](*leaves, S0c if S0c is not None else d, y, ST, CK if CK is not None else d,
                                      T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
                                      STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
         else:
@@ -455,25 +479,28 @@ class _GeneralFunction(torch.autograd.Function):
     def backward(ctx, dy, dST):
         CK, *leaves = ctx.saved_tensors
         step, mod, _ = _module(ctx.ir)
-        B, T, H, K, V = ctx.shape
+        B, T, H, K, V, BV = ctx.shape
         dev = leaves[0].device
-        BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+        BK, NV = triton.next_power_of_2(K), triton.cdiv(V, BV)
         NC = max(1, triton.cdiv(T, CHUNK))
-        grads = [_new(x.shape, dev) for x in leaves]
+        d_dim = ctx.ir.dims[0]
+        shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
+        grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(B * H * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
+        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
         d = torch.empty(1, device=dev)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
         if T > 0:
-            mod.bwd_kernel[(B * H,)](*leaves, *grads, CK, SCR, dy.contiguous(), dht if dht is not None else d,
+            mod.bwd_kernel[(B * H, NV)](*leaves, *grads, CK, SCR, dy.contiguous(), dht if dht is not None else d,
                                      DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK,
                                      HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
+        grads = [g.sum(0) if sh else g for sh, g in zip(shared, grads)]
         return (None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
 
 
@@ -520,8 +547,16 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
         leaves.append(t.contiguous())
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
     out_dtype = first.dtype if first.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V), out_dtype, output_final_state, S0, *leaves)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, triton.next_power_of_2(V)), out_dtype, output_final_state,
+                                  S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
+
+
+def row_sums(step: Step) -> list[str]:
+    """The reductions over the rows (``d``) in the step, its readout and their adjoints, by name:
+    with none, the rows are independent and the kernel may run row-tiled (``NV > 1``)."""
+    exprs = [*step.Fs, step.readout, *step.dS_prevs, *step.dS_ros]
+    return sorted({r.symbol.name for e in exprs for r in step.alg.reductions_in(e) if r.over == step.dims[0]})
 
 
 # ----------------------------------------------------------------------------------------
@@ -539,8 +574,9 @@ def supports(ir) -> str | None:
     return None
 
 
-def forward(obj, lay, co, output_final_state):
+def forward(obj, lay, co, output_final_state, row_block=None):
     """Family contract: the kernel computes everything from the layout's leaves (``co`` unused).
+    ``row_block``: rows per program (a power of 2; None: all rows in one program).
     Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
     ir = obj.ir
     d, m = ir.dims
@@ -556,6 +592,7 @@ def forward(obj, lay, co, output_final_state):
         elif not dims:
             t = t.reshape(B, T, H)
         leaves.append(t.contiguous())
+    BV = row_block or triton.next_power_of_2(V)
     S0 = _stack_states(ir, lay.S0)
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V), torch.float32, output_final_state, S0, *leaves)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
     return y.to(lay.dtype), _unstack_states(ir, S)

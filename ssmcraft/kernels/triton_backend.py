@@ -13,7 +13,8 @@ Families are tried in a fixed order -- ``decode`` (one-token calls only: the fus
 the update in element form), ``keydecay_chunk`` (decays that are scalar or vary over
 the key dimension only, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on
 tensor cores), ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``),
-``rank1_row`` and ``general``, then ``rank1_chunk`` (moved before ``rank1_row`` for a per-head
+``rank1_row``, ``rankr_row`` (several keys: the general generator, row-tiled) and ``general``,
+then ``rank1_chunk`` (moved before ``rank1_row`` for a per-head
 step size on the GPU, where the chunked rank-1 kernel is the fast one). A family whose module
 does not exist yet, or whose ``supports(ir)`` gives a reason, is skipped; nothing falls back
 silently: the name returned says what ran, and :func:`why_not` says why nothing did.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 
-FAMILIES = ("decode", "keydecay_chunk", "diagonal", "rank1_row", "general", "rank1_chunk")
+FAMILIES = ("decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "general", "rank1_chunk")
 
 
 def _mode(inputs, prefer) -> tuple[str | None, str]:

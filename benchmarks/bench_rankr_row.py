@@ -1,0 +1,121 @@
+"""GPU checks and timings of the rank-r family (``rankr``: multi-key Longhorn, Woodbury updates;
+``ssmcraft.kernels.rankr_row``, the general generator row-tiled).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_rankr_row.py [--quick] [--json OUT.json]
+
+1. Correctness, fp32 and bf16: output, final state and every gradient (inputs and initial state,
+   with a gradient on the final state) of ``longhorn_2key`` against the float64 reference loop
+   (on the bf16-rounded inputs for bf16), outputs NaN-poisoned first, at a small shape with
+   several row blocks and odd T, and at the Longhorn shape B=8, T=2048, H=1, K=16, V=1536 (fp32).
+2. Timings, bf16, B=8, T=2048, H=1, K=16, V=1536 (``triton.testing.do_bench`` median), in one
+   process: ``longhorn_2key`` (rows per program swept), Longhorn exact on ``rank1_row`` (the
+   rank-1 anchor: the same recurrence with one key), and the HBM floor (bytes / measured copy
+   bandwidth). Forward and forward+backward. Runs on CPU with ``--quick`` under
+   ``TRITON_INTERPRET=1`` (tiny shapes; a smoke test of the script only).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import ssmcraft  # noqa: E402
+from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs, rel_rms  # noqa: E402
+from ssmcraft.kernels import general as G  # noqa: E402
+from ssmcraft.kernels import rankr_row as RR  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}     # relative RMS error, every output and gradient
+
+
+def check(rep, obj, B, T, H, K, V, dtype, dev, seed=0):
+    ins, _ = random_inputs(obj, B, T, H, V, K, torch.float64, dev, seed=seed)
+    ins = {k: v.to(dtype).requires_grad_() for k, v in ins.items()}
+    h0 = (torch.randn(B, H, V, K, device=dev, dtype=torch.float64) * 0.5).float().requires_grad_()
+    ref_in = {k: v.detach().double().requires_grad_() for k, v in ins.items()}
+    h0r = h0.detach().double().requires_grad_()
+    yr, Sr = obj.reference(ref_in, None, h0r, True)
+    gy, gS = torch.randn_like(yr), torch.randn_like(Sr)
+    grads_r = torch.autograd.grad((yr * gy).sum() + (Sr * gS).sum(), [*ref_in.values(), h0r])
+    obj.prefer = "interpret" if dev == "cpu" else "triton"
+    y, S = obj(ins, None, h0, True)
+    grads = torch.autograd.grad((y.double() * gy).sum() + (S.double() * gS).sum(), [*ins.values(), h0])
+    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr)}
+    errs.update({"d" + n: rel_rms(a, b) for n, a, b in zip([*ins, "h0"], grads, grads_r)})
+    finite = all(torch.isfinite(t).all().item() for t in (y, S, *grads))
+    ok = finite and max(errs.values()) <= TOL[dtype]
+    rep.add(check=obj.name, dtype=str(dtype)[6:], shape=f"{B},{T},{H},{K},{V}", backend=obj.backend,
+            max_err=max(errs.values()), worst=max(errs, key=errs.get), status="ok" if ok else "FAIL")
+    return ok
+
+
+def _once_ms(fn):
+    """One timed call (the interpreter: do_bench needs a GPU driver)."""
+    import time
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def timings(rep, dev, B, T, H, K, V, blocks):
+    dt = torch.bfloat16
+    timer = bench_ms if dev == "cuda" else _once_ms
+    bw = copy_bandwidth(dev) if dev != "cpu" else None
+    for name in ("longhorn_2key", "longhorn"):
+        obj = ssmcraft.compile(name)
+        ins, _ = random_inputs(obj, B, T, H, V, K, dt, dev, seed=1)
+        leaves = {k: v.detach().requires_grad_() for k, v in ins.items()}
+        obj.prefer = "interpret" if dev == "cpu" else "triton"
+        y, _ = obj(ins, output_final_state=False)
+        dy = torch.randn_like(y)
+        for bv in (blocks if name == "longhorn_2key" else [None]):
+            RR.ROW_BLOCK = bv
+
+            def fwd():
+                with torch.no_grad():
+                    return obj(ins, output_final_state=False)[0]
+
+            def fwd_bwd():
+                out = obj(leaves, output_final_state=False)[0]
+                return torch.autograd.grad(out, list(leaves.values()), dy)
+
+            f_ms, fb_ms = timer(fwd), timer(fwd_bwd)
+            row = dict(objective=name, backend=obj.backend, rows_per_program=bv or "rule", fwd_ms=f_ms, fwd_bwd_ms=fb_ms)
+            if bw:
+                row["floor_fwd_ms"] = floor_bytes(ins, {}, y.numel(), y.element_size(), False) / bw * 1e3
+                row["floor_fwd_bwd_ms"] = floor_bytes(ins, {}, y.numel(), y.element_size(), True) / bw * 1e3
+            rep.add(**row)
+    RR.ROW_BLOCK = None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test under TRITON_INTERPRET=1)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rep = Report("bench_rankr_row")
+    G.POISON = True                         # outputs NaN-filled before the kernels run
+    obj = ssmcraft.compile("longhorn_2key")
+    ok = True
+    RR.ROW_BLOCK = 4
+    for dtype in (torch.float32, torch.bfloat16):
+        ok &= check(rep, obj, 2, 5 if args.quick else 257, 2, 8 if args.quick else 16, 10 if args.quick else 200, dtype, dev)
+    RR.ROW_BLOCK = None
+    if not args.quick:
+        ok &= check(rep, obj, 8, 2048, 1, 16, 1536, torch.float32, dev)
+    G.POISON = False
+    shape = (1, 4, 1, 8, 16) if args.quick else (8, 2048, 1, 16, 1536)
+    timings(rep, dev, *shape, blocks=[8] if args.quick else [16, 32, 64, 128, None])
+    rep.set("all_checks_ok", bool(ok))
+    rep.write(args.json)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

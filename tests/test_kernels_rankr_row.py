@@ -1,0 +1,84 @@
+"""Rank-r family (``rankr``: several keys, Woodbury updates; the general generator row-tiled)
+under the Triton interpreter, against the float64 reference recurrence: output, final state
+and every gradient (inputs, params, initial state; with a gradient on the final state),
+outputs poisoned with NaN first, several row blocks with a partial last one (d = 10 rows in
+tiles of 4), odd T and T not a multiple of the checkpoint interval."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.compiler.library import find_objective  # noqa: E402
+from ssmcraft.kernels import general as G  # noqa: E402
+from ssmcraft.kernels import rankr_row as RR  # noqa: E402
+from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
+
+# relative RMS error, fp32 kernel vs float64 reference: the Woodbury coefficients are
+# quotients of O(1) sums (~20 flops each), so fp32 rounding leaves ~1e-6
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
+
+def _raw(name):
+    import yaml
+    return yaml.safe_load(find_objective(name).read_text())
+
+
+TWO_KEY = _raw("longhorn_2key")
+# explicit step on two keys with a per-head step (c_rl per head) and a learned per-row param
+EXPLICIT_HEAD = dict(TWO_KEY, name="rr_explicit_head", update="explicit",
+                     inputs={**TWO_KEY["inputs"], "beta": {"shape": [], "bounded": True}},
+                     params={"w": {"shape": ["d"], "init": "ones"}},
+                     objective="beta*sq(S*k - x)/2 + beta*sq(S*k2 - x2)/2 + wsq(S, w)/8",
+                     output="S*q + x")
+# rank 3 with a weighted proximity over the key dimension (a non-identity diagonal)
+RANK3 = dict(TWO_KEY, name="rr_rank3",
+             inputs={**TWO_KEY["inputs"], "k3": {"shape": ["m"]}, "w": {"shape": ["m"], "positive": True}},
+             objective="sq(had(w, S - S_prev))/2 + wsq(S*k - x, beta)/2 + wsq(S*k2 - x2, beta)/2 + sq(S*k3)/4")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(G, "POISON", True)
+    monkeypatch.setattr(RR, "ROW_BLOCK", 4)
+
+
+def test_supports_and_dispatch():
+    obj = ssmcraft.compile("longhorn_2key")
+    assert obj.ir.kind == "rankr" and obj.ir.ranks() == (2, 2) and RR.supports(obj.ir) is None
+    assert "rank-r" in RR.supports(ssmcraft.compile("longhorn").ir)
+    assert "rank-r" not in (G.supports(obj.ir) or "rank-r") and G.supports(obj.ir) is not None
+    ins, _, S0, _ = kernel_inputs(obj, 1, 3, 1, 6, 4, seed=1, unit_keys=True)
+    obj.prefer = "interpret"
+    y, S = obj({k: v.float() for k, v in ins.items()}, initial_state=S0.float())
+    assert obj.backend == "triton-interpret:rankr-row"
+    y_ref, S_ref = obj.reference(ins, initial_state=S0)
+    assert rel(y, y_ref) < TOL["y"] and rel(S, S_ref) < TOL["S_T"]
+
+
+@pytest.mark.parametrize("which,T,chunk,B", [
+    ("longhorn_2key", 1, 32, 2), ("longhorn_2key", 7, 4, 2), ("rr_explicit_head", 5, 2, 2), ("rr_rank3", 3, 2, 1),
+])
+def test_matches_reference(which, T, chunk, B, monkeypatch):
+    monkeypatch.setattr(G, "CHUNK", chunk)
+    obj = ssmcraft.compile({"rr_explicit_head": EXPLICIT_HEAD, "rr_rank3": RANK3}.get(which, which))
+    assert obj.ir.kind == "rankr" and RR.supports(obj.ir) is None
+    H, d, m = 1, 10, 8                         # 3 row blocks of 4, the last one partial
+    ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=T, unit_keys=True)
+    assert_within(kernel_errors(obj, lambda o, lay: RR.forward(o, lay, None, True), ins, params, S0, g), TOL)
+
+
+def test_bf16_io_and_no_initial_state():
+    """bf16 inputs give a bf16 output from fp32 state (the interpreter computes in fp32 after
+    loading); no initial state starts from zeros; inference path (no checkpoints)."""
+    obj = ssmcraft.compile("longhorn_2key")
+    ins, _, _, _ = kernel_inputs(obj, 1, 4, 2, 6, 4, seed=4, unit_keys=True)
+    obj.prefer = "interpret"
+    with torch.no_grad():
+        y, S = obj({k: v.bfloat16() for k, v in ins.items()})
+    assert y.dtype == torch.bfloat16 and obj.backend == "triton-interpret:rankr-row"
+    y_ref, S_ref = obj.reference({k: v.bfloat16().double() for k, v in ins.items()})
+    assert rel(y.double(), y_ref) < 1e-2 and rel(S.double(), S_ref) < 1e-5
