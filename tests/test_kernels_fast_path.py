@@ -47,6 +47,17 @@ def _run_and_grads(fn, inputs, params, S0):
     return y, S, {k: t.grad.clone() for k, t in leaves.items()}
 
 
+def _spy(monkeypatch, module, name, positional):
+    """Wrap ``module.name``: the returned dict fills with the arguments of each call, by name."""
+    seen, real = {}, getattr(module, name)
+
+    def spy(*args, **kw):
+        seen.update(dict(zip(positional, args)), **kw)
+        return real(*args, **kw)
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def test_path_is_chosen_once_per_signature(monkeypatch):
     obj = _interpret("longhorn_diag")
     inputs, params = random_inputs(obj.spec, T=5, dtype=torch.float32)
@@ -103,13 +114,7 @@ def test_bindings_of_library_layers():
 def test_deltanet_slots_reach_the_kernel_uncopied(monkeypatch, dtype):
     obj = _interpret("deltanet")
     monkeypatch.setattr(TB, "_order", lambda ir, mode: ["rank1_chunk"])
-    seen = {}
-    real = RC.chunk_rank1
-
-    def spy(v, p, c, oq, **kw):
-        seen.update(v=v, p=p, c=c, oq=oq, **kw)
-        return real(v, p, c, oq, **kw)
-    monkeypatch.setattr(RC, "chunk_rank1", spy)
+    seen = _spy(monkeypatch, RC, "chunk_rank1", ("v", "p", "c", "oq"))
     inputs, _ = random_inputs(obj.spec, T=5, sizes={"d": 8, "m": 4}, dtype=dtype)
     y, _ = obj(inputs)
     assert obj.backend == "triton-interpret:rank1-chunk" and y.dtype == dtype
@@ -120,13 +125,7 @@ def test_deltanet_slots_reach_the_kernel_uncopied(monkeypatch, dtype):
 
 def test_gla_decay_reaches_the_kernel_as_is(monkeypatch):
     obj = _interpret("gla")
-    seen = {}
-    real = KD.chunk_key_decay
-
-    def spy(q, k, v, g, **kw):
-        seen.update(q=q, k=k, v=v, g=g, **kw)
-        return real(q, k, v, g, **kw)
-    monkeypatch.setattr(KD, "chunk_key_decay", spy)
+    seen = _spy(monkeypatch, KD, "chunk_key_decay", ("q", "k", "v", "g"))
     monkeypatch.setattr(KD, "CHUNK", 16)
     inputs, _ = random_inputs(obj.spec, T=21, sizes={"d": 8, "m": 4}, dtype=torch.bfloat16)
     obj(inputs)

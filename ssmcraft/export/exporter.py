@@ -185,6 +185,18 @@ def _standalone_problem(source: str, where: str) -> str | None:
     return None
 
 
+def _without_prepare(source: str) -> str:
+    """``source`` without its top-level ``prepare`` function: a family's ``prepare`` is ssmcraft's
+    per-signature fast path (``ssmcraft.kernels.dispatch``, slot bindings from the IR); the exported
+    ``Objective`` calls the family's ``forward``, so the inlined module does not carry it."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "prepare":
+            start = node.lineno - 1 - len(node.decorator_list)
+            return "".join(lines[:start] + lines[node.end_lineno:])
+    return source
+
+
 def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, str]:
     """(kernel module text or None, a phrase: which family is inline, or why none is).
 
@@ -224,7 +236,7 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
         first = first or name
         make = getattr(module, "standalone_source", None)
         try:
-            text = make(obj, dict(sizes or {})) if make is not None else inspect.getsource(module)
+            text = make(obj, dict(sizes or {})) if make is not None else _without_prepare(inspect.getsource(module))
         except SsmcraftError as e:
             reasons.append(f"{name}: {e}")
             continue

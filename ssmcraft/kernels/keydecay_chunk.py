@@ -828,10 +828,5 @@ def prepare(obj, lay):
                                 vec(cs.get("p"), d, dev).to(io), a,
                                 initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                                 output_final_state=output_final_state, chunk_size=CHUNK, log_space=False)
-        oc, oh = cs.get("oc", 1.0), cs.get("oh")
-        if isinstance(oc, torch.Tensor) or oc != 1.0:
-            o = o * (oc.unsqueeze(-1) if isinstance(oc, torch.Tensor) and oc.dim() == 3 else oc)
-        if oh is not None:
-            o = o + (oh.unsqueeze(-1) if isinstance(oh, torch.Tensor) and oh.dim() == 3 else oh)
-        return o.to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
+        return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
     return fn

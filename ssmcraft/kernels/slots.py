@@ -149,6 +149,16 @@ class CallSlots:
             return self.leaf(b.scale).unsqueeze(-1) * self.leaf(b.leaf)
         return self.computed(slot)
 
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        """The readout's scale and offset on a kernel output ``o [B, T, H, d]``: ``oc * o + oh``
+        (per-head slots broadcast over d; the kernels compute ``S oq`` only)."""
+        oc, oh = self.get("oc", 1.0), self.get("oh")
+        if isinstance(oc, torch.Tensor) or oc != 1.0:
+            o = o * (oc.unsqueeze(-1) if isinstance(oc, torch.Tensor) and oc.dim() == 3 else oc)
+        if oh is not None:
+            o = o + (oh.unsqueeze(-1) if isinstance(oh, torch.Tensor) and oh.dim() == 3 else oh)
+        return o
+
     def split(self, slot: str):
         """(per-head scale or None, vector) of a slot: ``scaled`` slots stay factored."""
         b = self.binds[slot]
