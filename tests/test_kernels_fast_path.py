@@ -217,15 +217,18 @@ def test_element_form_is_the_same_recurrence():
 
 @pytest.mark.parametrize("name,family", [("longhorn", "rank1_row"), ("wd_longhorn", "rank1_row"),
                                          ("gated_deltanet", "rank1_chunk"), ("hgrn", "keydecay_chunk"),
-                                         ("retnet", "keydecay_chunk")])
+                                         ("retnet", "keydecay_chunk"), ("cauchy_delta", "general"),
+                                         ("longhorn_2key", "rankr_row")])
 def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, name, family):
     """Families' specialised runners where some slots are expressions (Longhorn's c and p, Gated
-    DeltaNet's c = alpha beta, HGRN's p = -x) or per-head params (RetNet's gamma): output, final
-    state and every gradient against the float64 reference, outputs poisoned."""
+    DeltaNet's c = alpha beta, HGRN's p = -x) or per-head params (RetNet's gamma), and the fused
+    sequential kernels (general, row-tiled rank-r) on the caller's tensors: output, final state and
+    every gradient against the float64 reference, outputs poisoned."""
     from ssmcraft.kernels import rank1_row as RR
     monkeypatch.setattr(TB, "_order", lambda ir, mode: [family])
     monkeypatch.setattr(RR, "POISON", True)
     monkeypatch.setattr(KD, "POISON", True)
+    monkeypatch.setattr(G, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
     monkeypatch.setattr(RC, "CHUNK", 16)
     obj = _interpret(name)
@@ -236,7 +239,8 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     S0 = torch.randn(2, 2, 8, 4).requires_grad_(True)
     y, S, grads = _run_and_grads(obj, inputs, params, S0)
     assert obj.backend == "triton-interpret:" + {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk",
-                                                 "keydecay_chunk": "keydecay-chunked"}[family]
+                                                 "keydecay_chunk": "keydecay-chunked", "general": "general",
+                                                 "rankr_row": "rankr-row"}[family]
     ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
     ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
     yr, Sr, gr = _run_and_grads(obj.reference, ref_in, ref_p, S0.detach().double().requires_grad_(True))

@@ -10,8 +10,6 @@ launch, the state read once and written once. It is first in the dispatch order 
 """
 from __future__ import annotations
 
-import torch
-import triton
 
 BACKEND_NAME = "decode-fused"
 
@@ -38,20 +36,9 @@ def prepare(obj, lay):
     ``fn(inputs, params, initial_state, output_final_state) -> (y [B,1,H,d], S_T [B,H,d,m] fp32)``."""
     from ssmcraft.compiler.structure import element_form
     from ssmcraft.kernels import general
-    from ssmcraft.kernels.slots import CallSlots
     eir = element_form(obj.ir)
     reason = general.supports(eir)
     if reason is not None:
         from ssmcraft.errors import SsmcraftError
         raise SsmcraftError(f"{obj.name}: no fused one-token kernel: {reason}")
-    names = [*eir.inputs, *eir.params]
-    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
-    BV = triton.next_power_of_2(d)          # one row block: all rows in one program
-    out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-
-    def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m)
-        leaves = [cs.leaf(n).contiguous() for n in names]
-        return general._GeneralFunction.apply(eir, (B, T, H, m, d, BV), out_dtype, output_final_state,
-                                              initial_state, *leaves)
-    return fn
+    return general.runner(obj, eir, lay)       # one row block: all rows in one program

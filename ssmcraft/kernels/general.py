@@ -574,6 +574,32 @@ def supports(ir) -> str | None:
     return None
 
 
+def runner(obj, ir, lay, row_block=None):
+    """A runner for one call signature (``lay`` from ``reference.validate``: sizes and dtypes) of
+    the fused kernel of ``ir`` (``obj.ir``, or its element form for decode): the leaves go to the
+    kernel as the caller's tensors, in their own dtype (params broadcast to ``[B, T, H, *]``), with no
+    per-call validation or layout. ``row_block``: rows per program (None: all rows in one).
+    Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T)``."""
+    from ssmcraft.kernels.slots import CallSlots
+    names = [*ir.inputs, *ir.params]
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    BV = row_block or triton.next_power_of_2(d)
+    out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+    def fn(inputs, params, initial_state, output_final_state):
+        cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m)
+        leaves = [cs.leaf(n).contiguous() for n in names]
+        y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state,
+                                      _stack_states(ir, initial_state), *leaves)
+        return y.to(lay.out_dtype), _unstack_states(ir, S)
+    return fn
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature (see ``runner``; one row block)."""
+    return runner(obj, obj.ir, lay)
+
+
 def forward(obj, lay, co, output_final_state, row_block=None):
     """Family contract: the kernel computes everything from the layout's leaves (``co`` unused).
     ``row_block``: rows per program (a power of 2; None: all rows in one program).

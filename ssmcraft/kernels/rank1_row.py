@@ -955,5 +955,5 @@ def prepare(obj, lay):
         a, c, p, oc, oh = _dedup_contig(rows)
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
                                         output_final_state)
-        return y, ST
+        return y.to(lay.out_dtype), ST
     return fn

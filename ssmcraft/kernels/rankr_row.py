@@ -62,3 +62,8 @@ def row_block(V: int, K: int) -> int:
 def forward(obj, lay, co, output_final_state):
     """Family contract: (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
     return general.forward(obj, lay, co, output_final_state, row_block=row_block(lay.d, lay.m))
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature: ``general.runner`` row-tiled (``row_block``)."""
+    return general.runner(obj, obj.ir, lay, row_block=row_block(lay.d, lay.m))
