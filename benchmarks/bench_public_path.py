@@ -268,13 +268,7 @@ def decode(rep, steps=128):
     from ssmcraft.layers.config import LMConfig
     from ssmcraft.layers.lm import LM
     cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
-                              "mixer": {"kind": "objective", "objective": "longhorn", "heads": 1, "state_size": 16}}) \
-        if hasattr(LMConfig, "from_dict") else None
-    if cfg is None:
-        from ssmcraft.layers.config import from_mapping
-        cfg = from_mapping(LMConfig, {"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
-                                      "mixer": {"kind": "objective", "objective": "longhorn", "heads": 1,
-                                                "state_size": 16}}, "<bench>", "model")
+                              "mixer": {"kind": "objective", "objective": "longhorn", "heads": 1, "state_size": 16}})
     lm = LM(cfg).to(DEV)
     n_params = sum(p.numel() for p in lm.parameters())
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):

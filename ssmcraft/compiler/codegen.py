@@ -64,24 +64,22 @@ def _unpack(names) -> list[str]:
     return [f"    {n} = env[{n!r}]" for n in names]
 
 
-def _slot_closure(ir: UpdateIR, name: str):
-    """(coefficients, reductions, leaf names) that coefficient ``name`` needs, in dependency order."""
-    coefs = {c.name: c for c in ir.coefficients}
-    reds = {r.name: r for r in ir.reductions}
+def slot_leaves(ir: UpdateIR, name: str) -> list[str]:
+    """The inputs and params that coefficient ``name`` needs (through other coefficients and
+    reductions), in declaration order."""
+    coefs = {c.name: c.expr for c in ir.coefficients}
+    reds = {r.name: r.body for r in ir.reductions}
     want: set = set()
 
     def visit(sym_name):
         if sym_name in want:
             return
         want.add(sym_name)
-        node = coefs.get(sym_name) or reds.get(sym_name)
-        if node is not None:
-            body = node.expr if sym_name in coefs else node.body
-            for s in body.free_symbols:
-                visit(s.name)
+        body = coefs.get(sym_name, reds.get(sym_name))
+        for s in () if body is None else body.free_symbols:
+            visit(s.name)
     visit(name)
-    leaves = [n for n in (*ir.inputs, *ir.params) if n in want]
-    return ([c for c in ir.coefficients if c.name in want], [r for r in ir.reductions if r.name in want], leaves)
+    return [n for n in (*ir.inputs, *ir.params) if n in want]
 
 
 def _multi_state_step(ir: UpdateIR, names) -> list[str]:

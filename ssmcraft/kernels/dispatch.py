@@ -57,7 +57,7 @@ def _choose(obj, inputs, params, initial_state):
     if prefer in ("triton", "interpret"):
         raise SsmcraftError(f"{obj.name}: backend {prefer!r} was asked for but no Triton kernel can run here "
                             f"({_why_not_triton(obj, inputs)})")
-    R.layout(obj.ir, obj.spec, inputs, params, initial_state)      # validate (raises a clear error)
+    R.validate(obj.ir, obj.spec, inputs, params, initial_state)    # raises a clear error
     return _torch_path
 
 

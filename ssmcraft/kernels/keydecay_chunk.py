@@ -794,13 +794,11 @@ def forward(obj, lay, co, output_final_state):
 
 
 def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
-    """The backend's entry: layout + generated coefficients (PyTorch) + the chunked kernel.
+    """One validated call (``reference.validate``, then ``prepare``'s runner).
     Returns (y [B, T, H, d] in the inputs' dtype, S_T [B, H, d, m] fp32 or None)."""
-    from ssmcraft.kernels.reference import layout
-    lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
-    co = obj.module.coefficients(lay.env, lay.d, lay.m)
-    y, S = forward(obj, lay, co, output_final_state)
-    return y.to(lay.out_dtype), S
+    from ssmcraft.kernels.reference import validate
+    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
+    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
 
 
 def prepare(obj, lay):

@@ -5,8 +5,8 @@ The kernels of the structured families take their slots (``a, c, u, v, p, q, oq,
 per-head one, or a number. Most library objectives' slots are plain inputs (DeltaNet's
 ``u = v = q = k``, ``c = beta``; GLA's ``a = alpha``, ``p = x``), so the fast path passes the
 caller's tensors straight to the kernel, in their own dtype: no copy, no cast, no PyTorch op. A
-slot whose coefficient is an expression is computed from only the leaves it needs
-(``slot_<name>`` in the generated reference module), in fp32.
+slot whose coefficient is an expression is computed, in fp32, by the generated coefficients on
+fp32 copies of only the leaves such slots read (``Binding.needs``; the others stay views).
 
 ``bindings(ir)`` classifies every slot once:
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from ssmcraft.compiler.codegen import slot_leaves
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -31,6 +33,7 @@ class Binding:
     value: float = 0.0        # const
     leaf: str = ""            # leaf / scaled: the vector (or only) leaf
     scale: str = ""           # scaled: the per-head scalar leaf
+    needs: tuple = ()         # computed: the leaves its coefficient reads
 
 
 def _expanded(ir) -> dict:
@@ -61,9 +64,9 @@ def bindings(ir) -> dict[str, Binding]:
             elif leaves[b] == () and leaves[a] == dims and dims:
                 out[slot] = Binding("scaled", dims, leaf=a, scale=b)
             else:
-                out[slot] = Binding("computed", dims)
+                out[slot] = Binding("computed", dims, needs=tuple(slot_leaves(ir, name)))
         else:
-            out[slot] = Binding("computed", dims)
+            out[slot] = Binding("computed", dims, needs=tuple(slot_leaves(ir, name)))
     return out
 
 
@@ -116,12 +119,7 @@ class CallSlots:
         """The generated ``coefficients`` once per call for every computed slot together (they
         share their sub-expressions, e.g. Longhorn's ``c`` inside ``p = c x``)."""
         if self._computed is None:
-            from ssmcraft.compiler.codegen import _slot_closure
-            ir = self.obj.ir
-            need: set = set()
-            for slot, b in self.binds.items():
-                if b.kind == "computed":
-                    need |= set(_slot_closure(ir, ir.slots[slot])[2])
+            need = {n for b in self.binds.values() for n in b.needs}
             self._computed = self.obj.module.coefficients(self._env(need), self.d, self.m)
         return self._computed
 

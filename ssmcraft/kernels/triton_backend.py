@@ -100,28 +100,29 @@ def _runner(fam: str, mod, mode: str):
     kernel = getattr(mod, "BACKEND_NAME", fam.replace("_", "-"))
     name = f"{'triton' if mode == 'triton' else 'triton-interpret'}:{kernel}"
 
+    def specialise(obj, lay):
+        """A runner for one call signature: ``lay`` (``reference.validate``) has its sizes."""
+        fn = mod.prepare(obj, lay)
+
+        def fast(obj, inputs, params, initial_state, output_final_state):
+            y, S = fn(inputs, params, initial_state, output_final_state)
+            return y, (S if output_final_state else None), name
+        fast.backend = name
+        return fast
+
     def run(obj, inputs, params, initial_state, output_final_state):
-        if hasattr(mod, "forward_inputs"):
-            y, S = mod.forward_inputs(obj, inputs, params, initial_state, output_final_state)
-        else:
-            from ssmcraft.kernels.reference import layout
-            lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
-            co = obj.module.coefficients(lay.env, lay.d, lay.m)
-            y, S = mod.forward(obj, lay, co, output_final_state)
-            y = y.to(lay.out_dtype)
-        return y, (S if output_final_state else None), name
+        """One call, validated (``dispatch`` keeps ``specialise``'s runner instead)."""
+        from ssmcraft.kernels.reference import layout, validate
+        if hasattr(mod, "prepare"):
+            return specialise(obj, validate(obj.ir, obj.spec, inputs, params, initial_state))(
+                obj, inputs, params, initial_state, output_final_state)
+        lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
+        co = obj.module.coefficients(lay.env, lay.d, lay.m)
+        y, S = mod.forward(obj, lay, co, output_final_state)
+        return y.to(lay.out_dtype), (S if output_final_state else None), name
 
     run.backend = name
     if hasattr(mod, "prepare"):
-        def specialise(obj, lay):
-            """A runner for one call signature: ``lay`` (``reference.validate``) has its sizes."""
-            fn = mod.prepare(obj, lay)
-
-            def fast(obj, inputs, params, initial_state, output_final_state):
-                y, S = fn(inputs, params, initial_state, output_final_state)
-                return y, (S if output_final_state else None), name
-            fast.backend = name
-            return fast
         run.specialise = specialise
     return run
 
