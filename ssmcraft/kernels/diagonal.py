@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.triton_printer import triton_code
 
 BACKEND_NAME = "diagonal-chunked"
@@ -826,7 +827,7 @@ LAUNCHED: dict = {}        # kernel name -> the last launch's compiled kernel (r
 
 
 def _launch(mod, name, grid, *args, **kw):
-    LAUNCHED[name] = getattr(mod, name)[grid](*args, **kw)
+    LAUNCHED[name] = launch(getattr(mod, name), grid, *args, **kw)
 
 
 def _warps(BK: int, BV: int) -> int:

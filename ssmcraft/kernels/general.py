@@ -52,6 +52,7 @@ from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
+from ssmcraft.kernels.launch import launch
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
@@ -465,9 +466,9 @@ class _GeneralFunction(torch.autograd.Function):
         d = torch.empty(1, device=dev)
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
-            mod.fwd_kernel[(B * H, NV)](*leaves, S0c if S0c is not None else d, y, ST, CK if CK is not None else d,
-                                     T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
-                                     STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
+            launch(mod.fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
+                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
+                   STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
@@ -494,9 +495,9 @@ class _GeneralFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
         if T > 0:
-            mod.bwd_kernel[(B * H, NV)](*leaves, *grads, CK, SCR, dy.contiguous(), dht if dht is not None else d,
-                                     DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK,
-                                     HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
+            launch(mod.bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
+                   dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
+                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None

@@ -76,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -579,16 +580,16 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    _fwd_state_kernel[_state_grid(K, V, B * H)](
+    launch(_fwd_state_kernel, _state_grid(K, V, B * H),
         k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
     BC, BK = min(SUB, BT), _pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
-    _intra_A_kernel[(NT * (BT // BC), B * H)](q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
+    launch(_intra_A_kernel, (NT * (BT // BC), B * H), q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    _chunk_apply_kernel[_par_grid(V, NT, B * H)](q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-                                                 BK=BK, BWD=False, PREC=prec, **_par_opts(V))
+    launch(_chunk_apply_kernel, _par_grid(V, NT, B * H), q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+           BK=BK, BWD=False, PREC=prec, **_par_opts(V))
     return o, ht, gc, hs, A
 
 
@@ -604,29 +605,29 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     dht = dht.float().contiguous() if has_dht else hs
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    _bwd_state_kernel[_state_grid(K, V, B * H)](
+    launch(_bwd_state_kernel, _state_grid(K, V, B * H),
         q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
     BC, BK = min(SUB, BT), _pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
-    _chunk_apply_kernel[_par_grid(V, NT, B * H)](k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-                                                 BK=BK, BWD=True, PREC=prec, **_par_opts(V))
+    launch(_chunk_apply_kernel, _par_grid(V, NT, B * H), k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+           BK=BK, BWD=True, PREC=prec, **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
-    _bwd_inter_kernel[(NT, B * H)](q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
-                                   BC=BC, BK=BK, PREC=prec, **_par_opts(V))
+    launch(_bwd_inter_kernel, (NT, B * H), q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
+           BC=BC, BK=BK, PREC=prec, **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
     dbt = _empty(B, H, NT * (BT // BC), K, device=dev, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
-    _bwd_intra_kernel[grid](q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
-                            PREC=prec, **_intra_opts(K))
+    launch(_bwd_intra_kernel, grid, q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
+           PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
-    _bwd_dg_kernel[grid](dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
+    launch(_bwd_dg_kernel, grid, dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
@@ -575,15 +576,15 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     aa = a if has_a else c
     has_ps = ps is not None
     pss = ps if has_ps else c
-    _prep_kernel[(NT, B * H)](uu, v, qq, p, pss, oq, c, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
-                              BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, PREC=prec)
+    launch(_prep_kernel, (NT, B * H), uu, v, qq, p, pss, oq, c, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
+           BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     if h0 is None:      # a zero state costs one [B, H, K, V] read; fewer kernel variants
         h0 = torch.zeros(B, H, K, V, device=dev, dtype=torch.float32)
-    _state_fwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
+    launch(_state_fwd_kernel, lambda meta: (triton.cdiv(V, meta["BV"]), B * H),
         v, qq, p, pss, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
         STORE_H=store_states, PREC=prec, **_launch_opts(V))
@@ -606,7 +607,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     dpsi = _empty_like(psi)
     dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32)
     dht = torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32) if dht is None else dht.contiguous().float()
-    _state_bwd_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * H)](
+    launch(_state_bwd_kernel, lambda meta: (triton.cdiv(V, meta["BV"]), B * H),
         v, oq, W, L, g, do, dht, dhs, dpsi, dh0, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, PREC=prec, **_launch_opts(V))
     uu = v if u is None else u
@@ -620,7 +621,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     da = _empty_like(a) if has_a else dc
     has_ps = ps is not None
     dps = _empty_like(ps) if has_ps else dc
-    _grad_kernel[(NT, B * H)](
+    launch(_grad_kernel, (NT, B * H),
         uu, v, qq, p, ps if has_ps else c, oq, c, a if has_a else c, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         du, dv, dq, dp, dps, doq, dc, da, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
         BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, PREC=prec)

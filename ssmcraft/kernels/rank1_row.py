@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmcraft.kernels.launch import launch
+
 CHUNK = 64            # checkpoint interval of the backward (steps)
 
 # ----------------------------------------------------------------------------------------
@@ -648,7 +650,7 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     s0_strides = (H * K * V, K * V, 0, V, 1) if S0 is not None else (0,) * 5
     grid = (B * H, NV, 1)
     if T > 0:
-        _fwd_kernel[grid](
+        launch(_fwd_kernel, grid,
             u, v, q, oq, *[(modes[n][2] if modes[n][2] is not None else d) for n in ROW_SLOTS],
             s0, *s0_strides,
             y, ST if ST is not None else d, Z if Z is not None else d, CK if CK is not None else d,
@@ -702,7 +704,7 @@ def _backward(saved, groups, dy, dht, needs_ds0):
         dht = dht.transpose(-1, -2).contiguous()
     dht_strides = (H * K * V, K * V, V, 1) if dht is not None else (0,) * 4
     if T > 0 or DS0 is not None:
-        _bwd_kernel[(B * H, NV)](
+        launch(_bwd_kernel, (B * H, NV),
             u, v, q, oq, *[(modes[n][2] if modes[n][2] is not None else d) for n in ROW_SLOTS[:4]],
             Z if Z is not None else d, CK, SCR if SCR is not None else d, ST if ST is not None else d,
             dy, dht if dht is not None else d, *dht_strides,
@@ -834,14 +836,14 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
     S0 = initial_state
     cm = dict(MODE_A=modes["a"][0], MODE_C=modes["c"][0], MODE_P=modes["p"][0],
               A_CONST=modes["a"][1], C_CONST=modes["c"][1], P_CONST=modes["p"][1], G_V=G_V, G_Q=G_Q, G_OQ=G_OQ)
-    _segment_kernel[(B * H, NV, NSEG)](u, v, q, oq, *rows[:3], PR, LOC, T, H, V, K, segment, NSEG,
-                                       BV=BV, BK=BK, num_warps=max(nw, 4), **cm)
+    launch(_segment_kernel, (B * H, NV, NSEG), u, v, q, oq, *rows[:3], PR, LOC, T, H, V, K, segment, NSEG,
+           BV=BV, BK=BK, num_warps=max(nw, 4), **cm)
     s0_strides = (S0.stride(0), S0.stride(1), S0.stride(3), S0.stride(2)) if S0 is not None else (0,) * 4
-    _propagate_kernel[(B * H, NV)](S0 if S0 is not None else d, *s0_strides, PR, LOC, SS, H, V, K, NSEG,
-                                   BV=BV, BK=BK, HAS_S0=S0 is not None, num_warps=nw)
+    launch(_propagate_kernel, (B * H, NV), S0 if S0 is not None else d, *s0_strides, PR, LOC, SS, H, V, K, NSEG,
+           BV=BV, BK=BK, HAS_S0=S0 is not None, num_warps=nw)
     y = _new((B, T, H, V), dev, u.dtype)
     # phase 3: every segment from its start state
-    _fwd_kernel[(B * H, NV, NSEG)](
+    launch(_fwd_kernel, (B * H, NV, NSEG),
         u, v, q, oq, *rows, SS, H * NSEG * K * V, NSEG * K * V, K * V, V, 1,
         y, d, d, d, T, H, V, K, segment, 1,
         BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), OH_CONST=modes["oh"][1], OC_CONST=modes["oc"][1],
