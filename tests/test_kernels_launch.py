@@ -73,3 +73,15 @@ def test_under_the_interpreter_every_launch_goes_through_triton(monkeypatch):
     f = _Fake()
     assert L.launch(f, (3,), 1, B=2) == "ran" and L.launch(f, (3,), 1, B=2) == "ran"
     assert len(calls) == 2 and L.stats(f) == {"triton": 0, "direct": 0}
+
+
+def test_an_installed_launch_hook_is_seen_and_the_empty_default_is_not():
+    from triton import knobs
+    assert not L._hooked()                      # Triton 3.6's default: empty hook chains
+    hook = (lambda *a, **k: None)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert L._hooked()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not L._hooked()

@@ -37,6 +37,14 @@ def _through_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SSMCRAFT_DIRECT_LAUNCH") == "0"
 
 
+def _hooked() -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 keeps them in ``HookChain`` objects,
+    empty by default; older versions use ``None``)."""
+    from triton import knobs
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
 def _jit(kernel):
     """The ``JITFunction`` under autotuner / heuristics wrappers."""
     from triton.runtime.jit import JITFunction
@@ -93,8 +101,7 @@ def launch(kernel, grid, *args, **kw):
 
     ``grid``: a tuple of 1-3 ints, or a callable of the launch's ``{parameter: value}`` (evaluated
     on every launch, as Triton does: a grid may depend on sizes that are not in the key)."""
-    from triton import knobs
-    if _through_triton() or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if _through_triton() or _hooked():
         return kernel[grid](*args, **kw)
     state = kernel.__dict__.get(_ATTR)
     if state is None:

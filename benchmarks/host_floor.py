@@ -1,0 +1,97 @@
+"""Issue 12: what one host-side operation costs on this machine, the floor under ``obj(...)``'s
+host time. Times (host only, no synchronisation inside the loop; microseconds per call, median of
+5 rounds of N calls):
+
+- ``torch.empty`` of 1 MiB on the GPU (the caching allocator, no driver call expected);
+- one small PyTorch kernel (``x.add_(1)`` on 1 KiB);
+- one trivial Triton kernel through ``kernel[grid](...)`` (Triton's launcher) and through
+  ``ssmcraft.kernels.launch.launch`` (the compiled kernel's launcher, direct);
+- the same kernel replayed 20 times inside one CUDA graph (per kernel);
+- DeltaNet ``obj()`` fwd+bwd at B=8, T=2048 (bf16), with the count of Triton kernels launched
+  directly vs through Triton during it (``launch.stats``): the public path's host time per call.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/host_floor.py
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ssmcraft  # noqa: E402
+from ssmcraft.kernels import launch as L  # noqa: E402
+
+
+@triton.jit
+def _noop(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+def host_us(fn, n=200, rounds=5):
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main():
+    dev = "cuda"
+    x = torch.zeros(256, device=dev)
+    rows = {"torch.empty 1 MiB": host_us(lambda: torch.empty(1 << 18, device=dev)),
+            "torch kernel (x.add_(1))": host_us(lambda: x.add_(1)),
+            "triton kernel[grid](...)": host_us(lambda: _noop[(1,)](x, 256, BLOCK=256)),
+            "triton via launch() (direct)": host_us(lambda: L.launch(_noop, (1,), x, 256, BLOCK=256))}
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _noop[(1,)](x, 256, BLOCK=256)
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                _noop[(1,)](x, 256, BLOCK=256)
+    torch.cuda.current_stream().wait_stream(s)
+    rows["CUDA graph replay, per kernel of 20"] = host_us(g.replay, n=50) / 20
+    rows["direct launches / through Triton (noop)"] = f"{L.stats(_noop)}"
+
+    obj = ssmcraft.compile("deltanet")
+    B, T, H, K = 8, 2048, 16, 64
+    mk = (lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16).requires_grad_())
+    ins = {"q": mk(B, T, H, K), "k": mk(B, T, H, K), "x": mk(B, T, H, K), "beta": mk(B, T, H)}
+    with torch.no_grad():
+        ins["k"].copy_(torch.nn.functional.normalize(ins["k"].float(), dim=-1))
+        ins["beta"].copy_(ins["beta"].float().sigmoid())
+    dy = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    leaves = list(ins.values())
+
+    def fwd():
+        return obj(ins, None, None, False)[0]
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), leaves, dy)
+    with torch.no_grad():
+        rows["deltanet obj() fwd"] = host_us(fwd, n=30)
+    rows["deltanet obj() fwd+bwd"] = host_us(fwd_bwd, n=30)
+    from ssmcraft.kernels import rank1_chunk as R
+    rows["deltanet kernels: direct / through Triton"] = {
+        k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}
+    from triton import knobs
+    rows["triton launch hooks installed"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    for k, v in rows.items():
+        print(f"{k:45s} {v:8.1f} us" if isinstance(v, float) else f"{k:45s} {v}")
+
+
+if __name__ == "__main__":
+    main()
