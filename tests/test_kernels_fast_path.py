@@ -236,9 +236,10 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     params = {k: v.float().requires_grad_(True) for k, v in params.items()}
     S0 = torch.randn(2, 2, 8, 4).requires_grad_(True)
     y, S, grads = _run_and_grads(obj, inputs, params, S0)
-    assert obj.backend == "triton-interpret:" + {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk",
-                                                 "keydecay_chunk": "keydecay-chunked", "general": "general",
-                                                 "rankr_row": "rankr-row"}[family]
+    kernel = {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk", "keydecay_chunk": "keydecay-chunked",
+              "general": "general", "rankr_row": "rankr-row"}[family]
+    computed = family != "rankr_row" and any(b.kind == "computed" for b in bindings(obj.ir).values())
+    assert obj.backend == f"triton-interpret:{kernel}" + ("+prologue" if computed else "")
     ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
     ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
     yr, Sr, gr = _run_and_grads(obj.reference, ref_in, ref_p, S0.detach().double().requires_grad_(True))
