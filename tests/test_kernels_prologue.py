@@ -22,7 +22,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
 from ssmcraft.kernels import prologue as P, rank1_row as RR, triton_backend as TB  # noqa: E402
 from ssmcraft.kernels.slots import bindings  # noqa: E402
-from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms, run_and_grads  # noqa: E402
 
 # every library objective with a computed slot (checked against the library below)
 COMPUTED = ["gated_deltanet", "gated_longhorn", "hgrn", "longhorn", "longhorn_2key", "longhorn_diag", "mamba",
@@ -115,17 +115,6 @@ def test_generated_source_is_readable_and_cached():
     assert "c ['d'] = beta/(_r0*beta + 1)" in source
 
 
-def _run_and_grads(fn, inputs, params, S0):
-    leaves = {**{f"in.{k}": v for k, v in inputs.items()}, **{f"param.{k}": v for k, v in params.items()}, "S0": S0}
-    for t in leaves.values():
-        t.grad = None
-    y, S = fn(inputs, params, S0, True)
-    g = torch.Generator().manual_seed(7)
-    wy, wS = torch.randn(y.shape, generator=g, dtype=torch.float64), torch.randn(S.shape, generator=g, dtype=torch.float64)
-    ((y.double() * wy).sum() + (S.double() * wS).sum()).backward()
-    return y, S, {k: t.grad.clone() for k, t in leaves.items()}
-
-
 def _longhorn_end_to_end(monkeypatch, obj):
     """``obj(...)`` (Longhorn, rank1_row) against the reference loop; returns (inputs, S0, the
     number of calls of the eager generated coefficients during the fast call, forward and backward)."""
@@ -138,10 +127,10 @@ def _longhorn_end_to_end(monkeypatch, obj):
     inputs, params = random_inputs(obj.spec, **SIZES, sizes={"d": 7, "m": 5})
     inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
     S0 = torch.randn(2, 3, 7, 5).requires_grad_(True)
-    y, S, grads = _run_and_grads(obj, inputs, {}, S0)
+    y, S, grads = run_and_grads(obj, inputs, {}, S0)
     n_eager = len(calls)
     ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
-    yr, Sr, gr = _run_and_grads(obj.reference, ref_in, {}, S0.detach().double().requires_grad_(True))
+    yr, Sr, gr = run_and_grads(obj.reference, ref_in, {}, S0.detach().double().requires_grad_(True))
     errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
     assert set(gr) == {"in.x", "in.k", "in.q", "in.beta", "S0"}
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})

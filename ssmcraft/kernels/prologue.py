@@ -33,7 +33,6 @@ source is readable and cached by content hash (``ssmcraft.compiler.cache``).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 
@@ -43,7 +42,8 @@ import triton
 
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
-from ssmcraft.compiler.symbolic import Algebra, Reduction
+from ssmcraft.compiler.symbolic import Algebra
+from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, _triton_code, element_algebra
 
 POISON = False           # tests: allocate outputs with NaN (unwritten -> NaN)
 
@@ -77,28 +77,12 @@ def computed_slot_names(binds: dict) -> list[str]:
 
 def build(ir, binds: dict) -> Prologue:
     """The computed slots of ``ir`` (``binds`` from ``slots.bindings``) and their adjoints."""
-    from ssmcraft.kernels.general import _symbols_of
     d, m = ir.dims
-    alg = Algebra(tuple(ir.dims))
-    alg._count = 1000                       # new reductions: _r1000, ... (never clash with the IR's)
-    syms = _symbols_of(ir)
-
-    def sym(name, dims, **assume):
-        s = syms.get(name) or sympy.Symbol(name, **(assume or {"real": True}))
-        alg.symbol_dims[s] = frozenset(dims)
-        syms[name] = s
-        return s
-
-    for dim in (d, m):
-        sym(dim, (), positive=True, integer=True)
+    alg, sym = element_algebra(ir, ir.reductions)
     names = computed_slot_names(binds)
     need = {n for s in names for n in binds[s].needs}
     leaves = [Leaf(n, tuple(dims), sym(n, dims), n in ir.params)
               for n, dims in (*ir.inputs.items(), *ir.params.items()) if n in need]
-    for r in ir.reductions:
-        s = sym(r.name, r.dims)
-        alg.reductions[s] = Reduction(s, r.body, r.over, frozenset(r.dims))
-        alg._keys[(r.body, r.over)] = s
     sub = {}
     for c in ir.coefficients:
         sub[sympy.Symbol(c.name, real=True)] = sympy.sympify(c.expr).xreplace(sub)
@@ -121,36 +105,22 @@ def build(ir, binds: dict) -> Prologue:
 # code generation (kernels)
 # ----------------------------------------------------------------------------------------
 
-class _Printer:
-    """Element expressions as Triton values over the ``[R, BV, BK]`` tile (see the module docstring)."""
+class _Printer(_TilePrinter):
+    """Element expressions as Triton values over the ``[R, BV, BK]`` tile (see the module
+    docstring): ``general``'s printer with a row axis in front."""
 
     def __init__(self, pro: Prologue):
-        from ssmcraft.kernels.general import _triton_code
         self._code = _triton_code
         d, m = pro.dims
         self.names = {d: "V_f", m: "K_f"}
         self.names.update({lf.symbol.name: f"l_{lf.name}" for lf in pro.leaves})
         self.names.update({g.name: f"g_{s}" for s, g in pro.G.items()})
-        self.pro = pro
+        self.alg, self.dims = pro.alg, pro.dims
         self.done: set = set()
 
-    def expr(self, e) -> str:
-        return self._code(e, self.names)
-
-    def reductions(self, exprs, indent) -> list[str]:
-        """Lines computing every reduction ``exprs`` use (inner first) not computed yet."""
-        alg, (d, m) = self.pro.alg, self.pro.dims
-        lines = []
-        for e in exprs:
-            for r in alg.reductions_in(e):
-                if r.symbol in self.done:
-                    continue
-                self.done.add(r.symbol)
-                name = self.names[r.symbol.name] = f"r_{r.symbol.name.lstrip('_')}"
-                mask = _MASK[_key(alg.dims_of(r.body), self.pro.dims)]
-                lines.append(f"{indent}{name} = tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), "
-                             f"axis={2 if r.over == m else 1}, keep_dims=True)")
-        return lines
+    def reduce(self, r) -> str:
+        mask = _MASK[_key(self.alg.dims_of(r.body), self.dims)]
+        return f"tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), axis={2 if r.over == self.dims[1] else 1}, keep_dims=True)"
 
 
 def _key(dims, dm) -> str:
@@ -279,14 +249,10 @@ def module(ir, binds: dict):
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _new(shape, device, dtype=torch.float32):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+    """An output buffer (NaN-filled when ``POISON``: an unwritten element shows)."""
+    return torch.full(shape, float("nan"), device=device, dtype=dtype) if POISON else \
+        torch.empty(shape, device=device, dtype=dtype)
 
 
 def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
