@@ -280,13 +280,12 @@ def _head_stride(lf: Leaf, t: torch.Tensor, pro, V, K) -> int:
 
 class _PrologueFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, entry, shape, *leaves):
-        """shape: (B, T, H, V, K); leaves: the Prologue's, inputs ``[B, T, H, *]`` contiguous, params
+    def forward(ctx, entry, shape, dev, *leaves):
+        """shape: (B, T, H, V, K); dev: the device (a slot may read no leaf); leaves: the Prologue's, inputs ``[B, T, H, *]`` contiguous, params
         compact (``[*shape]`` or ``[heads, *shape]``). Returns the computed slots, fp32."""
         pro, mod, _ = entry
         B, T, H, V, K = shape
         N = B * T * H
-        dev = leaves[0].device
         R, BV, BK, warps = _tiles(pro, V, K, N)
         outs = [_new((B, T, H, *_size(dims, pro, V, K)), dev) for _, dims, _ in pro.slots]
         strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
@@ -294,7 +293,7 @@ class _PrologueFunction(torch.autograd.Function):
             mod.fwd_kernel[(triton.cdiv(N, R),)](*leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
                                                  num_warps=warps)
         ctx.save_for_backward(*leaves)
-        ctx.entry, ctx.shape = entry, shape
+        ctx.entry, ctx.shape, ctx.dev = entry, shape, dev
         return tuple(outs)
 
     @staticmethod
@@ -303,7 +302,7 @@ class _PrologueFunction(torch.autograd.Function):
         pro, mod, _ = ctx.entry
         B, T, H, V, K = ctx.shape
         N = B * T * H
-        dev = leaves[0].device
+        dev = ctx.dev
         R, BV, BK, warps = _tiles(pro, V, K, N)
         grads = [_new((B, T, H, *_size(lf.dims, pro, V, K)), dev) if lf.param else _new(t.shape, dev, t.dtype)
                  for lf, t in zip(pro.leaves, leaves)]
@@ -320,7 +319,7 @@ class _PrologueFunction(torch.autograd.Function):
                     else g.sum(0).reshape(t.shape)
                 g = g.to(t.dtype)
             out.append(g)
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,7 +331,7 @@ def run(entry, cs) -> dict:
     layout: ``[B, T, H, n]`` vector, ``[B, T, H]`` per head, ``[B, T, H, d, m]`` matrix."""
     pro = entry[0]
     leaves = [cs.param(lf.name).contiguous() if lf.param else cs.inputs[lf.name].contiguous() for lf in pro.leaves]
-    outs = _PrologueFunction.apply(entry, (cs.B, cs.T, cs.H, cs.d, cs.m), *leaves)
+    outs = _PrologueFunction.apply(entry, (cs.B, cs.T, cs.H, cs.d, cs.m), cs.device, *leaves)
     return {s: o for (s, _, _), o in zip(pro.slots, outs)}
 
 
