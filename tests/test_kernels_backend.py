@@ -90,7 +90,8 @@ def test_key_decays_run_the_keydecay_family_and_say_so(name):
     params = {n: torch.tensor([0.9, 0.7]) for n in obj.ir.params}
     S0 = torch.randn(1, 2, 8, 4)
     y, S = obj(inputs, params, S0, True)
-    assert obj.backend == "triton-interpret:keydecay-chunked"
+    computed = "+prologue" if name == "hgrn" else ""        # HGRN's p = -x, q = f - 1: the fused prologue
+    assert obj.backend == "triton-interpret:keydecay-chunked" + computed
     yr, Sr = obj.reference(inputs, params, S0, True)
     assert _rel(y, yr) < 1e-5 and _rel(S, Sr) < 1e-5
     reasons = dict(TB.families(obj, inputs, "interpret"))

@@ -25,7 +25,7 @@ from ssmcraft.compiler.structure import element_form  # noqa: E402
 from ssmcraft.kernels import general as G, keydecay_chunk as KD, rank1_chunk as RC  # noqa: E402
 from ssmcraft.kernels import triton_backend as TB  # noqa: E402
 from ssmcraft.kernels.slots import bindings  # noqa: E402
-from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms, run_and_grads  # noqa: E402
 
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
 
@@ -34,17 +34,6 @@ def _interpret(name):
     obj = ssmcraft.compile(name)
     obj.prefer = "interpret"
     return obj
-
-
-def _run_and_grads(fn, inputs, params, S0):
-    leaves = {**{f"in.{k}": v for k, v in inputs.items()}, **{f"param.{k}": v for k, v in params.items()}, "S0": S0}
-    for t in leaves.values():
-        t.grad = None
-    y, S = fn(inputs, params, S0, True)
-    g = torch.Generator().manual_seed(7)
-    wy, wS = torch.randn(y.shape, generator=g, dtype=torch.float64), torch.randn(S.shape, generator=g, dtype=torch.float64)
-    ((y.double() * wy).sum() + (S.double() * wS).sum()).backward()
-    return y, S, {k: t.grad.clone() for k, t in leaves.items()}
 
 
 def _spy(monkeypatch, module, name, positional):
@@ -183,12 +172,12 @@ def test_one_token_calls_run_the_fused_kernel(monkeypatch, name):
     inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
     params = {k: v.float().requires_grad_(True) for k, v in params.items()}
     S0 = torch.randn(3, 2, 5, 3).requires_grad_(True)
-    y, S, grads = _run_and_grads(obj, inputs, params, S0)
+    y, S, grads = run_and_grads(obj, inputs, params, S0)
     assert obj.backend == "triton-interpret:decode-fused"
     ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
     ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
     ref_S0 = S0.detach().double().requires_grad_(True)
-    yr, Sr, gr = _run_and_grads(obj.reference, ref_in, ref_p, ref_S0)
+    yr, Sr, gr = run_and_grads(obj.reference, ref_in, ref_p, ref_S0)
     errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
     assert_within(errs, TOL)
 
@@ -235,12 +224,13 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
     params = {k: v.float().requires_grad_(True) for k, v in params.items()}
     S0 = torch.randn(2, 2, 8, 4).requires_grad_(True)
-    y, S, grads = _run_and_grads(obj, inputs, params, S0)
-    assert obj.backend == "triton-interpret:" + {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk",
-                                                 "keydecay_chunk": "keydecay-chunked", "general": "general",
-                                                 "rankr_row": "rankr-row"}[family]
+    y, S, grads = run_and_grads(obj, inputs, params, S0)
+    kernel = {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk", "keydecay_chunk": "keydecay-chunked",
+              "general": "general", "rankr_row": "rankr-row"}[family]
+    computed = family != "rankr_row" and any(b.kind == "computed" for b in bindings(obj.ir).values())
+    assert obj.backend == f"triton-interpret:{kernel}" + ("+prologue" if computed else "")
     ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
     ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
-    yr, Sr, gr = _run_and_grads(obj.reference, ref_in, ref_p, S0.detach().double().requires_grad_(True))
+    yr, Sr, gr = run_and_grads(obj.reference, ref_in, ref_p, S0.detach().double().requires_grad_(True))
     errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
     assert_within(errs, TOL)

@@ -99,12 +99,12 @@ def _symbols_of(ir) -> dict:
     return out
 
 
-def build_step(ir) -> Step:
-    """Lower the IR of an update into one ``Algebra`` and derive the adjoints."""
-    ir = element_form(ir)                   # structured (rank1/rankr): the element form of its slots
-    d, m = ir.dims
+def element_algebra(ir, reductions=()):
+    """An ``Algebra`` over ``ir``'s dims (size symbols registered, ``reductions`` of the IR
+    registered under their own symbols) and ``sym(name, dims)``: the IR's symbol of that name (a
+    new real one if it has none) registered with its dims. New reductions are ``_r1000, ...``."""
     alg = Algebra(tuple(ir.dims))
-    alg._count = 1000                       # new reductions: _r1000, ... (never clash with the IR's)
+    alg._count = 1000                       # new reductions never clash with the IR's
     syms = _symbols_of(ir)
 
     def sym(name, dims, **assume):
@@ -113,8 +113,20 @@ def build_step(ir) -> Step:
         syms[name] = s
         return s
 
-    for dim in (d, m):
+    for dim in ir.dims:
         sym(dim, (), positive=True, integer=True)
+    for r in reductions:
+        s = sym(r.name, r.dims)
+        alg.reductions[s] = Reduction(s, r.body, r.over, frozenset(r.dims))
+        alg._keys[(r.body, r.over)] = s
+    return alg, sym
+
+
+def build_step(ir) -> Step:
+    """Lower the IR of an update into one ``Algebra`` and derive the adjoints."""
+    ir = element_form(ir)                   # structured (rank1/rankr): the element form of its slots
+    d, m = ir.dims
+    alg, sym = element_algebra(ir, (*ir.reductions, *ir.state_reductions, *ir.readout_reductions))
     several = bool(ir.states)
     S_prevs = [sym(f"{x}_prev" if several else "S_prev", (d, m)) for x in ir.state_names]
     Ss = [sym(x, (d, m)) for x in ir.state_names]
@@ -123,10 +135,6 @@ def build_step(ir) -> Step:
     leaves = []
     for name, ldims in list(ir.inputs.items()) + list(ir.params.items()):
         leaves.append((name, tuple(ldims), sym(name, ldims)))
-    for r in (*ir.reductions, *ir.state_reductions, *ir.readout_reductions):
-        s = sym(r.name, r.dims)
-        alg.reductions[s] = Reduction(s, r.body, r.over, frozenset(r.dims))
-        alg._keys[(r.body, r.over)] = s
     # coefficients -> expressions in leaves and reductions
     sub, by_name = {}, {}
     for c in ir.coefficients:
@@ -187,32 +195,32 @@ class _Printer:
             self.names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
         for n, _, s in step.leaves:
             self.names[s.name] = f"l_{n}"
-        self.step = step
+        self.alg, self.dims = step.alg, step.dims
         self.done: set = set()
 
     def expr(self, e) -> str:
         for s in sympy.sympify(e).free_symbols:
-            if s in self.step.alg.reductions:
+            if s in self.alg.reductions:
                 self.names.setdefault(s.name, f"r_{s.name.lstrip('_')}")
         return self._code(e, self.names)
 
     def reductions(self, exprs, indent) -> list[str]:
         """Lines computing every reduction ``exprs`` use (inner first) not yet computed."""
-        alg = self.step.alg
-        d, m = self.step.dims
         lines = []
         for e in exprs:
-            for r in alg.reductions_in(e):
+            for r in self.alg.reductions_in(e):
                 if r.symbol in self.done:
                     continue
                 self.done.add(r.symbol)
                 self.names[r.symbol.name] = f"r_{r.symbol.name.lstrip('_')}"
-                axis = 0 if r.over == m else 1
-                body_dims = alg.dims_of(r.body)
-                mask = "MASK" if {d, m} <= body_dims else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
-                lines.append(f"{indent}{self.names[r.symbol.name]} = tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), "
-                             f"axis={axis}, keep_dims=True)")
+                lines.append(f"{indent}{self.names[r.symbol.name]} = {self.reduce(r)}")
         return lines
+
+    def reduce(self, r) -> str:
+        """The Triton sum of reduction ``r`` over the tile (padding masked out)."""
+        d, m = self.dims
+        mask = "MASK" if {d, m} <= self.alg.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
+        return f"tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), axis={0 if r.over == m else 1}, keep_dims=True)"
 
 
 def _suffixes(step: Step) -> list[str]:

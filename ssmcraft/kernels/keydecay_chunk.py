@@ -807,8 +807,9 @@ def prepare(obj, lay):
     are plain inputs go to the kernels as they are, in their own dtype; the decay ``a`` is passed
     as is and its log taken inside the kernels (``log_space=False``). GLA runs with no PyTorch op
     besides the kernels. Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings
+    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
     binds = bindings(obj.ir)
+    path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     out_dtype = lay.out_dtype
     io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
@@ -820,7 +821,7 @@ def prepare(obj, lay):
         return x.unsqueeze(-1).expand(B, T, H, n) if x.dim() == 3 else x
 
     def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m)
+        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
         dev = cs.device
         a = vec(cs.get("a"), m, dev)
         o, ht = chunk_key_decay(vec(cs.get("oq"), m, dev).to(io), vec(cs.get("q"), m, dev).to(io),
@@ -828,4 +829,4 @@ def prepare(obj, lay):
                                 initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                                 output_final_state=output_final_state, chunk_size=CHUNK, log_space=False)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return fn
+    return tag(fn, path)

@@ -842,8 +842,9 @@ def prepare(obj, lay):
     ``reference.validate``): slots that are plain inputs go to the kernel as they are, in their own
     dtype (DeltaNet: no PyTorch op besides the kernels); others are computed (``slots.CallSlots``).
     Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings
+    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
     binds = bindings(obj.ir)
+    path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     out_dtype = lay.out_dtype
     io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
@@ -856,7 +857,7 @@ def prepare(obj, lay):
         return None if one_is_none and x == 1.0 else torch.full((B, T, H), float(x), device=device)
 
     def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m)
+        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
         v = cs.get("v")
         u = None if same["u"] else cs.get("u")
         q = None if same["q"] else cs.get("q")
@@ -866,4 +867,4 @@ def prepare(obj, lay):
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return fn
+    return tag(fn, path)

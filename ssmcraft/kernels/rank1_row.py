@@ -943,19 +943,21 @@ def prepare(obj, lay):
     """The family's runner for one call signature (``lay`` from ``reference.validate``): the key
     slots (``u, v, q, oq``) go to the kernel as the caller's tensors, in their own dtype (Longhorn's
     ``u = v = q = k`` is read once); the row coefficients that are expressions (Longhorn's
-    ``c = beta / (1 + beta k.k)``, ``p = c x``) are computed from only the leaves they need, in fp32.
+    ``c = beta / (1 + beta k.k)``, ``p = c x``) are computed from only the leaves they need, in fp32
+    (``slots.computed_path``: one fused prologue kernel).
     Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings
+    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
     binds = bindings(obj.ir)
+    path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
     def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m)
+        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
         u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
         a, c, p, oc, oh = _dedup_contig(rows)
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
                                         output_final_state)
         return y.to(lay.out_dtype), ST
-    return fn
+    return tag(fn, path)

@@ -4,9 +4,19 @@ The kernels of the structured families take their slots (``a, c, u, v, p, q, oq,
 ``ssmcraft/compiler/ir.py``) in FLA's layout: ``[B, T, H, n]`` for a vector slot, ``[B, T, H]`` for a
 per-head one, or a number. Most library objectives' slots are plain inputs (DeltaNet's
 ``u = v = q = k``, ``c = beta``; GLA's ``a = alpha``, ``p = x``), so the fast path passes the
-caller's tensors straight to the kernel, in their own dtype: no copy, no cast, no PyTorch op. A
-slot whose coefficient is an expression is computed, in fp32, by the generated coefficients on
-fp32 copies of only the leaves such slots read (``Binding.needs``; the others stay views).
+caller's tensors straight to the kernel, in their own dtype: no copy, no cast, no PyTorch op. The
+slots whose coefficients are expressions are computed together, in fp32, by one of two paths
+chosen once per call signature (``computed_path``, in the families' ``prepare``) and named in the
+backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
+
+- ``prologue``: one fused Triton kernel (``ssmcraft.kernels.prologue``) reads the leaves they
+  need (``Binding.needs``) in their own dtype and writes every computed slot; its backward kernel
+  writes the leaves' gradients in their dtypes. The families run only on CUDA tensors or under
+  ``TRITON_INTERPRET=1``, where it can run, so this is their path;
+- ``eager-coefficients``: the objective's generated PyTorch ``coefficients`` on fp32 copies of
+  the leaves they need, autograd through them; only where the prologue cannot be printed (a
+  function the Triton printer lacks), with the reason in ``ComputedPath.why``. The CPU path
+  (``torch-vectorised``) calls the generated coefficients itself and never comes here.
 
 ``bindings(ir)`` classifies every slot once:
 
@@ -70,34 +80,89 @@ def bindings(ir) -> dict[str, Binding]:
     return out
 
 
+@dataclass(frozen=True)
+class ComputedPath:
+    """How a call's computed slots are produced (chosen once per call signature):
+    ``name`` ``"prologue"`` / ``"eager-coefficients"`` (None: the objective has no computed
+    slot), ``run(cs) -> {slot: fp32 tensor in FLA layout}``, ``why`` the reason for eager."""
+    name: str | None
+    run: object = None
+    why: str = ""
+
+
+def eager_coefficients(cs: "CallSlots") -> dict:
+    """The generated ``coefficients`` once for every computed slot together (they share their
+    sub-expressions, e.g. Longhorn's ``c`` inside ``p = c x``), on fp32 copies of the leaves they
+    read, laid out as ``CallSlots.computed`` returns them."""
+    need = {n for b in cs.binds.values() for n in b.needs}
+    values = cs.obj.module.coefficients(cs._env(need), cs.d, cs.m)
+    out = {}
+    for slot, b in cs.binds.items():
+        if b.kind != "computed":
+            continue
+        value = values[slot]
+        if isinstance(value, torch.Tensor):
+            value = value.expand(cs.B, cs.T, cs.H, value.shape[3], value.shape[4])
+            value = value.reshape(cs.B, cs.T, cs.H, *cs._size(b.dims))
+        out[slot] = value
+    return out
+
+
+def computed_path(obj, binds: dict) -> ComputedPath:
+    """The path of ``obj``'s computed slots in a Triton family (see the module docstring); the
+    families call it in ``prepare``, once per call signature, and tag their runner with its name."""
+    if not any(b.kind == "computed" for b in binds.values()):
+        return ComputedPath(None)
+    from ssmcraft.kernels import prologue
+    try:
+        entry = prologue.module(obj.ir, binds)
+    except NotImplementedError as e:
+        return ComputedPath("eager-coefficients", eager_coefficients, f"no Triton prologue: {e}")
+    return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
+
+
+def tag(fn, path: ComputedPath):
+    """``fn`` (a family's prepared runner) tagged with the computed slots' path, which the
+    backend name carries (``ssmcraft.kernels.triton_backend``)."""
+    fn.slots_path = path.name
+    return fn
+
+
 class CallSlots:
     """One call's slot values in FLA layout, from the caller's tensors (see ``bindings``).
 
     ``inputs``: name -> ``[B, T, H, n]`` / ``[B, T, H]``; ``params``: name -> declared shape or
     ``[H, *shape]`` (missing ones take their constant init). ``B, T, H, d, m``: the call's sizes.
+    ``path``: how the computed slots are produced (``computed_path``; default the eager one).
     """
 
-    def __init__(self, obj, binds: dict, inputs: dict, params: dict | None, B, T, H, d, m):
+    def __init__(self, obj, binds: dict, inputs: dict, params: dict | None, B, T, H, d, m,
+                 path: ComputedPath | None = None):
         self.obj, self.binds, self.inputs = obj, binds, inputs
         self.params = dict(params or {})
         self.B, self.T, self.H, self.d, self.m = B, T, H, d, m
         self.device = next(iter(inputs.values())).device
+        self.path = path
         self._computed = None
 
     def _size(self, dims):
         return [self.d if x == self.obj.ir.dims[0] else self.m for x in dims]
+
+    def param(self, name: str) -> torch.Tensor:
+        """A param as given (declared shape or ``[heads, *shape]``), or its constant init."""
+        t = self.params.get(name)
+        if t is None:
+            from ssmcraft.kernels.reference import _default_param
+            value = _default_param(self.obj.spec.params[name], self.H)
+            t = torch.full(self._size(self.obj.ir.params[name]), float(value), dtype=torch.float32, device=self.device)
+        return torch.as_tensor(t, device=self.device)
 
     def leaf(self, name: str) -> torch.Tensor:
         """An input as given, or a param broadcast to the FLA layout of its dims."""
         if name in self.inputs:
             return self.inputs[name]
         dims = tuple(self.obj.ir.params[name])
-        t = self.params.get(name)
-        if t is None:
-            from ssmcraft.kernels.reference import _default_param
-            value = _default_param(self.obj.spec.params[name], self.H)
-            t = torch.full(self._size(dims), float(value), dtype=torch.float32, device=self.device)
-        t = torch.as_tensor(t, device=self.device)
+        t = self.param(name)
         heads = t.shape[0] if t.dim() == len(dims) + 1 else 1
         return t.reshape(1, 1, heads, *self._size(dims)).expand(self.B, self.T, self.H, *self._size(dims))
 
@@ -116,22 +181,16 @@ class CallSlots:
         return env
 
     def _all_computed(self) -> dict:
-        """The generated ``coefficients`` once per call for every computed slot together (they
-        share their sub-expressions, e.g. Longhorn's ``c`` inside ``p = c x``)."""
+        """Every computed slot, once per call, by the call signature's path (``computed_path``)."""
         if self._computed is None:
-            need = {n for b in self.binds.values() for n in b.needs}
-            self._computed = self.obj.module.coefficients(self._env(need), self.d, self.m)
+            run = self.path.run if self.path is not None else eager_coefficients
+            self._computed = run(self)
         return self._computed
 
     def computed(self, slot: str):
-        """The slot from the generated coefficients, fp32, in FLA layout (or a number)."""
+        """The computed slot, fp32, in FLA layout (or a number)."""
         value = self._all_computed()[slot]
-        if not isinstance(value, torch.Tensor):
-            return float(value)
-        dims = self.binds[slot].dims
-        n = self._size(dims)
-        value = value.expand(self.B, self.T, self.H, value.shape[3], value.shape[4])
-        return value.reshape(self.B, self.T, self.H, *n)
+        return value if isinstance(value, torch.Tensor) else float(value)
 
     def get(self, slot: str, default=None):
         """The slot's value: a tensor in FLA layout (a leaf in its own dtype) or a number; a

@@ -3,7 +3,9 @@
 ``ssmcraft.kernels.dispatch`` asks :func:`select` for a runner; a runner is called as
 ``runner(obj, inputs, params, initial_state, output_final_state) -> (y, S_T, backend)`` with
 the reference API's shapes (``y [B, T, H, d]``, ``S_T [B, H, d, m]``) and ``backend`` naming
-what ran, e.g. ``"triton:diagonal-chunked"`` or ``"triton-interpret:rank1-row"``.
+what ran, e.g. ``"triton:diagonal-chunked"`` or ``"triton-interpret:rank1-row"``; a family whose
+slots include computed ones adds how they were made (``slots.computed_path``), e.g.
+``"triton:rank1-row+prologue"`` for exact Longhorn (one fused Triton prologue kernel).
 
 When Triton runs:
   * CUDA tensors and ``obj.prefer`` in ("auto", "triton");
@@ -103,11 +105,13 @@ def _runner(fam: str, mod, mode: str):
     def specialise(obj, lay):
         """A runner for one call signature: ``lay`` (``reference.validate``) has its sizes."""
         fn = mod.prepare(obj, lay)
+        slots_path = getattr(fn, "slots_path", None)       # how computed slots are made (slots.computed_path)
+        full = f"{name}+{slots_path}" if slots_path else name
 
         def fast(obj, inputs, params, initial_state, output_final_state):
             y, S = fn(inputs, params, initial_state, output_final_state)
-            return y, (S if output_final_state else None), name
-        fast.backend = name
+            return y, (S if output_final_state else None), full
+        fast.backend = full
         return fast
 
     def run(obj, inputs, params, initial_state, output_final_state):

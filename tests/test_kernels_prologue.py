@@ -1,0 +1,160 @@
+"""The fused prologue of the computed slots (``ssmcraft.kernels.prologue``), under TRITON_INTERPRET=1:
+
+- for every library objective with a computed slot, the kernel against the objective's generated
+  eager ``coefficients`` (float64, from the same leaf values) on every computed slot and, under
+  random upstream gradients, on every leaf's gradient (inputs and params, per head or shared);
+  fp32 and bf16 leaves, odd sizes, every output and gradient buffer poisoned by NaN first;
+- the public path: Longhorn's ``obj(...)`` through the rank1_row family takes the prologue (the
+  eager coefficients are never called), says so in ``obj.backend``, chooses it once per call
+  signature, and matches the reference loop on the output, the final state and every gradient
+  (initial state included); where the prologue cannot be generated the eager path runs, by name.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.compiler.library import library_names  # noqa: E402
+from ssmcraft.kernels import prologue as P, rank1_row as RR, triton_backend as TB  # noqa: E402
+from ssmcraft.kernels.slots import bindings  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms, run_and_grads  # noqa: E402
+
+# every library objective with a computed slot (checked against the library below)
+COMPUTED = ["gated_deltanet", "gated_longhorn", "hgrn", "longhorn", "longhorn_2key", "longhorn_diag", "mamba",
+            "wd_longhorn"]
+SIZES = dict(B=2, T=5, H=3)
+# the slots are fp32 arithmetic on exactly upcast leaves; a bf16 gradient is converted once when
+# stored: within one bf16 ulp, 2**-7 of the value per element (the interpreter truncates fp32 ->
+# bf16 instead of rounding to nearest as the GPU does: half an ulp there)
+TOL = {torch.float32: {"slot": 1e-5, "grad": 1e-5}, torch.bfloat16: {"slot": 1e-5, "grad": 2 ** -7}}
+
+
+def test_the_list_is_every_library_objective_with_a_computed_slot(compiled):
+    found = sorted(n for n in library_names() if any(b.kind == "computed" for b in bindings(compiled(n).ir).values()))
+    assert found == COMPUTED
+
+
+def _eager(obj, inputs, params, B, T, H, d, m):
+    """The generated coefficients in float64 on the same values: slot -> [B, T, H, *dims]."""
+    ir = obj.ir
+    size = {ir.dims[0]: d, ir.dims[1]: m}
+    env = {}
+    for n, dims in ir.inputs.items():
+        env[n] = inputs[n].reshape(B, T, H, d if ir.dims[0] in dims else 1, m if ir.dims[1] in dims else 1)
+    for n, dims in ir.params.items():
+        t = params[n]
+        heads = t.shape[0] if t.dim() == len(dims) + 1 else 1
+        env[n] = t.reshape(1, 1, heads, d if ir.dims[0] in dims else 1, m if ir.dims[1] in dims else 1)
+    values = obj.module.coefficients(env, d, m)
+    out = {}
+    for s, b in bindings(ir).items():
+        if b.kind == "computed":
+            v = values[s].expand(B, T, H, values[s].shape[3], values[s].shape[4])
+            out[s] = v.reshape(B, T, H, *[size[x] for x in b.dims])
+    return out
+
+
+def _grads(fn, leaves, g):
+    """(slots, {leaf: gradient}) of ``fn(leaves)`` under upstream gradients drawn from ``g``."""
+    for t in leaves.values():
+        t.grad = None
+    out = fn(leaves)
+    ws = {s: torch.randn(v.shape, generator=g, dtype=torch.float64) for s, v in sorted(out.items())}
+    sum((out[s].double() * w).sum() for s, w in ws.items()).backward()
+    return out, {n: t.grad for n, t in leaves.items()}
+
+
+def _check(monkeypatch, name, dtype, per_head_params=True):
+    monkeypatch.setattr(P, "POISON", True)
+    obj = ssmcraft.compile(name)
+    d, m = 7, 5
+    inputs, params = random_inputs(obj.spec, **SIZES, sizes={obj.spec.dims[0]: d, obj.spec.dims[1]: m}, dtype=dtype,
+                                   per_head_params=per_head_params)
+    leaves = {**{f"in.{k}": v.requires_grad_(True) for k, v in inputs.items()},
+              **{f"param.{k}": v.requires_grad_(True) for k, v in params.items()}}
+    split = lambda lv: ({k[3:]: v for k, v in lv.items() if k.startswith("in.")},      # noqa: E731
+                        {k[6:]: v for k, v in lv.items() if k.startswith("param.")})
+    got, dgot = _grads(lambda lv: P.computed_slots(obj, *split(lv)), leaves, torch.Generator().manual_seed(5))
+    ref_leaves = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    ref, dref = _grads(lambda lv: _eager(obj, *split(lv), **SIZES, d=d, m=m), ref_leaves,
+                       torch.Generator().manual_seed(5))
+    assert sorted(got) == sorted(ref) and all(v.dtype == torch.float32 for v in got.values())
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in ref.items()}
+    used = {n for b in bindings(obj.ir).values() for n in b.needs}
+    for k, t in leaves.items():     # a leaf the computed slots read gets a gradient in its dtype, the others none
+        assert (dgot[k] is not None) == (k.split(".", 1)[1] in used), k
+        assert dgot[k] is None or (dgot[k].dtype == t.dtype and dgot[k].shape == t.shape), k
+    errs = {f"slot.{s}": rel_rms(got[s], ref[s]) for s in ref}
+    errs.update({f"d{k}": rel_rms(dgot[k], dref[k]) for k in leaves if dgot[k] is not None})
+    assert_within(errs, {"grad": TOL[dtype]["grad"], **{k: TOL[dtype]["slot"] for k in errs if k.startswith("slot.")}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", COMPUTED)
+def test_prologue_matches_the_eager_coefficients(monkeypatch, name, dtype):
+    _check(monkeypatch, name, dtype)
+
+
+def test_shared_params_gradients_are_summed_over_heads(monkeypatch):
+    """Mamba's ``A [d, m]`` given once for every head (a [d, m] computed slot ``a = exp(A delta)``)."""
+    _check(monkeypatch, "mamba", torch.float32, per_head_params=False)
+
+
+def test_generated_source_is_readable_and_cached():
+    obj = ssmcraft.compile("longhorn")
+    pro, mod, source = P.module(obj.ir, bindings(obj.ir))
+    assert P.module(obj.ir, bindings(obj.ir))[1] is mod
+    assert [s for s, _, _ in pro.slots] == ["c", "p"] and [lf.name for lf in pro.leaves] == ["x", "k", "beta"]
+    assert "spec: longhorn" in source and "def fwd_kernel(" in source and "def bwd_kernel(" in source
+    assert "c ['d'] = beta/(_r0*beta + 1)" in source
+
+
+def _longhorn_end_to_end(monkeypatch, obj):
+    """``obj(...)`` (Longhorn, rank1_row) against the reference loop; returns (inputs, S0, the
+    number of calls of the eager generated coefficients during the fast call, forward and backward)."""
+    monkeypatch.setattr(TB, "_order", lambda ir, mode: ["rank1_row"])
+    monkeypatch.setattr(RR, "POISON", True)
+    monkeypatch.setattr(P, "POISON", True)
+    eager, calls = obj.module.coefficients, []
+    monkeypatch.setattr(obj.module, "coefficients", lambda *a: calls.append(1) or eager(*a))
+    obj.prefer = "interpret"
+    inputs, params = random_inputs(obj.spec, **SIZES, sizes={"d": 7, "m": 5})
+    inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
+    S0 = torch.randn(2, 3, 7, 5).requires_grad_(True)
+    y, S, grads = run_and_grads(obj, inputs, {}, S0)
+    n_eager = len(calls)
+    ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
+    yr, Sr, gr = run_and_grads(obj.reference, ref_in, {}, S0.detach().double().requires_grad_(True))
+    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
+    assert set(gr) == {"in.x", "in.k", "in.q", "in.beta", "S0"}
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})
+    return inputs, S0, n_eager
+
+
+def test_longhorn_public_path_takes_the_prologue(monkeypatch):
+    obj = ssmcraft.compile("longhorn")
+    inputs, S0, n_eager = _longhorn_end_to_end(monkeypatch, obj)
+    assert obj.backend == "triton-interpret:rank1-row+prologue"
+    assert n_eager == 0                     # no eager coefficients, forward or backward
+    # chosen once per call signature: a repeated call builds nothing and hashes nothing
+    calls = []
+    monkeypatch.setattr(P, "module", lambda *a: calls.append("module"))
+    monkeypatch.setattr(type(obj.ir), "content_hash", lambda self: calls.append("hash"))
+    obj(inputs, None, S0)
+    assert calls == [] and obj.backend == "triton-interpret:rank1-row+prologue"
+
+
+def test_without_a_prologue_the_eager_path_runs_by_name(monkeypatch):
+    """An objective whose coefficients the Triton printer cannot print keeps the generated eager
+    coefficients, and the backend says so."""
+    def refuse(ir, binds):
+        raise NotImplementedError("no Triton printing for the function f")
+    monkeypatch.setattr(P, "module", refuse)
+    obj = ssmcraft.compile("longhorn")
+    _, _, n_eager = _longhorn_end_to_end(monkeypatch, obj)
+    assert obj.backend == "triton-interpret:rank1-row+eager-coefficients" and n_eager == 1
