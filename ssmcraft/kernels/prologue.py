@@ -44,6 +44,7 @@ from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
 from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, _triton_code, element_algebra
+from ssmcraft.kernels.launch import launch
 
 POISON = False           # tests: allocate outputs with NaN (unwritten -> NaN)
 
@@ -290,8 +291,8 @@ class _PrologueFunction(torch.autograd.Function):
         outs = [_new((B, T, H, *_size(dims, pro, V, K)), dev) for _, dims, _ in pro.slots]
         strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
         if N > 0:
-            mod.fwd_kernel[(triton.cdiv(N, R),)](*leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
-                                                 num_warps=warps)
+            launch(mod.fwd_kernel, (triton.cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
+                   num_warps=warps)
         ctx.save_for_backward(*leaves)
         ctx.entry, ctx.shape, ctx.dev = entry, shape, dev
         return tuple(outs)
@@ -309,8 +310,8 @@ class _PrologueFunction(torch.autograd.Function):
         strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
         gouts = [g.contiguous() for g in gouts]
         if N > 0:
-            mod.bwd_kernel[(triton.cdiv(N, R),)](*leaves, *gouts, *grads, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
-                                                 num_warps=warps)
+            launch(mod.bwd_kernel, (triton.cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,
+                   BV=BV, BK=BK, num_warps=warps)
         out = []
         for lf, t, g in zip(pro.leaves, leaves, grads):
             if lf.param:        # per row -> the param's own shape: sum over (b, t), and heads when shared
