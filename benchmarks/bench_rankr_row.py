@@ -75,6 +75,7 @@ def timings(rep, dev, B, T, H, K, V, blocks):
         dy = torch.randn_like(y)
         for bv in (blocks if name == "longhorn_2key" else [None]):
             RR.ROW_BLOCK = bv
+            obj._paths.clear()       # the runner is kept per call signature: rebuild it with this block
 
             def fwd():
                 with torch.no_grad():
