@@ -197,6 +197,21 @@ def _without_prepare(source: str) -> str:
     return source
 
 
+_LAUNCH_IMPORT = "from ssmcraft.kernels.launch import launch\n"
+
+
+def _with_launch_inlined(source: str) -> str:
+    """``source`` with ssmcraft's direct launcher (``ssmcraft/kernels/launch.py``: stdlib, torch and
+    triton only) pasted in place of its import, so an inlined family keeps the launches it makes
+    in ssmcraft."""
+    if _LAUNCH_IMPORT not in source:
+        return source
+    from ssmcraft.kernels import launch
+    body = inspect.getsource(launch).replace("from __future__ import annotations\n", "")
+    block = "# -- ssmcraft/kernels/launch.py, inlined " + "-" * 50 + "\n" + body.strip() + "\n# -- end of launch.py\n"
+    return source.replace(_LAUNCH_IMPORT, block, 1)
+
+
 def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, str]:
     """(kernel module text or None, a phrase: which family is inline, or why none is).
 
@@ -236,7 +251,8 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
         first = first or name
         make = getattr(module, "standalone_source", None)
         try:
-            text = make(obj, dict(sizes or {})) if make is not None else _without_prepare(inspect.getsource(module))
+            text = make(obj, dict(sizes or {})) if make is not None else \
+                _with_launch_inlined(_without_prepare(inspect.getsource(module)))
         except SsmcraftError as e:
             reasons.append(f"{name}: {e}")
             continue
