@@ -197,8 +197,10 @@ class _Printer:
             self.names[s.name] = f"l_{n}"
         self.alg, self.dims = step.alg, step.dims
         self.done: set = set()
+        self.rewrite: dict = {}      # expression -> the same in shared factors (``shared_factors``)
 
     def expr(self, e) -> str:
+        e = self.rewrite.get(e, e)
         for s in sympy.sympify(e).free_symbols:
             if s in self.alg.reductions:
                 self.names.setdefault(s.name, f"r_{s.name.lstrip('_')}")
@@ -221,6 +223,33 @@ class _Printer:
         d, m = self.dims
         mask = "MASK" if {d, m} <= self.alg.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
         return f"tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), axis={0 if r.over == m else 1}, keep_dims=True)"
+
+
+def shared_factors(step: Step, pr: _Printer, indent: str) -> list[str]:
+    """Lines computing the common sub-expressions of the backward step's adjoint that read no
+    state (leaves and reductions of leaves only: e.g. a Woodbury denominator
+    ``1 + r0 beta + r1 beta - r2^2 beta^2 + r0 r1 beta^2``), once per step, as ``c_<n>``; the
+    printer then prints the adjoint's expressions (and the bodies of the reductions they still
+    need) in terms of them (``pr.rewrite``). Without this, the symbolic adjoint repeats such a
+    factor in every term over the whole ``[BK, BV]`` tile. Reductions already computed
+    (``pr.done``: those of the update) keep their printed form."""
+    alg = step.alg
+    state = {*step.S_prevs, *step.Ss, *step.Gs, step.DY}
+    ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
+    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
+               if sympy.sympify(e) != 0]
+    bodies = [r.body for r in alg.reductions_in(sympy.Add(*adjoint)) if r.symbol not in pr.done]
+    originals = [*adjoint, *bodies]
+    temps, reduced = sympy.cse(originals, symbols=sympy.numbered_symbols("_cse"), ignore=tuple(ignore))
+    if not temps:
+        return []
+    lines = pr.reductions([e for _, e in temps], indent)
+    for i, (sym, e) in enumerate(temps):
+        code = pr.expr(e)
+        pr.names[sym.name] = f"c_{i}"
+        lines.append(f"{indent}c_{i} = {code}")
+    pr.rewrite = dict(zip(originals, reduced))
+    return lines
 
 
 def _suffixes(step: Step) -> list[str]:
@@ -331,6 +360,7 @@ def kernel_source(ir, step: Step, header: str) -> str:
     rec_red = pr.reductions(step.Fs, I2)
     pr.done = set()
     b_fwd = pr.reductions(step.Fs, I2)
+    b_shared = shared_factors(step, pr, I2)
     b_ro = pr.reductions([step.readout], I2)
     b_a = pr.reductions([*step.dS_ros, *step.din_ro.values()], I2)
     b_b = pr.reductions([*step.dS_prevs, *step.din_F.values()], I2)
@@ -383,6 +413,7 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]",
         *[f"            sp{x} = tl.load(scr{x} + (t - t0) * BK * BV)" for _, x in states],
         *b_fwd,
+        *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *b_ro,
         "            # readout adjoint: G += d(sum DY*y)/dS",

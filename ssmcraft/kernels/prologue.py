@@ -118,6 +118,7 @@ class _Printer(_TilePrinter):
         self.names.update({g.name: f"g_{s}" for s, g in pro.G.items()})
         self.alg, self.dims = pro.alg, pro.dims
         self.done: set = set()
+        self.rewrite: dict = {}
 
     def reduce(self, r) -> str:
         mask = _MASK[_key(self.alg.dims_of(r.body), self.dims)]
