@@ -51,7 +51,7 @@ def supports(ir) -> str | None:
 def row_block(V: int, K: int) -> int:
     """Rows per program: all rows under the interpreter (fewest programs), else a tile of
     about 1024 fp32 state values per program (H200, ``longhorn_2key`` at K=16, bf16: fwd+bwd
-    46 ms with 64 rows, 83 ms with 128, 48-51 ms with 16-32; the forward is 4.6-5.3 ms at any
+    36 ms with 64 rows, 52 ms with 128, 39-40 ms with 16-32; the forward is 4.6-5.3 ms at any
     block; BENCHMARKS.md, "Several states and rank-r")."""
     full = triton.next_power_of_2(V)
     if ROW_BLOCK is not None:
