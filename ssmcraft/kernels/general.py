@@ -21,7 +21,9 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
              L_ro = sum_i DY_i y_i(S_t, in)          L_F = sum_ij G_ij F_ij(S_prev, in)
              G   += dL_ro/dS_t;   d in += dL_ro/d in + dL_F/d in;   G <- dL_F/dS_prev
 
-         and printed with the Triton printer (``ssmcraft.kernels.triton_printer``).
+         and printed with the Triton printer (``ssmcraft.kernels.triton_printer``); the
+         adjoint's sub-expressions that read no state (e.g. a Woodbury denominator) are
+         computed once per step (``shared_factors``) instead of in every term.
 
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
