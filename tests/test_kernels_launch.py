@@ -7,12 +7,16 @@ against the anchors and the reference loop. Here, on CPU, the pure parts, and th
 route (every launch through Triton)."""
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
-from triton.runtime.jit import JITFunction
+import os
 
-from ssmcraft.kernels import launch as L
+os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: like every kernel test module
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from ssmcraft.kernels import launch as L  # noqa: E402
 
 
 def _kern(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):

@@ -29,6 +29,9 @@ import inspect
 import os
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
 
 _ATTR = "_ssmcraft_launches"
 
@@ -40,14 +43,12 @@ def _through_triton() -> bool:
 def _hooked() -> bool:
     """Whether a Triton launch hook is installed (Triton 3.6 keeps them in ``HookChain`` objects,
     empty by default; older versions use ``None``)."""
-    from triton import knobs
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 def _jit(kernel):
     """The ``JITFunction`` under autotuner / heuristics wrappers."""
-    from triton.runtime.jit import JITFunction
     k = kernel
     while not isinstance(k, JITFunction):
         k = k.fn
@@ -122,7 +123,6 @@ def launch(kernel, grid, *args, **kw):
     compiled, order, names = hit
     vals = values(order, args, kw)
     g = (*(grid(dict(zip(names, vals))) if callable(grid) else grid), 1, 1)
-    from triton.runtime.driver import driver
     compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *vals)
     state["stats"]["direct"] += 1

@@ -70,6 +70,7 @@ class Prologue:
     slots: list                 # [(slot, dims, expr)] in leaves and reductions
     G: dict                     # slot -> symbol of its upstream gradient
     grads: dict                 # leaf name -> d(sum_s sum G_s s)/d leaf
+    kinds: frozenset = frozenset()   # the value kinds ('', 'V', 'K', 'VK') its tiles span (``_tiles``)
 
 
 def computed_slot_names(binds: dict) -> list[str]:
@@ -99,7 +100,9 @@ def build(ir, binds: dict) -> Prologue:
                 term = alg.reduce(term, dim)
         loss += term
     grads = {lf.name: gradient(alg, loss, lf.symbol) for lf in leaves}
-    return Prologue(alg, (d, m), leaves, slots, G, grads)
+    kinds = {_key(lf.dims, (d, m)) for lf in leaves} | {_key(dims, (d, m)) for _, dims, _ in slots}
+    kinds |= {_key(r.dims | {r.over}, (d, m)) for r in alg.reductions.values()}
+    return Prologue(alg, (d, m), leaves, slots, G, grads, frozenset(kinds | {""}))
 
 
 # ----------------------------------------------------------------------------------------
@@ -261,9 +264,7 @@ def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
     """(R, BV, BK, num_warps): rows per program so that the widest value tile holds about 4096
     fp32 (16384 under the interpreter, where fewer programs run faster)."""
     BV, BK = triton.next_power_of_2(V), triton.next_power_of_2(K)
-    kinds = {_key(dims, pro.dims) for dims in [*(lf.dims for lf in pro.leaves), *(d for _, d, _ in pro.slots)]}
-    kinds |= {_key(r.dims | {r.over}, pro.dims) for r in pro.alg.reductions.values()}
-    width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in kinds | {""})
+    width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in pro.kinds)
     budget = 16384 if _interpreting() else 4096
     R = max(1, min(budget // width, triton.next_power_of_2(max(N, 1)), 1024))
     R = 1 << (R.bit_length() - 1)

@@ -28,6 +28,7 @@ backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import sympy
@@ -117,7 +118,9 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     try:
         entry = prologue.module(obj.ir, binds)
     except NotImplementedError as e:
-        return ComputedPath("eager-coefficients", eager_coefficients, f"no Triton prologue: {e}")
+        why = f"no Triton prologue: {e}"
+        logging.getLogger(__name__).info("%s: computed slots by the eager coefficients (%s)", obj.spec.name, why)
+        return ComputedPath("eager-coefficients", eager_coefficients, why)
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
 
 
