@@ -67,6 +67,13 @@ def test_probe_config_is_a_short_uncompiled_run():
     probe = probe_config(cfg)
     assert probe["train"]["tokens"] == 3 * 16 * 64 and probe["train"]["compile"] is False
     assert probe["train"]["save_model"] is False and cfg["train"]["tokens"] == 10**9       # a copy
+    # the task's and training's own defaults (mqar: seq_len 64; batch_size from TRAIN_DEFAULTS)
+    from ssmcraft.search.fidelity import tokens_per_step
+    from ssmcraft.tasks.mqar import DEFAULTS
+    from ssmcraft.train.config import TRAIN_DEFAULTS
+    bare = probe_config({"task": {"name": "mqar"}})
+    assert bare["train"]["tokens"] == 3 * TRAIN_DEFAULTS["batch_size"] * DEFAULTS["seq_len"] \
+        == 3 * tokens_per_step({"task": {"name": "mqar"}, "train": {}})
 
 
 def test_auto_packer_probes_once_adapts_and_records(tmp_path):

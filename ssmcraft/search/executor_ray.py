@@ -74,14 +74,19 @@ class ReportBroker:
 
 
 def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
-                  broker, wants_gpu: bool) -> Outcome:
-    """The Ray task: say it started, check the GPU it was given, ``outcome.execute``."""
+                  broker, wants_gpu: bool, await_answers: bool = False) -> Outcome:
+    """The Ray task: say it started, check the GPU it was given, ``outcome.execute``.
+
+    ``await_answers``: a report waits for the coordinator's answer to it (a rung or the pruner
+    decides at that report); otherwise (no answer can stop the trial) it goes on at once."""
     import ray
 
     broker.started.remote(number)
 
     def report(step: int, metrics: dict) -> bool:
         broker.report.remote(number, int(step), plain(metrics))
+        if not await_answers:       # recorded; no answer can stop this trial
+            return False
         while (stop := ray.get(broker.decision.remote(number, int(step)))) is None:
             time.sleep(REPORT_POLL_S)
         return stop
@@ -216,7 +221,8 @@ class RayExecutor:
             self._capacity.slots = self._packer.slots()
             task = task.options(num_gpus=packing.gpu_fraction)
             self._shares[job.number] = packing.gpu_fraction
-        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number, self._broker, self._wants_gpu)
+        ref = task.remote(job.trial_fn, job.config, str(job.out_dir), job.number, self._broker, self._wants_gpu,
+                          job.await_answers)
         self._running[ref] = job
 
     def wait(self, timeout: float) -> list[tuple[Job, Outcome]]:

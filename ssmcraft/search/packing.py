@@ -111,10 +111,10 @@ def trial_peak_bytes(metrics: dict | None) -> int | None:
 def probe_config(config: dict) -> dict:
     """``config`` cut to a memory probe: ``PROBE_STEPS`` steps, one validation batch, no
     compile, no checkpoint, no time limit."""
+    from ssmcraft.search.fidelity import tokens_per_step
     cfg = copy.deepcopy(config)
     train = cfg.setdefault("train", {})
-    seq_len = int(cfg.get("task", {}).get("seq_len", 256))
-    train.update(tokens=PROBE_STEPS * int(train.get("batch_size", 32)) * seq_len, eval_every=0,
+    train.update(tokens=PROBE_STEPS * tokens_per_step(cfg), eval_every=0,
                  eval_batches=1, compile=False, save_model=False, max_seconds=None)
     return cfg
 
