@@ -43,11 +43,8 @@ def anchor_recurrence(objective: str, mamba_dir: str | None):
         if objective == "deltanet":     # K = 16: FLA's chunked form faults at this K (ENV.md)
             return lambda i, p: fused_recurrent_delta_rule(i["q"], i["k"], i["x"], i["beta"], scale=1.0)[0]
 
-        def longhorn(i, p):
-            b, k = i["beta"].float(), i["k"].float()
-            c = (b / (1 + b * (k * k).sum(-1, keepdim=True))).to(i["x"].dtype)
-            return fused_recurrent_delta_rule(i["q"], i["k"], i["x"], c, scale=1.0)[0]
-        return longhorn
+        from bench_public_path import longhorn_rows
+        return lambda i, p: fused_recurrent_delta_rule(i["q"], i["k"], i["x"], longhorn_rows(i), scale=1.0)[0]
     if objective == "mamba":
         sys.path.insert(0, mamba_dir or "")
         import selective_scan_cuda as ssc

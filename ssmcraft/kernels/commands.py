@@ -104,12 +104,12 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True) 
     dev = torch.device("cuda")
     obj = ssmcraft.compile(spec_arg)
     inputs, params = random_inputs(obj, B, T, H, d, m, dtype, dev, requires_grad=backward)
-    use_diag = diagonal.supports(obj.ir) is None
     obj.prefer = "triton"
 
     def fwd():
         return obj(inputs, params, None, False)[0]
     fwd()
+    use_diag = obj.backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
     backend = obj.backend
     with torch.no_grad():
         t_fwd = bench_ms(fwd)

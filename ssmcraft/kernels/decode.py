@@ -19,7 +19,7 @@ def supports(ir) -> str | None:
     kernel itself is generated on the first one-token call)."""
     if ir.kind not in ("scalar_decay", "diagonal_decay", "rank1", "rankr", "general", "nonlinear"):
         return f"structure {ir.kind!r} has no element form"
-    if getattr(ir, "states", ()):
+    if ir.states:
         return "several states: the general family's fused kernel runs their one-token calls"
     return None
 

@@ -542,7 +542,7 @@ class _GeneralFunction(torch.autograd.Function):
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
-        grads = [g.sum(0) if sh else g for sh, g in zip(shared, grads)]
+        grads = [(g.sum(0) if NV > 1 else g[0]) if sh else g for sh, g in zip(shared, grads)]
         return (None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
 
 

@@ -24,8 +24,6 @@ products, the same order as the rank-1 kernel.
 """
 from __future__ import annotations
 
-import os
-
 import triton
 
 from ssmcraft.kernels import general
@@ -56,7 +54,7 @@ def row_block(V: int, K: int) -> int:
     full = triton.next_power_of_2(V)
     if ROW_BLOCK is not None:
         return min(ROW_BLOCK, full)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if general._interpreting():
         return full
     return min(full, max(16, 1024 // triton.next_power_of_2(K)))
 
