@@ -147,9 +147,10 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     elif ir.kind in ("scalar_decay", "diagonal_decay", "rank1", "rankr"):
         a = ir.coefficient("a")
         decay = f"{S}_prev" if a.expr == 1 else f"co['a'] * {S}_prev"
-        inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
         if ir.input_slots():
             inp = " + ".join(f"co['{s}'] * co['v{s[1]}']" for s in ir.input_slots())
+        else:
+            inp = "co['p'] * co['q']" if "p" in ir.slots else "co['B']"
         if ir.kind == "rank1":
             body.append(f"    erase = co['c'] * ({S}_prev * co['u']).sum(-1, keepdim=True) * co['v']")
             body.append(f"    return {decay} - erase + {inp}")

@@ -126,8 +126,10 @@ class _Builder:
         self.named: list[tuple[str, sympy.Expr]] = []
         self.slots: dict = {}
 
-    def add(self, slot: str, expr, *, reuse: bool = True):
+    def add(self, slot: str, expr, *, reuse: bool = True, if_nonzero: bool = False):
         expr = simplify(expr)
+        if if_nonzero and expr == 0:      # a term that vanishes gets no slot
+            return
         if reuse and sympy.count_ops(expr) <= LARGE:
             for name, value in self.named:
                 if value.is_Symbol or value.is_number:
@@ -240,8 +242,7 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
                 us, vs, C = lr
                 for r in range(len(vs)):
                     for l in range(len(us)):
-                        if simplify(C[r][l]) != 0:
-                            b.add(f"c{r}{l}", C[r][l])
+                        b.add(f"c{r}{l}", C[r][l], if_nonzero=True)
                 b.add("a", parts.alpha, reuse=False)
                 for l, u in enumerate(us):
                     b.add(f"u{l}", u, reuse=False)
@@ -251,8 +252,7 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
                 inputs = by_column(alg, parts.gamma, vs, row, col, grow=False) if parts.gamma != 0 else {}
                 if inputs is not None:
                     for r, f in sorted(inputs.items()):
-                        if simplify(f) != 0:
-                            b.add(f"p{r}", f)
+                        b.add(f"p{r}", f, if_nonzero=True)
                 else:
                     b.add("B", parts.gamma)
 

@@ -77,7 +77,6 @@ class IRView:
         self.params = {k: tuple(v) for k, v in data["params"].items()}
         self.slots = dict(data.get("slots", {}))
         self.states = tuple(data.get("states", ()))            # several states (absent with one)
-        self.state_updates = tuple(data.get("state_updates", {}).values())
         for key in ("coefficients", "reductions", "state_reductions", "readout_reductions"):
             setattr(self, key, tuple(IRRecord(r) for r in data.get(key, ())))
         self._hash = content_hash

@@ -55,6 +55,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from ssmcraft.search.outcome import is_number
+
 FIDELITY_KINDS = ("successive_halving", "hyperband")
 
 
@@ -150,7 +152,7 @@ def decide(fidelity: Fidelity, rung: int, tokens: int, candidate: int, value: An
     """Place ``value`` of ``candidate`` among ``others`` (candidate -> value already at this
     rung of its bracket): in the top ``max(1, n // eta)`` it goes on."""
     label = f"rung {rung} ({tokens:,} tokens)"
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not is_number(value):
         return Decision(rung, tokens, None, False, len(others) + 1, len(others) + 1,
                         f"{label}: {fidelity.metric} is {value!r}")
     values = {**others, candidate: float(value)}

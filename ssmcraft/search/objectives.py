@@ -29,9 +29,12 @@ class VariantCheck:
     ``underivable``: one line per composed variant the compiler refuses (its name, how the
     space selects it, the compiler's reason)."""
     total: int
-    derive: int
     seconds: float
     underivable: tuple[str, ...] = ()
+
+    @property
+    def derive(self) -> int:
+        return self.total - len(self.underivable)
 
     def summary(self) -> str:
         if not self.underivable:
@@ -64,4 +67,4 @@ def check_objectives(spec: SearchSpec, compile_fn: Callable[[dict], Any] = compi
             bad.append(f"{what}: {e}")
     if bad and len(bad) == total:
         raise SpecError(spec.source, "space.objective", f"no objective of the space derives; first: {bad[0]}")
-    return VariantCheck(total, total - len(bad), time.perf_counter() - start, tuple(bad))
+    return VariantCheck(total, time.perf_counter() - start, tuple(bad))

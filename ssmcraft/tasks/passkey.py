@@ -18,6 +18,7 @@ builds the fixed-length, fixed-depth batches of the evaluation grid.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import torch
@@ -71,21 +72,13 @@ def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, di
     key_digits = torch.randint(0, 10, (batch_size, digits), generator=generator, device=dev)
     depths = (depth.to(dev) if isinstance(depth, torch.Tensor)
               else torch.full((batch_size,), float(depth), device=dev))
-    template = NEEDLE.replace(b"{key}", b"\0" * digits)     # the needle with NUL where the digits go
-    n_fill = seq_len + 1 - (len(PREFIX) + len(template) + len(QUESTION) + digits)
-    if n_fill < 0:
-        raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
     if dev.type == "cpu" and bool(((depths < 0) | (depths > 1)).any()):   # (no GPU sync to check)
         raise ValueError(f"depth must lie in [0, 1], got {depths.tolist()}")
-    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
-    starts = sentence_starts(filler).to(dev)
+    n_fill, starts, const = _layout(seq_len, digits, dev)
     # the sentence start nearest to depth * n_fill (the first, i.e. smallest, on a tie)
     cut = starts[(starts.double()[None, :] - depths.double()[:, None] * n_fill).abs().argmin(1)]
-    # the text is PREFIX + filler[:cut] + needle + filler[cut:] + QUESTION + key: index the
-    # constant bytes, then write the key digits into the needle and the answer
-    const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, dev)
     pos = torch.arange(seq_len + 1, device=dev)[None, :].expand(batch_size, -1)
-    lp, ln, cut = len(PREFIX), len(template), cut[:, None]
+    lp, ln, cut = len(PREFIX), len(NEEDLE.replace(b"{key}", b"\0" * digits)), cut[:, None]
     in_needle = (pos >= lp + cut) & (pos < lp + cut + ln)
     after = pos >= lp + cut + ln
     idx = torch.where(in_needle, lp + n_fill + (pos - lp - cut), torch.where(after, pos - ln, pos))
@@ -97,6 +90,21 @@ def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, di
     inputs, targets = seq[:, :-1].clone(), seq[:, 1:].clone()
     targets[:, : seq_len - digits] = IGNORE
     return inputs, targets, key_digits
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(seq_len: int, digits: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The constants of every batch of one (length, digits, device), made once (a batch then
+    does no host work and no host-to-device copy): ``(n_fill, sentence starts [S], const)``,
+    ``const`` the bytes PREFIX + filler + needle (NUL where the digits go) + QUESTION + NULs
+    for the answer, which a batch indexes (``passkey_text``'s layout)."""
+    template = NEEDLE.replace(b"{key}", b"\0" * digits)     # the needle with NUL where the digits go
+    n_fill = seq_len + 1 - (len(PREFIX) + len(template) + len(QUESTION) + digits)
+    if n_fill < 0:
+        raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
+    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
+    const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, device)
+    return n_fill, sentence_starts(filler).to(device), const
 
 
 def sentence_starts(filler: bytes) -> torch.Tensor:

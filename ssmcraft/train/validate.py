@@ -41,7 +41,10 @@ def evaluate(model, task: Task, batches, device: torch.device, autocast) -> dict
             acc[0] = acc[0] + num
             acc[1] = acc[1] + den
     model.train(was_training)
-    out = {"loss": float(total) / max(float(count), 1.0)}
-    out.update({name: float(num) / max(float(den), 1.0) for name, (num, den) in sums.items()})
+    # one read-back for every sum (each float() of a device tensor would be its own sync)
+    parts = [total, count, *(x for pair in sums.values() for x in pair)]
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in parts]).tolist()
+    out = {"loss": values[0] / max(values[1], 1.0)}
+    out.update({name: values[2 + 2 * i] / max(values[3 + 2 * i], 1.0) for i, name in enumerate(sums)})
     out.update(task.constant_metrics())
     return out
