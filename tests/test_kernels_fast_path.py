@@ -84,7 +84,10 @@ def test_a_new_prefer_or_interpret_setting_is_a_new_signature(monkeypatch):
     assert obj.backend == "torch-vectorised"
     obj.prefer = "reference"
     obj(inputs)
-    assert obj.backend == "reference-loop"
+    assert obj.backend == "reference-loop" and len(obj._paths) == 3
+    monkeypatch.setenv("TRITON_INTERPRET", "0")        # the interpreter setting is part of the signature
+    obj(inputs)
+    assert obj.backend == "reference-loop" and len(obj._paths) == 4
 
 
 def test_bindings_of_library_layers():
