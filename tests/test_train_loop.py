@@ -46,6 +46,8 @@ def test_tiny_training_lowers_the_loss_and_writes_its_files(trained):
     assert m["train_loss_first"] > math.log(256) * 0.8           # starts near uniform over bytes
     assert m["tokens"] == 40 * 8 * 32 and m["steps"] == 40
     assert m["tokens_per_s"] > 0 and m["peak_memory_bytes"] > 0 and m["wall_s"] > 0
+    # the steady rate leaves out the first step: 39 steps' tokens over the time after it
+    assert m["steady_tokens_per_s"] == pytest.approx(39 * 8 * 32 / (m["train_s"] - m["first_step_s"]))
     assert m["objective"] == "longhorn" and m["backend"] and m["backend"] != ["None"]
     assert m["task"]["corpus"]["sha256"] and m["task"]["corpus"]["n_bytes"] > 0
     for name in ("config.json", "metrics.json", "history.json", "model.safetensors", "loss.png", "train.log"):

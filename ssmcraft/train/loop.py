@@ -35,6 +35,7 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     compile            train.compile's record: setting, enabled, reason (and a fallback's)
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
+    steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
@@ -226,8 +227,11 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         log.warning("run %s diverged: %s", cfg["name"], reason)
     metrics = _metrics(cfg, model, task, history, final, status, reason, readback.tokens, train_s, t_start, device,
                        precision, n_params)
+    steps = metrics["steps"]
+    steady = (readback.tokens * (steps - 1) / steps / (train_s - first_step_s)
+              if first_step_s is not None and steps > 1 and train_s > first_step_s else None)
     metrics.update(compile=compile_info, data_device=str(data_device), log_every=tc["log_every"],
-                   first_step_s=first_step_s)
+                   first_step_s=first_step_s, steady_tokens_per_s=steady)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
 
