@@ -135,7 +135,8 @@ def test_no_grad_path_and_empty():
 
 def test_half_precision_pads_small_key_blocks():
     """16-bit I/O at K = 16 runs with the key block padded to 64 (the GPU fails below 64 in bf16;
-    ``_key_block``): masked loads keep the padding out of every output and gradient. Run in fp16:
+    ``_key_block``): masked loads keep the padding out of every output and gradient. The per-head
+    step goes in as fp16 too (read and differentiated in its own dtype). Run in fp16:
     the interpreter's products on bf16 tiles are wrong (1e10 off, ENV.md), fp16 takes the same path."""
     assert R._key_block(16, torch.bfloat16) == 64 and R._key_block(16, torch.float16) == 64
     assert R._key_block(16, torch.float32) == 16 and R._key_block(80, torch.bfloat16) == 128
@@ -144,7 +145,7 @@ def test_half_precision_pads_small_key_blocks():
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
     ins = {"v": nk(torch.randn(B, T, H, K, generator=g)), "p": torch.randn(B, T, H, V, generator=g),
            "c": torch.rand(B, T, H, generator=g), "h0": torch.randn(B, H, K, V, generator=g)}
-    x = {n: (t.to(torch.float16) if n in ("v", "p") else t).requires_grad_() for n, t in ins.items()}
+    x = {n: (t.to(torch.float16) if n in ("v", "p", "c") else t).requires_grad_() for n, t in ins.items()}
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     o_ref, h_ref = _loop(ref["v"], None, None, ref["p"], ref["v"], ref["c"], None, ref["h0"])
     do, dh = torch.randn(*o_ref.shape, generator=g, dtype=torch.float64), torch.randn(*h_ref.shape, generator=g, dtype=torch.float64)
@@ -152,6 +153,7 @@ def test_half_precision_pads_small_key_blocks():
     o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["v"], initial_state=x["h0"], output_final_state=True, chunk_size=16)
     assert o.dtype == torch.float16
     got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), list(x.values()))
+    assert [t.dtype for t in got] == [t.dtype for t in x.values()]    # c is read and differentiated in fp16
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(x, got, ref_g)})
     assert_within(errs, {"y": 2e-2, "S_T": 2e-2, "grad": 3e-2})

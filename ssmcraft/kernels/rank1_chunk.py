@@ -683,7 +683,8 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         p:  inserted value [B, T, H, V].
         ps: per-head scale of p [B, T, H] or None (= 1); fused, so that e.g. DeltaNet's
             beta x costs no extra pass.
-        c:  per-head step [B, T, H].
+        c:  per-head step [B, T, H]. c, a and ps are read in their own dtype (fp32, bf16 or fp16)
+            and their gradients written in it.
         oq: readout key [B, T, H, K].
         u:  read key of the erase [B, T, H, K] or None (= v).
         q:  insert key [B, T, H, K] or None (= v: the merged delta-rule form).
@@ -707,12 +708,20 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         return o, (S if output_final_state else None)
 
     def prep(t, shape, dtype=dt):
-        return None if t is None else t.expand(*shape).to(dtype).contiguous()
+        """``t`` as a contiguous ``shape`` tensor; in ``dtype`` (None: its own float dtype, which the
+        kernels convert as they load). No op, and no autograd node, where it already is one."""
+        if t is None:
+            return None
+        if t.shape != shape:
+            t = t.expand(*shape)
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.contiguous()
     kshape, hshape = (B, T, H, K), (B, T, H)
+    head = (lambda t: None if t is None else prep(t, hshape, None if t.dtype in _IO_DTYPES else torch.float32))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
-                                     prep(ps, hshape, torch.float32), prep(oq, kshape), prep(c, hshape, torch.float32),
-                                     prep(a, hshape, torch.float32), h0,
+                                     head(ps), prep(oq, kshape), head(c), head(a), h0,
                                      output_final_state, chunk_size)
     return o, ht
 
