@@ -7,7 +7,7 @@ PyTorch scan on CPU) wrapped in ``torch.compiler.disable``, so Dynamo breaks the
 there and the kernels run exactly as they do eagerly. Compiling Triton autograd Functions
 inside a Dynamo graph is what this avoids: it is fragile across torch versions.
 
-Settings: ``auto`` compiles on CUDA and not on CPU (where the recurrence dominates and the
+Settings: ``auto`` compiles on CUDA (unless ``train.cuda_graphs`` is true) and not on CPU (where the recurrence dominates and the
 C++ compile costs more than it saves in a short trial); ``true`` compiles on any device;
 ``false`` never. A compile failure is never silent: the run logs a warning, goes on eager,
 and records the reason under ``compile`` in its metrics (``run_compiled_step``).
@@ -22,24 +22,28 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def compile_decision(setting: Any, device: torch.device) -> tuple[bool, str]:
-    """(compile?, why) for ``train.compile`` = ``setting`` on ``device``."""
+def compile_decision(setting: Any, device: torch.device, cuda_graphs: Any = "auto") -> tuple[bool, str]:
+    """(compile?, why) for ``train.compile`` = ``setting`` on ``device``; ``auto`` is off when
+    ``train.cuda_graphs`` (``cuda_graphs``) is true (``ssmcraft.train.graphed``)."""
     if setting is False:
         return False, "train.compile is false"
     if setting is True:
         return True, "train.compile is true"
+    if cuda_graphs is True:
+        return False, "train.compile auto: off because train.cuda_graphs is true"
     if device.type == "cuda":
         return True, "train.compile auto: on for CUDA"
     return False, f"train.compile auto: off on {device.type}"
 
 
-def compile_model(model: torch.nn.Module, setting: Any, device: torch.device) -> tuple[torch.nn.Module, dict]:
+def compile_model(model: torch.nn.Module, setting: Any, device: torch.device,
+                  cuda_graphs: Any = "auto") -> tuple[torch.nn.Module, dict]:
     """(the module to train with, the compile record ``{setting, enabled, reason}``).
 
     The returned module shares ``model``'s parameters. Evaluation keeps using ``model``
     (eager: its batch and length differ, which would recompile).
     """
-    enabled, reason = compile_decision(setting, device)
+    enabled, reason = compile_decision(setting, device, cuda_graphs)
     info = {"setting": setting, "enabled": enabled, "reason": reason}
     if not enabled:
         return model, info
