@@ -295,14 +295,15 @@ def decode_lm(n_layers=6, d_model=512, device=DEV):
 
 
 def decode(rep, steps=128, graphed=False, batches=(1, 16), lm=None, parallel=True):
-    """Decode tokens/s of ``LM.step`` under bf16 autocast; ``graphed``: through ``lm.graphed_decoder``
+    """Decode tokens/s of ``LM.step`` under bf16 autocast; ``graphed``: through ``GraphedDecoder``
     (the whole step one CUDA graph replay); ``parallel``: also the parallel forward at T=2048."""
     lm = decode_lm() if lm is None else lm
     n_params = sum(p.numel() for p in lm.parameters())
     for B in batches:
         tok = torch.randint(0, 256, (B,), device=DEV)
         if graphed:
-            dec = lm.graphed_decoder(B, autocast_dtype=torch.bfloat16)
+            from ssmcraft.layers.graphed_decode import GraphedDecoder
+            dec = GraphedDecoder(lm, B, autocast_dtype=torch.bfloat16)
 
             def one():
                 dec.step(tok)

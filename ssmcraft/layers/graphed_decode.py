@@ -7,7 +7,7 @@ lent H200 each launch costs 7-10 us of host time, so decode ran at 110 tokens/s 
 ``model.step`` whose new caches are copied into those buffers inside the graph, and then runs a
 token as: copy the token in, replay, read the static logits ``[B, V]``.
 
-    dec = model.graphed_decoder(batch_size=16, autocast_dtype=torch.bfloat16)
+    dec = GraphedDecoder(model, batch_size=16, autocast_dtype=torch.bfloat16)
     dec.reset()                       # zero caches: a new sequence
     for t in range(T):
         logits = dec.step(tokens[:, t])     # [B] int64 -> [B, V]; overwritten by the next step

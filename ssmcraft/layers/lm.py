@@ -114,13 +114,6 @@ class LM(nn.Module):
             new.append(cache)
         return F.linear(self.norm_f(h), self.embed.weight), new
 
-    def graphed_decoder(self, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
-        """``step`` captured in one CUDA graph for ``batch_size`` sequences, caches in static buffers
-        (``ssmcraft.layers.graphed_decode.GraphedDecoder``): ``dec.step(token [B]) -> logits [B, V]``,
-        the same logits as ``step``. CUDA only; objective mixers only."""
-        from ssmcraft.layers.graphed_decode import GraphedDecoder
-        return GraphedDecoder(self, batch_size, autocast_dtype, warmup)
-
     @property
     def mixers(self) -> list[nn.Module]:
         return [b.mixer for b in self.blocks]

@@ -279,7 +279,10 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
                                                grad_clip or float("inf"))
     loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
     stopped |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    opt.found_inf = stopped.float()
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is None:           # one fp32 flag for the run, refreshed in place each step
+        found_inf = opt.found_inf = torch.zeros((), dtype=torch.float32, device=stopped.device)
+    found_inf.copy_(stopped)
     opt.step()
     return loss, grad_norm
 
