@@ -10,7 +10,10 @@ inside a Dynamo graph is what this avoids: it is fragile across torch versions.
 Settings: ``auto`` compiles on CUDA (unless ``train.cuda_graphs`` is true) and not on CPU (where the recurrence dominates and the
 C++ compile costs more than it saves in a short trial); ``true`` compiles on any device;
 ``false`` never. A compile failure is never silent: the run logs a warning, goes on eager,
-and records the reason under ``compile`` in its metrics (``run_compiled_step``).
+and records the reason under ``compile`` in its metrics (``run_compiled_step``). Only errors of
+torch.compile's machinery count as compile failures (``is_compile_error``: an exception type of
+Dynamo, AOT autograd or Inductor, or one in its cause chain); any other error at the first
+step (the model's own, ours, out of memory) is raised as it is.
 """
 from __future__ import annotations
 
@@ -58,15 +61,34 @@ def compile_model(model: torch.nn.Module, setting: Any, device: torch.device,
     return torch.compile(model), info
 
 
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch")
+
+
+def is_compile_error(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception in its ``__cause__`` / ``__context__`` chain) is an error type of
+    torch.compile's machinery: Dynamo (``BackendCompilerFailed``, ``Unsupported``, ...), AOT autograd
+    or Inductor (``InductorError``, ``InvalidCxxCompiler``, ...)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.startswith(_COMPILER_MODULES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def run_compiled_step(step: Callable[[torch.nn.Module], Any], compiled: torch.nn.Module,
                       eager: torch.nn.Module, info: dict) -> tuple[Any, torch.nn.Module]:
     """Run ``step(module)`` with the compiled module; if compiling fails, say so loudly,
     record it in ``info`` (``enabled`` false, ``fallback``), and run it eager instead.
     Returns (the step's result, the module to use from now on). Call it for the first
-    step only (that is when Dynamo and Inductor compile); later errors are real errors."""
+    step only (that is when Dynamo and Inductor compile); later errors are real errors, and so
+    are errors at the first step that do not come from the compiler (``is_compile_error``)."""
     try:
         return step(compiled), compiled
-    except Exception as e:  # noqa: BLE001: any compile error; recorded and logged, not hidden
+    except Exception as e:  # noqa: BLE001: a compile error is recorded and logged, not hidden; others raise
+        if not is_compile_error(e):
+            raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         info.update(enabled=False, fallback=f"torch.compile failed: {type(e).__name__}: {first}; ran eager")
         log.warning("torch.compile failed at the first step (%s: %s): training eager instead",
