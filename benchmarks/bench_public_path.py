@@ -13,7 +13,8 @@
    the anchor on its own layout, the ratio; the GPU-busy fraction of one ``obj`` call (torch
    profiler: kernel time / wall time of back-to-back calls) and the host time per call.
 3. Decode: tokens/s of ``LM.step`` (fused one-token kernel) for the 6-layer 20M Longhorn model of
-   ``specs/longhorn_20m_bytes.yaml`` against its parallel forward.
+   ``specs/longhorn_20m_bytes.yaml`` against its parallel forward; ``--graphed-decode`` adds the
+   same through ``GraphedDecoder`` (``benchmarks/bench_graphs.py`` compares both, with a check).
 Each check calls ``obj`` twice: the second call runs the kernels through the direct launches of
 ``ssmcraft.kernels.launch`` and must match the first. ``SSMCRAFT_DIRECT_LAUNCH=0`` times the path
 with every launch through Triton's launcher (the "before" of the host-overhead figures).
@@ -361,6 +362,8 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--graphed-decode", action="store_true",
+                    help="also decode through GraphedDecoder (the step one CUDA graph replay)")
     ap.add_argument("--bf16-only", action="store_true", help="correctness checks in bf16 only")
     ap.add_argument("--only", help="comma-separated objectives: time and check only these")
     ap.add_argument("--fp32-chunked", action="store_true", help="also check FLA's chunked kernels in fp32 (slow)")
@@ -376,6 +379,8 @@ def main():
         timings(rep, fla, ssc, only=only)
     if not args.no_decode:
         decode(rep)
+        if args.graphed_decode:
+            decode(rep, graphed=True, parallel=False)
     if args.host_profile:
         host_profile()
     if not args.no_check:
@@ -409,7 +414,7 @@ def main():
                   + (f" (the anchor is off on {r['anchor_off_by_reference']}: ours matches the float64 reference)"
                      if r.get("anchor_off_by_reference") else ""))
         elif r.get("section") == "decode":
-            print(f"decode B={r['batch']}: {r['decode_tokens_per_s']:.0f} tok/s "
+            print(f"decode B={r['batch']}{' graphed' if r['graphed'] else ''}: {r['decode_tokens_per_s']:.0f} tok/s "
                   f"(parallel {r.get('parallel_tokens_per_s', float('nan')):.0f})")
 
 

@@ -59,11 +59,13 @@ def require_cuda(entries, what: str = "graphed") -> None:
             raise SsmcraftError(f"{what}: {place} is on {t.device}; {NEED_CUDA}")
 
 
-def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False) -> tuple:
+def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False,
+                   entries=None) -> tuple:
     """What a graphed call is fixed to: ``((place, shape, dtype, device, requires_grad), ...,
-    ("output_final_state", bool))``. Cheap: reads no tensor data."""
+    ("output_final_state", bool))``. Cheap: reads no tensor data. ``entries``: ``_entries`` of the
+    call when the caller has them already."""
     rows = []
-    for place, t in _entries(inputs, params, initial_state):
+    for place, t in entries if entries is not None else _entries(inputs, params, initial_state):
         if isinstance(t, torch.Tensor):
             rows.append((place, tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)))
         else:
@@ -150,12 +152,13 @@ class GraphedCall:
 
     def __call__(self, inputs, params=None, initial_state=None, output_final_state: bool | None = None):
         ofs = self.output_final_state if output_final_state is None else output_final_state
-        got = call_signature(inputs, params, initial_state, ofs)
-        diff = signature_difference(self.signature, got)
-        if diff is not None:
+        entries = _entries(inputs, params, initial_state)
+        got = call_signature(inputs, params, initial_state, ofs, entries)
+        if got != self.signature:
             raise SsmcraftError(f"{self.obj.name}: graphed call with another signature than the one captured "
-                                f"({diff}); make another with obj.graphed(...) for these tensors")
-        out = self._graphed(*(t for _, t in _entries(inputs, params, initial_state)))
+                                f"({signature_difference(self.signature, got)}); make another with "
+                                f"obj.graphed(...) for these tensors")
+        out = self._graphed(*(t for _, t in entries))
         y, states = out[0], tuple(out[1:])
         if not self.output_final_state:
             return y, None
