@@ -114,6 +114,10 @@ class GraphedCall:
 
     The returned tensors (and the gradients the backward hands to autograd) live in the graphs'
     static buffers: the next call overwrites them. Clone what you keep across calls.
+
+    Each call copies its tensors into the graph's static inputs (one copy kernel per tensor);
+    ``static_inputs()`` gives those buffers, and a call with them copies nothing: write a new
+    call's values into them in place (under ``torch.no_grad()``) and call ``g(*g.static_inputs())``.
     """
 
     def __init__(self, obj, inputs, params=None, initial_state=None, output_final_state: bool = False,
@@ -131,6 +135,7 @@ class GraphedCall:
         self.several_states = bool(obj.ir.states)
         # static inputs: copies, so that a later call's copy-in never writes the caller's tensors
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for _, t in entries)
+        self._static = sample
         self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=max(1, warmup),
                                                           allow_unused_input=True)
         self.backend = obj.backend          # the path the captured call runs (chosen in the warm-up)
@@ -142,6 +147,11 @@ class GraphedCall:
         states = tuple(flat[ni + np_:])
         initial_state = states if self._tuple_state else (states[0] if states else None)
         return inputs, params, initial_state
+
+    def static_inputs(self) -> tuple:
+        """``(inputs, params, initial_state)`` made of the graph's static input buffers (same names and
+        shapes as the captured call; ``params`` None when the call had none)."""
+        return self._unflatten(self._static)
 
     def _run(self, *flat):
         """The captured function: flat tensors -> flat outputs ``(y, *S_T)``."""
