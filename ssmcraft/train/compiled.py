@@ -50,6 +50,9 @@ def compile_model(model: torch.nn.Module, setting: Any, device: torch.device,
     info = {"setting": setting, "enabled": enabled, "reason": reason}
     if not enabled:
         return model, info
+    # per instance, only when compiling: a torch.compiler.disable on the class method would import
+    # torch._dynamo (and sympy) with the mixer everywhere, the exported standalone module included
+    # (it must import with torch alone: tests/test_export_bundle.py's interpreter case fails then)
     opaque = 0
     for module in model.modules():
         recur = getattr(module, "_recur", None)
