@@ -152,3 +152,19 @@ def test_a_model_error_at_the_first_compiled_step_is_not_a_compile_failure(tmp_p
 def test_bad_settings_are_named(key, value, message):
     with pytest.raises(SpecError, match=message):
         resolve(mqar_config(**{key: value}), "x.yaml")
+
+
+def test_found_inf_is_one_buffer_refreshed_each_step():
+    """The divergence flag reaches fused AdamW through one fp32 buffer per run, set in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    stopped = torch.zeros((), dtype=torch.bool)
+    x, y = torch.randn(2, 5, 3), torch.randint(0, 4, (2, 5))
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    flag = opt.found_inf
+    assert flag.dtype == torch.float32 and float(flag) == 0.0
+    before = model.weight.detach().clone()
+    stopped.fill_(True)                      # a non-finite value seen earlier: later steps change nothing
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    assert opt.found_inf is flag and float(flag) == 1.0 and torch.equal(model.weight, before)
