@@ -59,7 +59,8 @@ def obj_rows(rep, name, H, d, m, B, T):
     st_fwd, st_train = g_fwd.static_inputs()[:2], g_train.static_inputs()[:2]
     st_leaves = [t for t in [*st_train[0].values(), *(st_train[1] or {}).values()] if t.requires_grad]
     calls = {   # graphed: the caller's tensors (copied in each call); static: the graph's own inputs (no copy)
-        "eager": (lambda: obj(*frozen, None, False)[0], lambda: torch.autograd.grad(obj(inputs, params, None, False)[0], leaves, dy)),
+        "eager": (lambda: obj(*frozen, None, False)[0],
+                  lambda: torch.autograd.grad(obj(inputs, params, None, False)[0], leaves, dy)),
         "graphed": (lambda: g_fwd(*frozen)[0], lambda: torch.autograd.grad(g_train(inputs, params)[0], leaves, dy)),
         "static": (lambda: g_fwd(*st_fwd)[0], lambda: torch.autograd.grad(g_train(*st_train)[0], st_leaves, dy)),
     }
@@ -227,7 +228,8 @@ def table(rep):
         print(f"B={B:3d} | {dec.get((B, False), float('nan')):.0f} | {dec.get((B, True), float('nan')):.0f} | "
               + (f"{c['worst_rel']:.1e} {'PASS' if c['ok'] else 'FAIL'}" if c else "-"))
     for r in (r for r in rows if r.get("section") in ("cpu", "skipped", "error")):
-        print(f"# {r['section']}: {r.get('part')}: " + ("PASS" if r.get("ok") else r.get("why", r.get("error", "FAIL"))))
+        verdict = "PASS" if r.get("ok") else r.get("why", r.get("error", "FAIL"))
+        print(f"# {r['section']}: {r.get('part')}: {verdict}")
 
 
 def main():

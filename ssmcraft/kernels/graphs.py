@@ -86,7 +86,8 @@ def signature_difference(expected: tuple, got: tuple) -> str | None:
             return (f"the tensors differ: captured with {', '.join(places[:-1])}"
                     + (f"; missing {', '.join(missing)}" if missing else "")
                     + (f"; not captured {', '.join(extra)}" if extra else ""))
-        return f"the tensors come in another order: captured {', '.join(places[:-1])}, called with {', '.join(got_places[:-1])}"
+        return (f"the tensors come in another order: captured {', '.join(places[:-1])}, "
+                f"called with {', '.join(got_places[:-1])}")
     parts = []
     for e, g in zip(expected, got):
         if e[0] == "output_final_state":

@@ -7,10 +7,11 @@ PyTorch scan on CPU) wrapped in ``torch.compiler.disable``, so Dynamo breaks the
 there and the kernels run exactly as they do eagerly. Compiling Triton autograd Functions
 inside a Dynamo graph is what this avoids: it is fragile across torch versions.
 
-Settings: ``auto`` compiles on CUDA (unless ``train.cuda_graphs`` is true) and not on CPU (where the recurrence dominates and the
-C++ compile costs more than it saves in a short trial); ``true`` compiles on any device;
-``false`` never. A compile failure is never silent: the run logs a warning, goes on eager,
-and records the reason under ``compile`` in its metrics (``run_compiled_step``). Only errors of
+Settings: ``auto`` compiles on CUDA (unless ``train.cuda_graphs`` is true) and not on CPU
+(where the recurrence dominates and the C++ compile costs more than it saves in a short
+trial); ``true`` compiles on any device; ``false`` never. A compile failure is never
+silent: the run logs a warning, goes on eager, and records the reason under ``compile`` in
+its metrics (``run_compiled_step``). Only errors of
 torch.compile's machinery count as compile failures (``is_compile_error``: an exception type of
 Dynamo, AOT autograd or Inductor, or one in its cause chain); any other error at the first
 step (the model's own, ours, out of memory) is raised as it is.

@@ -245,8 +245,8 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     steps = metrics["steps"]
     steady = (readback.tokens * (steps - 1) / steps / (train_s - first_step_s)
               if first_step_s is not None and steps > 1 and train_s > first_step_s else None)
-    metrics.update(compile=compile_info, cuda_graphs=graphs_info, data_device=str(data_device), log_every=tc["log_every"],
-                   first_step_s=first_step_s, steady_tokens_per_s=steady)
+    metrics.update(compile=compile_info, cuda_graphs=graphs_info, data_device=str(data_device),
+                   log_every=tc["log_every"], first_step_s=first_step_s, steady_tokens_per_s=steady)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
 
