@@ -13,7 +13,8 @@
    the anchor on its own layout, the ratio; the GPU-busy fraction of one ``obj`` call (torch
    profiler: kernel time / wall time of back-to-back calls) and the host time per call.
 3. Decode: tokens/s of ``LM.step`` (fused one-token kernel) for the 6-layer 20M Longhorn model of
-   ``specs/longhorn_20m_bytes.yaml`` against its parallel forward.
+   ``specs/longhorn_20m_bytes.yaml`` against its parallel forward; ``--graphed-decode`` adds the
+   same through ``GraphedDecoder`` (``benchmarks/bench_graphs.py`` compares both, with a check).
 Each check calls ``obj`` twice: the second call runs the kernels through the direct launches of
 ``ssmcraft.kernels.launch`` and must match the first. ``SSMCRAFT_DIRECT_LAUNCH=0`` times the path
 with every launch through Triton's launcher (the "before" of the host-overhead figures).
@@ -219,15 +220,22 @@ def busy(fn, n=30):
     return gpu, wall, host
 
 
+def case_inputs(name, H, d, m, B=8, T=2048, dt=torch.bfloat16, device=DEV):
+    """(objective, inputs, params) of a timing case: random leaves that require grad, unit keys for
+    the delta-rule family (their step is only stable then)."""
+    obj = ssmcraft.compile(name)
+    inputs, params = random_inputs(obj, B, T, H, d, m, dt, device, requires_grad=True)
+    if "k" in inputs and name in ("deltanet", "gated_deltanet", "longhorn"):
+        inputs["k"] = torch.nn.functional.normalize(inputs["k"].float(), dim=-1).to(dt).detach().requires_grad_(True)
+    return obj, inputs, params
+
+
 def timings(rep, fla, ssc, B=8, T=2048, only=None):
     dt = torch.bfloat16
     for name, (H, d, m), anchor in CASES:
         if only and name not in only:
             continue
-        obj = ssmcraft.compile(name)
-        inputs, params = random_inputs(obj, B, T, H, d, m, dt, DEV, requires_grad=True)
-        if "k" in inputs and name in ("deltanet", "gated_deltanet", "longhorn"):
-            inputs["k"] = torch.nn.functional.normalize(inputs["k"].float(), dim=-1).to(dt).detach().requires_grad_(True)
+        obj, inputs, params = case_inputs(name, H, d, m, B, T, dt)
         leaves = [t for t in [*inputs.values(), *params.values()] if t.requires_grad]
         y = obj(inputs, params, None, False)[0]
         dy = torch.randn_like(y)
@@ -278,30 +286,50 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
 
 # -- 3. decode ---------------------------------------------------------------------------------
 
-def decode(rep, steps=128):
+def decode_lm(n_layers=6, d_model=512, device=DEV):
+    """The 6-layer 20M Longhorn byte LM of ``specs/longhorn_20m_bytes.yaml`` (random weights)."""
     from ssmcraft.layers.config import LMConfig
     from ssmcraft.layers.lm import LM
-    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
+    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": d_model, "n_layers": n_layers, "mlp_ratio": 2,
                               "mixer": {"kind": "objective", "objective": "longhorn", "heads": 1, "state_size": 16}})
-    lm = LM(cfg).to(DEV)
+    return LM(cfg).to(device)
+
+
+def decode(rep, steps=128, graphed=False, batches=(1, 16), lm=None, parallel=True):
+    """Decode tokens/s of ``LM.step`` under bf16 autocast; ``graphed``: through ``GraphedDecoder``
+    (the whole step one CUDA graph replay); ``parallel``: also the parallel forward at T=2048."""
+    lm = decode_lm() if lm is None else lm
     n_params = sum(p.numel() for p in lm.parameters())
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        for B in (1, 16):
-            caches = lm.init_cache(B)
-            tok = torch.randint(0, 256, (B,), device=DEV)
+    for B in batches:
+        tok = torch.randint(0, 256, (B,), device=DEV)
+        if graphed:
+            from ssmcraft.layers.graphed_decode import GraphedDecoder
+            dec = GraphedDecoder(lm, B, autocast_dtype=torch.bfloat16)
+
+            def one():
+                dec.step(tok)
+        else:
+            caches = [lm.init_cache(B)]
+
+            def one():
+                caches[0] = lm.step(tok, caches[0])[1]
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             for _ in range(4):
-                _, caches = lm.step(tok, caches)
+                one()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
-                logits, caches = lm.step(tok, caches)
+                one()
             torch.cuda.synchronize()
-            dec = B * steps / (time.perf_counter() - t0)
-            tokens = torch.randint(0, 256, (B, 2048), device=DEV)
-            par_ms = bench_ms(lambda: lm(tokens), warmup=2, rep=10)
-            rep.add(section="decode", model=f"6 x d512 Longhorn, {n_params / 1e6:.1f}M params", batch=B,
-                    decode_tokens_per_s=dec, parallel_tokens_per_s=B * 2048 / (par_ms * 1e-3),
-                    backend=sorted({str(m.last_backend) for m in lm.mixers}))
+            dec_tps = B * steps / (time.perf_counter() - t0)
+            row = dict(section="decode", model=f"{len(lm.blocks)} x d{lm.cfg.d_model} Longhorn, "
+                       f"{n_params / 1e6:.1f}M params", batch=B, graphed=graphed, decode_tokens_per_s=dec_tps,
+                       backend=lm.backends())
+            if parallel:
+                tokens = torch.randint(0, 256, (B, 2048), device=DEV)
+                par_ms = bench_ms(lambda: lm(tokens), warmup=2, rep=10)
+                row["parallel_tokens_per_s"] = B * 2048 / (par_ms * 1e-3)
+        rep.add(**row)
 
 
 def host_profile(names=("deltanet", "longhorn_diag"), n=20):
@@ -309,8 +337,7 @@ def host_profile(names=("deltanet", "longhorn_diag"), n=20):
     import cProfile
     import pstats
     for name, (H, d, m), _ in [c for c in CASES if c[0] in names]:
-        obj = ssmcraft.compile(name)
-        inputs, params = random_inputs(obj, 8, 2048, H, d, m, torch.bfloat16, DEV, requires_grad=True)
+        obj, inputs, params = case_inputs(name, H, d, m)
         leaves = [t for t in [*inputs.values(), *params.values()] if t.requires_grad]
         dy = torch.randn_like(obj(inputs, params, None, False)[0])
 
@@ -335,6 +362,8 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--graphed-decode", action="store_true",
+                    help="also decode through GraphedDecoder (the step one CUDA graph replay)")
     ap.add_argument("--bf16-only", action="store_true", help="correctness checks in bf16 only")
     ap.add_argument("--only", help="comma-separated objectives: time and check only these")
     ap.add_argument("--fp32-chunked", action="store_true", help="also check FLA's chunked kernels in fp32 (slow)")
@@ -350,6 +379,8 @@ def main():
         timings(rep, fla, ssc, only=only)
     if not args.no_decode:
         decode(rep)
+        if args.graphed_decode:
+            decode(rep, graphed=True, parallel=False)
     if args.host_profile:
         host_profile()
     if not args.no_check:
@@ -383,7 +414,8 @@ def main():
                   + (f" (the anchor is off on {r['anchor_off_by_reference']}: ours matches the float64 reference)"
                      if r.get("anchor_off_by_reference") else ""))
         elif r.get("section") == "decode":
-            print(f"decode B={r['batch']}: {r['decode_tokens_per_s']:.0f} tok/s (parallel {r['parallel_tokens_per_s']:.0f})")
+            print(f"decode B={r['batch']}{' graphed' if r['graphed'] else ''}: {r['decode_tokens_per_s']:.0f} tok/s "
+                  f"(parallel {r.get('parallel_tokens_per_s', float('nan')):.0f})")
 
 
 if __name__ == "__main__":

@@ -67,16 +67,25 @@ def swap(lm, fn, label):
         m._recur = recur
 
 
-def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5) -> tuple[float, float]:
+def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False) -> tuple[float, float]:
+    """(tokens/s, peak GiB) of training steps; ``graphs``: forward, loss and backward replayed from
+    CUDA graphs (``ssmcraft.train.graphed.GraphedLoss``, what ``train.cuda_graphs`` runs)."""
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     g = torch.Generator(device=DEV).manual_seed(0)
     data = torch.randint(0, 256, (steps + warmup, B, T + 1), device=DEV, generator=g)
     torch.cuda.reset_peak_memory_stats()
+    graphed = None
+    if graphs:
+        from ssmcraft.train.graphed import GraphedLoss
+        graphed = GraphedLoss(lm, data[0, :, :-1], data[0, :, 1:], torch.device(DEV), "bf16")
 
     def step(batch):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = lm(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        if graphed is not None:
+            loss = graphed(batch[:, :-1], batch[:, 1:])
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = lm(batch[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -110,16 +110,38 @@ def test_compiled_training_matches_eager(tmp_path, monkeypatch):
 
 
 def test_a_failed_compile_falls_back_loudly(tmp_path, monkeypatch, caplog):
+    from torch._inductor.exc import InvalidCxxCompiler
+
     class Broken(torch.nn.Module):
         def forward(self, x):
-            raise RuntimeError("inductor: no C compiler\nsecond line")
+            try:
+                raise OSError("g++: not found\nsecond line")
+            except OSError as e:          # as Inductor does: its own type, the OS error as the cause
+                raise InvalidCxxCompiler() from e
 
     monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
     m = train_run(mqar_config(compile=True, tokens=8 * 32 * 2, save_model=False), tmp_path)
     assert m["status"] == "ok" and m["steps"] == 2
     assert m["compile"]["enabled"] is False
-    assert m["compile"]["fallback"] == "torch.compile failed: RuntimeError: inductor: no C compiler; ran eager"
+    assert m["compile"]["fallback"].startswith("torch.compile failed: InvalidCxxCompiler: No working C++ compiler")
     assert "torch.compile failed at the first step" in (tmp_path / "train.log").read_text()
+
+
+def test_a_model_error_at_the_first_compiled_step_is_not_a_compile_failure(tmp_path, monkeypatch):
+    """Only the compiler's own error types fall back; the model's error is raised as it is."""
+    from ssmcraft.train.compiled import is_compile_error
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("CUDA out of memory (the model's, not the compiler's)")
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
+    with pytest.raises(RuntimeError, match="the model's, not the compiler's"):
+        train_run(mqar_config(compile=True, tokens=8 * 32 * 2, save_model=False), tmp_path)
+    from torch._inductor.exc import InvalidCxxCompiler
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = InvalidCxxCompiler()
+    assert is_compile_error(wrapped) and not is_compile_error(RuntimeError("plain"))
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -130,3 +152,19 @@ def test_a_failed_compile_falls_back_loudly(tmp_path, monkeypatch, caplog):
 def test_bad_settings_are_named(key, value, message):
     with pytest.raises(SpecError, match=message):
         resolve(mqar_config(**{key: value}), "x.yaml")
+
+
+def test_found_inf_is_one_buffer_refreshed_each_step():
+    """The divergence flag reaches fused AdamW through one fp32 buffer per run, set in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    stopped = torch.zeros((), dtype=torch.bool)
+    x, y = torch.randn(2, 5, 3), torch.randint(0, 4, (2, 5))
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    flag = opt.found_inf
+    assert flag.dtype == torch.float32 and float(flag) == 0.0
+    before = model.weight.detach().clone()
+    stopped.fill_(True)                      # a non-finite value seen earlier: later steps change nothing
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    assert opt.found_inf is flag and float(flag) == 1.0 and torch.equal(model.weight, before)

@@ -86,6 +86,22 @@ class CompiledObjective:
         self.backend = backend
         return y, S
 
+    def graphed(self, inputs: Mapping, params: Mapping | None = None, initial_state=None,
+                output_final_state: bool = False, warmup: int = 3):
+        """This call captured in CUDA graphs (``ssmcraft.kernels.graphs.GraphedCall``): a callable with
+        ``obj``'s signature, ``g(inputs, params, initial_state, output_final_state) -> (y, S_T)``, that
+        replays one graph for the forward and one for the backward.
+
+        Fixed to these tensors' signature: names, shapes (inputs ``[B, T, H, n]`` / ``[B, T, H]``,
+        params declared shape or ``[H, *shape]``, ``initial_state`` ``[B, H, d, m]`` or a tuple of them),
+        dtypes, devices and ``requires_grad``, and ``output_final_state``; a call with another one
+        raises ``SsmcraftError`` saying what differs. ``warmup`` eager iterations (forward and backward)
+        run first, outside the capture, so that path choice, kernel compilation and autotuning happen
+        there. Outputs and gradients equal ``obj()``'s; they live in static buffers that the next call
+        overwrites. CPU tensors or no CUDA: ``SsmcraftError`` ("CUDA graphs need a CUDA device")."""
+        from ssmcraft.kernels.graphs import GraphedCall
+        return GraphedCall(self, inputs, params, initial_state, output_final_state, warmup=warmup)
+
     @property
     def traced_state(self) -> str:
         """The state ``trace`` follows (``kernels.reference.traced_state``); ``trace(state=...)`` picks another."""

@@ -773,7 +773,7 @@ def forward(obj, lay, co, output_final_state):
     if isinstance(a, torch.Tensor):
         g = torch.log(a.float())
     else:
-        g = torch.tensor(float(a), device=ref.device).log()
+        g = torch.full((), float(a), device=ref.device).log()     # no host-to-device copy (CUDA graphs)
     g = _tok(g, B, T, H, m, ref.float())
     k = _tok(co["q"], B, T, H, m, ref).to(io)
     q = _tok(co["oq"], B, T, H, m, ref).to(io)

@@ -810,7 +810,7 @@ def forward(obj, lay, co, output_final_state):
         ps, p = _head(lay.env[split[0]], B, T, H), lay.env[split[1]]
     else:
         p = co["p"]
-        p = p if isinstance(p, torch.Tensor) else torch.tensor(float(p), device=dev)
+        p = p if isinstance(p, torch.Tensor) else torch.full((), float(p), device=dev)   # no host copy
     p = p.expand(B, T, H, d, 1).reshape(B, T, H, d)
     c = _head(co["c"], B, T, H)
     if not isinstance(c, torch.Tensor):

@@ -246,7 +246,8 @@ def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
 
 def _full(value, lay: Layout) -> torch.Tensor:
     """A slot value (tensor or python number) broadcast to [B, T, H, d, m]."""
-    t = torch.as_tensor(value, dtype=lay.dtype, device=_device(lay))
+    t = (value.to(dtype=lay.dtype, device=_device(lay)) if isinstance(value, torch.Tensor)   # a number: filled on
+         else torch.full((), float(value), dtype=lay.dtype, device=_device(lay)))      # the device (CUDA graphs)
     return t.expand(lay.B, lay.T, lay.H, lay.d, lay.m)
 
 

@@ -46,6 +46,8 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "log_every": 50,            # steps between host read-backs of loss/grad norm (1: sync every step);
                                 # a divergence is detected at the read-back, at most log_every - 1 steps late
     "compile": "auto",          # torch.compile of the LM around the recurrence: auto (on for CUDA) | true | false
+    "cuda_graphs": "auto",      # forward+loss+backward replayed from CUDA graphs: auto (on for CUDA when
+                                # compile is off) | true | false (ssmcraft.train.graphed)
     "data_on_device": True,     # build task batches on the training device (False: on the host, then copied)
 }
 MODEL_DEFAULTS = {**LMConfig(vocab_size=0).to_dict(), "vocab_size": None}   # None: the task's vocabulary
@@ -145,6 +147,8 @@ def _check_train(t: dict[str, Any], source: str) -> None:
     positive("log_every", integer=True)
     if t["compile"] not in ("auto", True, False):
         raise SpecError(source, "train.compile", f"expected auto, true or false, got {t['compile']!r}")
+    if t["cuda_graphs"] not in ("auto", True, False):
+        raise SpecError(source, "train.cuda_graphs", f"expected auto, true or false, got {t['cuda_graphs']!r}")
     if not isinstance(t["data_on_device"], bool):
         raise SpecError(source, "train.data_on_device", f"expected true or false, got {t['data_on_device']!r}")
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):

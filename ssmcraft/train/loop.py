@@ -17,7 +17,9 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   reason saying how many steps later it was seen; a sticky device flag makes the fused
   AdamW skip that step and every later one, so the weights are the last finite ones;
 - ``train.compile`` (auto: on for CUDA) compiles the LM around the recurrence
-  (``ssmcraft.train.compiled``); evaluation sums on the device and reads back once.
+  (``ssmcraft.train.compiled``); or ``train.cuda_graphs`` (auto: on for CUDA when compile is
+  off) replays the forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``);
+  evaluation sums on the device and reads back once.
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -33,6 +35,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss);
                        peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
     compile            train.compile's record: setting, enabled, reason (and a fallback's)
+    cuda_graphs        train.cuda_graphs' record: setting, enabled, reason (and a fallback's),
+                       graphed_steps / eager_steps (a batch of another shape runs eager)
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
@@ -63,6 +67,7 @@ from ssmcraft.train import checkpoint, plots
 from ssmcraft.train.compiled import compile_model, run_compiled_step
 from ssmcraft.train.config import resolve
 from ssmcraft.train.device import autocast, peak_memory, peak_reserved, pick_device, pick_precision, reset_peak_memory
+from ssmcraft.train.graphed import capture_loss, graphs_decision
 from ssmcraft.train.schedule import lr_at, warmup_steps
 from ssmcraft.train.validate import batch_loss, evaluate
 
@@ -170,7 +175,12 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     gen = torch.Generator(device=data_device).manual_seed(cfg["seed"] + 1)
     val_batches = [(x.to(device), y.to(device)) for x, y in  # the same on every device; moved once
                    task.fixed_batches("val", tc["eval_batches"], tc["eval_batch_size"], seed=tc["val_seed"])]
-    train_model, compile_info = compile_model(model, tc["compile"], device)
+    train_model, compile_info = compile_model(model, tc["compile"], device, tc["cuda_graphs"])
+    use_graphs, why = graphs_decision(tc["cuda_graphs"], device, compile_info["enabled"], source)
+    graphs_info = {"setting": tc["cuda_graphs"], "enabled": use_graphs, "reason": why,
+                   "graphed_steps": 0, "eager_steps": 0}
+    log.info("CUDA graphs: %s", why)
+    loss_fn = None          # the graphed forward+loss+backward, captured at the first step
     log.info("data built on %s; host read-back every %d step(s)", data_device, tc["log_every"])
     history: dict[str, list] = {"train": [], "val": []}
     status, reason, step = "ok", None, 0
@@ -189,9 +199,14 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         for group in opt.param_groups:
             group["lr"] = lr
         inputs, targets = (t.to(device, non_blocking=True) for t in task.sample("train", tc["batch_size"], None, gen))
+        if graphs_info["enabled"] and loss_fn is None and step == 0:
+            loss_fn = capture_loss(model, inputs, targets, device, precision, graphs_info)
+        graphed = loss_fn if loss_fn is not None and loss_fn.fits(inputs, targets) else None
+        if graphs_info["enabled"]:
+            graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
 
         def one_step(module):
-            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped)
+            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed)
 
         if step == 0 and train_model is not model:
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
@@ -230,8 +245,8 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     steps = metrics["steps"]
     steady = (readback.tokens * (steps - 1) / steps / (train_s - first_step_s)
               if first_step_s is not None and steps > 1 and train_s > first_step_s else None)
-    metrics.update(compile=compile_info, data_device=str(data_device), log_every=tc["log_every"],
-                   first_step_s=first_step_s, steady_tokens_per_s=steady)
+    metrics.update(compile=compile_info, cuda_graphs=graphs_info, data_device=str(data_device),
+                   log_every=tc["log_every"], first_step_s=first_step_s, steady_tokens_per_s=steady)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
 
@@ -242,9 +257,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
-                    stopped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    stopped: torch.Tensor, graphed=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
-    tensors left on the device (no host sync).
+    tensors left on the device (no host sync). ``graphed``: a ``GraphedLoss`` that replays the
+    forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
 
     A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
     fused AdamW skips its update while the flag is set (``found_inf``, the protocol
@@ -252,15 +268,21 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
     learns later (``_ReadBack``).
     """
     opt.zero_grad(set_to_none=True)
-    with amp():
-        logits = model(inputs)
-    loss = batch_loss(logits, targets)
+    if graphed is None:
+        with amp():
+            logits = model(inputs)
+        loss = batch_loss(logits, targets)
+    else:
+        loss = graphed(inputs, targets)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
                                                grad_clip or float("inf"))
-    loss = loss.detach()
+    loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
     stopped |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    opt.found_inf = stopped.float()
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is None:           # one fp32 flag for the run, refreshed in place each step
+        found_inf = opt.found_inf = torch.zeros((), dtype=torch.float32, device=stopped.device)
+    found_inf.copy_(stopped)
     opt.step()
     return loss, grad_norm
 

@@ -1,0 +1,271 @@
+"""Issue 12, host overhead: eager against CUDA-graph replay, for ``obj()``, training and decoding.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_graphs.py --out DIR      # H200: about 4-6 minutes
+    python3 benchmarks/bench_graphs.py --tiny --out DIR                  # CPU or GPU smoke run
+
+1. ``obj()`` of deltanet, gla, mamba and exact longhorn at bf16 B=8 T=2048 (the shapes and inputs of
+   ``bench_public_path.CASES`` / ``case_inputs``): wall ms of the forward (no grad) and
+   forward+backward, eager ``obj(...)`` against ``obj.graphed(...)``; per call the GPU-busy
+   fraction and the host time (``bench_public_path.busy``: profiler kernel time / wall time of
+   back-to-back calls, and the host's enqueue time per call). Then correctness: with an initial
+   state that requires grad and ``output_final_state=True``, the graphed call's ``y``, ``S_T`` and
+   every gradient (initial state included) against eager's, relative max error (target: exact,
+   or <= 1e-6).
+2. Training tokens/s of the 20M byte LM (``bench_train_mixers.build``/``tokens_per_s``: B16 T512,
+   bf16 autocast, AdamW) with the longhorn, mamba, deltanet and gla mixers, eager against
+   ``train.cuda_graphs``' ``GraphedLoss``; and the first step's loss and every parameter gradient,
+   graphed against eager.
+3. Decode tokens/s of the 6-layer 20M Longhorn LM at batch 1 and 16 (``bench_public_path.decode``),
+   eager ``LM.step`` against ``GraphedDecoder``; and 16 tokens' logits, graphed against eager.
+
+Prints a short table; writes ``DIR/bench_graphs.json``. ``--tiny``: small shapes and few steps; on a
+machine without CUDA it runs what needs no GPU (the refusals, the decode body over static buffers
+against eager ``LM.step``) and prints, for each CUDA part, that it was skipped and why.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_public_path import CASES, busy, case_inputs, decode, decode_lm  # noqa: E402
+from bench_train_mixers import build, tokens_per_s  # noqa: E402
+from common import Report, bench_ms  # noqa: E402
+
+OBJECTIVES = ("deltanet", "gla", "mamba", "longhorn")
+MIXERS = ("longhorn", "mamba", "deltanet", "gla")
+
+
+def rel_max(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (0.0 when both are equal, exact zeros included)."""
+    got, ref = got.double(), ref.double()
+    diff = (got - ref).abs().max().item()
+    return 0.0 if diff == 0 else diff / max(ref.abs().max().item(), 1e-30)
+
+
+# -- 1. obj() -----------------------------------------------------------------------------------
+
+def obj_rows(rep, name, H, d, m, B, T):
+    obj, inputs, params = case_inputs(name, H, d, m, B, T)
+    leaves = [t for t in [*inputs.values(), *params.values()] if t.requires_grad]
+    dy = torch.randn_like(obj(inputs, params, None, False)[0])
+    frozen = {n: t.detach() for n, t in inputs.items()}, {n: t.detach() for n, t in params.items()}
+    g_fwd = obj.graphed(*frozen)                     # inference: captured without saving for backward
+    g_train = obj.graphed(inputs, params)
+    st_fwd, st_train = g_fwd.static_inputs()[:2], g_train.static_inputs()[:2]
+    st_leaves = [t for t in [*st_train[0].values(), *(st_train[1] or {}).values()] if t.requires_grad]
+    calls = {   # graphed: the caller's tensors (copied in each call); static: the graph's own inputs (no copy)
+        "eager": (lambda: obj(*frozen, None, False)[0],
+                  lambda: torch.autograd.grad(obj(inputs, params, None, False)[0], leaves, dy)),
+        "graphed": (lambda: g_fwd(*frozen)[0], lambda: torch.autograd.grad(g_train(inputs, params)[0], leaves, dy)),
+        "static": (lambda: g_fwd(*st_fwd)[0], lambda: torch.autograd.grad(g_train(*st_train)[0], st_leaves, dy)),
+    }
+    row = dict(section="obj", objective=name, shape=f"B{B} T{T} H{H} d{d} m{m} bf16", backend=obj.backend)
+    for how, (fwd, fwd_bwd) in calls.items():
+        for kind, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            with torch.set_grad_enabled(kind == "fwd_bwd"):
+                row[f"{how}_{kind}_ms"] = bench_ms(fn)
+                gpu, wall, host = busy(fn)
+            # kernel ms as the profiler saw them (graph replays included where CUPTI reports them)
+            row.update({f"{how}_busy_{kind}": gpu / wall, f"{how}_host_us_{kind}": host,
+                        f"{how}_kernel_ms_{kind}": gpu, f"{how}_wall_ms_{kind}": wall})
+    row.update(obj_check(obj, inputs, params, B, H, d, m))
+    rep.add(**row)
+
+
+def obj_check(obj, inputs, params, B, H, d, m) -> dict:
+    """Graphed against eager with an initial state: y, S_T and every gradient (dS0 included)."""
+    S0 = torch.randn(B, H, d, m, device="cuda", requires_grad=True)
+    names = [*inputs, *params, "S0"]
+    leaves = [*inputs.values(), *params.values(), S0]
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def run(fn):
+        y, S = fn(inputs, params, S0, True)
+        wy = torch.randn(y.shape, device="cuda", generator=g.manual_seed(3))
+        wS = torch.randn(S.shape, device="cuda", generator=g.manual_seed(4))
+        grads = torch.autograd.grad((y.float() * wy).sum() + (S.float() * wS).sum(), leaves, allow_unused=True)
+        return {"y": y.detach().clone(), "S_T": S.detach().clone(),
+                **{f"d{n}": gr.clone() for n, gr in zip(names, grads) if gr is not None}}
+    eager = run(obj)
+    floor = max(rel_max(v, eager[k]) for k, v in run(obj).items())     # eager against itself
+    graphed = run(obj.graphed(inputs, params, S0, True))
+    errs = {k: rel_max(graphed[k], eager[k]) for k in eager}
+    missing = sorted(set(eager) ^ set(graphed))
+    worst = max(errs.values())
+    return {"check_worst_rel": worst, "check_exact": worst == 0.0, "check_eager_repeat_rel": floor,
+            "check_ok": worst <= max(1e-6, floor) and not missing,
+            "check_errors": {k: float(f"{v:.3g}") for k, v in errs.items()}, "check_missing": missing}
+
+
+# -- 2. training --------------------------------------------------------------------------------
+
+def train_rows(rep, name, steps, warmup):
+    torch.manual_seed(0)
+    lm = build(name)
+    row = dict(section="train", mixer=name)
+    row["eager_tokens_per_s"], row["eager_peak_GiB"] = tokens_per_s(lm, steps=steps, warmup=warmup)
+    torch.manual_seed(0)
+    lm = build(name)
+    row["graphed_tokens_per_s"], row["graphed_peak_GiB"] = tokens_per_s(lm, steps=steps, warmup=warmup, graphs=True)
+    row["speedup"] = row["graphed_tokens_per_s"] / row["eager_tokens_per_s"]
+    row["backend"] = lm.backends()
+    row.update(train_check(name))
+    rep.add(**row)
+
+
+def train_check(name, B=16, T=512) -> dict:
+    """The loss and every parameter gradient of one step: graphed (``GraphedLoss``) against eager."""
+    from ssmcraft.train.graphed import GraphedLoss
+    from ssmcraft.train.validate import batch_loss
+    torch.manual_seed(0)
+    lm = build(name)
+    batch = torch.randint(0, 256, (B, T + 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    x, y = batch[:, :-1], batch[:, 1:]
+    params = [p for p in lm.parameters() if p.requires_grad]
+
+    def eager_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = lm(x)
+        loss = batch_loss(logits, y)
+        return loss.detach(), grads(loss)
+
+    def grads(loss):            # an unused parameter's gradient as zeros (the graph returns None for it)
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g.clone() for g, p in zip(gs, params)]
+
+    def worst_of(a, b):
+        return max([rel_max(a[0], b[0]), *(rel_max(u, v) for u, v in zip(a[1], b[1]))])
+    eager = eager_step()
+    floor = worst_of(eager_step(), eager)          # eager against itself (cuBLAS may not repeat bitwise)
+    graphed = GraphedLoss(lm, x, y, torch.device("cuda"), "bf16")
+    loss = graphed(x, y)
+    mine = (loss.detach().clone(), grads(loss))
+    worst = worst_of(mine, eager)
+    return {"check_loss_eager": eager[0].item(), "check_loss_graphed": mine[0].item(), "check_worst_rel": worst,
+            "check_eager_repeat_rel": floor, "check_ok": worst <= max(1e-6, floor)}
+
+
+# -- 3. decode ----------------------------------------------------------------------------------
+
+def decode_check(lm, B, n=16) -> dict:
+    """n tokens' logits from zero caches: graphed decoder against eager ``LM.step`` (bf16 autocast)."""
+    from ssmcraft.layers.graphed_decode import GraphedDecoder
+    tokens = torch.randint(0, 256, (B, n), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    dec = GraphedDecoder(lm, B, autocast_dtype=torch.bfloat16)
+    caches, worst = lm.init_cache(B), 0.0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for t in range(n):
+            logits, caches = lm.step(tokens[:, t], caches)
+            worst = max(worst, rel_max(dec.step(tokens[:, t]), logits))
+    return {"section": "decode-check", "batch": B, "tokens": n, "worst_rel": worst, "ok": worst <= 1e-6}
+
+
+# -- CPU (--tiny without CUDA) -----------------------------------------------------------------
+
+def cpu_parts(rep):
+    """What runs without a GPU: the refusals and the decode body over static buffers."""
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.layers.graphed_decode import StaticDecodeState
+    name, (H, d, m), _ = CASES[0]
+    obj, inputs, params = case_inputs(name, H, 8, 8, 1, 16, torch.float32, "cpu")
+    try:
+        obj.graphed(inputs, params)
+        rep.add(section="cpu", part="obj.graphed on CPU tensors", ok=False, error="not refused")
+    except SsmcraftError as e:
+        rep.add(section="cpu", part="obj.graphed on CPU tensors", ok="CUDA graphs need a CUDA device" in str(e),
+                refused=str(e))
+    lm = decode_lm(n_layers=2, d_model=64, device="cpu")
+    static, caches = StaticDecodeState(lm, 2), lm.init_cache(2)
+    tokens = torch.randint(0, 256, (2, 8))
+    worst = 0.0
+    with torch.no_grad():
+        for t in range(8):
+            logits, caches = lm.step(tokens[:, t], caches)
+            static.token.copy_(tokens[:, t])
+            worst = max(worst, rel_max(static.advance(), logits))
+    rep.add(section="cpu", part="decode body on static buffers vs eager LM.step", ok=worst == 0.0, worst_rel=worst)
+
+
+def guarded(rep, part, fn, *args, **kw):
+    """Run one part; a failure is recorded as an ``error`` row (with where it was raised) and the
+    benchmark goes on with the next part."""
+    import traceback
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001: reported, not hidden
+        where = traceback.extract_tb(e.__traceback__)[-3:]
+        rep.add(section="error", part=part, error=f"{type(e).__name__}: {str(e)[:300]}",
+                where=[f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in where])
+
+
+def table(rep):
+    rows = rep.data["rows"]
+    print("\n# obj() bf16 (static: the graph's own input buffers, no copy-in): objective | "
+          "fwd ms eager / graphed / static | fwd+bwd ms eager / graphed / static | "
+          "host us fwd / fwd+bwd eager, graphed, static | GPU busy fwd+bwd eager / graphed / static | check")
+    for r in (r for r in rows if r.get("section") == "obj"):
+        hows = ("eager", "graphed", "static")
+        print(f"{r['objective']:9s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in hows) + " | "
+              + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in hows) + " | "
+              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" for h in hows) + " | "
+              + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in hows) + " | "
+              f"{'exact' if r['check_exact'] else format(r['check_worst_rel'], '.1e')} "
+              f"{'PASS' if r['check_ok'] else 'FAIL'}")
+    print("# training tokens/s (20M byte LM, B16 T512 bf16): mixer | eager | graphed | speedup | check")
+    for r in (r for r in rows if r.get("section") == "train"):
+        print(f"{r['mixer']:9s} | {r['eager_tokens_per_s']:.0f} | {r['graphed_tokens_per_s']:.0f} | "
+              f"{r['speedup']:.2f}x | {r['check_worst_rel']:.1e} {'PASS' if r['check_ok'] else 'FAIL'}")
+    print("# decode tokens/s: batch | eager | graphed | logits check")
+    dec = {(r["batch"], r["graphed"]): r["decode_tokens_per_s"] for r in rows if r.get("section") == "decode"}
+    checks = {r["batch"]: r for r in rows if r.get("section") == "decode-check"}
+    for B in sorted({b for b, _ in dec}):
+        c = checks.get(B)
+        print(f"B={B:3d} | {dec.get((B, False), float('nan')):.0f} | {dec.get((B, True), float('nan')):.0f} | "
+              + (f"{c['worst_rel']:.1e} {'PASS' if c['ok'] else 'FAIL'}" if c else "-"))
+    for r in (r for r in rows if r.get("section") in ("cpu", "skipped", "error")):
+        verdict = "PASS" if r.get("ok") else r.get("why", r.get("error", "FAIL"))
+        print(f"# {r['section']}: {r.get('part')}: {verdict}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="directory for bench_graphs.json")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, few steps (a smoke run; CPU: no CUDA parts)")
+    ap.add_argument("--only", help="comma-separated parts: obj, train, decode (default: all)")
+    args = ap.parse_args()
+    parts = set(args.only.split(",")) if args.only else {"obj", "train", "decode"}
+    rep = Report("bench_graphs (issue 12, host overhead)")
+    cuda = torch.cuda.is_available()
+    B, T = (2, 256) if args.tiny else (8, 2048)
+    if not cuda:
+        cpu_parts(rep)
+        for part in sorted(parts):
+            rep.add(section="skipped", part=part, why="CUDA graphs need a CUDA device; torch.cuda.is_available() "
+                                                      "is false here")
+    else:
+        if "obj" in parts:
+            for name, (H, d, m), _ in [c for c in CASES if c[0] in OBJECTIVES]:
+                guarded(rep, f"obj {name}", obj_rows, rep, name, H, d, m, B, T)
+        if "train" in parts:
+            for name in MIXERS[:1] if args.tiny else MIXERS:
+                guarded(rep, f"train {name}", train_rows, rep, name, 3 if args.tiny else 20, 2 if args.tiny else 5)
+        if "decode" in parts:
+            lm = decode_lm()
+            for graphed in (False, True):
+                guarded(rep, f"decode graphed={graphed}", decode, rep, 8 if args.tiny else 128, graphed,
+                        parallel=False, lm=lm)
+            for batch in (1, 16):
+                guarded(rep, f"decode check B={batch}", lambda b: rep.add(**decode_check(lm, b)), batch)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        rep.write(str(Path(args.out) / "bench_graphs.json"))
+    table(rep)
+
+
+if __name__ == "__main__":
+    main()

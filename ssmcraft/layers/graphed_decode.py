@@ -1,0 +1,128 @@
+"""One-token decoding with the whole ``LM.step`` in one CUDA graph (issue 12: decode is host-bound).
+
+Eager decoding of the 6-layer 20M byte LM launches ~20 small kernels per layer and token; on the
+lent H200 each launch costs 7-10 us of host time, so decode ran at 110 tokens/s at batch 1.
+``GraphedDecoder(model, batch_size)`` keeps the token and every layer's cache (conv window
+``[B, D, k-1]``, state ``[B, H, d, m]`` or a tuple of them) in static buffers, captures one
+``model.step`` whose new caches are copied into those buffers inside the graph, and then runs a
+token as: copy the token in, replay, read the static logits ``[B, V]``.
+
+    dec = GraphedDecoder(model, batch_size=16, autocast_dtype=torch.bfloat16)
+    dec.reset()                       # zero caches: a new sequence
+    for t in range(T):
+        logits = dec.step(tokens[:, t])     # [B] int64 -> [B, V]; overwritten by the next step
+
+``StaticDecodeState`` is the captured body (static token, static caches, ``advance()`` = one step
+and the in-place cache update) without the graph: it runs on any device, which is how the tests
+check the bookkeeping on CPU against eager ``LM.step``.
+
+Only objective mixers: an attention mixer's key/value cache grows by one token per step, which a
+graph with fixed buffers cannot hold (``SsmcraftError``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.kernels.graphs import NEED_CUDA
+from ssmcraft.layers.mixer import RecurrentCache
+
+
+def _copy_state(dst, src) -> None:
+    if isinstance(dst, tuple):
+        for a, b in zip(dst, src):
+            a.copy_(b)
+    else:
+        dst.copy_(src)
+
+
+class StaticDecodeState:
+    """The static buffers of graphed decoding and the step that updates them in place.
+
+    ``token`` ``[B]`` int64, ``caches`` (``model.init_cache(B)``), ``logits`` ``[B, V]`` after ``advance``.
+    """
+
+    def __init__(self, model, batch_size: int):
+        caches = model.init_cache(batch_size)
+        for i, c in enumerate(caches):
+            if not isinstance(c, RecurrentCache):
+                raise SsmcraftError(f"graphed decoding: layer {i} has a {type(c).__name__} (its cache grows with "
+                                    f"every token); only objective mixers, whose cache has a constant size, "
+                                    f"can decode in a CUDA graph")
+        self.model = model
+        self.caches = caches
+        self.token = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
+        self.logits = None
+
+    def advance(self) -> torch.Tensor:
+        """One ``model.step`` on ``token``; the new caches are copied into the static ones."""
+        logits, new = self.model.step(self.token, self.caches)
+        for mine, theirs in zip(self.caches, new):
+            mine.conv.copy_(theirs.conv)
+            _copy_state(mine.state, theirs.state)
+        self.logits = logits
+        return logits
+
+    def reset(self) -> None:
+        """Zero every cache in place (a new sequence)."""
+        for c in self.caches:
+            c.conv.zero_()
+            for s in (c.state if isinstance(c.state, tuple) else (c.state,)):
+                s.zero_()
+
+    def load(self, caches) -> None:
+        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones."""
+        for mine, theirs in zip(self.caches, caches):
+            mine.conv.copy_(theirs.conv)
+            _copy_state(mine.state, theirs.state)
+
+
+class GraphedDecoder:
+    """``model.step`` captured once for ``batch_size`` sequences (module docstring).
+
+    ``autocast_dtype``: run the step under ``torch.autocast("cuda", dtype)`` (captured with the
+    autocast cache off, as CUDA graphs need; the values are those of eager autocast). ``warmup``
+    eager steps run first on a side stream (kernel choice, compilation), then the caches are zeroed.
+    The logits returned by ``step`` are a static buffer, overwritten by the next step.
+    """
+
+    def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
+        device = model.embed.weight.device
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise SsmcraftError(f"graphed decoding: {NEED_CUDA}; the model is on {device}")
+        self.state = StaticDecodeState(model, batch_size)
+        self.batch_size = batch_size
+        self._amp = ((lambda: torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False))
+                     if autocast_dtype is not None else contextlib.nullcontext)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad(), self._amp():
+            for _ in range(max(1, warmup)):
+                self.state.advance()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.state.reset()          # the warm-up advanced the caches (a capture runs nothing)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), self._amp(), torch.cuda.graph(self.graph):
+            self.logits = self.state.advance()
+        self.backends = model.backends()
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def load(self, caches) -> None:
+        self.state.load(caches)
+
+    @property
+    def caches(self):
+        return self.state.caches
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """token ``[B]`` (int64, on the model's device) -> logits ``[B, V]`` (static buffer)."""
+        if tuple(token.shape) != (self.batch_size,):
+            raise SsmcraftError(f"graphed decoding: token has shape {list(token.shape)}; this decoder was "
+                                f"captured for [{self.batch_size}]")
+        self.state.token.copy_(token)
+        self.graph.replay()
+        return self.logits

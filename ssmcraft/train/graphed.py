@@ -1,0 +1,116 @@
+"""``train.cuda_graphs``: the training step's model forward, loss and backward replayed from CUDA graphs.
+
+Why: on the lent H200 (gVisor) a kernel launch costs 7-10 us of host time, and one training step
+of the 20M byte LM launches hundreds of kernels; the GPU waits on the host (issue 12). Our
+recurrences are graph breaks for ``torch.compile`` (``train.compile``), so its
+``reduce-overhead`` mode cannot capture them; ``torch.cuda.make_graphed_callables`` captures the
+Triton kernels and autograd Functions as they are.
+
+What is captured (``GraphedLoss``): ``batch_loss(model(inputs), targets)`` under the run's
+autocast (with the autocast cache off, as graphs require) and its backward, for the run's one
+batch shape ``[batch_size, seq_len]``, in static buffers (each step copies its batch in). What
+stays eager: the optimizer (fused AdamW with the divergence flag as ``found_inf``), gradient
+clipping, the loss read-back, evaluation (the eager ``model``, which shares the parameters), and
+any batch of another shape (counted as ``eager_steps``). The warm-up iterations before capture
+(kernel choice, compilation, autotuning) compute gradients with ``torch.autograd.grad`` and touch
+neither ``.grad`` nor the weights. A step's gradients are the graph's static buffers: AdamW and the
+clipping consume them before the next replay (no gradient accumulation across steps here).
+
+Settings (``graphs_decision``; the decision and its reason go to the run's ``metrics.json`` under
+``cuda_graphs`` and to the log, like ``train.compile``'s):
+  ``auto``  on for CUDA when ``train.compile`` is off (the two do not combine: the compiled LM is
+            not captured); off on CPU (recorded as not applicable);
+  ``true``  on; ``train.compile: auto`` then resolves off; refused on CPU and with
+            ``train.compile: true`` (``SpecError``);
+  ``false`` off.
+A capture that fails raises under ``true``; under ``auto`` it is logged as a warning, recorded
+(``fallback``) and the run goes on eager.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.train.validate import batch_loss
+
+log = logging.getLogger(__name__)
+
+
+def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
+                    source: str = "<experiment>") -> tuple[bool, str]:
+    """(capture the step?, why) for ``train.cuda_graphs`` = ``setting`` on ``device``, with
+    ``train.compile`` resolved to ``compile_enabled``. Refusals raise ``SpecError``."""
+    if setting is False:
+        return False, "train.cuda_graphs is false"
+    if device.type != "cuda":
+        if setting is True:
+            raise SpecError(source, "train.cuda_graphs", f"true needs a CUDA device; this run is on {device.type} "
+                            "(use auto or false)")
+        return False, f"train.cuda_graphs auto: not applicable on {device.type} (CUDA graphs need a CUDA device)"
+    if compile_enabled:
+        if setting is True:
+            raise SpecError(source, "train.cuda_graphs", "true together with train.compile true: choose one "
+                            "(the graphs capture the eager step; set train.compile: false or auto)")
+        return False, "train.cuda_graphs auto: off while train.compile is on (set train.compile: false to capture)"
+    if setting is True:
+        return True, "train.cuda_graphs is true"
+    return True, "train.cuda_graphs auto: on for CUDA with train.compile off"
+
+
+class _LossModule(torch.nn.Module):
+    """``batch_loss(model(inputs), targets)`` under autocast without its cache (the captured function)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str):
+        super().__init__()
+        self.model = model
+        self.device_type, self.precision = device.type, precision
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.precision == "bf16":
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
+                logits = self.model(inputs)
+        else:
+            logits = self.model(inputs)
+        return batch_loss(logits, targets)
+
+
+class GraphedLoss:
+    """``loss_fn(inputs [B, T], targets [B, T]) -> loss`` (0-dim fp32, differentiable in the model's
+    parameters) replayed from CUDA graphs for one batch shape; ``fits`` says whether a batch has it.
+    The loss is a static buffer: clone it to keep it past the next call."""
+
+    def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                 device: torch.device, precision: str, warmup: int = 3):
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise SsmcraftError(f"train.cuda_graphs: CUDA graphs need a CUDA device; this run is on {device}")
+        self.shapes = (tuple(inputs.shape), tuple(targets.shape))
+        sample = (inputs.detach().clone(), targets.detach().clone())
+        self._fn = torch.cuda.make_graphed_callables(_LossModule(model, device, precision), sample,
+                                                     num_warmup_iters=max(1, warmup), allow_unused_input=True)
+
+    def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        return (tuple(inputs.shape), tuple(targets.shape)) == self.shapes
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._fn(inputs, targets)
+
+
+def capture_loss(model, inputs, targets, device, precision, info: dict) -> GraphedLoss | None:
+    """The graphed loss for the run's batch shape, or None when the capture failed under ``auto``
+    (recorded in ``info`` and logged); under ``true`` a failure raises ``SsmcraftError``."""
+    try:
+        graphed = GraphedLoss(model, inputs, targets, device, precision)
+    except Exception as e:  # noqa: BLE001: only the capture runs here; recorded, or raised under true
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        if info["setting"] is True:
+            raise SsmcraftError(f"train.cuda_graphs: capturing the training step failed: "
+                                f"{type(e).__name__}: {first}") from e
+        info.update(enabled=False, fallback=f"capture failed: {type(e).__name__}: {first}; ran eager")
+        log.warning("CUDA graph capture of the training step failed (%s: %s): training eager instead",
+                    type(e).__name__, first)
+        return None
+    log.info("CUDA graphs: training step captured for batches %s", list(graphed.shapes[0]))
+    return graphed

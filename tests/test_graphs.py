@@ -1,0 +1,160 @@
+"""CUDA graphs (issue 12) on CPU: the refusals (CPU tensors, another call signature, graphed
+decoding of a growing cache), ``train.cuda_graphs``' decision and its record, and the parts of
+the captured work that run without a graph: the decode step over static buffers
+(``StaticDecodeState``, what ``GraphedDecoder`` captures) against eager ``LM.step``, and the
+captured training loss module against the eager loss. The captures themselves run on a GPU:
+``benchmarks/bench_graphs.py`` checks them against eager ``obj()``, training and decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssmcraft
+from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.kernels.graphs import call_signature, require_cuda, signature_difference
+from ssmcraft.layers import LM, LMConfig
+from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
+from ssmcraft.train import train_run
+from ssmcraft.train.compiled import compile_decision
+from ssmcraft.train.graphed import _LossModule, graphs_decision
+from ssmcraft.train.validate import batch_loss
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _inputs(B=2, T=5, H=2, d=4, m=3, grad=False):
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(B, T, H, k, generator=g).requires_grad_(grad) for n, k in (("x", d), ("k", m), ("q", m))}
+
+
+def test_graphed_refuses_cpu_tensors():
+    obj = ssmcraft.compile("longhorn")
+    ins = _inputs()
+    ins["beta"] = torch.rand(2, 5, 2, 4)
+    with pytest.raises(SsmcraftError, match="CUDA graphs need a CUDA device"):
+        obj.graphed(ins)
+    if torch.cuda.is_available():       # a GPU machine: the CPU tensor is what is refused, by place
+        with pytest.raises(SsmcraftError, match=r"inputs\['x'\] is on cpu"):
+            require_cuda([("inputs['x']", ins["x"])])
+
+
+def test_a_number_is_refused_by_place(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # reach the per-tensor check
+    with pytest.raises(SsmcraftError, match=r"params\['A'\] is a float; CUDA graphs need"):
+        require_cuda([("params['A']", 0.5)])
+    with pytest.raises(SsmcraftError, match=r"initial_state is on cpu; CUDA graphs need a CUDA device"):
+        require_cuda([("initial_state", torch.zeros(1))])
+
+
+def test_signature_differences_are_named():
+    ins = _inputs()
+    base = call_signature(ins, None, torch.zeros(2, 2, 4, 3), True)
+    assert signature_difference(base, call_signature(ins, None, torch.zeros(2, 2, 4, 3), True)) is None
+    longer = {n: torch.zeros(2, 7, *t.shape[2:]) for n, t in ins.items()}
+    assert signature_difference(base, call_signature(longer, None, torch.zeros(2, 2, 4, 3), True)) == (
+        "inputs['x']: shape [2, 7, 2, 4] (captured [2, 5, 2, 4]); inputs['k']: shape [2, 7, 2, 3] "
+        "(captured [2, 5, 2, 3]); inputs['q']: shape [2, 7, 2, 3] (captured [2, 5, 2, 3])")
+    bf = {**ins, "k": ins["k"].bfloat16()}
+    assert signature_difference(base, call_signature(bf, None, torch.zeros(2, 2, 4, 3), True)) == (
+        "inputs['k']: dtype torch.bfloat16 (captured torch.float32)")
+    grad = call_signature(ins, None, torch.zeros(2, 2, 4, 3, requires_grad=True), False)
+    assert signature_difference(base, grad) == ("initial_state: requires_grad True (captured False); "
+                                                "output_final_state is False (captured True)")
+    no_state = call_signature(ins, None, None, True)
+    assert signature_difference(base, no_state) == "the tensors differ: captured with inputs['x'], inputs['k'], " \
+                                                   "inputs['q'], initial_state; missing initial_state"
+    swapped = call_signature({"k": ins["k"], "x": ins["x"], "q": ins["q"]}, None, torch.zeros(2, 2, 4, 3), True)
+    assert signature_difference(base, swapped).startswith("the tensors come in another order")
+    two = call_signature(ins, {"A": torch.zeros(4, 3)}, (torch.zeros(1), torch.zeros(1)), True)
+    assert [r[0] for r in two[:-1]] == ["inputs['x']", "inputs['k']", "inputs['q']", "params['A']",
+                                        "initial_state[0]", "initial_state[1]"]
+
+
+def test_graphs_decision_and_compile_interplay():
+    assert graphs_decision(False, CUDA, False) == (False, "train.cuda_graphs is false")
+    assert graphs_decision("auto", CPU, False) == (
+        False, "train.cuda_graphs auto: not applicable on cpu (CUDA graphs need a CUDA device)")
+    assert graphs_decision("auto", CUDA, False) == (True, "train.cuda_graphs auto: on for CUDA with train.compile off")
+    assert graphs_decision("auto", CUDA, True)[0] is False
+    assert graphs_decision(True, CUDA, False) == (True, "train.cuda_graphs is true")
+    with pytest.raises(SpecError, match="train.cuda_graphs: true needs a CUDA device; this run is on cpu"):
+        graphs_decision(True, CPU, False, "x.yaml")
+    with pytest.raises(SpecError, match="true together with train.compile true"):
+        graphs_decision(True, CUDA, True)
+    # graphs forced on: compile's auto steps aside; compile's explicit true stays (and is refused above)
+    assert compile_decision("auto", CUDA, True) == (False, "train.compile auto: off because train.cuda_graphs is true")
+    assert compile_decision("auto", CUDA, "auto") == (True, "train.compile auto: on for CUDA")
+    assert compile_decision(True, CUDA, True) == (True, "train.compile is true")
+
+
+def _mqar(**train):
+    return {"name": "tiny", "seed": 0, "task": {"name": "mqar", "vocab": 64, "seq_len": 32, "num_kv_pairs": 4},
+            "model": {"d_model": 32, "n_layers": 1, "mixer": {"kind": "objective", "objective": "longhorn",
+                                                              "state_size": 8}},
+            "train": {"batch_size": 4, "tokens": 4 * 32 * 2, "eval_every": 0, "eval_batches": 1,
+                      "eval_batch_size": 4, "save_model": False, **train}}
+
+
+def test_train_records_the_decision_and_refuses_true_on_cpu(tmp_path):
+    m = train_run(_mqar(device="cpu"), tmp_path / "auto")
+    assert m["status"] == "ok"
+    assert m["cuda_graphs"] == {"setting": "auto", "enabled": False, "graphed_steps": 0, "eager_steps": 0,
+                                "reason": "train.cuda_graphs auto: not applicable on cpu (CUDA graphs need a CUDA "
+                                          "device)"}
+    assert "CUDA graphs: train.cuda_graphs auto: not applicable on cpu" in (tmp_path / "auto" / "train.log").read_text()
+    with pytest.raises(SpecError, match="train.cuda_graphs: true needs a CUDA device"):
+        train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")
+    with pytest.raises(SpecError, match="train.cuda_graphs: expected auto, true or false, got 'on'"):
+        train_run(_mqar(cuda_graphs="on"), tmp_path / "bad")
+
+
+def test_captured_loss_module_is_the_eager_loss():
+    """What ``GraphedLoss`` captures: the loss and every parameter gradient of the eager step."""
+    torch.manual_seed(0)
+    lm = LM(LMConfig(vocab_size=30, d_model=16, n_layers=2, mixer={"kind": "objective", "objective": "mamba",
+                                                                    "heads": 2, "state_size": 4}))
+    x, y = torch.randint(0, 30, (3, 9)), torch.randint(0, 30, (3, 9))
+    eager = batch_loss(lm(x), y)
+    ge = torch.autograd.grad(eager, list(lm.parameters()))
+    mod = _LossModule(lm, CPU, "fp32")
+    assert list(mod.parameters()) == list(lm.parameters())      # make_graphed_callables differentiates these
+    mine = mod(x, y)
+    gm = torch.autograd.grad(mine, list(lm.parameters()))
+    assert torch.equal(mine, eager) and all(torch.equal(a, b) for a, b in zip(ge, gm))
+
+
+MIXERS = {"longhorn": {"kind": "objective", "objective": "longhorn", "heads": 2, "state_size": 4},
+          "momentum_longhorn": {"kind": "objective", "objective": "momentum_longhorn", "heads": 2, "state_size": 4}}
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_static_decode_state_follows_eager_step(name):
+    """The captured decode body: static token and caches updated in place give eager ``step``'s
+    logits token by token (several states included); ``reset`` and ``load`` restart a sequence."""
+    torch.manual_seed(0)
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=2, mixer=MIXERS[name])).double()
+    tokens = torch.randint(0, 40, (3, 7))
+    static = StaticDecodeState(lm, 3)
+    ids = [id(c.conv) for c in static.caches]
+    caches = lm.init_cache(3)
+    for run in range(2):
+        for t in range(7):
+            logits, caches = lm.step(tokens[:, t], caches)
+            static.token.copy_(tokens[:, t])
+            assert torch.equal(static.advance(), logits)
+        assert [id(c.conv) for c in static.caches] == ids          # the same buffers, written in place
+        static.reset()
+        caches = lm.init_cache(3)
+    _, prefix = lm.step(tokens[:, 0], lm.init_cache(3))
+    static.load(prefix)
+    static.token.copy_(tokens[:, 1])
+    assert torch.equal(static.advance(), lm.step(tokens[:, 1], prefix)[0])
+
+
+def test_graphed_decoding_refusals():
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer={"kind": "attention", "heads": 2}))
+    with pytest.raises(SsmcraftError, match="layer 0 has a KVCache .* only objective mixers"):
+        StaticDecodeState(lm, 2)
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
+    with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device; the model is on cpu"):
+        GraphedDecoder(lm, 2)
