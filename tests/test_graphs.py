@@ -74,7 +74,7 @@ def test_graphs_decision_and_compile_interplay():
     assert graphs_decision(False, CUDA, False) == (False, "train.cuda_graphs is false")
     assert graphs_decision("auto", CPU, False) == (
         False, "train.cuda_graphs auto: not applicable on cpu (CUDA graphs need a CUDA device)")
-    assert graphs_decision("auto", CUDA, False) == (True, "train.cuda_graphs auto: on for CUDA with train.compile off")
+    assert graphs_decision("auto", CUDA, False) == (True, "train.cuda_graphs auto: on for CUDA")
     assert graphs_decision("auto", CUDA, True)[0] is False
     assert graphs_decision(True, CUDA, False) == (True, "train.cuda_graphs is true")
     with pytest.raises(SpecError, match="train.cuda_graphs: true needs a CUDA device; this run is on cpu"):
@@ -82,8 +82,11 @@ def test_graphs_decision_and_compile_interplay():
     with pytest.raises(SpecError, match="true together with train.compile true"):
         graphs_decision(True, CUDA, True)
     # graphs forced on: compile's auto steps aside; compile's explicit true stays (and is refused above)
-    assert compile_decision("auto", CUDA, True) == (False, "train.compile auto: off because train.cuda_graphs is true")
-    assert compile_decision("auto", CUDA, "auto") == (True, "train.compile auto: on for CUDA")
+    assert compile_decision("auto", CUDA, True)[0] is False
+    assert compile_decision("auto", CUDA, "auto")[0] is False          # the default on CUDA: graphs, not compile
+    assert "cuda_graphs is auto" in compile_decision("auto", CUDA, "auto")[1]
+    assert compile_decision("auto", CUDA, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
+    assert compile_decision("auto", CPU, "auto") == (False, "train.compile auto: off on cpu")
     assert compile_decision(True, CUDA, True) == (True, "train.compile is true")
 
 

@@ -91,7 +91,8 @@ def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, 
 def test_compile_decision():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compile_decision("auto", cpu) == (False, "train.compile auto: off on cpu")
-    assert compile_decision("auto", cuda) == (True, "train.compile auto: on for CUDA")
+    assert compile_decision("auto", cuda, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
+    assert compile_decision("auto", cuda)[0] is False       # cuda_graphs auto captures the step instead
     assert compile_decision(True, cpu)[0] and not compile_decision(False, cuda)[0]
 
 

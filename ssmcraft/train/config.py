@@ -45,9 +45,10 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "save_model": True,
     "log_every": 50,            # steps between host read-backs of loss/grad norm (1: sync every step);
                                 # a divergence is detected at the read-back, at most log_every - 1 steps late
-    "compile": "auto",          # torch.compile of the LM around the recurrence: auto (on for CUDA) | true | false
-    "cuda_graphs": "auto",      # forward+loss+backward replayed from CUDA graphs: auto (on for CUDA when
-                                # compile is off) | true | false (ssmcraft.train.graphed)
+    "compile": "auto",          # torch.compile of the LM around the recurrence: auto (on for CUDA only when
+                                # cuda_graphs is false) | true | false
+    "cuda_graphs": "auto",      # forward+loss+backward replayed from CUDA graphs: auto (on for CUDA unless
+                                # compile is true) | true | false (ssmcraft.train.graphed)
     "data_on_device": True,     # build task batches on the training device (False: on the host, then copied)
 }
 MODEL_DEFAULTS = {**LMConfig(vocab_size=0).to_dict(), "vocab_size": None}   # None: the task's vocabulary

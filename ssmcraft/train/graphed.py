@@ -18,10 +18,10 @@ clipping consume them before the next replay (no gradient accumulation across st
 
 Settings (``graphs_decision``; the decision and its reason go to the run's ``metrics.json`` under
 ``cuda_graphs`` and to the log, like ``train.compile``'s):
-  ``auto``  on for CUDA when ``train.compile`` is off (the two do not combine: the compiled LM is
-            not captured); off on CPU (recorded as not applicable);
-  ``true``  on; ``train.compile: auto`` then resolves off; refused on CPU and with
-            ``train.compile: true`` (``SpecError``);
+  ``auto``  (the default) on for CUDA unless ``train.compile`` is true (the two do not combine: the
+            compiled LM is not captured; ``train.compile: auto`` resolves off when this is not
+            false); off on CPU (recorded as not applicable);
+  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``);
   ``false`` off.
 A capture that fails raises under ``true``; under ``auto`` it is logged as a warning, recorded
 (``fallback``) and the run goes on eager.
@@ -57,7 +57,7 @@ def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
         return False, "train.cuda_graphs auto: off while train.compile is on (set train.compile: false to capture)"
     if setting is True:
         return True, "train.cuda_graphs is true"
-    return True, "train.cuda_graphs auto: on for CUDA with train.compile off"
+    return True, "train.cuda_graphs auto: on for CUDA"
 
 
 class _LossModule(torch.nn.Module):
