@@ -123,6 +123,15 @@ def _runner(fam: str, mod, mode: str):
     return specialise
 
 
+def validated_call(prepare, obj, inputs, params, initial_state, output_final_state):
+    """One call of a family outside ``dispatch`` (tests, benchmarks): ``reference.validate`` the
+    tensors (on meta tensors: no copies), then run ``prepare(obj, lay)``'s runner on them as given.
+    Returns what the runner does: (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
+    from ssmcraft.kernels.reference import validate
+    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
+    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
+
+
 def select(obj, inputs, prefer):
     """``specialise(obj, lay) -> runner`` (``_runner``) of the family that runs ``obj`` on these
     inputs, or None when no Triton kernel can run them."""
