@@ -5,7 +5,9 @@ the key (dotted path) and what is wrong. YAML is read with the safe loader; expr
 strings are only parsed (``expr.parse``), never evaluated.
 
 Several states (``state: {D: [d, m], S: [d, m]}``, one shared shape): ``objective:`` maps
-each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state,
+each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state
+(the approximation exact: several states are classified general or nonlinear, which has no
+diagonal, so ``diagonal`` is refused here),
 ``X_prev`` names each state's previous value (``S_prev`` stays the name with one state), and
 the states update in declaration order, so a loss may read the new values of the states
 declared before its own, never of a later one (``Spec.states`` and friends; see
