@@ -17,7 +17,6 @@ Run on a CUDA machine (FLA 0.6.0 wheels on PYTHONPATH for the anchor):
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -33,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ssmcraft  # noqa: E402
-from common import Report, all_written, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
+from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
+from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
 from common import rel_rms as rel  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}     # relative RMS error, every compared tensor
 
 
 def sync():
@@ -73,35 +72,20 @@ def check(rep, name, B, T, H, d, m, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     S0 = (0.5 * torch.randn(B, H, d, m, generator=g, dtype=torch.float64)).to(DEV)
     t0 = time.time()
-    ri = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    rp = {k: v.clone().requires_grad_() for k, v in params.items()}
-    rs = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(ri, rp, rs, True)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(DEV)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64).to(DEV)
-    names = [*ri, *rp, "S0"]
-    g_ref = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*ri.values(), *rp.values(), rs])
+    ref = reference(obj, ins, params, S0, g)          # once, for both dtypes
     t_ref = time.time() - t0
     ok_all = True
     for dtype in (torch.float32, torch.bfloat16):
-        li = {k: v.to(dtype).detach().requires_grad_() for k, v in ins.items()}
-        lp = {k: v.float().detach().requires_grad_() for k, v in params.items()}
-        ls = S0.float().detach().requires_grad_()
         KD.POISON = True
         try:
-            y, S = KD.forward_inputs(obj, li, lp, ls, True)
-            got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*li.values(), *lp.values(), ls])
+            cmp = compare(ref, lambda i, p, s: KD.forward_inputs(obj, i, p, s, True), dtype)
         finally:
             KD.POISON = False
-        written = all_written(y, S, *got)
-        errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-        errs.update({f"d{n}": rel(a, b) for n, a, b in zip(names, got, g_ref)})
-        worst = max(errs.values())
-        ok = written and all(math.isfinite(e) and e <= TOL[dtype] for e in errs.values())
+        ok = cmp.within(TOL[dtype])
         ok_all &= ok
-        rep.add(section="check", spec=name, B=B, T=T, H=H, d=d, m=m, dtype=str(dtype)[6:], ok=ok,
-                all_written=written, worst=worst, ref_s=round(t_ref, 1), **errs)
-    del y_ref, S_ref, g_ref
+        rep.add(section="check", spec=name, B=B, T=T, H=H, d=d, m=m, dtype=dtype_name(dtype), ok=ok,
+                all_written=cmp.written, worst=cmp.worst[1], ref_s=round(t_ref, 1), **cmp.errors)
+    del ref
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return ok_all

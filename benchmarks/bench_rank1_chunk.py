@@ -27,14 +27,15 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
+from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference, rel_rms as rel  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 SHAPE = dict(H=2, K=16, V=16) if SMOKE else dict(H=16, K=64, V=64)
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}     # relative RMS error, every output and gradient
 
 
 def sync():
@@ -44,11 +45,6 @@ def sync():
 
 def devname():
     return torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(name, B, T, H, K, V, seed):
@@ -63,21 +59,12 @@ def make_inputs(name, B, T, H, K, V, seed):
     return ins, h0
 
 
-def run_obj(obj, ins, h0, dtype):
-    """Ours through the family interface; returns y, S and gradients (inputs..., h0)."""
-    leaves = {k: v.to(dtype).detach().requires_grad_() for k, v in ins.items()}
-    s0 = h0.float().detach().requires_grad_()
-    lay = layout(obj.ir, obj.spec, leaves, None, s0)
-    co = obj.module.coefficients(lay.env, lay.d, lay.m)
-    y, S = R.forward(obj, lay, co, True)
-    return y, S, leaves, s0
-
-
-def grads(y, S, leaves, s0, dy, dS):
-    loss = (y.double() * dy).sum() + (S.double() * dS).sum()
-    names = list(leaves)
-    gs = torch.autograd.grad(loss, [leaves[n] for n in names] + [s0])
-    return dict(zip(names + ["h0"], gs))
+def family_call(obj):
+    """Ours through the family interface (reference layout + generated coefficients + kernel)."""
+    def call(inputs, params, s0):
+        lay = layout(obj.ir, obj.spec, inputs, None, s0)
+        return R.forward(obj, lay, obj.module.coefficients(lay.env, lay.d, lay.m), True)
+    return call
 
 
 def check_objective(name, B, T, seed=0, fla=None, H=None, K=None, V=None):
@@ -85,40 +72,26 @@ def check_objective(name, B, T, seed=0, fla=None, H=None, K=None, V=None):
     obj = ssmcraft.compile(name)
     ins, h0 = make_inputs(name, B, T, H, K, V, seed)
     t0 = time.time()
-    leaves = {k: v.detach().requires_grad_() for k, v in ins.items()}
-    s0 = h0.detach().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, None, s0)
-    g = torch.Generator(device=DEV).manual_seed(seed + 1)
-    dy = torch.randn(y_ref.shape, generator=g, device=DEV, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, device=DEV, dtype=torch.float64)
-    g_ref = grads(y_ref, S_ref, leaves, s0, dy, dS)
+    ref = reference(obj, ins, None, h0, torch.Generator().manual_seed(seed + 1))   # once, for every dtype
     t_ref = time.time() - t0
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        y, S, lv, s = run_obj(obj, ins, h0, dtype)
-        gg = grads(y, S, lv, s, dy, dS)
-        errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-        errs.update({f"d{k}": rel(gg[k], g_ref[k]) for k in g_ref})
-        ok = all(e <= TOL[dtype] for e in errs.values())
-        rows.append((f"{name} {str(dtype)[6:]} B{B} T{T} H{H} K{K} V{V}", ok, errs))
+        cmp = compare(ref, family_call(obj), dtype)
+        rows.append((f"{name} {dtype_name(dtype)} B{B} T{T} H{H} K{K} V{V}", cmp.within(TOL[dtype]), cmp.errors))
     if fla is not None and name == "deltanet":
-        errs = fla_errors(fla, ins, h0, dy, dS, y_ref, S_ref, g_ref)
-        rows.append((f"  (FLA chunk_delta_rule bf16, for scale) T{T}", None, errs))
+        rows.append((f"  (FLA chunk_delta_rule bf16, for scale) T{T}", None,
+                     compare(ref, fla_call(fla), torch.bfloat16).errors))
     print(f"# reference loop {name} T={T}: {t_ref:.1f} s", flush=True)
     return rows
 
 
-def fla_errors(fla, ins, h0, dy, dS, y_ref, S_ref, g_ref):
-    lv = {k: v.to(torch.bfloat16).detach().requires_grad_() for k, v in ins.items()}
-    s0 = h0.transpose(-1, -2).float().contiguous().requires_grad_()
-    o, ht = fla["delta"](lv["q"], lv["k"], lv["x"], lv["beta"], scale=1.0, initial_state=s0,
-                         output_final_state=True)
-    y, S = o, ht.transpose(-1, -2)
-    gg = grads(y, S, lv, s0, dy, dS)
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{k}": rel(gg[k] if k != "h0" else gg[k], g_ref[k].transpose(-1, -2) if k == "h0" else g_ref[k])
-                 for k in g_ref})
-    return errs
+def fla_call(fla):
+    """FLA's chunk_delta_rule on our tensors (its state layout is the transpose of ours)."""
+    def call(inputs, params, s0):
+        o, ht = fla["delta"](inputs["q"], inputs["k"], inputs["x"], inputs["beta"], scale=1.0,
+                             initial_state=s0.transpose(-1, -2).contiguous(), output_final_state=True)
+        return o, ht.transpose(-1, -2)
+    return call
 
 
 def ref_kernel(v, u, q, p, oq, c, a, h0):

@@ -26,13 +26,14 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_row as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
+from checks import TOL, dtype_name, reference_errors, rel_rms as rel, summary  # noqa: E402
 
 DEV = "cuda"
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}     # relative RMS error, every output and gradient
 LINES: list[str] = []
 
 
@@ -40,11 +41,6 @@ def say(*a):
     s = " ".join(str(x) for x in a)
     print(s, flush=True)
     LINES.append(s)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(obj, B, T, H, K, V, seed, dtype=torch.float64):
@@ -79,29 +75,17 @@ def run_ours(obj, ins, h0, want_state=True):
 
 
 def check(obj, B, T, H, K, V, dtype, seed=0):
-    ins64, h064 = make_inputs(obj, B, T, H, K, V, seed)
-    ins = {k: v.to(dtype).requires_grad_() for k, v in ins64.items()}
-    h0 = h064.clone().requires_grad_()
-    ref_in = {k: v.detach().double().requires_grad_() for k, v in ins.items()}   # rounded inputs, fp64
-    h0r = h0.detach().double().requires_grad_()
-    yr, Sr = obj.reference(ref_in, None, h0r, True)
-    g = torch.Generator(device=DEV).manual_seed(seed + 1)
-    gy = torch.randn(yr.shape, generator=g, device=DEV, dtype=torch.float64)
-    gS = torch.randn(Sr.shape, generator=g, device=DEV, dtype=torch.float64)
-    grads_r = torch.autograd.grad((yr * gy).sum() + (Sr * gS).sum(), [*ref_in.values(), h0r])
-    y, S = run_ours(obj, ins, h0)
-    grads = torch.autograd.grad((y.double() * gy).sum() + (S.double() * gS).sum(), [*ins.values(), h0])
-    errs = {"y": rel(y, yr), "S_T": rel(S, Sr)}
-    for n, a, b in zip([*ins, "h0"], grads, grads_r):
-        errs["d" + n] = rel(a, b)
-    bad = [k for k, e in errs.items() if not (e <= TOL[dtype])]
-    nan = any(not torch.isfinite(t).all() for t in (y, S, *grads))
-    status = "ok" if not bad and not nan else f"FAIL {bad} nan={nan}"
-    say(f"check {obj.name:15s} {str(dtype)[6:]:8s} B={B} T={T} H={H} K={K} V={V}: max rel err "
-        f"{max(errs.values()):.2e} ({', '.join(f'{k} {v:.1e}' for k, v in errs.items())}) {status}")
-    del yr, Sr, grads_r
+    ins64, h0 = make_inputs(obj, B, T, H, K, V, seed)
+    ins = {k: v.to(dtype).double() for k, v in ins64.items()}       # the reference on the rounded inputs
+    cmp = reference_errors(obj, lambda i, p, s: run_ours(obj, i, s), ins, None, h0.double(),
+                           torch.Generator().manual_seed(seed + 1), dtype)
+    ok = cmp.within(TOL[dtype])
+    say(f"check {obj.name:15s} {dtype_name(dtype):8s} B={B} T={T} H={H} K={K} V={V}: max rel err "
+        f"{cmp.worst[1]:.2e} ({', '.join(f'{k} {v:.1e}' for k, v in cmp.errors.items())}) "
+        f"{'ok' if ok else summary(cmp, TOL[dtype])}")
+    del cmp
     torch.cuda.empty_cache()
-    return not bad and not nan
+    return ok
 
 
 def bench(fn, rep=200):

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ssmcraft.kernels.checking import all_written, rel_rms  # noqa: F401 - (checks.py: the reference checks)
 from ssmcraft.kernels.commands import bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: F401
 
 
@@ -41,16 +42,6 @@ def floor_ms(nbytes: int, bandwidth: float) -> float:
 
 def poison_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
-
-
-def all_written(*tensors) -> bool:
-    """True if no tensor holds a NaN (outputs were allocated NaN-filled)."""
-    return all(not torch.isnan(t.float()).any().item() for t in tensors if t is not None)
-
-
-def rel_rms(got, ref) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def device_name() -> str:

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from ssmcraft.kernels.checking import rel_rms  # noqa: F401 - the error metric every kernel test uses
+
 
 def random_inputs(spec, *, B=2, T=3, H=2, sizes=None, dtype=None, seed=0, per_head_params=True):
     """Random ``inputs, params`` for ``spec`` in the API layout ([B, T, H, n], params [H, *shape]).
@@ -41,12 +43,6 @@ def random_inputs(spec, *, B=2, T=3, H=2, sizes=None, dtype=None, seed=0, per_he
     return inputs, params
 
 
-def rel_rms(got, ref) -> float:
-    """Relative RMS error ||got - ref|| / ||ref|| in float64."""
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def assert_within(errs: dict, tol: dict) -> None:
     """Every error in ``errs`` is within ``tol[name]`` (``tol["grad"]`` for gradients); NaN fails."""
     bad = {k: v for k, v in errs.items() if not v <= tol.get(k, tol["grad"])}
@@ -56,26 +52,18 @@ def assert_within(errs: dict, tol: dict) -> None:
 def kernel_errors(obj, run, ins, params, S0, g) -> dict:
     """Relative RMS errors of a kernel against ``obj.reference`` (float64): the output, the final
     state and every gradient (inputs, params, initial state) under random cotangents ``dy, dS``
-    drawn from ``g``. ``run(obj, layout) -> (y, S_T)`` gets the fp32 layout of the same values."""
+    drawn from ``g`` (``ssmcraft.kernels.checking``, which the GPU checks use too).
+    ``run(obj, layout) -> (y, S_T)`` gets the fp32 layout of the same values; ``S_T`` must be fp32."""
     import torch
 
+    from ssmcraft.kernels.checking import reference_errors
     from ssmcraft.kernels.reference import layout
-    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    pr = {k: v.clone().requires_grad_() for k, v in params.items()}
-    s0 = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, pr, s0)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), *pr.values(), s0])
-    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
-    pv = {k: v.float().requires_grad_() for k, v in params.items()}
-    s1 = S0.float().requires_grad_()
-    y, S = run(obj, layout(obj.ir, obj.spec, lv, pv, s1))
-    assert y.shape == y_ref.shape and S.shape == S_ref.shape and S.dtype == torch.float32
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *pv.values(), s1])
-    errs = {"y": rel_rms(y, y_ref), "S_T": rel_rms(S, S_ref)}
-    errs.update({f"d{n}": rel_rms(a, b) for n, a, b in zip([*leaves, *pr, "S0"], got, ref_g)})
-    return errs
+
+    def call(i, p, s):
+        y, S = run(obj, layout(obj.ir, obj.spec, i, p, s))
+        assert all(x.dtype == torch.float32 for x in (S if isinstance(S, tuple) else (S,))), "the state is not fp32"
+        return y, S
+    return reference_errors(obj, call, ins, params, S0, g).errors
 
 
 def kernel_inputs(obj, B, T, H, d, m, seed, unit_keys=False):

@@ -240,6 +240,11 @@ CASES = [
     ("multi_approximation_list", multi(approximation=["exact"]), "approximation", r"mapping state -> value"),
     ("multi_approximation_diagonal", multi(approximation={"D": "diagonal"}), "approximation.D", r"not supported with several states"),
     ("multi_output_reads_prev", multi(output="S_prev*q"), "output", r"new states, not S_prev"),
+    ("multi_output_reads_prev_via_let", multi(let={"w": "S_prev*q", "r": "S*q + w"}, output="r"), "output",
+     r"reads S_prev \(through a let\).*let\.r"),
+    ("multi_reads_later_via_two_lets", multi(let={"z": "S*k", "zz": "2*z"}, objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + dot(zz, x)"}),
+     "objective.D", r"reads 'S' \(through a let\).*use S_prev \(let\.zz\)"),
+    ("multi_approximation_diagonal_all", multi(approximation="diagonal"), "approximation", r"not supported with several states"),
     ("multi_output_reads_none", multi(output="x"), "output", r"reads none of the states"),
     ("multi_implicit_not_quadratic", multi(objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + exp(dot(D*k, x))"}),
      "objective.D", r"not quadratic in D"),
@@ -275,6 +280,20 @@ def test_malformed_spec(case_id, text, key, pattern, tmp_path):
     assert re.search(pattern, e.problem, re.I | re.S), f"problem {e.problem!r} does not match {pattern!r}"
     assert len(msg) < 2000, "the message should be short"
     assert not INJECTION_MARKER.exists(), "spec text ran code"
+
+
+@pytest.mark.parametrize("case_id", ["multi_reads_later_state", "multi_reads_later_via_let", "multi_approximation_diagonal",
+                                     "multi_approximation_diagonal_all", "multi_output_reads_prev",
+                                     "multi_output_reads_prev_via_let", "output_reads_S_prev_via_let"])
+def test_what_a_state_may_read_is_checked_at_the_spec_stage(case_id):
+    """These problems are the spec stage's (``load_spec``: no sympy), named with their key."""
+    from ssmcraft.compiler.spec import load_spec
+
+    text, key, pattern = next(c[1:] for c in CASES if c[0] == case_id)
+    with pytest.raises(SpecError) as ei:
+        load_spec(text)
+    import re
+    assert ei.value.key == key and re.search(pattern, ei.value.problem, re.I | re.S), str(ei.value)
 
 
 @pytest.mark.parametrize("bad", [

@@ -162,3 +162,59 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     for name, r in res.items():
         assert r["backend"].startswith("triton-interpret:"), (name, r)
         assert r["diff"] < 1e-4 and r["step_diff"] < 1e-4, (name, r)
+
+
+FAMILY_LIKE = '''"""A kernel family stand-in."""
+from __future__ import annotations
+
+import functools
+import os
+
+from ssmcraft.kernels.launch import launch
+
+
+@functools.lru_cache(
+    maxsize=2,
+)
+def prepare(obj, lay):
+    from ssmcraft.kernels.slots import CallSlots
+    return CallSlots, functools
+
+
+def forward(obj, lay, co, output_final_state):
+    return launch, os.sep
+'''
+
+
+def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(tmp_path, monkeypatch):
+    """The inline kernel text is built by the bundle machinery: the ssmcraft modules a family
+    imports are pasted ahead of it, an excluded function goes with its multi-line decorator,
+    its nested ssmcraft import and the imports only it used; third-party imports are refused."""
+    from ssmcraft.export.assemble import ExportError, import_problem, standalone_module
+
+    (tmp_path / "fam_like.py").write_text(FAMILY_LIKE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = standalone_module("fam_like", "# head", exclude={"prepare"}, allowed=("torch", "triton"))
+    assert text.startswith("# head\n") and "\nfrom __future__ import annotations\n" in text
+    assert "prepare" not in text.replace("(without prepare)", "") and "lru_cache" not in text
+    assert "import functools" not in text and "import os" in text and "CallSlots" not in text
+    assert "# ssmcraft/kernels/launch.py\n" in text and "def launch(" in text and "from ssmcraft" not in text
+    ns: dict = {}
+    exec(compile(text, "fam_like_bundled", "exec"), ns)   # noqa: S102 - our own bundle
+    assert ns["forward"](None, None, None, False) == (ns["launch"], os.sep)
+    with pytest.raises(ExportError, match="kernels/launch.py imports triton at run time"):
+        standalone_module("fam_like", "", exclude={"prepare"})
+    (tmp_path / "fam_sympy.py").write_text(FAMILY_LIKE.replace("import os\n", "import os\n\nimport sympy\n"))
+    with pytest.raises(ExportError, match="fam_sympy.py imports sympy at run time"):
+        standalone_module("fam_sympy", "", exclude={"prepare"}, allowed=("torch", "triton"))
+    assert import_problem("def f():\n    import yaml\n", "x.py") == "x.py imports yaml at run time"
+    assert import_problem("import torch\nfrom ssmcraft.x import y\n", "x.py", ssmcraft=True) is None
+
+
+def test_inline_kernel_text_is_the_family_without_prepare(compiled):
+    from ssmcraft.export.exporter import triton_kernel_source
+
+    text, phrase = triton_kernel_source(compiled("longhorn"), {"d": 8, "m": 4})
+    assert phrase == "inline (rank1_row)", phrase
+    assert "def prepare(" not in text and "def forward(" in text and "def launch(" in text
+    assert "from ssmcraft" not in text and text.rstrip().endswith("FAMILY = 'rank1_row'")

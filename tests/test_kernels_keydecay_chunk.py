@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
+from ssmcraft.kernels.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference. With strongly
@@ -48,17 +48,6 @@ def test_supports():
     assert "not provably positive" in KD.supports(real_decay.ir)
 
 
-def _run_objective(obj, ins, params, S0, dy, dS):
-    """Ours through the family interface (layout + generated coefficients + kernel), fp32."""
-    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
-    lp = {k: v.float().requires_grad_() for k, v in params.items()}
-    s1 = S0.float().requires_grad_()
-    y, S = KD.forward_inputs(obj, lv, lp, s1, True)
-    assert y.dtype == torch.float32 and S.dtype == torch.float32
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), *lp.values(), s1])
-    return y, S, got
-
-
 def _check_objective(name, T, chunk, monkeypatch, B=1, H=2, d=20, m=12, strong=False):
     monkeypatch.setattr(KD, "CHUNK", chunk)
     obj = ssmcraft.compile(name)
@@ -67,21 +56,15 @@ def _check_objective(name, T, chunk, monkeypatch, B=1, H=2, d=20, m=12, strong=F
     if strong:      # log alpha uniform in (-5, -0.01): e^{b_i - b_j} spans e^-320 .. 1 within a chunk
         ins["alpha"] = torch.exp(-0.01 - 4.99 * torch.rand(ins["alpha"].shape, generator=g, dtype=torch.float64))
     S0 = torch.randn(B, H, d, m, generator=g, dtype=torch.float64)
-    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    pleaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    s0 = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, pleaves, s0)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), *pleaves.values(), s0])
-    y, S, got = _run_objective(obj, ins, params, S0, dy, dS)
-    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m)
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, *pleaves, "S0"], got, ref_g)})
-    if strong:
-        i = list(leaves).index("alpha")
-        errs["dalpha"] = rel(got[i] * ins["alpha"], ref_g[i] * ins["alpha"])    # d(log alpha)
-    assert_within(errs, TOL)
+
+    def ours(inputs, params, s0):
+        """Ours through the family's validated entry (prepare's runner), fp32."""
+        y, S = KD.forward_inputs(obj, inputs, params, s0, True)
+        assert y.dtype == torch.float32 and S.dtype == torch.float32
+        return y, S
+    # with strong gates, d(log alpha) = dalpha * alpha is compared
+    cmp = reference_errors(obj, ours, ins, params, S0, g, grad_scale={"alpha": ins["alpha"]} if strong else None)
+    assert_within(cmp.errors, TOL)
 
 
 @pytest.mark.parametrize("name,T,chunk", [

@@ -13,8 +13,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_row as R  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
-from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
+from helpers import assert_within, kernel_errors, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||: fp32 kernels vs float64 references
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -60,23 +59,10 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
     obj = ssmcraft.compile(name)
     B, H, d, m = (1 if T > 32 else 2), 1, 20, 8
     ins, S0, g = _inputs(obj, B, T, H, d, m, seed=T)
-    leaves = {k: v.clone().requires_grad_() for k, v in ins.items()}
-    s0 = S0.clone().requires_grad_()
-    y_ref, S_ref = obj.reference(leaves, None, s0)
-    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
-    dS = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), [*leaves.values(), s0])
-
-    lv = {k: v.float().requires_grad_() for k, v in ins.items()}
-    s1 = S0.float().requires_grad_()
-    lay = layout(obj.ir, obj.spec, lv, None, s1)
-    co = obj.module.coefficients(lay.env, lay.d, lay.m)
-    y, S = R.forward(obj, lay, co, True)
-    assert y.shape == (B, T, H, d) and S.shape == (B, H, d, m) and S.dtype == torch.float32
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [*lv.values(), s1])
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{n}": rel(a, b) for n, a, b in zip([*leaves, "S0"], got, ref_g)})
-    check(errs)
+    # the family on the reference layout and the generated coefficients, fp32 (shapes and the
+    # fp32 state checked by kernel_errors)
+    check(kernel_errors(obj, lambda o, lay: R.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                        ins, {}, S0, g))
 
 
 def _loop(u, v, q, oq, a, c, p, oc, oh, S0):

@@ -82,3 +82,32 @@ def test_bf16_io_and_no_initial_state():
     assert y.dtype == torch.bfloat16 and obj.backend == "triton-interpret:rankr-row"
     y_ref, S_ref = obj.reference({k: v.bfloat16().double() for k, v in ins.items()})
     assert rel(y.double(), y_ref) < 1e-2 and rel(S.double(), S_ref) < 1e-5
+
+
+def test_row_kernel_and_decode_share_one_derivation_and_keep_no_ir_alive(monkeypatch):
+    """The rank-r row kernel and the one-token (decode) kernel are both generated from the element
+    form: one derivation of the adjoint, one module. The caches are keyed by content hash (kept on
+    the IR object), so a dropped IR is freed."""
+    import gc
+    import weakref
+
+    from ssmcraft.kernels import decode
+
+    builds = []
+    real = G.build_step
+    monkeypatch.setattr(G, "build_step", lambda ir: builds.append(ir.spec_name) or real(ir))
+    monkeypatch.setattr(G, "_MODULES", {})
+    obj = ssmcraft.compile(dict(TWO_KEY, name="rr_shared"))
+    assert RR.supports(obj.ir) is None
+    ins, _, S0, _ = kernel_inputs(obj, 1, 1, 1, 6, 4, seed=2, unit_keys=True)
+    assert decode.supports_inputs(obj.ir, ins, "interpret") is None
+    assert G._module(obj.ir) is G._module(G.lowered(obj.ir)) and len(builds) == 1
+    obj.prefer = "interpret"
+    y, S = obj({k: v.float() for k, v in ins.items()}, initial_state=S0.float())
+    assert obj.backend == "triton-interpret:decode-fused" and len(builds) == 1
+    y_ref, S_ref = obj.reference(ins, initial_state=S0)
+    assert rel(y, y_ref) < TOL["y"] and rel(S, S_ref) < TOL["S_T"]
+    ref = weakref.ref(obj.ir)
+    del obj
+    gc.collect()
+    assert ref() is None

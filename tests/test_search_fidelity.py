@@ -123,6 +123,26 @@ def test_successive_halving_on_a_multi_objective_study(tmp_path):
     assert [(t.state, t.user_attrs["rungs"]) for t in again] == [(t.state, t.user_attrs["rungs"]) for t in trials]
 
 
+def test_a_report_without_tokens_fails_its_trial_and_the_search_goes_on(tmp_path):
+    """Rungs are measured in tokens: a report that has none is the trial function's bug, not a
+    token count read from the step; the trial fails with the reason, the others run on."""
+    def no_tokens_in_odd_trials(config, out_dir, report):
+        if config["seed"] % 2:
+            return curve(config, out_dir, lambda step, metrics: report(step, {k: v for k, v in metrics.items()
+                                                                              if k != "tokens"}))
+        return curve(config, out_dir, report)
+
+    result = search(tmp_path, fidelity_spec(budget={"trials": 6, "tokens_per_trial": 864, "seconds_per_trial": 30}),
+                    trial_fn=no_tokens_in_odd_trials)
+    trials = result.study.get_trials(deepcopy=False)
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(trials) == 6 and failed and len(failed) < 6
+    for t in failed:
+        assert t.user_attrs["reason"].startswith("error: its report at step 3 has no number 'tokens' (it sent val_loss)")
+        assert "fidelity rungs are measured in tokens" in t.user_attrs["reason"] and "rungs" not in t.user_attrs
+    assert all(t.user_attrs["rungs"] for t in trials if t.state != TrialState.FAIL)
+
+
 def test_hyperband_brackets(tmp_path):
     raw = fidelity_spec(fidelity={**FIDELITY, "kind": "hyperband"}, budget={
         "trials": 14, "tokens_per_trial": 864, "seconds_per_trial": 30})

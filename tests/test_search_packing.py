@@ -12,7 +12,7 @@ import pytest
 from ssmcraft.search import load_search_spec, run_search
 from ssmcraft.search.executor_ray import RayExecutor
 from ssmcraft.search.packing import (CONTEXT_BYTES, PACKING_FILE, SAFETY, AutoPacker, adapt, gpu_fraction, plan,
-                                     probe_config, trial_peak_bytes)
+                                     probe_config, trial_peak_bytes, trial_slots)
 from ssmcraft.search.spec import Resources
 from ssmcraft.search.testing import quadratic, tiny_spec
 
@@ -96,6 +96,16 @@ def test_auto_packer_probes_once_adapts_and_records(tmp_path):
     assert [d["kind"] for d in record["decisions"]] == ["probe", "adapt"]
     assert record["current"]["trials_per_gpu"] == 2 and record["decisions"][0]["probe"]["peak_bytes"] == 2 * GIB
     assert any("packing (adapt)" in line for line in lines)
+
+
+@pytest.mark.parametrize("cpus, cpt, gpu_slots, cap, want", [
+    (8, 1, None, None, 8), (8, 3, None, None, 2), (8, 1, 2, None, 2), (8, 1, 6, 4, 4), (8, 2.5, 12, None, 3),
+    (1, 2, None, None, 0), (16, 1, 0, None, 0),
+])
+def test_one_slot_formula(cpus, cpt, gpu_slots, cap, want):
+    """The Ray executor and the packer count trials at once with one function: the CPUs' share,
+    within the GPUs' and max_concurrent (0 when the cluster cannot hold one trial)."""
+    assert trial_slots(cpus, cpt, gpu_slots, cap) == want
 
 
 def test_a_failed_probe_packs_nothing_and_says_so(tmp_path):

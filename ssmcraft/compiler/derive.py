@@ -367,13 +367,10 @@ def derive_stages(so: SymbolicObjective) -> tuple:
     """Several states, block-coordinate (Gauss-Seidel) in declaration order: per state
     ``(name, F)`` with ``F`` that state's own update (implicit minimiser or explicit step of its
     loss), reading the earlier states' new values and every ``X_prev``. Errors name
-    ``objective.X`` (or ``approximation.X``)."""
+    ``objective.X``. (Every state's approximation is exact: the spec stage refuses the diagonal one.)"""
     spec = so.spec
     out = []
     for i, name in enumerate(spec.states):
-        if spec.approximations[i] != "exact":
-            raise DerivationError(spec.source, f"approximation.{name}", "the diagonal approximation is not "
-                                  "supported with several states (their update is classified general or nonlinear)")
         try:
             out.append((name, derive_update(state_view(so, i))))
         except DerivationError as e:

@@ -121,4 +121,31 @@ class UpdateIR:
         return out
 
     def content_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of the IR's content (``to_json``), computed once per IR object (``memo``):
+        printing the sympy expressions is far too slow to repeat per call, and the kernel
+        caches are keyed by it."""
+        return self.memo("content_hash", lambda: hashlib.sha256(
+            json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16])
+
+    def expanded_coefficients(self) -> dict:
+        """Coefficient name -> its expression in leaves and reductions only (the earlier
+        coefficients it uses substituted), in the IR's order; a fresh dict of the values
+        computed once per IR object."""
+        def expand():
+            out: dict = {}
+            for c in self.coefficients:
+                out[c.name] = sympy.sympify(c.expr).xreplace({sympy.Symbol(n, real=True): e for n, e in out.items()})
+            return out
+        return dict(self.memo("expanded_coefficients", expand))
+
+    def memo(self, key: str, make):
+        """``make()``, computed once per IR object and kept on it (an IR is immutable), so that
+        what is derived from an IR lives exactly as long as the IR: no cache keyed by ``id``
+        keeps IRs alive. Not part of the IR's fields (equality, ``repr``, pickles)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}

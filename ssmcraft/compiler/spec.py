@@ -5,7 +5,9 @@ the key (dotted path) and what is wrong. YAML is read with the safe loader; expr
 strings are only parsed (``expr.parse``), never evaluated.
 
 Several states (``state: {D: [d, m], S: [d, m]}``, one shared shape): ``objective:`` maps
-each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state,
+each state to its loss, ``update:``/``approximation:`` are one value or a mapping per state
+(the approximation exact: several states are classified general or nonlinear, which has no
+diagonal, so ``diagonal`` is refused here),
 ``X_prev`` names each state's previous value (``S_prev`` stays the name with one state), and
 the states update in declaration order, so a loss may read the new values of the states
 declared before its own, never of a later one (``Spec.states`` and friends; see
@@ -340,10 +342,13 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     approximation = raw.get("approximation", "exact")
     if approximation not in ("exact", "diagonal"):
         raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
-    out_declared = declared - {"S_prev"}
-    output = _expression(src, "output", raw["output"], out_declared | {"S_prev"})
-    if "S_prev" in E.names(E.parse(output)):
+    output = _expression(src, "output", raw["output"], declared)
+    direct, via = _reads(output, lets)
+    if "S_prev" in direct:
         raise SpecError(src, "output", "the output reads the new state S, not S_prev")
+    if "S_prev" in via:
+        raise SpecError(src, "output", f"the output reads S_prev (through a let); it must read the new state "
+                        f"(let.{via['S_prev']})")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
 
@@ -378,6 +383,21 @@ def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
                 raise SpecError(src, f"state.{sname}", "with several states a state's name has at most 27 "
                                 f"characters (its previous value is {sname}_prev)")
     return tuple(names), dims
+
+
+def _reads(text: str, lets) -> tuple[set[str], dict[str, str]]:
+    """(the names ``text`` reads itself, name -> the let through which it reads a name it does not
+    read itself). ``lets``: (name, expression) in order; a let may read the lets before it."""
+    through: dict[str, set[str]] = {}
+    for lname, body in lets:
+        names = E.names(E.parse(body))
+        through[lname] = names.union(*(through[n] for n in names if n in through))
+    direct = E.names(E.parse(text))
+    via: dict[str, str] = {}
+    for lname in sorted(direct & set(through)):
+        for name in through[lname] - direct:
+            via.setdefault(name, lname)
+    return direct, via
 
 
 def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...]:
@@ -419,18 +439,33 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
         if sname not in objective:
             raise SpecError(src, key, "missing (every state needs its loss)")
         text = _expression(src, key, objective[sname], declared)
-        later = [x for x in states[i + 1:] if x in E.names(E.parse(text))]
+        direct, via = _reads(text, lets)
+        later = [x for x in states[i + 1:] if x in direct]
         if later:
             raise SpecError(src, key, f"{later[0]!r} is the new value of a state updated after {sname} "
                             f"(states update in declaration order: {', '.join(states)}); use {later[0]}_prev")
+        later = [x for x in states[i + 1:] if x in via]
+        if later:
+            raise SpecError(src, key, f"the loss reads {later[0]!r} (through a let), the new value of a state "
+                            f"updated after {sname}; use {later[0]}_prev (let.{via[later[0]]})")
         losses.append(text)
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
     approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
-    prevs = {f"{x}_prev" for x in states}
+    if "diagonal" in approximations:
+        key = "approximation" if isinstance(raw.get("approximation"), str) else \
+            f"approximation.{states[approximations.index('diagonal')]}"
+        raise SpecError(src, key, "the diagonal approximation is not supported with several states (their "
+                        "joint update is classified general or nonlinear, which has no diagonal); use exact")
+    prevs = [f"{x}_prev" for x in states]
     output = _expression(src, "output", raw["output"], declared)
-    read_prev = sorted(prevs & E.names(E.parse(output)))
+    direct, via = _reads(output, lets)
+    read_prev = [x for x in prevs if x in direct]
     if read_prev:
         raise SpecError(src, "output", f"the output reads the new states, not {read_prev[0]}")
+    read_prev = [x for x in prevs if x in via]
+    if read_prev:
+        raise SpecError(src, "output", f"the output reads {read_prev[0]} (through a let); it must read the new "
+                        f"states (let.{via[read_prev[0]]})")
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),

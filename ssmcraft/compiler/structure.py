@@ -372,10 +372,7 @@ def element_form(ir: UpdateIR) -> UpdateIR:
     if ir.kind in ("general", "nonlinear"):
         return ir
     row, col = ir.dims
-    expanded: dict = {}
-    for c in ir.coefficients:
-        expanded[c.name] = sympy.sympify(c.expr).xreplace(
-            {sympy.Symbol(n, real=True): e for n, e in expanded.items()})
+    expanded = ir.expanded_coefficients()
 
     def slot(name, default=None):
         key = ir.slots.get(name)

@@ -51,11 +51,12 @@ class Imports:
     plain: set[str] = field(default_factory=set)                   # "import X" / "import X as Y"
     from_: dict[str, set[str]] = field(default_factory=dict)        # module -> {"a", "a as b"}
     bound: dict[str, str] = field(default_factory=dict)             # bound name -> what it refers to
+    allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY                  # third-party top-level imports allowed
 
     def add(self, node: ast.stmt, where: str) -> None:
         if isinstance(node, ast.Import):
             for a in node.names:
-                _check_allowed(a.name, where)
+                _check_allowed(a.name, where, self.allowed)
                 bound, what = (a.asname, a.name) if a.asname else (a.name.split(".")[0], a.name.split(".")[0])
                 self._bind(bound, what, where)
                 self.plain.add(f"import {a.name}" + (f" as {a.asname}" if a.asname else ""))
@@ -63,7 +64,7 @@ class Imports:
         if node.level:
             raise ExportError(f"{where}: relative import 'from {'.' * node.level}{node.module or ''}' "
                               "cannot be bundled")
-        _check_allowed(node.module, where)
+        _check_allowed(node.module, where, self.allowed)
         if node.module == "__future__":
             return
         for a in node.names:
@@ -92,12 +93,12 @@ class Imports:
         return "\n".join(lines).rstrip() + "\n"
 
 
-def _check_allowed(module: str, where: str) -> None:
+def _check_allowed(module: str, where: str, allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> None:
     top = module.split(".")[0]
-    if top == "__future__" or top in sys.stdlib_module_names or top in ALLOWED_THIRD_PARTY:
+    if top == "__future__" or top in sys.stdlib_module_names or top in allowed:
         return
     raise ExportError(f"{where}: imports {module!r} at module level; the exported module may import only "
-                      f"the standard library and {', '.join(ALLOWED_THIRD_PARTY)}")
+                      f"the standard library and {', '.join(allowed)}")
 
 
 def _is_ssmcraft(module: str | None) -> bool:
@@ -133,10 +134,12 @@ def _relpath(module) -> str:
 
 
 def module_section(module_name: str, imports: Imports, *, only: list[str] | None = None,
-                   drop: set[str] = frozenset()) -> tuple[Section, set[str]]:
+                   drop: set[str] = frozenset(), exclude: set[str] = frozenset()) -> tuple[Section, set[str]]:
     """The section for one ssmcraft module: its source with imports handled as the module
     docstring says. ``only``: keep just these top-level classes/functions. ``drop``:
     leave out top-level assignments of these names (placeholders another section sets).
+    ``exclude``: leave out the top-level classes/functions of these names (with their
+    decorators). With ``only`` or ``exclude``, only the imports the kept statements use are kept.
 
     Returns the section and the ssmcraft names it needs from other sections.
     """
@@ -190,6 +193,8 @@ def module_section(module_name: str, imports: Imports, *, only: list[str] | None
         names = _top_level_names(node)
         if only is not None and not (names & set(only)):
             continue
+        if names & set(exclude) and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
         if drop and names and names <= drop and isinstance(node, (ast.Assign, ast.AnnAssign)):
             continue
         defines |= names
@@ -208,10 +213,11 @@ def module_section(module_name: str, imports: Imports, *, only: list[str] | None
             out.append("\n".join(gap).strip("\n") + ("\n" if any(s.strip() for s in gap) else "") + "\n".join(fixed))
         else:
             out.append("\n".join(fixed))
-    kept = [n for n in body if (_top_level_names(n) & defines)] if only is not None else body
+    filtered = only is not None or bool(exclude)
+    kept = [n for n in body if (_top_level_names(n) & defines)] if filtered else body
     used = {n.id for k in kept for n in ast.walk(k) if isinstance(n, ast.Name)}
-    for node in deferred:   # with `only`, just the imports the kept definitions use
-        if only is not None and not any((a.asname or a.name.split(".")[0]) in used for a in node.names):
+    for node in deferred:   # with `only`/`exclude`, just the imports the kept definitions use
+        if filtered and not any((a.asname or a.name.split(".")[0]) in used for a in node.names):
             continue
         if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module):
             if any(a.asname and a.asname != a.name for a in node.names):
@@ -224,7 +230,55 @@ def module_section(module_name: str, imports: Imports, *, only: list[str] | None
         if missing:
             raise ExportError(f"{where}: does not define {', '.join(sorted(missing))}")
     body_text = "\n\n\n".join(s.strip("\n") for s in out if s.strip())
-    return Section(f"{where}" + (f" ({', '.join(only)})" if only else ""), body_text + "\n", defines), needs
+    title = where + (f" ({', '.join(only)})" if only else "") + \
+        (f" (without {', '.join(sorted(exclude))})" if exclude else "")
+    return Section(title, body_text + "\n", defines), needs
+
+
+def import_problem(source: str, where: str, allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY,
+                   ssmcraft: bool = False) -> str | None:
+    """Why ``source`` cannot run outside ssmcraft: an import, at any depth, of something other
+    than the standard library and ``allowed`` (and ssmcraft, with ``ssmcraft=True``: the bundle
+    resolves those); None when there is none."""
+    for node in ast.walk(ast.parse(source)):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        for mod in mods:
+            top = mod.split(".")[0]
+            if top in sys.stdlib_module_names or top in allowed or top == "__future__" or \
+                    (ssmcraft and _is_ssmcraft(mod)):
+                continue
+            return f"{where} imports {mod} at run time"
+    return None
+
+
+def standalone_module(module_name: str, header: str, *, exclude: set[str] = frozenset(),
+                      allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> str:
+    """One ssmcraft module as a module of its own: the ssmcraft modules it imports from at the
+    top level (in the order it imports them), then the module itself less ``exclude``, laid
+    end to end by ``bundle`` with the same checks (so a name that only a further ssmcraft
+    module defines, a renamed ssmcraft import or an import outside ``allowed`` is an
+    ``ExportError`` naming it)."""
+    def check_imports(name: str) -> str:
+        module = importlib.import_module(name)
+        source = inspect.getsource(module)
+        problem = import_problem(source, _relpath(module), allowed, ssmcraft=True)
+        if problem is not None:
+            raise ExportError(problem)
+        return source
+
+    source = check_imports(module_name)
+    module_section(module_name, Imports(allowed=allowed), exclude=exclude)   # its own problems first, named
+    deps: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module) and node.module not in deps:
+            if hasattr(importlib.import_module(node.module), "__path__"):
+                raise ExportError(f"{_relpath(importlib.import_module(module_name))}:{node.lineno}: imports from "
+                                  f"the package {node.module}; only names defined in a module can be bundled")
+            check_imports(node.module)
+            deps.append(node.module)
+    plan = [("module", dep) for dep in deps] + [("module", module_name, {"exclude": set(exclude)})]
+    return bundle(header, plan, {}, allowed)
 
 
 # -- the generated recurrence --------------------------------------------------------------
@@ -338,15 +392,18 @@ def dataclass_literal(obj, indent: int = 0) -> str:
 
 
 # -- the whole file ------------------------------------------------------------------------
-def bundle(header: str, plan: list, generated: dict[str, Section]) -> str:
+def bundle(header: str, plan: list, generated: dict[str, Section],
+           allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> str:
     """Lay the sections of ``plan`` end to end; returns the module text.
 
-    ``plan`` items: ``("module", name, {"only": [...]})`` for an ssmcraft module, or
-    ``("generated", key)`` for ``generated[key]``. Generated sections may reassign names a
-    runtime module declares as placeholders (those placeholder lines are dropped).
+    ``plan`` items: ``("module", name, {"only": [...], "exclude": {...}})`` for an ssmcraft
+    module, or ``("generated", key)`` for ``generated[key]``. Generated sections may reassign
+    names a runtime module declares as placeholders (those placeholder lines are dropped).
+    ``allowed``: the third-party packages the module may import at the top level.
     """
-    imports = Imports()
-    imports.plain.add("import math")   # the generated recurrence uses math for dimension-size constants
+    imports = Imports(allowed=allowed)
+    if generated:
+        imports.plain.add("import math")   # the generated recurrence uses math for dimension-size constants
     sections: list[Section] = []
     needs: dict[str, set[str]] = {}
     generated_names = set().union(*(s.defines for s in generated.values())) if generated else set()
@@ -356,7 +413,8 @@ def bundle(header: str, plan: list, generated: dict[str, Section]) -> str:
             continue
         _, name, opts = item if len(item) == 3 else (*item, {})
         drop = generated_names if name.startswith("ssmcraft.export.") else frozenset()
-        section, need = module_section(name, imports, only=opts.get("only"), drop=drop)
+        section, need = module_section(name, imports, only=opts.get("only"), drop=drop,
+                                       exclude=set(opts.get("exclude", ())))
         sections.append(section)
         needs[section.title] = need
     seen: dict[str, str] = {}
@@ -372,7 +430,7 @@ def bundle(header: str, plan: list, generated: dict[str, Section]) -> str:
         if missing:
             raise ExportError(f"export bundle: {title} imports {', '.join(missing)} from ssmcraft, which no "
                               "section of the exported module defines")
-    parts = [header.rstrip() + "\n", imports.text()]
+    parts = ([header.rstrip() + "\n"] if header.strip() else []) + [imports.text()]
     for s in sections:
         parts.append(f"\n{BANNER}\n# {s.title}\n{BANNER}\n{s.body.strip()}\n")
     text = "\n".join(parts)

@@ -18,10 +18,8 @@ the written module is imported and checked against it before the folder is put i
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import datetime
-import inspect
 import json
 import logging
 import os
@@ -38,7 +36,8 @@ from typing import Any, Callable
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.export.assemble import ExportError, Section, bundle, dataclass_literal, literal, recurrence_section
+from ssmcraft.export.assemble import (ExportError, Section, bundle, dataclass_literal, literal, recurrence_section,
+                                      import_problem, standalone_module)
 
 log = logging.getLogger("ssmcraft.export")
 
@@ -160,6 +159,7 @@ def _model_folder(folder: Path, what: str) -> Path:
 # them on CUDA when it cannot be asked (``triton_backend.families``). Each follows the family
 # contract ``supports(ir) -> reason or None`` and ``forward(obj, lay, co, output_final_state)``.
 KERNEL_FAMILIES = ("diagonal", "rank1_row", "general", "rank1_chunk")
+KERNEL_IMPORTS = ("torch", "triton")     # what the inline kernel text may import besides the stdlib
 
 
 def _family_order(obj) -> list[str]:
@@ -173,43 +173,14 @@ def _family_order(obj) -> list[str]:
     return order + [f for f in KERNEL_FAMILIES if f not in order]
 
 
-def _standalone_problem(source: str, where: str) -> str | None:
-    """Why ``source`` cannot run outside ssmcraft (an import other than stdlib/torch/triton)."""
-    for node in ast.walk(ast.parse(source)):
-        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        for mod in mods:
-            top = mod.split(".")[0]
-            if top not in sys.stdlib_module_names and top not in ("torch", "triton", "__future__"):
-                return f"{where} imports {mod} at run time"
-    return None
-
-
-def _without_prepare(source: str) -> str:
-    """``source`` without its top-level ``prepare`` function: a family's ``prepare`` is ssmcraft's
-    per-signature fast path (``ssmcraft.kernels.dispatch``, slot bindings from the IR); the exported
-    ``Objective`` calls the family's ``forward``, so the inlined module does not carry it."""
-    lines = source.splitlines(keepends=True)
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "prepare":
-            start = node.lineno - 1 - len(node.decorator_list)
-            return "".join(lines[:start] + lines[node.end_lineno:])
-    return source
-
-
-_LAUNCH_IMPORT = "from ssmcraft.kernels.launch import launch\n"
-
-
-def _with_launch_inlined(source: str) -> str:
-    """``source`` with ssmcraft's direct launcher (``ssmcraft/kernels/launch.py``: stdlib, torch and
-    triton only) pasted in place of its import, so an inlined family keeps the launches it makes
-    in ssmcraft."""
-    if _LAUNCH_IMPORT not in source:
-        return source
-    from ssmcraft.kernels import launch
-    body = inspect.getsource(launch).replace("from __future__ import annotations\n", "")
-    block = "# -- ssmcraft/kernels/launch.py, inlined " + "-" * 50 + "\n" + body.strip() + "\n# -- end of launch.py\n"
-    return source.replace(_LAUNCH_IMPORT, block, 1)
+def _family_text(name: str) -> str:
+    """The family module ``ssmcraft/kernels/<name>.py`` as a module of its own, built by the bundle
+    machinery (``assemble.standalone_module``): the ssmcraft modules it imports from (its direct
+    launcher ``ssmcraft/kernels/launch.py``: stdlib, torch and triton only) pasted ahead of it, and
+    without its ``prepare``: a family's ``prepare`` is ssmcraft's per-signature fast path
+    (``ssmcraft.kernels.dispatch``, slot bindings from the IR); the exported ``Objective`` calls the
+    family's ``forward``, so the inlined module does not carry it."""
+    return standalone_module(f"ssmcraft.kernels.{name}", "", exclude={"prepare"}, allowed=KERNEL_IMPORTS)
 
 
 def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, str]:
@@ -217,7 +188,8 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
 
     The text is the first kernel family, in the order ssmcraft's Triton backend tries them on
     CUDA, that supports the objective's IR and imports nothing but the standard library,
-    torch and triton: the family module verbatim, or, when the family
+    torch and triton: the family module with the ssmcraft modules it imports and without its
+    ``prepare`` (``_family_text``), or, when the family
     defines ``standalone_source(obj, sizes) -> str | None`` (for families that generate
     their kernels per objective with sympy), that text; plus ``FAMILY = name``. ``sizes``:
     the layer's per-head sizes ``{"d": ..., "m": ...}``. The exported ``Objective`` calls
@@ -252,17 +224,18 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
         make = getattr(module, "standalone_source", None)
         try:
             text = make(obj, dict(sizes or {})) if make is not None else \
-                _with_launch_inlined(_without_prepare(inspect.getsource(module)))
+                _family_text(name)
         except SsmcraftError as e:
             reasons.append(f"{name}: {e}")
             continue
         if not text:
             continue
-        problem = _standalone_problem(text, f"ssmcraft/kernels/{name}.py")
+        problem = import_problem(text, f"ssmcraft/kernels/{name}.py", KERNEL_IMPORTS)
         if problem is not None:
             reasons.append(f"{name} supports it, but {problem}")
             continue
-        how = "verbatim" if make is None else "as its standalone_source() writes it for this objective"
+        how = "bundled with the ssmcraft modules it imports" if make is None else \
+            "as its standalone_source() writes it for this objective"
         text = (f"# Triton kernels for {obj.spec.name!r}: ssmcraft/kernels/{name}.py (family {name}), {how}.\n"
                 + text.rstrip() + f"\n\n\nFAMILY = {name!r}\n")
         compile(text, f"<triton kernels {name}>", "exec")

@@ -27,18 +27,16 @@ def supports(ir) -> str | None:
 def supports_inputs(ir, inputs, mode) -> str | None:
     """One-token calls whose update in element form the general generator can print (checked
     here, once per call signature, so that a refusal passes the call to the next family by name)."""
-    from ssmcraft.compiler.structure import element_form
     from ssmcraft.kernels import general
     first = next(iter(inputs.values()))
     if first.dim() < 2 or first.shape[1] != 1:
         return f"only one-token calls (T = 1); this call has T = {first.shape[1] if first.dim() > 1 else '?'}"
-    reason = general.supports(element_form(ir))
+    reason = general.supports(general.lowered(ir))
     return None if reason is None else f"no fused one-token kernel: {reason}"
 
 
 def prepare(obj, lay):
     """The runner for one call signature (``lay`` from ``reference.validate``). Returns
     ``fn(inputs, params, initial_state, output_final_state) -> (y [B,1,H,d], S_T [B,H,d,m] fp32)``."""
-    from ssmcraft.compiler.structure import element_form
     from ssmcraft.kernels import general
-    return general.runner(obj, element_form(obj.ir), lay)       # one row block: all rows in one program
+    return general.runner(obj, general.lowered(obj.ir), lay)       # one row block: all rows in one program

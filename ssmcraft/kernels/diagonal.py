@@ -989,14 +989,10 @@ def _fwd_config(plan, leaves, h0, shape, out_dtype, want_final, save, mod):
 # Public functions
 # ======================================================================================
 
-_PLANS: dict = {}
-_BY_ID: dict = {}     # id(ir) -> (ir, plan): hashing an IR prints sympy, far too slow per call
+_PLANS: dict = {}      # (content hash, spec name) -> plan (the hash is kept on the IR: UpdateIR.memo)
 
 
 def _get_plan(ir) -> _Plan:
-    hit = _BY_ID.get(id(ir))
-    if hit is not None and hit[0] is ir:
-        return hit[1]
     key = (ir.content_hash(), ir.spec_name)
     if key not in _PLANS:
         reason = supports(ir)
@@ -1005,7 +1001,6 @@ def _get_plan(ir) -> _Plan:
             raise SsmcraftError(f"{ir.spec_name}: {reason}")
         _PLANS[key] = _plan(ir)
         _PLANS[key].hash = key[0]
-    _BY_ID[id(ir)] = (ir, _PLANS[key])
     return _PLANS[key]
 
 

@@ -48,11 +48,8 @@ def _choose(obj, inputs, params, initial_state):
     prefer = obj.prefer
     if prefer == "reference":
         return _reference_path
-    triton_fn = _triton_path(obj, inputs, prefer)
-    if triton_fn is not None:
-        specialise = getattr(triton_fn, "specialise", None)
-        if specialise is None:
-            return triton_fn
+    specialise = _triton_path(obj, inputs, prefer)
+    if specialise is not None:
         return specialise(obj, R.validate(obj.ir, obj.spec, inputs, params, initial_state))
     if prefer in ("triton", "interpret"):
         raise SsmcraftError(f"{obj.name}: backend {prefer!r} was asked for but no Triton kernel can run here "

@@ -55,6 +55,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 from ssmcraft.kernels.launch import launch
+from ssmcraft.kernels.tuning import io_dtype
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
@@ -126,7 +127,7 @@ def element_algebra(ir, reductions=()):
 
 def build_step(ir) -> Step:
     """Lower the IR of an update into one ``Algebra`` and derive the adjoints."""
-    ir = element_form(ir)                   # structured (rank1/rankr): the element form of its slots
+    ir = lowered(ir)                        # structured (rank1/rankr): the element form of its slots
     d, m = ir.dims
     alg, sym = element_algebra(ir, (*ir.reductions, *ir.state_reductions, *ir.readout_reductions))
     several = bool(ir.states)
@@ -138,11 +139,7 @@ def build_step(ir) -> Step:
     for name, ldims in list(ir.inputs.items()) + list(ir.params.items()):
         leaves.append((name, tuple(ldims), sym(name, ldims)))
     # coefficients -> expressions in leaves and reductions
-    sub, by_name = {}, {}
-    for c in ir.coefficients:
-        e = sympy.sympify(c.expr).xreplace(sub)
-        sub[sympy.Symbol(c.name, real=True)] = e
-        by_name[c.name] = e
+    by_name = ir.expanded_coefficients()
 
     def coef(slot, default):
         name = ir.slots.get(slot)
@@ -436,14 +433,21 @@ def kernel_source(ir, step: Step, header: str) -> str:
     return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *fwd, "", "", *bwd]) + "\n"
 
 
-_MODULES: dict = {}
-_BY_ID: dict = {}      # id(ir) -> (ir, module entry): hashing an IR prints sympy, far too slow per call
+_MODULES: dict = {}    # content hash of the element form -> (step, module, source)
+
+
+def lowered(ir):
+    """``ir`` in element form (``structure.element_form``; general IRs are their own), computed
+    once per IR object and kept on it (``UpdateIR.memo``)."""
+    return ir.memo("element_form", lambda: element_form(ir))
 
 
 def _module(ir):
-    hit = _BY_ID.get(id(ir))
-    if hit is not None and hit[0] is ir:
-        return hit[1]
+    """(Step, generated module, source) of ``ir``'s fused kernels, cached by the content hash
+    of its element form (``structure.element_form``, kept on the IR: ``UpdateIR.memo``), so
+    that a structured IR and its element form (the rank-r family and the one-token decode
+    family of one objective) share one derivation of the adjoint and one module."""
+    ir = lowered(ir)
     key = ir.content_hash()
     if key not in _MODULES:
         step = build_step(ir)
@@ -451,7 +455,6 @@ def _module(ir):
         source = kernel_source(ir, step, header)
         mod = cache.load_generated(f"general_{ir.spec_name}", cache.key_for("general", source), source)
         _MODULES[key] = (step, mod, source)
-    _BY_ID[id(ir)] = (ir, _MODULES[key])
     return _MODULES[key]
 
 
@@ -588,7 +591,7 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
             t = t.expand(full)
         leaves.append(t.contiguous())
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
-    out_dtype = first.dtype if first.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out_dtype = io_dtype(first.dtype)
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, triton.next_power_of_2(V)), out_dtype, output_final_state,
                                   S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
@@ -626,7 +629,7 @@ def runner(obj, ir, lay, row_block=None):
     names = [*ir.inputs, *ir.params]
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     BV = row_block or triton.next_power_of_2(d)
-    out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out_dtype = io_dtype(lay.out_dtype)
 
     def fn(inputs, params, initial_state, output_final_state):
         cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m)

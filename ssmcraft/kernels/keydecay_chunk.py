@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, IO_DTYPES, io_dtype, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -660,8 +660,6 @@ class KeyDecayChunkFunction(torch.autograd.Function):
 # public functions
 # ----------------------------------------------------------------------------------------
 
-_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool = False,
                     chunk_size: int = 64, log_space: bool = True):
@@ -684,8 +682,8 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     dt = v.dtype
-    if dt not in _IO_DTYPES:
-        raise ValueError(f"chunk_key_decay: I/O dtype must be one of {_IO_DTYPES}, got {dt}")
+    if dt not in IO_DTYPES:
+        raise ValueError(f"chunk_key_decay: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     B, T, H, K = k.shape
     V = v.shape[-1]
     if K > MAX_K:
@@ -767,7 +765,7 @@ def forward(obj, lay, co, output_final_state):
     S_T [B, H, d, m] fp32 or None); autograd reaches every slot tensor and lay.S0.
     """
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
-    io = lay.out_dtype if lay.out_dtype in _IO_DTYPES else torch.float32
+    io = io_dtype(lay.out_dtype)
     ref = next(t for t in list(co.values()) + list(lay.env.values()) if isinstance(t, torch.Tensor))
     a = co["a"]
     if isinstance(a, torch.Tensor):
@@ -795,11 +793,10 @@ def forward(obj, lay, co, output_final_state):
 
 
 def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
-    """One validated call (``reference.validate``, then ``prepare``'s runner).
+    """One validated call (``triton_backend.validated_call`` of ``prepare``).
     Returns (y [B, T, H, d] in the inputs' dtype, S_T [B, H, d, m] fp32 or None)."""
-    from ssmcraft.kernels.reference import validate
-    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
-    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
+    from ssmcraft.kernels.triton_backend import validated_call
+    return validated_call(prepare, obj, inputs, params, initial_state, output_final_state)
 
 
 def prepare(obj, lay):
@@ -807,12 +804,10 @@ def prepare(obj, lay):
     are plain inputs go to the kernels as they are, in their own dtype; the decay ``a`` is passed
     as is and its log taken inside the kernels (``log_space=False``). GLA runs with no PyTorch op
     besides the kernels. Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
-    binds = bindings(obj.ir)
-    path = computed_path(obj, binds)
+    from ssmcraft.kernels.slots import slot_runner
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     out_dtype = lay.out_dtype
-    io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
+    io = io_dtype(out_dtype)
 
     def vec(x, n, device):
         """A slot as [B, T, H, n] (per-head values and numbers broadcast)."""
@@ -820,8 +815,7 @@ def prepare(obj, lay):
             return torch.full((B, T, H, n), float(x), device=device, dtype=torch.float32)
         return x.unsqueeze(-1).expand(B, T, H, n) if x.dim() == 3 else x
 
-    def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
+    def run(cs, initial_state, output_final_state):
         dev = cs.device
         a = vec(cs.get("a"), m, dev)
         o, ht = chunk_key_decay(vec(cs.get("oq"), m, dev).to(io), vec(cs.get("q"), m, dev).to(io),
@@ -829,4 +823,4 @@ def prepare(obj, lay):
                                 initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                                 output_final_state=output_final_state, chunk_size=CHUNK, log_space=False)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return tag(fn, path)
+    return slot_runner(obj, lay, run)

@@ -85,13 +85,11 @@ def build(ir, binds: dict) -> Prologue:
     need = {n for s in names for n in binds[s].needs}
     leaves = [Leaf(n, tuple(dims), sym(n, dims), n in ir.params)
               for n, dims in (*ir.inputs.items(), *ir.params.items()) if n in need]
-    sub = {}
-    for c in ir.coefficients:
-        sub[sympy.Symbol(c.name, real=True)] = sympy.sympify(c.expr).xreplace(sub)
+    expanded = ir.expanded_coefficients()
     slots, G, loss = [], {}, sympy.Integer(0)
     for s in names:
         dims = tuple(binds[s].dims)
-        e = sub[sympy.Symbol(ir.slots[s], real=True)]
+        e = expanded[ir.slots[s]]
         slots.append((s, dims, e))
         G[s] = sym(f"_G_{s}", dims)
         term = G[s] * e

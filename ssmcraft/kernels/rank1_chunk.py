@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, IO_DTYPES, io_dtype, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -671,8 +671,6 @@ class Rank1ChunkFunction(torch.autograd.Function):
 # public functions
 # ----------------------------------------------------------------------------------------
 
-_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=None,
                 output_final_state: bool = False, chunk_size: int = 64):
@@ -698,8 +696,8 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     dt = p.dtype
-    if dt not in _IO_DTYPES:
-        raise ValueError(f"chunk_rank1: I/O dtype must be one of {_IO_DTYPES}, got {dt}")
+    if dt not in IO_DTYPES:
+        raise ValueError(f"chunk_rank1: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     B, T, H, K = v.shape
     V = p.shape[-1]
     if T == 0:
@@ -795,7 +793,7 @@ def forward(obj, lay, co, output_final_state):
     S_T [B, H, d, m] fp32 or None); autograd reaches every slot tensor and lay.S0.
     """
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
-    io = lay.out_dtype if lay.out_dtype in _IO_DTYPES else torch.float32
+    io = io_dtype(lay.out_dtype)
     dev = next(t for t in co.values() if isinstance(t, torch.Tensor)).device
 
     def key(x):
@@ -839,12 +837,11 @@ def prepare(obj, lay):
     ``reference.validate``): slots that are plain inputs go to the kernel as they are, in their own
     dtype (DeltaNet: no PyTorch op besides the kernels); others are computed (``slots.CallSlots``).
     Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
+    from ssmcraft.kernels.slots import bindings, slot_runner
     binds = bindings(obj.ir)
-    path = computed_path(obj, binds)
-    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    B, T, H = lay.B, lay.T, lay.H
     out_dtype = lay.out_dtype
-    io = out_dtype if out_dtype in _IO_DTYPES else torch.float32
+    io = io_dtype(out_dtype)
     same = {s: binds[s].kind == "leaf" and binds[s] == binds["v"] for s in ("u", "q")}
 
     def head(x, device, one_is_none=False):
@@ -853,8 +850,7 @@ def prepare(obj, lay):
             return x
         return None if one_is_none and x == 1.0 else torch.full((B, T, H), float(x), device=device)
 
-    def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
+    def run(cs, initial_state, output_final_state):
         v = cs.get("v")
         u = None if same["u"] else cs.get("u")
         q = None if same["q"] else cs.get("q")
@@ -864,4 +860,4 @@ def prepare(obj, lay):
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return tag(fn, path)
+    return slot_runner(obj, lay, run, binds)

@@ -946,18 +946,15 @@ def prepare(obj, lay):
     ``c = beta / (1 + beta k.k)``, ``p = c x``) are computed from only the leaves they need, in fp32
     (``slots.computed_path``: one fused prologue kernel).
     Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import CallSlots, bindings, computed_path, tag
-    binds = bindings(obj.ir)
-    path = computed_path(obj, binds)
-    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
-    out_dtype = lay.out_dtype if lay.out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    from ssmcraft.kernels.slots import slot_runner
+    from ssmcraft.kernels.tuning import io_dtype
+    d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
-    def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, binds, inputs, params, B, T, H, d, m, path)
+    def run(cs, initial_state, output_final_state):
         u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
         a, c, p, oc, oh = _dedup_contig(rows)
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
                                         output_final_state)
         return y.to(lay.out_dtype), ST
-    return tag(fn, path)
+    return slot_runner(obj, lay, run)

@@ -47,17 +47,9 @@ class Binding:
     needs: tuple = ()         # computed: the leaves its coefficient reads
 
 
-def _expanded(ir) -> dict:
-    """Coefficient name -> expression in leaves and reductions only (earlier names substituted)."""
-    out: dict = {}
-    for c in ir.coefficients:
-        out[c.name] = sympy.sympify(c.expr).xreplace({sympy.Symbol(n, real=True): e for n, e in out.items()})
-    return out
-
-
 def bindings(ir) -> dict[str, Binding]:
     """slot -> Binding for every slot of ``ir`` (see the module docstring)."""
-    exprs = _expanded(ir)
+    exprs = ir.expanded_coefficients()
     dims_of = {c.name: tuple(c.dims) for c in ir.coefficients}
     leaves = {**{n: tuple(d) for n, d in ir.inputs.items()}, **{n: tuple(d) for n, d in ir.params.items()}}
     out = {}
@@ -129,6 +121,22 @@ def tag(fn, path: ComputedPath):
     backend name carries (``ssmcraft.kernels.triton_backend``)."""
     fn.slots_path = path.name
     return fn
+
+
+def slot_runner(obj, lay, run, binds: dict | None = None):
+    """A structured family's ``prepare`` result for one call signature (``lay`` from
+    ``reference.validate``): the slots bound once (``bindings``, or ``binds`` when the family
+    already has them), the computed slots' path chosen once (``computed_path``), and per call
+    ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
+    ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``, tagged with
+    the path (``tag``)."""
+    binds = bindings(obj.ir) if binds is None else binds
+    path = computed_path(obj, binds)
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+
+    def fn(inputs, params, initial_state, output_final_state):
+        return run(CallSlots(obj, binds, inputs, params, B, T, H, d, m, path), initial_state, output_final_state)
+    return tag(fn, path)
 
 
 class CallSlots:

@@ -1,6 +1,7 @@
 """Which generated Triton kernel runs a compiled objective, and how it is called.
 
-``ssmcraft.kernels.dispatch`` asks :func:`select` for a runner; a runner is called as
+``ssmcraft.kernels.dispatch`` asks :func:`select` for a family's ``specialise(obj, lay)``, which
+makes the runner for one call signature (the family's ``prepare``); a runner is called as
 ``runner(obj, inputs, params, initial_state, output_final_state) -> (y, S_T, backend)`` with
 the reference API's shapes (``y [B, T, H, d]``, ``S_T [B, H, d, m]``) and ``backend`` naming
 what ran, e.g. ``"triton:diagonal-chunked"`` or ``"triton-interpret:rank1-row"``; a family whose
@@ -78,18 +79,20 @@ def _load(family: str):
 def _candidates(obj, mode, inputs=None):
     """[(family, module, reason)] in the order they are tried (reason None = runs it).
 
-    A family may also define ``supports_inputs(ir, inputs, mode)`` to refuse shapes it is
-    known to fail on (a reason string), so that the next family runs them, by name, and
+    Every family defines ``supports(ir) -> reason or None`` and
     ``prepare(obj, lay) -> fn(inputs, params, initial_state, output_final_state)``: a runner
     specialised to one call signature (``lay`` from ``reference.validate`` carries its sizes and
-    dtypes), which ``dispatch`` keeps and calls without further checks.
+    dtypes), which ``dispatch`` keeps and calls without further checks. A family may also define
+    ``supports_inputs(ir, inputs, mode)`` to refuse shapes it is known to fail on (a reason
+    string), so that the next family runs them, by name.
     """
     out = []
     for fam in _order(obj.ir, mode):
         mod, reason = _load(fam)
         if mod is not None:
             try:
-                reason = mod.supports(obj.ir)
+                reason = mod.supports(obj.ir) if hasattr(mod, "prepare") else \
+                    "no prepare(obj, lay) (the family contract)"
                 if reason is None and inputs is not None and hasattr(mod, "supports_inputs"):
                     reason = mod.supports_inputs(obj.ir, inputs, mode)
             except Exception as e:  # a family that cannot even inspect the IR does not run it
@@ -99,6 +102,8 @@ def _candidates(obj, mode, inputs=None):
 
 
 def _runner(fam: str, mod, mode: str):
+    """``specialise(obj, lay) -> runner`` for one family (``lay`` from ``reference.validate``);
+    ``specialise.backend`` names the family as it will run."""
     kernel = getattr(mod, "BACKEND_NAME", fam.replace("_", "-"))
     name = f"{'triton' if mode == 'triton' else 'triton-interpret'}:{kernel}"
 
@@ -114,25 +119,22 @@ def _runner(fam: str, mod, mode: str):
         fast.backend = full
         return fast
 
-    def run(obj, inputs, params, initial_state, output_final_state):
-        """One call, validated (``dispatch`` keeps ``specialise``'s runner instead)."""
-        from ssmcraft.kernels.reference import layout, validate
-        if hasattr(mod, "prepare"):
-            return specialise(obj, validate(obj.ir, obj.spec, inputs, params, initial_state))(
-                obj, inputs, params, initial_state, output_final_state)
-        lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
-        co = obj.module.coefficients(lay.env, lay.d, lay.m)
-        y, S = mod.forward(obj, lay, co, output_final_state)
-        return y.to(lay.out_dtype), (S if output_final_state else None), name
+    specialise.backend = name
+    return specialise
 
-    run.backend = name
-    if hasattr(mod, "prepare"):
-        run.specialise = specialise
-    return run
+
+def validated_call(prepare, obj, inputs, params, initial_state, output_final_state):
+    """One call of a family outside ``dispatch`` (tests, benchmarks): ``reference.validate`` the
+    tensors (on meta tensors: no copies), then run ``prepare(obj, lay)``'s runner on them as given.
+    Returns what the runner does: (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
+    from ssmcraft.kernels.reference import validate
+    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
+    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
 
 
 def select(obj, inputs, prefer):
-    """A runner for ``obj`` on these inputs, or None when no Triton kernel can run them."""
+    """``specialise(obj, lay) -> runner`` (``_runner``) of the family that runs ``obj`` on these
+    inputs, or None when no Triton kernel can run them."""
     mode, _ = _mode(inputs, prefer)
     if mode is None:
         return None

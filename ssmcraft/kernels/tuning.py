@@ -1,5 +1,5 @@
 """Autotuning shared by the chunked Triton families: interpreter-aware ``tune``, the config rule
-``warp_rule`` and the block-size helpers ``pow2`` / ``prec``."""
+``warp_rule``, the block-size helpers ``pow2`` / ``prec`` and the kernels' I/O dtype rule ``io_dtype``."""
 from __future__ import annotations
 
 import os
@@ -46,6 +46,15 @@ def warp_rule(configs, nargs=None, **kw):
 def pow2(n: int, lo: int = 16) -> int:
     """The power of two >= n, at least ``lo`` (tensor-core products need blocks of 16)."""
     return max(lo, triton.next_power_of_2(int(n)))
+
+
+IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernels read and write
+
+
+def io_dtype(dtype) -> torch.dtype:
+    """The dtype the kernels write an output of ``dtype`` in: itself when it is one of
+    ``IO_DTYPES``, else fp32 (e.g. an fp64 call; the caller casts the result back)."""
+    return dtype if dtype in IO_DTYPES else torch.float32
 
 
 def prec(dtype) -> str:

@@ -170,9 +170,10 @@ def _join(terms: list[str]) -> str:
 
 
 def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
-    """The pieces of a composition as spec text: ``proximity``, ``anchor`` (the proximity's
-    minimiser A), ``data`` (the data loss at S), ``let`` and ``objective`` (what the spec's
-    ``objective:`` holds, with its ``let:``)."""
+    """The pieces of a composition as spec text: ``let`` and ``objective`` (what the spec's
+    ``let:`` and ``objective:`` hold), and ``anchor`` (the proximity's minimiser A) and ``data``
+    (the data loss at S), from which the tests check that ``decay_explicit`` is a data step
+    from A."""
     c = check_choices(choices)
     proximity, anchor, _ = _PROXIMITY[c["proximity"]]
     pairs = _PAIRS[c["keys"]]
@@ -186,7 +187,7 @@ def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
         objective = _join(["sq(S - anchor)/2", *linear])
     else:
         objective = _join([proximity, data])
-    return {"proximity": proximity, "anchor": anchor, "data": data, "let": let, "objective": objective}
+    return {"anchor": anchor, "data": data, "let": let, "objective": objective}
 
 
 def compose_objective(choices: Mapping[str, Any]) -> dict:

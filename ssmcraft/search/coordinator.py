@@ -34,7 +34,7 @@ from ssmcraft.search import fidelity as fid
 from ssmcraft.search import reports
 from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
-from ssmcraft.search.outcome import Outcome, TrialFn, is_number, judge
+from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, is_number, judge
 from ssmcraft.search.provenance import code_version
 from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, trial_dir, write_json
 from ssmcraft.search.samplers import build_pruner, build_sampler, describe
@@ -187,6 +187,7 @@ class _Loop:
         self.reported: dict[int, set[int]] = {}
         self.plans: dict[int, fid.Plan] = {}         # trial -> its rungs (fidelity)
         self.stopped_at: dict[int, str] = {}         # trial -> why a rung stopped it
+        self.broken: dict[int, str] = {}             # trial -> how its reports broke the contract (failed)
         self.driver_code = code_version()
 
     def run(self) -> str:
@@ -263,8 +264,16 @@ class _Loop:
         the decision an earlier run of the same candidate recorded); returns True to stop."""
         plan, fidelity = self.plans[trial.number], self.spec.fidelity
         records = list(trial.user_attrs.get("rungs", []))
-        tokens = metrics.get("tokens", step)
-        if len(records) >= len(plan.tokens) or not is_number(tokens) or tokens < plan.tokens[len(records)]:
+        if len(records) >= len(plan.tokens):
+            return False
+        tokens = metrics.get("tokens")
+        if not is_number(tokens):      # the contract (ssmcraft.search.outcome): rungs are in tokens
+            self.broken[trial.number] = (
+                f"error: its report at step {step} has no number 'tokens' (it sent "
+                f"{', '.join(sorted(metrics)) or 'nothing'}); fidelity rungs are measured in tokens: "
+                f"report(step, {{'tokens': tokens_so_far, {fidelity.metric!r}: value}})")
+            return True
+        if tokens < plan.tokens[len(records)]:
             return False
         rung = plan.bracket + len(records)
         candidate = trial.user_attrs["candidate"]
@@ -285,7 +294,9 @@ class _Loop:
 
     def _record(self, trial: optuna.Trial, job: Job, outcome: Outcome) -> None:
         verdict = judge(outcome, self.spec.metrics)
-        if verdict.state == "pruned" and trial.number in self.stopped_at:
+        if trial.number in self.broken:
+            verdict = Verdict("failed", reason=self.broken.pop(trial.number))
+        elif verdict.state == "pruned" and trial.number in self.stopped_at:
             verdict = dataclasses.replace(verdict, reason=f"stopped at {self.stopped_at.pop(trial.number)}")
         if (outcome.attempts or 1) > 1:
             retried = f"retried: {outcome.attempts} attempts (the worker of each earlier one died)"

@@ -34,7 +34,7 @@ from typing import Callable
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.search.executor import Capacity, Job
 from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, one_line, plain
-from ssmcraft.search.packing import AutoPacker, probe_memory
+from ssmcraft.search.packing import AutoPacker, probe_memory, trial_slots
 from ssmcraft.search.rundir import run_dir_of
 from ssmcraft.search.spec import Resources
 
@@ -187,11 +187,8 @@ class RayExecutor:
             gpt = 1.0 if gpus >= 1 else 0.0
         if gpt > 0 and gpus == 0:
             raise SsmcraftError(f"resources.gpus_per_trial is {gpt:g} but the Ray cluster has no GPU")
-        slots = math.floor(cpus / resources.cpus_per_trial)
-        if gpt > 0:
-            slots = min(slots, math.floor(gpus / gpt))
-        if resources.max_concurrent is not None:
-            slots = min(slots, resources.max_concurrent)
+        slots = trial_slots(cpus, resources.cpus_per_trial, math.floor(gpus / gpt) if gpt > 0 else None,
+                            resources.max_concurrent)
         if slots < 1:
             raise SsmcraftError(f"the Ray cluster ({cpus:g} CPUs, {gpus:g} GPUs) cannot hold one trial "
                                 f"({resources.cpus_per_trial:g} CPUs, {gpt:g} GPUs)")

@@ -5,9 +5,13 @@ A trial function is ``fn(config: dict, out_dir: Path, report) -> dict``:
 - ``config`` is the trial's config (``ssmcraft.search.space.build_config``);
 - ``out_dir`` is the trial's own folder (``trial.json`` and ``attempts.log`` in it belong
   to the search, the rest to the trial: checkpoint, metrics, curves);
-- ``report(step, metrics) -> bool`` sends intermediate metrics (step = tokens seen) to
-  the coordinator and returns True when the trial should stop early (pruned); the trial
-  then returns ``{"status": "pruned", ...}``;
+- ``report(step, metrics) -> bool`` sends intermediate metrics to the coordinator and
+  returns True when the trial should stop early (pruned); the trial then returns
+  ``{"status": "pruned", ...}``. ``step`` is the trial's progress counter, increasing
+  (``train_run``: the optimizer step), the pruner's step; ``metrics`` the values so far
+  and ``tokens``, the tokens trained so far: a search with ``fidelity:`` measures its
+  rungs in tokens, and a report there without a number ``tokens`` fails the trial, with
+  that reason (the step is not taken for a token count);
 - the returned dict holds the metrics (``val_loss``, ...), a ``status`` (``ok``,
   ``diverged``, ``timeout``, ``pruned``; absent means ok) and optionally ``reason``,
   ``state_bytes``, ``kernel_hash``, ``backend``, ``device``.

@@ -133,6 +133,19 @@ def probe_memory(config: dict) -> dict[str, Any]:
             "device_name": props.name, "status": metrics.get("status")}
 
 
+def trial_slots(cpus: float, cpus_per_trial: float, gpu_slots: int | None = None,
+                max_concurrent: int | None = None) -> int:
+    """Trials at once: as many as the CPUs hold (``cpus // cpus_per_trial``), at most
+    ``gpu_slots`` (what the GPUs hold; None for CPU trials) and ``max_concurrent``. May be 0:
+    the caller says what cannot hold one trial."""
+    slots = math.floor(cpus / cpus_per_trial)
+    if gpu_slots is not None:
+        slots = min(slots, gpu_slots)
+    if max_concurrent is not None:
+        slots = min(slots, max_concurrent)
+    return slots
+
+
 class AutoPacker:
     """The state of ``gpus_per_trial: auto`` for one search on ``gpus`` GPUs and ``cpus``
     CPUs: probes at the first trial (``first``), adapts to finished trials (``observe``),
@@ -140,8 +153,8 @@ class AutoPacker:
     of the run folder."""
 
     def __init__(self, resources, cpus: float, gpus: float, log=print) -> None:
-        self.resources, self.gpus, self.log = resources, int(gpus), log
-        self.cpu_slots = max(1, math.floor(cpus / resources.cpus_per_trial))
+        self.resources, self.cpus, self.gpus, self.log = resources, cpus, int(gpus), log
+        self.cpu_slots = max(1, trial_slots(cpus, resources.cpus_per_trial))
         self.cpu_slots_per_gpu = max(1, self.cpu_slots // max(1, self.gpus))
         self.packing: Packing | None = None
         self.decisions: list[dict] = []
@@ -151,10 +164,8 @@ class AutoPacker:
         """Trials at once: ``trials_per_gpu`` on every GPU (1 before the probe), within the
         CPUs and ``max_concurrent``."""
         k = self.packing.trials_per_gpu if self.packing is not None else 1
-        slots = min(self.cpu_slots, max(1, self.gpus) * k)
-        if self.resources.max_concurrent is not None:
-            slots = min(slots, self.resources.max_concurrent)
-        return max(1, slots)
+        return max(1, trial_slots(self.cpus, self.resources.cpus_per_trial, max(1, self.gpus) * k,
+                                  self.resources.max_concurrent))
 
     def first(self, config: dict, run_dir: Path, probe) -> Packing:
         """The packing, probing ``config`` with ``probe(config) -> probe_memory's dict`` the

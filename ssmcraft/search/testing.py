@@ -44,7 +44,7 @@ def quadratic(config: dict, out_dir: Path, report) -> dict:
     loss = 1.0 + offset + sum((math.log10(abs(v) + 1e-12) % 1 - 0.5) ** 2 for v in x.values())
     tokens = int(config["train"]["tokens"])
     for i in range(1, 5):
-        if report(tokens * i // 4, {"val_loss": loss * (1 + 1 / i)}):
+        if report(tokens * i // 4, {"val_loss": loss * (1 + 1 / i), "tokens": tokens * i // 4}):
             return {"status": "pruned", "tokens": tokens * i // 4}
     return {"val_loss": loss, "tokens_per_s": 1000.0 / (1 + offset), "tokens": tokens,
             "state_bytes": 4 * int(x.get("model.mixer.state_size", 16)) * 64}

@@ -1,0 +1,141 @@
+"""A kernel against the float64 reference recurrence: the output, every final state and every
+gradient (inputs, params, initial states), under fixed random cotangents of the output and
+the final states. What the kernel tests (``tests/``) and the GPU checks (``benchmarks/``) share.
+
+::
+
+    ref = reference(obj, ins, params, S0, g)         # float64 values as given; g draws dy, dS
+    cmp = compare(ref, lambda i, p, s: obj(i, p, s, True), torch.bfloat16)
+    cmp.errors        # {"y": ..., "S_T": ..., "dx": ..., "dbeta": ..., "dS0": ...}: relative RMS
+    cmp.written       # no NaN in any output or gradient (outputs NaN-poisoned first)
+
+The reference runs on the values as given: a caller comparing a bf16 kernel with the
+reference on the bf16-rounded inputs rounds them first. The kernel gets the inputs in
+``dtype``, the params and initial states in fp32. Names: ``y``, ``<state>_T`` per final
+state, ``d<input>``, ``d<param>``, ``d<state>0`` per initial state (``S_T``, ``dS0`` with one
+state ``S``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def rel_rms(got, ref) -> float:
+    """Relative RMS error ``||got - ref|| / ||ref||``, in float64."""
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def all_written(*tensors) -> bool:
+    """No tensor holds a NaN (outputs allocated NaN-filled were all written); None is skipped."""
+    return all(not torch.isnan(t.float()).any().item() for t in tensors if t is not None)
+
+
+def _states(S) -> tuple:
+    return tuple(S) if isinstance(S, (tuple, list)) else (S,)
+
+
+@dataclass
+class Reference:
+    """One case's float64 reference: the values, the cotangents and what the reference gives."""
+    obj: object
+    ins: dict
+    params: dict
+    S0: object                 # a tensor, a tuple of tensors (several states) or None
+    dy: torch.Tensor
+    dS: tuple
+    y: torch.Tensor
+    S: tuple
+    grads: dict                # d<leaf> -> gradient
+
+    @property
+    def state_names(self) -> tuple:
+        spec = self.obj.spec
+        return tuple(spec.states) if spec.states else (spec.state,)
+
+
+@dataclass
+class Comparison:
+    """A kernel against a ``Reference``: relative RMS errors by name, and the kernel's outputs
+    and gradients (for ``written``)."""
+    errors: dict
+    outputs: list
+
+    @property
+    def written(self) -> bool:
+        """No NaN in any output or gradient (outputs allocated NaN-filled: all written)."""
+        return all_written(*self.outputs)
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """(name, error) of the largest error; NaN counts as the largest."""
+        name = max(self.errors, key=lambda k: self.errors[k] if self.errors[k] == self.errors[k] else float("inf"))
+        return name, self.errors[name]
+
+    def within(self, tol: dict | float) -> bool:
+        """Every error within ``tol`` (a number, or ``tol[name]`` with ``tol["grad"]`` for the
+        gradients), every output written; NaN fails."""
+        limit = (lambda k: tol) if not isinstance(tol, dict) else (lambda k: tol.get(k, tol["grad"]))
+        return self.written and all(v <= limit(k) for k, v in self.errors.items())
+
+
+def _leaf_names(ins, params, S0, states) -> list[str]:
+    return [*(f"d{n}" for n in ins), *(f"d{n}" for n in params),
+            *([] if S0 is None else [f"d{x}0" for x in states])]
+
+
+def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Reference:
+    """The float64 reference of ``obj`` on ``ins``/``params``/``S0`` (float64; ``S0`` a tensor, a
+    tuple of them for several states, or None) and its gradients under cotangents ``dy`` then
+    one ``dS`` per state drawn from ``g`` (a CPU generator; moved to the inputs' device)."""
+    params = dict(params or {})
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
+    pleaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    s0 = None if S0 is None else tuple(s.detach().clone().requires_grad_() for s in _states(S0))
+    y, S = obj.reference(leaves, pleaves, None if s0 is None else (s0 if isinstance(S0, (tuple, list)) else s0[0]),
+                         True)
+    S = _states(S)
+    dev = y.device
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dev)
+    dS = tuple(torch.randn(s.shape, generator=g, dtype=torch.float64).to(dev) for s in S)
+    wrt = [*leaves.values(), *pleaves.values(), *(s0 or ())]
+    grads = torch.autograd.grad((y * dy).sum() + sum((s * w).sum() for s, w in zip(S, dS)), wrt)
+    ref = Reference(obj, dict(ins), params, S0, dy, dS, y.detach(), tuple(s.detach() for s in S), {})
+    ref.grads = dict(zip(_leaf_names(ins, params, S0, ref.state_names), grads))
+    return ref
+
+
+def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, *,
+            grad_scale: dict | None = None) -> Comparison:
+    """``call(inputs, params, S0) -> (y, S_T)`` (``S_T`` a tuple with several states) on the
+    reference's values (inputs in ``dtype``, params and initial states fp32, all leaves of the
+    autograd graph), against ``ref``. ``grad_scale``: leaf -> factor; that leaf's gradient is
+    compared times the factor (the leaf itself: the gradient with respect to its log)."""
+    lv = {k: v.detach().to(dtype).requires_grad_() for k, v in ref.ins.items()}
+    pv = {k: v.detach().float().requires_grad_() for k, v in ref.params.items()}
+    s1 = None if ref.S0 is None else tuple(s.detach().float().requires_grad_() for s in _states(ref.S0))
+    y, S = call(lv, pv, None if s1 is None else (s1 if isinstance(ref.S0, (tuple, list)) else s1[0]))
+    S = _states(S)
+    assert y.shape == ref.y.shape and [s.shape for s in S] == [s.shape for s in ref.S], \
+        (tuple(y.shape), [tuple(s.shape) for s in S], tuple(ref.y.shape), [tuple(s.shape) for s in ref.S])
+    wrt = [*lv.values(), *pv.values(), *(s1 or ())]
+    got = torch.autograd.grad((y.double() * ref.dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, ref.dS)),
+                              wrt)
+    errors = {"y": rel_rms(y, ref.y)}
+    errors.update({f"{x}_T": rel_rms(s, r) for x, s, r in zip(ref.state_names, S, ref.S)})
+    scale = {f"d{k}": v for k, v in (grad_scale or {}).items()}
+    for name, a in zip(ref.grads, got):
+        b = ref.grads[name]
+        if name in scale:
+            a, b = a * scale[name], b * scale[name]
+        errors[name] = rel_rms(a, b)
+    return Comparison(errors, [y, *S, *got])
+
+
+def reference_errors(obj, call: Callable, ins: dict, params: dict | None, S0, g: torch.Generator,
+                     dtype: torch.dtype = torch.float32, **kw) -> Comparison:
+    """``compare(reference(obj, ins, params, S0, g), call, dtype, **kw)``: one case, one dtype."""
+    return compare(reference(obj, ins, params, S0, g), call, dtype, **kw)
