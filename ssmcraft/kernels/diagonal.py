@@ -1115,11 +1115,10 @@ def prepare(obj, lay):
 
 
 def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
-    """The backend's entry: validate like the reference (on meta tensors: no copies), then run the
-    kernel on the tensors as given. Returns (y [B,T,H,d] in the first input's dtype, S_T [B,H,d,m] fp32 or None)."""
-    from ssmcraft.kernels.reference import validate
-    lay = validate(obj.ir, obj.spec, inputs, params, initial_state)
-    return prepare(obj, lay)(inputs, params, initial_state, output_final_state)
+    """One validated call (``triton_backend.validated_call`` of ``prepare``).
+    Returns (y [B,T,H,d] in the first input's dtype, S_T [B,H,d,m] fp32 or None)."""
+    from ssmcraft.kernels.triton_backend import validated_call
+    return validated_call(prepare, obj, inputs, params, initial_state, output_final_state)
 
 
 def forward(obj, lay, co, output_final_state: bool):
