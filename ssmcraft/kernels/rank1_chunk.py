@@ -716,7 +716,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
             t = t.to(dtype)
         return t.contiguous()
     kshape, hshape = (B, T, H, K), (B, T, H)
-    head = (lambda t: None if t is None else prep(t, hshape, None if t.dtype in _IO_DTYPES else torch.float32))
+    head = (lambda t: None if t is None else prep(t, hshape, io_dtype(t.dtype)))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
                                      head(ps), prep(oq, kshape), head(c), head(a), h0,
