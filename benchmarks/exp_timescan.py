@@ -25,29 +25,40 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
+def _program(D, N: tl.constexpr, BD: tl.constexpr, CT: tl.constexpr):
+    """(batch, value offsets [BD], step offsets [CT], key offsets [N], value mask) of this program."""
+    od = tl.program_id(0) * BD + tl.arange(0, BD)
+    return tl.program_id(1), od, tl.arange(0, CT), tl.arange(0, N), od < D
+
+
+@triton.jit
 def fwd_2d(x_ptr, dt_ptr, k_ptr, q_ptr, A_ptr, y_ptr, hT_ptr, T, D,
-           N: tl.constexpr, BD: tl.constexpr, CT: tl.constexpr):
-    """One program per (value block, batch); chunks of CT steps in order; per key a [BD, CT] scan."""
-    pd = tl.program_id(0)
-    b = tl.program_id(1)
-    od = pd * BD + tl.arange(0, BD)
-    ot = tl.arange(0, CT)
-    on = tl.arange(0, N)
-    dm = od < D
+           N: tl.constexpr, BD: tl.constexpr, CT: tl.constexpr, TMAJOR: tl.constexpr):
+    """One program per (value block, batch); chunks of CT steps in order; per key a [BD, CT] scan.
+    TMAJOR: x, delta, y are [B, D, T] and k, q [B, N, T] (time contiguous, so time runs along lanes);
+    else the [B, T, D] / [B, T, N] layouts the tensors arrive in."""
+    b, od, ot, on, dm = _program(D, N, BD, CT)
     h = tl.zeros([BD, N], tl.float32)
     for c in range(0, T, CT):
         t = c + ot
         tm = t < T
         m2 = dm[:, None] & tm[None, :]
-        off = b * T * D + t[None, :] * D + od[:, None]
+        if TMAJOR:
+            off = b * T * D + od[:, None] * T + t[None, :]
+        else:
+            off = b * T * D + t[None, :] * D + od[:, None]
         x = tl.load(x_ptr + off, mask=m2, other=0).to(tl.float32)
         dt = tl.load(dt_ptr + off, mask=m2, other=0).to(tl.float32)
         u = dt * x
         y = tl.zeros([BD, CT], tl.float32)
         for n in tl.static_range(N):
             An = tl.load(A_ptr + od * N + n, mask=dm, other=0)
-            kn = tl.load(k_ptr + b * T * N + t * N + n, mask=tm, other=0).to(tl.float32)
-            qn = tl.load(q_ptr + b * T * N + t * N + n, mask=tm, other=0).to(tl.float32)
+            if TMAJOR:
+                koff = b * T * N + n * T + t
+            else:
+                koff = b * T * N + t * N + n
+            kn = tl.load(k_ptr + koff, mask=tm, other=0).to(tl.float32)
+            qn = tl.load(q_ptr + koff, mask=tm, other=0).to(tl.float32)
             a = tl.exp(dt * An[:, None])
             bb = u * kn[None, :]
             hn = tl.sum(tl.where(on[None, :] == n, h, 0.0), axis=1)
@@ -64,12 +75,7 @@ def fwd_2d(x_ptr, dt_ptr, k_ptr, q_ptr, A_ptr, y_ptr, hT_ptr, T, D,
 def fwd_3d(x_ptr, dt_ptr, k_ptr, q_ptr, A_ptr, y_ptr, hT_ptr, T, D,
            N: tl.constexpr, BD: tl.constexpr, CT: tl.constexpr):
     """As fwd_2d, with all keys in one [BD, N, CT] tile."""
-    pd = tl.program_id(0)
-    b = tl.program_id(1)
-    od = pd * BD + tl.arange(0, BD)
-    ot = tl.arange(0, CT)
-    on = tl.arange(0, N)
-    dm = od < D
+    b, od, ot, on, dm = _program(D, N, BD, CT)
     A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=dm[:, None], other=0)      # [BD, N]
     h = tl.zeros([BD, N], tl.float32)
     for c in range(0, T, CT):
@@ -92,62 +98,31 @@ def fwd_3d(x_ptr, dt_ptr, k_ptr, q_ptr, A_ptr, y_ptr, hT_ptr, T, D,
     tl.store(hT_ptr + b * N * D + on[None, :] * D + od[:, None], h, mask=dm[:, None])
 
 
-@triton.jit
-def fwd_tmajor(x_ptr, dt_ptr, k_ptr, q_ptr, A_ptr, y_ptr, hT_ptr, T, D,
-               N: tl.constexpr, BD: tl.constexpr, CT: tl.constexpr):
-    """As fwd_2d on time-major copies: x, delta, y are [B, D, T] (time contiguous, so time runs along lanes)."""
-    pd = tl.program_id(0)
-    b = tl.program_id(1)
-    od = pd * BD + tl.arange(0, BD)
-    ot = tl.arange(0, CT)
-    on = tl.arange(0, N)
-    dm = od < D
-    h = tl.zeros([BD, N], tl.float32)
-    for c in range(0, T, CT):
-        t = c + ot
-        tm = t < T
-        m2 = dm[:, None] & tm[None, :]
-        off = b * T * D + od[:, None] * T + t[None, :]
-        x = tl.load(x_ptr + off, mask=m2, other=0).to(tl.float32)
-        dt = tl.load(dt_ptr + off, mask=m2, other=0).to(tl.float32)
-        u = dt * x
-        y = tl.zeros([BD, CT], tl.float32)
-        for n in tl.static_range(N):
-            An = tl.load(A_ptr + od * N + n, mask=dm, other=0)
-            kn = tl.load(k_ptr + b * T * N + n * T + t, mask=tm, other=0).to(tl.float32)
-            qn = tl.load(q_ptr + b * T * N + n * T + t, mask=tm, other=0).to(tl.float32)
-            a = tl.exp(dt * An[:, None])
-            bb = u * kn[None, :]
-            hn = tl.sum(tl.where(on[None, :] == n, h, 0.0), axis=1)
-            bb = tl.where(ot[None, :] == 0, bb + a * hn[:, None], bb)
-            _, s = tl.associative_scan((a, bb), axis=1, combine_fn=_combine)
-            y += s * qn[None, :]
-            last = tl.sum(tl.where(ot[None, :] == CT - 1, s, 0.0), axis=1)
-            h = tl.where(on[None, :] == n, last[:, None], h)
-        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m2)
-    tl.store(hT_ptr + b * N * D + on[None, :] * D + od[:, None], h, mask=dm[:, None])
-
-
 def run_tmajor(x, dt, k, q, A, BD, CT, warps):
-    """Transposes to time-major, runs fwd_tmajor, transposes y back (all of it timed)."""
+    """Transposes to time-major, runs fwd_2d on it, transposes y back (all of it timed)."""
     B, T, _, D = x.shape
     N = k.shape[-1]
     xt, dtt = (z[:, :, 0].transpose(1, 2).contiguous() for z in (x, dt))
     kt, qt = (z[:, :, 0].transpose(1, 2).contiguous() for z in (k, q))
     y = torch.empty_like(xt)
     hT = torch.full((B, 1, N, D), float("nan"), device=x.device)
-    fwd_tmajor[(triton.cdiv(D, BD), B)](xt, dtt, kt, qt, A, y, hT, T, D, N=N, BD=BD, CT=CT, num_warps=warps)
+    fwd_2d[(triton.cdiv(D, BD), B)](xt, dtt, kt, qt, A, y, hT, T, D, N=N, BD=BD, CT=CT, TMAJOR=True, num_warps=warps)
     return y.transpose(1, 2)[:, :, None], hT
 
 
+def name(kernel) -> str:
+    return "fwd_2d time-major" if kernel == "tmajor" else kernel.fn.__name__
+
+
 def run(kernel, x, dt, k, q, A, BD, CT, warps):
-    if kernel is fwd_tmajor:
+    if kernel == "tmajor":
         return run_tmajor(x, dt, k, q, A, BD, CT, warps)
     B, T, _, D = x.shape
     N = k.shape[-1]
     y = torch.full_like(x, float("nan"))
     hT = torch.full((B, 1, N, D), float("nan"), device=x.device)
-    kernel[(triton.cdiv(D, BD), B)](x, dt, k, q, A, y, hT, T, D, N=N, BD=BD, CT=CT, num_warps=warps)
+    extra = {"TMAJOR": False} if kernel is fwd_2d else {}
+    kernel[(triton.cdiv(D, BD), B)](x, dt, k, q, A, y, hT, T, D, N=N, BD=BD, CT=CT, num_warps=warps, **extra)
     return y, hT
 
 
@@ -184,11 +159,11 @@ def main():
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
     # correctness, odd sizes
-    for kern in (fwd_2d, fwd_3d, fwd_tmajor):
+    for kern in (fwd_2d, fwd_3d, "tmajor"):
         x, dt, k, q, A = inputs(2, 37, 20, 16, torch.float32, dev)
         y, h = run(kern, x, dt, k, q, A, 4 if args.tiny else 8, 16, 4)
         yr, hr = loop(x, dt, k, q, A)
-        print(f"check {kern.fn.__name__}: y {rel(y, yr):.2e} hT {rel(h, hr):.2e}")
+        print(f"check {name(kern)}: y {rel(y, yr):.2e} hT {rel(h, hr):.2e}")
     if args.tiny:
         return
     from triton.testing import do_bench
@@ -206,9 +181,9 @@ def main():
     if ssc is not None:
         sargs = mamba_layout(ins, dict(A=A[0]))
         print(f"selective_scan fwd: {do_bench(lambda: SelectiveScan.apply(ssc, *sargs), rep=200):.3f} ms")
-    for kern, BD, CT, w in [(fwd_tmajor, 1, 256, 1), (fwd_tmajor, 2, 256, 2), (fwd_tmajor, 4, 256, 4),
-                            (fwd_tmajor, 1, 512, 2), (fwd_tmajor, 2, 512, 4), (fwd_tmajor, 4, 128, 2),
-                            (fwd_tmajor, 8, 128, 4), (fwd_tmajor, 1, 1024, 4), (fwd_tmajor, 2, 128, 1),
+    for kern, BD, CT, w in [("tmajor", 1, 256, 1), ("tmajor", 2, 256, 2), ("tmajor", 4, 256, 4),
+                            ("tmajor", 1, 512, 2), ("tmajor", 2, 512, 4), ("tmajor", 4, 128, 2),
+                            ("tmajor", 8, 128, 4), ("tmajor", 1, 1024, 4), ("tmajor", 2, 128, 1),
                             (fwd_2d, 16, 64, 4), (fwd_2d, 16, 128, 4), (fwd_2d, 8, 128, 4), (fwd_2d, 32, 64, 4),
                             (fwd_2d, 16, 256, 8), (fwd_2d, 32, 128, 8), (fwd_2d, 64, 64, 8), (fwd_2d, 8, 256, 4),
                             (fwd_3d, 4, 64, 4), (fwd_3d, 8, 64, 8), (fwd_3d, 2, 128, 4), (fwd_3d, 4, 128, 8),
@@ -217,9 +192,9 @@ def main():
             y, h = run(kern, x, dt, k, q, A, BD, CT, w)
             e = max(rel(y, yo), rel(h.transpose(-1, -2), ho))
             ms = do_bench(lambda: run(kern, x, dt, k, q, A, BD, CT, w), rep=200)
-            print(f"{kern.fn.__name__} BD{BD} CT{CT} w{w}: {ms:.3f} ms (vs ours {e:.1e})")
+            print(f"{name(kern)} BD{BD} CT{CT} w{w}: {ms:.3f} ms (vs ours {e:.1e})")
         except Exception as ex:  # noqa: BLE001
-            print(f"{kern.fn.__name__} BD{BD} CT{CT} w{w}: failed {type(ex).__name__}: {str(ex)[:200]}")
+            print(f"{name(kern)} BD{BD} CT{CT} w{w}: failed {type(ex).__name__}: {str(ex)[:200]}")
 
 
 if __name__ == "__main__":
