@@ -8,12 +8,13 @@ utilisation, fraction of samples with the GPU busy, tokens/s summed over trials.
 Modes (the spec's own keys, so the comparison is honest):
 
 - ``before``: the issue-5 settings: ``resources.gpus_per_trial: 1`` (one trial per GPU),
-  ``train.compile: false``, ``train.data_on_device: false`` (batches built on the host,
-  copied each step), ``train.log_every: 1`` (a host sync every step);
-- ``after``: the spec as written (``specs/search_mqar_gpu.yaml``: packed trials, compile
-  auto, device data, read-back every 50 steps);
-- ``after-nocompile``: ``after`` with ``train.compile: false`` (does compiling pay for
-  trials this short?).
+  ``train.compile: false``, ``train.cuda_graphs: false``, ``train.data_on_device: false``
+  (batches built on the host, copied each step), ``train.log_every: 1`` (a host sync every step);
+- ``after``: the spec as written (``specs/search_mqar_gpu.yaml``: packed trials, device data,
+  read-back every 50 steps, the training defaults: CUDA graphs on CUDA);
+- ``after-compile``: ``after`` with ``train.cuda_graphs: false`` (so ``train.compile: auto``
+  compiles: the default until CUDA graphs);
+- ``after-eager``: ``after`` with neither.
 
 On the GPU machine (optuna and ray installed)::
 
@@ -45,10 +46,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
-    "before": {("resources", "gpus_per_trial"): 1, ("train", "compile"): False,
+    "before": {("resources", "gpus_per_trial"): 1, ("train", "compile"): False, ("train", "cuda_graphs"): False,
                ("train", "data_on_device"): False, ("train", "log_every"): 1},
     "after": {},
-    "after-nocompile": {("train", "compile"): False},
+    "after-compile": {("train", "cuda_graphs"): False},
+    "after-eager": {("train", "compile"): False, ("train", "cuda_graphs"): False},
 }
 CPU_SMOKE = {  # --device cpu: a model small enough to finish trials in seconds on two cores
     ("task",): {"name": "mqar", "vocab": 256, "seq_len": 64, "num_kv_pairs": 4},
