@@ -36,6 +36,7 @@ from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
 from common import rel_rms as rel  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
+from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 
@@ -78,7 +79,7 @@ def check(rep, name, B, T, H, d, m, seed=0):
     for dtype in (torch.float32, torch.bfloat16):
         KD.POISON = True
         try:
-            cmp = compare(ref, lambda i, p, s: KD.forward_inputs(obj, i, p, s, True), dtype)
+            cmp = compare(ref, lambda i, p, s: validated_call(KD.prepare, obj, i, p, s, True), dtype)
         finally:
             KD.POISON = False
         ok = cmp.within(TOL[dtype])
@@ -198,7 +199,7 @@ def stress(rep, name, B, T, H, d, m, n):
     lp = {k: v.float().detach().requires_grad_() for k, v in params.items()}
     t0 = time.time()
     for _ in range(n):
-        y, S = KD.forward_inputs(obj, li, lp, None, True)
+        y, S = validated_call(KD.prepare, obj, li, lp, None, True)
         torch.autograd.grad(y.float().sum() + S.sum(), [*li.values(), *lp.values()])
     sync()
     ok = bool(torch.isfinite(y.float()).all())

@@ -179,9 +179,10 @@ def time_all(args):
     # our diagonal Longhorn (helper KA's kernel), same inputs
     try:
         from ssmcraft.kernels import diagonal as D
+        from ssmcraft.kernels.triton_backend import validated_call
         objd = ssmcraft.compile("longhorn_diag")
-        res["diag_fwd"] = bench(lambda: D.forward_inputs(objd, ins, None, None, False)[0])
-        res["diag_fb"] = bench(lambda: torch.autograd.grad(D.forward_inputs(objd, insg, None, None, False)[0],
+        res["diag_fwd"] = bench(lambda: validated_call(D.prepare, objd, ins, None, None, False)[0])
+        res["diag_fb"] = bench(lambda: torch.autograd.grad(validated_call(D.prepare, objd, insg, None, None, False)[0],
                                                            list(insg.values()), dy))
         say(f"diagonal Longhorn (ssmcraft.kernels.diagonal): fwd {res['diag_fwd']:.3f} ms, "
             f"fwd+bwd {res['diag_fb']:.3f} ms")

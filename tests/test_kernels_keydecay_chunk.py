@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
+from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
 from ssmcraft.kernels.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
 
@@ -59,7 +60,7 @@ def _check_objective(name, T, chunk, monkeypatch, B=1, H=2, d=20, m=12, strong=F
 
     def ours(inputs, params, s0):
         """Ours through the family's validated entry (prepare's runner), fp32."""
-        y, S = KD.forward_inputs(obj, inputs, params, s0, True)
+        y, S = validated_call(KD.prepare, obj, inputs, params, s0, True)
         assert y.dtype == torch.float32 and S.dtype == torch.float32
         return y, S
     # with strong gates, d(log alpha) = dalpha * alpha is compared
@@ -142,7 +143,7 @@ def test_config_rule():
     blocks larger than the padded K are dropped."""
     par, intra = KD.PAR_CONFIGS, KD.INTRA_CONFIGS
     for K in (4, 8, 16, 32, 48, 64, 128, 256):
-        bk = KD._pow2(K)
+        bk = KD.pow2(K)
         kept = KD.warp_rule(par, {}, H=1, K=K, V=256, BT=64, BC=16, BK=bk)
         assert {c.kwargs["BV"] for c in kept} == {32, 64}, K
         assert any(c.num_warps == 8 for c in kept) == (bk >= 64), K

@@ -142,4 +142,4 @@ def test_half_precision_pads_small_key_blocks():
     assert [t.dtype for t in got] == [t.dtype for t in x.values()]    # c is read and differentiated in fp16
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(x, got, ref_g)})
-    assert_within(errs, {"y": 2e-2, "S_T": 2e-2, "grad": 3e-2})
+    assert_within(errs, {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})     # measured 4-7e-4; a 1% padding leak fails

@@ -38,7 +38,7 @@ Measured figures and what limits them: BENCHMARKS.md, "Diagonal".
 
 Layout of this module, top to bottom: the kernel source generator (the kernels), the host
 wrappers, the autograd Function, the public functions (``diagonal_scan``; the family
-contract ``supports`` / ``forward`` / ``forward_inputs``).
+contract ``supports`` / ``forward`` / ``prepare``).
 """
 from __future__ import annotations
 
@@ -1112,13 +1112,6 @@ def prepare(obj, lay):
         y, S = diagonal_scan(obj, _call_tensors(obj, inputs, params, H, d, m), s0, output_final_state)
         return y.to(out_dtype), (S.transpose(-1, -2) if S is not None else None)
     return fn
-
-
-def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
-    """One validated call (``triton_backend.validated_call`` of ``prepare``).
-    Returns (y [B,T,H,d] in the first input's dtype, S_T [B,H,d,m] fp32 or None)."""
-    from ssmcraft.kernels.triton_backend import validated_call
-    return validated_call(prepare, obj, inputs, params, initial_state, output_final_state)
 
 
 def forward(obj, lay, co, output_final_state: bool):

@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, IO_DTYPES, io_dtype, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -104,7 +104,7 @@ def _rows(i_b, i_h, t, T, H):
     return (i_b * T + tl.maximum(tl.minimum(t, T - 1), 0)).to(tl.int64) * H + i_h
 
 
-@_tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+@tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "BC", "HAS_H0"])
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -228,7 +228,7 @@ def _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_
     return b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :]), b_oJ
 
 
-@_tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, PREC: tl.constexpr):
@@ -274,7 +274,7 @@ def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.con
     tl.store(A + r_I[:, None] * BT + I * BC + o_c[None, :], b_d.to(DT), mask=m_I[:, None])
 
 
-@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC", "BWD"], prune=warp_rule)
+@tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC", "BWD"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -314,7 +314,7 @@ def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
     tl.store(out + row[:, None] * V + o_v[None, :], b_o.to(out.dtype.element_ty), mask=m_tv)
 
 
-@_tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+@tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "HAS_DHT"])
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -361,7 +361,7 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
     tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@_tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
+@tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT", "V_run"])
 def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -417,7 +417,7 @@ def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
     tl.store(dbl + (i_bh.to(tl.int64) * NT + i_t) * K + o_k, b_dbl, mask=m_k)
 
 
-@_tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -496,7 +496,7 @@ def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
     tl.store(dbt + ((i_bh.to(tl.int64) * NT + i_t) * NC + I) * K + o_k, tl.sum(b_db, axis=0), mask=m_k)
 
 
-@_tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
+@tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, LOG_G: tl.constexpr):
@@ -535,24 +535,24 @@ def _bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr
 
 def _state_opts(K: int, V: int) -> dict:
     """Blocks of the sequential kernels, chosen by rule under the interpreter (autotuned on a GPU)."""
-    if not _INTERPRET:
+    if not INTERPRET:
         return {}
-    return {"BK": INTERPRET_BK or _pow2(K), "BV": INTERPRET_BV or _pow2(V)}
+    return {"BK": INTERPRET_BK or pow2(K), "BV": INTERPRET_BV or pow2(V)}
 
 
 def _par_opts(V: int) -> dict:
     """Value block of the parallel kernels, by rule under the interpreter."""
-    if not _INTERPRET:
+    if not INTERPRET:
         return {}
-    return {"BV": INTERPRET_BV or _pow2(V)}
+    return {"BV": INTERPRET_BV or pow2(V)}
 
 
 def _intra_opts(K: int) -> dict:
     """Key block of the backward's per-key-block kernels, by rule under the interpreter (at most the
     padded K)."""
-    if not _INTERPRET:
+    if not INTERPRET:
         return {}
-    return {"BK": min(INTERPRET_BK or _pow2(K), _pow2(K))}
+    return {"BK": min(INTERPRET_BK or pow2(K), pow2(K))}
 
 
 def _par_grid(V, NT, BH):
@@ -576,7 +576,7 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
     NT = triton.cdiv(T, BT)
-    prec = _prec(dt)
+    prec = dot_precision(dt)
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
@@ -584,7 +584,7 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
         k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
-    BC, BK = min(SUB, BT), _pow2(K)
+    BC, BK = min(SUB, BT), pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
     launch(_intra_A_kernel, (NT * (BT // BC), B * H), q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
@@ -599,7 +599,7 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
     NT = triton.cdiv(T, BT)
-    prec = _prec(dt)
+    prec = dot_precision(dt)
     do = do.to(dt).contiguous()
     has_dht = dht is not None
     dht = dht.float().contiguous() if has_dht else hs
@@ -608,7 +608,7 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     launch(_bwd_state_kernel, _state_grid(K, V, B * H),
         q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
-    BC, BK = min(SUB, BT), _pow2(K)
+    BC, BK = min(SUB, BT), pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(_chunk_apply_kernel, _par_grid(V, NT, B * H), k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
            BK=BK, BWD=True, PREC=prec, **_par_opts(V))
@@ -790,13 +790,6 @@ def forward(obj, lay, co, output_final_state):
         y = y + (_tok(oh, B, T, H, d, ref) if isinstance(oh, torch.Tensor) else float(oh))
     S = None if ht is None else ht.transpose(-1, -2)
     return y, S
-
-
-def forward_inputs(obj, inputs: dict, params: dict | None, initial_state, output_final_state: bool):
-    """One validated call (``triton_backend.validated_call`` of ``prepare``).
-    Returns (y [B, T, H, d] in the inputs' dtype, S_T [B, H, d, m] fp32 or None)."""
-    from ssmcraft.kernels.triton_backend import validated_call
-    return validated_call(prepare, obj, inputs, params, initial_state, output_final_state)
 
 
 def prepare(obj, lay):

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET as _INTERPRET, IO_DTYPES, io_dtype, pow2 as _pow2, prec as _prec, tune as _tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -95,7 +95,7 @@ def _solve_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
     return Mi
 
 
-@_tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
        key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
@@ -178,7 +178,7 @@ def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
         tl.store(Up + row[:, None] * V + o_v[None, :], b_up.to(DT), mask=m_tv)
 
 
-@_tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+@tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
        key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H"])
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -256,7 +256,7 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
     tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@_tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+@tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
        key=["H", "K", "V", "BT", "HAS_A"])
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -314,7 +314,7 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
     tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@_tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
        key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
@@ -533,16 +533,16 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
 
 def _launch_opts(V: int) -> dict:
     """Config chosen by rule under the interpreter (multi-config autotune fails there)."""
-    if not _INTERPRET:
+    if not INTERPRET:
         return {}
     return {"BV": _bv(V)}
 
 
 def _bv(V: int) -> int:
     """Value block of the parallel kernels (and of the sequential ones under the interpreter)."""
-    if _INTERPRET:
-        return INTERPRET_BV or _pow2(V)
-    return min(_pow2(V), 64)
+    if INTERPRET:
+        return INTERPRET_BV or pow2(V)
+    return min(pow2(V), 64)
 
 
 def _key_block(K: int, dtype) -> int:
@@ -552,8 +552,8 @@ def _key_block(K: int, dtype) -> int:
     block is padded to 64: the loads are masked, so the extra key columns are zeros. The rule is
     the same under the interpreter, so the CPU tests run the padded kernels."""
     if dtype == torch.float32:
-        return _pow2(K)
-    return _pow2(K, lo=64)
+        return pow2(K)
+    return pow2(K, lo=64)
 
 
 def _empty(*shape, device, dtype):
@@ -577,7 +577,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     has_a = a is not None
     uu = v if u is None else u
     qq = v if q is None else q
-    prec = _prec(dt)
+    prec = dot_precision(dt)
     M = _empty(B, T, H, BT, device=dev, dtype=dt)
     L = _empty(B, T, H, BT, device=dev, dtype=dt)
     Lq = _empty(B, T, H, BT, device=dev, dtype=dt) if general else L
@@ -612,7 +612,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     general = q is not None
     has_a = a is not None
     M, L, Lq, W, g, hs, psi = saved
-    prec = _prec(dt)
+    prec = dot_precision(dt)
     do = do.contiguous().to(dt)
     dhs = _empty_like(hs)
     dpsi = _empty_like(psi)

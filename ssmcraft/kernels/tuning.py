@@ -1,5 +1,5 @@
 """Autotuning shared by the chunked Triton families: interpreter-aware ``tune``, the config rule
-``warp_rule``, the block-size helpers ``pow2`` / ``prec`` and the kernels' I/O dtype rule ``io_dtype``."""
+``warp_rule``, the block-size helpers ``pow2`` / ``dot_precision`` and the kernels' I/O dtype rule ``io_dtype``."""
 from __future__ import annotations
 
 import os
@@ -57,7 +57,7 @@ def io_dtype(dtype) -> torch.dtype:
     return dtype if dtype in IO_DTYPES else torch.float32
 
 
-def prec(dtype) -> str:
+def dot_precision(dtype) -> str:
     """``input_precision`` of tl.dot: fp32 I/O takes three-pass tf32 (fp32-accurate); bf16/fp16
     I/O products are bf16/fp16 (an fp32 product there, e.g. a block inverse, takes one tf32 pass)."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
