@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 import ssmcraft  # noqa: E402
 from checks import TOL, compare, dtype_name, reference  # noqa: E402
-from common import Report, bench_ms, copy_bandwidth, floor_bytes, once_ms, random_inputs, rel_rms  # noqa: E402
+from common import Report, bench_ms, copy_bandwidth, floor_bytes, once_ms, random_inputs  # noqa: E402
+from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 from ssmcraft.kernels import diagonal as D  # noqa: E402
 
 # ENV.md anchors (H100, copy bandwidth 4.22 TB/s there)
@@ -118,7 +119,7 @@ def section_check(rep, name, shape, dtype, config):
     ok = cmp.within(tol)
     rep.add(section="check", spec=name, shape=shape, dtype=dtype_name(dtype), config=config,
             ok=ok, all_written=cmp.written, worst=cmp.worst[1], tol=tol, **cmp.errors)
-    del ref, cmp
+    del ref
     torch.cuda.empty_cache()
     return ok
 

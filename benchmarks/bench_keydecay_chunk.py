@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import ssmcraft  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
-from common import rel_rms as rel  # noqa: E402
+from ssmcraft.kernels.checking import rel_rms as rel  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
 from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
 

@@ -31,7 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Report, bench_ms, copy_bandwidth, random_inputs, rel_rms  # noqa: E402
+from common import Report, bench_ms, copy_bandwidth, random_inputs  # noqa: E402
+from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
 

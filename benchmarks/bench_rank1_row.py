@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_row as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
-from checks import TOL, dtype_name, reference_errors, rel_rms as rel, summary  # noqa: E402
+from checks import TOL, dtype_name, reference_errors, summary  # noqa: E402
+from ssmcraft.kernels.checking import rel_rms as rel  # noqa: E402
 
 DEV = "cuda"
 LINES: list[str] = []
@@ -83,8 +84,6 @@ def check(obj, B, T, H, K, V, dtype, seed=0):
     say(f"check {obj.name:15s} {dtype_name(dtype):8s} B={B} T={T} H={H} K={K} V={V}: max rel err "
         f"{cmp.worst[1]:.2e} ({', '.join(f'{k} {v:.1e}' for k, v in cmp.errors.items())}) "
         f"{'ok' if ok else summary(cmp, TOL[dtype])}")
-    del cmp
-    torch.cuda.empty_cache()
     return ok
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.kernels.checking import Comparison, compare, reference, reference_errors, rel_rms  # noqa: F401
+from ssmcraft.kernels.checking import Comparison, compare, reference, reference_errors  # noqa: F401
 
 # relative RMS error of every output and gradient, kernel vs the float64 reference loop
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}            # sequential kernels (row, rank-r, general, diagonal)
@@ -22,7 +22,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def summary(cmp: Comparison, tol: float) -> str:
     """``worst 3.1e-05 (dS0), all written: ok`` (or ``FAIL``, with what failed)."""
     name, worst = cmp.worst
-    bad = [k for k, v in cmp.errors.items() if not v <= tol]
+    bad = list(cmp.over(tol))
     verdict = "ok" if cmp.within(tol) else "FAIL" + (f" over {tol:g}: {', '.join(bad)}" if bad else "") + \
         ("" if cmp.written else " (an output or gradient left unwritten: NaN)")
     return f"worst {worst:.2e} ({name}) {verdict}"

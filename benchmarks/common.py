@@ -1,8 +1,9 @@
 """Shared helpers for the kernel benchmark scripts (run on the GPU through the `device` tool).
 
 Timing (`bench_ms`: triton.testing.do_bench median; `once_ms`: CUDA events, for slow anchors
-such as the naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_ms`), NaN poisoning
-(`poison_like`, `all_written`), error metrics (`rel_rms`) and a small JSON/stdout `Report`.
+such as the naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_bytes`) and a small
+JSON/stdout `Report`. Error metrics and reference checks: ``ssmcraft.kernels.checking`` and
+``checks.py``.
 Import as ``from common import ...`` with ``benchmarks/`` on ``sys.path`` (each script does that).
 """
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 
 import torch
 
-from ssmcraft.kernels.checking import all_written, rel_rms  # noqa: F401 - (checks.py: the reference checks)
 from ssmcraft.kernels.commands import bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: F401
 
 
@@ -34,14 +34,6 @@ def once_ms(fn, reps: int = 2) -> float:
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
-
-
-def floor_ms(nbytes: int, bandwidth: float) -> float:
-    return nbytes / bandwidth * 1e3
-
-
-def poison_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(t, float("nan"))
 
 
 def device_name() -> str:

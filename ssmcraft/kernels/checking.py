@@ -38,6 +38,11 @@ def _states(S) -> tuple:
     return tuple(S) if isinstance(S, (tuple, list)) else (S,)
 
 
+def _state_names(obj) -> tuple:
+    spec = obj.spec
+    return tuple(spec.states) if spec.states else (spec.state,)
+
+
 @dataclass
 class Reference:
     """One case's float64 reference: the values, the cotangents and what the reference gives."""
@@ -53,21 +58,15 @@ class Reference:
 
     @property
     def state_names(self) -> tuple:
-        spec = self.obj.spec
-        return tuple(spec.states) if spec.states else (spec.state,)
+        return _state_names(self.obj)
 
 
 @dataclass
 class Comparison:
-    """A kernel against a ``Reference``: relative RMS errors by name, and the kernel's outputs
-    and gradients (for ``written``)."""
+    """A kernel against a ``Reference``: relative RMS errors by name, and whether the kernel
+    wrote every output and gradient (no NaN; outputs allocated NaN-filled: all written)."""
     errors: dict
-    outputs: list
-
-    @property
-    def written(self) -> bool:
-        """No NaN in any output or gradient (outputs allocated NaN-filled: all written)."""
-        return all_written(*self.outputs)
+    written: bool
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -75,11 +74,21 @@ class Comparison:
         name = max(self.errors, key=lambda k: self.errors[k] if self.errors[k] == self.errors[k] else float("inf"))
         return name, self.errors[name]
 
+    def over(self, tol: dict | float) -> dict:
+        """{name: error} of the errors over ``tol`` (a number, or ``tol[name]`` with ``tol["grad"]``
+        for the gradients); NaN is over any tolerance."""
+        return over(self.errors, tol)
+
     def within(self, tol: dict | float) -> bool:
-        """Every error within ``tol`` (a number, or ``tol[name]`` with ``tol["grad"]`` for the
-        gradients), every output written; NaN fails."""
-        limit = (lambda k: tol) if not isinstance(tol, dict) else (lambda k: tol.get(k, tol["grad"]))
-        return self.written and all(v <= limit(k) for k, v in self.errors.items())
+        """Every error within ``tol`` (``over``) and every output written."""
+        return self.written and not self.over(tol)
+
+
+def over(errors: dict, tol: dict | float) -> dict:
+    """{name: error} of ``errors`` over ``tol`` (a number, or ``tol[name]``, ``tol["grad"]`` for
+    names not in it); NaN is over any tolerance. The one tolerance rule of tests and checks."""
+    limit = (lambda k: tol) if not isinstance(tol, dict) else (lambda k: tol.get(k, tol["grad"]))
+    return {k: v for k, v in errors.items() if not v <= limit(k)}
 
 
 def _leaf_names(ins, params, S0, states) -> list[str]:
@@ -103,9 +112,8 @@ def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Re
     dS = tuple(torch.randn(s.shape, generator=g, dtype=torch.float64).to(dev) for s in S)
     wrt = [*leaves.values(), *pleaves.values(), *(s0 or ())]
     grads = torch.autograd.grad((y * dy).sum() + sum((s * w).sum() for s, w in zip(S, dS)), wrt)
-    ref = Reference(obj, dict(ins), params, S0, dy, dS, y.detach(), tuple(s.detach() for s in S), {})
-    ref.grads = dict(zip(_leaf_names(ins, params, S0, ref.state_names), grads))
-    return ref
+    return Reference(obj, dict(ins), params, S0, dy, dS, y.detach(), tuple(s.detach() for s in S),
+                     dict(zip(_leaf_names(ins, params, S0, _state_names(obj)), grads)))
 
 
 def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, *,
@@ -119,8 +127,9 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
     s1 = None if ref.S0 is None else tuple(s.detach().float().requires_grad_() for s in _states(ref.S0))
     y, S = call(lv, pv, None if s1 is None else (s1 if isinstance(ref.S0, (tuple, list)) else s1[0]))
     S = _states(S)
-    assert y.shape == ref.y.shape and [s.shape for s in S] == [s.shape for s in ref.S], \
-        (tuple(y.shape), [tuple(s.shape) for s in S], tuple(ref.y.shape), [tuple(s.shape) for s in ref.S])
+    if y.shape != ref.y.shape or [s.shape for s in S] != [s.shape for s in ref.S]:
+        raise ValueError(f"the kernel returned y {tuple(y.shape)}, states {[tuple(s.shape) for s in S]}; the reference "
+                         f"y {tuple(ref.y.shape)}, states {[tuple(s.shape) for s in ref.S]}")
     wrt = [*lv.values(), *pv.values(), *(s1 or ())]
     got = torch.autograd.grad((y.double() * ref.dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, ref.dS)),
                               wrt)
@@ -132,7 +141,7 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
         if name in scale:
             a, b = a * scale[name], b * scale[name]
         errors[name] = rel_rms(a, b)
-    return Comparison(errors, [y, *S, *got])
+    return Comparison(errors, all_written(y, *S, *got))
 
 
 def reference_errors(obj, call: Callable, ins: dict, params: dict | None, S0, g: torch.Generator,
