@@ -13,6 +13,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
+from ssmcraft.compiler.structure import element_form  # noqa: E402
 from ssmcraft.compiler.library import find_objective  # noqa: E402
 from ssmcraft.kernels import general as G  # noqa: E402
 from ssmcraft.kernels import rankr_row as RR  # noqa: E402
@@ -101,7 +102,7 @@ def test_row_kernel_and_decode_share_one_derivation_and_keep_no_ir_alive(monkeyp
     assert RR.supports(obj.ir) is None
     ins, _, S0, _ = kernel_inputs(obj, 1, 1, 1, 6, 4, seed=2, unit_keys=True)
     assert decode.supports_inputs(obj.ir, ins, "interpret") is None
-    assert G._module(obj.ir) is G._module(G.lowered(obj.ir)) and len(builds) == 1
+    assert G._module(obj.ir) is G._module(element_form(obj.ir)) and len(builds) == 1
     obj.prefer = "interpret"
     y, S = obj({k: v.float() for k, v in ins.items()}, initial_state=S0.float())
     assert obj.backend == "triton-interpret:decode-fused" and len(builds) == 1

@@ -368,9 +368,13 @@ def element_form(ir: UpdateIR) -> UpdateIR:
     erase ``c (S_prev u) v`` for rank-1, ``B = p q`` or ``sum_r p_r v_r`` by the slots). The
     fused one-token (decode) kernel and the row-tiled rank-r kernel are generated from it
     (``ssmcraft.kernels.decode``, ``ssmcraft.kernels.general``). General and nonlinear IRs are
-    returned unchanged."""
+    returned unchanged. Computed once per IR object and kept on it (``UpdateIR.memo``)."""
     if ir.kind in ("general", "nonlinear"):
         return ir
+    return ir.memo("element_form", lambda: _element_form(ir))
+
+
+def _element_form(ir: UpdateIR) -> UpdateIR:
     row, col = ir.dims
     expanded = ir.expanded_coefficients()
 

@@ -93,9 +93,14 @@ class Imports:
         return "\n".join(lines).rstrip() + "\n"
 
 
-def _check_allowed(module: str, where: str, allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> None:
+def _allowed(module: str, allowed: tuple[str, ...]) -> bool:
+    """Whether an exported module may import ``module``: ``__future__``, the standard library or ``allowed``."""
     top = module.split(".")[0]
-    if top == "__future__" or top in sys.stdlib_module_names or top in allowed:
+    return top == "__future__" or top in sys.stdlib_module_names or top in allowed
+
+
+def _check_allowed(module: str, where: str, allowed: tuple[str, ...]) -> None:
+    if _allowed(module, allowed):
         return
     raise ExportError(f"{where}: imports {module!r} at module level; the exported module may import only "
                       f"the standard library and {', '.join(allowed)}")
@@ -244,9 +249,7 @@ def import_problem(source: str, where: str, allowed: tuple[str, ...] = ALLOWED_T
         mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         for mod in mods:
-            top = mod.split(".")[0]
-            if top in sys.stdlib_module_names or top in allowed or top == "__future__" or \
-                    (ssmcraft and _is_ssmcraft(mod)):
+            if _allowed(mod, allowed) or (ssmcraft and _is_ssmcraft(mod)):
                 continue
             return f"{where} imports {mod} at run time"
     return None
@@ -268,7 +271,6 @@ def standalone_module(module_name: str, header: str, *, exclude: set[str] = froz
         return source
 
     source = check_imports(module_name)
-    module_section(module_name, Imports(allowed=allowed), exclude=exclude)   # its own problems first, named
     deps: list[str] = []
     for node in ast.parse(source).body:
         if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module) and node.module not in deps:

@@ -10,6 +10,8 @@ launch, the state read once and written once. It is first in the dispatch order 
 """
 from __future__ import annotations
 
+from ssmcraft.compiler.structure import element_form
+
 
 BACKEND_NAME = "decode-fused"
 
@@ -31,7 +33,7 @@ def supports_inputs(ir, inputs, mode) -> str | None:
     first = next(iter(inputs.values()))
     if first.dim() < 2 or first.shape[1] != 1:
         return f"only one-token calls (T = 1); this call has T = {first.shape[1] if first.dim() > 1 else '?'}"
-    reason = general.supports(general.lowered(ir))
+    reason = general.supports(element_form(ir))
     return None if reason is None else f"no fused one-token kernel: {reason}"
 
 
@@ -39,4 +41,4 @@ def prepare(obj, lay):
     """The runner for one call signature (``lay`` from ``reference.validate``). Returns
     ``fn(inputs, params, initial_state, output_final_state) -> (y [B,1,H,d], S_T [B,H,d,m] fp32)``."""
     from ssmcraft.kernels import general
-    return general.runner(obj, general.lowered(obj.ir), lay)       # one row block: all rows in one program
+    return general.runner(obj, element_form(obj.ir), lay)       # one row block: all rows in one program

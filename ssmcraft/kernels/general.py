@@ -127,7 +127,7 @@ def element_algebra(ir, reductions=()):
 
 def build_step(ir) -> Step:
     """Lower the IR of an update into one ``Algebra`` and derive the adjoints."""
-    ir = lowered(ir)                        # structured (rank1/rankr): the element form of its slots
+    ir = element_form(ir)                   # structured (rank1/rankr): the element form of its slots
     d, m = ir.dims
     alg, sym = element_algebra(ir, (*ir.reductions, *ir.state_reductions, *ir.readout_reductions))
     several = bool(ir.states)
@@ -436,18 +436,12 @@ def kernel_source(ir, step: Step, header: str) -> str:
 _MODULES: dict = {}    # content hash of the element form -> (step, module, source)
 
 
-def lowered(ir):
-    """``ir`` in element form (``structure.element_form``; general IRs are their own), computed
-    once per IR object and kept on it (``UpdateIR.memo``)."""
-    return ir.memo("element_form", lambda: element_form(ir))
-
-
 def _module(ir):
     """(Step, generated module, source) of ``ir``'s fused kernels, cached by the content hash
     of its element form (``structure.element_form``, kept on the IR: ``UpdateIR.memo``), so
     that a structured IR and its element form (the rank-r family and the one-token decode
     family of one objective) share one derivation of the adjoint and one module."""
-    ir = lowered(ir)
+    ir = element_form(ir)
     key = ir.content_hash()
     if key not in _MODULES:
         step = build_step(ir)
