@@ -88,18 +88,3 @@ def kernel_inputs(obj, B, T, H, d, m, seed, unit_keys=False):
     params = {n: 0.2 + 0.6 * torch.rand(H, *size(dims), generator=g, dtype=torch.float64)
               for n, dims in obj.ir.params.items()}
     return ins, params, torch.randn(B, H, d, m, generator=g, dtype=torch.float64) * 0.5, g
-
-
-def run_and_grads(fn, inputs, params, S0, seed=7):
-    """``fn(inputs, params, S0, True) -> (y, S_T)`` and the gradients of every input (``in.<name>``),
-    param (``param.<name>``) and of ``S0`` under random cotangents of ``y`` and ``S_T`` (float64,
-    drawn from ``seed``): returns (y, S_T, {leaf: gradient})."""
-    import torch
-    leaves = {**{f"in.{k}": v for k, v in inputs.items()}, **{f"param.{k}": v for k, v in params.items()}, "S0": S0}
-    for t in leaves.values():
-        t.grad = None
-    y, S = fn(inputs, params, S0, True)
-    g = torch.Generator().manual_seed(seed)
-    wy, wS = torch.randn(y.shape, generator=g, dtype=torch.float64), torch.randn(S.shape, generator=g, dtype=torch.float64)
-    ((y.double() * wy).sum() + (S.double() * wS).sum()).backward()
-    return y, S, {k: t.grad.clone() for k, t in leaves.items()}

@@ -25,7 +25,8 @@ from ssmcraft.compiler.structure import element_form  # noqa: E402
 from ssmcraft.kernels import general as G, keydecay_chunk as KD, rank1_chunk as RC  # noqa: E402
 from ssmcraft.kernels import triton_backend as TB  # noqa: E402
 from ssmcraft.kernels.slots import bindings  # noqa: E402
-from helpers import assert_within, random_inputs, rel_rms, run_and_grads  # noqa: E402
+from ssmcraft.kernels.checking import reference_errors  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
 
@@ -172,17 +173,11 @@ def test_one_token_calls_run_the_fused_kernel(monkeypatch, name):
     monkeypatch.setattr(G, "POISON", True)
     obj = _interpret(name)
     inputs, params = random_inputs(obj.spec, B=3, T=1, sizes={obj.spec.dims[0]: 5, obj.spec.dims[1]: 3})
-    inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
-    params = {k: v.float().requires_grad_(True) for k, v in params.items()}
-    S0 = torch.randn(3, 2, 5, 3).requires_grad_(True)
-    y, S, grads = run_and_grads(obj, inputs, params, S0)
+    S0 = torch.randn(3, 2, 5, 3, dtype=torch.float64)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), inputs, params, S0, torch.Generator().manual_seed(7))
     assert obj.backend == "triton-interpret:decode-fused"
-    ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
-    ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
-    ref_S0 = S0.detach().double().requires_grad_(True)
-    yr, Sr, gr = run_and_grads(obj.reference, ref_in, ref_p, ref_S0)
-    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
-    assert_within(errs, TOL)
+    assert cmp.written, cmp.errors
+    assert_within(cmp.errors, TOL)
 
 
 def test_longer_calls_do_not_take_the_decode_kernel():
@@ -224,16 +219,11 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     obj = _interpret(name)
     sizes = {obj.spec.dims[0]: 8, obj.spec.dims[1]: 4}
     inputs, params = random_inputs(obj.spec, B=2, T=19, sizes=sizes)
-    inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
-    params = {k: v.float().requires_grad_(True) for k, v in params.items()}
-    S0 = torch.randn(2, 2, 8, 4).requires_grad_(True)
-    y, S, grads = run_and_grads(obj, inputs, params, S0)
+    S0 = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), inputs, params, S0, torch.Generator().manual_seed(7))
     kernel = {"rank1_row": "rank1-row", "rank1_chunk": "rank1-chunk", "keydecay_chunk": "keydecay-chunked",
               "general": "general", "rankr_row": "rankr-row"}[family]
     computed = family != "rankr_row" and any(b.kind == "computed" for b in bindings(obj.ir).values())
     assert obj.backend == f"triton-interpret:{kernel}" + ("+prologue" if computed else "")
-    ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
-    ref_p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
-    yr, Sr, gr = run_and_grads(obj.reference, ref_in, ref_p, S0.detach().double().requires_grad_(True))
-    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
-    assert_within(errs, TOL)
+    assert cmp.written, cmp.errors
+    assert_within(cmp.errors, TOL)

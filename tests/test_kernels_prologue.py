@@ -22,7 +22,8 @@ import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
 from ssmcraft.kernels import prologue as P, rank1_row as RR, triton_backend as TB  # noqa: E402
 from ssmcraft.kernels.slots import bindings  # noqa: E402
-from helpers import assert_within, random_inputs, rel_rms, run_and_grads  # noqa: E402
+from ssmcraft.kernels.checking import compare, reference  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 
 # every library objective with a computed slot (checked against the library below)
 COMPUTED = ["gated_deltanet", "gated_longhorn", "hgrn", "longhorn", "longhorn_2key", "longhorn_diag", "mamba",
@@ -124,16 +125,19 @@ def _longhorn_end_to_end(monkeypatch, obj):
     monkeypatch.setattr(obj.module, "coefficients", lambda *a: calls.append(1) or eager(*a))
     obj.prefer = "interpret"
     inputs, params = random_inputs(obj.spec, **SIZES, sizes={"d": 7, "m": 5})
-    inputs = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
-    S0 = torch.randn(2, 3, 7, 5).requires_grad_(True)
-    y, S, grads = run_and_grads(obj, inputs, {}, S0)
+    S0 = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    ref = reference(obj, inputs, {}, S0, torch.Generator().manual_seed(7))
+    calls.clear()                           # count the fast call's eager coefficients only
+    seen = {}
+
+    def call(i, p, s):
+        seen.update(inputs=i, S0=s)
+        return obj(i, p, s, True)
+    cmp = compare(ref, call)
     n_eager = len(calls)
-    ref_in = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
-    yr, Sr, gr = run_and_grads(obj.reference, ref_in, {}, S0.detach().double().requires_grad_(True))
-    errs = {"y": rel_rms(y, yr), "S_T": rel_rms(S, Sr), **{k: rel_rms(grads[k], gr[k]) for k in gr}}
-    assert set(gr) == {"in.x", "in.k", "in.q", "in.beta", "S0"}
-    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})
-    return inputs, S0, n_eager
+    assert set(cmp.errors) == {"y", "S_T", "dx", "dk", "dq", "dbeta", "dS0"} and cmp.written, cmp.errors
+    assert_within(cmp.errors, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})
+    return seen["inputs"], seen["S0"], n_eager
 
 
 def test_longhorn_public_path_takes_the_prologue(monkeypatch):

@@ -82,7 +82,7 @@ class Scripted:
             os._exit(3)
         if action == "bad_curve":
             for i in range(1, self.steps + 1):
-                if report(i * 1000, {"val_loss": 100.0}):
+                if report(i * 1000, {"val_loss": 100.0, "tokens": i * 1000}):
                     return {"status": "pruned", "tokens": i * 1000}
                 time.sleep(self.sleep_s)
             return {"val_loss": 100.0, "tokens": self.steps * 1000}
