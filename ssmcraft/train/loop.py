@@ -16,10 +16,11 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   read-back and the run ends ``diverged`` at the step where it first occurred, the
   reason saying how many steps later it was seen; a sticky device flag makes the fused
   AdamW skip that step and every later one, so the weights are the last finite ones;
-- ``train.compile`` (auto: on for CUDA) compiles the LM around the recurrence
-  (``ssmcraft.train.compiled``); or ``train.cuda_graphs`` (auto: on for CUDA when compile is
-  off) replays the forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``);
-  evaluation sums on the device and reads back once.
+- ``train.cuda_graphs`` (auto: on for CUDA unless ``train.compile`` is true) replays the
+  forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``); or
+  ``train.compile`` (auto: on for CUDA only with ``train.cuda_graphs: false``) compiles the LM
+  around the recurrence (``ssmcraft.train.compiled``); evaluation sums on the device and
+  reads back once.
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
