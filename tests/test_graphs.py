@@ -6,6 +6,8 @@ captured training loss module against the eager loss. The captures themselves ru
 ``benchmarks/bench_graphs.py`` checks them against eager ``obj()``, training and decoding."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -161,3 +163,49 @@ def test_graphed_decoding_refusals():
     lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
     with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device; the model is on cpu"):
         GraphedDecoder(lm, 2)
+
+
+def test_graphed_training_path_capture_failure_is_recorded_or_raised(tmp_path, monkeypatch):
+    """The loop's graphed branch with the decision forced on (CPU): ``GraphedLoss`` refuses CPU, so
+    under ``auto`` the failure is recorded as ``fallback`` and every step runs eager; under ``true``
+    the run raises."""
+    from ssmcraft.train import loop
+
+    monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
+    m = train_run(_mqar(device="cpu"), tmp_path / "auto")
+    assert m["status"] == "ok" and m["steps"] == 2
+    info = m["cuda_graphs"]
+    assert info["enabled"] is False and info["reason"] == "forced on for the test"
+    assert info["fallback"].startswith("capture failed: SsmcraftError: train.cuda_graphs: CUDA graphs need a "
+                                       "CUDA device") and info["fallback"].endswith("; ran eager")
+    assert info["graphed_steps"] == 0 and info["eager_steps"] == 0
+    assert "CUDA graph capture of the training step failed" in (tmp_path / "auto" / "train.log").read_text()
+    with pytest.raises(SsmcraftError, match="train.cuda_graphs: capturing the training step failed: SsmcraftError"):
+        train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")
+
+
+def test_graphed_training_path_steps_through_the_captured_loss(tmp_path, monkeypatch):
+    """The loop's graphed branch with a stand-in for the capture (the captured function itself,
+    ``_LossModule``, called directly): captured once at step 0, every step counted as graphed, the
+    per-step losses and the final validation those of the eager run."""
+    from ssmcraft.train import graphed, loop
+
+    made = []
+
+    class NoGraph(graphed.GraphedLoss):
+        def __init__(self, model, inputs, targets, device, precision, warmup=3):
+            made.append(tuple(inputs.shape))
+            self.shapes = (tuple(inputs.shape), tuple(targets.shape))
+            self._fn = _LossModule(model, device, precision)
+
+    eager = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "eager")
+    monkeypatch.setattr(graphed, "GraphedLoss", NoGraph)
+    monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
+    m = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "graphed")
+    assert made == [(4, 32)]                                    # captured once, at the first step
+    assert m["cuda_graphs"] == {"setting": "auto", "enabled": True, "reason": "forced on for the test",
+                                "graphed_steps": 3, "eager_steps": 0}
+    assert m["steps"] == 3 and m["status"] == "ok" and eager["cuda_graphs"]["enabled"] is False
+    history = [json.loads((tmp_path / run / "history.json").read_text())["train"] for run in ("eager", "graphed")]
+    assert [r["loss"] for r in history[1]] == [r["loss"] for r in history[0]] and len(history[0]) == 3
+    assert m["val_loss"] == eager["val_loss"]
