@@ -209,3 +209,62 @@ def test_graphed_training_path_steps_through_the_captured_loss(tmp_path, monkeyp
     history = [json.loads((tmp_path / run / "history.json").read_text())["train"] for run in ("eager", "graphed")]
     assert [r["loss"] for r in history[1]] == [r["loss"] for r in history[0]] and len(history[0]) == 3
     assert m["val_loss"] == eager["val_loss"]
+
+
+def _call_tensors(obj, B=2, T=5, H=2, d=4, m=3, with_state=True, seed=0):
+    """Random inputs, params and (several) initial state(s) for ``obj``, all requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    size = {"d": d, "m": m}
+
+    def rand(*shape):
+        return (torch.rand(*shape, generator=g) * 0.5 + 0.25).double().requires_grad_()
+
+    inputs = {n: rand(B, T, H, *(size[s] for s in dims)) for n, dims in obj.ir.inputs.items()}
+    params = {n: rand(H, *(size[s] for s in dims)) for n, dims in obj.ir.params.items()}
+    n_states = len(obj.ir.states)
+    S0 = None
+    if with_state:
+        S0 = tuple(rand(B, H, d, m) for _ in range(n_states)) if n_states else rand(B, H, d, m)
+    return inputs, params, S0
+
+
+def _flat(inputs, params, S0):
+    return [*inputs.values(), *params.values(), *(S0 if isinstance(S0, tuple) else () if S0 is None else (S0,))]
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("name", ["longhorn", "momentum_longhorn", "mamba"])
+def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
+    """``GraphedCall`` with the capture replaced by the captured function itself (so it runs on
+    CPU): the flat order and its unflattening (params ``{}`` -> None, one state or a tuple), the
+    packing of several final states, ``static_inputs()``: outputs and every gradient (the initial
+    state's included) equal ``obj()``'s."""
+    from ssmcraft.kernels import graphs
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)
+    monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
+    obj = ssmcraft.compile(name)
+    obj.prefer = "torch"
+    inputs, params, S0 = _call_tensors(obj, with_state=with_state)
+    g = obj.graphed(inputs, params, S0, output_final_state=True)
+    for call_params in (params, None) if not params else (params,):
+        y, S = g(inputs, call_params, S0)
+        y_ref, S_ref = obj(inputs, params or None, S0, True)
+        assert torch.equal(y, y_ref)
+        assert type(S) is type(S_ref) and (len(S) == len(obj.ir.states) if isinstance(S, tuple) else True)
+        finals = S if isinstance(S, tuple) else (S,)
+        finals_ref = S_ref if isinstance(S_ref, tuple) else (S_ref,)
+        assert all(torch.equal(a, b) for a, b in zip(finals, finals_ref, strict=True))
+        leaves = _flat(inputs, params, S0)
+        out = (y * 1.3).sum() + sum((s * 0.7).sum() for s in finals)
+        ref = (y_ref * 1.3).sum() + sum((s * 0.7).sum() for s in finals_ref)
+        for a, b in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(ref, leaves), strict=True):
+            assert torch.equal(a, b)
+    s_inputs, s_params, s_S0 = g.static_inputs()
+    assert list(s_inputs) == list(inputs) and (s_params is None) == (not params)
+    assert (s_S0 is None) == (S0 is None) and isinstance(s_S0, tuple) == isinstance(S0, tuple)
+    for mine, theirs in zip(_flat(s_inputs, s_params or {}, s_S0), _flat(inputs, params, S0), strict=True):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr() and mine.requires_grad
+    assert torch.equal(g(s_inputs, s_params, s_S0)[0], y_ref)
+    with pytest.raises(SsmcraftError, match="another signature than the one captured"):
+        g(inputs, params, S0, output_final_state=False)
