@@ -268,3 +268,16 @@ def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
     assert torch.equal(g(s_inputs, s_params, s_S0)[0], y_ref)
     with pytest.raises(SsmcraftError, match="another signature than the one captured"):
         g(inputs, params, S0, output_final_state=False)
+
+
+def test_static_decode_state_load_refuses_caches_that_do_not_fit():
+    """``load`` checks the layer count and every shape: a batch-1 prefill is not broadcast into a
+    batch-3 decoder, and a missing layer is not dropped."""
+    torch.manual_seed(0)
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=2, mixer=MIXERS["momentum_longhorn"]))
+    static = StaticDecodeState(lm, 3)
+    with pytest.raises(SsmcraftError, match=r"layer 0's cache .* has shapes \[\[1, "):
+        static.load(lm.init_cache(1))
+    with pytest.raises(SsmcraftError, match="1 layer cache\\(s\\) given; this model has 2"):
+        static.load(lm.init_cache(3)[:1])
+    static.load(lm.init_cache(3))

@@ -30,6 +30,11 @@ from ssmcraft.kernels.graphs import NEED_CUDA
 from ssmcraft.layers.mixer import RecurrentCache
 
 
+def _tensors(cache) -> tuple[torch.Tensor, ...]:
+    """A ``RecurrentCache``'s tensors: the conv window, then the state(s)."""
+    return (cache.conv, *(cache.state if isinstance(cache.state, tuple) else (cache.state,)))
+
+
 def _copy_state(dst, src) -> None:
     if isinstance(dst, tuple):
         for a, b in zip(dst, src):
@@ -73,10 +78,21 @@ class StaticDecodeState:
                 s.zero_()
 
     def load(self, caches) -> None:
-        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones."""
-        for mine, theirs in zip(self.caches, caches):
-            mine.conv.copy_(theirs.conv)
-            _copy_state(mine.state, theirs.state)
+        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones. They
+        must fit exactly: one per layer, each tensor of the static one's shape (``copy_`` would
+        broadcast a batch-1 cache into every row); else ``SsmcraftError`` naming the layer."""
+        caches = list(caches)
+        if len(caches) != len(self.caches):
+            raise SsmcraftError(f"graphed decoding: {len(caches)} layer cache(s) given; this model has "
+                                f"{len(self.caches)}")
+        for i, (mine, theirs) in enumerate(zip(self.caches, caches)):
+            dst, src = _tensors(mine), _tensors(theirs)
+            shapes, got = [list(t.shape) for t in dst], [list(t.shape) for t in src]
+            if shapes != got:
+                raise SsmcraftError(f"graphed decoding: layer {i}'s cache (conv window, state(s)) has shapes "
+                                    f"{got}; the decoder holds {shapes} (batch {self.token.shape[0]})")
+            for a, b in zip(dst, src):
+                a.copy_(b)
 
 
 class GraphedDecoder:
