@@ -281,3 +281,20 @@ def test_static_decode_state_load_refuses_caches_that_do_not_fit():
     with pytest.raises(SsmcraftError, match="1 layer cache\\(s\\) given; this model has 2"):
         static.load(lm.init_cache(3)[:1])
     static.load(lm.init_cache(3))
+
+
+def test_graphed_call_names_a_number_where_a_tensor_was_captured(monkeypatch):
+    """A call passing a number where a tensor was captured gets ``require_cuda``'s message for that place."""
+    from ssmcraft.kernels import graphs
+
+    real = graphs.require_cuda
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)
+    monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
+    obj = ssmcraft.compile("mamba")
+    inputs, params, S0 = _call_tensors(obj)
+    g = obj.graphed(inputs, params, S0)
+    monkeypatch.setattr(graphs, "require_cuda", real)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SsmcraftError, match=r"mamba: graphed: params\['A'\] is a float; CUDA graphs need a CUDA "
+                                            r"device and tensors"):
+        g(inputs, {"A": 0.5}, S0)

@@ -166,6 +166,9 @@ class GraphedCall:
         entries = _entries(inputs, params, initial_state)
         got = call_signature(inputs, params, initial_state, ofs, entries)
         if got != self.signature:
+            # a number or a host tensor where a CUDA tensor was captured: require_cuda's message by place
+            expected = set(self.signature)
+            require_cuda([e for e, row in zip(entries, got) if row not in expected], f"{self.obj.name}: graphed")
             raise SsmcraftError(f"{self.obj.name}: graphed call with another signature than the one captured "
                                 f"({signature_difference(self.signature, got)}); make another with "
                                 f"obj.graphed(...) for these tensors")
