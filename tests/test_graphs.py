@@ -18,7 +18,7 @@ from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
 from ssmcraft.train.compiled import compile_decision
-from ssmcraft.train.graphed import _LossModule, graphs_decision
+from ssmcraft.train.graphed import GraphedLoss, _LossModule, graphs_decision
 from ssmcraft.train.validate import batch_loss
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -298,3 +298,15 @@ def test_graphed_call_names_a_number_where_a_tensor_was_captured(monkeypatch):
     with pytest.raises(SsmcraftError, match=r"mamba: graphed: params\['A'\] is a float; CUDA graphs need a CUDA "
                                             r"device and tensors"):
         g(inputs, {"A": 0.5}, S0)
+
+
+def test_warmup_below_one_is_refused():
+    """No silent ``max(1, warmup)``: the warm-up compiles and tunes outside the capture."""
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
+    x = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(SsmcraftError, match=r"longhorn: graphed: warmup must be an integer >= 1 .*got 0"):
+        ssmcraft.compile("longhorn").graphed(_inputs(), warmup=0)
+    with pytest.raises(SsmcraftError, match=r"graphed decoding: warmup must be an integer >= 1 .*got -1"):
+        GraphedDecoder(lm, 2, warmup=-1)
+    with pytest.raises(SsmcraftError, match=r"train.cuda_graphs: warmup must be an integer >= 1 .*got 0"):
+        GraphedLoss(lm, x, x, CPU, "fp32", warmup=0)

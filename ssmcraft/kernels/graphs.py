@@ -59,6 +59,15 @@ def require_cuda(entries, what: str = "graphed") -> None:
             raise SsmcraftError(f"{what}: {place} is on {t.device}; {NEED_CUDA}")
 
 
+def require_warmup(warmup, what: str = "graphed") -> int:
+    """``warmup`` (eager iterations before the capture) as a positive int; else ``SsmcraftError``: the
+    warm-up is where kernels are chosen, compiled and autotuned, which must not happen in the capture."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise SsmcraftError(f"{what}: warmup must be an integer >= 1 (eager iterations before the capture, "
+                            f"where kernels are compiled and tuned), got {warmup!r}")
+    return warmup
+
+
 def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False,
                    entries=None) -> tuple:
     """What a graphed call is fixed to: ``((place, shape, dtype, device, requires_grad), ...,
@@ -123,6 +132,7 @@ class GraphedCall:
 
     def __init__(self, obj, inputs, params=None, initial_state=None, output_final_state: bool = False,
                  warmup: int = 3):
+        require_warmup(warmup, f"{obj.name}: graphed")
         entries = _entries(inputs, params, initial_state)
         require_cuda(entries, f"{obj.name}: graphed")
         self.obj = obj
@@ -137,7 +147,7 @@ class GraphedCall:
         # static inputs: copies, so that a later call's copy-in never writes the caller's tensors
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for _, t in entries)
         self._static = sample
-        self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=max(1, warmup),
+        self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=warmup,
                                                           allow_unused_input=True)
         self.backend = obj.backend          # the path the captured call runs (chosen in the warm-up)
 

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.graphs import NEED_CUDA
+from ssmcraft.kernels.graphs import NEED_CUDA, require_warmup
 from ssmcraft.layers.mixer import RecurrentCache
 
 
@@ -105,6 +105,7 @@ class GraphedDecoder:
     """
 
     def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
+        require_warmup(warmup, "graphed decoding")
         device = model.embed.weight.device
         if device.type != "cuda" or not torch.cuda.is_available():
             raise SsmcraftError(f"graphed decoding: {NEED_CUDA}; the model is on {device}")
@@ -115,7 +116,7 @@ class GraphedDecoder:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad(), self._amp():
-            for _ in range(max(1, warmup)):
+            for _ in range(warmup):
                 self.state.advance()
         torch.cuda.current_stream(device).wait_stream(side)
         self.state.reset()          # the warm-up advanced the caches (a capture runs nothing)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.kernels.graphs import require_warmup
 from ssmcraft.train.validate import batch_loss
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,13 @@ class GraphedLoss:
 
     def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  device: torch.device, precision: str, warmup: int = 3):
+        require_warmup(warmup, "train.cuda_graphs")
         if device.type != "cuda" or not torch.cuda.is_available():
             raise SsmcraftError(f"train.cuda_graphs: CUDA graphs need a CUDA device; this run is on {device}")
         self.shapes = (tuple(inputs.shape), tuple(targets.shape))
         sample = (inputs.detach().clone(), targets.detach().clone())
         self._fn = torch.cuda.make_graphed_callables(_LossModule(model, device, precision), sample,
-                                                     num_warmup_iters=max(1, warmup), allow_unused_input=True)
+                                                     num_warmup_iters=warmup, allow_unused_input=True)
 
     def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         return (tuple(inputs.shape), tuple(targets.shape)) == self.shapes
