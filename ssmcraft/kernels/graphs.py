@@ -140,8 +140,6 @@ class GraphedCall:
         self.output_final_state = bool(output_final_state)
         self._input_names = list(inputs)
         self._param_names = list(params or {})
-        self._states = (len(initial_state) if isinstance(initial_state, (tuple, list))
-                        else 1 if initial_state is not None else 0)
         self._tuple_state = isinstance(initial_state, (tuple, list))
         self.several_states = bool(obj.ir.states)
         # static inputs: copies, so that a later call's copy-in never writes the caller's tensors
@@ -149,7 +147,6 @@ class GraphedCall:
         self._static = sample
         self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=warmup,
                                                           allow_unused_input=True)
-        self.backend = obj.backend          # the path the captured call runs (chosen in the warm-up)
 
     def _unflatten(self, flat):
         ni, np_ = len(self._input_names), len(self._param_names)

@@ -8,7 +8,7 @@ lent H200 each launch costs 7-10 us of host time, so decode ran at 110 tokens/s 
 token as: copy the token in, replay, read the static logits ``[B, V]``.
 
     dec = GraphedDecoder(model, batch_size=16, autocast_dtype=torch.bfloat16)
-    dec.reset()                       # zero caches: a new sequence
+    dec.state.reset()                 # zero caches: a new sequence (dec.state.load(caches): a prefill)
     for t in range(T):
         logits = dec.step(tokens[:, t])     # [B] int64 -> [B, V]; overwritten by the next step
 
@@ -46,7 +46,7 @@ def _copy_state(dst, src) -> None:
 class StaticDecodeState:
     """The static buffers of graphed decoding and the step that updates them in place.
 
-    ``token`` ``[B]`` int64, ``caches`` (``model.init_cache(B)``), ``logits`` ``[B, V]`` after ``advance``.
+    ``token`` ``[B]`` int64, ``caches`` (``model.init_cache(B)``).
     """
 
     def __init__(self, model, batch_size: int):
@@ -59,7 +59,6 @@ class StaticDecodeState:
         self.model = model
         self.caches = caches
         self.token = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
-        self.logits = None
 
     def advance(self) -> torch.Tensor:
         """One ``model.step`` on ``token``; the new caches are copied into the static ones."""
@@ -67,7 +66,6 @@ class StaticDecodeState:
         for mine, theirs in zip(self.caches, new):
             mine.conv.copy_(theirs.conv)
             _copy_state(mine.state, theirs.state)
-        self.logits = logits
         return logits
 
     def reset(self) -> None:
@@ -101,7 +99,9 @@ class GraphedDecoder:
     ``autocast_dtype``: run the step under ``torch.autocast("cuda", dtype)`` (captured with the
     autocast cache off, as CUDA graphs need; the values are those of eager autocast). ``warmup``
     eager steps run first on a side stream (kernel choice, compilation), then the caches are zeroed.
-    The logits returned by ``step`` are a static buffer, overwritten by the next step.
+    The logits returned by ``step`` are a static buffer, overwritten by the next step. ``state`` is
+    the ``StaticDecodeState`` the graph reads and writes: ``state.reset()`` starts a new sequence,
+    ``state.load(caches)`` continues an eager prefill, ``state.caches`` are the current caches.
     """
 
     def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
@@ -123,17 +123,6 @@ class GraphedDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), self._amp(), torch.cuda.graph(self.graph):
             self.logits = self.state.advance()
-        self.backends = model.backends()
-
-    def reset(self) -> None:
-        self.state.reset()
-
-    def load(self, caches) -> None:
-        self.state.load(caches)
-
-    @property
-    def caches(self):
-        return self.state.caches
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """token ``[B]`` (int64, on the model's device) -> logits ``[B, V]`` (static buffer)."""
