@@ -156,13 +156,18 @@ def test_static_decode_state_follows_eager_step(name):
     assert torch.equal(static.advance(), lm.step(tokens[:, 1], prefix)[0])
 
 
-def test_graphed_decoding_refusals():
+def test_graphed_decoding_refusals(monkeypatch):
     lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer={"kind": "attention", "heads": 2}))
     with pytest.raises(SsmcraftError, match="layer 0 has a KVCache .* only objective mixers"):
         StaticDecodeState(lm, 2)
     lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
-    with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device; the model is on cpu"):
+    with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device"):
         GraphedDecoder(lm, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a GPU machine: the CPU model is named
+    with pytest.raises(SsmcraftError, match="graphed decoding: the model is on cpu; CUDA graphs need a CUDA device"):
+        GraphedDecoder(lm, 2)
+    with pytest.raises(SsmcraftError, match="train.cuda_graphs: the model is on cpu; CUDA graphs need a CUDA device"):
+        GraphedLoss(lm, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), CPU, "fp32")
 
 
 def test_graphed_training_path_capture_failure_is_recorded_or_raised(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.graphs import NEED_CUDA, require_warmup
+from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.layers.mixer import RecurrentCache
 
 
@@ -106,9 +106,8 @@ class GraphedDecoder:
 
     def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
         require_warmup(warmup, "graphed decoding")
+        require_cuda([("the model", model.embed.weight)], "graphed decoding")
         device = model.embed.weight.device
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise SsmcraftError(f"graphed decoding: {NEED_CUDA}; the model is on {device}")
         self.state = StaticDecodeState(model, batch_size)
         self.batch_size = batch_size
         self._amp = ((lambda: torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False))

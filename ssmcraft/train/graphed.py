@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
-from ssmcraft.kernels.graphs import require_warmup
+from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.train.validate import batch_loss
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,7 @@ class GraphedLoss:
     def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  device: torch.device, precision: str, warmup: int = 3):
         require_warmup(warmup, "train.cuda_graphs")
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise SsmcraftError(f"train.cuda_graphs: CUDA graphs need a CUDA device; this run is on {device}")
+        require_cuda([("the model", next(model.parameters())), ("the batch", inputs)], "train.cuda_graphs")
         self.shapes = (tuple(inputs.shape), tuple(targets.shape))
         sample = (inputs.detach().clone(), targets.detach().clone())
         self._fn = torch.cuda.make_graphed_callables(_LossModule(model, device, precision), sample,
