@@ -35,14 +35,6 @@ def _tensors(cache) -> tuple[torch.Tensor, ...]:
     return (cache.conv, *(cache.state if isinstance(cache.state, tuple) else (cache.state,)))
 
 
-def _copy_state(dst, src) -> None:
-    if isinstance(dst, tuple):
-        for a, b in zip(dst, src):
-            a.copy_(b)
-    else:
-        dst.copy_(src)
-
-
 class StaticDecodeState:
     """The static buffers of graphed decoding and the step that updates them in place.
 
@@ -63,17 +55,14 @@ class StaticDecodeState:
     def advance(self) -> torch.Tensor:
         """One ``model.step`` on ``token``; the new caches are copied into the static ones."""
         logits, new = self.model.step(self.token, self.caches)
-        for mine, theirs in zip(self.caches, new):
-            mine.conv.copy_(theirs.conv)
-            _copy_state(mine.state, theirs.state)
+        self.load(new)
         return logits
 
     def reset(self) -> None:
         """Zero every cache in place (a new sequence)."""
         for c in self.caches:
-            c.conv.zero_()
-            for s in (c.state if isinstance(c.state, tuple) else (c.state,)):
-                s.zero_()
+            for t in _tensors(c):
+                t.zero_()
 
     def load(self, caches) -> None:
         """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones. They
