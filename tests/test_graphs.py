@@ -273,6 +273,11 @@ def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
     assert torch.equal(g(s_inputs, s_params, s_S0)[0], y_ref)
     with pytest.raises(SsmcraftError, match="another signature than the one captured"):
         g(inputs, params, S0, output_final_state=False)
+    with pytest.raises(SsmcraftError, match="the tensors come in another order"):
+        g(dict(reversed(list(inputs.items()))), params, S0)
+    longer = {n: t.detach()[:, :3].requires_grad_() for n, t in inputs.items()}
+    with pytest.raises(SsmcraftError, match=r"inputs\['x'\]: shape \[2, 3, 2, 4\] \(captured \[2, 5, 2, 4\]\)"):
+        g(longer, params, S0)
 
 
 def test_static_decode_state_load_refuses_caches_that_do_not_fit():
