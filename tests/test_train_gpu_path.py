@@ -162,6 +162,7 @@ def test_found_inf_is_one_buffer_refreshed_each_step():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     stopped = torch.zeros((), dtype=torch.bool)
     x, y = torch.randn(2, 5, 3), torch.randint(0, 4, (2, 5))
+    opt.found_inf = torch.ones((), dtype=torch.float32)      # as _train creates it; the step refreshes it
     loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
     flag = opt.found_inf
     assert flag.dtype == torch.float32 and float(flag) == 0.0
