@@ -18,6 +18,7 @@ from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
 from ssmcraft.train.compiled import compile_decision
+from ssmcraft.train.config import resolve
 from ssmcraft.train.graphed import GraphedLoss, _LossModule, graphs_decision
 from ssmcraft.train.validate import batch_loss
 
@@ -111,6 +112,9 @@ def test_train_records_the_decision_and_refuses_true_on_cpu(tmp_path):
         train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")
     with pytest.raises(SpecError, match="train.cuda_graphs: expected auto, true or false, got 'on'"):
         train_run(_mqar(cuda_graphs="on"), tmp_path / "bad")
+    # the config-only conflict is refused by the config check, before a model or batch is built
+    with pytest.raises(SpecError, match="x.yaml: train.cuda_graphs: true together with train.compile true"):
+        resolve(_mqar(cuda_graphs=True, compile=True), "x.yaml")
 
 
 def test_captured_loss_module_is_the_eager_loss():

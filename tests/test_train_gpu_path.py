@@ -90,10 +90,10 @@ def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, 
 
 def test_compile_decision():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compile_decision("auto", cpu) == (False, "train.compile auto: off on cpu")
+    assert compile_decision("auto", cpu, "auto") == (False, "train.compile auto: off on cpu")
     assert compile_decision("auto", cuda, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
-    assert compile_decision("auto", cuda)[0] is False       # cuda_graphs auto captures the step instead
-    assert compile_decision(True, cpu)[0] and not compile_decision(False, cuda)[0]
+    assert compile_decision("auto", cuda, "auto")[0] is False       # cuda_graphs auto captures the step instead
+    assert compile_decision(True, cpu, "auto")[0] and not compile_decision(False, cuda, "auto")[0]
 
 
 def test_compiled_training_matches_eager(tmp_path, monkeypatch):

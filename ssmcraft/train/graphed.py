@@ -21,7 +21,8 @@ Settings (``graphs_decision``; the decision and its reason go to the run's ``met
   ``auto``  (the default) on for CUDA unless ``train.compile`` is true (the two do not combine: the
             compiled LM is not captured; ``train.compile: auto`` resolves off when this is not
             false); off on CPU (recorded as not applicable);
-  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``);
+  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``; the config
+            check ``config._check_train`` refuses the pair before anything is built);
   ``false`` off.
 A capture that fails raises under ``true``; under ``auto`` it is logged as a warning, recorded
 (``fallback``) and the run goes on eager.
@@ -35,6 +36,7 @@ import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.train.config import GRAPHS_WITH_COMPILE
 from ssmcraft.train.validate import batch_loss
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,7 @@ def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
         return False, f"train.cuda_graphs auto: not applicable on {device.type} (CUDA graphs need a CUDA device)"
     if compile_enabled:
         if setting is True:
-            raise SpecError(source, "train.cuda_graphs", "true together with train.compile true: choose one "
-                            "(the graphs capture the eager step; set train.compile: false or auto)")
+            raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)   # config refuses it first
         return False, "train.cuda_graphs auto: off while train.compile is on (set train.compile: false to capture)"
     if setting is True:
         return True, "train.cuda_graphs is true"
