@@ -19,6 +19,7 @@ from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
 from ssmcraft.train.compiled import compile_decision
 from ssmcraft.train.config import resolve
+from ssmcraft.train.device import autocast
 from ssmcraft.train.graphed import GraphedLoss, _LossModule, graphs_decision
 from ssmcraft.train.validate import batch_loss
 
@@ -117,15 +118,20 @@ def test_train_records_the_decision_and_refuses_true_on_cpu(tmp_path):
         resolve(_mqar(cuda_graphs=True, compile=True), "x.yaml")
 
 
-def test_captured_loss_module_is_the_eager_loss():
-    """What ``GraphedLoss`` captures: the loss and every parameter gradient of the eager step."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_captured_loss_module_is_the_eager_loss(precision):
+    """What ``GraphedLoss`` captures: the loss and every parameter gradient of the eager step, under
+    the run's autocast (bf16: CPU autocast here, the captured module's with its cache off)."""
     torch.manual_seed(0)
     lm = LM(LMConfig(vocab_size=30, d_model=16, n_layers=2, mixer={"kind": "objective", "objective": "mamba",
                                                                     "heads": 2, "state_size": 4}))
     x, y = torch.randint(0, 30, (3, 9)), torch.randint(0, 30, (3, 9))
-    eager = batch_loss(lm(x), y)
+    with autocast(CPU, precision):
+        logits = lm(x)
+    assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    eager = batch_loss(logits, y)
     ge = torch.autograd.grad(eager, list(lm.parameters()))
-    mod = _LossModule(lm, CPU, "fp32")
+    mod = _LossModule(lm, CPU, precision)
     assert list(mod.parameters()) == list(lm.parameters())      # make_graphed_callables differentiates these
     mine = mod(x, y)
     gm = torch.autograd.grad(mine, list(lm.parameters()))

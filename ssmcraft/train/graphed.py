@@ -37,6 +37,7 @@ import torch
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE
+from ssmcraft.train.device import autocast
 from ssmcraft.train.validate import batch_loss
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,10 @@ class _LossModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str):
         super().__init__()
         self.model = model
-        self.device_type, self.precision = device.type, precision
+        self._device, self.precision = device, precision
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.precision == "bf16":
-            with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
-                logits = self.model(inputs)
-        else:
+        with autocast(self._device, self.precision, cache_enabled=False):
             logits = self.model(inputs)
         return batch_loss(logits, targets)
 
