@@ -120,18 +120,17 @@ def train_rows(rep, name, steps, warmup):
 
 def train_check(name, B=16, T=512) -> dict:
     """The loss and every parameter gradient of one step: graphed (``GraphedLoss``) against eager."""
-    from ssmcraft.train.graphed import GraphedLoss
-    from ssmcraft.train.validate import batch_loss
+    from ssmcraft.train.graphed import GraphedLoss, _LossModule
     torch.manual_seed(0)
     lm = build(name)
     batch = torch.randint(0, 256, (B, T + 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     x, y = batch[:, :-1], batch[:, 1:]
     params = [p for p in lm.parameters() if p.requires_grad]
 
+    loss_module = _LossModule(lm, torch.device("cuda"), "bf16")      # what GraphedLoss captures, run eager
+
     def eager_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = lm(x)
-        loss = batch_loss(logits, y)
+        loss = loss_module(x, y)
         return loss.detach(), grads(loss)
 
     def grads(loss):            # an unused parameter's gradient as zeros (the graph returns None for it)
