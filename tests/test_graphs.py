@@ -92,6 +92,7 @@ def test_graphs_decision_and_compile_interplay():
     assert compile_decision("auto", CUDA, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
     assert compile_decision("auto", CPU, "auto") == (False, "train.compile auto: off on cpu")
     assert compile_decision(True, CUDA, True) == (True, "train.compile is true")
+    assert compile_decision(True, CPU, "auto")[0] and not compile_decision(False, CUDA, False)[0]
 
 
 def _mqar(**train):

@@ -1,8 +1,9 @@
 """The GPU-friendly training path, exercised on CPU: batches built by torch ops on the
 generator's device (the vectorised passkey builder is the per-example text, byte for
 byte), host read-back every ``train.log_every`` steps with divergence found late but the
-weights those of the first bad step, ``train.compile`` (decision, the compiled path with
-Dynamo and AOT autograd, and its loud fallback), and the config checks."""
+weights those of the first bad step, ``train.compile`` (the compiled path with
+Dynamo and AOT autograd, and its loud fallback; its decision is tested with
+``train.cuda_graphs``' in tests/test_graphs.py), and the config checks."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,6 @@ from ssmcraft.errors import SpecError
 from ssmcraft.tasks import build_task
 from ssmcraft.tasks.passkey import passkey_batch, passkey_text
 from ssmcraft.train import load_run, loop, train_run
-from ssmcraft.train.compiled import compile_decision
 from ssmcraft.train.config import resolve
 
 
@@ -86,14 +86,6 @@ def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.isfinite(v).all() for v in a.values())
     assert late["log_every"] == 4 and late["data_device"] == "cpu"
-
-
-def test_compile_decision():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compile_decision("auto", cpu, "auto") == (False, "train.compile auto: off on cpu")
-    assert compile_decision("auto", cuda, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
-    assert compile_decision("auto", cuda, "auto")[0] is False       # cuda_graphs auto captures the step instead
-    assert compile_decision(True, cpu, "auto")[0] and not compile_decision(False, cuda, "auto")[0]
 
 
 def test_compiled_training_matches_eager(tmp_path, monkeypatch):
