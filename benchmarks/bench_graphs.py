@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_public_path import CASES, busy, case_inputs, decode, decode_lm  # noqa: E402
+from bench_public_path import CASES, busy, case_inputs, decode  # noqa: E402
 from bench_train_mixers import build, tokens_per_s  # noqa: E402
 from common import Report, bench_ms  # noqa: E402
 
@@ -178,7 +178,7 @@ def cpu_parts(rep):
     except SsmcraftError as e:
         rep.add(section="cpu", part="obj.graphed on CPU tensors", ok="CUDA graphs need a CUDA device" in str(e),
                 refused=str(e))
-    lm = decode_lm(n_layers=2, d_model=64, device="cpu")
+    lm = build("longhorn", n_layers=2, d_model=64, device="cpu")
     static, caches = StaticDecodeState(lm, 2), lm.init_cache(2)
     tokens = torch.randint(0, 256, (2, 8))
     worst = 0.0
@@ -254,7 +254,7 @@ def main():
             for name in MIXERS[:1] if args.tiny else MIXERS:
                 guarded(rep, f"train {name}", train_rows, rep, name, 3 if args.tiny else 20, 2 if args.tiny else 5)
         if "decode" in parts:
-            lm = decode_lm()
+            lm = build("longhorn")
             for graphed in (False, True):
                 guarded(rep, f"decode graphed={graphed}", decode, rep, 8 if args.tiny else 128, graphed,
                         parallel=False, lm=lm)

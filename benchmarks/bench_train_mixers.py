@@ -25,12 +25,14 @@ DEV = "cuda"
 MIXERS = ("longhorn", "mamba", "gla", "deltanet")
 
 
-def build(objective: str):
+def build(objective: str, n_layers: int = 6, d_model: int = 512, device: str = DEV):
+    """The byte LM of ``specs/longhorn_20m_bytes.yaml`` (6 x d512, 20M parameters with Longhorn) with
+    ``objective``'s mixer, random weights."""
     from ssmcraft.layers.config import LMConfig
     from ssmcraft.layers.lm import LM
-    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
+    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": d_model, "n_layers": n_layers, "mlp_ratio": 2,
                               "mixer": {"kind": "objective", "objective": objective, "heads": 1, "state_size": 16}})
-    return LM(cfg).to(DEV)
+    return LM(cfg).to(device)
 
 
 def anchor_recurrence(objective: str, mamba_dir: str | None):
