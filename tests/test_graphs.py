@@ -284,6 +284,8 @@ def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
     assert torch.equal(g(s_inputs, s_params, s_S0)[0], y_ref)
     with pytest.raises(SsmcraftError, match="another signature than the one captured"):
         g(inputs, params, S0, output_final_state=False)
+    if S0 is None:              # the same signature through the full check: an empty state tuple for None
+        assert torch.equal(g(inputs, params, ())[0], y_ref)
     with pytest.raises(SsmcraftError, match="the tensors come in another order"):
         g(dict(reversed(list(inputs.items()))), params, S0)
     longer = {n: t.detach()[:, :3].requires_grad_() for n, t in inputs.items()}

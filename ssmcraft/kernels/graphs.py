@@ -185,10 +185,14 @@ class GraphedCall:
         flat = (*inputs.values(), *(params or {}).values(), *states)
         return flat if [_row(t) for t in flat] == self._rows else None
 
-    def _refuse(self, inputs, params, initial_state, ofs):
-        """Raise ``SsmcraftError`` naming how this call's signature differs from the captured one."""
+    def _checked_flat(self, inputs, params, initial_state, ofs) -> tuple:
+        """The full check (``call_signature``) where the quick one failed: the call's values when the
+        signature is the captured one after all (an empty state tuple for None, say), else
+        ``SsmcraftError`` naming how it differs."""
         entries = _entries(inputs, params, initial_state)
         got = call_signature(inputs, params, initial_state, ofs, entries)
+        if got == self.signature:
+            return tuple(t for _, t in entries)
         # a number or a host tensor where a CUDA tensor was captured: require_cuda's message by place
         expected = set(self.signature)
         require_cuda([e for e, row in zip(entries, got) if row not in expected], f"{self.obj.name}: graphed")
@@ -200,7 +204,7 @@ class GraphedCall:
         ofs = self.output_final_state if output_final_state is None else output_final_state
         flat = self._flat_if_captured(inputs, params, initial_state, ofs)
         if flat is None:
-            self._refuse(inputs, params, initial_state, ofs)
+            flat = self._checked_flat(inputs, params, initial_state, ofs)
         out = self._graphed(*flat)
         y, states = out[0], tuple(out[1:])
         if not self.output_final_state:
