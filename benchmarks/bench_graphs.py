@@ -18,9 +18,10 @@
 3. Decode tokens/s of the 6-layer 20M Longhorn LM at batch 1 and 16 (``bench_public_path.decode``),
    eager ``LM.step`` against ``GraphedDecoder``; and 16 tokens' logits, graphed against eager.
 
-Prints a short table; writes ``DIR/bench_graphs.json``. ``--tiny``: small shapes and few steps; on a
-machine without CUDA it runs what needs no GPU (the refusals, the decode body over static buffers
-against eager ``LM.step``) and prints, for each CUDA part, that it was skipped and why.
+Prints a short table; writes ``DIR/bench_graphs.json``. ``--tiny``: small shapes and few steps. On a
+machine without CUDA every part is recorded as skipped, with why; what runs without a GPU (the
+refusals, the decode body over static buffers against eager ``LM.step``, GraphedCall's bookkeeping)
+is tested in ``tests/test_graphs.py``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_public_path import CASES, busy, case_inputs, decode, decode_lm  # noqa: E402
+from bench_public_path import CASES, busy, case_inputs, decode  # noqa: E402
 from bench_train_mixers import build, tokens_per_s  # noqa: E402
 from common import Report, bench_ms  # noqa: E402
 
@@ -120,18 +121,17 @@ def train_rows(rep, name, steps, warmup):
 
 def train_check(name, B=16, T=512) -> dict:
     """The loss and every parameter gradient of one step: graphed (``GraphedLoss``) against eager."""
-    from ssmcraft.train.graphed import GraphedLoss
-    from ssmcraft.train.validate import batch_loss
+    from ssmcraft.train.graphed import GraphedLoss, _LossModule
     torch.manual_seed(0)
     lm = build(name)
     batch = torch.randint(0, 256, (B, T + 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     x, y = batch[:, :-1], batch[:, 1:]
     params = [p for p in lm.parameters() if p.requires_grad]
 
+    loss_module = _LossModule(lm, torch.device("cuda"), "bf16")      # what GraphedLoss captures, run eager
+
     def eager_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = lm(x)
-        loss = batch_loss(logits, y)
+        loss = loss_module(x, y)
         return loss.detach(), grads(loss)
 
     def grads(loss):            # an unused parameter's gradient as zeros (the graph returns None for it)
@@ -163,32 +163,6 @@ def decode_check(lm, B, n=16) -> dict:
             logits, caches = lm.step(tokens[:, t], caches)
             worst = max(worst, rel_max(dec.step(tokens[:, t]), logits))
     return {"section": "decode-check", "batch": B, "tokens": n, "worst_rel": worst, "ok": worst <= 1e-6}
-
-
-# -- CPU (--tiny without CUDA) -----------------------------------------------------------------
-
-def cpu_parts(rep):
-    """What runs without a GPU: the refusals and the decode body over static buffers."""
-    from ssmcraft.errors import SsmcraftError
-    from ssmcraft.layers.graphed_decode import StaticDecodeState
-    name, (H, d, m), _ = CASES[0]
-    obj, inputs, params = case_inputs(name, H, 8, 8, 1, 16, torch.float32, "cpu")
-    try:
-        obj.graphed(inputs, params)
-        rep.add(section="cpu", part="obj.graphed on CPU tensors", ok=False, error="not refused")
-    except SsmcraftError as e:
-        rep.add(section="cpu", part="obj.graphed on CPU tensors", ok="CUDA graphs need a CUDA device" in str(e),
-                refused=str(e))
-    lm = decode_lm(n_layers=2, d_model=64, device="cpu")
-    static, caches = StaticDecodeState(lm, 2), lm.init_cache(2)
-    tokens = torch.randint(0, 256, (2, 8))
-    worst = 0.0
-    with torch.no_grad():
-        for t in range(8):
-            logits, caches = lm.step(tokens[:, t], caches)
-            static.token.copy_(tokens[:, t])
-            worst = max(worst, rel_max(static.advance(), logits))
-    rep.add(section="cpu", part="decode body on static buffers vs eager LM.step", ok=worst == 0.0, worst_rel=worst)
 
 
 def guarded(rep, part, fn, *args, **kw):
@@ -227,7 +201,7 @@ def table(rep):
         c = checks.get(B)
         print(f"B={B:3d} | {dec.get((B, False), float('nan')):.0f} | {dec.get((B, True), float('nan')):.0f} | "
               + (f"{c['worst_rel']:.1e} {'PASS' if c['ok'] else 'FAIL'}" if c else "-"))
-    for r in (r for r in rows if r.get("section") in ("cpu", "skipped", "error")):
+    for r in (r for r in rows if r.get("section") in ("skipped", "error")):
         verdict = "PASS" if r.get("ok") else r.get("why", r.get("error", "FAIL"))
         print(f"# {r['section']}: {r.get('part')}: {verdict}")
 
@@ -235,7 +209,7 @@ def table(rep):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for bench_graphs.json")
-    ap.add_argument("--tiny", action="store_true", help="small shapes, few steps (a smoke run; CPU: no CUDA parts)")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, few steps (a smoke run; without CUDA every part is skipped)")
     ap.add_argument("--only", help="comma-separated parts: obj, train, decode (default: all)")
     args = ap.parse_args()
     parts = set(args.only.split(",")) if args.only else {"obj", "train", "decode"}
@@ -243,7 +217,6 @@ def main():
     cuda = torch.cuda.is_available()
     B, T = (2, 256) if args.tiny else (8, 2048)
     if not cuda:
-        cpu_parts(rep)
         for part in sorted(parts):
             rep.add(section="skipped", part=part, why="CUDA graphs need a CUDA device; torch.cuda.is_available() "
                                                       "is false here")
@@ -255,7 +228,7 @@ def main():
             for name in MIXERS[:1] if args.tiny else MIXERS:
                 guarded(rep, f"train {name}", train_rows, rep, name, 3 if args.tiny else 20, 2 if args.tiny else 5)
         if "decode" in parts:
-            lm = decode_lm()
+            lm = build("longhorn")
             for graphed in (False, True):
                 guarded(rep, f"decode graphed={graphed}", decode, rep, 8 if args.tiny else 128, graphed,
                         parallel=False, lm=lm)

@@ -287,19 +287,12 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
 
 # -- 3. decode ---------------------------------------------------------------------------------
 
-def decode_lm(n_layers=6, d_model=512, device=DEV):
-    """The 6-layer 20M Longhorn byte LM of ``specs/longhorn_20m_bytes.yaml`` (random weights)."""
-    from ssmcraft.layers.config import LMConfig
-    from ssmcraft.layers.lm import LM
-    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": d_model, "n_layers": n_layers, "mlp_ratio": 2,
-                              "mixer": {"kind": "objective", "objective": "longhorn", "heads": 1, "state_size": 16}})
-    return LM(cfg).to(device)
-
-
 def decode(rep, steps=128, graphed=False, batches=(1, 16), lm=None, parallel=True):
     """Decode tokens/s of ``LM.step`` under bf16 autocast; ``graphed``: through ``GraphedDecoder``
     (the whole step one CUDA graph replay); ``parallel``: also the parallel forward at T=2048."""
-    lm = decode_lm() if lm is None else lm
+    if lm is None:
+        from bench_train_mixers import build
+        lm = build("longhorn")          # the 6-layer 20M Longhorn byte LM of specs/longhorn_20m_bytes.yaml
     n_params = sum(p.numel() for p in lm.parameters())
     for B in batches:
         tok = torch.randint(0, 256, (B,), device=DEV)

@@ -6,6 +6,8 @@ captured training loss module against the eager loss. The captures themselves ru
 ``benchmarks/bench_graphs.py`` checks them against eager ``obj()``, training and decoding."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
 from ssmcraft.train.compiled import compile_decision
-from ssmcraft.train.graphed import _LossModule, graphs_decision
+from ssmcraft.train.config import resolve
+from ssmcraft.train.device import autocast
+from ssmcraft.train.graphed import GraphedLoss, _LossModule, graphs_decision
 from ssmcraft.train.validate import batch_loss
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -88,6 +92,7 @@ def test_graphs_decision_and_compile_interplay():
     assert compile_decision("auto", CUDA, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
     assert compile_decision("auto", CPU, "auto") == (False, "train.compile auto: off on cpu")
     assert compile_decision(True, CUDA, True) == (True, "train.compile is true")
+    assert compile_decision(True, CPU, "auto")[0] and not compile_decision(False, CUDA, False)[0]
 
 
 def _mqar(**train):
@@ -109,17 +114,25 @@ def test_train_records_the_decision_and_refuses_true_on_cpu(tmp_path):
         train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")
     with pytest.raises(SpecError, match="train.cuda_graphs: expected auto, true or false, got 'on'"):
         train_run(_mqar(cuda_graphs="on"), tmp_path / "bad")
+    # the config-only conflict is refused by the config check, before a model or batch is built
+    with pytest.raises(SpecError, match="x.yaml: train.cuda_graphs: true together with train.compile true"):
+        resolve(_mqar(cuda_graphs=True, compile=True), "x.yaml")
 
 
-def test_captured_loss_module_is_the_eager_loss():
-    """What ``GraphedLoss`` captures: the loss and every parameter gradient of the eager step."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_captured_loss_module_is_the_eager_loss(precision):
+    """What ``GraphedLoss`` captures: the loss and every parameter gradient of the eager step, under
+    the run's autocast (bf16: CPU autocast here, the captured module's with its cache off)."""
     torch.manual_seed(0)
     lm = LM(LMConfig(vocab_size=30, d_model=16, n_layers=2, mixer={"kind": "objective", "objective": "mamba",
                                                                     "heads": 2, "state_size": 4}))
     x, y = torch.randint(0, 30, (3, 9)), torch.randint(0, 30, (3, 9))
-    eager = batch_loss(lm(x), y)
+    with autocast(CPU, precision):
+        logits = lm(x)
+    assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    eager = batch_loss(logits, y)
     ge = torch.autograd.grad(eager, list(lm.parameters()))
-    mod = _LossModule(lm, CPU, "fp32")
+    mod = _LossModule(lm, CPU, precision)
     assert list(mod.parameters()) == list(lm.parameters())      # make_graphed_callables differentiates these
     mine = mod(x, y)
     gm = torch.autograd.grad(mine, list(lm.parameters()))
@@ -154,10 +167,169 @@ def test_static_decode_state_follows_eager_step(name):
     assert torch.equal(static.advance(), lm.step(tokens[:, 1], prefix)[0])
 
 
-def test_graphed_decoding_refusals():
+def test_graphed_decoding_refusals(monkeypatch):
     lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer={"kind": "attention", "heads": 2}))
     with pytest.raises(SsmcraftError, match="layer 0 has a KVCache .* only objective mixers"):
         StaticDecodeState(lm, 2)
     lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
-    with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device; the model is on cpu"):
+    with pytest.raises(SsmcraftError, match="graphed decoding: CUDA graphs need a CUDA device"):
         GraphedDecoder(lm, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a GPU machine: the CPU model is named
+    with pytest.raises(SsmcraftError, match="graphed decoding: the model is on cpu; CUDA graphs need a CUDA device"):
+        GraphedDecoder(lm, 2)
+    with pytest.raises(SsmcraftError, match="train.cuda_graphs: the model is on cpu; CUDA graphs need a CUDA device"):
+        GraphedLoss(lm, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), CPU, "fp32")
+
+
+def test_graphed_training_path_capture_failure_is_recorded_or_raised(tmp_path, monkeypatch):
+    """The loop's graphed branch with the decision forced on (CPU): ``GraphedLoss`` refuses CPU, so
+    under ``auto`` the failure is recorded as ``fallback`` and every step runs eager; under ``true``
+    the run raises."""
+    from ssmcraft.train import loop
+
+    monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
+    m = train_run(_mqar(device="cpu"), tmp_path / "auto")
+    assert m["status"] == "ok" and m["steps"] == 2
+    info = m["cuda_graphs"]
+    assert info["enabled"] is False and info["reason"] == "forced on for the test"
+    assert info["fallback"].startswith("capture failed: SsmcraftError: train.cuda_graphs: CUDA graphs need a "
+                                       "CUDA device") and info["fallback"].endswith("; ran eager")
+    assert info["graphed_steps"] == 0 and info["eager_steps"] == 0
+    assert "CUDA graph capture of the training step failed" in (tmp_path / "auto" / "train.log").read_text()
+    with pytest.raises(SsmcraftError, match="train.cuda_graphs: capturing the training step failed: SsmcraftError"):
+        train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")
+
+
+def test_graphed_training_path_steps_through_the_captured_loss(tmp_path, monkeypatch):
+    """The loop's graphed branch with a stand-in for the capture (the captured function itself,
+    ``_LossModule``, called directly): captured once at step 0, every step counted as graphed, the
+    per-step losses and the final validation those of the eager run."""
+    from ssmcraft.train import graphed, loop
+
+    made = []
+
+    class NoGraph(graphed.GraphedLoss):
+        def __init__(self, model, inputs, targets, device, precision, warmup=3):
+            made.append(tuple(inputs.shape))
+            self.shapes = (tuple(inputs.shape), tuple(targets.shape))
+            self._fn = _LossModule(model, device, precision)
+
+    eager = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "eager")
+    monkeypatch.setattr(graphed, "GraphedLoss", NoGraph)
+    monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
+    m = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "graphed")
+    assert made == [(4, 32)]                                    # captured once, at the first step
+    assert m["cuda_graphs"] == {"setting": "auto", "enabled": True, "reason": "forced on for the test",
+                                "graphed_steps": 3, "eager_steps": 0}
+    assert m["steps"] == 3 and m["status"] == "ok" and eager["cuda_graphs"]["enabled"] is False
+    history = [json.loads((tmp_path / run / "history.json").read_text())["train"] for run in ("eager", "graphed")]
+    assert [r["loss"] for r in history[1]] == [r["loss"] for r in history[0]] and len(history[0]) == 3
+    assert m["val_loss"] == eager["val_loss"]
+
+
+def _call_tensors(obj, B=2, T=5, H=2, d=4, m=3, with_state=True, seed=0):
+    """Random inputs, params and (several) initial state(s) for ``obj``, all requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    size = {"d": d, "m": m}
+
+    def rand(*shape):
+        return (torch.rand(*shape, generator=g) * 0.5 + 0.25).double().requires_grad_()
+
+    inputs = {n: rand(B, T, H, *(size[s] for s in dims)) for n, dims in obj.ir.inputs.items()}
+    params = {n: rand(H, *(size[s] for s in dims)) for n, dims in obj.ir.params.items()}
+    n_states = len(obj.ir.states)
+    S0 = None
+    if with_state:
+        S0 = tuple(rand(B, H, d, m) for _ in range(n_states)) if n_states else rand(B, H, d, m)
+    return inputs, params, S0
+
+
+def _flat(inputs, params, S0):
+    return [*inputs.values(), *params.values(), *(S0 if isinstance(S0, tuple) else () if S0 is None else (S0,))]
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("name", ["longhorn", "momentum_longhorn", "mamba"])
+def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
+    """``GraphedCall`` with the capture replaced by the captured function itself (so it runs on
+    CPU): the flat order and its unflattening (params ``{}`` -> None, one state or a tuple), the
+    packing of several final states, ``static_inputs()``: outputs and every gradient (the initial
+    state's included) equal ``obj()``'s."""
+    from ssmcraft.kernels import graphs
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)
+    monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
+    obj = ssmcraft.compile(name)
+    obj.prefer = "torch"
+    inputs, params, S0 = _call_tensors(obj, with_state=with_state)
+    g = obj.graphed(inputs, params, S0, output_final_state=True)
+    for call_params in (params, None) if not params else (params,):
+        y, S = g(inputs, call_params, S0)
+        y_ref, S_ref = obj(inputs, params or None, S0, True)
+        assert torch.equal(y, y_ref)
+        assert type(S) is type(S_ref) and (len(S) == len(obj.ir.states) if isinstance(S, tuple) else True)
+        finals = S if isinstance(S, tuple) else (S,)
+        finals_ref = S_ref if isinstance(S_ref, tuple) else (S_ref,)
+        assert all(torch.equal(a, b) for a, b in zip(finals, finals_ref, strict=True))
+        leaves = _flat(inputs, params, S0)
+        out = (y * 1.3).sum() + sum((s * 0.7).sum() for s in finals)
+        ref = (y_ref * 1.3).sum() + sum((s * 0.7).sum() for s in finals_ref)
+        for a, b in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(ref, leaves), strict=True):
+            assert torch.equal(a, b)
+    s_inputs, s_params, s_S0 = g.static_inputs()
+    assert list(s_inputs) == list(inputs) and (s_params is None) == (not params)
+    assert (s_S0 is None) == (S0 is None) and isinstance(s_S0, tuple) == isinstance(S0, tuple)
+    for mine, theirs in zip(_flat(s_inputs, s_params or {}, s_S0), _flat(inputs, params, S0), strict=True):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr() and mine.requires_grad
+    assert torch.equal(g(s_inputs, s_params, s_S0)[0], y_ref)
+    with pytest.raises(SsmcraftError, match="another signature than the one captured"):
+        g(inputs, params, S0, output_final_state=False)
+    if S0 is None:              # the same signature through the full check: an empty state tuple for None
+        assert torch.equal(g(inputs, params, ())[0], y_ref)
+    with pytest.raises(SsmcraftError, match="the tensors come in another order"):
+        g(dict(reversed(list(inputs.items()))), params, S0)
+    longer = {n: t.detach()[:, :3].requires_grad_() for n, t in inputs.items()}
+    with pytest.raises(SsmcraftError, match=r"inputs\['x'\]: shape \[2, 3, 2, 4\] \(captured \[2, 5, 2, 4\]\)"):
+        g(longer, params, S0)
+
+
+def test_static_decode_state_load_refuses_caches_that_do_not_fit():
+    """``load`` checks the layer count and every shape: a batch-1 prefill is not broadcast into a
+    batch-3 decoder, and a missing layer is not dropped."""
+    torch.manual_seed(0)
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=2, mixer=MIXERS["momentum_longhorn"]))
+    static = StaticDecodeState(lm, 3)
+    with pytest.raises(SsmcraftError, match=r"layer 0's cache .* has shapes \[\[1, "):
+        static.load(lm.init_cache(1))
+    with pytest.raises(SsmcraftError, match="1 layer cache\\(s\\) given; this model has 2"):
+        static.load(lm.init_cache(3)[:1])
+    static.load(lm.init_cache(3))
+
+
+def test_graphed_call_names_a_number_where_a_tensor_was_captured(monkeypatch):
+    """A call passing a number where a tensor was captured gets ``require_cuda``'s message for that place."""
+    from ssmcraft.kernels import graphs
+
+    real = graphs.require_cuda
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)
+    monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
+    obj = ssmcraft.compile("mamba")
+    inputs, params, S0 = _call_tensors(obj)
+    g = obj.graphed(inputs, params, S0)
+    monkeypatch.setattr(graphs, "require_cuda", real)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SsmcraftError, match=r"mamba: graphed: params\['A'\] is a float; CUDA graphs need a CUDA "
+                                            r"device and tensors"):
+        g(inputs, {"A": 0.5}, S0)
+
+
+def test_warmup_below_one_is_refused():
+    """No silent ``max(1, warmup)``: the warm-up compiles and tunes outside the capture."""
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=1, mixer=MIXERS["longhorn"]))
+    x = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(SsmcraftError, match=r"longhorn: graphed: warmup must be an integer >= 1 .*got 0"):
+        ssmcraft.compile("longhorn").graphed(_inputs(), warmup=0)
+    with pytest.raises(SsmcraftError, match=r"graphed decoding: warmup must be an integer >= 1 .*got -1"):
+        GraphedDecoder(lm, 2, warmup=-1)
+    with pytest.raises(SsmcraftError, match=r"train.cuda_graphs: warmup must be an integer >= 1 .*got 0"):
+        GraphedLoss(lm, x, x, CPU, "fp32", warmup=0)

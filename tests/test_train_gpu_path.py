@@ -1,8 +1,9 @@
 """The GPU-friendly training path, exercised on CPU: batches built by torch ops on the
 generator's device (the vectorised passkey builder is the per-example text, byte for
 byte), host read-back every ``train.log_every`` steps with divergence found late but the
-weights those of the first bad step, ``train.compile`` (decision, the compiled path with
-Dynamo and AOT autograd, and its loud fallback), and the config checks."""
+weights those of the first bad step, ``train.compile`` (the compiled path with
+Dynamo and AOT autograd, and its loud fallback; its decision is tested with
+``train.cuda_graphs``' in tests/test_graphs.py), and the config checks."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,6 @@ from ssmcraft.errors import SpecError
 from ssmcraft.tasks import build_task
 from ssmcraft.tasks.passkey import passkey_batch, passkey_text
 from ssmcraft.train import load_run, loop, train_run
-from ssmcraft.train.compiled import compile_decision
 from ssmcraft.train.config import resolve
 
 
@@ -88,14 +88,6 @@ def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, 
     assert late["log_every"] == 4 and late["data_device"] == "cpu"
 
 
-def test_compile_decision():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert compile_decision("auto", cpu) == (False, "train.compile auto: off on cpu")
-    assert compile_decision("auto", cuda, False) == (True, "train.compile auto: on for CUDA with train.cuda_graphs false")
-    assert compile_decision("auto", cuda)[0] is False       # cuda_graphs auto captures the step instead
-    assert compile_decision(True, cpu)[0] and not compile_decision(False, cuda)[0]
-
-
 def test_compiled_training_matches_eager(tmp_path, monkeypatch):
     """train.compile true on CPU through Dynamo + AOT autograd (the ``aot_eager`` backend:
     Inductor's C++ build takes a minute here; the GPU runs Inductor), the recurrence a
@@ -162,6 +154,7 @@ def test_found_inf_is_one_buffer_refreshed_each_step():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     stopped = torch.zeros((), dtype=torch.bool)
     x, y = torch.randn(2, 5, 3), torch.randint(0, 4, (2, 5))
+    opt.found_inf = torch.ones((), dtype=torch.float32)      # as _train creates it; the step refreshes it
     loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
     flag = opt.found_inf
     assert flag.dtype == torch.float32 and float(flag) == 0.0

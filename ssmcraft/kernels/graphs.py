@@ -59,18 +59,31 @@ def require_cuda(entries, what: str = "graphed") -> None:
             raise SsmcraftError(f"{what}: {place} is on {t.device}; {NEED_CUDA}")
 
 
+def require_warmup(warmup, what: str = "graphed") -> int:
+    """``warmup`` (eager iterations before the capture) as a positive int; else ``SsmcraftError``: the
+    warm-up is where kernels are chosen, compiled and autotuned, which must not happen in the capture."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise SsmcraftError(f"{what}: warmup must be an integer >= 1 (eager iterations before the capture, "
+                            f"where kernels are compiled and tuned), got {warmup!r}")
+    return warmup
+
+
 def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False,
                    entries=None) -> tuple:
     """What a graphed call is fixed to: ``((place, shape, dtype, device, requires_grad), ...,
     ("output_final_state", bool))``. Cheap: reads no tensor data. ``entries``: ``_entries`` of the
     call when the caller has them already."""
-    rows = []
-    for place, t in entries if entries is not None else _entries(inputs, params, initial_state):
-        if isinstance(t, torch.Tensor):
-            rows.append((place, tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)))
-        else:
-            rows.append((place, type(t).__name__, None, None, False))
+    rows = [(place, *_row(t)) for place, t in (entries if entries is not None
+                                                else _entries(inputs, params, initial_state))]
     return (*rows, ("output_final_state", bool(output_final_state)))
+
+
+def _row(t) -> tuple:
+    """One value's part of a call signature: ``(shape, dtype, device, requires_grad)``; a non-tensor's
+    ``(type name, None, None, False)``."""
+    if isinstance(t, torch.Tensor):
+        return tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)
+    return type(t).__name__, None, None, False
 
 
 def signature_difference(expected: tuple, got: tuple) -> str | None:
@@ -123,23 +136,22 @@ class GraphedCall:
 
     def __init__(self, obj, inputs, params=None, initial_state=None, output_final_state: bool = False,
                  warmup: int = 3):
+        require_warmup(warmup, f"{obj.name}: graphed")
         entries = _entries(inputs, params, initial_state)
         require_cuda(entries, f"{obj.name}: graphed")
         self.obj = obj
-        self.signature = call_signature(inputs, params, initial_state, output_final_state)
+        self.signature = call_signature(inputs, params, initial_state, output_final_state, entries)
+        self._rows = [_row(t) for _, t in entries]      # what a call is compared with (no place names)
         self.output_final_state = bool(output_final_state)
         self._input_names = list(inputs)
         self._param_names = list(params or {})
-        self._states = (len(initial_state) if isinstance(initial_state, (tuple, list))
-                        else 1 if initial_state is not None else 0)
         self._tuple_state = isinstance(initial_state, (tuple, list))
         self.several_states = bool(obj.ir.states)
         # static inputs: copies, so that a later call's copy-in never writes the caller's tensors
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for _, t in entries)
         self._static = sample
-        self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=max(1, warmup),
+        self._graphed = torch.cuda.make_graphed_callables(self._run, sample, num_warmup_iters=warmup,
                                                           allow_unused_input=True)
-        self.backend = obj.backend          # the path the captured call runs (chosen in the warm-up)
 
     def _unflatten(self, flat):
         ni, np_ = len(self._input_names), len(self._param_names)
@@ -161,15 +173,39 @@ class GraphedCall:
             return (y,)
         return (y, *S) if isinstance(S, tuple) else (y, S)
 
-    def __call__(self, inputs, params=None, initial_state=None, output_final_state: bool | None = None):
-        ofs = self.output_final_state if output_final_state is None else output_final_state
+    def _flat_if_captured(self, inputs, params, initial_state, ofs) -> tuple | None:
+        """The call's values in the captured order when its signature is the captured one, else None.
+        The per-call check of the replay path: names and rows compared, no place names built."""
+        tuple_state = isinstance(initial_state, (tuple, list))
+        if (not isinstance(inputs, Mapping) or bool(ofs) != self.output_final_state
+                or tuple_state != self._tuple_state or list(inputs) != self._input_names
+                or list(params or {}) != self._param_names):
+            return None
+        states = tuple(initial_state) if tuple_state else () if initial_state is None else (initial_state,)
+        flat = (*inputs.values(), *(params or {}).values(), *states)
+        return flat if [_row(t) for t in flat] == self._rows else None
+
+    def _checked_flat(self, inputs, params, initial_state, ofs) -> tuple:
+        """The full check (``call_signature``) where the quick one failed: the call's values when the
+        signature is the captured one after all (an empty state tuple for None, say), else
+        ``SsmcraftError`` naming how it differs."""
         entries = _entries(inputs, params, initial_state)
         got = call_signature(inputs, params, initial_state, ofs, entries)
-        if got != self.signature:
-            raise SsmcraftError(f"{self.obj.name}: graphed call with another signature than the one captured "
-                                f"({signature_difference(self.signature, got)}); make another with "
-                                f"obj.graphed(...) for these tensors")
-        out = self._graphed(*(t for _, t in entries))
+        if got == self.signature:
+            return tuple(t for _, t in entries)
+        # a number or a host tensor where a CUDA tensor was captured: require_cuda's message by place
+        expected = set(self.signature)
+        require_cuda([e for e, row in zip(entries, got) if row not in expected], f"{self.obj.name}: graphed")
+        raise SsmcraftError(f"{self.obj.name}: graphed call with another signature than the one captured "
+                            f"({signature_difference(self.signature, got)}); make another with "
+                            f"obj.graphed(...) for these tensors")
+
+    def __call__(self, inputs, params=None, initial_state=None, output_final_state: bool | None = None):
+        ofs = self.output_final_state if output_final_state is None else output_final_state
+        flat = self._flat_if_captured(inputs, params, initial_state, ofs)
+        if flat is None:
+            flat = self._checked_flat(inputs, params, initial_state, ofs)
+        out = self._graphed(*flat)
         y, states = out[0], tuple(out[1:])
         if not self.output_final_state:
             return y, None

@@ -546,11 +546,12 @@ def _bv(V: int) -> int:
 
 
 def _key_block(K: int, dtype) -> int:
-    """The padded key block. bf16/fp16 products with a key block below 64 fail on an H200 with
+    """The padded key block. bf16 products with a key block below 64 fail on an H200 with
     Triton 3.6: an illegal memory access in ``_grad_kernel`` at K = 32 and NaN outputs at K = 16,
-    while fp32 (tf32x3) is right at every K (``benchmarks/diag_rank1_smallk.py``). There the key
-    block is padded to 64: the loads are masked, so the extra key columns are zeros. The rule is
-    the same under the interpreter, so the CPU tests run the padded kernels."""
+    while fp32 (tf32x3) is right at every K (``benchmarks/diag_rank1_smallk.py``, which runs fp32
+    and bf16). There the key block is padded to 64: the loads are masked, so the extra key columns
+    are zeros. fp16 is padded too, by analogy with bf16 (the same 16-bit dot path; not measured).
+    The rule is the same under the interpreter, so the CPU tests run the padded kernels."""
     if dtype == torch.float32:
         return pow2(K)
     return pow2(K, lo=64)

@@ -8,7 +8,7 @@ lent H200 each launch costs 7-10 us of host time, so decode ran at 110 tokens/s 
 token as: copy the token in, replay, read the static logits ``[B, V]``.
 
     dec = GraphedDecoder(model, batch_size=16, autocast_dtype=torch.bfloat16)
-    dec.reset()                       # zero caches: a new sequence
+    dec.state.reset()                 # zero caches: a new sequence (dec.state.load(caches): a prefill)
     for t in range(T):
         logits = dec.step(tokens[:, t])     # [B] int64 -> [B, V]; overwritten by the next step
 
@@ -26,22 +26,19 @@ import contextlib
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.graphs import NEED_CUDA
+from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.layers.mixer import RecurrentCache
 
 
-def _copy_state(dst, src) -> None:
-    if isinstance(dst, tuple):
-        for a, b in zip(dst, src):
-            a.copy_(b)
-    else:
-        dst.copy_(src)
+def _tensors(cache) -> tuple[torch.Tensor, ...]:
+    """A ``RecurrentCache``'s tensors: the conv window, then the state(s)."""
+    return (cache.conv, *(cache.state if isinstance(cache.state, tuple) else (cache.state,)))
 
 
 class StaticDecodeState:
     """The static buffers of graphed decoding and the step that updates them in place.
 
-    ``token`` ``[B]`` int64, ``caches`` (``model.init_cache(B)``), ``logits`` ``[B, V]`` after ``advance``.
+    ``token`` ``[B]`` int64, ``caches`` (``model.init_cache(B)``).
     """
 
     def __init__(self, model, batch_size: int):
@@ -54,29 +51,35 @@ class StaticDecodeState:
         self.model = model
         self.caches = caches
         self.token = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
-        self.logits = None
 
     def advance(self) -> torch.Tensor:
         """One ``model.step`` on ``token``; the new caches are copied into the static ones."""
         logits, new = self.model.step(self.token, self.caches)
-        for mine, theirs in zip(self.caches, new):
-            mine.conv.copy_(theirs.conv)
-            _copy_state(mine.state, theirs.state)
-        self.logits = logits
+        self.load(new)
         return logits
 
     def reset(self) -> None:
         """Zero every cache in place (a new sequence)."""
         for c in self.caches:
-            c.conv.zero_()
-            for s in (c.state if isinstance(c.state, tuple) else (c.state,)):
-                s.zero_()
+            for t in _tensors(c):
+                t.zero_()
 
     def load(self, caches) -> None:
-        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones."""
-        for mine, theirs in zip(self.caches, caches):
-            mine.conv.copy_(theirs.conv)
-            _copy_state(mine.state, theirs.state)
+        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones. They
+        must fit exactly: one per layer, each tensor of the static one's shape (``copy_`` would
+        broadcast a batch-1 cache into every row); else ``SsmcraftError`` naming the layer."""
+        caches = list(caches)
+        if len(caches) != len(self.caches):
+            raise SsmcraftError(f"graphed decoding: {len(caches)} layer cache(s) given; this model has "
+                                f"{len(self.caches)}")
+        for i, (mine, theirs) in enumerate(zip(self.caches, caches)):
+            dst, src = _tensors(mine), _tensors(theirs)
+            shapes, got = [list(t.shape) for t in dst], [list(t.shape) for t in src]
+            if shapes != got:
+                raise SsmcraftError(f"graphed decoding: layer {i}'s cache (conv window, state(s)) has shapes "
+                                    f"{got}; the decoder holds {shapes} (batch {self.token.shape[0]})")
+            for a, b in zip(dst, src):
+                a.copy_(b)
 
 
 class GraphedDecoder:
@@ -85,13 +88,15 @@ class GraphedDecoder:
     ``autocast_dtype``: run the step under ``torch.autocast("cuda", dtype)`` (captured with the
     autocast cache off, as CUDA graphs need; the values are those of eager autocast). ``warmup``
     eager steps run first on a side stream (kernel choice, compilation), then the caches are zeroed.
-    The logits returned by ``step`` are a static buffer, overwritten by the next step.
+    The logits returned by ``step`` are a static buffer, overwritten by the next step. ``state`` is
+    the ``StaticDecodeState`` the graph reads and writes: ``state.reset()`` starts a new sequence,
+    ``state.load(caches)`` continues an eager prefill, ``state.caches`` are the current caches.
     """
 
     def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):
+        require_warmup(warmup, "graphed decoding")
+        require_cuda([("the model", model.embed.weight)], "graphed decoding")
         device = model.embed.weight.device
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise SsmcraftError(f"graphed decoding: {NEED_CUDA}; the model is on {device}")
         self.state = StaticDecodeState(model, batch_size)
         self.batch_size = batch_size
         self._amp = ((lambda: torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False))
@@ -99,24 +104,13 @@ class GraphedDecoder:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad(), self._amp():
-            for _ in range(max(1, warmup)):
+            for _ in range(warmup):
                 self.state.advance()
         torch.cuda.current_stream(device).wait_stream(side)
         self.state.reset()          # the warm-up advanced the caches (a capture runs nothing)
         self.graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), self._amp(), torch.cuda.graph(self.graph):
             self.logits = self.state.advance()
-        self.backends = model.backends()
-
-    def reset(self) -> None:
-        self.state.reset()
-
-    def load(self, caches) -> None:
-        self.state.load(caches)
-
-    @property
-    def caches(self):
-        return self.state.caches
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """token ``[B]`` (int64, on the model's device) -> logits ``[B, V]`` (static buffer)."""

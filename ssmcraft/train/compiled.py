@@ -7,7 +7,8 @@ PyTorch scan on CPU) wrapped in ``torch.compiler.disable``, so Dynamo breaks the
 there and the kernels run exactly as they do eagerly. Compiling Triton autograd Functions
 inside a Dynamo graph is what this avoids: it is fragile across torch versions.
 
-Settings: ``auto`` compiles on CUDA (unless ``train.cuda_graphs`` is true) and not on CPU
+Settings: ``auto`` compiles on CUDA only with ``train.cuda_graphs: false`` (the captured step is
+the CUDA default, ``ssmcraft.train.graphed``) and not on CPU
 (where the recurrence dominates and the C++ compile costs more than it saves in a short
 trial); ``true`` compiles on any device; ``false`` never. A compile failure is never
 silent: the run logs a warning, goes on eager, and records the reason under ``compile`` in
@@ -26,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def compile_decision(setting: Any, device: torch.device, cuda_graphs: Any = "auto") -> tuple[bool, str]:
+def compile_decision(setting: Any, device: torch.device, cuda_graphs: Any) -> tuple[bool, str]:
     """(compile?, why) for ``train.compile`` = ``setting`` on ``device``. ``auto`` is on only for CUDA
     with ``train.cuda_graphs`` (``cuda_graphs``) false: the recurrences are graph breaks for
     torch.compile, which measured 260k tokens/s steady on the 20M byte LM after a 27 s first step,
@@ -44,7 +45,7 @@ def compile_decision(setting: Any, device: torch.device, cuda_graphs: Any = "aut
 
 
 def compile_model(model: torch.nn.Module, setting: Any, device: torch.device,
-                  cuda_graphs: Any = "auto") -> tuple[torch.nn.Module, dict]:
+                  cuda_graphs: Any) -> tuple[torch.nn.Module, dict]:
     """(the module to train with, the compile record ``{setting, enabled, reason}``).
 
     The returned module shares ``model``'s parameters. Evaluation keeps using ``model``

@@ -132,6 +132,10 @@ def resolve(cfg: Mapping[str, Any], source: str = "<experiment>") -> dict[str, A
     return out
 
 
+GRAPHS_WITH_COMPILE = ("true together with train.compile true: choose one (the graphs capture the eager step; "
+                       "set train.compile: false or auto)")
+
+
 def _check_train(t: dict[str, Any], source: str) -> None:
     def positive(key, integer=False, allow_zero=False):
         v = t[key] = number_or_same(t[key])
@@ -150,6 +154,8 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         raise SpecError(source, "train.compile", f"expected auto, true or false, got {t['compile']!r}")
     if t["cuda_graphs"] not in ("auto", True, False):
         raise SpecError(source, "train.cuda_graphs", f"expected auto, true or false, got {t['cuda_graphs']!r}")
+    if t["cuda_graphs"] is True and t["compile"] is True:
+        raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)
     if not isinstance(t["data_on_device"], bool):
         raise SpecError(source, "train.data_on_device", f"expected true or false, got {t['data_on_device']!r}")
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):

@@ -30,10 +30,11 @@ def pick_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def autocast(device: torch.device, precision: str):
-    """The autocast context of ``precision`` (a no-op for fp32)."""
+def autocast(device: torch.device, precision: str, cache_enabled: bool = True):
+    """The autocast context of ``precision`` (a no-op for fp32). ``cache_enabled=False`` for a region
+    captured in a CUDA graph (autocast's weight-cast cache must not outlive the capture)."""
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
     return contextlib.nullcontext()
 
 

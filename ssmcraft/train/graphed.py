@@ -21,7 +21,8 @@ Settings (``graphs_decision``; the decision and its reason go to the run's ``met
   ``auto``  (the default) on for CUDA unless ``train.compile`` is true (the two do not combine: the
             compiled LM is not captured; ``train.compile: auto`` resolves off when this is not
             false); off on CPU (recorded as not applicable);
-  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``);
+  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``; the config
+            check ``config._check_train`` refuses the pair before anything is built);
   ``false`` off.
 A capture that fails raises under ``true``; under ``auto`` it is logged as a warning, recorded
 (``fallback``) and the run goes on eager.
@@ -34,6 +35,9 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.train.config import GRAPHS_WITH_COMPILE
+from ssmcraft.train.device import autocast
 from ssmcraft.train.validate import batch_loss
 
 log = logging.getLogger(__name__)
@@ -52,8 +56,7 @@ def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
         return False, f"train.cuda_graphs auto: not applicable on {device.type} (CUDA graphs need a CUDA device)"
     if compile_enabled:
         if setting is True:
-            raise SpecError(source, "train.cuda_graphs", "true together with train.compile true: choose one "
-                            "(the graphs capture the eager step; set train.compile: false or auto)")
+            raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)   # config refuses it first
         return False, "train.cuda_graphs auto: off while train.compile is on (set train.compile: false to capture)"
     if setting is True:
         return True, "train.cuda_graphs is true"
@@ -66,13 +69,10 @@ class _LossModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str):
         super().__init__()
         self.model = model
-        self.device_type, self.precision = device.type, precision
+        self._device, self.precision = device, precision
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.precision == "bf16":
-            with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
-                logits = self.model(inputs)
-        else:
+        with autocast(self._device, self.precision, cache_enabled=False):
             logits = self.model(inputs)
         return batch_loss(logits, targets)
 
@@ -84,12 +84,12 @@ class GraphedLoss:
 
     def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  device: torch.device, precision: str, warmup: int = 3):
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise SsmcraftError(f"train.cuda_graphs: CUDA graphs need a CUDA device; this run is on {device}")
+        require_warmup(warmup, "train.cuda_graphs")
+        require_cuda([("the model", next(model.parameters())), ("the batch", inputs)], "train.cuda_graphs")
         self.shapes = (tuple(inputs.shape), tuple(targets.shape))
         sample = (inputs.detach().clone(), targets.detach().clone())
         self._fn = torch.cuda.make_graphed_callables(_LossModule(model, device, precision), sample,
-                                                     num_warmup_iters=max(1, warmup), allow_unused_input=True)
+                                                     num_warmup_iters=warmup, allow_unused_input=True)
 
     def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         return (tuple(inputs.shape), tuple(targets.shape)) == self.shapes

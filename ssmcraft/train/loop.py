@@ -16,10 +16,11 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   read-back and the run ends ``diverged`` at the step where it first occurred, the
   reason saying how many steps later it was seen; a sticky device flag makes the fused
   AdamW skip that step and every later one, so the weights are the last finite ones;
-- ``train.compile`` (auto: on for CUDA) compiles the LM around the recurrence
-  (``ssmcraft.train.compiled``); or ``train.cuda_graphs`` (auto: on for CUDA when compile is
-  off) replays the forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``);
-  evaluation sums on the device and reads back once.
+- ``train.cuda_graphs`` (auto: on for CUDA unless ``train.compile`` is true) replays the
+  forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``); or
+  ``train.compile`` (auto: on for CUDA only with ``train.cuda_graphs: false``) compiles the LM
+  around the recurrence (``ssmcraft.train.compiled``); evaluation sums on the device and
+  reads back once.
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -188,6 +189,9 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     bar = _progress_bar(steps) if progress and sys.stderr.isatty() else None
     model.train()
     readback = _ReadBack(device, history, bar, tc["log_every"])
+    # fused AdamW skips its step while this is set (GradScaler's protocol); refreshed from
+    # readback.stopped in place each step (_optimizer_step)
+    opt.found_inf = torch.zeros((), dtype=torch.float32, device=device)
     t_loop, eval_s, first_step_s = time.perf_counter(), 0.0, None
     for step in range(steps):
         if tc["max_seconds"] is not None and time.perf_counter() - t_loop - eval_s >= tc["max_seconds"]:
@@ -263,8 +267,8 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
     forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
 
     A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
-    fused AdamW skips its update while the flag is set (``found_inf``, the protocol
-    ``GradScaler`` uses), so the weights stay the last finite ones whatever the host
+    fused AdamW skips its update while the flag is set (``opt.found_inf``, one fp32 buffer the
+    run creates with the optimizer: the protocol ``GradScaler`` uses), so the weights stay the last finite ones whatever the host
     learns later (``_ReadBack``).
     """
     opt.zero_grad(set_to_none=True)
@@ -279,10 +283,7 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
                                                grad_clip or float("inf"))
     loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
     stopped |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    found_inf = getattr(opt, "found_inf", None)
-    if found_inf is None:           # one fp32 flag for the run, refreshed in place each step
-        found_inf = opt.found_inf = torch.zeros((), dtype=torch.float32, device=stopped.device)
-    found_inf.copy_(stopped)
+    opt.found_inf.copy_(stopped)
     opt.step()
     return loss, grad_norm
 
