@@ -116,27 +116,22 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
 
 
-def tag(fn, path: ComputedPath):
-    """``fn`` (a family's prepared runner) tagged with the computed slots' path, which the
-    backend name carries (``ssmcraft.kernels.triton_backend``)."""
-    fn.slots_path = path.name
-    return fn
-
-
 def slot_runner(obj, lay, run, binds: dict | None = None):
     """A structured family's ``prepare`` result for one call signature (``lay`` from
     ``reference.validate``): the slots bound once (``bindings``, or ``binds`` when the family
     already has them), the computed slots' path chosen once (``computed_path``), and per call
     ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
-    ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``, tagged with
-    the path (``tag``)."""
+    ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``; its
+    ``slots_path`` is the computed slots' path, which the backend name carries
+    (``ssmcraft.kernels.triton_backend``)."""
     binds = bindings(obj.ir) if binds is None else binds
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
 
     def fn(inputs, params, initial_state, output_final_state):
         return run(CallSlots(obj, binds, inputs, params, B, T, H, d, m, path), initial_state, output_final_state)
-    return tag(fn, path)
+    fn.slots_path = path.name
+    return fn
 
 
 class CallSlots:
