@@ -4,8 +4,9 @@
     python3 benchmarks/diag_rank1_smallk.py --time       (fwd+bwd at the 20M byte LM's shape)
 
 Each case runs in its own process (an illegal memory access poisons the CUDA context): DeltaNet
-through ``rank1_chunk.delta_rule`` at B2 T300 H2 V64, fp32 and bf16, against a float64 loop on the
-same leaves (output, final state, dq, dk, dx, dbeta, dS0), outputs NaN-poisoned first.
+on ``rank1_chunk`` at B2 T300 H2 V64, fp32 and bf16, against the float64 reference on the same leaves
+(``ssmcraft.kernels.checking``: output, final state, dx, dq, dk, dbeta, dS0), outputs NaN-poisoned first
+(an unwritten output shows as nan).
 """
 from __future__ import annotations
 
@@ -17,42 +18,25 @@ import sys
 import torch
 
 
-def loop(q, k, x, beta, h0):
-    q, k, x, beta, S = (t.double() for t in (q, k, x, beta, h0))
-    ys = []
-    for t in range(q.shape[1]):
-        kt, bt = k[:, t], beta[:, t, :, None, None]
-        S = S - bt * kt[..., :, None] * (kt[..., None, :] @ S) + bt * kt[..., :, None] * x[:, t, :, None, :]
-        ys.append((q[:, t, :, None, :] @ S)[..., 0, :])
-    return torch.stack(ys, 1), S
-
-
 def case(K: int, dtype: str) -> dict:
+    """Errors of the DeltaNet objective on ``rank1_chunk`` (its own ``prepare``, whatever the backend
+    would pick) against the float64 reference on the same (``dtype``-rounded) leaves."""
+    import ssmcraft
     from ssmcraft.kernels import rank1_chunk as R
+    from ssmcraft.kernels.checking import reference_errors
+    from ssmcraft.kernels.triton_backend import validated_call
     R.POISON = True
     dt = getattr(torch, dtype)
+    obj = ssmcraft.compile("deltanet")
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 300, 2, 64
-    q = torch.randn(B, T, H, K, generator=g)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    x = torch.randn(B, T, H, V, generator=g)
-    beta = torch.rand(B, T, H, generator=g)
-    h0 = torch.randn(B, H, K, V, generator=g)
-    leaves = [t.to("cuda", dt).requires_grad_(True) for t in (q, k, x, beta)]
-    s0 = h0.cuda().requires_grad_(True)
-    o, ht = R.delta_rule(*leaves, initial_state=s0, output_final_state=True)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [*leaves, s0])
-    torch.cuda.synchronize()
-    ref = [t.double().cpu().requires_grad_(True) for t in (q, k, x, beta, h0)]
-    ref[:4] = [t.to(dt).double().detach().requires_grad_(True) for t in ref[:4]]
-    yr, Sr = loop(*ref)
-    rg = torch.autograd.grad((yr * do.cpu().double()).sum() + (Sr * dht.cpu().double()).sum(), ref)
-    out = {}
-    for name, a, b in [("y", o, yr), ("S_T", ht, Sr), *zip(("dq", "dk", "dx", "dbeta", "dS0"), grads, rg)]:
-        a = a.double().cpu()
-        out[name] = float("nan") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
-    return out
+    ins = {"x": torch.randn(B, T, H, V, generator=g), "q": torch.randn(B, T, H, K, generator=g),
+           "k": torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1),
+           "beta": torch.rand(B, T, H, generator=g)}
+    ins = {n: t.to(dt).to("cuda", torch.float64) for n, t in ins.items()}      # the kernel's values, exactly
+    S0 = torch.randn(B, H, V, K, generator=g, dtype=torch.float64).cuda()
+    cmp = reference_errors(obj, lambda i, p, s: validated_call(R.prepare, obj, i, p, s, True), ins, {}, S0, g, dt)
+    return {n: (v if cmp.written else float("nan")) for n, v in cmp.errors.items()}
 
 
 def timing():
