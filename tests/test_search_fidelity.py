@@ -215,3 +215,13 @@ def test_the_fidelity_comparison_at_tiny_scale(tmp_path, capsys):
             assert t.user_attrs["reason"].startswith("stopped at rung")
             assert t.user_attrs["metrics"]["tokens"] == t.user_attrs["rungs"][-1]["tokens"]
     assert "candidates per GPU-hour, successive_halving / full budget: " in capsys.readouterr().out
+
+
+def test_trials_wait_for_answers_only_when_one_can_stop_them():
+    """A Ray trial waits for a report's answer only when it can be "stop": a rung or a pruner."""
+    from ssmcraft.search.coordinator import answers_matter
+    assert not answers_matter(load_search_spec(tiny_spec()))                 # one metric, no pruner
+    assert answers_matter(load_search_spec(tiny_spec(pruner={"name": "median"})))
+    assert answers_matter(load_search_spec(fidelity_spec()))                 # rungs, two metrics
+    several = load_search_spec(tiny_spec(rank={"val_loss": "minimize", "tokens_per_s": "maximize"}))
+    assert not answers_matter(several)

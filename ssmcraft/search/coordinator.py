@@ -48,6 +48,13 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 POLL_S = 0.2
 
 
+def answers_matter(spec) -> bool:
+    """Whether a report's answer can stop a trial of ``spec``: a fidelity rung, or a pruner (which
+    implies a single metric). A Ray trial then waits for the answer; otherwise every answer is
+    "go on" and the trial does not wait (its reports are still recorded)."""
+    return spec.fidelity is not None or spec.pruner.name != "none"
+
+
 @dataclass
 class SearchResult:
     study: optuna.Study
@@ -237,13 +244,8 @@ class _Loop:
         self.running[trial.number] = trial
         self.executor.submit(Job(trial.number, self.trial_fn, config, out,
                                  lambda step, metrics, t=trial: self._on_report(t, step, metrics),
-                                 self.spec.budget.hard_timeout, await_answers=self._answers_matter()))
+                                 self.spec.budget.hard_timeout, await_answers=answers_matter(self.spec)))
         return 0
-
-    def _answers_matter(self) -> bool:
-        """Whether a report's answer can stop the trial (a rung, or the single-metric pruner): a
-        Ray trial then waits for it; with several metrics and no fidelity every answer is go on."""
-        return self.spec.fidelity is not None or self.spec.single_metric
 
     def _on_report(self, trial: optuna.Trial, step: int, metrics: dict) -> bool:
         """An intermediate report: a rung (fidelity), or for single-metric studies a value
