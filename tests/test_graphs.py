@@ -106,7 +106,7 @@ def _mqar(**train):
 def test_train_records_the_decision_and_refuses_true_on_cpu(tmp_path):
     m = train_run(_mqar(device="cpu"), tmp_path / "auto")
     assert m["status"] == "ok"
-    assert m["cuda_graphs"] == {"setting": "auto", "enabled": False, "graphed_steps": 0, "eager_steps": 0,
+    assert m["cuda_graphs"] == {"setting": "auto", "enabled": False, "graphed_steps": 0, "eager_steps": m["steps"],
                                 "reason": "train.cuda_graphs auto: not applicable on cpu (CUDA graphs need a CUDA "
                                           "device)"}
     assert "CUDA graphs: train.cuda_graphs auto: not applicable on cpu" in (tmp_path / "auto" / "train.log").read_text()
@@ -194,7 +194,7 @@ def test_graphed_training_path_capture_failure_is_recorded_or_raised(tmp_path, m
     assert info["enabled"] is False and info["reason"] == "forced on for the test"
     assert info["fallback"].startswith("capture failed: SsmcraftError: train.cuda_graphs: CUDA graphs need a "
                                        "CUDA device") and info["fallback"].endswith("; ran eager")
-    assert info["graphed_steps"] == 0 and info["eager_steps"] == 0
+    assert info["graphed_steps"] == 0 and info["eager_steps"] == 2        # every step ran eager
     assert "CUDA graph capture of the training step failed" in (tmp_path / "auto" / "train.log").read_text()
     with pytest.raises(SsmcraftError, match="train.cuda_graphs: capturing the training step failed: SsmcraftError"):
         train_run(_mqar(device="cpu", cuda_graphs=True), tmp_path / "true")

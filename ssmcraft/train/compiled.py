@@ -97,8 +97,18 @@ def run_compiled_step(step: Callable[[torch.nn.Module], Any], compiled: torch.nn
     except Exception as e:  # noqa: BLE001: a compile error is recorded and logged, not hidden; others raise
         if not is_compile_error(e):
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        info.update(enabled=False, fallback=f"torch.compile failed: {type(e).__name__}: {first}; ran eager")
-        log.warning("torch.compile failed at the first step (%s: %s): training eager instead",
-                    type(e).__name__, first)
+        record_fallback(info, "torch.compile failed", "torch.compile failed at the first step", e)
         return step(eager), eager
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line, at most 300 characters (what a run record keeps of it)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def record_fallback(info: dict, what: str, logged: str, e: BaseException) -> None:
+    """A path that failed and fell back to eager training: ``info`` (a run record's ``compile`` or
+    ``cuda_graphs``) gets ``enabled: false`` and ``fallback``, and the log a warning."""
+    info.update(enabled=False, fallback=f"{what}: {type(e).__name__}: {first_line(e)}; ran eager")
+    log.warning("%s (%s: %s): training eager instead", logged, type(e).__name__, first_line(e))

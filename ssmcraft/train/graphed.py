@@ -36,6 +36,7 @@ import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.train.compiled import first_line, record_fallback
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE
 from ssmcraft.train.device import autocast
 from ssmcraft.train.validate import batch_loss
@@ -104,13 +105,10 @@ def capture_loss(model, inputs, targets, device, precision, info: dict) -> Graph
     try:
         graphed = GraphedLoss(model, inputs, targets, device, precision)
     except Exception as e:  # noqa: BLE001: only the capture runs here; recorded, or raised under true
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         if info["setting"] is True:
             raise SsmcraftError(f"train.cuda_graphs: capturing the training step failed: "
-                                f"{type(e).__name__}: {first}") from e
-        info.update(enabled=False, fallback=f"capture failed: {type(e).__name__}: {first}; ran eager")
-        log.warning("CUDA graph capture of the training step failed (%s: %s): training eager instead",
-                    type(e).__name__, first)
+                                f"{type(e).__name__}: {first_line(e)}") from e
+        record_fallback(info, "capture failed", "CUDA graph capture of the training step failed", e)
         return None
     log.info("CUDA graphs: training step captured for batches %s", list(graphed.shapes[0]))
     return graphed

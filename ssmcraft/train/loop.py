@@ -37,7 +37,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
                        peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
     compile            train.compile's record: setting, enabled, reason (and a fallback's)
     cuda_graphs        train.cuda_graphs' record: setting, enabled, reason (and a fallback's),
-                       graphed_steps / eager_steps (a batch of another shape runs eager)
+                       graphed_steps / eager_steps: the steps each way (all eager without graphs,
+                       after a failed capture, and for a batch of another shape)
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
@@ -203,11 +204,10 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         for group in opt.param_groups:
             group["lr"] = lr
         inputs, targets = (t.to(device, non_blocking=True) for t in task.sample("train", tc["batch_size"], None, gen))
-        if graphs_info["enabled"] and loss_fn is None and step == 0:
+        if graphs_info["enabled"] and step == 0:
             loss_fn = capture_loss(model, inputs, targets, device, precision, graphs_info)
         graphed = loss_fn if loss_fn is not None and loss_fn.fits(inputs, targets) else None
-        if graphs_info["enabled"]:
-            graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
+        graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
 
         def one_step(module):
             return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed)
