@@ -152,8 +152,6 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     families = {"longhorn": "rank1_row", "deltanet": "rank1_chunk", "gla": "keydecay_chunk"}
     for name, family in families.items():
         result = export_model(tiny_lm(compiled, name, heads=2), tmp_path / name, source(tmp_path), check=False)
-        if not result.kernels.startswith("inline"):
-            pytest.skip(f"{name}: no inline kernels in this ssmcraft ({result.kernels})")
         assert result.kernels == f"inline ({family})", result.kernels     # the family ssmcraft itself runs
         folders.append(str(tmp_path / name))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
