@@ -69,6 +69,8 @@ def test_the_key_holds_what_a_compiled_kernel_is_specialised_on():
 
 def test_under_the_interpreter_every_launch_goes_through_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(L, "_THROUGH_TRITON", L._through_triton())     # as an import under the interpreter reads it
+    assert L._THROUGH_TRITON
     calls = []
 
     class _Fake:

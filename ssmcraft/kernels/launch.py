@@ -19,7 +19,7 @@ compiled Triton kernel is specialised on, conservatively:
 
 The keys live on the kernel object (``kernel.__dict__["_ssmcraft_launches"]``), so a generated
 kernel module's cache goes away with the module. Under ``TRITON_INTERPRET=1``, with ``SSMCRAFT_DIRECT_LAUNCH=0``
-(benchmarks time both ways with it), or while a Triton launch hook is installed (a profiler such
+(benchmarks time both ways with it; both variables are read when this module is imported), or while a Triton launch hook is installed (a profiler such
 as proton), every launch goes through Triton.
 ``stats(kernel)`` counts both kinds, for the tests and ``ssmcraft bench --explain``.
 """
@@ -38,6 +38,9 @@ _ATTR = "_ssmcraft_launches"
 
 def _through_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SSMCRAFT_DIRECT_LAUNCH") == "0"
+
+
+_THROUGH_TRITON = _through_triton()     # read once at import (an environment lookup per launch cost 3 us)
 
 
 def _hooked() -> bool:
@@ -102,7 +105,7 @@ def launch(kernel, grid, *args, **kw):
 
     ``grid``: a tuple of 1-3 ints, or a callable of the launch's ``{parameter: value}`` (evaluated
     on every launch, as Triton does: a grid may depend on sizes that are not in the key)."""
-    if _through_triton() or _hooked():
+    if _THROUGH_TRITON or _hooked():
         return kernel[grid](*args, **kw)
     state = kernel.__dict__.get(_ATTR)
     if state is None:

@@ -294,7 +294,7 @@ class _PrologueFunction(torch.autograd.Function):
             launch(mod.fwd_kernel, (triton.cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
                    num_warps=warps)
         ctx.save_for_backward(*leaves)
-        ctx.entry, ctx.shape, ctx.dev = entry, shape, dev
+        ctx.entry, ctx.shape, ctx.dev, ctx.tiles, ctx.strides = entry, shape, dev, (R, BV, BK, warps), strides
         return tuple(outs)
 
     @staticmethod
@@ -303,11 +303,9 @@ class _PrologueFunction(torch.autograd.Function):
         pro, mod, _ = ctx.entry
         B, T, H, V, K = ctx.shape
         N = B * T * H
-        dev = ctx.dev
-        R, BV, BK, warps = _tiles(pro, V, K, N)
+        dev, (R, BV, BK, warps), strides = ctx.dev, ctx.tiles, ctx.strides
         grads = [_new((B, T, H, *_size(lf.dims, pro, V, K)), dev) if lf.param else _new(t.shape, dev, t.dtype)
                  for lf, t in zip(pro.leaves, leaves)]
-        strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
         gouts = [g.contiguous() for g in gouts]
         if N > 0:
             launch(mod.bwd_kernel, (triton.cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,

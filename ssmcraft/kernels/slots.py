@@ -48,7 +48,12 @@ class Binding:
 
 
 def bindings(ir) -> dict[str, Binding]:
-    """slot -> Binding for every slot of ``ir`` (see the module docstring)."""
+    """slot -> Binding for every slot of ``ir`` (see the module docstring); classified once per IR
+    (``UpdateIR.memo``: each new call signature's ``prepare`` asks again)."""
+    return dict(ir.memo("slot_bindings", lambda: _bindings(ir)))
+
+
+def _bindings(ir) -> dict[str, Binding]:
     exprs = ir.expanded_coefficients()
     dims_of = {c.name: tuple(c.dims) for c in ir.coefficients}
     leaves = {**{n: tuple(d) for n, d in ir.inputs.items()}, **{n: tuple(d) for n, d in ir.params.items()}}
