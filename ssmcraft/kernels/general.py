@@ -55,7 +55,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import io_dtype
+from ssmcraft.kernels.tuning import buffer, io_dtype
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
@@ -461,9 +461,7 @@ def _interpreting() -> bool:
 
 
 def _new(shape, device, dtype=torch.float32):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+    return buffer(shape, device, dtype, POISON)
 
 
 def _warps(BK, BV):

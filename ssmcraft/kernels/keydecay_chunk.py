@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -564,9 +564,7 @@ def _state_grid(K, V, BH):
 
 
 def _empty(*shape, device, dtype):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(*shape, device=device, dtype=dtype)
+    return buffer(shape, device, dtype, POISON)
 
 
 def _fwd(q, k, v, g, h0, BT, log_g=False):

@@ -45,6 +45,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
 from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, _triton_code, element_algebra
 from ssmcraft.kernels.launch import launch
+from ssmcraft.kernels.tuning import buffer
 
 POISON = False           # tests: allocate outputs with NaN (unwritten -> NaN)
 
@@ -253,9 +254,7 @@ def module(ir, binds: dict):
 # ----------------------------------------------------------------------------------------
 
 def _new(shape, device, dtype=torch.float32):
-    """An output buffer (NaN-filled when ``POISON``: an unwritten element shows)."""
-    return torch.full(shape, float("nan"), device=device, dtype=dtype) if POISON else \
-        torch.empty(shape, device=device, dtype=dtype)
+    return buffer(shape, device, dtype, POISON)
 
 
 def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -558,9 +558,7 @@ def _key_block(K: int, dtype) -> int:
 
 
 def _empty(*shape, device, dtype):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(*shape, device=device, dtype=dtype)
+    return buffer(shape, device, dtype, POISON)
 
 
 def _empty_like(t):

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
+from ssmcraft.kernels.tuning import buffer, io_dtype
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
 
@@ -610,9 +611,7 @@ PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always
 
 
 def _new(shape, device, dtype=torch.float32):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+    return buffer(shape, device, dtype, POISON)
 
 
 def _prefetch_distance() -> int:
@@ -947,7 +946,6 @@ def prepare(obj, lay):
     (``slots.computed_path``: one fused prologue kernel).
     Returns ``fn(inputs, params, initial_state, output_final_state)``."""
     from ssmcraft.kernels.slots import slot_runner
-    from ssmcraft.kernels.tuning import io_dtype
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state):

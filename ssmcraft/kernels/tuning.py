@@ -61,3 +61,11 @@ def dot_precision(dtype) -> str:
     """``input_precision`` of tl.dot: fp32 I/O takes three-pass tf32 (fp32-accurate); bf16/fp16
     I/O products are bf16/fp16 (an fp32 product there, e.g. a block inverse, takes one tf32 pass)."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def buffer(shape, device, dtype, poison: bool) -> torch.Tensor:
+    """A kernel output buffer: NaN-filled when ``poison`` (the tests' ``POISON`` of each family, so
+    that an element a kernel leaves unwritten shows), else uninitialised."""
+    if poison:
+        return torch.full(tuple(shape), float("nan"), device=device, dtype=dtype)
+    return torch.empty(tuple(shape), device=device, dtype=dtype)
