@@ -705,13 +705,13 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         return o, (S if output_final_state else None)
 
     def prep(t, shape, dtype=dt):
-        """``t`` as a contiguous ``shape`` tensor; in ``dtype`` (None: its own float dtype, which the
-        kernels convert as they load). No op, and no autograd node, where it already is one."""
+        """``t`` as a contiguous ``shape`` tensor in ``dtype``. No op, and no autograd node, where it
+        already is one."""
         if t is None:
             return None
         if t.shape != shape:
             t = t.expand(*shape)
-        if dtype is not None and t.dtype != dtype:
+        if t.dtype != dtype:
             t = t.to(dtype)
         return t.contiguous()
     kshape, hshape = (B, T, H, K), (B, T, H)

@@ -15,7 +15,7 @@ backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
   ``TRITON_INTERPRET=1``, where it can run, so this is their path;
 - ``eager-coefficients``: the objective's generated PyTorch ``coefficients`` on fp32 copies of
   the leaves they need, autograd through them; only where the prologue cannot be printed (a
-  function the Triton printer lacks), with the reason in ``ComputedPath.why``. The CPU path
+  function the Triton printer lacks; the reason is logged). The CPU path
   (``torch-vectorised``) calls the generated coefficients itself and never comes here.
 
 ``bindings(ir)`` classifies every slot once:
@@ -82,10 +82,9 @@ def _bindings(ir) -> dict[str, Binding]:
 class ComputedPath:
     """How a call's computed slots are produced (chosen once per call signature):
     ``name`` ``"prologue"`` / ``"eager-coefficients"`` (None: the objective has no computed
-    slot), ``run(cs) -> {slot: fp32 tensor in FLA layout}``, ``why`` the reason for eager."""
+    slot, and ``run`` is None), ``run(cs) -> {slot: fp32 tensor in FLA layout}``."""
     name: str | None
     run: object = None
-    why: str = ""
 
 
 def eager_coefficients(cs: "CallSlots") -> dict:
@@ -117,7 +116,7 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     except NotImplementedError as e:
         why = f"no Triton prologue: {e}"
         logging.getLogger(__name__).info("%s: computed slots by the eager coefficients (%s)", obj.spec.name, why)
-        return ComputedPath("eager-coefficients", eager_coefficients, why)
+        return ComputedPath("eager-coefficients", eager_coefficients)
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
 
 
@@ -144,11 +143,12 @@ class CallSlots:
 
     ``inputs``: name -> ``[B, T, H, n]`` / ``[B, T, H]``; ``params``: name -> declared shape or
     ``[H, *shape]`` (missing ones take their constant init). ``B, T, H, d, m``: the call's sizes.
-    ``path``: how the computed slots are produced (``computed_path``; default the eager one).
+    ``path``: how the computed slots are produced (``computed_path``; ``ComputedPath(None)`` when
+    the caller reads no computed slot through it).
     """
 
     def __init__(self, obj, binds: dict, inputs: dict, params: dict | None, B, T, H, d, m,
-                 path: ComputedPath | None = None):
+                 path: ComputedPath):
         self.obj, self.binds, self.inputs = obj, binds, inputs
         self.params = dict(params or {})
         self.B, self.T, self.H, self.d, self.m = B, T, H, d, m
@@ -194,8 +194,7 @@ class CallSlots:
     def _all_computed(self) -> dict:
         """Every computed slot, once per call, by the call signature's path (``computed_path``)."""
         if self._computed is None:
-            run = self.path.run if self.path is not None else eager_coefficients
-            self._computed = run(self)
+            self._computed = self.path.run(self)
         return self._computed
 
     def computed(self, slot: str):
