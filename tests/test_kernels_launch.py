@@ -3,8 +3,9 @@ call's arguments are rebuilt into the full parameter list Triton's launcher take
 
 The direct launch itself needs a GPU (compiled kernels): it runs in every GPU benchmark, whose
 correctness checks compare repeated ``obj(...)`` calls (the second and later ones are direct)
-against the anchors and the reference loop. Here, on CPU, the pure parts, and the interpreter
-route (every launch through Triton)."""
+against the anchors and the reference loop. Here, on CPU, the pure parts, the direct route on
+stand-ins for a compiled kernel and the driver, and the interpreter route (every launch through
+Triton)."""
 from __future__ import annotations
 
 import os
@@ -91,3 +92,51 @@ def test_an_installed_launch_hook_is_seen_and_the_empty_default_is_not():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not L._hooked()
+
+
+class _Compiled:
+    """Stands in for a compiled Triton kernel: records what its launcher is called with."""
+    function, packed_metadata = "fn-handle", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Launchable(_Tuned):
+    """An autotuned kernel whose ``kernel[grid](...)`` (the route through Triton) is recorded."""
+    def __init__(self, config):
+        super().__init__(KERN, config)
+        self.compiled, self.through = _Compiled(), []
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.through.append((grid, a, k)) or self.compiled
+
+
+def test_after_the_first_launch_of_a_key_the_compiled_launcher_is_called_directly(monkeypatch):
+    """The GPU route on CPU stand-ins: the first launch of a key goes through Triton and is kept;
+    the next calls the kept launcher with the grid (a callable grid evaluated on the call's
+    parameters), the current stream and every parameter in order, config values included; a new
+    key (another int) goes through Triton again."""
+    class _Driver:
+        class active:
+            @staticmethod
+            def get_current_stream(device):
+                return f"stream{device}"
+    monkeypatch.setattr(L, "_THROUGH_TRITON", False)
+    monkeypatch.setattr(L, "driver", _Driver)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    k = _Launchable({"BLOCK": 64})
+    x, y = torch.zeros(8), torch.ones(8)
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]), 2)      # noqa: E731
+    assert L.launch(k, grid, x, y, 130, 0.5) is k.compiled
+    assert len(k.through) == 1 and k.compiled.runs == [] and L.stats(k) == {"triton": 1, "direct": 0}
+    L.launch(k, grid, x, y, 130, 0.5)
+    assert len(k.through) == 1 and L.stats(k) == {"triton": 1, "direct": 1}
+    (run,) = k.compiled.runs
+    assert run[:9] == (3, 2, 1, "stream0", "fn-handle", "metadata", None, None, None)
+    assert run[9] is x and run[10] is y and run[11:] == (130, 0.5, 64, False)
+    L.launch(k, grid, x, y, 16, 0.5)                                    # n = 16: another key
+    assert len(k.through) == 2 and L.stats(k) == {"triton": 2, "direct": 1}
