@@ -1043,7 +1043,7 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
         if lf.name in tensors:
             t = tensors[lf.name]
         else:
-            t = _default_param(ir, spec_params, lf, H, K, V, x0.device)
+            t = _default_param(ir, spec_params, lf, K, V, x0.device)
         if lf.kind == "param" and lf.dims == frozenset({"d", "m"}) and t.shape[-2:] != (V, K):
             t = t.reshape(*t.shape[:-2], V, K)
         if "d" not in lf.dims and t.dtype != torch.float32:
@@ -1062,15 +1062,10 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
     return y, (ht if output_final_state else None)
 
 
-def _default_param(ir, spec_params, lf, H, K, V, device):
-    from ssmcraft.errors import SsmcraftError
-    from ssmcraft.kernels.reference import _default_param as dp
-    decl = (spec_params or {}).get(lf.name)
-    value = None if decl is None else dp(decl, H)
-    if value is None:
-        raise SsmcraftError(f"{ir.spec_name}: param {lf.name!r} has no constant init; pass it in tensors")
+def _default_param(ir, spec_params, lf, K, V, device):
+    from ssmcraft.kernels.reference import constant_param
     shape = [V, K] if lf.dims == frozenset({"d", "m"}) else [V] if lf.dims == {"d"} else [K] if lf.dims == {"m"} else []
-    return torch.full(shape, float(value), dtype=torch.float32, device=device)
+    return constant_param((spec_params or {}).get(lf.name), shape, device, f"{ir.spec_name}: param {lf.name!r}")
 
 
 def _as_ir(objective):
@@ -1085,7 +1080,7 @@ def _as_ir(objective):
 
 # -- the family contract (ssmcraft.kernels.triton_backend) ----------------------------
 
-def _call_tensors(obj, inputs: dict, params: dict | None, H: int, d: int, m: int) -> dict:
+def _call_tensors(obj, inputs: dict, params: dict | None, d: int, m: int) -> dict:
     """The kernel's tensors: the inputs as given, params as tensors, constant-init params filled."""
     dev = next(iter(inputs.values())).device
     tensors = dict(inputs)
@@ -1094,21 +1089,20 @@ def _call_tensors(obj, inputs: dict, params: dict | None, H: int, d: int, m: int
     leaves = _get_plan(obj.ir).leaves
     for n in obj.ir.params:
         if n not in tensors and n in leaves:
-            from ssmcraft.kernels.reference import _default_param as dp
-            value = dp(obj.spec.params[n], H)
-            shape = [d if x == obj.ir.dims[0] else m for x in obj.ir.params[n]]
-            tensors[n] = torch.full(shape, float(value), dtype=torch.float32, device=dev)
+            from ssmcraft.kernels.reference import constant_param
+            tensors[n] = constant_param(obj.spec.params[n], [d if x == obj.ir.dims[0] else m for x in obj.ir.params[n]],
+                                        dev, f"{obj.spec.name}: param {n!r}")
     return tensors
 
 
 def prepare(obj, lay):
     """The family's runner for one call signature (``lay`` from ``reference.validate``, which has
     checked the shapes once): the tensors go to the kernel as given, in their own dtype."""
-    H, d, m, out_dtype = lay.H, lay.d, lay.m, lay.out_dtype
+    d, m, out_dtype = lay.d, lay.m, lay.out_dtype
 
     def fn(inputs, params, initial_state, output_final_state):
         s0 = None if initial_state is None else initial_state.transpose(-1, -2)
-        y, S = diagonal_scan(obj, _call_tensors(obj, inputs, params, H, d, m), s0, output_final_state)
+        y, S = diagonal_scan(obj, _call_tensors(obj, inputs, params, d, m), s0, output_final_state)
         return y.to(out_dtype), (S.transpose(-1, -2) if S is not None else None)
     return fn
 

@@ -36,12 +36,23 @@ def _fail(msg: str):
     raise SsmcraftError(msg)
 
 
-def _default_param(decl, H):
+def _default_param(decl):
     init = decl.init
     if init == "zeros" or init == "ones" or (isinstance(init, dict) and "constant" in init):
         value = 0.0 if init == "zeros" else 1.0 if init == "ones" else init["constant"]
         return value
     return None
+
+
+def constant_param(decl, shape, device, what: str, dtype=torch.float32) -> torch.Tensor:
+    """A param a call did not pass: its constant init (``zeros``, ``ones``, ``{constant: c}``) as a
+    ``shape`` tensor. A random init, or no declaration (``decl`` None), raises ``SsmcraftError``
+    naming ``what`` (e.g. ``"longhorn: param 'A'"``)."""
+    value = None if decl is None else _default_param(decl)
+    if value is None:
+        init = "no declaration" if decl is None else f"a random init ({decl.init})"
+        _fail(f"{what} has {init}; pass it in params")
+    return torch.full(list(shape), float(value), dtype=dtype, device=device)
 
 
 def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
@@ -118,10 +129,8 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
         env[name] = inputs[name].to(dtype).reshape(shape5(idims, (B, T, H)))
     for name, pdims in ir.params.items():
         if name not in params:
-            value = _default_param(spec.params[name], H)
-            if value is None:
-                _fail(f"{spec.name}: param {name!r} has a random init ({spec.params[name].init}); pass it in params")
-            t = torch.full([sizes[d] for d in pdims], value, dtype=dtype, device=inputs[next(iter(ir.inputs))].device)
+            t = constant_param(spec.params[name], [sizes[d] for d in pdims], inputs[next(iter(ir.inputs))].device,
+                               f"{spec.name}: param {name!r}", dtype)
         else:
             t = params[name].to(dtype)
         heads = t.shape[0] if t.dim() == len(pdims) + 1 else 1

@@ -163,9 +163,9 @@ class CallSlots:
         """A param as given (declared shape or ``[heads, *shape]``), or its constant init."""
         t = self.params.get(name)
         if t is None:
-            from ssmcraft.kernels.reference import _default_param
-            value = _default_param(self.obj.spec.params[name], self.H)
-            t = torch.full(self._size(self.obj.ir.params[name]), float(value), dtype=torch.float32, device=self.device)
+            from ssmcraft.kernels.reference import constant_param
+            t = constant_param(self.obj.spec.params[name], self._size(self.obj.ir.params[name]), self.device,
+                               f"{self.obj.spec.name}: param {name!r}")
         return torch.as_tensor(t, device=self.device)
 
     def leaf(self, name: str) -> torch.Tensor:
