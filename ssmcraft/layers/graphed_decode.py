@@ -98,25 +98,26 @@ class GraphedDecoder:
         require_cuda([("the model", model.embed.weight)], "graphed decoding")
         device = model.embed.weight.device
         self.state = StaticDecodeState(model, batch_size)
-        self.batch_size = batch_size
-        self._amp = ((lambda: torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False))
-                     if autocast_dtype is not None else contextlib.nullcontext)
+        amp = ((lambda: torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False))
+               if autocast_dtype is not None else contextlib.nullcontext)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad(), self._amp():
+        with torch.cuda.stream(side), torch.no_grad(), amp():
             for _ in range(warmup):
                 self.state.advance()
         torch.cuda.current_stream(device).wait_stream(side)
         self.state.reset()          # the warm-up advanced the caches (a capture runs nothing)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), self._amp(), torch.cuda.graph(self.graph):
+        with torch.no_grad(), amp(), torch.cuda.graph(self.graph):
             self.logits = self.state.advance()
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """token ``[B]`` (int64, on the model's device) -> logits ``[B, V]`` (static buffer)."""
-        if tuple(token.shape) != (self.batch_size,):
-            raise SsmcraftError(f"graphed decoding: token has shape {list(token.shape)}; this decoder was "
-                                f"captured for [{self.batch_size}]")
+        want = self.state.token
+        if (token.shape, token.dtype, token.device) != (want.shape, want.dtype, want.device):
+            raise SsmcraftError(f"graphed decoding: token is {list(token.shape)} {token.dtype} on {token.device}; "
+                                f"this decoder was captured for {list(want.shape)} {want.dtype} on {want.device} "
+                                "(a host token would be copied synchronously every step)")
         self.state.token.copy_(token)
         self.graph.replay()
         return self.logits
