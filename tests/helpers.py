@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ssmcraft.kernels.checking import rel_rms  # noqa: F401 - the error metric every kernel test uses
+from ssmcraft.kernels.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
 
 
 def random_inputs(spec, *, B=2, T=3, H=2, sizes=None, dtype=None, seed=0, per_head_params=True):
@@ -45,7 +45,6 @@ def random_inputs(spec, *, B=2, T=3, H=2, sizes=None, dtype=None, seed=0, per_he
 
 def assert_within(errs: dict, tol: dict) -> None:
     """Every error in ``errs`` is within ``tol[name]`` (``tol["grad"]`` for gradients); NaN fails."""
-    from ssmcraft.kernels.checking import over
     bad = over(errs, tol)
     assert not bad, f"errors over tolerance: {bad} (all: {errs})"
 

@@ -230,7 +230,8 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
             continue
         if not text:
             continue
-        problem = import_problem(text, f"ssmcraft/kernels/{name}.py", KERNEL_IMPORTS)
+        # a bundle's modules were each checked as it was assembled; a family's own text is checked here
+        problem = None if make is None else import_problem(text, f"ssmcraft/kernels/{name}.py", KERNEL_IMPORTS)
         if problem is not None:
             reasons.append(f"{name} supports it, but {problem}")
             continue

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ssmcraft.search.fidelity import tokens_per_step
+
 CONTEXT_BYTES = 768 * 2**20      # per trial process: CUDA context + library workspaces (outside the allocator)
 SAFETY = 1.25                    # on the measured peak: fragmentation, and other trials of the space
 RESERVE_FRACTION = 0.05          # of the GPU's memory, never planned for
@@ -111,7 +113,6 @@ def trial_peak_bytes(metrics: dict | None) -> int | None:
 def probe_config(config: dict) -> dict:
     """``config`` cut to a memory probe: ``PROBE_STEPS`` steps, one validation batch, no
     compile, no checkpoint, no time limit."""
-    from ssmcraft.search.fidelity import tokens_per_step
     cfg = copy.deepcopy(config)
     train = cfg.setdefault("train", {})
     train.update(tokens=PROBE_STEPS * tokens_per_step(cfg), eval_every=0,
