@@ -198,21 +198,22 @@ def test_graphed_training_path_capture_failure_is_recorded_or_raised(tmp_path, m
 
 
 def test_graphed_training_path_steps_through_the_captured_loss(tmp_path, monkeypatch):
-    """The loop's graphed branch with a stand-in for the capture (the captured function itself,
-    ``_LossModule``, called directly): captured once at step 0, every step counted as graphed, the
-    per-step losses and the final validation those of the eager run."""
+    """The loop's graphed branch with the real ``GraphedLoss`` and CUDA's capture replaced by the
+    captured function itself (``make_graphed_callables`` -> ``_LossModule``, called directly):
+    captured once at step 0, every step counted as graphed, the per-step losses and the final
+    validation those of the eager run."""
     from ssmcraft.train import graphed, loop
 
     made = []
 
-    class NoGraph(graphed.GraphedLoss):
-        def __init__(self, model, inputs, targets, device, precision, warmup=3):
-            made.append(tuple(inputs.shape))
-            self.shapes = (tuple(inputs.shape), tuple(targets.shape))
-            self._fn = _LossModule(model, device, precision)
+    def capture(fn, sample, **kw):
+        assert isinstance(fn, _LossModule) and kw["num_warmup_iters"] == 3
+        made.append(tuple(sample[0].shape))
+        return fn
 
     eager = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "eager")
-    monkeypatch.setattr(graphed, "GraphedLoss", NoGraph)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(graphed, "require_cuda", lambda entries, what="graphed": None)
     monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
     m = train_run(_mqar(device="cpu", tokens=4 * 32 * 3), tmp_path / "graphed")
     assert made == [(4, 32)]                                    # captured once, at the first step
