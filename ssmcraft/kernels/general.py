@@ -187,14 +187,17 @@ class _Printer:
     values are ``[1, BV]``, m-indexed ``[BK, 1]``, both ``[BK, BV]``, scalars scalars."""
 
     def __init__(self, step: Step):
-        self._code = _triton_code
         d, m = step.dims
-        self.names = {d: "V_f", m: "K_f", step.DY.name: "dy"}
+        names = {d: "V_f", m: "K_f", step.DY.name: "dy"}
         for sfx, S_prev, S, G in zip(_suffixes(step), step.S_prevs, step.Ss, step.Gs):
-            self.names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
+            names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
         for n, _, s in step.leaves:
-            self.names[s.name] = f"l_{n}"
-        self.alg, self.dims = step.alg, step.dims
+            names[s.name] = f"l_{n}"
+        self._setup(step.alg, step.dims, names)
+
+    def _setup(self, alg, dims, names: dict) -> None:
+        """The printer's state: the algebra and (d, m) dims, symbol -> Triton variable names."""
+        self.alg, self.dims, self.names = alg, dims, names
         self.done: set = set()
         self.rewrite: dict = {}      # expression -> the same in shared factors (``shared_factors``)
 
@@ -203,7 +206,7 @@ class _Printer:
         for s in sympy.sympify(e).free_symbols:
             if s in self.alg.reductions:
                 self.names.setdefault(s.name, f"r_{s.name.lstrip('_')}")
-        return self._code(e, self.names)
+        return _triton_code(e, self.names)
 
     def reductions(self, exprs, indent) -> list[str]:
         """Lines computing every reduction ``exprs`` use (inner first) not yet computed."""

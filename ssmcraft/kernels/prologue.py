@@ -43,7 +43,7 @@ import triton
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
-from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, _triton_code, element_algebra
+from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, element_algebra
 from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import buffer
 
@@ -113,14 +113,9 @@ class _Printer(_TilePrinter):
     docstring): ``general``'s printer with a row axis in front."""
 
     def __init__(self, pro: Prologue):
-        self._code = _triton_code
         d, m = pro.dims
-        self.names = {d: "V_f", m: "K_f"}
-        self.names.update({lf.symbol.name: f"l_{lf.name}" for lf in pro.leaves})
-        self.names.update({g.name: f"g_{s}" for s, g in pro.G.items()})
-        self.alg, self.dims = pro.alg, pro.dims
-        self.done: set = set()
-        self.rewrite: dict = {}
+        self._setup(pro.alg, pro.dims, {d: "V_f", m: "K_f", **{lf.symbol.name: f"l_{lf.name}" for lf in pro.leaves},
+                                        **{g.name: f"g_{s}" for s, g in pro.G.items()}})
 
     def reduce(self, r) -> str:
         mask = _MASK[_key(self.alg.dims_of(r.body), self.dims)]
