@@ -69,11 +69,14 @@ def _check(name, B, T, H, d, m, config, per_head_params=True, with_s0=True):
 
 # one table: (objective, B, T, H, d, m, config)
 CASES = [
-    ("longhorn_diag", 1, 1, 2, 12, 5, D.Config(BV=16, num_warps=1, NG=1, NSUB=1)),
+    ("longhorn_diag", 1, 1, 2, 12, 5, D.Config(BV=16, num_warps=1, NG=1, NSUB=1, HSUM=True)),  # K padded, halving sums
     ("longhorn_diag", 2, 7, 1, 12, 5, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),     # 2 value blocks, d % BV != 0
+    ("longhorn_diag", 2, 7, 1, 12, 5, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
     ("longhorn_diag", 1, 65, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=3, NSUB=1)),     # 9 chunks in 3 groups
+    ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, HSUM=True)),  # V % BV = T % L = 0: no masks
     ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),             # [H, d, m] param A
-    ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),
+    ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True)),
+    ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
     ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("retnet", 1, 13, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("linear_attention", 1, 1, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),
@@ -81,7 +84,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,B,T,H,d,m,config", CASES, ids=[f"{c[0]}-T{c[2]}-NG{c[6].NG}{'-dot' if c[6].DOTRED else ''}" for c in CASES])
+@pytest.mark.parametrize("name,B,T,H,d,m,config", CASES, ids=[f"{c[0]}-T{c[2]}-NG{c[6].NG}{'-dot' if c[6].DOTRED else ''}{'-hsum' if c[6].HSUM else ''}"
+                              for c in CASES])
 def test_kernel_matches_reference(name, B, T, H, d, m, config):
     _check(name, B, T, H, d, m, config)
 
@@ -124,12 +128,43 @@ def test_zero_length_and_forward_only():
 def test_generated_source_is_readable():
     obj = ssmcraft.compile("longhorn_diag")
     plan = D._plan(obj.ir)
-    src = D._Gen(plan, pad_k=False, ls=8).source("test")
+    src = D._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
     for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
         assert f"def {kernel}(" in src
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
     assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves
     compile(src, "generated", "exec")
+
+
+def test_gpu_source_uses_fast_exp_and_the_interpreter_source_does_not():
+    plan = D._plan(ssmcraft.compile("mamba").ir)
+    gpu = D._Gen(plan, pad_k=False, ls=4, fast_math=True).source("test")
+    cpu = D._Gen(plan, pad_k=False, ls=4, fast_math=False).source("test")
+    # A is a param (loaded before the time loop): its product with log2 e is loop-invariant
+    assert "N_a = libdevice.exp2(L_delta * (L_A * 1.4426950408889634))" in gpu
+    assert "from triton.language.extra.cuda import libdevice" in gpu
+    assert "N_a = tl.exp(L_delta*L_A)" in cpu and "libdevice" not in cpu
+
+
+@pytest.mark.parametrize("expr,expected", [
+    ("exp(A*delta)", "libdevice.exp2(delta * (A * 1.4426950408889634))"),
+    ("exp(-A*delta*x)", "libdevice.exp2((-delta*x) * (A * 1.4426950408889634))"),
+    ("exp(-delta)", "libdevice.fast_expf(-delta)"),            # no invariant factor
+    ("exp(A)", "libdevice.fast_expf(A)"),                      # not a product
+])
+def test_printer_fast_exp(expr, expected):
+    assert triton_code(sympy.sympify(expr), fast_math=True, invariant={"A"}) == expected
+
+
+def test_printer_fast_exp_values():
+    # the GPU forms, evaluated with numpy stand-ins for libdevice, equal exp of the objective's argument
+    import numpy as np
+    from types import SimpleNamespace
+    env = {"libdevice": SimpleNamespace(exp2=np.exp2, fast_expf=np.exp), "A": -0.7, "delta": 1.3, "x": 0.4}
+    for expr in ("exp(A*delta)", "exp(-A*delta*x)", "exp(-delta)", "A*exp(2*A*delta)"):
+        code = triton_code(sympy.sympify(expr), fast_math=True, invariant={"A"})
+        want = float(sympy.sympify(expr).subs({"A": -0.7, "delta": 1.3, "x": 0.4}))
+        assert abs(eval(code, env) - want) < 1e-12 * abs(want), (expr, code)
 
 
 @pytest.mark.parametrize("expr,expected", [

@@ -50,7 +50,7 @@ import torch
 
 from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import buffer
-from ssmcraft.kernels.triton_printer import triton_code
+from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 BACKEND_NAME = "diagonal-chunked"
 _POISON = {"on": os.environ.get("SSMCRAFT_POISON") == "1"}   # tests: fill outputs with NaN first
@@ -181,17 +181,20 @@ def _plan(ir) -> _Plan:
 # ======================================================================================
 
 class _Gen:
-    """Prints the six kernels of one plan (``pad_k``: BK > K; ``ls`` unrolled steps per sub-chunk)."""
+    """Prints the six kernels of one plan (``pad_k``: BK > K; ``ls`` unrolled steps per sub-chunk;
+    ``fast_math``: exp as libdevice's ``fast_expf``, for GPU-compiled code, see triton_printer)."""
 
-    def __init__(self, plan: _Plan, pad_k: bool, ls: int):
+    def __init__(self, plan: _Plan, pad_k: bool, ls: int, fast_math: bool):
         self.p = plan
         self.pad_k = pad_k
         self.ls = ls
+        self.fast_math = fast_math
         self.names = {lf.name: lf.var for lf in plan.leaves.values()} | {nd.name: nd.var for nd in plan.nodes.values()}
+        self.invariant = frozenset(lf.name for lf in plan.param_leaves)   # loaded once, before the time loops
 
     # -- small printers ----------------------------------------------------------------
     def code(self, e) -> str:
-        return triton_code(e, self.names)
+        return triton_code(e, self.names, self.fast_math, self.invariant)
 
     def msum(self, x: str) -> str:
         if self.pad_k:
@@ -262,7 +265,7 @@ class _Gen:
                 f"{ind}ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)",
                 f"{ind}ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)",
                 f"{ind}mk = ok < K",
-                f"{ind}mv = ov < V",
+                f"{ind}mv = (ov < V) | EVEN_V                  # EVEN_V: V % BV == 0, no value mask",
                 f"{ind}mkv = mk & mv",
                 f"{ind}nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)",
                 f"{ind}st = ok * V + ov                            # offsets inside one [K, V] state"]
@@ -351,7 +354,7 @@ class _Gen:
         i = " " * 4
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
                f"def fwd_summary({self.leaf_args()}, A_out, S_out, T, H, K, V, NC, NG, CPG, L,",
-               "                BK: tl.constexpr, BV: tl.constexpr):",
+               "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
                '    """Per group g < NG-1: A_g = prod_t a_t and S_g = the group\'s end state from a zero start."""',
                *self.prologue(i),
                *self.param_loads(i, need),
@@ -394,7 +397,8 @@ class _Gen:
         i = " " * 4
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
                 f"def fwd_main({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
-                "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr):",
+                "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
+                "             EVEN_V: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
                 '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group)."""',
                 *self.prologue(i),
@@ -425,7 +429,7 @@ class _Gen:
         a = self.slot("a")
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
                 f"def bwd_summary({self.leaf_args()}, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,",
-                "                BK: tl.constexpr, BV: tl.constexpr):",
+                "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
                 '    """Per group g >= 1: A_g = prod_t a_t and E_g = a_s . dS_s at its first step s from a zero',
                 '    adjoint carried in at its end."""',
                 *self.prologue(i, group_offset=1),
@@ -503,12 +507,7 @@ class _Gen:
         a = self.slot("a")
         out.append(f"{ind}E = tl.where({tv}, {a} * dS, E)" if p.slots["a"] != 1 else f"{ind}E = tl.where({tv}, dS, E)")
 
-        def combine(terms):
-            groups: dict = {}
-            for code, act, lg, P in terms:
-                groups.setdefault(P, []).append((code, act, lg))
-            return [(" + ".join(f"({c})" for c, _, _ in g), frozenset().union(*[x for _, x, _ in g]),
-                     frozenset().union(*[x for _, _, x in g]), P) for P, g in groups.items()]
+        combine = self._combine
 
         def materialise(term):
             code, act, lg, P = term
@@ -560,11 +559,42 @@ class _Gen:
             if "d" not in lf.dims:   # partial sum over this value block
                 base = f"i_v.to(tl.int64) * NTOK * {w} + {base}"
             m = f"{mask} & {tv}" if mask != "True" else tv
+            tile = self._one_tile_sum(terms, lf)
+            if tile is not None:     # one value-axis sum of a [BK, BV] tile: by halving when HSUM
+                hbase = "i_v.to(tl.int64) * NTOK * K + tok * K + hm"
+                out += [f"{ind}if HSUM:",
+                        f"{ind}    tl.store(g_{lf.name} + {hbase}, _hsum(tl.where(mv, {tile}, 0.0), BK, BV, LOG_BK, LOG_BV), "
+                        f"mask=hmask & {tv})",
+                        f"{ind}else:",
+                        f"{ind}    tl.store(g_{lf.name} + {base}, {gsum}, mask={m})"]
+                continue
             if lf.dims:
                 out.append(f"{ind}tl.store(g_{lf.name} + {base}, {gsum}, mask={m})")
             else:
                 out.append(f"{ind}tl.store(g_{lf.name} + {base} + zero11, {gsum}, mask={m})")
         return out
+
+    @staticmethod
+    def _combine(terms):
+        """Adjoint terms grouped by their pending dims, each group's codes summed."""
+        groups: dict = {}
+        for code, act, lg, P in terms:
+            groups.setdefault(P, []).append((code, act, lg))
+        return [(" + ".join(f"({c})" for c, _, _ in g), frozenset().union(*[x for _, x, _ in g]),
+                 frozenset().union(*[x for _, _, x in g]), P) for P, g in groups.items()]
+
+    def _one_tile_sum(self, terms, lf):
+        """The [BK, BV] tile whose value-axis sum is all of a key-indexed token leaf's gradient, or
+        None (then the gradient is printed as other leaves' are)."""
+        if lf.kind != "tok" or lf.dims != frozenset({"m"}):
+            return None
+        groups = self._combine(terms)
+        if len(groups) != 1:
+            return None
+        code, act, lg, P = groups[0]
+        if P != frozenset({"d"}) or act != frozenset({"d", "m"}) or lg != frozenset({"d", "m"}):
+            return None
+        return code
 
     def bwd_main(self) -> list[str]:
         p = self.p
@@ -573,13 +603,18 @@ class _Gen:
         ls = self.ls
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])',
                f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
-               "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr):",
+               "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
+               "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
+               "             EVEN_T: tl.constexpr):",
                '    """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps',
                f'    the start of each sub-chunk of {ls} steps (L = {ls} * NSUB) in this program\'s scratch; then, sub-chunks',
                '    in reverse, their states are recomputed into registers and the adjoint stepped back through them."""',
                *self.prologue(i),
                *self.param_loads(i, need),
-               f"{i}zero11 = tl.zeros([1, 1], dtype=tl.int64)"]
+               f"{i}zero11 = tl.zeros([1, 1], dtype=tl.int64)",
+               f"{i}if HSUM:   # the key whose value-axis sum lane j of _hsum holds, and the lanes that store it",
+               f"{i}    hm = tl.arange(0, BV)[None, :] >> (LOG_BV - LOG_BK)",
+               f"{i}    hmask = ((tl.arange(0, BV)[None, :] & ((BV >> LOG_BK) - 1)) == 0) & (hm < K)"]
         for lf in p.param_leaves:
             shape = {frozenset({"d", "m"}): "[BK, BV]", frozenset({"d"}): "[1, BV]", frozenset({"m"}): "[BK, 1]",
                      frozenset(): "[1, 1]"}[lf.dims]
@@ -609,7 +644,7 @@ class _Gen:
                 f"{i}{i}{i}# the sub-chunk's {ls} states, in registers"]
         for k in range(ls):
             t = f"(c * L + j * {ls} + {k})"
-            out += [f"{i}{i}{i}t{k} = {t}", f"{i}{i}{i}v{k} = t{k} < T"]
+            out += [f"{i}{i}{i}t{k} = {t}", f"{i}{i}{i}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
             out += self.coefficients(i * 3, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}")
             out += self.update(i * 3, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
         out.append(f"{i}{i}{i}# the adjoint, back through them")
@@ -642,11 +677,13 @@ class _Gen:
                        + (f"sum_m {sympy.sstr(nd.expr)}" if nd.over else sympy.sstr(nd.expr)))
         doc.append("Slots: " + ", ".join(f"{s} = {v}" for s, v in self.p.slots.items()))
         doc.append("Leaves: " + ", ".join(f"{lf.name} [{', '.join(sorted(lf.dims))}] ({lf.kind})" for lf in self.p.leaves.values()))
-        doc += [f"K padded: {self.pad_k}; unrolled steps per sub-chunk LS = {self.ls}.", '"""']
+        doc += [f"K padded: {self.pad_k}; unrolled steps per sub-chunk LS = {self.ls}; "
+                f"exp: {'libdevice.fast_expf (GPU)' if self.fast_math else 'tl.exp'}.", '"""']
         kernels = [self.fwd_summary(), self.fwd_propagate(), self.fwd_main(),
                    self.bwd_summary(), self.bwd_propagate(), self.bwd_main()]
         parts = [f"# {header}", "# Generated by ssmcraft.kernels.diagonal: edit the spec or the generator, not this file.",
-                 *doc, "import triton", "import triton.language as tl", "", "", *_VSUM, "",
+                 *doc, "import triton", "import triton.language as tl",
+                 *([LIBDEVICE_IMPORT] if self.fast_math else []), "", "", *_VSUM, "", *_HSUM, "",
                  f"LS = {self.ls}", f"GRAD_LEAVES = {self.grad_leaves!r}  # leaves whose gradient bwd_main writes", "", ""]
         for k in kernels:
             parts += k + ["", ""]
@@ -662,6 +699,23 @@ _VSUM = ['@triton.jit',
          '        return tl.sum(tl.dot(x, e0, input_precision="tf32x3"), axis=1, keep_dims=True)',
          '    else:',
          '        return tl.sum(x, axis=1, keep_dims=True)',
+         '']
+_HSUM = ['@triton.jit',
+         'def _hsum(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr):',
+         '    """Sum of a [BK, BV] tile over its value axis by recursive halving (BK <= BV, powers of two):',
+         '    returns [1, BV] where lane j holds key j >> (LOG_BV - LOG_BK). Each of the LOG_BK halving levels',
+         '    keeps one half of the keys and trades the other with the partner lane j ^ dist, then',
+         '    LOG_BV - LOG_BK butterfly levels finish the sum: BK - 1 + LOG_BV - LOG_BK lane exchanges',
+         '    (tl.gather inside a warp: shuffles) where tl.sum does BK * LOG_BV."""',
+         '    j = tl.arange(0, BV)[None, :]',
+         '    for lvl in tl.static_range(LOG_BK):',
+         '        a, b = tl.split(tl.permute(tl.reshape(x, [2, BK >> (lvl + 1), BV]), (1, 2, 0)))',
+         '        hi = (j & (BV >> (lvl + 1))) != 0',
+         '        x = tl.where(hi, b, a) + tl.gather(tl.where(hi, a, b), tl.broadcast_to(j ^ (BV >> (lvl + 1)),',
+         '                                                                         [BK >> (lvl + 1), BV]), axis=1)',
+         '    for lvl in tl.static_range(LOG_BV - LOG_BK):',
+         '        x = x + tl.gather(x, j ^ (BV >> (LOG_BK + lvl + 1)), axis=1)',
+         '    return x',
          '']
 _MODULES: dict = {}
 
@@ -683,7 +737,7 @@ def _module(plan: _Plan, BK: int, K: int):
     mod = _MODULES.get(key)
     if mod is None:
         header = f"spec: {plan.ir.spec_name}; IR {plan.hash}; interpret={_interpret()}"
-        src = _Gen(plan, pad_k, ls).source(header)
+        src = _Gen(plan, pad_k, ls, fast_math=not _interpret()).source(header)
         ck = cache.key_for("diagonal", src, str(_interpret()))
         mod = cache.load_generated(f"diag_{plan.ir.spec_name}", ck, src)
         _MODULES[key] = mod
@@ -706,6 +760,7 @@ class Config:
     NG: int        # requested groups (time parallelism); 1 = one sequential pass per block
     NSUB: int = 4  # sub-chunks per checkpointed chunk (L = LS * NSUB)
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
+    HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
 
 
 def _alloc(shape, dtype, device):
@@ -741,10 +796,11 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
+    even = dict(EVEN_V=V % cfg.BV == 0)      # no value-axis masks (the summary and main kernels)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gS = torch.empty_like(gA)
-        _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw)
+        _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw, **even)
         h_start = torch.empty_like(gA)
         _launch(mod, "fwd_propagate", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
                                        HAS_H0=h0 is not None, **kw)
@@ -754,7 +810,7 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
     ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
     _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
-                                  SAVE=save, STORE_FINAL=want_final, **kw)
+                                  SAVE=save, STORE_FINAL=want_final, **kw, **even)
     return y, (ht if want_final else None), (ckpt if save else None)
 
 
@@ -766,12 +822,15 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     NG, CPG = _groups(NC, cfg.NG)
     NV = -(-V // cfg.BV)
     dev = dy.device
+    if cfg.HSUM and BK > cfg.BV:
+        raise ValueError(f"Config.HSUM needs BK <= BV (BK={BK}, BV={cfg.BV})")
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
+    even = dict(EVEN_V=V % cfg.BV == 0)
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gE = torch.empty_like(gA)
-        _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw)
+        _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw, **even)
         e_end = torch.empty_like(gA)
         _launch(mod, "bwd_propagate", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
                                        HAS_DHT=dht is not None, **kw)
@@ -797,7 +856,8 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
             gargs[idx] = scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
-                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw)
+                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, HSUM=cfg.HSUM,
+                                  LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1, EVEN_T=T % L == 0, **kw, **even)
     out = {}
     for lf in plan.leaves.values():
         g = raw.get(lf.name)
@@ -844,10 +904,11 @@ def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     blocks, warps along V, about 24 programs per SM (the measured best on H200, BENCHMARKS.md)."""
     BK = _p2(K)
     if _interpret():
-        return Config(BV=min(_p2(V), 64), num_warps=1, NG=1, NSUB=_nsub(K))
+        BV = min(_p2(V), 64)
+        return Config(BV=BV, num_warps=1, NG=1, NSUB=_nsub(K), HSUM=BK <= BV)
     BV = 32 if V >= 32 else _p2(V)
     return Config(BV=BV, num_warps=_warps(BK, BV), NG=2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K)),
-                  NSUB=_nsub(K))
+                  NSUB=_nsub(K), HSUM=BK <= BV)
 
 
 def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
@@ -875,8 +936,9 @@ def _fwd_candidates(K, V, B, H, T):
 
 
 def _bwd_candidates(K, V, B, H, T):
-    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups. (Value-axis sums on
-    tensor cores, Config.DOTRED, measured 1.6-2.2x slower on H200: not tried by default.)"""
+    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups, each with the key
+    gradients' value-axis sums by recursive halving (Config.HSUM, where BK <= BV) and by tl.sum.
+    (Value-axis sums on tensor cores, Config.DOTRED, measured 1.6-2.2x slower on H200: not tried.)"""
     BK = _p2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
@@ -886,7 +948,8 @@ def _bwd_candidates(K, V, B, H, T):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g)[0] for g in (ngp, 2 * ngp)}):
-            out.append(Config(BV, _warps(BK, BV), NG, nsub))
+            for hsum in ((True, False) if BK <= BV else (False,)):
+                out.append(Config(BV, _warps(BK, BV), NG, nsub, HSUM=hsum))
     return out
 
 
