@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Report, bench_ms, copy_bandwidth, random_inputs  # noqa: E402
+from common import Report, bench_ms, busy, copy_bandwidth, random_inputs  # noqa: E402
 from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
@@ -199,26 +199,6 @@ CASES = [  # objective, (H, d, m), anchor label
     ("longhorn", (24, 64, 16), "FLA fused_recurrent_delta_rule"),
     ("gated_deltanet", (16, 64, 64), "FLA chunk_gated_delta_rule (fwd only)"),
 ]
-
-
-def busy(fn, n=30):
-    """(GPU kernel ms per call, wall ms per call, host enqueue us per call) of back-to-back calls."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e3
-    host = (t1 - t0) / n * 1e6
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
-    return gpu, wall, host
 
 
 def case_inputs(name, H, d, m, B=8, T=2048, dt=torch.bfloat16, device=DEV):
