@@ -175,3 +175,15 @@ def test_bench_graphs_obj_row_of_gated_deltanet_on_cpu(capture_is_the_function, 
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gated_deltanet |")]
     assert line == ["gated_deltanet | 1.000 / 1.000 / 1.000 | 1.000 / 1.000 / 1.000 | 20 / 20, 20 / 20, 20 / 20 | "
                     "0.90 / 0.90 / 0.90 | exact PASS"]
+
+
+def test_graphed_against_eager_covers_several_states(capture_is_the_function):
+    """Two states (momentum Longhorn): both final states and both initial states' gradients compared."""
+    obj = ssmcraft.compile("momentum_longhorn")
+    obj.prefer = "torch"
+    inputs, params = commands.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
+    S0 = commands.random_state(obj, 2, 2, 4, 3, "cpu", requires_grad=True)
+    assert isinstance(S0, tuple) and len(S0) == 2
+    res = graphed_against_eager(obj, inputs, params, S0)
+    assert res["check_ok"] and res["check_exact"]
+    assert {"y", "D_T", "S_T", "dD0", "dS0"} <= set(res["check_errors"]) and not res["check_missing"]
