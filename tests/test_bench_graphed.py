@@ -14,6 +14,7 @@ import torch
 
 import ssmcraft
 from ssmcraft.cli import main
+from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels import commands, dispatch, graphs, timing
 from ssmcraft.kernels.checking import graphed_against_eager, rel_max
 from ssmcraft.kernels.graphs import call_signature
@@ -187,3 +188,16 @@ def test_graphed_against_eager_covers_several_states(capture_is_the_function):
     res = graphed_against_eager(obj, inputs, params, S0)
     assert res["check_ok"] and res["check_exact"]
     assert {"y", "D_T", "S_T", "dD0", "dS0"} <= set(res["check_errors"]) and not res["check_missing"]
+
+
+def test_a_failed_capture_is_one_line_naming_what(monkeypatch, capsys):
+    """A capture that raises (an unsafe op, say) reaches the user as one line naming what was captured."""
+    def capture(fn, sample, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SsmcraftError, match=r"^--graphed: capturing obj\(\) \(fwd, fwd\+bwd\) failed: "
+                                                            r"RuntimeError: operation not permitted when stream is "
+                                                            r"capturing$"):
+        commands.run_bench("deltanet", (1, 3, 1, 4, 3), "fp32", graphed=True, device="cpu", prefer="torch")

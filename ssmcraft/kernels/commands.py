@@ -116,6 +116,19 @@ def random_state(obj, B, H, d, m, device, seed: int = 1, requires_grad: bool = F
     return states if obj.ir.states else states[0]
 
 
+def _capturing(what: str, fn):
+    """``fn()``; a failure (a capture that is not safe, say) as a one-line ``SsmcraftError`` naming
+    what was being captured (the cause chained)."""
+    from ssmcraft.errors import SsmcraftError
+    try:
+        return fn()
+    except SsmcraftError:
+        raise
+    except Exception as e:  # noqa: BLE001: re-raised with what failed
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise SsmcraftError(f"--graphed: capturing {what} failed: {type(e).__name__}: {first}") from e
+
+
 def _device_name(dev) -> str:
     import torch
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
@@ -147,8 +160,9 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     y = obj(inputs, params, None, False)[0]          # the first call of this signature: path choice, compilation
     use_diag = obj.backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
     dy = torch.randn_like(y) if backward else None
-    times = timing.time_calls(timing.obj_calls(obj, inputs, params, None, False, dy, graphed=graphed),
-                              with_busy=graphed)
+    calls = _capturing("obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
+                                                                        graphed=graphed))
+    times = timing.time_calls(calls, with_busy=graphed)
     res = {"spec": obj.name, "kind": obj.ir.kind, "backend": obj.backend, "shape": {"B": B, "T": T, "H": H, "d": d, "m": m},
            "dtype": dtype_name, "device": _device_name(dev), "fwd_ms": times["eager_fwd_ms"]}
     bw = timing.copy_bandwidth(dev)
@@ -165,7 +179,9 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     if graphed:
         res["graphed"] = True
         res.update(times)
-        res.update(graphed_against_eager(obj, inputs, params, random_state(obj, B, H, d, m, dev, requires_grad=backward)))
+        S0 = random_state(obj, B, H, d, m, dev, requires_grad=backward)
+        res.update(_capturing("obj() with an initial state and the final state (the check)",
+                              lambda: graphed_against_eager(obj, inputs, params, S0)))
     if use_diag:
         with torch.no_grad():
             res["kernel_entry_fwd_ms"] = timing.bench_ms(
