@@ -201,3 +201,25 @@ def test_a_failed_capture_is_one_line_naming_what(monkeypatch, capsys):
                                                             r"RuntimeError: operation not permitted when stream is "
                                                             r"capturing$"):
         commands.run_bench("deltanet", (1, 3, 1, 4, 3), "fp32", graphed=True, device="cpu", prefer="torch")
+
+
+def test_check_names_what_eager_cannot_compute(capture_is_the_function):
+    """Eager values that are not finite (a diverging recurrence) fail the check by name, not by NaN
+    comparing false somewhere."""
+    obj = ssmcraft.compile("deltanet")
+    obj.prefer = "torch"
+    inputs, params = commands.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
+    S0 = commands.random_state(obj, 2, 2, 4, 3, "cpu")
+    with torch.no_grad():
+        S0[0, 0, 0, 0] = float("inf")
+    res = graphed_against_eager(obj, inputs, params, S0.requires_grad_())
+    assert not res["check_ok"] and {"y", "S_T"} <= set(res["check_nonfinite"])
+
+
+def test_bench_inputs_follow_the_spec():
+    """``normalize: true`` inputs are unit vectors (the delta rule's step is stable then), bounded ones in (0, 1)."""
+    obj = ssmcraft.compile("gated_deltanet")
+    inputs, _ = commands.random_inputs(obj, 2, 7, 3, 4, 5, torch.float32, "cpu")
+    for n in ("k", "q"):
+        assert torch.allclose(inputs[n].norm(dim=-1), torch.ones(2, 7, 3))
+    assert all(bool(((inputs[n] > 0) & (inputs[n] < 1)).all()) for n in ("beta", "alpha"))

@@ -165,8 +165,10 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
     (``check_eager_repeat_rel``: cuBLAS or atomics may not repeat bitwise).
 
     Returns ``check_errors`` (name -> error; names as ``compare``'s: ``y``, ``S_T``, ``dx``, ``dS0``),
-    ``check_worst_rel``, ``check_exact``, ``check_missing`` (names one side has and the other not)
-    and ``check_ok``: every error within ``max(tol, eager's repeat error)`` and nothing missing."""
+    ``check_worst_rel``, ``check_exact``, ``check_missing`` (names one side has and the other not),
+    ``check_nonfinite`` (names whose eager values are not all finite: inputs on which the recurrence
+    diverges, where a relative error means nothing) and ``check_ok``: every error within
+    ``max(tol, eager's repeat error)``, nothing missing and everything finite."""
     params = params or {}
     names = _leaf_names(ins, params, S0, _state_names(obj))
     flat = [*ins.values(), *params.values(), *(() if S0 is None else _states(S0))]
@@ -189,7 +191,9 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
     graphed = run(obj.graphed(ins, params, S0, True))
     errs = {k: rel_max(graphed[k], eager[k]) for k in eager if k in graphed}
     missing = sorted(set(eager) ^ set(graphed))
+    nonfinite = sorted(k for k, v in eager.items() if not bool(torch.isfinite(v).all()))
     worst = max(errs.values(), key=lambda v: v if v == v else float("inf"))      # NaN counts as the worst
     return {"check_worst_rel": worst, "check_exact": worst == 0.0 and not missing, "check_eager_repeat_rel": floor,
-            "check_ok": not over(errs, max(tol, floor)) and not missing,
+            "check_ok": not over(errs, max(tol, floor)) and not missing and not nonfinite,
+            "check_nonfinite": nonfinite,
             "check_errors": {k: float(f"{v:.3g}") for k, v in errs.items()}, "check_missing": missing}

@@ -44,7 +44,8 @@ def add_arguments(p):
 
 def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_grad: bool = False):
     """Inputs and params for ``obj`` with values in the ranges its spec declares
-    (positive -> softplus, bounded -> sigmoid, negative params -> -U(0.5, 1.5), S4D-real init
+    (positive -> softplus, bounded -> sigmoid, normalize -> unit L2 norm as the layer feeds it,
+    which keeps the delta-rule family's steps stable; negative params -> -U(0.5, 1.5), S4D-real init
     for A). Returns (inputs, params) in the API layout ([B, T, H, n] / [B, T, H]; params [*shape])."""
     import torch
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -61,6 +62,8 @@ def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_gra
             t = torch.sigmoid(t + 2.0) if not positive else torch.sigmoid(t)
         elif positive:
             t = torch.nn.functional.softplus(t) * 0.5
+        elif getattr(decl, "normalize", False):
+            t = torch.nn.functional.normalize(t, dim=-1)
         elif n == "k":
             t = t / math.sqrt(max(1, m))
         inputs[n] = t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
@@ -158,12 +161,13 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     inputs, params = random_inputs(obj, B, T, H, d, m, dtype, dev, requires_grad=backward)
     obj.prefer = prefer
     y = obj(inputs, params, None, False)[0]          # the first call of this signature: path choice, compilation
-    use_diag = obj.backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
+    backend = obj.backend
+    use_diag = backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
     dy = torch.randn_like(y) if backward else None
     calls = _capturing("obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
                                                                         graphed=graphed))
     times = timing.time_calls(calls, with_busy=graphed)
-    res = {"spec": obj.name, "kind": obj.ir.kind, "backend": obj.backend, "shape": {"B": B, "T": T, "H": H, "d": d, "m": m},
+    res = {"spec": obj.name, "kind": obj.ir.kind, "backend": backend, "shape": {"B": B, "T": T, "H": H, "d": d, "m": m},
            "dtype": dtype_name, "device": _device_name(dev), "fwd_ms": times["eager_fwd_ms"]}
     bw = timing.copy_bandwidth(dev)
     res["copy_bandwidth_GBps"] = bw / 1e9
@@ -235,6 +239,8 @@ def _graphs_table(res: dict) -> list[str]:
     verdict = "exact" if res["check_exact"] else f"worst {res['check_worst_rel']:.1e} (eager repeat " \
                                                    f"{res['check_eager_repeat_rel']:.1e})"
     missing = f"; missing {', '.join(res['check_missing'])}" if res["check_missing"] else ""
+    if res["check_nonfinite"]:
+        missing += f"; eager not finite in {', '.join(res['check_nonfinite'])} (these inputs diverge)"
     lines.append(f"  check graphed vs eager ({', '.join(res['check_errors'])}){missing}: {verdict} "
                  f"{'PASS' if res['check_ok'] else 'FAIL'}")
     return lines
