@@ -3,14 +3,15 @@
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_graphs.py --out DIR      # H200: about 4-6 minutes
     python3 benchmarks/bench_graphs.py --tiny --out DIR                  # CPU or GPU smoke run
 
-1. ``obj()`` of deltanet, gla, mamba and exact longhorn at bf16 B=8 T=2048 (the shapes and inputs of
-   ``bench_public_path.CASES`` / ``case_inputs``): wall ms of the forward (no grad) and
-   forward+backward, eager ``obj(...)`` against ``obj.graphed(...)``; per call the GPU-busy
-   fraction and the host time (``bench_public_path.busy``: profiler kernel time / wall time of
-   back-to-back calls, and the host's enqueue time per call). Then correctness: with an initial
-   state that requires grad and ``output_final_state=True``, the graphed call's ``y``, ``S_T`` and
-   every gradient (initial state included) against eager's, relative max error (target: exact,
-   or <= 1e-6).
+1. ``obj()`` of deltanet, gated_deltanet, gla, mamba and exact longhorn at bf16 B=8 T=2048 (the
+   shapes and inputs of ``bench_public_path.CASES`` / ``case_inputs``): wall ms of the forward (no
+   grad) and forward+backward, eager ``obj(...)`` against ``obj.graphed(...)`` on the caller's
+   tensors and on the graph's own buffers ("static"); per call the GPU-busy fraction and the host
+   time (``ssmcraft.kernels.timing``: ``obj_calls``, ``time_calls``, ``busy``, the same code as
+   ``ssmcraft bench --graphed``). Then correctness (``checking.graphed_against_eager``): with an
+   initial state that requires grad and ``output_final_state=True``, the graphed call's ``y``,
+   ``S_T`` and every gradient (initial state included) against eager's, relative max error
+   (target: exact, or <= 1e-6).
 2. Training tokens/s of the 20M byte LM (``bench_train_mixers.build``/``tokens_per_s``: B16 T512,
    bf16 autocast, AdamW) with the longhorn, mamba, deltanet and gla mixers, eager against
    ``train.cuda_graphs``' ``GraphedLoss``; and the first step's loss and every parameter gradient,
@@ -21,7 +22,8 @@
 Prints a short table; writes ``DIR/bench_graphs.json``. ``--tiny``: small shapes and few steps. On a
 machine without CUDA every part is recorded as skipped, with why; what runs without a GPU (the
 refusals, the decode body over static buffers against eager ``LM.step``, GraphedCall's bookkeeping)
-is tested in ``tests/test_graphs.py``.
+is tested in ``tests/test_graphs.py``, and the obj() section's timing plumbing and identity check
+(capture stubbed) in ``tests/test_bench_graphed.py``.
 """
 from __future__ import annotations
 
@@ -33,74 +35,35 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_public_path import CASES, busy, case_inputs, decode  # noqa: E402
+from bench_public_path import CASES, case_inputs, decode  # noqa: E402
 from bench_train_mixers import build, tokens_per_s  # noqa: E402
-from common import Report, bench_ms  # noqa: E402
+from common import Report, random_state  # noqa: E402
+from ssmcraft.kernels.checking import graphed_against_eager, rel_max  # noqa: E402
+from ssmcraft.kernels.timing import obj_calls, time_calls  # noqa: E402
 
-OBJECTIVES = ("deltanet", "gla", "mamba", "longhorn")
+OBJECTIVES = ("deltanet", "gated_deltanet", "gla", "mamba", "longhorn")
 MIXERS = ("longhorn", "mamba", "deltanet", "gla")
 
 
-def rel_max(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |got - ref| / max |ref| (0.0 when both are equal, exact zeros included)."""
-    got, ref = got.double(), ref.double()
-    diff = (got - ref).abs().max().item()
-    return 0.0 if diff == 0 else diff / max(ref.abs().max().item(), 1e-30)
+def obj_cases():
+    """[(objective, (H, d, m))] of the obj() section, in ``OBJECTIVES`` order (shapes from
+    ``bench_public_path.CASES``)."""
+    shapes = {name: hdm for name, hdm, _ in CASES}
+    return [(name, shapes[name]) for name in OBJECTIVES]
 
 
 # -- 1. obj() -----------------------------------------------------------------------------------
 
-def obj_rows(rep, name, H, d, m, B, T):
-    obj, inputs, params = case_inputs(name, H, d, m, B, T)
-    leaves = [t for t in [*inputs.values(), *params.values()] if t.requires_grad]
+def obj_rows(rep, name, H, d, m, B, T, device="cuda"):
+    """One objective's row: eager, graphed and static timed (fwd, fwd+bwd, GPU busy), then the check.
+    ``device``: CUDA here; the tests run it on CPU with the capture and the timers stubbed."""
+    obj, inputs, params = case_inputs(name, H, d, m, B, T, device=device)
     dy = torch.randn_like(obj(inputs, params, None, False)[0])
-    frozen = {n: t.detach() for n, t in inputs.items()}, {n: t.detach() for n, t in params.items()}
-    g_fwd = obj.graphed(*frozen)                     # inference: captured without saving for backward
-    g_train = obj.graphed(inputs, params)
-    st_fwd, st_train = g_fwd.static_inputs()[:2], g_train.static_inputs()[:2]
-    st_leaves = [t for t in [*st_train[0].values(), *(st_train[1] or {}).values()] if t.requires_grad]
-    calls = {   # graphed: the caller's tensors (copied in each call); static: the graph's own inputs (no copy)
-        "eager": (lambda: obj(*frozen, None, False)[0],
-                  lambda: torch.autograd.grad(obj(inputs, params, None, False)[0], leaves, dy)),
-        "graphed": (lambda: g_fwd(*frozen)[0], lambda: torch.autograd.grad(g_train(inputs, params)[0], leaves, dy)),
-        "static": (lambda: g_fwd(*st_fwd)[0], lambda: torch.autograd.grad(g_train(*st_train)[0], st_leaves, dy)),
-    }
     row = dict(section="obj", objective=name, shape=f"B{B} T{T} H{H} d{d} m{m} bf16", backend=obj.backend)
-    for how, (fwd, fwd_bwd) in calls.items():
-        for kind, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-            with torch.set_grad_enabled(kind == "fwd_bwd"):
-                row[f"{how}_{kind}_ms"] = bench_ms(fn)
-                gpu, wall, host = busy(fn)
-            # kernel ms as the profiler saw them (graph replays included where CUPTI reports them)
-            row.update({f"{how}_busy_{kind}": gpu / wall, f"{how}_host_us_{kind}": host,
-                        f"{how}_kernel_ms_{kind}": gpu, f"{how}_wall_ms_{kind}": wall})
-    row.update(obj_check(obj, inputs, params, B, H, d, m))
+    row.update(time_calls(obj_calls(obj, inputs, params, None, False, dy, graphed=True), with_busy=True))
+    S0 = random_state(obj, B, H, d, m, device, requires_grad=True)
+    row.update(graphed_against_eager(obj, inputs, params, S0))
     rep.add(**row)
-
-
-def obj_check(obj, inputs, params, B, H, d, m) -> dict:
-    """Graphed against eager with an initial state: y, S_T and every gradient (dS0 included)."""
-    S0 = torch.randn(B, H, d, m, device="cuda", requires_grad=True)
-    names = [*inputs, *params, "S0"]
-    leaves = [*inputs.values(), *params.values(), S0]
-    g = torch.Generator(device="cuda").manual_seed(3)
-
-    def run(fn):
-        y, S = fn(inputs, params, S0, True)
-        wy = torch.randn(y.shape, device="cuda", generator=g.manual_seed(3))
-        wS = torch.randn(S.shape, device="cuda", generator=g.manual_seed(4))
-        grads = torch.autograd.grad((y.float() * wy).sum() + (S.float() * wS).sum(), leaves, allow_unused=True)
-        return {"y": y.detach().clone(), "S_T": S.detach().clone(),
-                **{f"d{n}": gr.clone() for n, gr in zip(names, grads) if gr is not None}}
-    eager = run(obj)
-    floor = max(rel_max(v, eager[k]) for k, v in run(obj).items())     # eager against itself
-    graphed = run(obj.graphed(inputs, params, S0, True))
-    errs = {k: rel_max(graphed[k], eager[k]) for k in eager}
-    missing = sorted(set(eager) ^ set(graphed))
-    worst = max(errs.values())
-    return {"check_worst_rel": worst, "check_exact": worst == 0.0, "check_eager_repeat_rel": floor,
-            "check_ok": worst <= max(1e-6, floor) and not missing,
-            "check_errors": {k: float(f"{v:.3g}") for k, v in errs.items()}, "check_missing": missing}
 
 
 # -- 2. training --------------------------------------------------------------------------------
@@ -184,7 +147,7 @@ def table(rep):
           "host us fwd / fwd+bwd eager, graphed, static | GPU busy fwd+bwd eager / graphed / static | check")
     for r in (r for r in rows if r.get("section") == "obj"):
         hows = ("eager", "graphed", "static")
-        print(f"{r['objective']:9s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in hows) + " | "
+        print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in hows) + " | "
               + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in hows) + " | "
               + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" for h in hows) + " | "
               + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in hows) + " | "
@@ -222,7 +185,7 @@ def main():
                                                       "is false here")
     else:
         if "obj" in parts:
-            for name, (H, d, m), _ in [c for c in CASES if c[0] in OBJECTIVES]:
+            for name, (H, d, m) in obj_cases():
                 guarded(rep, f"obj {name}", obj_rows, rep, name, H, d, m, B, T)
         if "train" in parts:
             for name in MIXERS[:1] if args.tiny else MIXERS:

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Report, bench_ms, copy_bandwidth, random_inputs  # noqa: E402
+from ssmcraft.kernels.timing import obj_calls, time_calls  # noqa: E402
 from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
@@ -201,26 +202,6 @@ CASES = [  # objective, (H, d, m), anchor label
 ]
 
 
-def busy(fn, n=30):
-    """(GPU kernel ms per call, wall ms per call, host enqueue us per call) of back-to-back calls."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e3
-    host = (t1 - t0) / n * 1e6
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
-    return gpu, wall, host
-
-
 def case_inputs(name, H, d, m, B=8, T=2048, dt=torch.bfloat16, device=DEV):
     """(objective, inputs, params) of a timing case: random leaves that require grad, unit keys for
     the delta-rule family (their step is only stable then)."""
@@ -237,24 +218,13 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
         if only and name not in only:
             continue
         obj, inputs, params = case_inputs(name, H, d, m, B, T, dt)
-        leaves = [t for t in [*inputs.values(), *params.values()] if t.requires_grad]
-        y = obj(inputs, params, None, False)[0]
-        dy = torch.randn_like(y)
-
-        def fwd():
-            return obj(inputs, params, None, False)[0]
-
-        def fwd_bwd():
-            torch.autograd.grad(fwd(), leaves, dy)
-        with torch.no_grad():
-            f_ms = bench_ms(fwd)
-        fb_ms = bench_ms(fwd_bwd)
-        with torch.no_grad():
-            g_f, w_f, h_f = busy(fwd)
-        g_fb, w_fb, h_fb = busy(fwd_bwd)
+        dy = torch.randn_like(obj(inputs, params, None, False)[0])
+        t = time_calls(obj_calls(obj, inputs, params, None, False, dy), with_busy=True)     # eager obj()
+        f_ms, fb_ms = t["eager_fwd_ms"], t["eager_fwd_bwd_ms"]
         row = dict(section="time", objective=name, shape=f"B{B} T{T} H{H} d{d} m{m} bf16", backend=obj.backend,
-                   ours_fwd_ms=f_ms, ours_fwd_bwd_ms=fb_ms, gpu_busy_fwd=g_f / w_f, gpu_busy_fwd_bwd=g_fb / w_fb,
-                   host_us_fwd=h_f, host_us_fwd_bwd=h_fb, anchor=anchor)
+                   ours_fwd_ms=f_ms, ours_fwd_bwd_ms=fb_ms, gpu_busy_fwd=t["eager_busy_fwd"],
+                   gpu_busy_fwd_bwd=t["eager_busy_fwd_bwd"], host_us_fwd=t["eager_host_us_fwd"],
+                   host_us_fwd_bwd=t["eager_host_us_fwd_bwd"], anchor=anchor)
         try:
             if anchor.startswith("FLA") and fla is None or anchor.startswith("mamba") and ssc is None:
                 raise RuntimeError("anchor not available")

@@ -148,3 +148,52 @@ def reference_errors(obj, call: Callable, ins: dict, params: dict | None, S0, g:
                      dtype: torch.dtype = torch.float32, **kw) -> Comparison:
     """``compare(reference(obj, ins, params, S0, g), call, dtype, **kw)``: one case, one dtype."""
     return compare(reference(obj, ins, params, S0, g), call, dtype, **kw)
+
+
+def rel_max(got, ref) -> float:
+    """``max |got - ref| / max |ref|`` in float64 (0.0 when both are equal, exact zeros included)."""
+    got, ref = got.double(), ref.double()
+    diff = (got - ref).abs().max().item()
+    return 0.0 if diff == 0 else diff / max(ref.abs().max().item(), 1e-30)
+
+
+def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3, tol: float = 1e-6) -> dict:
+    """``obj.graphed(ins, params, S0, True)`` against eager ``obj(ins, params, S0, True)`` on the same
+    tensors: ``y``, every final state and the gradient of every tensor that requires grad (initial
+    states included) under fixed random cotangents (CPU generator ``seed``, moved to the outputs'
+    device), relative max error (``rel_max``). Eager is also run against itself
+    (``check_eager_repeat_rel``: cuBLAS or atomics may not repeat bitwise).
+
+    Returns ``check_errors`` (name -> error; names as ``compare``'s: ``y``, ``S_T``, ``dx``, ``dS0``),
+    ``check_worst_rel``, ``check_exact``, ``check_missing`` (names one side has and the other not),
+    ``check_nonfinite`` (names whose eager values are not all finite: inputs on which the recurrence
+    diverges, where a relative error means nothing) and ``check_ok``: every error within
+    ``max(tol, eager's repeat error)``, nothing missing and everything finite."""
+    params = params or {}
+    names = _leaf_names(ins, params, S0, _state_names(obj))
+    flat = [*ins.values(), *params.values(), *(() if S0 is None else _states(S0))]
+    wrt = [(n, t) for n, t in zip(names, flat) if t.requires_grad]
+
+    def run(call) -> dict:
+        y, S = call(ins, params, S0, True)
+        S = _states(S)
+        g = torch.Generator().manual_seed(seed)
+        wy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)
+        wS = [torch.randn(s.shape, generator=g, dtype=torch.float64).to(s.device) for s in S]
+        out = {"y": y.detach().clone(), **{f"{x}_T": s.detach().clone() for x, s in zip(_state_names(obj), S)}}
+        if wrt:
+            loss = (y.double() * wy).sum() + sum((s.double() * w).sum() for s, w in zip(S, wS))
+            grads = torch.autograd.grad(loss, [t for _, t in wrt], allow_unused=True)
+            out.update({n: gr.clone() for (n, _), gr in zip(wrt, grads) if gr is not None})
+        return out
+    eager = run(obj)
+    floor = max(rel_max(v, eager[k]) for k, v in run(obj).items())
+    graphed = run(obj.graphed(ins, params, S0, True))
+    errs = {k: rel_max(graphed[k], eager[k]) for k in eager if k in graphed}
+    missing = sorted(set(eager) ^ set(graphed))
+    nonfinite = sorted(k for k, v in eager.items() if not bool(torch.isfinite(v).all()))
+    worst = max(errs.values(), key=lambda v: v if v == v else float("inf"))      # NaN counts as the worst
+    return {"check_worst_rel": worst, "check_exact": worst == 0.0 and not missing, "check_eager_repeat_rel": floor,
+            "check_ok": not over(errs, max(tol, floor)) and not missing and not nonfinite,
+            "check_nonfinite": nonfinite,
+            "check_errors": {k: float(f"{v:.3g}") for k, v in errs.items()}, "check_missing": missing}

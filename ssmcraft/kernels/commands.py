@@ -7,6 +7,16 @@ bandwidth measured in the same process. Times are ``triton.testing.do_bench`` me
 headline is always the public path (``obj(...)``, whose ``backend`` is reported); for the
 diagonal family the kernel-level entry (``diagonal.diagonal_scan``) is printed beside it as a
 diagnostic: the gap between the two is host overhead.
+
+``--graphed`` adds ``obj.graphed(...)`` (CUDA graphs, ``ssmcraft.kernels.graphs``) beside the eager
+figures, in the same table and JSON: each timed call is captured once on exactly the eager call's
+tensors and ``output_final_state`` and replayed, once with the tensors copied in (``graphed_*``)
+and once on the graph's own input buffers (``static_*``, ``static_inputs()``); every call gets its
+GPU-busy fraction (profiler GPU time / wall time) and host time (``timing.time_calls``). The
+graphed call is then checked against eager with an initial state and the final state (output,
+final state, every gradient including the initial state's; ``check_*``); a failed check exits 1.
+Without CUDA ``--graphed`` is an error (never an eager run in its place); ``--layer --graphed``
+is refused: the mixer has no graphed form of its own (the training step has, ``train.cuda_graphs``).
 """
 from __future__ import annotations
 
@@ -24,29 +34,18 @@ def add_arguments(p):
     p.add_argument("--layer", action="store_true",
                    help="time the mixer (ObjectiveMixer: projections, conv, recurrence, gate) fwd+bwd instead; "
                         "d_model = H*d, bf16 autocast")
+    p.add_argument("--graphed", action="store_true",
+                   help="also time obj.graphed(...) (CUDA graphs captured once on the same tensors, replayed): "
+                        "eager, graphed (tensors copied in) and static (the graph's own buffers) side by side, "
+                        "with GPU busy and host us per call, and a check of the graphed call against eager; "
+                        "needs CUDA (an error otherwise, never an eager run); not with --layer")
     p.add_argument("--out", help="also write the results as JSON to this file")
-
-
-def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
-    """Achieved device copy bandwidth in bytes/s (read + write counted), median of do_bench."""
-    import torch
-    import triton.testing
-    n = nbytes // 4
-    a = torch.empty(n, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100)
-    return 2 * n * 4 / (ms * 1e-3)
-
-
-def bench_ms(fn, warmup: int = 10, rep: int = 100) -> float:
-    """Median milliseconds of ``fn()`` (triton.testing.do_bench)."""
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_grad: bool = False):
     """Inputs and params for ``obj`` with values in the ranges its spec declares
-    (positive -> softplus, bounded -> sigmoid, negative params -> -U(0.5, 1.5), S4D-real init
+    (positive -> softplus, bounded -> sigmoid, normalize -> unit L2 norm as the layer feeds it,
+    which keeps the delta-rule family's steps stable; negative params -> -U(0.5, 1.5), S4D-real init
     for A). Returns (inputs, params) in the API layout ([B, T, H, n] / [B, T, H]; params [*shape])."""
     import torch
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -63,6 +62,8 @@ def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_gra
             t = torch.sigmoid(t + 2.0) if not positive else torch.sigmoid(t)
         elif positive:
             t = torch.nn.functional.softplus(t) * 0.5
+        elif getattr(decl, "normalize", False):
+            t = torch.nn.functional.normalize(t, dim=-1)
         elif n == "k":
             t = t / math.sqrt(max(1, m))
         inputs[n] = t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
@@ -89,53 +90,106 @@ def floor_bytes(inputs: dict, params: dict, out_numel: int, out_elt: int, backwa
     return ins + out + ((out + ins) if backward else 0)
 
 
-def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True) -> dict:
-    """Time one objective's kernel; returns a dict of figures (see module docstring)."""
+LAYER_NOT_GRAPHED = ("--layer --graphed: the mixer has no graphed form of its own (CUDA graphs capture obj() as "
+                     "obj.graphed, the whole training step as train.cuda_graphs and decoding as GraphedDecoder); "
+                     "time the mixer's objective with --graphed, or the graphed training step with "
+                     "benchmarks/bench_graphs.py --only train")
+NEED_GPU = "ssmcraft bench needs a CUDA device (timings under the interpreter mean nothing)"
+
+
+def _require_gpu(graphed: bool) -> None:
+    """CUDA or ``SsmcraftError``; with ``graphed`` the message is the graphs' (never an eager run instead)."""
+    import torch
+
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.kernels.graphs import require_cuda
+
+    if graphed:
+        require_cuda([], "--graphed")
+    if not torch.cuda.is_available():
+        raise SsmcraftError(NEED_GPU)
+
+
+def random_state(obj, B, H, d, m, device, seed: int = 1, requires_grad: bool = False):
+    """A random fp32 initial state ``[B, H, d, m]`` (a tuple of them for several states)."""
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    states = tuple(torch.randn(B, H, d, m, generator=g).to(device).requires_grad_(requires_grad)
+                   for _ in obj.ir.state_names)
+    return states if obj.ir.states else states[0]
+
+
+def _capturing(what: str, fn):
+    """``fn()``; a failure (a capture that is not safe, say) as a one-line ``SsmcraftError`` naming
+    what was being captured (the cause chained)."""
+    from ssmcraft.errors import SsmcraftError
+    try:
+        return fn()
+    except SsmcraftError:
+        raise
+    except Exception as e:  # noqa: BLE001: re-raised with what failed
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise SsmcraftError(f"--graphed: capturing {what} failed: {type(e).__name__}: {first}") from e
+
+
+def _device_name(dev) -> str:
+    import torch
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+
+
+def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, graphed: bool = False,
+              device: str = "cuda", prefer: str = "triton") -> dict:
+    """Time one objective's ``obj()``; returns a dict of figures (see module docstring).
+
+    ``graphed``: also ``obj.graphed(...)`` captured on the same tensors and ``output_final_state`` as
+    the eager calls (``timing.obj_calls``: ``graphed_*`` copies the tensors in, ``static_*`` calls
+    the graph on its own buffers), every call's GPU-busy fraction and host time (``*_busy_*``,
+    ``*_host_us_*``), and the graphed call checked against eager with an initial state and the final
+    state (``check_*``: ``checking.graphed_against_eager``). ``device`` and ``prefer`` are for tests
+    (the command always times CUDA and the Triton path)."""
     import torch
 
     import ssmcraft
-    from ssmcraft.errors import SsmcraftError
-    from ssmcraft.kernels import diagonal
+    from ssmcraft.kernels import diagonal, timing
+    from ssmcraft.kernels.checking import graphed_against_eager
 
-    if not torch.cuda.is_available():
-        raise SsmcraftError("ssmcraft bench needs a CUDA device (timings under the interpreter mean nothing)")
+    _require_gpu(graphed)
     B, T, H, d, m = shape
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     obj = ssmcraft.compile(spec_arg)
     inputs, params = random_inputs(obj, B, T, H, d, m, dtype, dev, requires_grad=backward)
-    obj.prefer = "triton"
-
-    def fwd():
-        return obj(inputs, params, None, False)[0]
-    fwd()
-    use_diag = obj.backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
+    obj.prefer = prefer
+    y = obj(inputs, params, None, False)[0]          # the first call of this signature: path choice, compilation
     backend = obj.backend
-    with torch.no_grad():
-        t_fwd = bench_ms(fwd)
+    use_diag = backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
+    dy = torch.randn_like(y) if backward else None
+    calls = _capturing("obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
+                                                                        graphed=graphed))
+    times = timing.time_calls(calls, with_busy=graphed)
     res = {"spec": obj.name, "kind": obj.ir.kind, "backend": backend, "shape": {"B": B, "T": T, "H": H, "d": d, "m": m},
-           "dtype": dtype_name, "device": torch.cuda.get_device_name(), "fwd_ms": t_fwd}
-    bw = copy_bandwidth(dev)
+           "dtype": dtype_name, "device": _device_name(dev), "fwd_ms": times["eager_fwd_ms"]}
+    bw = timing.copy_bandwidth(dev)
     res["copy_bandwidth_GBps"] = bw / 1e9
-    y = fwd()
     fb = floor_bytes(inputs, params, y.numel(), y.element_size(), False)
     res["fwd_floor_ms"] = fb / bw * 1e3
-    res["fwd_GBps"] = fb / (t_fwd * 1e-3) / 1e9
-    res["fwd_x_floor"] = t_fwd / res["fwd_floor_ms"]
+    res["fwd_GBps"] = fb / (res["fwd_ms"] * 1e-3) / 1e9
+    res["fwd_x_floor"] = res["fwd_ms"] / res["fwd_floor_ms"]
     if backward:
-        dy = torch.randn_like(y)
-        leaves = [t for t in list(inputs.values()) + list(params.values()) if t.requires_grad]
-
-        def fwd_bwd():
-            out = fwd()
-            torch.autograd.grad(out, leaves, dy)
-        t_fb = bench_ms(fwd_bwd)
+        t_fb = times["eager_fwd_bwd_ms"]
         fbb = floor_bytes(inputs, params, y.numel(), y.element_size(), True)
         res.update({"fwd_bwd_ms": t_fb, "fwd_bwd_floor_ms": fbb / bw * 1e3, "fwd_bwd_GBps": fbb / (t_fb * 1e-3) / 1e9,
                     "fwd_bwd_x_floor": t_fb / (fbb / bw * 1e3)})
+    if graphed:
+        res["graphed"] = True
+        res.update(times)
+        S0 = random_state(obj, B, H, d, m, dev, requires_grad=backward)
+        res.update(_capturing("obj() with an initial state and the final state (the check)",
+                              lambda: graphed_against_eager(obj, inputs, params, S0)))
     if use_diag:
         with torch.no_grad():
-            res["kernel_entry_fwd_ms"] = bench_ms(lambda: diagonal.diagonal_scan(obj, {**inputs, **params}, None, False)[0])
+            res["kernel_entry_fwd_ms"] = timing.bench_ms(
+                lambda: diagonal.diagonal_scan(obj, {**inputs, **params}, None, False)[0])
         res["configs"] = {str(k[0]): repr(v) for k, v in diagonal.tuned_configs().items()}
     return res
 
@@ -144,12 +198,11 @@ def run_layer_bench(spec_arg, shape) -> dict:
     """Time the mixer on an objective, fwd and fwd+bwd, bf16 autocast: h [B, T, H*d] -> [B, T, H*d]."""
     import torch
 
-    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.kernels.timing import bench_ms
     from ssmcraft.layers.config import mixer_config
     from ssmcraft.layers.mixer import ObjectiveMixer
 
-    if not torch.cuda.is_available():
-        raise SsmcraftError("ssmcraft bench needs a CUDA device (timings under the interpreter mean nothing)")
+    _require_gpu(False)
     B, T, H, d, m = shape
     cfg = mixer_config({"kind": "objective", "objective": spec_arg, "heads": H, "state_size": m, "expand": 1})
     mixer = ObjectiveMixer(cfg, H * d).cuda()
@@ -169,6 +222,30 @@ def run_layer_bench(spec_arg, shape) -> dict:
             "tokens_per_s_fwd_bwd": B * T / (t_fb * 1e-3)}
 
 
+def _graphs_table(res: dict) -> list[str]:
+    """``--graphed``'s lines: eager, graphed and static side by side per kind, then the check."""
+    from ssmcraft.kernels.timing import HOWS, KINDS
+    kinds = [k for k in KINDS if f"eager_{k}_ms" in res]
+    lines = ["  CUDA graphs (obj.graphed, captured once on these tensors; static: called on the graph's own "
+             "input buffers, no copy-in)",
+             f"  {'':18s} {'eager':>9s} {'graphed':>9s} {'static':>9s}"]
+    for kind in kinds:
+        label = "fwd" if kind == "fwd" else "fwd+bwd"
+        for what, key, fmt in (("ms", "{h}_{k}_ms", "{:9.3f}"), ("GPU busy", "{h}_busy_{k}", "{:9.2f}"),
+                               ("host us", "{h}_host_us_{k}", "{:9.0f}")):
+            vals = [res.get(key.format(h=h, k=kind)) for h in HOWS]
+            lines.append(f"  {label + ' ' + what:18s} " + " ".join(
+                fmt.format(v) if v is not None else f"{'-':>9s}" for v in vals))
+    verdict = "exact" if res["check_exact"] else f"worst {res['check_worst_rel']:.1e} (eager repeat " \
+                                                   f"{res['check_eager_repeat_rel']:.1e})"
+    missing = f"; missing {', '.join(res['check_missing'])}" if res["check_missing"] else ""
+    if res["check_nonfinite"]:
+        missing += f"; eager not finite in {', '.join(res['check_nonfinite'])} (these inputs diverge)"
+    lines.append(f"  check graphed vs eager ({', '.join(res['check_errors'])}){missing}: {verdict} "
+                 f"{'PASS' if res['check_ok'] else 'FAIL'}")
+    return lines
+
+
 def _print(res: dict) -> None:
     s = res["shape"]
     if res.get("layer"):
@@ -185,6 +262,8 @@ def _print(res: dict) -> None:
     if "fwd_bwd_ms" in res:
         print(f"  fwd+bwd            {res['fwd_bwd_ms']:8.3f} ms   {res['fwd_bwd_GBps']:7.0f} GB/s   "
               f"{res['fwd_bwd_x_floor']:5.2f}x the HBM floor ({res['fwd_bwd_floor_ms']:.3f} ms)")
+    if res.get("graphed"):
+        print("\n".join(_graphs_table(res)))
     if "kernel_entry_fwd_ms" in res:
         print(f"  diagnostic: kernel entry diagonal_scan fwd {res['kernel_entry_fwd_ms']:.3f} ms "
               f"(obj() overhead {res['fwd_ms'] - res['kernel_entry_fwd_ms']:+.3f} ms)")
@@ -200,13 +279,18 @@ def run(args) -> int:
         raise SsmcraftError(f"--shape must be B,T,H,d,m integers, got {args.shape!r}")
     if len(shape) != 5 or min(shape) < 1:
         raise SsmcraftError(f"--shape must be five positive integers B,T,H,d,m, got {args.shape!r}")
+    if args.layer and args.graphed:
+        raise SsmcraftError(LAYER_NOT_GRAPHED)
     if args.layer:
         res = run_layer_bench(args.spec, shape)
     else:
-        res = run_bench(args.spec, shape, args.dtype, backward=not args.no_backward)
+        res = run_bench(args.spec, shape, args.dtype, backward=not args.no_backward, graphed=args.graphed)
     _print(res)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=2)
         print(f"wrote {args.out}", file=sys.stderr)
+    if res.get("graphed") and not res["check_ok"]:
+        print("ssmcraft bench: error: the graphed call differs from eager obj() (check above)", file=sys.stderr)
+        return 1
     return 0
