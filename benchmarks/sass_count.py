@@ -1,0 +1,169 @@
+"""Offline instruction counts of the generated diagonal kernels: no GPU needed.
+
+Triton compiles the GPU form of an objective's generated source (``fast_math``: libdevice exp) for
+sm_90 on this machine with its bundled ptxas, and ``nvdisasm`` reads the cubin. Printed per kernel:
+registers, spilled bytes, and for each loop (a backward branch) its instruction count and most
+frequent opcodes. This is how BENCHMARKS.md's "Diagonal, run 3" table was made; a change to the
+generator can be weighed here before any device time is spent.
+
+    python3 benchmarks/sass_count.py --objective mamba --kernels fwd_main,bwd_main
+    python3 benchmarks/sass_count.py --objective longhorn_diag --no-hsum --no-even
+
+Runs in a process without the Triton interpreter (it unsets ``TRITON_INTERPRET``). Shapes follow the timed case (K=16, one warp, 32-wide value blocks, bf16 value-indexed I/O, fp32
+key-indexed inputs and params, as ``diagonal_scan`` passes them).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# compiled kernels only: the interpreter patches triton.language for the whole process, so this
+# runs in a process of its own (tests start it as a subprocess)
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
+
+
+def gpu_source(objective: str, K: int = 16) -> str:
+    """The generated diagonal-family source of ``objective`` as the GPU runs it (fast_math)."""
+    import ssmcraft
+    from ssmcraft.kernels import diagonal as D
+    plan = D._plan(ssmcraft.compile(objective).ir)
+    BK = D._p2(K)
+    return D._Gen(plan, BK != K, D._ls_for(K), fast_math=True).source(f"sass_count: {objective}, K={K}")
+
+
+def _load(src: str):
+    path = os.path.join(tempfile.mkdtemp(prefix="sass_count_"), "gen.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("sass_count_gen", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict]:
+    """Argument types and alignment hints of one generated kernel (pointers 16-byte aligned, K and V
+    divisible by 16, as Triton specialises them at launch)."""
+    sig, attrs = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        if a in INT_ARGS or a.startswith("hs_"):
+            sig[a] = "i32"
+            if a in ("K", "V"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
+        leaf = plan_leaves.get(a[2:]) if a.startswith(("p_", "g_")) else None
+        value_io = a in ("y", "dy") or (a.startswith("p_") and leaf is not None and leaf.kind == "tok" and "d" in leaf.dims)
+        sig[a] = f"*{io}" if value_io else "*fp32"
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+@dataclass
+class Count:
+    kernel: str
+    registers: int
+    spill_bytes: int
+    loops: list        # [(instructions, Counter of opcodes)], innermost first as nvdisasm lists them
+
+
+def compile_count(objective: str, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
+                  hsum: bool = True, even: bool = True, K: int = 16) -> Count:
+    """Compile one kernel of ``objective``'s GPU source for sm_90 and count its SASS."""
+    import ssmcraft
+    from ssmcraft.kernels import diagonal as D
+    plan = D._plan(ssmcraft.compile(objective).ir)
+    mod = _load(gpu_source(objective, K))
+    fn = getattr(mod, kernel)
+    BK = D._p2(K)
+    known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=D._nsub(K), NEED_DH0=True, DOTRED=False,
+                 HSUM=hsum and BK <= BV, LOG_BK=BK.bit_length() - 1, LOG_BV=BV.bit_length() - 1,
+                 EVEN_V=even, EVEN_T=even, HAS_H0=True, HAS_DHT=True)
+    consts = {k: v for k, v in known.items() if k in fn.arg_names}
+    sig, attrs = _signature(fn, plan.leaves, io, consts)
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    return Count(kernel, regs, stack, loops(sass))
+
+
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_LABEL = re.compile(r"^\.(L_x_\d+):")
+_BRANCH = re.compile(r"BRA\s+`?\(?\.(L_x_\d+)")
+
+
+def loops(sass: str) -> list:
+    """(instruction count, opcode Counter) of each loop: the code from a label to a branch back to it."""
+    instrs, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = _LABEL.match(line.strip())
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            for lab in pending:
+                labels[lab] = len(instrs)
+            pending = []
+            instrs.append((m.group(2), line))
+    out = []
+    for i, (_, line) in enumerate(instrs):
+        m = _BRANCH.search(line)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            body = instrs[labels[m.group(1)]:i + 1]
+            out.append((len(body), collections.Counter(op for op, _ in body)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--objective", default="mamba")
+    ap.add_argument("--kernels", default="fwd_summary,fwd_main,bwd_summary,bwd_main")
+    ap.add_argument("--BV", type=int, default=32)
+    ap.add_argument("--warps", type=int, default=1)
+    ap.add_argument("--io", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--no-hsum", action="store_true", help="backward key sums by tl.sum (Config.HSUM off)")
+    ap.add_argument("--no-even", action="store_true", help="keep the value and time masks (EVEN_V/EVEN_T off)")
+    ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
+    args = ap.parse_args(argv)
+    counts = [compile_count(args.objective, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even)
+              for kernel in args.kernels.split(",")]
+    if args.json:
+        print(json.dumps([dict(kernel=c.kernel, registers=c.registers, spill_bytes=c.spill_bytes,
+                               loops=[dict(instructions=n, ops=dict(ops)) for n, ops in c.loops]) for c in counts]))
+        return 0
+    for c in counts:
+        print(f"{args.objective} {c.kernel}: {c.registers} registers, {c.spill_bytes} bytes spilled")
+        for n, ops in c.loops:
+            print(f"  loop: {n} instructions; " + ", ".join(f"{op} {k}" for op, k in ops.most_common(8)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
