@@ -84,7 +84,7 @@ class Count:
 
 
 def compile_count(objective: str, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
-                  hsum: bool = True, even: bool = True, K: int = 16) -> Count:
+                  hsum: bool = True, even: bool = True, K: int = 16, prefetch: bool = False) -> Count:
     """Compile one kernel of ``objective``'s GPU source for sm_90 and count its SASS."""
     import ssmcraft
     from ssmcraft.kernels import diagonal as D
@@ -94,7 +94,7 @@ def compile_count(objective: str, kernel: str, BV: int = 32, warps: int = 1, io:
     BK = D._p2(K)
     known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=D._nsub(K), NEED_DH0=True, DOTRED=False,
                  HSUM=hsum and BK <= BV, LOG_BK=BK.bit_length() - 1, LOG_BV=BV.bit_length() - 1,
-                 EVEN_V=even, EVEN_T=even, HAS_H0=True, HAS_DHT=True)
+                 EVEN_V=even, EVEN_T=even, HAS_H0=True, HAS_DHT=True, PREFETCH=prefetch)
     consts = {k: v for k, v in known.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, plan.leaves, io, consts)
     k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -150,9 +150,11 @@ def main(argv=None) -> int:
     ap.add_argument("--io", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--no-hsum", action="store_true", help="backward key sums by tl.sum (Config.HSUM off)")
     ap.add_argument("--no-even", action="store_true", help="keep the value and time masks (EVEN_V/EVEN_T off)")
+    ap.add_argument("--prefetch", action="store_true", help="fwd_main with its register prefetch (Config.PREFETCH)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
     args = ap.parse_args(argv)
-    counts = [compile_count(args.objective, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even)
+    counts = [compile_count(args.objective, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even,
+                            prefetch=args.prefetch)
               for kernel in args.kernels.split(",")]
     if args.json:
         print(json.dumps([dict(kernel=c.kernel, registers=c.registers, spill_bytes=c.spill_bytes,

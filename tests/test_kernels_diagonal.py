@@ -76,6 +76,8 @@ CASES = [
     ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, HSUM=True)),  # V % BV = T % L = 0: no masks
     ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),             # [H, d, m] param A
     ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True)),
+    ("mamba", 1, 21, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=2, PREFETCH=True)),   # fwd: 4-step prefetch, tail
+    ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, PREFETCH=True)),  # prefetch, even T
     ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
     ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("retnet", 1, 13, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
@@ -85,6 +87,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,B,T,H,d,m,config", CASES, ids=[f"{c[0]}-T{c[2]}-NG{c[6].NG}{'-dot' if c[6].DOTRED else ''}{'-hsum' if c[6].HSUM else ''}"
+                              f"{'-pf' if c[6].PREFETCH else ''}"
                               for c in CASES])
 def test_kernel_matches_reference(name, B, T, H, d, m, config):
     _check(name, B, T, H, d, m, config)

@@ -294,19 +294,30 @@ class _Gen:
     def _width(dims):
         return {frozenset({"d"}): "V", frozenset({"m"}): "K", frozenset(): "1"}[frozenset(dims)]
 
-    def tok_loads(self, ind: str, t: str, need: set, tmask: str | None) -> list[str]:
-        out = [f"{ind}tok = (i_b.to(tl.int64) * T + {t}) * H + i_h"]
+    def tok_loads(self, ind: str, t: str, need: set, tmask: str | None, suffix: str = "",
+                  tok: str = "tok") -> list[str]:
+        """Lines loading step ``t``'s token leaves into their variables (``suffix``: a prefetch set's)."""
+        out = [f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"]
         for lf in self.p.tok_leaves:
             if lf.name not in need:
                 continue
             idx, mask = self._index(lf.dims)
             w = self._width(lf.dims)
-            off = f"tok * {w} + {idx}" if w != "1" else "tok"
+            off = f"{tok} * {w} + {idx}" if w != "1" else tok
             if tmask is not None:
                 mask = f"{mask} & {tmask}" if mask != "True" else tmask
             m = "" if mask == "True" else f", mask={mask}, other=0.0"
-            out.append(f"{ind}{lf.var} = tl.load(p_{lf.name} + {off}{m}).to(tl.float32)")
+            out.append(f"{ind}{lf.var}{suffix} = tl.load(p_{lf.name} + {off}{m}).to(tl.float32)")
         return out
+
+    def with_set(self, suffix: str, lines):
+        """``lines()`` printed with the token leaves read from prefetch set ``suffix``'s variables."""
+        saved = self.names
+        self.names = saved | {lf.name: lf.var + suffix for lf in self.p.tok_leaves}
+        try:
+            return lines()
+        finally:
+            self.names = saved
 
     def node_lines(self, ind: str, need: set) -> list[str]:
         out = []
@@ -398,24 +409,51 @@ class _Gen:
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
                 f"def fwd_main({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
                 "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
-                "             EVEN_V: tl.constexpr):",
+                "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
-                '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group)."""',
+                '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group). PREFETCH: the token',
+                f'    leaves are loaded {_PF} steps before their step (needs L % {_PF} == 0), so a pass with few',
+                '    programs per SM (one group) does not wait on memory every step."""',
                 *self.prologue(i),
                 *self.param_loads(i, need),
                 f"{i}S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}c0 = i_g * CPG",
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
-                f"{i}for c in range(c0, c1):",
-                f"{i}{i}if SAVE:",
-                f"{i}{i}{i}tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)",
-                f"{i}{i}for t in range(c * L, tl.minimum(c * L + L, T)):",
-                *self.coefficients(i * 3, "t", ("a", "p", "q", "B", "oc", "oq", "oh")),
-                *self.update(i * 3, "S", "S"),
-                f"{i}{i}{i}o = {self.readout('S')}",
-                f"{i}{i}{i}tl.store(y + tok * V + ov, o, mask=mv)",
+                f"{i}if PREFETCH:   # {_PF}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {_PF}",
+                *self._prefetched_steps(i * 2, need),
+                f"{i}else:",
+                f"{i}{i}for c in range(c0, c1):",
+                f"{i}{i}{i}if SAVE:",
+                f"{i}{i}{i}{i}tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)",
+                f"{i}{i}{i}for t in range(c * L, tl.minimum(c * L + L, T)):",
+                *self.coefficients(i * 4, "t", ("a", "p", "q", "B", "oc", "oq", "oh")),
+                *self.update(i * 4, "S", "S"),
+                f"{i}{i}{i}{i}o = {self.readout('S')}",
+                f"{i}{i}{i}{i}tl.store(y + tok * V + ov, o, mask=mv)",
                 f"{i}if STORE_FINAL:",
                 f"{i}{i}tl.store(ht + i_bh.to(tl.int64) * K * V + st, S, mask=mkv & (i_g == NG - 1))"]
+
+    def _prefetched_steps(self, ind: str, need: set) -> list[str]:
+        """fwd_main's time loop with the token leaves loaded _PF steps ahead (variables suffixed by the
+        set); loads past the end read step T-1 (clamped), and those steps are masked off."""
+        i = " " * 4
+        out = [f"{ind}t_last = T - 1"]
+        for j in range(_PF):
+            out += self.tok_loads(ind, f"tl.minimum(c0 * L + {j}, t_last)", need, None, f"_{j}", "tokp")
+        out += [f"{ind}for c in range(c0, c1):",
+                f"{ind}{i}if SAVE:",
+                f"{ind}{i}{i}tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)",
+                f"{ind}{i}for tb in range(c * L, c * L + L, {_PF}):"]
+        body = ind + i * 2
+        for j in range(_PF):
+            out += [f"{body}# step tb + {j}, from set {j}",
+                    f"{body}vt = (tb + {j} < T) | EVEN_T",
+                    f"{body}tok = (i_b.to(tl.int64) * T + tb + {j}) * H + i_h"]
+            out += self.with_set(f"_{j}", lambda: [*self.node_lines(body, need), *self.update(body, "S", "S", "vt"),
+                                                   f"{body}o = {self.readout('S')}"])
+            out.append(f"{body}tl.store(y + tok * V + ov, o, mask=mv & vt)")
+            out += self.tok_loads(body, f"tl.minimum(tb + {j + _PF}, t_last)", need, None, f"_{j}", "tokp")
+        return out
 
     def _readout_adjoint(self, ind: str, t: str) -> list[str]:
         """Lines defining ``ocdy`` (oc . dy) and the readout's adjoint R = oq (oc dy)^T."""
@@ -700,6 +738,8 @@ _VSUM = ['@triton.jit',
          '    else:',
          '        return tl.sum(x, axis=1, keep_dims=True)',
          '']
+_PF = 4        # fwd_main's register prefetch depth (steps), when Config.PREFETCH
+
 _HSUM = ['@triton.jit',
          'def _hsum(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr):',
          '    """Sum of a [BK, BV] tile over its value axis by recursive halving (BK <= BV, powers of two):',
@@ -761,6 +801,7 @@ class Config:
     NSUB: int = 4  # sub-chunks per checkpointed chunk (L = LS * NSUB)
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
     HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
+    PREFETCH: bool = False  # forward: token leaves loaded _PF steps ahead (fwd_main; L % _PF == 0)
 
 
 def _alloc(shape, dtype, device):
@@ -795,6 +836,8 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     NV = -(-V // cfg.BV)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
+    if cfg.PREFETCH and L % _PF:
+        raise ValueError(f"Config.PREFETCH needs chunks of a multiple of {_PF} steps (L = {L})")
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
     even = dict(EVEN_V=V % cfg.BV == 0)      # no value-axis masks (the summary and main kernels)
     if NG > 1:
@@ -810,7 +853,7 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
     ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
     _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
-                                  SAVE=save, STORE_FINAL=want_final, **kw, **even)
+                                  SAVE=save, STORE_FINAL=want_final, EVEN_T=T % L == 0, PREFETCH=cfg.PREFETCH, **kw, **even)
     return y, (ht if want_final else None), (ckpt if save else None)
 
 
@@ -920,18 +963,23 @@ def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
 
 def _fwd_candidates(K, V, B, H, T):
     """Forward: 32-wide value blocks (warps along V) with 1x, 2x, 4x the rule's time groups, and
-    64-wide blocks. Measured on H200 (BENCHMARKS.md): 32-wide with ~24 programs per SM won; 64 and
-    128 columns per warp issue fewer instructions but lose on latency."""
+    64-wide blocks; each with and without the register prefetch, plus one and two groups with it
+    (one pass over time, no summary sweep). Measured on H200 (BENCHMARKS.md): 32-wide with ~24
+    programs per SM won; 64 and 128 columns per warp issue fewer instructions but lose on latency."""
     BK = _p2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
+    prefetch = (False, True) if (ls * nsub) % _PF == 0 else (False,)
     out = []
     for BV, mult in ((32, (1, 2, 4)), (64, (1, 2))):
         if BV > max(32, _p2(V)):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g * ngp)[0] for g in mult}):
-            out.append(Config(BV, _warps(BK, BV), NG, nsub))
+            out += [Config(BV, _warps(BK, BV), NG, nsub, PREFETCH=pf) for pf in prefetch]
+        if True in prefetch:
+            out += [Config(BV, _warps(BK, BV), NG, nsub, PREFETCH=True) for NG in (1, 2)
+                    if NG < _groups(NC, ngp)[0]]
     return out
 
 
