@@ -40,9 +40,7 @@ def gpu_source(objective: str, K: int = 16) -> str:
     """The generated diagonal-family source of ``objective`` as the GPU runs it (fast_math)."""
     import ssmcraft
     from ssmcraft.kernels import diagonal as D
-    plan = D._plan(ssmcraft.compile(objective).ir)
-    BK = D._p2(K)
-    return D._Gen(plan, BK != K, D._ls_for(K), fast_math=True).source(f"sass_count: {objective}, K={K}")
+    return D.generated_source(ssmcraft.compile(objective).ir, K, fast_math=True)
 
 
 def _load(src: str):

@@ -214,3 +214,19 @@ def test_derive_and_codegen_under_one_second(compiled):
             slow.append(name)
     print("\nderive + reference codegen (best of 2, sympy cache cleared):\n" + "\n".join(rows))
     assert not slow, f"over 1 s: {slow}\n" + "\n".join(rows)
+
+
+@pytest.mark.parametrize("name,family,marker", [
+    ("mamba", "diagonal", "N_a = libdevice.exp2(L_delta * (L_A * 1.4426950408889634))"),   # GPU form
+    ("huber_longhorn", "general", "def "),
+    ("longhorn_2key", "rankr_row", "def "),
+    ("longhorn", "rank1_row", "prologue"),          # hand-written family: its computed slots' prologue
+    ("gla", "keydecay_chunk", "no per-objective source"),
+])
+def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, family, marker, capsys):
+    assert main(["derive", name, "--kernel"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"# {name}: family {family!r} runs it on the GPU (ssmcraft/kernels/{family}.py)"
+    assert marker in out
+    if family in ("diagonal", "general", "rankr_row"):
+        compile(out[out.index("# spec:"):], f"{name} kernels", "exec")   # the printed source is the module

@@ -12,6 +12,8 @@ def add_arguments(p):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json", action="store_true", help="print the IR as JSON")
     g.add_argument("--code", action="store_true", help="print the generated reference source")
+    g.add_argument("--kernel", action="store_true",
+                   help="print the generated Triton kernels of the family that runs it on the GPU")
 
 
 def stages(spec_arg) -> dict:
@@ -58,6 +60,8 @@ def run(args) -> int:
     if args.code:
         print(st["source"], end="")
         return 0
+    if args.kernel:
+        return _print_kernel(args.spec)
     spec, ir = st["spec"], st["ir"]
     d, m = spec.dims
     print(f"{spec.name}: {' '.join(spec.summary.split())}")
@@ -102,4 +106,24 @@ def run(args) -> int:
         print(f"    {line}")
     print(f"\n[5] code: reference module cached (IR {ir.content_hash()}); `--code` prints it, `--json` the IR")
     print(f"derived in {st['seconds'][0] * 1000:.0f} ms, reference generated and loaded in {st['seconds'][1] * 1000:.0f} ms")
+    return 0
+
+
+def _print_kernel(spec_arg) -> int:
+    """``--kernel``: the family that runs the objective on CUDA tensors, and the source generated for it."""
+    import ssmcraft
+    from ssmcraft.kernels import triton_backend
+    obj = ssmcraft.compile(spec_arg)
+    fam, sources = triton_backend.kernel_source(obj)
+    if fam is None:
+        reasons = "; ".join(f"{f}: {r}" for f, r in triton_backend.families(obj) if r is not None)
+        print(f"# {obj.name}: no Triton kernel family runs it ({reasons})")
+        return 1
+    print(f"# {obj.name}: family {fam!r} runs it on the GPU (ssmcraft/kernels/{fam}.py)")
+    if not sources:
+        print("# its kernels are written by hand and specialised by constexpr modes: no per-objective source")
+    for what, source in sources:
+        note = " (the interpreter runs tl.exp where it has libdevice)" if "libdevice" in source else ""
+        print(f"# generated {what}, as the GPU compiles it{note}:")
+        print(source, end="" if source.endswith("\n") else "\n")
     return 0

@@ -768,6 +768,18 @@ def _ls_for(K: int) -> int:
     return 4 if K <= 32 else 2
 
 
+def generated_source(ir, K: int = 16, fast_math: bool = True) -> str:
+    """The generated kernels of ``ir`` for key dim ``K`` (``fast_math``: as the GPU compiles them;
+    False: as the interpreter runs them). What ``ssmcraft derive SPEC --kernel`` prints."""
+    plan = _get_plan(ir)
+    return _source(plan, _p2(K) != K, _ls_for(K), fast_math)
+
+
+def _source(plan: _Plan, pad_k: bool, ls: int, fast_math: bool) -> str:
+    header = f"spec: {plan.ir.spec_name}; IR {plan.hash}; interpret={not fast_math}"
+    return _Gen(plan, pad_k, ls, fast_math).source(header)
+
+
 def _module(plan: _Plan, BK: int, K: int):
     """The generated kernel module of ``plan`` for this K (write-once, content-hash cached)."""
     from ssmcraft.compiler import cache
@@ -776,8 +788,7 @@ def _module(plan: _Plan, BK: int, K: int):
     key = (plan.hash, plan.ir.spec_name, pad_k, ls, _interpret())
     mod = _MODULES.get(key)
     if mod is None:
-        header = f"spec: {plan.ir.spec_name}; IR {plan.hash}; interpret={_interpret()}"
-        src = _Gen(plan, pad_k, ls, fast_math=not _interpret()).source(header)
+        src = _source(plan, pad_k, ls, fast_math=not _interpret())
         ck = cache.key_for("diagonal", src, str(_interpret()))
         mod = cache.load_generated(f"diag_{plan.ir.spec_name}", ck, src)
         _MODULES[key] = mod

@@ -455,6 +455,11 @@ def _module(ir):
     return _MODULES[key]
 
 
+def generated_source(ir) -> str:
+    """The generated kernels of ``ir`` (its element form); what ``ssmcraft derive SPEC --kernel`` prints."""
+    return _module(ir)[2]
+
+
 # ----------------------------------------------------------------------------------------
 # host wrappers
 # ----------------------------------------------------------------------------------------

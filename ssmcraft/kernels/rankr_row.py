@@ -30,6 +30,7 @@ from ssmcraft.kernels import general
 
 BACKEND_NAME = "rankr-row"
 ROW_BLOCK: int | None = None      # rows per program; None: by rule (tests set it to tile rows)
+generated_source = general.generated_source   # the kernels it runs (``ssmcraft derive SPEC --kernel``)
 
 
 def supports(ir) -> str | None:

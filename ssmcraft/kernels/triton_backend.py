@@ -153,6 +153,26 @@ def why_not(obj, inputs) -> str:
     return f"no kernel family runs {obj.ir.kind} objective {obj.name!r} (" + "; ".join(parts) + ")"
 
 
+def kernel_source(obj) -> tuple[str | None, list[tuple[str, str]]]:
+    """(family, [(what, source)]): the family that runs ``obj`` on CUDA tensors of a sequence
+    (one-token decode aside) and the Triton source generated for ``obj``, as the GPU compiles it.
+    A family generated per objective (diagonal, general) gives its kernels; a hand-written one
+    (specialised by constexpr modes) gives the generated prologue of its computed slots, if any.
+    (None, []) when no family runs it."""
+    for fam, mod, reason in _candidates(obj, "triton"):
+        if fam == "decode" or reason is not None:
+            continue
+        generated = getattr(mod, "generated_source", None)
+        if generated is not None:
+            return fam, [("kernels", generated(obj.ir))]
+        from ssmcraft.kernels import prologue, slots
+        binds = slots.bindings(obj.ir)
+        if not any(b.kind == "computed" for b in binds.values()):
+            return fam, []
+        return fam, [("prologue of the computed slots", prologue.module(obj.ir, binds)[2])]
+    return None, []
+
+
 def families(obj, inputs=None, prefer="auto") -> list[tuple[str, str | None]]:
     """Each family and why it would not run ``obj`` (None if it would), in the order tried."""
     mode, _ = _mode(inputs, prefer) if inputs else ("triton", "")
