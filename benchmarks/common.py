@@ -1,8 +1,8 @@
 """Shared helpers for the kernel benchmark scripts (run on the GPU through the `device` tool).
 
-Timing (`bench_ms`: triton.testing.do_bench median; `busy`: GPU-busy fraction and host time per
-call; both from ``ssmcraft.kernels.timing``; `once_ms`: CUDA events, for slow anchors such as the
-naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_bytes`) and a small
+Timing (`bench_ms`: triton.testing.do_bench median, from ``ssmcraft.kernels.timing``, which also
+has `busy`, the GPU-busy fraction and host time per call; `once_ms`: CUDA events, for slow anchors
+such as the naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_bytes`) and a small
 JSON/stdout `Report`. Error metrics and reference checks: ``ssmcraft.kernels.checking`` and
 ``checks.py``.
 Import as ``from common import ...`` with ``benchmarks/`` on ``sys.path`` (each script does that).
@@ -19,7 +19,7 @@ import time
 import torch
 
 from ssmcraft.kernels.commands import floor_bytes, random_inputs, random_state  # noqa: F401
-from ssmcraft.kernels.timing import bench_ms, busy, copy_bandwidth  # noqa: F401
+from ssmcraft.kernels.timing import bench_ms, copy_bandwidth  # noqa: F401
 
 
 def once_ms(fn, reps: int = 2) -> float:

@@ -33,6 +33,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from ssmcraft.errors import SsmcraftError  # noqa: E402
+
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
 
 
@@ -43,14 +45,18 @@ def gpu_source(objective: str, K: int = 16) -> str:
     return D.generated_source(ssmcraft.compile(objective).ir, K, fast_math=True)
 
 
-def _load(src: str):
-    path = os.path.join(tempfile.mkdtemp(prefix="sass_count_"), "gen.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("sass_count_gen", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def load(objective: str, K: int = 16):
+    """(plan, module) of ``objective``'s GPU source, imported once (the file only while importing)."""
+    import ssmcraft
+    from ssmcraft.kernels import diagonal as D
+    with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
+        path = os.path.join(d, "gen.py")
+        with open(path, "w") as f:
+            f.write(gpu_source(objective, K))
+        spec = importlib.util.spec_from_file_location("sass_count_gen", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return D._get_plan(ssmcraft.compile(objective).ir), mod
 
 
 def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict]:
@@ -81,18 +87,19 @@ class Count:
     loops: list        # [(instructions, Counter of opcodes)], innermost first as nvdisasm lists them
 
 
-def compile_count(objective: str, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
+def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
                   hsum: bool = True, even: bool = True, K: int = 16, prefetch: bool = False) -> Count:
-    """Compile one kernel of ``objective``'s GPU source for sm_90 and count its SASS."""
-    import ssmcraft
+    """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
+    flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
+    T and V divide the chunk and the value block when ``even``."""
     from ssmcraft.kernels import diagonal as D
-    plan = D._plan(ssmcraft.compile(objective).ir)
-    mod = _load(gpu_source(objective, K))
+    plan, mod = loaded
     fn = getattr(mod, kernel)
-    BK = D._p2(K)
-    known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=D._nsub(K), NEED_DH0=True, DOTRED=False,
-                 HSUM=hsum and BK <= BV, LOG_BK=BK.bit_length() - 1, LOG_BV=BV.bit_length() - 1,
-                 EVEN_V=even, EVEN_T=even, HAS_H0=True, HAS_DHT=True, PREFETCH=prefetch)
+    BK, ls = D._p2(K), D._ls_for(K)
+    cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch)
+    L = ls * cfg.NSUB
+    known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False,
+                 HAS_H0=True, HAS_DHT=True, **D.flags(cfg, K, 128 * L + (not even), 48 * BV + (not even), ls))
     consts = {k: v for k, v in known.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, plan.leaves, io, consts)
     k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -151,9 +158,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", action="store_true", help="fwd_main with its register prefetch (Config.PREFETCH)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
     args = ap.parse_args(argv)
-    counts = [compile_count(args.objective, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even,
-                            prefetch=args.prefetch)
-              for kernel in args.kernels.split(",")]
+    loaded = load(args.objective)
+    try:
+        counts = [compile_count(loaded, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even,
+                                prefetch=args.prefetch)
+                  for kernel in args.kernels.split(",")]
+    except SsmcraftError as e:
+        print(f"sass_count: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([dict(kernel=c.kernel, registers=c.registers, spill_bytes=c.spill_bytes,
                                loops=[dict(instructions=n, ops=dict(ops)) for n, ops in c.loops]) for c in counts]))

@@ -211,3 +211,28 @@ class _TlNumpy:
     @staticmethod
     def where(c, a, b):
         return a if c else b
+
+
+@pytest.mark.parametrize("config,message", [
+    (D.Config(BV=4, num_warps=1, NG=1, NSUB=1, HSUM=True), "HSUM needs BK <= BV (BK = 8, BV = 4)"),
+    (D.Config(BV=8, num_warps=1, NG=1, NSUB=1, PREFETCH=True), None),        # L = 4: runs
+])
+def test_a_config_the_kernels_cannot_run_is_refused_before_any_launch(config, message):
+    from ssmcraft.errors import SsmcraftError
+    obj = ssmcraft.compile("longhorn_diag")
+    inputs, params, S0 = _inputs(obj, 1, 5, 1, 8, 8)
+    tensors = {k: v.float() for k, v in inputs.items()}
+    if message is None:
+        D.diagonal_scan(obj, tensors, None, False, config)
+        return
+    D.LAUNCHED.clear()
+    with pytest.raises(SsmcraftError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        D.diagonal_scan(obj, tensors, None, False, config)
+    assert not D.LAUNCHED
+
+
+def test_prefetch_needs_chunks_of_a_multiple_of_its_depth():
+    from ssmcraft.errors import SsmcraftError
+    with pytest.raises(SsmcraftError, match="PREFETCH needs chunks of a multiple of 4 steps"):
+        D.check_config(D.Config(BV=8, num_warps=1, NG=1, NSUB=1, PREFETCH=True), 64, 2)   # LS 2 x NSUB 1
+

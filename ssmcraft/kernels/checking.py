@@ -29,7 +29,10 @@ def rel_rms(got, ref) -> float:
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _states(S) -> tuple:
+def states(S) -> tuple:
+    """A call's state(s) as a tuple: () for None, the tuple of several states, or (S,)."""
+    if S is None:
+        return ()
     return tuple(S) if isinstance(S, (tuple, list)) else (S,)
 
 
@@ -103,10 +106,10 @@ def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Re
     params = dict(params or {})
     leaves = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
     pleaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    s0 = None if S0 is None else tuple(s.detach().clone().requires_grad_() for s in _states(S0))
+    s0 = None if S0 is None else tuple(s.detach().clone().requires_grad_() for s in states(S0))
     y, S = obj.reference(leaves, pleaves, None if s0 is None else (s0 if isinstance(S0, (tuple, list)) else s0[0]),
                          True)
-    S = _states(S)
+    S = states(S)
     dev = y.device
     dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dev)
     dS = tuple(torch.randn(s.shape, generator=g, dtype=torch.float64).to(dev) for s in S)
@@ -124,9 +127,9 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
     compared times the factor (the leaf itself: the gradient with respect to its log)."""
     lv = {k: v.detach().to(dtype).requires_grad_() for k, v in ref.ins.items()}
     pv = {k: v.detach().float().requires_grad_() for k, v in ref.params.items()}
-    s1 = None if ref.S0 is None else tuple(s.detach().float().requires_grad_() for s in _states(ref.S0))
+    s1 = None if ref.S0 is None else tuple(s.detach().float().requires_grad_() for s in states(ref.S0))
     y, S = call(lv, pv, None if s1 is None else (s1 if isinstance(ref.S0, (tuple, list)) else s1[0]))
-    S = _states(S)
+    S = states(S)
     if y.shape != ref.y.shape or [s.shape for s in S] != [s.shape for s in ref.S]:
         raise ValueError(f"the kernel returned y {tuple(y.shape)}, states {[tuple(s.shape) for s in S]}; the reference "
                          f"y {tuple(ref.y.shape)}, states {[tuple(s.shape) for s in ref.S]}")
@@ -171,12 +174,12 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
     ``max(tol, eager's repeat error)``, nothing missing and everything finite."""
     params = params or {}
     names = _leaf_names(ins, params, S0, _state_names(obj))
-    flat = [*ins.values(), *params.values(), *(() if S0 is None else _states(S0))]
+    flat = [*ins.values(), *params.values(), *states(S0)]
     wrt = [(n, t) for n, t in zip(names, flat) if t.requires_grad]
 
     def run(call) -> dict:
         y, S = call(ins, params, S0, True)
-        S = _states(S)
+        S = states(S)
         g = torch.Generator().manual_seed(seed)
         wy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)
         wS = [torch.randn(s.shape, generator=g, dtype=torch.float64).to(s.device) for s in S]

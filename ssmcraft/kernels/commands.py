@@ -121,7 +121,7 @@ def random_state(obj, B, H, d, m, device, seed: int = 1, requires_grad: bool = F
 
 def _capturing(what: str, fn):
     """``fn()``; a failure (a capture that is not safe, say) as a one-line ``SsmcraftError`` naming
-    what was being captured (the cause chained)."""
+    what was being done (``what``; the cause chained)."""
     from ssmcraft.errors import SsmcraftError
     try:
         return fn()
@@ -129,7 +129,7 @@ def _capturing(what: str, fn):
         raise
     except Exception as e:  # noqa: BLE001: re-raised with what failed
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise SsmcraftError(f"--graphed: capturing {what} failed: {type(e).__name__}: {first}") from e
+        raise SsmcraftError(f"--graphed: {what} failed: {type(e).__name__}: {first}") from e
 
 
 def _device_name(dev) -> str:
@@ -164,7 +164,7 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     backend = obj.backend
     use_diag = backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
     dy = torch.randn_like(y) if backward else None
-    calls = _capturing("obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
+    calls = _capturing("capturing obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
                                                                         graphed=graphed))
     times = timing.time_calls(calls, with_busy=graphed)
     res = {"spec": obj.name, "kind": obj.ir.kind, "backend": backend, "shape": {"B": B, "T": T, "H": H, "d": d, "m": m},
@@ -184,7 +184,7 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
         res["graphed"] = True
         res.update(times)
         S0 = random_state(obj, B, H, d, m, dev, requires_grad=backward)
-        res.update(_capturing("obj() with an initial state and the final state (the check)",
+        res.update(_capturing("the graphed-vs-eager check (capture, replay and eager, with an initial and a final state)",
                               lambda: graphed_against_eager(obj, inputs, params, S0)))
     if use_diag:
         with torch.no_grad():

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import buffer
 from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
@@ -63,6 +64,15 @@ def set_poison(on: bool) -> None:
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fast_math() -> bool:
+    """libdevice's exp in the generated source: compiled for an NVIDIA GPU (not under the
+    interpreter, which has no libdevice, nor on another Triton backend)."""
+    if _interpret():
+        return False
+    import triton
+    return triton.runtime.driver.active.get_current_target().backend == "cuda"
 
 
 # ======================================================================================
@@ -788,7 +798,7 @@ def _module(plan: _Plan, BK: int, K: int):
     key = (plan.hash, plan.ir.spec_name, pad_k, ls, _interpret())
     mod = _MODULES.get(key)
     if mod is None:
-        src = _source(plan, pad_k, ls, fast_math=not _interpret())
+        src = _source(plan, pad_k, ls, fast_math=_fast_math())
         ck = cache.key_for("diagonal", src, str(_interpret()))
         mod = cache.load_generated(f"diag_{plan.ir.spec_name}", ck, src)
         _MODULES[key] = mod
@@ -813,6 +823,28 @@ class Config:
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
     HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
     PREFETCH: bool = False  # forward: token leaves loaded _PF steps ahead (fwd_main; L % _PF == 0)
+
+
+def check_config(cfg: Config, K: int, ls: int) -> None:
+    """Refuse a configuration the kernels cannot run (before any kernel is launched)."""
+    BK, L = _p2(K), ls * cfg.NSUB
+    if cfg.HSUM and BK > cfg.BV:
+        raise SsmcraftError(f"diagonal Config.HSUM needs BK <= BV (BK = {BK}, BV = {cfg.BV})")
+    if cfg.PREFETCH and L % _PF:
+        raise SsmcraftError(f"diagonal Config.PREFETCH needs chunks of a multiple of {_PF} steps (L = {L})")
+
+
+def flags(cfg: Config, K: int, T: int, V: int, ls: int) -> dict:
+    """The compile-time flags of one launch (each kernel takes its subset): no value mask when
+    BV divides V, no time mask when the chunk length divides T, the halving sums, the prefetch."""
+    check_config(cfg, K, ls)
+    BK = _p2(K)
+    return dict(EVEN_V=V % cfg.BV == 0, EVEN_T=T % (ls * cfg.NSUB) == 0, HSUM=cfg.HSUM, PREFETCH=cfg.PREFETCH,
+                LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1)
+
+
+def _pick_flags(f: dict, *names) -> dict:
+    return {n: f[n] for n in names}
 
 
 def _alloc(shape, dtype, device):
@@ -847,14 +879,13 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     NV = -(-V // cfg.BV)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
-    if cfg.PREFETCH and L % _PF:
-        raise ValueError(f"Config.PREFETCH needs chunks of a multiple of {_PF} steps (L = {L})")
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
-    even = dict(EVEN_V=V % cfg.BV == 0)      # no value-axis masks (the summary and main kernels)
+    f = flags(cfg, K, T, V, mod.LS)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gS = torch.empty_like(gA)
-        _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw, **even)
+        _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw,
+                EVEN_V=f["EVEN_V"])
         h_start = torch.empty_like(gA)
         _launch(mod, "fwd_propagate", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
                                        HAS_H0=h0 is not None, **kw)
@@ -864,7 +895,7 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
     ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
     _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
-                                  SAVE=save, STORE_FINAL=want_final, EVEN_T=T % L == 0, PREFETCH=cfg.PREFETCH, **kw, **even)
+                                  SAVE=save, STORE_FINAL=want_final, **kw, **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
     return y, (ht if want_final else None), (ckpt if save else None)
 
 
@@ -876,15 +907,14 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     NG, CPG = _groups(NC, cfg.NG)
     NV = -(-V // cfg.BV)
     dev = dy.device
-    if cfg.HSUM and BK > cfg.BV:
-        raise ValueError(f"Config.HSUM needs BK <= BV (BK={BK}, BV={cfg.BV})")
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
-    even = dict(EVEN_V=V % cfg.BV == 0)
+    f = flags(cfg, K, T, V, mod.LS)
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gE = torch.empty_like(gA)
-        _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw, **even)
+        _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw,
+                EVEN_V=f["EVEN_V"])
         e_end = torch.empty_like(gA)
         _launch(mod, "bwd_propagate", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
                                        HAS_DHT=dht is not None, **kw)
@@ -910,8 +940,8 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
             gargs[idx] = scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
-                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, HSUM=cfg.HSUM,
-                                  LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1, EVEN_T=T % L == 0, **kw, **even)
+                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
+                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
     for lf in plan.leaves.values():
         g = raw.get(lf.name)
@@ -1118,7 +1148,6 @@ def _get_plan(ir) -> _Plan:
     if key not in _PLANS:
         reason = supports(ir)
         if reason:
-            from ssmcraft.errors import SsmcraftError
             raise SsmcraftError(f"{ir.spec_name}: {reason}")
         _PLANS[key] = _plan(ir)
         _PLANS[key].hash = key[0]
@@ -1157,7 +1186,6 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
     if initial_state is not None:
         K, V = int(initial_state.shape[2]), int(initial_state.shape[3])
     if K is None or V is None:
-        from ssmcraft.errors import SsmcraftError
         raise SsmcraftError(f"{ir.spec_name}: cannot tell K and V from the tensors given (pass initial_state)")
     out_dtype = x0.dtype if x0.dtype.is_floating_point else torch.float32
     leaves = {}
@@ -1177,6 +1205,8 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
         y = x0.new_zeros(B, 0, H, V, dtype=out_dtype)
         S = initial_state.float() if initial_state is not None else x0.new_zeros(B, H, K, V, dtype=torch.float32)
         return y, (S if output_final_state else None)
+    if config is not None:
+        check_config(config, K, _ls_for(K))
     h0 = None if initial_state is None else initial_state.float().contiguous().reshape(B * H, 1, K, V)
     names = list(leaves)
     y, ht = _DiagonalScan.apply(plan, names, (B, T, H, K, V), out_dtype, bool(output_final_state), config, h0,

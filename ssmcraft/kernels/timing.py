@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from ssmcraft.kernels.checking import states
+
 HOWS = ("eager", "graphed", "static")
 KINDS = ("fwd", "fwd_bwd")
 
@@ -62,22 +64,16 @@ def busy(fn, n: int = 30) -> tuple[float, float, float]:
     return gpu, wall, host
 
 
-def _states(initial_state) -> tuple:
-    if initial_state is None:
-        return ()
-    return tuple(initial_state) if isinstance(initial_state, (tuple, list)) else (initial_state,)
-
-
 def grad_leaves(inputs, params=None, initial_state=None) -> list[torch.Tensor]:
     """Every tensor of a call that requires grad, in the call's order (inputs, params, states)."""
-    return [t for t in [*inputs.values(), *(params or {}).values(), *_states(initial_state)]
+    return [t for t in [*inputs.values(), *(params or {}).values(), *states(initial_state)]
             if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def detached(inputs, params=None, initial_state=None) -> tuple:
     """``(inputs, params, initial_state)`` with every tensor detached (same storage)."""
-    states = tuple(s.detach() for s in _states(initial_state))
-    state = states if isinstance(initial_state, (tuple, list)) else (states[0] if states else None)
+    held = tuple(s.detach() for s in states(initial_state))
+    state = held if isinstance(initial_state, (tuple, list)) else (held[0] if held else None)
     return ({n: t.detach() for n, t in inputs.items()},
             None if params is None else {n: t.detach() for n, t in params.items()}, state)
 

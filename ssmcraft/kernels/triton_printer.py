@@ -26,7 +26,7 @@ Max, Min       ``tl.maximum``, ``tl.minimum``
 DiracDelta     ``0.0`` (appears in derivatives of sign; torch's sign has zero gradient)
 =============  ================================================================
 
-``triton_code(expr, names, fast_math)`` is the entry point (a module printed with ``fast_math``
+``triton_code(expr, names, fast_math, invariant)`` is the entry point (a module printed with ``fast_math``
 imports ``LIBDEVICE_IMPORT``); ``free_names(expr)`` lists its symbols.
 """
 from __future__ import annotations
