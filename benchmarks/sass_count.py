@@ -38,25 +38,20 @@ from ssmcraft.errors import SsmcraftError  # noqa: E402
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
 
 
-def gpu_source(objective: str, K: int = 16) -> str:
-    """The generated diagonal-family source of ``objective`` as the GPU runs it (fast_math)."""
-    import ssmcraft
-    from ssmcraft.kernels import diagonal as D
-    return D.generated_source(ssmcraft.compile(objective).ir, K, fast_math=True)
-
-
 def load(objective: str, K: int = 16):
-    """(plan, module) of ``objective``'s GPU source, imported once (the file only while importing)."""
+    """(plan, module) of ``objective``'s generated source as the GPU compiles it (fast_math), imported
+    once (the file exists only while importing)."""
     import ssmcraft
     from ssmcraft.kernels import diagonal as D
+    ir = ssmcraft.compile(objective).ir
     with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
         path = os.path.join(d, "gen.py")
         with open(path, "w") as f:
-            f.write(gpu_source(objective, K))
+            f.write(D.generated_source(ir, K, fast_math=True))
         spec = importlib.util.spec_from_file_location("sass_count_gen", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-    return D._get_plan(ssmcraft.compile(objective).ir), mod
+    return D._get_plan(ir), mod
 
 
 def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict]:

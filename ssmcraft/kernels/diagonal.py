@@ -596,7 +596,8 @@ class _Gen:
             terms = adj.get(lf.name)
             if not terms:
                 continue
-            mats = [materialise(tm) for tm in combine(terms)]
+            groups = combine(terms)
+            mats = [materialise(tm) for tm in groups]
             gsum = " + ".join(f"({c})" for c, _, _, _ in mats)
             idx, mask = self._index(lf.dims)
             if lf.kind == "param":
@@ -607,19 +608,18 @@ class _Gen:
             if "d" not in lf.dims:   # partial sum over this value block
                 base = f"i_v.to(tl.int64) * NTOK * {w} + {base}"
             m = f"{mask} & {tv}" if mask != "True" else tv
-            tile = self._one_tile_sum(terms, lf)
-            if tile is not None:     # one value-axis sum of a [BK, BV] tile: by halving when HSUM
-                hbase = "i_v.to(tl.int64) * NTOK * K + tok * K + hm"
-                out += [f"{ind}if HSUM:",
-                        f"{ind}    tl.store(g_{lf.name} + {hbase}, _hsum(tl.where(mv, {tile}, 0.0), BK, BV, LOG_BK, LOG_BV), "
-                        f"mask=hmask & {tv})",
-                        f"{ind}else:",
-                        f"{ind}    tl.store(g_{lf.name} + {base}, {gsum}, mask={m})"]
+            store = f"tl.store(g_{lf.name} + {base}{'' if lf.dims else ' + zero11'}, {gsum}, mask={m})"
+            tile = self._one_tile_sum(groups, lf)
+            if tile is None:
+                out.append(f"{ind}{store}")
                 continue
-            if lf.dims:
-                out.append(f"{ind}tl.store(g_{lf.name} + {base}, {gsum}, mask={m})")
-            else:
-                out.append(f"{ind}tl.store(g_{lf.name} + {base} + zero11, {gsum}, mask={m})")
+            # the gradient is one value-axis sum of a [BK, BV] tile: by halving when HSUM
+            hbase = "i_v.to(tl.int64) * NTOK * K + tok * K + hm"
+            out += [f"{ind}if HSUM:",
+                    f"{ind}    tl.store(g_{lf.name} + {hbase}, _hsum(tl.where(mv, {tile}, 0.0), BK, BV, LOG_BK, LOG_BV), "
+                    f"mask=hmask & {tv})",
+                    f"{ind}else:",
+                    f"{ind}    {store}"]
         return out
 
     @staticmethod
@@ -631,12 +631,12 @@ class _Gen:
         return [(" + ".join(f"({c})" for c, _, _ in g), frozenset().union(*[x for _, x, _ in g]),
                  frozenset().union(*[x for _, _, x in g]), P) for P, g in groups.items()]
 
-    def _one_tile_sum(self, terms, lf):
-        """The [BK, BV] tile whose value-axis sum is all of a key-indexed token leaf's gradient, or
-        None (then the gradient is printed as other leaves' are)."""
+    @staticmethod
+    def _one_tile_sum(groups, lf):
+        """The [BK, BV] tile whose value-axis sum is all of a key-indexed token leaf's gradient
+        (``groups``: its adjoint terms, ``_combine``d), or None (then it is printed as others are)."""
         if lf.kind != "tok" or lf.dims != frozenset({"m"}):
             return None
-        groups = self._combine(terms)
         if len(groups) != 1:
             return None
         code, act, lg, P = groups[0]
@@ -1232,29 +1232,24 @@ def _as_ir(objective):
 
 # -- the family contract (ssmcraft.kernels.triton_backend) ----------------------------
 
-def _call_tensors(obj, inputs: dict, params: dict | None, d: int, m: int) -> dict:
-    """The kernel's tensors: the inputs as given, params as tensors, constant-init params filled."""
+def _call_tensors(inputs: dict, params: dict | None) -> dict:
+    """The kernel's tensors: the inputs as given, params as tensors (``diagonal_scan`` fills the
+    constant-init params not given)."""
     dev = next(iter(inputs.values())).device
     tensors = dict(inputs)
     for k, v in (params or {}).items():
         tensors[k] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=dev)
-    leaves = _get_plan(obj.ir).leaves
-    for n in obj.ir.params:
-        if n not in tensors and n in leaves:
-            from ssmcraft.kernels.reference import constant_param
-            tensors[n] = constant_param(obj.spec.params[n], [d if x == obj.ir.dims[0] else m for x in obj.ir.params[n]],
-                                        dev, f"{obj.spec.name}: param {n!r}")
     return tensors
 
 
 def prepare(obj, lay):
     """The family's runner for one call signature (``lay`` from ``reference.validate``, which has
     checked the shapes once): the tensors go to the kernel as given, in their own dtype."""
-    d, m, out_dtype = lay.d, lay.m, lay.out_dtype
+    out_dtype = lay.out_dtype
 
     def fn(inputs, params, initial_state, output_final_state):
         s0 = None if initial_state is None else initial_state.transpose(-1, -2)
-        y, S = diagonal_scan(obj, _call_tensors(obj, inputs, params, d, m), s0, output_final_state)
+        y, S = diagonal_scan(obj, _call_tensors(inputs, params), s0, output_final_state)
         return y.to(out_dtype), (S.transpose(-1, -2) if S is not None else None)
     return fn
 
