@@ -133,9 +133,7 @@ def anchor_call(name, fla, ssc, inputs, params, S0=None):
 
 def check(rep, name, fla, ssc, dtype, B=2, T=300, H=2, d=64, m=32, backward=True, reference=False):
     obj = ssmcraft.compile(name)
-    inputs, params = random_inputs(obj, B, T, H, d, m, torch.float32, DEV, seed=11)
-    if "k" in inputs and name != "mamba":
-        inputs["k"] = torch.nn.functional.normalize(inputs["k"], dim=-1)
+    inputs, params = random_inputs(obj, B, T, H, d, m, torch.float32, DEV, seed=11, unit_keys=name != "mamba")
     has_h0 = name not in ("mamba",)
     leaves = {**{f"d{n}": t.to(dtype).detach().requires_grad_(backward) for n, t in inputs.items()},
               **{f"d{n}": t.detach().requires_grad_(backward) for n, t in params.items()}}
@@ -204,11 +202,9 @@ CASES = [  # objective, (H, d, m), anchor label
 
 def case_inputs(name, H, d, m, B=8, T=2048, dt=torch.bfloat16, device=DEV):
     """(objective, inputs, params) of a timing case: random leaves that require grad, unit keys for
-    the delta-rule family (their step is only stable then)."""
+    exact Longhorn (the delta-rule specs declare theirs normalised; the step is only stable then)."""
     obj = ssmcraft.compile(name)
-    inputs, params = random_inputs(obj, B, T, H, d, m, dt, device, requires_grad=True)
-    if "k" in inputs and name in ("deltanet", "gated_deltanet", "longhorn"):
-        inputs["k"] = torch.nn.functional.normalize(inputs["k"].float(), dim=-1).to(dt).detach().requires_grad_(True)
+    inputs, params = random_inputs(obj, B, T, H, d, m, dt, device, requires_grad=True, unit_keys=name == "longhorn")
     return obj, inputs, params
 
 

@@ -6,6 +6,12 @@ traceback for these.
 from __future__ import annotations
 
 
+def first_line(e: BaseException) -> str:
+    """An error's first line, at most 300 characters (what a record or a one-line message keeps)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
 class SsmcraftError(Exception):
     """Base class of every error ssmcraft raises on purpose."""
 

@@ -40,6 +40,21 @@ def test_wrong_output_gradient_and_nan_are_found():
     assert not cmp.written and cmp.worst[0] == "y" and not cmp.within(1.0)
 
 
+def test_a_wrong_gradient_with_a_right_output_is_found():
+    # the forward is exact; only the backward is scaled by 1.01 (so only the gradients are off)
+    obj, ins, params, S0, g = _case("longhorn_diag", seed=3)
+    ref = reference(obj, ins, params, S0, g)
+
+    def wrong_backward(i, p, s):
+        y, S = obj(i, p, s, True)
+        return y + 0.01 * (y - y.detach()), S
+    cmp = compare(ref, wrong_backward)
+    assert cmp.errors["y"] < 1e-6 and cmp.errors["S_T"] < 1e-6
+    grads = {k: v for k, v in cmp.errors.items() if k.startswith("d")}
+    assert grads and all(5e-3 < e < 5e-2 for e in grads.values()), grads
+    assert cmp.written and not cmp.within({"y": 1e-4, "grad": 1e-4})
+
+
 def test_several_states_and_no_initial_state():
     obj = ssmcraft.compile("momentum_longhorn")
     obj.prefer = "torch"

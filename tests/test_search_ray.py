@@ -135,6 +135,16 @@ def test_ray_records_failures_and_the_leaderboard_like_inline(ray, tmp_path):
     assert host["pid"] != os.getpid() and "node_id" in host
 
 
+def test_reports_sent_without_waiting_all_reach_the_study(ray, tmp_path):
+    # one metric and no pruner: trials do not wait for answers (answers_matter is False), and
+    # quadratic returns right after its 4th report; every report still reaches Optuna, as inline
+    runs = {name: search(tmp_path / name, quadratic, executor=executor, budget=budget(trials=4))
+            for name, executor in (("ray", RayExecutor()), ("inline", InlineExecutor()))}
+    values = {name: {t.number: t.intermediate_values for t in r.study.trials} for name, r in runs.items()}
+    assert values["ray"] == values["inline"]
+    assert len(values["ray"]) == 4 and all(len(v) == 4 for v in values["ray"].values())
+
+
 def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):
     fn = Scripted({2: "bad_curve"}, sleep_s=0.2, steps=40)
     result = search(tmp_path / "run", fn, budget=budget(trials=3), resources={"cpus_per_trial": 2},

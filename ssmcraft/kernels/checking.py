@@ -99,6 +99,17 @@ def _leaf_names(ins, params, S0, states) -> list[str]:
             *([] if S0 is None else [f"d{x}0" for x in states])]
 
 
+def _cotangents(y, S, g: torch.Generator) -> tuple:
+    """(dy, (dS, ...)): float64 normals from the CPU generator ``g``, on the outputs' device."""
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)
+    return dy, tuple(torch.randn(s.shape, generator=g, dtype=torch.float64).to(s.device) for s in S)
+
+
+def _pullback(y, S, dy, dS):
+    """The scalar whose gradient is the pullback of the cotangents (float64)."""
+    return (y.double() * dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, dS))
+
+
 def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Reference:
     """The float64 reference of ``obj`` on ``ins``/``params``/``S0`` (float64; ``S0`` a tensor, a
     tuple of them for several states, or None) and its gradients under cotangents ``dy`` then
@@ -110,11 +121,9 @@ def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Re
     y, S = obj.reference(leaves, pleaves, None if s0 is None else (s0 if isinstance(S0, (tuple, list)) else s0[0]),
                          True)
     S = states(S)
-    dev = y.device
-    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dev)
-    dS = tuple(torch.randn(s.shape, generator=g, dtype=torch.float64).to(dev) for s in S)
+    dy, dS = _cotangents(y, S, g)
     wrt = [*leaves.values(), *pleaves.values(), *(s0 or ())]
-    grads = torch.autograd.grad((y * dy).sum() + sum((s * w).sum() for s, w in zip(S, dS)), wrt)
+    grads = torch.autograd.grad(_pullback(y, S, dy, dS), wrt)
     return Reference(obj, dict(ins), params, S0, dy, dS, y.detach(), tuple(s.detach() for s in S),
                      dict(zip(_leaf_names(ins, params, S0, _state_names(obj)), grads)))
 
@@ -134,8 +143,7 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
         raise ValueError(f"the kernel returned y {tuple(y.shape)}, states {[tuple(s.shape) for s in S]}; the reference "
                          f"y {tuple(ref.y.shape)}, states {[tuple(s.shape) for s in ref.S]}")
     wrt = [*lv.values(), *pv.values(), *(s1 or ())]
-    got = torch.autograd.grad((y.double() * ref.dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, ref.dS)),
-                              wrt)
+    got = torch.autograd.grad(_pullback(y, S, ref.dy, ref.dS), wrt)
     errors = {"y": rel_rms(y, ref.y)}
     errors.update({f"{x}_T": rel_rms(s, r) for x, s, r in zip(ref.state_names, S, ref.S)})
     scale = {f"d{k}": v for k, v in (grad_scale or {}).items()}
@@ -180,13 +188,10 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
     def run(call) -> dict:
         y, S = call(ins, params, S0, True)
         S = states(S)
-        g = torch.Generator().manual_seed(seed)
-        wy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device)
-        wS = [torch.randn(s.shape, generator=g, dtype=torch.float64).to(s.device) for s in S]
+        wy, wS = _cotangents(y, S, torch.Generator().manual_seed(seed))
         out = {"y": y.detach().clone(), **{f"{x}_T": s.detach().clone() for x, s in zip(_state_names(obj), S)}}
         if wrt:
-            loss = (y.double() * wy).sum() + sum((s.double() * w).sum() for s, w in zip(S, wS))
-            grads = torch.autograd.grad(loss, [t for _, t in wrt], allow_unused=True)
+            grads = torch.autograd.grad(_pullback(y, S, wy, wS), [t for _, t in wrt], allow_unused=True)
             out.update({n: gr.clone() for (n, _), gr in zip(wrt, grads) if gr is not None})
         return out
     eager = run(obj)

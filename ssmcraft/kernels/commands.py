@@ -42,11 +42,14 @@ def add_arguments(p):
     p.add_argument("--out", help="also write the results as JSON to this file")
 
 
-def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_grad: bool = False):
+def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_grad: bool = False,
+                  unit_keys: bool = False):
     """Inputs and params for ``obj`` with values in the ranges its spec declares
     (positive -> softplus, bounded -> sigmoid, normalize -> unit L2 norm as the layer feeds it,
     which keeps the delta-rule family's steps stable; negative params -> -U(0.5, 1.5), S4D-real init
-    for A). Returns (inputs, params) in the API layout ([B, T, H, n] / [B, T, H]; params [*shape])."""
+    for A). ``unit_keys``: a key input ``k`` of unit norm even where the spec does not declare it
+    (exact Longhorn's step is only stable then). Returns (inputs, params) in the API layout
+    ([B, T, H, n] / [B, T, H]; params [*shape])."""
     import torch
     g = torch.Generator(device="cpu").manual_seed(seed)
     ir, spec = obj.ir, obj.spec
@@ -62,7 +65,7 @@ def random_inputs(obj, B, T, H, d, m, dtype, device, seed: int = 0, requires_gra
             t = torch.sigmoid(t + 2.0) if not positive else torch.sigmoid(t)
         elif positive:
             t = torch.nn.functional.softplus(t) * 0.5
-        elif getattr(decl, "normalize", False):
+        elif getattr(decl, "normalize", False) or (unit_keys and n == "k"):
             t = torch.nn.functional.normalize(t, dim=-1)
         elif n == "k":
             t = t / math.sqrt(max(1, m))
@@ -122,14 +125,13 @@ def random_state(obj, B, H, d, m, device, seed: int = 1, requires_grad: bool = F
 def _capturing(what: str, fn):
     """``fn()``; a failure (a capture that is not safe, say) as a one-line ``SsmcraftError`` naming
     what was being done (``what``; the cause chained)."""
-    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.errors import SsmcraftError, first_line
     try:
         return fn()
     except SsmcraftError:
         raise
     except Exception as e:  # noqa: BLE001: re-raised with what failed
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise SsmcraftError(f"--graphed: {what} failed: {type(e).__name__}: {first}") from e
+        raise SsmcraftError(f"--graphed: {what} failed: {type(e).__name__}: {first_line(e)}") from e
 
 
 def _device_name(dev) -> str:

@@ -59,13 +59,13 @@ def require_cuda(entries, what: str = "graphed") -> None:
             raise SsmcraftError(f"{what}: {place} is on {t.device}; {NEED_CUDA}")
 
 
-def require_warmup(warmup, what: str = "graphed") -> int:
-    """``warmup`` (eager iterations before the capture) as a positive int; else ``SsmcraftError``: the
-    warm-up is where kernels are chosen, compiled and autotuned, which must not happen in the capture."""
+def require_warmup(warmup, what: str = "graphed") -> None:
+    """Refuse a ``warmup`` (eager iterations before the capture) that is not a positive int with an
+    ``SsmcraftError``: the warm-up is where kernels are chosen, compiled and autotuned, which must
+    not happen in the capture."""
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise SsmcraftError(f"{what}: warmup must be an integer >= 1 (eager iterations before the capture, "
                             f"where kernels are compiled and tuned), got {warmup!r}")
-    return warmup
 
 
 def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False,
@@ -141,7 +141,7 @@ class GraphedCall:
         require_cuda(entries, f"{obj.name}: graphed")
         self.obj = obj
         self.signature = call_signature(inputs, params, initial_state, output_final_state, entries)
-        self._rows = [_row(t) for _, t in entries]      # what a call is compared with (no place names)
+        self._rows = [r[1:] for r in self.signature[:-1]]   # what a call is compared with (no place names)
         self.output_final_state = bool(output_final_state)
         self._input_names = list(inputs)
         self._param_names = list(params or {})

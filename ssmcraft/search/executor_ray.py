@@ -18,8 +18,10 @@
 - Reports: trials send intermediate metrics to a small actor on the driver's node (it
   must outlive any worker node); ``wait`` drains it and passes each report to the
   coordinator (the study's only writer), whose decision (go on or stop) the actor holds
-  until the trial, polling, picks it up: a trial waits for the answer to each report
-  (a rung decision must not be one report late), a fraction of a second.
+  until the trial, polling, picks it up. With fidelity rungs or a pruner a trial waits for
+  the answer to each report (a rung decision must not be one report late), a fraction of a
+  second; otherwise no answer can stop it and it goes on at once, waiting only, before it
+  returns, until its last report is in the actor, so that none is lost.
 - On a cluster the run folder must be on a filesystem every node sees, or trial folders
   (checkpoints) stay on the node that ran them; metrics come back either way.
 """
@@ -82,14 +84,23 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
     import ray
 
     broker.started.remote(number)
+    last: list = []      # the last report sent without waiting for its answer
 
     def report(step: int, metrics: dict) -> bool:
-        broker.report.remote(number, int(step), plain(metrics))
+        ref = broker.report.remote(number, int(step), plain(metrics))
         if not await_answers:       # recorded; no answer can stop this trial
+            last[:] = [ref]
             return False
         while (stop := ray.get(broker.decision.remote(number, int(step)))) is None:
             time.sleep(REPORT_POLL_S)
         return stop
+
+    def reported(outcome: Outcome) -> Outcome:
+        # an actor runs one caller's calls in order: once the last report is in, all are, so the
+        # driver finds every report in the broker when it sees this task done (``wait``)
+        if last:
+            ray.get(last[0])
+        return outcome
 
     host = {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
     if wants_gpu:
@@ -100,7 +111,7 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
                            host=host)
         host["device_name"] = torch.cuda.get_device_name(0)
-    return execute(trial_fn, config, Path(out_dir), report, host=host)
+    return reported(execute(trial_fn, config, Path(out_dir), report, host=host))
 
 
 def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], None] = print) -> bool:
@@ -230,8 +241,8 @@ class RayExecutor:
         refs = list(self._running)
         ray.wait(refs, num_returns=1, timeout=timeout)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        # a finished task's reports are all in the broker (report() waits for it): relay
-        # them while the task still counts as running, so none is lost
+        # a finished task's reports are all in the broker (the task waits for its last one
+        # before it returns): relay them while the task still counts as running, so none is lost
         self._relay_reports()
         now = time.monotonic()
         done: list[tuple[Job, Outcome]] = []
@@ -287,7 +298,7 @@ class RayExecutor:
                 self._started[number] = time.monotonic()
         for number, step, metrics in reports:
             job = jobs.get(number)
-            if job is not None:
+            if job is not None:     # every answer is kept: a re-run attempt's reports are not passed on again
                 self._broker.decide.remote(number, step, bool(job.on_report(step, metrics)))
 
     def close(self) -> None:

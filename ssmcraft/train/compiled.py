@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from ssmcraft.errors import first_line
+
 log = logging.getLogger(__name__)
 
 
@@ -99,12 +101,6 @@ def run_compiled_step(step: Callable[[torch.nn.Module], Any], compiled: torch.nn
             raise
         record_fallback(info, "torch.compile failed", "torch.compile failed at the first step", e)
         return step(eager), eager
-
-
-def first_line(e: BaseException) -> str:
-    """An error's first line, at most 300 characters (what a run record keeps of it)."""
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 def record_fallback(info: dict, what: str, logged: str, e: BaseException) -> None:

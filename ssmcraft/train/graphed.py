@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.errors import SpecError, SsmcraftError, first_line
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
-from ssmcraft.train.compiled import first_line, record_fallback
+from ssmcraft.train.compiled import record_fallback
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE
 from ssmcraft.train.device import autocast
 from ssmcraft.train.validate import batch_loss
