@@ -1,4 +1,5 @@
-"""Diagnose rank1_chunk at small key dims on the GPU (the K < 32 refusal in ``supports_sizes``).
+"""Diagnose rank1_chunk at small key dims on the GPU (the bf16 fault that ``rank1_chunk._key_block``,
+the key block padded to 64 for 16-bit I/O, works around; BENCHMARKS.md, "Small key dims in bf16").
 
     python3 benchmarks/diag_rank1_smallk.py [K ...]      (checks; each case with CUDA_LAUNCH_BLOCKING=1)
     python3 benchmarks/diag_rank1_smallk.py --time       (fwd+bwd at the 20M byte LM's shape)
@@ -36,7 +37,7 @@ def case(K: int, dtype: str) -> dict:
     ins = {n: t.to(dt).to("cuda", torch.float64) for n, t in ins.items()}      # the kernel's values, exactly
     S0 = torch.randn(B, H, V, K, generator=g, dtype=torch.float64).cuda()
     cmp = reference_errors(obj, lambda i, p, s: validated_call(R.prepare, obj, i, p, s, True), ins, {}, S0, g, dt)
-    return {n: (v if cmp.written else float("nan")) for n, v in cmp.errors.items()}
+    return cmp.errors          # an unwritten (NaN-poisoned) output or gradient shows as nan, by name
 
 
 def timing():

@@ -343,12 +343,9 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     if approximation not in ("exact", "diagonal"):
         raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
     output = _expression(src, "output", raw["output"], declared)
-    direct, via = _reads(output, lets)
-    if "S_prev" in direct:
-        raise SpecError(src, "output", "the output reads the new state S, not S_prev")
-    if "S_prev" in via:
-        raise SpecError(src, "output", f"the output reads S_prev (through a let); it must read the new state "
-                        f"(let.{via['S_prev']})")
+    _refuse_reads(src, "output", output, _let_closure(lets), ["S_prev"],
+                  lambda x: "the output reads the new state S, not S_prev",
+                  lambda x: "the output reads S_prev (through a let); it must read the new state")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
 
@@ -385,19 +382,28 @@ def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
     return tuple(names), dims
 
 
-def _reads(text: str, lets) -> tuple[set[str], dict[str, str]]:
-    """(the names ``text`` reads itself, name -> the let through which it reads a name it does not
-    read itself). ``lets``: (name, expression) in order; a let may read the lets before it."""
+def _let_closure(lets) -> dict[str, set[str]]:
+    """let name -> every name it reads, through the lets before it too (``lets``: (name,
+    expression) in order)."""
     through: dict[str, set[str]] = {}
     for lname, body in lets:
         names = E.names(E.parse(body))
         through[lname] = names.union(*(through[n] for n in names if n in through))
-    direct = E.names(E.parse(text))
-    via: dict[str, str] = {}
-    for lname in sorted(direct & set(through)):
-        for name in through[lname] - direct:
-            via.setdefault(name, lname)
-    return direct, via
+    return through
+
+
+def _refuse_reads(src, key: str, text: str, through: dict, bad, direct, via) -> None:
+    """Refuse ``text`` reading a name of ``bad`` (in order): ``direct(name)`` is the problem when it
+    reads it itself, ``via(name)`` plus the let when it reads it through one (``through``:
+    ``_let_closure``)."""
+    names = E.names(E.parse(text))
+    hit = next((x for x in bad if x in names), None)
+    if hit is not None:
+        raise SpecError(src, key, direct(hit))
+    for x in bad:
+        lname = next((n for n in sorted(names & set(through)) if x in through[n]), None)
+        if lname is not None:
+            raise SpecError(src, key, f"{via(x)} (let.{lname})")
 
 
 def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...]:
@@ -432,6 +438,7 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
     if not isinstance(objective, dict):
         raise SpecError(src, "objective", f"with several states ({', '.join(states)}) the objective is a "
                         f"mapping state -> loss, got {type(objective).__name__}")
+    through = _let_closure(lets)
     _keys(src, "objective", objective, set(states))
     losses = []
     for i, sname in enumerate(states):
@@ -439,15 +446,11 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
         if sname not in objective:
             raise SpecError(src, key, "missing (every state needs its loss)")
         text = _expression(src, key, objective[sname], declared)
-        direct, via = _reads(text, lets)
-        later = [x for x in states[i + 1:] if x in direct]
-        if later:
-            raise SpecError(src, key, f"{later[0]!r} is the new value of a state updated after {sname} "
-                            f"(states update in declaration order: {', '.join(states)}); use {later[0]}_prev")
-        later = [x for x in states[i + 1:] if x in via]
-        if later:
-            raise SpecError(src, key, f"the loss reads {later[0]!r} (through a let), the new value of a state "
-                            f"updated after {sname}; use {later[0]}_prev (let.{via[later[0]]})")
+        _refuse_reads(src, key, text, through, states[i + 1:],
+                      lambda x: f"{x!r} is the new value of a state updated after {sname} "
+                                f"(states update in declaration order: {', '.join(states)}); use {x}_prev",
+                      lambda x: f"the loss reads {x!r} (through a let), the new value of a state "
+                                f"updated after {sname}; use {x}_prev")
         losses.append(text)
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
     approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
@@ -458,14 +461,9 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
                         "joint update is classified general or nonlinear, which has no diagonal); use exact")
     prevs = [f"{x}_prev" for x in states]
     output = _expression(src, "output", raw["output"], declared)
-    direct, via = _reads(output, lets)
-    read_prev = [x for x in prevs if x in direct]
-    if read_prev:
-        raise SpecError(src, "output", f"the output reads the new states, not {read_prev[0]}")
-    read_prev = [x for x in prevs if x in via]
-    if read_prev:
-        raise SpecError(src, "output", f"the output reads {read_prev[0]} (through a let); it must read the new "
-                        f"states (let.{via[read_prev[0]]})")
+    _refuse_reads(src, "output", output, through, prevs,
+                  lambda x: f"the output reads the new states, not {x}",
+                  lambda x: f"the output reads {x} (through a let); it must read the new states")
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),

@@ -43,7 +43,6 @@ several-state updates are classified ``general`` and so run with one row block.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import sympy
@@ -55,7 +54,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import buffer, io_dtype
+from ssmcraft.kernels.tuning import INTERPRET, buffer, io_dtype
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
@@ -464,17 +463,13 @@ def generated_source(ir) -> str:
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
 def _warps(BK, BV):
     n = BK * BV
-    return 1 if _interpreting() else (4 if n <= 2048 else 8 if n <= 8192 else 16)
+    return 1 if INTERPRET else (4 if n <= 2048 else 8 if n <= 8192 else 16)
 
 
 def _stacked(ir) -> tuple:

@@ -43,9 +43,9 @@ import triton
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
-from ssmcraft.kernels.general import _Printer as _TilePrinter, _interpreting, element_algebra
+from ssmcraft.kernels.general import _Printer as _TilePrinter, element_algebra
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import buffer
+from ssmcraft.kernels.tuning import INTERPRET, buffer
 
 POISON = False           # tests: allocate outputs with NaN (unwritten -> NaN)
 
@@ -257,10 +257,10 @@ def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
     fp32 (16384 under the interpreter, where fewer programs run faster)."""
     BV, BK = triton.next_power_of_2(V), triton.next_power_of_2(K)
     width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in pro.kinds)
-    budget = 16384 if _interpreting() else 4096
+    budget = 16384 if INTERPRET else 4096
     R = max(1, min(budget // width, triton.next_power_of_2(max(N, 1)), 1024))
     R = 1 << (R.bit_length() - 1)
-    warps = 1 if _interpreting() else (4 if R * width <= 2048 else 8)
+    warps = 1 if INTERPRET else (4 if R * width <= 2048 else 8)
     return R, BV, BK, warps
 
 

@@ -859,4 +859,4 @@ def prepare(obj, lay):
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return slot_runner(obj, lay, run, binds)
+    return slot_runner(obj, lay, run)

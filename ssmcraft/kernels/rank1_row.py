@@ -49,14 +49,13 @@ sequential kernel already has 384+ programs to fill the chip, and the chunked fo
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import buffer, io_dtype
+from ssmcraft.kernels.tuning import INTERPRET, buffer, io_dtype
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
 
@@ -547,17 +546,13 @@ def _propagate_kernel(
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_config(BH: int, V: int, K: int, which: str = "fwd") -> tuple[int, int]:
     """(BV, num_warps). Interpreter: one large tile (few programs run fastest). GPU: one warp
     per program so that the per-step chain has no cross-warp step, and small row blocks so
     that B*H*V/BV programs fill the chip. Measured on an H200 at B=8, T=2048, K=16, V=1536
     (BENCHMARKS.md, "Rank-1 per row", run 2): forward best at BV=32 (0.535 ms; 16: 0.577,
     8: 0.575, 2 warps: 0.78-0.90), backward best at BV=16 (fwd+bwd 1.98 ms; 8: 2.73, 32: 2.10)."""
-    if _interpreting():
+    if INTERPRET:
         return min(triton.next_power_of_2(V), 64), 1
     BK = triton.next_power_of_2(K)
     if BK <= 16:
@@ -615,7 +610,7 @@ def _new(shape, device, dtype=torch.float32):
 
 
 def _prefetch_distance() -> int:
-    return 0 if _interpreting() else int(PREFETCH)
+    return 0 if INTERPRET else int(PREFETCH)
 
 
 def _dummy(device):

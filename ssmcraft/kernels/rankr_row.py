@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 
 from ssmcraft.kernels import general
+from ssmcraft.kernels.tuning import INTERPRET
 
 BACKEND_NAME = "rankr-row"
 ROW_BLOCK: int | None = None      # rows per program; None: by rule (tests set it to tile rows)
@@ -55,7 +56,7 @@ def row_block(V: int, K: int) -> int:
     full = triton.next_power_of_2(V)
     if ROW_BLOCK is not None:
         return min(ROW_BLOCK, full)
-    if general._interpreting():
+    if INTERPRET:
         return full
     return min(full, max(16, 1024 // triton.next_power_of_2(K)))
 

@@ -120,15 +120,14 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
 
 
-def slot_runner(obj, lay, run, binds: dict | None = None):
+def slot_runner(obj, lay, run):
     """A structured family's ``prepare`` result for one call signature (``lay`` from
-    ``reference.validate``): the slots bound once (``bindings``, or ``binds`` when the family
-    already has them), the computed slots' path chosen once (``computed_path``), and per call
+    ``reference.validate``): the slots bound (``bindings``, kept on the IR), the computed slots' path chosen once (``computed_path``), and per call
     ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
     ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``; its
     ``slots_path`` is the computed slots' path, which the backend name carries
     (``ssmcraft.kernels.triton_backend``)."""
-    binds = bindings(obj.ir) if binds is None else binds
+    binds = bindings(obj.ir)
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
 

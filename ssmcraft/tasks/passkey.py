@@ -34,9 +34,14 @@ VOCAB = 256
 DEFAULTS = {"seq_len": 256, "digits": 5, "depth": None, "test_seq_len": None}
 
 
+def needle_length(digits: int) -> int:
+    """The needle's length in bytes with its ``digits``-digit key written in twice."""
+    return len(NEEDLE) - 2 * len(b"{key}") + 2 * digits
+
+
 def min_length(digits: int) -> int:
     """Shortest context (in bytes) that holds the prompt, the needle and the answer."""
-    return len(PREFIX) + len(NEEDLE.replace(b"{key}", b"0" * digits)) + len(QUESTION) + digits
+    return len(PREFIX) + needle_length(digits) + len(QUESTION) + digits
 
 
 def sentence_start_near(filler: bytes, position: float) -> int:
@@ -78,7 +83,7 @@ def passkey_batch(batch_size: int, seq_len: int, depth: float | torch.Tensor, di
     # the sentence start nearest to depth * n_fill (the first, i.e. smallest, on a tie)
     cut = starts[(starts.double()[None, :] - depths.double()[:, None] * n_fill).abs().argmin(1)]
     pos = torch.arange(seq_len + 1, device=dev)[None, :].expand(batch_size, -1)
-    lp, ln, cut = len(PREFIX), len(NEEDLE.replace(b"{key}", b"\0" * digits)), cut[:, None]
+    lp, ln, cut = len(PREFIX), needle_length(digits), cut[:, None]
     in_needle = (pos >= lp + cut) & (pos < lp + cut + ln)
     after = pos >= lp + cut + ln
     idx = torch.where(in_needle, lp + n_fill + (pos - lp - cut), torch.where(after, pos - ln, pos))
@@ -99,7 +104,7 @@ def _layout(seq_len: int, digits: int, device: torch.device) -> tuple[int, torch
     ``const`` the bytes PREFIX + filler + needle (NUL where the digits go) + QUESTION + NULs
     for the answer, which a batch indexes (``passkey_text``'s layout)."""
     template = NEEDLE.replace(b"{key}", b"\0" * digits)     # the needle with NUL where the digits go
-    n_fill = seq_len + 1 - (len(PREFIX) + len(template) + len(QUESTION) + digits)
+    n_fill = seq_len + 1 - min_length(digits)
     if n_fill < 0:
         raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
     filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
