@@ -217,7 +217,7 @@ def test_derive_and_codegen_under_one_second(compiled):
 
 
 @pytest.mark.parametrize("name,family,marker", [
-    ("mamba", "diagonal", "N_a = libdevice.exp2(L_delta * (L_A * 1.4426950408889634))"),   # GPU form
+    ("mamba", "diagonal", "N_a = libdevice.exp2(L_A * (L_delta * 1.4426950408889634))"),   # GPU form
     ("huber_longhorn", "general", "def "),
     ("longhorn_2key", "rankr_row", "def "),
     ("longhorn", "rank1_row", "prologue"),          # hand-written family: its computed slots' prologue

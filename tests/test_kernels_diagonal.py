@@ -79,6 +79,12 @@ CASES = [
     ("mamba", 1, 21, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=2, PREFETCH=True)),   # fwd: 4-step prefetch, tail
     ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, PREFETCH=True)),  # prefetch, even T
     ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
+    # bwd: a sub-chunk's loads first, stores one step late; odd T (masked tail), padded K, both sums
+    ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True, LAG=True)),
+    ("longhorn_diag", 2, 7, 1, 12, 5, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, LAG=True)),
+    ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, HSUM=True, LAG=True)),
+    ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True, LAG=True)),
+    ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, LAG=True)),
     ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("retnet", 1, 13, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("linear_attention", 1, 1, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1)),
@@ -87,7 +93,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,B,T,H,d,m,config", CASES, ids=[f"{c[0]}-T{c[2]}-NG{c[6].NG}{'-dot' if c[6].DOTRED else ''}{'-hsum' if c[6].HSUM else ''}"
-                              f"{'-pf' if c[6].PREFETCH else ''}"
+                              f"{'-pf' if c[6].PREFETCH else ''}{'-lag' if c[6].LAG else ''}"
                               for c in CASES])
 def test_kernel_matches_reference(name, B, T, H, d, m, config):
     _check(name, B, T, H, d, m, config)
@@ -142,8 +148,8 @@ def test_generated_source_is_readable():
 def test_gpu_source_uses_fast_exp_and_the_interpreter_source_does_not():
     ir = ssmcraft.compile("mamba").ir
     gpu, cpu = D.generated_source(ir, fast_math=True), D.generated_source(ir, fast_math=False)
-    # A is a param (loaded before the time loop): its product with log2 e is loop-invariant
-    assert "N_a = libdevice.exp2(L_delta * (L_A * 1.4426950408889634))" in gpu
+    # delta is one value per thread ([1, BV]) and A sixteen ([BK, BV]): delta is scaled by log2 e
+    assert "N_a = libdevice.exp2(L_A * (L_delta * 1.4426950408889634))" in gpu
     assert "from triton.language.extra.cuda import libdevice" in gpu
     assert "N_a = tl.exp(L_delta*L_A)" in cpu and "libdevice" not in cpu
 
@@ -151,11 +157,13 @@ def test_gpu_source_uses_fast_exp_and_the_interpreter_source_does_not():
 @pytest.mark.parametrize("expr,expected", [
     ("exp(A*delta)", "libdevice.exp2(delta * (A * 1.4426950408889634))"),
     ("exp(-A*delta*x)", "libdevice.exp2((-delta*x) * (A * 1.4426950408889634))"),
-    ("exp(-delta)", "libdevice.fast_expf(-delta)"),            # no invariant factor
+    ("exp(-delta)", "libdevice.fast_expf(-delta)"),            # no factor to scale
     ("exp(A)", "libdevice.fast_expf(A)"),                      # not a product
+    ("exp(A*g)", "libdevice.exp2(A * (g * 1.4426950408889634))"),  # the first set (g) wins over A
+    ("exp(A*g*delta)", "libdevice.exp2((A*delta) * (g * 1.4426950408889634))"),
 ])
 def test_printer_fast_exp(expr, expected):
-    assert triton_code(sympy.sympify(expr), fast_math=True, invariant={"A"}) == expected
+    assert triton_code(sympy.sympify(expr), fast_math=True, scaled=({"g"}, {"A"})) == expected
 
 
 def test_printer_fast_exp_values():
@@ -164,7 +172,7 @@ def test_printer_fast_exp_values():
     from types import SimpleNamespace
     env = {"libdevice": SimpleNamespace(exp2=np.exp2, fast_expf=np.exp), "A": -0.7, "delta": 1.3, "x": 0.4}
     for expr in ("exp(A*delta)", "exp(-A*delta*x)", "exp(-delta)", "A*exp(2*A*delta)"):
-        code = triton_code(sympy.sympify(expr), fast_math=True, invariant={"A"})
+        code = triton_code(sympy.sympify(expr), fast_math=True, scaled=({"x"}, {"A"}))
         want = float(sympy.sympify(expr).subs({"A": -0.7, "delta": 1.3, "x": 0.4}))
         assert abs(eval(code, env) - want) < 1e-12 * abs(want), (expr, code)
 
@@ -229,3 +237,29 @@ def test_prefetch_needs_chunks_of_a_multiple_of_its_depth():
     with pytest.raises(SsmcraftError, match="PREFETCH needs chunks of a multiple of 4 steps"):
         D.check_config(D.Config(BV=8, num_warps=1, NG=1, NSUB=1, PREFETCH=True), 64, 2)   # LS 2 x NSUB 1
 
+
+
+@pytest.mark.parametrize("name", ["mamba", "longhorn_diag"])
+def test_bf16_inputs_give_bf16_gradients_written_by_the_kernel(name):
+    # bf16 leaves: y and every gradient come back in bf16, within one bf16 rounding of the fp32 run
+    # on the same values (the kernel stores the value-indexed gradients in bf16 itself, no fp32
+    # copy; the interpreter's cast truncates where the GPU's rounds to nearest, hence not equal)
+    obj = ssmcraft.compile(name)
+    inputs, params, S0 = _inputs(obj, 1, 9, 1, 8, 4)
+    cfg = D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True, LAG=True)
+    runs = {}
+    for dt in (torch.bfloat16, torch.float32):
+        leaves = {k: v.to(torch.bfloat16).to(dt).requires_grad_() for k, v in {**inputs, **params}.items()}
+        y, _ = D.diagonal_scan(obj, leaves, None, False, cfg)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dt)
+        grads = torch.autograd.grad(y, list(leaves.values()), dy)
+        runs[dt] = (y, dict(zip(leaves, grads)))
+    (yb, gb), (yf, gf) = runs[torch.bfloat16], runs[torch.float32]
+
+    def one_rounding(a, b):
+        return torch.all((a.float() - b).abs() <= 2.0 ** -7 * b.abs()).item()
+
+    assert yb.dtype == torch.bfloat16 and one_rounding(yb, yf)
+    for n in gb:
+        assert gb[n].dtype == torch.bfloat16, n
+        assert one_rounding(gb[n], gf[n]), n

@@ -200,11 +200,14 @@ class _Gen:
         self.ls = ls
         self.fast_math = fast_math
         self.names = {lf.name: lf.var for lf in plan.leaves.values()} | {nd.name: nd.var for nd in plan.nodes.values()}
-        self.invariant = frozenset(lf.name for lf in plan.param_leaves)   # loaded once, before the time loops
+        # exp(c x): scale c by log2 e where a thread holds one value of it (a [1, BV] column or a
+        # scalar: one multiply per step), else where it is a param (once, before the time loops)
+        self.scaled = (frozenset(lf.name for lf in plan.leaves.values() if "m" not in lf.dims),
+                       frozenset(lf.name for lf in plan.param_leaves))
 
     # -- small printers ----------------------------------------------------------------
     def code(self, e) -> str:
-        return triton_code(e, self.names, self.fast_math, self.invariant)
+        return triton_code(e, self.names, self.fast_math, self.scaled)
 
     def msum(self, x: str) -> str:
         if self.pad_k:
@@ -320,10 +323,11 @@ class _Gen:
             out.append(f"{ind}{lf.var}{suffix} = tl.load(p_{lf.name} + {off}{m}).to(tl.float32)")
         return out
 
-    def with_set(self, suffix: str, lines):
-        """``lines()`` printed with the token leaves read from prefetch set ``suffix``'s variables."""
+    def with_set(self, suffix: str, lines, only=None):
+        """``lines()`` printed with the token leaves (those named in ``only``, if given) read from
+        prefetch set ``suffix``'s variables."""
         saved = self.names
-        self.names = saved | {lf.name: lf.var + suffix for lf in self.p.tok_leaves}
+        self.names = saved | {lf.name: lf.var + suffix for lf in self.p.tok_leaves if only is None or lf.name in only}
         try:
             return lines()
         finally:
@@ -344,9 +348,9 @@ class _Gen:
                 out.append(f"{ind}{nd.var} = {self.code(nd.expr)}")
         return out
 
-    def coefficients(self, ind: str, t: str, slots, tmask=None) -> list[str]:
+    def coefficients(self, ind: str, t: str, slots, tmask=None, tok: str = "tok") -> list[str]:
         need = self.need_for(slots)
-        return self.tok_loads(ind, t, need, tmask) + self.node_lines(ind, need)
+        return self.tok_loads(ind, t, need, tmask, tok=tok) + self.node_lines(ind, need)
 
     def input_term(self) -> str:
         if "B" in self.p.slots:
@@ -465,11 +469,14 @@ class _Gen:
             out += self.tok_loads(body, f"tl.minimum(tb + {j + _PF}, t_last)", need, None, f"_{j}", "tokp")
         return out
 
-    def _readout_adjoint(self, ind: str, t: str) -> list[str]:
-        """Lines defining ``ocdy`` (oc . dy) and the readout's adjoint R = oq (oc dy)^T."""
-        oc = self.slot("oc")
-        return [f"{ind}dyt = tl.load(dy + tok * V + ov, mask=mv{' & ' + t if t else ''}, other=0.0).to(tl.float32)",
-                f"{ind}ocdy = {'dyt' if self.p.slots['oc'] == 1 else f'{oc} * dyt'}"]
+    @staticmethod
+    def _dy_load(ind: str, tmask: str, tok: str = "tok", var: str = "dyt") -> str:
+        """The line loading step ``tok``'s output cotangent into ``var`` (fp32)."""
+        return f"{ind}{var} = tl.load(dy + {tok} * V + ov, mask=mv{' & ' + tmask if tmask else ''}, other=0.0).to(tl.float32)"
+
+    def _ocdy(self, ind: str) -> str:
+        """The line defining ``ocdy`` = oc . dy (the readout's adjoint is R = oq (oc dy)^T)."""
+        return f"{ind}ocdy = {'dyt' if self.p.slots['oc'] == 1 else self.slot('oc') + ' * dyt'}"
 
     def bwd_summary(self) -> list[str]:
         need = self.need_for(("a", "oc", "oq"))
@@ -489,7 +496,8 @@ class _Gen:
                 f"{i}for tt in range(0, t1 - t0):",
                 f"{i}{i}t = t1 - 1 - tt",
                 *self.coefficients(i * 2, "t", ("a", "oc", "oq")),
-                *self._readout_adjoint(i * 2, ""),
+                self._dy_load(i * 2, ""),
+                self._ocdy(i * 2),
                 f"{i}{i}dS = E + {self.slot('oq')} * ocdy",
                 f"{i}{i}E = {a} * dS" if self.p.slots["a"] != 1 else f"{i}{i}E = dS",
                 f"{i}{i}A = A * {a}" if self.p.slots["a"] != 1 else f"{i}{i}pass",
@@ -519,18 +527,21 @@ class _Gen:
                 "        if g > 0:",
                 "            E = tl.load(A_in + off, mask=mkv, other=0.0) * E + tl.load(E_in + off, mask=mkv, other=0.0)"]
 
-    def bwd_step(self, ind: str, t: str, tv: str, s_prev: str, s_cur: str) -> list[str]:
-        """One reverse step at time ``t`` (valid if ``tv``): reads E (the adjoint a_{t+1} . dS_{t+1}),
+    def bwd_step(self, ind: str, k: int, s_prev: str, s_cur: str) -> tuple[list, list, list]:
+        """One reverse step at time ``t{k}`` (valid if ``v{k}``): reads E (the adjoint a_{t+1} . dS_{t+1}),
         writes E = a_t . dS_t, the gradients of the per-token leaves, and accumulates the params'.
+        Returns (loads, compute, stores); the stores read only this step's named values (``gl_*_{k}``,
+        ``tok{k}``, ``v{k}``), so they can be printed after the next step's loads.
 
         Adjoints are terms ``(code, actual dims, logical dims, pending dims)``: the value is the sum
         of ``code`` over its pending dims. Reductions are deferred through single-use nodes (the
         chain rule's factors are constant along pending dims), so each leaf's gradient costs one
         reduction per group of terms rather than one per path."""
         p = self.p
+        t, tv, tok = f"t{k}", f"v{k}", f"tok{k}"
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
-        out = self.tok_loads(ind, t, need, tv) + self.node_lines(ind, need)
-        out += self._readout_adjoint(ind, tv)
+        loads = self.tok_loads(ind, t, need, tv, tok=tok) + [self._dy_load(ind, tv, tok)]
+        out = self.node_lines(ind, need) + [self._ocdy(ind)]
         out.append(f"{ind}dS = E + {self.slot('oq')} * ocdy")
         full = frozenset({"d", "m"})
         adj: dict[str, list] = {}
@@ -592,6 +603,7 @@ class _Gen:
                     P = P | ((lg - P) - self.dims(name))
                     adj.setdefault(name, []).append((code, act, lg, P))
         self.grad_leaves = [lf.name for lf in p.leaves.values() if adj.get(lf.name)]
+        stores = []
         for lf in p.leaves.values():
             terms = adj.get(lf.name)
             if not terms:
@@ -603,24 +615,29 @@ class _Gen:
             if lf.kind == "param":
                 out.append(f"{ind}acc_{lf.name} += tl.where({tv}, {gsum}, 0.0)")
                 continue
+            val = f"gl_{lf.name}_{k}"
             w = self._width(lf.dims)
-            base = f"tok * {w} + {idx}" if w != "1" else "tok"
+            base = f"{tok} * {w} + {idx}" if w != "1" else tok
             if "d" not in lf.dims:   # partial sum over this value block
                 base = f"i_v.to(tl.int64) * NTOK * {w} + {base}"
             m = f"{mask} & {tv}" if mask != "True" else tv
-            store = f"tl.store(g_{lf.name} + {base}{'' if lf.dims else ' + zero11'}, {gsum}, mask={m})"
+            store = f"tl.store(g_{lf.name} + {base}{'' if lf.dims else ' + zero11'}, {val}, mask={m})"
             tile = self._one_tile_sum(groups, lf)
             if tile is None:
-                out.append(f"{ind}{store}")
+                out.append(f"{ind}{val} = {gsum}")
+                stores.append(f"{ind}{store}")
                 continue
             # the gradient is one value-axis sum of a [BK, BV] tile: by halving when HSUM
-            hbase = "i_v.to(tl.int64) * NTOK * K + tok * K + hm"
+            hbase = f"i_v.to(tl.int64) * NTOK * K + {tok} * K + hm"
             out += [f"{ind}if HSUM:",
-                    f"{ind}    tl.store(g_{lf.name} + {hbase}, _hsum(tl.where(mv, {tile}, 0.0), BK, BV, LOG_BK, LOG_BV), "
-                    f"mask=hmask & {tv})",
+                    f"{ind}    {val} = _hsum(tl.where(mv, {tile}, 0.0), BK, BV, LOG_BK, LOG_BV)",
                     f"{ind}else:",
-                    f"{ind}    {store}"]
-        return out
+                    f"{ind}    {val} = {gsum}"]
+            stores += [f"{ind}if HSUM:",
+                       f"{ind}    tl.store(g_{lf.name} + {hbase}, {val}, mask=hmask & {tv})",
+                       f"{ind}else:",
+                       f"{ind}    {store}"]
+        return loads, out, stores
 
     @staticmethod
     def _combine(terms):
@@ -653,7 +670,7 @@ class _Gen:
                f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
                "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
                "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
-               "             EVEN_T: tl.constexpr):",
+               "             EVEN_T: tl.constexpr, LAG: tl.constexpr):",
                '    """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps',
                f'    the start of each sub-chunk of {ls} steps (L = {ls} * NSUB) in this program\'s scratch; then, sub-chunks',
                '    in reverse, their states are recomputed into registers and the adjoint stepped back through them."""',
@@ -688,17 +705,10 @@ class _Gen:
                 f"{i}{i}tl.debug_barrier()",
                 f"{i}{i}for jj in range(0, NSUB):",
                 f"{i}{i}{i}j = NSUB - 1 - jj",
-                f"{i}{i}{i}s0 = tl.load(scr + j * (BK * BV) + sc)",
-                f"{i}{i}{i}# the sub-chunk's {ls} states, in registers"]
-        for k in range(ls):
-            t = f"(c * L + j * {ls} + {k})"
-            out += [f"{i}{i}{i}t{k} = {t}", f"{i}{i}{i}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
-            out += self.coefficients(i * 3, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}")
-            out += self.update(i * 3, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
-        out.append(f"{i}{i}{i}# the adjoint, back through them")
-        for k in reversed(range(ls)):
-            out.append(f"{i}{i}{i}# step t{k}")
-            out += self.bwd_step(i * 3, f"t{k}", f"v{k}", f"s{k}", f"s{k + 1}")
+                f"{i}{i}{i}if LAG:",
+                *self._subchunk(i * 4, lag=True),
+                f"{i}{i}{i}else:",
+                *self._subchunk(i * 4, lag=False)]
         out += [f"{i}if NEED_DH0:",
                 f"{i}{i}tl.store(dh0 + i_bh.to(tl.int64) * K * V + st, E, mask=mkv & (i_g == 0))"]
         for lf in p.param_leaves:
@@ -715,6 +725,27 @@ class _Gen:
             else:
                 out.append(f"{i}tl.store(g_{lf.name} + off_{lf.name} + zero11, acc_{lf.name})")
         return out
+
+    def _subchunk(self, ind: str, lag: bool) -> list[str]:
+        """bwd_main's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
+        start state, then the adjoint stepped back through them. ``lag`` (Config.LAG): each step's
+        stores are printed after the next step's loads, so those loads need not wait behind them
+        (the compiler keeps loads after earlier stores: the pointers may alias)."""
+        ls = self.ls
+        out = [f"{ind}s0 = tl.load(scr + j * (BK * BV) + sc)",
+               f"{ind}# the sub-chunk's {ls} states, in registers"]
+        for k in range(ls):
+            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
+            out += self.coefficients(ind, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
+            out += self.update(ind, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
+        out.append(f"{ind}# the adjoint, back through them")
+        pending = []
+        for k in reversed(range(ls)):
+            loads, compute, stores = self.bwd_step(ind, k, f"s{k}", f"s{k + 1}")
+            out += [f"{ind}# step t{k}", *loads, *pending, *compute]
+            pending = stores if lag else []
+            out += [] if lag else stores
+        return out + pending
 
     def source(self, header: str) -> str:
         ir = self.p.ir
@@ -823,6 +854,7 @@ class Config:
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
     HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
     PREFETCH: bool = False  # forward: token leaves loaded _PF steps ahead (fwd_main; L % _PF == 0)
+    LAG: bool = False       # backward: each step's stores printed after the next step's loads (bwd_main)
 
 
 def check_config(cfg: Config, K: int, ls: int) -> None:
@@ -840,6 +872,7 @@ def flags(cfg: Config, K: int, T: int, V: int, ls: int) -> dict:
     check_config(cfg, K, ls)
     BK = _p2(K)
     return dict(EVEN_V=V % cfg.BV == 0, EVEN_T=T % (ls * cfg.NSUB) == 0, HSUM=cfg.HSUM, PREFETCH=cfg.PREFETCH,
+                LAG=cfg.LAG,
                 LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1)
 
 
@@ -928,20 +961,24 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
         if lf.kind == "param":       # small: always written (zero where unused)
             raw[lf.name] = _alloc((NG, 1 if "d" in lf.dims else NV, B, H, n), torch.float32, dev)
         elif lf.name in mod.GRAD_LEAVES and needs.get(lf.name):
-            raw[lf.name] = _alloc((NTOK * n,) if "d" in lf.dims else (NV, NTOK * n), torch.float32, dev)
+            # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums
+            # per value block (summed below; those leaves are fp32, see diagonal_scan)
+            raw[lf.name] = (_alloc((NTOK * n,), leaves[lf.name].dtype, dev) if "d" in lf.dims
+                            else _alloc((NV, NTOK * n), torch.float32, dev))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
     gargs = [raw.get(lf.name, None) for lf in plan.leaves.values()]
     # a gradient nobody needs is still stored by the kernel: give it a throwaway buffer
     for idx, lf in enumerate(plan.leaves.values()):
         if gargs[idx] is None and lf.name in mod.GRAD_LEAVES:
             n = {frozenset({"d"}): V, frozenset({"m"}): K, frozenset(): 1}[lf.dims]
-            gargs[idx] = torch.empty((NTOK * n,) if "d" in lf.dims else (NV, NTOK * n), dtype=torch.float32, device=dev)
+            gargs[idx] = torch.empty((NTOK * n,) if "d" in lf.dims else (NV, NTOK * n), device=dev,
+                                     dtype=leaves[lf.name].dtype if "d" in lf.dims else torch.float32)
         elif gargs[idx] is None:
             gargs[idx] = scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
                                   NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
-                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
+                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T", "LAG"))
     out = {}
     for lf in plan.leaves.values():
         g = raw.get(lf.name)
@@ -989,10 +1026,10 @@ def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     BK = _p2(K)
     if _interpret():
         BV = min(_p2(V), 64)
-        return Config(BV=BV, num_warps=1, NG=1, NSUB=_nsub(K), HSUM=BK <= BV)
+        return Config(BV=BV, num_warps=1, NG=1, NSUB=_nsub(K), HSUM=BK <= BV, LAG=True)
     BV = 32 if V >= 32 else _p2(V)
     return Config(BV=BV, num_warps=_warps(BK, BV), NG=2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K)),
-                  NSUB=_nsub(K), HSUM=BK <= BV)
+                  NSUB=_nsub(K), HSUM=BK <= BV, LAG=True)
 
 
 def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
@@ -1025,9 +1062,10 @@ def _fwd_candidates(K, V, B, H, T):
 
 
 def _bwd_candidates(K, V, B, H, T):
-    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups, each with the key
-    gradients' value-axis sums by recursive halving (Config.HSUM, where BK <= BV) and by tl.sum.
-    (Value-axis sums on tensor cores, Config.DOTRED, measured 1.6-2.2x slower on H200: not tried.)"""
+    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups, each with and
+    without the lagged stores (Config.LAG). The key gradients' value-axis sums go by recursive
+    halving where BK <= BV (Config.HSUM): tl.sum measured 20-30% slower in every configuration on
+    H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower (BENCHMARKS.md, "Diagonal")."""
     BK = _p2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
@@ -1037,8 +1075,7 @@ def _bwd_candidates(K, V, B, H, T):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g)[0] for g in (ngp, 2 * ngp)}):
-            for hsum in ((True, False) if BK <= BV else (False,)):
-                out.append(Config(BV, _warps(BK, BV), NG, nsub, HSUM=hsum))
+            out += [Config(BV, _warps(BK, BV), NG, nsub, HSUM=BK <= BV, LAG=lag) for lag in (True, False)]
     return out
 
 

@@ -11,9 +11,13 @@ sympy          Triton
 exp, log       ``tl.exp``, ``tl.log``; exp with ``fast_math`` (GPU code only): libdevice's
                ``fast_expf``, i.e. ``ex2.approx.ftz``. ``tl.exp`` is the same approximation plus
                a denormal fix-up (2-4 more instructions per element); ftz flushes results below
-               1.2e-38 to zero. ``exp(c * x)`` with ``c`` loop-invariant (``invariant``) prints as
-               ``libdevice.exp2(x * (c * log2 e))``, so the product with log2 e is hoisted. The
-               interpreter has no libdevice, so it always prints ``tl.exp``.
+               1.2e-38 to zero. ``exp(c * x)`` prints as ``libdevice.exp2(x * (c * log2 e))`` when
+               ``c`` is the cheap factor to scale: the factors whose symbols all lie in the first
+               set of ``scaled`` that has any (the diagonal kernels pass, in order, the values a
+               thread holds one of, such as Mamba's per-column ``delta``: one multiply per step
+               and thread, not per element; then the params, scaled once before the time loop,
+               at the cost of a second register copy). The interpreter has no libdevice, so it
+               always prints ``tl.exp``.
                log stays ``tl.log`` (libdevice's accurate ``logf``): ``lg2.approx`` has an
                absolute error near 1e-7, too coarse for log-decays close to 0.
 sqrt           ``tl.sqrt`` (also ``x**(1/2)``; ``x**(-1/2)`` -> ``1.0/tl.sqrt(x)``)
@@ -26,7 +30,7 @@ Max, Min       ``tl.maximum``, ``tl.minimum``
 DiracDelta     ``0.0`` (appears in derivatives of sign; torch's sign has zero gradient)
 =============  ================================================================
 
-``triton_code(expr, names, fast_math, invariant)`` is the entry point (a module printed with ``fast_math``
+``triton_code(expr, names, fast_math, scaled)`` is the entry point (a module printed with ``fast_math``
 imports ``LIBDEVICE_IMPORT``); ``free_names(expr)`` lists its symbols.
 """
 from __future__ import annotations
@@ -43,11 +47,11 @@ LOG2E = 1.0 / math.log(2.0)
 class TritonPrinter(StrPrinter):
     """Prints an element expression as a Triton (``tl.*``) expression over fp32 values."""
 
-    def __init__(self, names: dict | None = None, fast_math: bool = False, invariant=frozenset()):
+    def __init__(self, names: dict | None = None, fast_math: bool = False, scaled=()):
         super().__init__({"order": "none"})
         self.names = dict(names or {})
         self.fast_math = fast_math
-        self.invariant = frozenset(invariant)
+        self.scaled = tuple(frozenset(g) for g in scaled)
         self.exp_fn = "libdevice.fast_expf" if fast_math else "tl.exp"
 
     # -- atoms -------------------------------------------------------------------------
@@ -121,13 +125,14 @@ class TritonPrinter(StrPrinter):
     def _print_exp(self, expr):
         arg = expr.args[0]
         if self.fast_math and isinstance(arg, sympy.Mul):
-            # exp(c * x) with c loop-invariant (its symbols in ``invariant``): exp2(x * (c * log2 e)),
-            # whose inner product the compiler hoists out of the time loop (one multiply less per element)
-            inv = [f for f in arg.args if f.free_symbols and {s.name for s in f.free_symbols} <= self.invariant]
-            if inv:
-                rest = sympy.Mul(*[f for f in arg.args if f not in inv])
-                c = self.parenthesize(sympy.Mul(*inv), PRECEDENCE["Mul"])
-                return f"libdevice.exp2({self.parenthesize(rest, PRECEDENCE['Mul'])} * ({c} * {LOG2E!r}))"
+            # exp(c * x) with c a cheap factor to scale (its symbols in a set of ``scaled``, first set
+            # first): exp2(x * (c * log2 e)), one multiply by log2 e per c, not per element
+            for group in self.scaled:
+                cheap = [f for f in arg.args if f.free_symbols and {s.name for s in f.free_symbols} <= group]
+                if cheap:
+                    rest = sympy.Mul(*[f for f in arg.args if f not in cheap])
+                    c = self.parenthesize(sympy.Mul(*cheap), PRECEDENCE["Mul"])
+                    return f"libdevice.exp2({self.parenthesize(rest, PRECEDENCE['Mul'])} * ({c} * {LOG2E!r}))"
         return self._unary(self.exp_fn, expr)
 
     def _print_log(self, expr):
@@ -187,11 +192,11 @@ class TritonPrinter(StrPrinter):
 LIBDEVICE_IMPORT = "from triton.language.extra.cuda import libdevice"
 
 
-def triton_code(expr, names: dict | None = None, fast_math: bool = False, invariant=frozenset()) -> str:
+def triton_code(expr, names: dict | None = None, fast_math: bool = False, scaled=()) -> str:
     """The Triton expression of a sympy element expression (symbols renamed by ``names``;
     ``fast_math``: exp through libdevice's ftz approximations, for GPU-compiled code, with the
-    factors whose symbols are all in ``invariant`` (e.g. params, loaded once) scaled by log2 e)."""
-    return TritonPrinter(names, fast_math, invariant).doprint(sympy.sympify(expr))
+    factor of an exponent whose symbols all lie in the first matching set of ``scaled`` scaled by log2 e)."""
+    return TritonPrinter(names, fast_math, scaled).doprint(sympy.sympify(expr))
 
 
 def free_names(expr) -> set[str]:
