@@ -68,7 +68,8 @@ def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict
                 attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         leaf = plan_leaves.get(a[2:]) if a.startswith(("p_", "g_")) else None
-        value_io = a in ("y", "dy") or (a.startswith("p_") and leaf is not None and leaf.kind == "tok" and "d" in leaf.dims)
+        # value-indexed token leaves and their gradients come in the inputs' dtype (key-indexed: fp32)
+        value_io = a in ("y", "dy") or (leaf is not None and leaf.kind == "tok" and "d" in leaf.dims)
         sig[a] = f"*{io}" if value_io else "*fp32"
         attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
@@ -83,8 +84,7 @@ class Count:
 
 
 def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
-                  hsum: bool = True, even: bool = True, K: int = 16, prefetch: bool = False,
-                  lag: bool = False) -> Count:
+                  hsum: bool = True, even: bool = True, K: int = 16, prefetch: bool = False) -> Count:
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
     flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
     T and V divide the chunk and the value block when ``even``."""
@@ -92,7 +92,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     plan, mod = loaded
     fn = getattr(mod, kernel)
     BK, ls = D._p2(K), D._ls_for(K)
-    cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch, LAG=lag)
+    cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch)
     L = ls * cfg.NSUB
     known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False,
                  HAS_H0=True, HAS_DHT=True, **D.flags(cfg, K, 128 * L + (not even), 48 * BV + (not even), ls))
@@ -152,13 +152,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hsum", action="store_true", help="backward key sums by tl.sum (Config.HSUM off)")
     ap.add_argument("--no-even", action="store_true", help="keep the value and time masks (EVEN_V/EVEN_T off)")
     ap.add_argument("--prefetch", action="store_true", help="fwd_main with its register prefetch (Config.PREFETCH)")
-    ap.add_argument("--lag", action="store_true", help="bwd_main with each step's stores after the next step's loads (Config.LAG)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
     args = ap.parse_args(argv)
     loaded = load(args.objective)
     try:
         counts = [compile_count(loaded, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even,
-                                prefetch=args.prefetch, lag=args.lag)
+                                prefetch=args.prefetch)
                   for kernel in args.kernels.split(",")]
     except SsmcraftError as e:
         print(f"sass_count: {e}", file=sys.stderr)

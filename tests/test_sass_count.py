@@ -28,8 +28,8 @@ def test_gpu_source_compiles_and_each_change_cuts_the_backward():
     tl_sum = _counts("--objective", "mamba", "--kernels", "bwd_main", "--no-hsum")
     masked = _counts("--objective", "mamba", "--kernels", "bwd_main", "--no-even")
     assert fast["fwd_main"]["spill_bytes"] == 0
-    # measured 88 B (the H200 timings of BENCHMARKS.md "Diagonal, run 3" are with it); a blow-up fails
-    assert fast["bwd_main"]["spill_bytes"] <= 128, fast["bwd_main"]["spill_bytes"]
+    # measured 24 B (BENCHMARKS.md "Diagonal, run 4": lagged stores, bf16 gradient stores); a blow-up fails
+    assert fast["bwd_main"]["spill_bytes"] <= 64, fast["bwd_main"]["spill_bytes"]
     # the forward step's exp is one MUFU.EX2 per state element (16 per thread), no denormal fix-up
     step = min((lp for lp in fast["fwd_main"]["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
     assert step["ops"].get("MUFU") == 16 and "FSETP" not in step["ops"], step

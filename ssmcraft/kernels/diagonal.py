@@ -51,6 +51,7 @@ import torch
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels.launch import launch
 from ssmcraft.kernels.tuning import buffer
+from ssmcraft.compiler.printing import torch_code
 from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 BACKEND_NAME = "diagonal-chunked"
@@ -85,6 +86,7 @@ class _Leaf:
     dims: frozenset          # subset of {"d", "m"}
     kind: str                # "tok" (per token) | "param" (time-free)
     var: str
+    pre: sympy.Expr | None = None   # a token scalar sum_m pre of key-indexed inputs, computed by the host
 
 
 @dataclass
@@ -113,6 +115,10 @@ class _Plan:
     @property
     def param_leaves(self):
         return [lf for lf in self.leaves.values() if lf.kind == "param"]
+
+    @property
+    def pre_leaves(self):
+        return [lf for lf in self.leaves.values() if lf.pre is not None]
 
 
 def supports(ir) -> str | None:
@@ -154,7 +160,12 @@ def _plan(ir) -> _Plan:
     node_all = {}
     for r in ir.reductions:
         dims = frozenset().union(*[table[s.name] for s in r.body.free_symbols]) - {"m"}
-        node_all[r.name] = _Node(r.name, r.body, dims, "m", "N" + r.name)
+        if r.body.free_symbols and all(s.name in ir.inputs and table[s.name] <= {"m"} for s in r.body.free_symbols):
+            # a per-token scalar of key-indexed inputs (Longhorn's k.k): one PyTorch sum on the host
+            # (autograd takes its gradient back to the keys), not a K-term sum per step in every kernel
+            leaf_all[r.name] = _Leaf(r.name, frozenset(), "tok", f"L_{r.name}", pre=r.body)
+        else:
+            node_all[r.name] = _Node(r.name, r.body, dims, "m", "N" + r.name)
         table[r.name] = dims
     for c in ir.coefficients:
         dims = frozenset().union(*[table[s.name] for s in c.expr.free_symbols]) if c.expr.free_symbols else frozenset()
@@ -307,10 +318,11 @@ class _Gen:
     def _width(dims):
         return {frozenset({"d"}): "V", frozenset({"m"}): "K", frozenset(): "1"}[frozenset(dims)]
 
-    def tok_loads(self, ind: str, t: str, need: set, tmask: str | None, suffix: str = "",
+    def tok_loads(self, ind: str, t: str | None, need: set, tmask: str | None, suffix: str = "",
                   tok: str = "tok") -> list[str]:
-        """Lines loading step ``t``'s token leaves into their variables (``suffix``: a prefetch set's)."""
-        out = [f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"]
+        """Lines loading step ``t``'s token leaves into their variables (``suffix``: a prefetch set's);
+        ``t`` None: the token index ``tok`` is defined already."""
+        out = [f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"] if t is not None else []
         for lf in self.p.tok_leaves:
             if lf.name not in need:
                 continue
@@ -323,11 +335,10 @@ class _Gen:
             out.append(f"{ind}{lf.var}{suffix} = tl.load(p_{lf.name} + {off}{m}).to(tl.float32)")
         return out
 
-    def with_set(self, suffix: str, lines, only=None):
-        """``lines()`` printed with the token leaves (those named in ``only``, if given) read from
-        prefetch set ``suffix``'s variables."""
+    def with_set(self, suffix: str, lines):
+        """``lines()`` printed with the token leaves read from prefetch set ``suffix``'s variables."""
         saved = self.names
-        self.names = saved | {lf.name: lf.var + suffix for lf in self.p.tok_leaves if only is None or lf.name in only}
+        self.names = saved | {lf.name: lf.var + suffix for lf in self.p.tok_leaves}
         try:
             return lines()
         finally:
@@ -348,7 +359,7 @@ class _Gen:
                 out.append(f"{ind}{nd.var} = {self.code(nd.expr)}")
         return out
 
-    def coefficients(self, ind: str, t: str, slots, tmask=None, tok: str = "tok") -> list[str]:
+    def coefficients(self, ind: str, t: str | None, slots, tmask=None, tok: str = "tok") -> list[str]:
         need = self.need_for(slots)
         return self.tok_loads(ind, t, need, tmask, tok=tok) + self.node_lines(ind, need)
 
@@ -470,9 +481,9 @@ class _Gen:
         return out
 
     @staticmethod
-    def _dy_load(ind: str, tmask: str, tok: str = "tok", var: str = "dyt") -> str:
-        """The line loading step ``tok``'s output cotangent into ``var`` (fp32)."""
-        return f"{ind}{var} = tl.load(dy + {tok} * V + ov, mask=mv{' & ' + tmask if tmask else ''}, other=0.0).to(tl.float32)"
+    def _dy_load(ind: str, tmask: str, tok: str = "tok") -> str:
+        """The line loading step ``tok``'s output cotangent into ``dyt`` (fp32)."""
+        return f"{ind}dyt = tl.load(dy + {tok} * V + ov, mask=mv{' & ' + tmask if tmask else ''}, other=0.0).to(tl.float32)"
 
     def _ocdy(self, ind: str) -> str:
         """The line defining ``ocdy`` = oc . dy (the readout's adjoint is R = oq (oc dy)^T)."""
@@ -527,8 +538,9 @@ class _Gen:
                 "        if g > 0:",
                 "            E = tl.load(A_in + off, mask=mkv, other=0.0) * E + tl.load(E_in + off, mask=mkv, other=0.0)"]
 
-    def bwd_step(self, ind: str, k: int, s_prev: str, s_cur: str) -> tuple[list, list, list]:
-        """One reverse step at time ``t{k}`` (valid if ``v{k}``): reads E (the adjoint a_{t+1} . dS_{t+1}),
+    def bwd_step(self, ind: str, k: int) -> tuple[list, list, list]:
+        """One reverse step at time ``t{k}`` (valid if ``v{k}``, token ``tok{k}``; states ``s{k}`` before
+        it and ``s{k+1}`` after it): reads E (the adjoint a_{t+1} . dS_{t+1}),
         writes E = a_t . dS_t, the gradients of the per-token leaves, and accumulates the params'.
         Returns (loads, compute, stores); the stores read only this step's named values (``gl_*_{k}``,
         ``tok{k}``, ``v{k}``), so they can be printed after the next step's loads.
@@ -538,9 +550,9 @@ class _Gen:
         chain rule's factors are constant along pending dims), so each leaf's gradient costs one
         reduction per group of terms rather than one per path."""
         p = self.p
-        t, tv, tok = f"t{k}", f"v{k}", f"tok{k}"
+        tv, tok, s_prev, s_cur = f"v{k}", f"tok{k}", f"s{k}", f"s{k + 1}"
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
-        loads = self.tok_loads(ind, t, need, tv, tok=tok) + [self._dy_load(ind, tv, tok)]
+        loads = self.tok_loads(ind, None, need, tv, tok=tok) + [self._dy_load(ind, tv, tok)]
         out = self.node_lines(ind, need) + [self._ocdy(ind)]
         out.append(f"{ind}dS = E + {self.slot('oq')} * ocdy")
         full = frozenset({"d", "m"})
@@ -670,7 +682,7 @@ class _Gen:
                f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
                "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
                "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
-               "             EVEN_T: tl.constexpr, LAG: tl.constexpr):",
+               "             EVEN_T: tl.constexpr):",
                '    """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps',
                f'    the start of each sub-chunk of {ls} steps (L = {ls} * NSUB) in this program\'s scratch; then, sub-chunks',
                '    in reverse, their states are recomputed into registers and the adjoint stepped back through them."""',
@@ -705,10 +717,7 @@ class _Gen:
                 f"{i}{i}tl.debug_barrier()",
                 f"{i}{i}for jj in range(0, NSUB):",
                 f"{i}{i}{i}j = NSUB - 1 - jj",
-                f"{i}{i}{i}if LAG:",
-                *self._subchunk(i * 4, lag=True),
-                f"{i}{i}{i}else:",
-                *self._subchunk(i * 4, lag=False)]
+                *self._subchunk(i * 3)]
         out += [f"{i}if NEED_DH0:",
                 f"{i}{i}tl.store(dh0 + i_bh.to(tl.int64) * K * V + st, E, mask=mkv & (i_g == 0))"]
         for lf in p.param_leaves:
@@ -726,26 +735,40 @@ class _Gen:
                 out.append(f"{i}tl.store(g_{lf.name} + off_{lf.name} + zero11, acc_{lf.name})")
         return out
 
-    def _subchunk(self, ind: str, lag: bool) -> list[str]:
+    def _subchunk(self, ind: str) -> list[str]:
         """bwd_main's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
-        start state, then the adjoint stepped back through them. ``lag`` (Config.LAG): each step's
-        stores are printed after the next step's loads, so those loads need not wait behind them
-        (the compiler keeps loads after earlier stores: the pointers may alias)."""
+        start state, then the adjoint stepped back through them. Each step's stores are printed after
+        the next step's loads: the compiler keeps a load after an earlier store (the pointers may
+        alias), so stores printed right after their step made every step's loads wait behind them
+        (7-13% slower on H200, BENCHMARKS.md "Diagonal, run 4"), and the lag also lets the adjoint
+        share the last steps' loads and exps with the recompute."""
         ls = self.ls
         out = [f"{ind}s0 = tl.load(scr + j * (BK * BV) + sc)",
                f"{ind}# the sub-chunk's {ls} states, in registers"]
         for k in range(ls):
-            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
-            out += self.coefficients(ind, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
+            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0",
+                    f"{ind}tok{k} = (i_b.to(tl.int64) * T + t{k}) * H + i_h"]
+            out += self.coefficients(ind, None, ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
             out += self.update(ind, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
-        out.append(f"{ind}# the adjoint, back through them")
+        out.append(f"{ind}# the adjoint, back through them; each step's stores after the next step's loads")
         pending = []
         for k in reversed(range(ls)):
-            loads, compute, stores = self.bwd_step(ind, k, f"s{k}", f"s{k + 1}")
+            loads, compute, stores = self.bwd_step(ind, k)
             out += [f"{ind}# step t{k}", *loads, *pending, *compute]
-            pending = stores if lag else []
-            out += [] if lag else stores
+            pending = stores
         return out + pending
+
+    def precompute(self) -> list[str]:
+        """The host's function for the token scalars the kernels load as leaves (``_Leaf.pre``)."""
+        pre = self.p.pre_leaves
+        ins = sorted({x.name for lf in pre for x in lf.pre.free_symbols})
+        body = [f'    L_{n} = leaves["{n}"]' for n in ins]
+        sums = ", ".join(f'"{lf.name}": ({torch_code(lf.pre.xreplace({x: sympy.Symbol("L_" + x.name) for x in lf.pre.free_symbols}))}).sum(-1)'
+                         for lf in pre)
+        return ["def precompute(leaves: dict) -> dict:",
+                '    """Token scalars summed over the keys, from key-indexed leaves [B, T, H, K] -> [B, T, H] (PyTorch:',
+                '    autograd carries their gradients back to those leaves); the kernels load them as leaves."""',
+                *body, f"    return {{{sums}}}"]
 
     def source(self, header: str) -> str:
         ir = self.p.ir
@@ -755,14 +778,17 @@ class _Gen:
             doc.append(f"    {nd.name} [{', '.join(sorted(nd.dims))}] = "
                        + (f"sum_m {sympy.sstr(nd.expr)}" if nd.over else sympy.sstr(nd.expr)))
         doc.append("Slots: " + ", ".join(f"{s} = {v}" for s, v in self.p.slots.items()))
-        doc.append("Leaves: " + ", ".join(f"{lf.name} [{', '.join(sorted(lf.dims))}] ({lf.kind})" for lf in self.p.leaves.values()))
+        doc.append("Leaves: " + ", ".join(f"{lf.name} [{', '.join(sorted(lf.dims))}] ({lf.kind}"
+                                          + (f", = sum_m {sympy.sstr(lf.pre)} by precompute)" if lf.pre is not None else ")")
+                                          for lf in self.p.leaves.values()))
         doc += [f"K padded: {self.pad_k}; unrolled steps per sub-chunk LS = {self.ls}; "
                 f"exp: {'libdevice.fast_expf (GPU)' if self.fast_math else 'tl.exp'}.", '"""']
         kernels = [self.fwd_summary(), self.fwd_propagate(), self.fwd_main(),
                    self.bwd_summary(), self.bwd_propagate(), self.bwd_main()]
         parts = [f"# {header}", "# Generated by ssmcraft.kernels.diagonal: edit the spec or the generator, not this file.",
                  *doc, "import triton", "import triton.language as tl",
-                 *([LIBDEVICE_IMPORT] if self.fast_math else []), "", "", *_VSUM, "", *_HSUM, "",
+                 *([LIBDEVICE_IMPORT] if self.fast_math else []), "import torch", "import torch.nn.functional as F", "",
+                 "", *self.precompute(), "", "", *_VSUM, "", *_HSUM, "",
                  f"LS = {self.ls}", f"GRAD_LEAVES = {self.grad_leaves!r}  # leaves whose gradient bwd_main writes", "", ""]
         for k in kernels:
             parts += k + ["", ""]
@@ -854,7 +880,6 @@ class Config:
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
     HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
     PREFETCH: bool = False  # forward: token leaves loaded _PF steps ahead (fwd_main; L % _PF == 0)
-    LAG: bool = False       # backward: each step's stores printed after the next step's loads (bwd_main)
 
 
 def check_config(cfg: Config, K: int, ls: int) -> None:
@@ -872,7 +897,6 @@ def flags(cfg: Config, K: int, T: int, V: int, ls: int) -> dict:
     check_config(cfg, K, ls)
     BK = _p2(K)
     return dict(EVEN_V=V % cfg.BV == 0, EVEN_T=T % (ls * cfg.NSUB) == 0, HSUM=cfg.HSUM, PREFETCH=cfg.PREFETCH,
-                LAG=cfg.LAG,
                 LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1)
 
 
@@ -956,29 +980,27 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     NTOK = B * T * H
     raw = {}
     scratch = torch.empty(1, dtype=torch.float32, device=dev)
+    gargs = []
     for lf in plan.leaves.values():
         n = {frozenset({"d", "m"}): V * K, frozenset({"d"}): V, frozenset({"m"}): K, frozenset(): 1}[lf.dims]
         if lf.kind == "param":       # small: always written (zero where unused)
             raw[lf.name] = _alloc((NG, 1 if "d" in lf.dims else NV, B, H, n), torch.float32, dev)
-        elif lf.name in mod.GRAD_LEAVES and needs.get(lf.name):
-            # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums
-            # per value block (summed below; those leaves are fp32, see diagonal_scan)
-            raw[lf.name] = (_alloc((NTOK * n,), leaves[lf.name].dtype, dev) if "d" in lf.dims
-                            else _alloc((NV, NTOK * n), torch.float32, dev))
+        elif lf.name in mod.GRAD_LEAVES:
+            # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums per
+            # value block (summed below; those leaves are fp32, see diagonal_scan). A gradient nobody
+            # needs is still stored by the kernel: it gets a throwaway buffer (never poisoned)
+            shape, dtype = ((NTOK * n,), leaves[lf.name].dtype) if "d" in lf.dims else ((NV, NTOK * n), torch.float32)
+            if needs.get(lf.name):
+                raw[lf.name] = _alloc(shape, dtype, dev)
+            else:
+                gargs.append(torch.empty(shape, dtype=dtype, device=dev))
+                continue
+        gargs.append(raw.get(lf.name, scratch))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
-    gargs = [raw.get(lf.name, None) for lf in plan.leaves.values()]
-    # a gradient nobody needs is still stored by the kernel: give it a throwaway buffer
-    for idx, lf in enumerate(plan.leaves.values()):
-        if gargs[idx] is None and lf.name in mod.GRAD_LEAVES:
-            n = {frozenset({"d"}): V, frozenset({"m"}): K, frozenset(): 1}[lf.dims]
-            gargs[idx] = torch.empty((NTOK * n,) if "d" in lf.dims else (NV, NTOK * n), device=dev,
-                                     dtype=leaves[lf.name].dtype if "d" in lf.dims else torch.float32)
-        elif gargs[idx] is None:
-            gargs[idx] = scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
                                   NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
-                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T", "LAG"))
+                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
     for lf in plan.leaves.values():
         g = raw.get(lf.name)
@@ -1026,10 +1048,11 @@ def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     BK = _p2(K)
     if _interpret():
         BV = min(_p2(V), 64)
-        return Config(BV=BV, num_warps=1, NG=1, NSUB=_nsub(K), HSUM=BK <= BV, LAG=True)
-    BV = 32 if V >= 32 else _p2(V)
-    return Config(BV=BV, num_warps=_warps(BK, BV), NG=2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K)),
-                  NSUB=_nsub(K), HSUM=BK <= BV, LAG=True)
+        warps, NG = 1, 1
+    else:
+        BV = 32 if V >= 32 else _p2(V)
+        warps, NG = _warps(BK, BV), 2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K))
+    return Config(BV=BV, num_warps=warps, NG=NG, NSUB=_nsub(K), HSUM=BK <= BV)
 
 
 def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
@@ -1062,10 +1085,10 @@ def _fwd_candidates(K, V, B, H, T):
 
 
 def _bwd_candidates(K, V, B, H, T):
-    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups, each with and
-    without the lagged stores (Config.LAG). The key gradients' value-axis sums go by recursive
-    halving where BK <= BV (Config.HSUM): tl.sum measured 20-30% slower in every configuration on
-    H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower (BENCHMARKS.md, "Diagonal")."""
+    """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups. The key gradients'
+    value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum measured 20-30%
+    slower in every configuration on H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower
+    (BENCHMARKS.md, "Diagonal")."""
     BK = _p2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
@@ -1075,7 +1098,7 @@ def _bwd_candidates(K, V, B, H, T):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g)[0] for g in (ngp, 2 * ngp)}):
-            out += [Config(BV, _warps(BK, BV), NG, nsub, HSUM=BK <= BV, LAG=lag) for lag in (True, False)]
+            out.append(Config(BV, _warps(BK, BV), NG, nsub, HSUM=BK <= BV))
     return out
 
 
@@ -1227,6 +1250,8 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
     out_dtype = x0.dtype if x0.dtype.is_floating_point else torch.float32
     leaves = {}
     for lf in plan.leaves.values():
+        if lf.pre is not None:
+            continue
         if lf.name in tensors:
             t = tensors[lf.name]
         else:
@@ -1238,6 +1263,9 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
             # conversion per element and step (every thread loads the whole key vector)
             t = t.float()
         leaves[lf.name] = t.contiguous()
+    if plan.pre_leaves:   # from the same fp32 key tensors the kernel gets: one gradient, rounded once
+        leaves.update(_module(plan, _p2(K), K).precompute(
+            {n: leaves[n] if n in leaves else tensors[n].float() for n in ir.inputs if n in tensors}))
     if T == 0:
         y = x0.new_zeros(B, 0, H, V, dtype=out_dtype)
         S = initial_state.float() if initial_state is not None else x0.new_zeros(B, H, K, V, dtype=torch.float32)

@@ -129,7 +129,7 @@ class TritonPrinter(StrPrinter):
             # first): exp2(x * (c * log2 e)), one multiply by log2 e per c, not per element
             for group in self.scaled:
                 cheap = [f for f in arg.args if f.free_symbols and {s.name for s in f.free_symbols} <= group]
-                if cheap:
+                if cheap and any(f.free_symbols for f in arg.args if f not in cheap):   # else nothing to save
                     rest = sympy.Mul(*[f for f in arg.args if f not in cheap])
                     c = self.parenthesize(sympy.Mul(*cheap), PRECEDENCE["Mul"])
                     return f"libdevice.exp2({self.parenthesize(rest, PRECEDENCE['Mul'])} * ({c} * {LOG2E!r}))"
