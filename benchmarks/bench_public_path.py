@@ -312,7 +312,7 @@ def host_profile(names=("deltanet", "longhorn_diag"), n=20):
         pr.disable()
         torch.cuda.synchronize()
         print(f"\n## host profile: {name} fwd+bwd x {n}")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(24)
 
 
 def main():
@@ -342,7 +342,7 @@ def main():
         if args.graphed_decode:
             decode(rep, graphed=True, parallel=False)
     if args.host_profile:
-        host_profile()
+        host_profile(*([args.only.split(",")] if args.only else []))
     if not args.no_check:
         # FLA's chunked kernels autotune for minutes in fp32: --fp32-chunked adds those cases
         for dt in ((torch.float32, torch.bfloat16) if not args.bf16_only else (torch.bfloat16,)):
