@@ -29,8 +29,9 @@ backward (the adjoint ``dS_{t-1} = a_t . dS_t + oq_{t-1} (oc_{t-1} dy_{t-1})^T``
   3. ``bwd_main``     per group, chunks in reverse: from the stored chunk-start state a forward
      pass over the chunk keeps each sub-chunk's start state in a per-program scratch (L2-resident);
      then, sub-chunks in reverse, the ``LS`` states of one are recomputed into registers (unrolled)
-     and the adjoint stepped back through them, writing the gradients of every leaf, ``dh0`` and
-     the params' partial sums. Work per token: two forward steps and one adjoint step.
+     and the adjoint stepped back through them, writing the gradients of every leaf (value-indexed
+     ones in the leaf's dtype; each step's stores after the next step's loads), ``dh0`` and the
+     params' partial sums. Work per token: two forward steps and one adjoint step.
 ``NG = 1`` skips the summary and propagate kernels (one sequential pass per value block).
 Configurations (value block, warps, groups) are timed on the GPU on first use per shape
 (``_fwd_candidates`` / ``_bwd_candidates``) and picked by rule under the interpreter.
