@@ -292,8 +292,10 @@ def decode(rep, steps=128, graphed=False, batches=(1, 16), lm=None, parallel=Tru
         rep.add(**row)
 
 
-def host_profile(names=("deltanet", "longhorn_diag"), n=20):
-    """cProfile of ``n`` fwd+bwd calls (host time only: where the Python time per call goes)."""
+def host_profile(only=None, n=20):
+    """cProfile of ``n`` fwd+bwd calls of the ``only`` objectives (default DeltaNet and Longhorn
+    diagonal): host time only, where the Python time per call goes."""
+    names = only or ("deltanet", "longhorn_diag")
     import cProfile
     import pstats
     for name, (H, d, m), _ in [c for c in CASES if c[0] in names]:
@@ -325,7 +327,7 @@ def main():
     ap.add_argument("--graphed-decode", action="store_true",
                     help="also decode through GraphedDecoder (the step one CUDA graph replay)")
     ap.add_argument("--bf16-only", action="store_true", help="correctness checks in bf16 only")
-    ap.add_argument("--only", help="comma-separated objectives: time and check only these")
+    ap.add_argument("--only", help="comma-separated objectives: time, check and host-profile only these")
     ap.add_argument("--fp32-chunked", action="store_true", help="also check FLA's chunked kernels in fp32 (slow)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of obj() fwd+bwd")
     ap.add_argument("--no-anchors", action="store_true", help="time ours only (FLA and mamba not loaded)")
@@ -342,7 +344,7 @@ def main():
         if args.graphed_decode:
             decode(rep, graphed=True, parallel=False)
     if args.host_profile:
-        host_profile(*([args.only.split(",")] if args.only else []))
+        host_profile(only)
     if not args.no_check:
         # FLA's chunked kernels autotune for minutes in fp32: --fp32-chunked adds those cases
         for dt in ((torch.float32, torch.bfloat16) if not args.bf16_only else (torch.bfloat16,)):

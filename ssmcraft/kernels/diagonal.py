@@ -349,7 +349,7 @@ class _Gen:
                 out.append(f"{ind}{nd.var} = {self.code(nd.expr)}")
         return out
 
-    def coefficients(self, ind: str, t: str | None, slots, tmask=None, tok: str = "tok") -> list[str]:
+    def coefficients(self, ind: str, t: str, slots, tmask=None, tok: str = "tok") -> list[str]:
         need = self.need_for(slots)
         return self.tok_loads(ind, t, need, tmask, tok=tok) + self.node_lines(ind, need)
 
@@ -736,9 +736,8 @@ class _Gen:
         out = [f"{ind}s0 = tl.load(scr + j * (BK * BV) + sc)",
                f"{ind}# the sub-chunk's {ls} states, in registers"]
         for k in range(ls):
-            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0",
-                    f"{ind}tok{k} = (i_b.to(tl.int64) * T + t{k}) * H + i_h"]
-            out += self.coefficients(ind, None, ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
+            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
+            out += self.coefficients(ind, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
             out += self.update(ind, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
         out.append(f"{ind}# the adjoint, back through them; each step's stores after the next step's loads")
         pending = []
@@ -964,11 +963,11 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
             # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums per
             # value block (summed below; those leaves are fp32, see diagonal_scan). A gradient nobody
             # needs is still stored by the kernel: it gets a throwaway buffer (never poisoned)
-            shape, dtype = ((NTOK * n,), leaves[lf.name].dtype) if "d" in lf.dims else ((NV, NTOK * n), torch.float32)
+            gshape, dtype = ((NTOK * n,), leaves[lf.name].dtype) if "d" in lf.dims else ((NV, NTOK * n), torch.float32)
             if needs.get(lf.name):
-                raw[lf.name] = _alloc(shape, dtype, dev)
+                raw[lf.name] = _alloc(gshape, dtype, dev)
             else:
-                gargs.append(torch.empty(shape, dtype=dtype, device=dev))
+                gargs.append(torch.empty(gshape, dtype=dtype, device=dev))
                 continue
         gargs.append(raw.get(lf.name, scratch))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
@@ -1061,7 +1060,7 @@ def _fwd_candidates(K, V, B, H, T):
 
 def _bwd_candidates(K, V, B, H, T):
     """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups. The key gradients'
-    value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum measured 20-30%
+    value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum measured 20-39%
     slower in every configuration on H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower
     (BENCHMARKS.md, "Diagonal")."""
     BK = _p2(K)

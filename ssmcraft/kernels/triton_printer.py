@@ -13,7 +13,8 @@ exp, log       ``tl.exp``, ``tl.log``; exp with ``fast_math`` (GPU code only): l
                a denormal fix-up (2-4 more instructions per element); ftz flushes results below
                1.2e-38 to zero. ``exp(c * x)`` prints as ``libdevice.exp2(x * (c * log2 e))`` when
                ``c`` is the cheap factor to scale: the factors whose symbols all lie in the first
-               set of ``scaled`` that has any (the diagonal kernels pass, in order, the values a
+               set of ``scaled`` that has some and leaves a non-constant factor ``x`` unscaled
+               (else nothing is saved; the diagonal kernels pass, in order, the values a
                thread holds one of, such as Mamba's per-column ``delta``: one multiply per step
                and thread, not per element; then the params, scaled once before the time loop,
                at the cost of a second register copy). The interpreter has no libdevice, so it
@@ -129,8 +130,9 @@ class TritonPrinter(StrPrinter):
             # first): exp2(x * (c * log2 e)), one multiply by log2 e per c, not per element
             for group in self.scaled:
                 cheap = [f for f in arg.args if f.free_symbols and {s.name for s in f.free_symbols} <= group]
-                if cheap and any(f.free_symbols for f in arg.args if f not in cheap):   # else nothing to save
-                    rest = sympy.Mul(*[f for f in arg.args if f not in cheap])
+                others = [f for f in arg.args if f not in cheap]
+                if cheap and any(f.free_symbols for f in others):   # else nothing to save
+                    rest = sympy.Mul(*others)
                     c = self.parenthesize(sympy.Mul(*cheap), PRECEDENCE["Mul"])
                     return f"libdevice.exp2({self.parenthesize(rest, PRECEDENCE['Mul'])} * ({c} * {LOG2E!r}))"
         return self._unary(self.exp_fn, expr)
