@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_public_path import CASES, case_inputs, decode  # noqa: E402
 from bench_train_mixers import build, tokens_per_s  # noqa: E402
 from common import Report, random_state  # noqa: E402
-from ssmcraft.errors import first_line  # noqa: E402
+from ssmcraft.errors import one_line  # noqa: E402
 from ssmcraft.kernels.checking import graphed_against_eager, rel_max  # noqa: E402
 from ssmcraft.kernels.timing import HOWS, obj_calls, time_calls  # noqa: E402
 
@@ -137,7 +137,7 @@ def guarded(rep, part, fn, *args, **kw):
         fn(*args, **kw)
     except Exception as e:  # noqa: BLE001: reported, not hidden
         where = traceback.extract_tb(e.__traceback__)[-3:]
-        rep.add(section="error", part=part, error=f"{type(e).__name__}: {first_line(e)}",
+        rep.add(section="error", part=part, error=one_line(e),
                 where=[f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in where])
 
 
@@ -147,11 +147,10 @@ def table(rep):
           "fwd ms eager / graphed / static | fwd+bwd ms eager / graphed / static | "
           "host us fwd / fwd+bwd eager, graphed, static | GPU busy fwd+bwd eager / graphed / static | check")
     for r in (r for r in rows if r.get("section") == "obj"):
-        hows = HOWS
-        print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in hows) + " | "
-              + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in hows) + " | "
-              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" for h in hows) + " | "
-              + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in hows) + " | "
+        print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in HOWS) + " | "
+              + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in HOWS) + " | "
+              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" for h in HOWS) + " | "
+              + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in HOWS) + " | "
               f"{'exact' if r['check_exact'] else format(r['check_worst_rel'], '.1e')} "
               f"{'PASS' if r['check_ok'] else 'FAIL'}")
     print("# training tokens/s (20M byte LM, B16 T512 bf16): mixer | eager | graphed | speedup | check")

@@ -25,14 +25,14 @@ DEV = "cuda"
 MIXERS = ("longhorn", "mamba", "gla", "deltanet")
 
 
-def build(objective: str, n_layers: int = 6, d_model: int = 512, device: str = DEV):
+def build(objective: str):
     """The byte LM of ``specs/longhorn_20m_bytes.yaml`` (6 x d512, 20M parameters with Longhorn) with
     ``objective``'s mixer, random weights."""
     from ssmcraft.layers.config import LMConfig
     from ssmcraft.layers.lm import LM
-    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": d_model, "n_layers": n_layers, "mlp_ratio": 2,
+    cfg = LMConfig.from_dict({"vocab_size": 256, "d_model": 512, "n_layers": 6, "mlp_ratio": 2,
                               "mixer": {"kind": "objective", "objective": objective, "heads": 1, "state_size": 16}})
-    return LM(cfg).to(device)
+    return LM(cfg).to(DEV)
 
 
 def anchor_recurrence(objective: str, mamba_dir: str | None):
@@ -72,7 +72,7 @@ def swap(lm, fn, label):
 def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False) -> tuple[float, float]:
     """(tokens/s, peak GiB) of training steps; ``graphs``: forward, loss and backward replayed from
     CUDA graphs (``ssmcraft.train.graphed.GraphedLoss``, what ``train.cuda_graphs`` runs)."""
-    from ssmcraft.train.validate import batch_loss
+    from ssmcraft.train.validate import step_loss
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     g = torch.Generator(device=DEV).manual_seed(0)
     data = torch.randint(0, 256, (steps + warmup, B, T + 1), device=DEV, generator=g)
@@ -85,10 +85,8 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False) -> tuple[flo
     def step(batch):
         if graphed is not None:
             loss = graphed(batch[:, :-1], batch[:, 1:])
-        else:                   # the loop's eager step: the loss outside autocast, as GraphedLoss captures it
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = lm(batch[:, :-1])
-            loss = batch_loss(logits, batch[:, 1:])
+        else:                   # the loop's eager step
+            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], torch.autocast("cuda", dtype=torch.bfloat16))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -24,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # compiled kernels only: the interpreter patches triton.language for the whole process, so this
@@ -36,21 +36,20 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from ssmcraft.errors import SsmcraftError  # noqa: E402
 
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
+K = 16          # the timed case's key dim (the generated source and the flags must agree on it)
 
 
-def load(objective: str, K: int = 16):
+def load(objective: str):
     """(plan, module) of ``objective``'s generated source as the GPU compiles it (fast_math), imported
     once (the file exists only while importing)."""
     import ssmcraft
+    from ssmcraft.compiler.cache import import_file
     from ssmcraft.kernels import diagonal as D
     ir = ssmcraft.compile(objective).ir
     with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
-        path = os.path.join(d, "gen.py")
-        with open(path, "w") as f:
-            f.write(D.generated_source(ir, K, fast_math=True))
-        spec = importlib.util.spec_from_file_location("sass_count_gen", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        path = Path(d) / "gen.py"
+        path.write_text(D.generated_source(ir, K, fast_math=True))
+        mod = import_file(path, "sass_count_gen")
     return D._get_plan(ir), mod
 
 
@@ -84,7 +83,7 @@ class Count:
 
 
 def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
-                  hsum: bool = True, even: bool = True, K: int = 16, prefetch: bool = False) -> Count:
+                  hsum: bool = True, even: bool = True, prefetch: bool = False) -> Count:
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
     flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
     T and V divide the chunk and the value block when ``even``."""

@@ -12,6 +12,11 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
+def one_line(e: BaseException) -> str:
+    """``Type: first line`` of an error (a record's or a log line's reason)."""
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
 class SsmcraftError(Exception):
     """Base class of every error ssmcraft raises on purpose."""
 

@@ -162,3 +162,7 @@ def test_without_a_prologue_the_eager_path_runs_by_name(monkeypatch):
     obj = ssmcraft.compile("longhorn")
     _, _, n_eager = _longhorn_end_to_end(monkeypatch, obj)
     assert obj.backend == "triton-interpret:rank1-row+eager-coefficients" and n_eager == 1
+    # `ssmcraft derive --kernel` says so too, rather than failing on the prologue it cannot print
+    from ssmcraft.kernels.triton_backend import kernel_source
+    fam, sources = kernel_source(obj)
+    assert fam == "rank1_row" and "no Triton prologue (no Triton printing for the function f)" in sources[0][1]

@@ -40,3 +40,12 @@ def test_gpu_source_compiles_and_each_change_cuts_the_backward():
     # the masks alone (value and time) cost a selection per element and step
     assert h["instructions"] < 0.85 * m["instructions"], (h["instructions"], m["instructions"])
     assert h["ops"].get("FSEL", 0) < m["ops"].get("FSEL", 0)
+
+
+def test_the_prefetched_forward_compiles_without_spilling():
+    # Config.PREFETCH is the forward the tuner picks for Mamba (BENCHMARKS.md "Diagonal, run 3"):
+    # its 4 prefetch sets stay in registers, and each step issues one MUFU.EX2 per state element
+    pf = _counts("--objective", "mamba", "--kernels", "fwd_main", "--prefetch")["fwd_main"]
+    assert pf["spill_bytes"] == 0, pf["spill_bytes"]
+    body = min((lp for lp in pf["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
+    assert body["ops"].get("MUFU") == 4 * 16, body     # the loop body is the 4 prefetched steps

@@ -59,15 +59,15 @@ def test_text_task_moved_once_slices_where_its_data_is(tmp_path):
 
 
 def _poison_step(monkeypatch, at_call: int):
-    real = loop.batch_loss
+    real = loop.step_loss
     calls = {"n": 0}
 
-    def poisoned(logits, targets):
+    def poisoned(*args):
         calls["n"] += 1
-        loss = real(logits, targets)
+        loss = real(*args)
         return loss * float("nan") if calls["n"] == at_call else loss
 
-    monkeypatch.setattr(loop, "batch_loss", poisoned)
+    monkeypatch.setattr(loop, "step_loss", poisoned)
 
 
 def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, monkeypatch):

@@ -70,15 +70,15 @@ def test_saved_run_loads_back_to_the_same_model(trained):
 
 
 def test_divergence_stops_the_run_with_a_status(corpus, tmp_path, monkeypatch):
-    real = loop.batch_loss
+    real = loop.step_loss
     calls = {"n": 0}
 
-    def poisoned(logits, targets):
+    def poisoned(*args):
         calls["n"] += 1
-        loss = real(logits, targets)
+        loss = real(*args)
         return loss * float("nan") if calls["n"] == 4 else loss
 
-    monkeypatch.setattr(loop, "batch_loss", poisoned)
+    monkeypatch.setattr(loop, "step_loss", poisoned)
     m = train_run(text_config(corpus, tokens=8 * 32 * 10), tmp_path)
     assert m["status"] == "diverged" and "step 3" in m["reason"]
     assert m["val_loss"] is None and m["steps"] == 3

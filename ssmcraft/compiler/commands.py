@@ -53,6 +53,8 @@ def stages(spec_arg) -> dict:
 
 
 def run(args) -> int:
+    if args.kernel:              # derives through ssmcraft.compile: the stages below would be thrown away
+        return _print_kernel(args.spec)
     st = stages(args.spec)
     if args.json:
         print(json.dumps(st["ir"].to_json(), indent=2))
@@ -60,8 +62,6 @@ def run(args) -> int:
     if args.code:
         print(st["source"], end="")
         return 0
-    if args.kernel:
-        return _print_kernel(args.spec)
     spec, ir = st["spec"], st["ir"]
     d, m = spec.dims
     print(f"{spec.name}: {' '.join(spec.summary.split())}")

@@ -36,6 +36,12 @@ def states(S) -> tuple:
     return tuple(S) if isinstance(S, (tuple, list)) else (S,)
 
 
+def like(S0, flat: tuple):
+    """The states ``flat`` in the form a call gave ``S0``: a tuple where it was a tuple or list, else
+    the one tensor (None for none). The inverse of ``states``."""
+    return tuple(flat) if isinstance(S0, (tuple, list)) else (flat[0] if flat else None)
+
+
 def _state_names(obj) -> tuple:
     spec = obj.spec
     return tuple(spec.states) if spec.states else (spec.state,)
@@ -59,6 +65,11 @@ class Reference:
         return _state_names(self.obj)
 
 
+def nan_worst(v: float) -> float:
+    """A ``max`` key under which NaN (an unwritten output) counts as the largest error."""
+    return v if v == v else float("inf")
+
+
 @dataclass
 class Comparison:
     """A kernel against a ``Reference``: relative RMS errors by name, one per output, final state
@@ -74,7 +85,7 @@ class Comparison:
     @property
     def worst(self) -> tuple[str, float]:
         """(name, error) of the largest error; NaN counts as the largest."""
-        name = max(self.errors, key=lambda k: self.errors[k] if self.errors[k] == self.errors[k] else float("inf"))
+        name = max(self.errors, key=lambda k: nan_worst(self.errors[k]))
         return name, self.errors[name]
 
     def over(self, tol: dict | float) -> dict:
@@ -118,8 +129,7 @@ def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Re
     leaves = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
     pleaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     s0 = None if S0 is None else tuple(s.detach().clone().requires_grad_() for s in states(S0))
-    y, S = obj.reference(leaves, pleaves, None if s0 is None else (s0 if isinstance(S0, (tuple, list)) else s0[0]),
-                         True)
+    y, S = obj.reference(leaves, pleaves, like(S0, s0 or ()), True)
     S = states(S)
     dy, dS = _cotangents(y, S, g)
     wrt = [*leaves.values(), *pleaves.values(), *(s0 or ())]
@@ -137,7 +147,7 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
     lv = {k: v.detach().to(dtype).requires_grad_() for k, v in ref.ins.items()}
     pv = {k: v.detach().float().requires_grad_() for k, v in ref.params.items()}
     s1 = None if ref.S0 is None else tuple(s.detach().float().requires_grad_() for s in states(ref.S0))
-    y, S = call(lv, pv, None if s1 is None else (s1 if isinstance(ref.S0, (tuple, list)) else s1[0]))
+    y, S = call(lv, pv, like(ref.S0, s1 or ()))
     S = states(S)
     if y.shape != ref.y.shape or [s.shape for s in S] != [s.shape for s in ref.S]:
         raise ValueError(f"the kernel returned y {tuple(y.shape)}, states {[tuple(s.shape) for s in S]}; the reference "
@@ -200,7 +210,7 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
     errs = {k: rel_max(graphed[k], eager[k]) for k in eager if k in graphed}
     missing = sorted(set(eager) ^ set(graphed))
     nonfinite = sorted(k for k, v in eager.items() if not bool(torch.isfinite(v).all()))
-    worst = max(errs.values(), key=lambda v: v if v == v else float("inf"))      # NaN counts as the worst
+    worst = max(errs.values(), key=nan_worst)
     return {"check_worst_rel": worst, "check_exact": worst == 0.0 and not missing, "check_eager_repeat_rel": floor,
             "check_ok": not over(errs, max(tol, floor)) and not missing and not nonfinite,
             "check_nonfinite": nonfinite,

@@ -125,13 +125,13 @@ def random_state(obj, B, H, d, m, device, seed: int = 1, requires_grad: bool = F
 def _capturing(what: str, fn):
     """``fn()``; a failure (a capture that is not safe, say) as a one-line ``SsmcraftError`` naming
     what was being done (``what``; the cause chained)."""
-    from ssmcraft.errors import SsmcraftError, first_line
+    from ssmcraft.errors import SsmcraftError, one_line
     try:
         return fn()
     except SsmcraftError:
         raise
     except Exception as e:  # noqa: BLE001: re-raised with what failed
-        raise SsmcraftError(f"--graphed: {what} failed: {type(e).__name__}: {first_line(e)}") from e
+        raise SsmcraftError(f"--graphed: {what} failed: {one_line(e)}") from e
 
 
 def _device_name(dev) -> str:

@@ -51,7 +51,7 @@ import torch
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import buffer
+from ssmcraft.kernels.tuning import INTERPRET, buffer
 from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 BACKEND_NAME = "diagonal-chunked"
@@ -63,14 +63,10 @@ def set_poison(on: bool) -> None:
     _POISON["on"] = bool(on)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _fast_math() -> bool:
     """libdevice's exp in the generated source: compiled for an NVIDIA GPU (not under the
     interpreter, which has no libdevice, nor on another Triton backend)."""
-    if _interpret():
+    if INTERPRET:
         return False
     import triton
     return triton.runtime.driver.active.get_current_target().backend == "cuda"
@@ -308,11 +304,16 @@ class _Gen:
     def _width(dims):
         return {frozenset({"d"}): "V", frozenset({"m"}): "K", frozenset(): "1"}[frozenset(dims)]
 
+    @staticmethod
+    def _tok_line(ind: str, t: str, tok: str) -> str:
+        """The line defining ``tok``, the flat (batch, time, head) index of step ``t``."""
+        return f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"
+
     def tok_loads(self, ind: str, t: str | None, need: set, tmask: str | None, suffix: str = "",
                   tok: str = "tok") -> list[str]:
         """Lines loading step ``t``'s token leaves into their variables (``suffix``: a prefetch set's);
         ``t`` None: the token index ``tok`` is defined already."""
-        out = [f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"] if t is not None else []
+        out = [self._tok_line(ind, t, tok)] if t is not None else []
         for lf in self.p.tok_leaves:
             if lf.name not in need:
                 continue
@@ -437,9 +438,7 @@ class _Gen:
                 f"{i}if PREFETCH:   # {_PF}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {_PF}",
                 *self._prefetched_steps(i * 2, need),
                 f"{i}else:",
-                f"{i}{i}for c in range(c0, c1):",
-                f"{i}{i}{i}if SAVE:",
-                f"{i}{i}{i}{i}tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)",
+                *self._chunk_head(i * 2),
                 f"{i}{i}{i}for t in range(c * L, tl.minimum(c * L + L, T)):",
                 *self.coefficients(i * 4, "t", ("a", "p", "q", "B", "oc", "oq", "oh")),
                 *self.update(i * 4, "S", "S"),
@@ -448,6 +447,13 @@ class _Gen:
                 f"{i}if STORE_FINAL:",
                 f"{i}{i}tl.store(ht + i_bh.to(tl.int64) * K * V + st, S, mask=mkv & (i_g == NG - 1))"]
 
+    @staticmethod
+    def _chunk_head(ind: str) -> list[str]:
+        """fwd_main's loop over its group's chunks, storing each chunk's start state when SAVE."""
+        return [f"{ind}for c in range(c0, c1):",
+                f"{ind}    if SAVE:",
+                f"{ind}        tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)"]
+
     def _prefetched_steps(self, ind: str, need: set) -> list[str]:
         """fwd_main's time loop with the token leaves loaded _PF steps ahead (variables suffixed by the
         set); loads past the end read step T-1 (clamped), and those steps are masked off."""
@@ -455,15 +461,12 @@ class _Gen:
         out = [f"{ind}t_last = T - 1"]
         for j in range(_PF):
             out += self.tok_loads(ind, f"tl.minimum(c0 * L + {j}, t_last)", need, None, f"_{j}", "tokp")
-        out += [f"{ind}for c in range(c0, c1):",
-                f"{ind}{i}if SAVE:",
-                f"{ind}{i}{i}tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)",
-                f"{ind}{i}for tb in range(c * L, c * L + L, {_PF}):"]
+        out += [*self._chunk_head(ind), f"{ind}{i}for tb in range(c * L, c * L + L, {_PF}):"]
         body = ind + i * 2
         for j in range(_PF):
             out += [f"{body}# step tb + {j}, from set {j}",
                     f"{body}vt = (tb + {j} < T) | EVEN_T",
-                    f"{body}tok = (i_b.to(tl.int64) * T + tb + {j}) * H + i_h"]
+                    self._tok_line(body, f"tb + {j}", "tok")]
             out += self.with_set(f"_{j}", lambda: [*self.node_lines(body, need), *self.update(body, "S", "S", "vt"),
                                                    f"{body}o = {self.readout('S')}"])
             out.append(f"{body}tl.store(y + tok * V + ov, o, mask=mv & vt)")
@@ -799,13 +802,13 @@ _HSUM = ['@triton.jit',
          '    return x',
          '']
 _MODULES: dict = {}
+_LS_SET = os.environ.get("SSMCRAFT_DIAG_LS")   # sweeps: unrolled steps per sub-chunk (read once, at import)
 
 
 def _ls_for(K: int) -> int:
     """Unrolled steps per backward sub-chunk (their states live in registers)."""
-    env = os.environ.get("SSMCRAFT_DIAG_LS")
-    if env:
-        return int(env)
+    if _LS_SET:
+        return int(_LS_SET)
     return 4 if K <= 32 else 2
 
 
@@ -826,11 +829,11 @@ def _module(plan: _Plan, BK: int, K: int):
     from ssmcraft.compiler import cache
     pad_k = BK != K
     ls = _ls_for(K)
-    key = (plan.hash, plan.ir.spec_name, pad_k, ls, _interpret())
+    key = (plan.hash, plan.ir.spec_name, pad_k, ls)
     mod = _MODULES.get(key)
     if mod is None:
         src = _source(plan, pad_k, ls, fast_math=_fast_math())
-        ck = cache.key_for("diagonal", src, str(_interpret()))
+        ck = cache.key_for("diagonal", src, str(INTERPRET))
         mod = cache.load_generated(f"diag_{plan.ir.spec_name}", ck, src)
         _MODULES[key] = mod
     return mod
@@ -856,12 +859,22 @@ class Config:
     PREFETCH: bool = False  # forward: token leaves loaded _PF steps ahead (fwd_main; L % _PF == 0)
 
 
+def _hsum_ok(BK: int, BV: int) -> bool:
+    """Whether the halving sums (Config.HSUM) can run: every key lands on a lane of its own."""
+    return BK <= BV
+
+
+def _prefetch_ok(L: int) -> bool:
+    """Whether fwd_main's register prefetch (Config.PREFETCH) can run: whole prefetch sets per chunk."""
+    return L % _PF == 0
+
+
 def check_config(cfg: Config, K: int, ls: int) -> None:
     """Refuse a configuration the kernels cannot run (before any kernel is launched)."""
     BK, L = _p2(K), ls * cfg.NSUB
-    if cfg.HSUM and BK > cfg.BV:
+    if cfg.HSUM and not _hsum_ok(BK, cfg.BV):
         raise SsmcraftError(f"diagonal Config.HSUM needs BK <= BV (BK = {BK}, BV = {cfg.BV})")
-    if cfg.PREFETCH and L % _PF:
+    if cfg.PREFETCH and not _prefetch_ok(L):
         raise SsmcraftError(f"diagonal Config.PREFETCH needs chunks of a multiple of {_PF} steps (L = {L})")
 
 
@@ -1020,13 +1033,13 @@ def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     """The interpreter's configuration (large tiles, one group), and the GPU's default: 32-wide value
     blocks, warps along V, about 24 programs per SM (the measured best on H200, BENCHMARKS.md)."""
     BK = _p2(K)
-    if _interpret():
+    if INTERPRET:
         BV = min(_p2(V), 64)
         warps, NG = 1, 1
     else:
         BV = 32 if V >= 32 else _p2(V)
         warps, NG = _warps(BK, BV), 2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K))
-    return Config(BV=BV, num_warps=warps, NG=NG, NSUB=_nsub(K), HSUM=BK <= BV)
+    return Config(BV=BV, num_warps=warps, NG=NG, NSUB=_nsub(K), HSUM=_hsum_ok(BK, BV))
 
 
 def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
@@ -1044,7 +1057,7 @@ def _fwd_candidates(K, V, B, H, T):
     BK = _p2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
-    prefetch = (False, True) if (ls * nsub) % _PF == 0 else (False,)
+    prefetch = (False, True) if _prefetch_ok(ls * nsub) else (False,)
     out = []
     for BV, mult in ((32, (1, 2, 4)), (64, (1, 2))):
         if BV > max(32, _p2(V)):
@@ -1072,7 +1085,7 @@ def _bwd_candidates(K, V, B, H, T):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g)[0] for g in (ngp, 2 * ngp)}):
-            out.append(Config(BV, _warps(BK, BV), NG, nsub, HSUM=BK <= BV))
+            out.append(Config(BV, _warps(BK, BV), NG, nsub, HSUM=_hsum_ok(BK, BV)))
     return out
 
 
@@ -1241,8 +1254,6 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
         y = x0.new_zeros(B, 0, H, V, dtype=out_dtype)
         S = initial_state.float() if initial_state is not None else x0.new_zeros(B, H, K, V, dtype=torch.float32)
         return y, (S if output_final_state else None)
-    if config is not None:
-        check_config(config, K, _ls_for(K))
     h0 = None if initial_state is None else initial_state.float().contiguous().reshape(B * H, 1, K, V)
     names = list(leaves)
     y, ht = _DiagonalScan.apply(plan, names, (B, T, H, K, V), out_dtype, bool(output_final_state), config, h0,

@@ -620,14 +620,14 @@ def runner(obj, ir, lay, row_block=None):
     kernel as the caller's tensors, in their own dtype (params broadcast to ``[B, T, H, *]``), with no
     per-call validation or layout. ``row_block``: rows per program (None: all rows in one).
     Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T)``."""
-    from ssmcraft.kernels.slots import CallSlots, ComputedPath
+    from ssmcraft.kernels.slots import CallSlots, NO_COMPUTED
     names = [*ir.inputs, *ir.params]
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     BV = row_block or triton.next_power_of_2(d)
     out_dtype = io_dtype(lay.out_dtype)
 
     def fn(inputs, params, initial_state, output_final_state):
-        cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m, ComputedPath(None))
+        cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m, NO_COMPUTED)
         leaves = [cs.leaf(n).contiguous() for n in names]
         y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state,
                                       _stack_states(ir, initial_state), *leaves)

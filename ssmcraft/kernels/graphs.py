@@ -30,6 +30,7 @@ from typing import Mapping
 import torch
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.kernels.checking import states
 
 NEED_CUDA = "CUDA graphs need a CUDA device"
 
@@ -157,8 +158,8 @@ class GraphedCall:
         ni, np_ = len(self._input_names), len(self._param_names)
         inputs = dict(zip(self._input_names, flat[:ni]))
         params = dict(zip(self._param_names, flat[ni:ni + np_])) or None
-        states = tuple(flat[ni + np_:])
-        initial_state = states if self._tuple_state else (states[0] if states else None)
+        held = tuple(flat[ni + np_:])
+        initial_state = held if self._tuple_state else (held[0] if held else None)
         return inputs, params, initial_state
 
     def static_inputs(self) -> tuple:
@@ -181,8 +182,7 @@ class GraphedCall:
                 or tuple_state != self._tuple_state or list(inputs) != self._input_names
                 or list(params or {}) != self._param_names):
             return None
-        states = tuple(initial_state) if tuple_state else () if initial_state is None else (initial_state,)
-        flat = (*inputs.values(), *(params or {}).values(), *states)
+        flat = (*inputs.values(), *(params or {}).values(), *states(initial_state))
         return flat if [_row(t) for t in flat] == self._rows else None
 
     def _checked_flat(self, inputs, params, initial_state, ofs) -> tuple:
@@ -206,7 +206,7 @@ class GraphedCall:
         if flat is None:
             flat = self._checked_flat(inputs, params, initial_state, ofs)
         out = self._graphed(*flat)
-        y, states = out[0], tuple(out[1:])
+        y, finals = out[0], tuple(out[1:])
         if not self.output_final_state:
             return y, None
-        return y, (states if self.several_states else states[0])
+        return y, (finals if self.several_states else finals[0])

@@ -338,7 +338,7 @@ def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
     Returns slot -> fp32 ``[B, T, H, d]`` / ``[B, T, H, m]`` / ``[B, T, H]`` / ``[B, T, H, d, m]``,
     differentiable with respect to the inputs and params (gradients in their dtypes).
     """
-    from ssmcraft.kernels.slots import CallSlots, ComputedPath, bindings
+    from ssmcraft.kernels.slots import CallSlots, NO_COMPUTED, bindings
     obj = objective
     if isinstance(objective, str):
         import ssmcraft
@@ -350,5 +350,5 @@ def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
         sizes.update(zip(dims, inputs[n].shape[3:]))
     B, T, H = next(iter(inputs.values())).shape[:3]
     binds = bindings(ir)
-    cs = CallSlots(obj, binds, inputs, params, B, T, H, sizes.get(d, 1), sizes.get(m, 1), ComputedPath(None))
+    cs = CallSlots(obj, binds, inputs, params, B, T, H, sizes.get(d, 1), sizes.get(m, 1), NO_COMPUTED)
     return run(module(ir, binds), cs)

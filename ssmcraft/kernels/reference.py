@@ -36,23 +36,15 @@ def _fail(msg: str):
     raise SsmcraftError(msg)
 
 
-def _default_param(decl):
-    init = decl.init
-    if init == "zeros" or init == "ones" or (isinstance(init, dict) and "constant" in init):
-        value = 0.0 if init == "zeros" else 1.0 if init == "ones" else init["constant"]
-        return value
-    return None
-
-
 def constant_param(decl, shape, device, what: str, dtype=torch.float32) -> torch.Tensor:
     """A param a call did not pass: its constant init (``zeros``, ``ones``, ``{constant: c}``) as a
     ``shape`` tensor. A random init, or no declaration (``decl`` None), raises ``SsmcraftError``
     naming ``what`` (e.g. ``"longhorn: param 'A'"``)."""
-    value = None if decl is None else _default_param(decl)
-    if value is None:
-        init = "no declaration" if decl is None else f"a random init ({decl.init})"
-        _fail(f"{what} has {init}; pass it in params")
-    return torch.full(list(shape), float(value), dtype=dtype, device=device)
+    init = None if decl is None else decl.init
+    if init == "zeros" or init == "ones" or (isinstance(init, dict) and "constant" in init):
+        value = 0.0 if init == "zeros" else 1.0 if init == "ones" else init["constant"]
+        return torch.full(list(shape), float(value), dtype=dtype, device=device)
+    _fail(f"{what} has {'no declaration' if decl is None else f'a random init ({init})'}; pass it in params")
 
 
 def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:

@@ -87,6 +87,9 @@ class ComputedPath:
     run: object = None
 
 
+NO_COMPUTED = ComputedPath(None)      # the path of an objective without computed slots (or a runner not using them)
+
+
 def eager_coefficients(cs: "CallSlots") -> dict:
     """The generated ``coefficients`` once for every computed slot together (they share their
     sub-expressions, e.g. Longhorn's ``c`` inside ``p = c x``), on fp32 copies of the leaves they
@@ -109,7 +112,7 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     """The path of ``obj``'s computed slots in a Triton family (see the module docstring); the
     families call it in ``prepare``, once per call signature, and tag their runner with its name."""
     if not any(b.kind == "computed" for b in binds.values()):
-        return ComputedPath(None)
+        return NO_COMPUTED
     from ssmcraft.kernels import prologue
     try:
         entry = prologue.module(obj.ir, binds)

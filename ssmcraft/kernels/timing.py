@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ssmcraft.kernels.checking import states
+from ssmcraft.kernels.checking import like, states
 
 HOWS = ("eager", "graphed", "static")
 KINDS = ("fwd", "fwd_bwd")
@@ -72,10 +72,9 @@ def grad_leaves(inputs, params=None, initial_state=None) -> list[torch.Tensor]:
 
 def detached(inputs, params=None, initial_state=None) -> tuple:
     """``(inputs, params, initial_state)`` with every tensor detached (same storage)."""
-    held = tuple(s.detach() for s in states(initial_state))
-    state = held if isinstance(initial_state, (tuple, list)) else (held[0] if held else None)
     return ({n: t.detach() for n, t in inputs.items()},
-            None if params is None else {n: t.detach() for n, t in params.items()}, state)
+            None if params is None else {n: t.detach() for n, t in params.items()},
+            like(initial_state, tuple(s.detach() for s in states(initial_state))))
 
 
 def obj_calls(obj, inputs, params=None, initial_state=None, output_final_state: bool = False,

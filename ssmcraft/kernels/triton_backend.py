@@ -169,7 +169,10 @@ def kernel_source(obj) -> tuple[str | None, list[tuple[str, str]]]:
         binds = slots.bindings(obj.ir)
         if not any(b.kind == "computed" for b in binds.values()):
             return fam, []
-        return fam, [("prologue of the computed slots", prologue.module(obj.ir, binds)[2])]
+        try:
+            return fam, [("prologue of the computed slots", prologue.module(obj.ir, binds)[2])]
+        except NotImplementedError as e:   # as slots.computed_path decides: the eager coefficients run them
+            return fam, [("computed slots", f"# no Triton prologue ({e}): the generated eager coefficients compute them\n")]
     return None, []
 
 

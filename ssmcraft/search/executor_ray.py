@@ -76,7 +76,7 @@ class ReportBroker:
 
 
 def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
-                  broker, wants_gpu: bool, await_answers: bool = False) -> Outcome:
+                  broker, wants_gpu: bool, await_answers: bool) -> Outcome:
     """The Ray task: say it started, check the GPU it was given, ``outcome.execute``.
 
     ``await_answers``: a report waits for the coordinator's answer to it (a rung or the pruner

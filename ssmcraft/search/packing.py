@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ssmcraft.errors import first_line
+from ssmcraft.errors import one_line
 from ssmcraft.search.fidelity import tokens_per_step
 
 CONTEXT_BYTES = 768 * 2**20      # per trial process: CUDA context + library workspaces (outside the allocator)
@@ -179,7 +179,7 @@ class AutoPacker:
         try:
             found = probe(config)
         except Exception as e:  # noqa: BLE001: the reason is logged and recorded; the search goes on unpacked
-            packing, found = unpacked(f"memory probe failed ({type(e).__name__}: {first_line(e)}): one trial per GPU"), None
+            packing, found = unpacked(f"memory probe failed ({one_line(e)}): one trial per GPU"), None
         else:
             if not found.get("peak_bytes") or not found.get("gpu_bytes"):
                 packing = unpacked(f"memory probe measured nothing ({found}): one trial per GPU")

@@ -35,8 +35,8 @@ DEFAULTS = {"seq_len": 256, "digits": 5, "depth": None, "test_seq_len": None}
 
 
 def needle_length(digits: int) -> int:
-    """The needle's length in bytes with its ``digits``-digit key written in twice."""
-    return len(NEEDLE) - 2 * len(b"{key}") + 2 * digits
+    """The needle's length in bytes with its ``digits``-digit key written in (at each ``{key}``)."""
+    return len(NEEDLE) + NEEDLE.count(b"{key}") * (digits - len(b"{key}"))
 
 
 def min_length(digits: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ssmcraft.errors import first_line
+from ssmcraft.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -106,5 +106,6 @@ def run_compiled_step(step: Callable[[torch.nn.Module], Any], compiled: torch.nn
 def record_fallback(info: dict, what: str, logged: str, e: BaseException) -> None:
     """A path that failed and fell back to eager training: ``info`` (a run record's ``compile`` or
     ``cuda_graphs``) gets ``enabled: false`` and ``fallback``, and the log a warning."""
-    info.update(enabled=False, fallback=f"{what}: {type(e).__name__}: {first_line(e)}; ran eager")
-    log.warning("%s (%s: %s): training eager instead", logged, type(e).__name__, first_line(e))
+    reason = one_line(e)
+    info.update(enabled=False, fallback=f"{what}: {reason}; ran eager")
+    log.warning("%s (%s): training eager instead", logged, reason)

@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from ssmcraft.errors import SpecError, SsmcraftError, first_line
+from ssmcraft.errors import SpecError, SsmcraftError, one_line
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.train.compiled import record_fallback
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE
 from ssmcraft.train.device import autocast
-from ssmcraft.train.validate import batch_loss
+from ssmcraft.train.validate import step_loss
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ class _LossModule(torch.nn.Module):
         self._device, self.precision = device, precision
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast(self._device, self.precision, cache_enabled=False):
-            logits = self.model(inputs)
-        return batch_loss(logits, targets)
+        return step_loss(self.model, inputs, targets, autocast(self._device, self.precision, cache_enabled=False))
 
 
 class GraphedLoss:
@@ -107,7 +105,7 @@ def capture_loss(model, inputs, targets, device, precision, info: dict) -> Graph
     except Exception as e:  # noqa: BLE001: only the capture runs here; recorded, or raised under true
         if info["setting"] is True:
             raise SsmcraftError(f"train.cuda_graphs: capturing the training step failed: "
-                                f"{type(e).__name__}: {first_line(e)}") from e
+                                f"{one_line(e)}") from e
         record_fallback(info, "capture failed", "CUDA graph capture of the training step failed", e)
         return None
     log.info("CUDA graphs: training step captured for batches %s", list(graphed.shapes[0]))

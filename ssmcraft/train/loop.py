@@ -71,7 +71,7 @@ from ssmcraft.train.config import resolve
 from ssmcraft.train.device import autocast, peak_memory, peak_reserved, pick_device, pick_precision, reset_peak_memory
 from ssmcraft.train.graphed import capture_loss, graphs_decision
 from ssmcraft.train.schedule import lr_at, warmup_steps
-from ssmcraft.train.validate import batch_loss, evaluate
+from ssmcraft.train.validate import evaluate, step_loss
 
 log = logging.getLogger("ssmcraft.train")
 
@@ -273,9 +273,7 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
     """
     opt.zero_grad(set_to_none=True)
     if graphed is None:
-        with amp():
-            logits = model(inputs)
-        loss = batch_loss(logits, targets)
+        loss = step_loss(model, inputs, targets, amp())
     else:
         loss = graphed(inputs, targets)
     loss.backward()

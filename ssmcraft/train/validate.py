@@ -12,6 +12,14 @@ def batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+def step_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
+    """A training step's loss: the model under ``autocast`` (a context manager), the loss outside it
+    (``batch_loss``, fp32). The eager step, the captured one (``train.graphed``) and the benchmarks'."""
+    with autocast:
+        logits = model(inputs)
+    return batch_loss(logits, targets)
+
+
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy ``[B, T]`` (0 where the target is IGNORE)."""
     return F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
