@@ -73,10 +73,12 @@ def train_rows(rep, name, steps, warmup):
     torch.manual_seed(0)
     lm = build(name)
     row = dict(section="train", mixer=name)
-    row["eager_tokens_per_s"], row["eager_peak_GiB"] = tokens_per_s(lm, steps=steps, warmup=warmup)
-    torch.manual_seed(0)
-    lm = build(name)
-    row["graphed_tokens_per_s"], row["graphed_peak_GiB"] = tokens_per_s(lm, steps=steps, warmup=warmup, graphs=True)
+    for how, graphs, threads in (("eager", False, True), ("eager_1t", False, False), ("graphed", True, True),
+                                 ("graphed_1t", True, False)):
+        torch.manual_seed(0)
+        lm = build(name)
+        row[f"{how}_tokens_per_s"], row[f"{how}_peak_GiB"] = tokens_per_s(lm, steps=steps, warmup=warmup, graphs=graphs,
+                                                                          engine_threads=threads)
     row["speedup"] = row["graphed_tokens_per_s"] / row["eager_tokens_per_s"]
     row["backend"] = lm.backends()
     row.update(train_check(name))
@@ -143,19 +145,24 @@ def guarded(rep, part, fn, *args, **kw):
 
 def table(rep):
     rows = rep.data["rows"]
-    print("\n# obj() bf16 (static: the graph's own input buffers, no copy-in): objective | "
-          "fwd ms eager / graphed / static | fwd+bwd ms eager / graphed / static | "
-          "host us fwd / fwd+bwd eager, graphed, static | GPU busy fwd+bwd eager / graphed / static | check")
+    print("\n# obj() bf16 (1-thread: eager fwd+bwd, the autograd engine on the calling thread; static: the "
+          "graph's own input buffers, no copy-in): objective | fwd ms eager / graphed / static | "
+          "fwd+bwd ms eager / 1-thread / graphed / static | host us fwd / fwd+bwd eager, 1-thread (fwd+bwd), "
+          "graphed, static | GPU busy fwd+bwd eager / 1-thread / graphed / static | check")
+    fwd_hows = [h for h in HOWS if h != "onethread"]
     for r in (r for r in rows if r.get("section") == "obj"):
-        print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in HOWS) + " | "
+        print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in fwd_hows) + " | "
               + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in HOWS) + " | "
-              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" for h in HOWS) + " | "
+              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" if h in fwd_hows
+                          else f"{r[f'{h}_host_us_fwd_bwd']:.0f}" for h in HOWS) + " | "
               + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in HOWS) + " | "
               f"{'exact' if r['check_exact'] else format(r['check_worst_rel'], '.1e')} "
               f"{'PASS' if r['check_ok'] else 'FAIL'}")
-    print("# training tokens/s (20M byte LM, B16 T512 bf16): mixer | eager | graphed | speedup | check")
+    print("# training tokens/s (20M byte LM, B16 T512 bf16; 1t: the backward on the calling thread, "
+          "train.autograd_threads: false): mixer | eager | eager 1t | graphed | graphed 1t | speedup (graphed / eager) | check")
     for r in (r for r in rows if r.get("section") == "train"):
-        print(f"{r['mixer']:9s} | {r['eager_tokens_per_s']:.0f} | {r['graphed_tokens_per_s']:.0f} | "
+        print(f"{r['mixer']:9s} | {r['eager_tokens_per_s']:.0f} | {r['eager_1t_tokens_per_s']:.0f} | "
+              f"{r['graphed_tokens_per_s']:.0f} | {r['graphed_1t_tokens_per_s']:.0f} | "
               f"{r['speedup']:.2f}x | {r['check_worst_rel']:.1e} {'PASS' if r['check_ok'] else 'FAIL'}")
     print("# decode tokens/s: batch | eager | graphed | logits check")
     dec = {(r["batch"], r["graphed"]): r["decode_tokens_per_s"] for r in rows if r.get("section") == "decode"}

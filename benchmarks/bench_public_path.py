@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Report, bench_ms, copy_bandwidth, random_inputs  # noqa: E402
-from ssmcraft.kernels.timing import obj_calls, time_calls  # noqa: E402
+from ssmcraft.kernels.timing import obj_calls, on_this_thread, time_calls  # noqa: E402
 from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
@@ -220,7 +220,9 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
         row = dict(section="time", objective=name, shape=f"B{B} T{T} H{H} d{d} m{m} bf16", backend=obj.backend,
                    ours_fwd_ms=f_ms, ours_fwd_bwd_ms=fb_ms, gpu_busy_fwd=t["eager_busy_fwd"],
                    gpu_busy_fwd_bwd=t["eager_busy_fwd_bwd"], host_us_fwd=t["eager_host_us_fwd"],
-                   host_us_fwd_bwd=t["eager_host_us_fwd_bwd"], anchor=anchor)
+                   host_us_fwd_bwd=t["eager_host_us_fwd_bwd"], anchor=anchor,
+                   ours_fwd_bwd_1t_ms=t["onethread_fwd_bwd_ms"], gpu_busy_fwd_bwd_1t=t["onethread_busy_fwd_bwd"],
+                   host_us_fwd_bwd_1t=t["onethread_host_us_fwd_bwd"])
         try:
             if anchor.startswith("FLA") and fla is None or anchor.startswith("mamba") and ssc is None:
                 raise RuntimeError("anchor not available")
@@ -243,8 +245,11 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
             with torch.no_grad():
                 row["anchor_fwd_ms"] = bench_ms(a_fwd)
             if name != "gated_deltanet":
-                row["anchor_fwd_bwd_ms"] = bench_ms(lambda: torch.autograd.grad(a_fwd(), grads_of, a_dy))
+                a_fb = lambda: torch.autograd.grad(a_fwd(), grads_of, a_dy)  # noqa: E731
+                row["anchor_fwd_bwd_ms"] = bench_ms(a_fb)
                 row["ratio_fwd_bwd"] = fb_ms / row["anchor_fwd_bwd_ms"]
+                row["anchor_fwd_bwd_1t_ms"] = bench_ms(on_this_thread(a_fb))
+                row["ratio_fwd_bwd_1t"] = row["ours_fwd_bwd_1t_ms"] / row["anchor_fwd_bwd_1t_ms"]
             row["ratio_fwd"] = f_ms / row["anchor_fwd_ms"]
         except Exception as e:  # noqa: BLE001
             row["anchor_error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -362,7 +367,8 @@ def main():
                 check(rep, "mamba", fla, ssc, dt, H=1, d=256, m=16)
     rep.write(args.out)
     print("\n# summary (bf16, B=8, T=2048): objective | ours fwd / fwd+bwd ms | anchor fwd / fwd+bwd ms | "
-          "ratio fwd / fwd+bwd | GPU busy fwd / fwd+bwd | host us")
+          "ratio fwd / fwd+bwd | GPU busy fwd / fwd+bwd | host us; then fwd+bwd with the autograd engine on the "
+          "calling thread (1t): ours / anchor ms, ratio, GPU busy, host us")
     for r in rep.data["rows"]:
         if r.get("section") == "time":
             print(f"{r['objective']:15s} | {r['ours_fwd_ms']:.3f} / {r['ours_fwd_bwd_ms']:.3f} | "
@@ -370,6 +376,9 @@ def main():
                   f"{r.get('ratio_fwd', float('nan')):.2f} / {r.get('ratio_fwd_bwd', float('nan')):.2f} | "
                   f"{r['gpu_busy_fwd']:.2f} / {r['gpu_busy_fwd_bwd']:.2f} | {r['host_us_fwd']:.0f} / {r['host_us_fwd_bwd']:.0f} "
                   f"| {r['backend']} {r.get('anchor_error', '')}")
+            print(f"{'':15s}   1t: {r['ours_fwd_bwd_1t_ms']:.3f} / {r.get('anchor_fwd_bwd_1t_ms', float('nan')):.3f} | "
+                  f"{r.get('ratio_fwd_bwd_1t', float('nan')):.2f} | {r['gpu_busy_fwd_bwd_1t']:.2f} | "
+                  f"{r['host_us_fwd_bwd_1t']:.0f}")
         elif r.get("section") == "check":
             print(f"check {r['objective']:15s} {r['dtype']:9s} worst {r['worst']:.2e} "
                   f"second call vs first {r.get('second_call_vs_first', float('nan')):.1e} {'PASS' if r['ok'] else 'FAIL'}"

@@ -5,8 +5,9 @@ the mixer's recurrence (FLA for GLA / DeltaNet / exact Longhorn, mamba's selecti
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_train_mixers.py [--mamba DIR] [--no-anchors] [--out FILE]
 
 One training step = forward, loss, backward, AdamW step, bf16 autocast (as ``ssmcraft train`` on
-CUDA), B=16, T=512 random bytes; tokens/s over 20 steps after 5 warm-up steps. The anchors
-replace only ``obj(inputs, params)`` inside each mixer (projections, conv, gate and MLP are the
+CUDA with ``train.cuda_graphs: false``; ``--one-thread``: the backward on the calling thread,
+``train.autograd_threads: false``), B=16, T=512 random bytes; tokens/s over 20 steps after 5
+warm-up steps. The anchors replace only ``obj(inputs, params)`` inside each mixer (projections, conv, gate and MLP are the
 same code), so the gap between a row and its anchor row is the recurrence's share.
 """
 from __future__ import annotations
@@ -69,9 +70,11 @@ def swap(lm, fn, label):
         m._recur = recur
 
 
-def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False) -> tuple[float, float]:
+def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threads=True) -> tuple[float, float]:
     """(tokens/s, peak GiB) of training steps; ``graphs``: forward, loss and backward replayed from
-    CUDA graphs (``ssmcraft.train.graphed.GraphedLoss``, what ``train.cuda_graphs`` runs)."""
+    CUDA graphs (``ssmcraft.train.graphed.GraphedLoss``, what ``train.cuda_graphs`` runs);
+    ``engine_threads``: the backward handed to the autograd engine's device thread (PyTorch's
+    default; False: run on this thread, ``train.autograd_threads: false``)."""
     from ssmcraft.train.validate import step_loss
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -87,7 +90,8 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False) -> tuple[flo
             loss = graphed(batch[:, :-1], batch[:, 1:])
         else:                   # the loop's eager step
             loss = step_loss(lm, batch[:, :-1], batch[:, 1:], torch.autocast("cuda", dtype=torch.bfloat16))
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(engine_threads):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     for i in range(warmup):
@@ -105,13 +109,15 @@ def main():
     ap.add_argument("--mamba", help="directory holding mamba's built selective_scan_cuda extension")
     ap.add_argument("--no-anchors", action="store_true")
     ap.add_argument("--only", help="comma-separated mixers (default: all four)")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="run the backward on the calling thread (train.autograd_threads: false)")
     ap.add_argument("--out")
     args = ap.parse_args()
     rep = Report("bench_train_mixers (issue 12)")
     for name in (args.only.split(",") if args.only else MIXERS):
         torch.manual_seed(0)
         lm = build(name)
-        tps, mem = tokens_per_s(lm)
+        tps, mem = tokens_per_s(lm, engine_threads=not args.one_thread)
         rep.add(mixer=name, path="ssmcraft", backend=lm.backends(), tokens_per_s=tps, peak_GiB=mem,
                 params_M=sum(p.numel() for p in lm.parameters()) / 1e6)
         if args.no_anchors:
@@ -120,7 +126,7 @@ def main():
             torch.manual_seed(0)
             lm = build(name)
             swap(lm, anchor_recurrence(name, args.mamba), f"anchor:{name}")
-            tps_a, mem_a = tokens_per_s(lm)
+            tps_a, mem_a = tokens_per_s(lm, engine_threads=not args.one_thread)
             rep.add(mixer=name, path="anchor kernel", backend=lm.backends(), tokens_per_s=tps_a, peak_GiB=mem_a,
                     ours_over_anchor=tps / tps_a)
         except Exception as e:  # noqa: BLE001

@@ -7,6 +7,11 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
 - one trivial Triton kernel through ``kernel[grid](...)`` (Triton's launcher) and through
   ``ssmcraft.kernels.launch.launch`` (the compiled kernel's launcher, direct);
 - the same kernel replayed 20 times inside one CUDA graph (per kernel);
+- the autograd engine alone: ``torch.autograd.grad`` through an ``autograd.Function`` whose
+  forward and backward launch nothing, on a GPU tensor (the engine hands the backward to its
+  device thread and waits) and on a CPU tensor (run on the calling thread); and one small
+  PyTorch kernel each way (``x * 2``); "engine on this thread" is the same call under
+  ``torch.autograd.set_multithreading_enabled(False)``;
 - DeltaNet ``obj()`` fwd+bwd at B=8, T=2048 (bf16), with the count of Triton kernels launched
   directly vs through Triton during it (``launch.stats``): the public path's host time per call.
 
@@ -26,6 +31,35 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import launch as L  # noqa: E402
+
+
+class _Nothing(torch.autograd.Function):
+    """Forward and backward that launch no kernel: what the autograd engine costs by itself."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Launches(torch.autograd.Function):
+    """A backward that launches ``n`` small PyTorch kernels (``-n``: direct Triton launches)."""
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        for _ in range(abs(ctx.n)):
+            if ctx.n > 0:
+                g.add_(1)
+            else:
+                L.launch(_noop, (1,), g, g.numel(), BLOCK=256)
+        return g, None
 
 
 @triton.jit
@@ -65,6 +99,24 @@ def main():
     torch.cuda.current_stream().wait_stream(s)
     rows["CUDA graph replay, per kernel of 20"] = host_us(g.replay, n=50) / 20
     rows["direct launches / through Triton (noop)"] = f"{L.stats(_noop)}"
+    for where in ("cuda", "cpu"):
+        a = torch.zeros(256, device=where, requires_grad=True)
+        ga = torch.ones(256, device=where)
+        rows[f"autograd.grad, Function with no kernels ({where})"] = host_us(
+            lambda: torch.autograd.grad(_Nothing.apply(a), a, ga))
+        if where == "cuda":
+            with torch.autograd.set_multithreading_enabled(False):
+                rows["  the same, engine on this thread"] = host_us(
+                    lambda: torch.autograd.grad(_Nothing.apply(a), a, ga))
+    for what, n in (("4 torch kernels", 4), ("4 direct Triton launches", -4)):
+        a = torch.zeros(256, device=dev, requires_grad=True)
+        ga = torch.ones(256, device=dev)
+        for mt in (True, False):
+            with torch.autograd.set_multithreading_enabled(mt):
+                rows[f"autograd.grad, backward of {what}{'' if mt else ', engine on this thread'}"] = host_us(
+                    lambda: torch.autograd.grad(_Launches.apply(a, n), a, ga))
+    a = torch.zeros(256, device=dev, requires_grad=True)
+    rows["autograd.grad of x * 2 (one kernel each way)"] = host_us(lambda: torch.autograd.grad(a * 2, a, x))
 
     obj = ssmcraft.compile("deltanet")
     B, T, H, K = 8, 2048, 16, 64
@@ -84,6 +136,8 @@ def main():
     with torch.no_grad():
         rows["deltanet obj() fwd"] = host_us(fwd, n=30)
     rows["deltanet obj() fwd+bwd"] = host_us(fwd_bwd, n=30)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["deltanet obj() fwd+bwd, engine on this thread"] = host_us(fwd_bwd, n=30)
     from ssmcraft.kernels import rank1_chunk as R
     rows["deltanet kernels: direct / through Triton"] = {
         k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}

@@ -72,12 +72,18 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
     signatures of eager calls (fwd on detached tensors, fwd+bwd on the leaves, the check with an initial
     state and output_final_state); eager, graphed and static timed per kind, with GPU busy; the check
     exact; the table prints every figure next to eager's."""
-    timed = []
+    timed, engine, real_grad = [], [], torch.autograd.grad
+
+    def grad_spy(*a, **k):               # whether the autograd engine may use its device threads
+        engine.append(torch._C._is_multithreading_enabled())
+        return real_grad(*a, **k)
 
     def fake_bench(fn, *a, **k):
+        n = len(engine)
         fn()
-        timed.append(torch.is_grad_enabled())
+        timed.append((torch.is_grad_enabled(), set(engine[n:])))
         return 0.25 + 0.25 * len(timed)
+    monkeypatch.setattr(torch.autograd, "grad", grad_spy)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(timing, "bench_ms", fake_bench)
     monkeypatch.setattr(timing, "busy", lambda fn, n=30: (fn(), (0.5, 1.0, 12.0))[1])
@@ -95,20 +101,23 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
     check_sig = made[-1]
     assert check_sig[-2][0] == "initial_state" and check_sig[-1] == ("output_final_state", True)
     kinds = ("fwd", "fwd_bwd") if backward else ("fwd",)
-    for how in timing.HOWS:
-        for kind in kinds:
-            assert res[f"{how}_{kind}_ms"] > 0 and res[f"{how}_busy_{kind}"] == 0.5
-            assert res[f"{how}_host_us_{kind}"] == 12.0
-    assert timed == [kind == "fwd_bwd" for _ in timing.HOWS for kind in kinds]   # fwd under no_grad
+    calls = [(how, kind) for how in timing.HOWS for kind in kinds if how != "onethread" or kind == "fwd_bwd"]
+    for how, kind in calls:
+        assert res[f"{how}_{kind}_ms"] > 0 and res[f"{how}_busy_{kind}"] == 0.5
+        assert res[f"{how}_host_us_{kind}"] == 12.0
+    assert "onethread_fwd_ms" not in res and ("onethread_fwd_bwd_ms" in res) == backward
+    # fwd under no_grad; only onethread's fwd+bwd with the autograd engine on the calling thread
+    assert timed == [(kind == "fwd_bwd", {how != "onethread"} if kind == "fwd_bwd" else set()) for how, kind in calls]
     assert res["fwd_ms"] == res["eager_fwd_ms"] and ("fwd_bwd_ms" in res) == backward
     assert res["check_ok"] and res["check_exact"] and not res["check_missing"]
     expected = {"y", "S_T"} | ({"dx", "dk", "dq", "dbeta", "dalpha", "dS0"} if backward else set())
     assert set(res["check_errors"]) == expected
     commands._print(res)
     out = capsys.readouterr().out
-    assert "CUDA graphs (obj.graphed" in out and "eager   graphed    static" in out
+    assert "CUDA graphs (obj.graphed" in out and "    eager  1-thread   graphed    static" in out
     for kind, label in (("fwd", "fwd ms"), ("fwd_bwd", "fwd+bwd ms"))[:len(kinds)]:
-        assert f"  {label:18s} " + " ".join(f"{res[f'{h}_{kind}_ms']:9.3f}" for h in timing.HOWS) + "\n" in out
+        assert f"  {label:18s} " + " ".join(f"{res[f'{h}_{kind}_ms']:9.3f}" if f"{h}_{kind}_ms" in res else f"{'-':>9s}"
+                                            for h in timing.HOWS) + "\n" in out
     assert "check graphed vs eager (y, S_T" in out and "exact PASS" in out
 
 
@@ -159,8 +168,8 @@ def test_bench_graphs_obj_row_of_gated_deltanet_on_cpu(capture_is_the_function, 
     assert set(row["check_errors"]) == {"y", "S_T", "dx", "dk", "dq", "dbeta", "dalpha", "dS0"}
     bg.table(rep)
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gated_deltanet |")]
-    assert line == ["gated_deltanet | 1.000 / 1.000 / 1.000 | 1.000 / 1.000 / 1.000 | 20 / 20, 20 / 20, 20 / 20 | "
-                    "0.90 / 0.90 / 0.90 | exact PASS"]
+    assert line == ["gated_deltanet | 1.000 / 1.000 / 1.000 | 1.000 / 1.000 / 1.000 / 1.000 | 20 / 20, 20, 20 / 20, "
+                    "20 / 20 | 0.90 / 0.90 / 0.90 / 0.90 | exact PASS"]
 
 
 def test_graphed_against_eager_covers_several_states(capture_is_the_function):

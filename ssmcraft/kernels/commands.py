@@ -8,6 +8,11 @@ headline is always the public path (``obj(...)``, whose ``backend`` is reported)
 diagonal family the kernel-level entry (``diagonal.diagonal_scan``) is printed beside it as a
 diagnostic: the gap between the two is host overhead.
 
+fwd+bwd is timed twice: as PyTorch runs it by default (the autograd engine hands a CUDA backward
+to its device thread) and with the engine on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``; ``timing.obj_calls``' ``onethread``), which
+on hosts where that handoff is slow keeps the GPU busy (BENCHMARKS.md, "Host floor").
+
 ``--graphed`` adds ``obj.graphed(...)`` (CUDA graphs, ``ssmcraft.kernels.graphs``) beside the eager
 figures, in the same table and JSON: each timed call is captured once on exactly the eager call's
 tensors and ``output_final_state`` and replayed, once with the tensors copied in (``graphed_*``)
@@ -181,7 +186,7 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
         t_fb = times["eager_fwd_bwd_ms"]
         fbb = floor_bytes(inputs, params, y.numel(), y.element_size(), True)
         res.update({"fwd_bwd_ms": t_fb, "fwd_bwd_floor_ms": fbb / bw * 1e3, "fwd_bwd_GBps": fbb / (t_fb * 1e-3) / 1e9,
-                    "fwd_bwd_x_floor": t_fb / (fbb / bw * 1e3)})
+                    "fwd_bwd_x_floor": t_fb / (fbb / bw * 1e3), "fwd_bwd_onethread_ms": times["onethread_fwd_bwd_ms"]})
     if graphed:
         res["graphed"] = True
         res.update(times)
@@ -226,11 +231,12 @@ def run_layer_bench(spec_arg, shape) -> dict:
 
 def _graphs_table(res: dict) -> list[str]:
     """``--graphed``'s lines: eager, graphed and static side by side per kind, then the check."""
-    from ssmcraft.kernels.timing import HOWS, KINDS
+    from ssmcraft.kernels.timing import HOW_LABELS, HOWS, KINDS
     kinds = [k for k in KINDS if f"eager_{k}_ms" in res]
     lines = ["  CUDA graphs (obj.graphed, captured once on these tensors; static: called on the graph's own "
              "input buffers, no copy-in)",
-             f"  {'':18s} {'eager':>9s} {'graphed':>9s} {'static':>9s}"]
+             "  (1-thread: eager, the backward run by the autograd engine on the calling thread)",
+             f"  {'':18s} " + " ".join(f"{HOW_LABELS[h]:>9s}" for h in HOWS)]
     for kind in kinds:
         label = "fwd" if kind == "fwd" else "fwd+bwd"
         for what, key, fmt in (("ms", "{h}_{k}_ms", "{:9.3f}"), ("GPU busy", "{h}_busy_{k}", "{:9.2f}"),
@@ -264,6 +270,8 @@ def _print(res: dict) -> None:
     if "fwd_bwd_ms" in res:
         print(f"  fwd+bwd            {res['fwd_bwd_ms']:8.3f} ms   {res['fwd_bwd_GBps']:7.0f} GB/s   "
               f"{res['fwd_bwd_x_floor']:5.2f}x the HBM floor ({res['fwd_bwd_floor_ms']:.3f} ms)")
+        print(f"  fwd+bwd, 1 thread  {res['fwd_bwd_onethread_ms']:8.3f} ms   (the backward run by the autograd engine "
+              "on this thread: torch.autograd.set_multithreading_enabled(False))")
     if res.get("graphed"):
         print("\n".join(_graphs_table(res)))
     if "kernel_entry_fwd_ms" in res:

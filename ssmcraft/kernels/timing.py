@@ -8,9 +8,13 @@
   (``obj.graphed(...)``, captured once per kind with exactly the eager call's tensors and
   ``output_final_state``), its tensors copied into the graph's static inputs on every call;
   ``static`` the same graphs called on their own input buffers (``static_inputs()``: no copy-in).
-  Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors detached, so the graph is an
-  inference graph that saves nothing for backward) and ``fwd_bwd`` (the forward, then
-  ``torch.autograd.grad`` of ``y`` under ``dy`` with respect to every tensor that requires grad).
+  ``onethread`` is the eager ``fwd_bwd`` with the autograd engine on the calling thread
+  (``torch.autograd.set_multithreading_enabled(False)``; by default PyTorch hands a CUDA backward
+  to a device thread and waits for it, which cost up to 450 us per DeltaNet call on one lent H200
+  and little on another: BENCHMARKS.md, "Host floor"). Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors
+  detached, so the graph is an inference graph that saves nothing for backward) and ``fwd_bwd``
+  (the forward, then ``torch.autograd.grad`` of ``y`` under ``dy`` with respect to every tensor
+  that requires grad).
 - ``time_calls``: ``{"{how}_{kind}_ms": ...}`` for each call, and with ``with_busy`` the
   profiler's figures (``{how}_busy_{kind}`` = GPU time / wall time, ``{how}_host_us_{kind}``,
   ``{how}_kernel_ms_{kind}``, ``{how}_wall_ms_{kind}``).
@@ -25,7 +29,8 @@ import torch
 
 from ssmcraft.kernels.checking import like, states
 
-HOWS = ("eager", "graphed", "static")
+HOWS = ("eager", "onethread", "graphed", "static")
+HOW_LABELS = {"eager": "eager", "onethread": "1-thread", "graphed": "graphed", "static": "static"}
 KINDS = ("fwd", "fwd_bwd")
 
 
@@ -64,6 +69,14 @@ def busy(fn, n: int = 30) -> tuple[float, float, float]:
     return gpu, wall, host
 
 
+def on_this_thread(fn: Callable) -> Callable:
+    """``fn`` run with the autograd engine on the calling thread (no device-thread handoff)."""
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+    return run
+
+
 def grad_leaves(inputs, params=None, initial_state=None) -> list[torch.Tensor]:
     """Every tensor of a call that requires grad, in the call's order (inputs, params, states)."""
     return [t for t in [*inputs.values(), *(params or {}).values(), *states(initial_state)]
@@ -88,6 +101,7 @@ def obj_calls(obj, inputs, params=None, initial_state=None, output_final_state: 
     if dy is not None:
         leaves = grad_leaves(inputs, params, initial_state)
         calls["eager"]["fwd_bwd"] = lambda: torch.autograd.grad(obj(inputs, params, initial_state, ofs)[0], leaves, dy)
+        calls["onethread"] = {"fwd_bwd": on_this_thread(calls["eager"]["fwd_bwd"])}
     if not graphed:
         return calls
     g_fwd = obj.graphed(*frozen, ofs, warmup=warmup)      # inference: captured without saving for backward

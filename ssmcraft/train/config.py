@@ -50,6 +50,8 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "cuda_graphs": "auto",      # forward+loss+backward replayed from CUDA graphs: auto (on for CUDA unless
                                 # compile is true) | true | false (ssmcraft.train.graphed)
     "data_on_device": True,     # build task batches on the training device (False: on the host, then copied)
+    "autograd_threads": True,   # the backward handed to the autograd engine's device thread (PyTorch's
+                                # default); false: run on the training thread (BENCHMARKS.md, "Host floor")
 }
 MODEL_DEFAULTS = {**LMConfig(vocab_size=0).to_dict(), "vocab_size": None}   # None: the task's vocabulary
 SECTIONS = {"task", "model", "train"}
@@ -156,6 +158,8 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         raise SpecError(source, "train.cuda_graphs", f"expected auto, true or false, got {t['cuda_graphs']!r}")
     if t["cuda_graphs"] is True and t["compile"] is True:
         raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)
+    if not isinstance(t["autograd_threads"], bool):
+        raise SpecError(source, "train.autograd_threads", f"expected true or false, got {t['autograd_threads']!r}")
     if not isinstance(t["data_on_device"], bool):
         raise SpecError(source, "train.data_on_device", f"expected true or false, got {t['data_on_device']!r}")
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):

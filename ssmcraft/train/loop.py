@@ -20,7 +20,12 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   forward, loss and backward from CUDA graphs (``ssmcraft.train.graphed``); or
   ``train.compile`` (auto: on for CUDA only with ``train.cuda_graphs: false``) compiles the LM
   around the recurrence (``ssmcraft.train.compiled``); evaluation sums on the device and
-  reads back once.
+  reads back once;
+- ``train.autograd_threads: false`` runs the backward on the training thread
+  (``torch.autograd.set_multithreading_enabled(False)``) instead of handing it to the autograd
+  engine's device thread (PyTorch's default, kept: on the lent H200s the eager step gained on
+  some mixers and hosts and lost on others; graphed steps do not change; BENCHMARKS.md, "Host
+  floor").
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -39,6 +44,7 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     cuda_graphs        train.cuda_graphs' record: setting, enabled, reason (and a fallback's),
                        graphed_steps / eager_steps: the steps each way (all eager without graphs,
                        after a failed capture, and for a batch of another shape)
+    autograd_threads   train.autograd_threads (whether the engine's device thread ran the backward)
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
@@ -210,7 +216,8 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
 
         def one_step(module):
-            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed)
+            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed,
+                                   tc["autograd_threads"])
 
         if step == 0 and train_model is not model:
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
@@ -249,7 +256,8 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     steps = metrics["steps"]
     steady = (readback.tokens * (steps - 1) / steps / (train_s - first_step_s)
               if first_step_s is not None and steps > 1 and train_s > first_step_s else None)
-    metrics.update(compile=compile_info, cuda_graphs=graphs_info, data_device=str(data_device),
+    metrics.update(compile=compile_info, cuda_graphs=graphs_info, autograd_threads=tc["autograd_threads"],
+                   data_device=str(data_device),
                    log_every=tc["log_every"], first_step_s=first_step_s, steady_tokens_per_s=steady)
     _write_outputs(cfg, model, history, metrics, out)
     return metrics
@@ -261,10 +269,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
-                    stopped: torch.Tensor, graphed=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    stopped: torch.Tensor, graphed=None, engine_threads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
     tensors left on the device (no host sync). ``graphed``: a ``GraphedLoss`` that replays the
     forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
+    ``engine_threads`` false: the backward runs on this thread (``train.autograd_threads``).
 
     A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
     fused AdamW skips its update while the flag is set (``opt.found_inf``, one fp32 buffer the
@@ -276,7 +285,8 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
         loss = step_loss(model, inputs, targets, amp())
     else:
         loss = graphed(inputs, targets)
-    loss.backward()
+    with torch.autograd.set_multithreading_enabled(engine_threads):
+        loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
                                                grad_clip or float("inf"))
     loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
