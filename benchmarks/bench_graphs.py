@@ -1,11 +1,12 @@
 """Issue 12, host overhead: eager against CUDA-graph replay, for ``obj()``, training and decoding.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/bench_graphs.py --out DIR      # H200: about 4-6 minutes
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_graphs.py --out DIR      # H200: about 5-8 minutes
     python3 benchmarks/bench_graphs.py --tiny --out DIR                  # CPU or GPU smoke run
 
 1. ``obj()`` of deltanet, gated_deltanet, gla, mamba and exact longhorn at bf16 B=8 T=2048 (the
    shapes and inputs of ``bench_public_path.CASES`` / ``case_inputs``): wall ms of the forward (no
-   grad) and forward+backward, eager ``obj(...)`` against ``obj.graphed(...)`` on the caller's
+   grad) and forward+backward, eager ``obj(...)`` (its forward+backward also with the autograd
+   engine on the calling thread, "1-thread") against ``obj.graphed(...)`` on the caller's
    tensors and on the graph's own buffers ("static"); per call the GPU-busy fraction and the host
    time (``ssmcraft.kernels.timing``: ``obj_calls``, ``time_calls``, ``busy``, the same code as
    ``ssmcraft bench --graphed``). Then correctness (``checking.graphed_against_eager``): with an
@@ -14,7 +15,8 @@
    (target: exact, or <= 1e-6).
 2. Training tokens/s of the 20M byte LM (``bench_train_mixers.build``/``tokens_per_s``: B16 T512,
    bf16 autocast, AdamW) with the longhorn, mamba, deltanet and gla mixers, eager against
-   ``train.cuda_graphs``' ``GraphedLoss``; and the first step's loss and every parameter gradient,
+   ``train.cuda_graphs``' ``GraphedLoss``, each with the backward handed to the autograd engine's
+   device thread and on the calling thread (``train.autograd_threads: false``); and the first step's loss and every parameter gradient,
    graphed against eager.
 3. Decode tokens/s of the 6-layer 20M Longhorn LM at batch 1 and 16 (``bench_public_path.decode``),
    eager ``LM.step`` against ``GraphedDecoder``; and 16 tokens' logits, graphed against eager.
@@ -70,8 +72,6 @@ def obj_rows(rep, name, H, d, m, B, T, device="cuda"):
 # -- 2. training --------------------------------------------------------------------------------
 
 def train_rows(rep, name, steps, warmup):
-    torch.manual_seed(0)
-    lm = build(name)
     row = dict(section="train", mixer=name)
     for how, graphs, threads in (("eager", False, True), ("eager_1t", False, False), ("graphed", True, True),
                                  ("graphed_1t", True, False)):
@@ -149,12 +149,12 @@ def table(rep):
           "graph's own input buffers, no copy-in): objective | fwd ms eager / graphed / static | "
           "fwd+bwd ms eager / 1-thread / graphed / static | host us fwd / fwd+bwd eager, 1-thread (fwd+bwd), "
           "graphed, static | GPU busy fwd+bwd eager / 1-thread / graphed / static | check")
-    fwd_hows = [h for h in HOWS if h != "onethread"]
     for r in (r for r in rows if r.get("section") == "obj"):
+        fwd_hows = [h for h in HOWS if f"{h}_fwd_ms" in r]         # onethread times fwd+bwd only
         print(f"{r['objective']:14s} | " + " / ".join(f"{r[f'{h}_fwd_ms']:.3f}" for h in fwd_hows) + " | "
               + " / ".join(f"{r[f'{h}_fwd_bwd_ms']:.3f}" for h in HOWS) + " | "
-              + ", ".join(f"{r[f'{h}_host_us_fwd']:.0f} / {r[f'{h}_host_us_fwd_bwd']:.0f}" if h in fwd_hows
-                          else f"{r[f'{h}_host_us_fwd_bwd']:.0f}" for h in HOWS) + " | "
+              + ", ".join(" / ".join(f"{r[f'{h}_host_us_{k}']:.0f}" for k in ("fwd", "fwd_bwd") if f"{h}_{k}_ms" in r)
+                          for h in HOWS) + " | "
               + " / ".join(f"{r[f'{h}_busy_fwd_bwd']:.2f}" for h in HOWS) + " | "
               f"{'exact' if r['check_exact'] else format(r['check_worst_rel'], '.1e')} "
               f"{'PASS' if r['check_ok'] else 'FAIL'}")

@@ -11,7 +11,9 @@
    Mamba objective vs mamba's CUDA ``selective_scan`` (built by ``benchmarks/mamba_build.py``).
 2. Timings at B=8, T=2048, bf16 (do_bench medians): ours fwd and fwd+bwd through ``obj(...)``,
    the anchor on its own layout, the ratio; the GPU-busy fraction of one ``obj`` call (torch
-   profiler: kernel time / wall time of back-to-back calls) and the host time per call.
+   profiler: kernel time / wall time of back-to-back calls) and the host time per call; then
+   fwd+bwd again, ours and the anchor, with the autograd engine on the calling thread ("1t":
+   ``timing.on_this_thread``).
 3. Decode: tokens/s of ``LM.step`` (fused one-token kernel) for the 6-layer 20M Longhorn model of
    ``specs/longhorn_20m_bytes.yaml`` against its parallel forward; ``--graphed-decode`` adds the
    same through ``GraphedDecoder`` (``benchmarks/bench_graphs.py`` compares both, with a check).

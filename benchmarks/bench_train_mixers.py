@@ -90,17 +90,17 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threa
             loss = graphed(batch[:, :-1], batch[:, 1:])
         else:                   # the loop's eager step
             loss = step_loss(lm, batch[:, :-1], batch[:, 1:], torch.autocast("cuda", dtype=torch.bfloat16))
-        with torch.autograd.set_multithreading_enabled(engine_threads):
-            loss.backward()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for i in range(warmup):
-        step(data[i])
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(data[warmup + i])
-    torch.cuda.synchronize()
+    with torch.autograd.set_multithreading_enabled(engine_threads):    # per thread: this one's steps
+        for i in range(warmup):
+            step(data[i])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(data[warmup + i])
+        torch.cuda.synchronize()
     return B * T * steps / (time.perf_counter() - t0), torch.cuda.max_memory_allocated() / 2**30
 
 

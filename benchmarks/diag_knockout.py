@@ -38,9 +38,11 @@ def no_reduction(src: str) -> str:
 
 
 def _drop_stores(src: str, leaf: str) -> str:
-    """The generated source without ``tl.store(g_<leaf> ...)`` lines, and without the ``if HSUM:`` /
-    ``else:`` pairs left empty by that."""
-    lines = [ln for ln in src.split("\n") if not re.match(rf"\s+tl\.store\(g_{leaf} ", ln)]
+    """The generated source without ``tl.store(g_<leaf> ...)`` lines. An ``if HSUM:`` left empty by that
+    goes with its whole ``else:`` branch (the run fixes HSUM = True, so that branch never runs)."""
+    src_lines = src.split("\n")
+    lines = [ln for ln in src_lines if not re.match(rf"\s+tl\.store\(g_{leaf} ", ln)]
+    assert len(lines) < len(src_lines), f"no store of g_{leaf} found"
     out, i = [], 0
     while i < len(lines):
         ln = lines[i]
@@ -52,7 +54,6 @@ def _drop_stores(src: str, leaf: str) -> str:
             continue
         out.append(ln)
         i += 1
-    assert len(lines) < len(src.split("\n")), f"no store of g_{leaf} found"
     return "\n".join(out)
 
 

@@ -9,10 +9,11 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
 - the same kernel replayed 20 times inside one CUDA graph (per kernel);
 - the autograd engine alone: ``torch.autograd.grad`` through an ``autograd.Function`` whose
   forward and backward launch nothing, on a GPU tensor (the engine hands the backward to its
-  device thread and waits) and on a CPU tensor (run on the calling thread); and one small
+  device thread and waits) and on a CPU tensor (run on the calling thread); through one whose
+  backward launches 4 small PyTorch kernels, or 4 direct Triton launches; and one small
   PyTorch kernel each way (``x * 2``); "engine on this thread" is the same call under
-  ``torch.autograd.set_multithreading_enabled(False)``;
-- DeltaNet ``obj()`` fwd+bwd at B=8, T=2048 (bf16), with the count of Triton kernels launched
+  ``torch.autograd.set_multithreading_enabled(False)`` (``timing.on_this_thread``);
+- DeltaNet ``obj()`` fwd and fwd+bwd (both ways) at B=8, T=2048 (bf16), with the count of Triton kernels launched
   directly vs through Triton during it (``launch.stats``): the public path's host time per call.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/host_floor.py
@@ -31,6 +32,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import launch as L  # noqa: E402
+from ssmcraft.kernels.timing import on_this_thread  # noqa: E402
 
 
 class _Nothing(torch.autograd.Function):
@@ -45,20 +47,17 @@ class _Nothing(torch.autograd.Function):
 
 
 class _Launches(torch.autograd.Function):
-    """A backward that launches ``n`` small PyTorch kernels (``-n``: direct Triton launches)."""
+    """A backward that calls ``launch_one(g)`` four times: what four kernels cost inside the engine."""
     @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
+    def forward(ctx, x, launch_one):
+        ctx.launch_one = launch_one
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         g = g.clone()
-        for _ in range(abs(ctx.n)):
-            if ctx.n > 0:
-                g.add_(1)
-            else:
-                L.launch(_noop, (1,), g, g.numel(), BLOCK=256)
+        for _ in range(4):
+            ctx.launch_one(g)
         return g, None
 
 
@@ -99,24 +98,22 @@ def main():
     torch.cuda.current_stream().wait_stream(s)
     rows["CUDA graph replay, per kernel of 20"] = host_us(g.replay, n=50) / 20
     rows["direct launches / through Triton (noop)"] = f"{L.stats(_noop)}"
-    for where in ("cuda", "cpu"):
-        a = torch.zeros(256, device=where, requires_grad=True)
-        ga = torch.ones(256, device=where)
-        rows[f"autograd.grad, Function with no kernels ({where})"] = host_us(
-            lambda: torch.autograd.grad(_Nothing.apply(a), a, ga))
-        if where == "cuda":
-            with torch.autograd.set_multithreading_enabled(False):
-                rows["  the same, engine on this thread"] = host_us(
-                    lambda: torch.autograd.grad(_Nothing.apply(a), a, ga))
-    for what, n in (("4 torch kernels", 4), ("4 direct Triton launches", -4)):
-        a = torch.zeros(256, device=dev, requires_grad=True)
-        ga = torch.ones(256, device=dev)
-        for mt in (True, False):
-            with torch.autograd.set_multithreading_enabled(mt):
-                rows[f"autograd.grad, backward of {what}{'' if mt else ', engine on this thread'}"] = host_us(
-                    lambda: torch.autograd.grad(_Launches.apply(a, n), a, ga))
+
+    def both(label, fn, n=200):
+        """``fn``'s host us as PyTorch runs it, then with the engine on this thread."""
+        rows[label] = host_us(fn, n=n)
+        rows[f"{label}, engine on this thread"] = host_us(on_this_thread(fn), n=n)
     a = torch.zeros(256, device=dev, requires_grad=True)
-    rows["autograd.grad of x * 2 (one kernel each way)"] = host_us(lambda: torch.autograd.grad(a * 2, a, x))
+    ga = torch.ones(256, device=dev)
+    both("autograd.grad, Function with no kernels", lambda: torch.autograd.grad(_Nothing.apply(a), a, ga))
+    a_cpu, ga_cpu = torch.zeros(256, requires_grad=True), torch.ones(256)
+    rows["autograd.grad, Function with no kernels (CPU tensor)"] = host_us(
+        lambda: torch.autograd.grad(_Nothing.apply(a_cpu), a_cpu, ga_cpu))
+    both("autograd.grad, backward of 4 torch kernels",
+         lambda: torch.autograd.grad(_Launches.apply(a, lambda g: g.add_(1)), a, ga))
+    both("autograd.grad, backward of 4 direct Triton launches",
+         lambda: torch.autograd.grad(_Launches.apply(a, lambda g: L.launch(_noop, (1,), g, g.numel(), BLOCK=256)), a, ga))
+    rows["autograd.grad of x * 2 (one kernel each way)"] = host_us(lambda: torch.autograd.grad(a * 2, a, ga))
 
     obj = ssmcraft.compile("deltanet")
     B, T, H, K = 8, 2048, 16, 64
@@ -135,9 +132,7 @@ def main():
         torch.autograd.grad(fwd(), leaves, dy)
     with torch.no_grad():
         rows["deltanet obj() fwd"] = host_us(fwd, n=30)
-    rows["deltanet obj() fwd+bwd"] = host_us(fwd_bwd, n=30)
-    with torch.autograd.set_multithreading_enabled(False):
-        rows["deltanet obj() fwd+bwd, engine on this thread"] = host_us(fwd_bwd, n=30)
+    both("deltanet obj() fwd+bwd", fwd_bwd, n=30)
     from ssmcraft.kernels import rank1_chunk as R
     rows["deltanet kernels: direct / through Triton"] = {
         k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}

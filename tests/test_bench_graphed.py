@@ -121,6 +121,33 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
     assert "check graphed vs eager (y, S_T" in out and "exact PASS" in out
 
 
+def test_bench_times_fwd_bwd_both_ways_without_graphs(monkeypatch, capsys):
+    """Plain run_bench (no --graphed): fwd+bwd timed as PyTorch runs it and with the autograd engine on
+    the calling thread, both printed; nothing graphed."""
+    engine, real_grad, timed = [], torch.autograd.grad, []
+
+    def grad_spy(*a, **k):
+        engine.append(torch._C._is_multithreading_enabled())
+        return real_grad(*a, **k)
+
+    def fake_bench(fn, *a, **k):
+        n = len(engine)
+        fn()
+        timed.append(set(engine[n:]))
+        return 0.5 * len(timed)
+    monkeypatch.setattr(torch.autograd, "grad", grad_spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "bench_ms", fake_bench)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda dev: 1e12)
+    res = commands.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", device="cpu", prefer="torch")
+    assert timed == [set(), {True}, {False}]              # fwd, eager fwd+bwd, 1-thread fwd+bwd
+    assert (res["fwd_ms"], res["fwd_bwd_ms"], res["onethread_fwd_bwd_ms"]) == (0.5, 1.0, 1.5)
+    assert "graphed" not in res and "graphed_fwd_ms" not in res
+    commands._print(res)
+    out = capsys.readouterr().out
+    assert "  fwd+bwd, 1 thread     1.500 ms" in out and "CUDA graphs" not in out
+
+
 def test_graphed_against_eager_fails_on_a_wrong_capture(monkeypatch):
     """The identity check can fail: a capture whose replay is off by 1e-3 in y is named, not passed."""
     def capture(fn, sample, **kw):

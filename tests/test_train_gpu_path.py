@@ -165,40 +165,16 @@ def test_found_inf_is_one_buffer_refreshed_each_step():
     assert opt.found_inf is flag and float(flag) == 1.0 and torch.equal(model.weight, before)
 
 
-class _EngineSpy(torch.autograd.Function):
-    """Identity whose backward records whether the autograd engine may use its device threads."""
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        _EngineSpy.seen.append(torch._C._is_multithreading_enabled())
-        return g
-
-
-class _SpiedLinear(torch.nn.Linear):
-    def forward(self, x):
-        return super().forward(_EngineSpy.apply(x))
-
-
 @pytest.mark.parametrize("threads", [True, False])
-def test_the_backward_runs_with_the_engine_threads_asked_for(threads):
-    """train.autograd_threads reaches the backward: false runs it on the calling thread; the setting is
-    restored after the step."""
-    torch.manual_seed(0)
-    model = _SpiedLinear(3, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
-    opt.found_inf = torch.zeros((), dtype=torch.float32)
-    x, y = torch.randn(2, 5, 3, requires_grad=True), torch.randint(0, 4, (2, 5))
-    _EngineSpy.seen.clear()
-    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, torch.zeros((), dtype=torch.bool),
-                         engine_threads=threads)
-    assert _EngineSpy.seen == [threads] and torch._C._is_multithreading_enabled()
+def test_the_run_takes_the_engine_flag_asked_for(threads, tmp_path, monkeypatch):
+    """train.autograd_threads is the autograd engine's multithreading flag at every step of the run,
+    recorded in the metrics, and the caller's flag is back after."""
+    seen, real = [], loop._optimizer_step
 
-
-def test_a_run_records_its_autograd_threads(tmp_path):
-    m = train_run(mqar_config(autograd_threads=False, tokens=8 * 32 * 2, save_model=False), tmp_path)
-    assert m["autograd_threads"] is False
+    def spy(*a, **k):
+        seen.append(torch._C._is_multithreading_enabled())
+        return real(*a, **k)
+    monkeypatch.setattr(loop, "_optimizer_step", spy)
+    m = train_run(mqar_config(autograd_threads=threads, tokens=8 * 32 * 2, save_model=False), tmp_path)
+    assert seen and set(seen) == {threads} and m["autograd_threads"] is threads
+    assert torch._C._is_multithreading_enabled()

@@ -10,8 +10,8 @@
   ``static`` the same graphs called on their own input buffers (``static_inputs()``: no copy-in).
   ``onethread`` is the eager ``fwd_bwd`` with the autograd engine on the calling thread
   (``torch.autograd.set_multithreading_enabled(False)``; by default PyTorch hands a CUDA backward
-  to a device thread and waits for it, which cost up to 450 us per DeltaNet call on one lent H200
-  and little on another: BENCHMARKS.md, "Host floor"). Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors
+  to a device thread and waits for it, which cost 150-430 us of host time per DeltaNet call on the
+  lent H200s: BENCHMARKS.md, "Host floor"). Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors
   detached, so the graph is an inference graph that saves nothing for backward) and ``fwd_bwd``
   (the forward, then ``torch.autograd.grad`` of ``y`` under ``dy`` with respect to every tensor
   that requires grad).
@@ -94,7 +94,7 @@ def obj_calls(obj, inputs, params=None, initial_state=None, output_final_state: 
               dy: torch.Tensor | None = None, graphed: bool = False, warmup: int = 3) -> dict[str, dict[str, Callable]]:
     """``{how: {kind: fn}}`` (module docstring): ``eager`` always, ``graphed`` and ``static`` with
     ``graphed`` (capturing here: two ``obj.graphed`` calls, or one without ``dy``); ``fwd_bwd``
-    only with ``dy`` (the cotangent of ``y``)."""
+    only with ``dy`` (the cotangent of ``y``), and with it ``onethread`` (``fwd_bwd`` only)."""
     frozen = detached(inputs, params, initial_state)
     ofs = output_final_state
     calls = {"eager": {"fwd": lambda: obj(*frozen, ofs)[0]}}

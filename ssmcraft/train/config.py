@@ -152,16 +152,16 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         positive(key, integer=True)
     positive("eval_every", integer=True, allow_zero=True)
     positive("log_every", integer=True)
-    if t["compile"] not in ("auto", True, False):
-        raise SpecError(source, "train.compile", f"expected auto, true or false, got {t['compile']!r}")
-    if t["cuda_graphs"] not in ("auto", True, False):
-        raise SpecError(source, "train.cuda_graphs", f"expected auto, true or false, got {t['cuda_graphs']!r}")
+    def choice(key, auto: bool):
+        if t[key] not in (("auto", True, False) if auto else (True, False)) or not isinstance(t[key], (bool, str)):
+            raise SpecError(source, f"train.{key}", f"expected {'auto, ' if auto else ''}true or false, got {t[key]!r}")
+
+    choice("compile", auto=True)
+    choice("cuda_graphs", auto=True)
     if t["cuda_graphs"] is True and t["compile"] is True:
         raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)
-    if not isinstance(t["autograd_threads"], bool):
-        raise SpecError(source, "train.autograd_threads", f"expected true or false, got {t['autograd_threads']!r}")
-    if not isinstance(t["data_on_device"], bool):
-        raise SpecError(source, "train.data_on_device", f"expected true or false, got {t['data_on_device']!r}")
+    choice("autograd_threads", auto=False)
+    choice("data_on_device", auto=False)
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):
         positive(key, allow_zero=key != "lr")
     t["betas"] = [number_or_same(b) for b in t["betas"]] if isinstance(t["betas"], list) else t["betas"]

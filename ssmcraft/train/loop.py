@@ -22,10 +22,9 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   around the recurrence (``ssmcraft.train.compiled``); evaluation sums on the device and
   reads back once;
 - ``train.autograd_threads: false`` runs the backward on the training thread
-  (``torch.autograd.set_multithreading_enabled(False)``) instead of handing it to the autograd
-  engine's device thread (PyTorch's default, kept: on the lent H200s the eager step gained on
-  some mixers and hosts and lost on others; graphed steps do not change; BENCHMARKS.md, "Host
-  floor").
+  (``torch.autograd.set_multithreading_enabled(False)`` around the run) instead of handing it to
+  the autograd engine's device thread (PyTorch's default, kept: one pass on one lent H200 moved the
+  eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training throughput").
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -44,7 +43,7 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     cuda_graphs        train.cuda_graphs' record: setting, enabled, reason (and a fallback's),
                        graphed_steps / eager_steps: the steps each way (all eager without graphs,
                        after a failed capture, and for a batch of another shape)
-    autograd_threads   train.autograd_threads (whether the engine's device thread ran the backward)
+    autograd_threads   the train.autograd_threads setting
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
@@ -148,7 +147,8 @@ def train_run(config: Mapping[str, Any], out_dir: str | Path, progress: bool = F
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = resolve(config, source)
-    with _RunLog(out):
+    # train.autograd_threads: the engine's flag is per thread, so the run's whole thread takes it
+    with _RunLog(out), torch.autograd.set_multithreading_enabled(cfg["train"]["autograd_threads"]):
         return _train(cfg, out, progress, source, report)
 
 
@@ -216,8 +216,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
 
         def one_step(module):
-            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed,
-                                   tc["autograd_threads"])
+            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed)
 
         if step == 0 and train_model is not model:
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
@@ -269,11 +268,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
-                    stopped: torch.Tensor, graphed=None, engine_threads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    stopped: torch.Tensor, graphed=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
     tensors left on the device (no host sync). ``graphed``: a ``GraphedLoss`` that replays the
     forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
-    ``engine_threads`` false: the backward runs on this thread (``train.autograd_threads``).
 
     A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
     fused AdamW skips its update while the flag is set (``opt.found_inf``, one fp32 buffer the
@@ -285,8 +283,7 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
         loss = step_loss(model, inputs, targets, amp())
     else:
         loss = graphed(inputs, targets)
-    with torch.autograd.set_multithreading_enabled(engine_threads):
-        loss.backward()
+    loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
                                                grad_clip or float("inf"))
     loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
