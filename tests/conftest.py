@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# Every kernel test runs Triton's interpreter (CPU). Set before anything imports triton or
+# ssmcraft.kernels: both read it once, at import (tuning.INTERPRET). A test that needs the compiled
+# form starts a subprocess without it (test_sass_count, test_export_bundle).
+os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # `pytest` without `pip install -e .` still imports ssmcraft
     sys.path.insert(0, str(ROOT))

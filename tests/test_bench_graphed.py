@@ -55,6 +55,29 @@ def capture_is_the_function(monkeypatch):
     return made
 
 
+@pytest.fixture
+def timed_calls(monkeypatch):
+    """``timing.bench_ms`` replaced by one run of the call (a GPU as far as run_bench can tell, fake
+    copy bandwidth): returns the list of ``(grad enabled, {the engine's multithreading flag at each
+    torch.autograd.grad in the call})`` per timed call; the fake time of call i is 0.25 * (i + 2)."""
+    timed, engine, real_grad = [], [], torch.autograd.grad
+
+    def grad_spy(*a, **k):
+        engine.append(torch._C._is_multithreading_enabled())
+        return real_grad(*a, **k)
+
+    def fake_bench(fn, *a, **k):
+        n = len(engine)
+        fn()
+        timed.append((torch.is_grad_enabled(), set(engine[n:])))
+        return 0.25 + 0.25 * len(timed)
+    monkeypatch.setattr(torch.autograd, "grad", grad_spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "bench_ms", fake_bench)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda dev: 1e12)
+    return timed
+
+
 def _eager_signatures(monkeypatch) -> list:
     """Every ``obj()`` call's signature (eager calls and the captured function's calls alike)."""
     seen, real = [], dispatch.run_fast
@@ -67,27 +90,14 @@ def _eager_signatures(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("backward", [True, False])
-def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the_function, monkeypatch, capsys):
+def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the_function, timed_calls, monkeypatch,
+                                                        capsys):
     """run_bench(graphed=True) on CPU tensors (the torch path): the graphs are captured with exactly the
     signatures of eager calls (fwd on detached tensors, fwd+bwd on the leaves, the check with an initial
     state and output_final_state); eager, graphed and static timed per kind, with GPU busy; the check
     exact; the table prints every figure next to eager's."""
-    timed, engine, real_grad = [], [], torch.autograd.grad
-
-    def grad_spy(*a, **k):               # whether the autograd engine may use its device threads
-        engine.append(torch._C._is_multithreading_enabled())
-        return real_grad(*a, **k)
-
-    def fake_bench(fn, *a, **k):
-        n = len(engine)
-        fn()
-        timed.append((torch.is_grad_enabled(), set(engine[n:])))
-        return 0.25 + 0.25 * len(timed)
-    monkeypatch.setattr(torch.autograd, "grad", grad_spy)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "bench_ms", fake_bench)
+    timed = timed_calls
     monkeypatch.setattr(timing, "busy", lambda fn, n=30: (fn(), (0.5, 1.0, 12.0))[1])
-    monkeypatch.setattr(timing, "copy_bandwidth", lambda dev: 1e12)
     seen = _eager_signatures(monkeypatch)
     res = commands.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", backward=backward, graphed=True,
                              device="cpu", prefer="torch")
@@ -115,37 +125,24 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
     commands._print(res)
     out = capsys.readouterr().out
     assert "CUDA graphs (obj.graphed" in out and "    eager  1-thread   graphed    static" in out
+    assert "fwd+bwd, 1 thread" not in out               # with --graphed only in the table's column
     for kind, label in (("fwd", "fwd ms"), ("fwd_bwd", "fwd+bwd ms"))[:len(kinds)]:
         assert f"  {label:18s} " + " ".join(f"{res[f'{h}_{kind}_ms']:9.3f}" if f"{h}_{kind}_ms" in res else f"{'-':>9s}"
                                             for h in timing.HOWS) + "\n" in out
     assert "check graphed vs eager (y, S_T" in out and "exact PASS" in out
 
 
-def test_bench_times_fwd_bwd_both_ways_without_graphs(monkeypatch, capsys):
+def test_bench_times_fwd_bwd_both_ways_without_graphs(timed_calls, capsys):
     """Plain run_bench (no --graphed): fwd+bwd timed as PyTorch runs it and with the autograd engine on
     the calling thread, both printed; nothing graphed."""
-    engine, real_grad, timed = [], torch.autograd.grad, []
-
-    def grad_spy(*a, **k):
-        engine.append(torch._C._is_multithreading_enabled())
-        return real_grad(*a, **k)
-
-    def fake_bench(fn, *a, **k):
-        n = len(engine)
-        fn()
-        timed.append(set(engine[n:]))
-        return 0.5 * len(timed)
-    monkeypatch.setattr(torch.autograd, "grad", grad_spy)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "bench_ms", fake_bench)
-    monkeypatch.setattr(timing, "copy_bandwidth", lambda dev: 1e12)
     res = commands.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", device="cpu", prefer="torch")
-    assert timed == [set(), {True}, {False}]              # fwd, eager fwd+bwd, 1-thread fwd+bwd
-    assert (res["fwd_ms"], res["fwd_bwd_ms"], res["onethread_fwd_bwd_ms"]) == (0.5, 1.0, 1.5)
+    # fwd (no grad), eager fwd+bwd, 1-thread fwd+bwd
+    assert timed_calls == [(False, set()), (True, {True}), (True, {False})]
+    assert (res["fwd_ms"], res["fwd_bwd_ms"], res["onethread_fwd_bwd_ms"]) == (0.5, 0.75, 1.0)
     assert "graphed" not in res and "graphed_fwd_ms" not in res
     commands._print(res)
     out = capsys.readouterr().out
-    assert "  fwd+bwd, 1 thread     1.500 ms" in out and "CUDA graphs" not in out
+    assert "  fwd+bwd, 1 thread     1.000 ms" in out and "CUDA graphs" not in out
 
 
 def test_graphed_against_eager_fails_on_a_wrong_capture(monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported by anything below (as every kernel test)
 
 import pytest  # noqa: E402
 

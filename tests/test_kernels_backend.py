@@ -3,9 +3,7 @@
 The compiled objective runs the Triton kernel on CPU tensors only when asked for
 (prefer="interpret"), says which kernel ran in ``obj.backend``, and never falls back silently.
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported by anything below
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

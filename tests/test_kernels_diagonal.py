@@ -7,9 +7,7 @@ reference loop, outputs NaN-poisoned first (the kernels must write all of them).
 groups (the time-parallel passes) and per-head / shared params. GPU checks in fp32 and bf16:
 benchmarks/bench_diagonal.py.
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported by anything below
 
 import pytest  # noqa: E402
 import sympy  # noqa: E402

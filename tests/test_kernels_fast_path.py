@@ -9,9 +9,7 @@
   params, initial state), with the kernel's outputs poisoned by NaN first;
 - GLA's decay goes to the kernels as is (their log is taken in the kernels, log_space=False).
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

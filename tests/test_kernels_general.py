@@ -2,9 +2,7 @@
 the Triton interpreter, against the float64 reference recurrence: output, final state and
 every gradient (inputs, params, initial state; with a gradient on the final state), outputs
 poisoned with NaN first."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,9 +4,7 @@ recurrence: output, every final state and every gradient (inputs, params, each i
 state; with a gradient on each final state), outputs poisoned with NaN first, odd T and a
 T that is not a multiple of the checkpoint interval. Tolerances as tests/test_kernels_general.py
 (relative RMS, fp32 kernel vs float64 reference)."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -8,9 +8,7 @@ stand-ins for a compiled kernel and the driver, and the interpreter route (every
 Triton)."""
 from __future__ import annotations
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: like every kernel test module
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -9,9 +9,7 @@
   signature, and matches the reference loop on the output, the final state and every gradient
   (initial state included); where the prologue cannot be generated the eager path runs, by name.
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

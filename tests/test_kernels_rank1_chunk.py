@@ -1,9 +1,7 @@
 """Chunked rank-1 family (DeltaNet, Gated DeltaNet, general per-head rank-1) under the Triton
 interpreter, against the float64 reference recurrence: output, final state and every gradient
 (inputs, initial state; with a gradient on the final state), buffers poisoned with NaN."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

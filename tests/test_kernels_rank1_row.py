@@ -2,9 +2,7 @@
 general slot form) under the Triton interpreter, against float64 references: output, final
 state and every gradient (inputs, initial state; with a gradient on the final state), outputs
 poisoned with NaN first."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

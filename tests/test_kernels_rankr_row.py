@@ -3,9 +3,7 @@ under the Triton interpreter, against the float64 reference recurrence: output, 
 and every gradient (inputs, params, initial state; with a gradient on the final state),
 outputs poisoned with NaN first, several row blocks with a partial last one (d = 10 rows in
 tiles of 4), odd T and T not a multiple of the checkpoint interval."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -142,6 +142,7 @@ def test_a_model_error_at_the_first_compiled_step_is_not_a_compile_failure(tmp_p
     ("log_every", 0, "train.log_every: expected a positive integer"),
     ("data_on_device", "no", "train.data_on_device: expected true or false"),
     ("autograd_threads", "auto", "train.autograd_threads: expected true or false"),
+    ("compile", 1, "train.compile: expected auto, true or false, got 1"),     # not taken for true
 ])
 def test_bad_settings_are_named(key, value, message):
     with pytest.raises(SpecError, match=message):
@@ -165,16 +166,46 @@ def test_found_inf_is_one_buffer_refreshed_each_step():
     assert opt.found_inf is flag and float(flag) == 1.0 and torch.equal(model.weight, before)
 
 
+class _EngineSpy(torch.autograd.Function):
+    """Identity whose backward records whether the autograd engine may use its device threads."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _EngineSpy.seen.append(torch._C._is_multithreading_enabled())
+        return g
+
+
+class _SpiedLinear(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(_EngineSpy.apply(x))
+
+
 @pytest.mark.parametrize("threads", [True, False])
-def test_the_run_takes_the_engine_flag_asked_for(threads, tmp_path, monkeypatch):
-    """train.autograd_threads is the autograd engine's multithreading flag at every step of the run,
-    recorded in the metrics, and the caller's flag is back after."""
+def test_the_step_backward_takes_the_engine_flag_asked_for(threads):
+    """The step's backward runs under train.autograd_threads' flag; the caller's flag is back after."""
+    torch.manual_seed(0)
+    model = _SpiedLinear(3, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    opt.found_inf = torch.zeros((), dtype=torch.float32)
+    x, y = torch.randn(2, 5, 3, requires_grad=True), torch.randint(0, 4, (2, 5))
+    _EngineSpy.seen.clear()
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, torch.zeros((), dtype=torch.bool),
+                         engine_threads=threads)
+    assert _EngineSpy.seen == [threads] and torch._C._is_multithreading_enabled()
+
+
+def test_a_run_passes_and_records_its_autograd_threads(tmp_path, monkeypatch):
+    """Every step of a run gets train.autograd_threads, and metrics.json records it."""
     seen, real = [], loop._optimizer_step
 
     def spy(*a, **k):
-        seen.append(torch._C._is_multithreading_enabled())
+        seen.append(a[8])                   # engine_threads
         return real(*a, **k)
     monkeypatch.setattr(loop, "_optimizer_step", spy)
-    m = train_run(mqar_config(autograd_threads=threads, tokens=8 * 32 * 2, save_model=False), tmp_path)
-    assert seen and set(seen) == {threads} and m["autograd_threads"] is threads
-    assert torch._C._is_multithreading_enabled()
+    m = train_run(mqar_config(autograd_threads=False, tokens=8 * 32 * 2, save_model=False), tmp_path)
+    assert seen == [False, False] and m["autograd_threads"] is False

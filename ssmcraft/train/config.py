@@ -153,7 +153,7 @@ def _check_train(t: dict[str, Any], source: str) -> None:
     positive("eval_every", integer=True, allow_zero=True)
     positive("log_every", integer=True)
     def choice(key, auto: bool):
-        if t[key] not in (("auto", True, False) if auto else (True, False)) or not isinstance(t[key], (bool, str)):
+        if not (isinstance(t[key], bool) or (auto and t[key] == "auto")):
             raise SpecError(source, f"train.{key}", f"expected {'auto, ' if auto else ''}true or false, got {t[key]!r}")
 
     choice("compile", auto=True)

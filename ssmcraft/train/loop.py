@@ -22,9 +22,10 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   around the recurrence (``ssmcraft.train.compiled``); evaluation sums on the device and
   reads back once;
 - ``train.autograd_threads: false`` runs the backward on the training thread
-  (``torch.autograd.set_multithreading_enabled(False)`` around the run) instead of handing it to
-  the autograd engine's device thread (PyTorch's default, kept: one pass on one lent H200 moved the
-  eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training throughput").
+  (``torch.autograd.set_multithreading_enabled(False)`` around each step's backward) instead of
+  handing it to the autograd engine's device thread (PyTorch's default, kept: one pass on one lent
+  H200 moved the eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training
+  throughput (issue 12, item 3)").
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -147,8 +148,7 @@ def train_run(config: Mapping[str, Any], out_dir: str | Path, progress: bool = F
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = resolve(config, source)
-    # train.autograd_threads: the engine's flag is per thread, so the run's whole thread takes it
-    with _RunLog(out), torch.autograd.set_multithreading_enabled(cfg["train"]["autograd_threads"]):
+    with _RunLog(out):
         return _train(cfg, out, progress, source, report)
 
 
@@ -216,7 +216,8 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         graphs_info["graphed_steps" if graphed is not None else "eager_steps"] += 1
 
         def one_step(module):
-            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed)
+            return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed,
+                                   tc["autograd_threads"])
 
         if step == 0 and train_model is not model:
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
@@ -268,10 +269,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
-                    stopped: torch.Tensor, graphed=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    stopped: torch.Tensor, graphed=None, engine_threads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
     tensors left on the device (no host sync). ``graphed``: a ``GraphedLoss`` that replays the
     forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
+    ``engine_threads`` false: this backward (eager, or the graphs' replay) runs on the calling thread
+    (``train.autograd_threads``); only the step's, so a graph capture keeps PyTorch's default.
 
     A non-finite loss or gradient norm sets ``stopped`` (a sticky device-side flag); the
     fused AdamW skips its update while the flag is set (``opt.found_inf``, one fp32 buffer the
@@ -283,7 +286,8 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
         loss = step_loss(model, inputs, targets, amp())
     else:
         loss = graphed(inputs, targets)
-    loss.backward()
+    with torch.autograd.set_multithreading_enabled(engine_threads):
+        loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
                                                grad_clip or float("inf"))
     loss = loss.detach() if graphed is None else loss.detach().clone()   # a graph's loss: its static buffer
