@@ -38,6 +38,7 @@ from ssmcraft.kernels.timing import obj_calls, on_this_thread, time_calls  # noq
 from ssmcraft.kernels.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
+from ssmcraft.errors import one_line  # noqa: E402
 
 DEV = "cuda"
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}     # FLA's fp32 products run in tf32
@@ -164,7 +165,7 @@ def check(rep, name, fla, ssc, dtype, B=2, T=300, H=2, d=64, m=32, backward=True
         theirs = run(lambda: anchor_call(name, fla, ssc, ours_in, ours_p, S0))
     except Exception as e:  # noqa: BLE001 - an anchor that refuses a case is reported, not fatal
         rep.add(section="check", objective=name, dtype=str(dtype).split(".")[-1], backend=backend, ok=False,
-                worst=float("nan"), error=f"anchor: {type(e).__name__}: {str(e)[:160]}")
+                worst=float("nan"), error=f"anchor: {one_line(e)}")
         return False
     errs = {k: rel_rms(ours[k], theirs[k]) for k in theirs}
     ok_key = {k: e <= TOL[dtype] for k, e in errs.items()}      # NaN compares False: not ok
@@ -254,7 +255,7 @@ def timings(rep, fla, ssc, B=8, T=2048, only=None):
                 row["ratio_fwd_bwd_1t"] = row["ours_fwd_bwd_1t_ms"] / row["anchor_fwd_bwd_1t_ms"]
             row["ratio_fwd"] = f_ms / row["anchor_fwd_ms"]
         except Exception as e:  # noqa: BLE001
-            row["anchor_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            row["anchor_error"] = one_line(e)
         rep.add(**row)
 
 

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Report  # noqa: E402
+from ssmcraft.errors import one_line  # noqa: E402
 
 DEV = "cuda"
 MIXERS = ("longhorn", "mamba", "gla", "deltanet")
@@ -89,7 +90,7 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threa
         if graphed is not None:
             loss = graphed(batch[:, :-1], batch[:, 1:])
         else:                   # the loop's eager step
-            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], torch.autocast("cuda", dtype=torch.bfloat16))
+            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], lambda: torch.autocast("cuda", dtype=torch.bfloat16))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -130,7 +131,7 @@ def main():
             rep.add(mixer=name, path="anchor kernel", backend=lm.backends(), tokens_per_s=tps_a, peak_GiB=mem_a,
                     ours_over_anchor=tps / tps_a)
         except Exception as e:  # noqa: BLE001
-            rep.add(mixer=name, path="anchor kernel", error=f"{type(e).__name__}: {str(e)[:200]}")
+            rep.add(mixer=name, path="anchor kernel", error=one_line(e))
     rep.write(args.out)
 
 

@@ -27,8 +27,7 @@ from bench_diagonal import leaves_of, scan  # noqa: E402
 from common import bench_ms, random_inputs  # noqa: E402
 from ssmcraft.kernels import diagonal as D  # noqa: E402
 
-_HSUM = re.compile(r"(def _hsum\(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr, "
-                   r"LOG_BV: tl.constexpr\):\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
+_HSUM = re.compile("(" + re.escape(D._HSUM[1]) + r"\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
 
 
 def no_reduction(src: str) -> str:
@@ -38,22 +37,17 @@ def no_reduction(src: str) -> str:
 
 
 def _drop_stores(src: str, leaf: str) -> str:
-    """The generated source without ``tl.store(g_<leaf> ...)`` lines. An ``if HSUM:`` left empty by that
-    goes with its whole ``else:`` branch (the run fixes HSUM = True, so that branch never runs)."""
+    """The generated source without ``tl.store(g_<leaf> ...)`` lines, and without the ``if HSUM:`` /
+    ``else:`` pairs whose only lines those were."""
     src_lines = src.split("\n")
     lines = [ln for ln in src_lines if not re.match(rf"\s+tl\.store\(g_{leaf} ", ln)]
     assert len(lines) < len(src_lines), f"no store of g_{leaf} found"
-    out, i = [], 0
-    while i < len(lines):
-        ln = lines[i]
-        if ln.strip() == "if HSUM:" and i + 1 < len(lines) and lines[i + 1].strip() == "else:":
-            ind = len(ln) - len(ln.lstrip())
-            i += 2
-            while i < len(lines) and len(lines[i]) - len(lines[i].lstrip()) > ind:
-                i += 1
+    out = []
+    for ln in lines:
+        if ln.strip() == "else:" and out and out[-1].strip() == "if HSUM:":
+            out.pop()
             continue
         out.append(ln)
-        i += 1
     return "\n".join(out)
 
 

@@ -13,8 +13,9 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
   backward launches 4 small PyTorch kernels, or 4 direct Triton launches; and one small
   PyTorch kernel each way (``x * 2``); "engine on this thread" is the same call under
   ``torch.autograd.set_multithreading_enabled(False)`` (``timing.on_this_thread``);
-- DeltaNet ``obj()`` fwd and fwd+bwd (both ways) at B=8, T=2048 (bf16), with the count of Triton kernels launched
-  directly vs through Triton during it (``launch.stats``): the public path's host time per call.
+- DeltaNet ``obj()`` fwd and fwd+bwd (both ways) at B=8, T=2048 (bf16; ``commands.random_inputs``, the calls
+  of ``timing.obj_calls``), with the count of Triton kernels launched directly vs through Triton during it
+  (``launch.stats``): the public path's host time per call.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/host_floor.py
 """
@@ -32,7 +33,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import launch as L  # noqa: E402
-from ssmcraft.kernels.timing import on_this_thread  # noqa: E402
+from ssmcraft.kernels.commands import random_inputs  # noqa: E402
+from ssmcraft.kernels.timing import obj_calls, on_this_thread  # noqa: E402
 
 
 class _Nothing(torch.autograd.Function):
@@ -117,22 +119,12 @@ def main():
 
     obj = ssmcraft.compile("deltanet")
     B, T, H, K = 8, 2048, 16, 64
-    mk = (lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16).requires_grad_())
-    ins = {"q": mk(B, T, H, K), "k": mk(B, T, H, K), "x": mk(B, T, H, K), "beta": mk(B, T, H)}
+    ins, params = random_inputs(obj, B, T, H, K, K, torch.bfloat16, dev, requires_grad=True)
+    calls = obj_calls(obj, ins, params, dy=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16))
     with torch.no_grad():
-        ins["k"].copy_(torch.nn.functional.normalize(ins["k"].float(), dim=-1))
-        ins["beta"].copy_(ins["beta"].float().sigmoid())
-    dy = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    leaves = list(ins.values())
-
-    def fwd():
-        return obj(ins, None, None, False)[0]
-
-    def fwd_bwd():
-        torch.autograd.grad(fwd(), leaves, dy)
-    with torch.no_grad():
-        rows["deltanet obj() fwd"] = host_us(fwd, n=30)
-    both("deltanet obj() fwd+bwd", fwd_bwd, n=30)
+        rows["deltanet obj() fwd"] = host_us(calls["eager"]["fwd"], n=30)
+    rows["deltanet obj() fwd+bwd"] = host_us(calls["eager"]["fwd_bwd"], n=30)
+    rows["deltanet obj() fwd+bwd, engine on this thread"] = host_us(calls["onethread"]["fwd_bwd"], n=30)
     from ssmcraft.kernels import rank1_chunk as R
     rows["deltanet kernels: direct / through Triton"] = {
         k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}

@@ -9,8 +9,9 @@ generator can be weighed here before any device time is spent.
     python3 benchmarks/sass_count.py --objective mamba --kernels fwd_main,bwd_main
     python3 benchmarks/sass_count.py --objective longhorn_diag --no-hsum --no-even
 
-Runs in a process without the Triton interpreter (it unsets ``TRITON_INTERPRET``). Shapes follow the timed case (K=16, one warp, 32-wide value blocks, bf16 value-indexed I/O, fp32
-key-indexed inputs and params, as ``diagonal_scan`` passes them).
+Runs in a process without the Triton interpreter (it unsets ``TRITON_INTERPRET``). Shapes follow
+the timed case (K=16, one warp, 32-wide value blocks, bf16 value-indexed I/O, fp32 key-indexed
+inputs and params, as ``diagonal_scan`` passes them).
 """
 from __future__ import annotations
 

@@ -6,15 +6,11 @@ traceback for these.
 from __future__ import annotations
 
 
-def first_line(e: BaseException) -> str:
-    """An error's first line, at most 300 characters (what a record or a one-line message keeps)."""
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
 def one_line(e: BaseException) -> str:
-    """``Type: first line`` of an error (a record's or a log line's reason)."""
-    return f"{type(e).__name__}: {first_line(e)}"
+    """``Type: first line`` of an error, the line cut to 300 characters (a record's or a log
+    line's reason)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 class SsmcraftError(Exception):

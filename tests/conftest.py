@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 # Every kernel test runs Triton's interpreter (CPU). Set before anything imports triton or
-# ssmcraft.kernels: both read it once, at import (tuning.INTERPRET). A test that needs the compiled
-# form starts a subprocess without it (test_sass_count, test_export_bundle).
+# ssmcraft.kernels: both read it once, at import (tuning.INTERPRET). test_sass_count compiles the GPU
+# form in a subprocess without it; test_export_bundle's subprocess keeps it.
 os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]

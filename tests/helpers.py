@@ -1,7 +1,8 @@
 """Helpers shared by the test modules (imported as ``helpers``; pytest puts tests/ on sys.path).
 
 ``random_inputs`` draws inputs and params that respect each declaration; ``rel_rms`` and
-``assert_within`` are the error metric and check every kernel test uses.
+``assert_within`` are the error metric and check every kernel test uses; ``poison_step`` makes
+a training run diverge at a chosen step.
 """
 from __future__ import annotations
 
@@ -87,3 +88,17 @@ def kernel_inputs(obj, B, T, H, d, m, seed, unit_keys=False):
     params = {n: 0.2 + 0.6 * torch.rand(H, *size(dims), generator=g, dtype=torch.float64)
               for n, dims in obj.ir.params.items()}
     return ins, params, torch.randn(B, H, d, m, generator=g, dtype=torch.float64) * 0.5, g
+
+
+def poison_step(monkeypatch, at_call: int) -> None:
+    """The training loop's ``at_call``-th step loss (``loop.step_loss``, counted from 1) made NaN."""
+    from ssmcraft.train import loop
+    real = loop.step_loss
+    calls = {"n": 0}
+
+    def poisoned(*args):
+        calls["n"] += 1
+        loss = real(*args)
+        return loss * float("nan") if calls["n"] == at_call else loss
+
+    monkeypatch.setattr(loop, "step_loss", poisoned)

@@ -17,7 +17,7 @@ from ssmcraft.cli import main
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels import commands, dispatch, graphs, timing
 from ssmcraft.kernels.checking import graphed_against_eager, rel_max
-from ssmcraft.kernels.graphs import call_signature
+from ssmcraft.kernels.graphs import _entries, call_signature
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def _eager_signatures(monkeypatch) -> list:
     seen, real = [], dispatch.run_fast
 
     def spy(obj, inputs, params, initial_state, output_final_state):
-        seen.append(call_signature(inputs, params, initial_state, output_final_state))
+        seen.append(call_signature(_entries(inputs, params, initial_state), output_final_state))
         return real(obj, inputs, params, initial_state, output_final_state)
     monkeypatch.setattr(dispatch, "run_fast", spy)
     return seen

@@ -220,7 +220,7 @@ def test_derive_and_codegen_under_one_second(compiled):
     ("mamba", "diagonal", "N_a = libdevice.exp2(L_A * (L_delta * 1.4426950408889634))"),   # GPU form
     ("huber_longhorn", "general", "def "),
     ("longhorn_2key", "rankr_row", "def "),
-    ("longhorn", "rank1_row", "prologue"),          # hand-written family: its computed slots' prologue
+    ("longhorn", "rank1_row", "prologue of the computed slots"),    # hand-written: its computed slots' prologue
     ("gla", "keydecay_chunk", "no per-objective source"),
 ])
 def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, family, marker, capsys):
@@ -228,5 +228,17 @@ def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, fami
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"# {name}: family {family!r} runs it on the GPU (ssmcraft/kernels/{family}.py)"
     assert marker in out
-    if family in ("diagonal", "general", "rankr_row"):
+    if family in ("diagonal", "general", "rankr_row", "rank1_row"):
         compile(out[out.index("# spec:"):], f"{name} kernels", "exec")   # the printed source is the module
+
+
+def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
+    """No family runs the objective: an error (exit 2) with each family's reason, decode aside."""
+    from ssmcraft.kernels import triton_backend
+    monkeypatch.setattr(triton_backend, "_load", lambda fam: (None, f"{fam} refused here"))
+    assert main(["derive", "longhorn", "--kernel"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    reasons = "; ".join(f"{f}: {f} refused here" for f in triton_backend.FAMILIES if f != "decode")
+    assert err == (f"ssmcraft derive: error: longhorn: no Triton kernel family runs it on CUDA tensors "
+                   f"({reasons})\n")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-
-import pytest  # noqa: E402
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 

@@ -13,7 +13,7 @@ import torch
 
 import ssmcraft
 from ssmcraft.errors import SpecError, SsmcraftError
-from ssmcraft.kernels.graphs import call_signature, require_cuda, signature_difference
+from ssmcraft.kernels.graphs import _entries, call_signature, require_cuda, signature_difference
 from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
@@ -49,24 +49,25 @@ def test_a_number_is_refused_by_place(monkeypatch):
 
 def test_signature_differences_are_named():
     ins = _inputs()
-    base = call_signature(ins, None, torch.zeros(2, 2, 4, 3), True)
-    assert signature_difference(base, call_signature(ins, None, torch.zeros(2, 2, 4, 3), True)) is None
+    base = call_signature(_entries(ins, None, torch.zeros(2, 2, 4, 3)), True)
+    assert signature_difference(base, call_signature(_entries(ins, None, torch.zeros(2, 2, 4, 3)), True)) is None
     longer = {n: torch.zeros(2, 7, *t.shape[2:]) for n, t in ins.items()}
-    assert signature_difference(base, call_signature(longer, None, torch.zeros(2, 2, 4, 3), True)) == (
+    assert signature_difference(base, call_signature(_entries(longer, None, torch.zeros(2, 2, 4, 3)), True)) == (
         "inputs['x']: shape [2, 7, 2, 4] (captured [2, 5, 2, 4]); inputs['k']: shape [2, 7, 2, 3] "
         "(captured [2, 5, 2, 3]); inputs['q']: shape [2, 7, 2, 3] (captured [2, 5, 2, 3])")
     bf = {**ins, "k": ins["k"].bfloat16()}
-    assert signature_difference(base, call_signature(bf, None, torch.zeros(2, 2, 4, 3), True)) == (
+    assert signature_difference(base, call_signature(_entries(bf, None, torch.zeros(2, 2, 4, 3)), True)) == (
         "inputs['k']: dtype torch.bfloat16 (captured torch.float32)")
-    grad = call_signature(ins, None, torch.zeros(2, 2, 4, 3, requires_grad=True), False)
+    grad = call_signature(_entries(ins, None, torch.zeros(2, 2, 4, 3, requires_grad=True)), False)
     assert signature_difference(base, grad) == ("initial_state: requires_grad True (captured False); "
                                                 "output_final_state is False (captured True)")
-    no_state = call_signature(ins, None, None, True)
+    no_state = call_signature(_entries(ins, None, None), True)
     assert signature_difference(base, no_state) == "the tensors differ: captured with inputs['x'], inputs['k'], " \
                                                    "inputs['q'], initial_state; missing initial_state"
-    swapped = call_signature({"k": ins["k"], "x": ins["x"], "q": ins["q"]}, None, torch.zeros(2, 2, 4, 3), True)
+    reordered = {"k": ins["k"], "x": ins["x"], "q": ins["q"]}
+    swapped = call_signature(_entries(reordered, None, torch.zeros(2, 2, 4, 3)), True)
     assert signature_difference(base, swapped).startswith("the tensors come in another order")
-    two = call_signature(ins, {"A": torch.zeros(4, 3)}, (torch.zeros(1), torch.zeros(1)), True)
+    two = call_signature(_entries(ins, {"A": torch.zeros(4, 3)}, (torch.zeros(1), torch.zeros(1))), True)
     assert [r[0] for r in two[:-1]] == ["inputs['x']", "inputs['k']", "inputs['q']", "params['A']",
                                         "initial_state[0]", "initial_state[1]"]
 

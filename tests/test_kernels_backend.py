@@ -3,15 +3,13 @@
 The compiled objective runs the Triton kernel on CPU tensors only when asked for
 (prefer="interpret"), says which kernel ran in ``obj.backend``, and never falls back silently.
 """
+import pytest
+import torch
 
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import ssmcraft  # noqa: E402
-from ssmcraft.errors import SsmcraftError  # noqa: E402
-from ssmcraft.kernels import triton_backend as TB  # noqa: E402
-from helpers import rel_rms as _rel  # noqa: E402
+import ssmcraft
+from ssmcraft.errors import SsmcraftError
+from ssmcraft.kernels import triton_backend as TB
+from helpers import rel_rms as _rel
 
 
 def _inputs(obj, B=1, T=5, H=2, d=8, m=4, seed=0):

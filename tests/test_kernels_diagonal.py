@@ -7,18 +7,16 @@ reference loop, outputs NaN-poisoned first (the kernels must write all of them).
 groups (the time-parallel passes) and per-head / shared params. GPU checks in fp32 and bf16:
 benchmarks/bench_diagonal.py.
 """
+import pytest
+import sympy
+import torch
 
-
-import pytest  # noqa: E402
-import sympy  # noqa: E402
-import torch  # noqa: E402
-
-import ssmcraft  # noqa: E402
-from ssmcraft.compiler.functions import sigmoid, silu, softplus  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
-from ssmcraft.kernels.triton_printer import triton_code  # noqa: E402
-from helpers import assert_within, rel_rms as _rel  # noqa: E402
-from ssmcraft.kernels.checking import reference_errors  # noqa: E402
+import ssmcraft
+from ssmcraft.compiler.functions import sigmoid, silu, softplus
+from ssmcraft.kernels import diagonal as D
+from ssmcraft.kernels.triton_printer import triton_code
+from helpers import assert_within, rel_rms as _rel
+from ssmcraft.kernels.checking import reference_errors
 
 # relative RMS error vs the float64 reference, fp32 kernel (interpreter)
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -230,6 +228,35 @@ def test_prefetch_needs_chunks_of_a_multiple_of_its_depth():
     with pytest.raises(SsmcraftError, match="PREFETCH needs chunks of a multiple of 4 steps"):
         D.check_config(D.Config(BV=8, num_warps=1, NG=1, NSUB=1, PREFETCH=True), 64, 2)   # LS 2 x NSUB 1
 
+
+def test_the_autotuner_skips_a_failing_config_and_reraises_a_refused_one(monkeypatch):
+    """A candidate that fails to compile or launch is recorded and skipped; one that check_config
+    refuses (SsmcraftError) stops the tuning: the candidate list is wrong."""
+    import triton.testing
+    from ssmcraft.errors import SsmcraftError
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(D, "_TUNED", {})
+    monkeypatch.setattr(D, "_TIMINGS", {})
+
+    def run(cfg):
+        if cfg == "broken":
+            raise RuntimeError("out of resources\nsecond line")
+        if cfg == "refused":
+            raise SsmcraftError("diagonal Config.HSUM needs BK <= BV")
+    assert D._pick("k1", lambda: ["broken", "fine"], run) == "fine"
+    assert D._TIMINGS["k1"] == [("broken", "failed: RuntimeError: out of resources"), ("fine", 1.0)]
+    with pytest.raises(SsmcraftError, match="HSUM needs"):
+        D._pick("k2", lambda: ["fine", "refused"], run)
+
+
+@pytest.mark.parametrize("K, V, B, H, T", [(16, 1536, 8, 1, 2048), (16, 64, 2, 16, 301), (64, 64, 8, 16, 2048),
+                                           (5, 100, 1, 3, 7), (128, 32, 1, 1, 65)])
+def test_every_autotuner_candidate_is_a_config_the_kernels_run(K, V, B, H, T):
+    """_pick re-raises a refused config (a bug in the lists), so every candidate must pass check_config."""
+    fwd, bwd = D._fwd_candidates(K, V, B, H, T), D._bwd_candidates(K, V, B, H, T)
+    assert fwd and bwd
+    for cfg in fwd + bwd:
+        D.check_config(cfg, K, D._ls_for(K))
 
 
 @pytest.mark.parametrize("name", ["mamba", "longhorn_diag"])

@@ -9,10 +9,8 @@
   params, initial state), with the kernel's outputs poisoned by NaN first;
 - GLA's decay goes to the kernels as is (their log is taken in the kernels, log_space=False).
 """
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

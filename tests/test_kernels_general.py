@@ -2,10 +2,8 @@
 the Triton interpreter, against the float64 reference recurrence: output, final state and
 every gradient (inputs, params, initial state; with a gradient on the final state), outputs
 poisoned with NaN first."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

@@ -4,10 +4,8 @@ recurrence: output, every final state and every gradient (inputs, params, each i
 state; with a gradient on each final state), outputs poisoned with NaN first, odd T and a
 T that is not a multiple of the checkpoint interval. Tolerances as tests/test_kernels_general.py
 (relative RMS, fp32 kernel vs float64 reference)."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

@@ -4,10 +4,8 @@ params, initial state; with a gradient on the final state too), every kernel buf
 with NaN first. Odd lengths cross chunk boundaries at chunk sizes 16, 32 and 64; K and V are
 padded (m = 12 -> 16, d = 20 -> 32); strongly decaying gates (log alpha down to -5 per step)
 check the stability claim. GPU checks in fp32 and bf16: benchmarks/bench_keydecay_chunk.py."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

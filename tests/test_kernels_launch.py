@@ -8,14 +8,12 @@ stand-ins for a compiled kernel and the driver, and the interpreter route (every
 Triton)."""
 from __future__ import annotations
 
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from ssmcraft.kernels import launch as L  # noqa: E402
+from ssmcraft.kernels import launch as L
 
 
 def _kern(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):

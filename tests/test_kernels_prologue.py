@@ -9,10 +9,8 @@
   signature, and matches the reference loop on the output, the final state and every gradient
   (initial state included); where the prologue cannot be generated the eager path runs, by name.
 """
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

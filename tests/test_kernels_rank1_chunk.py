@@ -1,10 +1,8 @@
 """Chunked rank-1 family (DeltaNet, Gated DeltaNet, general per-head rank-1) under the Triton
 interpreter, against the float64 reference recurrence: output, final state and every gradient
 (inputs, initial state; with a gradient on the final state), buffers poisoned with NaN."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

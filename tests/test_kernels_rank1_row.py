@@ -2,10 +2,8 @@
 general slot form) under the Triton interpreter, against float64 references: output, final
 state and every gradient (inputs, initial state; with a gradient on the final state), outputs
 poisoned with NaN first."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

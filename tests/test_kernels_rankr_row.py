@@ -3,10 +3,8 @@ under the Triton interpreter, against the float64 reference recurrence: output, 
 and every gradient (inputs, params, initial state; with a gradient on the final state),
 outputs poisoned with NaN first, several row blocks with a partial last one (d = 10 rows in
 tiles of 4), odd T and T not a multiple of the checkpoint interval."""
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

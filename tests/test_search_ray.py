@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from optuna.trial import TrialState
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.search import InlineExecutor, load_search_spec, run_search
-from ssmcraft.search.executor_ray import RayExecutor, connect
+from ssmcraft.search.executor_ray import RayExecutor, connect, run_on_worker
 from ssmcraft.search.reports import columns
 from ssmcraft.search.testing import Scripted, curve, quadratic, tiny_spec
 from tests.test_search_fidelity import fidelity_spec
@@ -146,6 +148,36 @@ def test_reports_sent_without_waiting_all_reach_the_study(ray, tmp_path):
         assert t.state == TrialState.COMPLETE and len(t.intermediate_values) == 4, (t.number, t.intermediate_values)
         last = t.intermediate_values[max(t.intermediate_values)]
         assert last == pytest.approx(1.25 * t.value), (t.number, last, t.value)
+
+
+def test_a_trial_not_awaiting_answers_returns_once_its_last_report_is_in(monkeypatch, tmp_path):
+    # locally the broker always has the last report before the driver drains it, so the test
+    # above passes without that wait; here a fake broker and ray.get show that it happens
+    calls, awaited = [], []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            calls.append(self.name)
+            return len(calls)   # the ref: the call's number
+
+    def get(ref):
+        assert calls[ref - 1] == "report", calls
+        awaited.append(ref)
+
+    def trial(config, out_dir, report):
+        assert not any(report(step, {"loss": 1.0}) for step in (1, 2, 3))
+        return {"loss": 1.0}
+
+    broker = SimpleNamespace(**{name: Method(name) for name in ("started", "report", "decision")})
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
+        get=get, get_gpu_ids=lambda: [], get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "node")))
+    outcome = run_on_worker(trial, {}, str(tmp_path), 0, broker, wants_gpu=False, await_answers=False)
+    assert outcome.metrics == {"loss": 1.0}
+    assert calls == ["started", "report", "report", "report"]
+    assert awaited == [len(calls)]  # the last report, and no answer asked for
 
 
 def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):

@@ -14,6 +14,7 @@ from ssmcraft.tasks import build_task
 from ssmcraft.tasks.passkey import passkey_batch, passkey_text
 from ssmcraft.train import load_run, loop, train_run
 from ssmcraft.train.config import resolve
+from helpers import poison_step
 
 
 def mqar_config(**train):
@@ -58,24 +59,12 @@ def test_text_task_moved_once_slices_where_its_data_is(tmp_path):
     assert torch.equal(before[0], again[0]) and torch.equal(before[0][:, 1:], before[1][:, :-1])
 
 
-def _poison_step(monkeypatch, at_call: int):
-    real = loop.step_loss
-    calls = {"n": 0}
-
-    def poisoned(*args):
-        calls["n"] += 1
-        loss = real(*args)
-        return loss * float("nan") if calls["n"] == at_call else loss
-
-    monkeypatch.setattr(loop, "step_loss", poisoned)
-
-
 def test_divergence_seen_late_keeps_the_weights_of_the_first_bad_step(tmp_path, monkeypatch):
     """log_every 4: NaN at step 5 is read back after step 7, the reason says so, and the
     steps in between changed nothing: the weights equal a per-step-sync run's."""
-    _poison_step(monkeypatch, 6)
+    poison_step(monkeypatch, 6)
     late = train_run(mqar_config(log_every=4, tokens=8 * 32 * 8), tmp_path / "late")
-    _poison_step(monkeypatch, 6)
+    poison_step(monkeypatch, 6)
     sync = train_run(mqar_config(log_every=1, tokens=8 * 32 * 8), tmp_path / "sync")
     assert late["status"] == sync["status"] == "diverged"
     assert late["reason"] == ("training loss is nan at step 5 (seen at the read-back 2 step(s) later, "
@@ -143,6 +132,9 @@ def test_a_model_error_at_the_first_compiled_step_is_not_a_compile_failure(tmp_p
     ("data_on_device", "no", "train.data_on_device: expected true or false"),
     ("autograd_threads", "auto", "train.autograd_threads: expected true or false"),
     ("compile", 1, "train.compile: expected auto, true or false, got 1"),     # not taken for true
+    ("data_on_device", 0, "train.data_on_device: expected true or false, got 0"),   # nor 0 for false
+    ("backend", "cuda", "train.backend: expected auto, reference, torch, triton or interpret, got 'cuda'"),
+    ("precision", True, "train.precision: expected auto, fp32 or bf16, got True"),
 ])
 def test_bad_settings_are_named(key, value, message):
     with pytest.raises(SpecError, match=message):
@@ -204,7 +196,7 @@ def test_a_run_passes_and_records_its_autograd_threads(tmp_path, monkeypatch):
     seen, real = [], loop._optimizer_step
 
     def spy(*a, **k):
-        seen.append(a[8])                   # engine_threads
+        seen.append(k["engine_threads"])
         return real(*a, **k)
     monkeypatch.setattr(loop, "_optimizer_step", spy)
     m = train_run(mqar_config(autograd_threads=False, tokens=8 * 32 * 2, save_model=False), tmp_path)

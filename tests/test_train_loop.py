@@ -9,9 +9,9 @@ import torch
 from ssmcraft.cli import main
 from ssmcraft.errors import SpecError
 from ssmcraft.train import load_config, load_run, train_run
-from ssmcraft.train import loop
 from ssmcraft.train.config import apply_overrides, resolve
 from ssmcraft.train.schedule import lr_at, warmup_steps
+from helpers import poison_step
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +70,7 @@ def test_saved_run_loads_back_to_the_same_model(trained):
 
 
 def test_divergence_stops_the_run_with_a_status(corpus, tmp_path, monkeypatch):
-    real = loop.step_loss
-    calls = {"n": 0}
-
-    def poisoned(*args):
-        calls["n"] += 1
-        loss = real(*args)
-        return loss * float("nan") if calls["n"] == 4 else loss
-
-    monkeypatch.setattr(loop, "step_loss", poisoned)
+    poison_step(monkeypatch, 4)
     m = train_run(text_config(corpus, tokens=8 * 32 * 10), tmp_path)
     assert m["status"] == "diverged" and "step 3" in m["reason"]
     assert m["val_loss"] is None and m["steps"] == 3

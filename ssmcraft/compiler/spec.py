@@ -342,10 +342,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     approximation = raw.get("approximation", "exact")
     if approximation not in ("exact", "diagonal"):
         raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
-    output = _expression(src, "output", raw["output"], declared)
-    _refuse_reads(src, "output", output, _let_closure(lets), ["S_prev"],
-                  lambda x: "the output reads the new state S, not S_prev",
-                  lambda x: "the output reads S_prev (through a let); it must read the new state")
+    output = _output(src, raw, declared, _let_closure(lets), prevs, "the new state S")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
 
@@ -430,6 +427,16 @@ def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...
     return tuple(out)
 
 
+def _output(src, raw, declared, through: dict, prevs, new: str) -> str:
+    """The spec's ``output`` expression, refused where it reads a previous state (``prevs``, also
+    through a let: ``_let_closure``) rather than ``new``, the new state(s) as the message names them."""
+    output = _expression(src, "output", raw["output"], declared)
+    _refuse_reads(src, "output", output, through, prevs,
+                  lambda x: f"the output reads {new}, not {x}",
+                  lambda x: f"the output reads {x} (through a let); it must read {new}")
+    return output
+
+
 def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, lets, declared) -> Spec:
     """The rest of a spec with several states: ``objective:`` maps each state to its loss; the
     states update in declaration order, so a state's loss may read the states declared before
@@ -459,11 +466,7 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
             f"approximation.{states[approximations.index('diagonal')]}"
         raise SpecError(src, key, "the diagonal approximation is not supported with several states (their "
                         "joint update is classified general or nonlinear, which has no diagonal); use exact")
-    prevs = [f"{x}_prev" for x in states]
-    output = _expression(src, "output", raw["output"], declared)
-    _refuse_reads(src, "output", output, through, prevs,
-                  lambda x: f"the output reads the new states, not {x}",
-                  lambda x: f"the output reads {x} (through a let); it must read the new states")
+    output = _output(src, raw, declared, through, [f"{x}_prev" for x in states], "the new states")
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),

@@ -22,24 +22,13 @@ from typing import Callable
 
 import torch
 
+from ssmcraft.kernels.reference import like, states
+
 
 def rel_rms(got, ref) -> float:
     """Relative RMS error ``||got - ref|| / ||ref||``, in float64."""
     got, ref = got.double(), ref.double()
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def states(S) -> tuple:
-    """A call's state(s) as a tuple: () for None, the tuple of several states, or (S,)."""
-    if S is None:
-        return ()
-    return tuple(S) if isinstance(S, (tuple, list)) else (S,)
-
-
-def like(S0, flat: tuple):
-    """The states ``flat`` in the form a call gave ``S0``: a tuple where it was a tuple or list, else
-    the one tensor (None for none). The inverse of ``states``."""
-    return tuple(flat) if isinstance(S0, (tuple, list)) else (flat[0] if flat else None)
 
 
 def _state_names(obj) -> tuple:

@@ -237,7 +237,7 @@ def _graphs_table(res: dict) -> list[str]:
     lines = ["  CUDA graphs (obj.graphed, captured once on these tensors; static: called on the graph's own "
              "input buffers, no copy-in)",
              "  (1-thread: eager, the backward run by the autograd engine on the calling thread)",
-             f"  {'':18s} " + " ".join(f"{HOW_LABELS[h]:>9s}" for h in HOWS)]
+             f"  {'':18s} " + " ".join(f"{HOW_LABELS.get(h, h):>9s}" for h in HOWS)]
     for kind in kinds:
         label = "fwd" if kind == "fwd" else "fwd+bwd"
         for what, key, fmt in (("ms", "{h}_{k}_ms", "{:9.3f}"), ("GPU busy", "{h}_busy_{k}", "{:9.2f}"),

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.checking import states
+from ssmcraft.kernels.reference import like, states
 
 NEED_CUDA = "CUDA graphs need a CUDA device"
 
@@ -60,7 +60,7 @@ def require_cuda(entries, what: str = "graphed") -> None:
             raise SsmcraftError(f"{what}: {place} is on {t.device}; {NEED_CUDA}")
 
 
-def require_warmup(warmup, what: str = "graphed") -> None:
+def require_warmup(warmup, what: str) -> None:
     """Refuse a ``warmup`` (eager iterations before the capture) that is not a positive int with an
     ``SsmcraftError``: the warm-up is where kernels are chosen, compiled and autotuned, which must
     not happen in the capture."""
@@ -69,13 +69,11 @@ def require_warmup(warmup, what: str = "graphed") -> None:
                             f"where kernels are compiled and tuned), got {warmup!r}")
 
 
-def call_signature(inputs, params=None, initial_state=None, output_final_state: bool = False,
-                   entries=None) -> tuple:
+def call_signature(entries, output_final_state: bool) -> tuple:
     """What a graphed call is fixed to: ``((place, shape, dtype, device, requires_grad), ...,
-    ("output_final_state", bool))``. Cheap: reads no tensor data. ``entries``: ``_entries`` of the
-    call when the caller has them already."""
-    rows = [(place, *_row(t)) for place, t in (entries if entries is not None
-                                                else _entries(inputs, params, initial_state))]
+    ("output_final_state", bool))``, from the call's ``_entries`` and ``output_final_state``.
+    Cheap: reads no tensor data."""
+    rows = [(place, *_row(t)) for place, t in entries]
     return (*rows, ("output_final_state", bool(output_final_state)))
 
 
@@ -141,7 +139,7 @@ class GraphedCall:
         entries = _entries(inputs, params, initial_state)
         require_cuda(entries, f"{obj.name}: graphed")
         self.obj = obj
-        self.signature = call_signature(inputs, params, initial_state, output_final_state, entries)
+        self.signature = call_signature(entries, output_final_state)
         self._rows = [r[1:] for r in self.signature[:-1]]   # what a call is compared with (no place names)
         self.output_final_state = bool(output_final_state)
         self._input_names = list(inputs)
@@ -158,9 +156,7 @@ class GraphedCall:
         ni, np_ = len(self._input_names), len(self._param_names)
         inputs = dict(zip(self._input_names, flat[:ni]))
         params = dict(zip(self._param_names, flat[ni:ni + np_])) or None
-        held = tuple(flat[ni + np_:])
-        initial_state = held if self._tuple_state else (held[0] if held else None)
-        return inputs, params, initial_state
+        return inputs, params, like(() if self._tuple_state else None, flat[ni + np_:])
 
     def static_inputs(self) -> tuple:
         """``(inputs, params, initial_state)`` made of the graph's static input buffers (same names and
@@ -170,9 +166,7 @@ class GraphedCall:
     def _run(self, *flat):
         """The captured function: flat tensors -> flat outputs ``(y, *S_T)``."""
         y, S = self.obj(*self._unflatten(flat), self.output_final_state)
-        if S is None:
-            return (y,)
-        return (y, *S) if isinstance(S, tuple) else (y, S)
+        return (y, *states(S))
 
     def _flat_if_captured(self, inputs, params, initial_state, ofs) -> tuple | None:
         """The call's values in the captured order when its signature is the captured one, else None.
@@ -190,7 +184,7 @@ class GraphedCall:
         signature is the captured one after all (an empty state tuple for None, say), else
         ``SsmcraftError`` naming how it differs."""
         entries = _entries(inputs, params, initial_state)
-        got = call_signature(inputs, params, initial_state, ofs, entries)
+        got = call_signature(entries, ofs)
         if got == self.signature:
             return tuple(t for _, t in entries)
         # a number or a host tensor where a CUDA tensor was captured: require_cuda's message by place

@@ -133,6 +133,19 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
     return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
 
 
+def states(S) -> tuple:
+    """A call's state(s) as a tuple: () for None, the tuple of several states, or (S,)."""
+    if S is None:
+        return ()
+    return tuple(S) if isinstance(S, (tuple, list)) else (S,)
+
+
+def like(S0, flat: tuple):
+    """The states ``flat`` in the form a call gave ``S0``: a tuple where it was a tuple or list, else
+    the one tensor (None for none). The inverse of ``states``."""
+    return tuple(flat) if isinstance(S0, (tuple, list)) else (flat[0] if flat else None)
+
+
 def validate(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
     """``layout``'s checks and sizes without touching data: the tensors are replaced by meta
     tensors of the same shape and dtype (no copies). Its ``env`` holds meta tensors."""
@@ -144,8 +157,7 @@ def validate(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layo
         return layout(ir, spec, inputs, params, initial_state)      # raises the usual error
     meta_in = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     meta_p = {k: meta(v, torch.float32) for k, v in (params or {}).items()}
-    meta_s = (None if initial_state is None else tuple(meta(t) for t in initial_state)
-              if isinstance(initial_state, (tuple, list)) else meta(initial_state))
+    meta_s = like(initial_state, tuple(meta(t) for t in states(initial_state)))
     return layout(ir, spec, meta_in, meta_p, meta_s)
 
 

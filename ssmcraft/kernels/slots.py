@@ -82,9 +82,12 @@ def _bindings(ir) -> dict[str, Binding]:
 class ComputedPath:
     """How a call's computed slots are produced (chosen once per call signature):
     ``name`` ``"prologue"`` / ``"eager-coefficients"`` (None: the objective has no computed
-    slot, and ``run`` is None), ``run(cs) -> {slot: fp32 tensor in FLA layout}``."""
+    slot, and ``run`` is None), ``run(cs) -> {slot: fp32 tensor in FLA layout}``; ``source``: the
+    prologue's generated Triton source, ``why``: why the eager coefficients run them instead."""
     name: str | None
     run: object = None
+    source: str | None = None
+    why: str | None = None
 
 
 NO_COMPUTED = ComputedPath(None)      # the path of an objective without computed slots (or a runner not using them)
@@ -117,10 +120,10 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     try:
         entry = prologue.module(obj.ir, binds)
     except NotImplementedError as e:
-        why = f"no Triton prologue: {e}"
+        why = f"no Triton prologue ({e})"
         logging.getLogger(__name__).info("%s: computed slots by the eager coefficients (%s)", obj.spec.name, why)
-        return ComputedPath("eager-coefficients", eager_coefficients)
-    return ComputedPath("prologue", lambda cs: prologue.run(entry, cs))
+        return ComputedPath("eager-coefficients", eager_coefficients, why=why)
+    return ComputedPath("prologue", lambda cs: prologue.run(entry, cs), source=entry[2])
 
 
 def slot_runner(obj, lay, run):

@@ -10,8 +10,9 @@ slots include computed ones adds how they were made (``slots.computed_path``), e
 
 When Triton runs:
   * CUDA tensors and ``obj.prefer`` in ("auto", "triton");
-  * CPU tensors when ``TRITON_INTERPRET=1`` is set and ``obj.prefer == "interpret"`` (how CI
-    tests the kernels).
+  * CPU tensors when ``TRITON_INTERPRET=1`` is set (read once, when the kernels are imported:
+    ``tuning.INTERPRET``, which sizes their tiles and warps too) and ``obj.prefer == "interpret"``
+    (how CI tests the kernels).
 Families are tried in a fixed order -- ``decode`` (one-token calls only: the fused kernel of
 the update in element form), ``keydecay_chunk`` (decays that are scalar or vary over
 the key dimension only, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on
@@ -25,7 +26,8 @@ silently: the name returned says what ran, and :func:`why_not` says why nothing 
 from __future__ import annotations
 
 import importlib
-import os
+
+from ssmcraft.errors import SsmcraftError
 
 FAMILIES = ("decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "general", "rank1_chunk")
 
@@ -36,7 +38,7 @@ def _mode(inputs, prefer) -> tuple[str | None, str]:
     if not tensors:
         return None, "no input tensors"
     try:
-        import triton  # noqa: F401
+        from ssmcraft.kernels.tuning import INTERPRET      # imports triton
     except ImportError as e:
         return None, f"triton is not importable ({e})"
     dev = tensors[0].device.type
@@ -47,7 +49,7 @@ def _mode(inputs, prefer) -> tuple[str | None, str]:
             return "triton", ""
         return None, f"prefer={prefer!r} does not select Triton for CUDA tensors"
     if dev == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not INTERPRET:
             return None, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1 with prefer='interpret'"
         if prefer != "interpret":
             return None, f"CPU tensors under TRITON_INTERPRET=1 run the interpreter only with prefer='interpret' (prefer={prefer!r})"
@@ -153,27 +155,31 @@ def why_not(obj, inputs) -> str:
     return f"no kernel family runs {obj.ir.kind} objective {obj.name!r} (" + "; ".join(parts) + ")"
 
 
-def kernel_source(obj) -> tuple[str | None, list[tuple[str, str]]]:
-    """(family, [(what, source)]): the family that runs ``obj`` on CUDA tensors of a sequence
+def kernel_source(obj) -> tuple[str, list[tuple[str, str]]]:
+    """(family, [(what, text)]): the family that runs ``obj`` on CUDA tensors of a sequence
     (one-token decode aside) and the Triton source generated for ``obj``, as the GPU compiles it.
     A family generated per objective (diagonal, general) gives its kernels; a hand-written one
-    (specialised by constexpr modes) gives the generated prologue of its computed slots, if any.
-    (None, []) when no family runs it."""
+    (specialised by constexpr modes) gives the generated prologue of its computed slots, if any
+    (``slots.computed_path``), or, where the eager coefficients compute them, ``("note", why)``.
+    ``SsmcraftError`` with every family's reason when none runs it."""
+    parts = []
     for fam, mod, reason in _candidates(obj, "triton"):
-        if fam == "decode" or reason is not None:
+        if fam == "decode":
+            continue
+        if reason is not None:
+            parts.append(f"{fam}: {reason}")
             continue
         generated = getattr(mod, "generated_source", None)
         if generated is not None:
             return fam, [("kernels", generated(obj.ir))]
-        from ssmcraft.kernels import prologue, slots
-        binds = slots.bindings(obj.ir)
-        if not any(b.kind == "computed" for b in binds.values()):
-            return fam, []
-        try:
-            return fam, [("prologue of the computed slots", prologue.module(obj.ir, binds)[2])]
-        except NotImplementedError as e:   # as slots.computed_path decides: the eager coefficients run them
-            return fam, [("computed slots", f"# no Triton prologue ({e}): the generated eager coefficients compute them\n")]
-    return None, []
+        from ssmcraft.kernels import slots
+        path = slots.computed_path(obj, slots.bindings(obj.ir))
+        if path.source is not None:
+            return fam, [("prologue of the computed slots", path.source)]
+        if path.why is not None:
+            return fam, [("note", f"{path.why}: the generated eager coefficients compute the computed slots")]
+        return fam, []
+    raise SsmcraftError(f"{obj.name}: no Triton kernel family runs it on CUDA tensors (" + "; ".join(parts) + ")")
 
 
 def families(obj, inputs=None, prefer="auto") -> list[tuple[str, str | None]]:

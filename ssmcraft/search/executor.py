@@ -33,7 +33,7 @@ class Job:
     out_dir: Path
     on_report: Callable[[int, dict], bool]
     time_limit_s: float
-    await_answers: bool = False     # a report needs its own answer before the trial goes on (coordinator.answers_matter)
+    await_answers: bool     # a report needs its own answer before the trial goes on (coordinator.answers_matter)
 
 
 @dataclass

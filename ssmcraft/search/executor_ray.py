@@ -35,7 +35,7 @@ from typing import Callable
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.search.executor import Capacity, Job
-from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, one_line, plain
+from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, plain, squash
 from ssmcraft.search.packing import AutoPacker, probe_memory, trial_slots
 from ssmcraft.search.rundir import run_dir_of
 from ssmcraft.search.spec import Resources
@@ -84,23 +84,17 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
     import ray
 
     broker.started.remote(number)
-    last: list = []      # the last report sent without waiting for its answer
+    last = None      # the last report sent without waiting for its answer
 
     def report(step: int, metrics: dict) -> bool:
+        nonlocal last
         ref = broker.report.remote(number, int(step), plain(metrics))
         if not await_answers:       # recorded; no answer can stop this trial
-            last[:] = [ref]
+            last = ref
             return False
         while (stop := ray.get(broker.decision.remote(number, int(step)))) is None:
             time.sleep(REPORT_POLL_S)
         return stop
-
-    def reported(outcome: Outcome) -> Outcome:
-        # an actor runs one caller's calls in order: once the last report is in, all are, so the
-        # driver finds every report in the broker when it sees this task done (``wait``)
-        if last:
-            ray.get(last[0])
-        return outcome
 
     host = {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
     if wants_gpu:
@@ -111,7 +105,12 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
                            host=host)
         host["device_name"] = torch.cuda.get_device_name(0)
-    return reported(execute(trial_fn, config, Path(out_dir), report, host=host))
+    outcome = execute(trial_fn, config, Path(out_dir), report, host=host)
+    # an actor runs one caller's calls in order: once the last report is in, all are, so the
+    # driver finds every report in the broker when it sees this task done (``wait``)
+    if last is not None:
+        ray.get(last)
+    return outcome
 
 
 def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], None] = print) -> bool:
@@ -158,13 +157,18 @@ def describe_ray_error(e: Exception, attempts: int | None) -> str:
 
     tries = f" ({attempts} attempts)" if attempts else ""
     if isinstance(e, rex.OutOfMemoryError):
-        return f"out of memory: Ray's memory monitor killed the worker{tries}: {one_line(str(e), 300)}"
+        return f"out of memory: Ray's memory monitor killed the worker{tries}: {squash(str(e), 300)}"
     if isinstance(e, (rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError)):
-        return f"worker died{tries}: {type(e).__name__}: {one_line(str(e), 300)}"
+        return f"worker died{tries}: {_typed(e)}"
     if isinstance(e, rex.RayTaskError):  # the task itself failed before execute() ran
-        cause = e.cause if e.cause is not None else e
-        return f"error: on the worker: {type(cause).__name__}: {one_line(str(cause), 300)}"
-    return f"error: {type(e).__name__}: {one_line(str(e), 300)}"
+        return f"error: on the worker: {_typed(e.cause if e.cause is not None else e)}"
+    return f"error: {_typed(e)}"
+
+
+def _typed(e: BaseException) -> str:
+    """``Type: message`` with the whole message on one line (Ray's messages put the cause after a
+    first line that only names the task, so ``errors.one_line``'s first line would lose it)."""
+    return f"{type(e).__name__}: {squash(str(e), 300)}"
 
 
 class RayExecutor:

@@ -65,7 +65,8 @@ def no_report(step: int, metrics: dict) -> bool:
     return False
 
 
-def one_line(text: str, limit: int = 500) -> str:
+def squash(text: str, limit: int = 500) -> str:
+    """``text`` on one line (whitespace runs collapsed), cut to ``limit`` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -79,7 +80,7 @@ def is_out_of_memory(e: BaseException) -> bool:
 def classify_exception(e: BaseException) -> str:
     """One-line failure reason, its first word the kind: ``timeout``, ``objective``
     (the compiler's message), ``out of memory`` or ``error``."""
-    msg = one_line(str(e))
+    msg = squash(str(e))
     if isinstance(e, TrialTimeout):
         return f"timeout: {msg}"
     if isinstance(e, DerivationError):
@@ -187,7 +188,7 @@ def judge(outcome: Outcome, metrics: list[str]) -> Verdict:
         return Verdict("failed", reason=outcome.error)
     m = outcome.metrics or {}
     status, detail = m.get("status", "ok"), m.get("reason")
-    suffix = f": {one_line(detail)}" if detail else ""
+    suffix = f": {squash(detail)}" if detail else ""
     if status == "pruned":
         return Verdict("pruned", reason=f"pruned{suffix}")
     if status == "diverged":

@@ -52,15 +52,11 @@ def sentence_start_near(filler: bytes, position: float) -> int:
 def passkey_text(seq_len: int, depth: float, key: bytes) -> tuple[bytes, int]:
     """The ``seq_len + 1`` bytes of one example and the index where the answer starts."""
     digits = len(key)
-    needle = NEEDLE.replace(b"{key}", key)
-    n_fill = seq_len + 1 - (len(PREFIX) + len(needle) + len(QUESTION) + digits)
-    if n_fill < 0:
-        raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
+    n_fill, filler = _fill(seq_len, digits)
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
-    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
     cut = sentence_start_near(filler, depth * n_fill)
-    text = PREFIX + filler[:cut] + needle + filler[cut:] + QUESTION + key
+    text = PREFIX + filler[:cut] + NEEDLE.replace(b"{key}", key) + filler[cut:] + QUESTION + key
     assert len(text) == seq_len + 1
     return text, seq_len + 1 - digits
 
@@ -104,12 +100,18 @@ def _layout(seq_len: int, digits: int, device: torch.device) -> tuple[int, torch
     ``const`` the bytes PREFIX + filler + needle (NUL where the digits go) + QUESTION + NULs
     for the answer, which a batch indexes (``passkey_text``'s layout)."""
     template = NEEDLE.replace(b"{key}", b"\0" * digits)     # the needle with NUL where the digits go
+    n_fill, filler = _fill(seq_len, digits)
+    const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, device)
+    return n_fill, sentence_starts(filler).to(device), const
+
+
+def _fill(seq_len: int, digits: int) -> tuple[int, bytes]:
+    """``(n_fill, filler)``: how many filler bytes a ``seq_len`` context with a ``digits``-digit
+    key holds, and those bytes (FILLER repeated and cut); raises when the prompt does not fit."""
     n_fill = seq_len + 1 - min_length(digits)
     if n_fill < 0:
         raise ValueError(f"passkey context {seq_len} is shorter than the prompt ({min_length(digits)} bytes)")
-    filler = (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
-    const = _bytes(PREFIX + filler + template + QUESTION + b"\0" * digits, device)
-    return n_fill, sentence_starts(filler).to(device), const
+    return n_fill, (FILLER * (n_fill // len(FILLER) + 1))[:n_fill]
 
 
 def sentence_starts(filler: bytes) -> torch.Tensor:

@@ -152,25 +152,26 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         positive(key, integer=True)
     positive("eval_every", integer=True, allow_zero=True)
     positive("log_every", integer=True)
-    def choice(key, auto: bool):
-        if not (isinstance(t[key], bool) or (auto and t[key] == "auto")):
-            raise SpecError(source, f"train.{key}", f"expected {'auto, ' if auto else ''}true or false, got {t[key]!r}")
 
-    choice("compile", auto=True)
-    choice("cuda_graphs", auto=True)
+    def one_of(key, allowed: tuple):
+        """``t[key]`` is one of ``allowed``; a bool matches only itself (0 and 1 are refused)."""
+        v = t[key]
+        if not any(v is a if isinstance(a, bool) else v == a for a in allowed):
+            words = [str(a).lower() if isinstance(a, bool) else a for a in allowed]
+            raise SpecError(source, f"train.{key}", f"expected {', '.join(words[:-1])} or {words[-1]}, got {v!r}")
+
+    one_of("compile", ("auto", True, False))
+    one_of("cuda_graphs", ("auto", True, False))
     if t["cuda_graphs"] is True and t["compile"] is True:
         raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)
-    choice("autograd_threads", auto=False)
-    choice("data_on_device", auto=False)
+    one_of("autograd_threads", (True, False))
+    one_of("data_on_device", (True, False))
     for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):
         positive(key, allow_zero=key != "lr")
     t["betas"] = [number_or_same(b) for b in t["betas"]] if isinstance(t["betas"], list) else t["betas"]
     if t["max_seconds"] is not None:
         positive("max_seconds")
-    if t["backend"] not in ("auto", "reference", "torch", "triton", "interpret"):
-        raise SpecError(source, "train.backend", f"expected auto, reference, torch, triton or interpret, "
-                        f"got {t['backend']!r}")
-    if t["precision"] not in ("auto", "fp32", "bf16"):
-        raise SpecError(source, "train.precision", f"expected auto, fp32 or bf16, got {t['precision']!r}")
+    one_of("backend", ("auto", "reference", "torch", "triton", "interpret"))
+    one_of("precision", ("auto", "fp32", "bf16"))
     if not (isinstance(t["betas"], list) and len(t["betas"]) == 2):
         raise SpecError(source, "train.betas", f"expected [beta1, beta2], got {t['betas']!r}")

@@ -73,7 +73,8 @@ class _LossModule(torch.nn.Module):
         self._device, self.precision = device, precision
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return step_loss(self.model, inputs, targets, autocast(self._device, self.precision, cache_enabled=False))
+        return step_loss(self.model, inputs, targets,
+                         lambda: autocast(self._device, self.precision, cache_enabled=False))
 
 
 class GraphedLoss:

@@ -217,7 +217,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
 
         def one_step(module):
             return _optimizer_step(module, opt, inputs, targets, amp, tc["grad_clip"], readback.stopped, graphed,
-                                   tc["autograd_threads"])
+                                   engine_threads=tc["autograd_threads"])
 
         if step == 0 and train_model is not model:
             (loss, grad_norm), train_model = run_compiled_step(one_step, train_model, model, compile_info)
@@ -283,7 +283,7 @@ def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
     """
     opt.zero_grad(set_to_none=True)
     if graphed is None:
-        loss = step_loss(model, inputs, targets, amp())
+        loss = step_loss(model, inputs, targets, amp)
     else:
         loss = graphed(inputs, targets)
     with torch.autograd.set_multithreading_enabled(engine_threads):

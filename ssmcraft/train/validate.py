@@ -13,9 +13,10 @@ def batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def step_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
-    """A training step's loss: the model under ``autocast`` (a context manager), the loss outside it
-    (``batch_loss``, fp32). The eager step, the captured one (``train.graphed``) and the benchmarks'."""
-    with autocast:
+    """A training step's loss: the model under ``autocast()`` (a callable giving the precision
+    context, as ``evaluate``'s), the loss outside it (``batch_loss``, fp32). The eager step, the
+    captured one (``train.graphed``) and the benchmarks'."""
+    with autocast():
         logits = model(inputs)
     return batch_loss(logits, targets)
 
