@@ -91,7 +91,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     from ssmcraft.kernels import diagonal as D
     plan, mod = loaded
     fn = getattr(mod, kernel)
-    BK, ls = D._p2(K), D._ls_for(K)
+    BK, ls = D.next_pow2(K), D._ls_for(K)
     cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch)
     L = ls * cfg.NSUB
     known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False,

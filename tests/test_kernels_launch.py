@@ -62,6 +62,13 @@ def test_the_key_holds_what_a_compiled_kernel_is_specialised_on():
     assert L.arg_key(base.to(torch.bfloat16)) != L.arg_key(base)
     assert L.arg_key(1) != L.arg_key(True)                       # an int 1 and a bool are different keys
     assert L.arg_key(1) != L.arg_key(16) and L.arg_key(None) == (type(None), None)
+    # keyword arguments: the same entries, named; the positional and keyword forms stay apart
+    key = L.launch_key(0, (base,), {"n": 1, "out": base[1:]})
+    assert key == (0, (torch.float32, True), ("n", int, 1), ("out", torch.float32, False))
+    assert key != L.launch_key(0, (base,), {"n": True, "out": base[1:]})
+    assert key != L.launch_key(0, (base,), {"m": 1, "out": base[1:]})
+    assert key != L.launch_key(1, (base,), {"n": 1, "out": base[1:]})
+    assert L.launch_key(0, (base, 1), {}) != L.launch_key(0, (base,), {"n": 1})
 
 
 def test_under_the_interpreter_every_launch_goes_through_triton(monkeypatch):

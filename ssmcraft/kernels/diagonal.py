@@ -54,7 +54,7 @@ import torch
 
 from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer
+from ssmcraft.kernels.tuning import INTERPRET, buffer, next_pow2
 from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 BACKEND_NAME = "diagonal-chunked"
@@ -819,7 +819,7 @@ def generated_source(ir, K: int = 16, fast_math: bool = True) -> str:
     """The generated kernels of ``ir`` for key dim ``K`` (``fast_math``: as the GPU compiles them;
     False: as the interpreter runs them). What ``ssmcraft derive SPEC --kernel`` prints."""
     plan = _get_plan(ir)
-    return _source(plan, _p2(K) != K, _ls_for(K), fast_math)
+    return _source(plan, next_pow2(K) != K, _ls_for(K), fast_math)
 
 
 def _source(plan: _Plan, pad_k: bool, ls: int, fast_math: bool) -> str:
@@ -846,10 +846,6 @@ def _module(plan: _Plan, BK: int, K: int):
 # Host wrappers
 # ======================================================================================
 
-def _p2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 @dataclass(frozen=True)
 class Config:
     """One launch configuration: value block, warps, number of time groups run in parallel."""
@@ -874,7 +870,7 @@ def _prefetch_ok(L: int) -> bool:
 
 def check_config(cfg: Config, K: int, ls: int) -> None:
     """Refuse a configuration the kernels cannot run (before any kernel is launched)."""
-    BK, L = _p2(K), ls * cfg.NSUB
+    BK, L = next_pow2(K), ls * cfg.NSUB
     if cfg.HSUM and not _hsum_ok(BK, cfg.BV):
         raise SsmcraftError(f"diagonal Config.HSUM needs BK <= BV (BK = {BK}, BV = {cfg.BV})")
     if cfg.PREFETCH and not _prefetch_ok(L):
@@ -887,7 +883,7 @@ def flags(cfg: Config, K: int, T: int, V: int, ls: int) -> Mapping[str, object]:
     BV divides V, no time mask when the chunk length divides T, the halving sums, the prefetch.
     Checked and built once per (config, shape): a repeated call only looks them up."""
     check_config(cfg, K, ls)
-    BK = _p2(K)
+    BK = next_pow2(K)
     return MappingProxyType(dict(EVEN_V=V % cfg.BV == 0, EVEN_T=T % (ls * cfg.NSUB) == 0, HSUM=cfg.HSUM,
                                  PREFETCH=cfg.PREFETCH, LOG_BK=BK.bit_length() - 1, LOG_BV=cfg.BV.bit_length() - 1))
 
@@ -921,7 +917,7 @@ def _leaf_args(plan, leaves, H, grads=None):
 
 def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod):
     B, T, H, K, V = shape
-    BK = _p2(K)
+    BK = next_pow2(K)
     L = mod.LS * cfg.NSUB
     NC = -(-T // L)
     NG, CPG = _groups(NC, cfg.NG)
@@ -950,7 +946,7 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
 
 def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, needs):
     B, T, H, K, V = shape
-    BK = _p2(K)
+    BK = next_pow2(K)
     L = mod.LS * cfg.NSUB
     NC = -(-T // L)
     NG, CPG = _groups(NC, cfg.NG)
@@ -1037,12 +1033,12 @@ def _nsub(K: int) -> int:
 def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     """The interpreter's configuration (large tiles, one group), and the GPU's default: 32-wide value
     blocks, warps along V, about 24 programs per SM (the measured best on H200, BENCHMARKS.md)."""
-    BK = _p2(K)
+    BK = next_pow2(K)
     if INTERPRET:
-        BV = min(_p2(V), 64)
+        BV = min(next_pow2(V), 64)
         warps, NG = 1, 1
     else:
-        BV = 32 if V >= 32 else _p2(V)
+        BV = 32 if V >= 32 else next_pow2(V)
         warps, NG = _warps(BK, BV), 2 * _parallel_groups(B, H, V, BV, T, _ls_for(K), _nsub(K))
     return Config(BV=BV, num_warps=warps, NG=NG, NSUB=_nsub(K), HSUM=_hsum_ok(BK, BV))
 
@@ -1059,13 +1055,13 @@ def _fwd_candidates(K, V, B, H, T):
     64-wide blocks; each with and without the register prefetch. Measured on H200 (BENCHMARKS.md):
     32-wide with ~24 programs per SM won; 64 and 128 columns per warp issue fewer instructions but
     lose on latency, and one- or two-group passes (no summary sweep) took 1.8-2x the best."""
-    BK = _p2(K)
+    BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
     prefetch = (False, True) if _prefetch_ok(ls * nsub) else (False,)
     out = []
     for BV, mult in ((32, (1, 2, 4)), (64, (1, 2))):
-        if BV > max(32, _p2(V)):
+        if BV > max(32, next_pow2(V)):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g * ngp)[0] for g in mult}):
@@ -1078,12 +1074,12 @@ def _bwd_candidates(K, V, B, H, T):
     value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum measured 20-39%
     slower in every configuration on H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower
     (BENCHMARKS.md, "Diagonal")."""
-    BK = _p2(K)
+    BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = -(-T // (ls * nsub))
     out = []
     for BV in (32, 64):
-        if BV > max(32, _p2(V)):
+        if BV > max(32, next_pow2(V)):
             continue
         ngp = _parallel_groups(B, H, V, BV, T, ls, nsub)
         for NG in sorted({_groups(NC, g)[0] for g in (ngp, 2 * ngp)}):
@@ -1136,7 +1132,7 @@ class _DiagonalScan(torch.autograd.Function):
     def forward(ctx, plan, names, shape, out_dtype, want_final, config, h0, *tensors):
         leaves = dict(zip(names, tensors))
         B, T, H, K, V = shape
-        mod = _module(plan, _p2(K), K)
+        mod = _module(plan, next_pow2(K), K)
         save = bool(any(ctx.needs_input_grad))
         cfg = config or _fwd_config(plan, leaves, h0, shape, out_dtype, want_final, save, mod)
         y, ht, ckpt = _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg, mod)
@@ -1155,7 +1151,7 @@ class _DiagonalScan(torch.autograd.Function):
         plan, shape = ctx.plan, ctx.shape
         B, T, H, K, V = shape
         leaves = dict(zip(ctx.names, tensors))
-        mod = _module(plan, _p2(K), K)
+        mod = _module(plan, next_pow2(K), K)
         dy = dy.contiguous()
         dht = dht.reshape(B * H, 1, K, V).float().contiguous() if dht is not None and dht.numel() else None
         needs = {n: ctx.needs_input_grad[7 + i] for i, n in enumerate(ctx.names)}

@@ -54,7 +54,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer, io_dtype
+from ssmcraft.kernels.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
@@ -495,8 +495,8 @@ class _GeneralFunction(torch.autograd.Function):
         step, mod, _ = _module(ir)
         B, T, H, K, V, BV = shape
         dev = leaves[0].device
-        BK, NV = triton.next_power_of_2(K), triton.cdiv(V, BV)
-        NC = max(1, triton.cdiv(T, CHUNK))
+        BK, NV = next_pow2(K), cdiv(V, BV)
+        NC = max(1, cdiv(T, CHUNK))
         ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
@@ -521,8 +521,8 @@ class _GeneralFunction(torch.autograd.Function):
         step, mod, _ = _module(ctx.ir)
         B, T, H, K, V, BV = ctx.shape
         dev = leaves[0].device
-        BK, NV = triton.next_power_of_2(K), triton.cdiv(V, BV)
-        NC = max(1, triton.cdiv(T, CHUNK))
+        BK, NV = next_pow2(K), cdiv(V, BV)
+        NC = max(1, cdiv(T, CHUNK))
         d_dim = ctx.ir.dims[0]
         shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
@@ -587,7 +587,7 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
         leaves.append(t.contiguous())
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
     out_dtype = io_dtype(first.dtype)
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, triton.next_power_of_2(V)), out_dtype, output_final_state,
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, next_pow2(V)), out_dtype, output_final_state,
                                   S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
 
@@ -623,7 +623,7 @@ def runner(obj, ir, lay, row_block=None):
     from ssmcraft.kernels.slots import CallSlots, NO_COMPUTED
     names = [*ir.inputs, *ir.params]
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
-    BV = row_block or triton.next_power_of_2(d)
+    BV = row_block or next_pow2(d)
     out_dtype = io_dtype(lay.out_dtype)
 
     def fn(inputs, params, initial_state, output_final_state):
@@ -658,7 +658,7 @@ def forward(obj, lay, co, output_final_state, row_block=None):
         elif not dims:
             t = t.reshape(B, T, H)
         leaves.append(t.contiguous())
-    BV = row_block or triton.next_power_of_2(V)
+    BV = row_block or next_pow2(V)
     S0 = _stack_states(ir, lay.S0)
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
     return y.to(lay.dtype), _unstack_states(ir, S)

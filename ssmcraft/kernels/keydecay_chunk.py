@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -556,11 +556,11 @@ def _intra_opts(K: int) -> dict:
 
 
 def _par_grid(V, NT, BH):
-    return lambda meta: (triton.cdiv(V, meta["BV"]), NT, BH)
+    return lambda meta: (cdiv(V, meta["BV"]), NT, BH)
 
 
 def _state_grid(K, V, BH):
-    return lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), BH)
+    return lambda meta: (cdiv(K, meta["BK"]) * cdiv(V, meta["BV"]), BH)
 
 
 def _empty(*shape, device, dtype):
@@ -573,7 +573,7 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     prec = dot_precision(dt)
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
@@ -596,7 +596,7 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     prec = dot_precision(dt)
     do = do.to(dt).contiguous()
     has_dht = dht is not None
@@ -620,11 +620,11 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
     dbt = _empty(B, H, NT * (BT // BC), K, device=dev, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
+    grid = lambda meta: (cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
     launch(_bwd_intra_kernel, grid, q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
            PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
+    grid = lambda meta: (cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
     launch(_bwd_dg_kernel, grid, dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 

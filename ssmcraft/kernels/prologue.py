@@ -45,7 +45,7 @@ from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
 from ssmcraft.kernels.general import _Printer as _TilePrinter, element_algebra
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer
+from ssmcraft.kernels.tuning import INTERPRET, buffer, cdiv, next_pow2
 
 POISON = False           # tests: allocate outputs with NaN (unwritten -> NaN)
 
@@ -255,10 +255,10 @@ def _new(shape, device, dtype=torch.float32):
 def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
     """(R, BV, BK, num_warps): rows per program so that the widest value tile holds about 4096
     fp32 (16384 under the interpreter, where fewer programs run faster)."""
-    BV, BK = triton.next_power_of_2(V), triton.next_power_of_2(K)
+    BV, BK = next_pow2(V), next_pow2(K)
     width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in pro.kinds)
     budget = 16384 if INTERPRET else 4096
-    R = max(1, min(budget // width, triton.next_power_of_2(max(N, 1)), 1024))
+    R = max(1, min(budget // width, next_pow2(max(N, 1)), 1024))
     R = 1 << (R.bit_length() - 1)
     warps = 1 if INTERPRET else (4 if R * width <= 2048 else 8)
     return R, BV, BK, warps
@@ -285,7 +285,7 @@ class _PrologueFunction(torch.autograd.Function):
         outs = [_new((B, T, H, *_size(dims, pro, V, K)), dev) for _, dims, _ in pro.slots]
         strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
         if N > 0:
-            launch(mod.fwd_kernel, (triton.cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
+            launch(mod.fwd_kernel, (cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
                    num_warps=warps)
         ctx.save_for_backward(*leaves)
         ctx.entry, ctx.shape, ctx.dev, ctx.tiles, ctx.strides = entry, shape, dev, (R, BV, BK, warps), strides
@@ -302,7 +302,7 @@ class _PrologueFunction(torch.autograd.Function):
                  for lf, t in zip(pro.leaves, leaves)]
         gouts = [g.contiguous() for g in gouts]
         if N > 0:
-            launch(mod.bwd_kernel, (triton.cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,
+            launch(mod.bwd_kernel, (cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,
                    BV=BV, BK=BK, num_warps=warps)
         out = []
         for lf, t, g in zip(pro.leaves, leaves, grads):

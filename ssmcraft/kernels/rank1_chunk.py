@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -570,7 +570,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     V = p.shape[-1]
     dt = p.dtype
     dev = p.device
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
@@ -594,7 +594,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     if h0 is None:      # a zero state costs one [B, H, K, V] read; fewer kernel variants
         h0 = torch.zeros(B, H, K, V, device=dev, dtype=torch.float32)
-    launch(_state_fwd_kernel, lambda meta: (triton.cdiv(V, meta["BV"]), B * H),
+    launch(_state_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
         v, qq, p, pss, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
         STORE_H=store_states, PREC=prec, **_launch_opts(V))
@@ -606,7 +606,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt = p.dtype
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
@@ -617,7 +617,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     dpsi = _empty_like(psi)
     dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32)
     dht = torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32) if dht is None else dht.contiguous().float()
-    launch(_state_bwd_kernel, lambda meta: (triton.cdiv(V, meta["BV"]), B * H),
+    launch(_state_bwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
         v, oq, W, L, g, do, dht, dhs, dpsi, dh0, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, PREC=prec, **_launch_opts(V))
     uu = v if u is None else u

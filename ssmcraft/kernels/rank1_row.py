@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer, io_dtype
+from ssmcraft.kernels.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
 
@@ -553,8 +553,8 @@ def default_config(BH: int, V: int, K: int, which: str = "fwd") -> tuple[int, in
     (BENCHMARKS.md, "Rank-1 per row", run 2): forward best at BV=32 (0.535 ms; 16: 0.577,
     8: 0.575, 2 warps: 0.78-0.90), backward best at BV=16 (fwd+bwd 1.98 ms; 8: 2.73, 32: 2.10)."""
     if INTERPRET:
-        return min(triton.next_power_of_2(V), 64), 1
-    BK = triton.next_power_of_2(K)
+        return min(next_pow2(V), 64), 1
+    BK = next_pow2(K)
     if BK <= 16:
         return (32, 1) if which == "fwd" else (16, 1)
     if BK <= 32:
@@ -627,12 +627,12 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     B, T, H, K = u.shape
     dev = u.device
     BV, nw = _config("fwd", B * H, V, K)
-    BK = triton.next_power_of_2(K)
-    NV = triton.cdiv(V, BV)
+    BK = next_pow2(K)
+    NV = cdiv(V, BV)
     G_V, G_Q, G_OQ = _groups((u, v, q, oq))
     modes = {n: _row_mode(x) for n, x in zip(ROW_SLOTS, (a, c, p, oc, oh))}
     invert = modes["a"][0] == 0 and modes["a"][1] == 1.0
-    NC = max(1, triton.cdiv(T, CHUNK))
+    NC = max(1, cdiv(T, CHUNK))
     y = _new((B, T, H, V), dev, out_dtype)
     ST = _new((B, H, K, V), dev) if (want_state or (training and invert)) else None
     Z = _new((B, T, H, V), dev) if (training and invert) else None
@@ -668,9 +668,9 @@ def _backward(saved, groups, dy, dht, needs_ds0):
     B, T, H, K = u.shape
     dev = u.device
     BV, nw = _config("bwd", B * H, V, K)
-    BK = triton.next_power_of_2(K)
-    NV = triton.cdiv(V, BV)
-    NC = max(1, triton.cdiv(T, CHUNK))
+    BK = next_pow2(K)
+    NV = cdiv(V, BV)
+    NC = max(1, cdiv(T, CHUNK))
     G_V, G_Q, G_OQ = groups
     distinct = [0] + [i for i, g in zip((1, 2, 3), (G_V, G_Q, G_OQ)) if g == i]
     index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
@@ -817,9 +817,9 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
     V = p.shape[3]
     dev = u.device
     BV, nw = config or _config("fwd", B * H, V, K)
-    BK = triton.next_power_of_2(K)
-    NV = triton.cdiv(V, BV)
-    NSEG = max(1, triton.cdiv(T, segment))
+    BK = next_pow2(K)
+    NV = cdiv(V, BV)
+    NSEG = max(1, cdiv(T, segment))
     G_V, G_Q, G_OQ = _groups((u, v, q, oq))
     modes = {n: _row_mode(x) for n, x in zip(ROW_SLOTS, (a, c, p, oc, oh))}
     d = _dummy(dev)

@@ -24,10 +24,8 @@ products, the same order as the rank-1 kernel.
 """
 from __future__ import annotations
 
-import triton
-
 from ssmcraft.kernels import general
-from ssmcraft.kernels.tuning import INTERPRET
+from ssmcraft.kernels.tuning import INTERPRET, next_pow2
 
 BACKEND_NAME = "rankr-row"
 ROW_BLOCK: int | None = None      # rows per program; None: by rule (tests set it to tile rows)
@@ -53,12 +51,12 @@ def row_block(V: int, K: int) -> int:
     about 1024 fp32 state values per program (H200, ``longhorn_2key`` at K=16, bf16: fwd+bwd
     36 ms with 64 rows, 52 ms with 128, 39-40 ms with 16-32; the forward is 4.6-5.3 ms at any
     block; BENCHMARKS.md, "Several states and rank-r")."""
-    full = triton.next_power_of_2(V)
+    full = next_pow2(V)
     if ROW_BLOCK is not None:
         return min(ROW_BLOCK, full)
     if INTERPRET:
         return full
-    return min(full, max(16, 1024 // triton.next_power_of_2(K)))
+    return min(full, max(16, 1024 // next_pow2(K)))
 
 
 def forward(obj, lay, co, output_final_state):

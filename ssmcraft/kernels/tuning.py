@@ -1,5 +1,6 @@
 """Autotuning shared by the chunked Triton families: interpreter-aware ``tune``, the config rule
-``warp_rule``, the block-size helpers ``pow2`` / ``dot_precision`` and the kernels' I/O dtype rule ``io_dtype``."""
+``warp_rule``, the block-size helpers ``pow2`` / ``dot_precision`` and the kernels' I/O dtype rule ``io_dtype``,
+and the host-side integer helpers ``cdiv`` / ``next_pow2``."""
 from __future__ import annotations
 
 import os
@@ -43,9 +44,21 @@ def warp_rule(configs, nargs=None, **kw):
     return out or list(configs[:1])
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host side. ``triton.cdiv`` and ``triton.next_power_of_2`` are
+    ``constexpr_function`` objects in Triton 3.6 whose host call costs about 2 us (unwrapping
+    every argument), and the wrappers call them several times per kernel call."""
+    return -(-int(a) // int(b))
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): ``triton.next_power_of_2`` on the host, see ``cdiv``."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
+
+
 def pow2(n: int, lo: int = 16) -> int:
     """The power of two >= n, at least ``lo`` (tensor-core products need blocks of 16)."""
-    return max(lo, triton.next_power_of_2(int(n)))
+    return max(lo, next_pow2(n))
 
 
 IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernels read and write
