@@ -74,6 +74,9 @@ CASES = [
     ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True)),
     ("mamba", 1, 21, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=2, PREFETCH=True)),   # fwd: 4-step prefetch, tail
     ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, PREFETCH=True)),  # prefetch, even T
+    # the backward's unrolled refill with a sub-chunk that ends past T, and the summaries' 4-step groups
+    ("longhorn_diag", 1, 18, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2)),
+    ("mamba", 2, 37, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=4, HSUM=True)),
     ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
     ("hgrn", 2, 9, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),
     ("retnet", 1, 13, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1)),

@@ -704,12 +704,7 @@ class _Gen:
                 f"{i}{i}s0 = tl.load(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}{i}tl.debug_barrier()   # the scratch's last readers are done",
                 f"{i}{i}# forward through the chunk, keeping each sub-chunk's start state",
-                f"{i}{i}for j in range(0, NSUB):",
-                f"{i}{i}{i}tl.store(scr + j * (BK * BV) + sc, s0)",
-                f"{i}{i}{i}t_end = tl.minimum(tl.minimum(c * L + (j + 1) * {ls}, T), c * L + (NSUB - 1) * {ls})",
-                f"{i}{i}{i}for t in range(c * L + j * {ls}, t_end):",
-                *self.coefficients(i * 4, "t", ("a", "p", "q", "B")),
-                *self.update(i * 4, "s0", "s0"),
+                *self._refill(i * 2),
                 f"{i}{i}tl.debug_barrier()",
                 f"{i}{i}for jj in range(0, NSUB):",
                 f"{i}{i}{i}j = NSUB - 1 - jj",
@@ -730,6 +725,25 @@ class _Gen:
             else:
                 out.append(f"{i}tl.store(g_{lf.name} + off_{lf.name} + zero11, acc_{lf.name})")
         return out
+
+    def _refill(self, ind: str) -> list[str]:
+        """bwd_main's forward pass over a chunk from its checkpoint ``s0``: the start state of each
+        sub-chunk stored in the scratch, the steps of all but the last sub-chunk taken ``LS`` at a time,
+        unrolled, so that their loads are issued together. bwd_main holds about 255 registers, so 8
+        warps per SM, too few to hide a load per step: a loop of single steps waited on each step's
+        loads in turn. Unrolled, the backward of Longhorn diagonal and the Mamba objective took 12%
+        and 11% less time on H200 (BENCHMARKS.md, "Diagonal, run 6"). The same unrolling measured
+        slower in the summaries and fwd_main, which hold far fewer registers (fwd_main 64) and so
+        run enough warps to hide those loads."""
+        ls = self.ls
+        out = [f"{ind}for j in range(0, NSUB - 1):",
+               f"{ind}    tl.store(scr + j * (BK * BV) + sc, s0)"]
+        for k in range(ls):
+            out += [f"{ind}    r{k} = c * L + j * {ls} + {k}",
+                    f"{ind}    rv{k} = (r{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
+            out += self.coefficients(ind + "    ", f"r{k}", ("a", "p", "q", "B"), tmask=f"rv{k}", tok=f"rtok{k}")
+            out += self.update(ind + "    ", "s0", "s0", tmask=f"rv{k}")
+        return out + [f"{ind}tl.store(scr + (NSUB - 1) * (BK * BV) + sc, s0)"]
 
     def _subchunk(self, ind: str) -> list[str]:
         """bwd_main's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
