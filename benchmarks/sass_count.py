@@ -35,6 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from ssmcraft.errors import SsmcraftError  # noqa: E402
+from ssmcraft.kernels.tuning import next_pow2  # noqa: E402
 
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
 K = 16          # the timed case's key dim (the generated source and the flags must agree on it)
@@ -91,7 +92,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     from ssmcraft.kernels import diagonal as D
     plan, mod = loaded
     fn = getattr(mod, kernel)
-    BK, ls = D.next_pow2(K), D._ls_for(K)
+    BK, ls = next_pow2(K), D._ls_for(K)
     cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch)
     L = ls * cfg.NSUB
     known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False,

@@ -7,6 +7,8 @@ reference loop, outputs NaN-poisoned first (the kernels must write all of them).
 groups (the time-parallel passes) and per-head / shared params. GPU checks in fp32 and bf16:
 benchmarks/bench_diagonal.py.
 """
+import re
+
 import pytest
 import sympy
 import torch
@@ -74,7 +76,7 @@ CASES = [
     ("mamba", 1, 19, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=1, HSUM=True)),
     ("mamba", 1, 21, 2, 6, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=2, PREFETCH=True)),   # fwd: 4-step prefetch, tail
     ("longhorn_diag", 2, 32, 1, 16, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2, PREFETCH=True)),  # prefetch, even T
-    # the backward's unrolled refill with a sub-chunk that ends past T, and the summaries' 4-step groups
+    # the backward's unrolled refill with a sub-chunk that ends past T
     ("longhorn_diag", 1, 18, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=2)),
     ("mamba", 2, 37, 1, 8, 4, D.Config(BV=8, num_warps=1, NG=2, NSUB=4, HSUM=True)),
     ("gla", 1, 7, 2, 8, 4, D.Config(BV=8, num_warps=1, NG=1, NSUB=1, HSUM=True)),
@@ -136,6 +138,20 @@ def test_generated_source_is_readable():
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
     assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves
     compile(src, "generated", "exec")
+
+
+def test_every_step_load_of_the_backward_carries_its_time_mask():
+    """bwd_main's refill and sub-chunk steps past T must not read: the interpreter does not see an
+    out-of-bounds load, and the kernels' results do not depend on what such a step reads (its state
+    only starts sub-chunks wholly past T, whose every store is masked), so this is checked on the source."""
+    for name in ("longhorn_diag", "mamba"):
+        src = D.generated_source(ssmcraft.compile(name).ir)
+        body = src[src.index("def bwd_main("):]
+        loads = [ln for ln in body.splitlines() if "tl.load(" in ln and re.search(r"\br?tok\d\b", ln)]
+        assert any("rtok0" in ln for ln in loads) and any("tok0" in ln and "rtok0" not in ln for ln in loads)
+        for ln in loads:
+            pre, k = re.search(r"\b(r?)tok(\d)\b", ln).groups()
+            assert "mask=" in ln and re.search(rf"\b{pre}v{k}\b", ln.split("mask=")[1]), ln
 
 
 def test_gpu_source_uses_fast_exp_and_the_interpreter_source_does_not():

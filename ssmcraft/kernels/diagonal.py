@@ -54,7 +54,7 @@ import torch
 
 from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer, next_pow2
+from ssmcraft.kernels.tuning import INTERPRET, buffer, cdiv, next_pow2
 from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 BACKEND_NAME = "diagonal-chunked"
@@ -739,11 +739,18 @@ class _Gen:
         out = [f"{ind}for j in range(0, NSUB - 1):",
                f"{ind}    tl.store(scr + j * (BK * BV) + sc, s0)"]
         for k in range(ls):
-            out += [f"{ind}    r{k} = c * L + j * {ls} + {k}",
-                    f"{ind}    rv{k} = (r{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
-            out += self.coefficients(ind + "    ", f"r{k}", ("a", "p", "q", "B"), tmask=f"rv{k}", tok=f"rtok{k}")
-            out += self.update(ind + "    ", "s0", "s0", tmask=f"rv{k}")
+            out += self._masked_step(ind + "    ", k, "r", "s0", "s0")
         return out + [f"{ind}tl.store(scr + (NSUB - 1) * (BK * BV) + sc, s0)"]
+
+    def _masked_step(self, ind: str, k: int, pre: str, s_in: str, s_out: str) -> list[str]:
+        """Step ``k`` of sub-chunk ``j`` forward, ``s_in`` -> ``s_out``, masked past T (its loads and
+        its update). Names: the refill's (``pre`` "r") are ``r{k}``, ``rv{k}``, ``rtok{k}``; the
+        sub-chunk recompute's (``pre`` "") ``t{k}``, ``v{k}``, ``tok{k}``, which the adjoint's steps
+        read again."""
+        t, v, tok = f"{pre or 't'}{k}", f"{pre}v{k}", f"{pre}tok{k}"
+        return [f"{ind}{t} = c * L + j * {self.ls} + {k}", f"{ind}{v} = ({t} < T) | EVEN_T   # EVEN_T: T % L == 0",
+                *self.coefficients(ind, t, ("a", "p", "q", "B"), tmask=v, tok=tok),
+                *self.update(ind, s_in, s_out, tmask=v)]
 
     def _subchunk(self, ind: str) -> list[str]:
         """bwd_main's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
@@ -756,9 +763,7 @@ class _Gen:
         out = [f"{ind}s0 = tl.load(scr + j * (BK * BV) + sc)",
                f"{ind}# the sub-chunk's {ls} states, in registers"]
         for k in range(ls):
-            out += [f"{ind}t{k} = c * L + j * {ls} + {k}", f"{ind}v{k} = (t{k} < T) | EVEN_T   # EVEN_T: T % L == 0"]
-            out += self.coefficients(ind, f"t{k}", ("a", "p", "q", "B"), tmask=f"v{k}", tok=f"tok{k}")
-            out += self.update(ind, f"s{k}", f"s{k + 1}", tmask=f"v{k}")
+            out += self._masked_step(ind, k, "", f"s{k}", f"s{k + 1}")
         out.append(f"{ind}# the adjoint, back through them; each step's stores after the next step's loads")
         pending = []
         for k in reversed(range(ls)):
@@ -912,8 +917,8 @@ def _alloc(shape, dtype, device):
 
 def _groups(NC: int, NG: int):
     NG = max(1, min(NG, NC))
-    CPG = -(-NC // NG)
-    return -(-NC // CPG), CPG
+    CPG = cdiv(NC, NG)
+    return cdiv(NC, CPG), CPG
 
 
 def _leaf_args(plan, leaves, H, grads=None):
@@ -933,9 +938,9 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     B, T, H, K, V = shape
     BK = next_pow2(K)
     L = mod.LS * cfg.NSUB
-    NC = -(-T // L)
+    NC = cdiv(T, L)
     NG, CPG = _groups(NC, cfg.NG)
-    NV = -(-V // cfg.BV)
+    NV = cdiv(V, cfg.BV)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
@@ -962,9 +967,9 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     B, T, H, K, V = shape
     BK = next_pow2(K)
     L = mod.LS * cfg.NSUB
-    NC = -(-T // L)
+    NC = cdiv(T, L)
     NG, CPG = _groups(NC, cfg.NG)
-    NV = -(-V // cfg.BV)
+    NV = cdiv(V, cfg.BV)
     dev = dy.device
     kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
     f = flags(cfg, K, T, V, mod.LS)
@@ -1059,9 +1064,9 @@ def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
 
 def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
     """Enough time groups that the grid has about ``target`` programs."""
-    progs = B * H * (-(-V // BV))
-    NC = -(-T // (ls * nsub))
-    return max(1, min(NC, -(-target // progs)))
+    progs = B * H * cdiv(V, BV)
+    NC = cdiv(T, ls * nsub)
+    return max(1, min(NC, cdiv(target, progs)))
 
 
 def _fwd_candidates(K, V, B, H, T):
@@ -1071,7 +1076,7 @@ def _fwd_candidates(K, V, B, H, T):
     lose on latency, and one- or two-group passes (no summary sweep) took 1.8-2x the best."""
     BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
-    NC = -(-T // (ls * nsub))
+    NC = cdiv(T, ls * nsub)
     prefetch = (False, True) if _prefetch_ok(ls * nsub) else (False,)
     out = []
     for BV, mult in ((32, (1, 2, 4)), (64, (1, 2))):
@@ -1090,7 +1095,7 @@ def _bwd_candidates(K, V, B, H, T):
     (BENCHMARKS.md, "Diagonal")."""
     BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
-    NC = -(-T // (ls * nsub))
+    NC = cdiv(T, ls * nsub)
     out = []
     for BV in (32, 64):
         if BV > max(32, next_pow2(V)):

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import sympy
 import torch
-import triton
 
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.derive import gradient

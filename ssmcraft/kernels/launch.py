@@ -71,10 +71,6 @@ def launch_key(device, args: tuple, kw: dict) -> tuple:
               for n, v in kw.items()])
 
 
-def arg_key(a):
-    """What a compiled kernel is specialised on, for one positional argument (``launch_key``'s entry)."""
-    return launch_key(None, (a,), {})[1]
-
 
 def plan(kernel, n_args: int, kw_names) -> tuple:
     """How to rebuild the kernel's full argument list (every parameter in order, constexprs
