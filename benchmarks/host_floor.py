@@ -22,9 +22,7 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 import triton
@@ -34,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import launch as L  # noqa: E402
 from ssmcraft.kernels.commands import random_inputs  # noqa: E402
-from ssmcraft.kernels.timing import obj_calls, on_this_thread  # noqa: E402
+from ssmcraft.kernels.timing import obj_calls, on_this_thread, wall_and_host  # noqa: E402
 
 
 class _Nothing(torch.autograd.Function):
@@ -70,16 +68,7 @@ def _noop(x_ptr, n, BLOCK: tl.constexpr):
 
 
 def host_us(fn, n=200, rounds=5):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+    return wall_and_host(fn, n, rounds)[1]
 
 
 def main():

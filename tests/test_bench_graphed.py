@@ -241,3 +241,24 @@ def test_bench_inputs_follow_the_spec():
     for n in ("k", "q"):
         assert torch.allclose(inputs[n].norm(dim=-1), torch.ones(2, 7, 3))
     assert all(bool(((inputs[n] > 0) & (inputs[n] < 1)).all()) for n in ("beta", "alpha"))
+
+
+def test_wall_and_host_take_the_median_round_and_sync_each_round(monkeypatch):
+    """One slow round (a shared host's hiccup) does not move the figures; each round ends in a sync,
+    which the wall time includes and the host time does not."""
+    import time
+    clock = [0.0]
+    calls, syncs = [0], []
+
+    def fn():                      # 1 ms of host per call, 100 ms in the second timed round
+        calls[0] += 1
+        clock[0] += 0.1 if 12 <= calls[0] <= 21 else 0.001
+
+    def sync():                    # the device drains 2 ms after the last enqueue
+        syncs.append(calls[0])
+        clock[0] += 0.002
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    wall_ms, host_us = timing.wall_and_host(fn, n=10, rounds=5, sync=sync)
+    assert syncs == [1, 11, 21, 31, 41, 51]             # after the warm call and after each round
+    assert host_us == pytest.approx(1000.0) and wall_ms == pytest.approx(1.2)

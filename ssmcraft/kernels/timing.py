@@ -1,8 +1,9 @@
 """Timing what users call: shared by ``ssmcraft bench`` and the GPU benchmarks (``benchmarks/``).
 
 - ``bench_ms``: median ms of ``triton.testing.do_bench``; ``copy_bandwidth``: the device's copy
-  bandwidth (the HBM floor's denominator); ``busy``: GPU kernel time, wall time and host enqueue
-  time per call of back-to-back calls (torch profiler), whose ratio is the GPU-busy fraction.
+  bandwidth (the HBM floor's denominator); ``busy``: GPU kernel time (torch profiler), wall time and
+  host enqueue time per call of back-to-back calls (``wall_and_host``: medians of rounds), whose ratio
+  is the GPU-busy fraction.
 - ``obj_calls``: the calls to time for one objective, ``{how: {kind: fn}}``, how in ``HOWS``:
   ``eager`` is ``obj(...)``; ``graphed`` the same call replayed from CUDA graphs
   (``obj.graphed(...)``, captured once per kind with exactly the eager call's tensors and
@@ -22,6 +23,7 @@ The graphed-against-eager identity check is ``checking.graphed_against_eager``.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -48,19 +50,31 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * n * 4 / (bench_ms(lambda: b.copy_(a)) * 1e-3)
 
 
+def wall_and_host(fn, n: int = 30, rounds: int = 5, sync: Callable = torch.cuda.synchronize) -> tuple[float, float]:
+    """(wall ms per call, host enqueue us per call): medians over ``rounds`` rounds of ``n``
+    back-to-back calls, each round timed from an idle device (``sync`` before) to its drain. The
+    lent machines' hosts are shared: one round's host time moved by up to 30% between processes of
+    the same code (BENCHMARKS.md, "Host helpers and launch keys"), and a median of rounds is not
+    carried by one slow round."""
+    fn()
+    sync()
+    walls, hosts = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        walls.append((time.perf_counter() - t0) / n * 1e3)
+        hosts.append((t1 - t0) / n * 1e6)
+    return statistics.median(walls), statistics.median(hosts)
+
+
 def busy(fn, n: int = 30) -> tuple[float, float, float]:
     """(GPU kernel ms per call, wall ms per call, host enqueue us per call) of ``n`` back-to-back
-    calls; graph replays count where CUPTI reports their kernels."""
+    calls (``wall_and_host``'s medians); graph replays count where CUPTI reports their kernels."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e3
-    host = (t1 - t0) / n * 1e6
+    wall, host = wall_and_host(fn, n)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()
