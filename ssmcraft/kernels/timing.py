@@ -52,10 +52,10 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
 
 def wall_and_host(fn, n: int = 30, rounds: int = 5, sync: Callable = torch.cuda.synchronize) -> tuple[float, float]:
     """(wall ms per call, host enqueue us per call): medians over ``rounds`` rounds of ``n``
-    back-to-back calls, each round timed from an idle device (``sync`` before) to its drain. The
-    lent machines' hosts are shared: one round's host time moved by up to 30% between processes of
-    the same code (BENCHMARKS.md, "Host helpers and launch keys"), and a median of rounds is not
-    carried by one slow round."""
+    back-to-back calls, each round timed from an idle device (``sync`` before) to its drain: a median
+    is not carried by one slow round. It does not remove the drift between processes on the lent
+    hosts (DeltaNet's eager fwd+bwd host time 717-1067 us in three processes in a row: BENCHMARKS.md,
+    "Host helpers and launch keys"), which comparisons must alternate processes to see through."""
     fn()
     sync()
     walls, hosts = [], []
