@@ -133,7 +133,7 @@ def test_generated_source_is_readable():
     obj = ssmcraft.compile("longhorn_diag")
     plan = D._plan(obj.ir)
     src = D._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
-    for kernel in ("fwd_summary", "fwd_main", "bwd_summary", "bwd_main"):
+    for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
         assert f"def {kernel}(" in src
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
     assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves

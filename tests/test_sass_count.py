@@ -30,9 +30,8 @@ def test_gpu_source_compiles_and_each_change_cuts_the_backward():
     assert fast["fwd_main"]["spill_bytes"] == 0
     # measured 24 B (BENCHMARKS.md "Diagonal, run 4": lagged stores, bf16 gradient stores); a blow-up fails
     assert fast["bwd_main"]["spill_bytes"] <= 64, fast["bwd_main"]["spill_bytes"]
-    # the forward step's exp is one MUFU.EX2 per state element (16 per thread), no denormal fix-up; the
-    # step loop is the smallest that stores (the loop over earlier groups' summaries stores nothing)
-    step = min((lp for lp in fast["fwd_main"]["loops"] if "STG" in lp["ops"]), key=lambda lp: lp["instructions"])
+    # the forward step's exp is one MUFU.EX2 per state element (16 per thread), no denormal fix-up
+    step = min((lp for lp in fast["fwd_main"]["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
     assert step["ops"].get("MUFU") == 16 and "FSETP" not in step["ops"], step
     h, s, m = _main_loop(fast["bwd_main"]), _main_loop(tl_sum["bwd_main"]), _main_loop(masked["bwd_main"])
     # halving alone: tl.sum does 16 keys x 5 butterfly levels per sum, halving 8 + 4 + 2 + 1 + 1
@@ -48,5 +47,5 @@ def test_the_prefetched_forward_compiles_without_spilling():
     # its 4 prefetch sets stay in registers, and each step issues one MUFU.EX2 per state element
     pf = _counts("--objective", "mamba", "--kernels", "fwd_main", "--prefetch")["fwd_main"]
     assert pf["spill_bytes"] == 0, pf["spill_bytes"]
-    body = min((lp for lp in pf["loops"] if "STG" in lp["ops"]), key=lambda lp: lp["instructions"])
+    body = min((lp for lp in pf["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
     assert body["ops"].get("MUFU") == 4 * 16, body     # the loop body is the 4 prefetched steps

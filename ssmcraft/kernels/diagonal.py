@@ -20,19 +20,19 @@ grid is ``(value blocks, batch * heads, groups)``:
 
 forward
   1. ``fwd_summary``  per group: decay product ``A_g`` and local end state ``S_g`` (zero start);
-  2. ``fwd_main``     per group: its start state from ``h0`` through the earlier groups' summaries
-     (``S <- A_g S + S_g``), then recompute, write ``y`` (and, when a backward follows, the
-     chunk-start states ``[B*H, NC, K, V]``; the final state).
+  2. ``fwd_propagate`` sequential over groups (cheap): group start states;
+  3. ``fwd_main``     per group: recompute from the carried-in state, write ``y`` (and, when a
+     backward follows, the chunk-start states ``[B*H, NC, K, V]``; the final state).
 backward (the adjoint ``dS_{t-1} = a_t . dS_t + oq_{t-1} (oc_{t-1} dy_{t-1})^T`` runs in reverse)
   1. ``bwd_summary``  per group: decay product and local adjoint carry-out (zero carry-in);
-  2. ``bwd_main``     per group: the adjoint carried in at its end from ``dS_T = dht`` through the
-     later groups' summaries; then chunks in reverse: from the stored chunk-start state a forward
+  2. ``bwd_propagate`` sequential over groups, from ``dS_T = dht``;
+  3. ``bwd_main``     per group, chunks in reverse: from the stored chunk-start state a forward
      pass over the chunk keeps each sub-chunk's start state in a per-program scratch (L2-resident);
      then, sub-chunks in reverse, the ``LS`` states of one are recomputed into registers (unrolled)
      and the adjoint stepped back through them, writing the gradients of every leaf (value-indexed
      ones in the leaf's dtype; each step's stores after the next step's loads), ``dh0`` and the
      params' partial sums. Work per token: two forward steps and one adjoint step.
-``NG = 1`` skips the summary kernels (one sequential pass per value block).
+``NG = 1`` skips the summary and propagate kernels (one sequential pass per value block).
 Configurations (value block, warps, groups) are timed on the GPU on first use per shape
 (``_fwd_candidates`` / ``_bwd_candidates``) and picked by rule under the interpreter.
 Measured figures and what limits them: BENCHMARKS.md, "Diagonal".
@@ -401,26 +401,41 @@ class _Gen:
                f"{i}tl.store(S_out + off, S, mask=mkv)"]
         return out
 
+    @staticmethod
+    def fwd_propagate() -> list[str]:
+        return ['@triton.jit(do_not_specialize=["NG"])',
+                "def fwd_propagate(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "                  HAS_H0: tl.constexpr):",
+                '    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""',
+                "    i_v = tl.program_id(0)",
+                "    i_bh = tl.program_id(1)",
+                "    ok = tl.arange(0, BK)[:, None]",
+                "    ov = i_v * BV + tl.arange(0, BV)[None, :]",
+                "    mkv = (ok < K) & (ov < V)",
+                "    st = ok * V + ov",
+                "    S = tl.zeros([BK, BV], dtype=tl.float32)",
+                "    if HAS_H0:",
+                "        S = tl.load(h0 + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
+                "    for g in range(0, NG):",
+                "        off = (i_bh * NG + g).to(tl.int64) * K * V + st",
+                "        tl.store(h_start + off, S, mask=mkv)",
+                "        if g < NG - 1:",
+                "            S = tl.load(A_in + off, mask=mkv, other=0.0) * S + tl.load(S_in + off, mask=mkv, other=0.0)"]
+
     def fwd_main(self) -> list[str]:
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
         i = " " * 4
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def fwd_main({self.leaf_args()}, h0, A_in, S_in, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
-                "             BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, SAVE: tl.constexpr,",
-                "             STORE_FINAL: tl.constexpr, EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
-                '    """Per group: its start state (h0 carried through the earlier groups\' summaries), then every',
-                '    step\'s state and output; chunk-start states ckpt[b*H+h, c] (SAVE) and the final state',
-                f'    (STORE_FINAL, last group). PREFETCH: the token leaves are loaded {_PF} steps before their step',
-                f'    (needs L % {_PF} == 0), so a pass with few programs per SM (one group) does not wait on memory',
-                '    every step."""',
+                f"def fwd_main({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
+                "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
+                "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
+                '    """Per group: from its start state, every step\'s state and output; chunk-start states',
+                '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group). PREFETCH: the token',
+                f'    leaves are loaded {_PF} steps before their step (needs L % {_PF} == 0), so a pass with few',
+                '    programs per SM (one group) does not wait on memory every step."""',
                 *self.prologue(i),
                 *self.param_loads(i, need),
-                f"{i}S = tl.zeros([BK, BV], dtype=tl.float32)",
-                f"{i}if HAS_H0:",
-                f"{i}{i}S = tl.load(h0 + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
-                f"{i}for g in range(0, i_g):   # the earlier groups, in order: S <- A_g S + S_g",
-                f"{i}{i}off = (i_bh * NG + g).to(tl.int64) * K * V + st",
-                f"{i}{i}S = tl.load(A_in + off, mask=mkv, other=0.0) * S + tl.load(S_in + off, mask=mkv, other=0.0)",
+                f"{i}S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}c0 = i_g * CPG",
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
                 f"{i}if PREFETCH:   # {_PF}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {_PF}",
@@ -496,6 +511,28 @@ class _Gen:
                 f"{i}off = (i_bh * NG + i_g).to(tl.int64) * K * V + st",
                 f"{i}tl.store(A_out + off, A, mask=mkv)",
                 f"{i}tl.store(E_out + off, E, mask=mkv)"]
+
+    @staticmethod
+    def bwd_propagate() -> list[str]:
+        return ['@triton.jit(do_not_specialize=["NG"])',
+                "def bwd_propagate(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "                  HAS_DHT: tl.constexpr):",
+                '    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""',
+                "    i_v = tl.program_id(0)",
+                "    i_bh = tl.program_id(1)",
+                "    ok = tl.arange(0, BK)[:, None]",
+                "    ov = i_v * BV + tl.arange(0, BV)[None, :]",
+                "    mkv = (ok < K) & (ov < V)",
+                "    st = ok * V + ov",
+                "    E = tl.zeros([BK, BV], dtype=tl.float32)",
+                "    if HAS_DHT:",
+                "        E = tl.load(dht + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
+                "    for gg in range(0, NG):",
+                "        g = NG - 1 - gg",
+                "        off = (i_bh * NG + g).to(tl.int64) * K * V + st",
+                "        tl.store(e_end + off, E, mask=mkv)",
+                "        if g > 0:",
+                "            E = tl.load(A_in + off, mask=mkv, other=0.0) * E + tl.load(E_in + off, mask=mkv, other=0.0)"]
 
     def bwd_step(self, ind: str, k: int) -> tuple[list, list, list]:
         """One reverse step at time ``t{k}`` (valid if ``v{k}``, token ``tok{k}``; states ``s{k}`` before
@@ -638,9 +675,8 @@ class _Gen:
         i = " " * 4
         ls = self.ls
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])',
-               f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, dht, A_in, E_in, dh0, scratch, T, H, K, V, NC, NG, CPG, L,",
-               "             NTOK, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, HAS_DHT: tl.constexpr,",
-               "             NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
+               f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
+               "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
                "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
                "             EVEN_T: tl.constexpr):",
                '    """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps',
@@ -656,13 +692,7 @@ class _Gen:
             shape = {frozenset({"d", "m"}): "[BK, BV]", frozenset({"d"}): "[1, BV]", frozenset({"m"}): "[BK, 1]",
                      frozenset(): "[1, 1]"}[lf.dims]
             out.append(f"{i}acc_{lf.name} = tl.zeros({shape}, dtype=tl.float32)")
-        out += [f"{i}# the adjoint carried in at the group's end: dht through the later groups' summaries, last first",
-                f"{i}E = tl.zeros([BK, BV], dtype=tl.float32)",
-                f"{i}if HAS_DHT:",
-                f"{i}{i}E = tl.load(dht + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
-                f"{i}for gg in range(0, NG - 1 - i_g):",
-                f"{i}{i}off = (i_bh * NG + NG - 1 - gg).to(tl.int64) * K * V + st",
-                f"{i}{i}E = tl.load(A_in + off, mask=mkv, other=0.0) * E + tl.load(E_in + off, mask=mkv, other=0.0)",
+        out += [f"{i}E = tl.load(e_end + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}# this program's scratch: the NSUB sub-chunk start states of the chunk in hand",
                 f"{i}pid = (i_g * tl.num_programs(1) + i_bh) * tl.num_programs(0) + i_v",
                 f"{i}scr = scratch + pid.to(tl.int64) * (NSUB * BK * BV)",
@@ -753,7 +783,8 @@ class _Gen:
         doc.append("Leaves: " + ", ".join(f"{lf.name} [{', '.join(sorted(lf.dims))}] ({lf.kind})" for lf in self.p.leaves.values()))
         doc += [f"K padded: {self.pad_k}; unrolled steps per sub-chunk LS = {self.ls}; "
                 f"exp: {'libdevice.fast_expf (GPU)' if self.fast_math else 'tl.exp'}.", '"""']
-        kernels = [self.fwd_summary(), self.fwd_main(), self.bwd_summary(), self.bwd_main()]
+        kernels = [self.fwd_summary(), self.fwd_propagate(), self.fwd_main(),
+                   self.bwd_summary(), self.bwd_propagate(), self.bwd_main()]
         parts = [f"# {header}", "# Generated by ssmcraft.kernels.diagonal: edit the spec or the generator, not this file.",
                  *doc, "import triton", "import triton.language as tl",
                  *([LIBDEVICE_IMPORT] if self.fast_math else []), "", "", *_VSUM, "", *_HSUM, "",
@@ -919,14 +950,16 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
         gS = torch.empty_like(gA)
         _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw,
                 **_pick_flags(f, "EVEN_V"))
+        h_start = torch.empty_like(gA)
+        _launch(mod, "fwd_propagate", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
+                                       HAS_H0=h0 is not None, **kw)
+    else:
+        h_start = h0 if h0 is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
     y = _alloc((B, T, H, V), out_dtype, dev)
-    if NG == 1:                     # no earlier group: fwd_main reads no summary
-        gA = gS = y
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
     ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
-    _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h0 if h0 is not None else y, gA, gS, y, ckpt, ht,
-            T, H, K, V, NC, NG, CPG, L, HAS_H0=h0 is not None, SAVE=save, STORE_FINAL=want_final, **kw,
-            **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
+    _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
+                                  SAVE=save, STORE_FINAL=want_final, **kw, **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
     return y, (ht if want_final else None), (ckpt if save else None)
 
 
@@ -946,8 +979,11 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
         gE = torch.empty_like(gA)
         _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw,
                 **_pick_flags(f, "EVEN_V"))
-    else:                           # no later group: bwd_main reads no summary
-        gA = gE = dy
+        e_end = torch.empty_like(gA)
+        _launch(mod, "bwd_propagate", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
+                                       HAS_DHT=dht is not None, **kw)
+    else:
+        e_end = dht if dht is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
     NTOK = B * T * H
     raw = {}
     scratch = torch.empty(1, dtype=torch.float32, device=dev)
@@ -969,9 +1005,8 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
         gargs.append(raw.get(lf.name, scratch))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
-    _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, dht if dht is not None else dy, gA, gE, dh0,
-            scratch, T, H, K, V, NC, NG, CPG, L, NTOK, NSUB=cfg.NSUB, HAS_DHT=dht is not None, NEED_DH0=need_dh0,
-            DOTRED=cfg.DOTRED, **kw,
+    _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
+                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
                                   **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
     for lf in plan.leaves.values():
