@@ -76,6 +76,7 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threa
     CUDA graphs (``ssmcraft.train.graphed.GraphedLoss``, what ``train.cuda_graphs`` runs);
     ``engine_threads``: the backward handed to the autograd engine's device thread (PyTorch's
     default; False: run on this thread, ``train.autograd_threads: false``)."""
+    from ssmcraft.train.device import autocast
     from ssmcraft.train.validate import step_loss
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -90,7 +91,7 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threa
         if graphed is not None:
             loss = graphed(batch[:, :-1], batch[:, 1:])
         else:                   # the loop's eager step
-            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], lambda: autocast(torch.device(DEV), "bf16"))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

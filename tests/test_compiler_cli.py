@@ -242,3 +242,16 @@ def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
     reasons = "; ".join(f"{f}: {f} refused here" for f in triton_backend.FAMILIES if f != "decode")
     assert err == (f"ssmcraft derive: error: longhorn: no Triton kernel family runs it on CUDA tensors "
                    f"({reasons})\n")
+
+
+def test_derive_kernel_prints_the_eager_coefficients_note_as_a_comment(monkeypatch, capsys):
+    """A hand-written family whose computed slots have no generated prologue (here: the prologue
+    made to fail) prints why, as one comment line, and no source block."""
+    from types import SimpleNamespace
+
+    from ssmcraft.kernels import slots
+    monkeypatch.setattr(slots, "computed_path", lambda obj, b: SimpleNamespace(source=None, why="printer refused"))
+    assert main(["derive", "longhorn", "--kernel"]) == 0
+    out = capsys.readouterr().out
+    assert "# printer refused: the generated eager coefficients compute the computed slots\n" in out
+    assert "# generated" not in out

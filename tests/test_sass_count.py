@@ -23,6 +23,11 @@ def _main_loop(c):
     return max(c["loops"], key=lambda lp: lp["instructions"])
 
 
+def _step_loop(c):
+    """fwd_main's time loop: the smallest loop of more than 20 instructions."""
+    return min((lp for lp in c["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
+
+
 def test_gpu_source_compiles_and_each_change_cuts_the_backward():
     fast = _counts("--objective", "mamba", "--kernels", "fwd_main,bwd_main")
     tl_sum = _counts("--objective", "mamba", "--kernels", "bwd_main", "--no-hsum")
@@ -31,7 +36,7 @@ def test_gpu_source_compiles_and_each_change_cuts_the_backward():
     # measured 24 B (BENCHMARKS.md "Diagonal, run 4": lagged stores, bf16 gradient stores); a blow-up fails
     assert fast["bwd_main"]["spill_bytes"] <= 64, fast["bwd_main"]["spill_bytes"]
     # the forward step's exp is one MUFU.EX2 per state element (16 per thread), no denormal fix-up
-    step = min((lp for lp in fast["fwd_main"]["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
+    step = _step_loop(fast["fwd_main"])
     assert step["ops"].get("MUFU") == 16 and "FSETP" not in step["ops"], step
     h, s, m = _main_loop(fast["bwd_main"]), _main_loop(tl_sum["bwd_main"]), _main_loop(masked["bwd_main"])
     # halving alone: tl.sum does 16 keys x 5 butterfly levels per sum, halving 8 + 4 + 2 + 1 + 1
@@ -47,5 +52,5 @@ def test_the_prefetched_forward_compiles_without_spilling():
     # its 4 prefetch sets stay in registers, and each step issues one MUFU.EX2 per state element
     pf = _counts("--objective", "mamba", "--kernels", "fwd_main", "--prefetch")["fwd_main"]
     assert pf["spill_bytes"] == 0, pf["spill_bytes"]
-    body = min((lp for lp in pf["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
+    body = _step_loop(pf)
     assert body["ops"].get("MUFU") == 4 * 16, body     # the loop body is the 4 prefetched steps

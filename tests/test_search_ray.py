@@ -209,3 +209,29 @@ def test_ray_trials_stop_at_their_rung_as_inline_ones_do(ray, tmp_path):
 def test_asking_for_a_gpu_the_cluster_lacks_is_an_error(ray, tmp_path):
     with pytest.raises(SsmcraftError, match="gpus_per_trial is 1 but the Ray cluster has no GPU"):
         search(tmp_path / "run", resources={"gpus_per_trial": 1})
+
+
+def test_a_failed_memory_probe_records_the_workers_error(monkeypatch, tmp_path):
+    """A probe task that raised on its worker reaches the packer as the worker's error, not as Ray's
+    first line (which names only the task and its pid)."""
+    import ray.exceptions as rex
+    from ssmcraft.search.executor_ray import RayExecutor
+    from ssmcraft.search.packing import AutoPacker
+    from ssmcraft.search.spec import Resources
+
+    failed = rex.RayTaskError("probe_memory", "Traceback ...", ValueError("boom: no GPU memory measured"),
+                              proctitle="ray::probe_memory()", pid=7)
+
+    def get(ref, timeout=None):
+        raise failed
+    fake_ray = SimpleNamespace(remote=lambda **kw: (lambda fn: SimpleNamespace(remote=lambda config: "ref")),
+                               get=get, cancel=lambda *a, **k: None, exceptions=rex)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._probe_cpus = 1.0
+    with pytest.raises(RuntimeError) as info:
+        executor._probe({})
+    assert str(info.value) == "error: on the worker: ValueError: boom: no GPU memory measured"
+    packer = AutoPacker(Resources(max_concurrent=3), cpus=8, gpus=2, log=lambda line: None)
+    packing = packer.first({}, tmp_path, executor._probe)
+    assert "memory probe failed (RuntimeError: error: on the worker: ValueError: boom" in packing.reason, packing.reason

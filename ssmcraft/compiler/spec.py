@@ -334,7 +334,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         declared.add(lname)   # a let may use the lets before it
 
     if multi:
-        return _multi_state_spec(src, raw, name, summary, state_names, dims, inputs, params, lets, declared)
+        return _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
     if update not in ("implicit", "explicit", "newton"):
@@ -437,7 +437,7 @@ def _output(src, raw, declared, through: dict, prevs, new: str) -> str:
     return output
 
 
-def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, lets, declared) -> Spec:
+def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, params, lets, declared) -> Spec:
     """The rest of a spec with several states: ``objective:`` maps each state to its loss; the
     states update in declaration order, so a state's loss may read the states declared before
     it (new values) and every ``X_prev``, never a later state's new value."""
@@ -466,7 +466,7 @@ def _multi_state_spec(src, raw, name, summary, states, dims, inputs, params, let
             f"approximation.{states[approximations.index('diagonal')]}"
         raise SpecError(src, key, "the diagonal approximation is not supported with several states (their "
                         "joint update is classified general or nonlinear, which has no diagonal); use exact")
-    output = _output(src, raw, declared, through, [f"{x}_prev" for x in states], "the new states")
+    output = _output(src, raw, declared, through, prevs, "the new states")
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),

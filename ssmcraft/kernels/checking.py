@@ -110,15 +110,17 @@ def _pullback(y, S, dy, dS):
     return (y.double() * dy).sum() + sum((s.double() * w).sum() for s, w in zip(S, dS))
 
 
-def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator) -> Reference:
+def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator, final_state: bool = True) -> Reference:
     """The float64 reference of ``obj`` on ``ins``/``params``/``S0`` (float64; ``S0`` a tensor, a
     tuple of them for several states, or None) and its gradients under cotangents ``dy`` then
-    one ``dS`` per state drawn from ``g`` (a CPU generator; moved to the inputs' device)."""
+    one ``dS`` per state drawn from ``g`` (a CPU generator; moved to the inputs' device). Without
+    ``final_state`` no final state is returned or pulled back (the call under test must return
+    ``(y, None)``: its backward then runs with no final-state cotangent)."""
     params = dict(params or {})
     leaves = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
     pleaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     s0 = None if S0 is None else tuple(s.detach().clone().requires_grad_() for s in states(S0))
-    y, S = obj.reference(leaves, pleaves, like(S0, s0 or ()), True)
+    y, S = obj.reference(leaves, pleaves, like(S0, s0 or ()), final_state)
     S = states(S)
     dy, dS = _cotangents(y, S, g)
     wrt = [*leaves.values(), *pleaves.values(), *(s0 or ())]
@@ -155,9 +157,9 @@ def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, 
 
 
 def reference_errors(obj, call: Callable, ins: dict, params: dict | None, S0, g: torch.Generator,
-                     dtype: torch.dtype = torch.float32, **kw) -> Comparison:
-    """``compare(reference(obj, ins, params, S0, g), call, dtype, **kw)``: one case, one dtype."""
-    return compare(reference(obj, ins, params, S0, g), call, dtype, **kw)
+                     dtype: torch.dtype = torch.float32, final_state: bool = True, **kw) -> Comparison:
+    """``compare(reference(obj, ins, params, S0, g, final_state), call, dtype, **kw)``: one case, one dtype."""
+    return compare(reference(obj, ins, params, S0, g, final_state), call, dtype, **kw)
 
 
 def rel_max(got, ref) -> float:

@@ -934,17 +934,22 @@ def _leaf_args(plan, leaves, H, grads=None):
     return args
 
 
-def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod):
+def _geometry(shape, cfg: Config, mod):
+    """(L, NC, NG, CPG, NV, kw, flags) of one launch configuration: chunk length, chunks, groups,
+    chunks per group, value blocks, the block-size keywords every kernel takes, the compile-time flags."""
     B, T, H, K, V = shape
-    BK = next_pow2(K)
     L = mod.LS * cfg.NSUB
     NC = cdiv(T, L)
     NG, CPG = _groups(NC, cfg.NG)
-    NV = cdiv(V, cfg.BV)
+    kw = dict(BK=next_pow2(K), BV=cfg.BV, num_warps=cfg.num_warps)
+    return L, NC, NG, CPG, cdiv(V, cfg.BV), kw, flags(cfg, K, T, V, mod.LS)
+
+
+def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod):
+    B, T, H, K, V = shape
+    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
-    kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
-    f = flags(cfg, K, T, V, mod.LS)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gS = torch.empty_like(gA)
@@ -965,14 +970,8 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
 
 def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, needs):
     B, T, H, K, V = shape
-    BK = next_pow2(K)
-    L = mod.LS * cfg.NSUB
-    NC = cdiv(T, L)
-    NG, CPG = _groups(NC, cfg.NG)
-    NV = cdiv(V, cfg.BV)
+    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod)
     dev = dy.device
-    kw = dict(BK=BK, BV=cfg.BV, num_warps=cfg.num_warps)
-    f = flags(cfg, K, T, V, mod.LS)
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
@@ -1004,7 +1003,7 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
                 continue
         gargs.append(raw.get(lf.name, scratch))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
-    scratch = torch.empty(NV * B * H * NG * cfg.NSUB * BK * cfg.BV, dtype=torch.float32, device=dev)
+    scratch = torch.empty(NV * B * H * NG * cfg.NSUB * kw["BK"] * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
                                   NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
                                   **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))

@@ -71,7 +71,6 @@ def launch_key(device, args: tuple, kw: dict) -> tuple:
               for n, v in kw.items()])
 
 
-
 def plan(kernel, n_args: int, kw_names) -> tuple:
     """How to rebuild the kernel's full argument list (every parameter in order, constexprs
     included, as Triton's launcher takes it) from a call's ``args`` and ``kw``: per parameter

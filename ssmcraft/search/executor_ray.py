@@ -289,6 +289,8 @@ class RayExecutor:
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref, force=True)   # it would hold its GPU; the packer records the failure
             raise
+        except ray.exceptions.RayTaskError as e:   # its first line names only the task: say the cause
+            raise RuntimeError(describe_ray_error(e, None)) from e
 
     def _relay_reports(self) -> None:
         import ray
