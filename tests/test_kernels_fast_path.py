@@ -96,7 +96,8 @@ def test_bindings_of_library_layers():
     assert (g["a"].leaf, g["p"].leaf, g["q"].leaf, g["oq"].leaf) == ("alpha", "x", "k", "q")
     lh = bindings(ssmcraft.compile("longhorn").ir)
     assert lh["c"].kind == "computed" and lh["p"].kind == "computed" and lh["u"].leaf == "k"
-    assert bindings(ssmcraft.compile("gated_deltanet").ir)["c"].kind == "computed"      # alpha * beta
+    gd = bindings(ssmcraft.compile("gated_deltanet").ir)
+    assert (gd["c"].kind, {gd["c"].leaf, gd["c"].scale}) == ("product", {"alpha", "beta"})      # alpha * beta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

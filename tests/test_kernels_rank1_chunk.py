@@ -139,3 +139,57 @@ def test_half_precision_pads_small_key_blocks():
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(x, got, ref_g)})
     assert_within(errs, {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})     # measured 4-7e-4; a 1% padding leak fails
+
+
+@pytest.mark.parametrize("T,chunk,h0_kind,final,gated", [
+    (37, 16, "none", False, False),     # no initial state read, no final state written, no dH_T read
+    (37, 16, "nograd", True, False),    # an initial state that wants no gradient: dH0 not written
+    (70, 32, "grad", False, False),     # dH0 written with no final-state gradient
+    (37, 16, "none", False, True),      # Gated DeltaNet: c = alpha beta taken in the kernels
+    (70, 32, "grad", True, True),
+])
+def test_delta_rule_step_modes_and_state_flags(T, chunk, h0_kind, final, gated, monkeypatch):
+    """DeltaNet's beta is both the step c and the insert scale ps (one tensor): the grad kernel sums
+    its two gradients (C_IS_PS) and autograd sees one. Gated DeltaNet's step is alpha beta, the decay
+    times ps: the kernels form it and send its gradient to both (C_IS_A_PS). The state flags
+    (HAS_H0, STORE_HT, HAS_DHT, STORE_DH0) each take the branch that reads or writes nothing. Every
+    output and gradient against the float64 loop, buffers NaN-poisoned."""
+    seen = []
+    real = R.launch
+
+    def spy(kernel, grid, *args, **kw):
+        seen.append(kw)
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(R, "launch", spy)
+    g = torch.Generator().manual_seed(T)
+    B, H, K, V = 2, 2, 16, 24
+    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    ins = {"q": nk(torch.randn(B, T, H, K, generator=g)), "k": nk(torch.randn(B, T, H, K, generator=g)),
+           "x": torch.randn(B, T, H, V, generator=g), "beta": torch.rand(B, T, H, generator=g)}
+    if gated:
+        ins["alpha"] = 0.3 + 0.7 * torch.rand(B, T, H, generator=g)
+    h0 = None if h0_kind == "none" else torch.randn(B, H, K, V, generator=g)
+    x = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    h0x = None if h0 is None else h0.clone().requires_grad_(h0_kind == "grad")
+    o, ht = R.delta_rule(x["q"], x["k"], x["x"], x["beta"], x.get("alpha"), initial_state=h0x,
+                         output_final_state=final, chunk_size=chunk)
+    assert (ht is not None) == final
+    ref = {n: t.double().requires_grad_() for n, t in ins.items()}
+    rh0 = torch.zeros(B, H, K, V, dtype=torch.float64) if h0 is None else h0.double().requires_grad_(h0_kind == "grad")
+    c_ref = ref["beta"] * ref["alpha"] if gated else ref["beta"]
+    o_ref, h_ref = _loop(ref["k"], None, None, ref["x"], ref["q"], c_ref, ref.get("alpha"), rh0, ps=ref["beta"])
+    do = torch.randn(*o_ref.shape, generator=g, dtype=torch.float64)
+    dh = torch.randn(*h_ref.shape, generator=g, dtype=torch.float64)
+    loss_ref = (o_ref * do).sum() + ((h_ref * dh).sum() if final else 0.0)
+    loss = (o.double() * do).sum() + ((ht.double() * dh).sum() if final else 0.0)
+    names = list(ins)
+    ref_g = torch.autograd.grad(loss_ref, [ref[n] for n in names] + ([rh0] if h0_kind == "grad" else []))
+    got = torch.autograd.grad(loss, [x[n] for n in names] + ([h0x] if h0_kind == "grad" else []))
+    errs = {"y": rel(o, o_ref)}
+    if final:
+        errs["S_T"] = rel(ht, h_ref)
+    errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip([*names, "h0"], got, ref_g)})
+    check(errs)
+    flags = {k: v for kw in seen for k, v in kw.items() if k in ("HAS_H0", "STORE_HT", "HAS_DHT", "STORE_DH0", "C_MODE")}
+    assert flags == {"HAS_H0": h0 is not None, "STORE_HT": final, "HAS_DHT": final, "STORE_DH0": h0_kind == "grad",
+                     "C_MODE": (R.C_IS_A_PS if gated else R.C_IS_PS).value}

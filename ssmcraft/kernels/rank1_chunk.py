@@ -63,6 +63,24 @@ BACKEND_NAME = "rank1-chunk"
 # kernels
 # ----------------------------------------------------------------------------------------
 
+# where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
+# c = ps = beta), or the product of the decay and ps (Gated DeltaNet's c = alpha beta)
+C_GIVEN = tl.constexpr(0)
+C_IS_PS = tl.constexpr(1)
+C_IS_A_PS = tl.constexpr(2)
+
+
+@triton.jit
+def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
+    """The step c of a chunk's rows [BT] in fp32, per ``C_MODE``."""
+    if C_MODE == C_IS_A_PS:
+        return tl.load(a + row, mask=m_t, other=0.).to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    elif C_MODE == C_IS_PS:
+        return tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    else:
+        return tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
+
+
 @triton.jit
 def _neumann4(Mi, Ao, PREC: tl.constexpr):
     """(D + Ao)^{-1} from Mi = D^{-1} when N = Mi Ao is nilpotent of order 4 (at most four
@@ -96,14 +114,15 @@ def _solve_unit_lower(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
                  T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
-                 PREC: tl.constexpr):
-    """Per chunk: M = (I + A)^{-1} [BT per token], W [K], Up [V], L (and Lq) [BT], g."""
+                 C_MODE: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: M = (I + A)^{-1} [BT per token], W [K], Up [V], L (and Lq) [BT], g.
+    C_MODE (``C_GIVEN``, ``C_IS_PS``, ``C_IS_A_PS``): where the step c comes from."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -119,7 +138,7 @@ def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
     lower = o_i[:, None] > o_i[None, :]
     incl = o_i[:, None] >= o_i[None, :]
 
-    b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
+    b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
         b_la = tl.log(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
         b_g = tl.cumsum(b_la, axis=0)
@@ -180,14 +199,16 @@ def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H"])
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
-                      WRITE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr):
-    """Sequential over chunks, one program per (value block, batch, head)."""
+                      WRITE_O: tl.constexpr, STORE_H: tl.constexpr, HAS_H0: tl.constexpr,
+                      STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over chunks, one program per (value block, batch, head). HAS_H0: start from
+    ``h0`` (else from zero, ``h0`` unread); STORE_HT: write the final state to ``ht``."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -201,7 +222,10 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
     m_kv = m_k[:, None] & m_v[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
 
-    b_h = tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    if HAS_H0:
+        b_h = tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
 
     for i_t in range(NT):
         o_t = i_t * BT + o_i
@@ -253,19 +277,22 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
                     b_p = (b_p.to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.)[:, None]).to(DT)
             b_h += tl.dot(tl.trans(b_qk), b_p, input_precision=PREC)
 
-    tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+    if STORE_HT:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
 
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A"])
+       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_A: tl.constexpr, PREC: tl.constexpr):
+                      HAS_A: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                      PREC: tl.constexpr):
     """Reverse over chunks: dH at each chunk's end, dPsi = L^T dO + Vbar dH, and
-    dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi."""
+    dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi. HAS_DHT: start from ``dht`` (else from zero,
+    ``dht`` unread); STORE_DH0: write dH0 to ``dh0``."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -279,7 +306,10 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
     m_kv = m_k[:, None] & m_v[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
 
-    b_dh = tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    if HAS_DHT:
+        b_dh = tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
 
     for j in range(NT):
         i_t = NT - 1 - j
@@ -311,21 +341,24 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
         b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC)
         b_dh -= tl.dot(tl.trans(b_w), b_dpsid, input_precision=PREC)
 
-    tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
                  du, dv, dq, dp, dps, doq, dc, da,
                  T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
-                 HAS_PS: tl.constexpr, PREC: tl.constexpr):
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
-    (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms."""
+    (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
+    C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -343,7 +376,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
 
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
-    b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
+    b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
         b_g = tl.load(g + row, mask=m_t, other=0.)
         last = tl.minimum(T, i_t * BT + BT) - 1
@@ -405,7 +438,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
             b_dps += tl.sum(b_dp * b_p0, axis=1)
             b_dp = b_dp * b_ps[:, None]
         tl.store(dp + row[:, None] * V + o_v[None, :], b_dp.to(dp.dtype.element_ty), mask=m_tv)
-    if HAS_PS:
+    if HAS_PS and C_MODE != C_IS_PS:
         tl.store(dps + row, b_dps, mask=m_t)
 
     # ---- phase 2: WY backward: W = M diag(ch) U, Up = M P (or -M B P), M = (I + A)^{-1}
@@ -462,7 +495,18 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_dvv += b_duu
     else:
         tl.store(du + row[:, None] * K + o_k[None, :], b_duu.to(du.dtype.element_ty), mask=m_tk)
-    tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
+    if C_MODE == C_IS_PS:
+        b_dcc += b_dps
+    if C_MODE == C_IS_A_PS:
+        # c = a ps: dc ps goes to a at the end; dc a is added to the dps stored in phase 1 (read back
+        # after a barrier, and a and ps read again: keeping them live through phase 2 costs spills)
+        tl.debug_barrier()
+        b_dps = tl.load(dps + row, mask=m_t, other=0.).to(tl.float32)
+        b_dps += b_dcc * tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
+        tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
+        b_dac = b_dcc * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    else:
+        tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
 
     # ---- phase 3: readout (O = e^g OQ h + L Psi) and state (Vbar^T Psi) terms ---------
     b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
@@ -522,7 +566,10 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     if HAS_A:
         b_dgv += tl.where(o_t == last, b_dgl, 0.)
         b_dla = tl.cumsum(b_dgv, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        tl.store(da + row, (b_dla / b_a).to(da.dtype.element_ty), mask=m_t)
+        b_da = b_dla / b_a
+        if C_MODE == C_IS_A_PS:
+            b_da += b_dac
+        tl.store(da + row, b_da.to(da.dtype.element_ty), mask=m_t)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
     tl.store(doq + row[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_tk)
 
@@ -565,7 +612,16 @@ def _empty_like(t):
     return _empty(*t.shape, device=t.device, dtype=t.dtype)
 
 
-def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
+def _c_mode(c, a, ps) -> int:
+    """``C_MODE`` of a call: c None means c = a ps (both given), c that is ps the same tensor."""
+    if c is None:
+        if a is None or ps is None:
+            raise ValueError("chunk_rank1: c = None stands for c = a * ps and needs both a and ps")
+        return C_IS_A_PS.value
+    return C_IS_PS.value if ps is c else C_GIVEN.value
+
+
+def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt = p.dtype
@@ -582,27 +638,28 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     Lq = _empty(B, T, H, BT, device=dev, dtype=dt) if general else L
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
-    g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else c
-    aa = a if has_a else c
+    cc = a if c is None else c                  # stands in for an absent tensor: never read
+    g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
+    aa = a if has_a else cc
     has_ps = ps is not None
-    pss = ps if has_ps else c
-    launch(_prep_kernel, (NT, B * H), uu, v, qq, p, pss, oq, c, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
-           BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, PREC=prec)
+    pss = ps if has_ps else cc
+    launch(_prep_kernel, (NT, B * H), uu, v, qq, p, pss, oq, cc, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
+           BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
-    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    if h0 is None:      # a zero state costs one [B, H, K, V] read; fewer kernel variants
-        h0 = torch.zeros(B, H, K, V, device=dev, dtype=torch.float32)
+    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
+    # no h0 or no final state: a flag, not a zero state filled and read or a state written unread
     launch(_state_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-        v, qq, p, pss, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht, T, NT,
+        v, qq, p, pss, oq, W, Up, L, Lq, g, o if h0 is None else h0, o, hs, psi, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
-        STORE_H=store_states, PREC=prec, **_launch_opts(V))
+        STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
+        **_launch_opts(V))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
 
-def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
+def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt = p.dtype
@@ -615,11 +672,12 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     do = do.contiguous().to(dt)
     dhs = _empty_like(hs)
     dpsi = _empty_like(psi)
-    dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32)
-    dht = torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32) if dht is None else dht.contiguous().float()
+    dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
+    has_dht = dht is not None
     launch(_state_bwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-        v, oq, W, L, g, do, dht, dhs, dpsi, dh0, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, PREC=prec, **_launch_opts(V))
+        v, oq, W, L, g, do, dht.contiguous().float() if has_dht else do, dhs, dpsi, dh0, T, NT,
+        H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0, PREC=prec,
+        **_launch_opts(V))
     uu = v if u is None else u
     qq = v if q is None else q
     dv = _empty_like(v)
@@ -627,16 +685,18 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     dq = _empty_like(v) if general else dv
     dp = _empty_like(p)
     doq = _empty_like(oq)
-    dc = _empty_like(c)
-    da = _empty_like(a) if has_a else dc
+    cc = a if c is None else c                  # stands in for an absent tensor: never read
     has_ps = ps is not None
-    dps = _empty_like(ps) if has_ps else dc
+    da = _empty_like(a) if has_a else None
+    dc = _empty_like(c) if c is not None else da
+    dps = _empty_like(ps) if has_ps and c_mode != C_IS_PS.value else dc
     launch(_grad_kernel, (NT, B * H),
-        uu, v, qq, p, ps if has_ps else c, oq, c, a if has_a else c, g, M, L, Lq, hs, dhs, psi, dpsi, do,
-        du, dv, dq, dp, dps, doq, dc, da, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
-        BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, PREC=prec)
-    return (dv, du if u is not None else None, dq if general else None, dp, dps if has_ps else None, doq, dc,
-            da if has_a else None, dh0 if need_dh0 else None)
+        uu, v, qq, p, ps if has_ps else cc, oq, cc, a if has_a else cc, g, M, L, Lq, hs, dhs, psi, dpsi, do,
+        du, dv, dq, dp, dps, doq, dc, da if has_a else dc, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
+        BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
+    return (dv, du if u is not None else None, dq if general else None, dp,
+            dps if has_ps and c_mode != C_IS_PS.value else None, doq, dc if c is not None else None,
+            da, dh0 if need_dh0 else None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -650,11 +710,12 @@ class Rank1ChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, u, q, p, ps, oq, c, a, h0, output_final_state, chunk_size):
         train = any(ctx.needs_input_grad[:9])
-        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, chunk_size)
+        ctx.c_mode = _c_mode(c, a, ps)       # decided on the forward's tensors (c is ps: one object)
+        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, ctx.c_mode, chunk_size)
         if train:
             ctx.save_for_backward(v, u, q, p, ps, oq, c, a, *saved)
         ctx.chunk_size = chunk_size
-        ctx.has_h0 = h0 is not None
+        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[8]
         return o, (ht if output_final_state else None)
 
     @staticmethod
@@ -662,7 +723,7 @@ class Rank1ChunkFunction(torch.autograd.Function):
         v, u, q, p, ps, oq, c, a, *saved = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.has_h0, ctx.chunk_size)
+        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size)
         return (*grads, None, None)
 
 
@@ -680,8 +741,10 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         p:  inserted value [B, T, H, V].
         ps: per-head scale of p [B, T, H] or None (= 1); fused, so that e.g. DeltaNet's
             beta x costs no extra pass.
-        c:  per-head step [B, T, H]. c, a and ps are read in their own dtype (fp32, bf16 or fp16)
-            and their gradients written in it.
+        c:  per-head step [B, T, H], or None for c = a ps (Gated DeltaNet's alpha beta: the
+            product is taken in the kernels and its gradient goes to a and ps). c, a and ps are
+            read in their own dtype (fp32, bf16 or fp16) and their gradients written in it; c
+            that is ps, one tensor (DeltaNet's beta), is read once and gets one gradient.
         oq: readout key [B, T, H, K].
         u:  read key of the erase [B, T, H, K] or None (= v).
         q:  insert key [B, T, H, K] or None (= v: the merged delta-rule form).
@@ -728,8 +791,7 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
     """(Gated) DeltaNet in FLA's convention: S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t x_t^T
     (state [K, V]), o_t = S_t^T q_t.  q, k [B, T, H, K]; x [B, T, H, V]; beta, alpha [B, T, H];
     initial_state [B, H, K, V].  Returns o [B, T, H, V], final state [B, H, K, V] fp32 or None."""
-    c = beta if alpha is None else alpha * beta
-    return chunk_rank1(k, x, c, q, a=alpha, ps=beta, initial_state=initial_state,
+    return chunk_rank1(k, x, beta if alpha is None else None, q, a=alpha, ps=beta, initial_state=initial_state,
                        output_final_state=output_final_state, chunk_size=chunk_size)
 
 
@@ -842,6 +904,10 @@ def prepare(obj, lay):
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)
     same = {s: binds[s].kind == "leaf" and binds[s] == binds["v"] for s in ("u", "q")}
+    c, a, pb = binds["c"], binds.get("a"), binds["p"]
+    # Gated DeltaNet's c = alpha beta with alpha the decay and beta p's scale: taken in the kernels
+    c_is_a_ps = (c.kind == "product" and a is not None and a.kind == "leaf" and pb.kind == "scaled"
+                 and {c.leaf, c.scale} == {a.leaf, pb.scale})
 
     def head(x, device, one_is_none=False):
         """A per-head slot as [B, T, H] (a number broadcast; None for a decay of 1)."""
@@ -854,7 +920,7 @@ def prepare(obj, lay):
         u = None if same["u"] else cs.get("u")
         q = None if same["q"] else cs.get("q")
         ps, p = cs.split("p")
-        o, ht = chunk_rank1(v, p.to(io), head(cs.get("c"), cs.device), cs.get("oq"), u=u, q=q,
+        o, ht = chunk_rank1(v, p.to(io), None if c_is_a_ps else head(cs.get("c"), cs.device), cs.get("oq"), u=u, q=q,
                             a=head(cs.get("a", 1.0), cs.device, one_is_none=True), ps=ps,
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK)

@@ -24,6 +24,9 @@ backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
 - ``leaf``:     an input or param as it is;
 - ``scaled``:   ``s * x`` with ``s`` a per-head scalar leaf and ``x`` a vector leaf (DeltaNet's
                 ``p = beta x``: the kernels fuse the per-head scale);
+- ``product``:  ``s * x`` with both per-head scalar leaves (Gated DeltaNet's ``c = alpha beta``: the
+                chunked rank-1 kernels take it from the decay and the insert scale; elsewhere
+                one PyTorch product);
 - ``computed``: anything else.
 """
 from __future__ import annotations
@@ -39,11 +42,11 @@ from ssmcraft.compiler.codegen import slot_leaves
 
 @dataclass(frozen=True)
 class Binding:
-    kind: str                 # const | leaf | scaled | computed
+    kind: str                 # const | leaf | scaled | product | computed
     dims: tuple = ()          # the slot's dims (() per head, (d,) or (m,) a vector)
     value: float = 0.0        # const
-    leaf: str = ""            # leaf / scaled: the vector (or only) leaf
-    scale: str = ""           # scaled: the per-head scalar leaf
+    leaf: str = ""            # leaf / scaled / product: the vector (or only, or second) leaf
+    scale: str = ""           # scaled / product: the (first) per-head scalar leaf
     needs: tuple = ()         # computed: the leaves its coefficient reads
 
 
@@ -71,6 +74,8 @@ def _bindings(ir) -> dict[str, Binding]:
                 out[slot] = Binding("scaled", dims, leaf=b, scale=a)
             elif leaves[b] == () and leaves[a] == dims and dims:
                 out[slot] = Binding("scaled", dims, leaf=a, scale=b)
+            elif leaves[a] == leaves[b] == dims == ():
+                out[slot] = Binding("product", dims, leaf=b, scale=a)
             else:
                 out[slot] = Binding("computed", dims, needs=tuple(slot_leaves(ir, name)))
         else:
@@ -219,6 +224,8 @@ class CallSlots:
             return self.leaf(b.leaf)
         if b.kind == "scaled":
             return self.leaf(b.scale).unsqueeze(-1) * self.leaf(b.leaf)
+        if b.kind == "product":
+            return self.leaf(b.scale) * self.leaf(b.leaf)
         return self.computed(slot)
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
