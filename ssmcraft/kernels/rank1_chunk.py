@@ -10,7 +10,9 @@ Kernels keep the transpose ``H = S^T`` ([K, V], FLA's layout):
     H_t = a_t H_{t-1} - c_t v_t (u_t^T H_{t-1}) + q_t p_t^T,        o_t = H_t^T oq_t
 
 DeltaNet: u = v = q = k, c = beta, p = beta x, a = 1.  Gated DeltaNet: a = alpha, c = alpha beta.
-An optional per-head scale ``ps`` of p is fused (p = ps x), so DeltaNet's beta x costs no pass.
+An optional per-head scale ``ps`` of p is fused (p = ps x), so DeltaNet's beta x costs no pass;
+``C_MODE`` reads c as its own tensor, as ps itself (DeltaNet: one gradient, summed in the kernel)
+or as a ps (Gated DeltaNet: formed in the kernels), so neither runs a PyTorch op around the kernels.
 
 Algorithm (WY / UT transform, per chunk of BT tokens, local index t, state H0 at the chunk's
 start; g_t = sum_{r<=t} log a_r within the chunk, gp_t = g_{t-1}, Gamma[t,s] = e^{g_t-g_s}):
