@@ -35,7 +35,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms as rel  # noqa: E402
+from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rel_rms as rel  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 SHAPE = dict(H=2, K=16, V=16) if SMOKE else dict(H=16, K=64, V=64)
@@ -134,43 +134,19 @@ def check_general(B=2, T=300, seed=3):
 
 
 def check_modes(B=2, Ts=(301, 517), seed=5):
-    """``delta_rule`` with no initial state, one that wants no gradient, and one that does, with and
-    without a final-state gradient, DeltaNet (c is ps: ``C_IS_PS``) and Gated DeltaNet (c = a ps:
-    ``C_IS_A_PS``): the kernels' branches that read or write nothing (``HAS_H0``, ``HAS_DHT``,
-    ``STORE_HT``, ``STORE_DH0``) and the step's modes, against the float64 loop."""
+    """``delta_rule`` in every case of ``checking.DELTA_RULE_CASES`` (no initial state, one that
+    wants no gradient, one that does; the final state in the loss or not; DeltaNet, c is ps, and
+    Gated DeltaNet, c = a ps): the kernels' state flags and step modes, against the float64 loop."""
     H, K, V = 4 if not SMOKE else 2, SHAPE["K"], SHAPE["V"]
-    cases = [(Ts[0], "none", False, False), (Ts[0], "nograd", True, False), (Ts[1], "grad", False, False),
-             (Ts[0], "none", False, True), (Ts[1], "grad", True, True)]
     rows = []
-    for T, h0_kind, final, gated in cases:
-        g = torch.Generator(device=DEV).manual_seed(seed + T)
-        r = lambda *s: torch.randn(*s, generator=g, device=DEV, dtype=torch.float64)  # noqa: E731
-        nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
-        ins = {"q": nk(r(B, T, H, K)), "k": nk(r(B, T, H, K)), "x": r(B, T, H, V), "beta": torch.sigmoid(r(B, T, H))}
-        if gated:
-            ins["alpha"] = torch.sigmoid(3.0 + r(B, T, H))
-        h0 = None if h0_kind == "none" else r(B, H, K, V)
+    for h0_kind, final, gated in DELTA_RULE_CASES:
+        T = Ts[h0_kind == "grad"]
         for dtype in (torch.float32, torch.bfloat16):
-            x = {n: t.to(dtype).requires_grad_() for n, t in ins.items()}
-            h0x = None if h0 is None else h0.float().requires_grad_(h0_kind == "grad")
-            o, ht = R.delta_rule(x["q"], x["k"], x["x"], x["beta"], x.get("alpha"), initial_state=h0x,
-                                 output_final_state=final)
-            ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-            rh0 = torch.zeros(B, H, K, V, device=DEV, dtype=torch.float64) if h0 is None else \
-                h0x.detach().double().requires_grad_(h0_kind == "grad")
-            a = ref["alpha"] if gated else torch.ones_like(ref["beta"])
-            o_ref, h_ref = ref_kernel(ref["k"], ref["k"], ref["k"], ref["x"] * ref["beta"][..., None], ref["q"],
-                                      ref["beta"] * a, a, rh0)
-            do, dh = r(*o_ref.shape), r(*h_ref.shape)
-            wrt = [*ins] + (["h0"] if h0_kind == "grad" else [])
-            loss_ref = (o_ref * do).sum() + ((h_ref * dh).sum() if final else 0.0)
-            loss = (o.double() * do).sum() + ((ht.double() * dh).sum() if final else 0.0)
-            g_ref = torch.autograd.grad(loss_ref, [ref[n] for n in ins] + ([rh0] if h0_kind == "grad" else []))
-            got = torch.autograd.grad(loss, [x[n] for n in ins] + ([h0x] if h0_kind == "grad" else []))
-            errs = {"y": rel(o, o_ref), **({"S_T": rel(ht, h_ref)} if final else {})}
-            errs.update({f"d{n}": rel(u, w) for n, u, w in zip(wrt, got, g_ref)})
-            ok = (ht is not None) == final and all(e <= TOL[dtype] for e in errs.values())
-            rows.append((f"{'gated ' if gated else ''}delta_rule h0 {h0_kind} final {final} {dtype_name(dtype)} T{T}", ok, errs))
+            errs, dtypes, final_ok = delta_rule_case(R.delta_rule, B, T, H, K, V, h0_kind, final, gated, dtype,
+                                                     device=DEV, seed=seed)
+            ok = final_ok and all(dtypes.values()) and all(e <= TOL[dtype] for e in errs.values())
+            rows.append((f"{'gated ' if gated else ''}delta_rule h0 {h0_kind} final {final} {dtype_name(dtype)} T{T}",
+                         ok, errs))
     return rows
 
 

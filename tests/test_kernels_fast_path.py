@@ -198,7 +198,8 @@ def test_element_form_is_the_same_recurrence():
 
 
 @pytest.mark.parametrize("name,family", [("longhorn", "rank1_row"), ("wd_longhorn", "rank1_row"),
-                                         ("gated_deltanet", "rank1_chunk"), ("hgrn", "keydecay_chunk"),
+                                         ("gated_deltanet", "rank1_chunk"), ("gated_deltanet", "rank1_row"),
+                                         ("hgrn", "keydecay_chunk"),
                                          ("retnet", "keydecay_chunk"), ("cauchy_delta", "general"),
                                          ("longhorn_2key", "rankr_row")])
 def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, name, family):
@@ -211,6 +212,7 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     monkeypatch.setattr(RR, "POISON", True)
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(G, "POISON", True)
+    monkeypatch.setattr(RC, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
     monkeypatch.setattr(RC, "CHUNK", 16)
     obj = _interpret(name)

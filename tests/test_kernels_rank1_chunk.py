@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
+from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case  # noqa: E402
 from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
@@ -141,19 +142,17 @@ def test_half_precision_pads_small_key_blocks():
     assert_within(errs, {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})     # measured 4-7e-4; a 1% padding leak fails
 
 
-@pytest.mark.parametrize("T,chunk,h0_kind,final,gated", [
-    (37, 16, "none", False, False),     # no initial state read, no final state written, no dH_T read
-    (37, 16, "nograd", True, False),    # an initial state that wants no gradient: dH0 not written
-    (70, 32, "grad", False, False),     # dH0 written with no final-state gradient
-    (37, 16, "none", False, True),      # Gated DeltaNet: c = alpha beta taken in the kernels
-    (70, 32, "grad", True, True),
-])
-def test_delta_rule_step_modes_and_state_flags(T, chunk, h0_kind, final, gated, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h0_kind,final,gated", DELTA_RULE_CASES)
+def test_delta_rule_step_modes_and_state_flags(h0_kind, final, gated, dtype, monkeypatch):
     """DeltaNet's beta is both the step c and the insert scale ps (one tensor): the grad kernel sums
     its two gradients (C_IS_PS) and autograd sees one. Gated DeltaNet's step is alpha beta, the decay
-    times ps: the kernels form it and send its gradient to both (C_IS_A_PS). The state flags
-    (HAS_H0, STORE_HT, HAS_DHT, STORE_DH0) each take the branch that reads or writes nothing. Every
-    output and gradient against the float64 loop, buffers NaN-poisoned."""
+    times ps: the kernels form it and send its gradient to both (C_IS_A_PS; the barrier before
+    dps's partial is read back matters only on a GPU, where ``bench_rank1_chunk.py``'s
+    ``check_modes`` runs these cases). The state flags (HAS_H0, STORE_HT, HAS_DHT, STORE_DH0) each
+    take the branch that reads or writes nothing. Every output and gradient against the float64
+    loop, buffers NaN-poisoned, gradients in their leaves' dtypes (fp16 runs the 16-bit path; the
+    interpreter's bf16 products are wrong, ENV.md)."""
     seen = []
     real = R.launch
 
@@ -161,35 +160,46 @@ def test_delta_rule_step_modes_and_state_flags(T, chunk, h0_kind, final, gated, 
         seen.append(kw)
         return real(kernel, grid, *args, **kw)
     monkeypatch.setattr(R, "launch", spy)
-    g = torch.Generator().manual_seed(T)
-    B, H, K, V = 2, 2, 16, 24
-    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
-    ins = {"q": nk(torch.randn(B, T, H, K, generator=g)), "k": nk(torch.randn(B, T, H, K, generator=g)),
-           "x": torch.randn(B, T, H, V, generator=g), "beta": torch.rand(B, T, H, generator=g)}
-    if gated:
-        ins["alpha"] = 0.3 + 0.7 * torch.rand(B, T, H, generator=g)
-    h0 = None if h0_kind == "none" else torch.randn(B, H, K, V, generator=g)
-    x = {n: t.clone().requires_grad_() for n, t in ins.items()}
-    h0x = None if h0 is None else h0.clone().requires_grad_(h0_kind == "grad")
-    o, ht = R.delta_rule(x["q"], x["k"], x["x"], x["beta"], x.get("alpha"), initial_state=h0x,
-                         output_final_state=final, chunk_size=chunk)
-    assert (ht is not None) == final
-    ref = {n: t.double().requires_grad_() for n, t in ins.items()}
-    rh0 = torch.zeros(B, H, K, V, dtype=torch.float64) if h0 is None else h0.double().requires_grad_(h0_kind == "grad")
-    c_ref = ref["beta"] * ref["alpha"] if gated else ref["beta"]
-    o_ref, h_ref = _loop(ref["k"], None, None, ref["x"], ref["q"], c_ref, ref.get("alpha"), rh0, ps=ref["beta"])
-    do = torch.randn(*o_ref.shape, generator=g, dtype=torch.float64)
-    dh = torch.randn(*h_ref.shape, generator=g, dtype=torch.float64)
-    loss_ref = (o_ref * do).sum() + ((h_ref * dh).sum() if final else 0.0)
-    loss = (o.double() * do).sum() + ((ht.double() * dh).sum() if final else 0.0)
-    names = list(ins)
-    ref_g = torch.autograd.grad(loss_ref, [ref[n] for n in names] + ([rh0] if h0_kind == "grad" else []))
-    got = torch.autograd.grad(loss, [x[n] for n in names] + ([h0x] if h0_kind == "grad" else []))
-    errs = {"y": rel(o, o_ref)}
-    if final:
-        errs["S_T"] = rel(ht, h_ref)
-    errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip([*names, "h0"], got, ref_g)})
-    check(errs)
+    T, chunk = (37, 16) if h0_kind != "grad" else (70, 32)
+    errs, dtypes, final_ok = delta_rule_case(R.delta_rule, 2, T, 2, 16, 24, h0_kind, final, gated, dtype,
+                                             chunk_size=chunk)
+    assert final_ok and all(dtypes.values()), dtypes
+    assert_within(errs, TOL if dtype == torch.float32 else {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})
     flags = {k: v for kw in seen for k, v in kw.items() if k in ("HAS_H0", "STORE_HT", "HAS_DHT", "STORE_DH0", "C_MODE")}
-    assert flags == {"HAS_H0": h0 is not None, "STORE_HT": final, "HAS_DHT": final, "STORE_DH0": h0_kind == "grad",
+    assert flags == {"HAS_H0": h0_kind != "none", "STORE_HT": final, "HAS_DHT": final, "STORE_DH0": h0_kind == "grad",
                      "C_MODE": (R.C_IS_A_PS if gated else R.C_IS_PS).value}
+
+
+def _flags_of_one_call(monkeypatch, fn):
+    seen = {}
+    real = R.launch
+
+    def spy(kernel, grid, *args, **kw):
+        seen.update({k: v for k, v in kw.items() if k in ("HAS_DHT", "C_MODE")})
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(R, "launch", spy)
+    fn()
+    return seen
+
+
+def test_unused_final_state_reads_no_gradient_and_one_beta_stays_one(monkeypatch):
+    """A final state returned but left out of the loss reaches the backward as None (no zero dH_T
+    materialised and read: HAS_DHT off), and a beta that ``chunk_rank1`` must convert (fp64, or not
+    contiguous) is converted once and stays one tensor (C_IS_PS: no second gradient summed by
+    autograd)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 20, 2, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) for _ in range(2))
+    x = torch.randn(B, T, H, V, generator=g, requires_grad=True)
+
+    def run(beta):
+        o, ht = R.delta_rule(q, k, x, beta, output_final_state=True, chunk_size=16)
+        assert ht is not None
+        o.sum().backward()
+    beta = torch.rand(B, T, H, generator=g, requires_grad=True)
+    assert _flags_of_one_call(monkeypatch, lambda: run(beta)) == {"HAS_DHT": False, "C_MODE": R.C_IS_PS.value}
+    b64 = beta.detach().double().requires_grad_()
+    assert _flags_of_one_call(monkeypatch, lambda: run(b64))["C_MODE"] == R.C_IS_PS.value
+    base = torch.rand(B, H, T, generator=g, requires_grad=True)
+    assert _flags_of_one_call(monkeypatch, lambda: run(base.transpose(1, 2)))["C_MODE"] == R.C_IS_PS.value
+    assert b64.grad is not None and b64.grad.dtype == torch.float64 and base.grad is not None

@@ -206,3 +206,56 @@ def graphed_against_eager(obj, ins: dict, params: dict | None, S0, seed: int = 3
             "check_ok": not over(errs, max(tol, floor)) and not missing and not nonfinite,
             "check_nonfinite": nonfinite,
             "check_errors": {k: float(f"{v:.3g}") for k, v in errs.items()}, "check_missing": missing}
+
+
+# (initial state: "none" / "nograd" / "grad", final state in the loss, gated): the chunked rank-1
+# kernels' state flags (HAS_H0, STORE_DH0, HAS_DHT, STORE_HT) and step modes (C_IS_PS, C_IS_A_PS)
+DELTA_RULE_CASES = (("none", False, False), ("nograd", True, False), ("grad", False, False),
+                    ("none", False, True), ("grad", True, True))
+
+
+def delta_rule_loop(q, k, x, beta, alpha, h0):
+    """(Gated) DeltaNet step by step in FLA's layout, H_t = a_t (H - beta_t k_t (k_t^T H)) + beta_t k_t x_t^T
+    (a = alpha, or 1), o_t = H_t^T q_t. Returns (o [B, T, H, V], H_T [B, H, K, V])."""
+    Hs, outs = h0, []
+    for t in range(k.shape[1]):
+        a = 1.0 if alpha is None else alpha[:, t, :, None, None]
+        kt, bt = k[:, t], beta[:, t, :, None, None]
+        e = torch.einsum("bhk,bhkv->bhv", kt, Hs)
+        Hs = a * (Hs - bt * kt[..., None] * e[:, :, None, :]) + bt * kt[..., None] * x[:, t, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", Hs, q[:, t]))
+    return torch.stack(outs, 1), Hs
+
+
+def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated: bool, dtype,
+                    device="cpu", seed: int = 0, **kw) -> tuple[dict, dict, bool]:
+    """``delta_rule(q, k, x, beta, alpha, initial_state=..., output_final_state=final, **kw)`` (FLA
+    layout; ``ssmcraft.kernels.rank1_chunk.delta_rule``) on random inputs in ``dtype`` against
+    ``delta_rule_loop`` in float64 on the same values: no initial state, one that wants no gradient
+    or one that does (``h0_kind``), the final state in the loss or not returned at all (``final``).
+    Returns ({"y", "S_T"?, "d<leaf>": relative RMS error}, {leaf: its gradient's dtype == its
+    own}, whether the final state came back exactly when asked for)."""
+    g = torch.Generator().manual_seed(seed + T)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    nk = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    ins = {"q": nk(r(B, T, H, K)), "k": nk(r(B, T, H, K)), "x": r(B, T, H, V), "beta": torch.sigmoid(r(B, T, H))}
+    if gated:
+        ins["alpha"] = torch.sigmoid(3.0 + r(B, T, H))
+    x = {n: t.to(device=device, dtype=dtype).requires_grad_() for n, t in ins.items()}
+    ref = {n: t.detach().double().cpu().requires_grad_() for n, t in x.items()}
+    h0 = None if h0_kind == "none" else r(B, H, K, V)
+    hx = None if h0 is None else h0.to(device=device, dtype=torch.float32).requires_grad_(h0_kind == "grad")
+    rh = torch.zeros(B, H, K, V, dtype=torch.float64) if h0 is None else \
+        hx.detach().double().cpu().requires_grad_(h0_kind == "grad")
+    o, ht = delta_rule(x["q"], x["k"], x["x"], x["beta"], x.get("alpha"), initial_state=hx, output_final_state=final, **kw)
+    o_ref, h_ref = delta_rule_loop(ref["q"], ref["k"], ref["x"], ref["beta"], ref.get("alpha"), rh)
+    dy, dh = r(*o_ref.shape), r(*h_ref.shape)
+    names = [*ins, *(["h0"] if h0_kind == "grad" else [])]
+    got = torch.autograd.grad(_pullback(o, (ht,) if final else (), dy.to(device), (dh.to(device),)),
+                              [*x.values(), *([hx] if h0_kind == "grad" else [])])
+    want = torch.autograd.grad(_pullback(o_ref, (h_ref,) if final else (), dy, (dh,)),
+                               [*ref.values(), *([rh] if h0_kind == "grad" else [])])
+    errors = {"y": rel_rms(o, o_ref), **({"S_T": rel_rms(ht, h_ref)} if final else {})}
+    errors.update({f"d{n}": rel_rms(a.cpu(), b) for n, a, b in zip(names, got, want)})
+    dtypes = {n: a.dtype == t.dtype for n, a, t in zip(names, got, [*x.values(), hx])}
+    return errors, dtypes, (ht is not None) == final

@@ -360,7 +360,8 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
-    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``; ``dc`` is an fp32
+    scratch [B, T, H] for dps's partial sum)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -440,8 +441,10 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
             b_dps += tl.sum(b_dp * b_p0, axis=1)
             b_dp = b_dp * b_ps[:, None]
         tl.store(dp + row[:, None] * V + o_v[None, :], b_dp.to(dp.dtype.element_ty), mask=m_tv)
-    if HAS_PS and C_MODE != C_IS_PS:
+    if HAS_PS and C_MODE == C_GIVEN:
         tl.store(dps + row, b_dps, mask=m_t)
+    if C_MODE == C_IS_A_PS:        # the partial, in the fp32 scratch ``dc``; finished in phase 2
+        tl.store(dc + row, b_dps, mask=m_t)
 
     # ---- phase 2: WY backward: W = M diag(ch) U, Up = M P (or -M B P), M = (I + A)^{-1}
     if not GENERAL:
@@ -500,10 +503,11 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     if C_MODE == C_IS_PS:
         b_dcc += b_dps
     if C_MODE == C_IS_A_PS:
-        # c = a ps: dc ps goes to a at the end; dc a is added to the dps stored in phase 1 (read back
-        # after a barrier, and a and ps read again: keeping them live through phase 2 costs spills)
+        # c = a ps: dc ps goes to a at the end; dc a is added to dps's fp32 partial of phase 1 (read
+        # back after a barrier, and a and ps read again: keeping them live through phase 2 spilled
+        # 48 bytes more and took 9% longer on an H200; the rows are this program's own)
         tl.debug_barrier()
-        b_dps = tl.load(dps + row, mask=m_t, other=0.).to(tl.float32)
+        b_dps = tl.load(dc + row, mask=m_t, other=0.)
         b_dps += b_dcc * tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
         tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
         b_dac = b_dcc * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
@@ -623,6 +627,11 @@ def _c_mode(c, a, ps) -> int:
     return C_IS_PS.value if ps is c else C_GIVEN.value
 
 
+def _stand_in(c, a):
+    """A tensor for the kernels' ``c`` argument: c, or a where c is None (``C_IS_A_PS``: never read)."""
+    return a if c is None else c
+
+
 def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
@@ -640,7 +649,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     Lq = _empty(B, T, H, BT, device=dev, dtype=dt) if general else L
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
-    cc = a if c is None else c                  # stands in for an absent tensor: never read
+    cc = _stand_in(c, a)
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
     aa = a if has_a else cc
     has_ps = ps is not None
@@ -687,18 +696,19 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     dq = _empty_like(v) if general else dv
     dp = _empty_like(p)
     doq = _empty_like(oq)
-    cc = a if c is None else c                  # stands in for an absent tensor: never read
+    cc = _stand_in(c, a)
     has_ps = ps is not None
+    want_dps = has_ps and c_mode != C_IS_PS.value      # c is ps: its one gradient is dc
     da = _empty_like(a) if has_a else None
-    dc = _empty_like(c) if c is not None else da
-    dps = _empty_like(ps) if has_ps and c_mode != C_IS_PS.value else dc
+    # c = a ps: no dc; the kernel's fp32 scratch for dps's partial sum takes its place
+    dc = _empty_like(c) if c is not None else _empty(B, T, H, device=v.device, dtype=torch.float32)
+    dps = _empty_like(ps) if want_dps else dc
     launch(_grad_kernel, (NT, B * H),
         uu, v, qq, p, ps if has_ps else cc, oq, cc, a if has_a else cc, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         du, dv, dq, dp, dps, doq, dc, da if has_a else dc, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
         BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
-    return (dv, du if u is not None else None, dq if general else None, dp,
-            dps if has_ps and c_mode != C_IS_PS.value else None, doq, dc if c is not None else None,
-            da, dh0 if need_dh0 else None)
+    return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
+            dc if c is not None else None, da, dh0 if need_dh0 else None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -713,6 +723,7 @@ class Rank1ChunkFunction(torch.autograd.Function):
     def forward(ctx, v, u, q, p, ps, oq, c, a, h0, output_final_state, chunk_size):
         train = any(ctx.needs_input_grad[:9])
         ctx.c_mode = _c_mode(c, a, ps)       # decided on the forward's tensors (c is ps: one object)
+        ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
         o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, ctx.c_mode, chunk_size)
         if train:
             ctx.save_for_backward(v, u, q, p, ps, oq, c, a, *saved)
@@ -764,6 +775,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         raise ValueError(f"chunk_rank1: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     B, T, H, K = v.shape
     V = p.shape[-1]
+    _c_mode(c, a, ps)      # a call it refuses is refused at every length
     if T == 0:
         o = p.new_zeros(B, 0, H, V)
         S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
@@ -782,8 +794,10 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     kshape, hshape = (B, T, H, K), (B, T, H)
     head = (lambda t: None if t is None else prep(t, hshape, io_dtype(t.dtype)))
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    hps = head(ps)
+    hc = hps if c is ps else head(c)      # one tensor stays one (C_IS_PS) whatever prep does to it
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
-                                     head(ps), prep(oq, kshape), head(c), head(a), h0,
+                                     hps, prep(oq, kshape), hc, head(a), h0,
                                      output_final_state, chunk_size)
     return o, ht
 

@@ -26,7 +26,7 @@ backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
                 ``p = beta x``: the kernels fuse the per-head scale);
 - ``product``:  ``s * x`` with both per-head scalar leaves (Gated DeltaNet's ``c = alpha beta``: the
                 chunked rank-1 kernels take it from the decay and the insert scale; elsewhere
-                one PyTorch product);
+                one PyTorch product in fp32);
 - ``computed``: anything else.
 """
 from __future__ import annotations
@@ -224,8 +224,8 @@ class CallSlots:
             return self.leaf(b.leaf)
         if b.kind == "scaled":
             return self.leaf(b.scale).unsqueeze(-1) * self.leaf(b.leaf)
-        if b.kind == "product":
-            return self.leaf(b.scale) * self.leaf(b.leaf)
+        if b.kind == "product":       # fp32, as a computed slot would be
+            return self.leaf(b.scale).float() * self.leaf(b.leaf).float()
         return self.computed(slot)
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
