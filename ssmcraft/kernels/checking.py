@@ -255,7 +255,7 @@ def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated:
                               [*x.values(), *([hx] if h0_kind == "grad" else [])])
     want = torch.autograd.grad(_pullback(o_ref, (h_ref,) if final else (), dy, (dh,)),
                                [*ref.values(), *([rh] if h0_kind == "grad" else [])])
-    errors = {"y": rel_rms(o, o_ref), **({"S_T": rel_rms(ht, h_ref)} if final else {})}
+    errors = {"y": rel_rms(o.cpu(), o_ref), **({"S_T": rel_rms(ht.cpu(), h_ref)} if final else {})}
     errors.update({f"d{n}": rel_rms(a.cpu(), b) for n, a, b in zip(names, got, want)})
     dtypes = {n: a.dtype == t.dtype for n, a, t in zip(names, got, [*x.values(), hx])}
     return errors, dtypes, (ht is not None) == final

@@ -360,8 +360,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
-    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``; ``dc`` is an fp32
-    scratch [B, T, H] for dps's partial sum)."""
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -441,10 +440,8 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
             b_dps += tl.sum(b_dp * b_p0, axis=1)
             b_dp = b_dp * b_ps[:, None]
         tl.store(dp + row[:, None] * V + o_v[None, :], b_dp.to(dp.dtype.element_ty), mask=m_tv)
-    if HAS_PS and C_MODE == C_GIVEN:
+    if HAS_PS and C_MODE != C_IS_PS:   # c = a ps: a partial sum, finished in phase 2
         tl.store(dps + row, b_dps, mask=m_t)
-    if C_MODE == C_IS_A_PS:        # the partial, in the fp32 scratch ``dc``; finished in phase 2
-        tl.store(dc + row, b_dps, mask=m_t)
 
     # ---- phase 2: WY backward: W = M diag(ch) U, Up = M P (or -M B P), M = (I + A)^{-1}
     if not GENERAL:
@@ -503,11 +500,13 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     if C_MODE == C_IS_PS:
         b_dcc += b_dps
     if C_MODE == C_IS_A_PS:
-        # c = a ps: dc ps goes to a at the end; dc a is added to dps's fp32 partial of phase 1 (read
-        # back after a barrier, and a and ps read again: keeping them live through phase 2 spilled
-        # 48 bytes more and took 9% longer on an H200; the rows are this program's own)
+        # c = a ps: dc ps goes to a at the end; dc a is added to the dps stored in phase 1, read back
+        # after a barrier (the rows are this program's own), and a and ps are read again. Keeping
+        # them live through phase 2 spilled 48 bytes more and took 9% longer on an H200; so did an
+        # fp32 scratch for the partial (8 bytes more): in 16 bits the partial is rounded once more,
+        # as autograd's sum of two 16-bit gradients did before (BENCHMARKS.md, rank-1 chunked)
         tl.debug_barrier()
-        b_dps = tl.load(dc + row, mask=m_t, other=0.)
+        b_dps = tl.load(dps + row, mask=m_t, other=0.).to(tl.float32)
         b_dps += b_dcc * tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
         tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
         b_dac = b_dcc * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
@@ -700,8 +699,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     has_ps = ps is not None
     want_dps = has_ps and c_mode != C_IS_PS.value      # c is ps: its one gradient is dc
     da = _empty_like(a) if has_a else None
-    # c = a ps: no dc; the kernel's fp32 scratch for dps's partial sum takes its place
-    dc = _empty_like(c) if c is not None else _empty(B, T, H, device=v.device, dtype=torch.float32)
+    dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
     launch(_grad_kernel, (NT, B * H),
         uu, v, qq, p, ps if has_ps else cc, oq, cc, a if has_a else cc, g, M, L, Lq, hs, dhs, psi, dpsi, do,
