@@ -35,7 +35,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
 from ssmcraft.kernels.reference import layout  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rel_rms as rel  # noqa: E402
+from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rank1_chunk_loop, rel_rms as rel  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 SHAPE = dict(H=2, K=16, V=16) if SMOKE else dict(H=16, K=64, V=64)
@@ -97,18 +97,6 @@ def fla_call(fla):
     return call
 
 
-def ref_kernel(v, u, q, p, oq, c, a, h0):
-    """Float64 loop of H_t = a H - c v (u^T H) + q p^T, o = H^T oq (kernel layout)."""
-    Hs = h0.clone()
-    outs = []
-    for t in range(v.shape[1]):
-        e = torch.einsum("bhk,bhkv->bhv", u[:, t], Hs)
-        Hs = a[:, t, :, None, None] * Hs - c[:, t, :, None, None] * v[:, t, :, :, None] * e[:, :, None, :] \
-            + q[:, t, :, :, None] * p[:, t, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", Hs, oq[:, t]))
-    return torch.stack(outs, 1), Hs
-
-
 def check_general(B=2, T=300, seed=3):
     H, K, V = 4 if not SMOKE else 2, SHAPE["K"], SHAPE["V"]
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -118,7 +106,7 @@ def check_general(B=2, T=300, seed=3):
            torch.sigmoid(r(B, T, H)), torch.sigmoid(2 + r(B, T, H)), r(B, H, K, V)]
     names = ["v", "u", "q", "p", "oq", "c", "a", "h0"]
     lv = [x.detach().requires_grad_() for x in ins]
-    o_ref, h_ref = ref_kernel(*lv)
+    o_ref, h_ref = rank1_chunk_loop(*lv)
     do, dh = r(*o_ref.shape), r(*h_ref.shape)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), lv)
     rows = []

@@ -87,11 +87,13 @@ def tokens_per_s(lm, B=16, T=512, steps=20, warmup=5, graphs=False, engine_threa
         from ssmcraft.train.graphed import GraphedLoss
         graphed = GraphedLoss(lm, data[0, :, :-1], data[0, :, 1:], torch.device(DEV), "bf16")
 
+    amp = (lambda: autocast(torch.device(DEV), "bf16"))
+
     def step(batch):
         if graphed is not None:
             loss = graphed(batch[:, :-1], batch[:, 1:])
         else:                   # the loop's eager step
-            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], lambda: autocast(torch.device(DEV), "bf16"))
+            loss = step_loss(lm, batch[:, :-1], batch[:, 1:], amp)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -25,7 +25,8 @@ from common import device_name, random_inputs  # noqa: E402
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import keydecay_chunk, prologue, rank1_chunk, rank1_row  # noqa: E402
 
-OBJECTIVES = ["longhorn", "gated_longhorn", "wd_longhorn", "hgrn"]   # Gated DeltaNet's alpha beta is formed in its kernels since stop 22 (bench_rank1_chunk checks it)
+# (Gated DeltaNet's alpha beta is formed in the chunked rank-1 kernels: bench_rank1_chunk checks it)
+OBJECTIVES = ["longhorn", "gated_longhorn", "wd_longhorn", "hgrn"]
 
 
 def check(name, dtype, B, T, H, d, m, dev, interpret):

@@ -67,8 +67,8 @@ def _noop(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
 
 
-def host_us(fn, n=200, rounds=5):
-    return wall_and_host(fn, n, rounds)[1]
+def host_us(fn, n=200):
+    return wall_and_host(fn, n)[1]
 
 
 def main():
@@ -112,8 +112,7 @@ def main():
     calls = obj_calls(obj, ins, params, dy=torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16))
     with torch.no_grad():
         rows["deltanet obj() fwd"] = host_us(calls["eager"]["fwd"], n=30)
-    rows["deltanet obj() fwd+bwd"] = host_us(calls["eager"]["fwd_bwd"], n=30)
-    rows["deltanet obj() fwd+bwd, engine on this thread"] = host_us(calls["onethread"]["fwd_bwd"], n=30)
+    both("deltanet obj() fwd+bwd", calls["eager"]["fwd_bwd"], n=30)
     from ssmcraft.kernels import rank1_chunk as R
     rows["deltanet kernels: direct / through Triton"] = {
         k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case  # noqa: E402
+from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rank1_chunk_loop  # noqa: E402
 from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
@@ -58,20 +58,6 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
                         ins, {}, S0, g))
 
 
-def _loop(v, u, q, p, oq, c, a, h0, ps=None):
-    """H_t = a H - c v (u^T H) + q (ps p)^T, o_t = H_t^T oq (kernel layout), float64."""
-    u = v if u is None else u
-    q = v if q is None else q
-    p = p if ps is None else p * ps[..., None]
-    Hs, outs = h0, []
-    for t in range(v.shape[1]):
-        at = 1.0 if a is None else a[:, t, :, None, None]
-        e = torch.einsum("bhk,bhkv->bhv", u[:, t], Hs)
-        Hs = at * Hs - c[:, t, :, None, None] * v[:, t, :, :, None] * e[:, :, None, :] + q[:, t, :, :, None] * p[:, t, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", Hs, oq[:, t]))
-    return torch.stack(outs, 1), Hs
-
-
 @pytest.mark.parametrize("T,K,V,chunk,general,sep_u,decay,scale,bv", [
     (33, 20, 40, 32, True, True, True, True, 16),     # every slot distinct, odd K and V, 3 value blocks
     (65, 16, 24, 64, False, True, False, False, None),  # u != v, merged insert (q == v), no decay
@@ -91,7 +77,7 @@ def test_general_slots(T, K, V, chunk, general, sep_u, decay, scale, bv, monkeyp
            "h0": r(B, H, K, V), "ps": torch.randn(B, T, H, generator=g, dtype=torch.float64) if scale else None}
     names = [n for n, t in ins.items() if t is not None]
     ref_in = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
-    o_ref, h_ref = _loop(*ref_in.values())
+    o_ref, h_ref = rank1_chunk_loop(*ref_in.values())
     do, dh = r(*o_ref.shape), r(*h_ref.shape)
     ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), [ref_in[n] for n in names])
     x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
@@ -109,7 +95,7 @@ def test_no_grad_path_and_empty():
     p, c = torch.randn(1, 5, 1, 16, generator=g), torch.rand(1, 5, 1, generator=g)
     with torch.no_grad():
         o, ht = R.chunk_rank1(v, p, c, v, output_final_state=False)
-    ref, _ = _loop(v.double(), None, None, p.double(), v.double(), c.double(), None,
+    ref, _ = rank1_chunk_loop(v.double(), None, None, p.double(), v.double(), c.double(), None,
                    torch.zeros(1, 1, 16, 16, dtype=torch.float64))
     assert ht is None and rel(o, ref) < TOL["y"]
     o0, h0 = R.chunk_rank1(v[:, :0], p[:, :0], c[:, :0], v[:, :0], output_final_state=True)
@@ -130,7 +116,7 @@ def test_half_precision_pads_small_key_blocks():
            "c": torch.rand(B, T, H, generator=g), "h0": torch.randn(B, H, K, V, generator=g)}
     x = {n: (t.to(torch.float16) if n in ("v", "p", "c") else t).requires_grad_() for n, t in ins.items()}
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    o_ref, h_ref = _loop(ref["v"], None, None, ref["p"], ref["v"], ref["c"], None, ref["h0"])
+    o_ref, h_ref = rank1_chunk_loop(ref["v"], None, None, ref["p"], ref["v"], ref["c"], None, ref["h0"])
     do, dh = torch.randn(*o_ref.shape, generator=g, dtype=torch.float64), torch.randn(*h_ref.shape, generator=g, dtype=torch.float64)
     ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), list(ref.values()))
     o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["v"], initial_state=x["h0"], output_final_state=True, chunk_size=16)
@@ -140,6 +126,19 @@ def test_half_precision_pads_small_key_blocks():
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(x, got, ref_g)})
     assert_within(errs, {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})     # measured 4-7e-4; a 1% padding leak fails
+
+
+def _launch_flags(monkeypatch, fn) -> dict:
+    """The state flags and step mode the kernels were launched with while ``fn()`` ran."""
+    seen = {}
+    real = R.launch
+
+    def spy(kernel, grid, *args, **kw):
+        seen.update({k: v for k, v in kw.items() if k in ("HAS_H0", "STORE_HT", "HAS_DHT", "STORE_DH0", "C_MODE")})
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(R, "launch", spy)
+    fn()
+    return seen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -153,33 +152,14 @@ def test_delta_rule_step_modes_and_state_flags(h0_kind, final, gated, dtype, mon
     take the branch that reads or writes nothing. Every output and gradient against the float64
     loop, buffers NaN-poisoned, gradients in their leaves' dtypes (fp16 runs the 16-bit path; the
     interpreter's bf16 products are wrong, ENV.md)."""
-    seen = []
-    real = R.launch
-
-    def spy(kernel, grid, *args, **kw):
-        seen.append(kw)
-        return real(kernel, grid, *args, **kw)
-    monkeypatch.setattr(R, "launch", spy)
     T, chunk = (37, 16) if h0_kind != "grad" else (70, 32)
-    errs, dtypes, final_ok = delta_rule_case(R.delta_rule, 2, T, 2, 16, 24, h0_kind, final, gated, dtype,
-                                             chunk_size=chunk)
-    assert final_ok and all(dtypes.values()), dtypes
-    assert_within(errs, TOL if dtype == torch.float32 else {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})
-    flags = {k: v for kw in seen for k, v in kw.items() if k in ("HAS_H0", "STORE_HT", "HAS_DHT", "STORE_DH0", "C_MODE")}
+    out = {}
+    flags = _launch_flags(monkeypatch, lambda: out.update(zip(("errs", "dtypes", "final_ok"), delta_rule_case(
+        R.delta_rule, 2, T, 2, 16, 24, h0_kind, final, gated, dtype, chunk_size=chunk))))
+    assert out["final_ok"] and all(out["dtypes"].values()), out["dtypes"]
+    assert_within(out["errs"], TOL if dtype == torch.float32 else {"y": 3e-3, "S_T": 3e-3, "grad": 3e-3})
     assert flags == {"HAS_H0": h0_kind != "none", "STORE_HT": final, "HAS_DHT": final, "STORE_DH0": h0_kind == "grad",
                      "C_MODE": (R.C_IS_A_PS if gated else R.C_IS_PS).value}
-
-
-def _flags_of_one_call(monkeypatch, fn):
-    seen = {}
-    real = R.launch
-
-    def spy(kernel, grid, *args, **kw):
-        seen.update({k: v for k, v in kw.items() if k in ("HAS_DHT", "C_MODE")})
-        return real(kernel, grid, *args, **kw)
-    monkeypatch.setattr(R, "launch", spy)
-    fn()
-    return seen
 
 
 def test_unused_final_state_reads_no_gradient_and_one_beta_stays_one(monkeypatch):
@@ -197,9 +177,10 @@ def test_unused_final_state_reads_no_gradient_and_one_beta_stays_one(monkeypatch
         assert ht is not None
         o.sum().backward()
     beta = torch.rand(B, T, H, generator=g, requires_grad=True)
-    assert _flags_of_one_call(monkeypatch, lambda: run(beta)) == {"HAS_DHT": False, "C_MODE": R.C_IS_PS.value}
+    assert _launch_flags(monkeypatch, lambda: run(beta)) == {"HAS_H0": False, "STORE_HT": True, "HAS_DHT": False,
+                                                          "STORE_DH0": False, "C_MODE": R.C_IS_PS.value}
     b64 = beta.detach().double().requires_grad_()
-    assert _flags_of_one_call(monkeypatch, lambda: run(b64))["C_MODE"] == R.C_IS_PS.value
+    assert _launch_flags(monkeypatch, lambda: run(b64))["C_MODE"] == R.C_IS_PS.value
     base = torch.rand(B, H, T, generator=g, requires_grad=True)
-    assert _flags_of_one_call(monkeypatch, lambda: run(base.transpose(1, 2)))["C_MODE"] == R.C_IS_PS.value
+    assert _launch_flags(monkeypatch, lambda: run(base.transpose(1, 2)))["C_MODE"] == R.C_IS_PS.value
     assert b64.grad is not None and b64.grad.dtype == torch.float64 and base.grad is not None

@@ -149,12 +149,12 @@ def test_found_inf_is_one_buffer_refreshed_each_step():
     stopped = torch.zeros((), dtype=torch.bool)
     x, y = torch.randn(2, 5, 3), torch.randint(0, 4, (2, 5))
     opt.found_inf = torch.ones((), dtype=torch.float32)      # as _train creates it; the step refreshes it
-    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped, engine_threads=True)
     flag = opt.found_inf
     assert flag.dtype == torch.float32 and float(flag) == 0.0
     before = model.weight.detach().clone()
     stopped.fill_(True)                      # a non-finite value seen earlier: later steps change nothing
-    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped)
+    loop._optimizer_step(model, opt, x, y, lambda: torch.enable_grad(), 1.0, stopped, engine_threads=True)
     assert opt.found_inf is flag and float(flag) == 1.0 and torch.equal(model.weight, before)
 
 
@@ -191,7 +191,8 @@ def test_the_step_backward_takes_the_engine_flag_asked_for(threads):
     assert _EngineSpy.seen == [threads] and torch._C._is_multithreading_enabled()
 
 
-def test_a_run_passes_and_records_its_autograd_threads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [True, False])
+def test_a_run_passes_and_records_its_autograd_threads(tmp_path, monkeypatch, threads):
     """Every step of a run gets train.autograd_threads, and metrics.json records it."""
     seen, real = [], loop._optimizer_step
 
@@ -199,5 +200,5 @@ def test_a_run_passes_and_records_its_autograd_threads(tmp_path, monkeypatch):
         seen.append(k["engine_threads"])
         return real(*a, **k)
     monkeypatch.setattr(loop, "_optimizer_step", spy)
-    m = train_run(mqar_config(autograd_threads=False, tokens=8 * 32 * 2, save_model=False), tmp_path)
-    assert seen == [False, False] and m["autograd_threads"] is False
+    m = train_run(mqar_config(autograd_threads=threads, tokens=8 * 32 * 2, save_model=False), tmp_path)
+    assert seen == [threads, threads] and m["autograd_threads"] is threads

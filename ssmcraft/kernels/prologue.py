@@ -257,7 +257,7 @@ def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
     BV, BK = next_pow2(V), next_pow2(K)
     width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in pro.kinds)
     budget = 16384 if INTERPRET else 4096
-    R = max(1, min(budget // width, next_pow2(max(N, 1)), 1024))
+    R = max(1, min(budget // width, next_pow2(N), 1024))
     R = 1 << (R.bit_length() - 1)
     warps = 1 if INTERPRET else (4 if R * width <= 2048 else 8)
     return R, BV, BK, warps

@@ -714,13 +714,13 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
 # ----------------------------------------------------------------------------------------
 
 class Rank1ChunkFunction(torch.autograd.Function):
-    """(v, u|None, q|None, p, ps|None, oq, c, a|None, h0|None) -> (o, ht|None);
-    u/q None mean "= v", ps None means 1."""
+    """(v, u|None, q|None, p, ps|None, oq, c|None, a|None, h0|None) -> (o, ht|None);
+    u/q None mean "= v", ps None means 1, c per ``c_mode`` (``_c_mode``)."""
 
     @staticmethod
-    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, output_final_state, chunk_size):
+    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, c_mode, output_final_state, chunk_size):
         train = any(ctx.needs_input_grad[:9])
-        ctx.c_mode = _c_mode(c, a, ps)       # decided on the forward's tensors (c is ps: one object)
+        ctx.c_mode = c_mode
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
         o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, ctx.c_mode, chunk_size)
         if train:
@@ -735,7 +735,7 @@ class Rank1ChunkFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(p)
         grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -773,7 +773,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         raise ValueError(f"chunk_rank1: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     B, T, H, K = v.shape
     V = p.shape[-1]
-    _c_mode(c, a, ps)      # a call it refuses is refused at every length
+    c_mode = _c_mode(c, a, ps)      # refused at every length; ``hc`` below is ``hps`` exactly when c is ps
     if T == 0:
         o = p.new_zeros(B, 0, H, V)
         S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
@@ -796,7 +796,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     hc = hps if c is ps else head(c)      # one tensor stays one (C_IS_PS) whatever prep does to it
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
                                      hps, prep(oq, kshape), hc, head(a), h0,
-                                     output_final_state, chunk_size)
+                                     c_mode, output_final_state, chunk_size)
     return o, ht
 
 

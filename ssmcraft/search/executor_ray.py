@@ -166,8 +166,9 @@ def describe_ray_error(e: Exception, attempts: int | None) -> str:
 
 
 def _typed(e: BaseException) -> str:
-    """``Type: message`` with the whole message on one line (Ray's messages put the cause after a
-    first line that only names the task, so ``errors.one_line``'s first line would lose it)."""
+    """``Type: message`` with the whole message on one line: Ray's own messages put the cause after a
+    first line that only names the task (so ``errors.one_line``'s first line would lose it), and a
+    task's exception (``RayTaskError.cause``) may span lines too."""
     return f"{type(e).__name__}: {squash(str(e), 300)}"
 
 

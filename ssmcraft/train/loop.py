@@ -269,7 +269,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _optimizer_step(model, opt, inputs, targets, amp, grad_clip: float,
-                    stopped: torch.Tensor, graphed=None, engine_threads: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    stopped: torch.Tensor, graphed=None, *, engine_threads: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step on ``(inputs, targets)`` ``[B, T]``: (loss, gradient norm), 0-dim
     tensors left on the device (no host sync). ``graphed``: a ``GraphedLoss`` that replays the
     forward, loss and backward from CUDA graphs (``train.cuda_graphs``) instead of ``model``.
