@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
+from ssmcraft.kernels.tiles import state_block, state_or_zero, value_block
 from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -104,6 +105,16 @@ def _rows(i_b, i_h, t, T, H):
     return (i_b * T + tl.maximum(tl.minimum(t, T - 1), 0)).to(tl.int64) * H + i_h
 
 
+@triton.jit
+def _state_program(H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """This program's (key block, value block, batch * head, batch, head) in the state kernels' grid
+    (key block x value block, batch * head)."""
+    i_kv = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NV = tl.cdiv(V, BV)
+    return i_kv // NV, i_kv % NV, i_bh, i_bh // H, i_bh % H
+
+
 @tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "BC", "HAS_H0"])
@@ -116,26 +127,11 @@ def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
     gc = cumulative sums of g within each BC-row sub-block (key rows are independent, so
     blocks over K are too), hs[chunk] = state at the chunk's start, ht = final state.
     LOG_G: the tensor holds the decay a itself and g = log a is taken here."""
-    i_kv = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NV = tl.cdiv(V, BV)
-    i_k = i_kv // NV
-    i_v = i_kv % NV
-    i_b = i_bh // H
-    i_h = i_bh % H
+    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
     DT = hs.dtype.element_ty
     o_i = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]
-
-    if HAS_H0:
-        b_h = tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
+    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
     for i_t in range(NT):
         o_t = i_t * BT + o_i
         m_t = o_t < T
@@ -324,26 +320,11 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
                       LOG_G: tl.constexpr):
     """Reverse over chunks: dhs[chunk] = gradient of the state at the chunk's end;
     dH <- e^{bl} o dH + (q e^b)^T dO; dh0 = the gradient of the initial state."""
-    i_kv = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NV = tl.cdiv(V, BV)
-    i_k = i_kv // NV
-    i_v = i_kv % NV
-    i_b = i_bh // H
-    i_h = i_bh % H
+    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
     DT = dhs.dtype.element_ty
     o_i = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]
-
-    if HAS_DHT:
-        b_dh = tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
-    else:
-        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
+    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
     for j in range(NT):
         i_t = NT - 1 - j
         t0 = i_t * BT
@@ -393,10 +374,7 @@ def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
     b_dkh = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V_run, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
         b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
         b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
         b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)

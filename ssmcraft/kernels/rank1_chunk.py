@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
+from ssmcraft.kernels.tiles import state_block, state_or_zero, value_block
 from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
@@ -81,6 +82,26 @@ def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
         return tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
     else:
         return tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _chunk_rows(i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
+    """Chunk ``i_t``'s rows: local index ``o_i [BT]``, mask ``m_t`` (rows before T) and the flat
+    (batch, time, head) row ids ``row`` (int64) of the ``[B, T, H, *]`` tensors."""
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    return o_i, m_t, (i_b * T + o_t).to(tl.int64) * H + i_h
+
+
+@triton.jit
+def _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
+    """The within-chunk log-decay sums ``g`` at the chunk's rows and at its last row (``gl``), and
+    the factors ``e^{gl - g}`` (0 past T)."""
+    b_g = tl.load(g + row, mask=m_t, other=0.)
+    last = tl.minimum(T, i_t * BT + BT) - 1
+    b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
+    return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
 
 
 @triton.jit
@@ -130,10 +151,7 @@ def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    row = (i_b * T + o_t).to(tl.int64) * H + i_h
+    o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
@@ -216,23 +234,11 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]
-
-    if HAS_H0:
-        b_h = tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
+    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
 
     for i_t in range(NT):
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        row = (i_b * T + o_t).to(tl.int64) * H + i_h
+        o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         if STORE_H:
@@ -246,10 +252,7 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
             tl.store(psi + row[:, None] * V + o_v[None, :], b_psi.to(DT), mask=m_tv)
         b_psid = b_psi.to(DT)
         if HAS_A:
-            b_g = tl.load(g + row, mask=m_t, other=0.)
-            last = tl.minimum(T, i_t * BT + BT) - 1
-            b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
-            b_dec = tl.where(m_t, tl.exp(b_gl - b_g), 0.)
+            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
         if WRITE_O:
             b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
             b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
@@ -300,24 +303,12 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]
-
-    if HAS_DHT:
-        b_dh = tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
-    else:
-        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
+    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
 
     for j in range(NT):
         i_t = NT - 1 - j
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        row = (i_b * T + o_t).to(tl.int64) * H + i_h
+        o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
@@ -328,10 +319,7 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         if HAS_A:
-            b_g = tl.load(g + row, mask=m_t, other=0.)
-            last = tl.minimum(T, i_t * BT + BT) - 1
-            b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
-            b_dec = tl.where(m_t, tl.exp(b_gl - b_g), 0.)
+            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
             b_vk = (b_vk.to(tl.float32) * b_dec[:, None]).to(DT)
             b_oq = (b_oq.to(tl.float32) * tl.exp(b_g)[:, None]).to(DT)
         b_dpsi = tl.dot(tl.trans(b_L), b_do, input_precision=PREC)
@@ -366,10 +354,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = M.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    row = (i_b * T + o_t).to(tl.int64) * H + i_h
+    o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -380,10 +365,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_g = tl.load(g + row, mask=m_t, other=0.)
-        last = tl.minimum(T, i_t * BT + BT) - 1
-        b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
-        b_dec = tl.where(m_t, tl.exp(b_gl - b_g), 0.)
+        b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
         b_a = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
         b_gp = b_g - tl.log(b_a)
         b_ch = b_c * tl.exp(b_gp)
@@ -414,10 +396,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_ps = tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
         b_dps = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
         b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dpsi = tl.load(dpsi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
         b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
@@ -519,10 +498,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
         b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
@@ -569,7 +545,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         tl.store(dq + row[:, None] * K + o_k[None, :], b_dqq.to(dq.dtype.element_ty), mask=m_tk)
 
     if HAS_A:
-        b_dgv += tl.where(o_t == last, b_dgl, 0.)
+        b_dgv += tl.where(i_t * BT + o_i == tl.minimum(T, i_t * BT + BT) - 1, b_dgl, 0.)   # at the last row
         b_dla = tl.cumsum(b_dgv, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
         b_da = b_dla / b_a
         if C_MODE == C_IS_A_PS:
