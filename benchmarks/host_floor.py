@@ -15,14 +15,24 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
   ``torch.autograd.set_multithreading_enabled(False)`` (``timing.on_this_thread``);
 - DeltaNet ``obj()`` fwd and fwd+bwd (both ways) at B=8, T=2048 (bf16; ``commands.random_inputs``, the calls
   of ``timing.obj_calls``), with the count of Triton kernels launched directly vs through Triton during it
-  (``launch.stats``): the public path's host time per call.
+  (``launch.stats``): the public path's host time per call;
+- where that fwd+bwd's host time goes (``segments``; median us of 60 calls, both ways): from the call to
+  ``Rank1ChunkFunction.forward``, its body, from its return to the backward's start (the rest of the
+  forward, ``autograd.grad``'s own work and, by default, the handoff to the engine's device thread), the
+  backward's body, and from its end to ``autograd.grad``'s return (timestamps taken by wrapping the
+  Function's forward and backward for the measurement);
+- each of that fwd+bwd's kernel launches replayed alone (``launch_parts``): ``launch()`` whole, its launch
+  key, its argument list and grid, and the compiled kernel's launcher; and ``torch.empty`` of each buffer the
+  fwd+bwd allocates.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/host_floor.py
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -33,6 +43,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.kernels import launch as L  # noqa: E402
 from ssmcraft.kernels.commands import random_inputs  # noqa: E402
 from ssmcraft.kernels.timing import obj_calls, on_this_thread, wall_and_host  # noqa: E402
+from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
 
 
 class _Nothing(torch.autograd.Function):
@@ -113,13 +124,92 @@ def main():
     with torch.no_grad():
         rows["deltanet obj() fwd"] = host_us(calls["eager"]["fwd"], n=30)
     both("deltanet obj() fwd+bwd", calls["eager"]["fwd_bwd"], n=30)
-    from ssmcraft.kernels import rank1_chunk as R
     rows["deltanet kernels: direct / through Triton"] = {
         k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}
     from triton import knobs
     rows["triton launch hooks installed"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     for k, v in rows.items():
         print(f"{k:45s} {v:8.1f} us" if isinstance(v, float) else f"{k:45s} {v}")
+    print("\ndeltanet fwd+bwd host time by segment (median us of 60 calls):")
+    for label, fn in (("eager", calls["eager"]["fwd_bwd"]), ("engine on this thread", on_this_thread(calls["eager"]["fwd_bwd"]))):
+        print(f"  {label:22s} " + "  ".join(f"{k} {v:6.1f}" for k, v in segments(fn).items()))
+    print("\ndeltanet fwd+bwd's launches replayed alone (us):")
+    for name, row in launch_parts(calls["eager"]["fwd_bwd"]):
+        print(f"  {name:18s} " + "  ".join(f"{k} {v:5.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+
+def segments(fn, n: int = 60) -> dict:
+    """Median us per segment of ``fn`` (a DeltaNet fwd+bwd) over ``n`` calls (module docstring), timed
+    by wrapping ``Rank1ChunkFunction``'s forward and backward for the duration."""
+    stamp = {}
+    fwd, bwd = R.Rank1ChunkFunction.forward, R.Rank1ChunkFunction.backward
+
+    def timed(f, enter, leave):
+        def run(ctx, *args):
+            stamp[enter] = time.perf_counter_ns()
+            out = f(ctx, *args)
+            stamp[leave] = time.perf_counter_ns()
+            return out
+        return staticmethod(run)
+    R.Rank1ChunkFunction.forward = timed(fwd, "f0", "f1")
+    R.Rank1ChunkFunction.backward = timed(bwd, "b0", "b1")
+    try:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        spans = {k: [] for k in ("to forward", "forward", "forward to backward", "backward", "to return", "total")}
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            fn()
+            t1 = time.perf_counter_ns()
+            for k, (a, b) in {"to forward": (t0, stamp["f0"]), "forward": (stamp["f0"], stamp["f1"]),
+                              "forward to backward": (stamp["f1"], stamp["b0"]), "backward": (stamp["b0"], stamp["b1"]),
+                              "to return": (stamp["b1"], t1), "total": (t0, t1)}.items():
+                spans[k].append((b - a) / 1e3)
+        torch.cuda.synchronize()
+    finally:
+        R.Rank1ChunkFunction.forward, R.Rank1ChunkFunction.backward = staticmethod(fwd), staticmethod(bwd)
+    return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def launch_parts(fn) -> list:
+    """[(kernel name, {part: us})] for each launch of one ``fn()`` (recorded through a spy on
+    ``rank1_chunk.launch``), replayed alone after it, then ``("torch.empty <shape>", ...)`` for each
+    buffer it allocated (a spy on ``rank1_chunk._empty``)."""
+    from triton.runtime.driver import driver
+    launches, buffers = [], []
+    spy_launch, spy_empty = R.launch, R._empty
+
+    def record_launch(kernel, grid, *args, **kw):
+        launches.append((kernel, grid, args, kw))
+        return spy_launch(kernel, grid, *args, **kw)
+
+    def record_empty(*shape, device, dtype):
+        buffers.append((shape, dtype, device))
+        return spy_empty(*shape, device=device, dtype=dtype)
+    R.launch, R._empty = record_launch, record_empty
+    try:
+        fn()
+    finally:
+        R.launch, R._empty = spy_launch, spy_empty
+    torch.cuda.synchronize()
+    dev = torch.cuda.current_device()
+    out = []
+    for kernel, grid, args, kw in launches:
+        compiled, order, names = kernel.__dict__[L._ATTR]["keys"][L.launch_key(dev, args, kw)]
+        vals = L.values(order, args, kw)
+        g = (*(grid(dict(zip(names, vals))) if callable(grid) else grid), 1, 1)
+        stream = driver.active.get_current_stream(dev)
+        out.append((L._jit(kernel).fn.__name__, {
+            "launch()": host_us(lambda: L.launch(kernel, grid, *args, **kw)),
+            "launch key": host_us(lambda: L.launch_key(dev, args, kw)),
+            "arguments + grid": host_us(lambda: (L.values(order, args, kw), grid(dict(zip(names, vals))) if callable(grid) else grid)),
+            "compiled launcher": host_us(lambda: compiled.run(g[0], g[1], g[2], stream, compiled.function,
+                                                              compiled.packed_metadata, None, None, None, *vals)),
+            "arguments": len(vals)}))
+    for shape, dtype, device in buffers:
+        out.append((f"torch.empty {tuple(shape)}", {"us": host_us(lambda: torch.empty(shape, device=device, dtype=dtype))}))
+    return out
 
 
 if __name__ == "__main__":
