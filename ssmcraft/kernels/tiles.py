@@ -1,7 +1,7 @@
 """Triton helpers shared by the chunked kernels (``rank1_chunk``, ``keydecay_chunk``): the offsets
 and masks of a block of a ``[K, V]`` state and of a value block against a chunk's rows, and a state
-block loaded or started at zero. Triton inlines them, so a kernel compiles to the same code as with
-their lines written out in it (the same sm_90 SASS, counted when they were introduced).
+block loaded or started at zero. Triton inlines them: a kernel compiles as if their lines were
+written out in it.
 """
 from __future__ import annotations
 
