@@ -209,6 +209,67 @@ def test_a_different_spec_in_the_same_folder_is_refused(tmp_path):
         search(tmp_path / "run", model={"d_model": 32, "n_layers": 1})
 
 
+def test_a_folder_of_another_study_is_refused_and_left_as_it_was(tmp_path):
+    search(tmp_path / "run", budget=budget(trials=1))
+    before = {f: f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file() and f.suffix != ".lock"}
+    with pytest.raises(SsmcraftError, match="holds study 'tiny', and the spec names 'other'; use another --out"):
+        search(tmp_path / "run", name="other", budget=budget(trials=1))
+    after = {f: f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file() and f.suffix != ".lock"}
+    assert after == before
+    assert [s.study_name for s in optuna.get_all_study_summaries(open_storage(tmp_path / "run", None, writer=False)[0])] == ["tiny"]
+
+
+def test_a_ranking_metric_no_trial_returns_stops_the_search_after_one_trial(tmp_path):
+    logs = []
+    with pytest.raises(SsmcraftError, match="rank.tokens_per_sec: trial 0 ran to the end and returned no such metric"):
+        search(tmp_path / "run", logs=logs, rank={"val_loss": "minimize", "tokens_per_sec": "maximize"},
+               sampler={"name": "nsga2"}, budget=budget(trials=4))
+    trials = open_study(tmp_path / "run").trials
+    assert len(trials) == 1 and trials[0].state == TrialState.FAIL
+    assert "metric 'tokens_per_sec' missing" in trials[0].user_attrs["reason"]
+
+
+def test_ssmcrafts_own_trials_check_the_experiment_sections_before_anything_is_written(tmp_path):
+    from ssmcraft.search.trial import train_trial
+
+    spec = load_search_spec(tiny_spec(model={"d_model": 16, "n_layers": 1, "d_modle": 3}), source="s.yaml")
+    with pytest.raises(SpecError, match="s.yaml: model.d_modle: unknown key"):
+        run_search(spec, tmp_path / "run", executor=InlineExecutor(), trial_fn=train_trial, compile_fn=None,
+                   plots=False, log=lambda line: None)
+    assert not (tmp_path / "run").exists()
+    run_search(spec, tmp_path / "own", executor=InlineExecutor(), trial_fn=quadratic, compile_fn=None,
+               plots=False, log=lambda line: None)   # a trial function of its own may read other keys
+
+
+def test_a_cpu_allocation_failure_is_out_of_memory():
+    from ssmcraft.search.outcome import classify_exception
+
+    e = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                     "you tried to allocate 35184372088832 bytes.")
+    assert classify_exception(e).startswith("out of memory: RuntimeError: ")
+    assert classify_exception(RuntimeError("shape mismatch")).startswith("error: RuntimeError: ")
+
+
+def test_an_unreachable_ray_address_is_refused_at_once():
+    import socket
+
+    from ssmcraft.search.executor_ray import check_reachable
+
+    with socket.socket() as s:          # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(SsmcraftError, match=f"Ray address {address}: nothing answers there"):
+            check_reachable(address, timeout=2)
+    assert time.monotonic() - start < 5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}", timeout=2)     # something listens: passes
+    check_reachable("auto")                                               # left to Ray
+
+
 def test_one_coordinator_per_folder(tmp_path):
     (tmp_path / "run").mkdir()
     with RunLock(tmp_path / "run"):
@@ -308,6 +369,11 @@ def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, ca
     (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline"], "bad.yaml: budget.trials: must be >= 1"),
     (["leaderboard", "{tmp}"], "not a search folder"),
     (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--trial-function", "nope"], "expected MODULE:NAME"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline", "--no-objective-check", "--storage", "foo",
+      "--trial-function", "ssmcraft.search.testing:quadratic"], "--storage (not a URL): ArgumentError: Could not parse"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline", "--no-objective-check", "--storage",
+      "sqlite:////no/such/dir/x.db", "--trial-function", "ssmcraft.search.testing:quadratic"],
+     "--storage sqlite:////no/such/dir/x.db: OperationalError: (sqlite3.OperationalError) unable to open database file"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     import yaml

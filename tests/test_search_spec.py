@@ -136,6 +136,9 @@ BAD_SPECS = [
     (("resources", {"gpus_per_trial": 1.5}), "resources.gpus_per_trial", "fraction"),
     (("resources", {"cpus": 2}), "resources.cpus", "unknown key"),
     (("objectives_dir", "no/such/dir"), "objectives_dir", "not a folder"),
+    (("space/model.mixer.objective.approximation", {"choice": ["exact", "diagonal"]}),
+     "space.model.mixer.objective.approximation", "set by the search from space.objective"),
+    (("space/model.d_model.x", {"choice": [1, 2]}), "space.model.d_model.x", "model.d_model is fixed to 16, not a section"),
 ]
 
 
@@ -150,6 +153,25 @@ def test_bad_specs_are_reported_with_key_and_problem(change, key, problem):
     assert e.value.key == key, str(e.value)
     assert problem in e.value.problem, str(e.value)
     assert str(e.value).startswith("s.yaml: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, key, problem", [
+    (("model", {"d_model": 16, "n_layers": 1, "d_modle": 3}), "model.d_modle", "unknown key"),
+    (("task", {"name": "mqra"}), "task.name", "unknown task 'mqra'"),
+    (("task", {"name": "mqar", "seqlen": 32}), "task.seqlen", "unknown key"),
+    (("train", {"batch_size": "big"}), "train.batch_size", "expected a positive integer"),
+    (("space/train.batch_size", {"choice": [0, 4]}), "train.batch_size", "got 0"),
+])
+def test_the_experiment_sections_are_checked_as_a_training_would(change, key, problem):
+    """``check_experiment``: a typo in task:, model: or train: names the search spec and the key
+    before any trial (a searched key is checked at its first value)."""
+    from ssmcraft.search.space import check_experiment
+
+    spec = load_search_spec(_with(*change), source="s.yaml")
+    with pytest.raises(SpecError) as e:
+        check_experiment(spec)
+    assert str(e.value).startswith("s.yaml: ") and e.value.key == key and problem in e.value.problem, str(e.value)
+    check_experiment(load_search_spec(tiny_spec()))        # and the valid spec passes
 
 
 def test_pruner_needs_a_single_metric():

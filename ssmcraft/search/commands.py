@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from ssmcraft.search.coordinator import run_search
     from ssmcraft.search.executor import InlineExecutor
     from ssmcraft.search.objectives import check_objectives, compile_objective
+    from ssmcraft.search.space import check_experiment
     from ssmcraft.search.trial import train_trial
 
     spec = _load_spec(args)
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             raise SsmcraftError(f"--trials must be >= 1, got {args.trials}")
         spec = dataclasses.replace(spec, budget=dataclasses.replace(spec.budget, trials=args.trials))
     if args.check:
+        if not args.trial_function:
+            check_experiment(spec)
         check = check_objectives(spec)
         print(f"{spec.source}: valid; {check.summary()}")
         for line in check.underivable:

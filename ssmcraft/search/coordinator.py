@@ -34,11 +34,11 @@ from ssmcraft.search import fidelity as fid
 from ssmcraft.search import reports
 from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
-from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, is_number, judge
+from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
 from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, trial_dir, write_json
 from ssmcraft.search.samplers import build_pruner, build_sampler, describe
-from ssmcraft.search.space import build_config, objective_of, param_names, suggest
+from ssmcraft.search.space import build_config, check_experiment, objective_of, param_names, suggest
 from ssmcraft.search.spec import SearchSpec, spec_hash
 from ssmcraft.search.storage import RunLock, mask_url, open_storage
 from ssmcraft.search.trial import train_trial
@@ -82,6 +82,8 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
     check; each trial still compiles its own objective). Resuming needs the same spec
     (``budget.trials`` and ``budget.total_seconds`` may differ).
     """
+    if trial_fn is train_trial:     # ssmcraft's own training reads the task/model/train sections
+        check_experiment(spec)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(out_dir):
@@ -93,6 +95,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
         if spec.pruner.name != "none" and can_report is not None and not can_report():
             raise SpecError(spec.source, "pruner", "the trial function cannot report intermediate "
                                                    "values (train_run takes no report=); remove the pruner")
+        _refuse_other_study(spec, out_dir)
         storage, storage_desc = open_storage(out_dir, storage_url, writer=True, log=log)
         study = _open_study(spec, storage, out_dir, log)
         owner = f"{socket.gethostname()}:{out_dir.resolve()}"
@@ -115,6 +118,21 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
         written = reports.write_reports(study, out_dir, plots=plots)
         return SearchResult(study, out_dir, storage_desc, capacity.description, counts,
                             requeued, stopped, written)
+
+
+def _refuse_other_study(spec: SearchSpec, out_dir: Path) -> None:
+    """A folder holds one study: a spec of another name would create a second one beside it and
+    write over its trial folders, ``run.json`` and ``search.yaml``."""
+    info = out_dir / RUN_INFO
+    if not info.is_file():
+        return
+    try:
+        held = json.loads(info.read_text()).get("study")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    if held is not None and held != spec.name:
+        raise SsmcraftError(f"{out_dir} holds study {held!r}, and the spec names {spec.name!r}; use another "
+                            f"--out, or --resume without SPEC to continue {held!r} with its own spec ({SPEC_COPY})")
 
 
 def _open_study(spec: SearchSpec, storage, out_dir: Path, log) -> optuna.Study:
@@ -223,8 +241,8 @@ class _Loop:
             params = suggest(trial, self.spec)
             seed = trial.user_attrs.get("seed", self.spec.seed + trial.number)
             config = build_config(self.spec, params, seed=seed, device=self.capacity.device)
-        except SsmcraftError as e:  # e.g. an objective file that disappeared
-            self._tell(trial, "failed", None, {"status": "failed", "reason": f"objective invalid: {e}"})
+        except Exception as e:  # e.g. an objective file that disappeared: failed, never left running
+            self._tell(trial, "failed", None, {"status": "failed", "reason": classify_exception(e)})
             return 1
         out = trial_dir(self.out_dir, trial.number)
         out.mkdir(parents=True, exist_ok=True)
@@ -317,6 +335,11 @@ class _Loop:
         said = "; ".join(x for x in (values, verdict.reason) if x)
         self.log(f"trial {trial.number:>3} {verdict.state:<8} {trial.user_attrs.get('objective', '?')}  "
                  f"{said}  ({wall})")
+        unranked = [k for k in self.spec.metrics if k not in metrics]
+        if outcome.error is None and metrics.get("status", "ok") == "ok" and unranked:
+            raise SsmcraftError(f"{self.spec.source}: rank.{unranked[0]}: trial {trial.number} ran to the end and "
+                                f"returned no such metric (it returned {', '.join(sorted(metrics)) or 'nothing'}), "
+                                f"so no trial can be ranked; search stopped (fix rank: and use another --out)")
 
     def _tell(self, trial: optuna.Trial, state: str, values, record: dict) -> None:
         for key, value in record.items():

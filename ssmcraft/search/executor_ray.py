@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -113,6 +114,20 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
     return outcome
 
 
+def check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Refuse a cluster address ``host:port`` (or ``ray://host:port``) where nothing accepts a
+    connection: ``ray.init`` would wait there without end, logging retries. ``auto`` and other forms
+    are left to Ray."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise SsmcraftError(f"Ray address {address}: nothing answers there ({e.strerror or e}); "
+                            f"is `ray start --head` running on that machine?") from None
+
+
 def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], None] = print) -> bool:
     """Initialise Ray for the search; returns whether this call started it (and so
     whether ``close`` must shut it down).
@@ -128,6 +143,8 @@ def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], N
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     elif num_cpus is not None:
         raise SsmcraftError("num_cpus applies to a local Ray instance only, not to a cluster")
+    if address != "local":
+        check_reachable(address)
     import ray
 
     if ray.is_initialized():

@@ -72,9 +72,11 @@ def squash(text: str, limit: int = 500) -> str:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """MemoryError, torch's/Ray's ``OutOfMemoryError``, or a CUDA "out of memory"."""
+    """MemoryError, torch's/Ray's ``OutOfMemoryError``, a CUDA "out of memory" or the CPU allocator's
+    "can't allocate memory"."""
+    text = str(e).lower()
     return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
-            or "out of memory" in str(e).lower())
+            or "out of memory" in text or "can't allocate memory" in text)
 
 
 def classify_exception(e: BaseException) -> str:

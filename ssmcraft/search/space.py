@@ -84,6 +84,32 @@ def build_config(spec: SearchSpec, params: dict[str, Any], *, seed: int, device:
     return config
 
 
+class _FirstPoint:
+    """``suggest``'s trial at one point of the space: each choice's first value, each range's low end."""
+
+    def suggest_categorical(self, name, choices):
+        return choices[0]
+
+    def suggest_int(self, name, low, high, step=1, log=False):
+        return low
+
+    def suggest_float(self, name, low, high, step=None, log=False):
+        return low
+
+
+def check_experiment(spec: SearchSpec) -> None:
+    """The trial config of one point of the space (``_FirstPoint``) through the checks that
+    ``ssmcraft.train`` gives a config (``train.config.resolve``: the model and train sections'
+    keys and values) and the task's name and keys (``tasks.check_task``; the task is not built,
+    so a text corpus is not read): a typo in ``task:``, ``model:`` or ``train:`` is a
+    ``SpecError`` naming the search spec when it is loaded, not a failure of every trial."""
+    from ssmcraft.tasks import check_task
+    from ssmcraft.train.config import resolve
+
+    config = resolve(build_config(spec, suggest(_FirstPoint(), spec), seed=spec.seed, device="cpu"), spec.source)
+    check_task(config["task"], spec.source)
+
+
 def objective_of(config: dict) -> dict:
     """The objective spec dict inside a trial config."""
     node = config

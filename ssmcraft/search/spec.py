@@ -4,7 +4,10 @@ Everything that can be checked without running a trial is checked here, with a o
 ``SpecError`` naming the file, the key and the problem: unknown keys, bad ranges, unknown
 objectives and term values, a pruner on a multi-metric study, a searched key that is also
 fixed. (Whether each objective variant *derives* is checked by
-``ssmcraft.search.objectives.check_objectives``, which calls the compiler.)
+``ssmcraft.search.objectives.check_objectives``, which calls the compiler; whether the
+``task``/``model``/``train`` sections are what ``ssmcraft.train`` takes, by
+``ssmcraft.search.space.check_experiment``, when the trials are ssmcraft's own trainings: a
+``--trial-function`` may read other keys there.)
 
 Format (every key; defaults after ``=``)::
 
@@ -248,6 +251,18 @@ def _lookup(sections: Mapping, path: tuple[str, ...]) -> Any:
     return node
 
 
+def _check_path(c: "_Checker", sections: Mapping, p: Param) -> None:
+    """A searched path goes through sections: refuse one through a fixed value (``model.d_model.x``
+    with ``d_model: 16``), which a trial's config could not hold."""
+    node: Any = sections
+    for i, part in enumerate(p.path[:-1]):
+        if not isinstance(node, Mapping) or part not in node:
+            return
+        node = node[part]
+        if not isinstance(node, Mapping):
+            c.fail(f"space.{p.name}", f"{'.'.join(p.path[:i + 1])} is fixed to {node!r}, not a section")
+
+
 def _kind(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
@@ -287,8 +302,11 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
     for p in params:
         if p.path[0] in sections and _lookup(sections, p.path) is not None:
             c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is also fixed in {p.path[0]}:; set it in one place")
-        if p.path in MANAGED:
-            c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is set by the search from {MANAGED[p.path]}")
+        for managed, origin in MANAGED.items():
+            if p.path[:len(managed)] == managed:
+                c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is set by the search from {origin}")
+        if p.path[0] in sections:
+            _check_path(c, sections, p)
     return SearchSpec(
         name=name, source=source, base=base, seed=seed, objectives_dir=objectives_dir,
         budget=budget, objectives=objectives, params=params, rank=rank,

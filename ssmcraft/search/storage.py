@@ -20,7 +20,7 @@ from typing import Callable
 import optuna
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-from ssmcraft.errors import SsmcraftError
+from ssmcraft.errors import SsmcraftError, one_line
 
 JOURNAL = "journal.log"
 COORDINATOR_LOCK = "coordinator.lock"
@@ -67,7 +67,18 @@ def mask_url(url: str) -> str:
 
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not an SQLAlchemy URL: show only its scheme
-        return url.split("://", 1)[0] + "://***"
+        return url.split("://", 1)[0] + "://***" if "://" in url else "(not a URL)"
+
+
+def _rdb(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage at ``url``; a URL that is not one, a database driver that is not
+    installed or a database that cannot be opened is one ``SsmcraftError`` line (password hidden)."""
+    import sqlalchemy.exc
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except (ImportError, ValueError, sqlalchemy.exc.SQLAlchemyError) as e:
+        raise SsmcraftError(f"--storage {mask_url(url)}: {one_line(e)}") from None
 
 
 def open_storage(out_dir: Path, url: str | None, *, writer: bool,
@@ -75,7 +86,7 @@ def open_storage(out_dir: Path, url: str | None, *, writer: bool,
     """(storage, description). ``writer``: the coordinator, which repairs the journal
     first; readers (leaderboard, load_trial) never modify anything."""
     if url is not None:
-        return optuna.storages.RDBStorage(url), f"RDB {mask_url(url)}"
+        return _rdb(url), f"RDB {mask_url(url)}"
     path = journal_path(out_dir)
     if writer:
         dropped = repair_journal(path)

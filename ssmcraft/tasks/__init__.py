@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
-from ssmcraft.tasks.base import IGNORE, Task
+from ssmcraft.tasks.base import IGNORE, Options, Task
 from ssmcraft.tasks.mqar import MQARTask
 from ssmcraft.tasks.passkey import PasskeyTask
 from ssmcraft.tasks.text import TextTask
@@ -25,4 +25,16 @@ def build_task(cfg: Mapping[str, Any], source: str = "<experiment>") -> Task:
     return TASKS[name].from_config(cfg, source)
 
 
-__all__ = ["IGNORE", "Task", "MQARTask", "PasskeyTask", "TextTask", "TASKS", "build_task"]
+def check_task(cfg: Mapping[str, Any], source: str = "<experiment>") -> None:
+    """What ``build_task`` refuses first, without building the task (a text corpus is not read):
+    the mapping, its ``name`` and its keys (each task class's ``options``). Values are checked
+    when the task is built."""
+    if not isinstance(cfg, Mapping):
+        raise SpecError(source, "task", f"expected a mapping with a 'name', got {cfg!r}")
+    name = cfg.get("name")
+    if name not in TASKS:
+        raise SpecError(source, "task.name", f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    Options(cfg, TASKS[name].options, source)
+
+
+__all__ = ["IGNORE", "Task", "MQARTask", "PasskeyTask", "TextTask", "TASKS", "build_task", "check_task"]

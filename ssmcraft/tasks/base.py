@@ -31,6 +31,7 @@ class Task:
     """
 
     name: str = "task"
+    options: dict                # the config's keys besides name, with their defaults (set by each task)
     vocab_size: int
     seq_len: int
     eval_seq_len: int

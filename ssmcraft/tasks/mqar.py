@@ -64,6 +64,7 @@ class MQARTask(Task):
     """Zoology MQAR; ``seq_len``/``num_kv_pairs`` for training, ``test_*`` for validation."""
 
     name = "mqar"
+    options = DEFAULTS          # its config's keys and their defaults (tasks.check_task reads them)
 
     def __init__(self, vocab: int, seq_len: int, num_kv_pairs: int, test_seq_len: int | None = None,
                  test_num_kv_pairs: int | None = None, power_a: float = 0.01):

@@ -134,6 +134,7 @@ class PasskeyTask(Task):
     """Trainable passkey retrieval: depth uniform in [0, 1] per example unless ``depth`` is fixed."""
 
     name = "passkey"
+    options = DEFAULTS          # its config's keys and their defaults (tasks.check_task reads them)
     vocab_size = VOCAB
 
     def __init__(self, seq_len: int = 256, digits: int = 5, depth: float | None = None,

@@ -54,6 +54,7 @@ class TextTask(Task):
     """Byte-level LM on a ``Corpus``; ``describe()`` records the corpus's size and sha256."""
 
     name = "text"
+    options = DEFAULTS          # its config's keys and their defaults (tasks.check_task reads them)
     vocab_size = VOCAB
 
     def __init__(self, corpus: Corpus, seq_len: int = 256, test_seq_len: int | None = None,
