@@ -462,6 +462,10 @@ output: "W*qry"
     "newton_huber_rank2": {**LONGHORN, "name": "nh2", "update": "newton",
                            "inputs": {**LONGHORN["inputs"], "k2": {"shape": ["m"]}},
                            "objective": "sq(S - S_prev)/2 + dot(beta, sqrt(1 + had(S*k - x, S*k - x)) - ones(d)) + wsq(S*k2 - x, beta)/2"},
+    # softplus'' = sigmoid(z) sigmoid(-z) > 0: convex, so one Newton step derives (it was refused while
+    # sympy saw sigmoid (1 - sigmoid), whose sign it cannot tell)
+    "newton_softplus": {**LONGHORN, "name": "nsp", "update": "newton",
+                        "objective": "sq(S - S_prev)/2 + dot(beta, softplus(S*k - x))"},
 }
 
 CASES = ([pytest.param(n, True, id=n) for n in LIBRARY] + _variants()

@@ -247,7 +247,25 @@ CASES = [
     ("multi_approximation_diagonal_all", multi(approximation="diagonal"), "approximation", r"not supported with several states"),
     ("multi_output_reads_none", multi(output="x"), "output", r"reads none of the states"),
     ("multi_implicit_not_quadratic", multi(objective={**MULTI_OBJ, "D": "sq(D - D_prev)/2 + exp(dot(D*k, x))"}),
-     "objective.D", r"not quadratic in D"),
+     "objective.D", r"not quadratic in D, so it has no closed-form minimiser; use update\.D: explicit$"),  # no newton here
+    # --- constants the generated code cannot hold: not real, or folded out of range --------------
+    ("const_not_real_sqrt", obj("sqrt(-1)*wsq(S*k - x, beta)/2"), "objective", r"not real"),
+    ("const_not_real_log", obj("sq(S - S_prev)/2 + log(-1)*dot(S*k, x)"), "objective", r"not real"),
+    ("const_folds_huge_power", obj("sq(S - S_prev)/2 + (1e30)**16*wsq(S*k - x, beta)/2"), "objective",
+     r"folds to .* out of the range"),
+    ("const_folds_huge_product", obj("sq(S - S_prev)/2 + 1e30*1e30*1e30*wsq(S*k - x, beta)/2"), "objective",
+     r"out of the range"),
+    ("const_folds_tiny", obj("sq(S - S_prev)/2 + (1e-20)**2*wsq(S*k - x, beta)/2"), "objective", r"out of the range"),
+    # --- param initialisers that torch could not follow ------------------------------------------
+    ("init_normal_negative_std", spec(params={"A": {"shape": ["m"], "init": {"normal": [-1, -0.5]}}},
+                                      objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
+     "params.A.init", r"std >= 0"),
+    ("init_uniform_inf", spec(params={"A": {"shape": ["m"], "init": {"uniform": [0, float("inf")]}}},
+                              objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
+     "params.A.init", r"finite numbers"),
+    ("init_constant_nan", spec(params={"A": {"shape": ["m"], "init": float("nan")}},
+                               objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
+     "params.A.init", r"finite number"),
     ("multi_unknown_name", multi(objective={**MULTI_OBJ, "S": "sq(S - S_prev - E)/2"}), "objective.S", r"unknown name 'E'"),
 ]
 
@@ -301,12 +319,36 @@ def test_what_a_state_may_read_is_checked_at_the_spec_stage(case_id):
     "a" * 300 + ".yaml",             # a path whose name is too long
     "objectives/no_such_objective.yaml",
     "no/such/dir/x.yaml",
+    "no/such/dir/deltanet.yaml",     # a library file's name in a folder that is not there: not the library's
+    str(ROOT / "objectives"),        # a folder
 ])
 def test_bad_spec_arguments(bad):
     with time_limit(CASE_SECONDS):
         with pytest.raises(SpecError) as ei:
             ssmcraft.compile(bad)
-    assert "\n" not in str(ei.value)
+    assert "\n" not in str(ei.value) and str(ei.value).startswith(bad + ": ")
+
+
+def test_a_spec_file_is_read_whatever_its_name_ends_with(tmp_path, monkeypatch):
+    text = (ROOT / "objectives" / "longhorn.yaml").read_text()
+    for name in ("lh.spec", "LH.YAML", "lh"):
+        (tmp_path / name).write_text(text)
+        assert ssmcraft.compile(str(tmp_path / name)).spec.source == str(tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    assert ssmcraft.compile("lh").spec.source == "lh"                  # a file here, not a library name
+    (tmp_path / "mamba").mkdir()                                        # a folder named like a library objective
+    assert ssmcraft.compile("mamba").spec.source == str(ROOT / "objectives" / "mamba.yaml")
+    assert ssmcraft.compile("deltanet.yaml").spec.source == str(ROOT / "objectives" / "deltanet.yaml")
+
+
+def test_an_unwritable_cache_folder_is_one_error(tmp_path, monkeypatch):
+    from ssmcraft.compiler import cache
+    from ssmcraft.errors import SsmcraftError
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("SSMCRAFT_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(SsmcraftError, match="cache folder .*afile/generated: Not a directory \\(set SSMCRAFT_CACHE"):
+        cache.cache_dir()
 
 
 @pytest.mark.parametrize("bad", [42, 3.5, None, ["name: t"], b"name: t"])

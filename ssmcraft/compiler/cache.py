@@ -17,13 +17,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ssmcraft.errors import SsmcraftError
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def cache_dir() -> Path:
     root = os.environ.get("SSMCRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ssmcraft")
     path = Path(root) / "generated"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SsmcraftError(f"cache folder {path}: {e.strerror or e} (set SSMCRAFT_CACHE to a writable folder)") from None
     return path
 
 
@@ -69,7 +74,11 @@ def load_generated(stem: str, key: str, source: str):
         return sys.modules[name]
     path = cache_dir() / f"{stem}_{key}.py"
     if not path.exists() or path.read_text(encoding="utf-8") != source:
-        write_atomic(path, source)
+        try:
+            write_atomic(path, source)
+        except OSError as e:
+            raise SsmcraftError(f"cache folder {path.parent}: cannot write {path.name}: {e.strerror or e} "
+                                f"(set SSMCRAFT_CACHE to a writable folder)") from None
     return import_file(path, name)
 
 

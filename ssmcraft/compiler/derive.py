@@ -184,13 +184,16 @@ def _not_quadratic(so: SymbolicObjective, e: Exception) -> DerivationError:
     src = spec.source
     if isinstance(e, NotRowSeparable) and is_affine(alg, gradient(alg, so.loss, so.lowering.state), so.lowering.state):
         return DerivationError(src, "objective", f"the objective couples the rows of {spec.state} ({e}); "
-                               f"the {spec.update} update needs a row-separable objective; use update: explicit")
+                               f"the {spec.update} update needs a row-separable objective; {USE_EXPLICIT}")
     if spec.update == "newton":
         return DerivationError(src, "objective", f"the Hessian of the objective couples the rows of {spec.state} "
-                               f"({e}); one Newton step needs a row-separable Hessian; use update: explicit")
+                               f"({e}); one Newton step needs a row-separable Hessian; {USE_EXPLICIT}")
     return DerivationError(src, "objective", "the objective is not quadratic in "
-                           f"{spec.state}, so it has no closed-form minimiser; use update: explicit "
-                           "(or update: newton for one Newton step)")
+                           f"{spec.state}, so it has no closed-form minimiser; {USE_EXPLICIT} {OR_NEWTON}")
+
+
+USE_EXPLICIT = "use update: explicit"                        # the refusals' advice (derive_stages words it
+OR_NEWTON = "(or update: newton for one Newton step)"       # per state: several states have no newton)
 
 
 def _column_free_factors(alg: Algebra, terms, col: str):
@@ -258,7 +261,7 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str, simplify=_simpli
     R = len(parts.terms)
     if R > MAX_RANK:
         raise DerivationError(src, "objective", f"the normal equations have a rank-{R} part; ssmcraft solves "
-                              f"diagonal plus rank <= {MAX_RANK} in closed form (Woodbury); use update: explicit")
+                              f"diagonal plus rank <= {MAX_RANK} in closed form (Woodbury); {USE_EXPLICIT}")
     gamma = parts.gamma
     cols = spec.dims[1]
     if not parts.terms:
@@ -375,7 +378,8 @@ def derive_stages(so: SymbolicObjective) -> tuple:
             out.append((name, derive_update(state_view(so, i))))
         except DerivationError as e:
             key = f"objective.{name}" if e.key == "objective" else e.key
-            raise DerivationError(e.source, key, e.problem) from None
+            problem = e.problem.replace(f" {OR_NEWTON}", "").replace(USE_EXPLICIT, f"use update.{name}: explicit")
+            raise DerivationError(e.source, key, problem) from None
     return tuple(out)
 
 

@@ -21,6 +21,9 @@ MAX_DEPTH = 48
 MAX_NODES = 2000
 MAX_NUMBER_DIGITS = 24
 MAX_DECIMAL_EXPONENT = 30
+# the magnitudes every nonzero constant of a lowered expression is held to: literals, and what their
+# products and powers fold to ((1e30)**16 would otherwise keep sympy's factoring busy for minutes)
+CONSTANT_RANGE = (10.0 ** -(MAX_DECIMAL_EXPONENT + 1), 10.0 ** (MAX_DECIMAL_EXPONENT + 1))
 
 FUNCTIONS = {
     # name: number of arguments

@@ -18,8 +18,8 @@ class sigmoid(sympy.Function):
         return self._eval_rewrite_as_exp(*self.args)._eval_evalf(prec)
 
     def fdiff(self, argindex=1):
-        s = sigmoid(self.args[0])
-        return s * (1 - s)
+        # sigma (1 - sigma), written so that sympy knows it is positive (a Newton step's convexity check)
+        return sigmoid(self.args[0]) * sigmoid(-self.args[0])
 
     def _eval_is_positive(self):
         return self.args[0].is_real
@@ -58,7 +58,7 @@ class silu(sympy.Function):
 
     def fdiff(self, argindex=1):
         x = self.args[0]
-        return sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+        return sigmoid(x) * (1 + x * sigmoid(-x))
 
     def _eval_is_real(self):
         return self.args[0].is_real

@@ -27,7 +27,7 @@ class TorchPrinter(PythonCodePrinter):
     def _print_host(self, expr):
         return "(" + sympy.pycode(expr.rewrite(sympy.exp), fully_qualified_modules=True) + ")"
 
-    _print_Exp1 = _print_NumberSymbol = _print_number
+    _print_Exp1 = _print_Pi = _print_NumberSymbol = _print_number
 
     def _print_Function(self, expr):
         if expr.is_number:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,16 +126,20 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
     """Return (raw mapping, source label) for a path, YAML text or a mapping."""
     if isinstance(spec, Mapping):
         return dict(spec), str(spec.get("source", "<dict>")) if isinstance(spec.get("source"), str) else "<dict>"
-    if isinstance(spec, Path) or (isinstance(spec, str) and "\n" not in spec and spec.strip().endswith((".yaml", ".yml"))):
-        path = Path(spec)
+    if isinstance(spec, Path) or _names_a_file(spec):
+        path = Path(spec.strip()) if isinstance(spec, str) else spec
+        if _is_dir(path):
+            raise SpecError(str(path), "", "a folder, not a spec file")
         if not _is_file(path):
+            # a bare file name may be the library's (``deltanet.yaml``); a path with folders is the
+            # user's file, never silently replaced by the library one of the same name
             from ssmcraft.compiler.library import find_objective
-            found = find_objective(str(spec))
+            found = find_objective(str(path)) if path.parent == Path(".") else None
             if found is None:
-                raise SpecError(str(spec), "", "no such file")
+                raise SpecError(str(path), "", "no such file")
             path = found
         try:
-            text, source = path.read_text(encoding="utf-8", errors="replace"), str(spec)
+            text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
         except OSError as e:
             raise SpecError(str(spec), "", f"cannot read: {e.strerror}") from None
     elif isinstance(spec, str):
@@ -164,10 +169,29 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
     return data, source
 
 
+def _names_a_file(spec) -> bool:
+    """Whether a string is a path rather than YAML text or a library name: one line that ends in
+    .yaml / .yml (any case), has a folder in it, or is a file here and not a library name."""
+    if not isinstance(spec, str) or "\n" in spec:
+        return False
+    s = spec.strip()
+    if s.lower().endswith((".yaml", ".yml")) or "/" in s:
+        return True
+    from ssmcraft.compiler.library import find_objective
+    return _is_file(Path(s)) and ":" not in s and find_objective(s) is None
+
+
 def _is_file(path: Path) -> bool:
     try:
         return path.is_file()
     except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
         return False
 
 
@@ -216,6 +240,8 @@ def _init(src, key, value):
     if isinstance(value, bool):
         raise SpecError(src, key, f"expected an initialiser, got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise SpecError(src, key, f"expected a finite number, got {value!r}")
         return {"constant": float(value)}
     if isinstance(value, str):
         if value not in INIT_NAMES:
@@ -228,6 +254,10 @@ def _init(src, key, value):
         args = args if isinstance(args, list) else [args]
         if len(args) != INIT_FORMS[form] or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
             raise SpecError(src, key, f"{form} takes {INIT_FORMS[form]} number(s), got {value[form]!r}")
+        if not all(math.isfinite(a) for a in args):
+            raise SpecError(src, key, f"{form} takes finite numbers, got {value[form]!r}")
+        if form == "normal" and args[1] < 0:
+            raise SpecError(src, key, f"normal takes [mean, std] with std >= 0, got {args}")
         if form in ("uniform", "log_uniform") and not args[0] < args[1]:
             raise SpecError(src, key, f"{form} needs low < high, got {args}")
         if form == "log_uniform" and args[0] <= 0:

@@ -218,6 +218,14 @@ class Lowering:
         if any(e.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo) for e in exprs):
             raise SpecError(self.spec.source, key, "the expression is undefined: it divides by zero, "
                             "takes log(0) or is otherwise not finite")
+        if any(e.has(sympy.I) for e in exprs):
+            raise SpecError(self.spec.source, key, "the expression is not real: it takes a square root, a "
+                            "fractional power or the log of a negative constant")
+        for e in exprs:
+            for c in e.atoms(sympy.Number):
+                if c != 0 and not (E.CONSTANT_RANGE[0] <= abs(c) <= E.CONSTANT_RANGE[1]):
+                    raise SpecError(self.spec.source, key, f"a constant folds to {sympy.Float(c, 3)}, out of the range "
+                                    f"{E.CONSTANT_RANGE[0]:g} to {E.CONSTANT_RANGE[1]:g} that literals are held to")
         if isinstance(value.expr, Square):
             self.fail(tree, f"the result is an [{value.shape[0]}, {value.shape[1]}] matrix, which is only supported as a factor of a product")
         return value
