@@ -75,6 +75,20 @@ def test_kind_parameters_are_checked_in_both_scales():
     _expect(bad, "smoke.seeds", "repeat")
 
 
+def test_experiments_and_objectives_are_checked_as_a_training_would_in_both_scales():
+    raw = _raw("extrapolation")
+    for part, key in (("train", "batch_sizee"), ("task", "corpsu")):
+        bad = copy.deepcopy(raw)
+        bad["full"].setdefault("experiment", {}).setdefault(part, {})[key] = 1
+        _expect(bad, f"full.experiment.{part}.{key}", "unknown key")
+    bad = copy.deepcopy(raw)
+    bad["full"].setdefault("experiment", {}).setdefault("model", {})["d_model"] = "wide"
+    _expect(bad, "full.experiment.model.d_model", "expected an integer >= 1")
+    bad = copy.deepcopy(raw)
+    bad["full"]["objectives"] = ["longhorn", "mambaa"]
+    _expect(bad, "full.objectives[1]", "unknown objective 'mambaa'")
+
+
 def test_thresholds_mitigations_and_nested_search_errors():
     raw = _raw("extrapolation")
     _expect({**raw, "thresholds": {"nope": 1}}, "thresholds.nope", "unknown threshold")

@@ -138,6 +138,36 @@ def test_cli_eval_and_refusals(longhorn_run, capsys):
     assert "expected retention=R,insertion=I or window=W" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"batches": 0}, "--batches must be an integer >= 1, got 0"),
+    ({"batch_size": 0}, "--batch-size must be"),
+    ({"state_points": 0}, "--state-points must be"),
+    ({"passkey_trials": 0}, "--passkey-trials must be"),
+    ({"passkey_depths": [0.0, 2.0]}, "--passkey-depths must lie in [0, 1], got 2"),
+    ({"device": "tpu"}, "device 'tpu'"),
+    ({"extrapolate": 1000}, "--extrapolate 1000: the text's validation split has"),
+])
+def test_eval_options_it_cannot_run_are_one_error(longhorn_run, tmp_path, option, message):
+    with pytest.raises(SsmcraftError) as e:
+        eval_run(longhorn_run, EvalOptions(**option), tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eval_refuses_a_corpus_that_is_not_the_one_trained_on(longhorn_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(longhorn_run, run, ignore=shutil.ignore_patterns("e2", "eval"))
+    config = json.loads((run / "config.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "t.txt").write_text("Another text altogether, of another length. " * 500)
+    config["task"]["corpus"] = str(other)          # as a relative path read from another folder would
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SsmcraftError, match="reads as sha256 .* but the run trained on sha256"):
+        eval_run(run, EvalOptions(extrapolate=2, batches=1, batch_size=2), tmp_path / "e")
+
+
 @pytest.mark.parametrize("spec", ["retention=0.5,insertion=0.9", "window=8"])
 def test_mitigations_run_where_the_structure_allows(retnet_run, tmp_path, spec):
     options = EvalOptions(extrapolate=2, batches=1, batch_size=2, state_batch_size=2,

@@ -109,6 +109,68 @@ def test_overrides_and_config_errors():
     assert e.value.key == "train.batch_size"
 
 
+@pytest.mark.parametrize("section, value, key, problem", [
+    ("model", {"d_model": "abc"}, "model.d_model", "expected an integer >= 1, got 'abc'"),
+    ("model", {"d_model": -4}, "model.d_model", "expected an integer >= 1"),
+    ("model", {"n_layers": 0}, "model.n_layers", "expected an integer >= 1, got 0"),
+    ("model", {"mlp_ratio": "abc"}, "model.mlp_ratio", "expected a finite number >= 0"),
+    ("model", {"mixer": {"state_size": "abc"}}, "model.mixer.state_size", "expected an integer >= 1"),
+    ("model", {"mixer": {"gate": "yes"}}, "model.mixer.gate", "expected a bool"),
+    ("model", {"vocab_size": "abc"}, "model.vocab_size", "expected an integer >= 1"),
+    ("train", {"betas": [0.9, "abc"]}, "train.betas", "each in [0, 1)"),
+    ("train", {"threads": "abc"}, "train.threads", "expected a positive integer"),
+    ("train", {"device": 3}, "train.device", "expected auto, cpu, cuda or cuda:N"),
+])
+def test_ill_typed_values_are_spec_errors(section, value, key, problem):
+    with pytest.raises(SpecError) as e:
+        resolve({"task": {"name": "mqar"}, section: value}, "x.yaml")
+    assert e.value.key == key and problem in e.value.problem and str(e.value).startswith("x.yaml: "), str(e.value)
+    resolve({"task": {"name": "mqar"}, "model": {"mlp_ratio": 0, "mixer": {"conv_kernel": 0}}})  # zeros that mean "none"
+
+
+def test_an_unknown_device_is_one_error():
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.train.device import pick_device
+
+    with pytest.raises(SsmcraftError, match="device 'tpu': "):
+        pick_device("tpu")
+
+
+def test_a_rerun_in_a_folder_removes_the_earlier_runs_results_first(corpus, trained, tmp_path, monkeypatch):
+    """A run stopped early must not leave its config beside an earlier run's weights and metrics (eval
+    and export would pair them); weights that do not fit a config are one error."""
+    import shutil
+
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.train import loop
+
+    out, _ = trained
+    folder = tmp_path / "again"
+    shutil.copytree(out, folder)
+    assert (folder / "model.safetensors").is_file() and (folder / "metrics.json").is_file()
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt          # the run is killed once its config is written
+    monkeypatch.setattr(loop, "compile_model", stop)
+    cfg = text_config(corpus)
+    cfg["model"]["d_model"] = 48
+    with pytest.raises(KeyboardInterrupt):
+        train_run(cfg, folder)
+    assert load_config(folder)["model"]["d_model"] == 48
+    assert not (folder / "model.safetensors").exists() and not (folder / "metrics.json").exists()
+    with pytest.raises(SsmcraftError, match="no model.safetensors"):
+        load_run(folder)
+    shutil.copy(out / "model.safetensors", folder / "model.safetensors")   # someone's weights of another size
+    with pytest.raises(SsmcraftError, match="model.safetensors does not fit config.json"):
+        load_run(folder)
+
+
+def test_threads_apply_to_the_run_only(corpus, tmp_path):
+    before = torch.get_num_threads()
+    train_run(text_config(corpus, threads=1, tokens=8 * 32), tmp_path)
+    assert torch.get_num_threads() == before
+
+
 def test_schedule_warms_up_then_decays():
     total, lr = 100, 1.0
     w = warmup_steps(0.1, total)

@@ -6,6 +6,7 @@ experiment spec (``model.mixer.stat_size``) is an error, not a silently ignored 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -35,7 +36,7 @@ class ObjectiveMixerConfig:
     heads: int = 1
     state_size: int = 16
     expand: int = 2
-    conv_kernel: int = 4
+    conv_kernel: int = field(default=4, metadata={"min": 0})
     value_input: str = "auto"
     low_rank: Any = "auto"
     dt_min: float = 1e-3
@@ -70,7 +71,7 @@ class LMConfig:
     vocab_size: int
     d_model: int = 64
     n_layers: int = 2
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = field(default=4.0, metadata={"min": 0})
     mixer: dict = field(default_factory=lambda: {"kind": "objective"})
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -98,7 +99,29 @@ def from_mapping(cls, data: Mapping[str, Any], source: str, key: str):
     for r in required:
         if r not in data:
             raise SpecError(source, f"{key}.{r}", "missing (required)")
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            _check_value(f, data[f.name], source, f"{key}.{f.name}")
     return cls(**dict(data))
+
+
+def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:
+    """A field's value against its annotation: ``int`` an integer >= ``metadata["min"]`` (1 by
+    default: sizes and counts), ``float`` a finite number > 0 (>= ``metadata["min"]`` when given),
+    ``bool`` / ``str`` / ``dict`` their type; ``Any`` unchecked (read by the field's own user)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    lo = f.metadata.get("min")
+    if kind == "int":
+        lo = 1 if lo is None else lo
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise SpecError(source, key, f"expected an integer >= {lo}, got {v!r}")
+    elif kind == "float":
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not number or (v < lo if lo is not None else v <= 0):
+            raise SpecError(source, key, f"expected a finite number {'>= ' + str(lo) if lo is not None else '> 0'}, got {v!r}")
+    elif kind in ("bool", "str", "dict"):
+        if not isinstance(v, {"bool": bool, "str": str, "dict": Mapping}[kind]):
+            raise SpecError(source, key, f"expected a {'mapping' if kind == 'dict' else kind}, got {v!r}")
 
 
 def mixer_config(data: Mapping[str, Any], source: str = "<config>", key: str = "model.mixer"):

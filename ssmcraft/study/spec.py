@@ -99,7 +99,21 @@ def _experiment(c: _C, key: str, v: Any, task: str | None) -> dict:
     c.mapping(f"{key}.train", e["train"])
     if task is not None and e["task"].get("name") != task:
         c.fail(f"{key}.task.name", f"this study needs the {task!r} task, got {e['task'].get('name')!r}")
+    _check_as_training(c, key, e)
     return e
+
+
+def _check_as_training(c: _C, key: str, e: dict) -> None:
+    """The experiment through the checks ``ssmcraft train`` gives a config (``train.config.resolve``:
+    the model and train keys and values; the task's name and keys, ``tasks.check_task``), so that a
+    typo in either scale is found when the spec is loaded."""
+    from ssmcraft.tasks import check_task
+    from ssmcraft.train.config import resolve
+
+    try:
+        check_task(resolve({"task": e["task"], "model": e["model"], "train": e["train"]}, c.source)["task"], c.source)
+    except SpecError as err:
+        c.fail(f"{key}.{err.key}", err.problem)
 
 
 def _mitigations(c: _C, key: str, v: Any) -> list[str]:
@@ -145,7 +159,16 @@ def _eval(c: _C, key: str, v: Any) -> dict:
 
 
 def _objectives(c: _C, key: str, v: Any) -> list[str]:
-    return c.seq(key, v, c.string)
+    """Objective names: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
+    from ssmcraft.compiler.library import find_objective, library_names
+
+    def one(k, x):
+        name = c.string(k, x)
+        if name != "attention" and "/" not in name and not name.lower().endswith((".yaml", ".yml")) \
+                and find_objective(name) is None:
+            c.fail(k, f"unknown objective {name!r}; known: attention, {', '.join(library_names())} (or a spec file's path)")
+        return name
+    return c.seq(key, v, one)
 
 
 def _search(c: _C, key: str, v: Any, source: str, base: Path) -> dict:

@@ -72,5 +72,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LM:
     if not weights.is_file():
         raise SsmcraftError(f"{run_dir}: no {WEIGHTS} (the run saved no weights)")
     model = LM(model_config(config))
-    load_model(model, str(weights), device=str(device))
+    try:
+        load_model(model, str(weights), device=str(device))
+    except RuntimeError as e:      # safetensors: missing / unexpected keys, or a size mismatch
+        raise SsmcraftError(f"{run_dir}: {WEIGHTS} does not fit {CONFIG} ({' '.join(str(e).split())[:300]})") from None
     return model.to(device).eval()

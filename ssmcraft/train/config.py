@@ -173,5 +173,10 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         positive("max_seconds")
     one_of("backend", ("auto", "reference", "torch", "triton", "interpret"))
     one_of("precision", ("auto", "fp32", "bf16"))
-    if not (isinstance(t["betas"], list) and len(t["betas"]) == 2):
-        raise SpecError(source, "train.betas", f"expected [beta1, beta2], got {t['betas']!r}")
+    if not (isinstance(t["betas"], list) and len(t["betas"]) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in t["betas"])):
+        raise SpecError(source, "train.betas", f"expected [beta1, beta2], each in [0, 1), got {t['betas']!r}")
+    if t["threads"] is not None:
+        positive("threads", integer=True)
+    if not isinstance(t["device"], str):
+        raise SpecError(source, "train.device", f"expected auto, cpu, cuda or cuda:N, got {t['device']!r}")

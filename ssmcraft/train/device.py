@@ -15,7 +15,10 @@ def pick_device(name: str = "auto") -> torch.device:
     """``auto``: CUDA when available, else CPU; an explicit CUDA device must exist."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise SsmcraftError(f"device {name!r}: {' '.join(str(e).split())[:200]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SsmcraftError(f"device {name!r} asked for, but CUDA is not available on this machine")
     return device

@@ -24,7 +24,7 @@ import torch
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.layers import AttentionMixer, Mitigation
-from ssmcraft.tasks import build_task
+from ssmcraft.tasks import TextTask, build_task
 from ssmcraft.tasks.passkey import VOCAB as PASSKEY_VOCAB, min_length
 from ssmcraft.train import checkpoint, long_context as lc, plots
 from ssmcraft.train.device import autocast, pick_device, pick_precision
@@ -57,11 +57,36 @@ class EvalOptions:
     device: str = "auto"
 
 
+def _check_options(opt: EvalOptions) -> None:
+    """Refuse options the evaluation cannot run, naming the command-line option."""
+    for flag, value in (("--extrapolate", opt.extrapolate), ("--batches", opt.batches), ("--batch-size", opt.batch_size),
+                        ("--state-batch-size", opt.state_batch_size), ("--state-points", opt.state_points),
+                        ("--passkey-trials", opt.passkey_trials)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SsmcraftError(f"{flag} must be an integer >= 1, got {value!r}")
+    bad = [d for d in opt.passkey_depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise SsmcraftError(f"--passkey-depths must lie in [0, 1], got {bad[0]:g}")
+
+
+def _check_corpus(run_dir, config: dict, task) -> None:
+    """A text task is rebuilt from its config, where a corpus path may be relative or a file may have
+    changed: refuse to evaluate another text than the run trained on (the sha256 its metrics.json recorded)."""
+    metrics = Path(run_dir) / checkpoint.METRICS
+    if not isinstance(task, TextTask) or not metrics.is_file():
+        return
+    trained = (checkpoint.read_json(metrics).get("task") or {}).get("corpus", {}).get("sha256")
+    now = task.corpus.sha256
+    if trained and trained != now:
+        raise SsmcraftError(f"{run_dir}: corpus {config['task'].get('corpus')!r} reads as sha256 {now[:12]} here, but the "
+                            f"run trained on sha256 {trained[:12]} (a relative path read from another folder, or a "
+                            f"changed file); evaluate from the folder the run was trained in")
+
+
 def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: str | Path | None = None) -> dict:
     """Evaluate the run in ``run_dir``; returns the summary also written to ``eval.json``."""
     opt = options or EvalOptions()
-    if opt.extrapolate < 1:
-        raise SsmcraftError(f"--extrapolate must be >= 1, got {opt.extrapolate}")
+    _check_options(opt)
     t0 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +96,12 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     amp = lambda: autocast(device, precision)  # noqa: E731
     model = checkpoint.load_run(run_dir, device)
     task = build_task(config["task"])
+    _check_corpus(run_dir, config, task)
     L = task.seq_len
+    if isinstance(task, TextTask) and task.val_data.numel() < opt.extrapolate * L + 1:
+        raise SsmcraftError(f"--extrapolate {opt.extrapolate}: the text's validation split has {task.val_data.numel()} "
+                            f"bytes, fewer than one window of {opt.extrapolate} x {L} + 1 (a larger corpus or val_fraction, "
+                            f"or a smaller --extrapolate)")
     recurrent = not any(isinstance(m, AttentionMixer) for m in model.mixers)
     if opt.mitigation is not None:
         _check_mitigation(model, opt.mitigation, device)

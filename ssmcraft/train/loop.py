@@ -148,8 +148,12 @@ def train_run(config: Mapping[str, Any], out_dir: str | Path, progress: bool = F
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = resolve(config, source)
-    with _RunLog(out):
-        return _train(cfg, out, progress, source, report)
+    threads = torch.get_num_threads()      # train.threads applies to this run only
+    try:
+        with _RunLog(out):
+            return _train(cfg, out, progress, source, report)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) -> dict[str, Any]:
@@ -168,6 +172,13 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
                         f"vocabulary {task.vocab_size}")
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg).to(device)
+    # an earlier run's results in this folder would sit beside this run's config: if this run is
+    # stopped, eval and export would pair its config with the old weights (or the old metrics)
+    stale = [f for f in (checkpoint.METRICS, checkpoint.HISTORY, checkpoint.WEIGHTS) if (out / f).exists()]
+    for f in stale:
+        (out / f).unlink()
+    if stale:
+        log.info("removed an earlier run's %s from %s", ", ".join(stale), out)
     checkpoint.write_json(out / checkpoint.CONFIG, cfg)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("run %s: %s, %d params, device %s, precision %s", cfg["name"], model.mixers[0].describe().get(
