@@ -128,6 +128,18 @@ def test_ill_typed_values_are_spec_errors(section, value, key, problem):
     resolve({"task": {"name": "mqar"}, "model": {"mlp_ratio": 0, "mixer": {"conv_kernel": 0}}})  # zeros that mean "none"
 
 
+@pytest.mark.parametrize("mixer, key, problem", [
+    ({"objective": "nosuch"}, "model.mixer.objective", "unknown objective 'nosuch'"),
+    ({"objective": "longhorn", "heads": 3}, "model.mixer.heads", "not divisible by heads = 3"),
+])
+def test_a_mixer_its_objective_or_sizes_refuse_names_the_file_and_key(corpus, tmp_path, mixer, key, problem):
+    cfg = text_config(corpus)
+    cfg["model"]["mixer"].update(mixer)
+    with pytest.raises(SpecError) as e:
+        train_run(cfg, tmp_path, source="x.yaml")
+    assert e.value.key == key and problem in e.value.problem and str(e.value).startswith("x.yaml: "), str(e.value)
+
+
 def test_an_unknown_device_is_one_error():
     from ssmcraft.errors import SsmcraftError
     from ssmcraft.train.device import pick_device
@@ -189,7 +201,7 @@ def test_cli_train_writes_a_run_and_reports_errors_in_one_line(corpus, tmp_path,
     assert main(["train", str(spec), "--out", str(tmp_path / "r2"), "--set", "model.mixer.objective=nope"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert "ssmcraft train: error: unknown objective 'nope'" in err and "longhorn" in err
+    assert f"ssmcraft train: error: {spec}: model.mixer.objective: unknown objective 'nope'" in err and "longhorn" in err
 
 
 def test_report_callback_sees_validations_and_can_prune(corpus, tmp_path):

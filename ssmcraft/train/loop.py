@@ -66,7 +66,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM
 from ssmcraft.layers.objectives import compile_objective, spec_mapping
 from ssmcraft.layers.config import AttentionConfig, mixer_config
@@ -82,23 +82,38 @@ from ssmcraft.train.validate import evaluate, step_loss
 log = logging.getLogger("ssmcraft.train")
 
 
-def build_model(config: dict[str, Any]) -> LM:
+def build_model(config: dict[str, Any], source: str = "<experiment>") -> LM:
     """The LM of a resolved config whose ``model.vocab_size`` is set.
 
     Mutates ``config["model"]["mixer"]``: ``objective`` (a name or path) is replaced by the
     compiled spec's mapping, so the recorded config rebuilds the same model anywhere.
-    ``train.backend`` other than ``auto`` forces the objective's recurrence path.
+    ``train.backend`` other than ``auto`` forces the objective's recurrence path. An objective
+    that does not compile, or a mixer setting its objective or sizes refuse, is a ``SpecError``
+    naming ``source`` and the ``model.mixer`` key.
     """
     mixer = config["model"]["mixer"]
     objective = None
     if not isinstance(mixer_config(mixer), AttentionConfig):
-        objective = compile_objective(mixer.get("objective", "longhorn"))
+        ref = mixer.get("objective", "longhorn")
+        try:
+            objective = compile_objective(ref)
+        except SpecError as e:
+            if e.source != "<dict>" or not isinstance(ref, Mapping):
+                raise                      # names its own file already
+            raise SpecError(source, f"model.mixer.objective.{e.key}" if e.key else "model.mixer.objective", e.problem) from None
+        except SsmcraftError as e:
+            raise SpecError(source, "model.mixer.objective", str(e)) from None
         mixer["objective"] = spec_mapping(objective)
         backend = config["train"]["backend"]
         if backend != "auto":
             objective.prefer = backend
             log.info("recurrence path forced: %s", backend)
-    return LM(checkpoint.model_config(config), objective)
+    try:
+        return LM(checkpoint.model_config(config), objective)
+    except SpecError as e:
+        if e.source != "<mixer>":
+            raise
+        raise SpecError(source, f"model.mixer.{e.key}", e.problem) from None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -171,7 +186,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         raise SpecError(source, "model.vocab_size", f"{cfg['model']['vocab_size']} is smaller than the task's "
                         f"vocabulary {task.vocab_size}")
     torch.manual_seed(cfg["seed"])
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, source).to(device)
     # an earlier run's results in this folder would sit beside this run's config: if this run is
     # stopped, eval and export would pair its config with the old weights (or the old metrics)
     stale = [f for f in (checkpoint.METRICS, checkpoint.HISTORY, checkpoint.WEIGHTS) if (out / f).exists()]
