@@ -87,6 +87,12 @@ def test_experiments_and_objectives_are_checked_as_a_training_would_in_both_scal
     bad = copy.deepcopy(raw)
     bad["full"]["objectives"] = ["longhorn", "mambaa"]
     _expect(bad, "full.objectives[1]", "unknown objective 'mambaa'")
+    bad = _raw("mqar_state_size")
+    bad["smoke"]["overrides"] = {"mamba": {"train": {"lrr": 0.1}}}          # one objective's own experiment
+    _expect(bad, "smoke.overrides.mamba.train.lrr", "unknown key")
+    bad = _raw("state_capacity")
+    bad["base"]["objective"] = "mambaa"
+    _expect(bad, "smoke.objective", "unknown objective 'mambaa'")
 
 
 def test_thresholds_mitigations_and_nested_search_errors():

@@ -158,17 +158,19 @@ def _eval(c: _C, key: str, v: Any) -> dict:
     return e
 
 
-def _objectives(c: _C, key: str, v: Any) -> list[str]:
-    """Objective names: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
+def _objective(c: _C, key: str, v: Any) -> str:
+    """An objective name: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
     from ssmcraft.compiler.library import find_objective, library_names
 
-    def one(k, x):
-        name = c.string(k, x)
-        if name != "attention" and "/" not in name and not name.lower().endswith((".yaml", ".yml")) \
-                and find_objective(name) is None:
-            c.fail(k, f"unknown objective {name!r}; known: attention, {', '.join(library_names())} (or a spec file's path)")
-        return name
-    return c.seq(key, v, one)
+    name = c.string(key, v)
+    if name != "attention" and "/" not in name and not name.lower().endswith((".yaml", ".yml")) \
+            and find_objective(name) is None:
+        c.fail(key, f"unknown objective {name!r}; known: attention, {', '.join(library_names())} (or a spec file's path)")
+    return name
+
+
+def _objectives(c: _C, key: str, v: Any) -> list[str]:
+    return c.seq(key, v, lambda k, x: _objective(c, k, x))
 
 
 def _search(c: _C, key: str, v: Any, source: str, base: Path) -> dict:
@@ -240,7 +242,7 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
         "extrapolate": (False, 16, _INT), "mitigations": (False, [], _M), "eval": (False, {}, _EV),
         "seeds": (False, [0], _S)},
     "state_capacity": {
-        "experiment": (True, None, _E("text")), "objective": (False, "mamba", lambda c, k, v, ctx: c.string(k, v)),
+        "experiment": (True, None, _E("text")), "objective": (False, "mamba", lambda c, k, v, ctx: _objective(c, k, v)),
         "state_sizes": (True, None, _INTS), "train_lengths": (True, None, _INTS),
         "extrapolate": (False, 16, _INT), "eval": (False, {}, _EV), "seeds": (False, [0], _S),
         "tokens_per_batch": (False, None, _INT)},
@@ -330,5 +332,7 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
                 params[k] = merged[k]
         if kind == "composed_search":
             _check_leave_out(sc, params)
+        for obj, part in (params.get("overrides") or {}).items():      # each objective's own experiment
+            _check_as_training(sc, f"overrides.{obj}", experiment_for(params["experiment"], params["overrides"], obj))
         scales[scale] = params
     return StudySpec(name, kind, source, base, claim, thresholds, scales, raw)
