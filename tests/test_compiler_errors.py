@@ -256,6 +256,9 @@ CASES = [
     ("const_folds_huge_product", obj("sq(S - S_prev)/2 + 1e30*1e30*1e30*wsq(S*k - x, beta)/2"), "objective",
      r"out of the range"),
     ("const_folds_tiny", obj("sq(S - S_prev)/2 + (1e-20)**2*wsq(S*k - x, beta)/2"), "objective", r"out of the range"),
+    # a refusal shows sums as sums, not as the compiler's internal reduction symbols (_r8)
+    ("newton_silu_not_convex", spec(objective="sq(S - S_prev)/2 + dot(beta, silu(S*k - x))", update="newton"),
+     "objective", r"^(?!.*\b_r\d).*weight of its rank-1 part, .*Sum\(S_prev\[i, j\]\*k\[j\]"),
     # --- param initialisers that torch could not follow ------------------------------------------
     ("init_normal_negative_std", spec(params={"A": {"shape": ["m"], "init": {"normal": [-1, -0.5]}}},
                                       objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),

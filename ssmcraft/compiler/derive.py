@@ -256,7 +256,7 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str, simplify=_simpli
                               "(add a proximity term such as sq(S - S_prev)/2)")
     if not _shown(parts.alpha, "positive"):
         raise DerivationError(src, "objective", f"cannot show {what} is strictly convex in {spec.state}: "
-                              f"the coefficient of its quadratic part, {sympy.sstr(alpha)}, is not known to be "
+                              f"the coefficient of its quadratic part, {sympy.sstr(alg.expand(alpha))}, is not known to be "
                               "positive (declare the inputs or params in it positive)")
     R = len(parts.terms)
     if R > MAX_RANK:
@@ -270,7 +270,7 @@ def solve_rows(so: SymbolicObjective, parts: Affine, what: str, simplify=_simpli
         beta, w = parts.terms[0]
         if not _shown(beta / w, "nonnegative"):
             raise DerivationError(src, "objective", f"cannot show {what} is convex in {spec.state}: "
-                                  f"the weight of its rank-1 part, {sympy.sstr(_shortest(w / beta))}, is not known to be "
+                                  f"the weight of its rank-1 part, {sympy.sstr(alg.expand(_shortest(w / beta)))}, is not known to be "
                                   "non-negative (declare it positive)")
         # row system s (diag(alpha) + w beta^T) = -gamma, solved by Sherman-Morrison
         y = -gamma / alpha
