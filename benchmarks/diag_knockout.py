@@ -26,8 +26,9 @@ import ssmcraft  # noqa: E402
 from bench_diagonal import leaves_of, scan  # noqa: E402
 from common import bench_ms, random_inputs  # noqa: E402
 from ssmcraft.kernels import diagonal as D  # noqa: E402
+from ssmcraft.kernels import diagonal_gen as G  # noqa: E402
 
-_HSUM = re.compile("(" + re.escape(D._HSUM[1]) + r"\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
+_HSUM = re.compile("(" + re.escape(G._HSUM[1]) + r"\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
 
 
 def no_reduction(src: str) -> str:
@@ -69,7 +70,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objectives", default="longhorn_diag,mamba")
     args = ap.parse_args()
-    original = D._source
+    original = G.source
     cfg = D.Config(BV=32, num_warps=1, NG=20, NSUB=4, HSUM=True)
     try:
         for name in args.objectives.split(","):
@@ -77,7 +78,7 @@ def main():
             inputs, params = random_inputs(obj, 8, 2048, 1, 1536, 16, torch.bfloat16, "cuda", requires_grad=True)
             leaves = leaves_of(inputs, params)
             for vname, edit in VARIANTS.items():
-                D._source = lambda plan, pad_k, ls, fast_math, edit=edit: edit(original(plan, pad_k, ls, fast_math))
+                G.source = lambda plan, pad_k, ls, fast_math, edit=edit: edit(original(plan, pad_k, ls, fast_math))
                 D._MODULES.clear()
                 dy = torch.randn_like(scan(obj, inputs, params, config=cfg)[0])
 
@@ -94,7 +95,7 @@ def main():
                     for kname, us in sorted(profile_kernels(fwd_bwd).items(), key=lambda x: -x[1])[:10]:
                         print(f"    {kname[:48]:48s} {us:8.1f} us", flush=True)
     finally:
-        D._source = original
+        G.source = original
         D._MODULES.clear()
 
 

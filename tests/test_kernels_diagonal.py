@@ -141,8 +141,10 @@ def test_groups_carry_without_a_final_state_gradient(with_s0):
 
 def test_generated_source_is_readable():
     obj = ssmcraft.compile("longhorn_diag")
-    plan = D._plan(obj.ir)
-    src = D._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
+    from ssmcraft.kernels import diagonal_gen as G
+
+    plan = G._plan(obj.ir)
+    src = G._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
     for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
         assert f"def {kernel}(" in src
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
