@@ -149,7 +149,8 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     from ssmcraft.export.exporter import export_model
 
     folders = []
-    families = {"longhorn": "rank1_row", "deltanet": "rank1_chunk", "gla": "keydecay_chunk"}
+    families = {"longhorn": "rank1_row", "deltanet": "rank1_chunk", "gla": "keydecay_chunk",
+                "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: its generated kernels pasted in
     for name, family in families.items():
         result = export_model(tiny_lm(compiled, name, heads=2), tmp_path / name, source(tmp_path), check=False)
         assert result.kernels == f"inline ({family})", result.kernels     # the family ssmcraft itself runs

@@ -577,8 +577,8 @@ def _as_ir(objective):
     if hasattr(objective, "ir"):
         return objective.ir, objective.spec.params
     if isinstance(objective, str):
-        import ssmcraft
-        return _as_ir(ssmcraft.compile(objective))
+        from ssmcraft.compiler.api import compile
+        return _as_ir(compile(objective))
     return objective, None
 
 
@@ -622,3 +622,60 @@ def forward(obj, lay, co, output_final_state: bool):
     s0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     y, S = diagonal_scan(obj, tensors, s0, output_final_state)
     return y.to(lay.out_dtype), (S.transpose(-1, -2) if S is not None else None)
+
+
+# -- export (ssmcraft.export.exporter.triton_kernel_source) ---------------------------
+
+_EXPORT_EXCLUDE = {"prepare", "supports", "_get_plan", "_module", "generated_source", "standalone_source", "_as_ir"}
+
+
+def standalone_source(obj, sizes: dict) -> str:
+    """The family as a module of its own for an export of ``obj`` at key dim ``sizes["m"]``: this
+    module less ``_EXPORT_EXCLUDE`` (what reaches the generator), bundled with the ssmcraft modules
+    it imports, then the generated kernels pasted in (``tl.exp``: the interpreter runs them too) and,
+    as data, the plan they were generated from; its ``supports`` / ``_get_plan`` / ``_module``
+    return those (another objective or key dim is refused)."""
+    from ssmcraft.export.assemble import standalone_module
+    from ssmcraft.kernels.diagonal_gen import source
+
+    K = int(sizes["m"])
+    plan = _get_plan(obj.ir)
+    kernels = source(plan, next_pow2(K) != K, _ls_for(K), fast_math=False)
+    leaves = ", ".join(f"{lf.name!r}: _Leaf({lf.name!r}, frozenset({sorted(lf.dims)!r}), {lf.kind!r}, {lf.var!r})"
+                       for lf in plan.leaves.values())
+    host = standalone_module(__name__, "", exclude=_EXPORT_EXCLUDE, allowed=("torch", "triton"))
+    tail = f'''
+# -- the generated kernels of {obj.ir.spec_name!r} for K = {K} (ssmcraft.kernels.diagonal_gen) --
+{kernels}
+
+
+# -- the plan they were generated from, and the family contract for this objective only --
+_PLAN = _Plan(None, {{{leaves}}}, {{}}, {{}}, hash={plan.hash!r})
+_KEY_DIM = {K}
+
+
+def supports(ir) -> str | None:
+    if ir.content_hash() != _PLAN.hash:
+        return f"these kernels were generated for IR {{_PLAN.hash}}, not {{ir.content_hash()}}"
+    return None
+
+
+def _get_plan(ir) -> _Plan:
+    why = supports(ir)
+    if why is not None:
+        raise SsmcraftError(why)
+    return _PLAN
+
+
+def _as_ir(objective):
+    return objective.ir, objective.spec.params
+
+
+def _module(plan: _Plan, BK: int, K: int):
+    if K != _KEY_DIM:
+        raise SsmcraftError(f"these kernels were generated for K = {{_KEY_DIM}}, not {{K}}")
+    import sys
+    return sys.modules[__name__]
+'''
+    return host.rstrip() + "\n\n" + tail
+
