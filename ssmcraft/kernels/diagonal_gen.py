@@ -100,6 +100,15 @@ def _plan(ir) -> _Plan:
 # Kernel source generator
 # ======================================================================================
 
+# the propagate kernels' first lines: one program per (value block, batch * head), one state tile
+_PROPAGATE_HEAD = ["    i_v = tl.program_id(0)",
+                   "    i_bh = tl.program_id(1)",
+                   "    ok = tl.arange(0, BK)[:, None]",
+                   "    ov = i_v * BV + tl.arange(0, BV)[None, :]",
+                   "    mkv = (ok < K) & (ov < V)",
+                   "    st = ok * V + ov"]
+
+
 class _Gen:
     """Prints the six kernels of one plan (``pad_k``: BK > K; ``ls`` unrolled steps per sub-chunk;
     ``fast_math``: exp as libdevice's ``fast_expf``, for GPU-compiled code, see triton_printer)."""
@@ -317,12 +326,7 @@ class _Gen:
                 "def fwd_propagate(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
                 "                  HAS_H0: tl.constexpr):",
                 '    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""',
-                "    i_v = tl.program_id(0)",
-                "    i_bh = tl.program_id(1)",
-                "    ok = tl.arange(0, BK)[:, None]",
-                "    ov = i_v * BV + tl.arange(0, BV)[None, :]",
-                "    mkv = (ok < K) & (ov < V)",
-                "    st = ok * V + ov",
+                *_PROPAGATE_HEAD,
                 "    S = tl.zeros([BK, BV], dtype=tl.float32)",
                 "    if HAS_H0:",
                 "        S = tl.load(h0 + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
@@ -428,12 +432,7 @@ class _Gen:
                 "def bwd_propagate(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
                 "                  HAS_DHT: tl.constexpr):",
                 '    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""',
-                "    i_v = tl.program_id(0)",
-                "    i_bh = tl.program_id(1)",
-                "    ok = tl.arange(0, BK)[:, None]",
-                "    ov = i_v * BV + tl.arange(0, BV)[None, :]",
-                "    mkv = (ok < K) & (ov < V)",
-                "    st = ok * V + ov",
+                *_PROPAGATE_HEAD,
                 "    E = tl.zeros([BK, BV], dtype=tl.float32)",
                 "    if HAS_DHT:",
                 "        E = tl.load(dht + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
