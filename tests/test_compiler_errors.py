@@ -256,6 +256,8 @@ CASES = [
     ("const_folds_huge_product", obj("sq(S - S_prev)/2 + 1e30*1e30*1e30*wsq(S*k - x, beta)/2"), "objective",
      r"out of the range"),
     ("const_folds_tiny", obj("sq(S - S_prev)/2 + (1e-20)**2*wsq(S*k - x, beta)/2"), "objective", r"out of the range"),
+    ("const_folds_huge_function", obj("sq(S - S_prev)/2 + exp(1000)*wsq(S*k - x, beta)/2"), "objective",
+     r"folds to 1\.97E\+434, out of the range"),
     # a refusal shows sums as sums, not as the compiler's internal reduction symbols (_r8)
     ("newton_silu_not_convex", spec(objective="sq(S - S_prev)/2 + dot(beta, silu(S*k - x))", update="newton"),
      "objective", r"^(?!.*\b_r\d).*weight of its rank-1 part, .*Sum\(S_prev\[i, j\]\*k\[j\]"),
@@ -324,6 +326,7 @@ def test_what_a_state_may_read_is_checked_at_the_spec_stage(case_id):
     "no/such/dir/x.yaml",
     "no/such/dir/deltanet.yaml",     # a library file's name in a folder that is not there: not the library's
     str(ROOT / "objectives"),        # a folder
+    "nosuch.txt",                    # neither a file nor a library name
 ])
 def test_bad_spec_arguments(bad):
     with time_limit(CASE_SECONDS):
@@ -342,6 +345,8 @@ def test_a_spec_file_is_read_whatever_its_name_ends_with(tmp_path, monkeypatch):
     (tmp_path / "mamba").mkdir()                                        # a folder named like a library objective
     assert ssmcraft.compile("mamba").spec.source == str(ROOT / "objectives" / "mamba.yaml")
     assert ssmcraft.compile("deltanet.yaml").spec.source == str(ROOT / "objectives" / "deltanet.yaml")
+    one_line = yaml.safe_dump(BASE, default_flow_style=True, width=10_000).strip()      # YAML text holding '/'
+    assert "\n" not in one_line and "/" in one_line and ssmcraft.compile(one_line).spec.source == "<text>"
 
 
 def test_an_unwritable_cache_folder_is_one_error(tmp_path, monkeypatch):

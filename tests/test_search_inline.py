@@ -221,12 +221,20 @@ def test_a_folder_of_another_study_is_refused_and_left_as_it_was(tmp_path):
 
 def test_a_ranking_metric_no_trial_returns_stops_the_search_after_one_trial(tmp_path):
     logs = []
-    with pytest.raises(SsmcraftError, match="rank.tokens_per_sec: trial 0 ran to the end and returned no such metric"):
+    with pytest.raises(SsmcraftError, match="rank.tokens_per_sec: trial 0 trained to its end and returned no such metric"):
         search(tmp_path / "run", logs=logs, rank={"val_loss": "minimize", "tokens_per_sec": "maximize"},
                sampler={"name": "nsga2"}, budget=budget(trials=4))
     trials = open_study(tmp_path / "run").trials
     assert len(trials) == 1 and trials[0].state == TrialState.FAIL
     assert "metric 'tokens_per_sec' missing" in trials[0].user_attrs["reason"]
+
+
+def test_a_ranking_metric_that_is_not_a_number_stops_the_search_after_a_timed_out_trial(tmp_path):
+    def stopped_by_the_clock(config, out_dir, report=None):
+        return {"status": "timeout", "val_loss": 1.0, "objective": "longhorn", "tokens": 7}
+    with pytest.raises(SsmcraftError, match="rank.objective: trial 0 trained to its end and returned 'longhorn', not a number"):
+        search(tmp_path / "run", stopped_by_the_clock, rank={"objective": "minimize"}, budget=budget(trials=3))
+    assert len(open_study(tmp_path / "run").trials) == 1
 
 
 def test_ssmcrafts_own_trials_check_the_experiment_sections_before_anything_is_written(tmp_path):

@@ -174,6 +174,15 @@ def test_the_experiment_sections_are_checked_as_a_training_would(change, key, pr
     check_experiment(load_search_spec(tiny_spec()))        # and the valid spec passes
 
 
+def test_a_searched_path_under_another_searched_path_is_refused():
+    spec = tiny_spec()
+    spec["space"]["model.mixer.dt_min"] = {"choice": [0.001, 0.01]}
+    spec["space"]["model.mixer.dt_min.x"] = {"choice": [1, 2]}
+    with pytest.raises(SpecError) as e:
+        load_search_spec(spec, source="s.yaml")
+    assert e.value.key == "space.model.mixer.dt_min.x" and "lies under model.mixer.dt_min" in e.value.problem, str(e.value)
+
+
 def test_pruner_needs_a_single_metric():
     spec = tiny_spec(rank={"val_loss": "minimize", "tokens_per_s": "maximize"},
                      pruner={"name": "median"}, sampler={"name": "nsga2"})

@@ -120,12 +120,14 @@ def test_overrides_and_config_errors():
     ("train", {"betas": [0.9, "abc"]}, "train.betas", "each in [0, 1)"),
     ("train", {"threads": "abc"}, "train.threads", "expected a positive integer"),
     ("train", {"device": 3}, "train.device", "expected auto, cpu, cuda or cuda:N"),
+    ("train", {"device": "tpu"}, "train.device", "expected auto, cpu, cuda or cuda:N, got 'tpu'"),
 ])
 def test_ill_typed_values_are_spec_errors(section, value, key, problem):
     with pytest.raises(SpecError) as e:
         resolve({"task": {"name": "mqar"}, section: value}, "x.yaml")
     assert e.value.key == key and problem in e.value.problem and str(e.value).startswith("x.yaml: "), str(e.value)
     resolve({"task": {"name": "mqar"}, "model": {"mlp_ratio": 0, "mixer": {"conv_kernel": 0}}})  # zeros that mean "none"
+    resolve({"task": {"name": "mqar"}, "model": {"mixer": {"dt_min": "1e-3"}}})      # YAML's reading of 1e-3: a number
 
 
 @pytest.mark.parametrize("mixer, key, problem", [

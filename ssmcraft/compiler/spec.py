@@ -151,6 +151,8 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
                 text, source = found.read_text(encoding="utf-8"), str(found)
             elif re.match(r"^[A-Za-z][A-Za-z0-9_]*$", spec.strip()):
                 raise SpecError(spec.strip(), "", "no such objective in the library; known: " + ", ".join(library_names()))
+            elif re.match(r"^[\w.-]+\.\w+$", spec.strip()):
+                raise SpecError(spec.strip(), "", "no such file, and not a library objective")
     else:
         raise SpecError("<spec>", "", f"expected a path, YAML text or a mapping, got {type(spec).__name__}")
     if len(text) > 200_000:
@@ -175,10 +177,12 @@ def _names_a_file(spec) -> bool:
     if not isinstance(spec, str) or "\n" in spec:
         return False
     s = spec.strip()
+    if s.startswith(("{", "[")) or ": " in s or s.endswith(":"):
+        return False                 # one-line YAML text (an objective may hold '/')
     if s.lower().endswith((".yaml", ".yml")) or "/" in s:
         return True
     from ssmcraft.compiler.library import find_objective
-    return _is_file(Path(s)) and ":" not in s and find_objective(s) is None
+    return _is_file(Path(s)) and find_objective(s) is None
 
 
 def _is_file(path: Path) -> bool:

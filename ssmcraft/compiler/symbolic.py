@@ -161,6 +161,24 @@ class Value:
         return self.shape == (ONE, ONE)
 
 
+def _constants(e) -> list:
+    """The values of ``e``'s constants: its numbers, and its outermost constant subexpressions
+    (``exp(1000)``, ``2**100``) evaluated (to 5 digits: only their magnitude matters)."""
+    out = list(e.atoms(sympy.Number))
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x.is_Atom:
+            continue
+        if x.is_number:
+            v = x.evalf(5)
+            if v.is_Number:
+                out.append(v)
+            continue
+        stack.extend(x.args)
+    return out
+
+
 def show_shape(shape) -> str:
     r, c = shape
     if r == ONE and c == ONE:
@@ -222,7 +240,7 @@ class Lowering:
             raise SpecError(self.spec.source, key, "the expression is not real: it takes a square root, a "
                             "fractional power or the log of a negative constant")
         for e in exprs:
-            for c in e.atoms(sympy.Number):
+            for c in _constants(e):
                 if c != 0 and not (E.CONSTANT_RANGE[0] <= abs(c) <= E.CONSTANT_RANGE[1]):
                     raise SpecError(self.spec.source, key, f"a constant folds to {sympy.Float(c, 3)}, out of the range "
                                     f"{E.CONSTANT_RANGE[0]:g} to {E.CONSTANT_RANGE[1]:g} that literals are held to")

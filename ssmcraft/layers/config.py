@@ -99,10 +99,20 @@ def from_mapping(cls, data: Mapping[str, Any], source: str, key: str):
     for r in required:
         if r not in data:
             raise SpecError(source, f"{key}.{r}", "missing (required)")
+    data = dict(data)
     for f in dataclasses.fields(cls):
         if f.name in data:
+            if f.type == "float" and isinstance(data[f.name], str):
+                data[f.name] = _float_or_same(data[f.name])   # YAML reads 1e-3 (no dot) as text
             _check_value(f, data[f.name], source, f"{key}.{f.name}")
-    return cls(**dict(data))
+    return cls(**data)
+
+
+def _float_or_same(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:

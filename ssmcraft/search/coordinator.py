@@ -335,11 +335,22 @@ class _Loop:
         said = "; ".join(x for x in (values, verdict.reason) if x)
         self.log(f"trial {trial.number:>3} {verdict.state:<8} {trial.user_attrs.get('objective', '?')}  "
                  f"{said}  ({wall})")
-        unranked = [k for k in self.spec.metrics if k not in metrics]
-        if outcome.error is None and metrics.get("status", "ok") == "ok" and unranked:
-            raise SsmcraftError(f"{self.spec.source}: rank.{unranked[0]}: trial {trial.number} ran to the end and "
-                                f"returned no such metric (it returned {', '.join(sorted(metrics)) or 'nothing'}), "
-                                f"so no trial can be ranked; search stopped (fix rank: and use another --out)")
+        self._refuse_unrankable(trial, outcome, metrics)
+
+    def _refuse_unrankable(self, trial: optuna.Trial, outcome: Outcome, metrics: dict) -> None:
+        """A trial that trained to its end (status ok, or timeout at ``seconds_per_trial``) without a
+        ranking metric, or with one that is not a number at all (NaN is a number: a divergence), shows a
+        ``rank:`` key that no trial will return: stop rather than spend the budget on it."""
+        if outcome.error is not None or metrics.get("status", "ok") not in ("ok", "timeout"):
+            return
+        for k in self.spec.metrics:
+            v = metrics.get(k)
+            problem = ("returned no such metric" if k not in metrics else
+                       f"returned {v!r}, not a number" if isinstance(v, bool) or not isinstance(v, (int, float)) else None)
+            if problem:
+                raise SsmcraftError(f"{self.spec.source}: rank.{k}: trial {trial.number} trained to its end and {problem} "
+                                    f"(it returned {', '.join(sorted(metrics)) or 'nothing'}), so no trial can be ranked; "
+                                    f"search stopped (fix rank: and use another --out)")
 
     def _tell(self, trial: optuna.Trial, state: str, values, record: dict) -> None:
         for key, value in record.items():

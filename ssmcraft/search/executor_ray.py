@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ssmcraft.errors import SsmcraftError
+from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.search.executor import Capacity, Job
 from ssmcraft.search.outcome import Outcome, TrialFn, count_attempts, execute, plain, squash
 from ssmcraft.search.packing import AutoPacker, probe_memory, trial_slots
@@ -154,7 +154,10 @@ def connect(address: str, *, num_cpus: int | None = None, log: Callable[[str], N
     kwargs: dict = {"include_dashboard": False, "logging_level": "warning"}
     if address == "local":
         kwargs.update(num_cpus=num_cpus, _node_ip_address=LOOPBACK)
-    ray.init(address=address, **kwargs)
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SsmcraftError(f"Ray address {address}: {one_line(e)}") from None
     gcs = ray.get_runtime_context().gcs_address
     if address != "local":
         log(f"ray: connected to the Ray cluster at {gcs}")

@@ -307,6 +307,10 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
                 c.fail(f"space.{p.name}", f"{'.'.join(p.path)} is set by the search from {origin}")
         if p.path[0] in sections:
             _check_path(c, sections, p)
+        for q in params:
+            if q is not p and len(q.path) > len(p.path) and q.path[:len(p.path)] == p.path:
+                c.fail(f"space.{q.name}", f"{'.'.join(q.path)} lies under {'.'.join(p.path)}, which space.{p.name} "
+                                          f"sets to one value; search one of them")
     return SearchSpec(
         name=name, source=source, base=base, seed=seed, objectives_dir=objectives_dir,
         budget=budget, objectives=objectives, params=params, rank=rank,

@@ -15,6 +15,7 @@ run directory records. Task and mixer keys are validated by their builders.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -178,5 +179,5 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         raise SpecError(source, "train.betas", f"expected [beta1, beta2], each in [0, 1), got {t['betas']!r}")
     if t["threads"] is not None:
         positive("threads", integer=True)
-    if not isinstance(t["device"], str):
+    if not isinstance(t["device"], str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", t["device"]):
         raise SpecError(source, "train.device", f"expected auto, cpu, cuda or cuda:N, got {t['device']!r}")

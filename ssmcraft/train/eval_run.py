@@ -60,7 +60,7 @@ class EvalOptions:
 def _check_options(opt: EvalOptions) -> None:
     """Refuse options the evaluation cannot run, naming the command-line option."""
     for flag, value in (("--extrapolate", opt.extrapolate), ("--batches", opt.batches), ("--batch-size", opt.batch_size),
-                        ("--state-batch-size", opt.state_batch_size), ("--state-points", opt.state_points),
+                        ("state_batch_size", opt.state_batch_size), ("--state-points", opt.state_points),
                         ("--passkey-trials", opt.passkey_trials)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SsmcraftError(f"{flag} must be an integer >= 1, got {value!r}")
