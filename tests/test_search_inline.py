@@ -212,8 +212,10 @@ def test_a_different_spec_in_the_same_folder_is_refused(tmp_path):
 def test_a_folder_of_another_study_is_refused_and_left_as_it_was(tmp_path):
     search(tmp_path / "run", budget=budget(trials=1))
     before = {f: f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file() and f.suffix != ".lock"}
+    logs = []
     with pytest.raises(SsmcraftError, match="holds study 'tiny', and the spec names 'other'; use another --out"):
-        search(tmp_path / "run", name="other", budget=budget(trials=1))
+        search(tmp_path / "run", name="other", budget=budget(trials=1), logs=logs)
+    assert logs == []           # refused first: before the objectives are checked or anything is said
     after = {f: f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file() and f.suffix != ".lock"}
     assert after == before
     assert [s.study_name for s in optuna.get_all_study_summaries(open_storage(tmp_path / "run", None, writer=False)[0])] == ["tiny"]

@@ -87,6 +87,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(out_dir):
+        _refuse_other_study(spec, out_dir)
         if compile_fn is not None:
             log(f"objectives: {check_objectives(spec, compile_fn).summary()}")
         else:
@@ -95,7 +96,6 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
         if spec.pruner.name != "none" and can_report is not None and not can_report():
             raise SpecError(spec.source, "pruner", "the trial function cannot report intermediate "
                                                    "values (train_run takes no report=); remove the pruner")
-        _refuse_other_study(spec, out_dir)
         storage, storage_desc = open_storage(out_dir, storage_url, writer=True, log=log)
         study = _open_study(spec, storage, out_dir, log)
         owner = f"{socket.gethostname()}:{out_dir.resolve()}"
