@@ -102,17 +102,20 @@ def from_mapping(cls, data: Mapping[str, Any], source: str, key: str):
     data = dict(data)
     for f in dataclasses.fields(cls):
         if f.name in data:
-            if f.type == "float" and isinstance(data[f.name], str):
-                data[f.name] = _float_or_same(data[f.name])   # YAML reads 1e-3 (no dot) as text
+            if f.type == "float":
+                data[f.name] = number_or_same(data[f.name])
             _check_value(f, data[f.name], source, f"{key}.{f.name}")
     return cls(**data)
 
 
-def _float_or_same(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def number_or_same(value: Any) -> Any:
+    """``"3e-3"`` -> 0.003: YAML 1.1 reads exponents without a dot as strings."""
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:

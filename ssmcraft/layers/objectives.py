@@ -22,15 +22,23 @@ def compile_objective(ref: Any):
     compile_ = getattr(ssmcraft, "compile", None)
     if compile_ is None:
         raise SsmcraftError("the objective compiler is not available (ssmcraft.compile is missing)")
+    why = unknown_objective(ref)
+    if why is not None:
+        raise SsmcraftError(why)
+    obj = compile_(dict(ref) if isinstance(ref, Mapping) else ref)
+    log.info("compiled objective %s (structure %s)", obj.spec.name, getattr(obj, "structure_kind", "?"))
+    return obj
+
+
+def unknown_objective(ref: Any) -> str | None:
+    """Why ``ref`` names no objective: a bare name (not YAML text, not an existing file) that the
+    library does not have; else None (compiling says what else is wrong)."""
     if isinstance(ref, str) and _is_bare_name(ref):
         from ssmcraft.compiler.library import find_objective, library_names
 
         if find_objective(ref) is None:
-            raise SsmcraftError(f"unknown objective {ref!r}: not a file, and the library has "
-                                f"{', '.join(library_names()) or 'no objectives'}")
-    obj = compile_(dict(ref) if isinstance(ref, Mapping) else ref)
-    log.info("compiled objective %s (structure %s)", obj.spec.name, getattr(obj, "structure_kind", "?"))
-    return obj
+            return f"unknown objective {ref!r}: not a file, and the library has {', '.join(library_names()) or 'no objectives'}"
+    return None
 
 
 def _is_bare_name(ref: str) -> bool:

@@ -36,7 +36,7 @@ from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
 from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
-from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, trial_dir, write_json
+from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, read_run_info, trial_dir, write_json
 from ssmcraft.search.samplers import build_pruner, build_sampler, describe
 from ssmcraft.search.space import build_config, check_experiment, objective_of, param_names, suggest
 from ssmcraft.search.spec import SearchSpec, spec_hash
@@ -123,12 +123,11 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
 def _refuse_other_study(spec: SearchSpec, out_dir: Path) -> None:
     """A folder holds one study: a spec of another name would create a second one beside it and
     write over its trial folders, ``run.json`` and ``search.yaml``."""
-    info = out_dir / RUN_INFO
-    if not info.is_file():
+    if not (out_dir / RUN_INFO).is_file():
         return
     try:
-        held = json.loads(info.read_text()).get("study")
-    except (OSError, ValueError, AttributeError):
+        held = read_run_info(out_dir).get("study")
+    except ValueError:              # a torn run.json: the study it named is the journal's to say
         held = None
     if held is not None and held != spec.name:
         raise SsmcraftError(f"{out_dir} holds study {held!r}, and the spec names {spec.name!r}; use another "

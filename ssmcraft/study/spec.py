@@ -105,13 +105,12 @@ def _experiment(c: _C, key: str, v: Any, task: str | None) -> dict:
 
 def _check_as_training(c: _C, key: str, e: dict) -> None:
     """The experiment through the checks ``ssmcraft train`` gives a config (``train.config.resolve``:
-    the model and train keys and values; the task's name and keys, ``tasks.check_task``), so that a
-    typo in either scale is found when the spec is loaded."""
-    from ssmcraft.tasks import check_task
+    the model, train and task keys, the model's and train's values), so that a typo in either scale
+    is found when the spec is loaded."""
     from ssmcraft.train.config import resolve
 
     try:
-        check_task(resolve({"task": e["task"], "model": e["model"], "train": e["train"]}, c.source)["task"], c.source)
+        resolve({"task": e["task"], "model": e["model"], "train": e["train"]}, c.source)
     except SpecError as err:
         c.fail(f"{key}.{err.key}", err.problem)
 
@@ -160,12 +159,12 @@ def _eval(c: _C, key: str, v: Any) -> dict:
 
 def _objective(c: _C, key: str, v: Any) -> str:
     """An objective name: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
-    from ssmcraft.compiler.library import find_objective, library_names
+    from ssmcraft.layers.objectives import unknown_objective
 
     name = c.string(key, v)
-    if name != "attention" and "/" not in name and not name.lower().endswith((".yaml", ".yml")) \
-            and find_objective(name) is None:
-        c.fail(key, f"unknown objective {name!r}; known: attention, {', '.join(library_names())} (or a spec file's path)")
+    why = None if name == "attention" or "/" in name or name.lower().endswith((".yaml", ".yml")) else unknown_objective(name)
+    if why is not None:
+        c.fail(key, f"{why} (or attention, or a spec file's path)")
     return name
 
 

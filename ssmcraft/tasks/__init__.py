@@ -17,12 +17,8 @@ TASKS: dict[str, type[Task]] = {"mqar": MQARTask, "passkey": PasskeyTask, "text"
 
 def build_task(cfg: Mapping[str, Any], source: str = "<experiment>") -> Task:
     """A task from its config mapping; ``cfg["name"]`` picks the class, unknown keys are errors."""
-    if not isinstance(cfg, Mapping):
-        raise SpecError(source, "task", f"expected a mapping with a 'name', got {cfg!r}")
-    name = cfg.get("name")
-    if name not in TASKS:
-        raise SpecError(source, "task.name", f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
-    return TASKS[name].from_config(cfg, source)
+    check_task(cfg, source)
+    return TASKS[cfg["name"]].from_config(cfg, source)
 
 
 def check_task(cfg: Mapping[str, Any], source: str = "<experiment>") -> None:

@@ -10,7 +10,8 @@ An experiment spec (YAML) has four sections; everything but ``task`` has default
     train: {batch_size: 32, tokens: 1_000_000, lr: 3.0e-3, ...}    # TRAIN_DEFAULTS below
 
 ``resolve`` returns a complete, validated mapping (every default filled in); it is what a
-run directory records. Task and mixer keys are validated by their builders.
+run directory records. The model's and the mixer's keys and values are checked here, the task's
+name and keys too (``tasks.check_task``); the task's values when it is built.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from ssmcraft.errors import SpecError, SsmcraftError
-from ssmcraft.layers.config import LMConfig
+from ssmcraft.layers.config import LMConfig, number_or_same
+from ssmcraft.tasks import check_task
 
 TOP_DEFAULTS: dict[str, Any] = {"name": "experiment", "seed": 0}
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -95,16 +97,6 @@ def apply_overrides(cfg: Mapping[str, Any], overrides: Iterable[str], source: st
     return out
 
 
-def number_or_same(value: Any) -> Any:
-    """``"3e-3"`` -> 0.003: YAML 1.1 reads exponents without a dot as strings."""
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            return value
-    return value
-
-
 def _section(cfg: Mapping, name: str, defaults: Mapping[str, Any], source: str) -> dict[str, Any]:
     given = cfg.get(name, {}) or {}
     if not isinstance(given, Mapping):
@@ -132,6 +124,7 @@ def resolve(cfg: Mapping[str, Any], source: str = "<experiment>") -> dict[str, A
     out["train"] = _section(cfg, "train", TRAIN_DEFAULTS, source)
     _check_train(out["train"], source)
     LMConfig.from_dict({**out["model"], "vocab_size": out["model"]["vocab_size"] or 1}, source, "model")
+    check_task(out["task"], source)
     return out
 
 
