@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tiles import state_block, state_or_zero, value_block
+from ssmcraft.kernels.tiles import chunk_rows, state_block, state_or_zero, value_block
 from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -129,13 +129,10 @@ def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
     LOG_G: the tensor holds the decay a itself and g = log a is taken here."""
     i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
     DT = hs.dtype.element_ty
-    o_i = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
     for i_t in range(NT):
-        o_t = i_t * BT + o_i
-        m_t = o_t < T
-        row = (i_b * T + o_t).to(tl.int64) * H + i_h
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(hs + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
         b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_tk, LOG_G)

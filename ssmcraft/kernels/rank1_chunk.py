@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tiles import state_block, state_or_zero, value_block
+from ssmcraft.kernels.tiles import chunk_rows, state_block, state_or_zero, value_block
 from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
@@ -82,16 +82,6 @@ def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
         return tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
     else:
         return tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
-
-
-@triton.jit
-def _chunk_rows(i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
-    """Chunk ``i_t``'s rows: local index ``o_i [BT]``, mask ``m_t`` (rows before T) and the flat
-    (batch, time, head) row ids ``row`` (int64) of the ``[B, T, H, *]`` tensors."""
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    return o_i, m_t, (i_b * T + o_t).to(tl.int64) * H + i_h
 
 
 @triton.jit
@@ -151,7 +141,7 @@ def _prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
@@ -238,7 +228,7 @@ def _state_fwd_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
 
     for i_t in range(NT):
-        o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         if STORE_H:
@@ -308,7 +298,7 @@ def _state_bwd_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
 
     for j in range(NT):
         i_t = NT - 1 - j
-        o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
@@ -354,7 +344,7 @@ def _grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
     i_b = i_bh // H
     i_h = i_bh % H
     DT = M.dtype.element_ty
-    o_i, m_t, row = _chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -602,9 +592,12 @@ def _c_mode(c, a, ps) -> int:
     return C_IS_PS.value if ps is c else C_GIVEN.value
 
 
-def _stand_in(c, a):
-    """A tensor for the kernels' ``c`` argument: c, or a where c is None (``C_IS_A_PS``: never read)."""
-    return a if c is None else c
+def _operands(v, u, q, ps, c, a):
+    """``(u, q, ps, c, a)`` as the kernels take them: the tensor, or a stand-in for a pointer the
+    constexprs leave unread (u or q that is v; ps, a, or c where ``C_IS_A_PS`` forms it)."""
+    cc = a if c is None else c
+    return (v if u is None else u, v if q is None else q, cc if ps is None else ps, cc,
+            cc if a is None else a)
 
 
 def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT):
@@ -616,19 +609,15 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
-    uu = v if u is None else u
-    qq = v if q is None else q
+    has_ps = ps is not None
+    uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     prec = dot_precision(dt)
     M = _empty(B, T, H, BT, device=dev, dtype=dt)
     L = _empty(B, T, H, BT, device=dev, dtype=dt)
     Lq = _empty(B, T, H, BT, device=dev, dtype=dt) if general else L
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
-    cc = _stand_in(c, a)
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
-    aa = a if has_a else cc
-    has_ps = ps is not None
-    pss = ps if has_ps else cc
     launch(_prep_kernel, (NT, B * H), uu, v, qq, p, pss, oq, cc, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
            BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
@@ -664,21 +653,19 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
         v, oq, W, L, g, do, dht.contiguous().float() if has_dht else do, dhs, dpsi, dh0, T, NT,
         H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0, PREC=prec,
         **_launch_opts(V))
-    uu = v if u is None else u
-    qq = v if q is None else q
+    uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
     dq = _empty_like(v) if general else dv
     dp = _empty_like(p)
     doq = _empty_like(oq)
-    cc = _stand_in(c, a)
     has_ps = ps is not None
     want_dps = has_ps and c_mode != C_IS_PS.value      # c is ps: its one gradient is dc
     da = _empty_like(a) if has_a else None
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
     launch(_grad_kernel, (NT, B * H),
-        uu, v, qq, p, ps if has_ps else cc, oq, cc, a if has_a else cc, g, M, L, Lq, hs, dhs, psi, dpsi, do,
+        uu, v, qq, p, pss, oq, cc, aa, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         du, dv, dq, dp, dps, doq, dc, da if has_a else dc, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
         BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
@@ -698,7 +685,7 @@ class Rank1ChunkFunction(torch.autograd.Function):
         train = any(ctx.needs_input_grad[:9])
         ctx.c_mode = c_mode
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
-        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, ctx.c_mode, chunk_size)
+        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, c_mode, chunk_size)
         if train:
             ctx.save_for_backward(v, u, q, p, ps, oq, c, a, *saved)
         ctx.chunk_size = chunk_size
@@ -830,11 +817,12 @@ def _split_p(ir):
     return (s[0], x[0]) if len(s) == 1 and len(x) == 1 else None
 
 
-def _head(x, B, T, H):
-    """A per-head slot ([B|1, T|1, H|1, 1, 1] or a number) -> [B, T, H] (None if it is 1)."""
-    if not isinstance(x, torch.Tensor):
-        return float(x)
-    return x.expand(B, T, H, 1, 1).reshape(B, T, H)
+def _per_head(x, B, T, H, device, one_is_none=False):
+    """A per-head slot as [B, T, H]: a ``[B, T, H]`` tensor as it is, a laid-out one
+    (``[B|1, T|1, H|1, 1, 1]``) broadcast, a number filled in (None for a decay of 1 when ``one_is_none``)."""
+    if isinstance(x, torch.Tensor):
+        return x if x.dim() == 3 else x.expand(B, T, H, 1, 1).reshape(B, T, H)
+    return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
 
 
 def forward(obj, lay, co, output_final_state):
@@ -856,17 +844,13 @@ def forward(obj, lay, co, output_final_state):
     ps = None
     split = _split_p(obj.ir)
     if split is not None:           # p = s x with s per head, x a (d,) input: scale fused in the kernel
-        ps, p = _head(lay.env[split[0]], B, T, H), lay.env[split[1]]
+        ps, p = _per_head(lay.env[split[0]], B, T, H, dev), lay.env[split[1]]
     else:
         p = co["p"]
         p = p if isinstance(p, torch.Tensor) else torch.full((), float(p), device=dev)   # no host copy
     p = p.expand(B, T, H, d, 1).reshape(B, T, H, d)
-    c = _head(co["c"], B, T, H)
-    if not isinstance(c, torch.Tensor):
-        c = torch.full((B, T, H), c, device=dev)
-    a = _head(co.get("a", 1), B, T, H)
-    if not isinstance(a, torch.Tensor):
-        a = None if a == 1.0 else torch.full((B, T, H), a, device=dev)
+    c = _per_head(co["c"], B, T, H, dev)
+    a = _per_head(co.get("a", 1), B, T, H, dev, one_is_none=True)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_rank1(v, p.to(io), c, oq, u=u, q=q, a=a, ps=ps, initial_state=h0,
                         output_final_state=output_final_state, chunk_size=CHUNK)
@@ -899,19 +883,14 @@ def prepare(obj, lay):
     c_is_a_ps = (c.kind == "product" and a is not None and a.kind == "leaf" and pb.kind == "scaled"
                  and {c.leaf, c.scale} == {a.leaf, pb.scale})
 
-    def head(x, device, one_is_none=False):
-        """A per-head slot as [B, T, H] (a number broadcast; None for a decay of 1)."""
-        if isinstance(x, torch.Tensor):
-            return x
-        return None if one_is_none and x == 1.0 else torch.full((B, T, H), float(x), device=device)
-
     def run(cs, initial_state, output_final_state):
         v = cs.get("v")
         u = None if same["u"] else cs.get("u")
         q = None if same["q"] else cs.get("q")
         ps, p = cs.split("p")
-        o, ht = chunk_rank1(v, p.to(io), None if c_is_a_ps else head(cs.get("c"), cs.device), cs.get("oq"), u=u, q=q,
-                            a=head(cs.get("a", 1.0), cs.device, one_is_none=True), ps=ps,
+        o, ht = chunk_rank1(v, p.to(io), None if c_is_a_ps else _per_head(cs.get("c"), B, T, H, cs.device),
+                            cs.get("oq"), u=u, q=q, a=_per_head(cs.get("a", 1.0), B, T, H, cs.device, one_is_none=True),
+                            ps=ps,
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))

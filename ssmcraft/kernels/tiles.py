@@ -1,5 +1,5 @@
 """Triton helpers shared by the chunked kernels (``rank1_chunk``, ``keydecay_chunk``): the offsets
-and masks of a block of a ``[K, V]`` state and of a value block against a chunk's rows, and a state
+and masks of a block of a ``[K, V]`` state, of a chunk's rows and of a value block against them, and a state
 block loaded or started at zero. Triton inlines them: a kernel compiles as if their lines were
 written out in it.
 """
@@ -38,3 +38,13 @@ def value_block(i_v, V, m_t, m_k, BV: tl.constexpr):
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     return o_v, m_v, m_t[:, None] & m_v[None, :], m_k[:, None] & m_v[None, :]
+
+
+@triton.jit
+def chunk_rows(i_b, i_h, i_t, T, H, BT: tl.constexpr):
+    """Chunk ``i_t``'s rows: local index ``o_i [BT]``, mask ``m_t`` (rows before T) and the flat
+    (batch, time, head) row ids ``row`` (int64) of the ``[B, T, H, *]`` tensors."""
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    return o_i, m_t, (i_b * T + o_t).to(tl.int64) * H + i_h
