@@ -191,7 +191,7 @@ def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(t
     """The inline kernel text is built by the bundle machinery: the ssmcraft modules a family
     imports are pasted ahead of it, an excluded function goes with its multi-line decorator,
     its nested ssmcraft import and the imports only it used; third-party imports are refused."""
-    from ssmcraft.export.assemble import ExportError, import_problem, standalone_module
+    from ssmcraft.export.assemble import ExportError, import_problem, standalone_module, text_section
 
     (tmp_path / "fam_like.py").write_text(FAMILY_LIKE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -209,6 +209,14 @@ def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(t
     with pytest.raises(ExportError, match="fam_sympy.py imports sympy at run time"):
         standalone_module("fam_sympy", "", exclude={"prepare"}, allowed=("torch", "triton"))
     assert import_problem("def f():\n    import yaml\n", "x.py") == "x.py imports yaml at run time"
+    # generated text after the module (diagonal's kernels and contract) stands in for what was left out...
+    after = text_section("stand-in", "def prepare(obj, lay):\n    return 'generated'\n")
+    ns = {}
+    exec(compile(standalone_module("fam_like", "", exclude={"prepare"}, allowed=("torch", "triton"), after=after),
+                 "fam_like_after", "exec"), ns)   # noqa: S102 - our own bundle
+    assert ns["prepare"](None, None) == "generated"
+    with pytest.raises(ExportError, match="'prepare' is defined by both"):   # ...never silently over a kept one
+        standalone_module("fam_like", "", exclude=set(), allowed=("torch", "triton"), after=after)
     assert import_problem("import torch\nfrom ssmcraft.x import y\n", "x.py", ssmcraft=True) is None
 
 

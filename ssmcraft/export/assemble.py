@@ -255,12 +255,18 @@ def import_problem(source: str, where: str, allowed: tuple[str, ...] = ALLOWED_T
     return None
 
 
+def text_section(title: str, text: str) -> Section:
+    """A section of Python ``text`` (generated, not an ssmcraft module's), defining its top-level names."""
+    return Section(title, text, set().union(*(_top_level_names(n) for n in ast.parse(text).body)))
+
+
 def standalone_module(module_name: str, header: str, *, exclude: set[str] = frozenset(),
-                      allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> str:
+                      allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY, after: Section | None = None) -> str:
     """One ssmcraft module as a module of its own: the ssmcraft modules it imports from at the
-    top level (in the order it imports them), then the module itself less ``exclude``, laid
-    end to end by ``bundle`` with the same checks (so a name that only a further ssmcraft
-    module defines, a renamed ssmcraft import or an import outside ``allowed`` is an
+    top level (in the order it imports them), then the module itself less ``exclude``, then
+    ``after`` (generated text, e.g. what stands in for the excluded definitions), laid end to end
+    by ``bundle`` with the same checks (so a name that only a further ssmcraft module defines, a
+    name defined twice, a renamed ssmcraft import or an import outside ``allowed`` is an
     ``ExportError`` naming it)."""
     def check_imports(name: str) -> str:
         module = importlib.import_module(name)
@@ -280,7 +286,8 @@ def standalone_module(module_name: str, header: str, *, exclude: set[str] = froz
             check_imports(node.module)
             deps.append(node.module)
     plan = [("module", dep) for dep in deps] + [("module", module_name, {"exclude": set(exclude)})]
-    return bundle(header, plan, {}, allowed)
+    generated = {} if after is None else {"after": after}
+    return bundle(header, plan + [("generated", k) for k in generated], generated, allowed)
 
 
 # -- the generated recurrence --------------------------------------------------------------

@@ -634,19 +634,16 @@ def standalone_source(obj, sizes: dict) -> str:
     module less ``_EXPORT_EXCLUDE`` (what reaches the generator), bundled with the ssmcraft modules
     it imports, then the generated kernels pasted in (``tl.exp``: the interpreter runs them too) and,
     as data, the plan they were generated from; its ``supports`` / ``_get_plan`` / ``_module``
-    return those (another objective or key dim is refused)."""
-    from ssmcraft.export.assemble import standalone_module
-    from ssmcraft.kernels.diagonal_gen import source
+    return those (another objective or key dim is refused). The bundle refuses a name defined twice,
+    so a definition left out of ``_EXPORT_EXCLUDE`` cannot be overridden silently."""
+    from ssmcraft.export.assemble import standalone_module, text_section
+    from ssmcraft.export.exporter import KERNEL_IMPORTS
 
     K = int(sizes["m"])
     plan = _get_plan(obj.ir)
-    kernels = source(plan, next_pow2(K) != K, _ls_for(K), fast_math=False)
     leaves = ", ".join(f"{lf.name!r}: _Leaf({lf.name!r}, frozenset({sorted(lf.dims)!r}), {lf.kind!r}, {lf.var!r})"
                        for lf in plan.leaves.values())
-    host = standalone_module(__name__, "", exclude=_EXPORT_EXCLUDE, allowed=("torch", "triton"))
-    tail = f'''
-# -- the generated kernels of {obj.ir.spec_name!r} for K = {K} (ssmcraft.kernels.diagonal_gen) --
-{kernels}
+    contract = f'''{generated_source(obj.ir, K, fast_math=False)}
 
 
 # -- the plan they were generated from, and the family contract for this objective only --
@@ -677,5 +674,6 @@ def _module(plan: _Plan, BK: int, K: int):
     import sys
     return sys.modules[__name__]
 '''
-    return host.rstrip() + "\n\n" + tail
-
+    after = text_section(f"the generated kernels of {obj.ir.spec_name!r} for K = {K} (ssmcraft.kernels.diagonal_gen) "
+                         "and the family contract for this objective only", contract)
+    return standalone_module(__name__, "", exclude=_EXPORT_EXCLUDE, allowed=KERNEL_IMPORTS, after=after)
