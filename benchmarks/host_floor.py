@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import triton
@@ -131,7 +132,7 @@ def main():
     for k, v in rows.items():
         print(f"{k:45s} {v:8.1f} us" if isinstance(v, float) else f"{k:45s} {v}")
     print("\ndeltanet fwd+bwd host time by segment (median us of 60 calls):")
-    for label, fn in (("eager", calls["eager"]["fwd_bwd"]), ("engine on this thread", on_this_thread(calls["eager"]["fwd_bwd"]))):
+    for label, fn in (("eager", calls["eager"]["fwd_bwd"]), ("engine on this thread", calls["onethread"]["fwd_bwd"])):
         print(f"  {label:22s} " + "  ".join(f"{k} {v:6.1f}" for k, v in segments(fn).items()))
     print("\ndeltanet fwd+bwd's launches replayed alone (us):")
     for name, row in launch_parts(calls["eager"]["fwd_bwd"]):
@@ -142,7 +143,6 @@ def segments(fn, n: int = 60) -> dict:
     """Median us per segment of ``fn`` (a DeltaNet fwd+bwd) over ``n`` calls (module docstring), timed
     by wrapping ``Rank1ChunkFunction``'s forward and backward for the duration."""
     stamp = {}
-    fwd, bwd = R.Rank1ChunkFunction.forward, R.Rank1ChunkFunction.backward
 
     def timed(f, enter, leave):
         def run(ctx, *args):
@@ -151,9 +151,9 @@ def segments(fn, n: int = 60) -> dict:
             stamp[leave] = time.perf_counter_ns()
             return out
         return staticmethod(run)
-    R.Rank1ChunkFunction.forward = timed(fwd, "f0", "f1")
-    R.Rank1ChunkFunction.backward = timed(bwd, "b0", "b1")
-    try:
+    F = R.Rank1ChunkFunction
+    with mock.patch.object(F, "forward", timed(F.forward, "f0", "f1")), \
+            mock.patch.object(F, "backward", timed(F.backward, "b0", "b1")):
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -167,46 +167,31 @@ def segments(fn, n: int = 60) -> dict:
                               "to return": (stamp["b1"], t1), "total": (t0, t1)}.items():
                 spans[k].append((b - a) / 1e3)
         torch.cuda.synchronize()
-    finally:
-        R.Rank1ChunkFunction.forward, R.Rank1ChunkFunction.backward = staticmethod(fwd), staticmethod(bwd)
     return {k: statistics.median(v) for k, v in spans.items()}
 
 
 def launch_parts(fn) -> list:
     """[(kernel name, {part: us})] for each launch of one ``fn()`` (recorded through a spy on
-    ``rank1_chunk.launch``), replayed alone after it, then ``("torch.empty <shape>", ...)`` for each
-    buffer it allocated (a spy on ``rank1_chunk._empty``)."""
-    from triton.runtime.driver import driver
+    ``rank1_chunk.launch``), replayed alone after it (``launch.direct_parts``), then
+    ``("torch.empty <shape>", ...)`` for each buffer it allocated (a spy on ``rank1_chunk._empty``)."""
     launches, buffers = [], []
-    spy_launch, spy_empty = R.launch, R._empty
+    empty = R._empty
 
     def record_launch(kernel, grid, *args, **kw):
         launches.append((kernel, grid, args, kw))
-        return spy_launch(kernel, grid, *args, **kw)
+        return L.launch(kernel, grid, *args, **kw)
 
     def record_empty(*shape, device, dtype):
         buffers.append((shape, dtype, device))
-        return spy_empty(*shape, device=device, dtype=dtype)
-    R.launch, R._empty = record_launch, record_empty
-    try:
+        return empty(*shape, device=device, dtype=dtype)
+    with mock.patch.object(R, "launch", record_launch), mock.patch.object(R, "_empty", record_empty):
         fn()
-    finally:
-        R.launch, R._empty = spy_launch, spy_empty
     torch.cuda.synchronize()
-    dev = torch.cuda.current_device()
     out = []
     for kernel, grid, args, kw in launches:
-        compiled, order, names = kernel.__dict__[L._ATTR]["keys"][L.launch_key(dev, args, kw)]
-        vals = L.values(order, args, kw)
-        g = (*(grid(dict(zip(names, vals))) if callable(grid) else grid), 1, 1)
-        stream = driver.active.get_current_stream(dev)
-        out.append((L._jit(kernel).fn.__name__, {
-            "launch()": host_us(lambda: L.launch(kernel, grid, *args, **kw)),
-            "launch key": host_us(lambda: L.launch_key(dev, args, kw)),
-            "arguments + grid": host_us(lambda: (L.values(order, args, kw), grid(dict(zip(names, vals))) if callable(grid) else grid)),
-            "compiled launcher": host_us(lambda: compiled.run(g[0], g[1], g[2], stream, compiled.function,
-                                                              compiled.packed_metadata, None, None, None, *vals)),
-            "arguments": len(vals)}))
+        parts, n_args = L.direct_parts(kernel, grid, *args, **kw)
+        out.append((L._jit(kernel).fn.__name__, {"launch()": host_us(lambda: L.launch(kernel, grid, *args, **kw)),
+                                                 **{k: host_us(f) for k, f in parts.items()}, "arguments": n_args}))
     for shape, dtype, device in buffers:
         out.append((f"torch.empty {tuple(shape)}", {"us": host_us(lambda: torch.empty(shape, device=device, dtype=dtype))}))
     return out

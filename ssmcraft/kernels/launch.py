@@ -131,8 +131,31 @@ def launch(kernel, grid, *args, **kw):
         return compiled
     compiled, order, names = hit
     vals = values(order, args, kw)
-    g = (*(grid(dict(zip(names, vals))) if callable(grid) else grid), 1, 1)
-    compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *vals)
+    run_compiled(compiled, _grid3(grid, names, vals), device, vals)
     state["stats"]["direct"] += 1
     return compiled
+
+
+def _grid3(grid, names, vals) -> tuple:
+    """The launch grid as 3 ints (``grid``: a tuple, or a callable of ``{parameter: value}``)."""
+    return (*(grid(dict(zip(names, vals))) if callable(grid) else grid), 1, 1)
+
+
+def run_compiled(compiled, g: tuple, device, vals: list) -> None:
+    """The compiled kernel's own launcher (Triton 3.6's ``CompiledKernel.run`` signature) on the
+    full argument list ``vals`` over grid ``g``, on the device's current stream."""
+    compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *vals)
+
+
+def direct_parts(kernel, grid, *args, **kw) -> tuple[dict, int]:
+    """The parts of a direct launch of a key launched before, each a call of its own, for timing
+    (``benchmarks/host_floor.py``): ``({"launch key": fn, "arguments + grid": fn, "compiled launcher":
+    fn}, number of arguments)``, built from the pieces ``launch`` runs."""
+    device = torch.cuda.current_device()
+    compiled, order, names = kernel.__dict__[_ATTR]["keys"][launch_key(device, args, kw)]
+    vals = values(order, args, kw)
+    g = _grid3(grid, names, vals)
+    return ({"launch key": lambda: launch_key(device, args, kw),
+             "arguments + grid": lambda: _grid3(grid, names, values(order, args, kw)),
+             "compiled launcher": lambda: run_compiled(compiled, g, device, vals)}, len(vals))
