@@ -247,11 +247,12 @@ def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
 def test_derive_kernel_prints_the_eager_coefficients_note_as_a_comment(monkeypatch, capsys):
     """A hand-written family whose computed slots have no generated prologue (here: the prologue
     made to fail) prints why, as one comment line, and no source block."""
-    from types import SimpleNamespace
+    from ssmcraft.kernels import prologue
 
-    from ssmcraft.kernels import slots
-    monkeypatch.setattr(slots, "computed_path", lambda obj, b: SimpleNamespace(source=None, why="printer refused"))
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("printer refused")
+    monkeypatch.setattr(prologue, "module", refuse)          # the real computed_path runs and falls back
     assert main(["derive", "longhorn", "--kernel"]) == 0
     out = capsys.readouterr().out
-    assert "# printer refused: the generated eager coefficients compute the computed slots\n" in out
+    assert "# no Triton prologue (printer refused): the generated eager coefficients compute the computed slots\n" in out
     assert "# generated" not in out

@@ -262,15 +262,14 @@ CASES = [
     ("newton_silu_not_convex", spec(objective="sq(S - S_prev)/2 + dot(beta, silu(S*k - x))", update="newton"),
      "objective", r"^(?!.*\b_r\d).*weight of its rank-1 part, .*Sum\(S_prev\[i, j\]\*k\[j\]"),
     # --- param initialisers that torch could not follow ------------------------------------------
-    ("init_normal_negative_std", spec(params={"A": {"shape": ["m"], "init": {"normal": [-1, -0.5]}}},
-                                      objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
+    ("init_normal_negative_std", spec(params={"A": {"shape": ["m"], "init": {"normal": [-1, -0.5]}}}),
      "params.A.init", r"std >= 0"),
-    ("init_uniform_inf", spec(params={"A": {"shape": ["m"], "init": {"uniform": [0, float("inf")]}}},
-                              objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
+    ("init_uniform_inf", spec(params={"A": {"shape": ["m"], "init": {"uniform": [0, float("inf")]}}}),
      "params.A.init", r"finite numbers"),
-    ("init_constant_nan", spec(params={"A": {"shape": ["m"], "init": float("nan")}},
-                               objective="sq(S - had(exp(A), S_prev))/2 + wsq(S*k - x, beta)/2"),
-     "params.A.init", r"finite number"),
+    ("init_constant_nan", spec(params={"A": {"shape": ["m"], "init": float("nan")}}), "params.A.init", r"finite number"),
+    # the quadratic part's coefficient, refused, shows its sums as sums (as the rank-1 weight's below)
+    ("quadratic_part_shows_sums", obj("sq(S - S_prev)/2*dot(S_prev*k, x) + wsq(S*k - x, beta)/2"), "objective",
+     r"^(?!.*\b_r\d).*quadratic part, Sum\(x\[i\]\*Sum\(S_prev"),
     ("multi_unknown_name", multi(objective={**MULTI_OBJ, "S": "sq(S - S_prev - E)/2"}), "objective.S", r"unknown name 'E'"),
 ]
 
@@ -325,7 +324,6 @@ def test_what_a_state_may_read_is_checked_at_the_spec_stage(case_id):
     "objectives/no_such_objective.yaml",
     "no/such/dir/x.yaml",
     "no/such/dir/deltanet.yaml",     # a library file's name in a folder that is not there: not the library's
-    str(ROOT / "objectives"),        # a folder
     "nosuch.txt",                    # neither a file nor a library name
 ])
 def test_bad_spec_arguments(bad):
@@ -335,15 +333,23 @@ def test_bad_spec_arguments(bad):
     assert "\n" not in str(ei.value) and str(ei.value).startswith(bad + ": ")
 
 
+def test_a_folder_is_not_a_spec_file():
+    with pytest.raises(SpecError) as ei:
+        ssmcraft.compile(str(ROOT / "objectives"))
+    assert ei.value.problem == "a folder, not a spec file", str(ei.value)
+
+
 def test_a_spec_file_is_read_whatever_its_name_ends_with(tmp_path, monkeypatch):
     text = (ROOT / "objectives" / "longhorn.yaml").read_text()
-    for name in ("lh.spec", "LH.YAML", "lh"):
-        (tmp_path / name).write_text(text)
-        assert ssmcraft.compile(str(tmp_path / name)).spec.source == str(tmp_path / name)
     monkeypatch.chdir(tmp_path)
-    assert ssmcraft.compile("lh").spec.source == "lh"                  # a file here, not a library name
-    (tmp_path / "mamba").mkdir()                                        # a folder named like a library objective
+    for name in ("lh.spec", "LH.YAML", "lh"):                          # bare names: not the '/' rule
+        (tmp_path / name).write_text(text)
+        assert ssmcraft.compile(name).spec.source == name
+    (tmp_path / "mamba").write_text(text)                               # a file here named like a library objective
     assert ssmcraft.compile("mamba").spec.source == str(ROOT / "objectives" / "mamba.yaml")
+    with pytest.raises(SpecError) as ei:                                # any-case suffix: a path, not YAML text
+        ssmcraft.compile("NOSUCH.YAML")
+    assert ei.value.problem == "no such file"
     assert ssmcraft.compile("deltanet.yaml").spec.source == str(ROOT / "objectives" / "deltanet.yaml")
     one_line = yaml.safe_dump(BASE, default_flow_style=True, width=10_000).strip()      # YAML text holding '/'
     assert "\n" not in one_line and "/" in one_line and ssmcraft.compile(one_line).spec.source == "<text>"

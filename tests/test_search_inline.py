@@ -242,13 +242,11 @@ def test_a_ranking_metric_that_is_not_a_number_stops_the_search_after_a_timed_ou
 def test_ssmcrafts_own_trials_check_the_experiment_sections_before_anything_is_written(tmp_path):
     from ssmcraft.search.trial import train_trial
 
-    spec = load_search_spec(tiny_spec(model={"d_model": 16, "n_layers": 1, "d_modle": 3}), source="s.yaml")
-    with pytest.raises(SpecError, match="s.yaml: model.d_modle: unknown key"):
-        run_search(spec, tmp_path / "run", executor=InlineExecutor(), trial_fn=train_trial, compile_fn=None,
-                   plots=False, log=lambda line: None)
+    model = {"d_model": 16, "n_layers": 1, "d_modle": 3}
+    with pytest.raises(SpecError, match="model.d_modle: unknown key"):
+        search(tmp_path / "run", train_trial, model=model)
     assert not (tmp_path / "run").exists()
-    run_search(spec, tmp_path / "own", executor=InlineExecutor(), trial_fn=quadratic, compile_fn=None,
-               plots=False, log=lambda line: None)   # a trial function of its own may read other keys
+    search(tmp_path / "own", model=model)          # a trial function of its own may read other keys
 
 
 def test_a_cpu_allocation_failure_is_out_of_memory():
@@ -276,7 +274,8 @@ def test_an_unreachable_ray_address_is_refused_at_once():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        check_reachable(f"127.0.0.1:{s.getsockname()[1]}", timeout=2)     # something listens: passes
+        for address in (f"127.0.0.1:{s.getsockname()[1]}", f"ray://127.0.0.1:{s.getsockname()[1]}"):
+            check_reachable(address, timeout=2)                               # something listens: passes
     check_reachable("auto")                                               # left to Ray
 
 

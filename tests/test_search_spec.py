@@ -171,7 +171,12 @@ def test_the_experiment_sections_are_checked_as_a_training_would(change, key, pr
     with pytest.raises(SpecError) as e:
         check_experiment(spec)
     assert str(e.value).startswith("s.yaml: ") and e.value.key == key and problem in e.value.problem, str(e.value)
-    check_experiment(load_search_spec(tiny_spec()))        # and the valid spec passes
+
+
+def test_the_valid_spec_passes_check_experiment():
+    from ssmcraft.search.space import check_experiment
+
+    check_experiment(load_search_spec(tiny_spec()))
 
 
 def test_a_searched_path_under_another_searched_path_is_refused():
