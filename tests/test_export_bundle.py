@@ -1,5 +1,5 @@
 """Export internals: the bundle built from ssmcraft's source, every library objective through
-an export, the torch-only safetensors reader/writer, and the inline Triton kernels under
+an export, the weights reader/writer (the safetensors library), and the inline Triton kernels under
 the interpreter (CPU)."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_generated_recurrence_becomes_a_class(compiled):
         recurrence_section(bad)
 
 
-def test_safetensors_reader_and_writer_match_the_library(tmp_path):
+def test_weights_reader_and_writer_round_trip_and_refuse_malformed_files(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from ssmcraft.export.runtime import load_safetensors, save_safetensors
@@ -103,20 +103,43 @@ def test_safetensors_reader_and_writer_match_the_library(tmp_path):
     }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "lib.safetensors"), metadata={"a": "b"})
     save_safetensors(tensors, tmp_path / "ours.safetensors", {"a": "b"})
+    assert (tmp_path / "ours.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()   # as any file it writes
     for path in ("lib.safetensors", "ours.safetensors"):
         for reader in (load_safetensors, load_file):
             got = reader(str(tmp_path / path))
             assert set(got) == set(tensors)
             for k, v in tensors.items():
                 assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), (path, k)
+    # a header whose byte ranges overlap or are shifted reads as non-finite garbage with a lenient
+    # reader: the library refuses it, and the reader says so in one line naming the file
+    data = (tmp_path / "ours.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    for name, change in (("overlap", lambda h: h["f64"].update(data_offsets=h["f32"]["data_offsets"][:1] + [
+                             h["f32"]["data_offsets"][0] + 32])),
+                         ("shifted", lambda h: h["f32"].update(data_offsets=[o + 4 for o in h["f32"]["data_offsets"]]))):
+        bad = json.loads(json.dumps(header))
+        change(bad)
+        head = json.dumps(bad).encode()
+        head += b" " * (-len(head) % 8)
+        (tmp_path / f"{name}.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+        with pytest.raises(SsmcraftError) as e:
+            load_safetensors(tmp_path / f"{name}.safetensors")
+        assert f"{name}.safetensors: not a readable safetensors file" in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 12)
-    with pytest.raises(SsmcraftError, match="not a safetensors file"):
+    with pytest.raises(SsmcraftError, match="bad.safetensors: not a readable safetensors file"):
         load_safetensors(tmp_path / "bad.safetensors")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 INTERPRETED = textwrap.dedent(r'''
     import importlib.util, json, os, sys
-    for blocked in ("ssmcraft", "safetensors", "yaml", "sympy", "optuna"):
+    for blocked in ("ssmcraft", "yaml", "sympy", "optuna"):
         sys.modules[blocked] = None
     import torch
     torch.set_grad_enabled(False)

@@ -175,6 +175,9 @@ def test_a_rerun_in_a_folder_removes_the_earlier_runs_results_first(corpus, trai
     with pytest.raises(SsmcraftError, match="no model.safetensors"):
         load_run(folder)
     shutil.copy(out / "model.safetensors", folder / "model.safetensors")   # someone's weights of another size
+    with pytest.raises(SsmcraftError, match="no metrics.json beside model.safetensors"):
+        load_run(folder)
+    (folder / "metrics.json").write_text(json.dumps({"status": "ok"}))   # as a run that recorded no hashes
     with pytest.raises(SsmcraftError, match="model.safetensors does not fit config.json"):
         load_run(folder)
 

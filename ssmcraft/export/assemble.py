@@ -5,8 +5,8 @@ real modules (``inspect.getsource``) laid end to end, with
 
 - every ``from ssmcraft... import`` removed (the names it imported are defined by an
   earlier section of the same file; checked here), nested ones replaced by ``pass``;
-- every other import hoisted, merged and checked: only the standard library and
-  ``torch`` may be imported at the top level (``triton`` is imported lazily, on CUDA);
+- every other import hoisted, merged and checked: only the standard library, ``torch``
+  and ``safetensors`` may be imported at the top level (``triton`` is imported lazily, on CUDA);
 - module docstrings turned into comments under a banner naming the source file;
 - the generated reference recurrence (``CompiledObjective.source``) wrapped as a class
   namespace ``Recurrence`` (its functions become static methods), so that the runtime's
@@ -29,7 +29,7 @@ from pathlib import Path
 from ssmcraft.errors import SsmcraftError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-ALLOWED_THIRD_PARTY = ("torch",)          # top-level imports allowed besides the stdlib
+ALLOWED_THIRD_PARTY = ("torch", "safetensors")   # top-level imports allowed besides the stdlib
 BANNER = "# " + "=" * 86
 
 

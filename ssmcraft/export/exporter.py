@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import textwrap
 import uuid
 from dataclasses import dataclass, field
@@ -104,10 +103,10 @@ class ExportResult:
 
 # -- finding the trained model ---------------------------------------------------------------
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """A JSON object file of the source folder, {} when absent; a corrupt one is refused."""
+    from ssmcraft.train.checkpoint import read_mapping
+
+    return read_mapping(path) if path.exists() else {}
 
 
 def resolve_source(run_dir: str | Path, trial: str | int | None = None) -> TrialSource:
@@ -120,6 +119,7 @@ def resolve_source(run_dir: str | Path, trial: str | int | None = None) -> Trial
     if (run_dir / "run.json").is_file():
         from ssmcraft.search import find_trial
 
+        _check_run_info(run_dir / "run.json")
         which = "best" if trial is None else trial
         if isinstance(which, str) and which != "best":
             if not which.strip().isdigit():
@@ -144,6 +144,16 @@ def resolve_source(run_dir: str | Path, trial: str | int | None = None) -> Trial
         return TrialSource("train", run_dir, run_dir, None, {}, metrics)
     raise ExportError(f"{run_dir}: neither a search folder (no run.json) nor a training run folder "
                       f"(no {CONFIG_FILE})")
+
+
+def _check_run_info(path: Path) -> None:
+    """A search folder's run.json names its study and storage; a corrupt one is one line here, before
+    the search machinery opens the storage it names."""
+    info = _read_json(path)
+    storage = info.get("storage")
+    if not isinstance(info.get("study"), str) or not isinstance(storage, dict) or not isinstance(storage.get("kind"), str):
+        raise ExportError(f"{path}: expected a search's run.json (a 'study' name and a 'storage' mapping with a "
+                          "'kind'); the file is corrupt")
 
 
 def _model_folder(folder: Path, what: str) -> Path:
@@ -306,9 +316,9 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
     lines += [
         f"# Exported by ssmcraft {_version()}" + (f" (git {git})" if git else "") + f", torch {torch.__version__}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}.",
-        "# Needs: torch. Optional: triton (CUDA kernels). Weights are read with torch alone (no safetensors",
-        "# package needed). Everything below the imports is ssmcraft's own source, copied section by section",
-        "# (banners name the file), plus the generated recurrence for this objective.",
+        "# Needs: torch and safetensors (the weights). Optional: triton (CUDA kernels). Everything below the",
+        "# imports is ssmcraft's own source, copied section by section (banners name the file), plus the",
+        "# generated recurrence for this objective.",
         f"# Triton kernels: {kernels}.",
     ]
     if layer_only:
@@ -390,7 +400,8 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
     lines = [
         f"# {stem}: {'the ' + obj.spec.name + ' mixer layer' if layer_only else obj.spec.name + ' language model'}",
         "",
-        f"Exported by ssmcraft from {source.label}. Needs only `torch` (and `triton` for the CUDA kernels).",
+        f"Exported by ssmcraft from {source.label}. Needs only `torch` and `safetensors` (and `triton` for the "
+        "CUDA kernels).",
         "",
         "```python",
         *usage,
@@ -401,7 +412,7 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
         f"- `{stem}.py`: the {'mixer' if layer_only else 'model'} (readable; its header shows the objective, the "
         "derived update and where it was trained).",
         f"- `{CONFIG_FILE}`: model config and objective (spec, IR, update); `{WEIGHTS_FILE}`: the weights "
-        f"({n_params:,} parameters{', mixers only' if layer_only else ''}), read with torch alone.",
+        f"({n_params:,} parameters{', mixers only' if layer_only else ''}), read with the `safetensors` library.",
         "",
         f"Objective `{obj.spec.name}` ({obj.ir.kind}):",
         "",
@@ -480,7 +491,7 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
 def _save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     from ssmcraft.export.runtime import save_safetensors
 
-    save_safetensors({k: v.detach().cpu() for k, v in tensors.items()}, str(path), {"format": "pt", **metadata})
+    save_safetensors(tensors, str(path), {"format": "pt", **metadata})
 
 
 def export(run_dir: str | Path, out: str | Path, trial: str | int | None = None, *, layer_only: bool = False,
@@ -498,7 +509,9 @@ def export(run_dir: str | Path, out: str | Path, trial: str | int | None = None,
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder; choose another --out")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out}: exists and is not empty; choose another --out or pass --force")
 
 
@@ -549,8 +562,12 @@ def export_model(model, out: str | Path, source: TrialSource, *, layer_only: boo
         "exported_by": {"ssmcraft": _version(), "git": provenance["git"], "torch": torch.__version__,
                         "kernels": kernels},
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]   # removed again on failure
+    stage = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:12]}"
+    try:
+        stage.mkdir(parents=True)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write beside it ({e.strerror or type(e).__name__}: {e.filename})") from None
     try:
         module_path = stage / f"{stem}.py"
         module_path.write_text(text, encoding="utf-8")
@@ -560,17 +577,35 @@ def export_model(model, out: str | Path, source: TrialSource, *, layer_only: boo
         (stage / README_FILE).write_text(readme_text(stem, obj, source, layer_only, kernels, n_params,
                                                      str(out)))
         checked = verify(module_path, stage, model, layer_only) if check else None
-        out.mkdir(parents=True, exist_ok=True)
-        files = []
-        for f in sorted(stage.iterdir()):
-            os.replace(f, out / f.name)
-            files.append(out / f.name)
-    finally:
+        files = [out / f.name for f in sorted(stage.iterdir())]
+        _put_in_place(stage, out)
+    except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        for folder in made:
+            _remove_empty(folder)
+        raise
     result = ExportResult(out, out / f"{stem}.py", files, source, obj.spec.name, obj.ir.kind, layer_only,
                           kernels, n_params, checked)
     say(f"exported {source.label}: {obj.spec.name} ({obj.ir.kind}), {n_params:,} parameters -> {out}")
     return result
+
+
+def _put_in_place(stage: Path, out: Path) -> None:
+    """Move the finished export from ``stage`` to ``out``: one rename when ``out`` is absent or an
+    empty folder (a reader sees no export or all of it), else (``--force``) file by file."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        os.replace(stage, out)
+        return
+    for f in sorted(stage.iterdir()):
+        os.replace(f, out / f.name)
+    stage.rmdir()
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:          # not empty (another writer) or gone: leave it
+        pass
 
 
 def _plain(value: Any) -> Any:

@@ -2,8 +2,8 @@
 
 This file is part of ssmcraft (importable and tested there) and is also copied, like the
 layers, into every exported module (see ``ssmcraft.export.assemble``). It must not use
-anything an exported module lacks: only the standard library, torch, and the names of
-the other bundled ssmcraft modules (imported below from ssmcraft; in the bundle they are
+anything an exported module lacks: only the standard library, torch, safetensors, and the
+names of the other bundled ssmcraft modules (imported below from ssmcraft; in the bundle they are
 defined earlier in the same file). ``triton`` is imported only when a CUDA tensor meets
 a module that carries Triton kernels.
 
@@ -12,10 +12,11 @@ a module that carries Triton kernels.
   call contract (``obj(inputs, params, initial_state, output_final_state)``); it picks
   the path at run time (``"triton"`` on CUDA when kernels are inline, else
   ``"torch-vectorised"``) and records it in ``obj.backend`` (and logs a change).
-- ``load_safetensors`` / ``save_safetensors``: the safetensors format with torch alone
-  (8-byte little-endian header length, JSON header, raw little-endian tensor bytes), so
-  an exported model needs no ``safetensors`` package (and ssmcraft writes exports with
-  the same code, so the two cannot disagree).
+- ``load_safetensors`` / ``save_safetensors``: weights through the ``safetensors`` library
+  (which refuses malformed headers, overlapping or out-of-range offsets), its errors as one
+  ``SsmcraftError`` line naming the file; ssmcraft writes exports with the same function.
+- ``check_tokens`` / ``check_hidden`` / ``check_cache`` / ``check_count``: the public entry
+  points' input checks, one ``SsmcraftError`` line each instead of a torch error deep inside.
 - ``Mixer``: the objective mixer with the exported configuration, fresh or from weights.
 
 Placeholders (``OBJECTIVE``, ``MODEL_CONFIG``, ``EXPORT``) are set by the generated last
@@ -23,7 +24,6 @@ section of an exported module; in ssmcraft itself they stay empty.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -33,6 +33,8 @@ import sys
 import tempfile
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
@@ -120,6 +122,9 @@ class Objective:
         self.update = update
         self.backend: str | None = None
         self.prefer = os.environ.get("SSM_BACKEND", "auto")
+        if self.prefer not in BACKENDS:
+            raise SsmcraftError(f"SSM_BACKEND={self.prefer!r} is not a backend; choose one of {', '.join(BACKENDS)} "
+                                "(or leave it unset: auto)")
         self._kernels = None
         self._kernel_error: str | None = None
 
@@ -279,90 +284,89 @@ def compile_objective(ref):
     return OBJECTIVE
 
 
-# -- safetensors with torch alone -------------------------------------------------------------
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
+# -- weights -------------------------------------------------------------------------------------
 def load_safetensors(path, device="cpu") -> dict:
-    """name -> tensor from a ``.safetensors`` file, with torch only.
-
-    Format: ``u64`` little-endian header size N, N bytes of JSON
-    (``name -> {"dtype", "shape", "data_offsets": [begin, end]}`` plus optional
-    ``__metadata__``), then the tensors' bytes, little-endian, row-major.
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 8:
-        raise SsmcraftError(f"{path}: not a safetensors file (too short)")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise SsmcraftError(f"{path}: not a safetensors file (header size {n} > file size)")
-    header = json.loads(data[8:8 + n].decode("utf-8"))
-    if sys.byteorder != "little":
-        raise SsmcraftError("reading safetensors on a big-endian machine is not supported here")
-    base = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise SsmcraftError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
-        begin, end = info["data_offsets"]
-        shape = list(info["shape"])
-        numel = 1
-        for s in shape:
-            numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != numel * itemsize or base + end > len(data):
-            raise SsmcraftError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {info['dtype']}")
-        if numel == 0:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            t = torch.frombuffer(bytearray(data[base + begin:base + end]), dtype=dtype).reshape(shape)
-        out[name] = t.to(device)
-    return out
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of a tensor, row-major (``ctypes`` copy: fast, no numpy)."""
-    t = t.detach().to("cpu").contiguous()
-    if t.numel() == 0:
-        return b""
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+    """name -> tensor from a ``.safetensors`` file (the ``safetensors`` library, which checks the
+    header, dtypes and that every tensor's byte range lies inside the file without overlap)."""
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SsmcraftError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
 
 
 def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """Write ``tensors`` (name -> tensor) in the safetensors format, with torch only; readable
-    by ``load_safetensors`` and by the ``safetensors`` package. Written to a temporary file
-    and renamed, so a reader never sees half a file."""
-    if sys.byteorder != "little":
-        raise SsmcraftError("writing safetensors on a big-endian machine is not supported here")
-    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-    header, blobs, offset = {}, [], 0
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.dtype not in names:
-            raise SsmcraftError(f"tensor {name!r}: dtype {t.dtype} cannot be written as safetensors here")
-        blob = tensor_bytes(t)
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)                     # align the data to 8 bytes, as safetensors does
+    """Write ``tensors`` (name -> tensor) as safetensors (contiguous CPU copies), to a temporary
+    file renamed into place, so a reader never sees half a file (written by ``open``, so the
+    file's mode follows the umask as every other file of an export)."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for blob in blobs:
-            f.write(blob)
-    os.replace(tmp, path)
+    try:
+        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                    metadata={str(k): str(v) for k, v in (metadata or {}).items()})
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except (SafetensorError, OSError, ValueError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise SsmcraftError(f"{path}: cannot write the weights ({' '.join(str(e).split())[:200]})") from None
+
+
+# -- input checks ----------------------------------------------------------------------------------
+def _shape(x) -> str:
+    return f"shape {list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_count(value, where: str, low: int = 1) -> int:
+    """An integer argument (a batch size, a token count) that must be >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise SsmcraftError(f"{where}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_tokens(tokens, vocab_size: int, device, where: str, layout: str = "[B, T]") -> None:
+    """Token ids: an int64/int32 tensor on ``device`` of ``layout`` (``[B, T]`` or ``[B]``), not
+    empty, every id in ``[0, vocab_size)``."""
+    ndim = layout.count(",") + 1
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+        raise SsmcraftError(f"{where}: expected token ids as an int64 or int32 tensor {layout}, got {_shape(tokens)}")
+    if tokens.dim() != ndim or tokens.numel() == 0:
+        raise SsmcraftError(f"{where}: expected token ids {layout} with every size >= 1, got shape {list(tokens.shape)}")
+    if tokens.device != torch.device(device):
+        raise SsmcraftError(f"{where}: the token ids are on {tokens.device}, the model on {device}")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise SsmcraftError(f"{where}: token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_hidden(h, d_model: int, weight: torch.Tensor, where: str, layout: str = "[B, T, d_model]") -> None:
+    """Hidden states: a floating tensor of ``layout`` (last size ``d_model``), not empty, on the
+    device and in the dtype of ``weight`` (the layer's)."""
+    ndim = layout.count(",") + 1
+    if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+        raise SsmcraftError(f"{where}: expected a floating-point tensor {layout}, got {_shape(h)}")
+    if h.dim() != ndim or h.shape[-1] != d_model or h.numel() == 0:
+        raise SsmcraftError(f"{where}: expected {layout.replace('d_model', str(d_model))} with every size >= 1, "
+                            f"got shape {list(h.shape)}")
+    if h.device != weight.device or h.dtype != weight.dtype:
+        raise SsmcraftError(f"{where}: got {h.dtype} on {h.device}; the layer's weights are {weight.dtype} on "
+                            f"{weight.device} (move one to the other)")
+
+
+def check_cache(mixer, cache, batch_size: int, where: str) -> None:
+    """One mixer's recurrent cache (``init_cache``'s shapes) for ``batch_size`` sequences."""
+    w = mixer.in_proj.weight
+    conv = tuple(mixer.conv.init_state(batch_size, torch.device("meta"), w.dtype).shape)
+    n_states = len(mixer.obj.spec.state_names())
+    state = (batch_size, mixer.H, mixer.d, mixer.m)
+    got_conv, got_state = getattr(cache, "conv", None), getattr(cache, "state", None)
+    states = got_state if isinstance(got_state, tuple) else (got_state,)
+    ok = (isinstance(got_conv, torch.Tensor) and tuple(got_conv.shape) == conv and len(states) == n_states
+          and all(isinstance(S, torch.Tensor) and tuple(S.shape) == state for S in states))
+    if not ok:
+        shapes = (f"conv {_shape(got_conv)}, state {', '.join(_shape(S) for S in states)}"
+                  if got_conv is not None else type(cache).__name__)
+        raise SsmcraftError(f"{where}: expected a cache from init_cache({batch_size}) (conv {list(conv)}, "
+                            f"{n_states} state(s) {list(state)}), got {shapes}")
 
 
 def read_config(path) -> dict:
@@ -370,10 +374,17 @@ def read_config(path) -> dict:
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
         raise SsmcraftError(f"{path}: no {CONFIG_FILE} (not an exported model folder)")
-    with open(file, encoding="utf-8") as f:
-        config = json.load(f)
+    try:
+        with open(file, "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:
+        raise SsmcraftError(f"{file}: not a readable JSON file ({' '.join(str(e).split())[:200]})") from None
+    model, objective = (config.get("model"), config.get("objective")) if isinstance(config, dict) else (None, None)
+    if not isinstance(model, dict) or not isinstance(model.get("mixer"), dict) or not isinstance(objective, dict):
+        raise SsmcraftError(f"{file}: expected an export's config (a JSON object with 'model', 'model.mixer' "
+                            "and 'objective' mappings)")
     want = EXPORT.get("ir_hash")
-    got = config.get("objective", {}).get("ir_hash")
+    got = objective.get("ir_hash")
     if want and got and want != got:
         raise SsmcraftError(f"{file}: its objective ({config['objective'].get('name')}, IR {got}) is not the one "
                             f"this module was exported with ({EXPORT.get('objective')}, IR {want})")
@@ -409,11 +420,34 @@ class Mixer(ObjectiveMixer):
         config = read_config(path)
         model = config["model"]
         n = model.get("n_layers", 0)
-        if not 0 <= layer < n:
-            raise SsmcraftError(f"{path}: layer {layer} out of range; the model has {n} layers")
-        mixer = cls(model["d_model"], **model["mixer"])
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise SsmcraftError(f"{path}: layer {layer!r} out of range; the model has {n} layers")
+        mixer = cls(model.get("d_model"), **model["mixer"])
         prefix = f"blocks.{layer}.mixer."
         weights = {k[len(prefix):]: v for k, v in load_safetensors(os.path.join(path, WEIGHTS_FILE)).items()
                    if k.startswith(prefix)}
-        mixer.load_state_dict(weights, strict=True)
+        load_weights(mixer, weights, path)
         return mixer.to(device).eval()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]`` (parallel mode)."""
+        check_hidden(h, self.d_model, self.in_proj.weight, "Mixer: h")
+        return super().forward(h)
+
+    def init_cache(self, batch_size: int):
+        return super().init_cache(check_count(batch_size, "Mixer.init_cache: batch_size"))
+
+    def step(self, h_t: torch.Tensor, cache):
+        """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
+        check_hidden(h_t, self.d_model, self.in_proj.weight, "Mixer.step: h_t", "[B, d_model]")
+        check_cache(self, cache, h_t.shape[0], "Mixer.step: cache")
+        return super().step(h_t, cache)
+
+
+def load_weights(module: torch.nn.Module, weights: dict, path) -> None:
+    """``module.load_state_dict(weights, strict=True)``, a mismatch as one line naming the folder."""
+    try:
+        module.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise SsmcraftError(f"{os.path.join(path, WEIGHTS_FILE)} does not fit {CONFIG_FILE} "
+                            f"({' '.join(str(e).split())[:300]})") from None

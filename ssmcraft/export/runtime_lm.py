@@ -5,14 +5,15 @@ same rules as ``ssmcraft.export.runtime`` apply.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import torch.nn.functional as F
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.export.runtime import (MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, default_dir, load_safetensors,
-                                     read_config)
+from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, check_cache, check_count,
+                                     check_tokens, default_dir, load_safetensors, load_weights, read_config)
 from ssmcraft.layers.config import LMConfig
 from ssmcraft.layers.lm import LM
 
@@ -30,20 +31,20 @@ class Model(LM):
     ``torch-vectorised``; see ``Objective``).
     """
 
-    def __init__(self, config: dict | None = None):
+    def __init__(self, config: dict | None = None, source: str = "config.json"):
         config = dict(config if config is not None else MODEL_CONFIG)
-        super().__init__(LMConfig.from_dict(config, "config.json", "model"), OBJECTIVE)
+        super().__init__(LMConfig.from_dict(config, source, "model"), OBJECTIVE)
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, device="cpu", dtype: torch.dtype | None = None) -> "Model":
         """The trained model in ``path`` (default: the folder of this module), in eval mode."""
         path = path or default_dir()
         config = read_config(path)
-        model = cls(config["model"])
+        model = cls(config["model"], os.path.join(path, CONFIG_FILE))
         weights = os.path.join(path, WEIGHTS_FILE)
         if not os.path.isfile(weights):
             raise SsmcraftError(f"{path}: no {WEIGHTS_FILE}")
-        model.load_state_dict(load_safetensors(weights), strict=True)
+        load_weights(model, load_safetensors(weights), path)
         model = model.to(device)
         if dtype is not None:
             model = model.to(dtype)
@@ -55,9 +56,26 @@ class Model(LM):
         names = [m.last_backend for m in self.mixers if m.last_backend is not None]
         return ",".join(sorted(set(names))) if names else None
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[B, T]`` int64 -> logits ``[B, T, V]``."""
+        check_tokens(tokens, self.cfg.vocab_size, self.embed.weight.device, "Model: tokens")
+        return super().forward(tokens)
+
     def init_state(self, batch_size: int = 1) -> list:
         """The recurrent state for ``batch_size`` sequences: one cache per layer."""
-        return self.init_cache(batch_size)
+        return self.init_cache(check_count(batch_size, "init_state: batch_size"))
+
+    def step(self, token_t: torch.Tensor, state: list) -> tuple[torch.Tensor, list]:
+        """token_t ``[B]`` -> (logits ``[B, V]``, the next state); ``state`` from ``init_state(B)``
+        or the previous ``step``."""
+        check_tokens(token_t, self.cfg.vocab_size, self.embed.weight.device, "step: token_t", "[B]")
+        if not isinstance(state, (list, tuple)) or len(state) != len(self.blocks):
+            got = f"{len(state)} entries" if isinstance(state, (list, tuple)) else type(state).__name__
+            raise SsmcraftError(f"step: state must hold one cache per layer ({len(self.blocks)}; from "
+                                f"init_state), got {got}")
+        for i, (block, cache) in enumerate(zip(self.blocks, state)):
+            check_cache(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
+        return super().step(token_t, list(state))
 
     @staticmethod
     def state_size(state: list) -> int:
@@ -78,17 +96,28 @@ class Model(LM):
         with the length.
         """
         device = self.embed.weight.device
-        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids, device=device)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise SsmcraftError(f"generate: ids must be token ids [T] or [B, T] ({' '.join(str(e).split())[:120]})") \
+                    from None
         squeeze = ids.dim() == 1
+        check_tokens(ids, self.cfg.vocab_size, device, "generate: ids", "[T]" if squeeze else "[B, T]")
         if squeeze:
             ids = ids[None]
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise SsmcraftError(f"generate: ids must be [T] or [B, T] with T >= 1, got shape {list(ids.shape)}")
+        check_count(max_new_tokens, "generate: max_new_tokens", low=0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+                or temperature < 0:
+            raise SsmcraftError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if top_k is not None:
+            check_count(top_k, "generate: top_k")
+        ids = ids.long()
         state = self.init_state(ids.shape[0])
         for t in range(ids.shape[1]):
             logits, state = self.step(ids[:, t], state)
         out = [ids]
-        for _ in range(int(max_new_tokens)):
+        for _ in range(max_new_tokens):
             nxt = self._pick(logits, temperature, top_k, generator)
             out.append(nxt[:, None])
             logits, state = self.step(nxt, state)

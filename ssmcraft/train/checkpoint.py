@@ -2,7 +2,9 @@
 
 ``DIR/config.json``     the resolved experiment; ``model.mixer.objective`` holds the
                         objective's spec mapping, so the run loads without the library file
-``DIR/metrics.json``    the run's figures (see ``ssmcraft.train.loop``)
+``DIR/metrics.json``    the run's figures (see ``ssmcraft.train.loop``) and, under ``artefacts``,
+                        the hashes ``load_run`` checks config.json and the weights against
+                        (``ssmcraft.train.record``)
 ``DIR/history.json``    the training and validation curves
 ``DIR/model.safetensors`` the weights (never pickle)
 """
@@ -12,13 +14,17 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from ssmcraft.errors import SsmcraftError
+from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM, LMConfig
+from ssmcraft.layers.config import AttentionConfig, mixer_config
+from ssmcraft.layers.objectives import compile_objective, spec_mapping
+from ssmcraft.train import record
 
 CONFIG, METRICS, HISTORY, WEIGHTS = "config.json", "metrics.json", "history.json", "model.safetensors"
 
@@ -43,7 +49,24 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text())
+    """A JSON file's value; a file that cannot be read or parsed is one ``SsmcraftError`` line
+    naming it (corrupt, truncated, not UTF-8, nested too deep)."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise SsmcraftError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:            # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise SsmcraftError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    except RecursionError:
+        raise SsmcraftError(f"{path}: not valid JSON (nested too deep)") from None
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """``read_json`` of a file that must hold a JSON object."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise SsmcraftError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def save_weights(model: torch.nn.Module, out_dir: str | Path) -> Path:
@@ -57,23 +80,81 @@ def model_config(config: dict[str, Any]) -> LMConfig:
     return LMConfig.from_dict(config["model"])
 
 
+def build_lm(config: dict[str, Any], source: str = "<experiment>") -> LM:
+    """The LM of a resolved config whose ``model.vocab_size`` is set.
+
+    Mutates ``config["model"]["mixer"]``: ``objective`` (a name or path) is replaced by the
+    compiled spec's mapping, so the recorded config rebuilds the same model anywhere. An
+    objective that does not compile, or a mixer setting its objective or sizes refuse, is a
+    ``SpecError`` naming ``source`` and the ``model.mixer`` key.
+    """
+    mixer = config["model"]["mixer"]
+    objective = None
+    if not isinstance(mixer_config(mixer), AttentionConfig):
+        ref = mixer.get("objective", "longhorn")
+        try:
+            objective = compile_objective(ref)
+        except SpecError as e:
+            if e.source != "<dict>" or not isinstance(ref, Mapping):
+                raise                      # names its own file already
+            raise SpecError(source, f"model.mixer.objective.{e.key}" if e.key else "model.mixer.objective", e.problem) from None
+        except SsmcraftError as e:
+            raise SpecError(source, "model.mixer.objective", str(e)) from None
+        mixer["objective"] = spec_mapping(objective)
+    try:
+        return LM(model_config(config), objective)
+    except SpecError as e:
+        if e.source != "<mixer>":
+            raise
+        raise SpecError(source, f"model.mixer.{e.key}", e.problem) from None
+
+
 def load_config(run_dir: str | Path) -> dict[str, Any]:
-    """The resolved experiment of a run directory."""
+    """The resolved experiment of a run directory, checked against what the run recorded
+    (``record.check_config``) and validated as ``ssmcraft train`` validates an experiment."""
+    from ssmcraft.train.config import resolve
+
     path = Path(run_dir) / CONFIG
     if not path.is_file():
         raise SsmcraftError(f"{run_dir}: not a run directory (no {CONFIG})")
-    return read_json(path)
+    config = read_mapping(path)
+    record.check_config(Path(run_dir), config, recorded(run_dir), CONFIG)
+    return resolve(config, str(path))
+
+
+def load_metrics(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run directory's ``metrics.json`` (None when it has none)."""
+    path = Path(run_dir) / METRICS
+    return read_mapping(path) if path.exists() else None
+
+
+def recorded(run_dir: str | Path) -> dict[str, Any] | None:
+    """The artefact hashes a run directory's metrics.json recorded (None: none recorded)."""
+    return record.recorded_of(load_metrics(run_dir), Path(run_dir) / METRICS)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LM:
-    """The trained ``LM`` of a run directory, in eval mode on ``device``."""
+    """The trained ``LM`` of a run directory, in eval mode on ``device``: config.json and the
+    weights are checked against the hashes the run recorded before either is used; a run that
+    recorded none loads with a warning (``ssmcraft.train.record``)."""
+    run_dir = Path(run_dir)
     config = load_config(run_dir)
-    weights = Path(run_dir) / WEIGHTS
+    weights = run_dir / WEIGHTS
     if not weights.is_file():
         raise SsmcraftError(f"{run_dir}: no {WEIGHTS} (the run saved no weights)")
-    model = LM(model_config(config))
+    if not (run_dir / METRICS).exists():
+        raise SsmcraftError(f"{run_dir}: no {METRICS} beside {WEIGHTS} (the run was stopped before it finished "
+                            f"writing, or the file was removed): the weights cannot be checked")
+    hashes = recorded(run_dir)
+    if hashes is None:
+        record.warn_unrecorded(run_dir)
+    record.check_weights(run_dir, weights, hashes)
+    model = build_lm(config, str(run_dir / CONFIG))
     try:
         load_model(model, str(weights), device=str(device))
     except RuntimeError as e:      # safetensors: missing / unexpected keys, or a size mismatch
         raise SsmcraftError(f"{run_dir}: {WEIGHTS} does not fit {CONFIG} ({' '.join(str(e).split())[:300]})") from None
+    except (SafetensorError, OSError) as e:
+        raise SsmcraftError(f"{weights}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+    record.check_kernel(run_dir, model, hashes)
     return model.to(device).eval()

@@ -66,7 +66,11 @@ def load_experiment(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise SsmcraftError(f"{path}: no such experiment file")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(str(path), "", f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(str(path), "", f"invalid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -72,10 +72,12 @@ def _check_options(opt: EvalOptions) -> None:
 def _check_corpus(run_dir, config: dict, task) -> None:
     """A text task is rebuilt from its config, where a corpus path may be relative or a file may have
     changed: refuse to evaluate another text than the run trained on (the sha256 its metrics.json recorded)."""
-    metrics = Path(run_dir) / checkpoint.METRICS
-    if not isinstance(task, TextTask) or not metrics.is_file():
+    metrics = checkpoint.load_metrics(run_dir)
+    if not isinstance(task, TextTask) or metrics is None:
         return
-    trained = (checkpoint.read_json(metrics).get("task") or {}).get("corpus", {}).get("sha256")
+    described = metrics.get("task")
+    corpus = described.get("corpus") if isinstance(described, dict) else None
+    trained = corpus.get("sha256") if isinstance(corpus, dict) else None
     now = task.corpus.sha256
     if trained and trained != now:
         raise SsmcraftError(f"{run_dir}: corpus {config['task'].get('corpus')!r} reads as sha256 {now[:12]} here, but the "
@@ -89,7 +91,6 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     _check_options(opt)
     t0 = time.perf_counter()
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
-    out.mkdir(parents=True, exist_ok=True)
     config = checkpoint.load_config(run_dir)
     device = pick_device(opt.device)
     precision = pick_precision("auto", device)
@@ -106,6 +107,10 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     if opt.mitigation is not None:
         _check_mitigation(model, opt.mitigation, device)
     passkey_lengths = _passkey_lengths(model, task, opt) if opt.passkey else None
+    try:                                        # only once everything it reads was checked
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SsmcraftError(f"{out}: cannot be created as the output folder ({e.strerror or type(e).__name__})") from None
     summary: dict[str, Any] = {"run": str(run_dir), "train_len": L, "extrapolate": opt.extrapolate,
                                "task": task.describe(), "device": str(device), "precision": precision}
 

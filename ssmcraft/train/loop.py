@@ -51,6 +51,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
+    artefacts          the hashes of config.json's objective and model sections, the update IR and
+                       model.safetensors, checked on load (``ssmcraft.train.record``)
 
 A divergence is caught before the optimizer step, so the saved weights are the last
 finite ones.
@@ -68,10 +70,8 @@ import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM
-from ssmcraft.layers.objectives import compile_objective, spec_mapping
-from ssmcraft.layers.config import AttentionConfig, mixer_config
 from ssmcraft.tasks import build_task
-from ssmcraft.train import checkpoint, plots
+from ssmcraft.train import checkpoint, plots, record
 from ssmcraft.train.compiled import compile_model, run_compiled_step
 from ssmcraft.train.config import resolve
 from ssmcraft.train.device import autocast, peak_memory, peak_reserved, pick_device, pick_precision, reset_peak_memory
@@ -83,37 +83,15 @@ log = logging.getLogger("ssmcraft.train")
 
 
 def build_model(config: dict[str, Any], source: str = "<experiment>") -> LM:
-    """The LM of a resolved config whose ``model.vocab_size`` is set.
-
-    Mutates ``config["model"]["mixer"]``: ``objective`` (a name or path) is replaced by the
-    compiled spec's mapping, so the recorded config rebuilds the same model anywhere.
-    ``train.backend`` other than ``auto`` forces the objective's recurrence path. An objective
-    that does not compile, or a mixer setting its objective or sizes refuse, is a ``SpecError``
-    naming ``source`` and the ``model.mixer`` key.
-    """
-    mixer = config["model"]["mixer"]
-    objective = None
-    if not isinstance(mixer_config(mixer), AttentionConfig):
-        ref = mixer.get("objective", "longhorn")
-        try:
-            objective = compile_objective(ref)
-        except SpecError as e:
-            if e.source != "<dict>" or not isinstance(ref, Mapping):
-                raise                      # names its own file already
-            raise SpecError(source, f"model.mixer.objective.{e.key}" if e.key else "model.mixer.objective", e.problem) from None
-        except SsmcraftError as e:
-            raise SpecError(source, "model.mixer.objective", str(e)) from None
-        mixer["objective"] = spec_mapping(objective)
-        backend = config["train"]["backend"]
-        if backend != "auto":
-            objective.prefer = backend
-            log.info("recurrence path forced: %s", backend)
-    try:
-        return LM(checkpoint.model_config(config), objective)
-    except SpecError as e:
-        if e.source != "<mixer>":
-            raise
-        raise SpecError(source, f"model.mixer.{e.key}", e.problem) from None
+    """The LM of a resolved config whose ``model.vocab_size`` is set (``checkpoint.build_lm``:
+    ``model.mixer.objective`` becomes the compiled spec's mapping, errors name ``source``).
+    ``train.backend`` other than ``auto`` forces the objective's recurrence path."""
+    model = checkpoint.build_lm(config, source)
+    backend = config["train"]["backend"]
+    if backend != "auto" and model.objective is not None:
+        model.objective.prefer = backend
+        log.info("recurrence path forced: %s", backend)
+    return model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -161,8 +139,11 @@ def train_run(config: Mapping[str, Any], out_dir: str | Path, progress: bool = F
     does not raise, it reports ``status: "diverged"``.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = resolve(config, source)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SsmcraftError(f"{out}: cannot be created as the run folder ({e.strerror or type(e).__name__})") from None
     threads = torch.get_num_threads()      # train.threads applies to this run only
     try:
         with _RunLog(out):
@@ -195,6 +176,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     if stale:
         log.info("removed an earlier run's %s from %s", ", ".join(stale), out)
     checkpoint.write_json(out / checkpoint.CONFIG, cfg)
+    written = checkpoint.read_json(out / checkpoint.CONFIG)   # hashed as a loader will read it back
     n_params = sum(p.numel() for p in model.parameters())
     log.info("run %s: %s, %d params, device %s, precision %s", cfg["name"], model.mixers[0].describe().get(
         "objective", "attention"), n_params, device, precision)
@@ -285,7 +267,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     metrics.update(compile=compile_info, cuda_graphs=graphs_info, autograd_threads=tc["autograd_threads"],
                    data_device=str(data_device),
                    log_every=tc["log_every"], first_step_s=first_step_s, steady_tokens_per_s=steady)
-    _write_outputs(cfg, model, history, metrics, out)
+    _write_outputs(cfg, written, model, history, metrics, out)
     return metrics
 
 
@@ -407,10 +389,12 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, 
     return metrics
 
 
-def _write_outputs(cfg, model, history, metrics, out: Path) -> None:
+def _write_outputs(cfg, written: dict, model, history, metrics, out: Path) -> None:
+    """history.json, the weights, the loss plot, then metrics.json with the artefacts' hashes
+    (``ssmcraft.train.record``; ``written``: config.json as read back)."""
     checkpoint.write_json(out / checkpoint.HISTORY, history)
-    if cfg["train"]["save_model"]:
-        checkpoint.save_weights(model, out)
+    weights = checkpoint.save_weights(model, out) if cfg["train"]["save_model"] else None
+    metrics[record.KEY] = record.artefacts_record(written, model, weights)
     plots.loss_curve(history, out / "loss.png", title=f"{cfg['name']} ({metrics['objective']})")
     checkpoint.write_json(out / checkpoint.METRICS, metrics)
     log.info("run %s: status %s, val loss %s, %.0f tokens/s, %.1f s", cfg["name"], metrics["status"],
