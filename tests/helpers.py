@@ -2,7 +2,7 @@
 
 ``random_inputs`` draws inputs and params that respect each declaration; ``rel_rms`` and
 ``assert_within`` are the error metric and check every kernel test uses; ``poison_step`` makes
-a training run diverge at a chosen step.
+a training run diverge at a chosen step; ``tiny_search`` runs a small in-process search.
 """
 from __future__ import annotations
 
@@ -102,3 +102,14 @@ def poison_step(monkeypatch, at_call: int) -> None:
         return loss * float("nan") if calls["n"] == at_call else loss
 
     monkeypatch.setattr(loop, "step_loss", poisoned)
+
+
+def tiny_search(out, trial_fn, trials: int):
+    """``run_search`` of ``ssmcraft.search.testing.tiny_spec`` with ``trials`` trials, each run by
+    ``trial_fn(config, out_dir, report)`` in this process, into ``out``; the ``SearchResult``."""
+    from ssmcraft.search import InlineExecutor, load_search_spec, run_search
+    from ssmcraft.search.testing import tiny_spec
+
+    spec = load_search_spec(tiny_spec(budget={"trials": trials, "tokens_per_trial": 1000, "seconds_per_trial": 120}))
+    return run_search(spec, out, executor=InlineExecutor(), trial_fn=trial_fn, compile_fn=None, plots=False,
+                      log=lambda _msg: None)

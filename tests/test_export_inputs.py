@@ -128,6 +128,13 @@ def test_mixer_inputs_are_checked(layer, case, texts):
     one_line(mod, lambda: case(mixer), *texts)
 
 
+def test_autocast_inputs_of_another_dtype_run(layer):
+    _, mixer = layer
+    h = torch.randn(2, 3, 16).bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mixer(h).shape == (2, 3, 16)
+
+
 def test_mixer_layer_index_is_checked(layer, exported):
     mod, _ = layer
     for bad in (2, -1, True, "0"):
@@ -191,3 +198,23 @@ def test_corrupt_export_folders_are_one_line(lm, exported, tmp_path):
         finally:
             (folder / "model.safetensors").write_bytes(weights)
             (folder / "config.json").write_bytes(config)
+
+
+def test_a_failed_export_leaves_nothing(exported, tmp_path, monkeypatch):
+    from ssmcraft.export import exporter
+
+    def broken(*args, **kwargs):
+        raise exporter.ExportError("scripted verification failure")
+    monkeypatch.setattr(exporter, "verify", broken)
+    out = tmp_path / "new" / "deeper" / "exp"
+    with pytest.raises(exporter.ExportError, match="scripted"):
+        exporter.export(exported / "run", out)
+    assert list(tmp_path.iterdir()) == []               # no output, no staging folder, no parent folders
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(exporter.ExportError, match="scripted"):
+        exporter.export(exported / "run", tmp_path / "empty")
+    assert list(tmp_path.iterdir()) == [tmp_path / "empty"] and list((tmp_path / "empty").iterdir()) == []
+    monkeypatch.undo()
+    result = exporter.export(exported / "run", tmp_path / "empty", check=False)   # an empty folder: one rename
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted(f.name for f in result.files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ssmcraft.errors import SsmcraftError
+from helpers import tiny_search
 
 OBJECTIVES = ("longhorn", "mamba")   # rank-1 (exact Longhorn) and elementwise decay with a learned param
 
@@ -55,13 +56,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def search_dir(tmp_path_factory):
-    from ssmcraft.search import InlineExecutor, load_search_spec, run_search
-    from ssmcraft.search.testing import tiny_spec
-
     out = tmp_path_factory.mktemp("search") / "run"
-    spec = load_search_spec(tiny_spec(budget={"trials": 2, "tokens_per_trial": 1000, "seconds_per_trial": 120}))
-    result = run_search(spec, out, executor=InlineExecutor(), trial_fn=search_trial, compile_fn=None,
-                        plots=False, log=lambda _msg: None)
+    result = tiny_search(out, search_trial, trials=2)
     assert result.counts["complete"] == 1 and result.counts["failed"] == 1
     return out
 

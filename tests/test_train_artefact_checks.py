@@ -21,6 +21,7 @@ from ssmcraft.cli import main
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.train import load_run, train_run
 from ssmcraft.train.record import update_hash, value_sha256
+from helpers import tiny_search
 
 EVAL = ["--extrapolate", "2", "--batches", "1", "--batch-size", "2", "--state-points", "4", "--quiet"]
 
@@ -49,14 +50,8 @@ def search_trial(config, out_dir, report):
 
 @pytest.fixture(scope="module")
 def search_dir(tmp_path_factory):
-    from ssmcraft.search import InlineExecutor, load_search_spec, run_search
-    from ssmcraft.search.testing import tiny_spec
-
     out = tmp_path_factory.mktemp("search") / "run"
-    spec = load_search_spec(tiny_spec(budget={"trials": 1, "tokens_per_trial": 1000, "seconds_per_trial": 120}))
-    result = run_search(spec, out, executor=InlineExecutor(), trial_fn=search_trial, compile_fn=None,
-                        plots=False, log=lambda _msg: None)
-    assert result.counts["complete"] == 1
+    assert tiny_search(out, search_trial, trials=1).counts["complete"] == 1
     return out
 
 

@@ -340,14 +340,14 @@ def check_tokens(tokens, vocab_size: int, device, where: str, layout: str = "[B,
 
 def check_hidden(h, d_model: int, weight: torch.Tensor, where: str, layout: str = "[B, T, d_model]") -> None:
     """Hidden states: a floating tensor of ``layout`` (last size ``d_model``), not empty, on the
-    device and in the dtype of ``weight`` (the layer's)."""
+    device of ``weight`` (the layer's) and, outside autocast, in its dtype."""
     ndim = layout.count(",") + 1
     if not isinstance(h, torch.Tensor) or not h.is_floating_point():
         raise SsmcraftError(f"{where}: expected a floating-point tensor {layout}, got {_shape(h)}")
     if h.dim() != ndim or h.shape[-1] != d_model or h.numel() == 0:
         raise SsmcraftError(f"{where}: expected {layout.replace('d_model', str(d_model))} with every size >= 1, "
                             f"got shape {list(h.shape)}")
-    if h.device != weight.device or h.dtype != weight.dtype:
+    if h.device != weight.device or (h.dtype != weight.dtype and not torch.is_autocast_enabled(h.device.type)):
         raise SsmcraftError(f"{where}: got {h.dtype} on {h.device}; the layer's weights are {weight.dtype} on "
                             f"{weight.device} (move one to the other)")
 
