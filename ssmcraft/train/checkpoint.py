@@ -75,9 +75,10 @@ def save_weights(model: torch.nn.Module, out_dir: str | Path) -> Path:
     return path
 
 
-def model_config(config: dict[str, Any]) -> LMConfig:
-    """The ``LMConfig`` of a resolved experiment whose ``model.vocab_size`` is filled in."""
-    return LMConfig.from_dict(config["model"])
+def model_config(config: dict[str, Any], source: str = "<config>") -> LMConfig:
+    """The ``LMConfig`` of a resolved experiment whose ``model.vocab_size`` is filled in (errors
+    name ``source``)."""
+    return LMConfig.from_dict(config["model"], source)
 
 
 def build_lm(config: dict[str, Any], source: str = "<experiment>") -> LM:
@@ -102,7 +103,7 @@ def build_lm(config: dict[str, Any], source: str = "<experiment>") -> LM:
             raise SpecError(source, "model.mixer.objective", str(e)) from None
         mixer["objective"] = spec_mapping(objective)
     try:
-        return LM(model_config(config), objective)
+        return LM(model_config(config, source), objective)
     except SpecError as e:
         if e.source != "<mixer>":
             raise
