@@ -11,6 +11,7 @@ import random
 import shutil
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -107,6 +108,7 @@ def test_checked_entry_points_still_run(lm):
         steps.append(lt)
     assert float((torch.stack(steps, 1) - logits).abs().max()) < 1e-5
     assert torch.equal(model.generate(ids, max_new_tokens=0), ids)
+    assert model.generate(ids.numpy(), max_new_tokens=numpy.int64(1)).shape == (2, 4)   # numpy ids and counts
     out = model.generate([1, 2, 3], 4, temperature=0.7, top_k=5, generator=torch.Generator().manual_seed(0))
     assert out.shape == (7,) and torch.equal(out[:3], torch.tensor([1, 2, 3]))
 

@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import numbers
 import os
 import sys
 import tempfile
@@ -317,10 +318,10 @@ def _shape(x) -> str:
 
 
 def check_count(value, where: str, low: int = 1) -> int:
-    """An integer argument (a batch size, a token count) that must be >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """An integer argument (a batch size, a token count; a numpy integer too) that must be >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise SsmcraftError(f"{where}: expected an integer >= {low}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_tokens(tokens, vocab_size: int, device, where: str, layout: str = "[B, T]") -> None:

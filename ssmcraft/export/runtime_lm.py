@@ -6,6 +6,7 @@ same rules as ``ssmcraft.export.runtime`` apply.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -106,8 +107,8 @@ class Model(LM):
         check_tokens(ids, self.cfg.vocab_size, device, "generate: ids", "[T]" if squeeze else "[B, T]")
         if squeeze:
             ids = ids[None]
-        check_count(max_new_tokens, "generate: max_new_tokens", low=0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+        max_new_tokens = check_count(max_new_tokens, "generate: max_new_tokens", low=0)
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
                 or temperature < 0:
             raise SsmcraftError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if top_k is not None:
