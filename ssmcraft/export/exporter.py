@@ -151,7 +151,7 @@ def _check_run_info(path: Path) -> None:
     the search machinery opens the storage it names."""
     info = _read_json(path)
     storage = info.get("storage")
-    if not isinstance(info.get("study"), str) or not isinstance(storage, dict) or not isinstance(storage.get("kind"), str):
+    if not (isinstance(info.get("study"), str) and isinstance(storage, dict) and isinstance(storage.get("kind"), str)):
         raise ExportError(f"{path}: expected a search's run.json (a 'study' name and a 'storage' mapping with a "
                           "'kind'); the file is corrupt")
 

@@ -331,7 +331,8 @@ def check_tokens(tokens, vocab_size: int, device, where: str, layout: str = "[B,
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
         raise SsmcraftError(f"{where}: expected token ids as an int64 or int32 tensor {layout}, got {_shape(tokens)}")
     if tokens.dim() != ndim or tokens.numel() == 0:
-        raise SsmcraftError(f"{where}: expected token ids {layout} with every size >= 1, got shape {list(tokens.shape)}")
+        raise SsmcraftError(f"{where}: expected token ids {layout} with every size >= 1, got shape "
+                            f"{list(tokens.shape)}")
     if tokens.device != torch.device(device):
         raise SsmcraftError(f"{where}: the token ids are on {tokens.device}, the model on {device}")
     low, high = int(tokens.min()), int(tokens.max())

@@ -101,15 +101,15 @@ class Model(LM):
             try:
                 ids = torch.as_tensor(ids, device=device)
             except (TypeError, ValueError, RuntimeError) as e:
-                raise SsmcraftError(f"generate: ids must be token ids [T] or [B, T] ({' '.join(str(e).split())[:120]})") \
-                    from None
+                why = " ".join(str(e).split())[:120]
+                raise SsmcraftError(f"generate: ids must be token ids [T] or [B, T] ({why})") from None
         squeeze = ids.dim() == 1
         check_tokens(ids, self.cfg.vocab_size, device, "generate: ids", "[T]" if squeeze else "[B, T]")
         if squeeze:
             ids = ids[None]
         max_new_tokens = check_count(max_new_tokens, "generate: max_new_tokens", low=0)
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
-                or temperature < 0:
+        finite = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and math.isfinite(temperature)
+        if not finite or temperature < 0:
             raise SsmcraftError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if top_k is not None:
             check_count(top_k, "generate: top_k")

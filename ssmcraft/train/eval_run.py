@@ -110,7 +110,8 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     try:                                        # only once everything it reads was checked
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SsmcraftError(f"{out}: cannot be created as the output folder ({e.strerror or type(e).__name__})") from None
+        raise SsmcraftError(f"{out}: cannot be created as the output folder "
+                            f"({e.strerror or type(e).__name__})") from None
     summary: dict[str, Any] = {"run": str(run_dir), "train_len": L, "extrapolate": opt.extrapolate,
                                "task": task.describe(), "device": str(device), "precision": precision}
 
