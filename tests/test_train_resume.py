@@ -36,7 +36,8 @@ def config(corpus, steps=12, **train):
             "model": {"d_model": 16, "n_layers": 2, "mlp_ratio": 2,
                       "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 4}},
             "train": {"batch_size": 4, "tokens": 4 * 16 * steps, "lr": 1e-2, "warmup": 3, "eval_every": 5,
-                      "eval_batches": 1, "eval_batch_size": 4, "checkpoint_every": 4, "device": "cpu", **train}}
+                      "eval_batches": 1, "eval_batch_size": 4, "checkpoint_every": 4, "device": "cpu",
+                      "threads": 1, **train}}     # one thread: fast on a shared machine
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -156,15 +157,15 @@ def test_an_unreadable_checkpoint_is_one_line(corpus, tmp_path):
 def test_a_sigkilled_cli_run_resumes_with_the_same_command(corpus, whole, tmp_path):
     """A real ``kill -9`` of ``python -m ssmcraft train`` once a checkpoint is on disk; the same command
     again finishes the run with the uninterrupted run's weights."""
-    steps = 400
+    steps = 40            # the checkpoint of step 2 stays on disk until the run ends: the poll below sees it
     spec = tmp_path / "exp.yaml"
-    spec.write_text(json.dumps(config(corpus, steps=steps, eval_every=0, checkpoint_every=10)))
+    spec.write_text(json.dumps(config(corpus, steps=steps, eval_every=0, checkpoint_every=2)))
     out = tmp_path / "run"
     command = [sys.executable, "-m", "ssmcraft", "train", str(spec), "--out", str(out), "--quiet"]
     proc = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while not (out / resume.FILE).exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, err.decode()
@@ -173,5 +174,5 @@ def test_a_sigkilled_cli_run_resumes_with_the_same_command(corpus, whole, tmp_pa
     assert main(["train", str(spec), "--out", str(out), "--quiet"]) == 0
     assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] == meta["step"] > 0
     reference = tmp_path / "whole"
-    train_run(config(corpus, steps=steps, eval_every=0, checkpoint_every=10), reference)
+    train_run(config(corpus, steps=steps, eval_every=0, checkpoint_every=2), reference)
     assert_bitwise(weights(reference), weights(out))
