@@ -1,0 +1,120 @@
+"""Training one model over several processes and micro-batches: ``torchrun -m ssmcraft train`` with two
+gloo processes follows the one-process loss curve for the same global batch; gradient accumulation
+equals one big batch; the reducer's weights make uneven scored-token counts a global mean; only rank 0
+writes the run folder."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ssmcraft.errors import SpecError
+from ssmcraft.tasks.base import IGNORE
+from ssmcraft.train import train_run
+from ssmcraft.train.parallel import Processes, Reducer, check_split
+from ssmcraft.train.validate import step_loss
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+# float32 on CPU: the sums over the batch run in another order (two halves, then the all-reduce), so
+# losses and weights agree to rounding: about 1e-7 relative per step, grown over 10 AdamW steps.
+RTOL = 1e-5          # weights; the loss curves agree to 1.1e-7 (measured), held to LOSS_RTOL
+LOSS_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "code.py").write_text("".join(f"def g{i}(y):\n    return y - {i} * {i % 5}\n\n" for i in range(400)))
+    return str(folder)
+
+
+def config(corpus, steps=10, **train):
+    return {"name": "ddp", "seed": 1,
+            "task": {"name": "text", "corpus": corpus, "seq_len": 16, "val_fraction": 0.1, "block_size": 512},
+            "model": {"d_model": 16, "n_layers": 2, "mlp_ratio": 2,
+                      "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 4}},
+            "train": {"batch_size": 8, "tokens": 8 * 16 * steps, "lr": 1e-2, "warmup": 2, "eval_every": 5,
+                      "eval_batches": 1, "eval_batch_size": 4, "device": "cpu", "threads": 1, **train}}
+
+
+def losses(folder: Path) -> list[float]:
+    return [r["loss"] for r in json.loads((folder / "history.json").read_text())["train"]]
+
+
+def assert_close_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=RTOL, atol=1e-6, msg=k)
+
+
+def test_two_gloo_processes_follow_one_process(corpus, tmp_path):
+    """The real command under torchrun: 2 processes of 4 rows each against 1 process of 8 rows."""
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(json.dumps(config(corpus, checkpoint_every=4)))
+    out = tmp_path / "two"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "ssmcraft", "train", str(spec), "--out", str(out), "--quiet"],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("status=ok") == 1                  # rank 0 prints for the run
+    one = tmp_path / "one"
+    single = train_run(config(corpus, checkpoint_every=4), one)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["processes"] == 2 and single["processes"] == 1
+    assert metrics["tokens"] == single["tokens"] == 10 * 8 * 16        # the global batch is the spec's
+    assert len(losses(out)) == 10
+    assert losses(out) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=RTOL)
+    assert_close_weights(out, one)
+    # one writer: one start line in the log, no checkpoint left, no temporary files
+    assert (out / "train.log").read_text().count("2 process(es)") == 1
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in one.iterdir())
+
+
+def test_gradient_accumulation_equals_one_big_batch(corpus, tmp_path):
+    big = train_run(config(corpus), tmp_path / "big")
+    accum = train_run(config(corpus, grad_accum=4), tmp_path / "accum")
+    assert accum["grad_accum"] == 4 and accum["status"] == "ok"
+    assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "big"), rel=LOSS_RTOL)
+    assert accum["val_loss"] == pytest.approx(big["val_loss"], rel=RTOL)
+    assert_close_weights(tmp_path / "accum", tmp_path / "big")
+
+
+def test_micro_batches_weigh_by_scored_tokens():
+    """Targets with IGNORE spread unevenly over micro-batches: the summed gradient and loss are the whole
+    batch's mean over scored tokens (a plain mean of micro-batch means would not be)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11))
+    x = torch.randint(0, 11, (4, 5))
+    y = torch.randint(0, 11, (4, 5))
+    y[:2, 1:] = IGNORE                                   # the first micro-batch scores 2 tokens, the second 10
+    params = list(model.parameters())
+    whole = step_loss(model, x, y, torch.enable_grad)
+    expected = torch.autograd.grad(whole, params)
+    reducer = Reducer(params, Processes(), 2, torch.device("cpu"))
+    xs, ys = reducer.split(x, y)
+    assert [float(w) for w in reducer.weights] == pytest.approx([2 / 12, 10 / 12], rel=1e-7)     # float32
+    for i, (xi, yi, w) in enumerate(zip(xs, ys, reducer.weights)):
+        loss = step_loss(model, xi, yi, torch.enable_grad)
+        (loss * w).backward()
+        reducer.add(i, loss.detach() * w)
+    total = reducer.finish()
+    torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=0)
+    for p, g in zip(params, expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_the_global_batch_must_split_evenly():
+    check_split(8, 2, 2, "x.yaml")
+    with pytest.raises(SpecError) as e:
+        check_split(6, 2, 2, "x.yaml")
+    assert str(e.value) == ("x.yaml: train.batch_size: 6 does not split into 2 process(es) x 2 micro-batch(es) "
+                            "(train.grad_accum) of equal size")
