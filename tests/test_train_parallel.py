@@ -5,7 +5,6 @@ writes the run folder."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ from ssmcraft.tasks.base import IGNORE
 from ssmcraft.train import train_run
 from ssmcraft.train.parallel import Processes, Reducer, check_split
 from ssmcraft.train.validate import step_loss
+from helpers import code_corpus, subprocess_env, tiny_text_experiment
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = subprocess_env()
 # float32 on CPU: the sums over the batch run in another order (two halves, then the all-reduce), so
 # losses and weights agree to rounding: about 1e-7 relative per step, grown over 10 AdamW steps.
 RTOL = 1e-5          # weights; the loss curves agree to 1.1e-7 (measured), held to LOSS_RTOL
@@ -30,18 +29,11 @@ LOSS_RTOL = 1e-6
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    (folder / "code.py").write_text("".join(f"def g{i}(y):\n    return y - {i} * {i % 5}\n\n" for i in range(400)))
-    return str(folder)
+    return code_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def config(corpus, steps=10, **train):
-    return {"name": "ddp", "seed": 1,
-            "task": {"name": "text", "corpus": corpus, "seq_len": 16, "val_fraction": 0.1, "block_size": 512},
-            "model": {"d_model": 16, "n_layers": 2, "mlp_ratio": 2,
-                      "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 4}},
-            "train": {"batch_size": 8, "tokens": 8 * 16 * steps, "lr": 1e-2, "warmup": 2, "eval_every": 5,
-                      "eval_batches": 1, "eval_batch_size": 4, "device": "cpu", "threads": 1, **train}}
+    return tiny_text_experiment(corpus, batch_size=8, steps=steps, seed=1, **train)
 
 
 def losses(folder: Path) -> list[float]:

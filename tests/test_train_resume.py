@@ -4,7 +4,6 @@ line and changes nothing; ``--fresh`` starts over; settings that do not change t
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,26 +17,19 @@ from safetensors.torch import load_file
 from ssmcraft.cli import main
 from ssmcraft.errors import SpecError
 from ssmcraft.train import resume, train_run
+from helpers import code_corpus, subprocess_env, tiny_text_experiment
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = subprocess_env()
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    (folder / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)))
-    return str(folder)
+    return code_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def config(corpus, steps=12, **train):
-    return {"name": "resume", "seed": 3,
-            "task": {"name": "text", "corpus": corpus, "seq_len": 16, "val_fraction": 0.1, "block_size": 512},
-            "model": {"d_model": 16, "n_layers": 2, "mlp_ratio": 2,
-                      "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 4}},
-            "train": {"batch_size": 4, "tokens": 4 * 16 * steps, "lr": 1e-2, "warmup": 3, "eval_every": 5,
-                      "eval_batches": 1, "eval_batch_size": 4, "checkpoint_every": 4, "device": "cpu",
-                      "threads": 1, **train}}     # one thread: fast on a shared machine
+    return tiny_text_experiment(corpus, batch_size=4, steps=steps, seed=3, **{"warmup": 3, "checkpoint_every": 4,
+                                                                               **train})
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
