@@ -110,3 +110,17 @@ def test_the_global_batch_must_split_evenly():
         check_split(6, 2, 2, "x.yaml")
     assert str(e.value) == ("x.yaml: train.batch_size: 6 does not split into 2 process(es) x 2 micro-batch(es) "
                             "(train.grad_accum) of equal size")
+
+
+def test_one_named_gpu_is_refused_for_several_processes(monkeypatch):
+    """Under torchrun each process takes cuda:LOCAL_RANK: a spec naming one GPU is refused before any
+    process group starts."""
+    from ssmcraft.train import parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SpecError) as e:
+        parallel.start("cuda:1", "x.yaml")
+    assert str(e.value) == ("x.yaml: train.device: cuda:1 names one GPU, but this run has 2 processes, each on "
+                            "cuda:LOCAL_RANK (use auto or cuda)")
+    assert not torch.distributed.is_initialized()

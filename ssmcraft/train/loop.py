@@ -1,9 +1,14 @@
 """One training run: ``train_run(config, out_dir) -> metrics``.
 
-AdamW (weight decay on linear/embedding matrices only), linear warmup + cosine decay,
-global-norm gradient clipping, bf16 autocast on CUDA, a token budget and an optional
-wall-clock limit, periodic validation on a fixed validation set (``train.val_seed``, the
-same for every run seed, so runs compare on the same data).
+AdamW (weight decay on linear/embedding matrices only), linear warmup + cosine decay or
+warmup-stable-decay (``train.schedule``), global-norm gradient clipping, bf16 autocast on CUDA, a
+token budget and an optional wall-clock limit, periodic validation on a fixed validation set
+(``train.val_seed``, the same for every run seed, so runs compare on the same data).
+
+One model over several processes (``torchrun --nproc_per_node N -m ssmcraft train``), the global
+batch split over processes and ``train.grad_accum`` micro-batches: ``ssmcraft.train.parallel``.
+A checkpoint every ``train.checkpoint_every`` steps, which the same command resumes after a kill
+(``ssmcraft.train.resume``). ``train.activation_checkpointing``: ``ssmcraft.train.recompute``.
 
 Kept off the host's critical path (issue 13), so that small runs keep a GPU busy:
 
@@ -35,9 +40,11 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     reason             why a run did not finish as "ok" (else null)
     val_loss           final validation loss (null when diverged)
     train_loss_first   loss of the first step; train_loss_last: mean of the last 20 steps
-    tokens, steps      consumed input tokens (batch_size * seq_len per step) and steps
-    tokens_per_s       tokens / time spent in training steps (validation excluded)
-    wall_s, train_s    whole run / training steps only
+    tokens, steps      consumed input tokens (batch_size * seq_len per step: the global batch) and
+                       steps, over the whole run (a resumed run's included)
+    tokens_per_s       tokens / time spent in training steps (validation and checkpoints excluded),
+                       of this process's steps (a resumed run's rate leaves out those before the resume)
+    wall_s, train_s    whole run / training steps only (this process)
     peak_memory_bytes  with peak_memory_kind (cuda_max_allocated | process_max_rss);
                        peak_memory_reserved_bytes: the CUDA allocator's peak (null off CUDA)
     compile            train.compile's record: setting, enabled, reason (and a fallback's)
@@ -48,6 +55,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
     data_device, log_every   where batches were built; steps between host read-backs
     first_step_s       the first training step (compile, kernel JIT), also counted in train_s
     steady_tokens_per_s  the rate after the first step (no compile or JIT time; null with one step)
+    processes, grad_accum, schedule   processes training the model, micro-batches per step, the lr schedule
+    resumed_from_step  the checkpoint's step this run continued from (null: started afresh)
     backend            the recurrence paths the mixers ran (``obj.backend``)
     accuracy, chance_accuracy, ...   the task's validation metrics (MQAR, passkey)
     objective, structure, n_params, device, precision, seed, task (its description)
@@ -294,6 +303,7 @@ def _loop(r: SimpleNamespace, report, progress: bool) -> None:
     reset_peak_memory(r.device)
     r.model.train()
     r.t_loop = time.perf_counter()       # aside_s: validation and checkpoints, not counted as training time
+    step = r.start
     for step in range(r.start, r.steps):
         if procs.world == 1 and _time_up(r, r.t_loop):
             _stop_for_time(r)
