@@ -124,3 +124,27 @@ def test_one_named_gpu_is_refused_for_several_processes(monkeypatch):
     assert str(e.value) == ("x.yaml: train.device: cuda:1 names one GPU, but this run has 2 processes, each on "
                             "cuda:LOCAL_RANK (use auto or cuda)")
     assert not torch.distributed.is_initialized()
+
+
+def test_the_graphed_step_takes_micro_batches(corpus, tmp_path, monkeypatch):
+    """The loop's graphed branch with micro-batches (CUDA's capture replaced by the captured function, as
+    tests/test_graphs.py does): captured once for the micro-batch shape, every step graphed, the losses
+    those of the eager run with the same micro-batches."""
+    from ssmcraft.train import graphed, loop
+    from ssmcraft.train.graphed import _LossModule
+
+    made = []
+
+    def capture(fn, sample, **kw):
+        assert isinstance(fn, _LossModule)
+        made.append(tuple(sample[0].shape))
+        return fn
+
+    eager = train_run(config(corpus, steps=4, grad_accum=2), tmp_path / "eager")
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(graphed, "require_cuda", lambda entries, what="graphed": None)
+    monkeypatch.setattr(loop, "graphs_decision", lambda setting, *a: (True, "forced on for the test"))
+    m = train_run(config(corpus, steps=4, grad_accum=2), tmp_path / "graphed")
+    assert made == [(4, 16)]                     # 8 rows in 2 micro-batches
+    assert m["cuda_graphs"]["graphed_steps"] == 4 and m["cuda_graphs"]["eager_steps"] == 0
+    assert losses(tmp_path / "graphed") == losses(tmp_path / "eager")

@@ -31,7 +31,8 @@ TOP_DEFAULTS: dict[str, Any] = {"name": "experiment", "seed": 0}
 TRAIN_DEFAULTS: dict[str, Any] = {
     "batch_size": 32,
     "tokens": 1_000_000,        # training budget in input tokens (batch_size * seq_len per step)
-    "max_seconds": None,        # optional wall-clock limit of the training loop
+    "max_seconds": None,        # optional wall-clock limit of the training loop (several processes agree on it
+                                # at each read-back, every log_every steps)
     "lr": 3.0e-3,
     "min_lr_ratio": 0.1,        # the schedule decays to lr * min_lr_ratio
     "warmup": 0.05,             # fraction of the steps (< 1) or a number of steps (>= 1)

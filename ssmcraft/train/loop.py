@@ -274,6 +274,10 @@ def _setup(cfg, task, model, procs, source: str, saved) -> SimpleNamespace:
     params = [p for g in opt.param_groups for p in g["params"]]
     reducer = (parallel.Reducer(params, procs, tc["grad_accum"], device)
                if procs.world > 1 or tc["grad_accum"] > 1 else None)
+    if reducer is not None:
+        log.info("global batch of %d rows: %d process(es) x %d micro-batch(es) of %d; the gradients summed in one "
+                 "all-reduce after the step", tc["batch_size"], procs.world, tc["grad_accum"],
+                 tc["batch_size"] // (procs.world * tc["grad_accum"]))
     # fused AdamW skips its step while this is set (GradScaler's protocol); refreshed from
     # readback.stopped in place each step (_update)
     opt.found_inf = torch.zeros((), dtype=torch.float32, device=device)

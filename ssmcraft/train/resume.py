@@ -32,8 +32,10 @@ from ssmcraft.train.checkpoint import write_bytes
 
 FILE = "resume.safetensors"
 _META = "ssmcraft.resume"
+# how steps run, not what they compute: the same math (grad_accum, like the number of processes, up to
+# float rounding; bitwise needs these and the thread count unchanged)
 FREE = frozenset({"threads", "log_every", "autograd_threads", "compile", "cuda_graphs", "checkpoint_every",
-                  "max_seconds", "activation_checkpointing"})
+                  "max_seconds", "activation_checkpointing", "grad_accum"})
 
 
 def save_state(out: Path, *, step: int, cfg: dict, model: torch.nn.Module, opt: torch.optim.Optimizer,
