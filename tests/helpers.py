@@ -129,3 +129,16 @@ def subprocess_env() -> dict:
     from pathlib import Path
     repo = str(Path(__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+
+
+def stop_after(monkeypatch, step: int) -> None:
+    """A training run is killed (``KeyboardInterrupt``) right after writing its resume checkpoint of ``step``."""
+    from ssmcraft.train import resume
+    real = resume.save_state
+
+    def save_then_stop(out, **kw):
+        path = real(out, **kw)
+        if kw["step"] == step:
+            raise KeyboardInterrupt
+        return path
+    monkeypatch.setattr(resume, "save_state", save_then_stop)

@@ -18,7 +18,7 @@ from ssmcraft.tasks.base import IGNORE
 from ssmcraft.train import train_run
 from ssmcraft.train.parallel import Processes, Reducer, check_split
 from ssmcraft.train.validate import step_loss
-from helpers import code_corpus, subprocess_env, tiny_text_experiment
+from helpers import code_corpus, stop_after, subprocess_env, tiny_text_experiment
 
 ENV = subprocess_env()
 # float32 on CPU: the sums over the batch run in another order (two halves, then the all-reduce), so
@@ -47,15 +47,21 @@ def assert_close_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=RTOL, atol=1e-6, msg=k)
 
 
+def torchrun(spec: Path, out: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 -m ssmcraft train SPEC --out OUT`` (gloo on CPU), which must succeed."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "ssmcraft", "train", str(spec), "--out", str(out), "--quiet"],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_two_gloo_processes_follow_one_process(corpus, tmp_path):
     """The real command under torchrun: 2 processes of 4 rows each against 1 process of 8 rows."""
     spec = tmp_path / "exp.yaml"
     spec.write_text(json.dumps(config(corpus, checkpoint_every=4)))
     out = tmp_path / "two"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "ssmcraft", "train", str(spec), "--out", str(out), "--quiet"],
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(spec, out)
     assert done.stdout.count("status=ok") == 1                  # rank 0 prints for the run
     one = tmp_path / "one"
     single = train_run(config(corpus, checkpoint_every=4), one)
@@ -67,7 +73,7 @@ def test_two_gloo_processes_follow_one_process(corpus, tmp_path):
     assert metrics["val_loss"] == pytest.approx(single["val_loss"], rel=RTOL)
     assert_close_weights(out, one)
     # one writer: one start line in the log, no checkpoint left, no temporary files
-    assert (out / "train.log").read_text().count("2 process(es)") == 1
+    assert (out / "train.log").read_text().count("precision fp32, 2 process(es)") == 1
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in one.iterdir())
 
 
@@ -148,3 +154,21 @@ def test_the_graphed_step_takes_micro_batches(corpus, tmp_path, monkeypatch):
     assert made == [(4, 16)]                     # 8 rows in 2 micro-batches
     assert m["cuda_graphs"]["graphed_steps"] == 4 and m["cuda_graphs"]["eager_steps"] == 0
     assert losses(tmp_path / "graphed") == losses(tmp_path / "eager")
+
+
+def test_a_one_process_checkpoint_resumes_on_two(corpus, tmp_path, monkeypatch):
+    """The checkpoint holds the global batch's data position, so a run stopped on one process finishes on
+    two with the uninterrupted run's curve (to rounding)."""
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(json.dumps(config(corpus, checkpoint_every=4)))
+    stop_after(monkeypatch, 8)
+    with pytest.raises(KeyboardInterrupt):
+        train_run(config(corpus, checkpoint_every=4), tmp_path / "run")
+    torchrun(spec, tmp_path / "run")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == 8 and metrics["processes"] == 2
+    monkeypatch.undo()
+    train_run(config(corpus, checkpoint_every=4), tmp_path / "whole")
+    assert losses(tmp_path / "run")[:8] == losses(tmp_path / "whole")[:8]          # the one-process steps, exactly
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "whole"), rel=LOSS_RTOL)
+    assert_close_weights(tmp_path / "run", tmp_path / "whole")

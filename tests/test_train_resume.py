@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ssmcraft.cli import main
 from ssmcraft.errors import SpecError
 from ssmcraft.train import resume, train_run
-from helpers import code_corpus, subprocess_env, tiny_text_experiment
+from helpers import code_corpus, stop_after, subprocess_env, tiny_text_experiment
 
 ENV = subprocess_env()
 
@@ -40,18 +40,6 @@ def assert_bitwise(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and a
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"parameters differ: {differ}"
-
-
-def stop_after(monkeypatch, step: int) -> None:
-    """The run is killed right after writing its checkpoint of ``step``."""
-    real = resume.save_state
-
-    def save_then_stop(out, **kw):
-        path = real(out, **kw)
-        if kw["step"] == step:
-            raise KeyboardInterrupt
-        return path
-    monkeypatch.setattr(resume, "save_state", save_then_stop)
 
 
 @pytest.fixture(scope="module")

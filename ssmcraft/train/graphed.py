@@ -8,7 +8,8 @@ Triton kernels and autograd Functions as they are.
 
 What is captured (``GraphedLoss``): ``batch_loss(model(inputs), targets)`` under the run's
 autocast (with the autocast cache off, as graphs require) and its backward, for the run's one
-(micro-)batch shape ``[batch_size / (processes * grad_accum), seq_len]``, in static buffers (each step copies its batch in). What
+(micro-)batch shape ``[batch_size / (processes * grad_accum), seq_len]``, in static buffers (each
+step copies its batch in). What
 stays eager: the optimizer (fused AdamW with the divergence flag as ``found_inf``), gradient
 clipping, the loss read-back, evaluation (the eager ``model``, which shares the parameters), and
 any batch of another shape (counted as ``eager_steps``). The warm-up iterations before capture

@@ -195,6 +195,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report, 
     tc = cfg["train"]
     if tc["threads"]:
         torch.set_num_threads(int(tc["threads"]))
+    precision = pick_precision(tc["precision"], procs.device)
     task, model = _build(cfg, source, procs.device)
     parallel.check_split(tc["batch_size"], procs.world, tc["grad_accum"], source)
     saved = None if fresh else resume.read_state(out)
@@ -205,7 +206,7 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report, 
     with _RunLog(out, append=saved is not None) if procs.writer else contextlib.nullcontext():
         if procs.writer:
             _start_files(cfg, out, resumed=saved is not None)
-        run = _setup(cfg, task, model, procs, source, saved)
+        run = _setup(cfg, task, model, procs, precision, source, saved)
         run.out = out
         _loop(run, report, progress)
         return _finish(run, t_start)
@@ -237,11 +238,10 @@ def _start_files(cfg: dict[str, Any], out: Path, resumed: bool) -> None:
     checkpoint.write_json(out / checkpoint.CONFIG, cfg)
 
 
-def _setup(cfg, task, model, procs, source: str, saved) -> SimpleNamespace:
+def _setup(cfg, task, model, procs, precision: str, source: str, saved) -> SimpleNamespace:
     """Everything the steps share: optimizer, data, validation set, compile and graph decisions, the
     gradient reducer; a resume checkpoint's state put back."""
     tc, device = cfg["train"], procs.device
-    precision = pick_precision(tc["precision"], device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("run %s: %s, %d params, device %s, precision %s, %d process(es)", cfg["name"],
              model.mixers[0].describe().get("objective", "attention"), n_params, device, precision, procs.world)
@@ -279,13 +279,14 @@ def _setup(cfg, task, model, procs, source: str, saved) -> SimpleNamespace:
                  "all-reduce after the step", tc["batch_size"], procs.world, tc["grad_accum"],
                  tc["batch_size"] // (procs.world * tc["grad_accum"]))
     # fused AdamW skips its step while this is set (GradScaler's protocol); refreshed from
-    # readback.stopped in place each step (_update)
+    # readback.stopped in place each step (_optimizer_step)
     opt.found_inf = torch.zeros((), dtype=torch.float32, device=device)
     return SimpleNamespace(
         cfg=cfg, tc=tc, device=device, precision=precision, amp=lambda: autocast(device, precision), task=task,
         model=model, train_model=train_model, opt=opt, gen=gen, data_device=data_device, val_batches=val_batches,
         steps=steps, warm=warmup_steps(tc["warmup"], steps), history=history, readback=readback, start=start,
-        start_tokens=readback.tokens, start_steps=readback.steps, procs=procs, reducer=reducer, n_params=n_params, compile_info=compile_info,
+        start_tokens=readback.tokens, start_steps=readback.steps, procs=procs, reducer=reducer, n_params=n_params,
+        compile_info=compile_info,
         graphs_info={"setting": tc["cuda_graphs"], "enabled": use_graphs, "reason": why, "graphed_steps": 0,
                      "eager_steps": 0},
         loss_fn=None,           # the graphed forward+loss+backward, captured at the first step
