@@ -134,7 +134,7 @@ def test_an_unreadable_checkpoint_is_one_line(corpus, tmp_path):
     assert "--fresh" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_sigkilled_cli_run_resumes_with_the_same_command(corpus, whole, tmp_path):
+def test_a_sigkilled_cli_run_resumes_with_the_same_command(corpus, whole, tmp_path, capsys):
     """A real ``kill -9`` of ``python -m ssmcraft train`` once a checkpoint is on disk; the same command
     again finishes the run with the uninterrupted run's weights."""
     steps = 40            # the checkpoint of step 2 stays on disk until the run ends: the poll below sees it
@@ -153,6 +153,7 @@ def test_a_sigkilled_cli_run_resumes_with_the_same_command(corpus, whole, tmp_pa
     assert 0 < meta["step"] < steps and not (out / "metrics.json").exists()
     assert main(["train", str(spec), "--out", str(out), "--quiet"]) == 0
     assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] == meta["step"] > 0
+    assert f"processes=1 resumed_from_step={meta['step']}" in capsys.readouterr().out     # the summary says so
     reference = tmp_path / "whole"
     train_run(config(corpus, steps=steps, eval_every=0, checkpoint_every=2), reference)
     assert_bitwise(weights(reference), weights(out))

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                         fresh=args.fresh)
     if rank == 0:
         summary = {k: metrics.get(k) for k in ("status", "val_loss", "train_loss_first", "accuracy", "chance_accuracy",
-                                              "tokens", "tokens_per_s", "wall_s") if metrics.get(k) is not None}
+                                              "tokens", "tokens_per_s", "wall_s", "processes", "resumed_from_step")
+                   if metrics.get(k) is not None}
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
         if metrics["status"] != "ok":
             print(f"run {metrics['status']}: {metrics['reason']}", file=sys.stderr)
