@@ -113,3 +113,43 @@ def tiny_search(out, trial_fn, trials: int):
     spec = load_search_spec(tiny_spec(budget={"trials": trials, "tokens_per_trial": 1000, "seconds_per_trial": 120}))
     return run_search(spec, out, executor=InlineExecutor(), trial_fn=trial_fn, compile_fn=None, plots=False,
                       log=lambda _msg: None)
+
+
+def code_corpus(folder) -> str:
+    """A small Python-like text corpus written into ``folder`` (its path, for a text task)."""
+    from pathlib import Path
+    (Path(folder) / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)))
+    return str(folder)
+
+
+def tiny_text_experiment(corpus: str, *, batch_size: int, steps: int, seed: int = 0, **train) -> dict:
+    """A 2-layer byte LM on ``corpus`` for ``steps`` steps of ``batch_size`` x 16 bytes, on one CPU thread
+    (a shared machine thrashes with more), validating every 5 steps."""
+    return {"name": "tiny", "seed": seed,
+            "task": {"name": "text", "corpus": corpus, "seq_len": 16, "val_fraction": 0.1, "block_size": 512},
+            "model": {"d_model": 16, "n_layers": 2, "mlp_ratio": 2,
+                      "mixer": {"kind": "objective", "objective": "longhorn", "state_size": 4}},
+            "train": {"batch_size": batch_size, "tokens": batch_size * 16 * steps, "lr": 1e-2, "warmup": 2,
+                      "eval_every": 5, "eval_batches": 1, "eval_batch_size": 4, "device": "cpu", "threads": 1,
+                      **train}}
+
+
+def subprocess_env() -> dict:
+    """The environment for a subprocess that must import this checkout's ssmcraft."""
+    import os
+    from pathlib import Path
+    repo = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+
+
+def stop_after(monkeypatch, step: int) -> None:
+    """A training run is killed (``KeyboardInterrupt``) right after writing its resume checkpoint of ``step``."""
+    from ssmcraft.train import resume
+    real = resume.save_state
+
+    def save_then_stop(out, **kw):
+        path = real(out, **kw)
+        if kw["step"] == step:
+            raise KeyboardInterrupt
+        return path
+    monkeypatch.setattr(resume, "save_state", save_then_stop)

@@ -42,9 +42,15 @@ def _finite(value: Any) -> Any:
 
 def write_json(path: str | Path, data: Any) -> None:
     """Write ``data`` as strict JSON, atomically (a reader never sees half a file)."""
+    write_bytes(path, (json.dumps(_finite(data), indent=2, sort_keys=False, allow_nan=False) + "\n").encode())
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` atomically: a temporary file beside ``path``, then a rename, so a reader (or a
+    run resumed after a kill) sees the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 

@@ -1,8 +1,14 @@
-"""``ssmcraft train EXPERIMENT.yaml --out DIR [--set key=value ...]``."""
+"""``ssmcraft train EXPERIMENT.yaml --out DIR [--set key=value ...] [--fresh]``.
+
+The same command resumes a killed run from ``DIR/resume.safetensors`` (``train.checkpoint_every``;
+``ssmcraft.train.resume``); ``--fresh`` starts over. ``torchrun --nproc_per_node N -m ssmcraft train ...``
+trains one model over N processes (``ssmcraft.train.parallel``): rank 0 logs, prints and writes DIR.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ssmcraft.train.config import apply_overrides, load_experiment
@@ -14,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting, e.g. --set train.lr=1e-3 --set model.mixer.objective=mamba")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over even where DIR holds a resume checkpoint (without it, the run resumes "
+                             "from the checkpoint, and a changed config is refused)")
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -40,13 +49,17 @@ def setup_logging(quiet: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from ssmcraft.train.loop import train_run
 
-    setup_logging(args.quiet)
+    rank = int(os.environ.get("RANK", "0"))      # torchrun's: rank 0 speaks for the run, the others are quiet
+    setup_logging(args.quiet or rank > 0)
     config = apply_overrides(load_experiment(args.experiment), args.set)
-    metrics = train_run(config, args.out, progress=not args.quiet, source=args.experiment)
-    summary = {k: metrics.get(k) for k in ("status", "val_loss", "train_loss_first", "accuracy", "chance_accuracy",
-                                          "tokens", "tokens_per_s", "wall_s") if metrics.get(k) is not None}
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-    if metrics["status"] != "ok":
-        print(f"run {metrics['status']}: {metrics['reason']}", file=sys.stderr)
-    print(f"wrote {args.out}")
+    metrics = train_run(config, args.out, progress=not args.quiet and rank == 0, source=args.experiment,
+                        fresh=args.fresh)
+    if rank == 0:
+        summary = {k: metrics.get(k) for k in ("status", "val_loss", "train_loss_first", "accuracy", "chance_accuracy",
+                                              "tokens", "tokens_per_s", "wall_s", "processes", "resumed_from_step")
+                   if metrics.get(k) is not None}
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        if metrics["status"] != "ok":
+            print(f"run {metrics['status']}: {metrics['reason']}", file=sys.stderr)
+        print(f"wrote {args.out}")
     return 0 if metrics["status"] in ("ok", "timeout") else 1

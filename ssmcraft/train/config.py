@@ -25,15 +25,25 @@ import yaml
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers.config import LMConfig, number_or_same
 from ssmcraft.tasks import check_task
+from ssmcraft.train.schedule import SCHEDULES
 
 TOP_DEFAULTS: dict[str, Any] = {"name": "experiment", "seed": 0}
 TRAIN_DEFAULTS: dict[str, Any] = {
     "batch_size": 32,
     "tokens": 1_000_000,        # training budget in input tokens (batch_size * seq_len per step)
-    "max_seconds": None,        # optional wall-clock limit of the training loop
+    "max_seconds": None,        # optional wall-clock limit of the training loop (several processes agree on it
+                                # at each read-back, every log_every steps)
     "lr": 3.0e-3,
-    "min_lr_ratio": 0.1,        # cosine decays to lr * min_lr_ratio
+    "min_lr_ratio": 0.1,        # the schedule decays to lr * min_lr_ratio
     "warmup": 0.05,             # fraction of the steps (< 1) or a number of steps (>= 1)
+    "schedule": "cosine",       # after the warmup: cosine | wsd (warmup-stable-decay: lr held, then a
+                                # linear decay over the last `decay` of the steps; ssmcraft.train.schedule)
+    "decay": 0.2,               # wsd only: fraction of the steps (< 1) or a number of steps (>= 1)
+    "grad_accum": 1,            # micro-batches per optimizer step: batch_size is the global batch, split over
+                                # processes and micro-batches (ssmcraft.train.parallel)
+    "checkpoint_every": 1000,   # steps between resume checkpoints (DIR/resume.safetensors; 0: none): the same
+                                # command resumes a killed run from the last one (ssmcraft.train.resume)
+    "activation_checkpointing": False,   # recompute each block's activations in the backward (less memory)
     "weight_decay": 0.1,        # on matrices of linear layers and the embedding only
     "betas": [0.9, 0.95],
     "grad_clip": 1.0,           # max global gradient norm (0: off)
@@ -134,6 +144,8 @@ def resolve(cfg: Mapping[str, Any], source: str = "<experiment>") -> dict[str, A
 
 GRAPHS_WITH_COMPILE = ("true together with train.compile true: choose one (the graphs capture the eager step; "
                        "set train.compile: false or auto)")
+GRAPHS_WITH_RECOMPUTE = ("true together with train.activation_checkpointing true: choose one (set "
+                         "train.cuda_graphs: false or auto)")
 
 
 def _check_train(t: dict[str, Any], source: str) -> None:
@@ -150,6 +162,11 @@ def _check_train(t: dict[str, Any], source: str) -> None:
         positive(key, integer=True)
     positive("eval_every", integer=True, allow_zero=True)
     positive("log_every", integer=True)
+    positive("grad_accum", integer=True)
+    positive("checkpoint_every", integer=True, allow_zero=True)
+    if t["batch_size"] % t["grad_accum"]:
+        raise SpecError(source, "train.grad_accum", f"{t['grad_accum']} does not divide train.batch_size "
+                        f"{t['batch_size']} (the global batch) into equal micro-batches")
 
     def one_of(key, allowed: tuple):
         """``t[key]`` is one of ``allowed``; a bool matches only itself (0 and 1 are refused)."""
@@ -162,9 +179,13 @@ def _check_train(t: dict[str, Any], source: str) -> None:
     one_of("cuda_graphs", ("auto", True, False))
     if t["cuda_graphs"] is True and t["compile"] is True:
         raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_COMPILE)
+    one_of("activation_checkpointing", (True, False))
+    if t["cuda_graphs"] is True and t["activation_checkpointing"] is True:
+        raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_RECOMPUTE)
     one_of("autograd_threads", (True, False))
+    one_of("schedule", SCHEDULES)
     one_of("data_on_device", (True, False))
-    for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio"):
+    for key in ("lr", "grad_clip", "weight_decay", "warmup", "min_lr_ratio", "decay"):
         positive(key, allow_zero=key != "lr")
     t["betas"] = [number_or_same(b) for b in t["betas"]] if isinstance(t["betas"], list) else t["betas"]
     if t["max_seconds"] is not None:

@@ -8,21 +8,26 @@ Triton kernels and autograd Functions as they are.
 
 What is captured (``GraphedLoss``): ``batch_loss(model(inputs), targets)`` under the run's
 autocast (with the autocast cache off, as graphs require) and its backward, for the run's one
-batch shape ``[batch_size, seq_len]``, in static buffers (each step copies its batch in). What
+(micro-)batch shape ``[batch_size / (processes * grad_accum), seq_len]``, in static buffers (each
+step copies its batch in). What
 stays eager: the optimizer (fused AdamW with the divergence flag as ``found_inf``), gradient
 clipping, the loss read-back, evaluation (the eager ``model``, which shares the parameters), and
 any batch of another shape (counted as ``eager_steps``). The warm-up iterations before capture
 (kernel choice, compilation, autotuning) compute gradients with ``torch.autograd.grad`` and touch
 neither ``.grad`` nor the weights. A step's gradients are the graph's static buffers: AdamW and the
-clipping consume them before the next replay (no gradient accumulation across steps here).
+clipping consume them before the next replay; with ``train.grad_accum`` or several processes
+``parallel.Reducer`` adds each replay's gradients into its own buffer before the next one.
 
 Settings (``graphs_decision``; the decision and its reason go to the run's ``metrics.json`` under
 ``cuda_graphs`` and to the log, like ``train.compile``'s):
   ``auto``  (the default) on for CUDA unless ``train.compile`` is true (the two do not combine: the
             compiled LM is not captured; ``train.compile: auto`` resolves off when this is not
-            false); off on CPU (recorded as not applicable);
-  ``true``  on; refused on CPU and with ``train.compile: true`` (``SpecError``; the config
-            check ``config._check_train`` refuses the pair before anything is built);
+            false) or ``train.activation_checkpointing`` is true; off on CPU (recorded as not
+            applicable). Several processes (``ssmcraft.train.parallel``) keep it: the gradients are
+            all-reduced after the replay;
+  ``true``  on; refused on CPU, with ``train.compile: true`` and with
+            ``train.activation_checkpointing: true`` (``SpecError``; the config check
+            ``config._check_train`` refuses those pairs before anything is built);
   ``false`` off.
 A capture that fails raises under ``true``; under ``auto`` it is logged as a warning, recorded
 (``fallback``) and the run goes on eager.
@@ -37,7 +42,7 @@ import torch
 from ssmcraft.errors import SpecError, SsmcraftError, one_line
 from ssmcraft.kernels.graphs import require_cuda, require_warmup
 from ssmcraft.train.compiled import record_fallback
-from ssmcraft.train.config import GRAPHS_WITH_COMPILE
+from ssmcraft.train.config import GRAPHS_WITH_COMPILE, GRAPHS_WITH_RECOMPUTE
 from ssmcraft.train.device import autocast
 from ssmcraft.train.validate import step_loss
 
@@ -45,11 +50,16 @@ log = logging.getLogger(__name__)
 
 
 def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
-                    source: str = "<experiment>") -> tuple[bool, str]:
+                    source: str = "<experiment>", recompute: bool = False) -> tuple[bool, str]:
     """(capture the step?, why) for ``train.cuda_graphs`` = ``setting`` on ``device``, with
-    ``train.compile`` resolved to ``compile_enabled``. Refusals raise ``SpecError``."""
+    ``train.compile`` resolved to ``compile_enabled`` and ``train.activation_checkpointing`` =
+    ``recompute`` (``ssmcraft.train.recompute``). Refusals raise ``SpecError``."""
     if setting is False:
         return False, "train.cuda_graphs is false"
+    if recompute:
+        if setting is True:
+            raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_RECOMPUTE)   # config refuses it first
+        return False, "train.cuda_graphs auto: off while train.activation_checkpointing is true"
     if device.type != "cuda":
         if setting is True:
             raise SpecError(source, "train.cuda_graphs", f"true needs a CUDA device; this run is on {device.type} "
