@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from ssmcraft import yamlsafe
 from ssmcraft.compiler import library as compiler_library
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, one_line
 
 
 def library_names(extra: Path | None = None) -> list[str]:
@@ -43,11 +42,12 @@ def find_objective(ref: str, base: Path, extra: Path | None = None,
 
 
 def load_objective(path: Path) -> dict:
-    """The objective spec dict stored in ``path`` (safe YAML; the compiler validates it)."""
+    """The objective spec dict stored in ``path`` (``yamlsafe``; the compiler validates it)."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise SpecError(str(path), "", f"cannot read: {getattr(e, 'strerror', None) or one_line(e)}") from None
+    data = yamlsafe.load(text, str(path))
     if not isinstance(data, dict):
         raise SpecError(str(path), "", "an objective spec must be a mapping")
     return data
