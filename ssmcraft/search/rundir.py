@@ -33,6 +33,23 @@ def trial_dir(out_dir: Path, number: int) -> Path:
     return Path(out_dir) / TRIALS / f"{number:04d}"
 
 
+def check_trial_folders(out_dir: Path, numbers: set[int]) -> None:
+    """Refuse a run folder whose ``trials/`` holds a folder for a trial number the study does
+    not have (``numbers``): the study's storage lost trials (a journal truncated, deleted
+    or replaced), and the next trials would take those numbers and write over the folders."""
+    folder = Path(out_dir) / TRIALS
+    if not folder.is_dir():
+        return
+    orphans = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and int(p.name) not in numbers)
+    if orphans:
+        held = f"trials {min(numbers)}-{max(numbers)}" if numbers else "no trial"
+        raise SsmcraftError(
+            f"{out_dir}: {TRIALS}/{orphans[0]:04d} ({len(orphans)} folder(s) in all) belongs to no trial of the "
+            f"study, which holds {held}: its storage lost trials (a journal truncated, deleted or replaced), "
+            f"and a search here would reuse their numbers and folders. Restore the journal from a copy, or "
+            f"start the search again with another --out (the trial folders are left as they are)")
+
+
 def run_dir_of(trial_folder: Path) -> Path:
     """The run folder a trial folder (``trial_dir``) lies in."""
     return Path(trial_folder).parent.parent
