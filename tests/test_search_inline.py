@@ -23,13 +23,10 @@ from ssmcraft.search.reports import pareto_fronts
 from ssmcraft.search.rundir import open_study
 from ssmcraft.search.space import suggest
 from ssmcraft.search.storage import RunLock, open_storage
-from ssmcraft.search.testing import Scripted, quadratic, tiny_spec
+from ssmcraft.search.testing import Scripted, quadratic, search_tiny, tiny_spec
 
 
-def search(out, trial_fn=quadratic, *, plots=False, logs=None, compile_fn=None, **overrides):
-    spec = load_search_spec(tiny_spec(**overrides))
-    return run_search(spec, out, executor=InlineExecutor(), trial_fn=trial_fn, compile_fn=compile_fn,
-                      plots=plots, log=(logs.append if logs is not None else lambda line: None))
+search = search_tiny
 
 
 def by_number(study):

@@ -360,7 +360,11 @@ class _Loop:
 
     def _record(self, trial: optuna.Trial, job: Job, outcome: Outcome) -> None:
         verdict = judge(outcome, self.spec.metrics)
-        if trial.number in self.broken:
+        folder_gone = not job.out_dir.is_dir()
+        if folder_gone:     # its checkpoint and files are lost, whatever it returned
+            verdict = Verdict("failed", reason=f"error: its folder {job.out_dir.relative_to(self.out_dir)} was "
+                                               f"deleted while it ran (it returned: {verdict.reason or verdict.state})")
+        elif trial.number in self.broken:
             verdict = Verdict("failed", reason=self.broken.pop(trial.number))
         elif verdict.state == "pruned" and trial.number in self.stopped_at:
             verdict = dataclasses.replace(verdict, reason=f"stopped at {self.stopped_at.pop(trial.number)}")
@@ -373,9 +377,9 @@ class _Loop:
                   "code_version": outcome.code_version, "kernel_hash": metrics.get("kernel_hash"),
                   "state_bytes": metrics.get("state_bytes")}
         self._tell(trial, verdict.state, verdict.values, record)
-        info_path = job.out_dir / TRIAL_INFO
-        info = _read_json(info_path)
-        write_json(info_path, {**info, "outcome": record})
+        if not folder_gone:
+            info_path = job.out_dir / TRIAL_INFO
+            write_json(info_path, {**_read_json(info_path), "outcome": record})
         values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.spec.metrics, verdict.values or ()))
         wall = f"{outcome.wall_s:.1f} s" if outcome.wall_s is not None else "?"
         said = "; ".join(x for x in (values, verdict.reason) if x)

@@ -44,8 +44,8 @@ class Lease:
     moment) is logged and retried at the next beat."""
 
     def __init__(self, storage: optuna.storages.BaseStorage, study_id: int, driver: str, out_dir: Path,
-                 log: Callable[[str], None], beat_s: float = BEAT_S) -> None:
-        self.storage, self.study_id, self.driver, self.log, self.beat_s = storage, study_id, driver, log, beat_s
+                 log: Callable[[str], None]) -> None:
+        self.storage, self.study_id, self.driver, self.log = storage, study_id, driver, log
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "out_dir": str(Path(out_dir).resolve()),
                        "started": time.time()}
         self._stop = threading.Event()
@@ -62,7 +62,7 @@ class Lease:
         return self
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.beat_s):
+        while not self._stop.wait(BEAT_S):
             try:
                 self._write()
             except Exception as e:  # noqa: BLE001 -- the next beat tries again; the lease lapses only after LEASE_S

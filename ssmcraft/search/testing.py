@@ -139,3 +139,16 @@ def tiny_spec(**overrides) -> dict:
     }
     spec.update(overrides)
     return spec
+
+
+def search_tiny(out_dir, trial_fn=quadratic, *, storage_url: str | None = None, plots: bool = False,
+                logs: list | None = None, compile_fn=None, **overrides):
+    """``run_search`` of ``tiny_spec(**overrides)`` in ``out_dir`` with the in-process executor;
+    its log lines go to ``logs`` when given."""
+    from ssmcraft.search.coordinator import run_search
+    from ssmcraft.search.executor import InlineExecutor
+    from ssmcraft.search.spec import load_search_spec
+
+    return run_search(load_search_spec(tiny_spec(**overrides)), out_dir, executor=InlineExecutor(),
+                      trial_fn=trial_fn, storage_url=storage_url, compile_fn=compile_fn, plots=plots,
+                      log=logs.append if logs is not None else lambda line: None)
