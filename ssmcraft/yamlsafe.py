@@ -96,8 +96,9 @@ def load(text: str, source: str) -> Any:
     """The YAML document in ``text`` (None when empty); ``source`` names it in errors."""
     if len(text) > MAX_BYTES:
         raise SpecError(source, "", f"larger than {MAX_BYTES:,} characters; a spec is a few kilobytes")
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)      # refuses characters YAML does not allow (a NUL) at once
         node = loader.get_single_node()
         if node is None:
             return None
@@ -111,4 +112,5 @@ def load(text: str, source: str) -> Any:
     except RecursionError:      # the composer recurses once per level, before the bound is checked
         raise SpecError(source, "", f"invalid YAML: nested more than {MAX_DEPTH} levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

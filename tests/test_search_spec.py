@@ -254,7 +254,9 @@ NESTED_ALIASES = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("? [a]\n: 1\n", "a key must be a plain name"),
     ("a: !!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
     ("- 1\n", "expected a mapping, got list"),
-], ids=["duplicate", "duplicate_nested", "deep", "alias_bomb", "recursive_alias", "list_key", "python_tag", "list"])
+    ("name: a\x00b\n", "unacceptable character #x0000"),
+], ids=["duplicate", "duplicate_nested", "deep", "alias_bomb", "recursive_alias", "list_key", "python_tag", "list",
+        "nul"])
 def test_yaml_text_is_refused_in_one_bounded_line(tmp_path, text, problem):
     path = tmp_path / "s.yaml"
     path.write_text(text)

@@ -42,11 +42,12 @@ from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
 from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
-from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, check_trial_folders, read_run_info, trial_dir, write_json
+from ssmcraft.search.rundir import (RUN_INFO, SPEC_COPY, TRIAL_INFO, check_trial_folders, journal_trial_numbers,
+                                    read_run_info, trial_dir, write_json)
 from ssmcraft.search.samplers import build_pruner, build_sampler, describe
 from ssmcraft.search.space import build_config, check_experiment, objective_of, param_names, suggest
 from ssmcraft.search.spec import SearchSpec, spec_hash
-from ssmcraft.search.storage import RunLock, journal_path, mask_url, open_storage
+from ssmcraft.search.storage import RunLock, mask_url, open_storage
 from ssmcraft.search.trial import train_trial
 
 STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
@@ -102,8 +103,8 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
         if spec.pruner.name != "none" and can_report is not None and not can_report():
             raise SpecError(spec.source, "pruner", "the trial function cannot report intermediate "
                                                    "values (train_run takes no report=); remove the pruner")
-        if storage_url is None and not journal_path(out_dir).exists():
-            check_trial_folders(out_dir, set())     # a lost journal: refused before one is created
+        if storage_url is None:     # a damaged or lost journal is refused before anything is repaired or created
+            check_trial_folders(out_dir, journal_trial_numbers(out_dir, spec.name))
         storage, storage_desc = open_storage(out_dir, storage_url, writer=True, log=log)
         driver, shared = lease.new_driver_id(), storage_url is not None
         study = _open_study(spec, storage, out_dir, log, driver=driver if shared else None)

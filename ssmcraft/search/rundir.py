@@ -50,6 +50,21 @@ def check_trial_folders(out_dir: Path, numbers: set[int]) -> None:
             f"start the search again with another --out (the trial folders are left as they are)")
 
 
+def journal_trial_numbers(out_dir: Path, study_name: str) -> set[int]:
+    """The trial numbers the folder's journal holds for ``study_name``, read without changing
+    anything (none when there is no journal or no such study)."""
+    from ssmcraft.search.storage import journal_path
+
+    if not journal_path(out_dir).exists():
+        return set()
+    backend, _ = open_storage(Path(out_dir), None, writer=False)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=backend, sampler=optuna.samplers.RandomSampler())
+    except KeyError:
+        return set()
+    return {t.number for t in study.get_trials(deepcopy=False)}
+
+
 def run_dir_of(trial_folder: Path) -> Path:
     """The run folder a trial folder (``trial_dir``) lies in."""
     return Path(trial_folder).parent.parent

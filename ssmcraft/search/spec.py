@@ -211,8 +211,7 @@ class _Checker:
         self.source = source
 
     def fail(self, key: str, problem: str):
-        # a key or a problem quotes what the spec holds, which may be of any length
-        raise SpecError(self.source, _cut(str(key), 120), _cut(problem, 400))
+        raise SpecError(self.source, key, problem)      # which bounds their length
 
     def mapping(self, key: str, value: Any, allowed: tuple[str, ...] | None = None) -> dict:
         if not isinstance(value, Mapping):
@@ -239,6 +238,14 @@ class _Checker:
             self.fail(key, f"must be >= {min}, got {shown(value)}")
         if above is not None and value <= above:
             self.fail(key, f"must be > {above}, got {shown(value)}")
+        return value
+
+    def one_of(self, key: str, value: Any, allowed) -> str:
+        """``value`` if it is one of the names ``allowed`` (a value of any type is refused, not
+        looked up: a list or a mapping is not hashable)."""
+        if not isinstance(value, str) or value not in allowed:
+            words = " or ".join(allowed) if len(allowed) == 2 else f"one of {', '.join(allowed)}"
+            self.fail(key, f"expected {words}, got {shown(value)}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool:
@@ -275,15 +282,18 @@ def _check_path(c: "_Checker", sections: Mapping, p: Param) -> None:
             c.fail(f"space.{p.name}", f"{'.'.join(p.path[:i + 1])} is fixed to {shown(node)}, not a section")
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+        return False
+
+
 def _finite(value: int | float) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:       # an int beyond the float range
         return False
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _kind(v: Any) -> str:
@@ -307,9 +317,14 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
             c.fail(".".join(path), f"set by the search from {origin}; remove it here")
     objectives_dir = None
     if raw.get("objectives_dir") is not None:
-        objectives_dir = (base / str(raw["objectives_dir"])).resolve()
-        if not objectives_dir.is_dir():
-            c.fail("objectives_dir", f"not a folder: {objectives_dir}")
+        if not isinstance(raw["objectives_dir"], str):
+            c.fail("objectives_dir", f"expected a folder path, got {shown(raw['objectives_dir'])}")
+        try:
+            objectives_dir = (base / raw["objectives_dir"]).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a loop of links
+            c.fail("objectives_dir", f"not a usable path ({one_line(e)})")
+        if not _is_dir(objectives_dir):
+            c.fail("objectives_dir", f"not a folder: {shown(str(objectives_dir))}")
 
     rank = _parse_rank(c, raw["rank"])
     budget = _parse_budget(c, raw["budget"])
@@ -347,8 +362,7 @@ def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
     if not rank:
         c.fail("rank", "name at least one metric with minimize or maximize")
     for metric, direction in rank.items():
-        if direction not in DIRECTIONS:
-            c.fail(f"rank.{metric}", f"expected minimize or maximize, got {shown(direction)}")
+        c.one_of(f"rank.{metric}", direction, DIRECTIONS)
     return tuple(rank.items())
 
 
@@ -372,8 +386,7 @@ def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budge
     for key in ("kind", "min_tokens"):
         if key not in f:
             c.fail(f"fidelity.{key}", "missing (required)")
-    if f["kind"] not in FIDELITY_KINDS:
-        c.fail("fidelity.kind", f"expected one of {', '.join(FIDELITY_KINDS)}, got {shown(f['kind'])}")
+    c.one_of("fidelity.kind", f["kind"], FIDELITY_KINDS)
     min_tokens = c.number("fidelity.min_tokens", f["min_tokens"], integer=True, min=1)
     if min_tokens >= budget.tokens_per_trial:
         c.fail("fidelity.min_tokens", f"{min_tokens} leaves no rung below budget.tokens_per_trial "
@@ -382,8 +395,7 @@ def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budge
     if not isinstance(metric, str) or not metric:
         c.fail("fidelity.metric", f"expected a metric name, got {shown(metric)}")
     direction = f.get("direction", rank.get(metric, "minimize"))
-    if direction not in DIRECTIONS:
-        c.fail("fidelity.direction", f"expected minimize or maximize, got {shown(direction)}")
+    c.one_of("fidelity.direction", direction, DIRECTIONS)
     if metric in rank and rank[metric] != direction:
         c.fail("fidelity.direction", f"{direction}, but rank says {metric}: {rank[metric]}")
     return Fidelity(f["kind"], min_tokens, c.number("fidelity.eta", f.get("eta", 3), integer=True, min=2),
@@ -433,8 +445,7 @@ def _parse_sampler(c: _Checker, value: Any, n_metrics: int, seed: int) -> Compon
                   "crossover_prob": (0.9, prob), "swapping_prob": (0.5, prob)},
         "random": {"seed": (seed, _seed(c))},
     }
-    if name not in schemas:
-        c.fail("sampler.name", f"expected one of {', '.join(schemas)}, got {shown(name)}")
+    c.one_of("sampler.name", name, tuple(schemas))
     return Component(name, c.options("sampler", given, schemas[name]))
 
 
@@ -453,8 +464,7 @@ def _parse_pruner(c: _Checker, value: Any, n_metrics: int) -> Component:
             "reduction_factor": (4, lambda k, v: c.number(k, v, integer=True, min=2)),
             "min_early_stopping_rate": (0, nonneg), "bootstrap_count": (0, nonneg)},
     }
-    if name not in schemas:
-        c.fail("pruner.name", f"expected one of {', '.join(schemas)}, got {shown(name)}")
+    c.one_of("pruner.name", name, tuple(schemas))
     if name != "none" and n_metrics > 1:
         c.fail("pruner", f"pruning needs a single ranking metric (Optuna cannot prune "
                          f"multi-objective trials); rank has {n_metrics}")

@@ -141,7 +141,13 @@ def open_storage(out_dir: Path, url: str | None, *, writer: bool,
         if lock.is_symlink() or lock.exists():
             lock.unlink()
             log(f"storage: removed the stale journal lock {lock}")
-    return JournalStorage(JournalFileBackend(str(path))), f"journal file {path}"
+    try:
+        storage = JournalStorage(JournalFileBackend(str(path)))     # replays every record
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise SsmcraftError(f"{path}: its records cannot be replayed ({one_line(e)}): a record was damaged or "
+                            f"edited. Restore {path.name} from a copy, or start the search again with another "
+                            f"--out; nothing here was changed") from None
+    return storage, f"journal file {path}"
 
 
 class RunLock:
