@@ -1,15 +1,17 @@
 """Resuming a search: a trial left running belongs to the study, not to a host or a path (a
 moved folder, a new hostname), coordinators sharing an RDB re-queue only the trials of
 those that are gone (leases), and a trial whose folder is deleted while it runs fails
-with its reason while the search goes on."""
+with its reason while the search goes on; a damaged ``run.json`` is refused in one line."""
 from __future__ import annotations
 
 import shutil
 import time
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
+from ssmcraft import cli
 from ssmcraft.search import lease, load_search_spec
 from ssmcraft.search.space import suggest
 from ssmcraft.search.storage import open_storage
@@ -115,3 +117,18 @@ def test_a_trial_whose_folder_is_deleted_while_it_runs_fails_with_the_reason(tmp
     assert trials[1].user_attrs["reason"].startswith("error: its folder trials/0001 was deleted while it ran")
     assert [trials[n].state for n in (0, 2)] == [TrialState.COMPLETE] * 2
     assert result.counts == {"complete": 2, "pruned": 0, "failed": 1}
+
+
+@pytest.mark.parametrize("text", ["garbage{", "[1, 2]", '{"study": "tiny"}', '{"study": 3, "storage": {"kind": "journal"}}'],
+                         ids=["not_json", "a_list", "no_storage", "study_not_a_name"])
+def test_a_damaged_run_json_is_refused_in_one_line_by_resume_and_leaderboard(tmp_path, capsys, text):
+    out = tmp_path / "run"
+    search_tiny(out, budget={**BUDGET, "trials": 1})
+    (out / "run.json").write_text(text)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for argv in (["leaderboard", str(out)],
+                 ["search", "--resume", "--out", str(out), "--executor", "inline", "--no-objective-check"]):
+        assert cli.main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert f"{out / 'run.json'}: " in line and "restore it from a copy" in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -142,7 +142,7 @@ def _refuse_other_study(spec: SearchSpec, out_dir: Path) -> None:
         return
     try:
         held = read_run_info(out_dir).get("study")
-    except ValueError:              # a torn run.json: the study it named is the journal's to say
+    except SsmcraftError:           # a damaged run.json: the study it named is the storage's to say
         held = None
     if held is not None and held != spec.name:
         raise SsmcraftError(f"{out_dir} holds study {held!r}, and the spec names {spec.name!r}; use another "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import optuna
 
-from ssmcraft.errors import SsmcraftError
+from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.search.storage import open_storage
 
 RUN_INFO = "run.json"
@@ -78,11 +78,27 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def read_run_info(out_dir: Path) -> dict:
+    """``run.json``: the study's name and storage; one ``SsmcraftError`` line when it is
+    missing or is not such a record."""
     path = Path(out_dir) / RUN_INFO
     try:
-        return json.loads(path.read_text())
+        info = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SsmcraftError(f"{out_dir}: not a search folder (no {RUN_INFO})") from None
+    except (OSError, ValueError) as e:
+        problem = f"unreadable ({one_line(e)})"
+    else:
+        info = info if isinstance(info, dict) else {}
+        storage = info.get("storage")
+        problem = None if (isinstance(info.get("study"), str) and isinstance(storage, dict)
+                           and (storage.get("kind") == "journal" or (
+                               storage.get("kind") == "rdb" and isinstance(storage.get("url"), str)))) \
+            else "not a run record (study name and storage)"
+    if problem is not None:
+        raise SsmcraftError(f"{path}: {problem}; restore it from a copy, or, for a search kept in this folder's "
+                            f'journal, write {{"study": "NAME", "storage": {{"kind": "journal"}}}} with the name of '
+                            f"the study in {SPEC_COPY}")
+    return info
 
 
 def open_study(out_dir: Path, storage_url: str | None = None) -> optuna.Study:
