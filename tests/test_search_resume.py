@@ -87,6 +87,28 @@ def test_coordinators_sharing_an_rdb_requeue_only_the_trials_of_those_that_are_g
     assert _requeued(result.study, running["alive"])[0].state == TrialState.COMPLETE
 
 
+def test_a_running_coordinator_requeues_the_trials_of_one_whose_lease_lapses_meanwhile(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path}/study.db"
+    search_tiny(tmp_path / "a", storage_url=url, budget={**BUDGET, "trials": 1})
+    study, _ = _rdb_study(url)
+    _lease(study, "other", heartbeat=time.time(), closed=False)      # alive now, and never beats again
+    number, params = _leave_running(study, "other")
+    monkeypatch.setattr(lease, "BEAT_S", 0.05)
+    monkeypatch.setattr(lease, "LEASE_S", 1.0)
+    logs: list[str] = []
+
+    def slow(config, out_dir, report):
+        time.sleep(0.4)
+        return quadratic(config, out_dir, report)
+
+    result = search_tiny(tmp_path / "b", slow, storage_url=url, logs=logs, budget={**BUDGET, "trials": 6})
+    assert result.requeued == []                                      # alive when this one started
+    assert any(f"[{number}] belong to coordinator other" in line for line in logs)
+    assert any(f"re-queued: [{number}]" in line for line in logs)     # lapsed while this one ran
+    (again,) = _requeued(result.study, number)
+    assert again.params == params and again.state == TrialState.COMPLETE
+
+
 def test_a_coordinator_on_an_rdb_renews_its_lease_while_it_runs(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path}/study.db"
     monkeypatch.setattr(lease, "BEAT_S", 0.05)

@@ -76,15 +76,18 @@ class Lease:
         self._write(closed=True)
 
 
-def gone(study_attrs: dict, owner: str | None, now: float | None = None, lease_s: float = LEASE_S) -> bool:
+def gone(study_attrs: dict, owner: str | None, now: float | None = None) -> bool:
     """Whether the coordinator ``owner`` (a driver id) holds no live lease in a study whose
     user attrs are ``study_attrs``: closed, never recorded (an owner written before leases
-    existed, or none at all) or not renewed for ``lease_s`` seconds."""
-    lease = study_attrs.get(PREFIX + owner) if owner else None
+    existed, or none at all) or not renewed for ``LEASE_S`` seconds."""
+    lease = study_attrs.get(PREFIX + owner) if isinstance(owner, str) else None
     if not isinstance(lease, dict) or lease.get("closed"):
         return True
     now = time.time() if now is None else now
-    return now - float(lease.get("heartbeat", 0.0)) > lease_s
+    try:
+        return now - float(lease.get("heartbeat", 0.0)) > LEASE_S
+    except (TypeError, ValueError):     # a heartbeat that is not a time
+        return True
 
 
 def describe(study_attrs: dict, owner: str, now: float | None = None) -> str:
