@@ -177,11 +177,6 @@ def _open_study(spec: SearchSpec, storage, out_dir: Path, log, driver: str | Non
         return study
     trials = study.get_trials(deepcopy=False)
     check_trial_folders(out_dir, {t.number for t in trials})
-    if trials:
-        seed = resumed_seed(spec.sampler.options["seed"], len(trials), driver)
-        study.sampler = build_sampler(spec.sampler, seed=seed)
-        log(f"search: sampler reseeded ({seed}) from its seed and the {len(trials)} trials in the study, "
-            f"so that it does not replay the points it sampled")
     stored = study.user_attrs.get("spec_sha256")
     if stored is None and not study.trials:  # created by a coordinator killed right after
         _stamp(study, spec, digest, out_dir)
@@ -191,6 +186,11 @@ def _open_study(spec: SearchSpec, storage, out_dir: Path, log, driver: str | Non
                             f"--resume without SPEC to continue it with its own spec ({SPEC_COPY})")
     done = sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
     log(f"search: resuming study {spec.name!r}: {done} of {spec.budget.trials} trials finished")
+    if trials:
+        seed = resumed_seed(spec.sampler.options["seed"], len(trials), driver)
+        study.sampler = build_sampler(spec.sampler, seed=seed)
+        log(f"search: sampler reseeded ({seed}) from its seed and the {len(trials)} trials in the study, "
+            f"so that it does not replay the points it sampled")
     return study
 
 
