@@ -463,6 +463,8 @@ def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, ca
     (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline", "--no-objective-check", "--storage",
       "sqlite:////no/such/dir/x.db", "--trial-function", "ssmcraft.search.testing:quadratic"],
      "--storage sqlite:////no/such/dir/x.db: OperationalError: (sqlite3.OperationalError) unable to open database file"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/bad.yaml", "--executor", "inline", "--no-objective-check",
+      "--trial-function", "ssmcraft.search.testing:quadratic"], "bad.yaml: cannot be the run folder (File exists)"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     import yaml

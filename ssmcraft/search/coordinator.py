@@ -92,7 +92,10 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
     if trial_fn is train_trial:     # ssmcraft's own training reads the task/model/train sections
         check_experiment(spec)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:
+        raise SsmcraftError(f"{out_dir}: cannot be the run folder ({getattr(e, 'strerror', None) or e})") from None
     with RunLock(out_dir):
         _refuse_other_study(spec, out_dir)
         if compile_fn is not None:
