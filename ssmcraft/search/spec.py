@@ -240,12 +240,11 @@ class _Checker:
             self.fail(key, f"must be > {above}, got {shown(value)}")
         return value
 
-    def one_of(self, key: str, value: Any, allowed) -> str:
+    def one_of(self, key: str, value: Any, allowed: tuple[str, ...], words: str | None = None) -> str:
         """``value`` if it is one of the names ``allowed`` (a value of any type is refused, not
-        looked up: a list or a mapping is not hashable)."""
+        looked up: a list or a mapping is not hashable); ``words`` says what is expected."""
         if not isinstance(value, str) or value not in allowed:
-            words = " or ".join(allowed) if len(allowed) == 2 else f"one of {', '.join(allowed)}"
-            self.fail(key, f"expected {words}, got {shown(value)}")
+            self.fail(key, f"expected {words or 'one of ' + ', '.join(allowed)}, got {shown(value)}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool:
@@ -362,7 +361,7 @@ def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
     if not rank:
         c.fail("rank", "name at least one metric with minimize or maximize")
     for metric, direction in rank.items():
-        c.one_of(f"rank.{metric}", direction, DIRECTIONS)
+        c.one_of(f"rank.{metric}", direction, DIRECTIONS, "minimize or maximize")
     return tuple(rank.items())
 
 
@@ -395,7 +394,7 @@ def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budge
     if not isinstance(metric, str) or not metric:
         c.fail("fidelity.metric", f"expected a metric name, got {shown(metric)}")
     direction = f.get("direction", rank.get(metric, "minimize"))
-    c.one_of("fidelity.direction", direction, DIRECTIONS)
+    c.one_of("fidelity.direction", direction, DIRECTIONS, "minimize or maximize")
     if metric in rank and rank[metric] != direction:
         c.fail("fidelity.direction", f"{direction}, but rank says {metric}: {rank[metric]}")
     return Fidelity(f["kind"], min_tokens, c.number("fidelity.eta", f.get("eta", 3), integer=True, min=2),
