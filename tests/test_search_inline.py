@@ -1,6 +1,8 @@
 """The coordinator with the in-process executor and fake trials: failures recorded with
-their reason, reproducibility, pruning, resume after a torn journal or stale trials,
-reports, and the CLI. (Ray: test_search_ray.py; a killed driver: test_search_resume.py.)"""
+their reason, reproducibility (and no point sampled twice across resumes), pruning, the
+journal checked on resume (torn, damaged, truncated or lost), stale trials, reports, and the
+CLI. (Ray: test_search_ray.py; a killed driver: test_search_subprocess.py; trial ownership
+and leases: test_search_resume.py; fuzzing: test_search_fuzz.py.)"""
 from __future__ import annotations
 
 import copy
