@@ -13,6 +13,12 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text`` on one line (a newline written as ``\\n``), at most ``limit`` characters."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class SsmcraftError(Exception):
     """Base class of every error ssmcraft raises on purpose."""
 
@@ -21,9 +27,11 @@ class SpecError(SsmcraftError):
     """A malformed spec: names the file (or ``<text>``/``<dict>``), the key and the problem."""
 
     def __init__(self, source: str, key: str, problem: str):
+        # a key or a problem may quote what the spec holds, which may be of any length
         self.source = source
-        self.key = key
-        self.problem = problem
+        self.key = _cut(key, 200)
+        self.problem = _cut(problem, 600)
+        key, problem = self.key, self.problem
         super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
 
     def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries

@@ -1,6 +1,8 @@
 """The coordinator with the in-process executor and fake trials: failures recorded with
-their reason, reproducibility, pruning, resume after a torn journal or stale trials,
-reports, and the CLI. (Ray: test_search_ray.py; a killed driver: test_search_resume.py.)"""
+their reason, reproducibility (and no point sampled twice across resumes), pruning, the
+journal checked on resume (torn, damaged, truncated or lost), stale trials, reports, and the
+CLI. (Ray: test_search_ray.py; a killed driver: test_search_subprocess.py; trial ownership
+and leases: test_search_resume.py; fuzzing: test_search_fuzz.py.)"""
 from __future__ import annotations
 
 import copy
@@ -12,6 +14,7 @@ import types
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from ssmcraft import cli
@@ -22,13 +25,10 @@ from ssmcraft.search.reports import pareto_fronts
 from ssmcraft.search.rundir import open_study
 from ssmcraft.search.space import suggest
 from ssmcraft.search.storage import RunLock, open_storage
-from ssmcraft.search.testing import Scripted, quadratic, tiny_spec
+from ssmcraft.search.testing import Scripted, quadratic, search_tiny, tiny_spec
 
 
-def search(out, trial_fn=quadratic, *, plots=False, logs=None, compile_fn=None, **overrides):
-    spec = load_search_spec(tiny_spec(**overrides))
-    return run_search(spec, out, executor=InlineExecutor(), trial_fn=trial_fn, compile_fn=compile_fn,
-                      plots=plots, log=(logs.append if logs is not None else lambda line: None))
+search = search_tiny
 
 
 def by_number(study):
@@ -134,6 +134,28 @@ def test_a_fixed_seed_reproduces_the_parameter_sequence(tmp_path):
     assert len({str(p) for p in first}) == 6
 
 
+@pytest.mark.parametrize("sampler", [{"name": "random"}, {"name": "tpe", "n_startup_trials": 10}, {"name": "nsga2"}],
+                         ids=["random", "tpe", "nsga2"])
+def test_a_resumed_search_never_samples_a_point_again(tmp_path, sampler):
+    """Stopped after 3 trials and resumed twice: no trial repeats an earlier one's point (the
+    sampler, seeded again, would replay its sequence); resuming from the same state samples
+    the same points (the reseed is a function of the study, not of the clock)."""
+    def resumed(out):
+        search(out, sampler=sampler, budget=budget(trials=3))
+        search(out, sampler=sampler, budget=budget(trials=6))
+        logs: list[str] = []
+        result = search(out, sampler=sampler, budget=budget(trials=9), logs=logs)
+        assert any("sampler reseeded" in line and "the 6 trials in the study" in line for line in logs)
+        return [t.params for t in result.study.trials]
+
+    params = resumed(tmp_path / "a")
+    assert len(params) == 9
+    for n in range(3, 9):
+        assert all(params[n] != params[earlier] for earlier in range(n)), (n, params)
+    if sampler["name"] == "random":
+        assert resumed(tmp_path / "b") == params
+
+
 def test_pruning_stops_a_bad_trial(tmp_path):
     fn = Scripted({3: "bad_curve"}, sleep_s=0, steps=5)
     result = search(tmp_path / "run", fn, budget=budget(trials=5),
@@ -154,24 +176,84 @@ def test_a_pruner_needs_a_trial_function_that_reports(tmp_path):
         search(tmp_path / "run", fn, pruner={"name": "median"})
 
 
-def test_resume_tolerates_a_torn_journal_line_and_a_stale_lock(tmp_path):
+def test_resume_moves_a_torn_journal_record_aside_and_removes_a_stale_lock(tmp_path):
     out = tmp_path / "run"
     first = search(out, budget=budget(trials=3))
     values = {t.number: t.values for t in first.study.trials}
+    torn = b'{"op_code": 5, "worker_id": "x", "trial_id": 3, "us'
     with open(out / "journal.log", "ab") as f:
-        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 3, "us')   # killed mid-write
+        f.write(torn)                                                       # killed mid-write
     os.symlink(out / "journal.log", out / "journal.log.lock")              # killed holding the lock
     logs: list[str] = []
     start = time.monotonic()
     second = search(out, logs=logs, budget=budget(trials=5))
     assert time.monotonic() - start < 10  # did not wait for Optuna's 30 s lock grace period
-    assert any("torn last line" in line for line in logs)
+    assert any(f"moved a torn last record ({len(torn)} bytes" in line and "journal.log.torn-1" in line for line in logs)
+    assert (out / "journal.log.torn-1").read_bytes() == torn               # kept aside, not lost
     assert any("stale journal lock" in line for line in logs)
     trials = second.study.trials
     assert [t.number for t in trials] == [0, 1, 2, 3, 4]
     assert {t.number: t.values for t in trials[:3]} == values
     assert all(t.state == TrialState.COMPLETE for t in trials)
     assert (out / "journal.log").read_bytes().endswith(b"\n")
+
+
+def test_a_last_journal_record_without_its_newline_is_kept(tmp_path):
+    out = tmp_path / "run"
+    search(out, budget=budget(trials=3))
+    journal = out / "journal.log"
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-1])                 # killed between the record and its newline
+    logs: list[str] = []
+    result = search(out, logs=logs, budget=budget(trials=4))
+    assert any("lacked its newline" in line for line in logs)
+    assert journal.read_bytes().startswith(data)   # every record kept, the newline put back
+    assert [(t.number, t.state) for t in result.study.trials] == [(n, TrialState.COMPLETE) for n in range(4)]
+    for n in range(3):                             # none re-ran
+        assert len((out / "trials" / f"{n:04d}" / "attempts.log").read_text().splitlines()) == 1
+
+
+def _tree(folder):
+    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("garbage", r"journal\.log: line 4 \(byte \d+\) is not a journal record \(not JSON"),
+    ("not_a_record", r"line 4 \(byte \d+\) is not a journal record \(JSON, but not a record"),
+    ("truncated", r"trials/0002 \(1 folder\(s\) in all\) belongs to no trial of the study, which holds trials 0-1"),
+    ("emptied", r"trials/0000 \(3 folder\(s\) in all\) belongs to no trial of the study, which holds no trial"),
+    ("deleted", r"trials/0000 \(3 folder\(s\) in all\) belongs to no trial"),
+])
+def test_a_damaged_or_lost_journal_is_refused_and_nothing_is_changed(tmp_path, capsys, damage, message):
+    out = tmp_path / "run"
+    search(out, budget=budget(trials=3))
+    journal = out / "journal.log"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    if damage == "garbage":
+        lines.insert(3, b"\x00\x00 not a record\n")
+    elif damage == "not_a_record":
+        lines.insert(3, b'{"trial_id": 1}\n')
+    elif damage == "truncated":     # cut just before trial 2 was created
+        first = next(i for i, line in enumerate(lines) if b'"op_code":4' in line.replace(b" ", b"")
+                     and sum(b'"op_code":4' in x.replace(b" ", b"") for x in lines[:i + 1]) == 3)
+        lines = lines[:first]
+    journal.write_bytes(b"".join(lines))
+    if damage == "emptied":
+        journal.write_bytes(b"")
+    if damage == "deleted":
+        journal.unlink()
+    before = _tree(out)
+    with pytest.raises(SsmcraftError, match=message) as e:
+        search(out, budget=budget(trials=5))
+    assert "\n" not in str(e.value) and ("Restore" in str(e.value))
+    assert _tree(out) == before                     # nothing written, no trial folder reused
+    spec = out.parent / "s.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(budget=budget(trials=5))))
+    assert cli.main(["search", str(spec), "--out", str(out), "--executor", "inline", "--no-objective-check",
+                     "--trial-function", "ssmcraft.search.testing:quadratic"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Restore" in err
+    assert _tree(out) == before
 
 
 def test_stale_running_trials_are_failed_and_requeued_once(tmp_path):
@@ -198,7 +280,7 @@ def test_stale_running_trials_are_failed_and_requeued_once(tmp_path):
     again = study.ask()
     study.enqueue_trial(again.params, user_attrs={"requeue_of": again.number})
     n_before = len(study.trials)
-    assert recover_stale(study, storage, "someone:else", own_all=True, log=lambda s: None) == [again.number]
+    assert recover_stale(study, storage, own_all=True, log=lambda s: None) == [again.number]
     assert len(study.trials) == n_before
     assert study.trials[again.number].state == TrialState.FAIL
 
@@ -383,6 +465,8 @@ def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, ca
     (["search", "{tmp}/bad.yaml", "--out", "{tmp}/x", "--executor", "inline", "--no-objective-check", "--storage",
       "sqlite:////no/such/dir/x.db", "--trial-function", "ssmcraft.search.testing:quadratic"],
      "--storage sqlite:////no/such/dir/x.db: OperationalError: (sqlite3.OperationalError) unable to open database file"),
+    (["search", "{tmp}/bad.yaml", "--out", "{tmp}/bad.yaml", "--executor", "inline", "--no-objective-check",
+      "--trial-function", "ssmcraft.search.testing:quadratic"], "bad.yaml: cannot be the run folder (File exists)"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     import yaml

@@ -164,20 +164,46 @@ def test_a_trial_not_awaiting_answers_returns_once_its_last_report_is_in(monkeyp
             return len(calls)   # the ref: the call's number
 
     def get(ref):
-        assert calls[ref - 1] == "report", calls
+        assert calls[ref - 1] == "resend", calls
         awaited.append(ref)
 
     def trial(config, out_dir, report):
         assert not any(report(step, {"loss": 1.0}) for step in (1, 2, 3))
         return {"loss": 1.0}
 
-    broker = SimpleNamespace(**{name: Method(name) for name in ("started", "report", "decision")})
+    broker = SimpleNamespace(**{name: Method(name) for name in ("started", "report", "poll", "resend")})
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
         get=get, get_gpu_ids=lambda: [], get_runtime_context=lambda: SimpleNamespace(get_node_id=lambda: "node")))
     outcome = run_on_worker(trial, {}, str(tmp_path), 0, broker, wants_gpu=False, await_answers=False)
     assert outcome.metrics == {"loss": 1.0}
-    assert calls == ["started", "report", "report", "report"]
-    assert awaited == [len(calls)]  # the last report, and no answer asked for
+    assert calls == ["started", "report", "report", "report", "resend"]
+    assert awaited == [len(calls)]  # the reports sent again, and no answer asked for
+
+
+@pytest.mark.parametrize("pruner", [{"name": "median", "n_startup_trials": 5}, {"name": "none"}],
+                         ids=["awaiting_answers", "not_awaiting"])
+def test_a_killed_report_broker_restarts_and_no_report_is_lost(ray, tmp_path, pruner):
+    """Trial 1 SIGKILLs the broker's worker after its first report: Ray restarts the broker, the
+    search goes on, and every report of every trial reaches the study (those the dead broker
+    held are sent again)."""
+    pid_file = tmp_path / "broker.pid"
+    logs = []
+
+    def log(line):
+        logs.append(line)
+        if line.startswith("search: study"):      # the executor has started its broker
+            pid_file.write_text(str(ray.get(executor._broker.__ray_call__.remote(lambda self: os.getpid()))))
+
+    executor = RayExecutor(log=log)
+    fn = Scripted({1: "kill_pid"}, sleep_s=0.3, steps=6, pid_file=str(pid_file))
+    result = run_search(load_search_spec(tiny_spec(budget=budget(trials=3), resources={"cpus_per_trial": 2},
+                                                   pruner=pruner)),
+                        tmp_path / "run", executor=executor, trial_fn=fn, compile_fn=None, plots=False, log=log)
+    trials = by_number(result.study)
+    assert [trials[n].state for n in range(3)] == [TrialState.COMPLETE] * 3
+    assert sorted(trials[1].intermediate_values) == [i * 1000 for i in range(1, 7)]
+    assert all(len(trials[n].intermediate_values) == 4 for n in (0, 2))
+    assert any("report broker restarted" in line for line in logs), logs
 
 
 def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,22 @@ BAD_SPECS = [
     (("space/model.mixer.objective.approximation", {"choice": ["exact", "diagonal"]}),
      "space.model.mixer.objective.approximation", "set by the search from space.objective"),
     (("space/model.d_model.x", {"choice": [1, 2]}), "space.model.d_model.x", "model.d_model is fixed to 16, not a section"),
+    # integers past the float range in every float key: refused, not an OverflowError
+    (("budget/seconds_per_trial", 10 ** 400), "budget.seconds_per_trial", "expected a finite number, got 1000"),
+    (("budget/timeout_grace", 10 ** 400), "budget.timeout_grace", "finite number"),
+    (("budget/total_seconds", -10 ** 400), "budget.total_seconds", "finite number"),
+    (("resources", {"cpus_per_trial": 10 ** 400}), "resources.cpus_per_trial", "finite number"),
+    (("resources", {"gpus_per_trial": 10 ** 400}), "resources.gpus_per_trial", "finite number"),
+    (("space/lr", {"float": [1e-4, 10 ** 400]}), "space.lr.float", "finite number"),
+    (("sampler", {"name": "nsga2", "mutation_prob": 10 ** 400}), "sampler.mutation_prob", "finite number"),
+    (("sampler", {"name": "nsga2", "crossover_prob": 10 ** 400}), "sampler.crossover_prob", "finite number"),
+    (("sampler", {"name": "nsga2", "swapping_prob": 1.5}), "sampler.swapping_prob", "<= 1"),
+    (("budget/trials", 10 ** 400), "budget.trials", "64 bits"),
+    # numpy seeds Optuna's samplers: 32 bits
+    (("seed", 2 ** 32), "seed", "<= 4294967295"),
+    (("sampler", {"name": "random", "seed": 2 ** 32}), "sampler.seed", "<= 4294967295"),
+    (("space/lr", {"choice": ["x" * 100_000]}), None, None),
+    (("name", "x" * 100_000), "name", "got 'xxxx"),
 ]
 
 
@@ -152,7 +169,7 @@ def test_bad_specs_are_reported_with_key_and_problem(change, key, problem):
         load_search_spec(spec, source="s.yaml")
     assert e.value.key == key, str(e.value)
     assert problem in e.value.problem, str(e.value)
-    assert str(e.value).startswith("s.yaml: ") and "\n" not in str(e.value)
+    assert str(e.value).startswith("s.yaml: ") and "\n" not in str(e.value) and len(str(e.value)) < 600
 
 
 @pytest.mark.parametrize("change, key, problem", [
@@ -161,6 +178,8 @@ def test_bad_specs_are_reported_with_key_and_problem(change, key, problem):
     (("task", {"name": "mqar", "seqlen": 32}), "task.seqlen", "unknown key"),
     (("train", {"batch_size": "big"}), "train.batch_size", "expected a positive integer"),
     (("space/train.batch_size", {"choice": [0, 4]}), "train.batch_size", "got 0"),
+    (("task", {"name": "mqar", "seq_len": -1}), "task.seq_len", "at least 4, got -1"),
+    (("task", {"name": "passkey", "seq_len": 8}), "task", "shorter than the passkey prompt"),
 ])
 def test_the_experiment_sections_are_checked_as_a_training_would(change, key, problem):
     """``check_experiment``: a typo in task:, model: or train: names the search spec and the key
@@ -216,10 +235,37 @@ def test_defaults_are_explicit():
 def test_yaml_file_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
-    with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
+    with pytest.raises(SpecError, match=r"bad\.yaml: invalid YAML \(line 2, column 1\)"):
         load_search_spec(bad)
     with pytest.raises(SpecError, match="search spec not found"):
         load_search_spec(tmp_path / "nope.yaml")
+
+
+NESTED_ALIASES = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefghi", "bcdefghij"))
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("name: a\nseed: 1\nname: b\n", "(line 3, column 1): duplicate key 'name'"),
+    ("name: x\nspace:\n  lr: {float: [1, 2]}\n  lr: {float: [1, 3]}\n", "duplicate key 'lr'"),
+    ("name: x\ntask: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested more than 64 levels deep"),
+    (NESTED_ALIASES, "expands to more than 100,000 values"),
+    ("a: &a [*a]\n", "an alias refers to a node that contains it"),
+    ("? [a]\n: 1\n", "a key must be a plain name"),
+    ("a: !!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
+    ("- 1\n", "expected a mapping, got list"),
+    ("name: a\x00b\n", "unacceptable character #x0000"),
+], ids=["duplicate", "duplicate_nested", "deep", "alias_bomb", "recursive_alias", "list_key", "python_tag", "list",
+        "nul"])
+def test_yaml_text_is_refused_in_one_bounded_line(tmp_path, text, problem):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    with pytest.raises(SpecError) as e:
+        load_search_spec(path)
+    message = str(e.value)
+    assert problem in message and message.startswith(f"{path}: ")
+    assert "\n" not in message and len(message) < 600 and time.monotonic() - start < 5
 
 
 def test_objective_files_and_objectives_dir_resolve_relative_to_the_spec(tmp_path):

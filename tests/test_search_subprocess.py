@@ -58,7 +58,7 @@ def kill_driver_when(tmp_path: Path, raw: dict, trial_function: str, ready, time
 
 def test_a_killed_driver_resumes_with_the_same_command(tmp_path):
     raw = tiny_spec(budget={"trials": 6, "tokens_per_trial": 1000, "seconds_per_trial": 30},
-                    train={"sleep_s": 0.6})
+                    train={"sleep_s": 0.6}, sampler={"name": "random"})
 
     def ready(trials):  # a trial runs (handed to the executor), after two have finished
         states = [t.state for t in trials]
@@ -87,6 +87,10 @@ def test_a_killed_driver_resumes_with_the_same_command(tmp_path):
     counted = [t for t in trials if not t.user_attrs.get("stale")]
     assert len(counted) == 6 and all(t.state == TrialState.COMPLETE for t in counted)
     assert len(trials) == 7
+    # the re-queued trial runs its point again; no other trial repeats one (a sampler seeded as
+    # in the first run would replay its sequence: trials 4 and 5 would be trials 0 and 1)
+    fresh = [t.params for t in trials if t is not requeued]
+    assert all(a != b for i, a in enumerate(fresh) for b in fresh[:i]), fresh
     rows = (out / "leaderboard.csv").read_text().splitlines()
     assert len(rows) == 1 + 7
 

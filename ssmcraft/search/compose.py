@@ -61,6 +61,7 @@ import copy
 from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
+from ssmcraft.yamlsafe import shown
 
 # term -> allowed values; the first one is the default when a term is left out
 TERMS: dict[str, tuple[Any, ...]] = {
@@ -136,16 +137,16 @@ def check_choices(choices: Mapping[str, Any], source: str = "<dict>", key: str =
     first unknown term or value."""
     if not isinstance(choices, Mapping):
         raise SpecError(source, key, f"expected a mapping of term choices, got {type(choices).__name__}")
-    unknown = sorted(set(choices) - set(TERMS))
+    unknown = sorted(map(str, set(choices) - set(TERMS)))
     if unknown:
-        raise SpecError(source, f"{key}.{unknown[0]}", f"unknown term; terms: {', '.join(TERMS)}")
+        raise SpecError(source, f"{key}.{unknown[0][:60]}", f"unknown term; terms: {', '.join(TERMS)}")
     out = {}
     for term, allowed in TERMS.items():
         value = choices.get(term, allowed[0])
         # bool is an int subclass: compare types too, so that 1 is not taken for True
         if not any(value == a and type(value) is type(a) for a in allowed):
             raise SpecError(source, f"{key}.{term}",
-                            f"{value!r} is not one of {', '.join(map(repr, allowed))}")
+                            f"{shown(value)} is not one of {', '.join(map(repr, allowed))}")
         out[term] = value
     return out
 

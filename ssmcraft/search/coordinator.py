@@ -7,19 +7,25 @@ with the same command:
 - only the coordinator writes the study; executors and trials return data;
 - a trial counts once it is told (COMPLETE, PRUNED or FAIL): told trials are never re-run,
   and every tell is on disk before the next trial is asked for (the journal fsyncs);
-- a trial left RUNNING by a dead coordinator of the same run folder is *stale*: it is
-  re-queued first (``enqueue_trial`` with its params and seed), then failed with the
-  reason; a re-queue is recorded on the new trial (``requeue_of``), so a coordinator
-  killed between the two steps does not re-queue it twice;
-- a torn last journal line and a stale journal lock are repaired (``storage``);
+- a trial left RUNNING by a coordinator that is gone is *stale*: it is re-queued first
+  (``enqueue_trial`` with its params and seed), then failed with the reason; a re-queue
+  is recorded on the new trial (``requeue_of``), so a coordinator killed between the two
+  steps does not re-queue it twice. Who is gone is the study's to say, not a host's or a
+  path's (``ssmcraft.search.lease``): with the folder's journal, every running trial is
+  the lock holder's; on an RDB, those of coordinators whose lease lapsed;
+- a resumed study never samples a point again: its sampler is reseeded from the spec's
+  seed and the number of trials the study holds (``resumed_seed``), so it does not replay
+  the random sequence of the first run;
+- the journal is checked on open (``storage``), and every folder under ``trials/`` must
+  name a trial of the study, so trial numbers and folders are never reused;
 - with ``fidelity:`` the coordinator also decides at each rung which trials go on
   (``ssmcraft.search.fidelity``); every decision is on the trial before the trial hears it.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +37,13 @@ from optuna.trial import TrialState
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.search import fidelity as fid
-from ssmcraft.search import reports
+from ssmcraft.search import lease, reports
 from ssmcraft.search.executor import Capacity, Executor, Job
 from ssmcraft.search.objectives import check_objectives, compile_objective
 from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
-from ssmcraft.search.rundir import RUN_INFO, SPEC_COPY, TRIAL_INFO, read_run_info, trial_dir, write_json
+from ssmcraft.search.rundir import (RUN_INFO, SPEC_COPY, TRIAL_INFO, check_trial_folders, journal_trial_numbers,
+                                    read_run_info, trial_dir, write_json)
 from ssmcraft.search.samplers import build_pruner, build_sampler, describe
 from ssmcraft.search.space import build_config, check_experiment, objective_of, param_names, suggest
 from ssmcraft.search.spec import SearchSpec, spec_hash
@@ -85,7 +92,10 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
     if trial_fn is train_trial:     # ssmcraft's own training reads the task/model/train sections
         check_experiment(spec)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:
+        raise SsmcraftError(f"{out_dir}: cannot be the run folder ({getattr(e, 'strerror', None) or e})") from None
     with RunLock(out_dir):
         _refuse_other_study(spec, out_dir)
         if compile_fn is not None:
@@ -96,23 +106,31 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, executor: Executor,
         if spec.pruner.name != "none" and can_report is not None and not can_report():
             raise SpecError(spec.source, "pruner", "the trial function cannot report intermediate "
                                                    "values (train_run takes no report=); remove the pruner")
+        if storage_url is None:     # a damaged or lost journal is refused before anything is repaired or created
+            check_trial_folders(out_dir, journal_trial_numbers(out_dir, spec.name))
         storage, storage_desc = open_storage(out_dir, storage_url, writer=True, log=log)
-        study = _open_study(spec, storage, out_dir, log)
-        owner = f"{socket.gethostname()}:{out_dir.resolve()}"
-        requeued = recover_stale(study, storage, owner, own_all=storage_url is None, log=log)
+        driver, shared = lease.new_driver_id(), storage_url is not None
+        study = _open_study(spec, storage, out_dir, log, driver=driver if shared else None)
+        requeued = recover_stale(study, storage, own_all=not shared, log=log)
         write_json(out_dir / RUN_INFO, {
             "study": spec.name, "spec": SPEC_COPY, "started": time.time(),
             "storage": ({"kind": "journal"} if storage_url is None else
                         {"kind": "rdb", "url": mask_url(storage_url),
                          "password_hidden": mask_url(storage_url) != storage_url})})
+        held = (lease.Lease(storage, storage.get_study_id_from_name(spec.name), driver, out_dir, log).start()
+                if shared else None)
         try:
             capacity = executor.start(spec.resources)
             log(f"search: study {spec.name!r}, storage: {storage_desc}; executor: {capacity.description}")
             log(f"search: sampler {describe(spec.sampler)}; pruner {describe(spec.pruner)}")
-            loop = _Loop(spec, study, out_dir, executor, capacity, trial_fn, owner, log)
+            # on a shared RDB another coordinator may stop while this one runs: look again now and then
+            recheck = (lambda: recover_stale(study, storage, own_all=False, log=log)) if shared else None
+            loop = _Loop(spec, study, out_dir, executor, capacity, trial_fn, driver, log, recheck)
             stopped = loop.run()
         finally:
             executor.close()
+            if held is not None:
+                held.close()
         trials = study.get_trials(deepcopy=False)
         counts = {k: sum(t.state == s and counts_toward_budget(t) for t in trials) for k, s in STATES.items()}
         written = reports.write_reports(study, out_dir, plots=plots)
@@ -127,25 +145,41 @@ def _refuse_other_study(spec: SearchSpec, out_dir: Path) -> None:
         return
     try:
         held = read_run_info(out_dir).get("study")
-    except ValueError:              # a torn run.json: the study it named is the journal's to say
+    except SsmcraftError:           # a damaged run.json: the study it named is the storage's to say
         held = None
     if held is not None and held != spec.name:
         raise SsmcraftError(f"{out_dir} holds study {held!r}, and the spec names {spec.name!r}; use another "
                             f"--out, or --resume without SPEC to continue {held!r} with its own spec ({SPEC_COPY})")
 
 
-def _open_study(spec: SearchSpec, storage, out_dir: Path, log) -> optuna.Study:
-    """Load the study of this spec from ``storage``, or create it."""
+def resumed_seed(seed: int, n_trials: int, driver: str | None = None) -> int:
+    """The sampler seed of a coordinator that finds ``n_trials`` trials in its study: a
+    32-bit hash of the spec's seed and ``n_trials`` (and, on a shared RDB, the coordinator's
+    ``driver`` id, as two coordinators may start at the same count). A coordinator that
+    samples anything adds a trial first, so no later start reuses its seed: a resumed
+    search never replays the random sequence of an earlier run, and resuming the same
+    journal twice from the same state samples the same points."""
+    key = f"{seed}:{n_trials}" + (f":{driver}" if driver else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+
+
+def _open_study(spec: SearchSpec, storage, out_dir: Path, log, driver: str | None = None) -> optuna.Study:
+    """Load the study of this spec from ``storage`` (its sampler reseeded, ``resumed_seed``),
+    or create it (its sampler seeded with the spec's seed). Refuses a run folder whose
+    ``trials/`` holds a folder the study has no trial for (``check_trial_folders``)."""
     sampler, pruner = build_sampler(spec.sampler), build_pruner(spec.pruner)
     digest = spec_hash(spec.raw)
     try:
         study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError:
+        check_trial_folders(out_dir, set())
         study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler,
                                     pruner=pruner, directions=spec.directions)
         _stamp(study, spec, digest, out_dir)
         log(f"search: created study {spec.name!r}")
         return study
+    trials = study.get_trials(deepcopy=False)
+    check_trial_folders(out_dir, {t.number for t in trials})
     stored = study.user_attrs.get("spec_sha256")
     if stored is None and not study.trials:  # created by a coordinator killed right after
         _stamp(study, spec, digest, out_dir)
@@ -155,6 +189,11 @@ def _open_study(spec: SearchSpec, storage, out_dir: Path, log) -> optuna.Study:
                             f"--resume without SPEC to continue it with its own spec ({SPEC_COPY})")
     done = sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
     log(f"search: resuming study {spec.name!r}: {done} of {spec.budget.trials} trials finished")
+    if trials:
+        seed = resumed_seed(spec.sampler.options["seed"], len(trials), driver)
+        study.sampler = build_sampler(spec.sampler, seed=seed)
+        log(f"search: sampler reseeded ({seed}) from its seed and the {len(trials)} trials in the study, "
+            f"so that it does not replay the points it sampled")
     return study
 
 
@@ -167,19 +206,23 @@ def _stamp(study: optuna.Study, spec: SearchSpec, digest: str, out_dir: Path) ->
         study.set_user_attr(key, value)
 
 
-def recover_stale(study: optuna.Study, storage, owner: str, *, own_all: bool, log) -> list[int]:
-    """Fail the RUNNING trials a dead coordinator of this folder left behind, re-queueing
-    each first with its params and seed; returns their numbers. ``own_all``: the storage
-    is this folder's own journal, so every running trial is this folder's."""
+def recover_stale(study: optuna.Study, storage, *, own_all: bool, log) -> list[int]:
+    """Fail the RUNNING trials left behind by coordinators that are gone, re-queueing each
+    first with its params and seed; returns their numbers. ``own_all``: the storage is the
+    run folder's journal, whose lock this coordinator holds, so every running trial was
+    left by a coordinator that is gone; otherwise a trial is stale when its owner's lease
+    lapsed (``lease.gone``)."""
     trials = study.get_trials(deepcopy=False)
     already = {t.user_attrs["requeue_of"] for t in trials if "requeue_of" in t.user_attrs}
     study_id = storage.get_study_id_from_name(study.study_name)
-    stale, foreign = [], 0
+    leases = {} if own_all else study.user_attrs
+    stale, alive = [], {}
     for t in trials:
         if t.state != TrialState.RUNNING:
             continue
-        if t.user_attrs.get("owner", owner if own_all else None) != owner:
-            foreign += 1
+        owner = t.user_attrs.get("owner")
+        if not own_all and not lease.gone(leases, owner):
+            alive.setdefault(owner, []).append(t.number)
             continue
         if t.number not in already:
             attrs = {"requeue_of": t.number, "candidate": t.user_attrs.get("candidate", t.number)}
@@ -194,8 +237,9 @@ def recover_stale(study: optuna.Study, storage, owner: str, *, own_all: bool, lo
         stale.append(t.number)
     if stale:
         log(f"search: {len(stale)} trial(s) left running by a stopped coordinator failed and re-queued: {stale}")
-    if foreign:
-        log(f"search: {foreign} running trial(s) belong to other coordinators; left alone")
+    for owner, numbers in alive.items():
+        log(f"search: running trial(s) {numbers} belong to {lease.describe(leases, owner)}, which is alive; "
+            f"left to it (re-queued once its lease lapses, {lease.LEASE_S:g} s without a heartbeat)")
     return stale
 
 
@@ -203,10 +247,11 @@ class _Loop:
     """Keeps the executor full, records outcomes, rewrites the leaderboard as it goes."""
 
     def __init__(self, spec: SearchSpec, study: optuna.Study, out_dir: Path, executor: Executor,
-                 capacity: Capacity, trial_fn: TrialFn, owner: str, log) -> None:
+                 capacity: Capacity, trial_fn: TrialFn, owner: str, log,
+                 recheck: Callable[[], list[int]] | None = None) -> None:
         self.spec, self.study, self.out_dir = spec, study, out_dir
         self.executor, self.capacity, self.trial_fn = executor, capacity, trial_fn
-        self.owner, self.log = owner, log
+        self.owner, self.log, self.recheck = owner, log, recheck
         self.running: dict[int, optuna.Trial] = {}
         self.reported: dict[int, set[int]] = {}
         self.plans: dict[int, fid.Plan] = {}         # trial -> its rungs (fidelity)
@@ -219,7 +264,11 @@ class _Loop:
         finished = sum(counts_toward_budget(t) for t in self.study.get_trials(deepcopy=False))
         deadline = None if spec.budget.total_seconds is None else time.monotonic() + spec.budget.total_seconds
         stopped = f"{spec.budget.trials} trials finished"
+        next_check = time.monotonic() + lease.BEAT_S
         while True:
+            if self.recheck is not None and time.monotonic() >= next_check:
+                self.recheck()
+                next_check = time.monotonic() + lease.BEAT_S
             while len(self.running) < self.capacity.slots and finished + len(self.running) < spec.budget.trials:
                 if deadline is not None and time.monotonic() > deadline:
                     stopped = f"total time budget ({spec.budget.total_seconds:g} s) reached"
@@ -244,7 +293,9 @@ class _Loop:
             self._tell(trial, "failed", None, {"status": "failed", "reason": classify_exception(e)})
             return 1
         out = trial_dir(self.out_dir, trial.number)
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists():    # a new number with a folder: the storage lost trials while this ran
+            check_trial_folders(self.out_dir, {t.number for t in self.study.get_trials(deepcopy=False)} - {trial.number})
+        out.mkdir(parents=True)
         objective = objective_of(config)
         candidate = trial.user_attrs.get("candidate", trial.number)
         attrs = {"seed": seed, "candidate": candidate, "objective": objective.get("name"),
@@ -313,7 +364,11 @@ class _Loop:
 
     def _record(self, trial: optuna.Trial, job: Job, outcome: Outcome) -> None:
         verdict = judge(outcome, self.spec.metrics)
-        if trial.number in self.broken:
+        folder_gone = not job.out_dir.is_dir()
+        if folder_gone:     # its checkpoint and files are lost, whatever it returned
+            verdict = Verdict("failed", reason=f"error: its folder {job.out_dir.relative_to(self.out_dir)} was "
+                                               f"deleted while it ran (it returned: {verdict.reason or verdict.state})")
+        elif trial.number in self.broken:
             verdict = Verdict("failed", reason=self.broken.pop(trial.number))
         elif verdict.state == "pruned" and trial.number in self.stopped_at:
             verdict = dataclasses.replace(verdict, reason=f"stopped at {self.stopped_at.pop(trial.number)}")
@@ -326,9 +381,9 @@ class _Loop:
                   "code_version": outcome.code_version, "kernel_hash": metrics.get("kernel_hash"),
                   "state_bytes": metrics.get("state_bytes")}
         self._tell(trial, verdict.state, verdict.values, record)
-        info_path = job.out_dir / TRIAL_INFO
-        info = _read_json(info_path)
-        write_json(info_path, {**info, "outcome": record})
+        if not folder_gone:
+            info_path = job.out_dir / TRIAL_INFO
+            write_json(info_path, {**_read_json(info_path), "outcome": record})
         values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.spec.metrics, verdict.values or ()))
         wall = f"{outcome.wall_s:.1f} s" if outcome.wall_s is not None else "?"
         said = "; ".join(x for x in (values, verdict.reason) if x)

@@ -21,7 +21,14 @@
   until the trial, polling, picks it up. With fidelity rungs or a pruner a trial waits for
   the answer to each report (a rung decision must not be one report late), a fraction of a
   second; otherwise no answer can stop it and it goes on at once, waiting only, before it
-  returns, until its last report is in the actor, so that none is lost.
+  returns, until its reports are in the actor, so that none is lost.
+- The broker survives its worker's death: Ray restarts it (``max_restarts``) with empty
+  memory and retries the calls made meanwhile. A trial waiting for an answer sends its
+  report again with each poll, and every trial sends its reports again before it returns
+  (``resend``): the broker keeps those it does not know, so a report that was in the dead
+  broker is relayed again (the coordinator ignores a step it has seen). The coordinator
+  notices the restart (``drain`` names the broker's incarnation), logs it, and starts the
+  hard-limit clock of any running trial whose start the dead broker held.
 - On a cluster the run folder must be on a filesystem every node sees, or trial folders
   (checkpoints) stay on the node that ran them; metrics come back either way.
 """
@@ -31,6 +38,7 @@ import math
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -52,27 +60,43 @@ class ReportBroker:
     and the pruning decisions."""
 
     def __init__(self) -> None:
+        self.incarnation = uuid.uuid4().hex     # a new one after each restart
         self._started: list[int] = []
         self._pending: list[tuple[int, int, dict]] = []
+        self._relayed: set[tuple[int, int]] = set()     # drained, answer not yet in
         self._decisions: dict[tuple[int, int], bool] = {}
 
     def started(self, number: int) -> None:
         self._started.append(number)
 
     def report(self, number: int, step: int, metrics: dict) -> None:
-        if (number, step) not in self._decisions:  # a re-run attempt gets the same answer
+        """Keep a report for the coordinator unless it is known (pending, relayed or answered):
+        a re-run attempt, a resent report or a call Ray retried gets the same answer."""
+        key = (number, step)
+        if key not in self._decisions and key not in self._relayed and all(
+                (n, s) != key for n, s, _ in self._pending):
             self._pending.append((number, step, metrics))
 
-    def decision(self, number: int, step: int) -> bool | None:
-        """True: stop; False: go on; None: the coordinator has not answered yet."""
-        return self._decisions.get((number, step))
+    def poll(self, number: int, step: int, metrics: dict) -> bool | None:
+        """The answer to a report: True: stop; False: go on; None: none yet (the report is
+        kept again if this broker does not know it: it was sent to a broker that died)."""
+        answer = self._decisions.get((number, step))
+        if answer is None:
+            self.report(number, step, metrics)
+        return answer
 
-    def drain(self) -> tuple[list[int], list[tuple[int, int, dict]]]:
-        out = (self._started, self._pending)
+    def resend(self, number: int, reports: list[tuple[int, dict]]) -> None:
+        for step, metrics in reports:
+            self.report(number, step, metrics)
+
+    def drain(self) -> tuple[str, list[int], list[tuple[int, int, dict]]]:
+        out = (self.incarnation, self._started, self._pending)
+        self._relayed.update((n, s) for n, s, _ in self._pending)
         self._started, self._pending = [], []
         return out
 
     def decide(self, number: int, step: int, stop: bool) -> None:
+        self._relayed.discard((number, step))
         self._decisions.setdefault((number, step), stop)  # the first answer stands
 
 
@@ -85,15 +109,15 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
     import ray
 
     broker.started.remote(number)
-    last = None      # the last report sent without waiting for its answer
+    sent: list[tuple[int, dict]] = []
 
     def report(step: int, metrics: dict) -> bool:
-        nonlocal last
-        ref = broker.report.remote(number, int(step), plain(metrics))
+        step, metrics = int(step), plain(metrics)
+        sent.append((step, metrics))
+        broker.report.remote(number, step, metrics)
         if not await_answers:       # recorded; no answer can stop this trial
-            last = ref
             return False
-        while (stop := ray.get(broker.decision.remote(number, int(step)))) is None:
+        while (stop := ray.get(broker.poll.remote(number, step, metrics))) is None:
             time.sleep(REPORT_POLL_S)
         return stop
 
@@ -107,10 +131,11 @@ def run_on_worker(trial_fn: TrialFn, config: dict, out_dir: str, number: int,
                            host=host)
         host["device_name"] = torch.cuda.get_device_name(0)
     outcome = execute(trial_fn, config, Path(out_dir), report, host=host)
-    # an actor runs one caller's calls in order: once the last report is in, all are, so the
-    # driver finds every report in the broker when it sees this task done (``wait``)
-    if last is not None:
-        ray.get(last)
+    # an actor runs one caller's calls in order: once this call is done, every report is in the
+    # broker (sent again to one that restarted meanwhile), so the driver finds them all when it
+    # sees this task done (``wait``)
+    if sent:
+        ray.get(broker.resend.remote(number, sent))
     return outcome
 
 
@@ -203,6 +228,7 @@ class RayExecutor:
         self._owns_session = False
         self._task = None
         self._broker = None
+        self._incarnation: str | None = None    # the broker's, as last seen
         self._wants_gpu = False
         self._running: dict = {}  # ObjectRef -> job
         self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
@@ -234,10 +260,7 @@ class RayExecutor:
         self._task = ray.remote(num_cpus=resources.cpus_per_trial, num_gpus=gpt,
                                 max_calls=1 if gpt > 0 else 0, max_retries=resources.max_retries,
                                 retry_exceptions=False)(run_on_worker)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._broker = ray.remote(num_cpus=0, scheduling_strategy=here)(ReportBroker).remote()
+        self._new_broker()
         device = "cuda" if gpt > 0 else "cpu"
         self._probe_cpus = resources.cpus_per_trial
         share = "GPUs packed from measured memory" if self._packer is not None else f"{gpt:g} GPU"
@@ -246,6 +269,17 @@ class RayExecutor:
             f"{resources.cpus_per_trial:g} CPU and {share}; up to {resources.max_retries} "
             f"retries when a worker dies)"))
         return self._capacity
+
+    def _new_broker(self) -> None:
+        """Start the report broker on this node: restarted by Ray when its worker dies, the
+        calls made meanwhile retried (module doc)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._broker = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
+                                  max_task_retries=-1)(ReportBroker).remote()
+        self._incarnation = None
 
     def submit(self, job: Job) -> None:
         task = self._task
@@ -319,7 +353,20 @@ class RayExecutor:
         if self._broker is None:
             return
         jobs = {job.number: job for job in self._running.values()}
-        started, reports = ray.get(self._broker.drain.remote())
+        try:
+            incarnation, started, reports = ray.get(self._broker.drain.remote())
+        except ray.exceptions.RayActorError as e:   # not restartable (killed for good): the trials' reports fail them
+            self.log(f"search: the report broker is gone ({describe_ray_error(e, None)}); a new one takes "
+                     f"the next trials' reports")
+            self._new_broker()
+            return
+        if incarnation != self._incarnation:
+            if self._incarnation is not None:
+                self.log("search: the report broker restarted (its worker died); running trials send their "
+                         "reports again")
+                for number in jobs:     # the dead broker held when they started: time them from now
+                    self._started.setdefault(number, time.monotonic())
+            self._incarnation = incarnation
         for number in started:
             if number in jobs:
                 self._started[number] = time.monotonic()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from ssmcraft import yamlsafe
 from ssmcraft.compiler import library as compiler_library
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, one_line
+from ssmcraft.yamlsafe import shown
 
 
 def library_names(extra: Path | None = None) -> list[str]:
@@ -27,27 +27,38 @@ def find_objective(ref: str, base: Path, extra: Path | None = None,
     """Path of the objective spec ``ref``: a YAML path relative to ``base`` (the search
     spec's folder), else a name in ``extra`` (``objectives_dir``) or the library."""
     if is_path(ref):
-        path = (base / ref).resolve()
-        if not path.is_file():
-            raise SpecError(source, key, f"objective file {ref!r} not found (looked at {path})")
+        try:
+            path = (base / ref).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a loop of links
+            raise SpecError(source, key, f"objective file {shown(ref)}: not a usable path ({one_line(e)})") from None
+        if not _is_file(path):
+            raise SpecError(source, key, f"objective file {shown(ref)} not found (looked at {path})")
         return path
-    if extra is not None and (extra / f"{ref}.yaml").is_file():
+    if extra is not None and _is_file(extra / f"{ref}.yaml"):
         return extra / f"{ref}.yaml"
     path = compiler_library.find_objective(ref)
     if path is None:
         where = [str(extra)] if extra is not None else []
         where += [str(r) for r in compiler_library.roots("objectives")]
-        raise SpecError(source, key, f"unknown objective {ref!r}; known ({', '.join(where) or 'no library'}): "
+        raise SpecError(source, key, f"unknown objective {shown(ref)}; known ({', '.join(where) or 'no library'}): "
                                      f"{', '.join(library_names(extra)) or 'none'}")
     return path
 
 
-def load_objective(path: Path) -> dict:
-    """The objective spec dict stored in ``path`` (safe YAML; the compiler validates it)."""
+def _is_file(path: Path) -> bool:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+        return path.is_file()
+    except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+        return False
+
+
+def load_objective(path: Path) -> dict:
+    """The objective spec dict stored in ``path`` (``yamlsafe``; the compiler validates it)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise SpecError(str(path), "", f"cannot read: {getattr(e, 'strerror', None) or one_line(e)}") from None
+    data = yamlsafe.load(text, str(path))
     if not isinstance(data, dict):
         raise SpecError(str(path), "", "an objective spec must be a mapping")
     return data

@@ -167,7 +167,10 @@ def execute(trial_fn: TrialFn, config: dict, out_dir: Path, report: Report = no_
         outcome.metrics = plain(result)
     except Exception as e:  # a trial's own failure is data, not a crash of the search
         outcome.error = classify_exception(e)
-        (out_dir / ERROR_FILE).write_text("".join(traceback.format_exception(e)))
+        try:
+            (out_dir / ERROR_FILE).write_text("".join(traceback.format_exception(e)))
+        except OSError:     # the folder was deleted while the trial ran: the coordinator says so
+            pass
     outcome.wall_s = time.perf_counter() - start
     return outcome
 

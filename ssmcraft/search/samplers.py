@@ -10,8 +10,9 @@ import optuna
 from ssmcraft.search.spec import Component
 
 
-def build_sampler(c: Component) -> optuna.samplers.BaseSampler:
-    o = c.options
+def build_sampler(c: Component, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """The sampler of ``c``; ``seed`` replaces its seed (a resumed study, ``coordinator.resumed_seed``)."""
+    o = c.options if seed is None else {**c.options, "seed": seed}
     if c.name == "tpe":
         with warnings.catch_warnings():
             # ``group`` is marked experimental; it is what makes multivariate TPE work on

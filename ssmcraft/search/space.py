@@ -100,12 +100,15 @@ class _FirstPoint:
 def check_experiment(spec: SearchSpec) -> None:
     """The trial config of one point of the space (``_FirstPoint``) through the checks that
     ``ssmcraft.train`` gives a config (``train.config.resolve``: the model, train and task keys,
-    the model's and train's values; the task is not built, so a text corpus is not read): a typo
+    the model's and train's values; the task is built, except a text task, whose corpus is not read): a typo
     in ``task:``, ``model:`` or ``train:`` is a ``SpecError`` naming the search spec when it is
     loaded, not a failure of every trial."""
+    from ssmcraft.tasks import TASKS, TextTask, build_task
     from ssmcraft.train.config import resolve
 
-    resolve(build_config(spec, suggest(_FirstPoint(), spec), seed=spec.seed, device="cpu"), spec.source)
+    config = resolve(build_config(spec, suggest(_FirstPoint(), spec), seed=spec.seed, device="cpu"), spec.source)
+    if TASKS[config["task"]["name"]] is not TextTask:   # building a text task reads its corpus
+        build_task(config["task"], spec.source)          # the task's values (a seq_len of -1)
 
 
 def objective_of(config: dict) -> dict:

@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
-from ssmcraft.errors import SpecError
+from ssmcraft import yamlsafe
+from ssmcraft.errors import SpecError, one_line
 from ssmcraft.search import library
 from ssmcraft.search.compose import TERMS, check_choices
 from ssmcraft.search.fidelity import FIDELITY_KINDS, Fidelity
+from ssmcraft.yamlsafe import shown
 
 # space key -> config path
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -75,6 +75,8 @@ MANAGED: dict[tuple[str, ...], str] = {
 TOP_KEYS = ("name", "seed", "task", "model", "train", "objectives_dir", "budget",
             "space", "rank", "sampler", "pruner", "resources", "fidelity")
 DIRECTIONS = ("minimize", "maximize")
+INT_MAX = 2 ** 63 - 1
+SEED_MAX = 2 ** 32 - 1      # numpy's seeds, which Optuna's samplers take, are 32-bit
 
 
 # ---------------------------------------------------------------- dataclasses
@@ -191,13 +193,15 @@ def load_search_spec(spec: str | Path | Mapping, source: str | None = None,
     if isinstance(spec, Mapping):
         return _parse(dict(spec), source or "<dict>", base or Path.cwd())
     path = Path(spec)
-    if not path.is_file():
-        raise SpecError(str(path), "", "search spec not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
-    return _parse(raw, source or str(path), base or path.resolve().parent)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(str(path), "", "search spec not found") from None
+    except IsADirectoryError:
+        raise SpecError(str(path), "", "a folder, not a search spec file") from None
+    except (OSError, ValueError) as e:     # unreadable, not UTF-8, a NUL byte in the name
+        raise SpecError(str(path), "", f"cannot read: {getattr(e, 'strerror', None) or one_line(e)}") from None
+    return _parse(yamlsafe.load(text, str(path)), source or str(path), base or path.resolve().parent)
 
 
 class _Checker:
@@ -207,7 +211,7 @@ class _Checker:
         self.source = source
 
     def fail(self, key: str, problem: str):
-        raise SpecError(self.source, key, problem)
+        raise SpecError(self.source, key, problem)      # which bounds their length
 
     def mapping(self, key: str, value: Any, allowed: tuple[str, ...] | None = None) -> dict:
         if not isinstance(value, Mapping):
@@ -219,19 +223,33 @@ class _Checker:
         return dict(value)
 
     def number(self, key: str, value: Any, *, integer: bool = False, min: float | None = None,
-               above: float | None = None) -> float:
+               above: float | None = None, max: float | None = None) -> float:
+        """``value`` if it is a number (an integer) within the bounds. Integers fit 64 bits
+        (they reach Optuna, torch and JSON); a float key takes any finite float, so an
+        integer past the float range (YAML reads ``1`` and 400 zeros as one) is refused."""
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok or (not integer and not math.isfinite(value)):
-            self.fail(key, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
+        if isinstance(value, bool) or not ok or (not integer and not _finite(value)):
+            self.fail(key, f"expected {'an integer' if integer else 'a finite number'}, got {shown(value)}")
+        if integer and abs(value) > INT_MAX:
+            self.fail(key, f"must be at most {INT_MAX} in size (64 bits), got {shown(value)}")
+        if max is not None and value > max:
+            self.fail(key, f"must be <= {max}, got {shown(value)}")
         if min is not None and value < min:
-            self.fail(key, f"must be >= {min}, got {value!r}")
+            self.fail(key, f"must be >= {min}, got {shown(value)}")
         if above is not None and value <= above:
-            self.fail(key, f"must be > {above}, got {value!r}")
+            self.fail(key, f"must be > {above}, got {shown(value)}")
+        return value
+
+    def one_of(self, key: str, value: Any, allowed: tuple[str, ...], words: str | None = None) -> str:
+        """``value`` if it is one of the names ``allowed`` (a value of any type is refused, not
+        looked up: a list or a mapping is not hashable); ``words`` says what is expected."""
+        if not isinstance(value, str) or value not in allowed:
+            self.fail(key, f"expected {words or 'one of ' + ', '.join(allowed)}, got {shown(value)}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool:
         if not isinstance(value, bool):
-            self.fail(key, f"expected true or false, got {value!r}")
+            self.fail(key, f"expected true or false, got {shown(value)}")
         return value
 
     def options(self, key: str, given: dict, schema: dict[str, tuple[Any, Callable]]) -> dict:
@@ -260,7 +278,21 @@ def _check_path(c: "_Checker", sections: Mapping, p: Param) -> None:
             return
         node = node[part]
         if not isinstance(node, Mapping):
-            c.fail(f"space.{p.name}", f"{'.'.join(p.path[:i + 1])} is fixed to {node!r}, not a section")
+            c.fail(f"space.{p.name}", f"{'.'.join(p.path[:i + 1])} is fixed to {shown(node)}, not a section")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):   # a name too long for the file system, a NUL byte
+        return False
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:       # an int beyond the float range
+        return False
 
 
 def _kind(v: Any) -> str:
@@ -274,18 +306,24 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
         if key not in raw:
             c.fail(key, "missing (required)")
     name = raw["name"]
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        c.fail("name", f"expected a name of letters, digits, '_', '.', '-', got {name!r}")
-    seed = c.number("seed", raw.get("seed", 0), integer=True, min=0)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name):
+        # 128: Optuna's RDB storage keeps study names of up to 512 characters
+        c.fail("name", f"expected a name of 1 to 128 letters, digits, '_', '.', '-', got {shown(name)}")
+    seed = c.number("seed", raw.get("seed", 0), integer=True, min=0, max=SEED_MAX)
     sections = {k: c.mapping(k, raw.get(k, {})) for k in PATH_ROOTS}
     for path, origin in MANAGED.items():
         if _lookup(sections, path) is not None:
             c.fail(".".join(path), f"set by the search from {origin}; remove it here")
     objectives_dir = None
     if raw.get("objectives_dir") is not None:
-        objectives_dir = (base / str(raw["objectives_dir"])).resolve()
-        if not objectives_dir.is_dir():
-            c.fail("objectives_dir", f"not a folder: {objectives_dir}")
+        if not isinstance(raw["objectives_dir"], str):
+            c.fail("objectives_dir", f"expected a folder path, got {shown(raw['objectives_dir'])}")
+        try:
+            objectives_dir = (base / raw["objectives_dir"]).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a loop of links
+            c.fail("objectives_dir", f"not a usable path ({one_line(e)})")
+        if not _is_dir(objectives_dir):
+            c.fail("objectives_dir", f"not a folder: {shown(str(objectives_dir))}")
 
     rank = _parse_rank(c, raw["rank"])
     budget = _parse_budget(c, raw["budget"])
@@ -294,7 +332,7 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
     if raw.get("fidelity") is not None:
         fidelity = _parse_fidelity(c, raw["fidelity"], dict(rank), budget)
         if pruner.name != "none":
-            c.fail("fidelity", f"and pruner {pruner.name!r} both stop trials early; keep one")
+            c.fail("fidelity", f"and pruner {shown(pruner.name)} both stop trials early; keep one")
         if _lookup(sections, ("train", "eval_every")) is not None:
             c.fail("train.eval_every", "set by the search from fidelity.min_tokens (a validation on every "
                                        "rung); remove it here")
@@ -323,8 +361,7 @@ def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
     if not rank:
         c.fail("rank", "name at least one metric with minimize or maximize")
     for metric, direction in rank.items():
-        if direction not in DIRECTIONS:
-            c.fail(f"rank.{metric}", f"expected minimize or maximize, got {direction!r}")
+        c.one_of(f"rank.{metric}", direction, DIRECTIONS, "minimize or maximize")
     return tuple(rank.items())
 
 
@@ -348,18 +385,16 @@ def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budge
     for key in ("kind", "min_tokens"):
         if key not in f:
             c.fail(f"fidelity.{key}", "missing (required)")
-    if f["kind"] not in FIDELITY_KINDS:
-        c.fail("fidelity.kind", f"expected one of {', '.join(FIDELITY_KINDS)}, got {f['kind']!r}")
+    c.one_of("fidelity.kind", f["kind"], FIDELITY_KINDS)
     min_tokens = c.number("fidelity.min_tokens", f["min_tokens"], integer=True, min=1)
     if min_tokens >= budget.tokens_per_trial:
         c.fail("fidelity.min_tokens", f"{min_tokens} leaves no rung below budget.tokens_per_trial "
                                       f"({budget.tokens_per_trial})")
     metric = f.get("metric", "val_loss")
     if not isinstance(metric, str) or not metric:
-        c.fail("fidelity.metric", f"expected a metric name, got {metric!r}")
+        c.fail("fidelity.metric", f"expected a metric name, got {shown(metric)}")
     direction = f.get("direction", rank.get(metric, "minimize"))
-    if direction not in DIRECTIONS:
-        c.fail("fidelity.direction", f"expected minimize or maximize, got {direction!r}")
+    c.one_of("fidelity.direction", direction, DIRECTIONS, "minimize or maximize")
     if metric in rank and rank[metric] != direction:
         c.fail("fidelity.direction", f"{direction}, but rank says {metric}: {rank[metric]}")
     return Fidelity(f["kind"], min_tokens, c.number("fidelity.eta", f.get("eta", 3), integer=True, min=2),
@@ -389,13 +424,14 @@ def _parse_resources(c: _Checker, value: Any) -> Resources:
 
 
 def _seed(c: _Checker):
-    return lambda k, v: c.number(k, v, integer=True, min=0)
+    return lambda k, v: c.number(k, v, integer=True, min=0, max=SEED_MAX)
 
 
 def _parse_sampler(c: _Checker, value: Any, n_metrics: int, seed: int) -> Component:
     given = c.mapping("sampler", value)
     name = given.get("name", "tpe" if n_metrics == 1 else "nsga2")
     pos_int = lambda k, v: c.number(k, v, integer=True, min=1)  # noqa: E731
+    prob = lambda k, v: c.number(k, v, min=0, max=1)  # noqa: E731
     schemas = {
         # TPE for one metric: multivariate + group handle the conditional (define-by-run)
         # space of composed objectives; constant liar keeps parallel trials apart.
@@ -404,13 +440,11 @@ def _parse_sampler(c: _Checker, value: Any, n_metrics: int, seed: int) -> Compon
                 "multivariate": (True, c.boolean), "group": (True, c.boolean),
                 "constant_liar": (True, c.boolean)},
         "nsga2": {"seed": (seed, _seed(c)), "population_size": (50, lambda k, v: c.number(k, v, integer=True, min=2)),
-                  "mutation_prob": (None, lambda k, v: None if v is None else c.number(k, v, min=0)),
-                  "crossover_prob": (0.9, lambda k, v: c.number(k, v, min=0)),
-                  "swapping_prob": (0.5, lambda k, v: c.number(k, v, min=0))},
+                  "mutation_prob": (None, lambda k, v: None if v is None else prob(k, v)),
+                  "crossover_prob": (0.9, prob), "swapping_prob": (0.5, prob)},
         "random": {"seed": (seed, _seed(c))},
     }
-    if name not in schemas:
-        c.fail("sampler.name", f"expected one of {', '.join(schemas)}, got {name!r}")
+    c.one_of("sampler.name", name, tuple(schemas))
     return Component(name, c.options("sampler", given, schemas[name]))
 
 
@@ -429,8 +463,7 @@ def _parse_pruner(c: _Checker, value: Any, n_metrics: int) -> Component:
             "reduction_factor": (4, lambda k, v: c.number(k, v, integer=True, min=2)),
             "min_early_stopping_rate": (0, nonneg), "bootstrap_count": (0, nonneg)},
     }
-    if name not in schemas:
-        c.fail("pruner.name", f"expected one of {', '.join(schemas)}, got {name!r}")
+    c.one_of("pruner.name", name, tuple(schemas))
     if name != "none" and n_metrics > 1:
         c.fail("pruner", f"pruning needs a single ranking metric (Optuna cannot prune "
                          f"multi-objective trials); rank has {n_metrics}")
@@ -486,7 +519,7 @@ def _parse_param(c: _Checker, key: str, name: str, path: tuple[str, ...], dist: 
             c.fail(f"{key}.choice", "expected a non-empty list")
         for v in choices:
             if not isinstance(v, (str, int, float, bool)) or v is None:
-                c.fail(f"{key}.choice", f"choices must be strings, numbers or booleans, got {v!r}")
+                c.fail(f"{key}.choice", f"choices must be strings, numbers or booleans, got {shown(v)}")
         if len(set(map(repr, choices))) != len(choices):
             c.fail(f"{key}.choice", "duplicate choices")
         return Param(name, path, "choice", choices=tuple(choices))
@@ -529,7 +562,7 @@ def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path 
         compose_i += 1
         label = e.get("label", "composed" if n_compose == 1 else f"composed_{compose_i}")
         if not isinstance(label, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", label):
-            c.fail(f"{ekey}.label", f"expected an identifier, got {label!r}")
+            c.fail(f"{ekey}.label", f"expected an identifier, got {shown(label)}")
         terms = c.mapping(f"{ekey}.compose", e["compose"], tuple(TERMS))
         resolved = []
         for term in TERMS:
@@ -544,5 +577,5 @@ def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path 
     labels = [o.label for o in options]
     dup = next((x for x in labels if labels.count(x) > 1), None)
     if dup is not None:
-        c.fail(f"{key}.choice", f"{dup!r} appears twice")
+        c.fail(f"{key}.choice", f"{shown(dup)} appears twice")
     return tuple(options)

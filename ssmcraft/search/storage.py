@@ -3,16 +3,25 @@ asked; and the run folder's own lock.
 
 The journal (``DIR/journal.log``) is Optuna's ``JournalStorage(JournalFileBackend)``:
 append-only JSON lines, readable by ``optuna-dashboard DIR/journal.log`` while the search
-runs. A coordinator killed mid-write can leave a torn last line (no newline); Optuna's
-reader skips it, but the next append would glue a new record onto it and corrupt the
-file, so ``repair_journal`` cuts it off before the coordinator writes again. Optuna's
-own lock file (``journal.log.lock``) outlives a killed writer too; the coordinator holds
-``DIR/coordinator.lock`` (an ``flock``, released by the kernel when its process dies),
-so any journal lock it finds on start is stale and is removed.
+runs. It is checked whenever it is opened (``check_journal``):
+
+- every line must be a journal record (a JSON object with an ``op_code``); a line that is
+  not is refused with one line saying how to recover: Optuna cannot read past it, and
+  ssmcraft does not guess what it held;
+- a last record that only lacks its newline (a writer killed between the two) is complete:
+  the coordinator adds the newline and keeps it;
+- a torn last record (a writer killed mid-write) is moved aside by the coordinator to
+  ``journal.log.torn-N`` (and the log says so) before it writes again: the next append
+  would otherwise glue a record onto it.
+
+Optuna's own lock file (``journal.log.lock``) outlives a killed writer too; the
+coordinator holds ``DIR/coordinator.lock`` (an ``flock``, released by the kernel when its
+process dies), so any journal lock it finds on start is stale and is removed.
 """
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -30,34 +39,68 @@ def journal_path(out_dir: Path) -> Path:
     return Path(out_dir) / JOURNAL
 
 
-def repair_journal(path: Path) -> int:
-    """Cut a torn last line off the journal; returns the number of bytes removed."""
+def _is_record(line: bytes) -> str | None:
+    """None when ``line`` is a journal record, else what it is instead."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return f"not JSON: {str(e)[:80]}"
+    if not isinstance(record, dict) or "op_code" not in record:
+        return "JSON, but not a record (no op_code)"
+    return None
+
+
+def check_journal(path: Path, *, repair: bool, log: Callable[[str], None] = print) -> None:
+    """Check the journal at ``path`` (see the module doc); with ``repair`` (the coordinator,
+    holding the folder's lock) mend its last record. A line that is not a record is an
+    ``SsmcraftError`` and nothing is changed."""
     if not path.exists():
-        return 0
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1              # the newline-terminated part; data[end:] is the tail
+    start = 0
+    for number, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        problem = _is_record(line)
+        if problem is not None:
+            raise SsmcraftError(
+                f"{path}: line {number} (byte {start}) is not a journal record ({problem}); Optuna cannot read "
+                f"the study past it. Restore {path.name} from a copy, or delete that line if you know it held "
+                f"no record, or start the search again with another --out; nothing here was changed")
+        start += len(line) + 1
+    tail = data[end:]
+    if not tail or not repair:
+        return
     with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return 0
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        # scan back to the last newline (records are small: a few KiB)
-        pos, block = size, 1 << 16
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            i = chunk.rfind(b"\n")
-            if i >= 0:
-                keep = start + i + 1
-                break
-            pos = start
+        if _is_record(tail) is None:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+            log(f"storage: the last record of {path} lacked its newline (a write interrupted at its end); "
+                f"kept, newline added")
         else:
-            keep = 0
-        f.truncate(keep)
+            aside = _free_name(path, "torn")
+            aside.write_bytes(tail)
+            _fsync(aside)
+            f.truncate(end)
+            log(f"storage: moved a torn last record ({len(tail)} bytes, a write interrupted midway) from "
+                f"{path} to {aside}; the study holds every record before it")
         f.flush()
         os.fsync(f.fileno())
-    return size - keep
+
+
+def _free_name(path: Path, what: str) -> Path:
+    n = 1
+    while (aside := path.with_name(f"{path.name}.{what}-{n}")).exists():
+        n += 1
+    return aside
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def mask_url(url: str) -> str:
@@ -84,21 +127,27 @@ def _rdb(url: str) -> optuna.storages.RDBStorage:
 def open_storage(out_dir: Path, url: str | None, *, writer: bool,
                  log: Callable[[str], None] = print) -> tuple[optuna.storages.BaseStorage, str]:
     """(storage, description). ``writer``: the coordinator, which repairs the journal
-    first; readers (leaderboard, load_trial) never modify anything."""
+    first; readers (leaderboard, load_trial) never modify anything. Either checks the
+    journal first (``check_journal``)."""
     if url is not None:
         return _rdb(url), f"RDB {mask_url(url)}"
     path = journal_path(out_dir)
+    if path.exists() or not writer:
+        if not path.is_file():
+            raise SsmcraftError(f"{out_dir}: no {JOURNAL} here; is it a search folder? (or pass --storage URL)")
+        check_journal(path, repair=writer, log=log)
     if writer:
-        dropped = repair_journal(path)
-        if dropped:
-            log(f"storage: cut a torn last line ({dropped} bytes) off {path}, left by an interrupted write")
         lock = Path(f"{path}.lock")
         if lock.is_symlink() or lock.exists():
             lock.unlink()
             log(f"storage: removed the stale journal lock {lock}")
-    elif not path.exists():
-        raise SsmcraftError(f"{out_dir}: no {JOURNAL} here; is it a search folder? (or pass --storage URL)")
-    return JournalStorage(JournalFileBackend(str(path))), f"journal file {path}"
+    try:
+        storage = JournalStorage(JournalFileBackend(str(path)))     # replays every record
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise SsmcraftError(f"{path}: its records cannot be replayed ({one_line(e)}): a record was damaged or "
+                            f"edited. Restore {path.name} from a copy, or start the search again with another "
+                            f"--out; nothing here was changed") from None
+    return storage, f"journal file {path}"
 
 
 class RunLock:

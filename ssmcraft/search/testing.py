@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +57,15 @@ class Scripted:
     do): ``raise``, ``nan``, ``oom``, ``diverged``, ``time_limit`` (metrics with status
     timeout, as training returns at ``train.max_seconds``), ``sleep`` (``sleep_s`` seconds),
     ``exit`` (kill the worker process), ``exit_once`` (kill it on the first attempt only),
-    ``bad_curve`` (report poor intermediate values, ``steps`` times, ``sleep_s`` apart).
+    ``bad_curve`` (report poor intermediate values, ``steps`` times, ``sleep_s`` apart),
+    ``kill_pid`` (like ``bad_curve`` with good values, and after its first report SIGKILL
+    the process whose pid is in the file ``pid_file``: another process of the search).
     Every trial sleeps ``delay_s`` first."""
     script: dict[int, str] = field(default_factory=dict)
     sleep_s: float = 30.0
     delay_s: float = 0.0
     steps: int = 20
+    pid_file: str | None = None
 
     def __call__(self, config: dict, out_dir: Path, report) -> dict:
         time.sleep(self.delay_s)
@@ -80,12 +84,15 @@ class Scripted:
             time.sleep(self.sleep_s)
         if action == "exit" or (action == "exit_once" and count_attempts(Path(out_dir)) == 1):
             os._exit(3)
-        if action == "bad_curve":
+        if action in ("bad_curve", "kill_pid"):
+            loss = 100.0 if action == "bad_curve" else 0.5
             for i in range(1, self.steps + 1):
-                if report(i * 1000, {"val_loss": 100.0, "tokens": i * 1000}):
+                if report(i * 1000, {"val_loss": loss, "tokens": i * 1000}):
                     return {"status": "pruned", "tokens": i * 1000}
+                if action == "kill_pid" and i == 1:
+                    os.kill(int(Path(self.pid_file).read_text()), signal.SIGKILL)
                 time.sleep(self.sleep_s)
-            return {"val_loss": 100.0, "tokens": self.steps * 1000}
+            return {"val_loss": loss, "tokens": self.steps * 1000}
         return quadratic(config, out_dir, report)
 
 
@@ -139,3 +146,16 @@ def tiny_spec(**overrides) -> dict:
     }
     spec.update(overrides)
     return spec
+
+
+def search_tiny(out_dir, trial_fn=quadratic, *, storage_url: str | None = None, plots: bool = False,
+                logs: list | None = None, compile_fn=None, **overrides):
+    """``run_search`` of ``tiny_spec(**overrides)`` in ``out_dir`` with the in-process executor;
+    its log lines go to ``logs`` when given."""
+    from ssmcraft.search.coordinator import run_search
+    from ssmcraft.search.executor import InlineExecutor
+    from ssmcraft.search.spec import load_search_spec
+
+    return run_search(load_search_spec(tiny_spec(**overrides)), out_dir, executor=InlineExecutor(),
+                      trial_fn=trial_fn, storage_url=storage_url, compile_fn=compile_fn, plots=plots,
+                      log=logs.append if logs is not None else lambda line: None)

@@ -28,7 +28,7 @@ def check_task(cfg: Mapping[str, Any], source: str = "<experiment>") -> None:
     if not isinstance(cfg, Mapping):
         raise SpecError(source, "task", f"expected a mapping with a 'name', got {cfg!r}")
     name = cfg.get("name")
-    if name not in TASKS:
+    if not isinstance(name, str) or name not in TASKS:
         raise SpecError(source, "task.name", f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
     Options(cfg, TASKS[name].options, source)
 
