@@ -13,6 +13,22 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
+def clip(text, limit: int = 300) -> str:
+    """``text`` on one line (line breaks and other unprintable characters written as escapes), cut
+    to about ``limit`` characters with a note of how many more there were: what a one-line message
+    shows of text that came from a user."""
+    text = str(text)
+    head = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text[:limit])
+    if len(head) > limit or len(text) > limit:
+        return f"{head[:limit]}... ({len(text):,} characters)"
+    return head
+
+
+def quote(value, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters (``clip``)."""
+    return clip(repr(value), limit)
+
+
 class SsmcraftError(Exception):
     """Base class of every error ssmcraft raises on purpose."""
 
@@ -24,7 +40,9 @@ class SpecError(SsmcraftError):
         self.source = source
         self.key = key
         self.problem = problem
-        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+        # bounded: a message quotes user text (a label, a key, a value) but stays one short line
+        where, key_text, problem_text = clip(source, 500), clip(key, 200), clip(problem, 1000)
+        super().__init__(f"{where}: {key_text}: {problem_text}" if key else f"{where}: {problem_text}")
 
     def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries
         return (type(self), (self.source, self.key, self.problem))
