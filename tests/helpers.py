@@ -2,9 +2,12 @@
 
 ``random_inputs`` draws inputs and params that respect each declaration; ``rel_rms`` and
 ``assert_within`` are the error metric and check every kernel test uses; ``poison_step`` makes
-a training run diverge at a chosen step.
+a training run diverge at a chosen step; ``time_limit`` turns a hang into a failure.
 """
 from __future__ import annotations
+
+import contextlib
+import signal
 
 from ssmcraft.kernels.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
 
@@ -102,3 +105,21 @@ def poison_step(monkeypatch, at_call: int) -> None:
         return loss * float("nan") if calls["n"] == at_call else loss
 
     monkeypatch.setattr(loop, "step_loss", poisoned)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise ``TimeoutError`` in the block after ``seconds`` (SIGALRM: main thread only)."""
+    def handler(signum, frame):
+        raise TimeoutError(f"no answer within {seconds} s (a hang)")
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except TimeoutError:
+        import sympy                       # an interrupted sympy may leave half-computed
+        sympy.core.cache.clear_cache()     # assumptions in its caches: drop them
+        raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

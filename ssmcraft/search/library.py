@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from ssmcraft import yamlsafe
 from ssmcraft.compiler import library as compiler_library
 from ssmcraft.errors import SpecError
 
@@ -44,10 +43,7 @@ def find_objective(ref: str, base: Path, extra: Path | None = None,
 
 def load_objective(path: Path) -> dict:
     """The objective spec dict stored in ``path`` (safe YAML; the compiler validates it)."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+    data = yamlsafe.load(path.read_text(encoding="utf-8", errors="replace"), str(path))
     if not isinstance(data, dict):
         raise SpecError(str(path), "", "an objective spec must be a mapping")
     return data
