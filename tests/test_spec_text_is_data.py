@@ -303,3 +303,20 @@ def test_errors_never_carry_a_line_break_from_the_label():
     with pytest.raises(SsmcraftError) as e:
         ssmcraft.compile({**BASE, "source": "a\nb" * 1000, "update": "nope"})
     assert "\n" not in str(e.value) and len(str(e.value)) < 700
+
+
+@pytest.mark.parametrize("name, family", [("wd_longhorn", "rank1_row"), ("longhorn_diag", "diagonal"),
+                                          ("huber_longhorn", "general")])
+def test_generated_triton_sources_hold_the_label_only_escaped(fresh_cache, tmp_path, name, family):
+    """The prologue, diagonal and general generators (``ssmcraft derive --kernel``'s text, imported by
+    the families on CUDA; the prologue and general ones are imported here too, through the cache)."""
+    from ssmcraft.compiler.library import find_objective
+    from ssmcraft.kernels import triton_backend
+
+    target = tmp_path / "PWNED"
+    raw = yaml.safe_load(find_objective(name).read_text())
+    raw["source"] = f"x\nopen({str(target)!r}, 'w')\n#\"\"\"\\"
+    fam, parts = triton_backend.kernel_source(ssmcraft.compile(raw))
+    assert fam == family and parts and not target.exists()
+    for _, text in parts:
+        assert safe_source.problem(text) is None and only_escaped(text, "open(")

@@ -298,7 +298,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         if len(shape) == 2:
             raise SpecError(src, f"{key}.shape", "inputs are vectors or scalars; matrices come from outer()")
         act = decl.get("activation")
-        if act is not None and act not in ACTIVATIONS:
+        if act is not None and (not isinstance(act, str) or act not in ACTIVATIONS):
             raise SpecError(src, f"{key}.activation", f"unknown activation {quote(act)}; known: {', '.join(sorted(ACTIVATIONS))}")
         inputs[iname] = InputDecl(
             iname, shape,
