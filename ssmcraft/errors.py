@@ -5,6 +5,8 @@ traceback for these.
 """
 from __future__ import annotations
 
+import reprlib
+
 
 def one_line(e: BaseException) -> str:
     """``Type: first line`` of an error, the line cut to 300 characters (a record's or a log
@@ -24,9 +26,17 @@ def clip(text, limit: int = 300) -> str:
     return head
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxlong = _SHORT.maxother = 60
+
+
 def quote(value, limit: int = 80) -> str:
-    """``repr(value)`` for a message, cut to about ``limit`` characters (``clip``)."""
-    return clip(repr(value), limit)
+    """``repr(value)`` for a message, cut to about ``limit`` characters (``clip``); a container is
+    shown a few levels and items deep (``reprlib``), so a deeply nested or self-containing value
+    is quoted as quickly as a small one."""
+    text = repr(value) if isinstance(value, str) else _SHORT.repr(value)
+    return clip(text, limit)
 
 
 class SsmcraftError(Exception):

@@ -21,6 +21,7 @@ import copy
 import io
 import random
 import re
+import reprlib
 import sys
 import tokenize
 from pathlib import Path
@@ -126,7 +127,8 @@ def mutate(rng: random.Random, spec: dict, canary: str) -> None:
             spec["params"]["w_" + str(rng.randrange(9))] = {"shape": rng.choice([[], ["d"], ["m"], ["d", "m"]]),
                                                              "init": copy.deepcopy(rng.choice(INITS))}
     elif what == 5:
-        spec[rng.choice(sorted(spec, key=str))] = copy.deepcopy(rng.choice(VALUES))
+        spec[rng.choice(sorted(spec, key=str))] = copy.deepcopy(rng.choice(VALUES)) if rng.random() < 0.9 else \
+            nested(rng.choice([100, 5000]), rng.random() < 0.5)
     elif what == 6:
         spec[rng.choice([hostile(rng, canary), "objectiv", "Name", "__class__", 1, None])] = rng.choice(VALUES)
     elif what == 7:
@@ -142,6 +144,19 @@ def mutate(rng: random.Random, spec: dict, canary: str) -> None:
     else:
         spec[rng.choice(["update", "approximation"])] = rng.choice(
             ["implicit", "explicit", "newton", "exact", "diagonal", "bogus", None, 1, "implicit\n"])
+
+
+def nested(depth: int, self_containing: bool):
+    """A list ``depth`` levels deep, or a mapping that contains itself (only a mapping, not YAML, can)."""
+    if self_containing:
+        loop: dict = {}
+        loop["a"] = loop
+        return loop
+    root = cur = []
+    for _ in range(depth):
+        cur.append([])
+        cur = cur[0]
+    return root
 
 
 def hostile_yaml(rng: random.Random, canary: str) -> str:
@@ -177,7 +192,7 @@ def case(seed: int, i: int, canary: str, templates: dict) -> object:
     if rng.random() < 0.4:
         try:
             return yaml.safe_dump(spec, sort_keys=False, allow_unicode=rng.random() < 0.5)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):
             return spec
     return spec
 
@@ -204,7 +219,7 @@ def test_generated_specs_compile_or_fail_cleanly(seed, templates, tmp_path, monk
     compiled = refused = 0
     for i in range(CASES):
         spec = case(seed, i, str(canary), templates)
-        where = f"case({seed}, {i}): {str(spec)[:300]!r}"
+        where = f"case({seed}, {i}): {reprlib.repr(spec)}"
         try:
             with time_limit(CASE_SECONDS):
                 obj = ssmcraft.compile(spec)
