@@ -295,12 +295,12 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
         lines.append(f"#   {', '.join(figures)}")
     git = _git()
     lines += [
-        f"# Exported by ssmcraft {_version()}" + (f" (git {git})" if git else "") + f", torch {torch.__version__}, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}.",
+        safe_source.comment(f"Exported by ssmcraft {_version()}" + (f" (git {git})" if git else "") +
+                            f", torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}."),
         "# Needs: torch. Optional: triton (CUDA kernels). Weights are read with torch alone (no safetensors",
         "# package needed). Everything below the imports is ssmcraft's own source, copied section by section",
         "# (banners name the file), plus the generated recurrence for this objective.",
-        f"# Triton kernels: {kernels}.",
+        safe_source.comment(f"Triton kernels: {kernels}."),   # a family's reason may quote an error
     ]
     if layer_only:
         doc = [
