@@ -50,6 +50,12 @@ def pwn_spec(target: Path) -> str:
     )
 
 
+def hostile_folder(root: Path, target: Path) -> Path:
+    """A folder whose path ends a comment line and runs ``open(target)`` if pasted raw: a spec file's
+    path is its label (a mapping's label is its ``source:``)."""
+    return root / f"x\nopen({str(target)!r}, 'w')\n#"
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty generated-code cache and no generated module in ``sys.modules``, so that the next
@@ -73,7 +79,6 @@ def only_escaped(source: str, marker: str) -> bool:
 def test_escaped_text_reads_back_and_is_never_code(text):
     assert ast.literal_eval(safe_source.string(text)) == text
     assert ast.literal_eval(safe_source.docstring(text)) == text
-    assert ast.literal_eval(safe_source.docstring(text, indent="    ").replace("\n    ", "\n")) == text
     module = safe_source.comment(text) + "\nX = 1\n"
     assert [type(n).__name__ for n in ast.parse(module).body] == ["Assign"]
     assert all(ch.isprintable() for ch in safe_source.escape(text))
@@ -146,8 +151,10 @@ def test_the_module_run_is_the_checked_text_not_the_file(fresh_cache, tmp_path, 
 def test_the_reported_spec_runs_nothing_on_compile(fresh_cache, tmp_path):
     target = tmp_path / "PWNED"
     text = pwn_spec(target)
-    (tmp_path / "e.yaml").write_text(text)
-    for spec in (yaml.safe_load(text), text, str(tmp_path / "e.yaml")):
+    folder = hostile_folder(tmp_path, target)
+    folder.mkdir(parents=True)
+    (folder / "e.yaml").write_text(text)
+    for spec in (yaml.safe_load(text), text, folder / "e.yaml"):
         for name in [n for n in sys.modules if n.startswith("ssmcraft_generated_")]:
             del sys.modules[name]
         obj = ssmcraft.compile(spec)
@@ -320,3 +327,28 @@ def test_generated_triton_sources_hold_the_label_only_escaped(fresh_cache, tmp_p
     assert fam == family and parts and not target.exists()
     for _, text in parts:
         assert safe_source.problem(text) is None and only_escaped(text, "open(")
+
+
+def test_a_generator_that_pastes_raw_text_is_caught_by_the_allowlist(fresh_cache, tmp_path, capsys, monkeypatch):
+    """Defence in depth: were a generator to paste a label unescaped (simulated here), the module is
+    refused before import, with one line and exit status 2, and the payload never runs."""
+    from ssmcraft.compiler import codegen
+
+    target = tmp_path / "PWNED"
+    (tmp_path / "e.yaml").write_text(pwn_spec(target))
+    monkeypatch.setattr(codegen.safe_source, "comment", lambda text, prefix="# ": prefix + text)
+    spec = _search_spec(tmp_path, "e.yaml")
+    assert cli.main(["search", str(spec), "--out", str(tmp_path / "run"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refused to import generated code: line 2: reads 'open'" in err, err
+    assert not target.exists() and not any(fresh_cache.glob("ref_e_*"))
+
+
+def test_an_alias_bomb_in_a_searched_objective_file_is_one_line(fresh_cache, tmp_path, capsys):
+    (tmp_path / "e.yaml").write_text(laughs())
+    spec = _search_spec(tmp_path, "e.yaml")
+    with time_limit(5):
+        assert cli.main(["search", str(spec), "--out", str(tmp_path / "run"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "e.yaml: invalid YAML (line 6, column 5): aliases expand to more than 100,000" in err, err
+    assert not (tmp_path / "run").exists()

@@ -52,18 +52,14 @@ def escape(text: str) -> str:
 def comment(text: str, prefix: str = "# ") -> str:
     """``text`` as comment lines (one per line of ``text``, each starting with ``prefix``, which
     must itself start with ``#``)."""
-    if not prefix.lstrip().startswith("#"):
+    if not prefix.lstrip(" ").startswith("#") or not prefix.isprintable():
         raise ValueError(f"a comment prefix starts with '#', got {prefix!r}")
     return "\n".join(prefix + escape(line) for line in str(text).split("\n"))
 
 
-def docstring(text: str, indent: str = "") -> str:
-    """A triple-quoted literal that reads back as ``text`` with each line after the first
-    indented by ``indent`` (spaces only), its lines on lines of their own."""
-    if indent.strip(" "):
-        raise ValueError(f"a docstring indent is spaces, got {indent!r}")
-    lines = str(text).split("\n")
-    return '"""' + ("\n" + indent).join(escape(line) for line in lines) + '"""'
+def docstring(text: str) -> str:
+    """A triple-quoted literal that reads back as ``text``, its lines on lines of their own."""
+    return '"""' + "\n".join(escape(line) for line in str(text).split("\n")) + '"""'
 
 
 def string(text: str) -> str:
