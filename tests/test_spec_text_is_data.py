@@ -352,3 +352,13 @@ def test_an_alias_bomb_in_a_searched_objective_file_is_one_line(fresh_cache, tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "e.yaml: invalid YAML (line 6, column 5): aliases expand to more than 100,000" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_alias_bomb_in_an_experiment_file_is_one_line(tmp_path, capsys):
+    """An experiment file (which may carry an objective spec) is read by the same bounded loader."""
+    (tmp_path / "exp.yaml").write_text(laughs().replace("name: *a8", "model: {mixer: {objective: *a8}}"))
+    with time_limit(5):
+        assert cli.main(["train", str(tmp_path / "exp.yaml"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exp.yaml: invalid YAML (line 6, column 5): aliases expand to more than" in err, err
+    assert not (tmp_path / "run").exists()

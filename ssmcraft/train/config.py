@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from ssmcraft import yamlsafe
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers.config import LMConfig, number_or_same
 from ssmcraft.tasks import check_task
@@ -65,10 +66,7 @@ def load_experiment(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise SsmcraftError(f"{path}: no such experiment file")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"invalid YAML: {str(e).splitlines()[0]}") from None
+    data = yamlsafe.load(p.read_text(encoding="utf-8", errors="replace"), str(path))
     if not isinstance(data, dict):
         raise SpecError(str(path), "", "expected a mapping at the top level")
     return data
