@@ -65,6 +65,8 @@ class Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":    # ``<<: *base``: merged by the safe constructor
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)) and key is not None:
                 raise yaml.constructor.ConstructorError(None, None, f"a key must be a plain name, got "

@@ -362,3 +362,12 @@ def test_an_alias_bomb_in_an_experiment_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exp.yaml: invalid YAML (line 6, column 5): aliases expand to more than" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_small_aliases_and_merge_keys_still_load():
+    from ssmcraft import yamlsafe
+
+    assert yamlsafe.load("a: &b {x: 1}\nc: {<<: *b, y: 2}\nd: {<<: *b, x: 3}\ne: [*b, *b]\n", "t") == \
+        {"a": {"x": 1}, "c": {"x": 1, "y": 2}, "d": {"x": 3}, "e": [{"x": 1}, {"x": 1}]}
+    with pytest.raises(SpecError, match=r"t: invalid YAML \(line 2, column 19\): duplicate key 'y'"):
+        yamlsafe.load("a: &b {x: 1}\nc: {<<: *b, y: 2, y: 3}\n", "t")
