@@ -78,7 +78,7 @@ def load_generated(stem: str, key: str, source: str):
     name = f"ssmcraft_generated_{stem}_{key}"
     if name in sys.modules:
         return sys.modules[name]
-    safe_source.check(source, f"generated module {stem}")
+    safe_source.check(source, f"generated module {stem}")    # before anything is written
     path = cache_dir() / f"{stem}_{key}.py"
     if not _holds(path, source):
         try:
@@ -86,7 +86,7 @@ def load_generated(stem: str, key: str, source: str):
         except OSError as e:
             raise SsmcraftError(f"cache folder {path.parent}: cannot write {path.name}: {e.strerror or e} "
                                 f"(set SSMCRAFT_CACHE to a writable folder)") from None
-    return import_file(path, name, source)
+    return import_file(path, name, source, policy=None)   # checked above
 
 
 def _holds(path: Path, source: str) -> bool:
@@ -96,11 +96,14 @@ def _holds(path: Path, source: str) -> bool:
         return False
 
 
-def import_file(path: Path, name: str, source: str):
-    """Import ``source``, the checked text written at ``path``, as module ``name`` (registered in
-    ``sys.modules``). The code run is compiled from ``source``, and ``linecache`` serves ``source``
-    for ``path`` (Triton reads a kernel's text through it), so a file changed after the check is
-    not what runs."""
+def import_file(path: Path, name: str, source: str, policy: safe_source.Policy | None = safe_source.GENERATED):
+    """Import ``source``, the text written at ``path``, as module ``name`` (registered in
+    ``sys.modules``) once it passes ``policy`` (``safe_source.check``; None only for text checked
+    otherwise, as the export bundle is). The code run is compiled from ``source``, and ``linecache``
+    serves ``source`` for ``path`` (Triton reads a kernel's text through it), so a file changed
+    after the check is not what runs."""
+    if policy is not None:
+        safe_source.check(source, f"generated module {path.name}", policy)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     filename = str(path)
