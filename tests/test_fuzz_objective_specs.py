@@ -44,7 +44,7 @@ HOSTILE = [
     "x\nopen('{c}', 'w')\n#", 'x"""\nopen("{c}", "w")\n"""', "x'''\nopen('{c}', 'w')\n'''",
     "\\", "ends in a backslash\\", "a\\\nopen('{c}', 'w')", "\r__import__('os').system('touch {c}')",
     "\r\nopen('{c}','w')", "line\u2028open('{c}','w')", "para\u2029sep", "nul\x00byte", "\x85next line",
-    "\x0cform feed", "\x0bvertical", "\x1c\x1d\x1e", "# -*- coding: utf-7 -*-", "coding=rot13 +AAo-open('{c}')",
+    "\x0cform feed", "\x0bvertical", "lone \ud800 surrogate", "\x1c\x1d\x1e", "# -*- coding: utf-7 -*-", "coding=rot13 +AAo-open('{c}')",
     "\"; __import__('os').system('touch {c}'); \"", "'; open('{c}', 'w'); '", "{{}} {0} %s $x `id`",
     "\u0665\u0666\u0667 \u0661e9", "\u03a9\u210c\ufb01", "\U0001F600", "", " ", "\t", "x" * 5000, "\ud7ff",
     "\"\"\"", "'''", "r'''", "f'{{open(\"{c}\")}}'", "#!/bin/sh", "</script>", "\n" * 5,
