@@ -49,9 +49,9 @@ def load(objective: str):
     from ssmcraft.kernels import diagonal as D
     ir = ssmcraft.compile(objective).ir
     with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
-        path = Path(d) / "gen.py"
-        path.write_text(D.generated_source(ir, K, fast_math=True))
-        mod = import_file(path, "sass_count_gen")
+        path, text = Path(d) / "gen.py", D.generated_source(ir, K, fast_math=True)
+        path.write_text(text)
+        mod = import_file(path, "sass_count_gen", text)
     return D._get_plan(ir), mod
 
 

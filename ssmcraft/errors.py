@@ -5,6 +5,8 @@ traceback for these.
 """
 from __future__ import annotations
 
+import reprlib
+
 
 def one_line(e: BaseException) -> str:
     """``Type: first line`` of an error, the line cut to 300 characters (a record's or a log
@@ -13,10 +15,28 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
-def _cut(text: str, limit: int) -> str:
-    """``text`` on one line (a newline written as ``\\n``), at most ``limit`` characters."""
-    text = text.replace("\r", "\\r").replace("\n", "\\n")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def clip(text, limit: int = 300) -> str:
+    """``text`` on one line (line breaks and other unprintable characters written as escapes), cut
+    to about ``limit`` characters with a note of how many more there were: what a one-line message
+    shows of text that came from a user."""
+    text = str(text)
+    head = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text[:limit])
+    if len(head) > limit or len(text) > limit:
+        return f"{head[:limit]}... ({len(text):,} characters)"
+    return head
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxlong = _SHORT.maxother = 60
+
+
+def quote(value, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters (``clip``); a container is
+    shown a few levels and items deep (``reprlib``), so a deeply nested or self-containing value
+    is quoted as quickly as a small one."""
+    text = repr(value) if isinstance(value, str) else _SHORT.repr(value)
+    return clip(text, limit)
 
 
 class SsmcraftError(Exception):
@@ -27,12 +47,12 @@ class SpecError(SsmcraftError):
     """A malformed spec: names the file (or ``<text>``/``<dict>``), the key and the problem."""
 
     def __init__(self, source: str, key: str, problem: str):
-        # a key or a problem may quote what the spec holds, which may be of any length
         self.source = source
-        self.key = _cut(key, 200)
-        self.problem = _cut(problem, 600)
-        key, problem = self.key, self.problem
-        super().__init__(f"{source}: {key}: {problem}" if key else f"{source}: {problem}")
+        # bounded: a message quotes user text (a label, a key, a value) but stays one short line
+        self.key = clip(key, 200)
+        self.problem = clip(problem, 600)
+        where = clip(source, 150)
+        super().__init__(f"{where}: {self.key}: {self.problem}" if key else f"{where}: {self.problem}")
 
     def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries
         return (type(self), (self.source, self.key, self.problem))

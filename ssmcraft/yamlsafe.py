@@ -3,7 +3,7 @@ message about what was loaded) slow, huge or a traceback.
 
 - PyYAML's safe constructors only (no Python objects);
 - a key given twice in one mapping is an error naming the key (a silent overwrite hides
-  typos), and keys are plain scalars;
+  typos), and keys are plain scalars (merge keys, ``<<: *base``, load as YAML defines them);
 - the text is at most ``MAX_BYTES``; the document, with every alias expanded, at most
   ``MAX_NODES`` nodes and ``MAX_DEPTH`` levels deep (a kilobyte of nested aliases expands
   to billions of nodes); a recursive alias is refused;
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, quote
 
 MAX_BYTES = 1_000_000
 MAX_NODES = 100_000
@@ -29,29 +29,19 @@ class _Loader(yaml.SafeLoader):
 def _construct_mapping(loader, node, deep=False):
     seen = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":    # ``<<: *base``: merged by the safe constructor
+            continue
         if not isinstance(key_node, yaml.ScalarNode):
             raise yaml.constructor.ConstructorError(None, None, "a key must be a plain name, not a "
                                                     f"{key_node.id}", key_node.start_mark)
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shown(key)}", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}", key_node.start_mark)
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages: a value may be large."""
-    import reprlib
-
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = limit
-    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 3, 6, 6, 6, 6
-    r.maxlong = 40
-    text = r.repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _where(mark) -> str:

@@ -2,9 +2,13 @@
 
 ``random_inputs`` draws inputs and params that respect each declaration; ``rel_rms`` and
 ``assert_within`` are the error metric and check every kernel test uses; ``poison_step`` makes
-a training run diverge at a chosen step; ``tiny_search`` runs a small in-process search.
+a training run diverge at a chosen step; ``tiny_search`` runs a small in-process search;
+``time_limit`` turns a hang into a failure.
 """
 from __future__ import annotations
+
+import contextlib
+import signal
 
 from ssmcraft.kernels.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
 
@@ -153,3 +157,21 @@ def stop_after(monkeypatch, step: int) -> None:
             raise KeyboardInterrupt
         return path
     monkeypatch.setattr(resume, "save_state", save_then_stop)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise ``TimeoutError`` in the block after ``seconds`` (SIGALRM: main thread only)."""
+    def handler(signum, frame):
+        raise TimeoutError(f"no answer within {seconds} s (a hang)")
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except TimeoutError:
+        import sympy                       # an interrupted sympy may leave half-computed
+        sympy.core.cache.clear_cache()     # assumptions in its caches: drop them
+        raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -17,10 +17,8 @@ Tolerances: the one numerical comparison (hostile identifiers) uses rtol 1e-10 o
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +32,7 @@ from hypothesis import strategies as st
 import ssmcraft
 from ssmcraft.compiler import expr as E
 from ssmcraft.errors import SpecError
+from helpers import time_limit
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_SECONDS = 10          # a spec error is found in well under a second; more is a hang
@@ -50,23 +49,6 @@ BASE = {
     "output": "S*q",
 }
 BASE_TEXT = yaml.safe_dump(BASE, sort_keys=False)
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def handler(signum, frame):
-        raise TimeoutError(f"no answer within {seconds} s (a hang)")
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    except TimeoutError:
-        import sympy                       # an interrupted sympy may leave half-computed
-        sympy.core.cache.clear_cache()     # assumptions in its caches: drop them
-        raise
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def spec(**changes) -> str:

@@ -8,15 +8,18 @@ function's source from its file, which is why kernels are written out, not ``exe
 """
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import linecache
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from ssmcraft.compiler import safe_source
 from ssmcraft.errors import SsmcraftError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -68,27 +71,46 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def load_generated(stem: str, key: str, source: str):
-    """Write ``source`` (if not cached yet) as ``<stem>_<key>.py`` and import it."""
+    """Check ``source`` (``safe_source.check``), write it (if not cached yet) as ``<stem>_<key>.py``
+    and import it. A cached file whose text is not ``source`` (``key`` hashes ``source``: the file
+    was edited or torn) is rewritten from ``source``; the module is always compiled from the checked
+    ``source`` itself, never from what is read back from the file."""
     name = f"ssmcraft_generated_{stem}_{key}"
     if name in sys.modules:
         return sys.modules[name]
+    safe_source.check(source, f"generated module {stem}")    # before anything is written
     path = cache_dir() / f"{stem}_{key}.py"
-    if not path.exists() or path.read_text(encoding="utf-8") != source:
+    if not _holds(path, source):
         try:
             write_atomic(path, source)
         except OSError as e:
             raise SsmcraftError(f"cache folder {path.parent}: cannot write {path.name}: {e.strerror or e} "
                                 f"(set SSMCRAFT_CACHE to a writable folder)") from None
-    return import_file(path, name)
+    return import_file(path, name, source, policy=None)   # checked above
 
 
-def import_file(path: Path, name: str):
-    """Import the Python file ``path`` as module ``name`` (registered in ``sys.modules``)."""
+def _holds(path: Path, source: str) -> bool:
+    try:
+        return path.read_bytes() == source.encode("utf-8")
+    except OSError:
+        return False
+
+
+def import_file(path: Path, name: str, source: str, policy: safe_source.Policy | None = safe_source.GENERATED):
+    """Import ``source``, the text written at ``path``, as module ``name`` (registered in
+    ``sys.modules``) once it passes ``policy`` (``safe_source.check``; None only for text checked
+    otherwise, as the export bundle is). The code run is compiled from ``source``, and ``linecache``
+    serves ``source`` for ``path`` (Triton reads a kernel's text through it), so a file changed
+    after the check is not what runs."""
+    if policy is not None:
+        safe_source.check(source, f"generated module {path.name}", policy)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    filename = str(path)
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(builtins.compile(source, filename, "exec", dont_inherit=True), module.__dict__)  # noqa: S102 - checked text
     except BaseException:
         sys.modules.pop(name, None)
         raise

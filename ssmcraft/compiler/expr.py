@@ -31,11 +31,15 @@ FUNCTIONS = {
     "exp": 1, "log": 1, "sigmoid": 1, "softplus": 1, "silu": 1, "sqrt": 1, "abs": 1,
 }
 
+# ASCII only: digits of other scripts (Arabic-Indic five looks like "o") are not numbers, and
+# whitespace is ASCII whitespace
 _TOKEN = re.compile(
     r"\s*(?:(?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
     r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
-    r"|(?P<op>\*\*|[-+*/(),]))"
+    r"|(?P<op>\*\*|[-+*/(),]))",
+    re.ASCII,
 )
+_SPACE = " \t\n\r\f\v"
 
 
 class ParseError(ValueError):
@@ -88,12 +92,12 @@ def tokenize(text: str) -> list[tuple[str, str, int]]:
         raise ParseError(f"expression longer than {MAX_LENGTH} characters", MAX_LENGTH)
     tokens, pos = [], 0
     while pos < len(text):
-        if text[pos:].strip() == "":
+        if text[pos:].strip(_SPACE) == "":
             break
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            bad = text[pos:].lstrip()[:1]
-            raise ParseError(f"unexpected character {bad!r}", pos + len(text[pos:]) - len(text[pos:].lstrip()))
+            rest = text[pos:].lstrip(_SPACE)
+            raise ParseError(f"unexpected character {rest[:1]!r}", len(text) - len(rest))
         kind = m.lastgroup
         value = m.group(kind)
         start = m.start(kind)

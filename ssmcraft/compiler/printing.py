@@ -60,6 +60,10 @@ class TorchPrinter(PythonCodePrinter):
             return f"1/{self.parenthesize(base, sympy.printing.precedence.PRECEDENCE['Pow'])}"
         return super()._print_Pow(expr, rational=rational)
 
+    def _print_Integer(self, expr):
+        # torch takes a Python int operand only within int64; a larger constant is a float
+        return str(expr.p) if abs(expr.p) < 2 ** 63 else repr(float(expr.p))
+
     def _print_Rational(self, expr):
         return f"({expr.p}/{expr.q})"
 

@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from ssmcraft import yamlsafe
 from ssmcraft.compiler import expr as E
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, quote
 
-IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")   # whole text (fullmatch): no trailing newline
 # names the generated PyTorch/Triton code uses, Python's keywords and builtins
 CODE_NAMES = {"torch", "F", "tl", "triton", "math", "env", "co", "erase"}
 RESERVED = {"S_prev"} | set(E.FUNCTIONS) | CODE_NAMES | set(keyword.kwlist) | set(dir(builtins))
@@ -102,26 +101,6 @@ class Spec:
         return [n for s in self.state_names() for n in (s, self.prev_name(s))] + [*self.inputs, *self.params, *self.dims]
 
 
-class _Loader(yaml.SafeLoader):
-    """Safe loader that refuses duplicate keys (a silent overwrite hides typos)."""
-
-
-def _construct_mapping(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if not isinstance(key, (str, int, float, bool)) and key is not None:
-            raise yaml.constructor.ConstructorError(None, None, f"a key must be a plain name, got {type(key).__name__}",
-                                                    key_node.start_mark)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
     """Return (raw mapping, source label) for a path, YAML text or a mapping."""
     if isinstance(spec, Mapping):
@@ -155,17 +134,7 @@ def read_source(spec: str | Path | Mapping) -> tuple[dict, str]:
                 raise SpecError(spec.strip(), "", "no such file, and not a library objective")
     else:
         raise SpecError("<spec>", "", f"expected a path, YAML text or a mapping, got {type(spec).__name__}")
-    if len(text) > 200_000:
-        raise SpecError(source, "", "spec text larger than 200 kB")
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(source, "", f"invalid YAML{where}: {problem}") from None
-    except RecursionError:
-        raise SpecError(source, "", "invalid YAML: nested too deeply") from None
+    data = yamlsafe.load(text, source)
     if not isinstance(data, dict):
         raise SpecError(source, "", f"expected a mapping at the top level, got {type(data).__name__}")
     return data, source
@@ -201,34 +170,34 @@ def _is_dir(path: Path) -> bool:
 
 def _bool(src, key, value) -> bool:
     if not isinstance(value, bool):
-        raise SpecError(src, key, f"expected true or false, got {value!r}")
+        raise SpecError(src, key, f"expected true or false, got {quote(value)}")
     return value
 
 
 def _str(src, key, value, *, allow_empty=False) -> str:
     if not isinstance(value, str) or (not allow_empty and not value.strip()):
-        raise SpecError(src, key, f"expected a non-empty string, got {value!r}")
+        raise SpecError(src, key, f"expected a non-empty string, got {quote(value)}")
     return value
 
 
 def _ident(src, key, value) -> str:
-    if not isinstance(value, str) or not IDENT.match(value):
-        raise SpecError(src, key, f"{value!r} is not a valid name (letters, digits, '_', starting with a letter, at most 32)")
+    if not isinstance(value, str) or not IDENT.fullmatch(value):
+        raise SpecError(src, key, f"{quote(value)} is not a valid name (letters, digits, '_', starting with a letter, at most 32)")
     if value in RESERVED:
         why = "a name the generated code uses" if value in CODE_NAMES else \
             "a Python keyword or builtin" if value not in E.FUNCTIONS and value != "S_prev" else "a function or S_prev"
-        raise SpecError(src, key, f"{value!r} is reserved ({why})")
+        raise SpecError(src, key, f"{quote(value)} is reserved ({why})")
     return value
 
 
 def _shape(src, key, value, dims) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > 2:
-        raise SpecError(src, key, f"expected a list of at most 2 dimension names, got {value!r}")
+        raise SpecError(src, key, f"expected a list of at most 2 dimension names, got {quote(value)}")
     for v in value:
         if v not in dims:
-            raise SpecError(src, key, f"unknown dimension {v!r}; the state declares {', '.join(dims)}")
+            raise SpecError(src, key, f"unknown dimension {quote(v)}; the state declares {', '.join(dims)}")
     if len(value) == 2 and tuple(value) != tuple(dims):
-        raise SpecError(src, key, f"a matrix must have the state's shape [{', '.join(dims)}], got {value!r}")
+        raise SpecError(src, key, f"a matrix must have the state's shape [{', '.join(dims)}], got {quote(value)}")
     return tuple(value)
 
 
@@ -242,32 +211,43 @@ def _keys(src, key, value, allowed):
 
 def _init(src, key, value):
     if isinstance(value, bool):
-        raise SpecError(src, key, f"expected an initialiser, got {value!r}")
+        raise SpecError(src, key, f"expected an initialiser, got {quote(value)}")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise SpecError(src, key, f"expected a finite number, got {value!r}")
-        return {"constant": float(value)}
+        return {"constant": _init_number(src, key, value, value)}
     if isinstance(value, str):
         if value not in INIT_NAMES:
-            raise SpecError(src, key, f"unknown initialiser {value!r}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
+            raise SpecError(src, key, f"unknown initialiser {quote(value)}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
         return value
     if isinstance(value, dict) and len(value) == 1:
         (form, args), = value.items()
         if form not in INIT_FORMS:
-            raise SpecError(src, key, f"unknown initialiser {form!r}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
+            raise SpecError(src, key, f"unknown initialiser {quote(form)}; known: {', '.join(sorted(INIT_NAMES | set(INIT_FORMS)))}")
         args = args if isinstance(args, list) else [args]
         if len(args) != INIT_FORMS[form] or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
-            raise SpecError(src, key, f"{form} takes {INIT_FORMS[form]} number(s), got {value[form]!r}")
-        if not all(math.isfinite(a) for a in args):
-            raise SpecError(src, key, f"{form} takes finite numbers, got {value[form]!r}")
+            raise SpecError(src, key, f"{form} takes {INIT_FORMS[form]} number(s), got {quote(value[form])}")
+        args = [_init_number(src, key, a, value[form], form) for a in args]
         if form == "normal" and args[1] < 0:
             raise SpecError(src, key, f"normal takes [mean, std] with std >= 0, got {args}")
         if form in ("uniform", "log_uniform") and not args[0] < args[1]:
             raise SpecError(src, key, f"{form} needs low < high, got {args}")
         if form == "log_uniform" and args[0] <= 0:
             raise SpecError(src, key, "log_uniform needs positive bounds")
-        return {form: [float(a) for a in args]}
-    raise SpecError(src, key, f"expected an initialiser name or {{form: args}}, got {value!r}")
+        return {form: args}
+    raise SpecError(src, key, f"expected an initialiser name or {{form: args}}, got {quote(value)}")
+
+
+def _init_number(src, key, number, given, form: str | None = None) -> float:
+    """An initialiser's number as a float, held to the magnitudes expression literals are
+    (``expr.CONSTANT_RANGE``: an int of any size, or inf, is refused, not an OverflowError)."""
+    limit = E.CONSTANT_RANGE[1]
+    try:
+        x = float(number)
+    except OverflowError:
+        x = math.inf
+    if not (math.isfinite(x) and abs(x) <= limit):
+        what = f"{form} takes" if form else "expected"
+        raise SpecError(src, key, f"{what} finite numbers of magnitude at most {limit:g}, got {quote(given)}")
+    return x
 
 
 def _expression(src, key, value, declared: set[str]) -> str:
@@ -278,7 +258,7 @@ def _expression(src, key, value, declared: set[str]) -> str:
         raise SpecError(src, key, f"syntax error: {e}") from None
     unknown = sorted(E.names(tree) - declared)
     if unknown:
-        raise SpecError(src, key, f"unknown name {unknown[0]!r}; declared: {', '.join(sorted(declared, key=_order))}")
+        raise SpecError(src, key, f"unknown name {quote(unknown[0])}; declared: {', '.join(sorted(declared, key=_order))}")
     return text
 
 
@@ -310,7 +290,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         key = f"inputs.{iname}"
         iname = _ident(src, key, iname)
         if iname in taken:
-            raise SpecError(src, key, f"name {iname!r} is already used")
+            raise SpecError(src, key, f"name {quote(iname)} is already used")
         _keys(src, key, decl, INPUT_KEYS)
         if "shape" not in decl:
             raise SpecError(src, f"{key}.shape", "missing (required)")
@@ -318,8 +298,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         if len(shape) == 2:
             raise SpecError(src, f"{key}.shape", "inputs are vectors or scalars; matrices come from outer()")
         act = decl.get("activation")
-        if act is not None and act not in ACTIVATIONS:
-            raise SpecError(src, f"{key}.activation", f"unknown activation {act!r}; known: {', '.join(sorted(ACTIVATIONS))}")
+        if act is not None and (not isinstance(act, str) or act not in ACTIVATIONS):
+            raise SpecError(src, f"{key}.activation", f"unknown activation {quote(act)}; known: {', '.join(sorted(ACTIVATIONS))}")
         inputs[iname] = InputDecl(
             iname, shape,
             positive=_bool(src, f"{key}.positive", decl.get("positive", False)),
@@ -339,7 +319,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         key = f"params.{pname}"
         pname = _ident(src, key, pname)
         if pname in taken:
-            raise SpecError(src, key, f"name {pname!r} is already used")
+            raise SpecError(src, key, f"name {quote(pname)} is already used")
         _keys(src, key, decl, PARAM_KEYS)
         shape = _shape(src, f"{key}.shape", decl.get("shape", []), dims)
         p = ParamDecl(
@@ -363,7 +343,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         key = f"let.{lname}"
         lname = _ident(src, key, lname)
         if lname in declared:
-            raise SpecError(src, key, f"name {lname!r} is already used")
+            raise SpecError(src, key, f"name {quote(lname)} is already used")
         lets.append((lname, _expression(src, key, text, declared)))
         declared.add(lname)   # a let may use the lets before it
 
@@ -372,10 +352,10 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
     if update not in ("implicit", "explicit", "newton"):
-        raise SpecError(src, "update", f"expected implicit, explicit or newton, got {update!r}")
+        raise SpecError(src, "update", f"expected implicit, explicit or newton, got {quote(update)}")
     approximation = raw.get("approximation", "exact")
     if approximation not in ("exact", "diagonal"):
-        raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
+        raise SpecError(src, "approximation", f"expected exact or diagonal, got {quote(approximation)}")
     output = _output(src, raw, declared, _let_closure(lets), prevs, "the new state S")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
@@ -385,19 +365,19 @@ def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
     """``state:`` -> (names in declaration order, the shared dims). Several states must share
     one shape [d, m] (the kernels keep one [K, V] tile per state)."""
     if not isinstance(state, dict) or not state:
-        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {state!r}")
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {quote(state)}")
     names, shapes = [], []
     for sname, dims in state.items():
         sname = _ident(src, "state", sname)
         if not isinstance(dims, list) or len(dims) != 2:
-            raise SpecError(src, f"state.{sname}", f"expected two dimension names like [d, m], got {dims!r}")
+            raise SpecError(src, f"state.{sname}", f"expected two dimension names like [d, m], got {quote(dims)}")
         for dname in dims:
             _ident(src, f"state.{sname}", dname)
         if dims[0] == dims[1]:
             raise SpecError(src, f"state.{sname}", "the two dimensions must have different names")
         if shapes and tuple(dims) != shapes[0]:
             raise SpecError(src, f"state.{sname}", f"every state must have the first state's shape "
-                            f"[{', '.join(shapes[0])}], got {dims!r}")
+                            f"[{', '.join(shapes[0])}], got {quote(dims)}")
         names.append(sname)
         shapes.append(tuple(dims))
     dims = shapes[0]
@@ -406,7 +386,7 @@ def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
             raise SpecError(src, f"state.{sname}", "a dimension cannot have a state's name")
         if len(names) > 1:
             if sname.endswith("_prev") and sname[:-5] in names:
-                raise SpecError(src, f"state.{sname}", f"{sname!r} names the previous value of state {sname[:-5]!r}")
+                raise SpecError(src, f"state.{sname}", f"{quote(sname)} names the previous value of state {quote(sname[:-5])}")
             if len(sname) > 27:
                 raise SpecError(src, f"state.{sname}", "with several states a state's name has at most 27 "
                                 f"characters (its previous value is {sname}_prev)")
@@ -443,10 +423,10 @@ def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...
         value = default
     if isinstance(value, str):
         if value not in allowed:
-            raise SpecError(src, key, f"expected {' or '.join(allowed)} (or a mapping state -> value), got {value!r}")
+            raise SpecError(src, key, f"expected {' or '.join(allowed)} (or a mapping state -> value), got {quote(value)}")
         return tuple(value for _ in states)
     if not isinstance(value, dict):
-        raise SpecError(src, key, f"expected {' or '.join(allowed)}, or a mapping state -> value, got {value!r}")
+        raise SpecError(src, key, f"expected {' or '.join(allowed)}, or a mapping state -> value, got {quote(value)}")
     _keys(src, key, value, set(states))
     out = []
     for sname in states:
@@ -456,7 +436,7 @@ def _per_state(src, key, value, states, allowed, default=None) -> tuple[str, ...
             out.append(default)
             continue
         if value[sname] not in allowed:
-            raise SpecError(src, f"{key}.{sname}", f"expected {' or '.join(allowed)}, got {value[sname]!r}")
+            raise SpecError(src, f"{key}.{sname}", f"expected {' or '.join(allowed)}, got {quote(value[sname])}")
         out.append(value[sname])
     return tuple(out)
 
@@ -488,9 +468,9 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
             raise SpecError(src, key, "missing (every state needs its loss)")
         text = _expression(src, key, objective[sname], declared)
         _refuse_reads(src, key, text, through, states[i + 1:],
-                      lambda x: f"{x!r} is the new value of a state updated after {sname} "
+                      lambda x: f"{quote(x)} is the new value of a state updated after {sname} "
                                 f"(states update in declaration order: {', '.join(states)}); use {x}_prev",
-                      lambda x: f"the loss reads {x!r} (through a let), the new value of a state "
+                      lambda x: f"the loss reads {quote(x)} (through a let), the new value of a state "
                                 f"updated after {sname}; use {x}_prev")
         losses.append(text)
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ssmcraft.compiler import safe_source
 from ssmcraft.errors import SsmcraftError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ class Section:
     title: str
     body: str
     defines: set[str] = field(default_factory=set)
+    policy: safe_source.Policy | None = None   # generated text: the allowlist ``bundle`` checks it against
 
 
 @dataclass
@@ -338,7 +340,7 @@ def recurrence_section(source: str, name: str = "Recurrence") -> Section:
                                   "namespace cannot provide")
     cls = [f"class {name}:"]
     if doc is not None:
-        cls.append(_indent('"""' + doc.replace('"""', r'\"\"\"').rstrip() + '\n"""'))
+        cls.append(_indent(safe_source.docstring(doc.rstrip() + "\n")))
     cls.append("\n\n".join(parts))
     body = "\n".join(header) + ("\n" if header else "") + "\n".join(cls) + "\n"
     return Section("generated reference recurrence (ssmcraft.compiler.codegen)", body, {name})
@@ -439,9 +441,36 @@ def bundle(header: str, plan: list, generated: dict[str, Section],
         if missing:
             raise ExportError(f"export bundle: {title} imports {', '.join(missing)} from ssmcraft, which no "
                               "section of the exported module defines")
+    for s in sections:
+        if s.policy is not None:
+            safe_source.check(s.body, f"export bundle: {s.title}", s.policy,
+                              extern=set(seen) | set(imports.bound))
     parts = ([header.rstrip() + "\n"] if header.strip() else []) + [imports.text()]
     for s in sections:
-        parts.append(f"\n{BANNER}\n# {s.title}\n{BANNER}\n{s.body.strip()}\n")
+        parts.append(f"\n{BANNER}\n{safe_source.comment(s.title)}\n{BANNER}\n{s.body.strip()}\n")
     text = "\n".join(parts)
+    _check_statements(text, header, imports.text(), sections)
     compile(text, "<exported module>", "exec")   # a syntax error here is our bug, caught before writing
     return text
+
+
+def _check_statements(text: str, header: str, imports: str, sections: list[Section]) -> None:
+    """Every statement of the bundle is one of its sections' (the header adds at most a docstring:
+    its other lines are comments), so no label, path or spec text pasted into comments or literals
+    has become code. A failure here is an ssmcraft bug, caught before the module is written."""
+    def statements(source: str, where: str) -> list[str]:
+        try:
+            return [ast.dump(n) for n in ast.parse(source).body]
+        except SyntaxError as e:
+            raise ExportError(f"export bundle: {where} does not parse (line {e.lineno}: {e.msg}); "
+                              "an ssmcraft bug, please report it") from None
+
+    head = statements(header, "the header")
+    if len(head) > 1 or (head and not head[0].startswith("Expr(value=Constant(value=")):
+        raise ExportError("export bundle: the header holds code, not only comments and a docstring")
+    expected = head + statements(imports, "the imports")
+    for s in sections:
+        expected += statements(s.body, s.title)
+    if statements(text, "the module") != expected:
+        raise ExportError("export bundle: the module's statements are not its sections' (text pasted "
+                          "into a comment or a literal became code); an ssmcraft bug, please report it")

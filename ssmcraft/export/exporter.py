@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from ssmcraft.compiler import safe_source
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.export.assemble import (ExportError, Section, bundle, dataclass_literal, literal, recurrence_section,
                                       import_problem, standalone_module)
@@ -281,32 +282,22 @@ def _git() -> str | None:
     return git_describe()
 
 
-def _string_literal(text: str) -> str:
-    """A triple-quoted raw literal for ``text`` when that reads back exactly, else repr."""
-    if "'''" not in text and not text.endswith("\\") and "\\'''" not in text:
-        lit = "r'''" + text + "'''"
-        try:
-            if eval(compile(lit, "<lit>", "eval")) == text:  # noqa: S307 - our own literal, checked
-                return lit
-        except SyntaxError:
-            pass
-    return repr(text)
-
-
 def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: str) -> str:
     spec = obj.spec
     what = "objective mixer layer" if layer_only else "language model"
+    # spec text, paths and labels are data: they reach the module only through safe_source
     lines = [
         f"# {stem}.py: a trained ssmcraft {what}, exported as a standalone PyTorch module.",
         "#",
-        *textwrap.wrap(f"Objective: {spec.name}" + (f": {' '.join(spec.summary.split())}" if spec.summary else ""),
-                       width=96, initial_indent="# ", subsequent_indent="#   "),
-        f"#   loss L(S) = {spec.objective}    (update: {spec.update}, approximation: {spec.approximation})",
-        f"#   output    = {spec.output}",
+        *(safe_source.comment(ln, "#   " if i else "# ") for i, ln in enumerate(textwrap.wrap(
+            f"Objective: {spec.name}" + (f": {' '.join(spec.summary.split())}" if spec.summary else ""), width=94))),
+        safe_source.comment(f"loss L(S) = {spec.objective}    (update: {spec.update}, approximation: "
+                            f"{spec.approximation})", "#   "),
+        safe_source.comment(f"output    = {spec.output}", "#   "),
         f"#   structure: {obj.ir.kind}",
         "# Derived update (S_t = argmin L for implicit updates, one gradient step for explicit):",
-        *(f"#   {ln}" for ln in obj.update.splitlines()),
-        f"# Trained in: {source.label}",
+        safe_source.comment(obj.update, "#   "),
+        safe_source.comment(f"Trained in: {source.label}"),
     ]
     m = source.metrics
     figures = [f"{k}={m[k]:.4g}" for k in ("val_loss", "accuracy", "tokens_per_s") if isinstance(m.get(k), (int, float))]
@@ -314,16 +305,16 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
         lines.append(f"#   {', '.join(figures)}")
     git = _git()
     lines += [
-        f"# Exported by ssmcraft {_version()}" + (f" (git {git})" if git else "") + f", torch {torch.__version__}, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}.",
+        safe_source.comment(f"Exported by ssmcraft {_version()}" + (f" (git {git})" if git else "") +
+                            f", torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}."),
         "# Needs: torch and safetensors (the weights). Optional: triton (CUDA kernels). Everything below the",
         "# imports is ssmcraft's own source, copied section by section (banners name the file), plus the",
         "# generated recurrence for this objective.",
-        f"# Triton kernels: {kernels}.",
+        safe_source.comment(f"Triton kernels: {kernels}."),   # a family's reason may quote an error
     ]
     if layer_only:
         doc = [
-            f'"""The {spec.name} objective mixer, standalone (from {source.label}).',
+            f"The {spec.name} objective mixer, standalone (from {source.label}).",
             "",
             "    import torch",
             f"    from {stem} import Mixer",
@@ -333,11 +324,11 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
             "",
             "The recurrence runs the Triton kernels on CUDA when they are inline and triton imports, else the",
             "vectorised PyTorch path; ``layer.last_backend`` says which ran.",
-            '"""',
+            "",
         ]
     else:
         doc = [
-            f'"""The {spec.name} language model, standalone (from {source.label}).',
+            f"The {spec.name} language model, standalone (from {source.label}).",
             "",
             "    import torch",
             f"    from {stem} import from_pretrained",
@@ -350,9 +341,9 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
             "The recurrence runs the Triton kernels on CUDA when they are inline and triton imports, else the",
             "vectorised PyTorch path; ``model.backend`` says which ran (also logged).",
             "``Mixer`` is the mixer layer alone, to drop into another model.",
-            '"""',
+            "",
         ]
-    return "\n".join(lines) + "\n" + "\n".join(doc) + "\n"
+    return "\n".join(lines) + "\n" + safe_source.docstring("\n".join(doc)) + "\n"
 
 
 def generated_sections(obj, model_config: dict, provenance: dict, kernel_text: str | None,
@@ -363,14 +354,15 @@ def generated_sections(obj, model_config: dict, provenance: dict, kernel_text: s
         "# The objective's declarations (what the layer's projections produce), from the spec.\n"
         f"SPEC = {dataclass_literal(obj.spec)}",
         f"# The derived update's IR, as data (ssmcraft derive {obj.spec.name} --json).\nIR = {literal(ir)}",
-        f"UPDATE = {_string_literal(obj.update)}",
+        f"UPDATE = {safe_source.docstring(obj.update)}",
         rec.body.rstrip(),
         "# The Triton kernels (forward and backward) for this objective, written to a file and imported on\n"
         "# first use on CUDA (Triton reads kernel source from files). None: CPU/PyTorch paths only.\n"
-        f"TRITON_SOURCE = {_string_literal(kernel_text) if kernel_text else 'None'}",
+        f"TRITON_SOURCE = {safe_source.docstring(kernel_text) if kernel_text else 'None'}",
     ])
     objective = Section(f"the objective {obj.spec.name!r}: declarations, IR and generated recurrence",
-                        objective_body + "\n", {"SPEC", "IR", "UPDATE", "TRITON_SOURCE"} | rec.defines)
+                        objective_body + "\n", {"SPEC", "IR", "UPDATE", "TRITON_SOURCE"} | rec.defines,
+                        safe_source.EXPORTED)
     tail_body = "\n\n".join([
         f"MODEL_CONFIG = {literal(model_config)}",
         f"EXPORT = {literal(provenance)}",
@@ -379,7 +371,7 @@ def generated_sections(obj, model_config: dict, provenance: dict, kernel_text: s
                              "save_safetensors"] + ([] if layer_only else ["Model", "from_pretrained"])),
     ])
     tail = Section("this export: model config, provenance, the objective instance", tail_body + "\n",
-                   {"MODEL_CONFIG", "EXPORT", "OBJECTIVE", "__all__"})
+                   {"MODEL_CONFIG", "EXPORT", "OBJECTIVE", "__all__"}, safe_source.EXPORTED)
     return {"objective": objective, "tail": tail}
 
 
@@ -437,7 +429,10 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
 def import_module_from(path: Path, name: str | None = None):
     """Import a Python file under a fresh module name (removed from sys.modules by the caller)."""
     from ssmcraft.compiler.cache import import_file
-    return import_file(path, name or f"_ssmcraft_export_check_{uuid.uuid4().hex[:8]}")
+    # the bundle checked the module when it assembled it (assemble.bundle: its generated sections
+    # against safe_source.EXPORTED, every statement a section's)
+    return import_file(path, name or f"_ssmcraft_export_check_{uuid.uuid4().hex[:8]}", path.read_text(encoding="utf-8"),
+                       policy=None)
 
 
 @torch.no_grad()

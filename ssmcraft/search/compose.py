@@ -61,7 +61,7 @@ import copy
 from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
-from ssmcraft.yamlsafe import shown
+from ssmcraft.errors import quote as shown
 
 # term -> allowed values; the first one is the default when a term is left out
 TERMS: dict[str, tuple[Any, ...]] = {

@@ -8,7 +8,7 @@ from pathlib import Path
 from ssmcraft import yamlsafe
 from ssmcraft.compiler import library as compiler_library
 from ssmcraft.errors import SpecError, one_line
-from ssmcraft.yamlsafe import shown
+from ssmcraft.errors import quote as shown
 
 
 def library_names(extra: Path | None = None) -> list[str]:

@@ -54,7 +54,7 @@ from ssmcraft.errors import SpecError, one_line
 from ssmcraft.search import library
 from ssmcraft.search.compose import TERMS, check_choices
 from ssmcraft.search.fidelity import FIDELITY_KINDS, Fidelity
-from ssmcraft.yamlsafe import shown
+from ssmcraft.errors import quote as shown
 
 # space key -> config path
 ALIASES: dict[str, tuple[str, ...]] = {

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from ssmcraft import yamlsafe
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers.config import LMConfig, number_or_same
 from ssmcraft.tasks import check_task
@@ -79,10 +80,7 @@ def load_experiment(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise SpecError(str(path), "", f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(str(path), "", f"invalid YAML: {str(e).splitlines()[0]}") from None
+    data = yamlsafe.load(text, str(path))
     if not isinstance(data, dict):
         raise SpecError(str(path), "", "expected a mapping at the top level")
     return data
