@@ -1,4 +1,4 @@
-"""GPU checks and timings of the diagonal-decay kernels (ssmcraft.kernels.diagonal).
+"""GPU checks and timings of the diagonal-decay kernels (ssmcraft.ops.diagonal.chunk).
 
 Run on the device (see BENCHMARKS.md, "Diagonal"):
 
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import ssmcraft  # noqa: E402
 from checks import TOL, compare, dtype_name, reference  # noqa: E402
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, once_ms, random_inputs  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms  # noqa: E402
+from ssmcraft.ops.diagonal import chunk as D  # noqa: E402
 
 # ENV.md anchors (H100, copy bandwidth 4.22 TB/s there)
 ENV_COPY_BW = 4.22e12

@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
+from ssmcraft.ops.common.reference import layout  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, over, rank1_chunk_loop, rel_rms as rel  # noqa: E402
+from ssmcraft.runtime.checking import DELTA_RULE_CASES, delta_rule_case, over, rank1_chunk_loop, rel_rms as rel  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 SHAPE = dict(H=2, K=16, V=16) if SMOKE else dict(H=16, K=64, V=64)

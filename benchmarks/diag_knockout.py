@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ssmcraft  # noqa: E402
 from bench_diagonal import leaves_of, scan  # noqa: E402
 from common import bench_ms, random_inputs  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
-from ssmcraft.kernels import diagonal_gen as G  # noqa: E402
+from ssmcraft.ops.diagonal import chunk as D  # noqa: E402
+from ssmcraft.ops.codegen import diagonal as G  # noqa: E402
 
 _HSUM = re.compile("(" + re.escape(G._HSUM[1]) + r"\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
 

@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from ssmcraft.errors import SsmcraftError  # noqa: E402
-from ssmcraft.kernels.tuning import next_pow2  # noqa: E402
+from ssmcraft.ops.common.tuning import next_pow2  # noqa: E402
 
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
 K = 16          # the timed case's key dim (the generated source and the flags must agree on it)
@@ -46,7 +46,7 @@ def load(objective: str):
     once (the file exists only while importing)."""
     import ssmcraft
     from ssmcraft.compiler.cache import import_file
-    from ssmcraft.kernels import diagonal as D
+    from ssmcraft.ops.diagonal import chunk as D
     ir = ssmcraft.compile(objective).ir
     with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
         path = Path(d) / "gen.py"
@@ -89,7 +89,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
     flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
     T and V divide the chunk and the value block when ``even``."""
-    from ssmcraft.kernels import diagonal as D
+    from ssmcraft.ops.diagonal import chunk as D
     plan, mod = loaded
     fn = getattr(mod, kernel)
     BK, ls = next_pow2(K), D._ls_for(K)

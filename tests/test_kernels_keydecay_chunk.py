@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
-from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
-from ssmcraft.kernels.checking import reference_errors  # noqa: E402
+from ssmcraft.ops.keydecay_chunk import chunk as KD  # noqa: E402
+from ssmcraft.runtime.select import validated_call  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference. With strongly

@@ -7,8 +7,8 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rank1_chunk_loop  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
+from ssmcraft.runtime.checking import DELTA_RULE_CASES, delta_rule_case, rank1_chunk_loop  # noqa: E402
 from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference

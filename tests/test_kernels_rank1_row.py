@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_row as R  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
 from helpers import assert_within, kernel_errors, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||: fp32 kernels vs float64 references

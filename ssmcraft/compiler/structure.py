@@ -367,7 +367,7 @@ def element_form(ir: UpdateIR) -> UpdateIR:
     reductions (``a S_prev - sum_rl c_rl (S_prev u_l) v_r + B``, coefficients substituted; one
     erase ``c (S_prev u) v`` for rank-1, ``B = p q`` or ``sum_r p_r v_r`` by the slots). The
     fused one-token (decode) kernel and the row-tiled rank-r kernel are generated from it
-    (``ssmcraft.kernels.decode``, ``ssmcraft.kernels.general``). General and nonlinear IRs are
+    (``ssmcraft.ops.decode.step``, ``ssmcraft.ops.general.recurrent``). General and nonlinear IRs are
     returned unchanged. Computed once per IR object and kept on it (``UpdateIR.memo``)."""
     if ir.kind in ("general", "nonlinear"):
         return ir

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.runtime.graphs import require_cuda, require_warmup
 from ssmcraft.layers.mixer import RecurrentCache
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ssmcraft.kernels.reference import like, states
+from ssmcraft.ops.common.reference import like, states
 
 
 def rel_rms(got, ref) -> float:
@@ -215,7 +215,7 @@ DELTA_RULE_CASES = (("none", False, False), ("nograd", True, False), ("grad", Fa
 
 
 def rank1_chunk_loop(v, u, q, p, oq, c, a, h0, ps=None):
-    """The chunked rank-1 family step by step in its kernels' layout (``ssmcraft.kernels.rank1_chunk``):
+    """The chunked rank-1 family step by step in its kernels' layout (``ssmcraft.ops.rank1_chunk.chunk``):
     H_t = a_t H - c_t v_t (u_t^T H) + q_t (ps_t p_t)^T, o_t = H_t^T oq_t; u, q None mean v, a and ps
     None mean 1. v, u, q, oq [B, T, H, K]; p [B, T, H, V]; c, a, ps [B, T, H]; h0 [B, H, K, V].
     Returns (o [B, T, H, V], H_T [B, H, K, V])."""
@@ -234,7 +234,7 @@ def rank1_chunk_loop(v, u, q, p, oq, c, a, h0, ps=None):
 def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated: bool, dtype,
                     device="cpu", seed: int = 0, **kw) -> tuple[dict, dict, bool]:
     """``delta_rule(q, k, x, beta, alpha, initial_state=..., output_final_state=final, **kw)`` (FLA
-    layout; ``ssmcraft.kernels.rank1_chunk.delta_rule``) on random inputs in ``dtype`` against
+    layout; ``ssmcraft.ops.rank1_chunk.chunk.delta_rule``) on random inputs in ``dtype`` against
     ``rank1_chunk_loop`` in float64 on the same values (c = alpha beta, ps = beta): no initial state, one that wants no gradient
     or one that does (``h0_kind``), the final state in the loss or not returned at all (``final``).
     Returns ({"y", "S_T"?, "d<leaf>": relative RMS error}, {leaf: its gradient's dtype == its

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.reference import like, states
+from ssmcraft.ops.common.reference import like, states
 
 NEED_CUDA = "CUDA graphs need a CUDA device"
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ssmcraft.kernels.reference import like, states
+from ssmcraft.ops.common.reference import like, states
 
 HOWS = ("eager", "onethread", "graphed", "static")
 HOW_LABELS = {"onethread": "1-thread"}      # a table's column label where it is not the name: HOW_LABELS.get(h, h)

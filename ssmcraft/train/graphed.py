@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError, one_line
-from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.runtime.graphs import require_cuda, require_warmup
 from ssmcraft.train.compiled import record_fallback
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE
 from ssmcraft.train.device import autocast

@@ -1,10 +1,10 @@
 """The generator of the diagonal family's kernels: from an objective's IR to Triton source.
 
-``_plan`` reads the IR (sympy) into the coefficient graph the kernels compute (leaves, nodes,
-slots); ``_Gen`` prints the six kernels of ``ssmcraft.kernels.diagonal`` (its docstring says what
+``plan`` reads the IR (sympy) into the coefficient graph the kernels compute (leaves, nodes,
+slots); ``_Gen`` prints the six kernels of ``ssmcraft.ops.diagonal.chunk`` (its docstring says what
 they do); ``source`` is the module text. Only ssmcraft itself runs this: the kernels and their
 host code (``diagonal.py``) need no sympy, so an exported module carries the text this writes
-(``diagonal.standalone_source``).
+(``ssmcraft.ops.diagonal.chunk.export_tail``).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from ssmcraft.kernels.diagonal import _PF, _Leaf, _Plan
-from ssmcraft.kernels.triton_printer import LIBDEVICE_IMPORT, triton_code
+from ssmcraft.ops.diagonal.plan import PREFETCH_DEPTH, Leaf, Plan
+from ssmcraft.ops.codegen.triton_printer import LIBDEVICE_IMPORT, triton_code
 
 
 @dataclass
@@ -41,13 +41,13 @@ def unsupported(ir) -> str | None:
         if r.over == row:
             return f"reduction {r.name} over {row} (a value dimension) is not fused into the kernel"
     try:
-        _plan(ir)
+        plan(ir)
     except NotImplementedError as e:
         return str(e)
     return None
 
 
-def _plan(ir) -> _Plan:
+def plan(ir) -> Plan:
     row, col = ir.dims
 
     def norm(dims):
@@ -56,9 +56,9 @@ def _plan(ir) -> _Plan:
     table = {}                        # name -> dims of every symbol
     leaf_all = {}
     for n, dims in ir.inputs.items():
-        leaf_all[n] = _Leaf(n, norm(dims), "tok", f"L_{n}")
+        leaf_all[n] = Leaf(n, norm(dims), "tok", f"L_{n}")
     for n, dims in ir.params.items():
-        leaf_all[n] = _Leaf(n, norm(dims), "param", f"L_{n}")
+        leaf_all[n] = Leaf(n, norm(dims), "param", f"L_{n}")
     for lf in leaf_all.values():
         table[lf.name] = lf.dims
     node_all = {}
@@ -93,7 +93,7 @@ def _plan(ir) -> _Plan:
         triton_code(nd.expr, names)              # raises NotImplementedError if unprintable
         for s in nd.expr.free_symbols:
             triton_code(sympy.diff(nd.expr, s), names)
-    return _Plan(ir, leaves, nodes, slots, table)
+    return Plan(ir, leaves, nodes, slots, table)
 
 
 # ======================================================================================
@@ -113,7 +113,7 @@ class _Gen:
     """Prints the six kernels of one plan (``pad_k``: BK > K; ``ls`` unrolled steps per sub-chunk;
     ``fast_math``: exp as libdevice's ``fast_expf``, for GPU-compiled code, see triton_printer)."""
 
-    def __init__(self, plan: _Plan, pad_k: bool, ls: int, fast_math: bool):
+    def __init__(self, plan: Plan, pad_k: bool, ls: int, fast_math: bool):
         self.p = plan
         self.pad_k = pad_k
         self.ls = ls
@@ -345,14 +345,14 @@ class _Gen:
                 "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
                 '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group). PREFETCH: the token',
-                f'    leaves are loaded {_PF} steps before their step (needs L % {_PF} == 0), so a pass with few',
+                f'    leaves are loaded {PREFETCH_DEPTH} steps before their step (needs L % {PREFETCH_DEPTH} == 0), so a pass with few',
                 '    programs per SM (one group) does not wait on memory every step."""',
                 *self.prologue(i),
                 *self.param_loads(i, need),
                 f"{i}S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}c0 = i_g * CPG",
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
-                f"{i}if PREFETCH:   # {_PF}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {_PF}",
+                f"{i}if PREFETCH:   # {PREFETCH_DEPTH}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {PREFETCH_DEPTH}",
                 *self._prefetched_steps(i * 2, need),
                 f"{i}else:",
                 *self._chunk_head(i * 2),
@@ -372,22 +372,22 @@ class _Gen:
                 f"{ind}        tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)"]
 
     def _prefetched_steps(self, ind: str, need: set) -> list[str]:
-        """fwd_main's time loop with the token leaves loaded _PF steps ahead (variables suffixed by the
+        """fwd_main's time loop with the token leaves loaded PREFETCH_DEPTH steps ahead (variables suffixed by the
         set); loads past the end read step T-1 (clamped), and those steps are masked off."""
         i = " " * 4
         out = [f"{ind}t_last = T - 1"]
-        for j in range(_PF):
+        for j in range(PREFETCH_DEPTH):
             out += self.tok_loads(ind, f"tl.minimum(c0 * L + {j}, t_last)", need, None, f"_{j}", "tokp")
-        out += [*self._chunk_head(ind), f"{ind}{i}for tb in range(c * L, c * L + L, {_PF}):"]
+        out += [*self._chunk_head(ind), f"{ind}{i}for tb in range(c * L, c * L + L, {PREFETCH_DEPTH}):"]
         body = ind + i * 2
-        for j in range(_PF):
+        for j in range(PREFETCH_DEPTH):
             out += [f"{body}# step tb + {j}, from set {j}",
                     f"{body}vt = (tb + {j} < T) | EVEN_T",
                     self._tok_line(body, f"tb + {j}", "tok")]
             out += self.with_set(f"_{j}", lambda: [*self.node_lines(body, need), *self.update(body, "S", "S", "vt"),
                                                    f"{body}o = {self.readout('S')}"])
             out.append(f"{body}tl.store(y + tok * V + ov, o, mask=mv & vt)")
-            out += self.tok_loads(body, f"tl.minimum(tb + {j + _PF}, t_last)", need, None, f"_{j}", "tokp")
+            out += self.tok_loads(body, f"tl.minimum(tb + {j + PREFETCH_DEPTH}, t_last)", need, None, f"_{j}", "tokp")
         return out
 
     @staticmethod
@@ -694,7 +694,7 @@ class _Gen:
                 f"exp: {'libdevice.fast_expf (GPU)' if self.fast_math else 'tl.exp'}.", '"""']
         kernels = [self.fwd_summary(), self.fwd_propagate(), self.fwd_main(),
                    self.bwd_summary(), self.bwd_propagate(), self.bwd_main()]
-        parts = [f"# {header}", "# Generated by ssmcraft.kernels.diagonal_gen: edit the spec or the generator, not this file.",
+        parts = [f"# {header}", "# Generated by ssmcraft.ops.codegen.diagonal: edit the spec or the generator, not this file.",
                  *doc, "import triton", "import triton.language as tl",
                  *([LIBDEVICE_IMPORT] if self.fast_math else []), "", "", *_VSUM, "", *_HSUM, "",
                  f"LS = {self.ls}", f"GRAD_LEAVES = {self.grad_leaves!r}  # leaves whose gradient bwd_main writes", "", ""]
@@ -733,7 +733,7 @@ _HSUM = ['@triton.jit',
          '']
 
 
-def source(plan: _Plan, pad_k: bool, ls: int, fast_math: bool) -> str:
+def source(plan: Plan, pad_k: bool, ls: int, fast_math: bool) -> str:
     """The kernel module's text of ``plan`` (``pad_k``: BK > K; ``ls`` unrolled steps per sub-chunk;
     ``fast_math``: libdevice's exp, as the GPU compiles it; False: ``tl.exp``, as the interpreter runs it)."""
     header = f"spec: {plan.ir.spec_name}; IR {plan.hash}; fast_math={fast_math}"

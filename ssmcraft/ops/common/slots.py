@@ -1,7 +1,28 @@
-"""How the slots of a structured update come from one call's tensors, decided once per objective.
+"""The slots of a structured update (the glossary below), and how they come from one call's tensors,
+decided once per objective.
 
-The kernels of the structured families take their slots (``a, c, u, v, p, q, oq, oc, oh``; see
-``ssmcraft/compiler/ir.py``) in FLA's layout: ``[B, T, H, n]`` for a vector slot, ``[B, T, H]`` for a
+Slot glossary. A structured IR (``ssmcraft.compiler.ir``) names the coefficients that fill its
+class's recurrence; the kernels speak these names. With the state ``S [d, m]`` (``d`` rows =
+values, ``V``; ``m`` columns = keys, ``K``; the kernels keep FLA's transpose ``[K, V]``)::
+
+    S_t = a . S_{t-1}  -  c . (S_{t-1} u) v^T  +  p q^T        y_t = oc . (S_t oq) + oh
+
+=======  =========================================================================================
+``a``    the decay (transition's diagonal): a number, per head, over ``d``, ``m`` or ``(d, m)``
+``c``    the erase (rank-1) step size: per head or per row (``d``); DeltaNet's ``beta``
+``u``    the key the state is read with before erasing (``S_{t-1} u``: the prediction), over ``m``
+``v``    the key the erase writes along, over ``m`` (``u = v = k`` for the delta rule)
+``p``    the inserted value, over ``d`` (DeltaNet's ``beta x``, Longhorn's ``c x``)
+``q``    the insert key, over ``m``: ``B = p q^T`` is the input term
+``B``    the input term as a whole, where it does not factorise as ``p q^T`` (``[d, m]``)
+``oq``   the readout key (the query), over ``m``
+``oc``   the readout's row scale, over ``d`` (1 when absent)
+``oh``   the readout's additive term, over ``d`` (0 when absent)
+``u{l}`` ``v{r}`` ``c{r}{l}`` ``p{r}``: the ``rankr`` kind's several keys, row factors and inputs:
+         ``S_t = a . S_{t-1} - sum_{r,l} c_rl . (S_{t-1} u_l) v_r^T + sum_r p_r v_r^T``
+=======  =========================================================================================
+
+The kernels of the structured families take their slots in FLA's layout: ``[B, T, H, n]`` for a vector slot, ``[B, T, H]`` for a
 per-head one, or a number. Most library objectives' slots are plain inputs (DeltaNet's
 ``u = v = q = k``, ``c = beta``; GLA's ``a = alpha``, ``p = x``), so the fast path passes the
 caller's tensors straight to the kernel, in their own dtype: no copy, no cast, no PyTorch op. The
@@ -9,7 +30,7 @@ slots whose coefficients are expressions are computed together, in fp32, by one 
 chosen once per call signature (``computed_path``, in the families' ``prepare``) and named in the
 backend (``obj.backend``, e.g. ``triton:rank1-row+prologue``):
 
-- ``prologue``: one fused Triton kernel (``ssmcraft.kernels.prologue``) reads the leaves they
+- ``prologue``: one fused Triton kernel (``ssmcraft.ops.codegen.prologue``) reads the leaves they
   need (``Binding.needs``) in their own dtype and writes every computed slot; its backward kernel
   writes the leaves' gradients in their dtypes. The families run only on CUDA tensors or under
   ``TRITON_INTERPRET=1``, where it can run, so this is their path;
@@ -121,7 +142,7 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     families call it in ``prepare``, once per call signature, and tag their runner with its name."""
     if not any(b.kind == "computed" for b in binds.values()):
         return NO_COMPUTED
-    from ssmcraft.kernels import prologue
+    from ssmcraft.ops.codegen import prologue
     try:
         entry = prologue.module(obj.ir, binds)
     except NotImplementedError as e:
@@ -137,7 +158,7 @@ def slot_runner(obj, lay, run):
     ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
     ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``; its
     ``slots_path`` is the computed slots' path, which the backend name carries
-    (``ssmcraft.kernels.triton_backend``)."""
+    (``ssmcraft.runtime.select``)."""
     binds = bindings(obj.ir)
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
@@ -173,7 +194,7 @@ class CallSlots:
         """A param as given (declared shape or ``[heads, *shape]``), or its constant init."""
         t = self.params.get(name)
         if t is None:
-            from ssmcraft.kernels.reference import constant_param
+            from ssmcraft.ops.common.reference import constant_param
             t = constant_param(self.obj.spec.params[name], self._size(self.obj.ir.params[name]), self.device,
                                f"{self.obj.spec.name}: param {name!r}")
         return torch.as_tensor(t, device=self.device)
@@ -244,3 +265,29 @@ class CallSlots:
         if b.kind == "scaled":
             return self.leaf(b.scale), self.leaf(b.leaf)
         return None, self.get(slot)
+
+
+def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
+    """Every computed slot of ``objective`` (CompiledObjective or library name) from one call's
+    tensors, with the fused kernel (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
+
+    inputs: the spec's inputs, ``[B, T, H, d]`` / ``[B, T, H, m]`` / ``[B, T, H]`` (``[B, T, H, d, m]``
+      for a matrix input), fp32, bf16 or fp16; params: declared shape or ``[H, *shape]`` (missing
+      ones take their constant init).
+    Returns slot -> fp32 ``[B, T, H, d]`` / ``[B, T, H, m]`` / ``[B, T, H]`` / ``[B, T, H, d, m]``,
+    differentiable with respect to the inputs and params (gradients in their dtypes).
+    """
+    from ssmcraft.ops.codegen.prologue import module, run
+    obj = objective
+    if isinstance(objective, str):
+        from ssmcraft.compiler.api import derive
+        obj = derive(objective)
+    ir = obj.ir
+    d, m = ir.dims
+    sizes = {}
+    for n, dims in ir.inputs.items():
+        sizes.update(zip(dims, inputs[n].shape[3:]))
+    B, T, H = next(iter(inputs.values())).shape[:3]
+    binds = bindings(ir)
+    cs = CallSlots(obj, binds, inputs, params, B, T, H, sizes.get(d, 1), sizes.get(m, 1), NO_COMPUTED)
+    return run(module(ir, binds), cs)

@@ -76,9 +76,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tiles import chunk_rows, state_block, state_or_zero, value_block
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -672,7 +672,7 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
 
 
 # ----------------------------------------------------------------------------------------
-# family interface (ssmcraft.kernels.triton_backend)
+# family interface (ssmcraft.runtime.select)
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
@@ -732,7 +732,7 @@ def _tok(x, B, T, H, n, ref):
 
 
 def forward(obj, lay, co, output_final_state):
-    """Run the family on laid-out coefficients (see ssmcraft.kernels.reference.layout).
+    """Run the family on laid-out coefficients (see ssmcraft.ops.common.reference.layout).
 
     co: slot -> tensor [B|1, T|1, H|1, r, c] or number. Returns (y [B, T, H, d] in lay.dtype,
     S_T [B, H, d, m] fp32 or None); autograd reaches every slot tensor and lay.S0.
@@ -770,7 +770,7 @@ def prepare(obj, lay):
     are plain inputs go to the kernels as they are, in their own dtype; the decay ``a`` is passed
     as is and its log taken inside the kernels (``log_space=False``). GLA runs with no PyTorch op
     besides the kernels. Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import slot_runner
+    from ssmcraft.ops.common.slots import slot_runner
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)

@@ -52,9 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tiles import chunk_rows, state_block, state_or_zero, value_block
-from ssmcraft.kernels.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -773,7 +773,7 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 
 
 # ----------------------------------------------------------------------------------------
-# family interface (ssmcraft.kernels.triton_backend)
+# family interface (ssmcraft.runtime.select)
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
@@ -826,7 +826,7 @@ def _per_head(x, B, T, H, device, one_is_none=False):
 
 
 def forward(obj, lay, co, output_final_state):
-    """Run the family on laid-out coefficients (see ssmcraft.kernels.reference.layout).
+    """Run the family on laid-out coefficients (see ssmcraft.ops.common.reference.layout).
 
     co: slot -> tensor [B|1, T|1, H|1, r, c] or number. Returns (y [B, T, H, d] in lay.dtype,
     S_T [B, H, d, m] fp32 or None); autograd reaches every slot tensor and lay.S0.
@@ -872,7 +872,7 @@ def prepare(obj, lay):
     ``reference.validate``): slots that are plain inputs go to the kernel as they are, in their own
     dtype (DeltaNet: no PyTorch op besides the kernels); others are computed (``slots.CallSlots``).
     Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
-    from ssmcraft.kernels.slots import bindings, slot_runner
+    from ssmcraft.ops.common.slots import bindings, slot_runner
     binds = bindings(obj.ir)
     B, T, H = lay.B, lay.T, lay.H
     out_dtype = lay.out_dtype

@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmcraft.kernels.launch import launch
-from ssmcraft.kernels.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
 
@@ -849,7 +849,7 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
 
 
 # ----------------------------------------------------------------------------------------
-# family interface (ssmcraft.kernels.triton_backend)
+# family interface (ssmcraft.runtime.select)
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
@@ -940,7 +940,7 @@ def prepare(obj, lay):
     ``c = beta / (1 + beta k.k)``, ``p = c x``) are computed from only the leaves they need, in fp32
     (``slots.computed_path``: one fused prologue kernel).
     Returns ``fn(inputs, params, initial_state, output_final_state)``."""
-    from ssmcraft.kernels.slots import slot_runner
+    from ssmcraft.ops.common.slots import slot_runner
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state):

@@ -8,7 +8,7 @@ public state is FLA's ``[B, H, K, V]``)::
     s_t,i = a_i s_{t-1,i} - sum_{r,l} c_rl,i z_l,i v_r + B_i
     y_t,i = oc_i (s_t,i . oq) + oh_i
 
-Rows are independent, so the kernel is ``ssmcraft.kernels.general``'s fused sequential
+Rows are independent, so the kernel is ``ssmcraft.ops.general.recurrent``'s fused sequential
 generator run row-tiled: one program per (batch*head, block of ``BV`` rows), the state tile
 ``[BK, BV]`` in registers, a loop over time; the update is printed from the IR's slots in
 element form (``ssmcraft.compiler.structure.element_form``) with every coefficient (the
@@ -24,8 +24,8 @@ products, the same order as the rank-1 kernel.
 """
 from __future__ import annotations
 
-from ssmcraft.kernels import general
-from ssmcraft.kernels.tuning import INTERPRET, next_pow2
+from ssmcraft.ops.general import recurrent as general
+from ssmcraft.ops.common.tuning import INTERPRET, next_pow2
 
 BACKEND_NAME = "rankr-row"
 ROW_BLOCK: int | None = None      # rows per program; None: by rule (tests set it to tile rows)
