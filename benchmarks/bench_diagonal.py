@@ -93,7 +93,7 @@ def kernel_info(rep, out_dir, tag):
             layouts = [ln.split("=", 1)[1].strip()[:160] for ln in ttgir.splitlines() if ln.startswith("#blocked") or ln.startswith("#linear")]
             info["layouts"] = layouts[:4]
             rep.add(**info)
-            if out_dir and kname in ("fwd_main", "bwd_main") and ttgir:
+            if out_dir and kname in ("diagonal_fwd_main_kernel", "diagonal_bwd_main_kernel") and ttgir:
                 with open(os.path.join(out_dir, f"{tag}_{kname}.ttgir"), "w") as f:
                     f.write(ttgir)
         except Exception as e:   # introspection is best-effort

@@ -88,9 +88,9 @@ def main():
                 with torch.no_grad():
                     t_f = bench_ms(lambda: scan(obj, inputs, params, config=cfg))
                 t_fb = bench_ms(fwd_bwd)
-                k = D.LAUNCHED["bwd_main"]
+                k = D.LAUNCHED["diagonal_bwd_main_kernel"]
                 print(f"{name:14s} {vname:13s} fwd {t_f:.3f}  fwd+bwd {t_fb:.3f}  bwd {t_fb - t_f:.3f} ms  "
-                      f"bwd_main {k.n_regs} registers, {k.n_spills} spills", flush=True)
+                      f"diagonal_bwd_main_kernel {k.n_regs} registers, {k.n_spills} spills", flush=True)
                 if vname == "base":
                     for kname, us in sorted(profile_kernels(fwd_bwd).items(), key=lambda x: -x[1])[:10]:
                         print(f"    {kname[:48]:48s} {us:8.1f} us", flush=True)

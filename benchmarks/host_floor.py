@@ -126,7 +126,7 @@ def main():
         rows["deltanet obj() fwd"] = host_us(calls["eager"]["fwd"], n=30)
     both("deltanet obj() fwd+bwd", calls["eager"]["fwd_bwd"], n=30)
     rows["deltanet kernels: direct / through Triton"] = {
-        k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}
+        k: L.stats(getattr(R, k)) for k in ("rank1_chunk_prep_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_state_kernel", "rank1_chunk_bwd_grad_kernel")}
     from triton import knobs
     rows["triton launch hooks installed"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     for k, v in rows.items():

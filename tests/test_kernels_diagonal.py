@@ -145,7 +145,7 @@ def test_generated_source_is_readable():
 
     plan = G.plan(obj.ir)
     src = G._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
-    for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
+    for kernel in ("diagonal_fwd_summary_kernel", "diagonal_fwd_propagate_kernel", "diagonal_fwd_main_kernel", "diagonal_bwd_summary_kernel", "diagonal_bwd_propagate_kernel", "diagonal_bwd_main_kernel"):
         assert f"def {kernel}(" in src
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
     assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves
@@ -153,12 +153,12 @@ def test_generated_source_is_readable():
 
 
 def test_every_step_load_of_the_backward_carries_its_time_mask():
-    """bwd_main's refill and sub-chunk steps past T must not read: the interpreter does not see an
+    """diagonal_bwd_main_kernel's refill and sub-chunk steps past T must not read: the interpreter does not see an
     out-of-bounds load, and the kernels' results do not depend on what such a step reads (its state
     only starts sub-chunks wholly past T, whose every store is masked), so this is checked on the source."""
     for name in ("longhorn_diag", "mamba"):
         src = D.generated_source(ssmcraft.compile(name).ir)
-        body = src[src.index("def bwd_main("):]
+        body = src[src.index("def diagonal_bwd_main_kernel("):]
         loads = [ln for ln in body.splitlines() if "tl.load(" in ln and re.search(r"\br?tok\d\b", ln)]
         assert any("rtok0" in ln for ln in loads) and any("tok0" in ln and "rtok0" not in ln for ln in loads)
         for ln in loads:
@@ -332,7 +332,7 @@ def test_each_backward_steps_stores_come_after_the_next_steps_loads():
     # the lag of BENCHMARKS.md "Diagonal, run 4" (7-13% of the backward): the compiler keeps a load
     # after an earlier store, so a step's stores printed before the next step's loads would stall them
     src = D.generated_source(ssmcraft.compile("mamba").ir, 16, fast_math=True)
-    bwd = src[src.index("def bwd_main"):]
+    bwd = src[src.index("def diagonal_bwd_main_kernel"):]
     for k in range(D._ls_for(16) - 1, 0, -1):
         store = bwd.index(f"tl.store(g_x + tok{k} ")
         assert bwd.index(f"dyt = tl.load(dy + tok{k - 1} ") < store < bwd.index(f"gl_x_{k - 1} = "), k

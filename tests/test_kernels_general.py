@@ -44,8 +44,8 @@ def test_supports_and_source():
     assert _compile(COL_DELTA).ir.kind == "general" and G.supports(_compile(COL_DELTA).ir) is None
     assert "general/nonlinear" in G.supports(_compile("longhorn").ir)
     step, mod, source = G._module(obj.ir)
-    assert "spec: cauchy_delta" in source and "def fwd_kernel" in source and "def bwd_kernel" in source
-    assert hasattr(mod, "fwd_kernel") and hasattr(mod, "bwd_kernel")
+    assert "spec: cauchy_delta" in source and "def general_fwd_kernel" in source and "def general_bwd_kernel" in source
+    assert hasattr(mod, "general_fwd_kernel") and hasattr(mod, "general_bwd_kernel")
 
 
 def test_printer_keeps_denominators():

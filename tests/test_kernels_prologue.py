@@ -110,7 +110,7 @@ def test_generated_source_is_readable_and_cached():
     pro, mod, source = P.module(obj.ir, bindings(obj.ir))
     assert P.module(obj.ir, bindings(obj.ir))[1] is mod
     assert [s for s, _, _ in pro.slots] == ["c", "p"] and [lf.name for lf in pro.leaves] == ["x", "k", "beta"]
-    assert "spec: longhorn" in source and "def fwd_kernel(" in source and "def bwd_kernel(" in source
+    assert "spec: longhorn" in source and "def prologue_fwd_kernel(" in source and "def prologue_bwd_kernel(" in source
     assert "c ['d'] = beta/(_r0*beta + 1)" in source
 
 

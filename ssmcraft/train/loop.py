@@ -5,10 +5,10 @@ global-norm gradient clipping, bf16 autocast on CUDA, a token budget and an opti
 wall-clock limit, periodic validation on a fixed validation set (``train.val_seed``, the
 same for every run seed, so runs compare on the same data).
 
-Kept off the host's critical path (issue 13), so that small runs keep a GPU busy:
+Kept off the host's critical path, so that small runs keep a GPU busy:
 
 - batches are built on the training device from a generator seeded per run
-  (``train.data_on_device``; false: built on the host and copied, the issue-5 behaviour);
+  (``train.data_on_device``; false: built on the host and copied);
   the validation batches are built on the host from ``val_seed`` (the same on every
   device) and moved once;
 - loss and gradient norm stay on the device and are read back every ``train.log_every``
@@ -23,9 +23,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   reads back once;
 - ``train.autograd_threads: false`` runs the backward on the training thread
   (``torch.autograd.set_multithreading_enabled(False)`` around each step's backward) instead of
-  handing it to the autograd engine's device thread (PyTorch's default, kept: one pass on one lent
-  H200 moved the eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training
-  throughput (issue 12, item 3)").
+  handing it to the autograd engine's device thread (PyTorch's default, kept: measurements moved
+  the eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training throughput").
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 
@@ -171,14 +170,14 @@ def train_run(config: Mapping[str, Any], out_dir: str | Path, progress: bool = F
         torch.set_num_threads(threads)
 
 
-def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) -> dict[str, Any]:
-    t_start = time.perf_counter()
+def _setup(cfg: dict[str, Any], out: Path, source: str):
+    """The run's device, precision, task and model (seeded), with ``config.json`` written to ``out``
+    and an earlier run's results there removed: (device, precision, task, model, n_params)."""
     tc = cfg["train"]
     if tc["threads"]:
         torch.set_num_threads(int(tc["threads"]))
     device = pick_device(tc["device"])
     precision = pick_precision(tc["precision"], device)
-    amp = lambda: autocast(device, precision)  # noqa: E731
     task = build_task(cfg["task"], source)
     if cfg["model"]["vocab_size"] is None:
         cfg["model"]["vocab_size"] = task.vocab_size
@@ -198,6 +197,14 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
     n_params = sum(p.numel() for p in model.parameters())
     log.info("run %s: %s, %d params, device %s, precision %s", cfg["name"], model.mixers[0].describe().get(
         "objective", "attention"), n_params, device, precision)
+    return device, precision, task, model, n_params
+
+
+def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    tc = cfg["train"]
+    device, precision, task, model, n_params = _setup(cfg, out, source)
+    amp = lambda: autocast(device, precision)  # noqa: E731
 
     steps = max(1, tc["tokens"] // (tc["batch_size"] * task.seq_len))
     warm = warmup_steps(tc["warmup"], steps)

@@ -302,7 +302,7 @@ class _Gen:
         need = self.need_for(("a", "p", "q", "B"))
         i = " " * 4
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-               f"def fwd_summary({self.leaf_args()}, A_out, S_out, T, H, K, V, NC, NG, CPG, L,",
+               f"def diagonal_fwd_summary_kernel({self.leaf_args()}, A_out, S_out, T, H, K, V, NC, NG, CPG, L,",
                "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
                '    """Per group g < NG-1: A_g = prod_t a_t and S_g = the group\'s end state from a zero start."""',
                *self.prologue(i),
@@ -323,7 +323,7 @@ class _Gen:
     @staticmethod
     def fwd_propagate() -> list[str]:
         return ['@triton.jit(do_not_specialize=["NG"])',
-                "def fwd_propagate(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
                 "                  HAS_H0: tl.constexpr):",
                 '    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""',
                 *_PROPAGATE_HEAD,
@@ -340,7 +340,7 @@ class _Gen:
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
         i = " " * 4
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def fwd_main({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
+                f"def diagonal_fwd_main_kernel({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
                 "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
                 "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
@@ -366,13 +366,13 @@ class _Gen:
 
     @staticmethod
     def _chunk_head(ind: str) -> list[str]:
-        """fwd_main's loop over its group's chunks, storing each chunk's start state when SAVE."""
+        """diagonal_fwd_main_kernel's loop over its group's chunks, storing each chunk's start state when SAVE."""
         return [f"{ind}for c in range(c0, c1):",
                 f"{ind}    if SAVE:",
                 f"{ind}        tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)"]
 
     def _prefetched_steps(self, ind: str, need: set) -> list[str]:
-        """fwd_main's time loop with the token leaves loaded PREFETCH_DEPTH steps ahead (variables suffixed by the
+        """diagonal_fwd_main_kernel's time loop with the token leaves loaded PREFETCH_DEPTH steps ahead (variables suffixed by the
         set); loads past the end read step T-1 (clamped), and those steps are masked off."""
         i = " " * 4
         out = [f"{ind}t_last = T - 1"]
@@ -404,7 +404,7 @@ class _Gen:
         i = " " * 4
         a = self.slot("a")
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def bwd_summary({self.leaf_args()}, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,",
+                f"def diagonal_bwd_summary_kernel({self.leaf_args()}, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,",
                 "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
                 '    """Per group g >= 1: A_g = prod_t a_t and E_g = a_s . dS_s at its first step s from a zero',
                 '    adjoint carried in at its end."""',
@@ -429,7 +429,7 @@ class _Gen:
     @staticmethod
     def bwd_propagate() -> list[str]:
         return ['@triton.jit(do_not_specialize=["NG"])',
-                "def bwd_propagate(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
                 "                  HAS_DHT: tl.constexpr):",
                 '    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""',
                 *_PROPAGATE_HEAD,
@@ -483,14 +483,7 @@ class _Gen:
         a = self.slot("a")
         out.append(f"{ind}E = tl.where({tv}, {a} * dS, E)" if p.slots["a"] != 1 else f"{ind}E = tl.where({tv}, dS, E)")
 
-        combine = self._combine
-
-        def materialise(term):
-            code, act, lg, P = term
-            if not P:
-                return term
-            code, act = self.reduce(code, act, lg, lg - P)
-            return code, act, lg - P, frozenset()
+        combine, materialise = self._combine, self._materialise
 
         # reverse mode through the coefficient graph
         for nd in reversed(list(p.nodes.values())):
@@ -520,6 +513,23 @@ class _Gen:
                     P = P | ((lg - P) - self.dims(name))
                     adj.setdefault(name, []).append((code, act, lg, P))
         self.grad_leaves = [lf.name for lf in p.leaves.values() if adj.get(lf.name)]
+        stores = self._leaf_gradients(ind, k, adj, out)
+        return loads, out, stores
+
+    def _materialise(self, term):
+        """An adjoint term with its pending dims summed out."""
+        code, act, lg, P = term
+        if not P:
+            return term
+        code, act = self.reduce(code, act, lg, lg - P)
+        return code, act, lg - P, frozenset()
+
+    def _leaf_gradients(self, ind: str, k: int, adj: dict, out: list) -> list[str]:
+        """Each leaf's gradient at step ``k`` from its adjoint terms: a param's accumulated (lines
+        appended to ``out``), a token leaf's computed into ``gl_<leaf>_<k>`` (``out``) and stored by
+        the returned lines."""
+        p, combine, materialise = self.p, self._combine, self._materialise
+        tv, tok = f"v{k}", f"tok{k}"
         stores = []
         for lf in p.leaves.values():
             terms = adj.get(lf.name)
@@ -554,7 +564,7 @@ class _Gen:
                        f"{ind}    tl.store(g_{lf.name} + {hbase}, {val}, mask=hmask & {tv})",
                        f"{ind}else:",
                        f"{ind}    {store}"]
-        return loads, out, stores
+        return stores
 
     @staticmethod
     def _combine(terms):
@@ -584,7 +594,7 @@ class _Gen:
         i = " " * 4
         ls = self.ls
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])',
-               f"def bwd_main({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
+               f"def diagonal_bwd_main_kernel({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
                "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
                "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
                "             EVEN_T: tl.constexpr):",
@@ -636,14 +646,13 @@ class _Gen:
         return out
 
     def _refill(self, ind: str) -> list[str]:
-        """bwd_main's forward pass over a chunk from its checkpoint ``s0``: the start state of each
+        """diagonal_bwd_main_kernel's forward pass over a chunk from its checkpoint ``s0``: the start state of each
         sub-chunk stored in the scratch, the steps of all but the last sub-chunk taken ``LS`` at a time,
-        unrolled, so that their loads are issued together. bwd_main holds about 255 registers, so 8
-        warps per SM, too few to hide a load per step: a loop of single steps waited on each step's
-        loads in turn. Unrolled, the backward of Longhorn diagonal and the Mamba objective took 12%
-        and 11% less time on H200 (BENCHMARKS.md, "Diagonal, run 6"). The same unrolling measured
-        slower in the summaries and fwd_main, which hold far fewer registers (fwd_main 64) and so
-        run enough warps to hide those loads."""
+        unrolled, so that their loads are issued together. The backward main kernel holds about 255
+        registers, so 8 warps per SM, too few to hide a load per step: a loop of single steps waits
+        on each step's loads in turn; unrolled, the backward is faster (BENCHMARKS.md, "Diagonal").
+        The same unrolling is slower in the summaries and the forward main kernel, which hold far
+        fewer registers and so run enough warps to hide those loads."""
         ls = self.ls
         out = [f"{ind}for j in range(0, NSUB - 1):",
                f"{ind}    tl.store(scr + j * (BK * BV) + sc, s0)"]
@@ -662,11 +671,11 @@ class _Gen:
                 *self.update(ind, s_in, s_out, tmask=v)]
 
     def _subchunk(self, ind: str) -> list[str]:
-        """bwd_main's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
+        """diagonal_bwd_main_kernel's sub-chunk ``j``: its ``LS`` states recomputed into registers from the scratch's
         start state, then the adjoint stepped back through them. Each step's stores are printed after
         the next step's loads: the compiler keeps a load after an earlier store (the pointers may
-        alias), so stores printed right after their step made every step's loads wait behind them
-        (7-13% slower on H200, BENCHMARKS.md "Diagonal, run 4"), and the lag also lets the adjoint
+        alias), so stores printed right after their step make every step's loads wait behind them
+        (slower: BENCHMARKS.md, "Diagonal"), and the lag also lets the adjoint
         share the last steps' loads and exps with the recompute."""
         ls = self.ls
         out = [f"{ind}s0 = tl.load(scr + j * (BK * BV) + sc)",
@@ -697,7 +706,7 @@ class _Gen:
         parts = [f"# {header}", "# Generated by ssmcraft.ops.codegen.diagonal: edit the spec or the generator, not this file.",
                  *doc, "import triton", "import triton.language as tl",
                  *([LIBDEVICE_IMPORT] if self.fast_math else []), "", "", *_VSUM, "", *_HSUM, "",
-                 f"LS = {self.ls}", f"GRAD_LEAVES = {self.grad_leaves!r}  # leaves whose gradient bwd_main writes", "", ""]
+                 f"LS = {self.ls}", f"GRAD_LEAVES = {self.grad_leaves!r}  # leaves whose gradient diagonal_bwd_main_kernel writes", "", ""]
         for k in kernels:
             parts += k + ["", ""]
         return "\n".join(parts)

@@ -289,43 +289,40 @@ def _leaf_store(name, ldims, step, value, indent) -> list[str]:
     return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
 
 
-def kernel_source(ir, step: Step, header: str) -> str:
-    """The Triton source (forward and backward kernels) of one general/nonlinear update."""
-    pr = TilePrinter(step)
-    leaf_ptrs = ", ".join(f"P_{n}" for n, _, _ in step.leaves)
-    grad_ptrs = ", ".join(f"D_{n}" for n, _, _ in step.leaves)
-    I1, I2 = " " * 8, " " * 12
-    preamble = [
-        "    i_bh = tl.program_id(0)",
-        "    i_v = tl.program_id(1)",
-        "    b = i_bh // H",
-        "    h = i_bh % H",
-        "    offs_v = i_v * BV + tl.arange(0, BV)",
-        "    offs_k = tl.arange(0, BK)",
-        "    mask_v = offs_v < V",
-        "    mask_k = offs_k < K",
-        "    MASK = mask_k[:, None] & mask_v[None, :]",
-        "    tile = offs_k[:, None] * V + offs_v[None, :]",
-        "    V_f = V * 1.0",
-        "    K_f = K * 1.0",
-        "    ZR = tl.zeros([1, BV], dtype=tl.float32)",
-        "    ZC = tl.zeros([BK, 1], dtype=tl.float32)",
-        "    Z2 = tl.zeros([BK, BV], dtype=tl.float32)",
-        "    Z11 = tl.zeros([1, 1], dtype=tl.float32)",
-    ]
-    ns, sfx = step.n_states, _suffixes(step)
-    states = list(zip(range(ns), sfx))
-    F_codes = [pr.expr(F) for F in step.Fs]
+_I1, _I2 = " " * 8, " " * 12
+_PREAMBLE = [
+    "    i_bh = tl.program_id(0)",
+    "    i_v = tl.program_id(1)",
+    "    b = i_bh // H",
+    "    h = i_bh % H",
+    "    offs_v = i_v * BV + tl.arange(0, BV)",
+    "    offs_k = tl.arange(0, BK)",
+    "    mask_v = offs_v < V",
+    "    mask_k = offs_k < K",
+    "    MASK = mask_k[:, None] & mask_v[None, :]",
+    "    tile = offs_k[:, None] * V + offs_v[None, :]",
+    "    V_f = V * 1.0",
+    "    K_f = K * 1.0",
+    "    ZR = tl.zeros([1, BV], dtype=tl.float32)",
+    "    ZC = tl.zeros([BK, 1], dtype=tl.float32)",
+    "    Z2 = tl.zeros([BK, BV], dtype=tl.float32)",
+    "    Z11 = tl.zeros([1, 1], dtype=tl.float32)",
+]
+
+
+def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F_codes: list) -> list[str]:
+    """The forward kernel's lines: the state tile in registers, stepped through T."""
+    ns, I1, I2 = step.n_states, _I1, _I2
     fwd_red_F = pr.reductions(step.Fs, I2)
     pr_ro = pr.reductions([step.readout], I2)
-    fwd = [
+    return [
         "@triton.jit",
-        f"def fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
+        f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):",
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers."""',
-        *preamble,
+        *_PREAMBLE,
         *[f"    sp{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_S0:",
         *[f"        sp{x} += tl.load(S0 + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
@@ -349,6 +346,12 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "    if STORE_ST:",
         *[f"        tl.store(ST + {_sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
     ]
+
+
+def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str, states: list,
+                     F_codes: list) -> list[str]:
+    """The backward kernel's lines: per chunk in reverse, recompute the states, then step the adjoint back."""
+    ns, I2 = step.n_states, _I2
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
     rec_red = pr.reductions(step.Fs, I2)
@@ -373,13 +376,13 @@ def kernel_source(ir, step: Step, header: str) -> str:
                      *(f"            sp{x} = st{x}" for _, x in states)]
         adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
                         *(f"            g{x} = gn{x}" for _, x in states)]
-    bwd = [
+    return [
         "@triton.jit",
-        f"def bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
+        f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):",
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
-        *preamble,
+        *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_DHT:",
         *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
@@ -420,6 +423,17 @@ def kernel_source(ir, step: Step, header: str) -> str:
         "    if STORE_DS0:",
         *[f"        tl.store(DS0 + {_sbase(i, ns)} * K * V + tile, g{x}, mask=MASK)" for i, x in states],
     ]
+
+
+def kernel_source(ir, step: Step, header: str) -> str:
+    """The Triton source (forward and backward kernels) of one general/nonlinear update."""
+    pr = TilePrinter(step)
+    leaf_ptrs = ", ".join(f"P_{n}" for n, _, _ in step.leaves)
+    grad_ptrs = ", ".join(f"D_{n}" for n, _, _ in step.leaves)
+    states = list(zip(range(step.n_states), _suffixes(step)))
+    F_codes = [pr.expr(F) for F in step.Fs]
+    fwd = _forward_kernel(step, pr, leaf_ptrs, states, F_codes)
+    bwd = _backward_kernel(step, pr, leaf_ptrs, grad_ptrs, states, F_codes)
     doc = "\n".join(["# " + header, "# Generated by ssmcraft (ssmcraft/ops/codegen/general.py): edit the spec, not this file.",
                      f'"""Fused sequential kernels of {ir.spec_name!r} ({ir.kind}).', "",
                      *(f"    {S.name}_t[i,j] = {sympy.sstr(F)}" for S, F in zip(step.Ss, step.Fs)),

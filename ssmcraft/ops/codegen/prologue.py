@@ -194,7 +194,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
     pr = _Printer(pro)
     fwd = _with_preamble([
         "@triton.jit",
-        f"def fwd_kernel({leaf_ptrs}{slot_ptrs}{sizes}{consts}):",
+        f"def prologue_fwd_kernel({leaf_ptrs}{slot_ptrs}{sizes}{consts}):",
         '    """One program per block of R (b, t, h) rows: every computed slot, fp32."""'], [
         *_loads(pro),
         *pr.reductions([e for _, _, e in pro.slots], "    "),
@@ -206,7 +206,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
     gin = "".join(f"GO_{s}, " for s, _, _ in pro.slots)
     bwd = _with_preamble([
         "@triton.jit",
-        f"def bwd_kernel({leaf_ptrs}{gin}{grad_ptrs}{sizes}{consts}):",
+        f"def prologue_bwd_kernel({leaf_ptrs}{gin}{grad_ptrs}{sizes}{consts}):",
         '    """The same rows: d(sum_s sum G_s s)/d leaf, in the leaf\'s dtype (a param\'s per row, fp32)."""'], [
         *_loads(pro),
         *[f"    g_{s} = tl.load({_row_ptr(f'GO_{s}', _key(dims, dm))}, mask={_MASK[_key(dims, dm)]}, "
@@ -284,7 +284,7 @@ class _PrologueFunction(torch.autograd.Function):
         outs = [_new((B, T, H, *_size(dims, pro, V, K)), dev) for _, dims, _ in pro.slots]
         strides = [_head_stride(lf, t, pro, V, K) for lf, t in zip(pro.leaves, leaves) if lf.param]
         if N > 0:
-            launch(mod.fwd_kernel, (cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
+            launch(mod.prologue_fwd_kernel, (cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
                    num_warps=warps)
         ctx.save_for_backward(*leaves)
         ctx.entry, ctx.shape, ctx.dev, ctx.tiles, ctx.strides = entry, shape, dev, (R, BV, BK, warps), strides
@@ -301,7 +301,7 @@ class _PrologueFunction(torch.autograd.Function):
                  for lf, t in zip(pro.leaves, leaves)]
         gouts = [g.contiguous() for g in gouts]
         if N > 0:
-            launch(mod.bwd_kernel, (cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,
+            launch(mod.prologue_bwd_kernel, (cdiv(N, R),), *leaves, *gouts, *grads, N, H, V, K, *strides, R=R,
                    BV=BV, BK=BK, num_warps=warps)
         out = []
         for lf, t, g in zip(pro.leaves, leaves, grads):

@@ -1,9 +1,9 @@
 """Direct launches of compiled Triton kernels: a kernel call's host side in a few microseconds.
 
-``kernel[grid](*args, **kw)`` costs 20-60 us of Python per launch in Triton 3.6 (binding the
+``kernel[grid](*args, **kw)`` spends tens of microseconds of Python per launch (binding the
 arguments, computing the specialisation key, looking the kernel up; the autotuner's bookkeeping
 on top), and a forward+backward of the chunked families launches 6-12 kernels: host time that
-exceeds the GPU time of the kernels at training shapes (BENCHMARKS.md, "Public path (issue 12)").
+can exceed the GPU time of the kernels at training shapes (BENCHMARKS.md, "Public path").
 
 ``launch(kernel, grid, *args, **kw)`` does the first launch of each *launch key* through Triton
 (compiling, autotuning, caching as usual) and keeps the compiled kernel that ran; a later call
@@ -41,7 +41,7 @@ def _through_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SSMCRAFT_DIRECT_LAUNCH") == "0"
 
 
-_THROUGH_TRITON = _through_triton()     # read once at import (an environment lookup per launch cost 3 us)
+_THROUGH_TRITON = _through_triton()     # read once at import: no environment lookup on the launch path
 
 
 def _hooked() -> bool:
@@ -63,8 +63,7 @@ def launch_key(device, args: tuple, kw: dict) -> tuple:
     """The launch key of one call (the module docstring): the device, then per positional argument
     ``(dtype, 16-byte aligned)`` for a tensor and ``(type, value)`` for anything else, then per keyword
     argument the same with its name first. Built in one pass without a call per argument: this is
-    on every launch's path (4.4 us for 30 arguments on the dev box, against 7.4 us with a function
-    call and a tuple per argument)."""
+    on every launch's path."""
     return (device,
             *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else (type(a), a) for a in args],
             *[(n, v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor) else (n, type(v), v)

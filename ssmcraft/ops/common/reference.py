@@ -1,7 +1,7 @@
 """The PyTorch runtime of a generated reference module: layouts, the per-step loop, a
 vectorised CPU path and the state-space tools that evaluation needs.
 
-Shapes (DESIGN.md, "The Python API"): inputs ``[B, T, H, n]`` (``[B, T, H]`` for a
+Shapes (docs/design.md, "The Python API"): inputs ``[B, T, H, n]`` (``[B, T, H]`` for a
 per-head scalar), params of their declared shape or ``[H, *shape]``, state
 ``[B, H, d, m]``, output ``[B, T, H, d]``. Internally every tensor is laid out as
 ``[B, T, H, r, c]`` with ``r = d or 1`` and ``c = m or 1`` so that generated element
@@ -285,8 +285,7 @@ def vectorised(module, ir, lay: Layout):
 
     For the decay classes on a GPU the recurrence is a chunked parallel scan; on a CPU (and
     for the other classes) it is a loop over the precomputed coefficients, because the scan
-    does O(T log T) work and a CPU has no parallelism to spend it on (16x slower than the
-    loop for GLA at B=64, T=32, d=256, m=16, fwd+bwd, measured 2026-11-22).
+    does O(T log T) work and a CPU has no parallelism to spend it on.
 
     Returns (y [B, T, H, d], S_T [B, H, d, m]).
     """

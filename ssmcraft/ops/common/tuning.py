@@ -27,10 +27,10 @@ def warp_rule(configs, nargs=None, **kw):
     """``early_config_prune``: the configs the autotuner may compile and time at these constexprs.
 
     With 8 warps (two warpgroups splitting the N dimension of each tensor-core product), Triton 3.6
-    on an H200 miscompiled products whose N is a key block of 16 (compute-sanitizer: "Invalid
+    on Hopper (sm_90) miscompiles products whose N is a key block of 16 (compute-sanitizer: "Invalid
     __shared__ read of size 1024 bytes", then an illegal memory access; BENCHMARKS.md, "Key-decay
-    chunked", run 3), so 8 warps are kept only where the key block ``BK`` (a config's or the
-    launch's) is >= 64. Key-block configs larger than the padded K repeat it and are dropped."""
+    chunked"), so 8 warps are kept only where the key block ``BK`` (a config's or the launch's) is
+    >= 64. Key-block configs larger than the padded K repeat it and are dropped."""
     bk = kw.get("BK")
     kpad = pow2(kw["K"]) if "K" in kw else None
     out = []
@@ -46,8 +46,8 @@ def warp_rule(configs, nargs=None, **kw):
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for the host side. ``triton.cdiv`` and ``triton.next_power_of_2`` are
-    ``constexpr_function`` objects in Triton 3.6 whose host call costs about 2 us (unwrapping
-    every argument), and the wrappers call them several times per kernel call."""
+    ``constexpr_function`` objects in Triton 3.6 whose host call unwraps every argument, and the
+    wrappers call them several times per kernel call."""
     return -(-int(a) // int(b))
 
 

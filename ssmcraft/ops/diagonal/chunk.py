@@ -19,14 +19,14 @@ Time is split into chunks of ``L = LS * NSUB`` steps and chunks into ``NG`` grou
 grid is ``(value blocks, batch * heads, groups)``:
 
 forward
-  1. ``fwd_summary``  per group: decay product ``A_g`` and local end state ``S_g`` (zero start);
-  2. ``fwd_propagate`` sequential over groups (cheap): group start states;
-  3. ``fwd_main``     per group: recompute from the carried-in state, write ``y`` (and, when a
+  1. ``diagonal_fwd_summary_kernel``  per group: decay product ``A_g`` and local end state ``S_g`` (zero start);
+  2. ``diagonal_fwd_propagate_kernel`` sequential over groups (cheap): group start states;
+  3. ``diagonal_fwd_main_kernel``     per group: recompute from the carried-in state, write ``y`` (and, when a
      backward follows, the chunk-start states ``[B*H, NC, K, V]``; the final state).
 backward (the adjoint ``dS_{t-1} = a_t . dS_t + oq_{t-1} (oc_{t-1} dy_{t-1})^T`` runs in reverse)
-  1. ``bwd_summary``  per group: decay product and local adjoint carry-out (zero carry-in);
-  2. ``bwd_propagate`` sequential over groups, from ``dS_T = dht``;
-  3. ``bwd_main``     per group, chunks in reverse: from the stored chunk-start state a forward
+  1. ``diagonal_bwd_summary_kernel``  per group: decay product and local adjoint carry-out (zero carry-in);
+  2. ``diagonal_bwd_propagate_kernel`` sequential over groups, from ``dS_T = dht``;
+  3. ``diagonal_bwd_main_kernel``     per group, chunks in reverse: from the stored chunk-start state a forward
      pass over the chunk keeps each sub-chunk's start state in a per-program scratch (L2-resident);
      then, sub-chunks in reverse, the ``LS`` states of one are recomputed into registers (unrolled)
      and the adjoint stepped back through them, writing the gradients of every leaf (value-indexed
@@ -130,7 +130,7 @@ class Config:
     NSUB: int = 4  # sub-chunks per checkpointed chunk (L = LS * NSUB)
     DOTRED: bool = False  # backward: value-axis sums of tiles on tensor cores
     HSUM: bool = False    # backward: key-gradient value-axis sums by recursive halving (_hsum; BK <= BV)
-    PREFETCH: bool = False  # forward: token leaves loaded PREFETCH_DEPTH steps ahead (fwd_main; L % PREFETCH_DEPTH == 0)
+    PREFETCH: bool = False  # forward: token leaves loaded PREFETCH_DEPTH steps ahead (diagonal_fwd_main_kernel; L % PREFETCH_DEPTH == 0)
 
 
 def _hsum_ok(BK: int, BV: int) -> bool:
@@ -139,7 +139,7 @@ def _hsum_ok(BK: int, BV: int) -> bool:
 
 
 def _prefetch_ok(L: int) -> bool:
-    """Whether fwd_main's register prefetch (Config.PREFETCH) can run: whole prefetch sets per chunk."""
+    """Whether diagonal_fwd_main_kernel's register prefetch (Config.PREFETCH) can run: whole prefetch sets per chunk."""
     return L % PREFETCH_DEPTH == 0
 
 
@@ -209,17 +209,17 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gS = torch.empty_like(gA)
-        _launch(mod, "fwd_summary", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw,
+        _launch(mod, "diagonal_fwd_summary_kernel", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw,
                 **_pick_flags(f, "EVEN_V"))
         h_start = torch.empty_like(gA)
-        _launch(mod, "fwd_propagate", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
+        _launch(mod, "diagonal_fwd_propagate_kernel", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
                                        HAS_H0=h0 is not None, **kw)
     else:
         h_start = h0 if h0 is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
     y = _alloc((B, T, H, V), out_dtype, dev)
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
     ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
-    _launch(mod, "fwd_main", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
+    _launch(mod, "diagonal_fwd_main_kernel", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
                                   SAVE=save, STORE_FINAL=want_final, **kw, **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
     return y, (ht if want_final else None), (ckpt if save else None)
 
@@ -232,10 +232,10 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     if NG > 1:
         gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
         gE = torch.empty_like(gA)
-        _launch(mod, "bwd_summary", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw,
+        _launch(mod, "diagonal_bwd_summary_kernel", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw,
                 **_pick_flags(f, "EVEN_V"))
         e_end = torch.empty_like(gA)
-        _launch(mod, "bwd_propagate", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
+        _launch(mod, "diagonal_bwd_propagate_kernel", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
                                        HAS_DHT=dht is not None, **kw)
     else:
         e_end = dht if dht is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
@@ -260,7 +260,7 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
         gargs.append(raw.get(lf.name, scratch))
     dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
     scratch = torch.empty(NV * B * H * NG * cfg.NSUB * kw["BK"] * cfg.BV, dtype=torch.float32, device=dev)
-    _launch(mod, "bwd_main", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
+    _launch(mod, "diagonal_bwd_main_kernel", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
                                   NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
                                   **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
@@ -306,7 +306,7 @@ def _nsub(K: int) -> int:
 
 def _rule_config(K: int, V: int, B: int, H: int, T: int) -> Config:
     """The interpreter's configuration (large tiles, one group), and the GPU's default: 32-wide value
-    blocks, warps along V, about 24 programs per SM (the measured best on H200, BENCHMARKS.md)."""
+    blocks, warps along V, about 24 programs per SM (the best in BENCHMARKS.md, "Diagonal")."""
     BK = next_pow2(K)
     if INTERPRET:
         BV = min(next_pow2(V), 64)
@@ -326,9 +326,9 @@ def _parallel_groups(B, H, V, BV, T, ls, nsub, target=132 * 12):
 
 def _fwd_candidates(K, V, B, H, T):
     """Forward: 32-wide value blocks (warps along V) with 1x, 2x, 4x the rule's time groups, and
-    64-wide blocks; each with and without the register prefetch. Measured on H200 (BENCHMARKS.md):
-    32-wide with ~24 programs per SM won; 64 and 128 columns per warp issue fewer instructions but
-    lose on latency, and one- or two-group passes (no summary sweep) took 1.8-2x the best."""
+    64-wide blocks; each with and without the register prefetch. In BENCHMARKS.md ("Diagonal"),
+    32-wide with ~24 programs per SM wins; 64 and 128 columns per warp issue fewer instructions but
+    lose on latency, and one- or two-group passes (no summary sweep) are slower."""
     BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = cdiv(T, ls * nsub)
@@ -345,9 +345,8 @@ def _fwd_candidates(K, V, B, H, T):
 
 def _bwd_candidates(K, V, B, H, T):
     """Backward: 32- and 64-wide value blocks, 1x and 2x the rule's time groups. The key gradients'
-    value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum measured 20-39%
-    slower in every configuration on H200, and sums on tensor cores (Config.DOTRED) 1.6-2.2x slower
-    (BENCHMARKS.md, "Diagonal")."""
+    value-axis sums go by recursive halving where BK <= BV (Config.HSUM): tl.sum and sums on tensor
+    cores (Config.DOTRED) are slower in every configuration (BENCHMARKS.md, "Diagonal")."""
     BK = next_pow2(K)
     ls, nsub = _ls_for(K), _nsub(K)
     NC = cdiv(T, ls * nsub)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PREFETCH_DEPTH = 4        # fwd_main's register prefetch depth (steps), when Config.PREFETCH
+PREFETCH_DEPTH = 4        # diagonal_fwd_main_kernel's register prefetch depth (steps), when Config.PREFETCH
 
 
 @dataclass

@@ -87,7 +87,7 @@ class _GeneralFunction(torch.autograd.Function):
         d = torch.empty(1, device=dev)
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
-            launch(mod.fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
+            launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
                    CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
                    STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
         else:
@@ -116,7 +116,7 @@ class _GeneralFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
         if T > 0:
-            launch(mod.bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
+            launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
                    CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
         elif DS0 is not None:

@@ -53,15 +53,15 @@ Since ``b_i = sum_{r<=i} g_r`` and ``bl = sum_r g_r`` over the chunk's tokens,
 
     dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl          (reverse cumsum within the chunk)
 
-Kernels, top to bottom. Forward: ``_fwd_state_kernel`` (sequential over chunks per (key block,
+Kernels, top to bottom. Forward: ``keydecay_chunk_fwd_state_kernel`` (sequential over chunks per (key block,
 value block, head): the block-local cumulative sums ``gc``, the chunk-start states
-``hs [B, H, NT, K, V]`` and the final state), ``_intra_A_kernel`` (per (chunk, sub-block): the
-rows of A, stored ``[B, T, H, BT]`` in the I/O dtype) and ``_chunk_apply_kernel`` (per (value
-block, chunk): o). Backward: ``_bwd_state_kernel`` (reverse over chunks: ``dhs``, the state
-gradient at each chunk's end, and dh0), ``_chunk_apply_kernel`` again (dv, the transposed products),
-``_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
-``_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
-[BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``_bwd_dg_kernel`` (per
+``hs [B, H, NT, K, V]`` and the final state), ``keydecay_chunk_intra_a_kernel`` (per (chunk, sub-block): the
+rows of A, stored ``[B, T, H, BT]`` in the I/O dtype) and ``keydecay_chunk_apply_kernel`` (per (value
+block, chunk): o). Backward: ``keydecay_chunk_bwd_state_kernel`` (reverse over chunks: ``dhs``, the state
+gradient at each chunk's end, and dh0), ``keydecay_chunk_apply_kernel`` again (dv, the transposed products),
+``keydecay_chunk_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
+``keydecay_chunk_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
+[BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``keydecay_chunk_bwd_dg_kernel`` (per
 (key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg).
 Saved for the backward: the inputs, g, ``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``;
 no ``[B, T, d, m]`` tensor is formed.
@@ -119,7 +119,7 @@ def _state_program(H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "BC", "HAS_H0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def _fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
+def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr,
                       LOG_G: tl.constexpr):
@@ -223,7 +223,7 @@ def _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_
 
 @tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
-def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def keydecay_chunk_intra_a_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, sub-block I): the rows of I in A[i, j] = sum_k q_ik k_jk e^{b_ik - b_jk}, j <= i.
     Columns of earlier blocks J are tensor-core products (q e^{b - R_I}) (k_J e^{R_I - b_J})^T with
@@ -269,7 +269,7 @@ def _intra_A_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.con
 
 @tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC", "BWD"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
+def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, BWD: tl.constexpr, PREC: tl.constexpr):
     """Per (value block, chunk), the two products of a chunk's rows with its state and A:
@@ -311,7 +311,7 @@ def _chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "HAS_DHT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
+def keydecay_chunk_bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr,
                       LOG_G: tl.constexpr):
@@ -341,7 +341,7 @@ def _bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
 
 @tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT", "V_run"])
-def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
+def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Per chunk, summing over value blocks: dA = dO V^T (lower triangle), the state terms
@@ -349,10 +349,9 @@ def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
     and dL/dbl = sum_j k_j o dk_j + e^{bl} o sum_v h0 dH.
 
     ``V_run`` (= V) is a runtime argument on purpose, the loop's bound: with a compile-time trip count (>= 2)
-    Triton 3.6 miscompiles this software-pipelined loop (num_stages=2) on an H200 with bf16 I/O,
-    and dA = dO V^T comes out wrong (relative error 0.94 at V = 256, K = 16, 32; every config);
-    with the trip count known only at run time, or num_stages=1, it is exact (BENCHMARKS.md,
-    "Key-decay chunked", session 3)."""
+    Triton 3.6 miscompiles this software-pipelined loop (num_stages=2) on Hopper (sm_90) with bf16
+    I/O, and dA = dO V^T comes out wrong (at V = 256, K = 16, 32; every config); with the trip count
+    known only at run time, or num_stages=1, it is exact (BENCHMARKS.md, "Key-decay chunked")."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -394,14 +393,14 @@ def _bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
 
 @tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
+def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr):
     """Per (key block, chunk x sub-block I): dq, dk of the rows of I = the inter terms plus
     dq_i += sum_{j<=i} dA_ij k_j e^{b_i - b_j},  dk_j += sum_{i>=j} dA_ij q_i e^{b_i - b_j}
     (earlier / later blocks as tensor-core products against references at the block boundaries,
     the diagonal block elementwise). Then db = q o dq - k o dk: ``dgl`` gets its reverse cumulative
-    sum within I and ``dbt`` its total over I (``_bwd_dg_kernel`` adds the later blocks' totals).
+    sum within I and ``dbt`` its total over I (``keydecay_chunk_bwd_dg_kernel`` adds the later blocks' totals).
     Key columns are independent."""
     NC: tl.constexpr = BT // BC
     i_k = tl.program_id(0)
@@ -473,7 +472,7 @@ def _bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
 
 @tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def _bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, LOG_G: tl.constexpr):
     """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
     later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
@@ -553,15 +552,15 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    launch(_fwd_state_kernel, _state_grid(K, V, B * H),
+    launch(keydecay_chunk_fwd_state_kernel, _state_grid(K, V, B * H),
         k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
         H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
-    launch(_intra_A_kernel, (NT * (BT // BC), B * H), q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
+    launch(keydecay_chunk_intra_a_kernel, (NT * (BT // BC), B * H), q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(_chunk_apply_kernel, _par_grid(V, NT, B * H), q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H), q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
            BK=BK, BWD=False, PREC=prec, **_par_opts(V))
     return o, ht, gc, hs, A
 
@@ -578,29 +577,29 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     dht = dht.float().contiguous() if has_dht else hs
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    launch(_bwd_state_kernel, _state_grid(K, V, B * H),
+    launch(keydecay_chunk_bwd_state_kernel, _state_grid(K, V, B * H),
         q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, LOG_G=log_g,
         **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(_chunk_apply_kernel, _par_grid(V, NT, B * H), k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
+    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H), k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
            BK=BK, BWD=True, PREC=prec, **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
-    launch(_bwd_inter_kernel, (NT, B * H), q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
+    launch(keydecay_chunk_bwd_inter_kernel, (NT, B * H), q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
            BC=BC, BK=BK, PREC=prec, **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
     dbt = _empty(B, H, NT * (BT // BC), K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
-    launch(_bwd_intra_kernel, grid, q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
+    launch(keydecay_chunk_bwd_intra_kernel, grid, q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
            PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
-    launch(_bwd_dg_kernel, grid, dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
+    launch(keydecay_chunk_bwd_dg_kernel, grid, dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 

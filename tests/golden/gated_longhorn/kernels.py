@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def fwd_kernel(P_x, P_k, P_beta, O_c, O_p, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def prologue_fwd_kernel(P_x, P_k, P_beta, O_c, O_p, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """One program per block of R (b, t, h) rows: every computed slot, fp32."""
     i_r = tl.program_id(0)
     rows = i_r * R + tl.arange(0, R)
@@ -38,7 +38,7 @@ def fwd_kernel(P_x, P_k, P_beta, O_c, O_p, N, H, V, K, R: tl.constexpr, BV: tl.c
 
 
 @triton.jit
-def bwd_kernel(P_x, P_k, P_beta, GO_c, GO_p, D_x, D_k, D_beta, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def prologue_bwd_kernel(P_x, P_k, P_beta, GO_c, GO_p, D_x, D_k, D_beta, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """The same rows: d(sum_s sum G_s s)/d leaf, in the leaf's dtype (a param's per row, fp32)."""
     i_r = tl.program_id(0)
     rows = i_r * R + tl.arange(0, R)

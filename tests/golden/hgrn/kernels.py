@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def fwd_kernel(P_x, P_f, O_p, O_q, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def prologue_fwd_kernel(P_x, P_f, O_p, O_q, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """One program per block of R (b, t, h) rows: every computed slot, fp32."""
     i_r = tl.program_id(0)
     rows = i_r * R + tl.arange(0, R)
@@ -33,7 +33,7 @@ def fwd_kernel(P_x, P_f, O_p, O_q, N, H, V, K, R: tl.constexpr, BV: tl.constexpr
 
 
 @triton.jit
-def bwd_kernel(P_x, P_f, GO_p, GO_q, D_x, D_f, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def prologue_bwd_kernel(P_x, P_f, GO_p, GO_q, D_x, D_f, N, H, V, K, R: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """The same rows: d(sum_s sum G_s s)/d leaf, in the leaf's dtype (a param's per row, fp32)."""
     i_r = tl.program_id(0)
     rows = i_r * R + tl.arange(0, R)

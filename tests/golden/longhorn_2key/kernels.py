@@ -19,7 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
+def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
                HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):
     """One program per (batch*head, block of BV rows): the state tile, transposed [BK, BV], in registers."""
@@ -73,7 +73,7 @@ def fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
 
 
 @triton.jit
-def bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, D_q, D_beta, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
+def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, D_q, D_beta, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):
     """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""

@@ -48,11 +48,11 @@ def _hsum(x, BK: tl.constexpr, BV: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: t
 
 
 LS = 4
-GRAD_LEAVES = ['x', 'k', 'q', 'delta', 'A']  # leaves whose gradient bwd_main writes
+GRAD_LEAVES = ['x', 'k', 'q', 'delta', 'A']  # leaves whose gradient diagonal_bwd_main_kernel writes
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def fwd_summary(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out, T, H, K, V, NC, NG, CPG, L,
+def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out, T, H, K, V, NC, NG, CPG, L,
                 BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):
     """Per group g < NG-1: A_g = prod_t a_t and S_g = the group's end state from a zero start."""
     i_v = tl.program_id(0)
@@ -88,7 +88,7 @@ def fwd_summary(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out, T, H, K, V, NC,
 
 
 @triton.jit(do_not_specialize=["NG"])
-def fwd_propagate(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
+def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_H0: tl.constexpr):
     """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""
     i_v = tl.program_id(0)
@@ -108,7 +108,7 @@ def fwd_propagate(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def fwd_main(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
+def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
              BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,
              EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):
     """Per group: from its start state, every step's state and output; chunk-start states
@@ -239,7 +239,7 @@ def fwd_main(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt, ht, T, H, K, V
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def bwd_summary(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,
+def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,
                 BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):
     """Per group g >= 1: A_g = prod_t a_t and E_g = a_s . dS_s at its first step s from a zero
     adjoint carried in at its end."""
@@ -278,7 +278,7 @@ def bwd_summary(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_out, T, H, K, V,
 
 
 @triton.jit(do_not_specialize=["NG"])
-def bwd_propagate(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
+def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_DHT: tl.constexpr):
     """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""
     i_v = tl.program_id(0)
@@ -299,7 +299,7 @@ def bwd_propagate(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])
-def bwd_main(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g_delta, g_A, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
+def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g_delta, g_A, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
              BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,
              HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,
              EVEN_T: tl.constexpr):
