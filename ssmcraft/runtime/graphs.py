@@ -1,11 +1,10 @@
 """CUDA graphs of a compiled objective's call: the call's host work once, then one replay.
 
-Issue 12: on the lent H200 one CUDA kernel launch costs 7-10 us of host time (gVisor) and a
-forward+backward of ``obj()`` 0.7-1.6 ms of host time (Python, Triton's launcher, the autograd
-engine), more than its kernels take at training shapes. ``obj.graphed(...)`` captures the call's
-forward and backward into two CUDA graphs with ``torch.cuda.make_graphed_callables``; a later call
-copies its tensors into the graph's static inputs and replays (one host call per graph, ~0.1 us
-per kernel). Our Triton kernels and autograd Functions are captured as they are.
+Every kernel launch costs host time, and a forward+backward of ``obj()`` (Python, Triton's
+launcher, the autograd engine) can take longer on the host than its kernels take on the GPU at
+training shapes (BENCHMARKS.md, "Host floor"). ``obj.graphed(...)`` captures the call's forward and
+backward into two CUDA graphs with ``torch.cuda.make_graphed_callables``; a later call copies its
+tensors into the graph's static inputs and replays (one host call per graph). Our Triton kernels and autograd Functions are captured as they are.
 
 ``GraphedCall(obj, inputs, params, initial_state, output_final_state)`` is fixed to one *call
 signature* (``call_signature``): every tensor's place (``inputs['x']``, ``params['A']``,
@@ -13,7 +12,7 @@ signature* (``call_signature``): every tensor's place (``inputs['x']``, ``params
 with another signature raises ``SsmcraftError`` naming what differs (``signature_difference``):
 it is never captured again silently, and nothing falls back to the eager path.
 
-Capture safety (the audit of issue 12, see ``docs/cuda_graphs.md``): everything that happens once
+Capture safety (``docs/cuda_graphs.md``): everything that happens once
 per signature (path choice and validation in ``dispatch``, generating and loading kernel modules,
 Triton compilation, the autotuners' timing runs: ``tuning.tune``'s ``triton.autotune`` and
 ``diagonal._pick``'s ``do_bench``, the first launch of each ``launch.launch`` key) happens in the

@@ -11,8 +11,8 @@
   ``static`` the same graphs called on their own input buffers (``static_inputs()``: no copy-in).
   ``onethread`` is the eager ``fwd_bwd`` with the autograd engine on the calling thread
   (``torch.autograd.set_multithreading_enabled(False)``; by default PyTorch hands a CUDA backward
-  to a device thread and waits for it, which cost 150-430 us of host time per DeltaNet call on the
-  lent H200s: BENCHMARKS.md, "Host floor"). Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors
+  to a device thread and waits for it, which costs host time on some hosts: BENCHMARKS.md, "Host
+  floor"). Kinds: ``fwd`` (timed under ``torch.no_grad``; the tensors
   detached, so the graph is an inference graph that saves nothing for backward) and ``fwd_bwd``
   (the forward, then ``torch.autograd.grad`` of ``y`` under ``dy`` with respect to every tensor
   that requires grad).
@@ -53,9 +53,9 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
 def wall_and_host(fn, n: int = 30, rounds: int = 5, sync: Callable = torch.cuda.synchronize) -> tuple[float, float]:
     """(wall ms per call, host enqueue us per call): medians over ``rounds`` rounds of ``n``
     back-to-back calls, each round timed from an idle device (``sync`` before) to its drain: a median
-    is not carried by one slow round. It does not remove the drift between processes on the lent
-    hosts (DeltaNet's eager fwd+bwd host time 717-1067 us in three processes in a row: BENCHMARKS.md,
-    "Host helpers and launch keys"), which comparisons must alternate processes to see through."""
+    is not carried by one slow round. It does not remove the drift of host time between processes
+    (BENCHMARKS.md, "Host helpers and launch keys"), which comparisons must alternate processes to
+    see through."""
     fn()
     sync()
     walls, hosts = [], []
