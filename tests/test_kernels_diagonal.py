@@ -337,3 +337,20 @@ def test_each_backward_steps_stores_come_after_the_next_steps_loads():
         store = bwd.index(f"tl.store(g_x + tok{k} ")
         assert bwd.index(f"dyt = tl.load(dy + tok{k - 1} ") < store < bwd.index(f"gl_x_{k - 1} = "), k
     assert bwd.index("tl.store(g_x + tok0 ") > bwd.index("gl_x_0 = ")
+
+
+def test_mamba_kernels_match_the_naive_slot_loop():
+    """The generated kernels of the Mamba objective against the family's readable twin
+    (``ops/diagonal/naive.py``) on its slots: a = exp(delta A), p = delta x, q = k, oq = q."""
+    from ssmcraft.ops.diagonal.naive import naive_recurrent_diagonal
+    obj = ssmcraft.compile("mamba")
+    B, T, H, V, K = 2, 9, 2, 6, 4
+    g = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, k, q = r(B, T, H, V), r(B, T, H, K), r(B, T, H, K)
+    delta, A = torch.nn.functional.softplus(r(B, T, H, V)), -torch.rand(H, V, K, generator=g)
+    h0 = r(B, H, K, V)
+    y, hT = D.diagonal_scan(obj, {"x": x, "k": k, "q": q, "delta": delta, "A": A}, h0, output_final_state=True)
+    a = torch.exp(delta.double()[..., None, :] * A.double().transpose(-1, -2))          # [B, T, H, K, V]
+    y_ref, h_ref = naive_recurrent_diagonal(a, (delta * x).double(), k.double(), q.double(), h0.double())
+    assert _rel(y.double(), y_ref) < 1e-5 and _rel(hT.double(), h_ref) < 1e-5

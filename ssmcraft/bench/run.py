@@ -138,6 +138,7 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     import torch
 
     import ssmcraft
+    from ssmcraft.ops import registry
     from ssmcraft.ops.diagonal import chunk as diagonal
     from ssmcraft.runtime import timing
     from ssmcraft.runtime.checking import graphed_against_eager
@@ -151,7 +152,7 @@ def run_bench(spec_arg, shape, dtype_name: str = "bf16", backward: bool = True, 
     obj.prefer = prefer
     y = obj(inputs, params, None, False)[0]          # the first call of this signature: path choice, compilation
     backend = obj.backend
-    use_diag = backend.startswith(f"triton:{diagonal.BACKEND_NAME}")   # the family obj() ran (GLA: key-decay)
+    use_diag = backend.startswith(f"triton:{registry.family('diagonal').backend}")   # the family obj() ran (GLA: key-decay)
     dy = torch.randn_like(y) if backward else None
     calls = _capturing("capturing obj() (fwd, fwd+bwd)", lambda: timing.obj_calls(obj, inputs, params, None, False, dy,
                                                                         graphed=graphed))

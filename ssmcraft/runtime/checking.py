@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ssmcraft.ops.common.reference import like, states
+from ssmcraft.ops.rank1_chunk.naive import naive_recurrent_rank1
 
 
 def rel_rms(got, ref) -> float:
@@ -214,28 +215,11 @@ DELTA_RULE_CASES = (("none", False, False), ("nograd", True, False), ("grad", Fa
                     ("none", False, True), ("grad", True, True))
 
 
-def rank1_chunk_loop(v, u, q, p, oq, c, a, h0, ps=None):
-    """The chunked rank-1 family step by step in its kernels' layout (``ssmcraft.ops.rank1_chunk.chunk``):
-    H_t = a_t H - c_t v_t (u_t^T H) + q_t (ps_t p_t)^T, o_t = H_t^T oq_t; u, q None mean v, a and ps
-    None mean 1. v, u, q, oq [B, T, H, K]; p [B, T, H, V]; c, a, ps [B, T, H]; h0 [B, H, K, V].
-    Returns (o [B, T, H, V], H_T [B, H, K, V])."""
-    u = v if u is None else u
-    q = v if q is None else q
-    p = p if ps is None else p * ps[..., None]
-    Hs, outs = h0, []
-    for t in range(v.shape[1]):
-        at = 1.0 if a is None else a[:, t, :, None, None]
-        e = torch.einsum("bhk,bhkv->bhv", u[:, t], Hs)
-        Hs = at * Hs - c[:, t, :, None, None] * v[:, t, :, :, None] * e[:, :, None, :] + q[:, t, :, :, None] * p[:, t, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", Hs, oq[:, t]))
-    return torch.stack(outs, 1), Hs
-
-
 def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated: bool, dtype,
                     device="cpu", seed: int = 0, **kw) -> tuple[dict, dict, bool]:
     """``delta_rule(q, k, x, beta, alpha, initial_state=..., output_final_state=final, **kw)`` (FLA
     layout; ``ssmcraft.ops.rank1_chunk.chunk.delta_rule``) on random inputs in ``dtype`` against
-    ``rank1_chunk_loop`` in float64 on the same values (c = alpha beta, ps = beta): no initial state, one that wants no gradient
+    ``naive_recurrent_rank1`` in float64 on the same values (c = alpha beta, ps = beta): no initial state, one that wants no gradient
     or one that does (``h0_kind``), the final state in the loss or not returned at all (``final``).
     Returns ({"y", "S_T"?, "d<leaf>": relative RMS error}, {leaf: its gradient's dtype == its
     own}, whether the final state came back exactly when asked for)."""
@@ -253,7 +237,7 @@ def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated:
         hx.detach().double().cpu().requires_grad_(h0_kind == "grad")
     o, ht = delta_rule(x["q"], x["k"], x["x"], x["beta"], x.get("alpha"), initial_state=hx, output_final_state=final, **kw)
     a = ref.get("alpha")
-    o_ref, h_ref = rank1_chunk_loop(ref["k"], None, None, ref["x"], ref["q"], ref["beta"] * (1.0 if a is None else a),
+    o_ref, h_ref = naive_recurrent_rank1(ref["k"], None, None, ref["x"], ref["q"], ref["beta"] * (1.0 if a is None else a),
                                     a, rh, ps=ref["beta"])
     dy, dh = r(*o_ref.shape), r(*h_ref.shape)
     names = [*ins, *(["h0"] if h0_kind == "grad" else [])]
