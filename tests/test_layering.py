@@ -152,3 +152,10 @@ def test_function_level_and_lazy_imports_are_counted():
     """The reader sees an import inside a function and ``ssmcraft.compile`` through the lazy table."""
     assert "ssmcraft.runtime.objective" in GRAPH["ssmcraft.compiler.commands"]      # ssmcraft.compile(...)
     assert "ssmcraft.runtime.select" in GRAPH["ssmcraft.runtime.objective"]          # inside triton_runner
+
+
+def test_every_package_folder_has_an_init():
+    """setuptools' ``packages.find`` (pyproject.toml) ships only folders with an ``__init__.py``."""
+    missing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ssmcraft").rglob("*")
+                     if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py")) and not (p / "__init__.py").is_file())
+    assert missing == [], f"folders of modules without __init__.py: {missing}"
