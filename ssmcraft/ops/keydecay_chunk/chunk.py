@@ -553,15 +553,16 @@ def _fwd(q, k, v, g, h0, BT, log_g=False):
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_fwd_state_kernel, _state_grid(K, V, B * H),
-        k, v, g, h0 if h0 is not None else ht, gc, hs, ht, T, NT,
-        H=H, K=K, V=V, BT=BT, BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g,
-        **_state_opts(K, V))
+           k=k, v=v, g=g, h0=h0 if h0 is not None else ht, gc=gc, hs=hs, ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT,
+           BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g, **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
-    launch(keydecay_chunk_intra_a_kernel, (NT * (BT // BC), B * H), q, k, gc, A, T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
+    launch(keydecay_chunk_intra_a_kernel, (NT * (BT // BC), B * H),
+           q=q, k=k, gc=gc, A=A, T=T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H), q, v, gc, hs, A, o, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-           BK=BK, BWD=False, PREC=prec, **_par_opts(V))
+    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
+           key=q, x=v, gc=gc, st=hs, A=A, out=o, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=False, PREC=prec,
+           **_par_opts(V))
     return o, ht, gc, hs, A
 
 
@@ -578,28 +579,32 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_bwd_state_kernel, _state_grid(K, V, B * H),
-        q, g, do, dht, dhs, dh0, T, NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec, LOG_G=log_g,
-        **_state_opts(K, V))
+           q=q, g=g, do=do, dht=dht, dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec,
+           LOG_G=log_g, **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H), k, do, gc, dhs, A, dv, T, NT, H=H, K=K, V=V, BT=BT, BC=BC,
-           BK=BK, BWD=True, PREC=prec, **_par_opts(V))
+    launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
+           key=k, x=do, gc=gc, st=dhs, A=A, out=dv, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=True,
+           PREC=prec, **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
-    launch(keydecay_chunk_bwd_inter_kernel, (NT, B * H), q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V, H=H, K=K, V=V, BT=BT,
-           BC=BC, BK=BK, PREC=prec, **_par_opts(V))
+    launch(keydecay_chunk_bwd_inter_kernel, (NT, B * H),
+           q=q, k=k, v=v, gc=gc, hs=hs, dhs=dhs, do=do, dA=dA, dqi=dqi, dki=dki, dbl=dbl, T=T, NT=NT, V_run=V, H=H,
+           K=K, V=V, BT=BT, BC=BC, BK=BK, PREC=prec, **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
     dbt = _empty(B, H, NT * (BT // BC), K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
-    launch(keydecay_chunk_bwd_intra_kernel, grid, q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT, H=H, K=K, BT=BT, BC=BC,
-           PREC=prec, **_intra_opts(K))
+    launch(keydecay_chunk_bwd_intra_kernel, grid,
+           q=q, k=k, gc=gc, dA=dA, dqi=dqi, dki=dki, dq=dq, dk=dk, dgl=dgl, dbt=dbt, T=T, NT=NT, H=H, K=K, BT=BT,
+           BC=BC, PREC=prec, **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
-    launch(keydecay_chunk_bwd_dg_kernel, grid, dgl, dbt, dbl, dg, g, T, NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
+    launch(keydecay_chunk_bwd_dg_kernel, grid,
+           dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 

@@ -135,18 +135,18 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
-    launch(rank1_chunk_prep_kernel, (NT, B * H), uu, v, qq, p, pss, oq, cc, aa, M, W, Up, L, Lq, g, T, H=H, K=K, V=V, BT=BT, BK=BK,
-           BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
+    launch(rank1_chunk_prep_kernel, (NT, B * H),
+           u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, M=M, W=W, Up=Up, L=L, Lq=Lq, g=g, T=T, H=H, K=K, V=V,
+           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     # no h0 or no final state: a flag, not a zero state filled and read or a state written unread
     launch(rank1_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-        v, qq, p, pss, oq, W, Up, L, Lq, g, o if h0 is None else h0, o, hs, psi, ht, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
-        STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
-        **_launch_opts(V))
+           v=v, q=qq, p=p, ps=pss, oq=oq, W=W, Up=Up, L=L, Lq=Lq, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi,
+           ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
+           STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, **_launch_opts(V))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
@@ -167,9 +167,9 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
     has_dht = dht is not None
     launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-        v, oq, W, L, g, do, dht.contiguous().float() if has_dht else do, dhs, dpsi, dh0, T, NT,
-        H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0, PREC=prec,
-        **_launch_opts(V))
+           v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs, dpsi=dpsi,
+           dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0,
+           PREC=prec, **_launch_opts(V))
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
@@ -182,9 +182,10 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H),
-        uu, v, qq, p, pss, oq, cc, aa, g, M, L, Lq, hs, dhs, psi, dpsi, do,
-        du, dv, dq, dp, dps, doq, dc, da if has_a else dc, T, NT, H=H, K=K, V=V, BT=BT, BK=BK,
-        BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
+           u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
+           do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
+           V=V, BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
+           PREC=prec)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 
