@@ -1,7 +1,7 @@
-"""Which generated Triton kernel runs a compiled objective, and how it is called.
+"""Which kernel family runs a compiled objective, and how it is called.
 
-``ssmcraft.runtime.dispatch`` asks (through ``CompiledObjective.triton_runner``) :func:`select` for a family's ``specialise(obj, lay)``, which
-makes the runner for one call signature (the family's ``prepare``); a runner is called as
+``ssmcraft.runtime.dispatch`` asks :func:`select` (through ``CompiledObjective.triton_runner``)
+for a family's ``specialise(obj, lay)``, which makes the runner for one call signature (the family's ``prepare``); a runner is called as
 ``runner(obj, inputs, params, initial_state, output_final_state) -> (y, S_T, backend)`` with
 the reference API's shapes (``y [B, T, H, d]``, ``S_T [B, H, d, m]``) and ``backend`` naming
 what ran, e.g. ``"triton:diagonal-chunked"`` or ``"triton-interpret:rank1-row"``; a family whose
@@ -21,7 +21,6 @@ name returned says what ran, and :func:`why_not` says why nothing did.
 from __future__ import annotations
 
 from ssmcraft.errors import SsmcraftError
-
 from ssmcraft.ops.common.tuning import INTERPRET
 from ssmcraft.ops.registry import order
 from ssmcraft.runtime.dispatch import backend_name, triton_mode

@@ -57,7 +57,7 @@ from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.reference import constant_param
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, next_pow2
-from ssmcraft.ops.diagonal.plan import PREFETCH_DEPTH, Leaf, Plan
+from ssmcraft.ops.diagonal.plan import PREFETCH_DEPTH, Leaf, Plan  # noqa: F401 - Leaf: export_tail's text rebuilds the plan
 
 BACKEND_NAME = "diagonal-chunked"
 _POISON = {"on": os.environ.get("SSMCRAFT_POISON") == "1"}   # tests: fill outputs with NaN first
