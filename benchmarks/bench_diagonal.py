@@ -1,4 +1,4 @@
-"""GPU checks and timings of the diagonal-decay kernels (ssmcraft.kernels.diagonal).
+"""GPU checks and timings of the diagonal-decay kernels (ssmcraft.ops.diagonal.chunk).
 
 Run on the device (see BENCHMARKS.md, "Diagonal"):
 
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import ssmcraft  # noqa: E402
 from checks import TOL, compare, dtype_name, reference  # noqa: E402
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, once_ms, random_inputs  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms  # noqa: E402
+from ssmcraft.ops.diagonal import chunk as D  # noqa: E402
 
 # ENV.md anchors (H100, copy bandwidth 4.22 TB/s there)
 ENV_COPY_BW = 4.22e12
@@ -93,7 +93,7 @@ def kernel_info(rep, out_dir, tag):
             layouts = [ln.split("=", 1)[1].strip()[:160] for ln in ttgir.splitlines() if ln.startswith("#blocked") or ln.startswith("#linear")]
             info["layouts"] = layouts[:4]
             rep.add(**info)
-            if out_dir and kname in ("fwd_main", "bwd_main") and ttgir:
+            if out_dir and kname in ("diagonal_fwd_main_kernel", "diagonal_bwd_main_kernel") and ttgir:
                 with open(os.path.join(out_dir, f"{tag}_{kname}.ttgir"), "w") as f:
                     f.write(ttgir)
         except Exception as e:   # introspection is best-effort

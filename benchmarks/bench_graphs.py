@@ -8,7 +8,7 @@
    grad) and forward+backward, eager ``obj(...)`` (its forward+backward also with the autograd
    engine on the calling thread, "1-thread") against ``obj.graphed(...)`` on the caller's
    tensors and on the graph's own buffers ("static"); per call the GPU-busy fraction and the host
-   time (``ssmcraft.kernels.timing``: ``obj_calls``, ``time_calls``, ``busy``, the same code as
+   time (``ssmcraft.runtime.timing``: ``obj_calls``, ``time_calls``, ``busy``, the same code as
    ``ssmcraft bench --graphed``). Then correctness (``checking.graphed_against_eager``): with an
    initial state that requires grad and ``output_final_state=True``, the graphed call's ``y``,
    ``S_T`` and every gradient (initial state included) against eager's, relative max error
@@ -41,8 +41,8 @@ from bench_public_path import CASES, case_inputs, decode  # noqa: E402
 from bench_train_mixers import build, tokens_per_s  # noqa: E402
 from common import Report, random_state  # noqa: E402
 from ssmcraft.errors import one_line  # noqa: E402
-from ssmcraft.kernels.checking import graphed_against_eager, rel_max  # noqa: E402
-from ssmcraft.kernels.timing import HOWS, obj_calls, time_calls  # noqa: E402
+from ssmcraft.runtime.checking import graphed_against_eager, rel_max  # noqa: E402
+from ssmcraft.runtime.timing import HOWS, obj_calls, time_calls  # noqa: E402
 
 OBJECTIVES = ("deltanet", "gated_deltanet", "gla", "mamba", "longhorn")
 MIXERS = ("longhorn", "mamba", "deltanet", "gla")

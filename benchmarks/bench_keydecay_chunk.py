@@ -34,9 +34,9 @@ import torch  # noqa: E402
 import ssmcraft  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms as rel  # noqa: E402
-from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
-from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
+from ssmcraft.ops.keydecay_chunk import chunk as KD  # noqa: E402
+from ssmcraft.runtime.select import validated_call  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 
@@ -163,7 +163,7 @@ def timings(rep, bw, fla, B, T, H, K, V, do_diag=True):
             rep.add(section="time", what="FLA chunk_gla", error=str(e)[:300])
 
     if do_diag:
-        from ssmcraft.kernels import diagonal as D
+        from ssmcraft.ops.diagonal import chunk as D
         dleaves = [t.clone().requires_grad_() for t in (x, k, q, alpha)]
 
         def diag(x_, k_, q_, a_):

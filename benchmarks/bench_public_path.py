@@ -18,7 +18,7 @@
    ``specs/longhorn_20m_bytes.yaml`` against its parallel forward; ``--graphed-decode`` adds the
    same through ``GraphedDecoder`` (``benchmarks/bench_graphs.py`` compares both, with a check).
 Each check calls ``obj`` twice: the second call runs the kernels through the direct launches of
-``ssmcraft.kernels.launch`` and must match the first. ``SSMCRAFT_DIRECT_LAUNCH=0`` times the path
+``ssmcraft.ops.common.launch`` and must match the first. ``SSMCRAFT_DIRECT_LAUNCH=0`` times the path
 with every launch through Triton's launcher (the "before" of the host-overhead figures).
 FLA comes from carried wheels (PYTHONPATH); mamba's extension from ``--mamba DIR``. A missing
 anchor is reported as such, never silently skipped.
@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Report, bench_ms, copy_bandwidth, random_inputs  # noqa: E402
-from ssmcraft.kernels.timing import obj_calls, on_this_thread, time_calls  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms  # noqa: E402
+from ssmcraft.runtime.timing import obj_calls, on_this_thread, time_calls  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms  # noqa: E402
 
 import ssmcraft  # noqa: E402
 from ssmcraft.errors import one_line  # noqa: E402

@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
+from ssmcraft.ops.common.reference import layout  # noqa: E402
 from checks import TOL_CHUNKED as TOL, compare, dtype_name, reference  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, over, rank1_chunk_loop, rel_rms as rel  # noqa: E402
+from ssmcraft.ops.rank1_chunk.naive import naive_recurrent_rank1  # noqa: E402
+from ssmcraft.runtime.checking import DELTA_RULE_CASES, delta_rule_case, over, rel_rms as rel  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 SHAPE = dict(H=2, K=16, V=16) if SMOKE else dict(H=16, K=64, V=64)
@@ -106,7 +107,7 @@ def check_general(B=2, T=300, seed=3):
            torch.sigmoid(r(B, T, H)), torch.sigmoid(2 + r(B, T, H)), r(B, H, K, V)]
     names = ["v", "u", "q", "p", "oq", "c", "a", "h0"]
     lv = [x.detach().requires_grad_() for x in ins]
-    o_ref, h_ref = rank1_chunk_loop(*lv)
+    o_ref, h_ref = naive_recurrent_rank1(*lv)
     do, dh = r(*o_ref.shape), r(*h_ref.shape)
     g_ref = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), lv)
     rows = []

@@ -11,7 +11,7 @@ Run on a CUDA machine (FLA wheels installed for the anchor):
    H=1, K=16, V=1536, and at T=1 and T=4097; the other rank-1 objectives at a small shape.
 2. Timings, bf16, B=8, T=2048 (``triton.testing.do_bench``, median), in one process: our kernel
    (config sweep; sequential and time-chunked forward), the full path (coefficients in PyTorch +
-   kernel), our diagonal Longhorn (``ssmcraft.kernels.diagonal``), FLA
+   kernel), our diagonal Longhorn (``ssmcraft.ops.diagonal.chunk``), FLA
    ``fused_recurrent_delta_rule`` with beta [B,T,H,V] at H=24, K=16, V=64 and ours on the same
    recurrence, the naive PyTorch loop, the HBM floor (bytes / measured copy bandwidth).
 """
@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_row as R  # noqa: E402
-from ssmcraft.kernels.reference import layout  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
+from ssmcraft.ops.common.reference import layout  # noqa: E402
 from checks import TOL, dtype_name, reference_errors, summary  # noqa: E402
-from ssmcraft.kernels.checking import rel_rms as rel  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
 
 DEV = "cuda"
 LINES: list[str] = []
@@ -67,7 +67,7 @@ def make_inputs(obj, B, T, H, K, V, seed, dtype=torch.float64):
 def run_ours(obj, ins, h0, want_state=True):
     lay = layout(obj.ir, obj.spec, ins, None, h0)
     if obj.ir.kind in ("general", "nonlinear"):
-        from ssmcraft.kernels import general as G
+        from ssmcraft.ops.general import recurrent as G
         y, S = G.forward(obj, lay, None, want_state)
         return y.to(lay.out_dtype), S
     co = obj.module.coefficients(lay.env, lay.d, lay.m)
@@ -177,13 +177,13 @@ def time_all(args):
 
     # our diagonal Longhorn (helper KA's kernel), same inputs
     try:
-        from ssmcraft.kernels import diagonal as D
-        from ssmcraft.kernels.triton_backend import validated_call
+        from ssmcraft.ops.diagonal import chunk as D
+        from ssmcraft.runtime.select import validated_call
         objd = ssmcraft.compile("longhorn_diag")
         res["diag_fwd"] = bench(lambda: validated_call(D.prepare, objd, ins, None, None, False)[0])
         res["diag_fb"] = bench(lambda: torch.autograd.grad(validated_call(D.prepare, objd, insg, None, None, False)[0],
                                                            list(insg.values()), dy))
-        say(f"diagonal Longhorn (ssmcraft.kernels.diagonal): fwd {res['diag_fwd']:.3f} ms, "
+        say(f"diagonal Longhorn (ssmcraft.ops.diagonal.chunk): fwd {res['diag_fwd']:.3f} ms, "
             f"fwd+bwd {res['diag_fb']:.3f} ms")
     except Exception as e:   # noqa: BLE001 - report and go on
         say(f"diagonal Longhorn: not run ({type(e).__name__}: {str(e)[:200]})")

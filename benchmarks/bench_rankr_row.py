@@ -1,5 +1,5 @@
 """GPU checks and timings of the rank-r family (``rankr``: multi-key Longhorn, Woodbury updates;
-``ssmcraft.kernels.rankr_row``, the general generator row-tiled).
+``ssmcraft.ops.rankr_row.recurrent``, the general generator row-tiled).
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_rankr_row.py [--quick] [--json OUT.json]
 
@@ -28,8 +28,8 @@ sys.path.insert(0, HERE)
 import ssmcraft  # noqa: E402
 from checks import TOL, compare, dtype_name, reference  # noqa: E402
 from common import Report, bench_ms, copy_bandwidth, floor_bytes, random_inputs  # noqa: E402
-from ssmcraft.kernels import general as G  # noqa: E402
-from ssmcraft.kernels import rankr_row as RR  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
+from ssmcraft.ops.rankr_row import recurrent as RR  # noqa: E402
 
 def check(rep, obj, B, T, H, K, V, dtype, dev, seed=0):
     ins, _ = random_inputs(obj, B, T, H, V, K, torch.float64, dev, seed=seed)

@@ -21,7 +21,7 @@ from checks import TOL, reference_errors  # noqa: E402
 from common import bench_ms, device_name  # noqa: E402
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import general as G  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
 
 
 def inputs(obj, B, T, H, d, m, device, seed=0):

@@ -1,8 +1,8 @@
 """The public path of every library objective whose computed slots come from the fused prologue
-(``ssmcraft.kernels.prologue``), on the GPU: ``obj(...)`` against the float64 reference loop on
+(``ssmcraft.ops.codegen.prologue``), on the GPU: ``obj(...)`` against the float64 reference loop on
 the same leaves, output, final state and every gradient (inputs, params, initial state), in fp32
 and bf16, every kernel output NaN-poisoned first; each case is run twice (the second call goes
-through the direct launches of ``ssmcraft.kernels.launch``) and both calls are checked.
+through the direct launches of ``ssmcraft.ops.common.launch``) and both calls are checked.
 
 GPU:  python3 benchmarks/check_prologue.py
 CPU:  TRITON_INTERPRET=1 python3 benchmarks/check_prologue.py --tiny   (smoke test of the script)
@@ -23,7 +23,10 @@ from checks import TOL, compare, dtype_name, reference, summary  # noqa: E402
 from common import device_name, random_inputs  # noqa: E402
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import keydecay_chunk, prologue, rank1_chunk, rank1_row  # noqa: E402
+from ssmcraft.ops.keydecay_chunk import chunk as keydecay_chunk  # noqa: E402
+from ssmcraft.ops.codegen import prologue  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as rank1_chunk  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as rank1_row  # noqa: E402
 
 # (Gated DeltaNet's alpha beta is formed in the chunked rank-1 kernels: bench_rank1_chunk checks it)
 OBJECTIVES = ["longhorn", "gated_longhorn", "wd_longhorn", "hgrn"]

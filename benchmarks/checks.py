@@ -1,6 +1,6 @@
 """What the GPU checks of the kernel benchmarks share: the tolerance tables and the comparison
 of a kernel with the float64 reference loop (output, final states, every gradient; the same
-``ssmcraft.kernels.checking`` the kernel tests use), and one way to print its result.
+``ssmcraft.runtime.checking`` the kernel tests use), and one way to print its result.
 
 Import as ``from checks import ...`` with ``benchmarks/`` on ``sys.path`` (each script does that).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.kernels.checking import Comparison, compare, reference, reference_errors  # noqa: F401
+from ssmcraft.runtime.checking import Comparison, compare, reference, reference_errors  # noqa: F401
 
 # relative RMS error of every output and gradient, kernel vs the float64 reference loop
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}            # sequential kernels (row, rank-r, general, diagonal)

@@ -1,9 +1,9 @@
 """Shared helpers for the kernel benchmark scripts (run on the GPU through the `device` tool).
 
-Timing (`bench_ms`: triton.testing.do_bench median, from ``ssmcraft.kernels.timing``, which also
+Timing (`bench_ms`: triton.testing.do_bench median, from ``ssmcraft.runtime.timing``, which also
 has `busy`, the GPU-busy fraction and host time per call; `once_ms`: CUDA events, for slow anchors
 such as the naive PyTorch loop), the HBM floor (`copy_bandwidth`, `floor_bytes`) and a small
-JSON/stdout `Report`. Error metrics and reference checks: ``ssmcraft.kernels.checking`` and
+JSON/stdout `Report`. Error metrics and reference checks: ``ssmcraft.runtime.checking`` and
 ``checks.py``.
 Import as ``from common import ...`` with ``benchmarks/`` on ``sys.path`` (each script does that).
 """
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from ssmcraft.kernels.commands import floor_bytes, random_inputs, random_state  # noqa: F401
-from ssmcraft.kernels.timing import bench_ms, copy_bandwidth  # noqa: F401
+from ssmcraft.bench.run import floor_bytes, random_inputs, random_state  # noqa: F401
+from ssmcraft.runtime.timing import bench_ms, copy_bandwidth  # noqa: F401
 
 
 def once_ms(fn, reps: int = 2) -> float:

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ssmcraft  # noqa: E402
 from bench_diagonal import leaves_of, scan  # noqa: E402
 from common import bench_ms, random_inputs  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
-from ssmcraft.kernels import diagonal_gen as G  # noqa: E402
+from ssmcraft.ops.diagonal import chunk as D  # noqa: E402
+from ssmcraft.ops.codegen import diagonal as G  # noqa: E402
 
 _HSUM = re.compile("(" + re.escape(G._HSUM[1]) + r"\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:    .*\n)+)")
 
@@ -88,9 +88,9 @@ def main():
                 with torch.no_grad():
                     t_f = bench_ms(lambda: scan(obj, inputs, params, config=cfg))
                 t_fb = bench_ms(fwd_bwd)
-                k = D.LAUNCHED["bwd_main"]
+                k = D.LAUNCHED["diagonal_bwd_main_kernel"]
                 print(f"{name:14s} {vname:13s} fwd {t_f:.3f}  fwd+bwd {t_fb:.3f}  bwd {t_fb - t_f:.3f} ms  "
-                      f"bwd_main {k.n_regs} registers, {k.n_spills} spills", flush=True)
+                      f"diagonal_bwd_main_kernel {k.n_regs} registers, {k.n_spills} spills", flush=True)
                 if vname == "base":
                     for kname, us in sorted(profile_kernels(fwd_bwd).items(), key=lambda x: -x[1])[:10]:
                         print(f"    {kname[:48]:48s} {us:8.1f} us", flush=True)

@@ -6,7 +6,7 @@ the key block padded to 64 for 16-bit I/O, works around; BENCHMARKS.md, "Small k
 
 Each case runs in its own process (an illegal memory access poisons the CUDA context): DeltaNet
 on ``rank1_chunk`` at B2 T300 H2 V64, fp32 and bf16, against the float64 reference on the same leaves
-(``ssmcraft.kernels.checking``: output, final state, dx, dq, dk, dbeta, dS0), outputs NaN-poisoned first
+(``ssmcraft.runtime.checking``: output, final state, dx, dq, dk, dbeta, dS0), outputs NaN-poisoned first
 (an unwritten output shows as nan).
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ def case(K: int, dtype: str) -> dict:
     """Errors of the DeltaNet objective on ``rank1_chunk`` (its own ``prepare``, whatever the backend
     would pick) against the float64 reference on the same (``dtype``-rounded) leaves."""
     import ssmcraft
-    from ssmcraft.kernels import rank1_chunk as R
-    from ssmcraft.kernels.checking import reference_errors
-    from ssmcraft.kernels.triton_backend import validated_call
+    from ssmcraft.ops.rank1_chunk import chunk as R
+    from ssmcraft.runtime.checking import reference_errors
+    from ssmcraft.runtime.select import validated_call
     R.POISON = True
     dt = getattr(torch, dtype)
     obj = ssmcraft.compile("deltanet")
@@ -46,7 +46,7 @@ def timing():
     from triton.testing import do_bench
 
     import ssmcraft
-    from ssmcraft.kernels import rank1_chunk as R
+    from ssmcraft.ops.rank1_chunk import chunk as R
     B, T, H, K, V = 16, 512, 1, 16, 512
     dt = torch.bfloat16
     q, k = (torch.randn(B, T, H, K, device="cuda", dtype=dt) for _ in range(2))

@@ -5,7 +5,7 @@ host time. Times (host only, no synchronisation inside the loop; microseconds pe
 - ``torch.empty`` of 1 MiB on the GPU (the caching allocator, no driver call expected);
 - one small PyTorch kernel (``x.add_(1)`` on 1 KiB);
 - one trivial Triton kernel through ``kernel[grid](...)`` (Triton's launcher) and through
-  ``ssmcraft.kernels.launch.launch`` (the compiled kernel's launcher, direct);
+  ``ssmcraft.ops.common.launch.launch`` (the compiled kernel's launcher, direct);
 - the same kernel replayed 20 times inside one CUDA graph (per kernel);
 - the autograd engine alone: ``torch.autograd.grad`` through an ``autograd.Function`` whose
   forward and backward launch nothing, on a GPU tensor (the engine hands the backward to its
@@ -41,10 +41,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import launch as L  # noqa: E402
-from ssmcraft.kernels.commands import random_inputs  # noqa: E402
-from ssmcraft.kernels.timing import obj_calls, on_this_thread, wall_and_host  # noqa: E402
-from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
+from ssmcraft.ops.common import launch as L  # noqa: E402
+from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.runtime.timing import obj_calls, on_this_thread, wall_and_host  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
 
 
 class _Nothing(torch.autograd.Function):
@@ -126,7 +126,7 @@ def main():
         rows["deltanet obj() fwd"] = host_us(calls["eager"]["fwd"], n=30)
     both("deltanet obj() fwd+bwd", calls["eager"]["fwd_bwd"], n=30)
     rows["deltanet kernels: direct / through Triton"] = {
-        k: L.stats(getattr(R, k)) for k in ("_prep_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_grad_kernel")}
+        k: L.stats(getattr(R, k)) for k in ("rank1_chunk_prep_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_state_kernel", "rank1_chunk_bwd_grad_kernel")}
     from triton import knobs
     rows["triton launch hooks installed"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     for k, v in rows.items():

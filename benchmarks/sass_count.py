@@ -6,7 +6,7 @@ registers, spilled bytes, and for each loop (a backward branch) its instruction 
 frequent opcodes. This is how BENCHMARKS.md's "Diagonal, run 3" table was made; a change to the
 generator can be weighed here before any device time is spent.
 
-    python3 benchmarks/sass_count.py --objective mamba --kernels fwd_main,bwd_main
+    python3 benchmarks/sass_count.py --objective mamba --kernels diagonal_fwd_main_kernel,diagonal_bwd_main_kernel
     python3 benchmarks/sass_count.py --objective longhorn_diag --no-hsum --no-even
 
 Runs in a process without the Triton interpreter (it unsets ``TRITON_INTERPRET``). Shapes follow
@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from ssmcraft.errors import SsmcraftError  # noqa: E402
-from ssmcraft.kernels.tuning import next_pow2  # noqa: E402
+from ssmcraft.ops.common.tuning import next_pow2  # noqa: E402
 
 INT_ARGS = {"T", "H", "K", "V", "NC", "NG", "CPG", "L", "NTOK"}
 K = 16          # the timed case's key dim (the generated source and the flags must agree on it)
@@ -46,7 +46,7 @@ def load(objective: str):
     once (the file exists only while importing)."""
     import ssmcraft
     from ssmcraft.compiler.cache import import_file
-    from ssmcraft.kernels import diagonal as D
+    from ssmcraft.ops.diagonal import chunk as D
     ir = ssmcraft.compile(objective).ir
     with tempfile.TemporaryDirectory(prefix="sass_count_") as d:
         path, text = Path(d) / "gen.py", D.generated_source(ir, K, fast_math=True)
@@ -89,7 +89,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
     flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
     T and V divide the chunk and the value block when ``even``."""
-    from ssmcraft.kernels import diagonal as D
+    from ssmcraft.ops.diagonal import chunk as D
     plan, mod = loaded
     fn = getattr(mod, kernel)
     BK, ls = next_pow2(K), D._ls_for(K)
@@ -146,13 +146,13 @@ def loops(sass: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objective", default="mamba")
-    ap.add_argument("--kernels", default="fwd_summary,fwd_main,bwd_summary,bwd_main")
+    ap.add_argument("--kernels", default="diagonal_fwd_summary_kernel,diagonal_fwd_main_kernel,diagonal_bwd_summary_kernel,diagonal_bwd_main_kernel")
     ap.add_argument("--BV", type=int, default=32)
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--io", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--no-hsum", action="store_true", help="backward key sums by tl.sum (Config.HSUM off)")
     ap.add_argument("--no-even", action="store_true", help="keep the value and time masks (EVEN_V/EVEN_T off)")
-    ap.add_argument("--prefetch", action="store_true", help="fwd_main with its register prefetch (Config.PREFETCH)")
+    ap.add_argument("--prefetch", action="store_true", help="diagonal_fwd_main_kernel with its register prefetch (Config.PREFETCH)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
     args = ap.parse_args(argv)
     loaded = load(args.objective)

@@ -13,8 +13,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "compile": ("ssmcraft.compiler.api", "compile"),
-    "CompiledObjective": ("ssmcraft.compiler.api", "CompiledObjective"),
+    "compile": ("ssmcraft.runtime.objective", "compile"),
+    "CompiledObjective": ("ssmcraft.runtime.objective", "CompiledObjective"),
     "load_spec": ("ssmcraft.compiler.spec", "load_spec"),
     "load_trial": ("ssmcraft.search.load", "load_trial"),
     "SsmcraftError": ("ssmcraft.errors", "SsmcraftError"),

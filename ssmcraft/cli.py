@@ -16,7 +16,7 @@ from ssmcraft.errors import SsmcraftError
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "derive": ("ssmcraft.compiler.commands", "derive the update of an objective spec and print every stage"),
-    "bench": ("ssmcraft.kernels.commands", "time an objective's kernel (fwd, fwd+bwd, bandwidth)"),
+    "bench": ("ssmcraft.bench.commands", "time an objective's kernel (fwd, fwd+bwd, bandwidth)"),
     "train": ("ssmcraft.train.commands", "train one model described by an experiment spec"),
     "eval": ("ssmcraft.train.eval_commands", "long-context evaluation of a trained run"),
     "search": ("ssmcraft.search.commands", "search over objectives and hyperparameters"),

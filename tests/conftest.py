@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 # Every kernel test runs Triton's interpreter (CPU). Set before anything imports triton or
-# ssmcraft.kernels: both read it once, at import (tuning.INTERPRET). test_sass_count compiles the GPU
+# ssmcraft.ops: both read it once, at import (tuning.INTERPRET). test_sass_count compiles the GPU
 # form in a subprocess without it; test_export_bundle's subprocess keeps it.
 os.environ["TRITON_INTERPRET"] = "1"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 
-from ssmcraft.kernels.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
+from ssmcraft.runtime.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
 
 
 def random_inputs(spec, *, B=2, T=3, H=2, sizes=None, dtype=None, seed=0, per_head_params=True):
@@ -57,12 +57,12 @@ def assert_within(errs: dict, tol: dict) -> None:
 def kernel_errors(obj, run, ins, params, S0, g) -> dict:
     """Relative RMS errors of a kernel against ``obj.reference`` (float64): the output, the final
     state and every gradient (inputs, params, initial state) under random cotangents ``dy, dS``
-    drawn from ``g`` (``ssmcraft.kernels.checking``, which the GPU checks use too).
+    drawn from ``g`` (``ssmcraft.runtime.checking``, which the GPU checks use too).
     ``run(obj, layout) -> (y, S_T)`` gets the fp32 layout of the same values; ``S_T`` must be fp32."""
     import torch
 
-    from ssmcraft.kernels.checking import reference_errors
-    from ssmcraft.kernels.reference import layout
+    from ssmcraft.runtime.checking import reference_errors
+    from ssmcraft.ops.common.reference import layout
 
     def call(i, p, s):
         y, S = run(obj, layout(obj.ir, obj.spec, i, p, s))

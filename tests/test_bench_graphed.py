@@ -15,9 +15,12 @@ import torch
 import ssmcraft
 from ssmcraft.cli import main
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels import commands, dispatch, graphs, timing
-from ssmcraft.kernels.checking import graphed_against_eager, rel_max
-from ssmcraft.kernels.graphs import _entries, call_signature
+from ssmcraft.bench import commands, run
+from ssmcraft.runtime import dispatch
+from ssmcraft.runtime import graphs
+from ssmcraft.runtime import timing
+from ssmcraft.runtime.checking import graphed_against_eager, rel_max
+from ssmcraft.runtime.graphs import _entries, call_signature
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +102,7 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
     timed = timed_calls
     monkeypatch.setattr(timing, "busy", lambda fn, n=30: (fn(), (0.5, 1.0, 12.0))[1])
     seen = _eager_signatures(monkeypatch)
-    res = commands.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", backward=backward, graphed=True,
+    res = run.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", backward=backward, graphed=True,
                              device="cpu", prefer="torch")
     made = capture_is_the_function
     assert len(made) == (3 if backward else 2)             # fwd, fwd+bwd, the check
@@ -135,7 +138,7 @@ def test_bench_graphed_times_the_eager_calls_signatures(backward, capture_is_the
 def test_bench_times_fwd_bwd_both_ways_without_graphs(timed_calls, capsys):
     """Plain run_bench (no --graphed): fwd+bwd timed as PyTorch runs it and with the autograd engine on
     the calling thread, both printed; nothing graphed."""
-    res = commands.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", device="cpu", prefer="torch")
+    res = run.run_bench("gated_deltanet", (2, 5, 2, 4, 3), "fp32", device="cpu", prefer="torch")
     # fwd (no grad), eager fwd+bwd, 1-thread fwd+bwd
     assert timed_calls == [(False, set()), (True, {True}), (True, {False})]
     assert (res["fwd_ms"], res["fwd_bwd_ms"], res["onethread_fwd_bwd_ms"]) == (0.5, 0.75, 1.0)
@@ -156,8 +159,8 @@ def test_graphed_against_eager_fails_on_a_wrong_capture(monkeypatch):
     monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
     obj = ssmcraft.compile("deltanet")
     obj.prefer = "torch"
-    inputs, params = commands.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
-    S0 = commands.random_state(obj, 2, 2, 4, 3, "cpu", requires_grad=True)
+    inputs, params = run.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
+    S0 = run.random_state(obj, 2, 2, 4, 3, "cpu", requires_grad=True)
     res = graphed_against_eager(obj, inputs, params, S0)
     assert not res["check_ok"] and not res["check_exact"]
     assert res["check_errors"]["y"] == pytest.approx(1e-3, rel=1e-6) and res["check_errors"]["S_T"] == 0.0
@@ -200,8 +203,8 @@ def test_graphed_against_eager_covers_several_states(capture_is_the_function):
     """Two states (momentum Longhorn): both final states and both initial states' gradients compared."""
     obj = ssmcraft.compile("momentum_longhorn")
     obj.prefer = "torch"
-    inputs, params = commands.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
-    S0 = commands.random_state(obj, 2, 2, 4, 3, "cpu", requires_grad=True)
+    inputs, params = run.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
+    S0 = run.random_state(obj, 2, 2, 4, 3, "cpu", requires_grad=True)
     assert isinstance(S0, tuple) and len(S0) == 2
     res = graphed_against_eager(obj, inputs, params, S0)
     assert res["check_ok"] and res["check_exact"]
@@ -218,7 +221,7 @@ def test_a_failed_capture_is_one_line_naming_what(monkeypatch, capsys):
     with pytest.raises(SsmcraftError, match=r"^--graphed: capturing obj\(\) \(fwd, fwd\+bwd\) failed: "
                                                             r"RuntimeError: operation not permitted when stream is "
                                                             r"capturing$"):
-        commands.run_bench("deltanet", (1, 3, 1, 4, 3), "fp32", graphed=True, device="cpu", prefer="torch")
+        run.run_bench("deltanet", (1, 3, 1, 4, 3), "fp32", graphed=True, device="cpu", prefer="torch")
 
 
 def test_check_names_what_eager_cannot_compute(capture_is_the_function):
@@ -226,8 +229,8 @@ def test_check_names_what_eager_cannot_compute(capture_is_the_function):
     comparing false somewhere."""
     obj = ssmcraft.compile("deltanet")
     obj.prefer = "torch"
-    inputs, params = commands.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
-    S0 = commands.random_state(obj, 2, 2, 4, 3, "cpu")
+    inputs, params = run.random_inputs(obj, 2, 5, 2, 4, 3, torch.float32, "cpu", requires_grad=True)
+    S0 = run.random_state(obj, 2, 2, 4, 3, "cpu")
     with torch.no_grad():
         S0[0, 0, 0, 0] = float("inf")
     res = graphed_against_eager(obj, inputs, params, S0.requires_grad_())
@@ -237,7 +240,7 @@ def test_check_names_what_eager_cannot_compute(capture_is_the_function):
 def test_bench_inputs_follow_the_spec():
     """``normalize: true`` inputs are unit vectors (the delta rule's step is stable then), bounded ones in (0, 1)."""
     obj = ssmcraft.compile("gated_deltanet")
-    inputs, _ = commands.random_inputs(obj, 2, 7, 3, 4, 5, torch.float32, "cpu")
+    inputs, _ = run.random_inputs(obj, 2, 7, 3, 4, 5, torch.float32, "cpu")
     for n in ("k", "q"):
         assert torch.allclose(inputs[n].norm(dim=-1), torch.ones(2, 7, 3))
     assert all(bool(((inputs[n] > 0) & (inputs[n] < 1)).all()) for n in ("beta", "alpha"))

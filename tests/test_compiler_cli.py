@@ -113,7 +113,7 @@ def test_derive_code_is_importable_and_runs(name, capsys, compiled, tmp_path, ra
     spec.loader.exec_module(mod)
     assert mod.KIND == obj.ir.kind and callable(mod.coefficients) and callable(mod.step) and callable(mod.readout)
     # the printed module, driven by the runtime's loop, gives the compiled objective's outputs
-    from ssmcraft.kernels.reference import layout, reference_loop
+    from ssmcraft.ops.common.reference import layout, reference_loop
     inputs, params = random_inputs(obj.spec, B=1, T=4, H=2, seed=1)
     lay = layout(obj.ir, obj.spec, inputs, params, None)
     y, S, _ = reference_loop(mod, lay)
@@ -226,7 +226,7 @@ def test_derive_and_codegen_under_one_second(compiled):
 def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, family, marker, capsys):
     assert main(["derive", name, "--kernel"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == f"# {name}: family {family!r} runs it on the GPU (ssmcraft/kernels/{family}.py)"
+    assert out.splitlines()[0] == f"# {name}: family {family!r} runs it on the GPU (ssmcraft/ops/{family}/)"
     assert marker in out
     if family in ("diagonal", "general", "rankr_row", "rank1_row"):
         compile(out[out.index("# spec:"):], f"{name} kernels", "exec")   # the printed source is the module
@@ -234,12 +234,13 @@ def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, fami
 
 def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
     """No family runs the objective: an error (exit 2) with each family's reason, decode aside."""
-    from ssmcraft.kernels import triton_backend
-    monkeypatch.setattr(triton_backend, "_load", lambda fam: (None, f"{fam} refused here"))
+    from ssmcraft.ops import registry
+    for fam in registry.FAMILIES:
+        monkeypatch.setattr(fam, "supports", lambda ir, name=fam.name: f"{name} refused here")
     assert main(["derive", "longhorn", "--kernel"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    reasons = "; ".join(f"{f}: {f} refused here" for f in triton_backend.FAMILIES if f != "decode")
+    reasons = "; ".join(f"{f.name}: {f.name} refused here" for f in registry.FAMILIES if not f.one_token)
     assert err == (f"ssmcraft derive: error: longhorn: no Triton kernel family runs it on CUDA tensors "
                    f"({reasons})\n")
 
@@ -247,7 +248,7 @@ def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
 def test_derive_kernel_prints_the_eager_coefficients_note_as_a_comment(monkeypatch, capsys):
     """A hand-written family whose computed slots have no generated prologue (here: the prologue
     made to fail) prints why, as one comment line, and no source block."""
-    from ssmcraft.kernels import prologue
+    from ssmcraft.ops.codegen import prologue
 
     def refuse(*args, **kwargs):
         raise NotImplementedError("printer refused")

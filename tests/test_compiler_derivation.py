@@ -657,7 +657,7 @@ def test_evaluator_matches_hand_computation():
 
 
 def test_library_update_kinds():
-    """The structure classes DESIGN.md names, on the library (a regression table)."""
+    """The structure classes docs/design.md names, on the library (a regression table)."""
     kinds = {n: ssmcraft.compile(n).ir.kind for n in LIBRARY}
     expect = {"linear_attention": "scalar_decay", "retnet": "scalar_decay", "gla": "diagonal_decay",
               "hgrn": "diagonal_decay", "mamba": "diagonal_decay", "longhorn_diag": "diagonal_decay",

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import diagonal as D  # noqa: E402
+from ssmcraft.ops.diagonal import chunk as D  # noqa: E402
 
 
 @pytest.mark.parametrize("objective", ["longhorn_diag", "mamba"])

@@ -194,14 +194,14 @@ from __future__ import annotations
 import functools
 import os
 
-from ssmcraft.kernels.launch import launch
+from ssmcraft.ops.common.launch import launch
 
 
 @functools.lru_cache(
     maxsize=2,
 )
 def prepare(obj, lay):
-    from ssmcraft.kernels.slots import CallSlots
+    from ssmcraft.ops.common.slots import CallSlots
     return CallSlots, functools
 
 
@@ -222,11 +222,11 @@ def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(t
     assert text.startswith("# head\n") and "\nfrom __future__ import annotations\n" in text
     assert "prepare" not in text.replace("(without prepare)", "") and "lru_cache" not in text
     assert "import functools" not in text and "import os" in text and "CallSlots" not in text
-    assert "# ssmcraft/kernels/launch.py\n" in text and "def launch(" in text and "from ssmcraft" not in text
+    assert "# ssmcraft/ops/common/launch.py\n" in text and "def launch(" in text and "from ssmcraft" not in text
     ns: dict = {}
     exec(compile(text, "fam_like_bundled", "exec"), ns)   # noqa: S102 - our own bundle
     assert ns["forward"](None, None, None, False) == (ns["launch"], os.sep)
-    with pytest.raises(ExportError, match="kernels/launch.py imports triton at run time"):
+    with pytest.raises(ExportError, match="ops/common/launch.py imports triton at run time"):
         standalone_module("fam_like", "", exclude={"prepare"})
     (tmp_path / "fam_sympy.py").write_text(FAMILY_LIKE.replace("import os\n", "import os\n\nimport sympy\n"))
     with pytest.raises(ExportError, match="fam_sympy.py imports sympy at run time"):

@@ -13,7 +13,7 @@ import torch
 
 import ssmcraft
 from ssmcraft.errors import SpecError, SsmcraftError
-from ssmcraft.kernels.graphs import _entries, call_signature, require_cuda, signature_difference
+from ssmcraft.runtime.graphs import _entries, call_signature, require_cuda, signature_difference
 from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.graphed_decode import GraphedDecoder, StaticDecodeState
 from ssmcraft.train import train_run
@@ -254,7 +254,7 @@ def test_graphed_call_bookkeeping_is_obj(name, with_state, monkeypatch):
     CPU): the flat order and its unflattening (params ``{}`` -> None, one state or a tuple), the
     packing of several final states, ``static_inputs()``: outputs and every gradient (the initial
     state's included) equal ``obj()``'s."""
-    from ssmcraft.kernels import graphs
+    from ssmcraft.runtime import graphs
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)
     monkeypatch.setattr(graphs, "require_cuda", lambda entries, what="graphed": None)
@@ -307,7 +307,7 @@ def test_static_decode_state_load_refuses_caches_that_do_not_fit():
 
 def test_graphed_call_names_a_number_where_a_tensor_was_captured(monkeypatch):
     """A call passing a number where a tensor was captured gets ``require_cuda``'s message for that place."""
-    from ssmcraft.kernels import graphs
+    from ssmcraft.runtime import graphs
 
     real = graphs.require_cuda
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda f, sample, **kw: f)

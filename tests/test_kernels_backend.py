@@ -1,4 +1,4 @@
-"""Backend selection (ssmcraft.kernels.triton_backend + dispatch), under TRITON_INTERPRET=1.
+"""Backend selection (ssmcraft.runtime.select + dispatch), under TRITON_INTERPRET=1.
 
 The compiled objective runs the Triton kernel on CPU tensors only when asked for
 (prefer="interpret"), says which kernel ran in ``obj.backend``, and never falls back silently.
@@ -8,7 +8,8 @@ import torch
 
 import ssmcraft
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels import triton_backend as TB
+from ssmcraft.ops import registry
+from ssmcraft.runtime import select as TB
 from helpers import rel_rms as _rel
 
 
@@ -94,32 +95,27 @@ def test_key_decays_run_the_keydecay_family_and_say_so(name):
     assert reasons["keydecay_chunk"] is None and reasons["diagonal"] is None
 
 
-def test_missing_family_module_is_skipped(monkeypatch):
-    real = TB._load
-
-    def fake(family):
-        if family in ("keydecay_chunk", "diagonal"):
-            return None, "not implemented yet"
-        return real(family)
-    monkeypatch.setattr(TB, "_load", fake)
+def test_refusing_family_is_skipped_by_name(monkeypatch):
+    for name in ("keydecay_chunk", "diagonal"):
+        monkeypatch.setattr(registry.family(name), "supports", lambda ir: "refused here")
     obj = ssmcraft.compile("retnet")
     inputs, _ = _inputs(obj)
     obj.prefer = "interpret"
     runner = TB.select(obj, inputs, "interpret")
     if runner is not None:           # another family took it: its name must say which
-        assert "diagonal" not in runner.backend
-    assert "diagonal: not implemented yet" in TB.why_not(obj, inputs) or runner is not None
+        assert "diagonal" not in runner.backend and "keydecay" not in runner.backend
+    assert "diagonal: refused here" in TB.why_not(obj, inputs) or runner is not None
 
 
 def test_rank1_per_head_prefers_chunked_on_gpu_only():
     obj = ssmcraft.compile("deltanet")
-    assert TB._order(obj.ir, "triton")[:4] == ["decode", "keydecay_chunk", "diagonal", "rank1_chunk"]
-    assert TB._order(obj.ir, "interpret") == list(TB.FAMILIES)
+    assert [f.name for f in TB.order(obj.ir, "triton")][:4] == ["decode", "keydecay_chunk", "diagonal", "rank1_chunk"]
+    assert TB.order(obj.ir, "interpret") == list(registry.FAMILIES)
 
 
 def test_family_contract_forward_on_a_layout():
-    from ssmcraft.kernels import diagonal
-    from ssmcraft.kernels.reference import layout
+    from ssmcraft.ops.diagonal import chunk as diagonal
+    from ssmcraft.ops.common.reference import layout
     obj = ssmcraft.compile("retnet")
     inputs, _ = _inputs(obj)
     params = {"gamma": torch.tensor([0.9, 0.7])}

@@ -1,11 +1,11 @@
-"""``ssmcraft.kernels.checking``, the comparison with the float64 reference that the kernel tests
+"""``ssmcraft.runtime.checking``, the comparison with the float64 reference that the kernel tests
 and the GPU checks share: it names every output and gradient, finds a wrong output, a wrong
 gradient and an unwritten (NaN) one, and handles several states and no initial state."""
 import torch
 
 import ssmcraft
 from helpers import kernel_inputs
-from ssmcraft.kernels.checking import compare, reference
+from ssmcraft.runtime.checking import compare, reference
 
 
 def _case(name, seed=0):

@@ -15,10 +15,10 @@ import torch
 
 import ssmcraft
 from ssmcraft.compiler.functions import sigmoid, silu, softplus
-from ssmcraft.kernels import diagonal as D
-from ssmcraft.kernels.triton_printer import triton_code
+from ssmcraft.ops.diagonal import chunk as D
+from ssmcraft.ops.codegen.triton_printer import triton_code
 from helpers import assert_within, rel_rms as _rel
-from ssmcraft.kernels.checking import reference_errors
+from ssmcraft.runtime.checking import reference_errors
 
 # relative RMS error vs the float64 reference, fp32 kernel (interpreter)
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -141,11 +141,11 @@ def test_groups_carry_without_a_final_state_gradient(with_s0):
 
 def test_generated_source_is_readable():
     obj = ssmcraft.compile("longhorn_diag")
-    from ssmcraft.kernels import diagonal_gen as G
+    from ssmcraft.ops.codegen import diagonal as G
 
-    plan = G._plan(obj.ir)
+    plan = G.plan(obj.ir)
     src = G._Gen(plan, pad_k=False, ls=8, fast_math=False).source("test")
-    for kernel in ("fwd_summary", "fwd_propagate", "fwd_main", "bwd_summary", "bwd_propagate", "bwd_main"):
+    for kernel in ("diagonal_fwd_summary_kernel", "diagonal_fwd_propagate_kernel", "diagonal_fwd_main_kernel", "diagonal_bwd_summary_kernel", "diagonal_bwd_propagate_kernel", "diagonal_bwd_main_kernel"):
         assert f"def {kernel}(" in src
     assert "_a [d, m] = -_c*k**2 + 1" in src           # the coefficient table in the docstring
     assert "N_a = 1.0 - N_c*(L_k*L_k)" in src            # a computed in registers from its leaves
@@ -153,12 +153,12 @@ def test_generated_source_is_readable():
 
 
 def test_every_step_load_of_the_backward_carries_its_time_mask():
-    """bwd_main's refill and sub-chunk steps past T must not read: the interpreter does not see an
+    """diagonal_bwd_main_kernel's refill and sub-chunk steps past T must not read: the interpreter does not see an
     out-of-bounds load, and the kernels' results do not depend on what such a step reads (its state
     only starts sub-chunks wholly past T, whose every store is masked), so this is checked on the source."""
     for name in ("longhorn_diag", "mamba"):
         src = D.generated_source(ssmcraft.compile(name).ir)
-        body = src[src.index("def bwd_main("):]
+        body = src[src.index("def diagonal_bwd_main_kernel("):]
         loads = [ln for ln in body.splitlines() if "tl.load(" in ln and re.search(r"\br?tok\d\b", ln)]
         assert any("rtok0" in ln for ln in loads) and any("tok0" in ln and "rtok0" not in ln for ln in loads)
         for ln in loads:
@@ -332,8 +332,25 @@ def test_each_backward_steps_stores_come_after_the_next_steps_loads():
     # the lag of BENCHMARKS.md "Diagonal, run 4" (7-13% of the backward): the compiler keeps a load
     # after an earlier store, so a step's stores printed before the next step's loads would stall them
     src = D.generated_source(ssmcraft.compile("mamba").ir, 16, fast_math=True)
-    bwd = src[src.index("def bwd_main"):]
+    bwd = src[src.index("def diagonal_bwd_main_kernel"):]
     for k in range(D._ls_for(16) - 1, 0, -1):
         store = bwd.index(f"tl.store(g_x + tok{k} ")
         assert bwd.index(f"dyt = tl.load(dy + tok{k - 1} ") < store < bwd.index(f"gl_x_{k - 1} = "), k
     assert bwd.index("tl.store(g_x + tok0 ") > bwd.index("gl_x_0 = ")
+
+
+def test_mamba_kernels_match_the_naive_slot_loop():
+    """The generated kernels of the Mamba objective against the family's readable twin
+    (``ops/diagonal/naive.py``) on its slots: a = exp(delta A), p = delta x, q = k, oq = q."""
+    from ssmcraft.ops.diagonal.naive import naive_recurrent_diagonal
+    obj = ssmcraft.compile("mamba")
+    B, T, H, V, K = 2, 9, 2, 6, 4
+    g = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, k, q = r(B, T, H, V), r(B, T, H, K), r(B, T, H, K)
+    delta, A = torch.nn.functional.softplus(r(B, T, H, V)), -torch.rand(H, V, K, generator=g)
+    h0 = r(B, H, K, V)
+    y, hT = D.diagonal_scan(obj, {"x": x, "k": k, "q": q, "delta": delta, "A": A}, h0, output_final_state=True)
+    a = torch.exp(delta.double()[..., None, :] * A.double().transpose(-1, -2))          # [B, T, H, K, V]
+    y_ref, h_ref = naive_recurrent_diagonal(a, (delta * x).double(), k.double(), q.double(), h0.double())
+    assert _rel(y.double(), y_ref) < 1e-5 and _rel(hT.double(), h_ref) < 1e-5

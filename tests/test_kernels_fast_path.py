@@ -18,10 +18,13 @@ import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
 from ssmcraft.compiler.spec import load_spec  # noqa: E402
 from ssmcraft.compiler.structure import element_form  # noqa: E402
-from ssmcraft.kernels import general as G, keydecay_chunk as KD, rank1_chunk as RC  # noqa: E402
-from ssmcraft.kernels import triton_backend as TB  # noqa: E402
-from ssmcraft.kernels.slots import bindings  # noqa: E402
-from ssmcraft.kernels.checking import reference_errors  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
+from ssmcraft.ops.keydecay_chunk import chunk as KD  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as RC  # noqa: E402
+from ssmcraft.ops import registry  # noqa: E402
+from ssmcraft.runtime import select as TB  # noqa: E402
+from ssmcraft.ops.common.slots import bindings  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
@@ -49,15 +52,15 @@ def test_path_is_chosen_once_per_signature(monkeypatch):
     inputs, params = random_inputs(obj.spec, T=5, dtype=torch.float32)
     obj(inputs, params)
     calls = []
-    for fam in TB.FAMILIES:
-        mod, _ = TB._load(fam)
-        if mod is not None:
-            real = mod.supports
-            monkeypatch.setattr(mod, "supports", lambda ir, real=real: calls.append(ir) or real(ir))
-    import ssmcraft.kernels.reference as R
-    for fname in ("layout", "validate"):
-        real = getattr(R, fname)
-        monkeypatch.setattr(R, fname, lambda *a, real=real, fname=fname, **k: calls.append(fname) or real(*a, **k))
+    for fam in registry.FAMILIES:
+        real = fam.supports
+        monkeypatch.setattr(fam, "supports", lambda ir, real=real: calls.append(ir) or real(ir))
+    import ssmcraft.ops.common.reference as R
+    import ssmcraft.runtime.dispatch as D
+    for module in (R, D):                  # dispatch imports them by name
+        for fname in ("layout", "validate"):
+            real = getattr(module, fname)
+            monkeypatch.setattr(module, fname, lambda *a, real=real, fname=fname, **k: calls.append(fname) or real(*a, **k))
     y1, _ = obj(inputs, params)
     y2, _ = obj({k: v.clone() for k, v in inputs.items()}, params)
     assert calls == [] and torch.equal(y1, y2)
@@ -103,7 +106,7 @@ def test_bindings_of_library_layers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deltanet_slots_reach_the_kernel_uncopied(monkeypatch, dtype):
     obj = _interpret("deltanet")
-    monkeypatch.setattr(TB, "_order", lambda ir, mode: ["rank1_chunk"])
+    monkeypatch.setattr(TB, "order", lambda ir, mode: [registry.family("rank1_chunk")])
     seen = _spy(monkeypatch, RC, "chunk_rank1", ("v", "p", "c", "oq"))
     inputs, _ = random_inputs(obj.spec, T=5, sizes={"d": 8, "m": 4}, dtype=dtype)
     y, _ = obj(inputs)
@@ -158,7 +161,7 @@ SINGLE_STATE = [n for n in library_names() if not load_spec(n).states]
 
 
 def test_several_states_leave_one_token_calls_to_the_general_family():
-    from ssmcraft.kernels import decode
+    from ssmcraft.ops.decode import step as decode
     several = [n for n in library_names() if n not in SINGLE_STATE]
     assert several, "the library has a several-state objective (momentum_longhorn)"
     for n in several:
@@ -182,7 +185,7 @@ def test_longer_calls_do_not_take_the_decode_kernel():
     inputs, _ = random_inputs(obj.spec, T=2, dtype=torch.float32)
     obj(inputs)
     assert "decode" not in obj.backend
-    from ssmcraft.kernels import decode
+    from ssmcraft.ops.decode import step as decode
     assert "T = 1" in decode.supports_inputs(obj.ir, inputs, "interpret")
 
 
@@ -207,8 +210,8 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     DeltaNet's c = alpha beta, HGRN's p = -x) or per-head params (RetNet's gamma), and the fused
     sequential kernels (general, row-tiled rank-r) on the caller's tensors: output, final state and
     every gradient against the float64 reference, outputs poisoned."""
-    from ssmcraft.kernels import rank1_row as RR
-    monkeypatch.setattr(TB, "_order", lambda ir, mode: [family])
+    from ssmcraft.ops.rank1_row import recurrent as RR
+    monkeypatch.setattr(TB, "order", lambda ir, mode: [registry.family(family)])
     monkeypatch.setattr(RR, "POISON", True)
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(G, "POISON", True)

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import general as G  # noqa: E402
+from ssmcraft.ops.codegen import general as GC  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernel vs float64 reference. The derived
@@ -43,14 +44,14 @@ def test_supports_and_source():
     assert _compile(COL_DELTA).ir.kind == "general" and G.supports(_compile(COL_DELTA).ir) is None
     assert "general/nonlinear" in G.supports(_compile("longhorn").ir)
     step, mod, source = G._module(obj.ir)
-    assert "spec: cauchy_delta" in source and "def fwd_kernel" in source and "def bwd_kernel" in source
-    assert hasattr(mod, "fwd_kernel") and hasattr(mod, "bwd_kernel")
+    assert "spec: cauchy_delta" in source and "def general_fwd_kernel" in source and "def general_bwd_kernel" in source
+    assert hasattr(mod, "general_fwd_kernel") and hasattr(mod, "general_bwd_kernel")
 
 
 def test_printer_keeps_denominators():
     import sympy
     x, y, b = sympy.symbols("x y b")
-    code = G._triton_code(-b * x / (1 + y), {})
+    code = GC._triton_code(-b * x / (1 + y), {})
     assert eval(code, {"x": 1.3, "y": 0.7, "b": -2.1}) == pytest.approx(float((-b * x / (1 + y)).subs({x: 1.3, y: 0.7, b: -2.1})))
 
 

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import general as G  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from helpers import assert_within, kernel_errors, random_inputs, rel_rms as rel  # noqa: E402
 from test_compiler_multistate import SECOND_MOMENT  # noqa: E402
 

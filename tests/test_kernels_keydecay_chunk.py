@@ -10,9 +10,10 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import keydecay_chunk as KD  # noqa: E402
-from ssmcraft.kernels.triton_backend import validated_call  # noqa: E402
-from ssmcraft.kernels.checking import reference_errors  # noqa: E402
+from ssmcraft.ops.keydecay_chunk import chunk as KD  # noqa: E402
+from ssmcraft.runtime.select import validated_call  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors  # noqa: E402
+from ssmcraft.ops.keydecay_chunk.naive import naive_recurrent_key_decay  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference. With strongly
@@ -79,15 +80,6 @@ def test_strongly_decaying_gates(T, chunk, monkeypatch):
     _check_objective("gla", T, chunk, monkeypatch, strong=True)
 
 
-def _loop(q, k, v, g, h0):
-    """h_t = diag(e^{g_t}) h_{t-1} + k_t v_t^T, o_t = h_t^T q_t (kernel layout), float64."""
-    h, outs = h0, []
-    for t in range(q.shape[1]):
-        h = torch.exp(g[:, t])[..., None] * h + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, t]))
-    return torch.stack(outs, 1), h
-
-
 @pytest.mark.parametrize("T,K,V,chunk,bk,bv,with_h0,with_dht,B,H", [
     (70, 20, 40, 64, 16, 16, True, True, 1, 2),      # 2 key blocks x 3 value blocks in the sequential kernels
     (33, 16, 24, 32, None, 16, False, False, 1, 2),  # no initial state, no final-state gradient
@@ -106,7 +98,7 @@ def test_kernel_level(T, K, V, chunk, bk, bv, with_h0, with_dht, B, H, monkeypat
            -2.0 * torch.rand(B, T, H, K, generator=g, dtype=torch.float64)]
     h0 = r(B, H, K, V) if with_h0 else torch.zeros(B, H, K, V, dtype=torch.float64)
     ref_in = [x.clone().requires_grad_() for x in ins + [h0]]
-    o_ref, h_ref = _loop(*ref_in)
+    o_ref, h_ref = naive_recurrent_key_decay(*ref_in)
     do = r(*o_ref.shape)
     dh = r(*h_ref.shape) if with_dht else torch.zeros_like(h_ref)
     ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), ref_in if with_h0 else ref_in[:4])
@@ -126,7 +118,7 @@ def test_no_grad_path_and_empty():
     lg = -torch.rand(1, 5, 1, 16, generator=g)
     with torch.no_grad():
         o, ht = KD.chunk_key_decay(q, k, v, lg, output_final_state=False)
-    ref, _ = _loop(q.double(), k.double(), v.double(), lg.double(), torch.zeros(1, 1, 16, 16, dtype=torch.float64))
+    ref, _ = naive_recurrent_key_decay(q.double(), k.double(), v.double(), lg.double(), torch.zeros(1, 1, 16, 16, dtype=torch.float64))
     assert ht is None and rel(o, ref) < TOL["y"]
     o0, h0 = KD.chunk_key_decay(q[:, :0], k[:, :0], v[:, :0], lg[:, :0], output_final_state=True)
     assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0

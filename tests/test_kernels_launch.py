@@ -1,4 +1,4 @@
-"""The direct-launch cache (``ssmcraft.kernels.launch``): what a launch key holds, and how a
+"""The direct-launch cache (``ssmcraft.ops.common.launch``): what a launch key holds, and how a
 call's arguments are rebuilt into the full parameter list Triton's launcher takes.
 
 The direct launch itself needs a GPU (compiled kernels): it runs in every GPU benchmark, whose
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ssmcraft.kernels import launch as L
+from ssmcraft.ops.common import launch as L
 
 
 def _kern(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):

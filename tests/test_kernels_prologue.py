@@ -1,4 +1,4 @@
-"""The fused prologue of the computed slots (``ssmcraft.kernels.prologue``), under TRITON_INTERPRET=1:
+"""The fused prologue of the computed slots (``ssmcraft.ops.codegen.prologue``), under TRITON_INTERPRET=1:
 
 - for every library objective with a computed slot, the kernel against the objective's generated
   eager ``coefficients`` (float64, from the same leaf values) on every computed slot and, under
@@ -16,9 +16,12 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
-from ssmcraft.kernels import prologue as P, rank1_row as RR, triton_backend as TB  # noqa: E402
-from ssmcraft.kernels.slots import bindings  # noqa: E402
-from ssmcraft.kernels.checking import compare, reference  # noqa: E402
+from ssmcraft.ops.codegen import prologue as P  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as RR  # noqa: E402
+from ssmcraft.ops import registry  # noqa: E402
+from ssmcraft.runtime import select as TB  # noqa: E402
+from ssmcraft.ops.common.slots import bindings, computed_slots  # noqa: E402
+from ssmcraft.runtime.checking import compare, reference  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 
 # every library objective with a computed slot (checked against the library below)
@@ -76,7 +79,7 @@ def _check(monkeypatch, name, dtype, per_head_params=True):
               **{f"param.{k}": v.requires_grad_(True) for k, v in params.items()}}
     split = lambda lv: ({k[3:]: v for k, v in lv.items() if k.startswith("in.")},      # noqa: E731
                         {k[6:]: v for k, v in lv.items() if k.startswith("param.")})
-    got, dgot = _grads(lambda lv: P.computed_slots(obj, *split(lv)), leaves, torch.Generator().manual_seed(5))
+    got, dgot = _grads(lambda lv: computed_slots(obj, *split(lv)), leaves, torch.Generator().manual_seed(5))
     ref_leaves = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
     ref, dref = _grads(lambda lv: _eager(obj, *split(lv), **SIZES, d=d, m=m), ref_leaves,
                        torch.Generator().manual_seed(5))
@@ -107,14 +110,14 @@ def test_generated_source_is_readable_and_cached():
     pro, mod, source = P.module(obj.ir, bindings(obj.ir))
     assert P.module(obj.ir, bindings(obj.ir))[1] is mod
     assert [s for s, _, _ in pro.slots] == ["c", "p"] and [lf.name for lf in pro.leaves] == ["x", "k", "beta"]
-    assert "spec: longhorn" in source and "def fwd_kernel(" in source and "def bwd_kernel(" in source
+    assert "spec: longhorn" in source and "def prologue_fwd_kernel(" in source and "def prologue_bwd_kernel(" in source
     assert "c ['d'] = beta/(_r0*beta + 1)" in source
 
 
 def _longhorn_end_to_end(monkeypatch, obj):
     """``obj(...)`` (Longhorn, rank1_row) against the reference loop; returns (inputs, S0, the
     number of calls of the eager generated coefficients during the fast call, forward and backward)."""
-    monkeypatch.setattr(TB, "_order", lambda ir, mode: ["rank1_row"])
+    monkeypatch.setattr(TB, "order", lambda ir, mode: [registry.family("rank1_row")])
     monkeypatch.setattr(RR, "POISON", True)
     monkeypatch.setattr(P, "POISON", True)
     eager, calls = obj.module.coefficients, []
@@ -159,6 +162,6 @@ def test_without_a_prologue_the_eager_path_runs_by_name(monkeypatch):
     _, _, n_eager = _longhorn_end_to_end(monkeypatch, obj)
     assert obj.backend == "triton-interpret:rank1-row+eager-coefficients" and n_eager == 1
     # `ssmcraft derive --kernel` says so too, rather than failing on the prologue it cannot print
-    from ssmcraft.kernels.triton_backend import kernel_source
+    from ssmcraft.runtime.select import kernel_source
     fam, sources = kernel_source(obj)
     assert fam == "rank1_row" and "no Triton prologue (no Triton printing for the function f)" in sources[0][1]

@@ -7,8 +7,9 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_chunk as R  # noqa: E402
-from ssmcraft.kernels.checking import DELTA_RULE_CASES, delta_rule_case, rank1_chunk_loop  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
+from ssmcraft.ops.rank1_chunk.naive import naive_recurrent_rank1  # noqa: E402
+from ssmcraft.runtime.checking import DELTA_RULE_CASES, delta_rule_case  # noqa: E402
 from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
@@ -77,7 +78,7 @@ def test_general_slots(T, K, V, chunk, general, sep_u, decay, scale, bv, monkeyp
            "h0": r(B, H, K, V), "ps": torch.randn(B, T, H, generator=g, dtype=torch.float64) if scale else None}
     names = [n for n, t in ins.items() if t is not None]
     ref_in = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
-    o_ref, h_ref = rank1_chunk_loop(*ref_in.values())
+    o_ref, h_ref = naive_recurrent_rank1(*ref_in.values())
     do, dh = r(*o_ref.shape), r(*h_ref.shape)
     ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), [ref_in[n] for n in names])
     x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
@@ -95,7 +96,7 @@ def test_no_grad_path_and_empty():
     p, c = torch.randn(1, 5, 1, 16, generator=g), torch.rand(1, 5, 1, generator=g)
     with torch.no_grad():
         o, ht = R.chunk_rank1(v, p, c, v, output_final_state=False)
-    ref, _ = rank1_chunk_loop(v.double(), None, None, p.double(), v.double(), c.double(), None,
+    ref, _ = naive_recurrent_rank1(v.double(), None, None, p.double(), v.double(), c.double(), None,
                    torch.zeros(1, 1, 16, 16, dtype=torch.float64))
     assert ht is None and rel(o, ref) < TOL["y"]
     o0, h0 = R.chunk_rank1(v[:, :0], p[:, :0], c[:, :0], v[:, :0], output_final_state=True)
@@ -116,7 +117,7 @@ def test_half_precision_pads_small_key_blocks():
            "c": torch.rand(B, T, H, generator=g), "h0": torch.randn(B, H, K, V, generator=g)}
     x = {n: (t.to(torch.float16) if n in ("v", "p", "c") else t).requires_grad_() for n, t in ins.items()}
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    o_ref, h_ref = rank1_chunk_loop(ref["v"], None, None, ref["p"], ref["v"], ref["c"], None, ref["h0"])
+    o_ref, h_ref = naive_recurrent_rank1(ref["v"], None, None, ref["p"], ref["v"], ref["c"], None, ref["h0"])
     do, dh = torch.randn(*o_ref.shape, generator=g, dtype=torch.float64), torch.randn(*h_ref.shape, generator=g, dtype=torch.float64)
     ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), list(ref.values()))
     o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["v"], initial_state=x["h0"], output_final_state=True, chunk_size=16)

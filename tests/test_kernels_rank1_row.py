@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
-from ssmcraft.kernels import rank1_row as R  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
+from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
 from helpers import assert_within, kernel_errors, random_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||: fp32 kernels vs float64 references
@@ -61,18 +62,6 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
                         ins, {}, S0, g))
 
 
-def _loop(u, v, q, oq, a, c, p, oc, oh, S0):
-    """Plain loop of the kernel-level recurrence (FLA state layout [B, H, K, V])."""
-    S = S0.transpose(-1, -2)                       # [B, H, V, K]
-    ys = []
-    row = lambda x, t: x[:, t, :, None, None] if x.dim() == 3 else x[:, t, :, :, None]  # noqa: E731
-    for t in range(u.shape[1]):
-        z = (S * u[:, t, :, None, :]).sum(-1, keepdim=True)
-        S = row(a, t) * S - row(c, t) * z * v[:, t, :, None, :] + row(p, t) * q[:, t, :, None, :]
-        ys.append(row(oc, t)[..., 0] * (S * oq[:, t, :, None, :]).sum(-1) + oh[:, t])
-    return torch.stack(ys, 1), S.transpose(-1, -2)
-
-
 def test_general_slots_fla_layout(monkeypatch):
     """Distinct u, v, q, oq; per-head a and c; per-row p, oc, oh; initial state in FLA layout."""
     monkeypatch.setattr(R, "CHUNK", 4)
@@ -83,7 +72,7 @@ def test_general_slots_fla_layout(monkeypatch):
                                                 r(B, T, H, V), r(B, T, H, V), r(B, T, H, V), r(B, H, K, V)]
     ref = [x.requires_grad_() for x in ref]
     ours = [x.detach().float().requires_grad_() for x in ref]
-    y_ref, S_ref = _loop(*ref)
+    y_ref, S_ref = naive_recurrent_rank1_row(*ref)
     dy, dS = torch.randn_like(y_ref), torch.randn_like(S_ref)
     ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), ref)
     u, v, q, oq, a, c, p, oc, oh, S0 = ours
@@ -106,7 +95,7 @@ def test_shared_key_gradients_and_no_grad_path():
     y, S = R.rank1_row_recurrence(k, k, k, oq, c, p, output_final_state=True)
     (gk,) = torch.autograd.grad(y.sum() + S.sum(), [k])
     k2 = k.detach().double().requires_grad_()
-    y2, S2 = _loop(k2, k2, k2, oq.double(), torch.ones(B, T, H).double(), c.double(), p.double(),
+    y2, S2 = naive_recurrent_rank1_row(k2, k2, k2, oq.double(), torch.ones(B, T, H).double(), c.double(), p.double(),
                    torch.ones(B, T, H).double(), torch.zeros(B, T, H, V).double(), torch.zeros(B, H, K, V).double())
     (gk2,) = torch.autograd.grad(y2.sum() + S2.sum(), [k2])
     check({"y": rel(y, y2), "S_T": rel(S, S2), "dk": rel(gk, gk2)})

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.compiler.structure import element_form  # noqa: E402
 from ssmcraft.compiler.library import find_objective  # noqa: E402
-from ssmcraft.kernels import general as G  # noqa: E402
-from ssmcraft.kernels import rankr_row as RR  # noqa: E402
+from ssmcraft.ops.general import recurrent as G  # noqa: E402
+from ssmcraft.ops.rankr_row import recurrent as RR  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
 
 # relative RMS error, fp32 kernel vs float64 reference: the Woodbury coefficients are
@@ -88,7 +88,7 @@ def test_row_kernel_and_decode_share_one_derivation_and_keep_no_ir_alive(monkeyp
     import gc
     import weakref
 
-    from ssmcraft.kernels import decode
+    from ssmcraft.ops.decode import step as decode
 
     builds = []
     real = G.build_step

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ssmcraft
-from ssmcraft.kernels import reference as R
+from ssmcraft.ops.common import reference as R
 from helpers import random_inputs
 
 DECAYS = ["linear_attention", "retnet", "gla", "mamba", "hgrn", "longhorn_diag"]

@@ -1,11 +1,11 @@
-"""The host-side integer helpers of ``ssmcraft.kernels.tuning``: they stand in for
+"""The host-side integer helpers of ``ssmcraft.ops.common.tuning``: they stand in for
 ``triton.cdiv`` / ``triton.next_power_of_2`` (constexpr functions whose host call costs about
 2 us) in every wrapper, so they must agree with them wherever the wrappers call them."""
 from __future__ import annotations
 
 import triton
 
-from ssmcraft.kernels.tuning import cdiv, next_pow2, pow2
+from ssmcraft.ops.common.tuning import cdiv, next_pow2, pow2
 
 
 def test_next_pow2_agrees_with_triton():

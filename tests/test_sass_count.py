@@ -24,21 +24,21 @@ def _main_loop(c):
 
 
 def _step_loop(c):
-    """fwd_main's time loop: the smallest loop of more than 20 instructions."""
+    """diagonal_fwd_main_kernel's time loop: the smallest loop of more than 20 instructions."""
     return min((lp for lp in c["loops"] if lp["instructions"] > 20), key=lambda lp: lp["instructions"])
 
 
 def test_gpu_source_compiles_and_each_change_cuts_the_backward():
-    fast = _counts("--objective", "mamba", "--kernels", "fwd_main,bwd_main")
-    tl_sum = _counts("--objective", "mamba", "--kernels", "bwd_main", "--no-hsum")
-    masked = _counts("--objective", "mamba", "--kernels", "bwd_main", "--no-even")
-    assert fast["fwd_main"]["spill_bytes"] == 0
+    fast = _counts("--objective", "mamba", "--kernels", "diagonal_fwd_main_kernel,diagonal_bwd_main_kernel")
+    tl_sum = _counts("--objective", "mamba", "--kernels", "diagonal_bwd_main_kernel", "--no-hsum")
+    masked = _counts("--objective", "mamba", "--kernels", "diagonal_bwd_main_kernel", "--no-even")
+    assert fast["diagonal_fwd_main_kernel"]["spill_bytes"] == 0
     # measured 24 B (BENCHMARKS.md "Diagonal, run 4": lagged stores, bf16 gradient stores); a blow-up fails
-    assert fast["bwd_main"]["spill_bytes"] <= 64, fast["bwd_main"]["spill_bytes"]
+    assert fast["diagonal_bwd_main_kernel"]["spill_bytes"] <= 64, fast["diagonal_bwd_main_kernel"]["spill_bytes"]
     # the forward step's exp is one MUFU.EX2 per state element (16 per thread), no denormal fix-up
-    step = _step_loop(fast["fwd_main"])
+    step = _step_loop(fast["diagonal_fwd_main_kernel"])
     assert step["ops"].get("MUFU") == 16 and "FSETP" not in step["ops"], step
-    h, s, m = _main_loop(fast["bwd_main"]), _main_loop(tl_sum["bwd_main"]), _main_loop(masked["bwd_main"])
+    h, s, m = _main_loop(fast["diagonal_bwd_main_kernel"]), _main_loop(tl_sum["diagonal_bwd_main_kernel"]), _main_loop(masked["diagonal_bwd_main_kernel"])
     # halving alone: tl.sum does 16 keys x 5 butterfly levels per sum, halving 8 + 4 + 2 + 1 + 1
     assert h["ops"]["SHFL"] * 4 <= s["ops"]["SHFL"], (h["ops"]["SHFL"], s["ops"]["SHFL"])
     assert h["instructions"] < 0.8 * s["instructions"], (h["instructions"], s["instructions"])
@@ -50,7 +50,7 @@ def test_gpu_source_compiles_and_each_change_cuts_the_backward():
 def test_the_prefetched_forward_compiles_without_spilling():
     # Config.PREFETCH is the forward the tuner picks for Mamba (BENCHMARKS.md "Diagonal, run 3"):
     # its 4 prefetch sets stay in registers, and each step issues one MUFU.EX2 per state element
-    pf = _counts("--objective", "mamba", "--kernels", "fwd_main", "--prefetch")["fwd_main"]
+    pf = _counts("--objective", "mamba", "--kernels", "diagonal_fwd_main_kernel", "--prefetch")["diagonal_fwd_main_kernel"]
     assert pf["spill_bytes"] == 0, pf["spill_bytes"]
     body = _step_loop(pf)
     assert body["ops"].get("MUFU") == 4 * 16, body     # the loop body is the 4 prefetched steps

@@ -318,7 +318,7 @@ def test_generated_triton_sources_hold_the_label_only_escaped(fresh_cache, tmp_p
     """The prologue, diagonal and general generators (``ssmcraft derive --kernel``'s text, imported by
     the families on CUDA; the prologue and general ones are imported here too, through the cache)."""
     from ssmcraft.compiler.library import find_objective
-    from ssmcraft.kernels import triton_backend
+    from ssmcraft.runtime import select as triton_backend
 
     target = tmp_path / "PWNED"
     raw = yaml.safe_load(find_objective(name).read_text())

@@ -3,8 +3,8 @@
 The generated module is readable and self-contained (it imports only torch) and has:
 ``coefficients(env, d, m)`` (per-token coefficients, vectorisable over any leading
 shape), ``step(S, env, co, d, m)`` (one step of the recurrence) and
-``readout(S, env, co, d, m)``. ``ssmcraft.kernels.reference`` lays tensors out and runs
-the loop. Triton sources are printed by ``ssmcraft.kernels`` from the same IR.
+``readout(S, env, co, d, m)``. ``ssmcraft.ops.common.reference`` lays tensors out and runs
+the loop. Triton sources are printed by ``ssmcraft.ops`` from the same IR.
 """
 from __future__ import annotations
 

@@ -112,10 +112,11 @@ def run(args) -> int:
 def _print_kernel(spec_arg) -> int:
     """``--kernel``: the family that runs the objective on CUDA tensors, and the source generated for it."""
     import ssmcraft
-    from ssmcraft.kernels import triton_backend
+    from ssmcraft.ops import registry
+    from ssmcraft.runtime import select as triton_backend
     obj = ssmcraft.compile(spec_arg)
     fam, sources = triton_backend.kernel_source(obj)
-    print(f"# {obj.name}: family {fam!r} runs it on the GPU (ssmcraft/kernels/{fam}.py)")
+    print(f"# {obj.name}: family {fam!r} runs it on the GPU ({registry.family(fam).path})")
     if not sources:
         print("# its kernels are written by hand and specialised by constexpr modes: no per-objective source")
     for what, source in sources:

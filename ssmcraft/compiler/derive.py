@@ -60,7 +60,7 @@ def gradient(alg: Algebra, loss: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
             adj[target] = adj.get(target, 0) + contribution
 
     order = [r for r in alg.reductions_in(loss) if alg.depends_on(r.body, var)]
-    for s in loss.free_symbols:
+    for s in sorted(loss.free_symbols, key=str):    # by name: the new reductions' numbering is the same every run
         if s == var:
             push(var, sympy.diff(loss, var), frozenset())
         elif s in alg.reductions and alg.depends_on(alg.reductions[s].body, var):
@@ -70,7 +70,7 @@ def gradient(alg: Algebra, loss: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
         if a == 0:
             continue
         body_dims = r.dims | {r.over}
-        for s in r.body.free_symbols:
+        for s in sorted(r.body.free_symbols, key=str):
             if s == var:
                 push(var, a * sympy.diff(r.body, var), body_dims)
             elif s in alg.reductions and alg.depends_on(alg.reductions[s].body, var):

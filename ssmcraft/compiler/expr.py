@@ -1,6 +1,6 @@
 """Stage 0 of the compiler: the expression language's tokenizer and parser.
 
-A hand-written recursive-descent parser for the grammar of DESIGN.md. It builds a small
+A hand-written recursive-descent parser for the grammar of docs/design.md. It builds a small
 AST and never evaluates anything: spec text cannot run code. Limits on length, nesting
 depth, literal size and exponents keep hostile input cheap to reject.
 

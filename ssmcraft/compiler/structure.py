@@ -181,6 +181,47 @@ def _reduction_irs(reductions, order):
     return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order)) for r in reductions)
 
 
+def _rankr_slots(alg, b: "_Builder", parts, lr, row: str, col: str) -> None:
+    """The ``rankr`` slots: row factors ``c{r}{l}``, decay ``a``, keys ``u{l}``, ``v{r}`` and the
+    input term over the same column vectors, ``B = sum_r p_r v_r^T`` (no ``[d, m]`` tensor) where
+    it lies in their span, else a ``B`` slot."""
+    us, vs, C = lr
+    for r in range(len(vs)):
+        for l in range(len(us)):
+            b.add(f"c{r}{l}", C[r][l], if_nonzero=True)
+    b.add("a", parts.alpha, reuse=False)
+    for l, u in enumerate(us):
+        b.add(f"u{l}", u, reuse=False)
+    for r, v in enumerate(vs):
+        b.add(f"v{r}", v, reuse=False)
+    inputs = by_column(alg, parts.gamma, vs, row, col, grow=False) if parts.gamma != 0 else {}
+    if inputs is not None:
+        for r, f in sorted(inputs.items()):
+            b.add(f"p{r}", f, if_nonzero=True)
+    else:
+        b.add("B", parts.gamma)
+
+
+def _readout_slots(so: SymbolicObjective, b: "_Builder") -> tuple:
+    """The readout ``y = oc . (S oq) + oh`` as slots where it has that form (``(None, ())``), else
+    the element readout and its reductions."""
+    alg, spec = so.algebra, so.spec
+    row, col = spec.dims
+    try:
+        out = affine(alg, so.output, so.lowering.state)
+        split = split_dims(alg, out.terms[0][0], row, col) if len(out.terms) == 1 else None
+        structured = out.alpha == 0 and split is not None and split[1] == 1 and row not in alg.dims_of(out.terms[0][1])
+    except (NotAffine, NotRowSeparable):
+        structured = False
+    if not structured:
+        return so.output, _reduction_irs(alg.reductions_in(so.output), spec.dims)
+    b.add("oc", split[0])
+    b.add("oq", out.terms[0][1], reuse=False)
+    if out.gamma != 0:
+        b.add("oh", out.gamma)
+    return None, ()
+
+
 def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     """Build the IR of update ``F`` (element form in S_prev) for the spec of ``so``."""
     spec, alg = so.spec, so.algebra
@@ -239,22 +280,7 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
             lr = low_rank(alg, parts.terms, row, col)
             if lr is not None:
                 kind = "rankr"
-                us, vs, C = lr
-                for r in range(len(vs)):
-                    for l in range(len(us)):
-                        b.add(f"c{r}{l}", C[r][l], if_nonzero=True)
-                b.add("a", parts.alpha, reuse=False)
-                for l, u in enumerate(us):
-                    b.add(f"u{l}", u, reuse=False)
-                for r, v in enumerate(vs):
-                    b.add(f"v{r}", v, reuse=False)
-                # the input term over the same column vectors: B = sum_r p_r v_r^T (no [d, m] tensor)
-                inputs = by_column(alg, parts.gamma, vs, row, col, grow=False) if parts.gamma != 0 else {}
-                if inputs is not None:
-                    for r, f in sorted(inputs.items()):
-                        b.add(f"p{r}", f, if_nonzero=True)
-                else:
-                    b.add("B", parts.gamma)
+                _rankr_slots(alg, b, parts, lr, row, col)
 
     if kind in ("scalar_decay", "diagonal_decay", "rank1"):
         pq = split_dims(alg, gamma, row, col)
@@ -264,22 +290,7 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
         else:
             b.add("B", gamma)
 
-    # readout y = oc . (S oq) + oh
-    readout, readout_reductions = None, ()
-    try:
-        out = affine(alg, so.output, S)
-        split = split_dims(alg, out.terms[0][0], row, col) if len(out.terms) == 1 else None
-        structured = out.alpha == 0 and split is not None and split[1] == 1 and row not in alg.dims_of(out.terms[0][1])
-    except (NotAffine, NotRowSeparable):
-        structured = False
-    if structured:
-        b.add("oc", split[0])
-        b.add("oq", out.terms[0][1], reuse=False)
-        if out.gamma != 0:
-            b.add("oh", out.gamma)
-    else:
-        readout = so.output
-        readout_reductions = _reduction_irs(alg.reductions_in(readout), spec.dims)
+    readout, readout_reductions = _readout_slots(so, b)
 
     coefficients, reductions = b.build()
     state_update, state_reductions = None, ()
@@ -367,7 +378,7 @@ def element_form(ir: UpdateIR) -> UpdateIR:
     reductions (``a S_prev - sum_rl c_rl (S_prev u_l) v_r + B``, coefficients substituted; one
     erase ``c (S_prev u) v`` for rank-1, ``B = p q`` or ``sum_r p_r v_r`` by the slots). The
     fused one-token (decode) kernel and the row-tiled rank-r kernel are generated from it
-    (``ssmcraft.kernels.decode``, ``ssmcraft.kernels.general``). General and nonlinear IRs are
+    (``ssmcraft.ops.decode.step``, ``ssmcraft.ops.general.recurrent``). General and nonlinear IRs are
     returned unchanged. Computed once per IR object and kept on it (``UpdateIR.memo``)."""
     if ir.kind in ("general", "nonlinear"):
         return ir

@@ -265,7 +265,8 @@ def text_section(title: str, text: str) -> Section:
 def standalone_module(module_name: str, header: str, *, exclude: set[str] = frozenset(),
                       allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY, after: Section | None = None) -> str:
     """One ssmcraft module as a module of its own: the ssmcraft modules it imports from at the
-    top level (in the order it imports them), then the module itself less ``exclude``, then
+    top level, and the ones they import (each after the modules it imports, otherwise in import
+    order), then the module itself less ``exclude``, then
     ``after`` (generated text, e.g. what stands in for the excluded definitions), laid end to end
     by ``bundle`` with the same checks (so a name that only a further ssmcraft module defines, a
     name defined twice, a renamed ssmcraft import or an import outside ``allowed`` is an
@@ -278,15 +279,19 @@ def standalone_module(module_name: str, header: str, *, exclude: set[str] = froz
             raise ExportError(problem)
         return source
 
-    source = check_imports(module_name)
     deps: list[str] = []
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module) and node.module not in deps:
-            if hasattr(importlib.import_module(node.module), "__path__"):
-                raise ExportError(f"{_relpath(importlib.import_module(module_name))}:{node.lineno}: imports from "
-                                  f"the package {node.module}; only names defined in a module can be bundled")
-            check_imports(node.module)
-            deps.append(node.module)
+
+    def visit(name: str) -> None:
+        """``name``'s ssmcraft imports, theirs first (a module lands after every module it imports)."""
+        for node in ast.parse(check_imports(name)).body:
+            if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module) and node.module not in deps:
+                if hasattr(importlib.import_module(node.module), "__path__"):
+                    raise ExportError(f"{_relpath(importlib.import_module(name))}:{node.lineno}: imports from "
+                                      f"the package {node.module}; only names defined in a module can be bundled")
+                visit(node.module)
+                deps.append(node.module)
+
+    visit(module_name)
     plan = [("module", dep) for dep in deps] + [("module", module_name, {"exclude": set(exclude)})]
     generated = {} if after is None else {"after": after}
     return bundle(header, plan + [("generated", k) for k in generated], generated, allowed)

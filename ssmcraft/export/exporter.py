@@ -37,7 +37,7 @@ import torch
 from ssmcraft.compiler import safe_source
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.export.assemble import (ExportError, Section, bundle, dataclass_literal, literal, recurrence_section,
-                                      import_problem, standalone_module)
+                                      import_problem, standalone_module, text_section)
 
 log = logging.getLogger("ssmcraft.export")
 
@@ -51,7 +51,8 @@ LAYER_PLAN = [
     ("module", "ssmcraft.errors"),
     ("module", "ssmcraft.compiler.spec", {"only": ["InputDecl", "ParamDecl", "Spec"]}),
     ("generated", "objective"),
-    ("module", "ssmcraft.kernels.reference"),
+    ("module", "ssmcraft.ops.common.reference"),
+    ("module", "ssmcraft.runtime.dispatch"),
     ("module", "ssmcraft.layers.activations"),
     ("module", "ssmcraft.layers.conv"),
     ("module", "ssmcraft.layers.params"),
@@ -166,32 +167,27 @@ def _model_folder(folder: Path, what: str) -> Path:
 
 
 # -- the Triton kernels, when ssmcraft has them ----------------------------------------------
-# Kernel families (ssmcraft/kernels/<name>.py), in the order ssmcraft's Triton backend tries
-# them on CUDA when it cannot be asked (``triton_backend.families``). Each follows the family
-# contract ``supports(ir) -> reason or None`` and ``forward(obj, lay, co, output_final_state)``.
-KERNEL_FAMILIES = ("diagonal", "rank1_row", "general", "rank1_chunk")
+# The kernel families of ``ssmcraft.ops.registry``, in the order ssmcraft's Triton backend tries them
+# on CUDA; a family is exported through its ``forward(obj, lay, co, output_final_state)``.
 KERNEL_IMPORTS = ("torch", "triton")     # what the inline kernel text may import besides the stdlib
 
 
-def _family_order(obj) -> list[str]:
-    """Families in the order the backend would try them on CUDA tensors."""
-    try:
-        from ssmcraft.kernels import triton_backend
-
-        order = [fam for fam, _reason in triton_backend.families(obj)]
-    except (ImportError, AttributeError, TypeError):
-        order = []
-    return order + [f for f in KERNEL_FAMILIES if f not in order]
+def _module_path(fam) -> str:
+    return fam.module.__name__.replace(".", "/") + ".py"
 
 
-def _family_text(name: str) -> str:
-    """The family module ``ssmcraft/kernels/<name>.py`` as a module of its own, built by the bundle
-    machinery (``assemble.standalone_module``): the ssmcraft modules it imports from (its direct
-    launcher ``ssmcraft/kernels/launch.py``: stdlib, torch and triton only) pasted ahead of it, and
-    without its ``prepare``: a family's ``prepare`` is ssmcraft's per-signature fast path
-    (``ssmcraft.kernels.dispatch``, slot bindings from the IR); the exported ``Objective`` calls the
-    family's ``forward``, so the inlined module does not carry it."""
-    return standalone_module(f"ssmcraft.kernels.{name}", "", exclude={"prepare"}, allowed=KERNEL_IMPORTS)
+def _family_text(fam, obj, sizes: dict) -> str:
+    """The family's kernel module as a module of its own, built by the bundle machinery
+    (``assemble.standalone_module``): the ssmcraft modules it imports from (its direct launcher
+    ``ssmcraft/ops/common/launch.py``: stdlib, torch and triton only) pasted ahead of it, the module
+    less ``fam.export_exclude`` (at least its ``prepare``: ssmcraft's per-signature fast path,
+    ``ssmcraft.runtime.dispatch``; the exported ``Objective`` calls the family's ``forward``), then
+    the family's ``export_tail`` for ``obj``, where it generates its kernels per objective."""
+    after = None
+    if fam.export_tail is not None:
+        after = text_section(*fam.export_tail(obj, sizes))
+    return standalone_module(fam.module.__name__, "", exclude=set(fam.export_exclude), allowed=KERNEL_IMPORTS,
+                             after=after)
 
 
 def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, str]:
@@ -200,55 +196,40 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
     The text is the first kernel family, in the order ssmcraft's Triton backend tries them on
     CUDA, that supports the objective's IR and imports nothing but the standard library,
     torch and triton: the family module with the ssmcraft modules it imports and without its
-    ``prepare`` (``_family_text``), or, when the family
-    defines ``standalone_source(obj, sizes) -> str | None`` (for families that generate
-    their kernels per objective with sympy), that text; plus ``FAMILY = name``. ``sizes``:
+    ``prepare`` and with the kernels generated for this objective where the family generates
+    them per objective with sympy (``_family_text``); plus ``FAMILY = name``. ``sizes``:
     the layer's per-head sizes ``{"d": ..., "m": ...}``. The exported ``Objective`` calls
     the family's ``forward(obj, lay, co, output_final_state)`` on CUDA.
     """
-    import importlib
+    from ssmcraft.ops import registry
 
     reasons, first = [], None
-    for name in _family_order(obj):
-        try:
-            module = importlib.import_module(f"ssmcraft.kernels.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"ssmcraft.kernels.{name}":
-                continue
-            reasons.append(f"{name}: {e}")
+    for fam in registry.order(obj.ir, "triton"):
+        if fam.forward is None:
             continue
-        except ImportError as e:
-            reasons.append(f"{name}: {e}")
-            continue
-        supports, forward = getattr(module, "supports", None), getattr(module, "forward", None)
-        if supports is None or forward is None:
-            continue
-        try:
-            why = supports(obj.ir)
-            if why is None and sizes and hasattr(module, "supports_sizes"):   # known faults at some sizes on CUDA
-                why = module.supports_sizes(obj.ir, {obj.ir.dims[0]: sizes.get("d"), obj.ir.dims[1]: sizes.get("m")}, "triton")
-        except Exception as e:  # noqa: BLE001 - as the backend: a family that cannot inspect the IR does not run it
-            why = f"supports() failed: {e}"
+        name = fam.name
+        why = fam.reason(obj.ir)
+        if why is None and sizes:     # known faults at some sizes on CUDA
+            why = fam.size_reason(obj.ir, {obj.ir.dims[0]: sizes.get("d"), obj.ir.dims[1]: sizes.get("m")}, "triton")
         if why is not None:
             continue
         first = first or name
-        make = getattr(module, "standalone_source", None)
+        generated = fam.export_tail is not None
         try:
-            text = make(obj, dict(sizes or {})) if make is not None else \
-                _family_text(name)
+            text = _family_text(fam, obj, dict(sizes or {}))
         except SsmcraftError as e:
             reasons.append(f"{name}: {e}")
             continue
         if not text:
             continue
         # a bundle's modules were each checked as it was assembled; a family's own text is checked here
-        problem = None if make is None else import_problem(text, f"ssmcraft/kernels/{name}.py", KERNEL_IMPORTS)
+        problem = import_problem(text, _module_path(fam), KERNEL_IMPORTS) if generated else None
         if problem is not None:
             reasons.append(f"{name} supports it, but {problem}")
             continue
-        how = "bundled with the ssmcraft modules it imports" if make is None else \
-            "as its standalone_source() writes it for this objective"
-        text = (f"# Triton kernels for {obj.spec.name!r}: ssmcraft/kernels/{name}.py (family {name}), {how}.\n"
+        how = "bundled with the ssmcraft modules it imports" if not generated else \
+            "with the kernels generated for this objective"
+        text = (f"# Triton kernels for {obj.spec.name!r}: {_module_path(fam)} (family {name}), {how}.\n"
                 + text.rstrip() + f"\n\n\nFAMILY = {name!r}\n")
         compile(text, f"<triton kernels {name}>", "exec")
         note = "" if first == name else f"; ssmcraft itself runs {first}, which cannot be exported: {reasons[0]}"

@@ -38,10 +38,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
-                                        vectorised)
+from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
+                                           validate)
 from ssmcraft.layers.config import mixer_config
 from ssmcraft.layers.mixer import ObjectiveMixer
+from ssmcraft.runtime.dispatch import PREFER, backend_name, run_fast, triton_mode
 
 runtime_log = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ MODEL_CONFIG: dict = {}   # set by the generated section: the model config it wa
 EXPORT: dict = {}         # set by the generated section: provenance (run, trial, objective)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-BACKENDS = ("auto", "torch", "reference", "triton", "interpret")
 
 
 # -- the compiled objective, standalone ------------------------------------------------------
@@ -128,6 +128,7 @@ class Objective:
                                 "(or leave it unset: auto)")
         self._kernels = None
         self._kernel_error: str | None = None
+        self._paths: dict = {}           # call signature -> runner (ssmcraft.runtime.dispatch)
 
     @property
     def name(self) -> str:
@@ -153,27 +154,13 @@ class Objective:
         return y.to(lay.out_dtype), (S if output_final_state else None)
 
     def __call__(self, inputs, params=None, initial_state=None, output_final_state: bool = True):
-        """The path ``prefer`` picks on these tensors; ``self.backend`` says which ran."""
-        if self.prefer not in BACKENDS:
-            raise SsmcraftError(f"backend {self.prefer!r} unknown; choose one of {', '.join(BACKENDS)}")
-        if self.prefer == "reference":
-            out = self.reference(inputs, params, initial_state, output_final_state)
-            self._note("reference-loop")
-            return out
-        lay = layout(self.ir, self.spec, inputs, params, initial_state)
-        kernels = self.kernels(inputs, lay) if self.prefer in ("auto", "triton", "interpret") else None
-        if kernels is not None:   # the kernel family's contract: forward(obj, lay, co, output_final_state)
-            co = self.module.coefficients(lay.env, lay.d, lay.m)
-            y, S = kernels.forward(self, lay, co, output_final_state)
-            name = getattr(kernels, "BACKEND_NAME", getattr(kernels, "FAMILY", "kernels").replace("_", "-"))
-            self._note(f"{'triton' if _first(inputs).is_cuda else 'triton-interpret'}:{name}")
-            return y.to(lay.out_dtype), (S if output_final_state else None)
-        if self.prefer in ("triton", "interpret"):
-            raise SsmcraftError(f"{self.name}: backend {self.prefer!r} was asked for but cannot run here "
-                                f"({self.why_not_triton(inputs, lay)})")
-        y, S = vectorised(self.module, self.ir, lay)
-        self._note("torch-vectorised")
-        return y.to(lay.out_dtype), (S if output_final_state else None)
+        """The path ``prefer`` picks on these tensors (``ssmcraft.runtime.dispatch``, as ssmcraft's own
+        objective); ``self.backend`` says which ran."""
+        if self.prefer not in PREFER:
+            raise SsmcraftError(f"backend {self.prefer!r} unknown; choose one of {', '.join(PREFER)}")
+        y, S, backend = run_fast(self, inputs, params, initial_state, output_final_state)
+        self._note(backend)
+        return y, S
 
     def trace(self, inputs, params=None, initial_state=None, every: int = 1):
         """States over time ``[B, T // every, H, d, m]`` (reference loop); with several states of
@@ -192,35 +179,45 @@ class Objective:
                             "the exported module runs the trained recurrence as it is")
 
     # -- Triton kernels carried inline -----------------------------------------------------
-    def why_not_triton(self, inputs, lay=None) -> str:
+    def _mode(self, inputs) -> tuple[str | None, str]:
+        return triton_mode(inputs, self.prefer, os.environ.get("TRITON_INTERPRET") == "1")
+
+    def why_not_triton(self, inputs, params=None, initial_state=None) -> str:
         if self.triton_source is None:
             return "this module was exported without Triton kernels"
-        first = _first(inputs)
-        if first is None:
-            return "no input tensors"
-        if first.is_cuda and self.prefer == "interpret":
-            return "prefer='interpret' runs CPU tensors under TRITON_INTERPRET=1; use 'triton' on CUDA"
-        if not first.is_cuda and not (os.environ.get("TRITON_INTERPRET") == "1" and self.prefer == "interpret"):
-            return "CPU tensors: the kernels run them only under TRITON_INTERPRET=1 with prefer='interpret'"
-        if lay is not None and lay.dtype != torch.float32:
-            return f"the kernels compute in float32; these inputs ask for {lay.dtype}"
+        mode, why = self._mode(inputs)
+        if mode is None:
+            return why
+        dtype = validate(self.ir, self.spec, inputs, params, initial_state).dtype
+        if dtype != torch.float32:
+            return f"the kernels compute in float32; these inputs ask for {dtype}"
         self._load_kernels()
         return self._kernel_error or "unknown"
 
-    def kernels(self, inputs, lay=None):
-        """The inline kernel module when it can run on these inputs, else None: CUDA tensors
-        with ``prefer`` auto/triton, CPU tensors under ``TRITON_INTERPRET=1`` with
-        ``prefer == "interpret"`` (as ssmcraft's own dispatch)."""
-        first = _first(inputs)
-        if self.triton_source is None or first is None:
+    def triton_runner(self, inputs, params=None, initial_state=None):
+        """``specialise(obj, lay) -> runner`` of the inline kernel module when it can run on these
+        inputs (``dispatch.triton_mode``: CUDA tensors with ``prefer`` auto/triton, CPU tensors under
+        ``TRITON_INTERPRET=1`` with ``prefer == "interpret"``, as ssmcraft's own dispatch), else None.
+        The runner calls the family's ``forward(obj, lay, co, output_final_state)``."""
+        mode, _ = self._mode(inputs)
+        if self.triton_source is None or mode is None or \
+                validate(self.ir, self.spec, inputs, params, initial_state).dtype != torch.float32:
             return None
-        if first.is_cuda:
-            ok = self.prefer in ("auto", "triton")
-        else:
-            ok = self.prefer == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
-        if not ok or (lay is not None and lay.dtype != torch.float32):
+        kernels = self._load_kernels()
+        if kernels is None:
             return None
-        return self._load_kernels()
+        name = backend_name(mode, getattr(kernels, "BACKEND_NAME", getattr(kernels, "FAMILY", "kernels").replace("_", "-")))
+
+        def specialise(obj, lay):
+            def run(obj, inputs, params, initial_state, output_final_state):
+                lay = layout(obj.ir, obj.spec, inputs, params, initial_state)
+                co = obj.module.coefficients(lay.env, lay.d, lay.m)
+                y, S = kernels.forward(obj, lay, co, output_final_state)
+                return y.to(lay.out_dtype), (S if output_final_state else None), name
+            run.backend = name
+            return run
+        specialise.backend = name
+        return specialise
 
     def _load_kernels(self):
         """Write ``triton_source`` to a file (Triton reads ``@triton.jit`` source from files)
@@ -267,10 +264,6 @@ class Objective:
             return None
         self._kernels = module
         return module
-
-
-def _first(inputs):
-    return next((t for t in inputs.values() if isinstance(t, torch.Tensor)), None)
 
 
 def compile_objective(ref):

@@ -1,7 +1,7 @@
-"""One-token decoding with the whole ``LM.step`` in one CUDA graph (issue 12: decode is host-bound).
+"""One-token decoding with the whole ``LM.step`` in one CUDA graph (decode is host-bound).
 
-Eager decoding of the 6-layer 20M byte LM launches ~20 small kernels per layer and token; on the
-lent H200 each launch costs 7-10 us of host time, so decode ran at 110 tokens/s at batch 1.
+Eager decoding launches about 20 small kernels per layer and token, each with its host-side
+launch cost, so at batch 1 the GPU waits on the host (BENCHMARKS.md).
 ``GraphedDecoder(model, batch_size)`` keeps the token and every layer's cache (conv window
 ``[B, D, k-1]``, state ``[B, H, d, m]`` or a tuple of them) in static buffers, captures one
 ``model.step`` whose new caches are copied into those buffers inside the graph, and then runs a
@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.runtime.graphs import require_cuda, require_warmup
 from ssmcraft.layers.mixer import RecurrentCache
 
 

@@ -17,11 +17,8 @@ log = logging.getLogger(__name__)
 
 def compile_objective(ref: Any):
     """``ssmcraft.compile(ref)``: ``ref`` a library name, path, YAML text or spec mapping."""
-    import ssmcraft
+    from ssmcraft.runtime.objective import compile as compile_
 
-    compile_ = getattr(ssmcraft, "compile", None)
-    if compile_ is None:
-        raise SsmcraftError("the objective compiler is not available (ssmcraft.compile is missing)")
     why = unknown_objective(ref)
     if why is not None:
         raise SsmcraftError(why)

@@ -1,5 +1,5 @@
 """Search over objectives: an Optuna study owned by one coordinator, trials run by an
-executor (in-process or Ray), ranking and reports. See DESIGN.md ("Search").
+executor (in-process or Ray), ranking and reports. See docs/design.md ("Search").
 
     from ssmcraft.search import load_search_spec, run_search, InlineExecutor
     result = run_search(load_search_spec("specs/quickstart.yaml"), "runs/q",

@@ -7,7 +7,7 @@ pairs), minimised exactly (``implicit``), by one gradient step (``explicit``), b
 Newton step (``newton``), or by decaying first and then taking one gradient step of the
 data term (``decay_explicit``); optionally with the transition replaced by its diagonal.
 ``compose_objective`` turns one choice per term into an objective spec dict in the public
-format of DESIGN.md ("The objective spec"); the compiler, not this module, decides whether
+format of docs/design.md ("The objective spec"); the compiler, not this module, decides whether
 the result derives (today: no closed form for a non-quadratic ``implicit`` loss or for two
 keys ``implicit``, and no ``update: newton`` yet; a search records such a trial as failed
 with the compiler's reason and goes on).
@@ -192,7 +192,7 @@ def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def compose_objective(choices: Mapping[str, Any]) -> dict:
-    """Objective spec dict (DESIGN.md format) for one choice per term; missing terms take
+    """Objective spec dict (docs/design.md format) for one choice per term; missing terms take
     their defaults (``TERMS``). Raises ``SpecError`` on an unknown term or value.
 
     >>> compose_objective({"proximity": "plain", "data": "regression",

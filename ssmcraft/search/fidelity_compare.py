@@ -1,5 +1,5 @@
 """Candidates per GPU-hour with and without ``fidelity:``, on the same search space and the
-same wall budget (issue 13, item 2): two searches of one spec, one whose trials all train
+same wall budget: two searches of one spec, one whose trials all train
 to the full budget, one with multi-fidelity rungs; for each, the candidates tried, those
 trained to the full budget, the best final value of the first ranking metric, and
 candidates per GPU-hour (``gpus`` GPUs held for the arm's wall time).

@@ -1,7 +1,7 @@
 """Automatic packing of trials onto GPUs: ``resources.gpus_per_trial: auto``.
 
-Small trials leave a GPU mostly idle (BENCHMARKS.md, issue 5: 9% busy with one trial per
-GPU), so ``auto`` runs several per GPU, as many as fit in its memory:
+Small trials leave a GPU mostly idle with one trial per GPU (BENCHMARKS.md), so ``auto`` runs
+several per GPU, as many as fit in its memory:
 
 1. *Probe*: before the first trial, the Ray executor runs the first trial's config for
    ``PROBE_STEPS`` training steps and one validation batch on one whole GPU

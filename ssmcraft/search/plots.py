@@ -16,7 +16,7 @@ import optuna
 from matplotlib.figure import Figure
 from optuna.trial import TrialState
 
-from ssmcraft.search.reports import directions_of, pareto_fronts
+from ssmcraft.search.pareto import directions_of, pareto_fronts
 
 
 def _save(fig: Figure, path: Path) -> str:

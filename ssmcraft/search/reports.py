@@ -14,38 +14,17 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+
+from ssmcraft.search.pareto import directions_of, pareto_fronts
 
 LEADERBOARD = "leaderboard.csv"
 # metrics the trial returns that are not measurements
 META_KEYS = {"status", "reason", "kernel_hash", "backend", "device", "state_bytes"}
 STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}
-
-
-def pareto_fronts(values: Sequence[Sequence[float]], directions: Sequence[str]) -> list[int]:
-    """Front index of each point (0 = non-dominated), for minimize/maximize directions."""
-    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
-    pts = [[s * v for s, v in zip(signs, p)] for p in values]
-
-    def dominates(a, b):
-        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
-
-    front = [-1] * len(pts)
-    left, k = set(range(len(pts))), 0
-    while left:
-        layer = {i for i in left if not any(dominates(pts[j], pts[i]) for j in left if j != i)}
-        for i in layer:
-            front[i] = k
-        left -= layer
-        k += 1
-    return front
-
-
-def directions_of(study: optuna.Study) -> list[str]:
-    return ["minimize" if d == optuna.study.StudyDirection.MINIMIZE else "maximize" for d in study.directions]
 
 
 def ranked(study: optuna.Study) -> list[tuple[FrozenTrial, int | None, int | None]]:

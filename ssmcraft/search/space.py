@@ -45,7 +45,7 @@ def _suggest_one(trial: Any, p: Param) -> Any:
 
 
 def resolve_objective(spec: SearchSpec, params: dict[str, Any]) -> dict:
-    """The objective spec dict (DESIGN.md format) that ``params`` selects."""
+    """The objective spec dict (docs/design.md format) that ``params`` selects."""
     option = spec.option(params[OBJECTIVE_PARAM])
     approximation = next((params[p.name] for p in spec.params if p.path == APPROXIMATION_PATH), None)
     if option.kind == "compose":

@@ -296,7 +296,7 @@ def run_exact_vs_diagonal(p: dict, th: dict, ctx: Context) -> dict:
 def kernel_bench(objectives: list[str], shape: list[int], ctx: Context) -> dict[str, dict]:
     """``ssmcraft bench``'s measurement (``run_bench``) per objective; on a machine without
     CUDA (or ``--device cpu``) each is recorded as skipped with the reason."""
-    from ssmcraft.kernels.commands import run_bench
+    from ssmcraft.bench.run import run_bench
 
     out = {}
     for obj in objectives:

@@ -252,8 +252,8 @@ def composed_search(front: list[dict]) -> dict:
 
 
 def rediscovery(rows: list[dict]) -> dict:
-    """``rows``: one per layer left out of the library (``rediscovery.census_rows``). The claim
-    (issue 14): with these layers removed, the search rediscovers each from the pieces, by derived
+    """``rows``: one per layer left out of the library (``rediscovery.census_rows``). The claim:
+    with these layers removed, the search rediscovers each from the pieces, by derived
     update. Agrees when every one was drawn and trained (a ranked trial derived it); disagrees when
     one was not, though the space holds it; inconclusive when the space cannot express one (then
     the search could not)."""

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 def compile_decision(setting: Any, device: torch.device, cuda_graphs: Any) -> tuple[bool, str]:
     """(compile?, why) for ``train.compile`` = ``setting`` on ``device``. ``auto`` is on only for CUDA
     with ``train.cuda_graphs`` (``cuda_graphs``) false: the recurrences are graph breaks for
-    torch.compile, which measured 260k tokens/s steady on the 20M byte LM after a 27 s first step,
-    against 455k for the step captured in CUDA graphs (``ssmcraft.train.graphed``; BENCHMARKS.md)."""
+    torch.compile, which is slower than the step captured in CUDA graphs (``ssmcraft.train.graphed``;
+    BENCHMARKS.md, "Training throughput")."""
     if setting is False:
         return False, "train.compile is false"
     if setting is True:

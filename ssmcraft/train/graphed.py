@@ -1,7 +1,7 @@
 """``train.cuda_graphs``: the training step's model forward, loss and backward replayed from CUDA graphs.
 
-Why: on the lent H200 (gVisor) a kernel launch costs 7-10 us of host time, and one training step
-of the 20M byte LM launches hundreds of kernels; the GPU waits on the host (issue 12). Our
+Why: every kernel launch costs host time, and one training step of the byte LM launches hundreds
+of kernels; the GPU waits on the host (BENCHMARKS.md, "Training throughput"). Our
 recurrences are graph breaks for ``torch.compile`` (``train.compile``), so its
 ``reduce-overhead`` mode cannot capture them; ``torch.cuda.make_graphed_callables`` captures the
 Triton kernels and autograd Functions as they are.
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SpecError, SsmcraftError, one_line
-from ssmcraft.kernels.graphs import require_cuda, require_warmup
+from ssmcraft.runtime.graphs import require_cuda, require_warmup
 from ssmcraft.train.compiled import record_fallback
 from ssmcraft.train.config import GRAPHS_WITH_COMPILE, GRAPHS_WITH_RECOMPUTE
 from ssmcraft.train.device import autocast

@@ -10,10 +10,10 @@ batch split over processes and ``train.grad_accum`` micro-batches: ``ssmcraft.tr
 A checkpoint every ``train.checkpoint_every`` steps, which the same command resumes after a kill
 (``ssmcraft.train.resume``). ``train.activation_checkpointing``: ``ssmcraft.train.recompute``.
 
-Kept off the host's critical path (issue 13), so that small runs keep a GPU busy:
+Kept off the host's critical path, so that small runs keep a GPU busy:
 
 - batches are built on the training device from a generator seeded per run
-  (``train.data_on_device``; false: built on the host and copied, the issue-5 behaviour);
+  (``train.data_on_device``; false: built on the host and copied);
   the validation batches are built on the host from ``val_seed`` (the same on every
   device) and moved once;
 - loss and gradient norm stay on the device and are read back every ``train.log_every``
@@ -28,9 +28,8 @@ Kept off the host's critical path (issue 13), so that small runs keep a GPU busy
   reads back once;
 - ``train.autograd_threads: false`` runs the backward on the training thread
   (``torch.autograd.set_multithreading_enabled(False)`` around each step's backward) instead of
-  handing it to the autograd engine's device thread (PyTorch's default, kept: one pass on one lent
-  H200 moved the eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training
-  throughput (issue 12, item 3)").
+  handing it to the autograd engine's device thread (PyTorch's default, kept: measurements moved
+  the eager step both ways, and graphed steps not at all; BENCHMARKS.md, "Training throughput").
 
 ``metrics.json`` (also the return value; NaN/inf are written as null):
 

@@ -1,0 +1,335 @@
+"""The PyTorch runtime of a generated reference module: layouts, the per-step loop, a
+vectorised CPU path and the state-space tools that evaluation needs.
+
+Shapes (docs/design.md, "The Python API"): inputs ``[B, T, H, n]`` (``[B, T, H]`` for a
+per-head scalar), params of their declared shape or ``[H, *shape]``, state
+``[B, H, d, m]``, output ``[B, T, H, d]``. Internally every tensor is laid out as
+``[B, T, H, r, c]`` with ``r = d or 1`` and ``c = m or 1`` so that generated element
+expressions broadcast (see ``ssmcraft.compiler.codegen``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ssmcraft.errors import SsmcraftError
+
+SCAN_CHUNK = 64
+
+
+@dataclass
+class Layout:
+    env: dict            # name -> [B|1, T|1, H|1, r, c]
+    B: int
+    T: int
+    H: int
+    d: int
+    m: int
+    dtype: torch.dtype   # compute dtype (float32 or float64)
+    out_dtype: torch.dtype
+    S0: torch.Tensor | tuple | None     # a tuple of [B, H, d, m] (declaration order) with several states
+
+
+def _fail(msg: str):
+    raise SsmcraftError(msg)
+
+
+def constant_param(decl, shape, device, what: str, dtype=torch.float32) -> torch.Tensor:
+    """A param a call did not pass: its constant init (``zeros``, ``ones``, ``{constant: c}``) as a
+    ``shape`` tensor. A random init, or no declaration (``decl`` None), raises ``SsmcraftError``
+    naming ``what`` (e.g. ``"longhorn: param 'A'"``)."""
+    init = None if decl is None else decl.init
+    if init == "zeros" or init == "ones" or (isinstance(init, dict) and "constant" in init):
+        value = 0.0 if init == "zeros" else 1.0 if init == "ones" else init["constant"]
+        return torch.full(list(shape), float(value), dtype=dtype, device=device)
+    _fail(f"{what} has {'no declaration' if decl is None else f'a random init ({init})'}; pass it in params")
+
+
+def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
+    """Validate and lay out the inputs, params and initial state of one call."""
+    if not isinstance(inputs, dict):
+        _fail(f"{spec.name}: inputs must be a dict of tensors, got {type(inputs).__name__}")
+    unknown = sorted(set(inputs) - set(ir.inputs))
+    if unknown:
+        _fail(f"{spec.name}: unknown input {unknown[0]!r}; the spec declares {', '.join(ir.inputs)}")
+    missing = [n for n in ir.inputs if n not in inputs]
+    if missing:
+        _fail(f"{spec.name}: missing input {missing[0]!r}")
+    params = dict(params or {})
+    unknown = sorted(set(params) - set(ir.params))
+    if unknown:
+        _fail(f"{spec.name}: unknown param {unknown[0]!r}; the spec declares {', '.join(ir.params) or 'none'}")
+    sizes: dict = {}
+    dims = ir.dims
+
+    def note(dim, n, what):
+        if sizes.setdefault(dim, n) != n:
+            _fail(f"{spec.name}: {what} has {dim} = {n}, but another tensor has {dim} = {sizes[dim]}")
+
+    bth = None
+    dtypes = []
+    for name, idims in ir.inputs.items():
+        t = inputs[name]
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{spec.name}: input {name!r} must be a tensor")
+        want = 3 + len(idims)
+        if t.dim() != want:
+            shape = "[B, T, H]" if not idims else f"[B, T, H, {idims[0]}]"
+            _fail(f"{spec.name}: input {name!r} must be {shape}, got shape {list(t.shape)}")
+        if bth is None:
+            bth = tuple(t.shape[:3])
+        elif tuple(t.shape[:3]) != bth:
+            _fail(f"{spec.name}: input {name!r} has [B, T, H] = {list(t.shape[:3])}, expected {list(bth)}")
+        for dim, n in zip(idims, t.shape[3:]):
+            note(dim, n, f"input {name!r}")
+        dtypes.append(t.dtype)
+    B, T, H = bth
+    for name, pdims in ir.params.items():
+        if name not in params:
+            continue
+        t = params[name]
+        if not isinstance(t, torch.Tensor):
+            t = params[name] = torch.as_tensor(t)
+        if t.dim() == len(pdims) + 1:
+            if t.shape[0] not in (1, H):
+                _fail(f"{spec.name}: param {name!r} has {t.shape[0]} heads, the inputs have H = {H}")
+        elif t.dim() != len(pdims):
+            _fail(f"{spec.name}: param {name!r} must have shape [{', '.join(pdims)}] or [H, {', '.join(pdims)}], got {list(t.shape)}")
+        for dim, n in zip(pdims, t.shape[t.dim() - len(pdims):]):
+            note(dim, n, f"param {name!r}")
+    for what, t in _initial_states(ir, spec, initial_state):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != (B, H):
+            _fail(f"{spec.name}: {what} must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got "
+                  f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        note(dims[0], t.shape[2], what)
+        note(dims[1], t.shape[3], what)
+    for dim in dims:
+        if dim not in sizes:
+            _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    out_dtype = dtypes[0] if dtypes[0].is_floating_point else dtype
+
+    def shape5(idims, lead):
+        r = sizes[dims[0]] if dims[0] in idims else 1
+        c = sizes[dims[1]] if dims[1] in idims else 1
+        return (*lead, r, c)
+
+    env = {}
+    for name, idims in ir.inputs.items():
+        env[name] = inputs[name].to(dtype).reshape(shape5(idims, (B, T, H)))
+    for name, pdims in ir.params.items():
+        if name not in params:
+            t = constant_param(spec.params[name], [sizes[d] for d in pdims], inputs[next(iter(ir.inputs))].device,
+                               f"{spec.name}: param {name!r}", dtype)
+        else:
+            t = params[name].to(dtype)
+        heads = t.shape[0] if t.dim() == len(pdims) + 1 else 1
+        env[name] = t.reshape(shape5(pdims, (1, 1, heads)))
+    S0 = None
+    if initial_state is not None:
+        S0 = tuple(t.to(dtype) for t in initial_state) if ir.states else initial_state.to(dtype)
+    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
+
+
+def states(S) -> tuple:
+    """A call's state(s) as a tuple: () for None, the tuple of several states, or (S,)."""
+    if S is None:
+        return ()
+    return tuple(S) if isinstance(S, (tuple, list)) else (S,)
+
+
+def like(S0, flat: tuple):
+    """The states ``flat`` in the form a call gave ``S0``: a tuple where it was a tuple or list, else
+    the one tensor (None for none). The inverse of ``states``."""
+    return tuple(flat) if isinstance(S0, (tuple, list)) else (flat[0] if flat else None)
+
+
+def validate(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout:
+    """``layout``'s checks and sizes without touching data: the tensors are replaced by meta
+    tensors of the same shape and dtype (no copies). Its ``env`` holds meta tensors."""
+    def meta(t, dtype=None):
+        if not isinstance(t, torch.Tensor):
+            t = torch.as_tensor(t)
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
+    if not isinstance(inputs, dict):
+        return layout(ir, spec, inputs, params, initial_state)      # raises the usual error
+    meta_in = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    meta_p = {k: meta(v, torch.float32) for k, v in (params or {}).items()}
+    meta_s = like(initial_state, tuple(meta(t) for t in states(initial_state)))
+    return layout(ir, spec, meta_in, meta_p, meta_s)
+
+
+def _initial_states(ir, spec, initial_state) -> list:
+    """[(what, tensor)] of the initial state(s); several states take a tuple in declaration order."""
+    if initial_state is None:
+        return []
+    if not ir.states:
+        return [("initial_state", initial_state)]
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(ir.states):
+        _fail(f"{spec.name}: initial_state must be a tuple of {len(ir.states)} tensors, one per state "
+              f"({', '.join(ir.states)}), got {type(initial_state).__name__}"
+              + (f" of {len(initial_state)}" if isinstance(initial_state, (tuple, list)) else ""))
+    return [(f"initial_state[{i}] ({x})", t) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+
+
+def traced_state(ir) -> str:
+    """The state a trace follows: with several states the last declared one that the output
+    reads (momentum Longhorn's S, not its step D), so that state statistics describe the
+    memory that is read. Works on the IR and on its JSON form (expressions as text)."""
+    names = ir.state_names
+    if not ir.states:
+        return names[0]
+    exprs = [ir.readout, *(r.body for r in ir.readout_reductions)]
+    read = {w for e in exprs for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", str(e))}
+    return [x for x in names if x in read][-1]
+
+
+def empty_trace(S, lay: Layout) -> torch.Tensor:
+    """A trace with no time points, [B, 0, H, d, m], in the (first) state's dtype and device."""
+    first = S[0] if isinstance(S, tuple) else S
+    return first.new_zeros(lay.B, 0, lay.H, lay.d, lay.m)
+
+
+def n_states(module) -> int:
+    """How many states a generated reference module carries."""
+    return len(getattr(module, "STATES", ())) or 1
+
+
+def expand_state(S, lay: Layout):
+    """A step's result broadcast to [B, H, d, m] (each state of a tuple)."""
+    if isinstance(S, tuple):
+        return tuple(x.expand(lay.B, lay.H, lay.d, lay.m) for x in S)
+    return S.expand(lay.B, lay.H, lay.d, lay.m)
+
+
+def at(value, t: int):
+    """Slice time step ``t`` of a laid-out tensor (size-1 time axes broadcast)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 5:
+        return value
+    return value[:, t if value.shape[1] > 1 else 0]
+
+
+def _initial(lay: Layout, device, count: int = 1):
+    """The initial state, or a tuple of ``count`` states when the module has several."""
+    if lay.S0 is not None:
+        return lay.S0
+    zeros = [torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device) for _ in range(count)]
+    return tuple(zeros) if count > 1 else zeros[0]
+
+
+def _device(lay: Layout):
+    return next(iter(lay.env.values())).device
+
+
+def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int = 0):
+    """The literal recurrence: coefficients, step and readout at each t.
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m] (a tuple with several states),
+    states [B, T//every, H, d, m] or None); with several states ``traced`` picks the state traced.
+    """
+    d, m = lay.d, lay.m
+    S = _initial(lay, _device(lay), n_states(module))
+    ys, states = [], []
+    for t in range(lay.T):
+        env_t = {k: at(v, t) for k, v in lay.env.items()}
+        co = module.coefficients(env_t, d, m)
+        S = expand_state(module.step(S, env_t, co, d, m), lay)
+        ys.append(module.readout(S, env_t, co, d, m)[..., 0])
+        if every and (t + 1) % every == 0:
+            states.append(S[traced] if isinstance(S, tuple) else S)
+    y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
+    st = torch.stack(states, dim=1) if states else None
+    return y, S, st
+
+
+def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
+    """Inclusive scan of S_t = A_t S_{t-1} + B_t over dim 1 (Hillis-Steele, log T passes)."""
+    T = A.shape[1]
+    off = 1
+    while off < T:
+        A_prev = torch.cat([torch.ones_like(A[:, :off]), A[:, :-off]], dim=1)
+        B_prev = torch.cat([torch.zeros_like(Bt[:, :off]), Bt[:, :-off]], dim=1)
+        Bt = A * B_prev + Bt
+        A = A * A_prev
+        off *= 2
+    return Bt
+
+
+def _full(value, lay: Layout) -> torch.Tensor:
+    """A slot value (tensor or python number) broadcast to [B, T, H, d, m]."""
+    t = (value.to(dtype=lay.dtype, device=_device(lay)) if isinstance(value, torch.Tensor)   # a number: filled on
+         else torch.full((), float(value), dtype=lay.dtype, device=_device(lay)))      # the device (CUDA graphs)
+    return t.expand(lay.B, lay.T, lay.H, lay.d, lay.m)
+
+
+def diagonal_states(module, lay: Layout, co: dict) -> torch.Tensor:
+    """All states [B, T, H, d, m] of a (scalar or elementwise) decay recurrence, chunked scan."""
+    full = (lay.B, lay.T, lay.H, lay.d, lay.m)
+    A = _full(co["a"], lay)
+    Bt = _full(co["p"] * co["q"] if "p" in co else co["B"], lay)
+    S = _initial(lay, _device(lay))
+    out = []
+    for s in range(0, lay.T, SCAN_CHUNK):
+        Ac, Bc = A[:, s:s + SCAN_CHUNK], Bt[:, s:s + SCAN_CHUNK].clone()
+        Bc[:, 0] = Bc[:, 0] + Ac[:, 0] * S
+        states = _scan(Ac, Bc)
+        out.append(states)
+        S = states[:, -1]
+    return torch.cat(out, dim=1) if out else A.new_zeros(full)
+
+
+def vectorised(module, ir, lay: Layout):
+    """The fastest PyTorch path: coefficients for all t at once, then the recurrence.
+
+    For the decay classes on a GPU the recurrence is a chunked parallel scan; on a CPU (and
+    for the other classes) it is a loop over the precomputed coefficients, because the scan
+    does O(T log T) work and a CPU has no parallelism to spend it on.
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m]).
+    """
+    d, m = lay.d, lay.m
+    co = module.coefficients(lay.env, d, m)
+    if lay.T == 0:
+        return reference_loop(module, lay)[:2]
+    if ir.kind in ("scalar_decay", "diagonal_decay") and _device(lay).type == "cuda":
+        states = diagonal_states(module, lay, co)
+        y = module.readout(states, lay.env, co, d, m)[..., 0]
+        return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
+    S = _initial(lay, _device(lay), n_states(module))
+    needs_env = ir.kind in ("general", "nonlinear") or ir.readout is not None
+    ys = []
+    for t in range(lay.T):
+        co_t = {k: at(v, t) for k, v in co.items()}
+        env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
+        S = expand_state(module.step(S, env_t, co_t, d, m), lay)
+        ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
+    return torch.stack(ys, dim=1), S
+
+
+def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:
+    """Outputs [B, T, H, d] read from the state of the last ``window`` tokens only.
+
+    For ``S_t = a_t . S_{t-1} + B_t`` the window state is
+    ``S_t - (a_{t-w+1} ... a_t) . S_{t-w}`` (Stuffed Mamba's state-difference window).
+    """
+    if ir.kind not in ("scalar_decay", "diagonal_decay"):
+        raise SsmcraftError(f"{ir.spec_name}: the state-difference sliding window needs a weighted-sum "
+                            f"recurrence (scalar or elementwise decay); this objective is {ir.kind}")
+    if window < 1:
+        raise SsmcraftError(f"window must be >= 1, got {window}")
+    d, m = lay.d, lay.m
+    co = module.coefficients(lay.env, d, m)
+    states = diagonal_states(module, lay, co)
+    A = _full(co["a"], lay)
+    if bool((A <= 0).any()):
+        raise SsmcraftError(f"{ir.spec_name}: the decay is not positive everywhere on these inputs; "
+                            "the window product needs log(a)")
+    logcum = torch.cumsum(torch.log(A.double()), dim=1)
+    if lay.T > window:
+        decay = torch.exp(logcum[:, window:] - logcum[:, :-window]).to(states.dtype)
+        windowed = states.clone()
+        windowed[:, window:] = states[:, window:] - decay * states[:, :-window]
+        states = windowed
+    return module.readout(states, lay.env, co, d, m)[..., 0].expand(lay.B, lay.T, lay.H, d)

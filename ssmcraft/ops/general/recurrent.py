@@ -1,0 +1,246 @@
+"""Family ``general``: run the fused sequential kernels of a general or nonlinear update
+(``general`` / ``nonlinear`` IR kinds), generated per objective by ``ssmcraft.ops.codegen.general``
+(where the kernels, their grid and the derived backward are described), and cached by the content
+hash of the update's element form.
+"""
+from __future__ import annotations
+
+import torch
+
+from ssmcraft.compiler import cache
+from ssmcraft.compiler.structure import element_form
+from ssmcraft.ops.codegen.general import Step, build_step, kernel_source
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
+
+CHUNK = 32               # checkpoint interval of the backward (steps)
+POISON = False           # tests: allocate outputs with NaN
+
+
+_MODULES: dict = {}    # content hash of the element form -> (step, module, source)
+
+
+def _module(ir):
+    """(Step, generated module, source) of ``ir``'s fused kernels, cached by the content hash
+    of its element form (``structure.element_form``, kept on the IR: ``UpdateIR.memo``), so
+    that a structured IR and its element form (the rank-r family and the one-token decode
+    family of one objective) share one derivation of the adjoint and one module."""
+    ir = element_form(ir)
+    key = ir.content_hash()
+    if key not in _MODULES:
+        step = build_step(ir)
+        header = f"spec: {ir.spec_name} ({ir.source}); IR {key}"
+        source = kernel_source(ir, step, header)
+        mod = cache.load_generated(f"general_{ir.spec_name}", cache.key_for("general", source), source)
+        _MODULES[key] = (step, mod, source)
+    return _MODULES[key]
+
+
+def generated_source(ir) -> str:
+    """The generated kernels of ``ir`` (its element form); what ``ssmcraft derive SPEC --kernel`` prints."""
+    return _module(ir)[2]
+
+
+# ----------------------------------------------------------------------------------------
+# host wrappers
+# ----------------------------------------------------------------------------------------
+
+def _new(shape, device, dtype=torch.float32):
+    return buffer(shape, device, dtype, POISON)
+
+
+def _warps(BK, BV):
+    n = BK * BV
+    return 1 if INTERPRET else (4 if n <= 2048 else 8 if n <= 8192 else 16)
+
+
+def _stacked(ir) -> tuple:
+    """Several states travel stacked as one tensor [B, H, n, ...]; one state as [B, H, ...]."""
+    return (len(ir.states),) if ir.states else ()
+
+
+def _stack_states(ir, S0):
+    """A tuple of per-state tensors [B, H, r, c] -> one [B, H, n, r, c] (None stays None)."""
+    if S0 is None or not ir.states:
+        return S0
+    return torch.stack(tuple(S0), dim=2)
+
+
+def _unstack_states(ir, S):
+    return tuple(S.unbind(2)) if (S is not None and ir.states) else S
+
+
+class _GeneralFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ir, shape, out_dtype, output_final_state, S0, *leaves):
+        """shape: (B, T, H, K, V, BV), BV the rows per program (``next_power_of_2(V)``: one block)."""
+        step, mod, _ = _module(ir)
+        B, T, H, K, V, BV = shape
+        dev = leaves[0].device
+        BK, NV = next_pow2(K), cdiv(V, BV)
+        NC = max(1, cdiv(T, CHUNK))
+        ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
+        training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
+        y = _new((B, T, H, V), dev, out_dtype)
+        ST = _new((B, H, *ns, K, V), dev)
+        CK = _new((B, H, *ns, NC, K, V), dev) if training else None
+        d = torch.empty(1, device=dev)
+        S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
+        if T > 0:
+            launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
+                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
+                   STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
+        else:
+            ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
+        ctx.save_for_backward(CK, *leaves)
+        ctx.ir, ctx.shape, ctx.has_s0 = ir, shape, S0 is not None
+        ctx.s0_dtype = S0.dtype if S0 is not None else None
+        return y, (ST.transpose(-1, -2) if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, dy, dST):
+        CK, *leaves = ctx.saved_tensors
+        step, mod, _ = _module(ctx.ir)
+        B, T, H, K, V, BV = ctx.shape
+        dev = leaves[0].device
+        BK, NV = next_pow2(K), cdiv(V, BV)
+        NC = max(1, cdiv(T, CHUNK))
+        d_dim = ctx.ir.dims[0]
+        shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
+        grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
+        ns = _stacked(ctx.ir)
+        DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
+        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
+        d = torch.empty(1, device=dev)
+        dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
+        if dy is None:
+            dy = torch.zeros(B, T, H, V, device=dev)
+        if T > 0:
+            launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
+                   dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
+                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
+        elif DS0 is not None:
+            DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
+        dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
+        grads = [(g.sum(0) if NV > 1 else g[0]) if sh else g for sh, g in zip(shared, grads)]
+        return (None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
+
+
+# ----------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------
+
+def general_scan(objective, tensors: dict, initial_state=None, output_final_state: bool = False):
+    """Run the generated kernel of a general/nonlinear ``objective`` (CompiledObjective or
+    library name) in FLA's layout.
+
+    tensors: the spec's inputs and params, d-indexed ``[B, T, H, V]``, m-indexed
+      ``[B, T, H, K]``, scalars ``[B, T, H]`` (params may be given in these expanded forms or of
+      their declared shape / ``[H, *shape]``); fp32 or bf16.
+    initial_state: ``[B, H, K, V]`` or None (several states: a tuple of them, declaration order).
+    Returns ``(y [B, T, H, V]`` in the first input's dtype, ``S_T [B, H, K, V]`` fp32 (a tuple with
+    several states) or None).
+    """
+    obj = objective
+    if isinstance(objective, str):
+        from ssmcraft.compiler.api import derive
+        obj = derive(objective)
+    ir = obj.ir
+    d, m = ir.dims
+    first = tensors[next(iter(ir.inputs))]
+    B, T, H = first.shape[:3]
+    K = V = None
+    for n, dims in ir.inputs.items():
+        for dim, s in zip(dims, tensors[n].shape[3:]):
+            if dim == d:
+                V = s
+            else:
+                K = s
+    initial_state = _stack_states(ir, initial_state)
+    if initial_state is not None:
+        K, V = initial_state.shape[-2], initial_state.shape[-1]
+    leaves = []
+    for n, dims in list(ir.inputs.items()) + list(ir.params.items()):
+        t = tensors[n]
+        full = (B, T, H) + tuple(V if x == d else K for x in dims)
+        if tuple(t.shape) != full:
+            t = t.reshape((1, 1, t.shape[0] if t.dim() > len(dims) else 1) + t.shape[t.dim() - len(dims):])
+            t = t.expand(full)
+        leaves.append(t.contiguous())
+    S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
+    out_dtype = io_dtype(first.dtype)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, next_pow2(V)), out_dtype, output_final_state,
+                                  S0, *leaves)
+    return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
+
+
+def row_sums(step: Step) -> list[str]:
+    """The reductions over the rows (``d``) in the step, its readout and their adjoints, by name:
+    with none, the rows are independent and the kernel may run row-tiled (``NV > 1``)."""
+    exprs = [*step.Fs, step.readout, *step.dS_prevs, *step.dS_ros]
+    return sorted({r.symbol.name for e in exprs for r in step.alg.reductions_in(e) if r.over == step.dims[0]})
+
+
+# ----------------------------------------------------------------------------------------
+# family interface (ssmcraft.runtime.select)
+# ----------------------------------------------------------------------------------------
+
+def supports(ir) -> str | None:
+    """None if ``ir`` runs on this family's kernel, else the reason."""
+    if ir.kind not in ("general", "nonlinear"):
+        return f"not a general/nonlinear update ({ir.kind})"
+    try:
+        step, _, _ = _module(ir)
+    except NotImplementedError as e:
+        return f"cannot print the update for Triton: {e}"
+    return None
+
+
+def runner(obj, ir, lay, row_block=None):
+    """A runner for one call signature (``lay`` from ``reference.validate``: sizes and dtypes) of
+    the fused kernel of ``ir`` (``obj.ir``, or its element form for decode): the leaves go to the
+    kernel as the caller's tensors, in their own dtype (params broadcast to ``[B, T, H, *]``), with no
+    per-call validation or layout. ``row_block``: rows per program (None: all rows in one).
+    Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T)``."""
+    from ssmcraft.ops.common.slots import CallSlots, NO_COMPUTED
+    names = [*ir.inputs, *ir.params]
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    BV = row_block or next_pow2(d)
+    out_dtype = io_dtype(lay.out_dtype)
+
+    def fn(inputs, params, initial_state, output_final_state):
+        cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m, NO_COMPUTED)
+        leaves = [cs.leaf(n).contiguous() for n in names]
+        y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state,
+                                      _stack_states(ir, initial_state), *leaves)
+        return y.to(lay.out_dtype), _unstack_states(ir, S)
+    return fn
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature (see ``runner``; one row block)."""
+    return runner(obj, obj.ir, lay)
+
+
+def forward(obj, lay, co, output_final_state, row_block=None):
+    """Family contract: the kernel computes everything from the layout's leaves (``co`` unused).
+    ``row_block``: rows per program (a power of 2; None: all rows in one program).
+    Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
+    ir = obj.ir
+    d, m = ir.dims
+    B, T, H, V, K = lay.B, lay.T, lay.H, lay.d, lay.m
+    leaves = []
+    for n, dims in list(ir.inputs.items()) + list(ir.params.items()):
+        t = lay.env[n]                                           # [B|1, T|1, H|1, r, c]
+        t = t.expand(B, T, H, t.shape[3], t.shape[4])
+        if tuple(dims) == (d,):
+            t = t.reshape(B, T, H, V)
+        elif tuple(dims) == (m,):
+            t = t.reshape(B, T, H, K)
+        elif not dims:
+            t = t.reshape(B, T, H)
+        leaves.append(t.contiguous())
+    BV = row_block or next_pow2(V)
+    S0 = _stack_states(ir, lay.S0)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
+    return y.to(lay.dtype), _unstack_states(ir, S)

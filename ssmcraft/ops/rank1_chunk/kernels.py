@@ -1,0 +1,456 @@
+"""The Triton kernels of the chunked rank-1 family; the algorithm, shapes and the host code that
+launches them are in ``ssmcraft.ops.rank1_chunk.chunk``."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.common.solvers import solve_unit_lower
+from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tuning import tune, warp_rule
+
+# where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
+# c = ps = beta), or the product of the decay and ps (Gated DeltaNet's c = alpha beta)
+C_GIVEN = tl.constexpr(0)
+C_IS_PS = tl.constexpr(1)
+C_IS_A_PS = tl.constexpr(2)
+
+
+@triton.jit
+def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
+    """The step c of a chunk's rows [BT] in fp32, per ``C_MODE``."""
+    if C_MODE == C_IS_A_PS:
+        return tl.load(a + row, mask=m_t, other=0.).to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    elif C_MODE == C_IS_PS:
+        return tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    else:
+        return tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
+    """The within-chunk log-decay sums ``g`` at the chunk's rows and at its last row (``gl``), and
+    the factors ``e^{gl - g}`` (0 past T)."""
+    b_g = tl.load(g + row, mask=m_t, other=0.)
+    last = tl.minimum(T, i_t * BT + BT) - 1
+    b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
+    return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
+
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T"])
+def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
+                 T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
+                 C_MODE: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: M = (I + A)^{-1} [BT per token], W [K], Up [V], L (and Lq) [BT], g.
+    C_MODE (``C_GIVEN``, ``C_IS_PS``, ``C_IS_A_PS``): where the step c comes from."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    DT = W.dtype.element_ty
+    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tt = m_t[:, None] & (o_i < BT)[None, :]
+    lower = o_i[:, None] > o_i[None, :]
+    incl = o_i[:, None] >= o_i[None, :]
+
+    b_c = _step(c, a, ps, row, m_t, C_MODE)
+    if HAS_A:
+        b_la = tl.log(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
+        b_g = tl.cumsum(b_la, axis=0)
+        b_gp = b_g - b_la
+        tl.store(g + row, b_g, mask=m_t)
+        b_ch = b_c * tl.exp(b_gp)
+    else:
+        b_ch = b_c
+    # L = tril(OQ V^T o Gamma) (and Lq with Q)
+    b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_L = tl.dot(b_oq, tl.trans(b_v), input_precision=PREC)
+    if HAS_A:
+        b_L = b_L * tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.))
+    b_L = tl.where(incl, b_L, 0.)
+    tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
+    if GENERAL:
+        b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_Lq = tl.dot(b_oq, tl.trans(b_q), input_precision=PREC)
+        if HAS_A:
+            b_Lq = b_Lq * tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.))
+        b_Lq = tl.where(incl, b_Lq, 0.)
+        tl.store(Lq + row[:, None] * BT + o_i[None, :], b_Lq.to(DT), mask=m_tt)
+
+    # A = strict_lower(c_t (u_t . v_s) e^{gp_t - g_s}), M = (I + A)^{-1}
+    b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_A = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    if HAS_A:
+        b_A = b_A * tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
+    b_A = tl.where(lower, b_A * b_c[:, None], 0.)
+    b_M = solve_unit_lower(b_A, BT, PREC)
+    tl.store(M + row[:, None] * BT + o_i[None, :], b_M.to(DT), mask=m_tt)
+    b_Md = b_M.to(DT)
+    b_cu = (b_u.to(tl.float32) * b_ch[:, None]).to(DT)
+    b_W = tl.dot(b_Md, b_cu, input_precision=PREC)
+    tl.store(W + row[:, None] * K + o_k[None, :], b_W.to(DT), mask=m_tk)
+
+    if GENERAL:
+        b_B = tl.dot(b_u, tl.trans(b_q), input_precision=PREC)
+        if HAS_A:
+            b_B = b_B * tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
+        b_B = tl.where(lower, b_B * b_c[:, None], 0.)
+        b_X = (-tl.dot(b_M, b_B, input_precision=PREC)).to(DT)      # -M B
+    else:
+        b_X = b_Md
+    if HAS_PS:
+        b_ps = tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        if HAS_PS:
+            b_p = (b_p.to(tl.float32) * b_ps[:, None]).to(DT)
+        b_up = tl.dot(b_X, b_p, input_precision=PREC)
+        tl.store(Up + row[:, None] * V + o_v[None, :], b_up.to(DT), mask=m_tv)
+
+
+@tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+        for bv, w, s in ((32, 4, 2), (64, 4, 2))],
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT"])
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
+                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
+                      WRITE_O: tl.constexpr, STORE_H: tl.constexpr, HAS_H0: tl.constexpr,
+                      STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over chunks, one program per (value block, batch, head). HAS_H0: start from
+    ``h0`` (else from zero, ``h0`` unread); STORE_HT: write the final state to ``ht``."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    DT = W.dtype.element_ty
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
+    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
+
+    for i_t in range(NT):
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        if STORE_H:
+            base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+            tl.store(hs + base + p_kv, b_h.to(DT), mask=m_kv)
+        b_hd = b_h.to(DT)
+        b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_psi = tl.load(Up + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_psi -= tl.dot(b_w, b_hd, input_precision=PREC)
+        if STORE_H:
+            tl.store(psi + row[:, None] * V + o_v[None, :], b_psi.to(DT), mask=m_tv)
+        b_psid = b_psi.to(DT)
+        if HAS_A:
+            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
+        if WRITE_O:
+            b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
+            if HAS_A:
+                b_o = b_o * tl.exp(b_g)[:, None]
+            b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+            b_o += tl.dot(b_L, b_psid, input_precision=PREC)
+            if GENERAL:
+                b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+                if HAS_PS:
+                    b_p = (b_p.to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.)[:, None]).to(DT)
+                b_Lq = tl.load(Lq + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+                b_o += tl.dot(b_Lq, b_p, input_precision=PREC)
+            tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_vk = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        if HAS_A:
+            b_h *= tl.exp(b_gl)
+            b_vk = (b_vk.to(tl.float32) * b_dec[:, None]).to(DT)
+        b_h += tl.dot(tl.trans(b_vk), b_psid, input_precision=PREC)
+        if GENERAL:
+            b_qk = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            if HAS_A:
+                b_qk = (b_qk.to(tl.float32) * b_dec[:, None]).to(DT)
+            if not WRITE_O:
+                b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+                if HAS_PS:
+                    b_p = (b_p.to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.)[:, None]).to(DT)
+            b_h += tl.dot(tl.trans(b_qk), b_p, input_precision=PREC)
+
+    if STORE_HT:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+        for bv, w, s in ((32, 4, 2), (64, 4, 2))],
+       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0"])
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
+                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_A: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Reverse over chunks: dH at each chunk's end, dPsi = L^T dO + Vbar dH, and
+    dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi. HAS_DHT: start from ``dht`` (else from zero,
+    ``dht`` unread); STORE_DH0: write dH0 to ``dh0``."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    DT = W.dtype.element_ty
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
+    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
+
+    for j in range(NT):
+        i_t = NT - 1 - j
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+        tl.store(dhs + base + p_kv, b_dh.to(DT), mask=m_kv)
+        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_vk = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        if HAS_A:
+            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
+            b_vk = (b_vk.to(tl.float32) * b_dec[:, None]).to(DT)
+            b_oq = (b_oq.to(tl.float32) * tl.exp(b_g)[:, None]).to(DT)
+        b_dpsi = tl.dot(tl.trans(b_L), b_do, input_precision=PREC)
+        b_dpsi += tl.dot(b_vk, b_dh.to(DT), input_precision=PREC)
+        b_dpsid = b_dpsi.to(DT)
+        tl.store(dpsi + row[:, None] * V + o_v[None, :], b_dpsid, mask=m_tv)
+        if HAS_A:
+            b_dh *= tl.exp(b_gl)
+        b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dpsid, input_precision=PREC)
+
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
+                 du, dv, dq, dp, dps, doq, dc, da,
+                 T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
+    gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
+    (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
+    C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    DT = M.dtype.element_ty
+    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    lower = o_i[:, None] > o_i[None, :]
+    incl = o_i[:, None] >= o_i[None, :]
+    base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+
+    b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_c = _step(c, a, ps, row, m_t, C_MODE)
+    if HAS_A:
+        b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
+        b_a = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
+        b_gp = b_g - tl.log(b_a)
+        b_ch = b_c * tl.exp(b_gp)
+        b_dgv = tl.zeros([BT], dtype=tl.float32)
+        b_dgp = tl.zeros([BT], dtype=tl.float32)
+    else:
+        b_ch = b_c
+
+    # ---- phase 1: dW (as dPsi h^T), dPsi P^T, dp -------------------------------------
+    if GENERAL:
+        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_Bnc = tl.dot(b_u, tl.trans(b_q), input_precision=PREC)
+        if HAS_A:
+            b_Bnc = b_Bnc * tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
+        b_Bnc = tl.where(lower, b_Bnc, 0.)
+        b_B = b_Bnc * b_c[:, None]
+        b_nMB = (-tl.dot(b_M.to(tl.float32), b_B, input_precision=PREC)).to(DT)
+        b_Lq = tl.load(Lq + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_qd = b_q
+        if HAS_A:
+            b_qd = (b_q.to(tl.float32) * b_dec[:, None]).to(DT)
+        b_dQb = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dLq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dW = tl.zeros([BT, BK], dtype=tl.float32)      # dPsi h^T  (= -dW)
+    b_dPM = tl.zeros([BT, BT], dtype=tl.float32)     # dPsi P^T
+    if HAS_PS:
+        b_ps = tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+        b_dps = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dpsi = tl.load(dpsi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        if HAS_PS:
+            b_p0 = b_p.to(tl.float32)
+            b_p = (b_p0 * b_ps[:, None]).to(DT)
+        b_dW += tl.dot(b_dpsi, tl.trans(b_h), input_precision=PREC)
+        b_dPM += tl.dot(b_dpsi, tl.trans(b_p), input_precision=PREC)
+        if GENERAL:
+            b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+            b_dp = tl.dot(tl.trans(b_nMB), b_dpsi, input_precision=PREC)
+            b_dp += tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC)
+            b_dp += tl.dot(b_qd, b_dh, input_precision=PREC)
+            b_dQb += tl.dot(b_p, tl.trans(b_dh), input_precision=PREC)
+            b_dLq += tl.dot(b_do, tl.trans(b_p), input_precision=PREC)
+        else:
+            b_dp = tl.dot(tl.trans(b_M), b_dpsi, input_precision=PREC)
+        if HAS_PS:
+            b_dps += tl.sum(b_dp * b_p0, axis=1)
+            b_dp = b_dp * b_ps[:, None]
+        tl.store(dp + row[:, None] * V + o_v[None, :], b_dp.to(dp.dtype.element_ty), mask=m_tv)
+    if HAS_PS and C_MODE != C_IS_PS:   # c = a ps: a partial sum, finished in phase 2
+        tl.store(dps + row, b_dps, mask=m_t)
+
+    # ---- phase 2: WY backward: W = M diag(ch) U, Up = M P (or -M B P), M = (I + A)^{-1}
+    if not GENERAL:
+        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_u32 = b_u.to(tl.float32)
+    b_dWd = (-b_dW).to(DT)
+    b_cu = (b_u32 * b_ch[:, None]).to(DT)
+    if GENERAL:
+        b_dMBd = (-b_dPM).to(DT)
+        b_dM = tl.dot(b_dMBd, tl.trans(b_B.to(DT)), input_precision=PREC)
+        b_dM += tl.dot(b_dWd, tl.trans(b_cu), input_precision=PREC)
+        b_dB = tl.where(lower, tl.dot(tl.trans(b_M), b_dMBd, input_precision=PREC), 0.)
+    else:
+        b_dM = b_dPM + tl.dot(b_dWd, tl.trans(b_cu), input_precision=PREC)
+    b_dcu = tl.dot(tl.trans(b_M), b_dWd, input_precision=PREC)
+    b_duu = b_dcu * b_ch[:, None]
+    b_dch = tl.sum(b_dcu * b_u32, axis=1)
+    if HAS_A:
+        b_dcc = b_dch * tl.exp(b_gp)
+        b_dgp += b_dch * b_ch
+    else:
+        b_dcc = b_dch
+    b_T1 = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
+    b_dA = tl.where(lower, -tl.dot(b_T1.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
+    b_Anc = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    if HAS_A:
+        Gp = tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
+        b_Anc = b_Anc * Gp
+    b_Anc = tl.where(lower, b_Anc, 0.)
+    b_dcc += tl.sum(b_dA * b_Anc, axis=1)
+    b_dAc = b_dA * b_c[:, None]
+    if HAS_A:
+        X = b_dAc * b_Anc
+        b_dgp += tl.sum(X, axis=1)
+        b_dgv -= tl.sum(X, axis=0)
+        b_dAc = b_dAc * Gp
+    b_dAcd = b_dAc.to(DT)
+    b_duu += tl.dot(b_dAcd, b_v, input_precision=PREC)
+    b_dvv = tl.dot(tl.trans(b_dAcd), b_u, input_precision=PREC)
+    if GENERAL:
+        b_dcc += tl.sum(b_dB * b_Bnc, axis=1)
+        b_dBc = b_dB * b_c[:, None]
+        if HAS_A:
+            X = b_dBc * b_Bnc
+            b_dgp += tl.sum(X, axis=1)
+            b_dgv -= tl.sum(X, axis=0)
+            b_dBc = b_dBc * Gp
+        b_dBcd = b_dBc.to(DT)
+        b_duu += tl.dot(b_dBcd, b_q, input_precision=PREC)
+        b_dqq = tl.dot(tl.trans(b_dBcd), b_u, input_precision=PREC)
+    if U_IS_V:
+        b_dvv += b_duu
+    else:
+        tl.store(du + row[:, None] * K + o_k[None, :], b_duu.to(du.dtype.element_ty), mask=m_tk)
+    if C_MODE == C_IS_PS:
+        b_dcc += b_dps
+    if C_MODE == C_IS_A_PS:
+        # c = a ps: dc ps goes to a at the end; dc a is added to the dps stored in phase 1, read back
+        # after a barrier (the rows are this program's own), and a and ps are read again. Keeping
+        # them live through phase 2 spills more and is slower; so is an fp32 scratch for the
+        # partial: in 16 bits the partial is rounded once more, as autograd's sum of two 16-bit
+        # gradients is (BENCHMARKS.md, "Rank-1 per head (chunked)")
+        tl.debug_barrier()
+        b_dps = tl.load(dps + row, mask=m_t, other=0.).to(tl.float32)
+        b_dps += b_dcc * tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
+        tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
+        b_dac = b_dcc * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+    else:
+        tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
+
+    # ---- phase 3: readout (O = e^g OQ h + L Psi) and state (Vbar^T Psi) terms ---------
+    b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dLv = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
+        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
+        if HAS_A:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+
+    b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    if HAS_A:
+        b_dOQ = b_dOQ * tl.exp(b_g)[:, None]
+        b_dgv += tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)
+        b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        X = b_dLv * b_L
+        b_dgv += tl.sum(X, axis=1) - tl.sum(X, axis=0)
+        Gm = tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.))
+        b_dLv = tl.where(incl, b_dLv * Gm, 0.)
+        b_dVb = b_dVb * b_dec[:, None]
+        Y = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
+        b_dgv -= Y
+        b_dgl = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(Y, axis=0)
+    else:
+        b_dLv = tl.where(incl, b_dLv, 0.)
+    b_dLvd = b_dLv.to(DT)
+    b_doq = b_dOQ + tl.dot(b_dLvd, b_v, input_precision=PREC)
+    b_dvv += b_dVb + tl.dot(tl.trans(b_dLvd), b_oq, input_precision=PREC)
+
+    if GENERAL:
+        if HAS_A:
+            X = b_dLq * b_Lq.to(tl.float32)
+            b_dgv += tl.sum(X, axis=1) - tl.sum(X, axis=0)
+            b_dLq = tl.where(incl, b_dLq * Gm, 0.)
+            b_dQb = b_dQb * b_dec[:, None]
+            Y = tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
+            b_dgv -= Y
+            b_dgl += tl.sum(Y, axis=0)
+        else:
+            b_dLq = tl.where(incl, b_dLq, 0.)
+        b_dLqd = b_dLq.to(DT)
+        b_doq += tl.dot(b_dLqd, b_q, input_precision=PREC)
+        b_dqq += tl.dot(tl.trans(b_dLqd), b_oq, input_precision=PREC) + b_dQb
+        tl.store(dq + row[:, None] * K + o_k[None, :], b_dqq.to(dq.dtype.element_ty), mask=m_tk)
+
+    if HAS_A:
+        b_dgv += tl.where(i_t * BT + o_i == tl.minimum(T, i_t * BT + BT) - 1, b_dgl, 0.)   # at the last row
+        b_dla = tl.cumsum(b_dgv, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
+        b_da = b_dla / b_a
+        if C_MODE == C_IS_A_PS:
+            b_da += b_dac
+        tl.store(da + row, b_da.to(da.dtype.element_ty), mask=m_t)
+    tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
+    tl.store(doq + row[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_tk)

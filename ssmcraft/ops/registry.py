@@ -1,0 +1,45 @@
+"""Every kernel family, in the order the runtime tries them: the one list that dispatch
+(``ssmcraft.runtime.select``), the exporter, ``ssmcraft bench`` and the tests read.
+
+Order: ``decode`` (one-token calls only), ``keydecay_chunk`` (decays scalar or over the key
+dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on tensor cores),
+``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``), ``rank1_row``,
+``rankr_row`` (several keys), ``general`` (anything else the generator prints), then
+``rank1_chunk``, which declares itself ahead of ``rank1_row`` on CUDA for a per-head step
+(``KernelFamily.ahead_on_gpu``). A family that does not support an IR says why
+(``KernelFamily.reason``); nothing falls back silently.
+"""
+from __future__ import annotations
+
+from ssmcraft.ops.decode import FAMILY as DECODE
+from ssmcraft.ops.diagonal import FAMILY as DIAGONAL
+from ssmcraft.ops.family import KernelFamily
+from ssmcraft.ops.general import FAMILY as GENERAL
+from ssmcraft.ops.keydecay_chunk import FAMILY as KEYDECAY_CHUNK
+from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
+from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
+from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
+
+FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, GENERAL, RANK1_CHUNK)
+BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
+
+
+def order(ir, mode: str) -> list[KernelFamily]:
+    """The families in the order they are tried for ``ir`` in ``mode`` ("triton" on CUDA, or
+    "interpret"): ``FAMILIES``, with each family that declares ``ahead_on_gpu`` moved before the
+    family it names, on CUDA, where its condition holds."""
+    out = list(FAMILIES)
+    if mode != "triton":
+        return out
+    for fam in FAMILIES:
+        if fam.ahead_on_gpu is not None and fam.ahead_on_gpu[1](ir):
+            out.remove(fam)
+            out.insert(out.index(BY_NAME[fam.ahead_on_gpu[0]]), fam)
+    return out
+
+
+def family(name: str) -> KernelFamily:
+    """The family called ``name`` (KeyError names the known ones)."""
+    if name not in BY_NAME:
+        raise KeyError(f"no kernel family {name!r}; families: {', '.join(BY_NAME)}")
+    return BY_NAME[name]
