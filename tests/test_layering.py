@@ -45,8 +45,10 @@ LAZY = _lazy_table()
 
 def layer(module: str) -> str:
     leaf = module.rsplit(".", 1)[-1]
-    if module in ("ssmcraft", "ssmcraft.cli") or leaf == "commands" or leaf.endswith("_commands"):
+    if module in ("ssmcraft", "ssmcraft.cli", "ssmcraft.__main__") or leaf == "commands" or leaf.endswith("_commands"):
         return "cli"
+    if module == "ssmcraft.yamlsafe":       # reading spec text: beside the error types, below everything
+        return "errors"
     return module.split(".")[1]
 
 
