@@ -37,7 +37,7 @@ import torch
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.kernels.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
                                         vectorised)
-from ssmcraft.layers.config import mixer_config
+from ssmcraft.layers.config import LMConfig, layer_mixers, mixer_config
 from ssmcraft.layers.mixer import ObjectiveMixer
 
 runtime_log = logging.getLogger(__name__)
@@ -411,6 +411,11 @@ class Mixer(ObjectiveMixer):
         n = model.get("n_layers", 0)
         if not 0 <= layer < n:
             raise SsmcraftError(f"{path}: layer {layer} out of range; the model has {n} layers")
+        layout = layer_mixers(LMConfig.from_dict(model, "config.json", "model"), "config.json")
+        if layout[layer][0] != "mixer":
+            objective_layers = [i for i, (where, _) in enumerate(layout) if where == "mixer"]
+            raise SsmcraftError(f"{path}: layer {layer} is not an objective mixer ({layout[layer][1].get('kind')}, "
+                                f"model.{layout[layer][0]}); the objective mixers are layers {objective_layers}")
         mixer = cls(model["d_model"], **model["mixer"])
         prefix = f"blocks.{layer}.mixer."
         weights = {k[len(prefix):]: v for k, v in load_safetensors(os.path.join(path, WEIGHTS_FILE)).items()

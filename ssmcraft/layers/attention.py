@@ -1,8 +1,10 @@
-"""Causal softmax attention with rotary position embeddings: the baseline mixer.
+"""Causal softmax attention with rotary position embeddings: the baseline mixer, full or
+over a sliding window.
 
 Shapes: hidden ``[B, T, d_model]``, per head ``[B, H, T, d_head]`` with
-``d_head = d_model / H`` (even, for the rotary pairs). Recurrent mode keeps a growing
-key/value cache, so its memory is O(T), unlike an objective mixer's constant state.
+``d_head = d_model / H`` (even, for the rotary pairs). Recurrent mode keeps a key/value
+cache: full attention's grows with every token (memory O(T), unlike an objective mixer's
+constant state); with ``window: w`` it holds the last ``w`` tokens only (O(w)).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class AttentionMixer(nn.Module):
         if cfg.heads < 1 or d_model % cfg.heads or (d_model // cfg.heads) % 2:
             raise SpecError("<mixer>", "heads", f"d_model = {d_model} must split into {cfg.heads} heads of even size")
         self.cfg, self.H, self.hd = cfg, cfg.heads, d_model // cfg.heads
+        self.window = int(cfg.window)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out_proj = nn.Linear(d_model, d_model, bias=False)
         self.last_backend = "sdpa"
@@ -55,8 +58,14 @@ class AttentionMixer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
         B, T, C = h.shape
-        q, k, v = self._qkv(h, torch.arange(T, device=h.device))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pos = torch.arange(T, device=h.device)
+        q, k, v = self._qkv(h, pos)
+        if self.window and self.window < T:
+            # query i sees keys j with i - window < j <= i
+            near = pos[:, None] - pos[None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=(near >= 0) & (near < self.window))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
     def init_cache(self, batch_size: int) -> KVCache:
@@ -66,12 +75,20 @@ class AttentionMixer(nn.Module):
         return KVCache(empty, empty.clone(), 0)
 
     def step(self, h_t: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
-        """h_t ``[B, d_model]`` -> (``[B, d_model]``, the cache with this token appended)."""
+        """h_t ``[B, d_model]`` -> (``[B, d_model]``, the cache with this token appended; with a
+        window, its oldest token dropped once it holds ``window``)."""
         B, C = h_t.shape
         q, k, v = self._qkv(h_t[:, None], torch.tensor([cache.pos], device=h_t.device))
         k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        if self.window:
+            k, v = k[:, :, -self.window:], v[:, :, -self.window:]
         y = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(y.reshape(B, C)), KVCache(k, v, cache.pos + 1)
+
+    def state_elements(self) -> int | None:
+        """Numbers one sequence's cache holds (keys and values): ``2 * window * d_model`` with a
+        window, None for full attention (its cache grows with the context)."""
+        return 2 * self.window * self.H * self.hd if self.window else None
 
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         raise SsmcraftError("the attention mixer has no recurrent state to trace")
@@ -82,4 +99,5 @@ class AttentionMixer(nn.Module):
                                 "(it has no recurrent state)")
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "attention", "heads": self.H, "d_head": self.hd, "rope_base": self.cfg.rope_base}
+        return {"kind": "attention", "heads": self.H, "d_head": self.hd, "rope_base": self.cfg.rope_base,
+                "window": self.window}

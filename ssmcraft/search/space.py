@@ -74,7 +74,7 @@ def build_config(spec: SearchSpec, params: dict[str, Any], *, seed: int, device:
         "train": {**copy.deepcopy(spec.train), "tokens": spec.budget.tokens_per_trial,
                   "max_seconds": spec.budget.seconds_per_trial, "device": device},
     }
-    values = {p.path: params[p.name] for p in spec.params if p.path != APPROXIMATION_PATH}
+    values = {p.path: copy.deepcopy(p.value_of(params[p.name])) for p in spec.params if p.path != APPROXIMATION_PATH}
     values[OBJECTIVE_PATH] = resolve_objective(spec, params)
     for path, value in values.items():
         node = config
@@ -102,10 +102,14 @@ def check_experiment(spec: SearchSpec) -> None:
     ``ssmcraft.train`` gives a config (``train.config.resolve``: the model, train and task keys,
     the model's and train's values; the task is not built, so a text corpus is not read): a typo
     in ``task:``, ``model:`` or ``train:`` is a ``SpecError`` naming the search spec when it is
-    loaded, not a failure of every trial."""
+    loaded, not a failure of every trial. Each label of a labelled choice (a layout, say) is
+    checked the same way, at the first point of the other params."""
     from ssmcraft.train.config import resolve
 
-    resolve(build_config(spec, suggest(_FirstPoint(), spec), seed=spec.seed, device="cpu"), spec.source)
+    first = suggest(_FirstPoint(), spec)
+    points = [first] + [{**first, p.name: label} for p in spec.params if p.values for label in p.choices[1:]]
+    for params in points:
+        resolve(build_config(spec, params, seed=spec.seed, device="cpu"), spec.source)
 
 
 def objective_of(config: dict) -> dict:

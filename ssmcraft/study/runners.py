@@ -133,7 +133,7 @@ def _current_rule(out: Path, summary: dict) -> dict:
         if isinstance(entry, dict) and "stats" in entry and label in summary["state"]:
             rule = entry.get("explosion") or {}
             v = detect_explosion(entry["times"], entry["stats"], rule.get("train_len", summary.get("train_len")),
-                                 rule.get("factor", 3.0))
+                                 rule.get("factor", 3.0), entry.get("layers"))
             summary["state"][label] = {"exploded": v["exploded"], "flags": v["flags"]}
     return summary
 

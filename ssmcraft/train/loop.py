@@ -113,7 +113,7 @@ def build_model(config: dict[str, Any], source: str = "<experiment>") -> LM:
     except SpecError as e:
         if e.source != "<mixer>":
             raise
-        raise SpecError(source, f"model.mixer.{e.key}", e.problem) from None
+        raise SpecError(source, f"model.{e.key}", e.problem) from None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -196,8 +196,9 @@ def _train(cfg: dict[str, Any], out: Path, progress: bool, source: str, report) 
         log.info("removed an earlier run's %s from %s", ", ".join(stale), out)
     checkpoint.write_json(out / checkpoint.CONFIG, cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("run %s: %s, %d params, device %s, precision %s", cfg["name"], model.mixers[0].describe().get(
-        "objective", "attention"), n_params, device, precision)
+    log.info("run %s: %s (layers %s), %d params, device %s, precision %s", cfg["name"],
+             model.describe()["mixer"].get("objective", "attention"), " ".join(model.layout_labels()), n_params,
+             device, precision)
 
     steps = max(1, tc["tokens"] // (tc["batch_size"] * task.seq_len))
     warm = warmup_steps(tc["warmup"], steps)
@@ -390,7 +391,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, 
              n_params) -> dict[str, Any]:
     train = [r["loss"] for r in history["train"]]
     mem, mem_kind = peak_memory(device)
-    mixer = model.mixers[0].describe()
+    mixer = model.describe()["mixer"]
     metrics = {
         "status": status, "reason": reason, "val_loss": final.get("loss"),
         "train_loss_first": train[0] if train else None,
@@ -402,6 +403,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, train_s, 
         "backend": model.backends(), "objective": mixer.get("objective", "attention"),
         "structure": mixer.get("structure"), "n_params": n_params, "device": str(device),
         "precision": precision, "seed": cfg["seed"], "task": task.describe(), "mixer": mixer,
+        "layout": model.layout_labels(), "state_elements": model.state_elements(),
     }
     metrics.update({k: v for k, v in final.items() if k != "loss"})
     return metrics
