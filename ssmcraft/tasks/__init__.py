@@ -13,13 +13,14 @@ from typing import Any, Mapping
 
 from ssmcraft.errors import SpecError
 from ssmcraft.tasks.base import IGNORE, Options, Task
+from ssmcraft.tasks.mad import TASK_CLASSES as MAD_TASK_CLASSES
 from ssmcraft.tasks.mqar import MQARTask
 from ssmcraft.tasks.mqar_variants import VARIANTS as MQAR_VARIANTS
 from ssmcraft.tasks.passkey import PasskeyTask
 from ssmcraft.tasks.registry import TASKS, register_task, task_class
 from ssmcraft.tasks.text import TextTask
 
-for _cls in (MQARTask, PasskeyTask, TextTask, *MQAR_VARIANTS):
+for _cls in (MQARTask, PasskeyTask, TextTask, *MQAR_VARIANTS, *MAD_TASK_CLASSES):
     register_task(_cls)
 
 
