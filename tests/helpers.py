@@ -102,3 +102,15 @@ def poison_step(monkeypatch, at_call: int) -> None:
         return loss * float("nan") if calls["n"] == at_call else loss
 
     monkeypatch.setattr(loop, "step_loss", poisoned)
+
+
+def decode_all(lm, tokens):
+    """``lm.step`` over every position of tokens ``[B, T]`` from fresh caches: logits ``[B, T, V]``
+    (the caches at the end as well)."""
+    import torch
+
+    caches, outs = lm.init_cache(tokens.shape[0]), []
+    for t in range(tokens.shape[1]):
+        logits, caches = lm.step(tokens[:, t], caches)
+        outs.append(logits)
+    return torch.stack(outs, 1), caches

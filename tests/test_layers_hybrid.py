@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import decode_all
 
 from ssmcraft.errors import SpecError
 from ssmcraft.layers import LM, LMConfig, Mitigation
@@ -42,12 +43,8 @@ def test_hybrid_step_by_step_equals_parallel():
     lm = _lm()
     T = 9                                      # longer than the window: the bounded cache drops tokens
     tokens = torch.randint(0, 40, (2, T))
-    parallel = lm(tokens)
-    caches, outs = lm.init_cache(2), []
-    for t in range(T):
-        logits, caches = lm.step(tokens[:, t], caches)
-        outs.append(logits)
-    torch.testing.assert_close(torch.stack(outs, 1), parallel, rtol=1e-9, atol=1e-10)
+    stepped, caches = decode_all(lm, tokens)
+    torch.testing.assert_close(stepped, lm(tokens), rtol=1e-9, atol=1e-10)
     assert caches[2].k.shape[2] == 3 and caches[1].k.shape[2] == T   # window-bounded vs growing cache
 
 

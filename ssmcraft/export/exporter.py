@@ -62,6 +62,8 @@ LAYER_PLAN = [
 ]
 LM_PLAN = LAYER_PLAN + [
     ("module", "ssmcraft.layers.attention"),
+    ("module", "ssmcraft.modpath"),
+    ("module", "ssmcraft.layers.module_mixer"),
     ("module", "ssmcraft.layers.lm"),
     ("module", "ssmcraft.export.runtime_lm"),
     ("generated", "tail"),
@@ -523,9 +525,13 @@ def export_model(model, out: str | Path, source: TrialSource, *, layer_only: boo
     say = log_fn or log.info
     out = Path(out)
     _check_out(out, overwrite)
+    modules = [f"layer {i} ({m.cfg.module})" for i, m in enumerate(model.mixers) if m.describe()["kind"] == "module"]
+    if modules:
+        raise ExportError(f"{source.label}: {', '.join(modules)} is a module mixer, whose code an export cannot carry; "
+                          "export writes models built from objective and attention mixers")
     obj = getattr(model, "objective", None)
     if obj is None:
-        raise ExportError(f"{source.label}: the model uses the attention mixer; export writes objective mixers "
+        raise ExportError(f"{source.label}: the model has no objective mixer; export writes objective mixers "
                           "(nothing to derive for attention)")
     run_config = _read_json(Path(source.model_dir) / CONFIG_FILE)
     model_config = exported_model_config(model)

@@ -62,7 +62,26 @@ class AttentionConfig:
     kind: str = "attention"
 
 
-MIXER_KINDS = {"objective": ObjectiveMixerConfig, "attention": AttentionConfig}
+@dataclass
+class ModuleMixerConfig:
+    """Any ``nn.Module`` as the mixer (``ssmcraft.layers.module_mixer``).
+
+    module: ``package.module:name`` of a factory (a class or function) called as
+    ``factory(**{d_model_arg: d_model}, **options)``; it returns a module mapping
+    ``[B, T, d_model] -> [B, T, d_model]`` (or a tuple whose first item is that, as FLA's layers).
+    Importing the module runs its code: the spec's author chose to run it.
+    state_elements: numbers of state one sequence carries (iso-state accounting); null: the
+    module's own ``state_elements()`` method, else unknown.
+    """
+
+    module: str
+    options: dict = field(default_factory=dict)
+    d_model_arg: str = "d_model"
+    state_elements: Any = None
+    kind: str = "module"
+
+
+MIXER_KINDS = {"objective": ObjectiveMixerConfig, "attention": AttentionConfig, "module": ModuleMixerConfig}
 
 
 @dataclass
@@ -70,7 +89,7 @@ class LMConfig:
     """The small LM: embedding, ``n_layers`` x (RMSNorm, mixer, RMSNorm, gated MLP), tied head.
 
     mlp_ratio: hidden size of the gated MLP over d_model (0: no MLP, Mamba-style blocks).
-    mixer: a mapping with ``kind`` (``objective`` or ``attention``) and that kind's fields:
+    mixer: a mapping with ``kind`` (``objective``, ``attention`` or ``module``) and that kind's fields:
     the mixer of every layer that ``layers`` does not place another one at.
     layers: placement rules of a hybrid stack (``layer_mixers``); empty: every layer is ``mixer``.
     """
@@ -146,17 +165,22 @@ def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:
             raise SpecError(source, key, f"expected a {'mapping' if kind == 'dict' else kind}, got {v!r}")
 
 
+def mixer_kind(data: Mapping[str, Any]) -> Any:
+    """A mixer mapping's ``kind``: as given, else ``module`` when it names a ``module``, else ``objective``."""
+    return data.get("kind", "module" if "module" in data else "objective")
+
+
 def mixer_config(data: Mapping[str, Any], source: str = "<config>", key: str = "model.mixer"):
     """The mixer config dataclass for a mapping with a ``kind``."""
     if not isinstance(data, Mapping):
         raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
-    kind = data.get("kind", "objective")
+    kind = mixer_kind(data)
     if kind not in MIXER_KINDS:
         raise SpecError(source, f"{key}.kind", f"unknown mixer kind {kind!r}; known: {', '.join(MIXER_KINDS)}")
     return from_mapping(MIXER_KINDS[kind], {**data, "kind": kind}, source, key)
 
 
-RULE_KINDS = ("attention",)       # what a placement rule may put at a layer (objective layers use model.mixer)
+RULE_KINDS = ("attention", "module")    # what a placement rule may put at a layer (objective layers use model.mixer)
 
 
 def layer_mixers(cfg: "LMConfig", source: str = "<config>", key: str = "model") -> list[tuple[str, dict]]:
@@ -168,8 +192,9 @@ def layer_mixers(cfg: "LMConfig", source: str = "<config>", key: str = "model") 
     mixer: {...}}`` (layers ``o, o + n, o + 2n, ...``; ``offset`` defaults to ``n - 1``, so
     ``every: 3`` is every third layer counting from one). Every layer no rule places gets
     ``cfg.mixer``. A rule's mixer is an ``attention`` mixer (``window: w`` for sliding-window
-    attention); objective layers share ``cfg.mixer``'s objective. A rule that places no layer,
-    an index out of range or a layer two rules place is a ``SpecError`` naming the rule's key.
+    attention) or a ``module`` mixer; objective layers share ``cfg.mixer``'s objective. A rule
+    that places no layer, an index out of range or a layer two rules place is a ``SpecError``
+    naming the rule's key.
     """
     n = cfg.n_layers
     out: list[tuple[str, dict]] = [("mixer", dict(cfg.mixer)) for _ in range(n)]
@@ -186,7 +211,7 @@ def layer_mixers(cfg: "LMConfig", source: str = "<config>", key: str = "model") 
         if "mixer" not in rule:
             raise SpecError(source, f"{rkey}.mixer", "missing (required): the mixer to place, e.g. {kind: attention}")
         mixer = rule["mixer"]
-        kind = mixer.get("kind", "objective") if isinstance(mixer, Mapping) else None
+        kind = mixer_kind(mixer) if isinstance(mixer, Mapping) else None
         if isinstance(mixer, Mapping) and kind not in RULE_KINDS:
             raise SpecError(source, f"{rkey}.mixer.kind", f"a rule places {' or '.join(RULE_KINDS)} mixers, got "
                             f"{kind!r} (objective layers are {key}.mixer)")

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 from ssmcraft.layers.attention import AttentionMixer
 from ssmcraft.errors import SpecError
-from ssmcraft.layers.config import AttentionConfig, LMConfig, layer_mixers, mixer_config
+from ssmcraft.layers.config import AttentionConfig, LMConfig, ModuleMixerConfig, ObjectiveMixerConfig, layer_mixers, \
+    mixer_config
 from ssmcraft.layers.mitigation import Mitigation
 from ssmcraft.layers.mixer import ObjectiveMixer
+from ssmcraft.layers.module_mixer import ModuleMixer
 from ssmcraft.layers.objectives import compile_objective
 
 
@@ -48,10 +50,12 @@ class GatedMLP(nn.Module):
 
 
 def build_mixer(mixer: dict, d_model: int, objective: Any = None) -> nn.Module:
-    """A mixer module from its config mapping (``kind`` objective or attention)."""
+    """A mixer module from its config mapping (``kind`` objective, attention or module)."""
     cfg = mixer_config(mixer)
     if isinstance(cfg, AttentionConfig):
         return AttentionMixer(cfg, d_model)
+    if isinstance(cfg, ModuleMixerConfig):
+        return ModuleMixer(cfg, d_model)
     return ObjectiveMixer(cfg, d_model, objective)
 
 
@@ -90,7 +94,7 @@ class LM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layout = layer_mixers(cfg)
-        if objective is None and not isinstance(mixer_config(cfg.mixer), AttentionConfig):
+        if objective is None and isinstance(mixer_config(cfg.mixer), ObjectiveMixerConfig):
             objective = compile_objective(mixer_config(cfg.mixer).objective)
         self.objective = objective
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -155,7 +159,7 @@ class LM(nn.Module):
         return None if any(s is None for s in sizes) else sum(sizes)
 
     def layout_labels(self) -> list[str]:
-        """One word per layer: ``objective``, ``attention`` or ``swa<window>``."""
+        """One word per layer: ``objective``, ``attention``, ``swa<window>`` or ``module``."""
         return [mixer_label(m.describe()) for m in self.mixers]
 
     def backends(self) -> list[str]:

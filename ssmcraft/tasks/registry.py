@@ -11,15 +11,13 @@ config keys and their defaults), ``from_config(cfg, source)``, ``vocab_size``, `
 """
 from __future__ import annotations
 
-import importlib
-import re
 from typing import Mapping
 
 from ssmcraft.errors import SpecError
+from ssmcraft.modpath import load_object
 from ssmcraft.tasks.base import Task
 
 TASKS: dict[str, type[Task]] = {}
-MODULE_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
 
 def register_task(cls: type[Task]) -> type[Task]:
@@ -37,18 +35,7 @@ def task_class(name, source: str = "<experiment>", key: str = "task.name") -> ty
     if not isinstance(name, str) or ":" not in name:
         raise SpecError(source, key, f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}, "
                         "or a class as package.module:Class")
-    if not MODULE_PATH.fullmatch(name):
-        raise SpecError(source, key, f"{name!r} is not a module path of the form package.module:Class")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise SpecError(source, key, f"cannot import module {module_name!r} ({e}); is it on PYTHONPATH?") from None
-    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say so in one line
-        raise SpecError(source, key, f"importing {module_name!r} failed: {type(e).__name__}: {e}") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise SpecError(source, key, f"module {module_name!r} has no {attr!r}")
+    cls = load_object(name, source, key)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise SpecError(source, key, f"{name} is not a subclass of ssmcraft.tasks.Task (docs/tasks.md)")
     if not isinstance(getattr(cls, "options", None), Mapping):

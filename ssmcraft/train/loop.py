@@ -69,7 +69,7 @@ import torch
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM
 from ssmcraft.layers.objectives import compile_objective, spec_mapping
-from ssmcraft.layers.config import AttentionConfig, mixer_config
+from ssmcraft.layers.config import ObjectiveMixerConfig, mixer_config
 from ssmcraft.tasks import build_task
 from ssmcraft.train import checkpoint, plots
 from ssmcraft.train.compiled import compile_model, run_compiled_step
@@ -93,7 +93,7 @@ def build_model(config: dict[str, Any], source: str = "<experiment>") -> LM:
     """
     mixer = config["model"]["mixer"]
     objective = None
-    if not isinstance(mixer_config(mixer), AttentionConfig):
+    if isinstance(mixer_config(mixer), ObjectiveMixerConfig):
         ref = mixer.get("objective", "longhorn")
         try:
             objective = compile_objective(ref)

@@ -51,9 +51,10 @@ def levels(task: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def task_score(accuracies: Mapping[str, float], task: str) -> float:
-    """MAD's score of one task: the mean accuracy over its levels (every level must be there)."""
-    want = [label for label, _ in levels(task)]
+def task_score(accuracies: Mapping[str, float], task: str, labels: list[str] | None = None) -> float:
+    """MAD's score of one task: the mean accuracy over its levels (every level must be there;
+    ``labels``: over these levels only, e.g. ``["baseline"]`` for a quick study)."""
+    want = labels if labels is not None else [label for label, _ in levels(task)]
     missing = [label for label in want if label not in accuracies]
     if missing:
         raise ValueError(f"{task}: no accuracy for level(s) {', '.join(missing)}")
