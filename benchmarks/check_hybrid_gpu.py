@@ -48,11 +48,12 @@ def main() -> int:
         check(f"task {name}", x.device.type == device and y.device.type == device,
               f"batch {list(x.shape)} built on {x.device}")
 
-    tokens = 4096 * 16 if args.tiny else 2_000_000
+    tokens = 64 * 128 * 2 if args.tiny else 2_000_000
     for task in ({"name": "mqar_forgetting", "vocab": 256, "seq_len": 128, "num_kv_pairs": 8, "num_updates": 4},
-                 {"name": "in_context_recall", "vocab": 16, "seq_len": 128}):
+                 {"name": "in_context_recall", "vocab": 16, "seq_len": 128,
+                  "num_train_examples": 256 if args.tiny else 12_800}):
         run = out / task["name"]
-        train = {"batch_size": 64, "tokens": tokens, "lr": 3e-3, "eval_every": 0, "device": device,
+        train = {"batch_size": 64, "tokens": tokens, "lr": 3e-3, "eval_every": 0, "device": device, "eval_batches": 2,
                  "cuda_graphs": "auto" if args.tiny else True}
         m = train_run({"name": f"hybrid-{task['name']}", "seed": 0, "task": task, "model": HYBRID, "train": train}, run)
         graphs = m.get("cuda_graphs", {})

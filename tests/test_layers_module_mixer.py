@@ -11,7 +11,7 @@ from helpers import decode_all
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM, LMConfig
 
-EMA = {"module": "example_mixer:EMAMixer", "options": {"decay": 0.8, "width": 6}}
+EMA = {"module": "examples.mixers:EMAMixer", "options": {"decay": 0.8, "width": 6}}
 
 
 def _lm(mixer=EMA, layers=(), n_layers=2):
@@ -56,7 +56,7 @@ def test_a_module_mixer_trains_and_is_not_exported(tmp_path):
                                    "eval_batch_size": 4}}, tmp_path / "run")
     assert metrics["status"] == "ok" and math.isfinite(metrics["val_loss"])
     assert metrics["layout"] == ["module"] and metrics["state_elements"] == 6
-    assert metrics["mixer"]["module"] == "example_mixer:EMAMixer"
+    assert metrics["mixer"]["module"] == "examples.mixers:EMAMixer"
     with pytest.raises(SsmcraftError, match="module mixer, whose code an export cannot carry"):
         export(tmp_path / "run", tmp_path / "exp")
     assert not (tmp_path / "exp").exists()
@@ -67,9 +67,9 @@ def test_a_module_mixer_trains_and_is_not_exported(tmp_path):
     ({"module": "example_mixer:missing"}, "model.mixer.module", "has no 'missing'"),
     ({"module": "example_mixer:NOT_CALLABLE"}, "model.mixer.module", "not callable"),
     ({"module": "os.system('x'):f"}, "model.mixer.module", "not a module path"),
-    ({"module": "example_mixer:EMAMixer", "options": {"colour": 1}}, "model.mixer.options", "failed"),
-    ({"module": "example_mixer:EMAMixer", "state_elements": -1}, "model.mixer.state_elements", "non-negative"),
-    ({"module": "example_mixer:EMAMixer", "option": {}}, "model.mixer.option", "unknown key"),
+    ({"module": "examples.mixers:EMAMixer", "options": {"colour": 1}}, "model.mixer.options", "failed"),
+    ({"module": "examples.mixers:EMAMixer", "state_elements": -1}, "model.mixer.state_elements", "non-negative"),
+    ({"module": "examples.mixers:EMAMixer", "option": {}}, "model.mixer.option", "unknown key"),
 ])
 def test_bad_module_mixers_are_one_error_naming_the_key(mixer, key, problem, tmp_path):
     from ssmcraft.train.loop import build_model

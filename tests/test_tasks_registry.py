@@ -22,10 +22,10 @@ def test_built_in_tasks_are_found_through_the_registry():
 def test_a_user_task_from_a_module_path_builds_and_trains(tmp_path):
     from ssmcraft.train import train_run
 
-    task = build_task({"name": "example_task:PreviousTokenTask", "vocab": 12, "lag": 2})
+    task = build_task({"name": "examples.tasks:PreviousTokenTask", "vocab": 12, "lag": 2})
     x, y = task.sample("train", 3, generator=torch.Generator().manual_seed(0))
     assert torch.equal(y[:, 2:], x[:, :-2]) and task.describe()["lag"] == 2
-    metrics = train_run({"name": "user-task", "task": {"name": "example_task:PreviousTokenTask", "vocab": 12, "seq_len": 16},
+    metrics = train_run({"name": "user-task", "task": {"name": "examples.tasks:PreviousTokenTask", "vocab": 12, "seq_len": 16},
                          "model": {"d_model": 16, "n_layers": 1, "mixer": {"kind": "attention", "heads": 2}},
                          "train": {"batch_size": 8, "tokens": 8 * 16 * 3, "eval_every": 0, "eval_batches": 1,
                                    "eval_batch_size": 4}}, tmp_path / "run")
@@ -39,8 +39,8 @@ def test_a_user_task_from_a_module_path_builds_and_trains(tmp_path):
     ({"name": "example_task:Missing"}, "task.name", "has no 'Missing'"),
     ({"name": "example_task:NotATask"}, "task.name", "not a subclass of ssmcraft.tasks.Task"),
     ({"name": "__import__('os'):x"}, "task.name", "not a module path"),
-    ({"name": "example_task:PreviousTokenTask", "lagg": 1}, "task.lagg", "unknown key"),
-    ({"name": "example_task:PreviousTokenTask", "lag": 0}, "task", "lag must be a positive integer"),
+    ({"name": "examples.tasks:PreviousTokenTask", "lagg": 1}, "task.lagg", "unknown key"),
+    ({"name": "examples.tasks:PreviousTokenTask", "lag": 0}, "task", "lag must be a positive integer"),
 ])
 def test_bad_task_names_and_keys_are_one_error(cfg, key, problem):
     with pytest.raises(SpecError) as e:

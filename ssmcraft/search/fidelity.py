@@ -111,7 +111,9 @@ def tokens_per_step(config: dict) -> int:
     task = config["task"]
     seq_len = task.get("seq_len")
     if seq_len is None:
-        seq_len = task_class(task["name"]).options["seq_len"]
+        seq_len = task_class(task["name"]).options.get("seq_len")
+    if seq_len is None:             # a length the task derives from its other options
+        seq_len = task_class(task["name"]).from_config(task).seq_len
     return int(config["train"].get("batch_size", TRAIN_DEFAULTS["batch_size"])) * int(seq_len)
 
 

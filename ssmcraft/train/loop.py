@@ -89,7 +89,7 @@ def build_model(config: dict[str, Any], source: str = "<experiment>") -> LM:
     compiled spec's mapping, so the recorded config rebuilds the same model anywhere.
     ``train.backend`` other than ``auto`` forces the objective's recurrence path. An objective
     that does not compile, or a mixer setting its objective or sizes refuse, is a ``SpecError``
-    naming ``source`` and the ``model.mixer`` key.
+    naming ``source`` and the mixer's key (``model.mixer.heads``, ``model.layers[1].mixer.heads``).
     """
     mixer = config["model"]["mixer"]
     objective = None
