@@ -242,7 +242,8 @@ def _rule_layers(rule: Mapping, n: int, source: str, rkey: str) -> list[int]:
         for i in at:
             i = integer("at", i)
             if not -n <= i < n:
-                raise SpecError(source, f"{rkey}.at", f"layer {i} is out of range for {n} layers (0..{n - 1}, or negative from the end)")
+                raise SpecError(source, f"{rkey}.at", f"layer {i} is out of range for {n} "
+                                f"layer{'s' if n != 1 else ''} (0..{n - 1}, or negative from the end)")
             out.append(i % n)
         if len(set(out)) != len(out):
             raise SpecError(source, f"{rkey}.at", f"names a layer twice: {at}")
