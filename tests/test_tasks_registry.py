@@ -46,3 +46,16 @@ def test_bad_task_names_and_keys_are_one_error(cfg, key, problem):
     with pytest.raises(SpecError) as e:
         build_task(cfg)
     assert e.value.key == key and problem in e.value.problem
+
+
+def test_tasks_command_lists_the_registry_and_a_tasks_levels(capsys):
+    from ssmcraft.cli import main
+
+    assert main(["tasks"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()[:len(TASKS)]}
+    assert listed == set(TASKS)
+    assert main(["tasks", "memorization"]) == 0
+    out = capsys.readouterr().out
+    assert '"map_seed": 12345' in out and "vocab=8192" in out
+    assert main(["tasks", "no_such_task"]) == 2
+    assert "unknown task 'no_such_task'" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def compression_batch(B: int, T: int, vocab: int, g) -> tuple[torch.Tensor, torc
 
 
 class SelectiveCopyingTask(MADTask):
-    """MAD's selective copying."""
+    """MAD's selective copying: copy the tokens scattered among blanks, in order, after a copy token."""
 
     name = "selective_copying"
     options = {"vocab": 16, "seq_len": 256, "num_tokens_to_copy": 16, **COMMON, "num_train_examples": 12_800}

@@ -26,7 +26,7 @@ def kv_map(vocab: int, seed: int) -> torch.Tensor:
 
 
 class MemorizationTask(MADTask):
-    """MAD's memorization."""
+    """MAD's memorization: a fixed key-to-value map, learned in the weights."""
 
     name = "memorization"
     options = {"vocab": 256, "seq_len": 32, "map_seed": 12_345, **COMMON, "num_train_examples": 256}
