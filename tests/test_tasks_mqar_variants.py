@@ -93,8 +93,13 @@ def test_extrapolate_trains_and_tests_on_other_configurations():
     scores = task.score(logits, yv)
     assert [int(v) for v in scores["accuracy_T32_kv4"]] == [8, 8]
     assert int(scores["accuracy_T64_kv8"][0]) == 0 and int(scores["accuracy_T64_kv8"][1]) == 16
-    with pytest.raises(SsmcraftError, match="cannot hold"):
-        task.sample("val", 2, seq_len=32)
+    short_x, short_y = task.sample("val", 2, seq_len=32, generator=_gen())   # the test configs that fit
+    assert (short_y != IGNORE).sum(1).tolist() == [4, 4] and set(task.score(logits[:2, :32], short_y)) == \
+        {"accuracy", "accuracy_T32_kv4"}
+    with pytest.raises(SsmcraftError, match="hold no test configuration"):
+        task.sample("val", 2, seq_len=16)
+    with pytest.raises(SsmcraftError, match="cannot hold the training"):
+        task.sample("train", 2, seq_len=16)
 
 
 @pytest.mark.parametrize("name", ["mqar_forgetting", "mqar_compositional", "mqar_stacked", "mqar_extrapolate"])

@@ -26,7 +26,8 @@ would be it (the last token of the query) and ``IGNORE`` elsewhere.
   configurations and validation rows from others (longer, more pairs); rows are split evenly
   over the configurations, in blocks, and a shorter configuration is followed by filler without
   targets up to the batch's length (the same task for a causal model). Validation reports the
-  accuracy of each test configuration (``accuracy_T{len}_kv{pairs}``).
+  accuracy of each test configuration (``accuracy_T{len}_kv{pairs}``); a validation batch shorter
+  than the longest test configuration holds the ones that fit.
 
 Sequences longer than a variant's own layout (evaluation at several lengths) end with filler.
 """
@@ -294,15 +295,24 @@ class ExtrapolateMQARTask(Task):
         """``[B]``: the configuration of each row (contiguous, as even as ``B`` allows)."""
         return torch.arange(batch_size) * n_configs // batch_size
 
-    def configs_for(self, split: str) -> list[tuple[int, int]]:
-        return self.train_configs if split == "train" else self.test_configs
+    def configs_for(self, split: str, seq_len: int) -> list[tuple[int, int]]:
+        """The configurations of ``split`` that batches of ``seq_len`` tokens hold: every training
+        one (``SsmcraftError`` if one is longer); the test ones that fit (an evaluation at a shorter
+        length reports those), ``SsmcraftError`` if none does."""
+        if split == "train":
+            if seq_len < max(c[0] for c in self.train_configs):
+                raise SsmcraftError(f"{self.name}: training batches of length {seq_len} cannot hold the training "
+                                    f"configurations (the longest is {max(c[0] for c in self.train_configs)} tokens)")
+            return self.train_configs
+        fit = [c for c in self.test_configs if c[0] <= seq_len]
+        if not fit:
+            raise SsmcraftError(f"{self.name}: validation batches of length {seq_len} hold no test configuration "
+                                f"(the shortest is {min(c[0] for c in self.test_configs)} tokens)")
+        return fit
 
     def sample(self, split, batch_size, seq_len=None, generator=None):
         T = self.default_len(split, seq_len)
-        configs = self.configs_for(split)
-        if T < max(c[0] for c in configs):
-            raise SsmcraftError(f"{self.name}: {split} batches of length {T} cannot hold the {split} configurations "
-                                f"(the longest is {max(c[0] for c in configs)} tokens)")
+        configs = self.configs_for(split, T)
         counts = torch.bincount(self.blocks(batch_size, len(configs)), minlength=len(configs)).tolist()
         dev = device_of(generator)
         parts_in, parts_tg = [], []
@@ -316,14 +326,16 @@ class ExtrapolateMQARTask(Task):
         return torch.cat(parts_in), torch.cat(parts_tg)
 
     def score(self, logits, targets):
+        """Accuracy, and per test configuration in the batch (validation batches hold the test
+        configurations that fit their length, in row blocks: ``configs_for``)."""
         correct, scored = token_accuracy(logits, targets)
         out = {"accuracy": (correct, scored)}
-        if logits.shape[1] >= self.eval_seq_len:     # a validation batch: its rows are in test-config blocks
-            rows = self.blocks(logits.shape[0], len(self.test_configs)).to(logits.device)
-            hit = (logits.argmax(-1) == targets) & (targets != IGNORE)
-            for i, (L, n) in enumerate(self.test_configs):
-                mine = rows == i
-                out[f"accuracy_T{L}_kv{n}"] = (hit[mine].sum(), (targets[mine] != IGNORE).sum())
+        configs = self.configs_for("val", logits.shape[1])
+        rows = self.blocks(logits.shape[0], len(configs)).to(logits.device)
+        hit = (logits.argmax(-1) == targets) & (targets != IGNORE)
+        for i, (L, n) in enumerate(configs):
+            mine = rows == i
+            out[f"accuracy_T{L}_kv{n}"] = (hit[mine].sum(), (targets[mine] != IGNORE).sum())
         return out
 
     def constant_metrics(self):
