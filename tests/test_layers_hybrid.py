@@ -172,3 +172,22 @@ def test_hybrid_export_reproduces_outputs_and_decodes(hybrid_run, tmp_path):
     lmod = import_module_from(layer.module)
     with pytest.raises(Exception, match="layer 1 is not an objective mixer"):
         lmod.Mixer.from_pretrained(str(tmp_path / "layer"), layer=1)
+
+
+def test_graphed_decode_state_holds_a_hybrid_with_sliding_windows():
+    """The body ``GraphedDecoder`` captures (static caches updated in place) follows eager decoding
+    of objective and sliding-window layers past the window; full attention is refused."""
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.layers.graphed_decode import StaticDecodeState
+
+    lm = _lm(layers=[{"at": [1, 2], "mixer": SWA}], n_layers=3)
+    tokens = torch.randint(0, 40, (2, 8))
+    static = StaticDecodeState(lm, 2)
+    slots = static.caches[1].k.data_ptr()
+    eager, _ = decode_all(lm, tokens)
+    for t in range(8):
+        static.token.copy_(tokens[:, t])
+        assert torch.equal(static.advance(), eager[:, t])
+    assert static.caches[1].k.data_ptr() == slots and int(static.caches[1].pos) == 8
+    with pytest.raises(SsmcraftError, match="layer 1 has a KVCache"):
+        StaticDecodeState(_lm(), 2)
