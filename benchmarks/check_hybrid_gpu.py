@@ -1,7 +1,7 @@
 """Hybrid stacks and the new tasks on the GPU: every registered task builds its batches on the CUDA
 generator's device; a hybrid (objective, sliding-window and full attention layers) trains with
 ``train.cuda_graphs: true`` on a Zoology variant and a MAD task; its step-by-step decode equals its
-forward; its export reproduces it.
+forward; graphed decoding holds objective and sliding-window layers; its export reproduces it.
 
 GPU:  python3 benchmarks/check_hybrid_gpu.py --out /tmp/hybrid_check
 CPU:  python3 benchmarks/check_hybrid_gpu.py --tiny --out /tmp/hybrid_check   (no CUDA graphs)
@@ -73,6 +73,21 @@ def main() -> int:
     diff = float((torch.stack(steps, 1) - full).abs().max() / full.abs().max())
     check("decode equals forward", diff < 1e-4, f"max |step - forward| / max |forward| = {diff:.2e} over 80 tokens "
           f"(window 32: the sliding-window cache holds {caches[1].k.shape[2]} tokens)")
+
+    if not args.tiny:
+        from ssmcraft.layers import LM, LMConfig
+        from ssmcraft.layers.graphed_decode import GraphedDecoder
+
+        swa_only = {**HYBRID, "layers": HYBRID["layers"][:1]}
+        lm = LM(LMConfig(vocab_size=256, **swa_only)).to(device).eval()
+        dec = GraphedDecoder(lm, 2)
+        with torch.no_grad():
+            caches, worst = lm.init_cache(2), 0.0
+            for t in range(ids.shape[1]):
+                eager, caches = lm.step(ids[:, t], caches)
+                worst = max(worst, float((dec.step(ids[:, t]) - eager).abs().max()))
+        check("graphed decoding of objective + sliding-window layers", worst < 1e-4,
+              f"max |graphed - eager| over 80 tokens: {worst:.2e}")
 
     from ssmcraft.export import export
 
