@@ -33,6 +33,19 @@ def test_mad_study_writes_its_score_table(tmp_path):
     assert cfg["task"] == {"name": "memorization", "vocab": 32, "seq_len": 16, "num_train_examples": 32}
 
 
+def test_iso_state_gives_each_objective_the_m_that_fits():
+    from ssmcraft.errors import SsmcraftError
+    from ssmcraft.study.runners import iso_state_size
+
+    model = {"d_model": 16, "n_layers": 2, "mixer": {"kind": "objective", "heads": 1, "expand": 1}}
+    assert iso_state_size(model, "longhorn_diag", 2 * 16 * 8) == 8          # one state: 2 layers x d 16 x m
+    assert iso_state_size(model, "momentum_longhorn", 2 * 16 * 8) == 4      # two states
+    assert iso_state_size(model, "longhorn_diag", 2 * 16 * 8 + 31) == 8     # the largest m that fits
+    assert iso_state_size(model, "attention", 100) is None
+    with pytest.raises(SsmcraftError, match="more than state_elements = 10"):
+        iso_state_size(model, "longhorn_diag", 10)
+
+
 def test_all_levels_expand_to_mads_configurations():
     spec = load_study_spec(SPEC)
     full = spec.params("full")
@@ -45,6 +58,7 @@ def test_all_levels_expand_to_mads_configurations():
     ({"task_overrides": {"compression": {"seq_len": 9}}}, "smoke.task_overrides.compression", "not among"),
     ({"task_overrides": {"memorization": {"seq_len": 9}}}, "smoke.task_overrides.memorization", "must be even"),
     ({"model": {"d_model": 16, "n_layer": 1}}, "smoke.experiment.model.n_layer", "unknown key"),
+    ({"state_elements": 64}, "smoke.state_elements", "not both"),
 ])
 def test_bad_mad_specs_name_the_key(change, key, problem):
     import yaml

@@ -621,13 +621,14 @@ def run_mad(p: dict, th: dict, ctx: Context) -> dict:
     for obj in p["objectives"]:
         accs: dict[str, dict[str, float]] = {}
         state = None
+        m = p["state_size"] if p["state_elements"] is None else iso_state_size(p["model"], obj, p["state_elements"])
         for task, label, task_cfg in cells:
             exp = {"task": task_cfg, "model": p["model"], "train": p["train"]}
             by_lr: dict[float, list[dict]] = {}
             for lr in p["lrs"]:
                 for seed in p["seeds"]:
                     rel = f"{obj}/{task}/{label}/lr{_lr_tag(lr)}/s{seed}"
-                    metrics, _ = train_cell(ctx, exp, rel, objective=obj, seed=seed, m=p["state_size"], lr=lr)
+                    metrics, _ = train_cell(ctx, exp, rel, objective=obj, seed=seed, m=m, lr=lr)
                     all_metrics.append(metrics)
                     by_lr.setdefault(lr, []).append(metrics)
                     raw.append({"objective": obj, "task": task, "level": label, "lr": lr, "seed": seed,
@@ -639,7 +640,7 @@ def run_mad(p: dict, th: dict, ctx: Context) -> dict:
             level_rows.append({"objective": obj, "task": task, "level": label, "best_lr": best,
                                "accuracy": mean[best]})
         scores = {task: task_score(accs[task], task, list(accs[task])) for task in p["tasks"]}
-        score_rows.append({"objective": obj, "state_bytes": state, **scores,
+        score_rows.append({"objective": obj, "m": m, "state_bytes": state, **scores,
                            "mad_score": sum(scores.values()) / len(scores)})
     plt = _plt()
     fig, ax = plt.subplots(figsize=(1.2 * (len(p["tasks"]) + 1) + 2, 3.5))
@@ -657,14 +658,41 @@ def run_mad(p: dict, th: dict, ctx: Context) -> dict:
              "best learning rate's, mean over the seeds that finished; a level where every run failed counts as accuracy 0"]
     if p["state_size"] is not None:
         notes.append(f"every objective at state_size m = {p['state_size']} (state_bytes: fp32 state per sequence)")
+    if p["state_elements"] is not None:
+        notes.append(f"iso-state: each objective's m is the largest whose model carries at most {p['state_elements']} "
+                     "numbers of state per sequence (LM.state_elements); attention's cache grows with the context")
     return {"tables": [{"title": "MAD score per objective (mean accuracy over levels, then over tasks)",
-                        "rows": score_rows, "columns": ["objective", "state_bytes", *p["tasks"], "mad_score"]},
+                        "rows": score_rows, "columns": ["objective", "m", "state_bytes", *p["tasks"], "mad_score"]},
                        {"title": "Accuracy per level (best learning rate)", "rows": level_rows,
                         "columns": ["objective", "task", "level", "best_lr", "accuracy"]},
                        {"title": "Every run", "rows": raw,
                         "columns": ["objective", "task", "level", "lr", "seed", "status", "accuracy"]}],
             "plots": plots, "verdicts": [], "notes": notes, "device": _device_of(all_metrics),
             "data": {"scores": score_rows, "levels": level_rows}}
+
+
+def iso_state_size(model: dict, objective: str, elements: int) -> int | None:
+    """The largest state size ``m`` at which ``model`` with ``objective`` carries at most ``elements``
+    numbers of state per sequence (``LM.state_elements``: linear in ``m``); None for attention (its
+    cache grows with the context). ``SsmcraftError`` when even ``m = 1`` carries more."""
+    from ssmcraft.layers import LM, LMConfig
+
+    if objective == "attention":
+        return None
+
+    def count(m: int) -> int:
+        mixer = {**model.get("mixer", {}), "kind": "objective", "objective": objective, "state_size": m}
+        n = LM(LMConfig.from_dict({**model, "vocab_size": 2, "mixer": mixer})).state_elements()
+        if n is None:
+            raise SsmcraftError(f"iso-state: the model with {objective} has a layer whose cache grows with the "
+                                "context (full attention); state_elements cannot be matched")
+        return n
+
+    one, per = count(1), count(2) - count(1)
+    if one > elements:
+        raise SsmcraftError(f"iso-state: {objective} carries {one} numbers of state at m = 1, more than "
+                            f"state_elements = {elements}")
+    return 1 + (elements - one) // per
 
 
 RUNNERS = {"mqar_state_size": run_mqar_state_size, "exact_vs_diagonal": run_exact_vs_diagonal,

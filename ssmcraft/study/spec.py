@@ -241,6 +241,8 @@ def _check_mad(c: _C, params: dict) -> None:
     """Every level's task config builds, and the model and train sections pass ``ssmcraft train``'s checks."""
     from ssmcraft.tasks import build_task
 
+    if params["state_size"] is not None and params["state_elements"] is not None:
+        c.fail("state_elements", "give state_size (the same m everywhere) or state_elements (the same state), not both")
     for task in params["task_overrides"]:
         if task not in params["tasks"]:
             c.fail(f"task_overrides.{task}", f"{task!r} is not among this study's tasks")
@@ -301,7 +303,7 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
         "task_overrides": (False, {}, lambda c, k, v, ctx: {t: c.mapping(f"{k}.{t}", o)
                                                             for t, o in c.mapping(k, v).items()}),
         "lrs": (False, [1e-4, 5e-4, 1e-3], _FLOATS), "seeds": (False, [0], _S),
-        "state_size": (False, None, _INT)},
+        "state_size": (False, None, _INT), "state_elements": (False, None, _INT)},
 }
 
 
