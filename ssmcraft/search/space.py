@@ -4,7 +4,8 @@ and build the stateless trial's config.
 Param names, as Optuna stores them: ``objective`` (the option's label), ``<label>.<term>``
 for the searched terms of a composed objective (only sampled when that option is chosen:
 a conditional space), then every other space key as written (``m``, ``lr``,
-``model.n_layers``).
+``model.n_layers``). A labelled choice (``model.layers: {choice: {pure: [], hybrid: [...]}}``)
+stores its label; the trial config gets the label's value (``Param.value_of``).
 """
 from __future__ import annotations
 
