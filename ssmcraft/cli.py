@@ -17,6 +17,7 @@ from ssmcraft.errors import SsmcraftError
 COMMANDS: dict[str, tuple[str, str]] = {
     "derive": ("ssmcraft.compiler.commands", "derive the update of an objective spec and print every stage"),
     "bench": ("ssmcraft.bench.commands", "time an objective's kernel (fwd, fwd+bwd, bandwidth)"),
+    "tasks": ("ssmcraft.tasks.commands", "list the tasks (built in and MAD's, Zoology's) and their options"),
     "train": ("ssmcraft.train.commands", "train one model described by an experiment spec"),
     "eval": ("ssmcraft.train.eval_commands", "long-context evaluation of a trained run"),
     "search": ("ssmcraft.search.commands", "search over objectives and hyperparameters"),

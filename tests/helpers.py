@@ -175,3 +175,15 @@ def time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def decode_all(lm, tokens):
+    """``lm.step`` over every position of tokens ``[B, T]`` from fresh caches: logits ``[B, T, V]``
+    (the caches at the end as well)."""
+    import torch
+
+    caches, outs = lm.init_cache(tokens.shape[0]), []
+    for t in range(tokens.shape[1]):
+        logits, caches = lm.step(tokens[:, t], caches)
+        outs.append(logits)
+    return torch.stack(outs, 1), caches

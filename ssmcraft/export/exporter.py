@@ -63,6 +63,8 @@ LAYER_PLAN = [
 ]
 LM_PLAN = LAYER_PLAN + [
     ("module", "ssmcraft.layers.attention"),
+    ("module", "ssmcraft.modpath"),
+    ("module", "ssmcraft.layers.module_mixer"),
     ("module", "ssmcraft.layers.lm"),
     ("module", "ssmcraft.export.runtime_lm"),
     ("generated", "tail"),
@@ -425,9 +427,10 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
         gen = torch.Generator().manual_seed(seed)
         ref = reference_model.float().cpu().eval()
         if layer_only:
-            out = {"layers": len(ref.blocks)}
+            out = {"layers": len(ref.recurrent_layers)}
             worst, worst_step = 0.0, 0.0
-            for i, block in enumerate(ref.blocks):
+            for i in ref.recurrent_layers:
+                block = ref.blocks[i]
                 mixer = mod.Mixer.from_pretrained(str(folder), layer=i)
                 h = torch.randn(2, 12, mixer.d_model, generator=gen)
                 worst = max(worst, float((mixer(h) - block.mixer(h)).abs().max()))
@@ -462,6 +465,18 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
         raise ExportError(f"the exported module's step-by-step outputs differ from its parallel forward by "
                           f"{out['step_max_abs_diff']:.3g} (an ssmcraft bug; please report it)")
     return out
+
+
+def exported_model_config(model) -> dict:
+    """The model config an export records: the LM's, with every mixer's config (the stack's and
+    each placement rule's) filled with its defaults, so the export does not depend on them."""
+    from ssmcraft.layers.config import mixer_config
+
+    config = dict(model.cfg.to_dict())
+    config["mixer"] = _plain(dataclasses.asdict(mixer_config(config["mixer"])))
+    config["layers"] = [{**rule, "mixer": _plain(dataclasses.asdict(mixer_config(rule["mixer"])))}
+                        for rule in config["layers"]]
+    return config
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -499,18 +514,20 @@ def export_model(model, out: str | Path, source: TrialSource, *, layer_only: boo
     say = log_fn or log.info
     out = Path(out)
     _check_out(out, overwrite)
+    modules = [f"layer {i} ({m.cfg.module})" for i, m in enumerate(model.mixers) if m.describe()["kind"] == "module"]
+    if modules:
+        raise ExportError(f"{source.label}: {', '.join(modules)} is a module mixer, whose code an export cannot carry; "
+                          "export writes models built from objective and attention mixers")
     obj = getattr(model, "objective", None)
     if obj is None:
-        raise ExportError(f"{source.label}: the model uses the attention mixer; export writes objective mixers "
+        raise ExportError(f"{source.label}: the model has no objective mixer; export writes objective mixers "
                           "(nothing to derive for attention)")
     run_config = _read_json(Path(source.model_dir) / CONFIG_FILE)
-    model_config = dict(model.cfg.to_dict())
-    # the mixer config with every default filled in: the export does not depend on defaults
-    model_config["mixer"] = _plain(dataclasses.asdict(model.mixers[0].cfg))
+    model_config = exported_model_config(model)
     stem = name or module_stem(obj.spec.name, layer_only)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem):
         raise ExportError(f"--name {stem!r} is not a Python module name")
-    mixer = model.mixers[0]
+    mixer = model.mixers[model.recurrent_layers[0]]
     kernel_text, kernels = triton_kernel_source(obj, {"d": mixer.d, "m": mixer.m})
     ir_hash = obj.ir.content_hash()
     provenance = {

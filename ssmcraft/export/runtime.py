@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
                                            validate)
-from ssmcraft.layers.config import mixer_config
+from ssmcraft.layers.config import LMConfig, layer_mixers, mixer_config
 from ssmcraft.layers.mixer import ObjectiveMixer
 from ssmcraft.runtime.dispatch import PREFER, backend_name, run_fast, triton_mode
 
@@ -417,6 +417,11 @@ class Mixer(ObjectiveMixer):
         n = model.get("n_layers", 0)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise SsmcraftError(f"{path}: layer {layer!r} out of range; the model has {n} layers")
+        layout = layer_mixers(LMConfig.from_dict(model, "config.json", "model"), "config.json")
+        if layout[layer][0] != "mixer":
+            objective_layers = [i for i, (where, _) in enumerate(layout) if where == "mixer"]
+            raise SsmcraftError(f"{path}: layer {layer} is not an objective mixer ({layout[layer][1].get('kind')}, "
+                                f"model.{layout[layer][0]}); the objective mixers are layers {objective_layers}")
         mixer = cls(model.get("d_model"), **model["mixer"])
         prefix = f"blocks.{layer}.mixer."
         weights = {k[len(prefix):]: v for k, v in load_safetensors(os.path.join(path, WEIGHTS_FILE)).items()

@@ -1,8 +1,11 @@
-"""Causal softmax attention with rotary position embeddings: the baseline mixer.
+"""Causal softmax attention with rotary position embeddings: the baseline mixer, full or
+over a sliding window.
 
 Shapes: hidden ``[B, T, d_model]``, per head ``[B, H, T, d_head]`` with
-``d_head = d_model / H`` (even, for the rotary pairs). Recurrent mode keeps a growing
-key/value cache, so its memory is O(T), unlike an objective mixer's constant state.
+``d_head = d_model / H`` (even, for the rotary pairs). Recurrent mode keeps a key/value
+cache: full attention's grows with every token (memory O(T), unlike an objective mixer's
+constant state); with ``window: w`` it is a ring of ``w`` slots holding the last ``w`` tokens
+(O(w), and of constant shape, so graphed decoding can hold it).
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from ssmcraft.layers.mitigation import Mitigation
 
 @dataclass
 class KVCache:
-    """Keys and values so far ``[B, H, t, d_head]`` and the next position."""
+    """Full attention: keys and values so far ``[B, H, t, d_head]`` and the next position (an int).
+    Sliding window ``w``: a ring of ``w`` slots ``[B, H, w, d_head]`` (position ``p`` in slot
+    ``p % w``) and the next position as a 0-dim int64 tensor on the cache's device."""
 
     k: torch.Tensor
     v: torch.Tensor
-    pos: int
+    pos: int | torch.Tensor
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -43,6 +48,7 @@ class AttentionMixer(nn.Module):
         if cfg.heads < 1 or d_model % cfg.heads or (d_model // cfg.heads) % 2:
             raise SpecError("<mixer>", "heads", f"d_model = {d_model} must split into {cfg.heads} heads of even size")
         self.cfg, self.H, self.hd = cfg, cfg.heads, d_model // cfg.heads
+        self.window = int(cfg.window)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out_proj = nn.Linear(d_model, d_model, bias=False)
         self.last_backend = "sdpa"
@@ -55,23 +61,46 @@ class AttentionMixer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
         B, T, C = h.shape
-        q, k, v = self._qkv(h, torch.arange(T, device=h.device))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pos = torch.arange(T, device=h.device)
+        q, k, v = self._qkv(h, pos)
+        if self.window and self.window < T:
+            # query i sees keys j with i - window < j <= i
+            near = pos[:, None] - pos[None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=(near >= 0) & (near < self.window))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
     def init_cache(self, batch_size: int) -> KVCache:
-        """An empty key/value cache on the module's device and in its dtype."""
+        """An empty key/value cache (a ring of ``window`` zero slots with a window) on the module's
+        device and in its dtype."""
         w = self.qkv.weight
-        empty = torch.zeros(batch_size, self.H, 0, self.hd, device=w.device, dtype=w.dtype)
+        empty = torch.zeros(batch_size, self.H, self.window, self.hd, device=w.device, dtype=w.dtype)
+        if self.window:
+            return KVCache(empty, empty.clone(), torch.zeros((), dtype=torch.int64, device=w.device))
         return KVCache(empty, empty.clone(), 0)
 
     def step(self, h_t: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
-        """h_t ``[B, d_model]`` -> (``[B, d_model]``, the cache with this token appended)."""
+        """h_t ``[B, d_model]`` -> (``[B, d_model]``, the cache with this token appended; with a
+        window, written over the oldest of its slots)."""
         B, C = h_t.shape
+        if self.window:
+            pos = cache.pos
+            q, k, v = self._qkv(h_t[:, None], pos.view(1))
+            slot = (pos % self.window).view(1)
+            k, v = cache.k.index_copy(2, slot, k), cache.v.index_copy(2, slot, v)
+            written = torch.arange(self.window, device=h_t.device) <= pos    # every slot once pos >= window - 1
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=written.view(1, 1, 1, -1))
+            return self.out_proj(y.reshape(B, C)), KVCache(k, v, pos + 1)
         q, k, v = self._qkv(h_t[:, None], torch.tensor([cache.pos], device=h_t.device))
         k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
         y = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(y.reshape(B, C)), KVCache(k, v, cache.pos + 1)
+
+    def state_elements(self) -> int | None:
+        """Numbers one sequence's cache holds (keys and values): ``2 * window * d_model`` with a
+        window, None for full attention (its cache grows with the context)."""
+        return 2 * self.window * self.H * self.hd if self.window else None
 
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         raise SsmcraftError("the attention mixer has no recurrent state to trace")
@@ -82,4 +111,5 @@ class AttentionMixer(nn.Module):
                                 "(it has no recurrent state)")
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "attention", "heads": self.H, "d_head": self.hd, "rope_base": self.cfg.rope_base}
+        return {"kind": "attention", "heads": self.H, "d_head": self.hd, "rope_base": self.cfg.rope_base,
+                "window": self.window}

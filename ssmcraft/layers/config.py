@@ -50,14 +50,38 @@ class ObjectiveMixerConfig:
 
 @dataclass
 class AttentionConfig:
-    """Causal softmax attention with rotary position embeddings (the baseline mixer)."""
+    """Causal softmax attention with rotary position embeddings (the baseline mixer).
+
+    window: sliding-window attention over the last ``window`` tokens (the token itself
+    included); 0 is full causal attention.
+    """
 
     heads: int = 4
     rope_base: float = 10000.0
+    window: int = field(default=0, metadata={"min": 0})
     kind: str = "attention"
 
 
-MIXER_KINDS = {"objective": ObjectiveMixerConfig, "attention": AttentionConfig}
+@dataclass
+class ModuleMixerConfig:
+    """Any ``nn.Module`` as the mixer (``ssmcraft.layers.module_mixer``).
+
+    module: ``package.module:name`` of a factory (a class or function) called as
+    ``factory(**{d_model_arg: d_model}, **options)``; it returns a module mapping
+    ``[B, T, d_model] -> [B, T, d_model]`` (or a tuple whose first item is that, as FLA's layers).
+    Importing the module runs its code: the spec's author chose to run it.
+    state_elements: numbers of state one sequence carries (iso-state accounting); null: the
+    module's own ``state_elements()`` method, else unknown.
+    """
+
+    module: str
+    options: dict = field(default_factory=dict)
+    d_model_arg: str = "d_model"
+    state_elements: Any = None
+    kind: str = "module"
+
+
+MIXER_KINDS = {"objective": ObjectiveMixerConfig, "attention": AttentionConfig, "module": ModuleMixerConfig}
 
 
 @dataclass
@@ -65,7 +89,9 @@ class LMConfig:
     """The small LM: embedding, ``n_layers`` x (RMSNorm, mixer, RMSNorm, gated MLP), tied head.
 
     mlp_ratio: hidden size of the gated MLP over d_model (0: no MLP, Mamba-style blocks).
-    mixer: a mapping with ``kind`` (``objective`` or ``attention``) and that kind's fields.
+    mixer: a mapping with ``kind`` (``objective``, ``attention`` or ``module``) and that kind's fields:
+    the mixer of every layer that ``layers`` does not place another one at.
+    layers: placement rules of a hybrid stack (``layer_mixers``); empty: every layer is ``mixer``.
     """
 
     vocab_size: int
@@ -75,6 +101,7 @@ class LMConfig:
     mixer: dict = field(default_factory=lambda: {"kind": "objective"})
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    layers: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +110,7 @@ class LMConfig:
     def from_dict(cls, data: Mapping[str, Any], source: str = "<config>", key: str = "model") -> "LMConfig":
         cfg = from_mapping(cls, data, source, key)
         mixer_config(cfg.mixer, source, f"{key}.mixer")   # validate early
+        layer_mixers(cfg, source, key)
         return cfg
 
 
@@ -132,16 +160,96 @@ def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:
         number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         if not number or (v < lo if lo is not None else v <= 0):
             raise SpecError(source, key, f"expected a finite number {'>= ' + str(lo) if lo is not None else '> 0'}, got {v!r}")
-    elif kind in ("bool", "str", "dict"):
-        if not isinstance(v, {"bool": bool, "str": str, "dict": Mapping}[kind]):
+    elif kind in ("bool", "str", "dict", "list"):
+        if not isinstance(v, {"bool": bool, "str": str, "dict": Mapping, "list": list}[kind]):
             raise SpecError(source, key, f"expected a {'mapping' if kind == 'dict' else kind}, got {v!r}")
+
+
+def mixer_kind(data: Mapping[str, Any]) -> Any:
+    """A mixer mapping's ``kind``: as given, else ``module`` when it names a ``module``, else ``objective``."""
+    return data.get("kind", "module" if "module" in data else "objective")
 
 
 def mixer_config(data: Mapping[str, Any], source: str = "<config>", key: str = "model.mixer"):
     """The mixer config dataclass for a mapping with a ``kind``."""
     if not isinstance(data, Mapping):
         raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
-    kind = data.get("kind", "objective")
+    kind = mixer_kind(data)
     if kind not in MIXER_KINDS:
         raise SpecError(source, f"{key}.kind", f"unknown mixer kind {kind!r}; known: {', '.join(MIXER_KINDS)}")
     return from_mapping(MIXER_KINDS[kind], {**data, "kind": kind}, source, key)
+
+
+RULE_KINDS = ("attention", "module")    # what a placement rule may put at a layer (objective layers use model.mixer)
+
+
+def layer_mixers(cfg: "LMConfig", source: str = "<config>", key: str = "model") -> list[tuple[str, dict]]:
+    """``(where, mixer mapping)`` of each of the ``n_layers`` layers of a (hybrid) stack; ``where``
+    is the mixer's key under the model section (``mixer`` or ``layers[r].mixer``).
+
+    ``cfg.layers`` is a list of placement rules, each ``{at: i | [i, ...], mixer: {...}}``
+    (0-based layer indices; negative ones count from the end) or ``{every: n, offset: o,
+    mixer: {...}}`` (layers ``o, o + n, o + 2n, ...``; ``offset`` defaults to ``n - 1``, so
+    ``every: 3`` is every third layer counting from one). Every layer no rule places gets
+    ``cfg.mixer``. A rule's mixer is an ``attention`` mixer (``window: w`` for sliding-window
+    attention) or a ``module`` mixer; objective layers share ``cfg.mixer``'s objective. A rule
+    that places no layer, an index out of range or a layer two rules place is a ``SpecError``
+    naming the rule's key.
+    """
+    n = cfg.n_layers
+    out: list[tuple[str, dict]] = [("mixer", dict(cfg.mixer)) for _ in range(n)]
+    placed: dict[int, str] = {}
+    for r, rule in enumerate(cfg.layers):
+        rkey = f"{key}.layers[{r}]"
+        if not isinstance(rule, Mapping):
+            raise SpecError(source, rkey, f"expected a mapping {{at: [...] or every: n, mixer: {{...}}}}, got {rule!r}")
+        unknown = sorted(set(rule) - {"at", "every", "offset", "mixer"})
+        if unknown:
+            raise SpecError(source, f"{rkey}.{unknown[0]}", "unknown key; allowed: at, every, mixer, offset")
+        if ("at" in rule) == ("every" in rule):
+            raise SpecError(source, rkey, "give exactly one of at: [layer indices] or every: n")
+        if "mixer" not in rule:
+            raise SpecError(source, f"{rkey}.mixer", "missing (required): the mixer to place, e.g. {kind: attention}")
+        mixer = rule["mixer"]
+        kind = mixer_kind(mixer) if isinstance(mixer, Mapping) else None
+        if isinstance(mixer, Mapping) and kind not in RULE_KINDS:
+            raise SpecError(source, f"{rkey}.mixer.kind", f"a rule places {' or '.join(RULE_KINDS)} mixers, got "
+                            f"{kind!r} (objective layers are {key}.mixer)")
+        mixer_config(mixer, source, f"{rkey}.mixer")
+        indices = _rule_layers(rule, n, source, rkey)
+        if not indices:
+            raise SpecError(source, rkey, f"places no layer of the {n}")
+        for i in indices:
+            if i in placed:
+                raise SpecError(source, rkey, f"layer {i} is placed by {placed[i]} already")
+            placed[i] = rkey
+            out[i] = (f"layers[{r}].mixer", dict(mixer))
+    return out
+
+
+def _rule_layers(rule: Mapping, n: int, source: str, rkey: str) -> list[int]:
+    """The 0-based layers one placement rule names (checked against ``n`` layers)."""
+    def integer(k, v, lo=None):
+        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+            raise SpecError(source, f"{rkey}.{k}", f"expected an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+        return v
+
+    if "at" in rule:
+        if "offset" in rule:
+            raise SpecError(source, f"{rkey}.offset", "applies to every: n only")
+        at = rule["at"] if isinstance(rule["at"], list) else [rule["at"]]
+        out = []
+        for i in at:
+            i = integer("at", i)
+            if not -n <= i < n:
+                raise SpecError(source, f"{rkey}.at", f"layer {i} is out of range for {n} "
+                                f"layer{'s' if n != 1 else ''} (0..{n - 1}, or negative from the end)")
+            out.append(i % n)
+        if len(set(out)) != len(out):
+            raise SpecError(source, f"{rkey}.at", f"names a layer twice: {at}")
+        return sorted(out)
+    every = integer("every", rule["every"], 1)
+    offset = integer("offset", rule.get("offset", every - 1), 0)
+    if offset >= every:
+        raise SpecError(source, f"{rkey}.offset", f"must be below every = {every}, got {offset}")
+    return list(range(offset, n, every))

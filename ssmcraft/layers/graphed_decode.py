@@ -3,7 +3,8 @@
 Eager decoding launches about 20 small kernels per layer and token, each with its host-side
 launch cost, so at batch 1 the GPU waits on the host (BENCHMARKS.md).
 ``GraphedDecoder(model, batch_size)`` keeps the token and every layer's cache (conv window
-``[B, D, k-1]``, state ``[B, H, d, m]`` or a tuple of them) in static buffers, captures one
+``[B, D, k-1]``, state ``[B, H, d, m]`` or a tuple of them; a sliding window's key and value
+slots ``[B, H, w, d_head]`` and position) in static buffers, captures one
 ``model.step`` whose new caches are copied into those buffers inside the graph, and then runs a
 token as: copy the token in, replay, read the static logits ``[B, V]``.
 
@@ -16,8 +17,9 @@ token as: copy the token in, replay, read the static logits ``[B, V]``.
 and the in-place cache update) without the graph: it runs on any device, which is how the tests
 check the bookkeeping on CPU against eager ``LM.step``.
 
-Only objective mixers: an attention mixer's key/value cache grows by one token per step, which a
-graph with fixed buffers cannot hold (``SsmcraftError``).
+Objective mixers and sliding-window attention (a ring of ``window`` key/value slots and its
+position, all tensors of fixed shape); full attention's key/value cache grows by one token per
+step, which a graph with fixed buffers cannot hold (``SsmcraftError``).
 """
 from __future__ import annotations
 
@@ -27,12 +29,21 @@ import torch
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.runtime.graphs import require_cuda, require_warmup
+from ssmcraft.layers.attention import KVCache
 from ssmcraft.layers.mixer import RecurrentCache
 
 
 def _tensors(cache) -> tuple[torch.Tensor, ...]:
-    """A ``RecurrentCache``'s tensors: the conv window, then the state(s)."""
+    """A cache's tensors: a ``RecurrentCache``'s conv window, then the state(s); a sliding window's
+    keys, values and position."""
+    if isinstance(cache, KVCache):
+        return (cache.k, cache.v, cache.pos)
     return (cache.conv, *(cache.state if isinstance(cache.state, tuple) else (cache.state,)))
+
+
+def fixed_size(cache) -> bool:
+    """Whether a layer's cache keeps its shapes from step to step (what a graph can hold)."""
+    return isinstance(cache, RecurrentCache) or (isinstance(cache, KVCache) and isinstance(cache.pos, torch.Tensor))
 
 
 class StaticDecodeState:
@@ -44,10 +55,10 @@ class StaticDecodeState:
     def __init__(self, model, batch_size: int):
         caches = model.init_cache(batch_size)
         for i, c in enumerate(caches):
-            if not isinstance(c, RecurrentCache):
+            if not fixed_size(c):
                 raise SsmcraftError(f"graphed decoding: layer {i} has a {type(c).__name__} (its cache grows with "
-                                    f"every token); only objective mixers, whose cache has a constant size, "
-                                    f"can decode in a CUDA graph")
+                                    f"every token); only objective mixers and sliding-window attention, whose "
+                                    f"caches have a constant size, can decode in a CUDA graph")
         self.model = model
         self.caches = caches
         self.token = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
@@ -76,7 +87,7 @@ class StaticDecodeState:
             dst, src = _tensors(mine), _tensors(theirs)
             shapes, got = [list(t.shape) for t in dst], [list(t.shape) for t in src]
             if shapes != got:
-                raise SsmcraftError(f"graphed decoding: layer {i}'s cache (conv window, state(s)) has shapes "
+                raise SsmcraftError(f"graphed decoding: layer {i}'s cache (its tensors: _tensors) has shapes "
                                     f"{got}; the decoder holds {shapes} (batch {self.token.shape[0]})")
             for a, b in zip(dst, src):
                 a.copy_(b)

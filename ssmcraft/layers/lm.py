@@ -1,7 +1,9 @@
 """The small LM: embedding, N x (RMSNorm, mixer, RMSNorm, gated MLP), final RMSNorm, tied head.
 
 tokens ``[B, T]`` int64 -> logits ``[B, T, V]``. ``step`` runs one token with per-layer
-caches (constant size for objective mixers) and matches ``forward``.
+caches (constant size for objective mixers and sliding-window attention, growing for full
+attention) and matches ``forward``. A hybrid stack places a mixer per layer
+(``LMConfig.layers``, ``config.layer_mixers``).
 """
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmcraft.layers.attention import AttentionMixer
-from ssmcraft.layers.config import AttentionConfig, LMConfig, mixer_config
+from ssmcraft.errors import SpecError
+from ssmcraft.layers.config import AttentionConfig, LMConfig, ModuleMixerConfig, ObjectiveMixerConfig, layer_mixers, \
+    mixer_config
 from ssmcraft.layers.mitigation import Mitigation
 from ssmcraft.layers.mixer import ObjectiveMixer
+from ssmcraft.layers.module_mixer import ModuleMixer
 from ssmcraft.layers.objectives import compile_objective
 
 
@@ -45,18 +50,22 @@ class GatedMLP(nn.Module):
 
 
 def build_mixer(mixer: dict, d_model: int, objective: Any = None) -> nn.Module:
-    """A mixer module from its config mapping (``kind`` objective or attention)."""
+    """A mixer module from its config mapping (``kind`` objective, attention or module)."""
     cfg = mixer_config(mixer)
     if isinstance(cfg, AttentionConfig):
         return AttentionMixer(cfg, d_model)
+    if isinstance(cfg, ModuleMixerConfig):
+        return ModuleMixer(cfg, d_model)
     return ObjectiveMixer(cfg, d_model, objective)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LMConfig, objective: Any = None):
+    """One layer; ``mixer`` its mixer's config mapping (``cfg.mixer`` when not given)."""
+
+    def __init__(self, cfg: LMConfig, objective: Any = None, mixer: dict | None = None):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(cfg.mixer, cfg.d_model, objective)
+        self.mixer = build_mixer(cfg.mixer if mixer is None else mixer, cfg.d_model, objective)
         self.mlp = GatedMLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio > 0 else None
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if self.mlp is not None else None
 
@@ -75,21 +84,31 @@ class Block(nn.Module):
 class LM(nn.Module):
     """A language model over ``cfg.vocab_size`` tokens.
 
-    ``objective``: a compiled objective shared by every layer (else the mixer config's
-    ``objective`` is compiled once here). Attention mixers ignore it.
+    ``objective``: a compiled objective shared by every objective layer (else the mixer
+    config's ``objective`` is compiled once here). Attention mixers ignore it.
+    A mixer setting a layer refuses (e.g. heads that do not divide d_model) is a ``SpecError``
+    from source ``<mixer>`` keyed from the model section (``mixer.heads``, ``layers[1].mixer.heads``).
     """
 
     def __init__(self, cfg: LMConfig, objective: Any = None):
         super().__init__()
         self.cfg = cfg
-        mcfg = mixer_config(cfg.mixer)
-        if objective is None and not isinstance(mcfg, AttentionConfig):
-            objective = compile_objective(mcfg.objective)
+        self.layout = layer_mixers(cfg)
+        if objective is None and isinstance(mixer_config(cfg.mixer), ObjectiveMixerConfig):
+            objective = compile_objective(mixer_config(cfg.mixer).objective)
         self.objective = objective
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
-        self.blocks = nn.ModuleList(Block(cfg, objective) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(self._block(where, mixer) for where, mixer in self.layout)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def _block(self, where: str, mixer: dict) -> Block:
+        try:
+            return Block(self.cfg, self.objective, mixer)
+        except SpecError as e:
+            if e.source != "<mixer>":
+                raise
+            raise SpecError("<mixer>", f"{where}.{e.key}", e.problem) from None
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens ``[B, T]`` -> final normalised hidden states ``[B, T, d_model]``."""
@@ -118,14 +137,46 @@ class LM(nn.Module):
     def mixers(self) -> list[nn.Module]:
         return [b.mixer for b in self.blocks]
 
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Indices of the layers whose mixer has a recurrent state to trace (objective mixers)."""
+        return [i for i, m in enumerate(self.mixers) if isinstance(m, ObjectiveMixer)]
+
     def set_mitigation(self, mitigation: Mitigation | None) -> None:
-        for mixer in self.mixers:
-            mixer.set_mitigation(mitigation)
+        """Apply a training-free mitigation to every recurrent layer. In a hybrid the attention
+        layers keep their plain form (they have no state to scale); a model with no recurrent
+        layer refuses a mitigation (``SsmcraftError`` from its mixers)."""
+        recurrent = self.recurrent_layers
+        for i, mixer in enumerate(self.mixers):
+            if i in recurrent or not recurrent:
+                mixer.set_mitigation(mitigation)
+
+    def state_elements(self) -> int | None:
+        """Numbers of state one sequence carries through every layer (``state_elements`` of each
+        mixer: objective states, sliding-window caches); None when a layer's cache grows with the
+        context (full attention)."""
+        sizes = [m.state_elements() for m in self.mixers]
+        return None if any(s is None for s in sizes) else sum(sizes)
+
+    def layout_labels(self) -> list[str]:
+        """One word per layer: ``objective``, ``attention``, ``swa<window>`` or ``module``."""
+        return [mixer_label(m.describe()) for m in self.mixers]
 
     def backends(self) -> list[str]:
         """The recurrence path each mixer last ran (``None`` before the first forward)."""
         return sorted({str(m.last_backend) for m in self.mixers})
 
     def describe(self) -> dict[str, Any]:
+        """Sizes, config, layout, and ``mixer``: the first objective layer's description (the
+        first layer's when none is recurrent)."""
+        first = self.recurrent_layers[:1] or [0]
         return {"n_params": sum(p.numel() for p in self.parameters()), "config": self.cfg.to_dict(),
-                "mixer": self.mixers[0].describe() if self.mixers else None}
+                "layout": self.layout_labels(),
+                "mixer": self.mixers[first[0]].describe() if self.mixers else None}
+
+
+def mixer_label(described: dict) -> str:
+    """A layer's short label from its mixer's ``describe()``."""
+    if described.get("kind") == "attention" and described.get("window"):
+        return f"swa{described['window']}"
+    return str(described.get("kind"))

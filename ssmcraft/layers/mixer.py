@@ -212,6 +212,11 @@ class ObjectiveMixer(nn.Module):
         y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
         return self._finish(y, u, z)[:, 0], RecurrentCache(conv_state, S)
 
+    def state_elements(self) -> int:
+        """Numbers of recurrent state one sequence carries: ``H * d * m`` per declared state (the
+        iso-state measure; the conv window's ``D * (k - 1)`` is not counted)."""
+        return len(self.obj.spec.state_names()) * self.H * self.d * self.m
+
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         """States over time for inputs h ``[B, T, d_model]``: ``[B, T // every, H, d, m]``.
 

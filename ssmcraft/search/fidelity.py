@@ -50,7 +50,6 @@ How a trial goes through the rungs:
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -106,13 +105,15 @@ class Plan:
 def tokens_per_step(config: dict) -> int:
     """Input tokens per training step of a trial config: ``batch_size * seq_len``, with
     the training and task defaults filled in (no task is built)."""
-    from ssmcraft.tasks import TASKS
+    from ssmcraft.tasks import task_class
     from ssmcraft.train.config import TRAIN_DEFAULTS
 
     task = config["task"]
     seq_len = task.get("seq_len")
     if seq_len is None:
-        seq_len = importlib.import_module(TASKS[task["name"]].__module__).DEFAULTS["seq_len"]
+        seq_len = task_class(task["name"]).options.get("seq_len")
+    if seq_len is None:             # a length the task derives from its other options
+        seq_len = task_class(task["name"]).from_config(task).seq_len
     return int(config["train"].get("batch_size", TRAIN_DEFAULTS["batch_size"])) * int(seq_len)
 
 

@@ -4,7 +4,8 @@ and build the stateless trial's config.
 Param names, as Optuna stores them: ``objective`` (the option's label), ``<label>.<term>``
 for the searched terms of a composed objective (only sampled when that option is chosen:
 a conditional space), then every other space key as written (``m``, ``lr``,
-``model.n_layers``).
+``model.n_layers``). A labelled choice (``model.layers: {choice: {pure: [], hybrid: [...]}}``)
+stores its label; the trial config gets the label's value (``Param.value_of``).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def build_config(spec: SearchSpec, params: dict[str, Any], *, seed: int, device:
         "train": {**copy.deepcopy(spec.train), "tokens": spec.budget.tokens_per_trial,
                   "max_seconds": spec.budget.seconds_per_trial, "device": device},
     }
-    values = {p.path: params[p.name] for p in spec.params if p.path != APPROXIMATION_PATH}
+    values = {p.path: copy.deepcopy(p.value_of(params[p.name])) for p in spec.params if p.path != APPROXIMATION_PATH}
     values[OBJECTIVE_PATH] = resolve_objective(spec, params)
     for path, value in values.items():
         node = config
@@ -102,13 +103,17 @@ def check_experiment(spec: SearchSpec) -> None:
     ``ssmcraft.train`` gives a config (``train.config.resolve``: the model, train and task keys,
     the model's and train's values; the task is built, except a text task, whose corpus is not read): a typo
     in ``task:``, ``model:`` or ``train:`` is a ``SpecError`` naming the search spec when it is
-    loaded, not a failure of every trial."""
-    from ssmcraft.tasks import TASKS, TextTask, build_task
+    loaded, not a failure of every trial. Each label of a labelled choice (a layout, say) is
+    checked the same way, at the first point of the other params."""
+    from ssmcraft.tasks import TextTask, build_task, task_class
     from ssmcraft.train.config import resolve
 
-    config = resolve(build_config(spec, suggest(_FirstPoint(), spec), seed=spec.seed, device="cpu"), spec.source)
-    if TASKS[config["task"]["name"]] is not TextTask:   # building a text task reads its corpus
-        build_task(config["task"], spec.source)          # the task's values (a seq_len of -1)
+    first = suggest(_FirstPoint(), spec)
+    points = [first] + [{**first, p.name: label} for p in spec.params if p.values for label in p.choices[1:]]
+    for params in points:
+        config = resolve(build_config(spec, params, seed=spec.seed, device="cpu"), spec.source)
+        if task_class(config["task"]["name"], spec.source) is not TextTask:   # a text task would read its corpus
+            build_task(config["task"], spec.source)          # the task's values (a seq_len of -1)
 
 
 def objective_of(config: dict) -> dict:

@@ -29,6 +29,9 @@ Format (every key; defaults after ``=``)::
       m:  {int: [8, 32], step: 8}         # aliases: m, d_model/width, lr (ALIASES)
       lr: {float: [1.0e-4, 3.0e-3], log: true}
       model.mixer.heads: {choice: [1, 2]} # or a dotted path under model/train/task
+      model.layers: {choice: {pure: [], swa: [{every: 2, mixer: {kind: attention, window: 64}}]}}
+                                          # labelled choices: Optuna samples the label, the
+                                          # trial config gets its value (any YAML value)
     rank: {val_loss: minimize, tokens_per_s: maximize}
     sampler: {name: tpe, ...}             # = tpe for one metric, nsga2 for several
     pruner: {name: median, ...}           # = none; single-metric studies only
@@ -92,6 +95,11 @@ class Param:
     high: float | None = None
     step: float | None = None
     log: bool = False
+    values: tuple = field(default=(), hash=False)   # a labelled choice's values, one per label in ``choices``
+
+    def value_of(self, sampled: Any) -> Any:
+        """The value a sampled choice puts in the trial config (a labelled choice's value)."""
+        return self.values[self.choices.index(sampled)] if self.values else sampled
 
 
 @dataclass(frozen=True)
@@ -488,7 +496,7 @@ def _parse_space(c: _Checker, value: Any, base: Path, objectives_dir: Path | Non
         params.append(_parse_param(c, f"space.{key}", key, path, dist))
     approx = next((p for p in params if p.path == ("objective", "approximation")), None)
     if approx is not None:
-        if approx.kind != "choice":
+        if approx.kind != "choice" or approx.values:
             c.fail("space.approximation", "expected {choice: [exact, diagonal]}")
         for v in approx.choices:
             check_choices({"approximation": v}, c.source, "space.approximation")
@@ -515,8 +523,14 @@ def _parse_param(c: _Checker, key: str, name: str, path: tuple[str, ...], dist: 
         if set(d) != {"choice"}:
             c.fail(key, "step and log apply to int and float ranges only")
         choices = d["choice"]
+        if isinstance(choices, Mapping) and choices:
+            labels = list(choices)
+            bad = next((x for x in labels if not isinstance(x, str)), None)
+            if bad is not None:
+                c.fail(f"{key}.choice", f"labels of a labelled choice must be strings, got {bad!r}")
+            return Param(name, path, "choice", choices=tuple(labels), values=tuple(choices.values()))
         if not isinstance(choices, list) or not choices:
-            c.fail(f"{key}.choice", "expected a non-empty list")
+            c.fail(f"{key}.choice", "expected a non-empty list, or a mapping label -> value")
         for v in choices:
             if not isinstance(v, (str, int, float, bool)) or v is None:
                 c.fail(f"{key}.choice", f"choices must be strings, numbers or booleans, got {shown(v)}")

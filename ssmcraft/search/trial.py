@@ -42,19 +42,15 @@ def can_report() -> bool:
 
 
 def state_bytes(run_dir: Path) -> int | None:
-    """Bytes of recurrent state one sequence carries through the run's model: fp32
-    ``[H, d, m]`` per objective mixer; None when a mixer's state grows with the context
-    (attention). Built from the run's config; no weights needed."""
+    """Bytes of state one sequence carries through the run's model, fp32 (``LM.state_elements``:
+    ``[H, d, m]`` per objective state, a sliding window's keys and values, a module mixer's own
+    count); None when a layer's state grows with the context (full attention) or is unknown.
+    Built from the run's config; no weights needed."""
     from ssmcraft.layers import LM
     from ssmcraft.train.checkpoint import load_config, model_config
 
-    total = 0
-    for mixer in LM(model_config(load_config(run_dir))).mixers:
-        d = mixer.describe()
-        if d.get("kind") != "objective":
-            return None
-        total += 4 * d["heads"] * d["d"] * d["m"]
-    return total
+    n = LM(model_config(load_config(run_dir))).state_elements()
+    return None if n is None else 4 * n
 
 
 train_trial.can_report = can_report

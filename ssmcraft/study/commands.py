@@ -88,6 +88,10 @@ def plan(spec, scale: str) -> tuple[int, float | None]:
         runs = [(p["experiment"], len(p["objectives"]) * len(p["seeds"]))]
     elif k == "state_capacity":
         runs = [(p["experiment"], len(p["state_sizes"]) * len(p["train_lengths"]) * len(p["seeds"]))]
+    elif k == "mad":
+        from ssmcraft.study.spec import mad_cells
+
+        runs = [({"train": p["train"]}, len(p["objectives"]) * len(mad_cells(p)) * len(p["lrs"]) * len(p["seeds"]))]
     else:
         b = p["search"]["budget"]
         return b["trials"], b.get("total_seconds")

@@ -133,7 +133,7 @@ def _current_rule(out: Path, summary: dict) -> dict:
         if isinstance(entry, dict) and "stats" in entry and label in summary["state"]:
             rule = entry.get("explosion") or {}
             v = detect_explosion(entry["times"], entry["stats"], rule.get("train_len", summary.get("train_len")),
-                                 rule.get("factor", 3.0))
+                                 rule.get("factor", 3.0), entry.get("layers"))
             summary["state"][label] = {"exploded": v["exploded"], "flags": v["flags"]}
     return summary
 
@@ -606,6 +606,95 @@ def executor_device(result) -> str:
     return result.executor
 
 
+# ------------------------------------------------------------------ MAD's protocol
+
+def run_mad(p: dict, th: dict, ctx: Context) -> dict:
+    """MAD's protocol over ``objectives``: every (task, level) of ``spec.mad_cells``, each learning
+    rate and seed; a level's accuracy is that of its best learning rate (mean over seeds), a task's
+    score the mean over its levels, the MAD score the mean over the tasks (``tasks.mad.levels``).
+    ``state_size`` fixes ``m`` of every objective (MAD compares at the same state size)."""
+    from ssmcraft.study.spec import mad_cells
+    from ssmcraft.tasks.mad import task_score
+
+    cells = mad_cells(p)
+    level_rows, score_rows, raw, all_metrics = [], [], [], []
+    for obj in p["objectives"]:
+        accs: dict[str, dict[str, float]] = {}
+        state = None
+        m = p["state_size"] if p["state_elements"] is None else iso_state_size(p["model"], obj, p["state_elements"])
+        for task, label, task_cfg in cells:
+            exp = {"task": task_cfg, "model": p["model"], "train": p["train"]}
+            by_lr: dict[float, list[dict]] = {}
+            for lr in p["lrs"]:
+                for seed in p["seeds"]:
+                    rel = f"{obj}/{task}/{label}/lr{_lr_tag(lr)}/s{seed}"
+                    metrics, _ = train_cell(ctx, exp, rel, objective=obj, seed=seed, m=m, lr=lr)
+                    all_metrics.append(metrics)
+                    by_lr.setdefault(lr, []).append(metrics)
+                    raw.append({"objective": obj, "task": task, "level": label, "lr": lr, "seed": seed,
+                                "status": metrics.get("status"), "accuracy": metrics.get("accuracy")})
+                    state = state if state is not None else metrics.get("state_bytes")
+            mean = {lr: V.mean_std([x.get("accuracy") for x in runs])[0] for lr, runs in by_lr.items()}
+            best = max(mean, key=lambda lr: -1.0 if mean[lr] is None else mean[lr])
+            accs.setdefault(task, {})[label] = mean[best] or 0.0
+            level_rows.append({"objective": obj, "task": task, "level": label, "best_lr": best,
+                               "accuracy": mean[best]})
+        scores = {task: task_score(accs[task], task, list(accs[task])) for task in p["tasks"]}
+        score_rows.append({"objective": obj, "m": m, "state_bytes": state, **scores,
+                           "mad_score": sum(scores.values()) / len(scores)})
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1.2 * (len(p["tasks"]) + 1) + 2, 3.5))
+    columns = [*p["tasks"], "mad_score"]
+    width = 0.8 / max(1, len(score_rows))
+    for i, row in enumerate(score_rows):
+        ax.bar([c + i * width for c in range(len(columns))], [row[c] for c in columns], width, label=row["objective"])
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(columns))], columns, rotation=30, ha="right", fontsize=7)
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("accuracy (mean over levels)")
+    ax.legend(fontsize=7)
+    ax.set_title("MAD scores")
+    plots = [_save(fig, ctx.out / "mad_scores.png")]
+    notes = [f"levels: {p['levels']} ({len(cells)} task configurations per objective); a level's accuracy is its "
+             "best learning rate's, mean over the seeds that finished; a level where every run failed counts as accuracy 0"]
+    if p["state_size"] is not None:
+        notes.append(f"every objective at state_size m = {p['state_size']} (state_bytes: fp32 state per sequence)")
+    if p["state_elements"] is not None:
+        notes.append(f"iso-state: each objective's m is the largest whose model carries at most {p['state_elements']} "
+                     "numbers of state per sequence (LM.state_elements); attention's cache grows with the context")
+    return {"tables": [{"title": "MAD score per objective (mean accuracy over levels, then over tasks)",
+                        "rows": score_rows, "columns": ["objective", "m", "state_bytes", *p["tasks"], "mad_score"]},
+                       {"title": "Accuracy per level (best learning rate)", "rows": level_rows,
+                        "columns": ["objective", "task", "level", "best_lr", "accuracy"]},
+                       {"title": "Every run", "rows": raw,
+                        "columns": ["objective", "task", "level", "lr", "seed", "status", "accuracy"]}],
+            "plots": plots, "verdicts": [], "notes": notes, "device": _device_of(all_metrics),
+            "data": {"scores": score_rows, "levels": level_rows}}
+
+
+def iso_state_size(model: dict, objective: str, elements: int) -> int | None:
+    """The largest state size ``m`` at which ``model`` with ``objective`` carries at most ``elements``
+    numbers of state per sequence (``LM.state_elements``: linear in ``m``); None for attention (its
+    cache grows with the context). ``SsmcraftError`` when even ``m = 1`` carries more."""
+    from ssmcraft.layers import LM, LMConfig
+
+    if objective == "attention":
+        return None
+
+    def count(m: int) -> int:
+        mixer = {**model.get("mixer", {}), "kind": "objective", "objective": objective, "state_size": m}
+        n = LM(LMConfig.from_dict({**model, "vocab_size": 2, "mixer": mixer})).state_elements()
+        if n is None:
+            raise SsmcraftError(f"iso-state: the model with {objective} has a layer whose cache grows with the "
+                                "context (full attention); state_elements cannot be matched")
+        return n
+
+    one, per = count(1), count(2) - count(1)
+    if one > elements:
+        raise SsmcraftError(f"iso-state: {objective} carries {one} numbers of state at m = 1, more than "
+                            f"state_elements = {elements}")
+    return 1 + (elements - one) // per
+
+
 RUNNERS = {"mqar_state_size": run_mqar_state_size, "exact_vs_diagonal": run_exact_vs_diagonal,
            "extrapolation": run_extrapolation, "state_capacity": run_state_capacity,
-           "composed_search": run_composed_search}
+           "composed_search": run_composed_search, "mad": run_mad}

@@ -34,6 +34,7 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "extrapolation": {"max_ratio": 1.10, "improve_tol": 0.01},
     "state_capacity": {"min_points": 3, "min_r2": 0.8},
     "composed_search": {},
+    "mad": {},
 }
 
 
@@ -212,6 +213,48 @@ def _executor(c: _C, key: str, v: Any) -> str:
     return v
 
 
+def _mad_tasks(c: _C, key: str, v: Any) -> list[str]:
+    from ssmcraft.tasks.mad import MAD_TASKS
+
+    out = c.seq(key, v, c.string)
+    for i, name in enumerate(out):
+        if name not in MAD_TASKS:
+            c.fail(f"{key}[{i}]", f"{name!r} is not a MAD task; MAD's: {', '.join(MAD_TASKS)}")
+    if len(set(out)) != len(out):
+        c.fail(key, "lists a task twice")
+    return out
+
+
+def mad_cells(params: dict) -> list[tuple[str, str, dict]]:
+    """``(task, level label, task config)`` of every MAD level a ``mad`` study trains on: MAD's
+    levels (only ``baseline`` with ``levels: baseline``), each with ``task_overrides[task]`` merged in."""
+    from ssmcraft.tasks.mad import levels
+
+    out = []
+    for task in params["tasks"]:
+        chosen = levels(task)[:1] if params["levels"] == "baseline" else levels(task)
+        out += [(task, label, {**cfg, **params["task_overrides"].get(task, {})}) for label, cfg in chosen]
+    return out
+
+
+def _check_mad(c: _C, params: dict) -> None:
+    """Every level's task config builds, and the model and train sections pass ``ssmcraft train``'s checks."""
+    from ssmcraft.tasks import build_task
+
+    if params["state_size"] is not None and params["state_elements"] is not None:
+        c.fail("state_elements", "give state_size (the same m everywhere) or state_elements (the same state), not both")
+    for task in params["task_overrides"]:
+        if task not in params["tasks"]:
+            c.fail(f"task_overrides.{task}", f"{task!r} is not among this study's tasks")
+    for task, label, cfg in mad_cells(params):
+        try:
+            build_task(cfg, c.source)
+        except SpecError as e:
+            c.fail(f"task_overrides.{task}", f"level {label}: {e.key}: {e.problem}")
+    _check_as_training(c, "experiment", {"task": mad_cells(params)[0][2], "model": params["model"],
+                                         "train": params["train"]})
+
+
 # kind -> key -> (required, default, validator(c, key, value, ctx))
 _E = lambda task: (lambda c, k, v, ctx: _experiment(c, k, v, task))  # noqa: E731
 _S = lambda c, k, v, ctx: c.seeds(k, v)  # noqa: E731
@@ -250,6 +293,17 @@ KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
         "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v)),
         "confirm": (False, None, _E(None)), "confirm_seeds": (False, [0], _S),
         "leave_out": (False, [], lambda c, k, v, ctx: _leave_out(c, k, v))},
+    "mad": {
+        "objectives": (True, None, _O), "model": (True, None, lambda c, k, v, ctx: c.mapping(k, v)),
+        "train": (False, {}, lambda c, k, v, ctx: c.mapping(k, v)),
+        "tasks": (False, ["in_context_recall", "fuzzy_recall", "noisy_recall", "selective_copying", "compression",
+                          "memorization"], lambda c, k, v, ctx: _mad_tasks(c, k, v)),
+        "levels": (False, "all", lambda c, k, v, ctx: v if v in ("all", "baseline")
+                   else c.fail(k, f"expected all or baseline, got {v!r}")),
+        "task_overrides": (False, {}, lambda c, k, v, ctx: {t: c.mapping(f"{k}.{t}", o)
+                                                            for t, o in c.mapping(k, v).items()}),
+        "lrs": (False, [1e-4, 5e-4, 1e-3], _FLOATS), "seeds": (False, [0], _S),
+        "state_size": (False, None, _INT), "state_elements": (False, None, _INT)},
 }
 
 
@@ -331,6 +385,8 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
                 params[k] = merged[k]
         if kind == "composed_search":
             _check_leave_out(sc, params)
+        if kind == "mad":
+            _check_mad(sc, params)
         for obj, part in (params.get("overrides") or {}).items():      # each objective's own experiment
             _check_as_training(sc, f"overrides.{obj}", experiment_for(params["experiment"], params["overrides"], obj))
         scales[scale] = params

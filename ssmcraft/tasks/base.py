@@ -36,6 +36,18 @@ class Task:
     seq_len: int
     eval_seq_len: int
 
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "<experiment>") -> "Task":
+        """The task of a config mapping: ``cls(**values)``, each of ``options``' keys taken from
+        ``cfg`` or its default. Unknown keys are a ``SpecError``, and so is a ``ValueError``
+        the constructor raises (its message names the problem). Tasks that check each value
+        themselves override this."""
+        o = Options(cfg, cls.options, source)
+        try:
+            return cls(**{k: o.get(k) for k in cls.options})
+        except ValueError as e:
+            o.fail("", str(e))
+
     def sample(self, split: str, batch_size: int, seq_len: int | None = None,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(inputs [B, T], targets [B, T])`` int64 for ``split`` in ``SPLITS``.

@@ -34,20 +34,36 @@ def mqar_batch(batch_size: int, seq_len: int, num_kv_pairs: int, vocab: int, pow
     key_vocab = vocab // 2
     check_sizes(T, n, vocab)
     g = generator
-    dev = g.device if g is not None else torch.device("cpu")
-    keys = torch.rand(B, key_vocab - 1, generator=g, device=dev).argsort(dim=1)[:, :n] + 1            # [B, n]
-    values = torch.rand(B, vocab - key_vocab, generator=g, device=dev).argsort(dim=1)[:, :n] + key_vocab
+    dev = device_of(g)
+    keys = distinct(B, 1, key_vocab, n, g)                                                 # [B, n]
+    values = distinct(B, key_vocab, vocab, n, g)
     inputs = torch.randint(0, vocab, (B, T), generator=g, device=dev)
     inputs[:, 0:2 * n:2] = keys
     inputs[:, 1:2 * n:2] = values
-    space = (T - 2 * n) // 2
-    p = power_a * torch.arange(1, space + 1, dtype=torch.float64, device=dev) ** (power_a - 1)
-    gaps = torch.multinomial(p.expand(B, space), n, replacement=False, generator=g)       # [B, n]
-    query_pos = 2 * n + 2 * gaps
+    query_pos = 2 * n + 2 * query_gaps(B, (T - 2 * n) // 2, n, power_a, g)
     inputs.scatter_(1, query_pos, keys)
     targets = torch.full((B, T), IGNORE, dtype=torch.int64, device=dev)
     targets.scatter_(1, query_pos, values)
     return inputs, targets
+
+
+def device_of(generator: torch.Generator | None) -> torch.device:
+    """Where a batch drawn from ``generator`` is built (CPU without one)."""
+    return generator.device if generator is not None else torch.device("cpu")
+
+
+def distinct(batch_size: int, low: int, high: int, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, n]`` int64: per row, ``n`` distinct values drawn uniformly from ``[low, high)``."""
+    dev = device_of(generator)
+    return torch.rand(batch_size, high - low, generator=generator, device=dev).argsort(dim=1)[:, :n] + low
+
+
+def query_gaps(batch_size: int, space: int, n: int, power_a: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, n]`` distinct slots in ``[0, space)``, slot ``g`` drawn with probability proportional
+    to ``(g + 1) ** (power_a - 1)`` (Zoology's power law: short gaps more likely)."""
+    dev = device_of(generator)
+    p = power_a * torch.arange(1, space + 1, dtype=torch.float64, device=dev) ** (power_a - 1)
+    return torch.multinomial(p.expand(batch_size, space), n, replacement=False, generator=generator)
 
 
 def check_sizes(seq_len: int, num_kv_pairs: int, vocab: int) -> None:

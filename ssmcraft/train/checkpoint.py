@@ -22,7 +22,7 @@ from safetensors.torch import load_model, save_model
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM, LMConfig
-from ssmcraft.layers.config import AttentionConfig, mixer_config
+from ssmcraft.layers.config import ObjectiveMixerConfig, mixer_config
 from ssmcraft.layers.objectives import compile_objective, spec_mapping
 from ssmcraft.train import record
 
@@ -93,11 +93,12 @@ def build_lm(config: dict[str, Any], source: str = "<experiment>") -> LM:
     Mutates ``config["model"]["mixer"]``: ``objective`` (a name or path) is replaced by the
     compiled spec's mapping, so the recorded config rebuilds the same model anywhere. An
     objective that does not compile, or a mixer setting its objective or sizes refuse, is a
-    ``SpecError`` naming ``source`` and the ``model.mixer`` key.
+    ``SpecError`` naming ``source`` and the mixer's key (``model.mixer.heads``,
+    ``model.layers[1].mixer.heads``).
     """
     mixer = config["model"]["mixer"]
     objective = None
-    if not isinstance(mixer_config(mixer), AttentionConfig):
+    if isinstance(mixer_config(mixer), ObjectiveMixerConfig):
         ref = mixer.get("objective", "longhorn")
         try:
             objective = compile_objective(ref)
@@ -113,7 +114,7 @@ def build_lm(config: dict[str, Any], source: str = "<experiment>") -> LM:
     except SpecError as e:
         if e.source != "<mixer>":
             raise
-        raise SpecError(source, f"model.mixer.{e.key}", e.problem) from None
+        raise SpecError(source, f"model.{e.key}", e.problem) from None
 
 
 def load_config(run_dir: str | Path) -> dict[str, Any]:

@@ -5,8 +5,10 @@ Writes under ``OUT`` (default ``RUN/eval``):
 - ``loss_by_position.json`` / ``.png``: loss per position on validation sequences of
   ``extrapolate x`` the training length (bucketed curve, mean per multiple of the training
   length); with a mitigation, the mitigated curve beside the plain one;
-- ``state_stats.json`` / ``.png``: per layer and head, the state's norm, mean and variance
-  over time, and the explosion verdict (``state_stats.detect_explosion``);
+- ``state_stats.json`` / ``.png``: per recurrent layer and head, the state's norm, mean and
+  variance over time, and the explosion verdict (``state_stats.detect_explosion``); a hybrid's
+  attention layers have no recurrent state: ``layers`` lists the layers traced and
+  ``not_traced`` the others;
 - ``passkey.json`` / ``.png`` (``passkey=True``): retrieval accuracy on a context length x
   depth grid; needs a byte-level model (vocabulary >= 256);
 - ``eval.json``: a summary of all of the above (what ``eval_run`` returns), including
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.layers import AttentionMixer, Mitigation
+from ssmcraft.layers import Mitigation
 from ssmcraft.tasks import TextTask, build_task
 from ssmcraft.tasks.passkey import VOCAB as PASSKEY_VOCAB, min_length
 from ssmcraft.train import checkpoint, long_context as lc, plots
@@ -103,7 +105,7 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
         raise SsmcraftError(f"--extrapolate {opt.extrapolate}: the text's validation split has {task.val_data.numel()} "
                             f"bytes, fewer than one window of {opt.extrapolate} x {L} + 1 (a larger corpus or val_fraction, "
                             f"or a smaller --extrapolate)")
-    recurrent = not any(isinstance(m, AttentionMixer) for m in model.mixers)
+    recurrent = bool(model.recurrent_layers)
     if opt.mitigation is not None:
         _check_mitigation(model, opt.mitigation, device)
     passkey_lengths = _passkey_lengths(model, task, opt) if opt.passkey else None
@@ -125,8 +127,8 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     if recurrent:
         summary["state"] = _states(model, task, opt, device, amp, out, config["name"])
     else:
-        summary["state"] = {"skipped": "the attention mixer has no recurrent state"}
-        log.info("state statistics skipped: attention mixer")
+        summary["state"] = {"skipped": "no layer has a recurrent state (attention only)"}
+        log.info("state statistics skipped: attention only")
     if opt.passkey:
         summary["passkey"] = _passkey(model, passkey_lengths, opt, device, amp, out, config["name"])
     summary["backend"] = model.backends()
@@ -179,6 +181,9 @@ def _states(model, task, opt, device, amp, out: Path, name: str) -> dict:
     T = opt.extrapolate * task.seq_len
     every = max(1, T // opt.state_points)
     inputs, _ = task.fixed_batches("val", 1, opt.state_batch_size, T, opt.seed)[0]
+    layers = model.recurrent_layers
+    labels = model.layout_labels()
+    not_traced = {str(i): f"{labels[i]}: no recurrent state" for i in range(len(labels)) if i not in layers}
     result: dict[str, Any] = {"seq_len": T, "every": every}
     settings = _settings(opt, traceable_only=True)
     for label, mitigation in settings.items():
@@ -186,15 +191,17 @@ def _states(model, task, opt, device, amp, out: Path, name: str) -> dict:
         traces = lc.state_traces(model, inputs, every, device, amp)
         times = [every * (i + 1) for i in range(traces[0].shape[1])]
         series = lc.state_series(traces)
-        verdict = detect_explosion(times, series, task.seq_len, opt.explosion_factor)
-        result[label] = {"times": times, "stats": series, "explosion": verdict}
+        verdict = detect_explosion(times, series, task.seq_len, opt.explosion_factor, layers)
+        result[label] = {"times": times, "stats": series, "explosion": verdict, "layers": layers,
+                         "not_traced": not_traced}
         log.info("state (%s): explosion %s (%d flags)", label, verdict["exploded"], len(verdict["flags"]))
         suffix = "" if label == "plain" else "_mitigated"
         plots.state_stats(times, series, task.seq_len, out / f"state_stats{suffix}.png",
-                          title=f"{name}: state statistics ({label})")
+                          title=f"{name}: state statistics ({label})", layers=layers)
     model.set_mitigation(None)
     checkpoint.write_json(out / "state_stats.json", result)
-    return {label: {"exploded": result[label]["explosion"]["exploded"], "flags": result[label]["explosion"]["flags"]}
+    return {label: {"exploded": result[label]["explosion"]["exploded"], "flags": result[label]["explosion"]["flags"],
+                    **({"layers": layers, "not_traced": not_traced} if not_traced else {})}
             for label in settings}
 
 

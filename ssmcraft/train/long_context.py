@@ -54,21 +54,23 @@ def summarise_positions(total: torch.Tensor, count: torch.Tensor, train_len: int
 
 @torch.no_grad()
 def state_traces(model, inputs: torch.Tensor, every: int, device, amp: Callable) -> list[torch.Tensor]:
-    """Per objective-mixer layer, the states over time ``[B, T // every, H, d, m]``.
+    """Per recurrent layer (``model.recurrent_layers``, in order), the states over time
+    ``[B, T // every, H, d, m]``; attention layers have none and are not traced.
 
     The mixers' inputs are captured by forward pre-hooks during one forward pass; each is then
     traced through its mixer's recurrence.
     """
     captured: dict[int, torch.Tensor] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: captured.__setitem__(i, args[0]))
-             for i, m in enumerate(model.mixers)]
+    layers = model.recurrent_layers
+    hooks = [model.mixers[i].register_forward_pre_hook(lambda mod, args, i=i: captured.__setitem__(i, args[0]))
+             for i in layers]
     try:
         with amp():
             model(inputs.to(device))
     finally:
         for h in hooks:
             h.remove()
-    return [model.mixers[i].trace_states(captured[i].float(), every=every) for i in range(len(model.mixers))]
+    return [model.mixers[i].trace_states(captured[i].float(), every=every) for i in layers]
 
 
 def state_series(traces: list[torch.Tensor]) -> dict[str, list[list[list[float]]]]:

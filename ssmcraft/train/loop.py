@@ -225,8 +225,9 @@ def _setup(cfg, task, model, procs, precision: str, source: str, saved) -> Simpl
     gradient reducer; a resume checkpoint's state put back."""
     tc, device = cfg["train"], procs.device
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("run %s: %s, %d params, device %s, precision %s, %d process(es)", cfg["name"],
-             model.mixers[0].describe().get("objective", "attention"), n_params, device, precision, procs.world)
+    log.info("run %s: %s (layers %s), %d params, device %s, precision %s, %d process(es)", cfg["name"],
+             model.describe()["mixer"].get("objective", "attention"), " ".join(model.layout_labels()), n_params,
+             device, precision, procs.world)
     steps = max(1, tc["tokens"] // (tc["batch_size"] * task.seq_len))
     # fused AdamW on every device: it skips a step on the device-side flag (below), no sync
     opt = torch.optim.AdamW(param_groups(model, tc["weight_decay"]), lr=tc["lr"], betas=tuple(tc["betas"]),
@@ -507,7 +508,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, run_token
     run's rate leaves out the steps before the checkpoint)."""
     train = [r["loss"] for r in history["train"]]
     mem, mem_kind = peak_memory(device)
-    mixer = model.mixers[0].describe()
+    mixer = model.describe()["mixer"]
     metrics = {
         "status": status, "reason": reason, "val_loss": final.get("loss"),
         "train_loss_first": train[0] if train else None,
@@ -519,6 +520,7 @@ def _metrics(cfg, model, task, history, final, status, reason, tokens, run_token
         "backend": model.backends(), "objective": mixer.get("objective", "attention"),
         "structure": mixer.get("structure"), "n_params": n_params, "device": str(device),
         "precision": precision, "seed": cfg["seed"], "task": task.describe(), "mixer": mixer,
+        "layout": model.layout_labels(), "state_elements": model.state_elements(),
     }
     metrics.update({k: v for k, v in final.items() if k != "loss"})
     return metrics

@@ -70,13 +70,15 @@ def loss_by_position(curves: dict[str, tuple[list[float], list[float | None]]], 
 
 
 def state_stats(times: list[int], stats: dict[str, list[list[list[float]]]], train_len: int,
-                path: str | Path, title: str = "") -> Path:
-    """One panel per statistic: a line per (layer, head) over time; ``stats[name][layer][head]``."""
+                path: str | Path, title: str = "", layers: list[int] | None = None) -> Path:
+    """One panel per statistic: a line per (layer, head) over time; ``stats[name][i][head]``,
+    ``layers[i]`` the model's layer of series ``i`` (default ``i``)."""
     names = list(stats)
     fig = _figure(figsize=(6.4, 2.6 * len(names)))
     for i, name in enumerate(names):
         ax = fig.add_subplot(len(names), 1, i + 1)
-        for layer, heads in enumerate(stats[name]):
+        for j, heads in enumerate(stats[name]):
+            layer = layers[j] if layers is not None else j
             for head, series in enumerate(heads):
                 ax.plot(times, series, lw=1.0, label=f"L{layer}H{head}")
         ax.axvline(train_len, color="k", ls="--", lw=0.8)

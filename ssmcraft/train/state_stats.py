@@ -35,19 +35,23 @@ def state_statistics(states: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def detect_explosion(times: list[int], stats: dict[str, list[list[list[float]]]], train_len: int,
-                     factor: float = 3.0) -> dict[str, Any]:
+                     factor: float = 3.0, layers: list[int] | None = None) -> dict[str, Any]:
     """Apply the module's rule to ``stats[name][layer][head]`` series sampled at ``times``.
 
+    ``layers``: the model's layer index of each series (a hybrid traces its recurrent layers
+    only); default ``0, 1, ...``.
     Returns ``{"exploded": bool, "factor", "train_len", "flags": [...], "ratios": ...}`` where
-    each flag is ``{layer, head, stat, ratio, first_position}`` and ``ratios[stat][layer][head]``
-    is ``max beyond / max within`` (None when nothing lies beyond the training length).
+    each flag is ``{layer, head, stat, ratio, first_position}`` and ``ratios[stat][i][head]``
+    (``i`` the series' position) is ``max beyond / max within`` (None when nothing lies beyond
+    the training length).
     """
     within = [i for i, t in enumerate(times) if t <= train_len]
     beyond = [i for i, t in enumerate(times) if t > train_len]
     flags, ratios = [], {}
-    for name, layers in stats.items():
+    for name, per_layer in stats.items():
         ratios[name] = []
-        for layer, heads in enumerate(layers):
+        for i, heads in enumerate(per_layer):
+            layer = layers[i] if layers is not None else i
             row = []
             for head, series in enumerate(heads):
                 ratio, first = _ratio(series, within, beyond, times, factor ** POWER.get(name, 1))
