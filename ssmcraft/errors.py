@@ -51,7 +51,7 @@ class SpecError(SsmcraftError):
         # bounded: a message quotes user text (a label, a key, a value) but stays one short line
         self.key = clip(key, 200)
         self.problem = clip(problem, 600)
-        where = clip(source, 150)
+        where = clip(source, 500)
         super().__init__(f"{where}: {self.key}: {self.problem}" if key else f"{where}: {self.problem}")
 
     def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries

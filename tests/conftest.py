@@ -36,6 +36,19 @@ def compiler_cache_dir(tmp_path_factory):
         os.environ["SSMCRAFT_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def trusted_example_modules():
+    """The example mixers and tasks the tests name by module path are allowed, as a user allows
+    their own packages (``ssmcraft.modpath``); nothing else is."""
+    old = os.environ.get("SSMCRAFT_TRUST_MODULES")
+    os.environ["SSMCRAFT_TRUST_MODULES"] = "examples,example_task,example_mixer"
+    yield
+    if old is None:
+        os.environ.pop("SSMCRAFT_TRUST_MODULES", None)
+    else:
+        os.environ["SSMCRAFT_TRUST_MODULES"] = old
+
+
 @functools.lru_cache(maxsize=None)
 def _compile_cached(name: str):
     import ssmcraft

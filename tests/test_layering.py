@@ -47,7 +47,7 @@ def layer(module: str) -> str:
     leaf = module.rsplit(".", 1)[-1]
     if module in ("ssmcraft", "ssmcraft.cli", "ssmcraft.__main__") or leaf == "commands" or leaf.endswith("_commands"):
         return "cli"
-    if module == "ssmcraft.yamlsafe":       # reading spec text: beside the error types, below everything
+    if module in ("ssmcraft.yamlsafe", "ssmcraft.modpath"):   # reading specs: beside the error types, below all
         return "errors"
     return module.split(".")[1]
 

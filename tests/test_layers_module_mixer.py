@@ -63,7 +63,7 @@ def test_a_module_mixer_trains_and_is_not_exported(tmp_path):
 
 
 @pytest.mark.parametrize("mixer, key, problem", [
-    ({"module": "no_such_pkg_xyz:f"}, "model.mixer.module", "cannot import module 'no_such_pkg_xyz'"),
+    ({"module": "examples.no_such_pkg_xyz:f"}, "model.mixer.module", "cannot import module 'examples.no_such_pkg_xyz'"),
     ({"module": "example_mixer:missing"}, "model.mixer.module", "has no 'missing'"),
     ({"module": "example_mixer:NOT_CALLABLE"}, "model.mixer.module", "not callable"),
     ({"module": "os.system('x'):f"}, "model.mixer.module", "not a module path"),

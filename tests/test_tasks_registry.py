@@ -35,7 +35,7 @@ def test_a_user_task_from_a_module_path_builds_and_trains(tmp_path):
 
 @pytest.mark.parametrize("cfg, key, problem", [
     ({"name": "no_such_task"}, "task.name", "unknown task 'no_such_task'"),
-    ({"name": "no_such_module_xyz:Task"}, "task.name", "cannot import module 'no_such_module_xyz'"),
+    ({"name": "examples.no_such_module_xyz:Task"}, "task.name", "cannot import module 'examples.no_such_module_xyz'"),
     ({"name": "example_task:Missing"}, "task.name", "has no 'Missing'"),
     ({"name": "example_task:NotATask"}, "task.name", "not a subclass of ssmcraft.tasks.Task"),
     ({"name": "__import__('os'):x"}, "task.name", "not a module path"),
@@ -59,3 +59,18 @@ def test_tasks_command_lists_the_registry_and_a_tasks_levels(capsys):
     assert '"map_seed": 12345' in out and "vocab=8192" in out
     assert main(["tasks", "no_such_task"]) == 2
     assert "unknown task 'no_such_task'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["example_task:PreviousTokenTask", "antigravity:x", "os.path:join"])
+def test_a_module_path_outside_the_trusted_packages_is_refused_before_import(monkeypatch, name):
+    """A spec alone cannot run code: a module path is imported only from a package the person
+    running the command allowed (SSMCRAFT_TRUST_MODULES)."""
+    import sys
+
+    monkeypatch.setenv("SSMCRAFT_TRUST_MODULES", "examples")
+    module = name.partition(":")[0]
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(SpecError) as e:
+        build_task({"name": name, "vocab": 12})
+    assert e.value.key == "task.name" and "SSMCRAFT_TRUST_MODULES=" in e.value.problem
+    assert module not in sys.modules
