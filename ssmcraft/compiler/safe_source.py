@@ -10,10 +10,12 @@ Two halves, used by every code generator and every importer of generated code:
 - ``check(source, where, policy)``: an AST allowlist run on every generated module before it is
   imported (``ssmcraft.compiler.cache``) and on the generated sections of an exported module.
   ``GENERATED`` (reference recurrences and Triton kernels): only the statements and expressions
-  such code needs, imports of math/torch/triton only, no name or attribute that reaches the
-  interpreter (``open``, ``__import__``, ``_``-prefixed attributes, ...), ``triton.jit`` as the only
-  decorator. A module that fails is refused with one line (``GeneratedCodeError``) and never
-  imported.
+  such code needs; imports of math, torch, triton and their known aliases only; no builtin beyond a
+  few pure ones and no name or attribute that reaches the interpreter (``open``, ``__import__``,
+  ``_``-prefixed attributes, ...); torch and triton only as the root of the attributes generated
+  code calls (``torch.exp``, ``triton.jit``: never ``torch.load`` or ``t = torch``); ``triton.jit``
+  the only decorator. A module that fails is refused with one line (``GeneratedCodeError``) and
+  never imported.
 """
 from __future__ import annotations
 
