@@ -108,9 +108,25 @@ def test_the_allowlist_refuses_what_generated_code_never_needs(source, problem):
 
 def test_the_allowlist_passes_every_generated_library_module(compiled):
     from ssmcraft.compiler.library import library_names
+    from ssmcraft.compiler.printing import TorchPrinter
 
     for name in library_names():
         assert safe_source.problem(compiled(name).source) is None, name
+    printed = {f.split(".", 1)[1] for f in TorchPrinter._torch_functions.values() if f.startswith("torch.")}
+    assert printed <= dict(safe_source.GENERATED.module_attributes)["torch"]
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("import torch\nx = torch.load('f')\n", "torch.load is not allowed"),
+    ("import torch\nx = torch.hub.load('a', 'b')\n", "torch.hub is not allowed"),
+    ("import torch\nt = torch\nx = t.load('f')\n", "the module 'torch' used other than as"),
+    ("import torch as t\n", "imports torch as t;"),
+    ("import triton\nx = triton.runtime\n", "triton.runtime is not allowed"),
+    ("import torch\ndef f(x):\n    return torch.exp(x) + torch.sqrt(x)\n", None),
+])
+def test_modules_that_reach_files_are_held_to_what_generated_code_calls(source, problem):
+    found = safe_source.problem(source)
+    assert (found is None) if problem is None else (problem in found), found
 
 
 def test_a_refused_module_is_neither_written_nor_imported(fresh_cache, tmp_path):

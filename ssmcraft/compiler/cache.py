@@ -4,7 +4,9 @@ A generated file's key hashes the IR, the compiler's own source and the torch/Tr
 versions; the file is written atomically (temp file + rename) under the cache directory
 (``$SSMCRAFT_CACHE`` or ``~/.cache/ssmcraft``) and imported under a module name derived
 from the key, so ``sys.modules`` is the in-process cache. Triton reads a ``@triton.jit``
-function's source from its file, which is why kernels are written out, not ``exec`` ed.
+function's source through its file name, which is why kernels are written out. Every module is
+checked (``safe_source.check``) before it is written or imported, and what runs is the checked
+text itself (also what ``linecache`` serves for the file), never the file read back.
 """
 from __future__ import annotations
 

@@ -10,10 +10,12 @@ Two halves, used by every code generator and every importer of generated code:
 - ``check(source, where, policy)``: an AST allowlist run on every generated module before it is
   imported (``ssmcraft.compiler.cache``) and on the generated sections of an exported module.
   ``GENERATED`` (reference recurrences and Triton kernels): only the statements and expressions
-  such code needs, imports of math/torch/triton only, no name or attribute that reaches the
-  interpreter (``open``, ``__import__``, ``_``-prefixed attributes, ...), ``triton.jit`` as the only
-  decorator. A module that fails is refused with one line (``GeneratedCodeError``) and never
-  imported.
+  such code needs; imports of math, torch, triton and their known aliases only; no builtin beyond a
+  few pure ones and no name or attribute that reaches the interpreter (``open``, ``__import__``,
+  ``_``-prefixed attributes, ...); torch and triton only as the root of the attributes generated
+  code calls (``torch.exp``, ``triton.jit``: never ``torch.load`` or ``t = torch``); ``triton.jit``
+  the only decorator. A module that fails is refused with one line (``GeneratedCodeError``) and
+  never imported.
 """
 from __future__ import annotations
 
@@ -73,10 +75,13 @@ class Policy:
     """What a generated module may contain."""
     name: str
     nodes: frozenset            # AST node type names
-    imports: frozenset          # ``import X`` / ``import X as Y`` module names
+    imports: frozenset          # (module, alias or None) of ``import module [as alias]``
     from_imports: frozenset     # (module, name) of ``from module import name``
     builtins: frozenset         # unbound names a module may read
     decorators: frozenset       # decorator callables, dotted ("triton.jit")
+    # the attributes a module may take of an imported module that reaches files or processes
+    # (torch.load, torch.hub, triton.runtime, ...): module name -> allowed first attributes
+    module_attributes: tuple = ()
 
 
 _EXPRESSIONS = {
@@ -91,10 +96,14 @@ GENERATED = Policy(
     nodes=frozenset(_EXPRESSIONS | {"Module", "Import", "ImportFrom", "alias", "Assign", "AugAssign",
                                     "FunctionDef", "arguments", "arg", "Return", "If", "For", "Pass",
                                     "Break", "Continue"}),
-    imports=frozenset({"math", "torch", "torch.nn.functional", "triton", "triton.language"}),
+    imports=frozenset({("math", None), ("torch", None), ("torch.nn.functional", "F"), ("triton", None),
+                       ("triton.language", "tl")}),
     from_imports=frozenset({("triton.language.extra.cuda", "libdevice")}),
     builtins=frozenset({"range", "min", "max", "abs", "float", "int", "len"}),
     decorators=frozenset({"triton.jit"}),
+    # torch: the elementwise functions compiler/printing.py prints (TorchPrinter); triton: the decorator
+    module_attributes=(("torch", frozenset({"exp", "log", "sqrt", "abs", "sign", "sigmoid"})),
+                       ("triton", frozenset({"jit"}))),
 )
 
 # the exported module's generated sections (declarations as data, the reference recurrence as a
@@ -106,6 +115,7 @@ EXPORTED = Policy(
     from_imports=GENERATED.from_imports,
     builtins=GENERATED.builtins | {"__all__", "staticmethod"},
     decorators=GENERATED.decorators | {"staticmethod"},
+    module_attributes=GENERATED.module_attributes,
 )
 
 
@@ -142,15 +152,21 @@ def problem(source: str, policy: Policy = GENERATED, extern: frozenset | set = f
     except (ValueError, MemoryError, RecursionError) as e:
         return f"does not parse ({type(e).__name__})"
     readable = _bound_names(tree) | set(policy.builtins) | set(extern)
+    modules = dict(policy.module_attributes)
+    # an imported module's name is only ever the root of an attribute (``torch.exp``): never a value
+    # passed on (``t = torch``), rebound, or read without an attribute
+    roots = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):
         line = getattr(node, "lineno", "?")
         kind = type(node).__name__
         if kind not in policy.nodes:
             return f"line {line}: {kind} is not allowed in {policy.name}"
         if isinstance(node, ast.Import):
-            bad = [a.name for a in node.names if a.name not in policy.imports]
+            bad = [a for a in node.names if (a.name, a.asname) not in policy.imports]
             if bad:
-                return f"line {line}: imports {bad[0]}; {policy.name} may import only {', '.join(sorted(policy.imports))}"
+                what = bad[0].name + (f" as {bad[0].asname}" if bad[0].asname else "")
+                known = ", ".join(m + (f" as {a}" if a else "") for m, a in sorted(policy.imports, key=str))
+                return f"line {line}: imports {what}; {policy.name} may import only {known}"
         elif isinstance(node, ast.ImportFrom):
             bad = [a.name for a in node.names if (node.module, a.name) not in policy.from_imports or node.level]
             if bad:
@@ -158,10 +174,15 @@ def problem(source: str, policy: Policy = GENERATED, extern: frozenset | set = f
         elif isinstance(node, ast.Name):
             if node.id.startswith("__") and node.id not in policy.builtins:
                 return f"line {line}: the name {node.id!r} is not allowed in {policy.name}"
+            if node.id in modules and (not isinstance(node.ctx, ast.Load) or id(node) not in roots):
+                return f"line {line}: the module {node.id!r} used other than as torch.name / triton.name"
             if isinstance(node.ctx, ast.Load) and node.id not in readable:
                 return f"line {line}: reads {node.id!r}, which {policy.name} neither defines nor may use"
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
             return f"line {line}: the attribute {node.attr!r} is not allowed in {policy.name}"
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                and node.attr not in modules[node.value.id]:
+            return f"line {line}: {node.value.id}.{node.attr} is not allowed in {policy.name}"
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             for d in node.decorator_list:
                 name = _dotted(d.func if isinstance(d, ast.Call) else d)
