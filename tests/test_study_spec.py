@@ -121,5 +121,5 @@ def test_not_found_and_bad_yaml(tmp_path):
         load_study_spec(tmp_path / "nope.yaml")
     p = tmp_path / "bad.yaml"
     p.write_text("name: [unclosed\n")
-    with pytest.raises(SpecError, match="not valid YAML"):
+    with pytest.raises(SpecError, match="invalid YAML"):
         load_study_spec(p)

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
-from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft import yamlsafe
+from ssmcraft.errors import SpecError, SsmcraftError, one_line
 
 SCALES = ("smoke", "full")
 
@@ -333,9 +332,10 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
         if not path.is_file():
             raise SpecError(str(path), "", "study spec not found")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            raise SpecError(str(path), "", f"not valid YAML: {str(e).splitlines()[0]}") from None
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(str(path), "", f"cannot read: {one_line(e)}") from None
+        raw = yamlsafe.load(text, str(path))
         source, base = source or str(path), path.resolve().parent
     c = _C(source, "")
     if not isinstance(raw, dict):
