@@ -57,8 +57,10 @@ def test_derive_prints_every_stage(name, capsys, compiled):
         assert marker in out, f"missing {marker!r}"
     for text in obj.spec.objectives or (obj.spec.objective,):     # several states: each state's loss
         assert text in out
-    for x in obj.spec.states:
-        assert f"L_{x} = " in out and f"{x}_t[i,j] = " in out
+    for x in obj.spec.states:         # a square state's update is a matrix formula (its inverse carried)
+        square = x in obj.spec.square_states()
+        assert f"L_{x} = " in out and (f"{x}_t = " if square else f"{x}_t[i,j] = ") in out
+        assert not square or f"carried by its inverse _inv_{x}" in out
     if obj.spec.approximation == "diagonal":
         assert "diagonal approximation" in out
     assert obj.ir.content_hash() in out

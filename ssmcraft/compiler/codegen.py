@@ -26,7 +26,8 @@ def update_formula(ir: UpdateIR) -> str:
     a = c("a")
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
     if ir.states:
-        upd = "\n".join(f"{x}_t[i,j] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
+        upd = "\n".join(_inverse_formula(ir, x) if x in dict((y, 0) for y, _, _ in ir.inverses) else
+                        f"{x}_t[i,j] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
     elif ir.kind in ("scalar_decay", "diagonal_decay"):
         upd = f"{S}_t = {decay} + {B}"
     elif ir.kind == "rank1":
@@ -44,10 +45,26 @@ def update_formula(ir: UpdateIR) -> str:
     return f"{upd}\n{out}"
 
 
+def _inverse_formula(ir: UpdateIR, x: str) -> str:
+    """A square state's update and its carried inverse, in math notation (``ir.inverses``)."""
+    from ssmcraft.compiler.metric import inverse_name
+    _, a, terms = next(t for t in ir.inverses if t[0] == x)
+    P = inverse_name(x)
+    U = ", ".join(f"{sympy.sstr(c)}*{sympy.sstr(u)}" for c, u, _ in terms)
+    V = ", ".join(sympy.sstr(v) for _, _, v in terms)
+    low = " + ".join(f"{sympy.sstr(c)} ({sympy.sstr(u)}) ({sympy.sstr(v)})^T" for c, u, v in terms)
+    return (f"{x}_t = {sympy.sstr(a)} {x}_prev + {low}, carried by its inverse:\n"
+            f"{P} = ({P}_prev - {P}_prev U (a I + V^T {P}_prev U)^-1 V^T {P}_prev) / a,  a = {sympy.sstr(a)}, "
+            f"U = [{U}], V = [{V}]")
+
+
 def coefficient_lines(ir: UpdateIR) -> list[str]:
     """Math-notation lines for the reductions and coefficients (for docs and `derive`)."""
     lines = []
     for r in (*ir.reductions, *ir.state_reductions, *ir.readout_reductions):
+        if r.metric is not None:
+            lines.append(f"{r.name} = ({sympy.sstr(r.body)}) @ {r.metric}   (a row vector over {r.over} times the matrix)")
+            continue
         lines.append(f"{r.name} = sum_{r.over} {sympy.sstr(r.body)}")
     for co in ir.coefficients:
         dims = f"[{', '.join(co.dims)}]" if co.dims else "[]"
@@ -56,8 +73,55 @@ def coefficient_lines(ir: UpdateIR) -> list[str]:
 
 
 def _reduction_code(r, dims) -> str:
+    if r.metric is not None:        # the row vector body (over the key axis) times the square matrix
+        return f"    {r.name} = torch.matmul(({torch_code(r.body)}) + torch.zeros_like({r.metric}[..., :1, :]), {r.metric})"
     axis = AXIS[dims.index(r.over)]
     return f"    {r.name} = ({torch_code(r.body)}).sum({axis}, keepdim=True)"
+
+WOODBURY = [
+    "",
+    "",
+    "def _woodbury(P, a, cs, us, vs):",
+    '    """The inverse of a X + sum_r c_r u_r v_r^T from P = X^-1 [..., m, m] (Woodbury):',
+    "    (P - P U (a I + V^T P U)^-1 V^T P) / a with U = [c_r u_r], V = [v_r]; u_r, v_r laid out",
+    '    [..., 1, m], a and c_r [..., 1, 1] or numbers."""',
+    "    row = P[..., :1, :]",
+    "    U = torch.cat([torch.broadcast_to(c * u + 0 * row, row.shape) for c, u in zip(cs, us)], -2).transpose(-1, -2)",
+    "    V = torch.cat([torch.broadcast_to(v + 0 * row, row.shape) for v in vs], -2)",
+    "    a = a + 0 * row[..., :1]",
+    "    VP = V @ P",
+    "    small = a * torch.eye(len(vs), dtype=P.dtype, device=P.device) + VP @ U",
+    "    return (P - (P @ U) @ torch.linalg.solve(small, VP)) / a",
+]
+
+
+def _reads(ir: UpdateIR, exprs) -> set:
+    """The names of the state reductions ``exprs`` read, through one another."""
+    bodies = {r.name: r.body for r in ir.state_reductions}
+    want: set = set()
+    stack = [s.name for e in exprs for s in sympy.sympify(e).free_symbols]
+    while stack:
+        n = stack.pop()
+        if n in bodies and n not in want:
+            want.add(n)
+            stack += [s.name for s in bodies[n].free_symbols]
+    return want
+
+
+def _inverse_lines(ir: UpdateIR) -> tuple[list[str], set]:
+    """The step's lines that update every square state's inverse (``ir.inverses``), after the
+    reductions they read (input-only; returned so that they are not printed twice)."""
+    from ssmcraft.compiler.metric import inverse_name
+    exprs = [e for _, a, terms in ir.inverses for e in (a, *(x for t in terms for x in t))]
+    first = _reads(ir, exprs)
+    lines = [_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name in first]
+    for x, a, terms in ir.inverses:
+        X = inverse_name(x)
+        cs, us, vs = (", ".join(f"({torch_code(t[i])})" for t in terms) for i in range(3))
+        lines.append(f"    {X} = _woodbury({X}_prev, {torch_code(a)}, [{cs}], [{us}], [{vs}])"
+                     f"  # {x}_t = a {x}_prev + sum c u v^T, carried by its inverse")
+    return lines, first
+
 
 
 def _unpack(names) -> list[str]:
@@ -85,6 +149,8 @@ def slot_leaves(ir: UpdateIR, name: str) -> list[str]:
 def _multi_state_step(ir: UpdateIR, names) -> list[str]:
     """``step`` of a several-state update: a tuple of previous states -> a tuple of new ones."""
     d, m = ir.dims
+    if ir.inverses:
+        return _square_step(ir, names)
     prevs = [f"{x}_prev" for x in ir.states]
     news = ", ".join(f"({torch_code(e)}) + 0 * {p}" for e, p in zip(ir.state_updates, prevs))
     return [f"STATES = {tuple(ir.states)!r}",
@@ -95,6 +161,34 @@ def _multi_state_step(ir: UpdateIR, names) -> list[str]:
             f"    {', '.join(prevs)}, = prev",
             *_unpack(names),
             *[_reduction_code(r, ir.dims) for r in ir.state_reductions],
+            f"    return ({news},)"]
+
+
+def _square_step(ir: UpdateIR, names) -> list[str]:
+    """``step`` with square states (``ir.inverses``): each carried by its inverse ``_inv_X``, updated
+    first (Woodbury), then the [d, m] states in declaration order reading it by name."""
+    from ssmcraft.compiler.metric import inverse_name
+    d, m = ir.dims
+    square = [x for x, _, _ in ir.inverses]
+    carried = {x: inverse_name(x) if x in square else x for x in ir.states}
+    prevs = [f"{carried[x]}_prev" for x in ir.states]
+    news = ", ".join(carried[x] if x in square else f"({torch_code(e)}) + 0 * {p}"
+                     for x, e, p in zip(ir.states, ir.state_updates, prevs))
+    inverse, first = _inverse_lines(ir)
+    shapes = ", ".join(f"{carried[x]}_prev [..., {', '.join(ir.shape_of(x))}]" for x in ir.states)
+    return [f"STATES = {tuple(ir.states)!r}",
+            f"SHAPES = {dict((x, tuple(ir.shape_of(x))) for x in ir.states)!r}",
+            f"INVERTED = {tuple(square)!r}  # square states: the step carries their inverses",
+            f"IDENTITY_INIT = {dict(ir.inits)!r}  # state -> c: its initial value is c times the identity",
+            *WOODBURY,
+            "",
+            "",
+            f"def step(prev, env, co, {d}, {m}):",
+            f'    """One step: the previous states ({shapes}; the square ones as their inverses) -> the new ones."""',
+            f"    {', '.join(prevs)}, = prev",
+            *_unpack(names),
+            *inverse,
+            *[_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name not in first],
             f"    return ({news},)"]
 
 
@@ -176,7 +270,7 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         out += [f"def readout(states, env, co, {d}, {m}):",
                 f'    """The output y [..., {d}, 1] read from the new states ({", ".join(ir.states)}), each [..., {d}, {m}]."""',
                 f"    {', '.join(ir.states)}, = states"]
-        S = ir.states[0]
+        S = next(x for x in ir.states if x not in {y for y, _, _ in ir.inverses})   # a [d, m] state
     else:
         out += [f"def readout({S}, env, co, {d}, {m}):",
                 f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""']

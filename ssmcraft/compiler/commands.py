@@ -21,6 +21,7 @@ def stages(spec_arg) -> dict:
     from ssmcraft.compiler.api import generate_reference
     from ssmcraft.compiler.codegen import coefficient_lines, update_formula
     from ssmcraft.compiler.derive import compose_stages, derive_stages, derive_update
+    from ssmcraft.compiler.metric import show
     from ssmcraft.compiler.spec import load_spec
     from ssmcraft.compiler.structure import classify, classify_states
     from ssmcraft.compiler.symbolic import symbolic_objective
@@ -34,8 +35,7 @@ def stages(spec_arg) -> dict:
         composed = compose_stages(so, own)
         ir = classify_states(so, composed)
         F = tuple(e for _, e in composed)
-        per_state = {x: (sympy.sstr(so.algebra.expand(L)), sympy.sstr(so.algebra.expand(e)))
-                     for (x, L), (_, e) in zip(so.losses, own)}
+        per_state = {x: (show(so.algebra, L), show(so.algebra, e)) for (x, L), (_, e) in zip(so.losses, own)}
     else:
         F = derive_update(so)
         ir = classify(so, F)
@@ -68,7 +68,9 @@ def run(args) -> int:
     print(f"source: {spec.source}")
     print("\n[1] spec")
     if spec.states:
-        print(f"  states {', '.join(f'{x}: [{d}, {m}]' for x in spec.states)}   (X_prev = previous value of X; "
+        decls = [f"{x}: [{', '.join(spec.shape_of(x))}]" + ("" if spec.init_of(x) is None else f" = {spec.init_of(x):g} I at t = 0")
+                 for x in spec.states]
+        print(f"  states {', '.join(decls)}   (X_prev = previous value of X; "
               "updated in this order, each with the earlier ones at their new values)")
     else:
         print(f"  state  {spec.state}: [{d}, {m}]   (S_prev = previous state)")
@@ -92,6 +94,10 @@ def run(args) -> int:
             print(f"  L_{x} = {loss}")
         print("\n[3] derived update, state by state (block-coordinate, in declaration order)")
         for (x, (_, own)), upd in zip(st["per_state"].items(), spec.updates):
+            if x in spec.square_states():
+                print(f"  {x}_t = {own}   ({upd}: the minimiser, a low-rank change; carried by its inverse "
+                      f"_inv_{x}, updated by {'Sherman-Morrison' if own.count('outer(') == 1 else 'Woodbury'})")
+                continue
             print(f"  {x}_t[i,j] = {own}   ({upd})")
         print("  composed (each in the previous states only): see [4]")
     else:

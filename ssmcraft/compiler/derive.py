@@ -338,6 +338,9 @@ def explicit_update(so: SymbolicObjective) -> sympy.Expr:
 
 def derive_update(so: SymbolicObjective) -> sympy.Expr:
     """The update F(S_prev) that the spec's ``update:`` asks for (element form)."""
+    from ssmcraft.compiler.metric import has_metric, metric_update
+    if has_metric(so):                  # a square state as the metric of the proximity
+        return metric_update(so)
     if so.spec.update == "implicit":
         return implicit_update(so)
     if so.spec.update == "newton":
@@ -361,7 +364,7 @@ def state_view(so: SymbolicObjective, index: int) -> SymbolicObjective:
     name = spec.states[index]
     view_spec = replace(spec, state=name, objective=spec.objectives[index], update=spec.updates[index],
                         approximation=spec.approximations[index], states=(), objectives=(), updates=(),
-                        approximations=())
+                        approximations=(), shapes=(), inits=())
     new, prev = so.lowering.state_of(name)
     return SymbolicObjective(view_spec, _StateView(so.algebra, new, prev), so.losses[index][1], so.output)
 
@@ -371,9 +374,13 @@ def derive_stages(so: SymbolicObjective) -> tuple:
     ``(name, F)`` with ``F`` that state's own update (implicit minimiser or explicit step of its
     loss), reading the earlier states' new values and every ``X_prev``. Errors name
     ``objective.X``. (Every state's approximation is exact: the spec stage refuses the diagonal one.)"""
+    from ssmcraft.compiler.metric import square_update
     spec = so.spec
     out = []
     for i, name in enumerate(spec.states):
+        if name in spec.square_states():       # carried by its inverse: ssmcraft.compiler.metric
+            out.append((name, square_update(so, name, f"objective.{name}")))
+            continue
         try:
             out.append((name, derive_update(state_view(so, i))))
         except DerivationError as e:
@@ -390,6 +397,9 @@ def compose_stages(so: SymbolicObjective, stages) -> tuple:
     done: dict = {}
     out = []
     for name, F in stages:
+        if not isinstance(F, sympy.Expr):      # a square state's update (metric.SquareUpdate): its
+            out.append((name, F))               # inverse is computed first, read by name
+            continue
         F = alg.substitute(F, done) if done else F
         done[so.lowering.state_of(name)[0]] = F
         out.append((name, F))

@@ -44,6 +44,7 @@ class ReductionIR:
     body: sympy.Expr
     over: str
     dims: tuple[str, ...]
+    metric: str | None = None                   # a row vector times this square matrix (its name)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ class UpdateIR:
     readout_reductions: tuple = ()
     states: tuple = ()                          # several states: names, in update order (else empty)
     state_updates: tuple = ()                   # several states: element of each X_t (symbols X_prev)
+    # square states (metrics, ``ssmcraft.compiler.metric``), empty without: name -> (r, c) of every
+    # state, name -> c of an identity init, and per square state (name, alpha, ((c, u, v), ...)) of
+    # ``X_t = alpha X_prev + sum c u v^T``, carried by its inverse ``_inv_X`` (its entry in
+    # ``state_updates`` is that symbol)
+    state_shapes: dict = field(default_factory=dict)
+    inits: dict = field(default_factory=dict)
+    inverses: tuple = ()
 
     @property
     def state_names(self) -> tuple:
@@ -118,7 +126,21 @@ class UpdateIR:
         if self.states:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        if self.state_shapes:
+            s = sympy.sstr
+            out["state_shapes"] = {x: list(v) for x, v in self.state_shapes.items()}
+            out["inits"] = {x: {"identity": c} for x, c in self.inits.items()}
+            out["inverses"] = [{"state": x, "alpha": s(a), "terms": [[s(c), s(u), s(v)] for c, u, v in terms]}
+                               for x, a, terms in self.inverses]
+            for group in ("state_reductions", "readout_reductions", "reductions"):
+                for r, j in zip(getattr(self, group), out[group]):
+                    if r.metric is not None:
+                        j["metric"] = r.metric
         return out
+
+    def shape_of(self, state: str) -> tuple[str, str]:
+        """A state's shape (dimension names)."""
+        return tuple(self.state_shapes.get(state, self.dims))
 
     def content_hash(self) -> str:
         """A hash of the IR's content (``to_json``), computed once per IR object (``memo``):

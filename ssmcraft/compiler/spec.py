@@ -85,6 +85,23 @@ class Spec:
     objectives: tuple[str, ...] = ()
     updates: tuple[str, ...] = ()
     approximations: tuple[str, ...] = ()
+    # states of several shapes (empty when every state has the shape ``dims``): per state in
+    # declaration order its shape, and its initial value (None: zero; a float c: c times the
+    # identity, square states only); see ``state_decls``
+    shapes: tuple[tuple[str, str], ...] = ()
+    inits: tuple = ()
+
+    def shape_of(self, state: str) -> tuple[str, str]:
+        """A state's declared shape (``dims`` unless the spec declares several shapes)."""
+        return self.shapes[self.state_names().index(state)] if self.shapes else self.dims
+
+    def init_of(self, state: str):
+        """A state's initial value: None (zero) or c (c times the identity)."""
+        return self.inits[self.state_names().index(state)] if self.inits else None
+
+    def square_states(self) -> tuple[str, ...]:
+        """The states of shape ``[m, m]`` (metrics), in declaration order."""
+        return tuple(x for x in self.state_names() if self.shape_of(x) != self.dims)
 
     @property
     def output_dim(self) -> str:
@@ -296,7 +313,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     name = _ident(src, "name", raw["name"])
     summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
 
-    state_names, dims = _states(src, raw["state"])
+    state_names, dims, shapes, inits = state_decls(src, raw["state"])
     state_name = state_names[-1]
     multi = len(state_names) > 1
     prevs = [f"{x}_prev" for x in state_names] if multi else ["S_prev"]
@@ -368,7 +385,10 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         declared.add(lname)   # a let may use the lets before it
 
     if multi:
-        return _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
+        spec = _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
+        return _with_shapes(src, raw, spec, shapes, inits, lets)
+    if inits:
+        raise SpecError(src, f"state.{state_name}.init", "identity needs a square state")
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
     if update not in ("implicit", "explicit", "newton"):
@@ -379,6 +399,89 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     output = _output(src, raw, declared, _let_closure(lets), prevs, "the new state S")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
                 update, approximation, output, source=src, raw=raw)
+
+
+STATE_KEYS = {"shape", "init"}
+
+
+def state_decls(src, state) -> tuple[tuple[str, ...], tuple[str, str], tuple, tuple]:
+    """``state:`` -> (names in declaration order, the shared dims [d, m], shapes, inits).
+
+    An entry is ``X: [d, m]`` or ``X: {shape: [r, c], init: zeros | {identity: c}}``. Every state
+    has one shape [d, m] (the first state of two different dimension names gives it), except
+    square states ``[m, m]`` over its key dimension: a metric (``wsq(V, X)``) of another state's
+    proximity. ``init`` is the initial value: zero by default, ``{identity: c}`` (square states)
+    c times the identity. ``shapes`` and ``inits`` are empty when every state is a zero-initialised
+    [d, m] (so the specs of one shape compare and hash as they always did)."""
+    if not isinstance(state, dict) or not state:
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {state!r}")
+    shapes_raw, inits = {}, []
+    for sname, decl in state.items():
+        key = f"state.{sname}"
+        init = None
+        if isinstance(decl, dict):
+            _keys(src, key, decl, STATE_KEYS)
+            if "shape" not in decl:
+                raise SpecError(src, f"{key}.shape", "missing (required)")
+            init = _state_init(src, f"{key}.init", decl.get("init", "zeros"))
+            decl = decl["shape"]
+        shapes_raw[sname] = decl
+        inits.append(init)
+    square = {x for x, dims in shapes_raw.items() if isinstance(dims, list) and len(dims) == 2 and dims[0] == dims[1]}
+    plain = {x: dims for x, dims in shapes_raw.items() if x not in square}
+    if len(shapes_raw) == 1:
+        plain = shapes_raw              # one state: the rules of one [d, m] state
+    if not plain:
+        raise SpecError(src, "state", "every state is square; at least one must be a [d, m] matrix (two different "
+                        "dimension names): a square state is the metric of another state's proximity")
+    names, dims = _states(src, plain)
+    for x in square:
+        _ident(src, "state", x)
+        for dname in shapes_raw[x]:
+            _ident(src, f"state.{x}", dname)
+        if shapes_raw[x][0] != dims[1]:
+            raise SpecError(src, f"state.{x}", f"a square state must be over the key dimension, [{dims[1]}, {dims[1]}] "
+                            f"(the metric of a [{', '.join(dims)}] state's proximity), got {shapes_raw[x]!r}")
+    order = tuple(state)
+    if square:
+        names, _ = _states(src, {x: list(dims) for x in order})     # the name rules over every state
+    for x, init in zip(order, inits):
+        if init is not None and x not in square:
+            raise SpecError(src, f"state.{x}.init", f"identity needs a square state; {x} is [{', '.join(dims)}]")
+    shapes = tuple(tuple(shapes_raw[x]) for x in order) if square else ()
+    return names, dims, shapes, tuple(inits) if any(i is not None for i in inits) else ()
+
+
+def _state_init(src, key, value):
+    """A state's ``init``: ``zeros`` (None) or ``{identity: c}`` (the float c), c finite."""
+    if value == "zeros":
+        return None
+    if isinstance(value, dict) and set(value) == {"identity"}:
+        c = value["identity"]
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c):
+            return float(c)
+        raise SpecError(src, key, f"identity takes a finite number, got {c!r}")
+    raise SpecError(src, key, f"expected zeros or {{identity: c}}, got {value!r}")
+
+
+def _with_shapes(src, raw, spec: Spec, shapes, inits, lets) -> Spec:
+    """A spec with square states: the checks they need beyond ``_multi_state_spec``'s (the output
+    and the [d, m] states' losses read a square state only as a metric: ``symbolic``), and the
+    shapes and inits recorded."""
+    from dataclasses import replace
+    if not shapes and not inits:
+        return spec
+    square = [x for x, sh in zip(spec.states, shapes) if sh[0] == sh[1]] if shapes else []
+    prevs = [n for x in square for n in (x, f"{x}_prev")]
+    _refuse_reads(src, "output", spec.output, _let_closure(lets), prevs,
+                  lambda x: f"the output reads the square state {x}; a square state is a metric, read only by "
+                            "wsq(V, X) in a loss",
+                  lambda x: f"the output reads the square state {x} (through a let); a square state is a metric")
+    for x, upd in zip(spec.states, spec.updates):
+        if x in square and upd != "implicit":
+            raise SpecError(src, f"update.{x}" if isinstance(raw["update"], dict) else "update",
+                            f"a square state ({x}) is updated implicitly (its loss is minimised in closed form); got {upd}")
+    return replace(spec, shapes=shapes, inits=inits)
 
 
 def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:

@@ -18,6 +18,7 @@ import sympy
 from ssmcraft.compiler.derive import (MAX_RANK, NotAffine, NotRowSeparable, affine, derive_update, derive_updates,
                                      is_affine)
 from ssmcraft.compiler.ir import Coefficient, ReductionIR, UpdateIR
+from ssmcraft.compiler.metric import inverse_name
 from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
 
@@ -178,7 +179,8 @@ class _Builder:
 
 
 def _reduction_irs(reductions, order):
-    return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order)) for r in reductions)
+    return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order),
+                             **({"metric": r.metric.name} if r.metric is not None else {})) for r in reductions)
 
 
 def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
@@ -309,13 +311,15 @@ def renumber(ir: UpdateIR) -> UpdateIR:
         return e.xreplace({s: sympy.Symbol(new[s.name], **s.assumptions0) for s in e.free_symbols if s.name in new})
 
     def ren_group(group):
-        return tuple(ReductionIR(new[r.name], ren(r.body), r.over, r.dims) for r in group)
+        return tuple(ReductionIR(new[r.name], ren(r.body), r.over, r.dims, r.metric) for r in group)
 
     return replace(ir, reductions=ren_group(ir.reductions), state_reductions=ren_group(ir.state_reductions),
                    readout_reductions=ren_group(ir.readout_reductions),
                    coefficients=tuple(Coefficient(c.name, ren(c.expr), c.dims) for c in ir.coefficients),
                    state_update=ren(ir.state_update), readout=ren(ir.readout),
-                   state_updates=tuple(ren(e) for e in ir.state_updates))
+                   state_updates=tuple(ren(e) for e in ir.state_updates),
+                   inverses=tuple((x, ren(a), tuple(tuple(ren(e) for e in t) for t in terms))
+                                  for x, a, terms in ir.inverses))
 
 
 def is_linear_in(alg: Algebra, exprs, variables) -> bool:
@@ -336,11 +340,15 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
     ``general`` when the joint recurrence is linear in the previous states, else ``nonlinear``;
     the readout is element-wise over the new states."""
     spec, alg = so.spec, so.algebra
-    prevs = [so.lowering.state_of(x)[1] for x in spec.states]
-    Fs = [F for _, F in updates]
-    kind = "general" if is_linear_in(alg, Fs, prevs) else "nonlinear"
+    square = spec.square_states()
+    prevs = [so.lowering.state_of(x)[1] for x in spec.states if x not in square]
+    inverses = tuple((x, F.alpha, F.terms) for x, F in updates if x in square)
+    updates = tuple((x, sympy.Symbol(inverse_name(x), real=True) if x in square else F) for x, F in updates)
+    Fs = [F for x, F in updates if x not in square]
+    # a tracked inverse's update is rational in its previous value: the joint recurrence is nonlinear
+    kind = "general" if not square and is_linear_in(alg, Fs, prevs) else "nonlinear"
     state_reductions = []
-    for F in Fs:
+    for F in [e for _, a, terms in inverses for e in (a, *(x for t in terms for x in t))] + Fs:
         for r in alg.reductions_in(F):
             if r not in state_reductions:
                 state_reductions.append(r)
@@ -350,8 +358,18 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
                   update=spec.update, approximation=spec.approximation, kind=kind,
                   state_reductions=_reduction_irs(state_reductions, spec.dims),
                   readout=so.output, readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
-                  states=tuple(spec.states), state_updates=tuple(sympy.factor_terms(sympy.cancel(F)) for F in Fs))
+                  states=tuple(spec.states),
+                  state_updates=tuple(F if x in square else sympy.factor_terms(sympy.cancel(F)) for x, F in updates),
+                  **(_square_fields(spec, inverses, alg) if square else {}))
     return renumber(ir)
+
+
+def _square_fields(spec, inverses, alg) -> dict:
+    """The IR fields of square states (``UpdateIR.state_shapes``), their updates' vectors simplified."""
+    return {"state_shapes": {x: spec.shape_of(x) for x in spec.states},
+            "inits": {x: spec.init_of(x) for x in spec.states if spec.init_of(x) is not None},
+            "inverses": tuple((x, simplify(a), tuple((simplify(c), u, v) for c, u, v in terms))
+                              for x, a, terms in inverses)}
 
 
 def build_ir(so: SymbolicObjective) -> UpdateIR:

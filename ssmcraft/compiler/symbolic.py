@@ -33,6 +33,7 @@ class Reduction:
     body: sympy.Expr
     over: str
     dims: frozenset
+    metric: sympy.Symbol | None = None   # a row vector times this square matrix (``Algebra.reduce``)
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Algebra:
     reductions: dict = field(default_factory=dict)      # Symbol -> Reduction
     _keys: dict = field(default_factory=dict)           # (body, over) -> Symbol
     _count: int = 0
+    # square states (metrics): placeholder scalar -> what it stands for (``metric``)
+    metrics: dict = field(default_factory=dict)         # _mq symbol -> MetricTerm: wsq(V, c X)
+    square_norms: dict = field(default_factory=dict)    # _sq symbol -> Square: sq(A), A with state terms
 
     def symbol(self, name: str, dims=(), **assumptions) -> sympy.Symbol:
         s = sympy.Symbol(name, **assumptions)
@@ -58,11 +62,16 @@ class Algebra:
             out |= self.symbol_dims.get(s, frozenset())
         return out
 
-    def reduce(self, body: sympy.Expr, over: str) -> sympy.Expr:
-        """The sum of ``body`` over dimension ``over`` (a new or shared reduction symbol)."""
+    def reduce(self, body: sympy.Expr, over: str, metric: sympy.Symbol | None = None) -> sympy.Expr:
+        """The sum of ``body`` over dimension ``over`` (a new or shared reduction symbol). With a
+        ``metric`` (the symbol of a square [over, over] matrix P), the row vector times P instead:
+        ``sum_j' body_j' P_j'j``, which keeps ``over`` (``metric.matvec``)."""
         body = sympy.sympify(body)
         if body == 0:
             return sympy.Integer(0)
+        if metric is not None:
+            from ssmcraft.compiler.metric import matvec
+            return matvec(self, body, over, metric)
         if over not in self.dims_of(body):
             return body * self.size(over)
         # pull factors that do not vary over `over` out of the sum
@@ -107,7 +116,7 @@ class Algebra:
         for r in self.reductions_in(e):
             body = r.body.xreplace(sub)
             if body != r.body:
-                sub[r.symbol] = self.reduce(body, r.over)
+                sub[r.symbol] = self.reduce(body, r.over, r.metric)
         return e.xreplace(sub)
 
     def expand(self, e) -> sympy.Expr:
@@ -127,6 +136,10 @@ class Algebra:
             for s in x.free_symbols:
                 if s in self.reductions:
                     r = self.reductions[s]
+                    if r.metric is not None:     # (body P)_j: the row vector body times the matrix P
+                        j = index[r.over]
+                        sub[s] = sympy.Symbol(f"({sympy.sstr(walk(r.body))} @ {r.metric.name})[{j}]")
+                        continue
                     sub[s] = sympy.Sum(walk(r.body), (index[r.over], 1, self.size(r.over)))
             return indexed(x.xreplace(sub))
 
@@ -141,14 +154,19 @@ class Square:
     dimension), so they are kept as terms and only ever used as factors of a product.
     """
     dim: str
-    terms: tuple  # ("diag", w) | ("outer", u, v)
+    terms: tuple  # ("diag", w) | ("outer", u, v) | ("state", coef, X): a square state's symbol
 
     def scale(self, c):
         return Square(self.dim, tuple(
-            ("diag", c * t[1]) if t[0] == "diag" else ("outer", c * t[1], t[2]) for t in self.terms))
+            ("diag", c * t[1]) if t[0] == "diag" else (t[0], c * t[1], t[2]) for t in self.terms))
 
     def transpose(self):
-        return Square(self.dim, tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in self.terms))
+        return Square(self.dim, tuple(t if t[0] in ("diag", "state") else ("outer", t[2], t[1]) for t in self.terms))
+
+    def states(self) -> list:
+        """The square states in it: ``("state", coef, symbol)`` terms (``coef * X``; a square state is
+        symmetric, so transposing keeps it)."""
+        return [t for t in self.terms if t[0] == "state"]
 
 
 @dataclass(frozen=True)
@@ -201,7 +219,13 @@ class Lowering:
         self.env: dict[str, Value] = {}
         for dim in spec.dims:
             self.env[dim] = Value((ONE, ONE), alg.symbol(dim, (), positive=True, integer=True))
+        self.square: dict = {}              # square state -> (new, previous) symbols (not element-form)
         for state in spec.state_names():
+            if state in spec.square_states():
+                self.square[state] = tuple(sympy.Symbol(n, real=True) for n in (state, spec.prev_name(state)))
+                for sym in self.square[state]:
+                    self.env[sym.name] = Value((m, m), Square(m, (("state", sympy.Integer(1), sym),)))
+                continue
             for name in (state, spec.prev_name(state)):
                 self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
         for name, decl in spec.inputs.items():
@@ -224,6 +248,8 @@ class Lowering:
 
     def state_of(self, name: str) -> tuple[sympy.Symbol, sympy.Symbol]:
         """(new, previous) symbols of one state."""
+        if name in self.square:
+            return self.square[name]
         return self.env[name].expr, self.env[self.spec.prev_name(name)].expr
 
     # -- entry point ---------------------------------------------------------------
@@ -354,6 +380,9 @@ class Lowering:
             if isinstance(other.expr, Square):
                 return Value(other.shape, other.expr.scale(s.expr))
             return Value(other.shape, s.expr * other.expr)
+        for v in (a, b):
+            if isinstance(v.expr, Square) and v.expr.states():
+                self._square_state_misuse(node, v)
         (r, n1), (n2, c) = a.shape, b.shape
         if n1 != n2:
             self.fail(node, f"cannot multiply {show_shape(a.shape)} by {show_shape(b.shape)}: inner dimensions {n1} and {n2} differ"
@@ -402,8 +431,12 @@ class Lowering:
             v = args[0]
             expr = v.expr.transpose() if isinstance(v.expr, Square) else v.expr
             return Value((v.shape[1], v.shape[0]), expr)
+        if f in ("sq", "wsq") and any(isinstance(a.expr, Square) and a.expr.states() for a in args):
+            return self.metric_call(node, f, args)
         for a in args:
             if isinstance(a.expr, Square):
+                if a.expr.states():
+                    self._square_state_misuse(node, a)
                 self.fail(node, f"{f}() of an [{a.shape[0]}, {a.shape[1]}] matrix is not supported")
         if f in SCALAR_FUNCTIONS:
             return Value(args[0].shape, SCALAR_FUNCTIONS[f](args[0].expr))
@@ -439,6 +472,35 @@ class Lowering:
             n = v.shape[0] if v.shape[0] != ONE else v.shape[1]
             return Value((n, n), Square(n, (("diag", v.expr),)))
         self.fail(node, f"unknown function {f!r}")
+
+
+    # -- square states (metrics) ---------------------------------------------------------
+    def _square_state_misuse(self, node, v: Value):
+        names = ", ".join(t[2].name for t in v.expr.states())
+        self.fail(node, f"a square state ({names}) is only read as the metric of wsq(V, {names}) or inside sq() "
+                  "in its own loss")
+
+    def metric_call(self, node, f: str, args) -> Value:
+        """``sq(A)`` of a square expression with state terms (a square state's own loss), or
+        ``wsq(V, c X)`` with a square state X as the metric of a [d, m] ``V``: a scalar placeholder
+        symbol registered on the algebra (``Algebra.square_norms`` / ``Algebra.metrics``), which
+        ``ssmcraft.compiler.metric`` derives from."""
+        from ssmcraft.compiler.metric import MetricTerm
+        alg = self.alg
+        if f == "sq":
+            sym = sympy.Symbol(f"_sq{len(alg.square_norms)}", nonnegative=True)
+            alg.square_norms[sym] = args[0].expr
+            return Value((ONE, ONE), sym)
+        v, w = args
+        if isinstance(v.expr, Square) or v.shape != self.spec.dims:
+            self.fail(node, f"wsq(V, X) with a square state X takes a [{', '.join(self.spec.dims)}] matrix V, "
+                      f"got {show_shape(v.shape)}")
+        if not isinstance(w.expr, Square) or len(w.expr.terms) != 1:
+            self.fail(node, "the metric of wsq(V, X) is one square state times a scalar")
+        _, coef, X = w.expr.terms[0]
+        sym = sympy.Symbol(f"_mq{len(alg.metrics)}", real=True)
+        alg.metrics[sym] = MetricTerm(sympy.sympify(v.expr), coef, X)
+        return Value((ONE, ONE), sym)
 
 
 def _vector_shape(shape: tuple[str, ...]) -> tuple[str, str]:
@@ -507,7 +569,11 @@ def _multi_state_objective(spec: Spec, low: Lowering) -> SymbolicObjective:
         loss = low.lower_text(key, text)
         if not loss.is_scalar:
             raise SpecError(src, key, f"the loss must be a scalar, got a {show_shape(loss.shape)} value")
-        if not alg.depends_on(loss.expr, low.state_of(name)[0]):
+        if name in low.square:
+            from ssmcraft.compiler.metric import check_square_loss
+            check_square_loss(spec, low, name, key, loss.expr)
+        elif not alg.depends_on(loss.expr, low.state_of(name)[0]) and not any(
+                alg.depends_on(alg.metrics[p].V, low.state_of(name)[0]) for p in loss.expr.free_symbols if p in alg.metrics):
             raise SpecError(src, key, f"the loss does not depend on the state {name}")
         losses.append((name, sympy.sympify(loss.expr)))
     out = _output(spec, low)

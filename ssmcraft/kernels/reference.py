@@ -99,12 +99,12 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
             _fail(f"{spec.name}: param {name!r} must have shape [{', '.join(pdims)}] or [H, {', '.join(pdims)}], got {list(t.shape)}")
         for dim, n in zip(pdims, t.shape[t.dim() - len(pdims):]):
             note(dim, n, f"param {name!r}")
-    for what, t in _initial_states(ir, spec, initial_state):
+    for what, t, (r, c) in _initial_states(ir, spec, initial_state):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != (B, H):
-            _fail(f"{spec.name}: {what} must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got "
+            _fail(f"{spec.name}: {what} must be [B, H, {r}, {c}] = [{B}, {H}, ...], got "
                   f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        note(dims[0], t.shape[2], what)
-        note(dims[1], t.shape[3], what)
+        note(r, t.shape[2], what)
+        note(c, t.shape[3], what)
     for dim in dims:
         if dim not in sizes:
             _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
@@ -166,12 +166,31 @@ def _initial_states(ir, spec, initial_state) -> list:
     if initial_state is None:
         return []
     if not ir.states:
-        return [("initial_state", initial_state)]
+        return [("initial_state", initial_state, ir.dims)]
     if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(ir.states):
         _fail(f"{spec.name}: initial_state must be a tuple of {len(ir.states)} tensors, one per state "
               f"({', '.join(ir.states)}), got {type(initial_state).__name__}"
               + (f" of {len(initial_state)}" if isinstance(initial_state, (tuple, list)) else ""))
-    return [(f"initial_state[{i}] ({x})", t) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+    return [(f"initial_state[{i}] ({x})", t, ir.shape_of(x)) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+
+
+def state_shapes(ir, B: int, H: int, d: int, m: int) -> dict:
+    """Every state's shape, in declaration order: ``[B, H, d, m]``, or ``[B, H, m, m]`` for a
+    square state. Works on the IR and on the export's view of its JSON form."""
+    size = dict(zip(ir.dims, (d, m)))
+    return {x: (B, H, *(size[n] for n in ir.shape_of(x))) for x in ir.state_names}
+
+
+def initial_states(ir, B: int, H: int, d: int, m: int, device=None, dtype=None):
+    """The initial state(s) of a call with no ``initial_state``: zero, or c times the identity for a
+    state declared ``init: {identity: c}``; a tuple with several states."""
+    out = []
+    for x, shape in state_shapes(ir, B, H, d, m).items():
+        S = torch.zeros(shape, device=device, dtype=dtype)
+        if x in ir.inits:
+            S = S + ir.inits[x] * torch.eye(shape[-1], device=device, dtype=dtype)
+        out.append(S)
+    return tuple(out) if ir.states else out[0]
 
 
 def traced_state(ir) -> str:
@@ -197,10 +216,22 @@ def n_states(module) -> int:
     return len(getattr(module, "STATES", ())) or 1
 
 
-def expand_state(S, lay: Layout):
-    """A step's result broadcast to [B, H, d, m] (each state of a tuple)."""
+def _sizes(module, lay: Layout) -> list:
+    """(rows, cols) of each state the module carries: [d, m], or [m, m] for a square state."""
+    dims = getattr(module, "DIMS", ("d", "m"))
+    size = dict(zip(dims, (lay.d, lay.m)))
+    shapes = getattr(module, "SHAPES", None)
+    if shapes is None:
+        return [(lay.d, lay.m)] * n_states(module)
+    return [tuple(size[n] for n in shapes[x]) for x in module.STATES]
+
+
+def expand_state(S, lay: Layout, module=None):
+    """A step's result broadcast to [B, H, d, m] (each state of a tuple; [B, H, m, m] for a square
+    state of ``module``)."""
     if isinstance(S, tuple):
-        return tuple(x.expand(lay.B, lay.H, lay.d, lay.m) for x in S)
+        sizes = _sizes(module, lay) if module is not None else [(lay.d, lay.m)] * len(S)
+        return tuple(x.expand(lay.B, lay.H, *rc) for x, rc in zip(S, sizes))
     return S.expand(lay.B, lay.H, lay.d, lay.m)
 
 
@@ -211,12 +242,40 @@ def at(value, t: int):
     return value[:, t if value.shape[1] > 1 else 0]
 
 
-def _initial(lay: Layout, device, count: int = 1):
-    """The initial state, or a tuple of ``count`` states when the module has several."""
+def _initial(lay: Layout, device, count: int = 1, module=None):
+    """The initial state, or a tuple of ``count`` states when the module has several; with square
+    states (``module.INVERTED``) as the step carries them: their inverses."""
+    inverted = getattr(module, "INVERTED", ())
+    if inverted:
+        return tuple(torch.linalg.inv(S) if x in inverted else S
+                     for x, S in zip(module.STATES, declared_initial(module, lay, device)))
     if lay.S0 is not None:
         return lay.S0
     zeros = [torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device) for _ in range(count)]
     return tuple(zeros) if count > 1 else zeros[0]
+
+
+def declared_initial(module, lay: Layout, device) -> tuple:
+    """The initial states of a module with square states, as declared: the call's, else zero, or c
+    times the identity where the spec says ``init: {identity: c}``."""
+    if lay.S0 is not None:
+        return tuple(lay.S0)
+    out = []
+    for x, (r, c) in zip(module.STATES, _sizes(module, lay)):
+        if x in module.IDENTITY_INIT:
+            eye = torch.eye(r, dtype=lay.dtype, device=device) * module.IDENTITY_INIT[x]
+            out.append(eye.expand(lay.B, lay.H, r, c).clone())
+        else:
+            out.append(torch.zeros(lay.B, lay.H, r, c, dtype=lay.dtype, device=device))
+    return tuple(out)
+
+
+def declared(module, S):
+    """The final states as declared: a square state's carried inverse inverted back."""
+    inverted = getattr(module, "INVERTED", ())
+    if not inverted:
+        return S
+    return tuple(torch.linalg.inv(x) if name in inverted else x for name, x in zip(module.STATES, S))
 
 
 def _device(lay: Layout):
@@ -230,18 +289,18 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
     states [B, T//every, H, d, m] or None); with several states ``traced`` picks the state traced.
     """
     d, m = lay.d, lay.m
-    S = _initial(lay, _device(lay), n_states(module))
+    S = _initial(lay, _device(lay), n_states(module), module)
     ys, states = [], []
     for t in range(lay.T):
         env_t = {k: at(v, t) for k, v in lay.env.items()}
         co = module.coefficients(env_t, d, m)
-        S = expand_state(module.step(S, env_t, co, d, m), lay)
+        S = expand_state(module.step(S, env_t, co, d, m), lay, module)
         ys.append(module.readout(S, env_t, co, d, m)[..., 0])
         if every and (t + 1) % every == 0:
             states.append(S[traced] if isinstance(S, tuple) else S)
     y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
     st = torch.stack(states, dim=1) if states else None
-    return y, S, st
+    return y, declared(module, S), st
 
 
 def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
@@ -298,15 +357,15 @@ def vectorised(module, ir, lay: Layout):
         states = diagonal_states(module, lay, co)
         y = module.readout(states, lay.env, co, d, m)[..., 0]
         return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
-    S = _initial(lay, _device(lay), n_states(module))
+    S = _initial(lay, _device(lay), n_states(module), module)
     needs_env = ir.kind in ("general", "nonlinear") or ir.readout is not None
     ys = []
     for t in range(lay.T):
         co_t = {k: at(v, t) for k, v in co.items()}
         env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
-        S = expand_state(module.step(S, env_t, co_t, d, m), lay)
+        S = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
         ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
-    return torch.stack(ys, dim=1), S
+    return torch.stack(ys, dim=1), declared(module, S)
 
 
 def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:

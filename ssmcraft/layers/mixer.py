@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.kernels.reference import initial_states, state_shapes
 from ssmcraft.layers.activations import (apply_activation, implied_activation, inverse_softplus,
                                          l2_normalize, log_uniform)
 from ssmcraft.layers.config import ObjectiveMixerConfig
@@ -197,12 +198,11 @@ class ObjectiveMixer(nn.Module):
         return self._finish(y, u, z)
 
     def init_cache(self, batch_size: int) -> RecurrentCache:
-        """Zero conv window and state, on the module's device and in its dtype."""
+        """Zero conv window and the objective's initial state (zero, or c I for a square state declared
+        ``init: {identity: c}``), on the module's device and in its dtype."""
         w = self.in_proj.weight
-        states = tuple(torch.zeros(batch_size, self.H, self.d, self.m, device=w.device, dtype=w.dtype)
-                       for _ in self.obj.spec.state_names())
         return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
-                              states if self.obj.spec.states else states[0])
+                              initial_states(self.obj.ir, batch_size, self.H, self.d, self.m, w.device, w.dtype))
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
@@ -236,6 +236,7 @@ class ObjectiveMixer(nn.Module):
         return {"kind": "objective", "objective": spec.name,
                 "structure": getattr(self.obj, "structure_kind", None), "heads": self.H,
                 "d": self.d, "m": self.m, "value_input": self.value_name,
+                "state_elements": sum(math.prod(s) for s in state_shapes(self.obj.ir, 1, self.H, self.d, self.m).values()),
                 "inputs": {n: {"route": self.route[n], "activation": self.activation[n],
                                "normalize": bool(spec.inputs[n].normalize)} for n in spec.inputs},
                 "params": {n: {"shape": [self.H, *(self.sizes[s] for s in d.shape)],

@@ -42,9 +42,10 @@ def can_report() -> bool:
 
 
 def state_bytes(run_dir: Path) -> int | None:
-    """Bytes of recurrent state one sequence carries through the run's model: fp32
-    ``[H, d, m]`` per objective mixer; None when a mixer's state grows with the context
-    (attention). Built from the run's config; no weights needed."""
+    """Bytes of recurrent state one sequence carries through the run's model: fp32, every state of
+    every objective mixer (``[H, d, m]`` each, ``[H, m, m]`` for a square one: the mixer's
+    ``state_elements``); None when a mixer's state grows with the context (attention). Built from
+    the run's config; no weights needed."""
     from ssmcraft.layers import LM
     from ssmcraft.train.checkpoint import load_config, model_config
 
@@ -53,7 +54,7 @@ def state_bytes(run_dir: Path) -> int | None:
         d = mixer.describe()
         if d.get("kind") != "objective":
             return None
-        total += 4 * d["heads"] * d["d"] * d["m"]
+        total += 4 * d["state_elements"]
     return total
 
 
