@@ -61,12 +61,15 @@ def test_decay_mitigations_refuse_by_name():
         mixer(torch.randn(1, 5, 16))
 
 
-def test_train_and_export(tmp_path):
+@pytest.mark.parametrize("objective,structure", [("momentum_longhorn", "general"), ("rls", "nonlinear")])
+def test_train_and_export(tmp_path, objective, structure):
+    """rls: a square state (R [m, m], carried by its inverse) through training, export and the
+    exported module's recurrent steps."""
     from ssmcraft.export import export
     from ssmcraft.train import train_run
 
-    metrics = train_run(experiment("momentum_longhorn", n_layers=1), tmp_path / "run")
-    assert metrics["status"] == "ok" and metrics["structure"] == "general"
+    metrics = train_run(experiment(objective, n_layers=1), tmp_path / "run")
+    assert metrics["status"] == "ok" and metrics["structure"] == structure
     res = export(tmp_path / "run", tmp_path / "export")
-    assert res.structure == "general"
+    assert res.structure == structure
     assert res.verified["max_abs_diff"] < 1e-5 and res.verified["step_max_abs_diff"] < 1e-5

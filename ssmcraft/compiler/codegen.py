@@ -78,21 +78,6 @@ def _reduction_code(r, dims) -> str:
     axis = AXIS[dims.index(r.over)]
     return f"    {r.name} = ({torch_code(r.body)}).sum({axis}, keepdim=True)"
 
-WOODBURY = [
-    "",
-    "",
-    "def _woodbury(P, a, cs, us, vs):",
-    '    """The inverse of a X + sum_r c_r u_r v_r^T from P = X^-1 [..., m, m] (Woodbury):',
-    "    (P - P U (a I + V^T P U)^-1 V^T P) / a with U = [c_r u_r], V = [v_r]; u_r, v_r laid out",
-    '    [..., 1, m], a and c_r [..., 1, 1] or numbers."""',
-    "    row = P[..., :1, :]",
-    "    U = torch.cat([torch.broadcast_to(c * u + 0 * row, row.shape) for c, u in zip(cs, us)], -2).transpose(-1, -2)",
-    "    V = torch.cat([torch.broadcast_to(v + 0 * row, row.shape) for v in vs], -2)",
-    "    a = a + 0 * row[..., :1]",
-    "    VP = V @ P",
-    "    small = a * torch.eye(len(vs), dtype=P.dtype, device=P.device) + VP @ U",
-    "    return (P - (P @ U) @ torch.linalg.solve(small, VP)) / a",
-]
 
 
 def _reads(ir: UpdateIR, exprs) -> set:
@@ -116,11 +101,25 @@ def _inverse_lines(ir: UpdateIR) -> tuple[list[str], set]:
     first = _reads(ir, exprs)
     lines = [_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name in first]
     for x, a, terms in ir.inverses:
-        X = inverse_name(x)
-        cs, us, vs = (", ".join(f"({torch_code(t[i])})" for t in terms) for i in range(3))
-        lines.append(f"    {X} = _woodbury({X}_prev, {torch_code(a)}, [{cs}], [{us}], [{vs}])"
-                     f"  # {x}_t = a {x}_prev + sum c u v^T, carried by its inverse")
+        lines += _woodbury_lines(inverse_name(x), x, a, terms)
     return lines, first
+
+
+def _woodbury_lines(X: str, x: str, a, terms) -> list[str]:
+    """Statements of ``X = (X_prev - X_prev U (a I + V^T X_prev U)^-1 V^T X_prev) / a``, the inverse
+    of ``a x_prev + sum_r c_r u_r v_r^T`` (Woodbury; Sherman-Morrison for one term), ``U = [c_r u_r]``
+    ``[..., m, r]``, ``V = [v_r]`` ``[..., r, m]``. Inline (no helper function: an export wraps the
+    module in a class namespace)."""
+    row, shape = f"{X}_prev[..., :1, :]", f"{X}_prev[..., :1, :].shape"
+    U = ", ".join(f"torch.broadcast_to(({torch_code(c)}) * ({torch_code(u)}) + 0 * {row}, {shape})" for c, u, _ in terms)
+    V = ", ".join(f"torch.broadcast_to(({torch_code(v)}) + 0 * {row}, {shape})" for _, _, v in terms)
+    return [f"    # {x}_t = a {x}_prev + sum_r c_r u_r v_r^T, carried by its inverse {X} (Woodbury)",
+            f"    {X}_U = torch.cat([{U}], -2).transpose(-1, -2)",
+            f"    {X}_V = torch.cat([{V}], -2)",
+            f"    {X}_a = ({torch_code(a)}) + 0 * {row}[..., :1]",
+            f"    {X}_VP = {X}_V @ {X}_prev",
+            f"    {X}_small = {X}_a * torch.eye({len(terms)}, dtype={X}_prev.dtype, device={X}_prev.device) + {X}_VP @ {X}_U",
+            f"    {X} = ({X}_prev - ({X}_prev @ {X}_U) @ torch.linalg.solve({X}_small, {X}_VP)) / {X}_a"]
 
 
 
@@ -180,7 +179,6 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
             f"SHAPES = {dict((x, tuple(ir.shape_of(x))) for x in ir.states)!r}",
             f"INVERTED = {tuple(square)!r}  # square states: the step carries their inverses",
             f"IDENTITY_INIT = {dict(ir.inits)!r}  # state -> c: its initial value is c times the identity",
-            *WOODBURY,
             "",
             "",
             f"def step(prev, env, co, {d}, {m}):",
