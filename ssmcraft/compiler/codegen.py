@@ -190,6 +190,25 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
             f"    return ({news},)"]
 
 
+def _minibatch_head(ir: UpdateIR, names) -> list[str]:
+    """A mini-batch update's chunk size, its chunk decay (when it has one) and the head of ``step``,
+    which also takes the state before the chunk (``ssmcraft.compiler.minibatch``)."""
+    from ssmcraft.compiler.minibatch import ANCHOR
+    d, m = ir.dims
+    S = ir.state
+    out = [f"MINIBATCH = {ir.minibatch}  # tokens per chunk; gradients at the state before the chunk ({ANCHOR})", ""]
+    if ir.minibatch_decay is not None:
+        reds = _reads(ir, [ir.minibatch_decay])
+        out += ["",
+                f"def minibatch_decay(env, co, {d}, {m}):",
+                f'    """a of step = a . {S}_prev + G({ANCHOR}): the chunk\'s states are one scan over G."""',
+                *_unpack(names),
+                *[_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name in reds],
+                f"    return {torch_code(ir.minibatch_decay)}", "", ""]
+    return out + [f"def step({S}_prev, env, co, {d}, {m}, {ANCHOR}):",
+                  f'    """One step: {S}_prev [..., {d}, {m}] and the state before the chunk {ANCHOR} -> {S}_t."""']
+
+
 def reference_source(ir: UpdateIR, header: str) -> str:
     """Python source of the reference module for ``ir``."""
     d, m = ir.dims
@@ -231,7 +250,8 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     if ir.states:
         out += _multi_state_step(ir, names)
     else:
-        out += [f"def step({S}_prev, env, co, {d}, {m}):",
+        out += _minibatch_head(ir, names) if ir.minibatch else [
+                f"def step({S}_prev, env, co, {d}, {m}):",
                 f'    """One step: {S}_prev [..., {d}, {m}] -> {S}_t."""']
     body = []
     if ir.states:

@@ -87,7 +87,8 @@ def run(args) -> int:
         print(f"  output: y = {spec.output}")
     else:
         print(f"  objective  L = {spec.objective}")
-        print(f"  update: {spec.update}, approximation: {spec.approximation}, output: y = {spec.output}")
+        approx = f"{{minibatch: {spec.minibatch}}}" if spec.minibatch else spec.approximation
+        print(f"  update: {spec.update}, approximation: {approx}, output: y = {spec.output}")
     print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + ")")
     if spec.states:
         for x, (loss, _) in st["per_state"].items():
@@ -103,6 +104,9 @@ def run(args) -> int:
     else:
         print(f"  L = {st['objective_sum']}")
         print(f"\n[3] derived update ({spec.update}{', exact' if spec.approximation == 'exact' else ''})")
+        if spec.minibatch:
+            print(f"  mini-batch of {spec.minibatch}: the terms that read S_prev at the running state, the data loss's "
+                  "gradient at _S_c, the state before the token's chunk")
         print(f"  S_t[i,j] = {st['update_sum']}")
     print(f"\n[4] structure: {ir.kind}" + (" (diagonal approximation)" if spec.approximation == "diagonal" else ""))
     for line in st["formula"].splitlines():

@@ -313,9 +313,24 @@ def newton_update(so: SymbolicObjective) -> sympy.Expr:
     S, S_prev = so.lowering.state, so.lowering.state_prev
     rows, cols = so.spec.dims
     g = gradient(alg, so.loss, S)
-    D = alg.symbol("_D", (rows, cols), real=True)
-    hvp = gradient(alg, alg.reduce(alg.reduce(g * D, cols), rows), S)     # H(S)[D]
-    linear = alg.substitute(g + hvp, {S: S_prev})
+    D = alg.symbol(D_SYMBOL, (rows, cols), real=True)
+    return newton_solve(so, alg.substitute(g + hessian_vector(alg, g, S, D), {S: S_prev}), D)
+
+
+D_SYMBOL = "_D"       # the Newton step's unknown
+
+
+def hessian_vector(alg: Algebra, g, S, D) -> sympy.Expr:
+    """``H(S)[D]``, the Hessian-vector product of the loss whose gradient is ``g``: reverse mode
+    through ``sum G . D``."""
+    rows, cols = alg.dims
+    return gradient(alg, alg.reduce(alg.reduce(g * D, cols), rows), S)
+
+
+def newton_solve(so: SymbolicObjective, linear, D) -> sympy.Expr:
+    """``S_prev + D`` with ``linear`` (the gradient linearised in the step ``D``) = 0, solved row by
+    row after showing its matrix positive definite."""
+    alg, S_prev = so.algebra, so.lowering.state_prev
     try:
         parts = affine(alg, linear, D)
     except (NotAffine, NotRowSeparable) as e:
@@ -341,6 +356,9 @@ def derive_update(so: SymbolicObjective) -> sympy.Expr:
     from ssmcraft.compiler.metric import has_metric, metric_update
     if has_metric(so):                  # a square state as the metric of the proximity
         return metric_update(so)
+    if so.spec.minibatch:               # gradients at the chunk's start: ssmcraft.compiler.minibatch
+        from ssmcraft.compiler.minibatch import minibatch_update
+        return minibatch_update(so)
     if so.spec.update == "implicit":
         return implicit_update(so)
     if so.spec.update == "newton":

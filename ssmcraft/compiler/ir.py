@@ -74,6 +74,10 @@ class UpdateIR:
     state_shapes: dict = field(default_factory=dict)
     inits: dict = field(default_factory=dict)
     inverses: tuple = ()
+    # ``approximation: {minibatch: C}`` (``ssmcraft.compiler.minibatch``): C, and the elementwise decay
+    # ``a`` of ``state_update = a . S_prev + G(_S_c)`` when it has that form (None: it does not)
+    minibatch: int = 0
+    minibatch_decay: sympy.Expr | None = None
 
     @property
     def state_names(self) -> tuple:
@@ -126,6 +130,9 @@ class UpdateIR:
         if self.states:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        if self.minibatch:
+            out["minibatch"] = self.minibatch
+            out["minibatch_decay"] = None if self.minibatch_decay is None else sympy.sstr(self.minibatch_decay)
         if self.state_shapes:
             s = sympy.sstr
             out["state_shapes"] = {x: list(v) for x, v in self.state_shapes.items()}

@@ -90,6 +90,9 @@ class Spec:
     # identity, square states only); see ``state_decls``
     shapes: tuple[tuple[str, str], ...] = ()
     inits: tuple = ()
+    # ``approximation: {minibatch: C}`` (``approximation`` is then "minibatch"): gradients taken at
+    # the state before each chunk of C tokens (``minibatch_approximation``); 0 otherwise
+    minibatch: int = 0
 
     def shape_of(self, state: str) -> tuple[str, str]:
         """A state's declared shape (``dims`` unless the spec declares several shapes)."""
@@ -394,11 +397,31 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     if update not in ("implicit", "explicit", "newton"):
         raise SpecError(src, "update", f"expected implicit, explicit or newton, got {update!r}")
     approximation = raw.get("approximation", "exact")
-    if approximation not in ("exact", "diagonal"):
-        raise SpecError(src, "approximation", f"expected exact or diagonal, got {approximation!r}")
+    minibatch = 0
+    if isinstance(approximation, dict):
+        approximation, minibatch = minibatch_approximation(src, approximation, update)
+    elif approximation not in ("exact", "diagonal"):
+        raise SpecError(src, "approximation", f"expected exact, diagonal or {{minibatch: C}}, got {approximation!r}")
     output = _output(src, raw, declared, _let_closure(lets), prevs, "the new state S")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
-                update, approximation, output, source=src, raw=raw)
+                update, approximation, output, source=src, raw=raw, minibatch=minibatch)
+
+
+MINIBATCH_MAX = 4096
+
+
+def minibatch_approximation(src, value: dict, update: str) -> tuple[str, int]:
+    """``approximation: {minibatch: C}`` -> ("minibatch", C): within each chunk of C tokens every
+    gradient of the data loss is taken at the state before the chunk (TTT, Titans), so the chunk's
+    updates are computed in parallel; for explicit and Newton updates."""
+    _keys(src, "approximation", value, {"minibatch"})
+    C = value.get("minibatch")
+    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= MINIBATCH_MAX:
+        raise SpecError(src, "approximation.minibatch", f"expected a chunk size, an integer 1..{MINIBATCH_MAX}, got {C!r}")
+    if update not in ("explicit", "newton"):
+        raise SpecError(src, "approximation.minibatch", f"a mini-batch takes explicit or Newton steps at the chunk's "
+                        f"start; update {update} minimises exactly (use update: explicit or newton)")
+    return "minibatch", C
 
 
 STATE_KEYS = {"shape", "init"}
@@ -596,6 +619,9 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
                       lambda x: f"the loss reads {x!r} (through a let), the new value of a state "
                                 f"updated after {sname}; use {x}_prev")
         losses.append(text)
+    if isinstance(raw.get("approximation"), dict) and "minibatch" in raw["approximation"]:
+        raise SpecError(src, "approximation.minibatch", "a mini-batch approximation takes one state; this spec "
+                        f"has {len(states)} ({', '.join(states)})")
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
     approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
     if "diagonal" in approximations:

@@ -185,6 +185,8 @@ def _reduction_irs(reductions, order):
 
 def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     """Build the IR of update ``F`` (element form in S_prev) for the spec of ``so``."""
+    if so.spec.minibatch:
+        return classify_minibatch(so, F)
     spec, alg = so.spec, so.algebra
     row, col = spec.dims
     S, S_prev = so.lowering.state, so.lowering.state_prev
@@ -299,6 +301,29 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     return renumber(ir)
 
 
+def classify_minibatch(so: SymbolicObjective, F) -> UpdateIR:
+    """The IR of a mini-batch update ``F(S_prev, _S_c)`` (``ssmcraft.compiler.minibatch``): element-wise,
+    ``general`` when jointly linear in the previous state and the anchor, else ``nonlinear``, with the
+    chunk's decay when the update is ``a . S_prev + G(_S_c)``."""
+    from ssmcraft.compiler.minibatch import anchor, chunk_decay
+    spec, alg = so.spec, so.algebra
+    S_prev = so.lowering.state_prev
+    kind = "general" if is_linear_in(alg, [F], [S_prev, anchor(alg)]) else "nonlinear"
+    update = sympy.factor_terms(sympy.cancel(F))
+    if spec.update == "newton":    # cancel() expands (r - x)**2 + 1 under square roots
+        update = min((update, sympy.factor_terms(sympy.together(F))), key=sympy.count_ops)
+    decay = chunk_decay(alg, F, S_prev)
+    ir = UpdateIR(spec_name=spec.name, source=spec.source, dims=spec.dims, state=spec.state,
+                  inputs={k: v.shape for k, v in spec.inputs.items()},
+                  params={k: v.shape for k, v in spec.params.items()},
+                  update=spec.update, approximation=spec.approximation, kind=kind,
+                  state_reductions=_reduction_irs(alg.reductions_in(sympy.Add(F, decay or 0)), spec.dims),
+                  state_update=update, readout=so.output,
+                  readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
+                  minibatch=spec.minibatch, minibatch_decay=decay)
+    return renumber(ir)
+
+
 def renumber(ir: UpdateIR) -> UpdateIR:
     """Rename reductions to _r0, _r1, ... in order of use (stable names, stable hashes)."""
     groups = (ir.reductions, ir.state_reductions, ir.readout_reductions)
@@ -317,6 +342,7 @@ def renumber(ir: UpdateIR) -> UpdateIR:
                    readout_reductions=ren_group(ir.readout_reductions),
                    coefficients=tuple(Coefficient(c.name, ren(c.expr), c.dims) for c in ir.coefficients),
                    state_update=ren(ir.state_update), readout=ren(ir.readout),
+                   minibatch_decay=ren(ir.minibatch_decay),
                    state_updates=tuple(ren(e) for e in ir.state_updates),
                    inverses=tuple((x, ren(a), tuple(tuple(ren(e) for e in t) for t in terms))
                                   for x, a, terms in ir.inverses))

@@ -290,11 +290,16 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
     """
     d, m = lay.d, lay.m
     S = _initial(lay, _device(lay), n_states(module), module)
+    C = getattr(module, "MINIBATCH", 0)
     ys, states = [], []
     for t in range(lay.T):
         env_t = {k: at(v, t) for k, v in lay.env.items()}
         co = module.coefficients(env_t, d, m)
-        S = expand_state(module.step(S, env_t, co, d, m), lay, module)
+        if C:       # a mini-batch step also reads the state before its chunk
+            S_c = S if t % C == 0 else S_c
+            S = expand_state(module.step(S, env_t, co, d, m, S_c), lay)
+        else:
+            S = expand_state(module.step(S, env_t, co, d, m), lay, module)
         ys.append(module.readout(S, env_t, co, d, m)[..., 0])
         if every and (t + 1) % every == 0:
             states.append(S[traced] if isinstance(S, tuple) else S)
@@ -351,8 +356,8 @@ def vectorised(module, ir, lay: Layout):
     """
     d, m = lay.d, lay.m
     co = module.coefficients(lay.env, d, m)
-    if lay.T == 0:
-        return reference_loop(module, lay)[:2]
+    if lay.T == 0 or getattr(module, "MINIBATCH", 0):
+        return reference_loop(module, lay)[:2] if lay.T == 0 else minibatch(module, lay, co)
     if ir.kind in ("scalar_decay", "diagonal_decay") and _device(lay).type == "cuda":
         states = diagonal_states(module, lay, co)
         y = module.readout(states, lay.env, co, d, m)[..., 0]
@@ -366,6 +371,53 @@ def vectorised(module, ir, lay: Layout):
         S = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
         ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
     return torch.stack(ys, dim=1), declared(module, S)
+
+
+def _chunk(value, s: int, e: int):
+    """Time steps s..e-1 of a laid-out tensor (size-1 time axes broadcast)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 5 or value.shape[1] == 1:
+        return value
+    return value[:, s:e]
+
+
+def minibatch(module, lay: Layout, co: dict):
+    """A mini-batch update (``approximation: {minibatch: C}``), chunk by chunk, each chunk in parallel
+    when the update is ``a . S_prev + G(S_c)`` (``module.minibatch_decay``): ``G`` for every token of
+    the chunk at once (the step at ``S_prev = 0``), then the states as one scan ``S_t = a_t S_{t-1} + G_t``
+    from the state before the chunk (a cumulative sum when ``a = 1``), and every output at once.
+    Otherwise the chunk's tokens run one by one, each from the chunk's starting state.
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m])."""
+    d, m, C = lay.d, lay.m, module.MINIBATCH
+    decay = getattr(module, "minibatch_decay", None)
+    S = _initial(lay, _device(lay))
+    ys = []
+    for s in range(0, lay.T, C):
+        e = min(s + C, lay.T)
+        env_c = {k: _chunk(v, s, e) for k, v in lay.env.items()}
+        co_c = {k: _chunk(v, s, e) for k, v in co.items()}
+        S_c = S[:, None]
+        if decay is None:
+            states = []
+            for t in range(e - s):
+                env_t = {k: at(v, t) for k, v in env_c.items()}
+                S = expand_state(module.step(S, env_t, {k: at(v, t) for k, v in co_c.items()}, d, m, S_c[:, 0]), lay)
+                states.append(S)
+            states = torch.stack(states, dim=1)
+        else:
+            full = (lay.B, e - s, lay.H, d, m)
+            G = module.step(torch.zeros_like(S_c), env_c, co_c, d, m, S_c).expand(full)
+            a = decay(env_c, co_c, d, m)
+            if not isinstance(a, torch.Tensor) and float(a) == 1.0:
+                states = S_c + torch.cumsum(G, dim=1)
+            else:
+                A = (a if isinstance(a, torch.Tensor) else torch.full((), float(a), dtype=lay.dtype,
+                                                                      device=_device(lay))).expand(full)
+                G = torch.cat([G[:, :1] + A[:, :1] * S_c, G[:, 1:]], dim=1)
+                states = _scan(A, G)
+        ys.append(module.readout(states, env_c, co_c, d, m)[..., 0].expand(lay.B, e - s, lay.H, d))
+        S = states[:, -1]
+    return torch.cat(ys, dim=1), S
 
 
 def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:

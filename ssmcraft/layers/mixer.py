@@ -206,6 +206,9 @@ class ObjectiveMixer(nn.Module):
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
+        if getattr(self.obj.ir, "minibatch", 0):     # (an export's IR view has it only when set)
+            raise SsmcraftError(f"{self.obj.name}: a mini-batch update (chunks of {self.obj.ir.minibatch}) reads the "
+                                "state before each chunk, which the recurrent cache does not carry; run whole sequences")
         x, z = self._split_in(h_t[:, None])
         u_t, conv_state = self.conv.step(x[:, 0], cache.conv)
         u = F.silu(u_t)[:, None]
