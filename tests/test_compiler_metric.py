@@ -304,10 +304,10 @@ def test_cli_refuses_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("objective,per_head", [("longhorn", 8 * 4), ("momentum_longhorn", 2 * 8 * 4),
-                                                ("rls", 8 * 4 + 4 * 4)])
+                                                ("rls", 8 * 4 + 4 * 4), ("ttt_mlp", 8 * 4 + 8 * 8)])
 def test_state_bytes_count_every_state(tmp_path, objective, per_head):
     """A run's state_bytes (search trials, studies) count every state of every mixer: fp32, two layers of
-    H = 2 heads, d = 2 * 16 / 2... here d_model 16, expand 1, so d = 8 per head, m = 4."""
+    H = 2 heads of d = 16 / 2 = 8 (expand 1), m = 4 (ttt_mlp: h = 2m = 8)."""
     import json
     from ssmcraft.search.trial import state_bytes
     model = {"vocab_size": 32, "d_model": 16, "n_layers": 2,

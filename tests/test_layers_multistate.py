@@ -61,10 +61,12 @@ def test_decay_mitigations_refuse_by_name():
         mixer(torch.randn(1, 5, 16))
 
 
-@pytest.mark.parametrize("objective,structure", [("momentum_longhorn", "general"), ("rls", "nonlinear")])
+@pytest.mark.parametrize("objective,structure", [("momentum_longhorn", "general"), ("rls", "nonlinear"),
+                                                 ("ttt_mlp", "nonlinear")])
 def test_train_and_export(tmp_path, objective, structure):
-    """rls: a square state (R [m, m], carried by its inverse) through training, export and the
-    exported module's recurrent steps."""
+    """rls: a square state (R [m, m], carried by its inverse), ttt_mlp: weights over a hidden
+    dimension (W1 [h, m], W2 [d, h]), through training, export and the exported module's recurrent
+    steps."""
     from ssmcraft.export import export
     from ssmcraft.train import train_run
 

@@ -13,7 +13,6 @@ import sympy
 from ssmcraft.compiler.ir import UpdateIR
 from ssmcraft.compiler.printing import torch_code
 
-AXIS = {0: -2, 1: -1}   # state dimension index -> tensor axis
 
 
 def update_formula(ir: UpdateIR) -> str:
@@ -27,7 +26,7 @@ def update_formula(ir: UpdateIR) -> str:
     decay = f"{S}_prev" if a is not None and a.expr == 1 else f"a . {S}_prev"
     if ir.states:
         upd = "\n".join(_inverse_formula(ir, x) if x in dict((y, 0) for y, _, _ in ir.inverses) else
-                        f"{x}_t[i,j] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
+                        f"{x}_t[{element_index(ir, x)}] = " + sympy.sstr(e) for x, e in zip(ir.states, ir.state_updates))
     elif ir.kind in ("scalar_decay", "diagonal_decay"):
         upd = f"{S}_t = {decay} + {B}"
     elif ir.kind == "rank1":
@@ -43,6 +42,13 @@ def update_formula(ir: UpdateIR) -> str:
     else:
         out = "y_t[i] = " + sympy.sstr(ir.readout)
     return f"{upd}\n{out}"
+
+
+def element_index(spec_or_ir, x: str) -> str:
+    """The indices of one element of state ``x``: ``i,j`` over (d, m), ``a`` for the first hidden
+    dimension (``b``, ... for more), in its declared order."""
+    letters = dict(zip(spec_or_ir.axes(), ("i", "j", "a", "b", "c")))
+    return ",".join(letters[n] for n in spec_or_ir.shape_of(x))
 
 
 def _inverse_formula(ir: UpdateIR, x: str) -> str:
@@ -75,7 +81,7 @@ def coefficient_lines(ir: UpdateIR) -> list[str]:
 def _reduction_code(r, dims) -> str:
     if r.metric is not None:        # the row vector body (over the key axis) times the square matrix
         return f"    {r.name} = torch.matmul(({torch_code(r.body)}) + torch.zeros_like({r.metric}[..., :1, :]), {r.metric})"
-    axis = AXIS[dims.index(r.over)]
+    axis = dims.index(r.over) - len(dims)         # one tensor axis per dimension, in ``ir.axes()`` order
     return f"    {r.name} = ({torch_code(r.body)}).sum({axis}, keepdim=True)"
 
 
@@ -99,7 +105,7 @@ def _inverse_lines(ir: UpdateIR) -> tuple[list[str], set]:
     from ssmcraft.compiler.metric import inverse_name
     exprs = [e for _, a, terms in ir.inverses for e in (a, *(x for t in terms for x in t))]
     first = _reads(ir, exprs)
-    lines = [_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name in first]
+    lines = [_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name in first]
     for x, a, terms in ir.inverses:
         lines += _woodbury_lines(inverse_name(x), x, a, terms)
     return lines, first
@@ -153,14 +159,27 @@ def _multi_state_step(ir: UpdateIR, names) -> list[str]:
     prevs = [f"{x}_prev" for x in ir.states]
     news = ", ".join(f"({torch_code(e)}) + 0 * {p}" for e, p in zip(ir.state_updates, prevs))
     return [f"STATES = {tuple(ir.states)!r}",
+            *_shapes_header(ir),
             "",
             "",
             f"def step(prev, env, co, {d}, {m}):",
             f'    """One step: the previous states ({", ".join(prevs)}), each [..., {d}, {m}] -> the new ones, in order."""',
             f"    {', '.join(prevs)}, = prev",
             *_unpack(names),
-            *[_reduction_code(r, ir.dims) for r in ir.state_reductions],
+            *[_reduction_code(r, ir.axes()) for r in ir.state_reductions],
             f"    return ({news},)"]
+
+
+def _shapes_header(ir: UpdateIR) -> list[str]:
+    """The constants of states of several shapes (none with one shape): what the runtime needs to
+    lay them out (``ssmcraft.kernels.reference``)."""
+    if not ir.state_shapes:
+        return []
+    return [f"SHAPES = {dict((x, tuple(ir.shape_of(x))) for x in ir.states)!r}",
+            f"INVERTED = {tuple(x for x, _, _ in ir.inverses)!r}  # square states: the step carries their inverses",
+            f"IDENTITY_INIT = {dict(ir.inits)!r}  # state -> c: its initial value is c times the (rectangular) identity",
+            f"AXES = {ir.axes()!r}  # one tensor axis per dimension, in this order",
+            f"HIDDEN = {dict(ir.hidden)!r}  # hidden dimension -> (factor, base): size factor * size(base)"]
 
 
 def _square_step(ir: UpdateIR, names) -> list[str]:
@@ -176,9 +195,7 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
     inverse, first = _inverse_lines(ir)
     shapes = ", ".join(f"{carried[x]}_prev [..., {', '.join(ir.shape_of(x))}]" for x in ir.states)
     return [f"STATES = {tuple(ir.states)!r}",
-            f"SHAPES = {dict((x, tuple(ir.shape_of(x))) for x in ir.states)!r}",
-            f"INVERTED = {tuple(square)!r}  # square states: the step carries their inverses",
-            f"IDENTITY_INIT = {dict(ir.inits)!r}  # state -> c: its initial value is c times the identity",
+            *_shapes_header(ir),
             "",
             "",
             f"def step(prev, env, co, {d}, {m}):",
@@ -186,7 +203,7 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
             f"    {', '.join(prevs)}, = prev",
             *_unpack(names),
             *inverse,
-            *[_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name not in first],
+            *[_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name not in first],
             f"    return ({news},)"]
 
 
@@ -203,7 +220,7 @@ def _minibatch_head(ir: UpdateIR, names) -> list[str]:
                 f"def minibatch_decay(env, co, {d}, {m}):",
                 f'    """a of step = a . {S}_prev + G({ANCHOR}): the chunk\'s states are one scan over G."""',
                 *_unpack(names),
-                *[_reduction_code(r, ir.dims) for r in ir.state_reductions if r.name in reds],
+                *[_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name in reds],
                 f"    return {torch_code(ir.minibatch_decay)}", "", ""]
     return out + [f"def step({S}_prev, env, co, {d}, {m}, {ANCHOR}):",
                   f'    """One step: {S}_prev [..., {d}, {m}] and the state before the chunk {ANCHOR} -> {S}_t."""']
@@ -241,7 +258,7 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         f"def coefficients(env, {d}, {m}):",
         '    """Per-token coefficients (any leading shape) from inputs and params."""',
         *_unpack(names),
-        *[_reduction_code(r, ir.dims) for r in ir.reductions],
+        *[_reduction_code(r, ir.axes()) for r in ir.reductions],
         *[f"    {c.name} = {torch_code(c.expr)}" for c in ir.coefficients],
         f"    return {{{slot_dict}}}",
         "",
@@ -277,7 +294,7 @@ def reference_source(ir: UpdateIR, header: str) -> str:
     else:
         body += _unpack(names)
         body.append(f"    S_prev = {S}_prev" if S != "S" else "")
-        body += [_reduction_code(r, ir.dims) for r in ir.state_reductions]
+        body += [_reduction_code(r, ir.axes()) for r in ir.state_reductions]
         body.append(f"    return ({torch_code(ir.state_update)}) + 0 * {S}_prev")
     out += [b for b in body if b]
     out += [
@@ -288,7 +305,9 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         out += [f"def readout(states, env, co, {d}, {m}):",
                 f'    """The output y [..., {d}, 1] read from the new states ({", ".join(ir.states)}), each [..., {d}, {m}]."""',
                 f"    {', '.join(ir.states)}, = states"]
-        S = next(x for x in ir.states if x not in {y for y, _, _ in ir.inverses})   # a [d, m] state
+        # a state over the rows d (a square one is [m, m]); every other axis sliced to one
+        S = next(x for x in ir.states if ir.shape_of(x)[0] == ir.dims[0])
+        S = f"{S}[..., {', '.join([':1'] * (len(ir.axes()) - 1))}]"
     else:
         out += [f"def readout({S}, env, co, {d}, {m}):",
                 f'    """The output y [..., {d}, 1] read from the new state {S} [..., {d}, {m}]."""']
@@ -297,6 +316,6 @@ def reference_source(ir: UpdateIR, header: str) -> str:
         out.append(f"    return co['oc'] * ({S} * co['oq']).sum(-1, keepdim=True){oh}")
     else:
         out += _unpack(names)
-        out += [_reduction_code(r, ir.dims) for r in ir.readout_reductions]
-        out.append(f"    return ({torch_code(ir.readout)}) + 0 * {S}[..., :1]")
+        out += [_reduction_code(r, ir.axes()) for r in ir.readout_reductions]
+        out.append(f"    return ({torch_code(ir.readout)}) + 0 * {S if ir.states else S + '[..., :1]'}")
     return "\n".join(out) + "\n"

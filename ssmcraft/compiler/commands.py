@@ -53,6 +53,7 @@ def stages(spec_arg) -> dict:
 
 
 def run(args) -> int:
+    from ssmcraft.compiler.codegen import element_index
     if args.kernel:              # derives through ssmcraft.compile: the stages below would be thrown away
         return _print_kernel(args.spec)
     st = stages(args.spec)
@@ -89,7 +90,8 @@ def run(args) -> int:
         print(f"  objective  L = {spec.objective}")
         approx = f"{{minibatch: {spec.minibatch}}}" if spec.minibatch else spec.approximation
         print(f"  update: {spec.update}, approximation: {approx}, output: y = {spec.output}")
-    print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + ")")
+    hidden = "".join(f", {a} indexes {h}" for a, (h, _, _) in zip("abc", spec.hidden))
+    print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + hidden + ")")
     if spec.states:
         for x, (loss, _) in st["per_state"].items():
             print(f"  L_{x} = {loss}")
@@ -99,7 +101,7 @@ def run(args) -> int:
                 print(f"  {x}_t = {own}   ({upd}: the minimiser, a low-rank change; carried by its inverse "
                       f"_inv_{x}, updated by {'Sherman-Morrison' if own.count('outer(') == 1 else 'Woodbury'})")
                 continue
-            print(f"  {x}_t[i,j] = {own}   ({upd})")
+            print(f"  {x}_t[{element_index(spec, x)}] = {own}   ({upd})")
         print("  composed (each in the previous states only): see [4]")
     else:
         print(f"  L = {st['objective_sum']}")

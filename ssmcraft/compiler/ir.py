@@ -78,6 +78,9 @@ class UpdateIR:
     # ``a`` of ``state_update = a . S_prev + G(_S_c)`` when it has that form (None: it does not)
     minibatch: int = 0
     minibatch_decay: sympy.Expr | None = None
+    # hidden dimensions (a deep memory's widths): name -> (factor, base dim or None), size factor *
+    # size(base); the generated code lays tensors out over ``axes()``
+    hidden: dict = field(default_factory=dict)
 
     @property
     def state_names(self) -> tuple:
@@ -136,6 +139,8 @@ class UpdateIR:
         if self.state_shapes:
             s = sympy.sstr
             out["state_shapes"] = {x: list(v) for x, v in self.state_shapes.items()}
+            if self.hidden:
+                out["hidden"] = {h: list(v) for h, v in self.hidden.items()}
             out["inits"] = {x: {"identity": c} for x, c in self.inits.items()}
             out["inverses"] = [{"state": x, "alpha": s(a), "terms": [[s(c), s(u), s(v)] for c, u, v in terms]}
                                for x, a, terms in self.inverses]
@@ -144,6 +149,10 @@ class UpdateIR:
                     if r.metric is not None:
                         j["metric"] = r.metric
         return out
+
+    def axes(self) -> tuple[str, ...]:
+        """Every dimension, in the generated code's axis order: ``dims`` then the hidden ones."""
+        return (*self.dims, *self.hidden)
 
     def shape_of(self, state: str) -> tuple[str, str]:
         """A state's shape (dimension names)."""

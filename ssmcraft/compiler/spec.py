@@ -32,7 +32,7 @@ IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 # names the generated PyTorch/Triton code uses, Python's keywords and builtins
 CODE_NAMES = {"torch", "F", "tl", "triton", "math", "env", "co", "erase"}
 RESERVED = {"S_prev"} | set(E.FUNCTIONS) | CODE_NAMES | set(keyword.kwlist) | set(dir(builtins))
-TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update",
+TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update", "hidden",
             "approximation", "output", "source"}
 INPUT_KEYS = {"shape", "positive", "bounded", "normalize", "activation"}
 PARAM_KEYS = {"shape", "positive", "negative", "init", "trainable"}
@@ -93,6 +93,9 @@ class Spec:
     # ``approximation: {minibatch: C}`` (``approximation`` is then "minibatch"): gradients taken at
     # the state before each chunk of C tokens (``minibatch_approximation``); 0 otherwise
     minibatch: int = 0
+    # hidden dimensions (a deep memory's layer width): ((name, factor, base dim or None), ...), the
+    # size factor * size(base) (or factor); states of several shapes over (d, m, hidden...)
+    hidden: tuple = ()
 
     def shape_of(self, state: str) -> tuple[str, str]:
         """A state's declared shape (``dims`` unless the spec declares several shapes)."""
@@ -104,7 +107,11 @@ class Spec:
 
     def square_states(self) -> tuple[str, ...]:
         """The states of shape ``[m, m]`` (metrics), in declaration order."""
-        return tuple(x for x in self.state_names() if self.shape_of(x) != self.dims)
+        return tuple(x for x in self.state_names() if self.shape_of(x)[0] == self.shape_of(x)[1])
+
+    def axes(self) -> tuple[str, ...]:
+        """Every dimension: ``dims`` then the hidden ones (the generated code's tensor axes)."""
+        return (*self.dims, *(h[0] for h in self.hidden))
 
     @property
     def output_dim(self) -> str:
@@ -316,7 +323,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     name = _ident(src, "name", raw["name"])
     summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
 
-    state_names, dims, shapes, inits = state_decls(src, raw["state"])
+    hidden = hidden_dims(src, raw.get("hidden"))
+    state_names, dims, shapes, inits = state_decls(src, raw["state"], tuple(h[0] for h in hidden))
     state_name = state_names[-1]
     multi = len(state_names) > 1
     prevs = [f"{x}_prev" for x in state_names] if multi else ["S_prev"]
@@ -389,7 +397,7 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
 
     if multi:
         spec = _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
-        return _with_shapes(src, raw, spec, shapes, inits, lets)
+        return _with_shapes(src, raw, spec, shapes, inits, lets, hidden)
     if inits:
         raise SpecError(src, f"state.{state_name}.init", "identity needs a square state")
     objective = _expression(src, "objective", raw["objective"], declared)
@@ -427,7 +435,7 @@ def minibatch_approximation(src, value: dict, update: str) -> tuple[str, int]:
 STATE_KEYS = {"shape", "init"}
 
 
-def state_decls(src, state) -> tuple[tuple[str, ...], tuple[str, str], tuple, tuple]:
+def state_decls(src, state, hidden: tuple = ()) -> tuple[tuple[str, ...], tuple[str, str], tuple, tuple]:
     """``state:`` -> (names in declaration order, the shared dims [d, m], shapes, inits).
 
     An entry is ``X: [d, m]`` or ``X: {shape: [r, c], init: zeros | {identity: c}}``. Every state
@@ -450,6 +458,8 @@ def state_decls(src, state) -> tuple[tuple[str, ...], tuple[str, str], tuple, tu
             decl = decl["shape"]
         shapes_raw[sname] = decl
         inits.append(init)
+    if hidden:
+        return _hidden_states(src, state, shapes_raw, inits, hidden)
     square = {x for x, dims in shapes_raw.items() if isinstance(dims, list) and len(dims) == 2 and dims[0] == dims[1]}
     plain = {x: dims for x, dims in shapes_raw.items() if x not in square}
     if len(shapes_raw) == 1:
@@ -470,9 +480,62 @@ def state_decls(src, state) -> tuple[tuple[str, ...], tuple[str, str], tuple, tu
         names, _ = _states(src, {x: list(dims) for x in order})     # the name rules over every state
     for x, init in zip(order, inits):
         if init is not None and x not in square:
-            raise SpecError(src, f"state.{x}.init", f"identity needs a square state; {x} is [{', '.join(dims)}]")
+            raise SpecError(src, f"state.{x}.init", f"identity needs a square state (or a deep memory's weights, "
+                            f"with hidden dimensions); {x} is [{', '.join(dims)}]")
     shapes = tuple(tuple(shapes_raw[x]) for x in order) if square else ()
     return names, dims, shapes, tuple(inits) if any(i is not None for i in inits) else ()
+
+
+def _hidden_states(src, state, shapes_raw, inits, hidden):
+    """States over hidden dimensions (a deep memory, e.g. ``W1: [h, m]``, ``W2: [d, h]``): each of two
+    different dimension names, none square; the other two names are (d, m): d the one that is a row
+    of some state, m a column. ``init: {identity: c}`` is c times the rectangular identity."""
+    if len(shapes_raw) == 1:
+        raise SpecError(src, "hidden", "hidden dimensions are the layers of a deep memory: declare its weights as "
+                        "several states")
+    shapes, seen = {}, set()
+    for x, dims in shapes_raw.items():
+        _ident(src, "state", x)
+        if not isinstance(dims, list) or len(dims) != 2 or dims[0] == dims[1]:
+            raise SpecError(src, f"state.{x}", f"with hidden dimensions every state is a matrix of two different "
+                            f"dimension names, got {dims!r}")
+        for dname in dims:
+            _ident(src, f"state.{x}", dname)
+        shapes[x] = tuple(dims)
+        seen |= set(dims)
+    missing = [h for h in hidden if h not in seen]
+    if missing:
+        raise SpecError(src, f"hidden.{missing[0]}", "no state uses this dimension")
+    visible = sorted(seen - set(hidden))
+    rows = {sh[0] for sh in shapes.values()} - set(hidden)
+    cols = {sh[1] for sh in shapes.values()} - set(hidden)
+    if len(visible) != 2 or len(rows) != 1 or len(cols) != 1 or rows == cols:
+        raise SpecError(src, "state", f"besides the hidden dimensions ({', '.join(hidden)}) the states must use two "
+                        f"dimensions, the value dimension as a row and the key dimension as a column; got "
+                        f"{', '.join(f'{x}: [{chr(44).join(sh)}]' for x, sh in shapes.items())}")
+    dims = (rows.pop(), cols.pop())
+    names, _ = _states(src, {x: list(dims) for x in shapes})     # the name rules
+    return names, dims, tuple(shapes[x] for x in shapes), tuple(inits) if any(i is not None for i in inits) else ()
+
+
+def hidden_dims(src, value) -> tuple:
+    """``hidden: {h: 32}`` or ``{h: 2*m}``: ((name, factor, base or None), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not value:
+        raise SpecError(src, "hidden", f"expected a mapping of dimension name: size (an integer, or like 2*m), got {value!r}")
+    out = []
+    for name, size in value.items():
+        key = f"hidden.{name}"
+        _ident(src, key, name)
+        m = re.fullmatch(r"\s*(\d{1,3})\s*\*\s*([A-Za-z]\w*)\s*", size) if isinstance(size, str) else None
+        if isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 4096:
+            out.append((name, size, None))
+        elif m and 1 <= int(m.group(1)) <= 64:
+            out.append((name, int(m.group(1)), m.group(2)))
+        else:
+            raise SpecError(src, key, f"expected a size: an integer 1..4096, or N*dim with N in 1..64 (like 2*m), got {size!r}")
+    return tuple(out)
 
 
 def _state_init(src, key, value):
@@ -487,7 +550,7 @@ def _state_init(src, key, value):
     raise SpecError(src, key, f"expected zeros or {{identity: c}}, got {value!r}")
 
 
-def _with_shapes(src, raw, spec: Spec, shapes, inits, lets) -> Spec:
+def _with_shapes(src, raw, spec: Spec, shapes, inits, lets, hidden=()) -> Spec:
     """A spec with square states: the checks they need beyond ``_multi_state_spec``'s (the output
     and the [d, m] states' losses read a square state only as a metric: ``symbolic``), and the
     shapes and inits recorded."""
@@ -504,7 +567,10 @@ def _with_shapes(src, raw, spec: Spec, shapes, inits, lets) -> Spec:
         if x in square and upd != "implicit":
             raise SpecError(src, f"update.{x}" if isinstance(raw["update"], dict) else "update",
                             f"a square state ({x}) is updated implicitly (its loss is minimised in closed form); got {upd}")
-    return replace(spec, shapes=shapes, inits=inits)
+    for h, _, base in hidden:
+        if base is not None and base not in spec.dims:
+            raise SpecError(src, f"hidden.{h}", f"a size N*dim names {spec.dims[0]} or {spec.dims[1]}, got {base!r}")
+    return replace(spec, shapes=shapes, inits=inits, hidden=hidden)
 
 
 def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:

@@ -179,6 +179,7 @@ class _Builder:
 
 
 def _reduction_irs(reductions, order):
+    order = (*order, *sorted({d for r in reductions for d in r.dims} - set(order)))    # hidden dims last
     return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order),
                              **({"metric": r.metric.name} if r.metric is not None else {})) for r in reductions)
 
@@ -372,7 +373,8 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
     updates = tuple((x, sympy.Symbol(inverse_name(x), real=True) if x in square else F) for x, F in updates)
     Fs = [F for x, F in updates if x not in square]
     # a tracked inverse's update is rational in its previous value: the joint recurrence is nonlinear
-    kind = "general" if not square and is_linear_in(alg, Fs, prevs) else "nonlinear"
+    # (states over hidden dimensions: a deep memory, nonlinear in its weights)
+    kind = "general" if not spec.shapes and is_linear_in(alg, Fs, prevs) else "nonlinear"
     state_reductions = []
     for F in [e for _, a, terms in inverses for e in (a, *(x for t in terms for x in t))] + Fs:
         for r in alg.reductions_in(F):
@@ -386,13 +388,14 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
                   readout=so.output, readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
                   states=tuple(spec.states),
                   state_updates=tuple(F if x in square else sympy.factor_terms(sympy.cancel(F)) for x, F in updates),
-                  **(_square_fields(spec, inverses, alg) if square else {}))
+                  **(_square_fields(spec, inverses, alg) if spec.shapes else {}))
     return renumber(ir)
 
 
 def _square_fields(spec, inverses, alg) -> dict:
     """The IR fields of square states (``UpdateIR.state_shapes``), their updates' vectors simplified."""
     return {"state_shapes": {x: spec.shape_of(x) for x in spec.states},
+            "hidden": {h: (factor, base) for h, factor, base in spec.hidden},
             "inits": {x: spec.init_of(x) for x in spec.states if spec.init_of(x) is not None},
             "inverses": tuple((x, simplify(a), tuple((simplify(c), u, v) for c, u, v in terms))
                               for x, a, terms in inverses)}

@@ -42,6 +42,7 @@ class Algebra:
     dims: tuple[str, str]
     symbol_dims: dict = field(default_factory=dict)     # Symbol -> frozenset of dim names
     reductions: dict = field(default_factory=dict)      # Symbol -> Reduction
+    hidden: tuple = ()                                  # hidden dimensions (a deep memory's widths)
     _keys: dict = field(default_factory=dict)           # (body, over) -> Symbol
     _count: int = 0
     # square states (metrics): placeholder scalar -> what it stands for (``metric``)
@@ -122,13 +123,15 @@ class Algebra:
     def expand(self, e) -> sympy.Expr:
         """``e`` with reductions as explicit sums and symbols indexed (``S[i, j]``), for display."""
         index = {self.dims[0]: sympy.Symbol("i"), self.dims[1]: sympy.Symbol("j")}
+        index.update({h: sympy.Symbol(f"h{n}" if n else "a") for n, h in enumerate(self.hidden)})
+        order = (*self.dims, *self.hidden)
 
         def indexed(x):
             sub = {}
             for s in x.free_symbols:
                 dims = self.symbol_dims.get(s)
                 if dims and s not in self.reductions:
-                    sub[s] = sympy.IndexedBase(s.name)[tuple(index[d] for d in self.dims if d in dims)]
+                    sub[s] = sympy.IndexedBase(s.name)[tuple(index[d] for d in order if d in dims)]
             return x.xreplace(sub)
 
         def walk(x):
@@ -214,10 +217,10 @@ class Lowering:
     def __init__(self, spec: Spec, algebra: Algebra | None = None):
         self.spec = spec
         d, m = spec.dims
-        self.alg = algebra or Algebra(spec.dims)
+        self.alg = algebra or Algebra(spec.dims, hidden=tuple(h[0] for h in spec.hidden))
         alg = self.alg
         self.env: dict[str, Value] = {}
-        for dim in spec.dims:
+        for dim in spec.axes():
             self.env[dim] = Value((ONE, ONE), alg.symbol(dim, (), positive=True, integer=True))
         self.square: dict = {}              # square state -> (new, previous) symbols (not element-form)
         for state in spec.state_names():
@@ -226,8 +229,9 @@ class Lowering:
                 for sym in self.square[state]:
                     self.env[sym.name] = Value((m, m), Square(m, (("state", sympy.Integer(1), sym),)))
                 continue
+            shape = spec.shape_of(state)
             for name in (state, spec.prev_name(state)):
-                self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
+                self.env[name] = Value(shape, alg.symbol(name, shape, real=True))
         for name, decl in spec.inputs.items():
             assume = {"positive": True} if (decl.positive or decl.bounded) else {"real": True}
             self.env[name] = Value(_vector_shape(decl.shape), alg.symbol(name, decl.shape, **assume))
@@ -424,8 +428,8 @@ class Lowering:
         args = [self.lower(a) for a in node.args]
         if f == "ones":
             arg = node.args[0]
-            if not isinstance(arg, E.Name) or arg.id not in self.spec.dims:
-                self.fail(node, f"ones() takes a dimension name ({', '.join(self.spec.dims)})")
+            if not isinstance(arg, E.Name) or arg.id not in self.spec.axes():
+                self.fail(node, f"ones() takes a dimension name ({', '.join(self.spec.axes())})")
             return Value((arg.id, ONE), sympy.Integer(1))
         if f == "T":
             v = args[0]

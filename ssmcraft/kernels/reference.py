@@ -30,6 +30,7 @@ class Layout:
     dtype: torch.dtype   # compute dtype (float32 or float64)
     out_dtype: torch.dtype
     S0: torch.Tensor | tuple | None     # a tuple of [B, H, d, m] (declaration order) with several states
+    hidden: dict | None = None          # hidden dimension -> size (a deep memory): one more axis each
 
 
 def _fail(msg: str):
@@ -108,13 +109,15 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
     for dim in dims:
         if dim not in sizes:
             _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
+    hidden = hidden_sizes(ir, sizes)
+    for h, n in hidden.items():
+        note(h, n, f"hidden dimension {h} (its rule)")
+    axes = (*dims, *hidden)
     dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     out_dtype = dtypes[0] if dtypes[0].is_floating_point else dtype
 
-    def shape5(idims, lead):
-        r = sizes[dims[0]] if dims[0] in idims else 1
-        c = sizes[dims[1]] if dims[1] in idims else 1
-        return (*lead, r, c)
+    def shape5(idims, lead):        # one axis per dimension (``axes``): [..., d|1, m|1, hidden...]
+        return (*lead, *(sizes[a] if a in idims else 1 for a in axes))
 
     env = {}
     for name, idims in ir.inputs.items():
@@ -130,7 +133,15 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
     S0 = None
     if initial_state is not None:
         S0 = tuple(t.to(dtype) for t in initial_state) if ir.states else initial_state.to(dtype)
-    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
+    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0, hidden or None)
+
+
+def hidden_sizes(ir, sizes: dict) -> dict:
+    """Each hidden dimension's size (``factor * size(base)``, or ``factor``) from the sizes known."""
+    out = {}
+    for h, (factor, base) in (getattr(ir, "hidden", None) or {}).items():
+        out[h] = factor * sizes[base] if base is not None else factor
+    return out
 
 
 def states(S) -> tuple:
@@ -178,6 +189,7 @@ def state_shapes(ir, B: int, H: int, d: int, m: int) -> dict:
     """Every state's shape, in declaration order: ``[B, H, d, m]``, or ``[B, H, m, m]`` for a
     square state. Works on the IR and on the export's view of its JSON form."""
     size = dict(zip(ir.dims, (d, m)))
+    size.update(hidden_sizes(ir, size))
     return {x: (B, H, *(size[n] for n in ir.shape_of(x))) for x in ir.state_names}
 
 
@@ -188,7 +200,7 @@ def initial_states(ir, B: int, H: int, d: int, m: int, device=None, dtype=None):
     for x, shape in state_shapes(ir, B, H, d, m).items():
         S = torch.zeros(shape, device=device, dtype=dtype)
         if x in ir.inits:
-            S = S + ir.inits[x] * torch.eye(shape[-1], device=device, dtype=dtype)
+            S = S + ir.inits[x] * torch.eye(shape[-2], shape[-1], device=device, dtype=dtype)
         out.append(S)
     return tuple(out) if ir.states else out[0]
 
@@ -217,13 +229,41 @@ def n_states(module) -> int:
 
 
 def _sizes(module, lay: Layout) -> list:
-    """(rows, cols) of each state the module carries: [d, m], or [m, m] for a square state."""
-    dims = getattr(module, "DIMS", ("d", "m"))
-    size = dict(zip(dims, (lay.d, lay.m)))
+    """Each state's shape as the step carries it (after [B, H]): [d, m], or [m, m] for a square state;
+    over hidden dimensions one axis per dimension (``module.AXES``), 1 where the state has none."""
     shapes = getattr(module, "SHAPES", None)
     if shapes is None:
         return [(lay.d, lay.m)] * n_states(module)
+    size = _axis_sizes(module, lay)
+    if lay.hidden:
+        return [tuple(size[a] if a in shapes[x] else 1 for a in module.AXES) for x in module.STATES]
     return [tuple(size[n] for n in shapes[x]) for x in module.STATES]
+
+
+def _axis_sizes(module, lay: Layout) -> dict:
+    return {**dict(zip(module.DIMS, (lay.d, lay.m))), **(lay.hidden or {})}
+
+
+def _to_axes(module, lay: Layout, x: str, S):
+    """A state as declared, [B, H, r, c], laid out over every axis (hidden dimensions): [B, H, *axes]."""
+    r, c = module.SHAPES[x]
+    if module.AXES.index(r) > module.AXES.index(c):
+        S = S.transpose(-1, -2)
+    return S.reshape(S.shape[0], S.shape[1], *_sizes(module, lay)[module.STATES.index(x)])
+
+
+def _from_axes(module, lay: Layout, x: str, S):
+    """The inverse of ``_to_axes``: [B, H, *axes] -> [B, H, r, c] as declared."""
+    r, c = module.SHAPES[x]
+    size = _axis_sizes(module, lay)
+    first, second = sorted((r, c), key=module.AXES.index)
+    S = S.reshape(S.shape[0], S.shape[1], size[first], size[second])
+    return S.transpose(-1, -2) if first != r else S
+
+
+def output(y, lay: Layout):
+    """A readout [..., d, 1] (or [..., d, 1, ..., 1], one axis per dimension) as [..., d]."""
+    return y.flatten(-2 - len(lay.hidden or ()))
 
 
 def expand_state(S, lay: Layout, module=None):
@@ -231,7 +271,7 @@ def expand_state(S, lay: Layout, module=None):
     state of ``module``)."""
     if isinstance(S, tuple):
         sizes = _sizes(module, lay) if module is not None else [(lay.d, lay.m)] * len(S)
-        return tuple(x.expand(lay.B, lay.H, *rc) for x, rc in zip(S, sizes))
+        return tuple(x.expand(lay.B, lay.H, *shape) for x, shape in zip(S, sizes))
     return S.expand(lay.B, lay.H, lay.d, lay.m)
 
 
@@ -249,6 +289,8 @@ def _initial(lay: Layout, device, count: int = 1, module=None):
     if inverted:
         return tuple(torch.linalg.inv(S) if x in inverted else S
                      for x, S in zip(module.STATES, declared_initial(module, lay, device)))
+    if lay.hidden:
+        return tuple(_to_axes(module, lay, x, S) for x, S in zip(module.STATES, declared_initial(module, lay, device)))
     if lay.S0 is not None:
         return lay.S0
     zeros = [torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device) for _ in range(count)]
@@ -261,17 +303,22 @@ def declared_initial(module, lay: Layout, device) -> tuple:
     if lay.S0 is not None:
         return tuple(lay.S0)
     out = []
-    for x, (r, c) in zip(module.STATES, _sizes(module, lay)):
-        if x in module.IDENTITY_INIT:
-            eye = torch.eye(r, dtype=lay.dtype, device=device) * module.IDENTITY_INIT[x]
+    size = _axis_sizes(module, lay)
+    for x in module.STATES:
+        r, c = (size[n] for n in module.SHAPES[x])
+        if x in module.IDENTITY_INIT:       # c I, rectangular for a deep memory's weights
+            eye = torch.eye(r, c, dtype=lay.dtype, device=device) * module.IDENTITY_INIT[x]
             out.append(eye.expand(lay.B, lay.H, r, c).clone())
         else:
             out.append(torch.zeros(lay.B, lay.H, r, c, dtype=lay.dtype, device=device))
     return tuple(out)
 
 
-def declared(module, S):
-    """The final states as declared: a square state's carried inverse inverted back."""
+def declared(module, S, lay: Layout | None = None):
+    """The final states as declared: a square state's carried inverse inverted back, a state over
+    hidden dimensions laid out [B, H, r, c] again."""
+    if lay is not None and lay.hidden:
+        return tuple(_from_axes(module, lay, x, t) for x, t in zip(module.STATES, S))
     inverted = getattr(module, "INVERTED", ())
     if not inverted:
         return S
@@ -300,12 +347,12 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
             S = expand_state(module.step(S, env_t, co, d, m, S_c), lay)
         else:
             S = expand_state(module.step(S, env_t, co, d, m), lay, module)
-        ys.append(module.readout(S, env_t, co, d, m)[..., 0])
+        ys.append(output(module.readout(S, env_t, co, d, m), lay))
         if every and (t + 1) % every == 0:
-            states.append(S[traced] if isinstance(S, tuple) else S)
+            states.append(declared(module, S, lay)[traced] if isinstance(S, tuple) else S)
     y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
     st = torch.stack(states, dim=1) if states else None
-    return y, declared(module, S), st
+    return y, declared(module, S, lay), st
 
 
 def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
@@ -369,8 +416,8 @@ def vectorised(module, ir, lay: Layout):
         co_t = {k: at(v, t) for k, v in co.items()}
         env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
         S = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
-        ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
-    return torch.stack(ys, dim=1), declared(module, S)
+        ys.append(output(module.readout(S, env_t, co_t, d, m), lay))
+    return torch.stack(ys, dim=1), declared(module, S, lay)
 
 
 def _chunk(value, s: int, e: int):
