@@ -91,6 +91,39 @@ def test_five_steps_equal_the_joint_gradient_loop(start):
             torch.testing.assert_close((W1[b, hd], W2[b, hd]), (A, Bm), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("C", [1, 3])
+def test_minibatch_steps_take_both_weights_gradient_at_the_chunk_start(C):
+    """TTT's mini-batch: within a chunk of C tokens each token's gradient is taken at the weights
+    before the chunk, (W1_c, W2_c); the steps add up. T = 7: a short last chunk."""
+    spec = _spec(approximation={"minibatch": C})
+    obj = ssmcraft.compile(spec)
+    T = 7
+    inputs = _inputs(obj, T, seed=11)
+    S0 = _random_states(12)
+    y, (W1, W2) = obj.reference(inputs, initial_state=S0)
+    y_v, S_v = obj(inputs, initial_state=S0)
+    torch.testing.assert_close((y_v, S_v), (y, (W1, W2)), rtol=RTOL, atol=ATOL)
+    assert obj.ir.minibatch == C and obj.ir.minibatch_decay == (1, 1)    # chunk-parallel: cumulative sums
+    for b in range(B):
+        for hd in range(H):
+            A, Bm = S0[0][b, hd], S0[1][b, hd]
+            for t in range(T):
+                if t % C == 0:
+                    A_c, B_c = A, Bm
+                k, x, eta = (inputs[n][b, t, hd] for n in ("k", "x", "eta"))
+                J1, J2 = joint_step(A_c, B_c, k, x, eta)
+                A, Bm = A + (J1 - A_c), Bm + (J2 - B_c)         # the gradient at the chunk's start
+                torch.testing.assert_close(y[b, t, hd], Bm @ silu(A @ inputs["q"][b, t, hd]), rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close((W1[b, hd], W2[b, hd]), (A, Bm), rtol=RTOL, atol=ATOL)
+    leaves = {k: v[:1, :, :1].clone().requires_grad_(True) for k, v in inputs.items()}
+    W = tuple(s[:1, :1].clone().requires_grad_(True) for s in S0)
+
+    def f(W1, W2, *xs):
+        y, (W1_T, W2_T) = obj(dict(zip(leaves, xs)), initial_state=(W1, W2))
+        return y, W1_T, W2_T
+    assert torch.autograd.gradcheck(f, (*W, *leaves.values()), eps=1e-6, atol=1e-7)
+
+
 def test_gradients_reach_the_inputs_and_both_initial_weights():
     obj = ssmcraft.compile("ttt_mlp")
     inputs = _inputs(obj, 3, seed=5)

@@ -165,8 +165,8 @@ def _bad(**kw):
     (_bad(approximation={"minibatch": 0}), SpecError, "approximation.minibatch", "an integer 1..4096"),
     (_bad(approximation={"minibatch": 2.5}), SpecError, "approximation.minibatch", "an integer"),
     (_bad(approximation={"chunk": 2}), SpecError, "approximation.chunk", "unknown key"),
-    (_bad(state={"D": ["d", "m"], "S": ["d", "m"]}, objective={"D": "sq(D - D_prev)/2", "S": "beta*sq(S*k - x)/2"}),
-     SpecError, "approximation.minibatch", "takes one state"),
+    (_bad(state={"D": ["d", "m"], "S": ["d", "m"]}, objective={"D": "sq(D - D_prev)/2", "S": "beta*sq(S*k - x)/2"},
+          update={"D": "implicit", "S": "explicit"}), SpecError, "approximation.minibatch", "explicit or Newton steps"),
     (_bad(objective="sq(S - S_prev)/2 + beta*dot(S*k, S_prev*k - x)"), DerivationError, "approximation.minibatch",
      "has none"),
 ])

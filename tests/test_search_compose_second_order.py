@@ -115,7 +115,7 @@ rank: {val_loss: minimize}
         except SpecError as e:          # the spec stage or the derivation (DerivationError)
             refused[objective["name"]] = e.problem
     assert {"c_metr_regr_sstep_impl_exact", "c_plain_regr_sstep_expl_mb4", "m_plain_regr_sstep_expl_exact",
-            "c_plain_regr_sstep_expl_exact"} <= set(derived)
+            "m_plain_regr_sstep_expl_mb4", "c_plain_regr_sstep_expl_exact"} <= set(derived)
     assert "needs update: implicit" in refused["c_metr_regr_sstep_expl_exact"]          # the metric is implicit
     assert "explicit or Newton steps" in refused["c_plain_regr_sstep_impl_mb4"]
     assert "an MLP memory takes proximity" in refused["m_metr_regr_sstep_impl_exact"]

@@ -158,13 +158,18 @@ def _multi_state_step(ir: UpdateIR, names) -> list[str]:
         return _square_step(ir, names)
     prevs = [f"{x}_prev" for x in ir.states]
     news = ", ".join(f"({torch_code(e)}) + 0 * {p}" for e, p in zip(ir.state_updates, prevs))
+    from ssmcraft.compiler.minibatch import anchor_name
+    anchors = [anchor_name(x) for x in ir.states]
     return [f"STATES = {tuple(ir.states)!r}",
             *_shapes_header(ir),
+            *(_minibatch_lines(ir, names) if ir.minibatch else []),
             "",
             "",
-            f"def step(prev, env, co, {d}, {m}):",
-            f'    """One step: the previous states ({", ".join(prevs)}), each [..., {d}, {m}] -> the new ones, in order."""',
+            f"def step(prev, env, co, {d}, {m}{', anchors' if ir.minibatch else ''}):",
+            f'    """One step: the previous states ({", ".join(prevs)}) -> the new ones, in order'
+            + (" (anchors: their values before the chunk)." if ir.minibatch else ".") + '"""',
             f"    {', '.join(prevs)}, = prev",
+            *([f"    {', '.join(anchors)}, = anchors"] if ir.minibatch else []),
             *_unpack(names),
             *[_reduction_code(r, ir.axes()) for r in ir.state_reductions],
             f"    return ({news},)"]
@@ -205,6 +210,21 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
             *inverse,
             *[_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name not in first],
             f"    return ({news},)"]
+
+
+def _minibatch_lines(ir: UpdateIR, names) -> list[str]:
+    """A several-state mini-batch's chunk size and chunk decays (``ssmcraft.compiler.minibatch``)."""
+    d, m = ir.dims
+    out = [f"MINIBATCH = {ir.minibatch}  # tokens per chunk; gradients at the states before the chunk"]
+    if ir.minibatch_decay is not None:
+        reds = _reads(ir, list(ir.minibatch_decay))
+        out += ["", "",
+                f"def minibatch_decay(env, co, {d}, {m}):",
+                '    """Per state a of step = a . X_prev + G(anchors): the chunk\'s states are one scan over G."""',
+                *_unpack(names),
+                *[_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name in reds],
+                f"    return ({', '.join(torch_code(a) for a in ir.minibatch_decay)},)"]
+    return out
 
 
 def _minibatch_head(ir: UpdateIR, names) -> list[str]:

@@ -372,6 +372,7 @@ class _StateView:
     alg: Algebra
     state: sympy.Symbol
     state_prev: sympy.Symbol
+    others: tuple = ()      # the other [d, m]-like states: (name, new, previous) (a mini-batch's anchors)
 
 
 def state_view(so: SymbolicObjective, index: int) -> SymbolicObjective:
@@ -384,7 +385,8 @@ def state_view(so: SymbolicObjective, index: int) -> SymbolicObjective:
                         approximation=spec.approximations[index], states=(), objectives=(), updates=(),
                         approximations=(), shapes=(), inits=())
     new, prev = so.lowering.state_of(name)
-    return SymbolicObjective(view_spec, _StateView(so.algebra, new, prev), so.losses[index][1], so.output)
+    others = tuple((x, *so.lowering.state_of(x)) for x in spec.states if x != name and x not in spec.square_states())
+    return SymbolicObjective(view_spec, _StateView(so.algebra, new, prev, others), so.losses[index][1], so.output)
 
 
 def derive_stages(so: SymbolicObjective) -> tuple:

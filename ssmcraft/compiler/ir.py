@@ -136,6 +136,8 @@ class UpdateIR:
         if self.minibatch:
             out["minibatch"] = self.minibatch
             out["minibatch_decay"] = None if self.minibatch_decay is None else sympy.sstr(self.minibatch_decay)
+            if self.states:      # several states: their anchors' names, in order
+                out["minibatch_anchors"] = [f"_{x}_c" for x in self.states]
         if self.state_shapes:
             s = sympy.sstr
             out["state_shapes"] = {x: list(v) for x, v in self.state_shapes.items()}

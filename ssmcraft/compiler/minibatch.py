@@ -23,7 +23,13 @@ import sympy
 
 from ssmcraft.errors import DerivationError
 
-ANCHOR = "_S_c"        # the generated code's name of the state before the chunk (no spec name has a leading _)
+def anchor_name(state: str) -> str:
+    """The generated code's name of a state's value before the chunk (``_S_c``; no spec name has a
+    leading underscore)."""
+    return f"_{state}_c"
+
+
+ANCHOR = anchor_name("S")
 
 
 def split_loss(alg, loss, S_prev) -> tuple:
@@ -34,10 +40,13 @@ def split_loss(alg, loss, S_prev) -> tuple:
     return sympy.Add(*ret), sympy.Add(*data)
 
 
-def anchor(alg):
-    """The symbol of the state before the chunk (element form over the state's dimensions)."""
-    existing = next((s for s in alg.symbol_dims if s.name == ANCHOR), None)
-    return existing if existing is not None else alg.symbol(ANCHOR, alg.dims, real=True)
+def anchor(alg, state: str = "S", like=None):
+    """The symbol of a state's value before the chunk (element form over the dimensions of ``like``,
+    the state's symbol; the state dims by default)."""
+    name = anchor_name(state)
+    existing = next((s for s in alg.symbol_dims if s.name == name), None)
+    dims = alg.symbol_dims[like] if like is not None else alg.dims
+    return existing if existing is not None else alg.symbol(name, dims, real=True)
 
 
 def minibatch_update(so) -> sympy.Expr:
@@ -45,7 +54,12 @@ def minibatch_update(so) -> sympy.Expr:
     from ssmcraft.compiler.derive import D_SYMBOL, gradient, hessian_vector, newton_solve
     spec, alg = so.spec, so.algebra
     S, S_prev = so.lowering.state, so.lowering.state_prev
-    Sc = anchor(alg)
+    Sc = anchor(alg, spec.state, S)
+    # the data loss at the chunk's start: this state at its anchor, and so every other state (several
+    # states: the memory's other weights, new or previous value, at theirs)
+    at_start = {S: Sc}
+    for name, new, prev in getattr(so.lowering, "others", ()):
+        at_start[new] = at_start[prev] = anchor(alg, name, new)
     ret, data = split_loss(alg, so.loss, S_prev)
     if data == 0 or not alg.depends_on(data, S):
         raise DerivationError(spec.source, "approximation.minibatch", "every term of the objective that depends "
@@ -53,22 +67,30 @@ def minibatch_update(so) -> sympy.Expr:
                               "chunk's start, and this objective has none")
     g_ret, g_data = gradient(alg, ret, S), gradient(alg, data, S)
     if spec.update == "explicit":
-        return S_prev - alg.substitute(g_ret, {S: S_prev}) - alg.substitute(g_data, {S: Sc})
+        return S_prev - alg.substitute(g_ret, {S: S_prev}) - alg.substitute(g_data, at_start)
     D = alg.symbol(D_SYMBOL, spec.dims, real=True)
     linear = (alg.substitute(g_ret + hessian_vector(alg, g_ret, S, D), {S: S_prev})
-              + alg.substitute(g_data + hessian_vector(alg, g_data, S, D), {S: Sc}))
+              + alg.substitute(g_data + hessian_vector(alg, g_data, S, D), at_start))
     return newton_solve(so, linear, D)
 
 
-def chunk_decay(alg, F, S_prev):
-    """``a`` when ``F = a . S_prev + G`` with ``a`` elementwise and free of the anchor (the chunk's
-    states are then one scan), else None."""
-    from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine
-    Sc = anchor(alg)
+def chunk_decay(alg, F, S_prev, anchors=None):
+    """``a`` when ``F = a . S_prev + G`` with ``a`` elementwise and free of the anchors (the chunk's
+    states are then one scan), else None. ``F`` is tested with ``S_prev`` as a free symbol: an update
+    that also reads another state's previous value (not its anchor) is not of that form."""
+    from ssmcraft.compiler.derive import NotAffine, NotRowSeparable, affine, is_affine
+    anchors = anchors if anchors is not None else [anchor(alg)]
+    if alg.dims_of(S_prev) != frozenset(alg.dims):          # affine() splits over (d, m) rows: test directly
+        a = sympy.diff(F, S_prev)
+        ok = is_affine(alg, F, S_prev) and not alg.depends_on(a, S_prev)
+        G = F - a * S_prev
+        if not ok or alg.depends_on(G, S_prev) or any(alg.depends_on(a, x) for x in anchors):
+            return None
+        return sympy.factor_terms(sympy.cancel(a))
     try:
         parts = affine(alg, F, S_prev)
     except (NotAffine, NotRowSeparable):
         return None
-    if parts.terms or alg.depends_on(parts.alpha, Sc):
+    if parts.terms or any(alg.depends_on(parts.alpha, x) for x in anchors):
         return None
     return sympy.factor_terms(sympy.cancel(parts.alpha))

@@ -685,11 +685,13 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
                       lambda x: f"the loss reads {x!r} (through a let), the new value of a state "
                                 f"updated after {sname}; use {x}_prev")
         losses.append(text)
-    if isinstance(raw.get("approximation"), dict) and "minibatch" in raw["approximation"]:
-        raise SpecError(src, "approximation.minibatch", "a mini-batch approximation takes one state; this spec "
-                        f"has {len(states)} ({', '.join(states)})")
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
-    approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
+    minibatch = 0
+    if isinstance(raw.get("approximation"), dict) and "minibatch" in raw["approximation"]:
+        implicit = [x for x, u in zip(states, updates) if u == "implicit"]
+        _, minibatch = minibatch_approximation(src, raw["approximation"], "implicit" if implicit else "explicit")
+    approximations = _per_state(src, "approximation", None if minibatch else raw.get("approximation"), states,
+                                ("exact", "diagonal"), "exact")       # a mini-batch: each state's own step exact
     if "diagonal" in approximations:
         key = "approximation" if isinstance(raw.get("approximation"), str) else \
             f"approximation.{states[approximations.index('diagonal')]}"
@@ -699,5 +701,6 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),
-                summary_of(approximations), output, source=src, raw=raw, states=tuple(states),
-                objectives=tuple(losses), updates=updates, approximations=approximations)
+                "minibatch" if minibatch else summary_of(approximations), output, source=src, raw=raw,
+                states=tuple(states), objectives=tuple(losses), updates=updates, approximations=approximations,
+                minibatch=minibatch)

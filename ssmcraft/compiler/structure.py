@@ -343,7 +343,8 @@ def renumber(ir: UpdateIR) -> UpdateIR:
                    readout_reductions=ren_group(ir.readout_reductions),
                    coefficients=tuple(Coefficient(c.name, ren(c.expr), c.dims) for c in ir.coefficients),
                    state_update=ren(ir.state_update), readout=ren(ir.readout),
-                   minibatch_decay=ren(ir.minibatch_decay),
+                   minibatch_decay=(tuple(ren(a) for a in ir.minibatch_decay) if isinstance(ir.minibatch_decay, tuple)
+                                    else ren(ir.minibatch_decay)),
                    state_updates=tuple(ren(e) for e in ir.state_updates),
                    inverses=tuple((x, ren(a), tuple(tuple(ren(e) for e in t) for t in terms))
                                   for x, a, terms in ir.inverses))
@@ -388,8 +389,24 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
                   readout=so.output, readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
                   states=tuple(spec.states),
                   state_updates=tuple(F if x in square else sympy.factor_terms(sympy.cancel(F)) for x, F in updates),
-                  **(_square_fields(spec, inverses, alg) if spec.shapes else {}))
+                  **(_square_fields(spec, inverses, alg) if spec.shapes else {}),
+                  **(_minibatch_fields(so, updates) if spec.minibatch else {}))
     return renumber(ir)
+
+
+def _minibatch_fields(so: SymbolicObjective, updates) -> dict:
+    """A several-state mini-batch: C, and the chunk decays ``(a_X, ...)`` when every update is
+    ``a_X . X_prev + G_X(anchors)`` with no other state's previous value in it (None otherwise)."""
+    from ssmcraft.compiler.minibatch import anchor, chunk_decay
+    alg, spec = so.algebra, so.spec
+    prevs = {x: so.lowering.state_of(x)[1] for x in spec.states}
+    anchors = [anchor(alg, x, so.lowering.state_of(x)[0]) for x in spec.states]
+    decays = []
+    for x, F in updates:
+        others = [p for y, p in prevs.items() if y != x]
+        a = None if any(alg.depends_on(F, p) for p in others) else chunk_decay(alg, F, prevs[x], anchors)
+        decays.append(a)
+    return {"minibatch": spec.minibatch, "minibatch_decay": None if any(a is None for a in decays) else tuple(decays)}
 
 
 def _square_fields(spec, inverses, alg) -> dict:

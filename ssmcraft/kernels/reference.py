@@ -344,7 +344,7 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
         co = module.coefficients(env_t, d, m)
         if C:       # a mini-batch step also reads the state before its chunk
             S_c = S if t % C == 0 else S_c
-            S = expand_state(module.step(S, env_t, co, d, m, S_c), lay)
+            S = expand_state(module.step(S, env_t, co, d, m, S_c), lay, module)
         else:
             S = expand_state(module.step(S, env_t, co, d, m), lay, module)
         ys.append(output(module.readout(S, env_t, co, d, m), lay))
@@ -429,42 +429,48 @@ def _chunk(value, s: int, e: int):
 
 def minibatch(module, lay: Layout, co: dict):
     """A mini-batch update (``approximation: {minibatch: C}``), chunk by chunk, each chunk in parallel
-    when the update is ``a . S_prev + G(S_c)`` (``module.minibatch_decay``): ``G`` for every token of
-    the chunk at once (the step at ``S_prev = 0``), then the states as one scan ``S_t = a_t S_{t-1} + G_t``
-    from the state before the chunk (a cumulative sum when ``a = 1``), and every output at once.
-    Otherwise the chunk's tokens run one by one, each from the chunk's starting state.
+    when the update is ``a . S_prev + G(S_c)`` (``module.minibatch_decay``; per state with several):
+    ``G`` for every token of the chunk at once (the step at ``S_prev = 0``), then the states as one scan
+    ``S_t = a_t S_{t-1} + G_t`` from the state before the chunk (a cumulative sum when ``a = 1``), and
+    every output at once. Otherwise the chunk's tokens run one by one, each from the chunk's start.
 
-    Returns (y [B, T, H, d], S_T [B, H, d, m])."""
+    Returns (y [B, T, H, d], S_T [B, H, d, m], or the tuple of states as declared)."""
     d, m, C = lay.d, lay.m, module.MINIBATCH
     decay = getattr(module, "minibatch_decay", None)
-    S = _initial(lay, _device(lay))
+    several = hasattr(module, "STATES")
+    S = _initial(lay, _device(lay), n_states(module), module)
     ys = []
     for s in range(0, lay.T, C):
         e = min(s + C, lay.T)
         env_c = {k: _chunk(v, s, e) for k, v in lay.env.items()}
         co_c = {k: _chunk(v, s, e) for k, v in co.items()}
-        S_c = S[:, None]
         if decay is None:
-            states = []
+            start, steps = S, []
             for t in range(e - s):
-                env_t = {k: at(v, t) for k, v in env_c.items()}
-                S = expand_state(module.step(S, env_t, {k: at(v, t) for k, v in co_c.items()}, d, m, S_c[:, 0]), lay)
-                states.append(S)
-            states = torch.stack(states, dim=1)
+                env_t, co_t = ({k: at(v, t) for k, v in x.items()} for x in (env_c, co_c))
+                S = expand_state(module.step(S, env_t, co_t, d, m, start), lay, module)
+                steps.append(S)
+            states = tuple(torch.stack(x, dim=1) for x in zip(*steps)) if several else torch.stack(steps, dim=1)
         else:
-            full = (lay.B, e - s, lay.H, d, m)
-            G = module.step(torch.zeros_like(S_c), env_c, co_c, d, m, S_c).expand(full)
+            flat = S if several else (S,)
+            S_c = tuple(x[:, None] for x in flat)
+            G = module.step(tuple(torch.zeros_like(x) for x in S_c) if several else torch.zeros_like(S_c[0]),
+                            env_c, co_c, d, m, S_c if several else S_c[0])
             a = decay(env_c, co_c, d, m)
-            if not isinstance(a, torch.Tensor) and float(a) == 1.0:
-                states = S_c + torch.cumsum(G, dim=1)
-            else:
-                A = (a if isinstance(a, torch.Tensor) else torch.full((), float(a), dtype=lay.dtype,
-                                                                      device=_device(lay))).expand(full)
-                G = torch.cat([G[:, :1] + A[:, :1] * S_c, G[:, 1:]], dim=1)
-                states = _scan(A, G)
-        ys.append(module.readout(states, env_c, co_c, d, m)[..., 0].expand(lay.B, e - s, lay.H, d))
-        S = states[:, -1]
-    return torch.cat(ys, dim=1), S
+            out = tuple(_chunk_scan(g, x, ax, lay) for g, x, ax in zip(G if several else (G,), S_c, a if several else (a,)))
+            states = out if several else out[0]
+        ys.append(output(module.readout(states, env_c, co_c, d, m), lay).expand(lay.B, e - s, lay.H, d))
+        S = tuple(x[:, -1] for x in states) if several else states[:, -1]
+    return torch.cat(ys, dim=1), declared(module, S, lay) if several else S
+
+
+def _chunk_scan(G, S_c, a, lay: Layout):
+    """The states ``S_t = a_t S_{t-1} + G_t`` of one chunk from ``S_c`` [B, 1, H, ...], over dim 1."""
+    G = G.expand(S_c.shape[0], G.shape[1], *S_c.shape[2:])
+    if not isinstance(a, torch.Tensor) and float(a) == 1.0:
+        return S_c + torch.cumsum(G, dim=1)
+    A = (a if isinstance(a, torch.Tensor) else torch.full((), float(a), dtype=lay.dtype, device=_device(lay))).expand(G.shape)
+    return _scan(A, torch.cat([G[:, :1] + A[:, :1] * S_c, G[:, 1:]], dim=1))
 
 
 def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:
