@@ -85,6 +85,9 @@ def run(args) -> int:
     if spec.states:
         for x, text, upd in zip(spec.states, spec.objectives, spec.updates):
             print(f"  objective  L_{x} = {text}   (update: {upd})")
+        if spec.minibatch:
+            print(f"  approximation: {{minibatch: {spec.minibatch}}}: each loss's data gradient at the values of "
+                  "every state before the token's chunk (_X_c)")
         print(f"  output: y = {spec.output}")
     else:
         print(f"  objective  L = {spec.objective}")
