@@ -262,8 +262,9 @@ def _from_axes(module, lay: Layout, x: str, S):
 
 
 def output(y, lay: Layout):
-    """A readout [..., d, 1] (or [..., d, 1, ..., 1], one axis per dimension) as [..., d]."""
-    return y.flatten(-2 - len(lay.hidden or ()))
+    """A readout [..., d, 1] (or [..., d, 1, ..., 1], one axis per dimension) as [..., d]: the first
+    element of every axis after d (a readout coefficient may broadcast over them)."""
+    return y[(..., *([0] * (1 + len(lay.hidden or ()))))]
 
 
 def expand_state(S, lay: Layout, module=None):
