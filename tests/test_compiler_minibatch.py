@@ -143,15 +143,26 @@ def test_gradients_reach_the_inputs_and_the_initial_state(case):
     assert torch.autograd.gradcheck(f, (S0, *leaves.values()), eps=1e-6, atol=1e-7)
 
 
-def test_triton_and_the_recurrent_step_refuse_a_minibatch():
+def test_triton_refuses_and_recurrent_steps_equal_parallel_mode():
+    """The mixer's one-token steps carry the chunk's starting state and its inputs so far (ChunkCache)
+    and equal parallel mode, chunks aligned to the first token; T = 11 with C = 4."""
     from ssmcraft.kernels import general
     from ssmcraft.layers import ObjectiveMixer, ObjectiveMixerConfig
-    obj = ssmcraft.compile(spec_of("deltanet", 4))
+    from ssmcraft.layers.mixer import ChunkCache
+    obj = ssmcraft.compile(spec_of("cauchy", 4))
     assert "mini-batch update (chunks of 4" in general.supports(obj.ir)
-    mixer = ObjectiveMixer(ObjectiveMixerConfig(objective=spec_of("deltanet", 4), heads=2, state_size=4), 16, obj)
-    mixer(torch.randn(2, 5, 16)).sum().backward()              # whole sequences train
-    with pytest.raises(SsmcraftError, match=r"deltanet_mb: a mini-batch update \(chunks of 4\) reads the state before"):
-        mixer.step(torch.randn(2, 16), mixer.init_cache(2))
+    torch.manual_seed(0)
+    mixer = ObjectiveMixer(ObjectiveMixerConfig(objective=spec_of("cauchy", 4), heads=2, state_size=4), 16, obj).double()
+    h = torch.randn(2, 11, 16, dtype=F64)
+    parallel = mixer(h)
+    cache, outs, held = mixer.init_cache(2), [], []
+    for t in range(11):
+        y, cache = mixer.step(h[:, t], cache)
+        outs.append(y)
+        assert isinstance(cache.state, ChunkCache)
+        held.append(next(iter(cache.state.inputs.values())).shape[1] if cache.state.inputs else 0)
+    torch.testing.assert_close(torch.stack(outs, 1), parallel, rtol=1e-9, atol=1e-10)
+    assert held == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
 
 
 def _bad(**kw):

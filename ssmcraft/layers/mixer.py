@@ -53,6 +53,17 @@ class RecurrentCache:
     state: torch.Tensor | tuple
 
 
+@dataclass
+class ChunkCache:
+    """A mini-batch objective's recurrent state (``approximation: {minibatch: C}``): the state before
+    the current chunk and the projected inputs of the chunk's tokens so far (``[B, n, H, ...]``, n < C),
+    from which each step recomputes the chunk, so that steps equal parallel mode (its chunks start at
+    the sequence's first token)."""
+
+    start: torch.Tensor | tuple
+    inputs: dict
+
+
 def is_constrained(decl) -> bool:
     return bool(decl.positive or decl.bounded or decl.normalize or decl.activation)
 
@@ -201,19 +212,30 @@ class ObjectiveMixer(nn.Module):
         """Zero conv window and the objective's initial state (zero, or c I for a square state declared
         ``init: {identity: c}``), on the module's device and in its dtype."""
         w = self.in_proj.weight
-        return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
-                              initial_states(self.obj.ir, batch_size, self.H, self.d, self.m, w.device, w.dtype))
+        state = initial_states(self.obj.ir, batch_size, self.H, self.d, self.m, w.device, w.dtype)
+        if getattr(self.obj.ir, "minibatch", 0):     # (an export's IR view has it only when set)
+            state = ChunkCache(state, {})
+        return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype), state)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
-        if getattr(self.obj.ir, "minibatch", 0):     # (an export's IR view has it only when set)
-            raise SsmcraftError(f"{self.obj.name}: a mini-batch update (chunks of {self.obj.ir.minibatch}) reads the "
-                                "state before each chunk, which the recurrent cache does not carry; run whole sequences")
         x, z = self._split_in(h_t[:, None])
         u_t, conv_state = self.conv.step(x[:, 0], cache.conv)
         u = F.silu(u_t)[:, None]
-        y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
+        if isinstance(cache.state, ChunkCache):
+            y, S = self._chunk_step(self.project(u), cache.state)
+        else:
+            y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
         return self._finish(y, u, z)[:, 0], RecurrentCache(conv_state, S)
+
+    def _chunk_step(self, inputs: dict, chunk: ChunkCache):
+        """One token of a mini-batch objective: the chunk so far and this token from the chunk's
+        starting state; the chunk's final state starts the next one once it holds C tokens."""
+        if chunk.inputs:
+            inputs = {k: torch.cat([chunk.inputs[k], v], dim=1) for k, v in inputs.items()}
+        y, S = self._recur(inputs, self.param_values(), state=chunk.start)
+        full = next(iter(inputs.values())).shape[1] == self.obj.ir.minibatch
+        return y[:, -1:], ChunkCache(S, {}) if full else ChunkCache(chunk.start, inputs)
 
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         """States over time for inputs h ``[B, T, d_model]``: ``[B, T // every, H, d, m]``.
