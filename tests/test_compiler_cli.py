@@ -53,12 +53,16 @@ def test_derive_prints_every_stage(name, capsys, compiled):
     obj = compiled(name)
     assert out.startswith(f"{name}: ")
     for marker in ("[1] spec", "[2] symbolic objective", "[3] derived update", f"[4] structure: {obj.ir.kind}",
-                   "[5] code", "S_t", "y_t"):
+                   "[5] code", f"{obj.spec.state}_t", "y_t"):
         assert marker in out, f"missing {marker!r}"
     for text in obj.spec.objectives or (obj.spec.objective,):     # several states: each state's loss
         assert text in out
-    for x in obj.spec.states:
-        assert f"L_{x} = " in out and f"{x}_t[i,j] = " in out
+    for x in obj.spec.states:         # a square state's update is a matrix formula (its inverse carried)
+        square = x in obj.spec.square_states()
+        index = {"d": "i", "m": "j", "h": "a"}     # a deep memory's hidden dimension is indexed by a
+        element = f"{x}_t[{','.join(index[n] for n in obj.spec.shape_of(x))}] = "
+        assert f"L_{x} = " in out and (f"{x}_t = " if square else element) in out
+        assert not square or f"carried by its inverse _inv_{x}" in out
     if obj.spec.approximation == "diagonal":
         assert "diagonal approximation" in out
     assert obj.ir.content_hash() in out

@@ -120,7 +120,7 @@ CASES = [
     ("objective_blank", obj("   "), "objective", r"non-empty string|empty"),
     ("update_typo", spec(update="implict"), "update", r"implicit, explicit or newton"),
     ("update_bool", spec(update=True), "update", r"implicit, explicit or newton"),
-    ("approximation_typo", spec(approximation="diag"), "approximation", r"exact or diagonal"),
+    ("approximation_typo", spec(approximation="diag"), "approximation", r"expected exact, diagonal or \{minibatch: C\}"),
     ("param_init_unknown", spec(params={"A": {"shape": ["d", "m"], "init": "glorot"}}), "params.A.init", r"unknown initialiser"),
     ("param_init_bad_range", spec(params={"A": {"shape": ["m"], "init": {"uniform": [1, 0]}}}), "params.A.init", r"low < high"),
     ("param_pos_and_neg", spec(params={"A": {"shape": ["m"], "positive": True, "negative": True}}), "params.A", r"both"),

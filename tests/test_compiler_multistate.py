@@ -19,7 +19,7 @@ from test_compiler_derivation import Evaluator, Val
 
 import ssmcraft
 from ssmcraft.compiler import expr as E
-from ssmcraft.compiler.derive import derive_stages
+from ssmcraft.compiler.updates import derive_stages
 from ssmcraft.compiler.spec import load_spec
 from ssmcraft.compiler.symbolic import symbolic_objective
 

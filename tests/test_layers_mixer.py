@@ -47,7 +47,8 @@ def test_recurrent_mode_equals_parallel_mode(name):
     torch.testing.assert_close(torch.stack(outs, 1), parallel, rtol=1e-9, atol=1e-10)
     states = cache.state if mixer.obj.spec.states else (cache.state,)      # several states: a tuple
     assert len(states) == len(mixer.obj.spec.state_names())
-    assert all(s.shape == (2, 2, 16, 4) for s in states)      # [B, H, d = 2 * 16 / 2, m]
+    # [B, H, d = 2 * 16 / 2, m] each, [B, H, m, m] for a square state
+    assert [s.shape for s in states] == list(mixer.obj.state_shapes(2, 2, 16, 4).values())
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)

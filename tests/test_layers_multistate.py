@@ -61,12 +61,33 @@ def test_decay_mitigations_refuse_by_name():
         mixer(torch.randn(1, 5, 16))
 
 
-def test_train_and_export(tmp_path):
+MINIBATCH_DELTANET = {"name": "deltanet_mb", "state": {"S": ["d", "m"]},
+                      "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True},
+                                 "q": {"shape": ["m"], "normalize": True}, "beta": {"shape": [], "bounded": True}},
+                      "objective": "beta*sq(S*k - x)/2", "update": "explicit", "approximation": {"minibatch": 4},
+                      "output": "S*q"}
+
+
+@pytest.mark.parametrize("objective,structure", [("momentum_longhorn", "general"), ("rls", "nonlinear"),
+                                                 ("ttt_mlp", "nonlinear"), (MINIBATCH_DELTANET, "general")],
+                         ids=["momentum_longhorn", "rls", "ttt_mlp", "minibatch"])
+def test_train_and_export(tmp_path, objective, structure):
+    """rls: a square state (R [m, m], carried by its inverse), ttt_mlp: weights over a hidden
+    dimension (W1 [h, m], W2 [d, h]), a mini-batch objective (its steps carry the chunk), through
+    training, export and the exported module's recurrent steps."""
     from ssmcraft.export import export
     from ssmcraft.train import train_run
 
-    metrics = train_run(experiment("momentum_longhorn", n_layers=1), tmp_path / "run")
-    assert metrics["status"] == "ok" and metrics["structure"] == "general"
+    metrics = train_run(experiment(objective, n_layers=1), tmp_path / "run")
+    assert metrics["status"] == "ok" and metrics["structure"] == structure
     res = export(tmp_path / "run", tmp_path / "export")
-    assert res.structure == "general"
+    assert res.structure == structure
     assert res.verified["max_abs_diff"] < 1e-5 and res.verified["step_max_abs_diff"] < 1e-5
+
+
+def test_exported_state_size_counts_every_state():
+    from ssmcraft.export.runtime_lm import Model
+    from ssmcraft.layers.mixer import ChunkCache, RecurrentCache
+    conv, S1, S2 = torch.zeros(2, 8, 3), torch.zeros(2, 2, 4, 4), torch.zeros(2, 2, 8, 4)
+    assert Model.state_size([RecurrentCache(conv, (S1, S2))]) == 48 + 64 + 128
+    assert Model.state_size([RecurrentCache(conv, ChunkCache(S2, {"k": torch.zeros(2, 3, 2, 4)}))]) == 48 + 128 + 48

@@ -62,7 +62,8 @@ def test_newton_and_decay_explicit_write_the_update_they_name():
 
 
 def test_names_are_unique_short_and_stable():
-    combos = [dict(zip(TERMS, v)) for v in itertools.product(*TERMS.values())]
+    combos = [c for c in (dict(zip(TERMS, v)) for v in itertools.product(*TERMS.values()))
+              if not (c["minibatch"] and c["approximation"] != "exact")]     # refused: a mini-batch is exact
     names = {composed_name(c) for c in combos}
     assert len(names) == len(combos) and max(map(len, names)) <= 32
     # names stored by earlier studies (terms that existed then, the new ones at their defaults)

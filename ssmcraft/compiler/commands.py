@@ -20,7 +20,8 @@ def stages(spec_arg) -> dict:
     """Run the pure stages one by one and return their printable results."""
     from ssmcraft.compiler.api import generate_reference
     from ssmcraft.compiler.codegen import coefficient_lines, update_formula
-    from ssmcraft.compiler.derive import compose_stages, derive_stages, derive_update
+    from ssmcraft.compiler.updates import compose_stages, derive_stages, derive_update
+    from ssmcraft.compiler.metric import show
     from ssmcraft.compiler.spec import load_spec
     from ssmcraft.compiler.structure import classify, classify_states
     from ssmcraft.compiler.symbolic import symbolic_objective
@@ -34,8 +35,7 @@ def stages(spec_arg) -> dict:
         composed = compose_stages(so, own)
         ir = classify_states(so, composed)
         F = tuple(e for _, e in composed)
-        per_state = {x: (sympy.sstr(so.algebra.expand(L)), sympy.sstr(so.algebra.expand(e)))
-                     for (x, L), (_, e) in zip(so.losses, own)}
+        per_state = {x: (show(so.algebra, L), show(so.algebra, e)) for (x, L), (_, e) in zip(so.losses, own)}
     else:
         F = derive_update(so)
         ir = classify(so, F)
@@ -53,6 +53,7 @@ def stages(spec_arg) -> dict:
 
 
 def run(args) -> int:
+    from ssmcraft.compiler.codegen import element_index
     if args.kernel:              # derives through ssmcraft.compile: the stages below would be thrown away
         return _print_kernel(args.spec)
     st = stages(args.spec)
@@ -68,7 +69,9 @@ def run(args) -> int:
     print(f"source: {spec.source}")
     print("\n[1] spec")
     if spec.states:
-        print(f"  states {', '.join(f'{x}: [{d}, {m}]' for x in spec.states)}   (X_prev = previous value of X; "
+        decls = [f"{x}: [{', '.join(spec.shape_of(x))}]" + ("" if spec.init_of(x) is None else f" = {spec.init_of(x):g} I at t = 0")
+                 for x in spec.states]
+        print(f"  states {', '.join(decls)}   (X_prev = previous value of X; "
               "updated in this order, each with the earlier ones at their new values)")
     else:
         print(f"  state  {spec.state}: [{d}, {m}]   (S_prev = previous state)")
@@ -82,21 +85,33 @@ def run(args) -> int:
     if spec.states:
         for x, text, upd in zip(spec.states, spec.objectives, spec.updates):
             print(f"  objective  L_{x} = {text}   (update: {upd})")
+        if spec.minibatch:
+            print(f"  approximation: {{minibatch: {spec.minibatch}}}: each loss's data gradient at the values of "
+                  "every state before the token's chunk (_X_c)")
         print(f"  output: y = {spec.output}")
     else:
         print(f"  objective  L = {spec.objective}")
-        print(f"  update: {spec.update}, approximation: {spec.approximation}, output: y = {spec.output}")
-    print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + ")")
+        approx = f"{{minibatch: {spec.minibatch}}}" if spec.minibatch else spec.approximation
+        print(f"  update: {spec.update}, approximation: {approx}, output: y = {spec.output}")
+    hidden = "".join(f", {a} indexes {h}" for a, (h, _, _) in zip("abc", spec.hidden))
+    print("\n[2] symbolic objective (i indexes " + d + ", j indexes " + m + hidden + ")")
     if spec.states:
         for x, (loss, _) in st["per_state"].items():
             print(f"  L_{x} = {loss}")
         print("\n[3] derived update, state by state (block-coordinate, in declaration order)")
         for (x, (_, own)), upd in zip(st["per_state"].items(), spec.updates):
-            print(f"  {x}_t[i,j] = {own}   ({upd})")
+            if x in spec.square_states():
+                print(f"  {x}_t = {own}   ({upd}: the minimiser, a low-rank change; carried by its inverse "
+                      f"_inv_{x}, updated by {'Sherman-Morrison' if own.count('outer(') == 1 else 'Woodbury'})")
+                continue
+            print(f"  {x}_t[{element_index(spec, x)}] = {own}   ({upd})")
         print("  composed (each in the previous states only): see [4]")
     else:
         print(f"  L = {st['objective_sum']}")
         print(f"\n[3] derived update ({spec.update}{', exact' if spec.approximation == 'exact' else ''})")
+        if spec.minibatch:
+            print(f"  mini-batch of {spec.minibatch}: the terms that read S_prev at the running state, the data loss's "
+                  "gradient at _S_c, the state before the token's chunk")
         print(f"  S_t[i,j] = {st['update_sum']}")
     print(f"\n[4] structure: {ir.kind}" + (" (diagonal approximation)" if spec.approximation == "diagonal" else ""))
     for line in st["formula"].splitlines():

@@ -313,9 +313,24 @@ def newton_update(so: SymbolicObjective) -> sympy.Expr:
     S, S_prev = so.lowering.state, so.lowering.state_prev
     rows, cols = so.spec.dims
     g = gradient(alg, so.loss, S)
-    D = alg.symbol("_D", (rows, cols), real=True)
-    hvp = gradient(alg, alg.reduce(alg.reduce(g * D, cols), rows), S)     # H(S)[D]
-    linear = alg.substitute(g + hvp, {S: S_prev})
+    D = alg.symbol(D_SYMBOL, (rows, cols), real=True)
+    return newton_solve(so, alg.substitute(g + hessian_vector(alg, g, S, D), {S: S_prev}), D)
+
+
+D_SYMBOL = "_D"       # the Newton step's unknown
+
+
+def hessian_vector(alg: Algebra, g, S, D) -> sympy.Expr:
+    """``H(S)[D]``, the Hessian-vector product of the loss whose gradient is ``g``: reverse mode
+    through ``sum G . D``."""
+    rows, cols = alg.dims
+    return gradient(alg, alg.reduce(alg.reduce(g * D, cols), rows), S)
+
+
+def newton_solve(so: SymbolicObjective, linear, D) -> sympy.Expr:
+    """``S_prev + D`` with ``linear`` (the gradient linearised in the step ``D``) = 0, solved row by
+    row after showing its matrix positive definite."""
+    alg, S_prev = so.algebra, so.lowering.state_prev
     try:
         parts = affine(alg, linear, D)
     except (NotAffine, NotRowSeparable) as e:
@@ -334,68 +349,3 @@ def explicit_update(so: SymbolicObjective) -> sympy.Expr:
     S, S_prev = so.lowering.state, so.lowering.state_prev
     g = gradient(alg, so.loss, S)
     return S_prev - alg.substitute(g, {S: S_prev})
-
-
-def derive_update(so: SymbolicObjective) -> sympy.Expr:
-    """The update F(S_prev) that the spec's ``update:`` asks for (element form)."""
-    if so.spec.update == "implicit":
-        return implicit_update(so)
-    if so.spec.update == "newton":
-        return newton_update(so)
-    return explicit_update(so)
-
-
-@dataclass(frozen=True)
-class _StateView:
-    """The part of a ``Lowering`` the single-state derivations read, for one of several states."""
-    alg: Algebra
-    state: sympy.Symbol
-    state_prev: sympy.Symbol
-
-
-def state_view(so: SymbolicObjective, index: int) -> SymbolicObjective:
-    """State ``index`` of a several-state objective as a single-state one: its own loss, update and
-    approximation, every other state (new or previous value) a constant symbol."""
-    from dataclasses import replace
-    spec = so.spec
-    name = spec.states[index]
-    view_spec = replace(spec, state=name, objective=spec.objectives[index], update=spec.updates[index],
-                        approximation=spec.approximations[index], states=(), objectives=(), updates=(),
-                        approximations=())
-    new, prev = so.lowering.state_of(name)
-    return SymbolicObjective(view_spec, _StateView(so.algebra, new, prev), so.losses[index][1], so.output)
-
-
-def derive_stages(so: SymbolicObjective) -> tuple:
-    """Several states, block-coordinate (Gauss-Seidel) in declaration order: per state
-    ``(name, F)`` with ``F`` that state's own update (implicit minimiser or explicit step of its
-    loss), reading the earlier states' new values and every ``X_prev``. Errors name
-    ``objective.X``. (Every state's approximation is exact: the spec stage refuses the diagonal one.)"""
-    spec = so.spec
-    out = []
-    for i, name in enumerate(spec.states):
-        try:
-            out.append((name, derive_update(state_view(so, i))))
-        except DerivationError as e:
-            key = f"objective.{name}" if e.key == "objective" else e.key
-            problem = e.problem.replace(f" {OR_NEWTON}", "").replace(USE_EXPLICIT, f"use update.{name}: explicit")
-            raise DerivationError(e.source, key, problem) from None
-    return tuple(out)
-
-
-def compose_stages(so: SymbolicObjective, stages) -> tuple:
-    """The stages' updates with every earlier state's new value replaced by its own update, so
-    that each is an element expression in the previous states and the inputs only."""
-    alg = so.algebra
-    done: dict = {}
-    out = []
-    for name, F in stages:
-        F = alg.substitute(F, done) if done else F
-        done[so.lowering.state_of(name)[0]] = F
-        out.append((name, F))
-    return tuple(out)
-
-
-def derive_updates(so: SymbolicObjective) -> tuple:
-    """Several states: ``((name, F(previous states)), ...)`` in declaration order."""
-    return compose_stages(so, derive_stages(so))

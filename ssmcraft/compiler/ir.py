@@ -44,6 +44,7 @@ class ReductionIR:
     body: sympy.Expr
     over: str
     dims: tuple[str, ...]
+    metric: str | None = None                   # a row vector times this square matrix (its name)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,20 @@ class UpdateIR:
     readout_reductions: tuple = ()
     states: tuple = ()                          # several states: names, in update order (else empty)
     state_updates: tuple = ()                   # several states: element of each X_t (symbols X_prev)
+    # square states (metrics, ``ssmcraft.compiler.metric``), empty without: name -> (r, c) of every
+    # state, name -> c of an identity init, and per square state (name, alpha, ((c, u, v), ...)) of
+    # ``X_t = alpha X_prev + sum c u v^T``, carried by its inverse ``_inv_X`` (its entry in
+    # ``state_updates`` is that symbol)
+    state_shapes: dict = field(default_factory=dict)
+    inits: dict = field(default_factory=dict)
+    inverses: tuple = ()
+    # ``approximation: {minibatch: C}`` (``ssmcraft.compiler.minibatch``): C, and the elementwise decay
+    # ``a`` of ``state_update = a . S_prev + G(_S_c)`` when it has that form (None: it does not)
+    minibatch: int = 0
+    minibatch_decay: sympy.Expr | None = None
+    # hidden dimensions (a deep memory's widths): name -> (factor, base dim or None), size factor *
+    # size(base); the generated code lays tensors out over ``axes()``
+    hidden: dict = field(default_factory=dict)
 
     @property
     def state_names(self) -> tuple:
@@ -118,7 +133,32 @@ class UpdateIR:
         if self.states:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        if self.minibatch:
+            out["minibatch"] = self.minibatch
+            out["minibatch_decay"] = None if self.minibatch_decay is None else sympy.sstr(self.minibatch_decay)
+            if self.states:      # several states: their anchors' names, in order
+                out["minibatch_anchors"] = [f"_{x}_c" for x in self.states]
+        if self.state_shapes:
+            s = sympy.sstr
+            out["state_shapes"] = {x: list(v) for x, v in self.state_shapes.items()}
+            if self.hidden:
+                out["hidden"] = {h: list(v) for h, v in self.hidden.items()}
+            out["inits"] = {x: {"identity": c} for x, c in self.inits.items()}
+            out["inverses"] = [{"state": x, "alpha": s(a), "terms": [[s(c), s(u), s(v)] for c, u, v in terms]}
+                               for x, a, terms in self.inverses]
+            for group in ("state_reductions", "readout_reductions", "reductions"):
+                for r, j in zip(getattr(self, group), out[group]):
+                    if r.metric is not None:
+                        j["metric"] = r.metric
         return out
+
+    def axes(self) -> tuple[str, ...]:
+        """Every dimension, in the generated code's axis order: ``dims`` then the hidden ones."""
+        return (*self.dims, *self.hidden)
+
+    def shape_of(self, state: str) -> tuple[str, str]:
+        """A state's shape (dimension names)."""
+        return tuple(self.state_shapes.get(state, self.dims))
 
     def content_hash(self) -> str:
         """A hash of the IR's content (``to_json``), computed once per IR object (``memo``):

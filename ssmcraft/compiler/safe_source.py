@@ -101,8 +101,11 @@ GENERATED = Policy(
     from_imports=frozenset({("triton.language.extra.cuda", "libdevice")}),
     builtins=frozenset({"range", "min", "max", "abs", "float", "int", "len"}),
     decorators=frozenset({"triton.jit"}),
-    # torch: the elementwise functions compiler/printing.py prints (TorchPrinter); triton: the decorator
-    module_attributes=(("torch", frozenset({"exp", "log", "sqrt", "abs", "sign", "sigmoid"})),
+    # torch: the elementwise functions compiler/printing.py prints (TorchPrinter), and the tensor
+    # algebra of a square state's inverse (codegen's Woodbury update, metric reductions): pure
+    # functions of tensors; triton: the decorator
+    module_attributes=(("torch", frozenset({"exp", "log", "sqrt", "abs", "sign", "sigmoid", "matmul", "zeros_like",
+                                            "broadcast_to", "cat", "eye", "linalg"})),
                        ("triton", frozenset({"jit"}))),
 )
 

@@ -11,7 +11,7 @@ diagonal, so ``diagonal`` is refused here),
 ``X_prev`` names each state's previous value (``S_prev`` stays the name with one state), and
 the states update in declaration order, so a loss may read the new values of the states
 declared before its own, never of a later one (``Spec.states`` and friends; see
-``derive.derive_stages``).
+``updates.derive_stages``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")   # whole text (fullmatch): no
 # names the generated PyTorch/Triton code uses, Python's keywords and builtins
 CODE_NAMES = {"torch", "F", "tl", "triton", "math", "env", "co", "erase"}
 RESERVED = {"S_prev"} | set(E.FUNCTIONS) | CODE_NAMES | set(keyword.kwlist) | set(dir(builtins))
-TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update",
+TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update", "hidden",
             "approximation", "output", "source"}
 INPUT_KEYS = {"shape", "positive", "bounded", "normalize", "activation"}
 PARAM_KEYS = {"shape", "positive", "negative", "init", "trainable"}
@@ -84,6 +84,33 @@ class Spec:
     objectives: tuple[str, ...] = ()
     updates: tuple[str, ...] = ()
     approximations: tuple[str, ...] = ()
+    # states of several shapes (empty when every state has the shape ``dims``): per state in
+    # declaration order its shape, and its initial value (None: zero; a float c: c times the
+    # identity, square states only); see ``state_decls``
+    shapes: tuple[tuple[str, str], ...] = ()
+    inits: tuple = ()
+    # ``approximation: {minibatch: C}`` (``approximation`` is then "minibatch"): gradients taken at
+    # the state before each chunk of C tokens (``minibatch_approximation``); 0 otherwise
+    minibatch: int = 0
+    # hidden dimensions (a deep memory's layer width): ((name, factor, base dim or None), ...), the
+    # size factor * size(base) (or factor); states of several shapes over (d, m, hidden...)
+    hidden: tuple = ()
+
+    def shape_of(self, state: str) -> tuple[str, str]:
+        """A state's declared shape (``dims`` unless the spec declares several shapes)."""
+        return self.shapes[self.state_names().index(state)] if self.shapes else self.dims
+
+    def init_of(self, state: str):
+        """A state's initial value: None (zero) or c (c times the identity)."""
+        return self.inits[self.state_names().index(state)] if self.inits else None
+
+    def square_states(self) -> tuple[str, ...]:
+        """The states of shape ``[m, m]`` (metrics), in declaration order."""
+        return tuple(x for x in self.state_names() if self.shape_of(x)[0] == self.shape_of(x)[1])
+
+    def axes(self) -> tuple[str, ...]:
+        """Every dimension: ``dims`` then the hidden ones (the generated code's tensor axes)."""
+        return (*self.dims, *(h[0] for h in self.hidden))
 
     @property
     def output_dim(self) -> str:
@@ -276,7 +303,8 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     name = _ident(src, "name", raw["name"])
     summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
 
-    state_names, dims = _states(src, raw["state"])
+    hidden = hidden_dims(src, raw.get("hidden"))
+    state_names, dims, shapes, inits = state_decls(src, raw["state"], tuple(h[0] for h in hidden))
     state_name = state_names[-1]
     multi = len(state_names) > 1
     prevs = [f"{x}_prev" for x in state_names] if multi else ["S_prev"]
@@ -348,17 +376,181 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         declared.add(lname)   # a let may use the lets before it
 
     if multi:
-        return _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
+        spec = _multi_state_spec(src, raw, name, summary, state_names, prevs, dims, inputs, params, lets, declared)
+        return _with_shapes(src, raw, spec, shapes, inits, lets, hidden)
+    if inits:
+        raise SpecError(src, f"state.{state_name}.init", "identity needs a square state")
     objective = _expression(src, "objective", raw["objective"], declared)
     update = raw["update"]
     if update not in ("implicit", "explicit", "newton"):
         raise SpecError(src, "update", f"expected implicit, explicit or newton, got {quote(update)}")
     approximation = raw.get("approximation", "exact")
-    if approximation not in ("exact", "diagonal"):
-        raise SpecError(src, "approximation", f"expected exact or diagonal, got {quote(approximation)}")
+    minibatch = 0
+    if isinstance(approximation, dict):
+        approximation, minibatch = minibatch_approximation(src, approximation, update)
+    elif approximation not in ("exact", "diagonal"):
+        raise SpecError(src, "approximation", f"expected exact, diagonal or {{minibatch: C}}, got {quote(approximation)}")
     output = _output(src, raw, declared, _let_closure(lets), prevs, "the new state S")
     return Spec(name, summary, state_name, dims, inputs, params, tuple(lets), objective,
-                update, approximation, output, source=src, raw=raw)
+                update, approximation, output, source=src, raw=raw, minibatch=minibatch)
+
+
+MINIBATCH_MAX = 4096
+
+
+def minibatch_approximation(src, value: dict, update: str) -> tuple[str, int]:
+    """``approximation: {minibatch: C}`` -> ("minibatch", C): within each chunk of C tokens every
+    gradient of the data loss is taken at the state before the chunk (TTT, Titans), so the chunk's
+    updates are computed in parallel; for explicit and Newton updates."""
+    _keys(src, "approximation", value, {"minibatch"})
+    C = value.get("minibatch")
+    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= MINIBATCH_MAX:
+        raise SpecError(src, "approximation.minibatch", f"expected a chunk size, an integer 1..{MINIBATCH_MAX}, got {C!r}")
+    if update not in ("explicit", "newton"):
+        raise SpecError(src, "approximation.minibatch", f"a mini-batch takes explicit or Newton steps at the chunk's "
+                        f"start; update {update} minimises exactly (use update: explicit or newton)")
+    return "minibatch", C
+
+
+STATE_KEYS = {"shape", "init"}
+
+
+def state_decls(src, state, hidden: tuple = ()) -> tuple[tuple[str, ...], tuple[str, str], tuple, tuple]:
+    """``state:`` -> (names in declaration order, the shared dims [d, m], shapes, inits).
+
+    An entry is ``X: [d, m]`` or ``X: {shape: [r, c], init: zeros | {identity: c}}``. Every state
+    has one shape [d, m] (the first state of two different dimension names gives it), except
+    square states ``[m, m]`` over its key dimension: a metric (``wsq(V, X)``) of another state's
+    proximity. ``init`` is the initial value: zero by default, ``{identity: c}`` (square states)
+    c times the identity. ``shapes`` and ``inits`` are empty when every state is a zero-initialised
+    [d, m] (so the specs of one shape compare and hash as they always did)."""
+    if not isinstance(state, dict) or not state:
+        raise SpecError(src, "state", f"expected one entry like {{S: [d, m]}} per state, got {state!r}")
+    shapes_raw, inits = {}, []
+    for sname, decl in state.items():
+        key = f"state.{sname}"
+        init = None
+        if isinstance(decl, dict):
+            _keys(src, key, decl, STATE_KEYS)
+            if "shape" not in decl:
+                raise SpecError(src, f"{key}.shape", "missing (required)")
+            init = _state_init(src, f"{key}.init", decl.get("init", "zeros"))
+            decl = decl["shape"]
+        shapes_raw[sname] = decl
+        inits.append(init)
+    if hidden:
+        return _hidden_states(src, state, shapes_raw, inits, hidden)
+    square = {x for x, dims in shapes_raw.items() if isinstance(dims, list) and len(dims) == 2 and dims[0] == dims[1]}
+    plain = {x: dims for x, dims in shapes_raw.items() if x not in square}
+    if len(shapes_raw) == 1:
+        plain = shapes_raw              # one state: the rules of one [d, m] state
+    if not plain:
+        raise SpecError(src, "state", "every state is square; at least one must be a [d, m] matrix (two different "
+                        "dimension names): a square state is the metric of another state's proximity")
+    names, dims = _states(src, plain)
+    for x in square:
+        _ident(src, "state", x)
+        for dname in shapes_raw[x]:
+            _ident(src, f"state.{x}", dname)
+        if shapes_raw[x][0] != dims[1]:
+            raise SpecError(src, f"state.{x}", f"a square state must be over the key dimension, [{dims[1]}, {dims[1]}] "
+                            f"(the metric of a [{', '.join(dims)}] state's proximity), got {shapes_raw[x]!r}")
+    order = tuple(state)
+    if square:
+        names, _ = _states(src, {x: list(dims) for x in order})     # the name rules over every state
+    for x, init in zip(order, inits):
+        if init is not None and x not in square:
+            raise SpecError(src, f"state.{x}.init", f"identity needs a square state (or a deep memory's weights, "
+                            f"with hidden dimensions); {x} is [{', '.join(dims)}]")
+    shapes = tuple(tuple(shapes_raw[x]) for x in order) if square else ()
+    return names, dims, shapes, tuple(inits) if any(i is not None for i in inits) else ()
+
+
+def _hidden_states(src, state, shapes_raw, inits, hidden):
+    """States over hidden dimensions (a deep memory, e.g. ``W1: [h, m]``, ``W2: [d, h]``): each of two
+    different dimension names, none square; the other two names are (d, m): d the one that is a row
+    of some state, m a column. ``init: {identity: c}`` is c times the rectangular identity."""
+    if len(shapes_raw) == 1:
+        raise SpecError(src, "hidden", "hidden dimensions are the layers of a deep memory: declare its weights as "
+                        "several states")
+    shapes, seen = {}, set()
+    for x, dims in shapes_raw.items():
+        _ident(src, "state", x)
+        if not isinstance(dims, list) or len(dims) != 2 or dims[0] == dims[1]:
+            raise SpecError(src, f"state.{x}", f"with hidden dimensions every state is a matrix of two different "
+                            f"dimension names, got {dims!r}")
+        for dname in dims:
+            _ident(src, f"state.{x}", dname)
+        shapes[x] = tuple(dims)
+        seen |= set(dims)
+    missing = [h for h in hidden if h not in seen]
+    if missing:
+        raise SpecError(src, f"hidden.{missing[0]}", "no state uses this dimension")
+    visible = sorted(seen - set(hidden))
+    rows = {sh[0] for sh in shapes.values()} - set(hidden)
+    cols = {sh[1] for sh in shapes.values()} - set(hidden)
+    if len(visible) != 2 or len(rows) != 1 or len(cols) != 1 or rows == cols:
+        raise SpecError(src, "state", f"besides the hidden dimensions ({', '.join(hidden)}) the states must use two "
+                        f"dimensions, the value dimension as a row and the key dimension as a column; got "
+                        f"{', '.join(f'{x}: [{chr(44).join(sh)}]' for x, sh in shapes.items())}")
+    dims = (rows.pop(), cols.pop())
+    names, _ = _states(src, {x: list(dims) for x in shapes})     # the name rules
+    return names, dims, tuple(shapes[x] for x in shapes), tuple(inits) if any(i is not None for i in inits) else ()
+
+
+def hidden_dims(src, value) -> tuple:
+    """``hidden: {h: 32}`` or ``{h: 2*m}``: ((name, factor, base or None), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not value:
+        raise SpecError(src, "hidden", f"expected a mapping of dimension name: size (an integer, or like 2*m), got {value!r}")
+    out = []
+    for name, size in value.items():
+        key = f"hidden.{name}"
+        _ident(src, key, name)
+        m = re.fullmatch(r"\s*(\d{1,3})\s*\*\s*([A-Za-z]\w*)\s*", size) if isinstance(size, str) else None
+        if isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 4096:
+            out.append((name, size, None))
+        elif m and 1 <= int(m.group(1)) <= 64:
+            out.append((name, int(m.group(1)), m.group(2)))
+        else:
+            raise SpecError(src, key, f"expected a size: an integer 1..4096, or N*dim with N in 1..64 (like 2*m), got {size!r}")
+    return tuple(out)
+
+
+def _state_init(src, key, value):
+    """A state's ``init``: ``zeros`` (None) or ``{identity: c}`` (the float c), c finite."""
+    if value == "zeros":
+        return None
+    if isinstance(value, dict) and set(value) == {"identity"}:
+        c = value["identity"]
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c):
+            return float(c)
+        raise SpecError(src, key, f"identity takes a finite number, got {c!r}")
+    raise SpecError(src, key, f"expected zeros or {{identity: c}}, got {value!r}")
+
+
+def _with_shapes(src, raw, spec: Spec, shapes, inits, lets, hidden=()) -> Spec:
+    """A spec with square states: the checks they need beyond ``_multi_state_spec``'s (the output
+    and the [d, m] states' losses read a square state only as a metric: ``symbolic``), and the
+    shapes and inits recorded."""
+    from dataclasses import replace
+    if not shapes and not inits:
+        return spec
+    square = [x for x, sh in zip(spec.states, shapes) if sh[0] == sh[1]] if shapes else []
+    prevs = [n for x in square for n in (x, f"{x}_prev")]
+    _refuse_reads(src, "output", spec.output, _let_closure(lets), prevs,
+                  lambda x: f"the output reads the square state {x}; a square state is a metric, read only by "
+                            "wsq(V, X) in a loss",
+                  lambda x: f"the output reads the square state {x} (through a let); a square state is a metric")
+    for x, upd in zip(spec.states, spec.updates):
+        if x in square and upd != "implicit":
+            raise SpecError(src, f"update.{x}" if isinstance(raw["update"], dict) else "update",
+                            f"a square state ({x}) is updated implicitly (its loss is minimised in closed form); got {upd}")
+    for h, _, base in hidden:
+        if base is not None and base not in spec.dims:
+            raise SpecError(src, f"hidden.{h}", f"a size N*dim names {spec.dims[0]} or {spec.dims[1]}, got {base!r}")
+    return replace(spec, shapes=shapes, inits=inits, hidden=hidden)
 
 
 def _states(src, state) -> tuple[tuple[str, ...], tuple[str, str]]:
@@ -474,7 +666,12 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
                                 f"updated after {sname}; use {x}_prev")
         losses.append(text)
     updates = _per_state(src, "update", raw["update"], states, ("implicit", "explicit"))
-    approximations = _per_state(src, "approximation", raw.get("approximation"), states, ("exact", "diagonal"), "exact")
+    minibatch = 0
+    if isinstance(raw.get("approximation"), dict) and "minibatch" in raw["approximation"]:
+        implicit = [x for x, u in zip(states, updates) if u == "implicit"]
+        _, minibatch = minibatch_approximation(src, raw["approximation"], "implicit" if implicit else "explicit")
+    approximations = _per_state(src, "approximation", None if minibatch else raw.get("approximation"), states,
+                                ("exact", "diagonal"), "exact")       # a mini-batch: each state's own step exact
     if "diagonal" in approximations:
         key = "approximation" if isinstance(raw.get("approximation"), str) else \
             f"approximation.{states[approximations.index('diagonal')]}"
@@ -484,5 +681,6 @@ def _multi_state_spec(src, raw, name, summary, states, prevs, dims, inputs, para
     summary_of = lambda values: values[0] if len(set(values)) == 1 else ", ".join(f"{x}: {v}" for x, v in zip(states, values))  # noqa: E731
     return Spec(name, summary, states[-1], dims, inputs, params, tuple(lets),
                 "; ".join(f"{x}: {t}" for x, t in zip(states, losses)), summary_of(updates),
-                summary_of(approximations), output, source=src, raw=raw, states=tuple(states),
-                objectives=tuple(losses), updates=updates, approximations=approximations)
+                "minibatch" if minibatch else summary_of(approximations), output, source=src, raw=raw,
+                states=tuple(states), objectives=tuple(losses), updates=updates, approximations=approximations,
+                minibatch=minibatch)

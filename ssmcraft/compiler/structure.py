@@ -15,9 +15,11 @@ from dataclasses import replace
 
 import sympy
 
-from ssmcraft.compiler.derive import (MAX_RANK, NotAffine, NotRowSeparable, affine, derive_update, derive_updates,
+from ssmcraft.compiler.updates import derive_update, derive_updates
+from ssmcraft.compiler.derive import (MAX_RANK, NotAffine, NotRowSeparable, affine,
                                      is_affine)
 from ssmcraft.compiler.ir import Coefficient, ReductionIR, UpdateIR
+from ssmcraft.compiler.metric import inverse_name
 from ssmcraft.compiler.symbolic import Algebra, SymbolicObjective
 from ssmcraft.errors import DerivationError
 
@@ -178,7 +180,9 @@ class _Builder:
 
 
 def _reduction_irs(reductions, order):
-    return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order)) for r in reductions)
+    order = (*order, *sorted({d for r in reductions for d in r.dims} - set(order)))    # hidden dims last
+    return tuple(ReductionIR(r.symbol.name, r.body, r.over, _ordered(r.dims, order),
+                             **({"metric": r.metric.name} if r.metric is not None else {})) for r in reductions)
 
 
 def _rankr_slots(alg, b: "_Builder", parts, lr, row: str, col: str) -> None:
@@ -224,6 +228,8 @@ def _readout_slots(so: SymbolicObjective, b: "_Builder") -> tuple:
 
 def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     """Build the IR of update ``F`` (element form in S_prev) for the spec of ``so``."""
+    if so.spec.minibatch:
+        return classify_minibatch(so, F)
     spec, alg = so.spec, so.algebra
     row, col = spec.dims
     S, S_prev = so.lowering.state, so.lowering.state_prev
@@ -308,6 +314,29 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
     return renumber(ir)
 
 
+def classify_minibatch(so: SymbolicObjective, F) -> UpdateIR:
+    """The IR of a mini-batch update ``F(S_prev, _S_c)`` (``ssmcraft.compiler.minibatch``): element-wise,
+    ``general`` when jointly linear in the previous state and the anchor, else ``nonlinear``, with the
+    chunk's decay when the update is ``a . S_prev + G(_S_c)``."""
+    from ssmcraft.compiler.minibatch import anchor, chunk_decay
+    spec, alg = so.spec, so.algebra
+    S_prev = so.lowering.state_prev
+    kind = "general" if is_linear_in(alg, [F], [S_prev, anchor(alg)]) else "nonlinear"
+    update = sympy.factor_terms(sympy.cancel(F))
+    if spec.update == "newton":    # cancel() expands (r - x)**2 + 1 under square roots
+        update = min((update, sympy.factor_terms(sympy.together(F))), key=sympy.count_ops)
+    decay = chunk_decay(alg, F, S_prev)
+    ir = UpdateIR(spec_name=spec.name, source=spec.source, dims=spec.dims, state=spec.state,
+                  inputs={k: v.shape for k, v in spec.inputs.items()},
+                  params={k: v.shape for k, v in spec.params.items()},
+                  update=spec.update, approximation=spec.approximation, kind=kind,
+                  state_reductions=_reduction_irs(alg.reductions_in(sympy.Add(F, decay or 0)), spec.dims),
+                  state_update=update, readout=so.output,
+                  readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
+                  minibatch=spec.minibatch, minibatch_decay=decay)
+    return renumber(ir)
+
+
 def renumber(ir: UpdateIR) -> UpdateIR:
     """Rename reductions to _r0, _r1, ... in order of use (stable names, stable hashes)."""
     groups = (ir.reductions, ir.state_reductions, ir.readout_reductions)
@@ -320,13 +349,17 @@ def renumber(ir: UpdateIR) -> UpdateIR:
         return e.xreplace({s: sympy.Symbol(new[s.name], **s.assumptions0) for s in e.free_symbols if s.name in new})
 
     def ren_group(group):
-        return tuple(ReductionIR(new[r.name], ren(r.body), r.over, r.dims) for r in group)
+        return tuple(ReductionIR(new[r.name], ren(r.body), r.over, r.dims, r.metric) for r in group)
 
     return replace(ir, reductions=ren_group(ir.reductions), state_reductions=ren_group(ir.state_reductions),
                    readout_reductions=ren_group(ir.readout_reductions),
                    coefficients=tuple(Coefficient(c.name, ren(c.expr), c.dims) for c in ir.coefficients),
                    state_update=ren(ir.state_update), readout=ren(ir.readout),
-                   state_updates=tuple(ren(e) for e in ir.state_updates))
+                   minibatch_decay=(tuple(ren(a) for a in ir.minibatch_decay) if isinstance(ir.minibatch_decay, tuple)
+                                    else ren(ir.minibatch_decay)),
+                   state_updates=tuple(ren(e) for e in ir.state_updates),
+                   inverses=tuple((x, ren(a), tuple(tuple(ren(e) for e in t) for t in terms))
+                                  for x, a, terms in ir.inverses))
 
 
 def is_linear_in(alg: Algebra, exprs, variables) -> bool:
@@ -347,11 +380,16 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
     ``general`` when the joint recurrence is linear in the previous states, else ``nonlinear``;
     the readout is element-wise over the new states."""
     spec, alg = so.spec, so.algebra
-    prevs = [so.lowering.state_of(x)[1] for x in spec.states]
-    Fs = [F for _, F in updates]
-    kind = "general" if is_linear_in(alg, Fs, prevs) else "nonlinear"
+    square = spec.square_states()
+    prevs = [so.lowering.state_of(x)[1] for x in spec.states if x not in square]
+    inverses = tuple((x, F.alpha, F.terms) for x, F in updates if x in square)
+    updates = tuple((x, sympy.Symbol(inverse_name(x), real=True) if x in square else F) for x, F in updates)
+    Fs = [F for x, F in updates if x not in square]
+    # a tracked inverse's update is rational in its previous value: the joint recurrence is nonlinear
+    # (states over hidden dimensions: a deep memory, nonlinear in its weights)
+    kind = "general" if not spec.shapes and is_linear_in(alg, Fs, prevs) else "nonlinear"
     state_reductions = []
-    for F in Fs:
+    for F in [e for _, a, terms in inverses for e in (a, *(x for t in terms for x in t))] + Fs:
         for r in alg.reductions_in(F):
             if r not in state_reductions:
                 state_reductions.append(r)
@@ -361,8 +399,35 @@ def classify_states(so: SymbolicObjective, updates) -> UpdateIR:
                   update=spec.update, approximation=spec.approximation, kind=kind,
                   state_reductions=_reduction_irs(state_reductions, spec.dims),
                   readout=so.output, readout_reductions=_reduction_irs(alg.reductions_in(so.output), spec.dims),
-                  states=tuple(spec.states), state_updates=tuple(sympy.factor_terms(sympy.cancel(F)) for F in Fs))
+                  states=tuple(spec.states),
+                  state_updates=tuple(F if x in square else sympy.factor_terms(sympy.cancel(F)) for x, F in updates),
+                  **(_square_fields(spec, inverses, alg) if spec.shapes else {}),
+                  **(_minibatch_fields(so, updates) if spec.minibatch else {}))
     return renumber(ir)
+
+
+def _minibatch_fields(so: SymbolicObjective, updates) -> dict:
+    """A several-state mini-batch: C, and the chunk decays ``(a_X, ...)`` when every update is
+    ``a_X . X_prev + G_X(anchors)`` with no other state's previous value in it (None otherwise)."""
+    from ssmcraft.compiler.minibatch import anchor, chunk_decay
+    alg, spec = so.algebra, so.spec
+    prevs = {x: so.lowering.state_of(x)[1] for x in spec.states}
+    anchors = [anchor(alg, x, so.lowering.state_of(x)[0]) for x in spec.states]
+    decays = []
+    for x, F in updates:
+        others = [p for y, p in prevs.items() if y != x]
+        a = None if any(alg.depends_on(F, p) for p in others) else chunk_decay(alg, F, prevs[x], anchors)
+        decays.append(a)
+    return {"minibatch": spec.minibatch, "minibatch_decay": None if any(a is None for a in decays) else tuple(decays)}
+
+
+def _square_fields(spec, inverses, alg) -> dict:
+    """The IR fields of square states (``UpdateIR.state_shapes``), their updates' vectors simplified."""
+    return {"state_shapes": {x: spec.shape_of(x) for x in spec.states},
+            "hidden": {h: (factor, base) for h, factor, base in spec.hidden},
+            "inits": {x: spec.init_of(x) for x in spec.states if spec.init_of(x) is not None},
+            "inverses": tuple((x, simplify(a), tuple((simplify(c), u, v) for c, u, v in terms))
+                              for x, a, terms in inverses)}
 
 
 def build_ir(so: SymbolicObjective) -> UpdateIR:

@@ -22,6 +22,15 @@ from ssmcraft.compiler.functions import SCALAR_FUNCTIONS
 from ssmcraft.compiler.spec import Spec
 from ssmcraft.errors import SpecError
 
+
+@dataclass(frozen=True)
+class MetricTerm:
+    """``wsq(V, coef * X)`` = ``coef * tr(V X V^T)``: ``V`` a [d, m] element expression, ``X`` the
+    symbol of a square state (new or previous value); ``ssmcraft.compiler.metric`` derives from it."""
+    V: sympy.Expr
+    coef: sympy.Expr
+    X: sympy.Symbol
+
 ONE = "1"
 MAX_EXPONENT = 16
 
@@ -33,6 +42,7 @@ class Reduction:
     body: sympy.Expr
     over: str
     dims: frozenset
+    metric: sympy.Symbol | None = None   # a row vector times this square matrix (``Algebra.reduce``)
 
 
 @dataclass
@@ -41,8 +51,12 @@ class Algebra:
     dims: tuple[str, str]
     symbol_dims: dict = field(default_factory=dict)     # Symbol -> frozenset of dim names
     reductions: dict = field(default_factory=dict)      # Symbol -> Reduction
+    hidden: tuple = ()                                  # hidden dimensions (a deep memory's widths)
     _keys: dict = field(default_factory=dict)           # (body, over) -> Symbol
     _count: int = 0
+    # square states (metrics): placeholder scalar -> what it stands for (``metric``)
+    metrics: dict = field(default_factory=dict)         # _mq symbol -> MetricTerm: wsq(V, c X)
+    square_norms: dict = field(default_factory=dict)    # _sq symbol -> Square: sq(A), A with state terms
 
     def symbol(self, name: str, dims=(), **assumptions) -> sympy.Symbol:
         s = sympy.Symbol(name, **assumptions)
@@ -58,11 +72,15 @@ class Algebra:
             out |= self.symbol_dims.get(s, frozenset())
         return out
 
-    def reduce(self, body: sympy.Expr, over: str) -> sympy.Expr:
-        """The sum of ``body`` over dimension ``over`` (a new or shared reduction symbol)."""
+    def reduce(self, body: sympy.Expr, over: str, metric: sympy.Symbol | None = None) -> sympy.Expr:
+        """The sum of ``body`` over dimension ``over`` (a new or shared reduction symbol). With a
+        ``metric`` (the symbol of a square [over, over] matrix P), the row vector times P instead:
+        ``sum_j' body_j' P_j'j``, which keeps ``over`` (``metric.matvec``)."""
         body = sympy.sympify(body)
         if body == 0:
             return sympy.Integer(0)
+        if metric is not None:
+            return matvec(self, body, over, metric)
         if over not in self.dims_of(body):
             return body * self.size(over)
         # pull factors that do not vary over `over` out of the sum
@@ -107,19 +125,21 @@ class Algebra:
         for r in self.reductions_in(e):
             body = r.body.xreplace(sub)
             if body != r.body:
-                sub[r.symbol] = self.reduce(body, r.over)
+                sub[r.symbol] = self.reduce(body, r.over, r.metric)
         return e.xreplace(sub)
 
     def expand(self, e) -> sympy.Expr:
         """``e`` with reductions as explicit sums and symbols indexed (``S[i, j]``), for display."""
         index = {self.dims[0]: sympy.Symbol("i"), self.dims[1]: sympy.Symbol("j")}
+        index.update({h: sympy.Symbol(f"h{n}" if n else "a") for n, h in enumerate(self.hidden)})
+        order = (*self.dims, *self.hidden)
 
         def indexed(x):
             sub = {}
             for s in x.free_symbols:
                 dims = self.symbol_dims.get(s)
                 if dims and s not in self.reductions:
-                    sub[s] = sympy.IndexedBase(s.name)[tuple(index[d] for d in self.dims if d in dims)]
+                    sub[s] = sympy.IndexedBase(s.name)[tuple(index[d] for d in order if d in dims)]
             return x.xreplace(sub)
 
         def walk(x):
@@ -127,6 +147,10 @@ class Algebra:
             for s in x.free_symbols:
                 if s in self.reductions:
                     r = self.reductions[s]
+                    if r.metric is not None:     # (body P)_j: the row vector body times the matrix P
+                        j = index[r.over]
+                        sub[s] = sympy.Symbol(f"({sympy.sstr(walk(r.body))} @ {r.metric.name})[{j}]")
+                        continue
                     sub[s] = sympy.Sum(walk(r.body), (index[r.over], 1, self.size(r.over)))
             return indexed(x.xreplace(sub))
 
@@ -141,14 +165,19 @@ class Square:
     dimension), so they are kept as terms and only ever used as factors of a product.
     """
     dim: str
-    terms: tuple  # ("diag", w) | ("outer", u, v)
+    terms: tuple  # ("diag", w) | ("outer", u, v) | ("state", coef, X): a square state's symbol
 
     def scale(self, c):
         return Square(self.dim, tuple(
-            ("diag", c * t[1]) if t[0] == "diag" else ("outer", c * t[1], t[2]) for t in self.terms))
+            ("diag", c * t[1]) if t[0] == "diag" else (t[0], c * t[1], t[2]) for t in self.terms))
 
     def transpose(self):
-        return Square(self.dim, tuple(t if t[0] == "diag" else ("outer", t[2], t[1]) for t in self.terms))
+        return Square(self.dim, tuple(t if t[0] in ("diag", "state") else ("outer", t[2], t[1]) for t in self.terms))
+
+    def states(self) -> list:
+        """The square states in it: ``("state", coef, symbol)`` terms (``coef * X``; a square state is
+        symmetric, so transposing keeps it)."""
+        return [t for t in self.terms if t[0] == "state"]
 
 
 @dataclass(frozen=True)
@@ -196,14 +225,21 @@ class Lowering:
     def __init__(self, spec: Spec, algebra: Algebra | None = None):
         self.spec = spec
         d, m = spec.dims
-        self.alg = algebra or Algebra(spec.dims)
+        self.alg = algebra or Algebra(spec.dims, hidden=tuple(h[0] for h in spec.hidden))
         alg = self.alg
         self.env: dict[str, Value] = {}
-        for dim in spec.dims:
+        for dim in spec.axes():
             self.env[dim] = Value((ONE, ONE), alg.symbol(dim, (), positive=True, integer=True))
+        self.square: dict = {}              # square state -> (new, previous) symbols (not element-form)
         for state in spec.state_names():
+            if state in spec.square_states():
+                self.square[state] = tuple(sympy.Symbol(n, real=True) for n in (state, spec.prev_name(state)))
+                for sym in self.square[state]:
+                    self.env[sym.name] = Value((m, m), Square(m, (("state", sympy.Integer(1), sym),)))
+                continue
+            shape = spec.shape_of(state)
             for name in (state, spec.prev_name(state)):
-                self.env[name] = Value((d, m), alg.symbol(name, (d, m), real=True))
+                self.env[name] = Value(shape, alg.symbol(name, shape, real=True))
         for name, decl in spec.inputs.items():
             assume = {"positive": True} if (decl.positive or decl.bounded) else {"real": True}
             self.env[name] = Value(_vector_shape(decl.shape), alg.symbol(name, decl.shape, **assume))
@@ -224,6 +260,8 @@ class Lowering:
 
     def state_of(self, name: str) -> tuple[sympy.Symbol, sympy.Symbol]:
         """(new, previous) symbols of one state."""
+        if name in self.square:
+            return self.square[name]
         return self.env[name].expr, self.env[self.spec.prev_name(name)].expr
 
     # -- entry point ---------------------------------------------------------------
@@ -354,6 +392,9 @@ class Lowering:
             if isinstance(other.expr, Square):
                 return Value(other.shape, other.expr.scale(s.expr))
             return Value(other.shape, s.expr * other.expr)
+        for v in (a, b):
+            if isinstance(v.expr, Square) and v.expr.states():
+                self._square_state_misuse(node, v)
         (r, n1), (n2, c) = a.shape, b.shape
         if n1 != n2:
             self.fail(node, f"cannot multiply {show_shape(a.shape)} by {show_shape(b.shape)}: inner dimensions {n1} and {n2} differ"
@@ -395,15 +436,19 @@ class Lowering:
         args = [self.lower(a) for a in node.args]
         if f == "ones":
             arg = node.args[0]
-            if not isinstance(arg, E.Name) or arg.id not in self.spec.dims:
-                self.fail(node, f"ones() takes a dimension name ({', '.join(self.spec.dims)})")
+            if not isinstance(arg, E.Name) or arg.id not in self.spec.axes():
+                self.fail(node, f"ones() takes a dimension name ({', '.join(self.spec.axes())})")
             return Value((arg.id, ONE), sympy.Integer(1))
         if f == "T":
             v = args[0]
             expr = v.expr.transpose() if isinstance(v.expr, Square) else v.expr
             return Value((v.shape[1], v.shape[0]), expr)
+        if f in ("sq", "wsq") and any(isinstance(a.expr, Square) and a.expr.states() for a in args):
+            return self.metric_call(node, f, args)
         for a in args:
             if isinstance(a.expr, Square):
+                if a.expr.states():
+                    self._square_state_misuse(node, a)
                 self.fail(node, f"{f}() of an [{a.shape[0]}, {a.shape[1]}] matrix is not supported")
         if f in SCALAR_FUNCTIONS:
             return Value(args[0].shape, SCALAR_FUNCTIONS[f](args[0].expr))
@@ -439,6 +484,34 @@ class Lowering:
             n = v.shape[0] if v.shape[0] != ONE else v.shape[1]
             return Value((n, n), Square(n, (("diag", v.expr),)))
         self.fail(node, f"unknown function {f!r}")
+
+
+    # -- square states (metrics) ---------------------------------------------------------
+    def _square_state_misuse(self, node, v: Value):
+        names = ", ".join(t[2].name for t in v.expr.states())
+        self.fail(node, f"a square state ({names}) is only read as the metric of wsq(V, {names}) or inside sq() "
+                  "in its own loss")
+
+    def metric_call(self, node, f: str, args) -> Value:
+        """``sq(A)`` of a square expression with state terms (a square state's own loss), or
+        ``wsq(V, c X)`` with a square state X as the metric of a [d, m] ``V``: a scalar placeholder
+        symbol registered on the algebra (``Algebra.square_norms`` / ``Algebra.metrics``), which
+        ``ssmcraft.compiler.metric`` derives from."""
+        alg = self.alg
+        if f == "sq":
+            sym = sympy.Symbol(f"_sq{len(alg.square_norms)}", nonnegative=True)
+            alg.square_norms[sym] = args[0].expr
+            return Value((ONE, ONE), sym)
+        v, w = args
+        if isinstance(v.expr, Square) or v.shape != self.spec.dims:
+            self.fail(node, f"wsq(V, X) with a square state X takes a [{', '.join(self.spec.dims)}] matrix V, "
+                      f"got {show_shape(v.shape)}")
+        if not isinstance(w.expr, Square) or len(w.expr.terms) != 1:
+            self.fail(node, "the metric of wsq(V, X) is one square state times a scalar")
+        _, coef, X = w.expr.terms[0]
+        sym = sympy.Symbol(f"_mq{len(alg.metrics)}", real=True)
+        alg.metrics[sym] = MetricTerm(sympy.sympify(v.expr), coef, X)
+        return Value((ONE, ONE), sym)
 
 
 def _vector_shape(shape: tuple[str, ...]) -> tuple[str, str]:
@@ -507,10 +580,64 @@ def _multi_state_objective(spec: Spec, low: Lowering) -> SymbolicObjective:
         loss = low.lower_text(key, text)
         if not loss.is_scalar:
             raise SpecError(src, key, f"the loss must be a scalar, got a {show_shape(loss.shape)} value")
-        if not alg.depends_on(loss.expr, low.state_of(name)[0]):
+        if name in low.square:
+            check_square_loss(spec, low, name, key, loss.expr)
+        elif not alg.depends_on(loss.expr, low.state_of(name)[0]) and not any(
+                alg.depends_on(alg.metrics[p].V, low.state_of(name)[0]) for p in loss.expr.free_symbols if p in alg.metrics):
             raise SpecError(src, key, f"the loss does not depend on the state {name}")
         losses.append((name, sympy.sympify(loss.expr)))
     out = _output(spec, low)
     if not any(alg.depends_on(out, low.state_of(x)[0]) for x in spec.states):
         raise SpecError(src, "output", f"the output reads none of the states {', '.join(spec.states)}")
     return SymbolicObjective(spec, low, sympy.Add(*(e for _, e in losses)), out, tuple(losses))
+
+
+# -- square states (``ssmcraft.compiler.metric`` derives their updates) --------------------------
+
+def matvec(alg, body, over: str, P: sympy.Symbol):
+    """``sum_j' body_j' P_j'j``: ``body`` (varying over ``over``, the key dimension) as a row vector
+    times the square matrix ``P``; factors that do not vary over ``over`` are pulled out. A new or
+    shared reduction symbol (``Reduction.metric`` is ``P``) over the same dimensions as ``body``."""
+    inner, outer = [], []
+    for f in sympy.Mul.make_args(sympy.sympify(body)):
+        (inner if over in alg.dims_of(f) else outer).append(f)
+    body = sympy.Mul(*inner)
+    key = (body, over, P)
+    if key not in alg._keys:
+        dims = alg.dims_of(body) | {over}
+        sym = alg.symbol(f"_r{alg._count}", dims, real=True)
+        alg._count += 1
+        alg.reductions[sym] = Reduction(sym, body, over, dims, metric=P)
+        alg._keys[key] = sym
+    return sympy.Mul(*outer) * alg._keys[key]
+
+
+def _holders(alg, e, registry) -> list:
+    return sorted((s for s in sympy.sympify(e).free_symbols if s in registry), key=lambda s: s.name)
+
+
+def _linear_in(e, holders, what: str, fail):
+    """``e = sum_p c_p p + rest`` with every ``c_p`` free of the placeholders: {p: c_p}, rest."""
+    coefs = {}
+    for p in holders:
+        c = sympy.diff(e, p)
+        if c.free_symbols & set(holders):
+            fail(f"{what} must enter the loss linearly (times a coefficient), not inside another function")
+        coefs[p] = c
+    return coefs, sympy.expand(e).xreplace({p: 0 for p in holders})
+
+
+def check_square_loss(spec, low, name: str, key: str, loss) -> None:
+    """The symbolic stage's checks of a square state's loss: ``sum_i c_i sq(A_i)`` with state terms
+    in the ``A_i``, the state's new value among them, no metric term (``wsq(V, X)``)."""
+    alg = low.alg
+
+    def fail(problem):
+        raise SpecError(spec.source, key, problem)
+    if _holders(alg, loss, alg.metrics):
+        fail(f"the loss of the square state {name} cannot hold a metric term wsq(V, X)")
+    holders = _holders(alg, loss, alg.square_norms)
+    _linear_in(loss, holders, "sq() of a square expression", fail)
+    new = low.square[name][0]
+    if not any(t[2] == new for p in holders for t in alg.square_norms[p].states()):
+        fail(f"the loss does not depend on the square state {name}: write it as sq({name} - ...)/2")

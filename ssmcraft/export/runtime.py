@@ -80,6 +80,9 @@ class IRView:
         self.params = {k: tuple(v) for k, v in data["params"].items()}
         self.slots = dict(data.get("slots", {}))
         self.states = tuple(data.get("states", ()))            # several states (absent with one)
+        # states of several shapes (absent with one shape): name -> (r, c), name -> c of c I at t = 0
+        self.state_shapes = {x: tuple(v) for x, v in data.get("state_shapes", {}).items()}
+        self.inits = {x: v["identity"] for x, v in data.get("inits", {}).items()}
         for key in ("coefficients", "reductions", "state_reductions", "readout_reductions"):
             setattr(self, key, tuple(IRRecord(r) for r in data.get(key, ())))
         self._hash = content_hash
@@ -91,6 +94,9 @@ class IRView:
     @property
     def state_names(self) -> tuple:
         return self.states or (self.data["state"],)
+
+    def shape_of(self, state: str) -> tuple:
+        return self.state_shapes.get(state, self.dims)
 
     def is_per_head_step(self) -> bool:
         c = self.coefficient("c")

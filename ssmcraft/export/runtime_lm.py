@@ -80,11 +80,18 @@ class Model(LM):
 
     @staticmethod
     def state_size(state: list) -> int:
-        """Number of elements of a recurrent state (the same after any number of steps)."""
-        total = 0
-        for cache in state:
-            total += sum(t.numel() for t in vars(cache).values() if isinstance(t, torch.Tensor))
-        return total
+        """Number of elements of a recurrent state: every tensor of every layer's cache, each state of
+        an objective with several (the same after any number of steps, except a mini-batch objective's,
+        which also holds its chunk's inputs so far)."""
+        def numel(x) -> int:
+            if isinstance(x, torch.Tensor):
+                return x.numel()
+            if isinstance(x, (tuple, list)):
+                return sum(numel(v) for v in x)
+            if isinstance(x, dict):
+                return sum(numel(v) for v in x.values())
+            return sum(numel(v) for v in vars(x).values()) if hasattr(x, "__dict__") else 0
+        return sum(numel(cache) for cache in state)
 
     @torch.no_grad()
     def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

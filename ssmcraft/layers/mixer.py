@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.ops.common.reference import initial_states
 from ssmcraft.layers.activations import (apply_activation, implied_activation, inverse_softplus,
                                          l2_normalize, log_uniform)
 from ssmcraft.layers.config import ObjectiveMixerConfig
@@ -50,6 +51,17 @@ class RecurrentCache:
 
     conv: torch.Tensor
     state: torch.Tensor | tuple
+
+
+@dataclass
+class ChunkCache:
+    """A mini-batch objective's recurrent state (``approximation: {minibatch: C}``): the state before
+    the current chunk and the projected inputs of the chunk's tokens so far (``[B, n, H, ...]``, n < C),
+    from which each step recomputes the chunk, so that steps equal parallel mode (its chunks start at
+    the sequence's first token)."""
+
+    start: torch.Tensor | tuple
+    inputs: dict
 
 
 def is_constrained(decl) -> bool:
@@ -197,25 +209,39 @@ class ObjectiveMixer(nn.Module):
         return self._finish(y, u, z)
 
     def init_cache(self, batch_size: int) -> RecurrentCache:
-        """Zero conv window and state, on the module's device and in its dtype."""
+        """Zero conv window and the objective's initial state (zero, or c I for a square state declared
+        ``init: {identity: c}``), on the module's device and in its dtype."""
         w = self.in_proj.weight
-        states = tuple(torch.zeros(batch_size, self.H, self.d, self.m, device=w.device, dtype=w.dtype)
-                       for _ in self.obj.spec.state_names())
-        return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
-                              states if self.obj.spec.states else states[0])
+        state = initial_states(self.obj.ir, batch_size, self.H, self.d, self.m, w.device, w.dtype)
+        if getattr(self.obj.ir, "minibatch", 0):     # (an export's IR view has it only when set)
+            state = ChunkCache(state, {})
+        return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype), state)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
         x, z = self._split_in(h_t[:, None])
         u_t, conv_state = self.conv.step(x[:, 0], cache.conv)
         u = F.silu(u_t)[:, None]
-        y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
+        if isinstance(cache.state, ChunkCache):
+            y, S = self._chunk_step(self.project(u), cache.state)
+        else:
+            y, S = self._recur(self.project(u), self.param_values(), state=cache.state)
         return self._finish(y, u, z)[:, 0], RecurrentCache(conv_state, S)
 
     def state_elements(self) -> int:
-        """Numbers of recurrent state one sequence carries: ``H * d * m`` per declared state (the
-        iso-state measure; the conv window's ``D * (k - 1)`` is not counted)."""
-        return len(self.obj.spec.state_names()) * self.H * self.d * self.m
+        """Numbers of recurrent state one sequence carries, every declared state counted (``[H, d, m]``
+        each, ``[H, m, m]`` for a square one; the iso-state measure; the conv window's ``D * (k - 1)`` is
+        not counted)."""
+        return self.obj.state_elements(self.H, self.d, self.m)
+
+    def _chunk_step(self, inputs: dict, chunk: ChunkCache):
+        """One token of a mini-batch objective: the chunk so far and this token from the chunk's
+        starting state; the chunk's final state starts the next one once it holds C tokens."""
+        if chunk.inputs:
+            inputs = {k: torch.cat([chunk.inputs[k], v], dim=1) for k, v in inputs.items()}
+        y, S = self._recur(inputs, self.param_values(), state=chunk.start)
+        full = next(iter(inputs.values())).shape[1] == self.obj.ir.minibatch
+        return y[:, -1:], ChunkCache(S, {}) if full else ChunkCache(chunk.start, inputs)
 
     def trace_states(self, h: torch.Tensor, every: int = 1) -> torch.Tensor:
         """States over time for inputs h ``[B, T, d_model]``: ``[B, T // every, H, d, m]``.
@@ -241,6 +267,7 @@ class ObjectiveMixer(nn.Module):
         return {"kind": "objective", "objective": spec.name,
                 "structure": getattr(self.obj, "structure_kind", None), "heads": self.H,
                 "d": self.d, "m": self.m, "value_input": self.value_name,
+                "state_elements": self.state_elements(),
                 "inputs": {n: {"route": self.route[n], "activation": self.activation[n],
                                "normalize": bool(spec.inputs[n].normalize)} for n in spec.inputs},
                 "params": {n: {"shape": [self.H, *(self.sizes[s] for s in d.shape)],

@@ -7,6 +7,7 @@ the mitigated copies.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -17,7 +18,8 @@ from ssmcraft.compiler.ir import UpdateIR
 from ssmcraft.compiler.spec import Spec
 from ssmcraft.compiler.symbolic import SymbolicObjective
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.ops.common.reference import empty_trace, layout, reference_loop, sliding_window, traced_state
+from ssmcraft.ops.common.reference import (empty_trace, initial_states, layout, reference_loop, sliding_window,
+                                           state_shapes, traced_state)
 from ssmcraft.runtime import dispatch
 from ssmcraft.runtime.graphs import GraphedCall
 
@@ -40,7 +42,22 @@ class CompiledObjective(Derivation):
         return "\n".join([update_formula(self.ir), "where", *("  " + line for line in coefficient_lines(self.ir))])
 
     def state_shape(self, B: int, H: int, d: int, m: int) -> tuple[int, int, int, int]:
+        """The shape of the (last declared) state, ``[B, H, d, m]``; every state: ``state_shapes``."""
         return (B, H, d, m)
+
+    def state_shapes(self, B: int, H: int, d: int, m: int) -> dict:
+        """Every state's shape, in declaration order: ``[B, H, d, m]``, or ``[B, H, m, m]`` for a
+        square state (``state: {R: {shape: [m, m], ...}}``)."""
+        return state_shapes(self.ir, B, H, d, m)
+
+    def state_elements(self, H: int, d: int, m: int) -> int:
+        """Elements of recurrent state one sequence carries, every state counted."""
+        return sum(math.prod(shape) for shape in self.state_shapes(1, H, d, m).values())
+
+    def initial_states(self, B: int, H: int, d: int, m: int, device=None, dtype=None):
+        """The initial state(s) a call with no ``initial_state`` starts from: zero, or c times the
+        identity where the spec declares ``init: {identity: c}``; a tuple with several states."""
+        return initial_states(self.ir, B, H, d, m, device, dtype)
 
     def __repr__(self):
         return f"CompiledObjective({self.spec.name!r}, kind={self.ir.kind!r}, backend={self.backend!r})"

@@ -49,7 +49,21 @@ update          ``implicit``: the minimiser; ``explicit``: one gradient step of 
                 spelled out with ``A`` in a ``let:``), as the library writes Gated DeltaNet.
 approximation   ``exact`` | ``diagonal``
 normalize       ``false`` | ``true``: L2-normalise the keys (``k``, and ``k2``).
+minibatch       ``0`` (none) or a chunk size C: ``approximation: {minibatch: C}``, the data
+                loss's gradient taken at the state before each chunk (explicit and Newton
+                updates; with the approximation exact).
+memory          ``matrix``: the state ``S [d, m]``; ``mlp``: a two-layer MLP memory
+                ``x ~ W2 silu(W1 k)`` (``W1 [h, m]``, ``W2 [d, h]``, ``h = 2m``, both from the
+                rectangular identity), each weight stepped on the data loss with the other
+                at its previous value (proximity ``plain``, ``scalar_decay`` as
+                ``sq(W - alpha*W_prev)/2`` or ``weight_decay`` as ``lam*sq(W)/2``).
 ==============  ==================================================================
+
+``proximity: metric`` makes the key covariance ``R = lam R_prev + sum k k^T`` (a square state
+from ``I``) the metric of the proximity, ``lam*wsq(S - S_prev, R_prev)/2``: with a regression
+data term and ``update: implicit`` it is recursive least squares (``rls`` in the library, with
+``beta = 1``); with ``decay_explicit`` the data step is preconditioned by the new ``R``'s
+inverse, ``wsq(S - S_prev, R)/2 + <S, grad l(S_prev)>`` (``precond_delta``'s form).
 
 Gated DeltaNet is ``scalar_decay, regression, scalar, decay_explicit, normalize``; Longhorn
 is ``plain, regression, per_channel, implicit``; DeltaNet is ``plain, regression, scalar,
@@ -65,13 +79,15 @@ from ssmcraft.errors import quote as shown
 
 # term -> allowed values; the first one is the default when a term is left out
 TERMS: dict[str, tuple[Any, ...]] = {
-    "proximity": ("plain", "scalar_decay", "diagonal_decay", "channel_decay", "weight_decay"),
+    "proximity": ("plain", "scalar_decay", "diagonal_decay", "channel_decay", "weight_decay", "metric"),
     "data": ("regression", "linear", "huber", "cauchy"),
     "keys": (1, 2),
     "step": ("per_channel", "scalar"),
     "update": ("implicit", "explicit", "newton", "decay_explicit"),
     "approximation": ("exact", "diagonal"),
     "normalize": (False, True),
+    "minibatch": (0, 4, 8, 16, 32, 64),
+    "memory": ("matrix", "mlp"),
 }
 
 # proximity -> (term, its minimiser A: where decay_explicit takes the data step, {input: declaration})
@@ -83,6 +99,9 @@ _PROXIMITY = {
     "channel_decay": ("sq(S - diag(alpha)*S_prev)/2", "diag(alpha)*S_prev", {"alpha": {"shape": ["d"], "bounded": True}}),
     "weight_decay": ("sq(S - S_prev)/2 + lam*sq(S)/2", "S_prev/(1 + lam)",
                      {"lam": {"shape": [], "positive": True, "bounded": True}}),
+    # the key covariance R = lam R_prev + sum k k^T (a square state, from I) as the proximity's metric:
+    # recursive least squares (``_metric``)
+    "metric": ("lam*wsq(S - S_prev, R_prev)/2", "S_prev", {"lam": {"shape": [], "bounded": True}}),
 }
 # (data, step) -> the loss of one pair as a template in {r} (the residual), {k} and {x}
 _LOSS = {
@@ -113,6 +132,7 @@ _WORDS = {
     "diagonal_decay": "a per-key-channel decay",
     "channel_decay": "a per-value-channel decay",
     "weight_decay": "weight decay",
+    "metric": "the key covariance as the metric (recursive least squares)",
     "regression": "online regression",
     "linear": "a linear (Hebbian) data term",
     "huber": "pseudo-Huber regression",
@@ -126,7 +146,7 @@ _WORDS = {
 }
 _ABBREV = {
     "plain": "plain", "scalar_decay": "sdec", "diagonal_decay": "ddec", "channel_decay": "cdec",
-    "weight_decay": "wdec", "regression": "regr", "linear": "lin", "huber": "hubr", "cauchy": "caur",
+    "weight_decay": "wdec", "metric": "metr", "regression": "regr", "linear": "lin", "huber": "hubr", "cauchy": "caur",
     "scalar": "sstep", "per_channel": "cstep", "implicit": "impl", "explicit": "expl", "newton": "newt",
     "decay_explicit": "dexp", "exact": "exact", "diagonal": "diag",
 }
@@ -148,6 +168,9 @@ def check_choices(choices: Mapping[str, Any], source: str = "<dict>", key: str =
             raise SpecError(source, f"{key}.{term}",
                             f"{shown(value)} is not one of {', '.join(map(repr, allowed))}")
         out[term] = value
+    if out["minibatch"] and out["approximation"] != "exact":
+        raise SpecError(source, f"{key}.minibatch", f"a mini-batch replaces the exact update; approximation "
+                        f"{out['approximation']} cannot go with it")
     return out
 
 
@@ -159,7 +182,10 @@ def composed_name(choices: Mapping[str, Any]) -> str:
     parts = [_ABBREV[c[t]] for t in ("proximity", "data", "step", "update", "approximation")]
     if c["keys"] != 1:
         parts[1] += str(c["keys"])
-    return "_".join(["c", *parts] + (["n"] if c["normalize"] else []))
+    if c["minibatch"]:
+        parts[-1] = f"mb{c['minibatch']}"
+    prefix = "m" if c["memory"] == "mlp" else "c"       # m_: an MLP memory
+    return "_".join([prefix, *parts] + (["n"] if c["normalize"] else []))
 
 
 def _join(terms: list[str]) -> str:
@@ -178,6 +204,8 @@ def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
     c = check_choices(choices)
     proximity, anchor, _ = _PROXIMITY[c["proximity"]]
     pairs = _PAIRS[c["keys"]]
+    if c["memory"] == "mlp":
+        return _mlp_terms(c)
     data = _join([_LOSS[(c["data"], c["step"])].format(r=f"S*{k} - {x}", k=k, x=x) for k, x, _ in pairs])
     let: dict[str, str] = {}
     if c["update"] == "decay_explicit":
@@ -185,7 +213,8 @@ def compose_terms(choices: Mapping[str, Any]) -> dict[str, Any]:
         for k, x, r in pairs:
             let[r] = f"anchor*{k} - {x}"
         linear = [_LINEARISED[(c["data"], c["step"])].format(r=r, k=k, x=x) for k, x, r in pairs]
-        objective = _join(["sq(S - anchor)/2", *linear])
+        # with the metric: the preconditioned step, sq(S - A) measured by the new R (precond_delta)
+        objective = _join(["wsq(S - anchor, R)/2" if c["proximity"] == "metric" else "sq(S - anchor)/2", *linear])
     else:
         objective = _join([proximity, data])
     return {"anchor": anchor, "data": data, "let": let, "objective": objective}
@@ -214,8 +243,10 @@ def compose_objective(choices: Mapping[str, Any]) -> dict:
     summary = (f"composed: {_WORDS[c['update']]} {_WORDS[c['data']]} with {_WORDS[c['step']]}, "
                f"{_WORDS[c['proximity']]}, {c['approximation']} transition"
                + (", two key/value pairs" if c["keys"] == 2 else "")
-               + (", normalised keys" if c["normalize"] else ""))
-    return {
+               + (", normalised keys" if c["normalize"] else "")
+               + (f", mini-batches of {c['minibatch']}" if c["minibatch"] else "")
+               + (", a two-layer MLP memory" if c["memory"] == "mlp" else ""))
+    spec = {
         "name": composed_name(c),
         "summary": summary,
         "state": {"S": ["d", "m"]},
@@ -224,6 +255,39 @@ def compose_objective(choices: Mapping[str, Any]) -> dict:
         "objective": terms["objective"],
         # decay_explicit is written as the minimiser of its linearised objective
         "update": "implicit" if c["update"] == "decay_explicit" else c["update"],
-        "approximation": c["approximation"],
+        "approximation": {"minibatch": c["minibatch"]} if c["minibatch"] else c["approximation"],
         "output": "S*q",
     }
+    if c["proximity"] == "metric" and c["memory"] == "matrix":
+        spec["state"] = {"R": {"shape": ["m", "m"], "init": {"identity": 1.0}}, "S": ["d", "m"]}
+        spec["objective"] = {"R": _join(["sq(R - lam*R_prev", *[f"- outer({k}, {k})" for k, _, _ in _PAIRS[c["keys"]]]])
+                                  + ")/2", "S": terms["objective"]}
+        spec["update"] = {"R": "implicit", "S": spec["update"]}       # R is always its loss's minimiser
+    if c["memory"] == "mlp":
+        spec.update(hidden={"h": "2*m"}, output="W2*silu(W1*q)",
+                    state={"W1": {"shape": ["h", "m"], "init": {"identity": 1.0}},
+                           "W2": {"shape": ["d", "h"], "init": {"identity": 1.0}}},
+                    objective=terms["objective"])
+    return spec
+
+
+# memory: mlp -- proximity -> (per-weight term in {W}, its input declarations): the weights W1 [h, m]
+# and W2 [d, h] of x ~ W2 silu(W1 k), each stepped on the data loss with the other at its previous value
+_MLP_PROXIMITY = {"plain": "", "scalar_decay": "sq({W} - alpha*{W}_prev)/2", "weight_decay": "lam*sq({W})/2"}
+
+
+def _mlp_terms(c: dict) -> dict:
+    """``compose_terms`` of an MLP memory (``memory: mlp``): per weight its loss."""
+    if c["proximity"] not in _MLP_PROXIMITY:
+        raise SpecError("<compose>", "compose.proximity", f"an MLP memory takes proximity "
+                        f"{', '.join(_MLP_PROXIMITY)}; {c['proximity']} needs a [d, m] state")
+    if c["update"] == "decay_explicit":
+        raise SpecError("<compose>", "compose.update", "an MLP memory takes update explicit (or newton, implicit: the "
+                        "compiler decides); decay_explicit is written for a [d, m] state")
+    objective = {}
+    for W, pred in (("W1", "W2_prev*silu(W1*{k})"), ("W2", "W2*silu(W1_prev*{k})")):
+        data = [_LOSS[(c["data"], c["step"])].replace("S*{k}", pred).format(r=f"{pred} - {{x}}".format(k=k, x=x), k=k, x=x)
+                for k, x, _ in _PAIRS[c["keys"]]]
+        prox = _MLP_PROXIMITY[c["proximity"]].format(W=W)
+        objective[W] = _join(([prox] if prox else []) + data)
+    return {"anchor": "", "data": "", "let": {}, "objective": objective}

@@ -43,7 +43,7 @@ def can_report() -> bool:
 
 def state_bytes(run_dir: Path) -> int | None:
     """Bytes of state one sequence carries through the run's model, fp32 (``LM.state_elements``:
-    ``[H, d, m]`` per objective state, a sliding window's keys and values, a module mixer's own
+    every objective state (``[H, d, m]`` each, ``[H, m, m]`` for a square one), a sliding window's keys and values, a module mixer's own
     count); None when a layer's state grows with the context (full attention) or is unknown.
     Built from the run's config; no weights needed."""
     from ssmcraft.layers import LM

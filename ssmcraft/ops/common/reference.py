@@ -30,6 +30,7 @@ class Layout:
     dtype: torch.dtype   # compute dtype (float32 or float64)
     out_dtype: torch.dtype
     S0: torch.Tensor | tuple | None     # a tuple of [B, H, d, m] (declaration order) with several states
+    hidden: dict | None = None          # hidden dimension -> size (a deep memory): one more axis each
 
 
 def _fail(msg: str):
@@ -99,22 +100,24 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
             _fail(f"{spec.name}: param {name!r} must have shape [{', '.join(pdims)}] or [H, {', '.join(pdims)}], got {list(t.shape)}")
         for dim, n in zip(pdims, t.shape[t.dim() - len(pdims):]):
             note(dim, n, f"param {name!r}")
-    for what, t in _initial_states(ir, spec, initial_state):
+    for what, t, (r, c) in _initial_states(ir, spec, initial_state):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != (B, H):
-            _fail(f"{spec.name}: {what} must be [B, H, {dims[0]}, {dims[1]}] = [{B}, {H}, ...], got "
+            _fail(f"{spec.name}: {what} must be [B, H, {r}, {c}] = [{B}, {H}, ...], got "
                   f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        note(dims[0], t.shape[2], what)
-        note(dims[1], t.shape[3], what)
+        note(r, t.shape[2], what)
+        note(c, t.shape[3], what)
     for dim in dims:
         if dim not in sizes:
             _fail(f"{spec.name}: cannot tell the size of dimension {dim!r} from the tensors given (pass initial_state)")
+    hidden = hidden_sizes(ir, sizes)
+    for h, n in hidden.items():
+        note(h, n, f"hidden dimension {h} (its rule)")
+    axes = (*dims, *hidden)
     dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     out_dtype = dtypes[0] if dtypes[0].is_floating_point else dtype
 
-    def shape5(idims, lead):
-        r = sizes[dims[0]] if dims[0] in idims else 1
-        c = sizes[dims[1]] if dims[1] in idims else 1
-        return (*lead, r, c)
+    def shape5(idims, lead):        # one axis per dimension (``axes``): [..., d|1, m|1, hidden...]
+        return (*lead, *(sizes[a] if a in idims else 1 for a in axes))
 
     env = {}
     for name, idims in ir.inputs.items():
@@ -130,7 +133,15 @@ def layout(ir, spec, inputs: dict, params: dict | None, initial_state) -> Layout
     S0 = None
     if initial_state is not None:
         S0 = tuple(t.to(dtype) for t in initial_state) if ir.states else initial_state.to(dtype)
-    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0)
+    return Layout(env, B, T, H, sizes[dims[0]], sizes[dims[1]], dtype, out_dtype, S0, hidden or None)
+
+
+def hidden_sizes(ir, sizes: dict) -> dict:
+    """Each hidden dimension's size (``factor * size(base)``, or ``factor``) from the sizes known."""
+    out = {}
+    for h, (factor, base) in (getattr(ir, "hidden", None) or {}).items():
+        out[h] = factor * sizes[base] if base is not None else factor
+    return out
 
 
 def states(S) -> tuple:
@@ -166,12 +177,32 @@ def _initial_states(ir, spec, initial_state) -> list:
     if initial_state is None:
         return []
     if not ir.states:
-        return [("initial_state", initial_state)]
+        return [("initial_state", initial_state, ir.dims)]
     if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(ir.states):
         _fail(f"{spec.name}: initial_state must be a tuple of {len(ir.states)} tensors, one per state "
               f"({', '.join(ir.states)}), got {type(initial_state).__name__}"
               + (f" of {len(initial_state)}" if isinstance(initial_state, (tuple, list)) else ""))
-    return [(f"initial_state[{i}] ({x})", t) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+    return [(f"initial_state[{i}] ({x})", t, ir.shape_of(x)) for i, (x, t) in enumerate(zip(ir.states, initial_state))]
+
+
+def state_shapes(ir, B: int, H: int, d: int, m: int) -> dict:
+    """Every state's shape, in declaration order: ``[B, H, d, m]``, or ``[B, H, m, m]`` for a
+    square state. Works on the IR and on the export's view of its JSON form."""
+    size = dict(zip(ir.dims, (d, m)))
+    size.update(hidden_sizes(ir, size))
+    return {x: (B, H, *(size[n] for n in ir.shape_of(x))) for x in ir.state_names}
+
+
+def initial_states(ir, B: int, H: int, d: int, m: int, device=None, dtype=None):
+    """The initial state(s) of a call with no ``initial_state``: zero, or c times the identity for a
+    state declared ``init: {identity: c}``; a tuple with several states."""
+    out = []
+    for x, shape in state_shapes(ir, B, H, d, m).items():
+        S = torch.zeros(shape, device=device, dtype=dtype)
+        if x in ir.inits:
+            S = S + ir.inits[x] * torch.eye(shape[-2], shape[-1], device=device, dtype=dtype)
+        out.append(S)
+    return tuple(out) if ir.states else out[0]
 
 
 def traced_state(ir) -> str:
@@ -197,10 +228,51 @@ def n_states(module) -> int:
     return len(getattr(module, "STATES", ())) or 1
 
 
-def expand_state(S, lay: Layout):
-    """A step's result broadcast to [B, H, d, m] (each state of a tuple)."""
+def _sizes(module, lay: Layout) -> list:
+    """Each state's shape as the step carries it (after [B, H]): [d, m], or [m, m] for a square state;
+    over hidden dimensions one axis per dimension (``module.AXES``), 1 where the state has none."""
+    shapes = getattr(module, "SHAPES", None)
+    if shapes is None:
+        return [(lay.d, lay.m)] * n_states(module)
+    size = _axis_sizes(module, lay)
+    if lay.hidden:
+        return [tuple(size[a] if a in shapes[x] else 1 for a in module.AXES) for x in module.STATES]
+    return [tuple(size[n] for n in shapes[x]) for x in module.STATES]
+
+
+def _axis_sizes(module, lay: Layout) -> dict:
+    return {**dict(zip(module.DIMS, (lay.d, lay.m))), **(lay.hidden or {})}
+
+
+def _to_axes(module, lay: Layout, x: str, S):
+    """A state as declared, [B, H, r, c], laid out over every axis (hidden dimensions): [B, H, *axes]."""
+    r, c = module.SHAPES[x]
+    if module.AXES.index(r) > module.AXES.index(c):
+        S = S.transpose(-1, -2)
+    return S.reshape(S.shape[0], S.shape[1], *_sizes(module, lay)[module.STATES.index(x)])
+
+
+def _from_axes(module, lay: Layout, x: str, S):
+    """The inverse of ``_to_axes``: [B, H, *axes] -> [B, H, r, c] as declared."""
+    r, c = module.SHAPES[x]
+    size = _axis_sizes(module, lay)
+    first, second = sorted((r, c), key=module.AXES.index)
+    S = S.reshape(S.shape[0], S.shape[1], size[first], size[second])
+    return S.transpose(-1, -2) if first != r else S
+
+
+def output(y, lay: Layout):
+    """A readout [..., d, 1] (or [..., d, 1, ..., 1], one axis per dimension) as [..., d]: the first
+    element of every axis after d (a readout coefficient may broadcast over them)."""
+    return y[(..., *([0] * (1 + len(lay.hidden or ()))))]
+
+
+def expand_state(S, lay: Layout, module=None):
+    """A step's result broadcast to [B, H, d, m] (each state of a tuple; [B, H, m, m] for a square
+    state of ``module``)."""
     if isinstance(S, tuple):
-        return tuple(x.expand(lay.B, lay.H, lay.d, lay.m) for x in S)
+        sizes = _sizes(module, lay) if module is not None else [(lay.d, lay.m)] * len(S)
+        return tuple(x.expand(lay.B, lay.H, *shape) for x, shape in zip(S, sizes))
     return S.expand(lay.B, lay.H, lay.d, lay.m)
 
 
@@ -211,12 +283,47 @@ def at(value, t: int):
     return value[:, t if value.shape[1] > 1 else 0]
 
 
-def _initial(lay: Layout, device, count: int = 1):
-    """The initial state, or a tuple of ``count`` states when the module has several."""
+def _initial(lay: Layout, device, count: int = 1, module=None):
+    """The initial state, or a tuple of ``count`` states when the module has several; with square
+    states (``module.INVERTED``) as the step carries them: their inverses."""
+    inverted = getattr(module, "INVERTED", ())
+    if inverted:
+        return tuple(torch.linalg.inv(S) if x in inverted else S
+                     for x, S in zip(module.STATES, declared_initial(module, lay, device)))
+    if lay.hidden:
+        return tuple(_to_axes(module, lay, x, S) for x, S in zip(module.STATES, declared_initial(module, lay, device)))
     if lay.S0 is not None:
         return lay.S0
     zeros = [torch.zeros(lay.B, lay.H, lay.d, lay.m, dtype=lay.dtype, device=device) for _ in range(count)]
     return tuple(zeros) if count > 1 else zeros[0]
+
+
+def declared_initial(module, lay: Layout, device) -> tuple:
+    """The initial states of a module with square states, as declared: the call's, else zero, or c
+    times the identity where the spec says ``init: {identity: c}``."""
+    if lay.S0 is not None:
+        return tuple(lay.S0)
+    out = []
+    size = _axis_sizes(module, lay)
+    for x in module.STATES:
+        r, c = (size[n] for n in module.SHAPES[x])
+        if x in module.IDENTITY_INIT:       # c I, rectangular for a deep memory's weights
+            eye = torch.eye(r, c, dtype=lay.dtype, device=device) * module.IDENTITY_INIT[x]
+            out.append(eye.expand(lay.B, lay.H, r, c).clone())
+        else:
+            out.append(torch.zeros(lay.B, lay.H, r, c, dtype=lay.dtype, device=device))
+    return tuple(out)
+
+
+def declared(module, S, lay: Layout | None = None):
+    """The final states as declared: a square state's carried inverse inverted back, a state over
+    hidden dimensions laid out [B, H, r, c] again."""
+    if lay is not None and lay.hidden:
+        return tuple(_from_axes(module, lay, x, t) for x, t in zip(module.STATES, S))
+    inverted = getattr(module, "INVERTED", ())
+    if not inverted:
+        return S
+    return tuple(torch.linalg.inv(x) if name in inverted else x for name, x in zip(module.STATES, S))
 
 
 def _device(lay: Layout):
@@ -230,18 +337,23 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
     states [B, T//every, H, d, m] or None); with several states ``traced`` picks the state traced.
     """
     d, m = lay.d, lay.m
-    S = _initial(lay, _device(lay), n_states(module))
+    S = _initial(lay, _device(lay), n_states(module), module)
+    C = getattr(module, "MINIBATCH", 0)
     ys, states = [], []
     for t in range(lay.T):
         env_t = {k: at(v, t) for k, v in lay.env.items()}
         co = module.coefficients(env_t, d, m)
-        S = expand_state(module.step(S, env_t, co, d, m), lay)
-        ys.append(module.readout(S, env_t, co, d, m)[..., 0])
+        if C:       # a mini-batch step also reads the state before its chunk
+            S_c = S if t % C == 0 else S_c
+            S = expand_state(module.step(S, env_t, co, d, m, S_c), lay, module)
+        else:
+            S = expand_state(module.step(S, env_t, co, d, m), lay, module)
+        ys.append(output(module.readout(S, env_t, co, d, m), lay))
         if every and (t + 1) % every == 0:
-            states.append(S[traced] if isinstance(S, tuple) else S)
+            states.append(declared(module, S, lay)[traced] if isinstance(S, tuple) else S)
     y = torch.stack(ys, dim=1) if ys else torch.zeros(lay.B, 0, lay.H, d, dtype=lay.dtype, device=_device(lay))
     st = torch.stack(states, dim=1) if states else None
-    return y, S, st
+    return y, declared(module, S, lay), st
 
 
 def _scan(A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
@@ -291,21 +403,74 @@ def vectorised(module, ir, lay: Layout):
     """
     d, m = lay.d, lay.m
     co = module.coefficients(lay.env, d, m)
-    if lay.T == 0:
-        return reference_loop(module, lay)[:2]
+    if lay.T == 0 or getattr(module, "MINIBATCH", 0):
+        return reference_loop(module, lay)[:2] if lay.T == 0 else minibatch(module, lay, co)
     if ir.kind in ("scalar_decay", "diagonal_decay") and _device(lay).type == "cuda":
         states = diagonal_states(module, lay, co)
         y = module.readout(states, lay.env, co, d, m)[..., 0]
         return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
-    S = _initial(lay, _device(lay), n_states(module))
+    S = _initial(lay, _device(lay), n_states(module), module)
     needs_env = ir.kind in ("general", "nonlinear") or ir.readout is not None
     ys = []
     for t in range(lay.T):
         co_t = {k: at(v, t) for k, v in co.items()}
         env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
-        S = expand_state(module.step(S, env_t, co_t, d, m), lay)
-        ys.append(module.readout(S, env_t, co_t, d, m)[..., 0])
-    return torch.stack(ys, dim=1), S
+        S = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
+        ys.append(output(module.readout(S, env_t, co_t, d, m), lay))
+    return torch.stack(ys, dim=1), declared(module, S, lay)
+
+
+def _chunk(value, s: int, e: int):
+    """Time steps s..e-1 of a laid-out tensor (size-1 time axes broadcast)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 5 or value.shape[1] == 1:
+        return value
+    return value[:, s:e]
+
+
+def minibatch(module, lay: Layout, co: dict):
+    """A mini-batch update (``approximation: {minibatch: C}``), chunk by chunk, each chunk in parallel
+    when the update is ``a . S_prev + G(S_c)`` (``module.minibatch_decay``; per state with several):
+    ``G`` for every token of the chunk at once (the step at ``S_prev = 0``), then the states as one scan
+    ``S_t = a_t S_{t-1} + G_t`` from the state before the chunk (a cumulative sum when ``a = 1``), and
+    every output at once. Otherwise the chunk's tokens run one by one, each from the chunk's start.
+
+    Returns (y [B, T, H, d], S_T [B, H, d, m], or the tuple of states as declared)."""
+    d, m, C = lay.d, lay.m, module.MINIBATCH
+    decay = getattr(module, "minibatch_decay", None)
+    several = hasattr(module, "STATES")
+    S = _initial(lay, _device(lay), n_states(module), module)
+    ys = []
+    for s in range(0, lay.T, C):
+        e = min(s + C, lay.T)
+        env_c = {k: _chunk(v, s, e) for k, v in lay.env.items()}
+        co_c = {k: _chunk(v, s, e) for k, v in co.items()}
+        if decay is None:
+            start, steps = S, []
+            for t in range(e - s):
+                env_t, co_t = ({k: at(v, t) for k, v in x.items()} for x in (env_c, co_c))
+                S = expand_state(module.step(S, env_t, co_t, d, m, start), lay, module)
+                steps.append(S)
+            states = tuple(torch.stack(x, dim=1) for x in zip(*steps)) if several else torch.stack(steps, dim=1)
+        else:
+            flat = S if several else (S,)
+            S_c = tuple(x[:, None] for x in flat)
+            G = module.step(tuple(torch.zeros_like(x) for x in S_c) if several else torch.zeros_like(S_c[0]),
+                            env_c, co_c, d, m, S_c if several else S_c[0])
+            a = decay(env_c, co_c, d, m)
+            out = tuple(_chunk_scan(g, x, ax, lay) for g, x, ax in zip(G if several else (G,), S_c, a if several else (a,)))
+            states = out if several else out[0]
+        ys.append(output(module.readout(states, env_c, co_c, d, m), lay).expand(lay.B, e - s, lay.H, d))
+        S = tuple(x[:, -1] for x in states) if several else states[:, -1]
+    return torch.cat(ys, dim=1), declared(module, S, lay) if several else S
+
+
+def _chunk_scan(G, S_c, a, lay: Layout):
+    """The states ``S_t = a_t S_{t-1} + G_t`` of one chunk from ``S_c`` [B, 1, H, ...], over dim 1."""
+    G = G.expand(S_c.shape[0], G.shape[1], *S_c.shape[2:])
+    if not isinstance(a, torch.Tensor) and float(a) == 1.0:
+        return S_c + torch.cumsum(G, dim=1)
+    A = (a if isinstance(a, torch.Tensor) else torch.full((), float(a), dtype=lay.dtype, device=_device(lay))).expand(G.shape)
+    return _scan(A, torch.cat([G[:, :1] + A[:, :1] * S_c, G[:, 1:]], dim=1))
 
 
 def sliding_window(module, ir, lay: Layout, window: int) -> torch.Tensor:

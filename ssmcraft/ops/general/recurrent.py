@@ -189,6 +189,15 @@ def supports(ir) -> str | None:
     """None if ``ir`` runs on this family's kernel, else the reason."""
     if ir.kind not in ("general", "nonlinear"):
         return f"not a general/nonlinear update ({ir.kind})"
+    if ir.minibatch:
+        return (f"a mini-batch update (chunks of {ir.minibatch}, gradients at the state before the chunk) needs the "
+                "chunk's starting state, which the kernel does not carry")
+    if ir.state_shapes and not ir.inverses:
+        return (f"states of several shapes ({', '.join(f'{x}: [{chr(44).join(ir.shape_of(x))}]' for x in ir.states)}) "
+                "do not fit the kernel's one [K, V] tile per state")
+    if ir.inverses:
+        return (f"square states ({', '.join(x for x, _, _ in ir.inverses)}: [m, m], carried by their inverses) do not "
+                "fit the kernel's one [K, V] tile per state")
     try:
         step, _, _ = _module(ir)
     except NotImplementedError as e:
