@@ -183,6 +183,25 @@ def _with_preamble(head: list, body: list) -> list:
     return [*head, *keep, *body]
 
 
+def _shared(pr: _Printer, exprs: list, indent: str = "    ") -> list[str]:
+    """Lines computing the common sub-expressions of ``exprs`` once (``sympy.cse``, as
+    ``general.shared_factors``), the printer then printing ``exprs`` in terms of them: without
+    this a Woodbury update's slots and their adjoints repeat its denominators in every term
+    (``longhorn_2key``: lines of 4k characters, a prologue slower than the recurrence)."""
+    bodies = [r.body for r in pr.alg.reductions_in(sympy.Add(*exprs)) if r.symbol not in pr.done]
+    originals = [*exprs, *bodies]
+    temps, reduced = sympy.cse(originals, symbols=sympy.numbered_symbols("_cse"))
+    if not temps:
+        return []
+    lines = pr.reductions([e for _, e in temps], indent)
+    for i, (sym, e) in enumerate(temps):
+        code = pr.expr(e)
+        pr.names[sym.name] = f"c_{i}"
+        lines.append(f"{indent}c_{i} = {code}")
+    pr.rewrite = dict(zip(originals, reduced))
+    return lines
+
+
 def kernel_source(ir, pro: Prologue, header: str) -> str:
     """The Triton source (forward and backward kernels) of the computed slots of ``ir``."""
     dm = pro.dims
@@ -198,6 +217,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
         '    """One program per block of R (b, t, h) rows: every computed slot, fp32."""'], [
         *_loads(pro),
         *pr.reductions([e for _, _, e in pro.slots], "    "),
+        *_shared(pr, [e for _, _, e in pro.slots]),
         *[f"    tl.store({_row_ptr(f'O_{s}', _key(dims, dm))}, {pr.expr(e)} + {_ZERO[_key(dims, dm)]}, "
           f"mask={_MASK[_key(dims, dm)]})" for s, dims, e in pro.slots],
     ])
@@ -212,6 +232,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
         *[f"    g_{s} = tl.load({_row_ptr(f'GO_{s}', _key(dims, dm))}, mask={_MASK[_key(dims, dm)]}, "
           f"other=0.).to(tl.float32)" for s, dims, _ in pro.slots],
         *pr.reductions(list(pro.grads.values()), "    "),
+        *_shared(pr, list(pro.grads.values())),
         *[f"    tl.store({_row_ptr(f'D_{lf.name}', _key(lf.dims, dm))}, "
           f"({pr.expr(pro.grads[lf.name])} + {_ZERO[_key(lf.dims, dm)]}).to(D_{lf.name}.dtype.element_ty), "
           f"mask={_MASK[_key(lf.dims, dm)]})" for lf in pro.leaves],
