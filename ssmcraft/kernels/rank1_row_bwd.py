@@ -20,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.kernels.rank1_row_fwd import IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots, transition
+from ssmcraft.kernels.rank1_row_fwd import (IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots,
+                                            row_tile, transition)
 
 
 @triton.jit
@@ -190,16 +191,11 @@ def rank1_row_bwd_kernel(
     i_v = tl.program_id(1)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    ix = (offs_k, mask_k, offs_v, mask_v)
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k, offs_v = ix[0], ix[2]
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, None)
     grads = (DA, DC, DP, DOC)
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
     base = b.to(tl.int64) * T
     REBUILT: tl.constexpr = SCR is not None
 

@@ -94,6 +94,27 @@ def prefetch_slots(vecs, rows, row, K, V, ix, MODES: tl.constexpr, GROUPS: tl.co
 
 
 @triton.jit
+def row_tile(V, K, BV: tl.constexpr, BK: tl.constexpr):
+    """A program's tile: ``ix = (offs_k, mask_k, offs_v, mask_v)`` of rows [iv*BV, iv*BV+BV)
+    (``iv`` program axis 1), its state mask and the offsets of a [K, V] state tile."""
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, BK)
+    mask_v = offs_v < V
+    mask_k = offs_k < K
+    return (offs_k, mask_k, offs_v, mask_v), mask_k[:, None] & mask_v[None, :], offs_k[:, None] * V + offs_v[None, :]
+
+
+@triton.jit
+def store_checkpoint(CKP, stride, s, t, valid, NC, tile, mask_s, CHUNK: tl.constexpr):
+    """After step t: the state before step t+1 as checkpoint (t+1)/CHUNK when that is one
+    (checkpoint j, at ``CKP + j * stride``, holds the state before step j*CHUNK)."""
+    if CKP is not None:
+        if (t + 1) % CHUNK == 0:
+            if ((t + 1) // CHUNK < NC) & valid:
+                tl.store(CKP + ((t + 1) // CHUNK) * stride + tile, s, mask=mask_s)
+
+
+@triton.jit
 def transition(s, a, c, z, v, q, p):
     """s_t = a s_{t-1} - (c z) v + p q on a [BK, BV] tile, given z = s_{t-1} . u."""
     return a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
@@ -112,11 +133,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, CKP, ck_index, NC, tile, mask_s,
     tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
     if Z is not None:
         tl.store(Z + row * V + offs_v, z, mask=mask_v & valid)
-    if CKP is not None:
-        # checkpoint j holds the state before step j*CHUNK
-        if (t + 1) % CHUNK == 0:
-            if ((t + 1) // CHUNK < NC) & valid:
-                tl.store(CKP + ((t + 1) // CHUNK) * ck_index + tile, s, mask=mask_s)
+    store_checkpoint(CKP, ck_index, s, t, valid, NC, tile, mask_s, CHUNK)
     return s
 
 
@@ -138,19 +155,13 @@ def rank1_row_fwd_kernel(
     bound, so the loads must be in flight long before their step.
     """
     i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
     i_s = tl.program_id(2)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    ix = (offs_k, mask_k, offs_v, mask_v)
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k, offs_v = ix[0], ix[2]
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, OH)
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
     t_begin = i_s * SEG
     t_end = tl.minimum(t_begin + SEG, T)
     t_last = t_end - 1
@@ -198,15 +209,11 @@ def rank1_row_segment_kernel(
     P_i = M_{t0} ... M_{t1-1} (M = a I - c u v^T, s_t = s_{t-1} M + p q^T), held as
     pm[r, j, i] = (P_i)_{rj}, and the segment's end state from a zero start."""
     i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
     i_s = tl.program_id(2)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    ix = (offs_k, mask_k, offs_v, mask_v)
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k, mask_k, offs_v, mask_v = ix
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, None, None)
     eye = (offs_k[:, None] == offs_k[None, :]).to(tl.float32)
@@ -222,7 +229,6 @@ def rank1_row_segment_kernel(
         pu = tl.sum(pm * u[None, :, None], axis=1)                         # [BK(r), BV]
         pm = a[None, None, :] * pm - (pu * c[None, :])[:, None, :] * v[None, :, None]
     base = (i_bh.to(tl.int64) * NSEG + i_s) * K
-    mask_s = mask_k[:, None] & mask_v[None, :]
     tl.store(LOC + (base + offs_k[:, None]) * V + offs_v[None, :], s, mask=mask_s)
     p_pr = PR + ((base + offs_k[:, None, None]) * K + offs_k[None, :, None]) * V + offs_v[None, None, :]
     tl.store(p_pr, pm, mask=mask_k[:, None, None] & mask_s[None, :, :])
@@ -237,14 +243,10 @@ def rank1_row_propagate_kernel(
     """Time-chunked forward, phase 2: segment start states SS[g] = SS[g-1] P_{g-1} + local end
     (``S0`` None: a zero initial state)."""
     i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    mask_s = mask_k[:, None] & mask_v[None, :]
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k, mask_k, offs_v, mask_v = ix
     s = tl.zeros([BK, BV], dtype=tl.float32)
     if S0 is not None:
         s += tl.load(S0 + b.to(tl.int64) * s0_sb + h * s0_sh + offs_k[:, None] * s0_sk + offs_v[None, :] * s0_sv,

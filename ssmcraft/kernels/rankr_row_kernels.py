@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.kernels.rank1_row_bwd import store_row_grad
-from ssmcraft.kernels.rank1_row_fwd import load_coef, prefetch_l2
+from ssmcraft.kernels.rank1_row_fwd import load_coef, prefetch_l2, row_tile, store_checkpoint
 
 
 @triton.jit
@@ -104,11 +104,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
     if Z is not None:
         for l in tl.static_range(L):
             tl.store(Z + l * ZS + row * V + offs_v, z[l], mask=mask_v & valid)
-    if CKP is not None:
-        # checkpoint j holds the state before step j*CHUNK
-        if (t + 1) % CHUNK == 0:
-            if ((t + 1) // CHUNK < NC) & valid:
-                tl.store(CKP + ((t + 1) // CHUNK) * KV_ + tile, s, mask=mask_s)
+    store_checkpoint(CKP, KV_, s, t, valid, NC, tile, mask_s, CHUNK)
     return s
 
 
@@ -125,16 +121,10 @@ def rankr_row_fwd_kernel(
     take many registers) and an L2 prefetch PF steps ahead. S0, ST [B,H,K,V], Z [L,B,T,H,V]
     (``ZS`` = B*T*H*V), CK [B,H,NC,K,V]; None where not wanted."""
     i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    ix = (offs_k, mask_k, offs_v, mask_v)
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_v = ix[2]
     base = b.to(tl.int64) * T
     t_last = T - 1
     s = tl.zeros([BK, BV], dtype=tl.float32)
@@ -241,13 +231,8 @@ def rankr_row_bwd_kernel(
     i_v = tl.program_id(1)
     b = i_bh // H
     h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    ix = (offs_k, mask_k, offs_v, mask_v)
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_v = ix[2]
     base = b.to(tl.int64) * T
     ds = tl.zeros([BK, BV], dtype=tl.float32)
     if DHT is not None:
