@@ -4,11 +4,12 @@ the ratio to DeltaNet's fwd+bwd measured in the same run (the structure-class ta
 Run on a CUDA machine:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_classes.py [--shape 8,2048,16,64,64] [--dtype bf16]
-        [--only longhorn,wd_longhorn] [--profile] [--json OUT.json]
+        [--only longhorn,wd_longhorn] [--specs my_layer.yaml,...] [--profile] [--json OUT.json]
 
 Inputs as ``ssmcraft bench`` draws them (``commands.random_inputs``), timed as it times them
 (``timing.obj_calls`` + ``timing.time_calls``: ``do_bench`` medians; fwd under ``no_grad``, fwd+bwd
-``autograd.grad`` of ``y`` with respect to every input). ``--profile`` adds each objective's GPU
+``autograd.grad`` of ``y`` with respect to every input). ``--specs`` adds composed objectives (spec
+files) after the library's. ``--profile`` adds each objective's GPU
 kernels of one fwd+bwd (torch profiler: name, calls, total us), which says where the time goes.
 """
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--only", default="", help="comma-separated objective names (default: the library)")
+    ap.add_argument("--specs", default="", help="comma-separated spec files of composed objectives to add")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd")
     ap.add_argument("--json", default="", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
     names = [n for n in args.only.split(",") if n] or list(library_names())
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
+    names += [p for p in args.specs.split(",") if p]
     rows = []
     for name in names:
         try:
