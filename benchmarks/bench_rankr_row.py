@@ -89,21 +89,26 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test under TRITON_INTERPRET=1)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-large", action="store_true", help="skip the fp32 check at the timed shape")
+    ap.add_argument("--blocks", default="16,32,64,128,default", help="rows per program to time (default: the rule)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rep = Report("bench_rankr_row")
-    G.POISON = True                         # outputs NaN-filled before the kernels run
+    G.POISON = RR.POISON = True             # outputs NaN-filled before the kernels run
     obj = ssmcraft.compile("longhorn_2key")
     ok = True
     RR.ROW_BLOCK = 4
     for dtype in (torch.float32, torch.bfloat16):
         ok &= check(rep, obj, 2, 5 if args.quick else 257, 2, 8 if args.quick else 16, 10 if args.quick else 200, dtype, dev)
     RR.ROW_BLOCK = None
-    if not args.quick:
+    for dtype in (torch.float32, torch.bfloat16):       # the class table's K = V = 64, the rule's rows
+        ok &= check(rep, obj, 2, 5 if args.quick else 131, 2, 8 if args.quick else 64, 10 if args.quick else 64, dtype, dev)
+    if not (args.quick or args.no_large):
         ok &= check(rep, obj, 8, 2048, 1, 16, 1536, torch.float32, dev)
-    G.POISON = False
+    G.POISON = RR.POISON = False
     shape = (1, 4, 1, 8, 16) if args.quick else (8, 2048, 1, 16, 1536)
-    timings(rep, dev, *shape, blocks=[8] if args.quick else [16, 32, 64, 128, None])
+    blocks = [None if b == "default" else int(b) for b in args.blocks.split(",")]
+    timings(rep, dev, *shape, blocks=[8] if args.quick else blocks)
     rep.set("all_checks_ok", bool(ok))
     rep.write(args.json)
     sys.exit(0 if ok else 1)

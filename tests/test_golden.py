@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import ssmcraft
+from ssmcraft.errors import SsmcraftError
 from ssmcraft.compiler.library import library_names
 from ssmcraft.ops import registry
 from ssmcraft.runtime.select import kernel_source
@@ -32,7 +33,10 @@ FILES = ("ir.json", "reference.py", "kernels.py")
 def kernels_text(obj) -> str:
     """The family that runs ``obj`` on CUDA tensors and the source generated for it
     (``ssmcraft.runtime.select.kernel_source``)."""
-    fam, parts = kernel_source(obj)
+    try:
+        fam, parts = kernel_source(obj)
+    except SsmcraftError as e:        # no family runs it yet: the golden file records every family's reason
+        return f"# no Triton kernel family: {e}\n"
     out = [f"# family: {fam} ({registry.family(fam).path})"]
     if not parts:
         out.append("# hand-written kernels specialised by constexpr modes: no per-objective source")

@@ -41,19 +41,37 @@ def _inputs(obj, B, T, H, d, m, seed):
     return ins, torch.randn(B, H, d, m, generator=g, dtype=torch.float64), g
 
 
+# held out (no library objective): a per-row decay and a per-head one on the same layer (Longhorn's
+# regression with a weighted decayed proximity), and an explicit step with a per-row decay
+GATED_WD = {"name": "gated_wd_longhorn", "state": {"S": ["d", "m"]},
+            "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"]}, "q": {"shape": ["m"]},
+                       "beta": {"shape": ["d"], "positive": True, "bounded": True},
+                       "alpha": {"shape": [], "bounded": True}, "lam": {"shape": ["d"], "positive": True}},
+            "objective": "sq(S - alpha*S_prev)/2 + wsq(S, lam)/2 + wsq(S*k - x, beta)/2",
+            "update": "implicit", "approximation": "exact", "output": "S*q"}
+DECAY_DELTA = dict(GATED_WD, name="decay_delta", update="explicit",
+                   inputs={"x": {"shape": ["d"]}, "k": {"shape": ["m"]}, "q": {"shape": ["m"]},
+                           "beta": {"shape": [], "bounded": True}, "w": {"shape": ["d"], "bounded": True}},
+                   objective="beta*sq(S*k - x)/2 + wsq(S, w)/2")
+HELD_OUT = {"gated_wd_longhorn": GATED_WD, "decay_delta": DECAY_DELTA}
+
 # (objective, T, checkpoint chunk): T = 1, odd T, T spanning several checkpoint chunks; a == 1
-# objectives run the exact state reconstruction, the others the scratch recomputation
+# objectives run the exact state reconstruction, the others (a decay) the states rebuilt from the
+# checkpoints and kept every second step: chunks of odd length (5) and ones cut by T test that
+# a reverse pair cut at the chunk start reads the right kept state
 CASES = [
     ("longhorn", 1, 64), ("longhorn", 7, 4), ("longhorn", 65, 64),
-    ("wd_longhorn", 7, 4), ("gated_longhorn", 1, 64), ("gated_longhorn", 9, 4),
-    ("deltanet", 7, 4), ("gated_deltanet", 7, 4),
+    ("wd_longhorn", 7, 4), ("wd_longhorn", 13, 5), ("gated_longhorn", 1, 64), ("gated_longhorn", 9, 4),
+    ("gated_longhorn", 11, 6), ("deltanet", 7, 4), ("gated_deltanet", 7, 4), ("gated_deltanet", 10, 3),
+    ("gated_wd_longhorn", 9, 5), ("decay_delta", 8, 3),
 ]
 
 
 @pytest.mark.parametrize("name,T,chunk", CASES)
 def test_objective_matches_reference(name, T, chunk, monkeypatch):
     monkeypatch.setattr(R, "CHUNK", chunk)
-    obj = ssmcraft.compile(name)
+    obj = ssmcraft.compile(HELD_OUT.get(name, name))
+    assert obj.ir.kind == "rank1" and R.supports(obj.ir) is None
     B, H, d, m = (1 if T > 32 else 2), 1, 20, 8
     ins, S0, g = _inputs(obj, B, T, H, d, m, seed=T)
     # the family on the reference layout and the generated coefficients, fp32 (shapes and the

@@ -37,9 +37,24 @@ RANK3 = dict(TWO_KEY, name="rr_rank3",
              objective="sq(had(w, S - S_prev))/2 + wsq(S*k - x, beta)/2 + wsq(S*k2 - x2, beta)/2 + sq(S*k3)/4")
 
 
+# held out, on the family's own kernels (no decay): an explicit step on two keys (per-head factors,
+# the cross factors c01, c10 absent, a per-row readout offset) and a three-key implicit update
+# (L = R = 3, one term without a step size)
+EXPLICIT_NO_DECAY = dict(TWO_KEY, name="rr_explicit_nodecay", update="explicit",
+                         inputs={**TWO_KEY["inputs"], "beta": {"shape": [], "bounded": True}},
+                         objective="beta*sq(S*k - x)/2 + beta*sq(S*k2 - x2)/2", output="S*q + x")
+THREE_KEY = dict(TWO_KEY, name="rr_three_key",
+                 inputs={**TWO_KEY["inputs"], "k3": {"shape": ["m"]}, "x3": {"shape": ["d"]}},
+                 objective="sq(S - S_prev)/2 + wsq(S*k - x, beta)/2 + wsq(S*k2 - x2, beta)/2 + sq(S*k3 - x3)/2")
+SPECS = {"rr_explicit_head": EXPLICIT_HEAD, "rr_rank3": RANK3, "rr_explicit_nodecay": EXPLICIT_NO_DECAY,
+         "rr_three_key": THREE_KEY}
+OWN = ("longhorn_2key", "rr_explicit_nodecay", "rr_three_key", "rr_rank3")     # rr_explicit_head has a decay
+
+
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(G, "POISON", True)
+    monkeypatch.setattr(RR, "POISON", True)
     monkeypatch.setattr(RR, "ROW_BLOCK", 4)
 
 
@@ -51,18 +66,22 @@ def test_supports_and_dispatch():
     ins, _, S0, _ = kernel_inputs(obj, 1, 3, 1, 6, 4, seed=1, unit_keys=True)
     obj.prefer = "interpret"
     y, S = obj({k: v.float() for k, v in ins.items()}, initial_state=S0.float())
-    assert obj.backend == "triton-interpret:rankr-row"
+    # the family's own kernels (no decay), the computed slots by the prologue
+    assert RR.own_kernel_reason(obj.ir) is None and obj.backend == "triton-interpret:rankr-row+prologue"
     y_ref, S_ref = obj.reference(ins, initial_state=S0)
     assert rel(y, y_ref) < TOL["y"] and rel(S, S_ref) < TOL["S_T"]
 
 
 @pytest.mark.parametrize("which,T,chunk,B", [
-    ("longhorn_2key", 1, 32, 2), ("longhorn_2key", 7, 4, 2), ("rr_explicit_head", 5, 2, 2), ("rr_rank3", 3, 2, 1),
+    ("longhorn_2key", 1, 32, 2), ("longhorn_2key", 7, 4, 2), ("longhorn_2key", 9, 3, 1), ("rr_explicit_head", 5, 2, 2),
+    ("rr_rank3", 3, 2, 1), ("rr_explicit_nodecay", 6, 4, 2), ("rr_three_key", 5, 2, 1),
 ])
 def test_matches_reference(which, T, chunk, B, monkeypatch):
     monkeypatch.setattr(G, "CHUNK", chunk)
-    obj = ssmcraft.compile({"rr_explicit_head": EXPLICIT_HEAD, "rr_rank3": RANK3}.get(which, which))
+    monkeypatch.setattr(RR, "CHUNK", chunk)
+    obj = ssmcraft.compile(SPECS.get(which, which))
     assert obj.ir.kind == "rankr" and RR.supports(obj.ir) is None
+    assert (RR.own_kernel_reason(obj.ir) is None) == (which in OWN), RR.own_kernel_reason(obj.ir)
     H, d, m = 1, 10, 8                         # 3 row blocks of 4, the last one partial
     ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=T, unit_keys=True)
     assert_within(kernel_errors(obj, lambda o, lay: RR.forward(o, lay, None, True), ins, params, S0, g), TOL)
@@ -76,7 +95,7 @@ def test_bf16_io_and_no_initial_state():
     obj.prefer = "interpret"
     with torch.no_grad():
         y, S = obj({k: v.bfloat16() for k, v in ins.items()})
-    assert y.dtype == torch.bfloat16 and obj.backend == "triton-interpret:rankr-row"
+    assert y.dtype == torch.bfloat16 and obj.backend == "triton-interpret:rankr-row+prologue"
     y_ref, S_ref = obj.reference({k: v.bfloat16().double() for k, v in ins.items()})
     assert rel(y.double(), y_ref) < 1e-2 and rel(S.double(), S_ref) < 1e-5
 

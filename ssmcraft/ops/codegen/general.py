@@ -233,8 +233,16 @@ def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
     ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
     adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
                if sympy.sympify(e) != 0]
-    bodies = [r.body for r in alg.reductions_in(sympy.Add(*adjoint)) if r.symbol not in pr.done]
-    originals = [*adjoint, *bodies]
+    return shared_lines(pr, adjoint, indent, ignore)
+
+
+def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
+    """Lines computing the common sub-expressions of ``exprs`` (and of the bodies of the
+    reductions they read that ``pr`` has not printed yet) once, as ``c_<n>`` (``sympy.cse``; the
+    symbols in ``ignore`` are never part of one); ``pr`` then prints ``exprs`` in terms of them
+    (``pr.rewrite``)."""
+    bodies = [r.body for r in pr.alg.reductions_in(sympy.Add(*exprs)) if r.symbol not in pr.done]
+    originals = [*exprs, *bodies]
     temps, reduced = sympy.cse(originals, symbols=sympy.numbered_symbols("_cse"), ignore=tuple(ignore))
     if not temps:
         return []

@@ -42,7 +42,7 @@ import torch
 from ssmcraft.compiler import cache, safe_source
 from ssmcraft.compiler.derive import gradient
 from ssmcraft.compiler.symbolic import Algebra
-from ssmcraft.ops.codegen.general import TilePrinter, element_algebra
+from ssmcraft.ops.codegen.general import TilePrinter, element_algebra, shared_lines
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, next_pow2
 
@@ -198,6 +198,8 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
         '    """One program per block of R (b, t, h) rows: every computed slot, fp32."""'], [
         *_loads(pro),
         *pr.reductions([e for _, _, e in pro.slots], "    "),
+        # common sub-expressions once: a Woodbury update repeats its denominators in every slot
+        *shared_lines(pr, [e for _, _, e in pro.slots], "    "),
         *[f"    tl.store({_row_ptr(f'O_{s}', _key(dims, dm))}, {pr.expr(e)} + {_ZERO[_key(dims, dm)]}, "
           f"mask={_MASK[_key(dims, dm)]})" for s, dims, e in pro.slots],
     ])
@@ -212,6 +214,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
         *[f"    g_{s} = tl.load({_row_ptr(f'GO_{s}', _key(dims, dm))}, mask={_MASK[_key(dims, dm)]}, "
           f"other=0.).to(tl.float32)" for s, dims, _ in pro.slots],
         *pr.reductions(list(pro.grads.values()), "    "),
+        *shared_lines(pr, list(pro.grads.values()), "    "),
         *[f"    tl.store({_row_ptr(f'D_{lf.name}', _key(lf.dims, dm))}, "
           f"({pr.expr(pro.grads[lf.name])} + {_ZERO[_key(lf.dims, dm)]}).to(D_{lf.name}.dtype.element_ty), "
           f"mask={_MASK[_key(lf.dims, dm)]})" for lf in pro.leaves],

@@ -26,14 +26,15 @@ Backward (reverse time; ``ds`` the adjoint of ``s_t,i``)::
     doq   += sum_i oc_i dy_i s_t,i,     doc_i = dy_i (s_t,i . oq)
     ds     = a_i ds - c_i e_i u          (adjoint of s_{t-1,i})
 
-The backward needs ``s_{t-1}`` at every step without storing ``[B, T, V, K]``:
+The backward needs ``s_{t-1}`` at every step without storing ``[B, T, V, K]``: the forward
+stores ``z`` (one scalar per row and step), the state every ``CHUNK`` steps and the final
+state, and the backward rebuilds ``s_{t-1}`` exactly from the stored ``z`` (``a == 1``:
+``s_{t-1} = s_t + c z v - p q``; with a decay: forward from the chunk's checkpoint, keeping
+every fourth state in an L2-resident scratch; ``rank1_row_bwd`` says how).
 
-- ``a == 1`` (Longhorn, DeltaNet): the forward stores ``z`` (one scalar per row and
-  step) and the backward rebuilds ``s_{t-1} = s_t + c z v - p q`` exactly from the stored
-  ``z`` (no matrix inverse), resetting to a stored checkpoint every ``CHUNK`` steps;
-- otherwise: the forward stores the state every ``CHUNK`` steps and the backward
-  recomputes each chunk's states into a per-program scratch buffer ``[CHUNK, BV, K]``
-  (L2-resident) and walks it backwards.
+Kernels: ``rank1_row_fwd`` (the forward, the time-chunked forward's phases, the loads the
+backward shares) and ``rank1_row_bwd``; this module is their host side, autograd function and
+the family interface.
 
 Reductions over rows (gradients of ``u, v, q, oq`` and of per-head coefficients) are
 written per row block and summed on the host. Inputs that are the same tensor (Longhorn's
@@ -51,507 +52,27 @@ from __future__ import annotations
 
 
 import torch
-import triton
-import triton.language as tl
 
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel
+from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate_kernel, rank1_row_segment_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
-
-# ----------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_row(ptr, base_row, base_head, offs_v, mask_v, MODE: tl.constexpr, CONST: tl.constexpr, BV: tl.constexpr):
-    """A per-row coefficient at one step as a [BV] fp32 vector.
-    MODE 0: the constant CONST; 1: per head (ptr + base_head); 2: per row (ptr + base_row + offs_v)."""
-    if MODE == 2:
-        x = tl.load(ptr + base_row + offs_v, mask=mask_v, other=0.).to(tl.float32)
-    elif MODE == 1:
-        x = tl.zeros([BV], dtype=tl.float32) + tl.load(ptr + base_head).to(tl.float32)
-    else:
-        x = tl.zeros([BV], dtype=tl.float32) + CONST
-    return x
-
-
-@triton.jit
-def _load_vecs(U, Vv, Q, OQ, base_m, offs_k, mask_k,
-               G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr):
-    """u, v, q, oq at one step ([BK] fp32 each); G_* name the slot whose tensor is reused
-    (0 u, 1 v, 2 q, 3 own)."""
-    u = tl.load(U + base_m + offs_k, mask=mask_k, other=0.).to(tl.float32)
-    if G_V == 0:
-        v = u
-    else:
-        v = tl.load(Vv + base_m + offs_k, mask=mask_k, other=0.).to(tl.float32)
-    if G_Q == 0:
-        q = u
-    elif G_Q == 1:
-        q = v
-    else:
-        q = tl.load(Q + base_m + offs_k, mask=mask_k, other=0.).to(tl.float32)
-    if G_OQ == 0:
-        oq = u
-    elif G_OQ == 1:
-        oq = v
-    elif G_OQ == 2:
-        oq = q
-    else:
-        oq = tl.load(OQ + base_m + offs_k, mask=mask_k, other=0.).to(tl.float32)
-    return u, v, q, oq
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_step(U, Vv, Q, OQ, A, C, P, row, offs_k, offs_v,
-                   MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr,
-                   G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr, K, V):
-    """L2 prefetch of one (future) step's inputs; addresses past the end are clamped by the caller."""
-    _prefetch_l2(U + row * K + offs_k)
-    if G_V == 1:
-        _prefetch_l2(Vv + row * K + offs_k)
-    if G_Q == 2:
-        _prefetch_l2(Q + row * K + offs_k)
-    if G_OQ == 3:
-        _prefetch_l2(OQ + row * K + offs_k)
-    if MODE_A == 2:
-        _prefetch_l2(A + row * V + offs_v)
-    if MODE_C == 2:
-        _prefetch_l2(C + row * V + offs_v)
-    if MODE_P == 2:
-        _prefetch_l2(P + row * V + offs_v)
-
-
-@triton.jit
-def _load_set(U, Vv, Q, OQ, A, C, P, OC, OH, b, t, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-              MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr, MODE_OC: tl.constexpr,
-              MODE_OH: tl.constexpr, A_CONST: tl.constexpr, C_CONST: tl.constexpr, P_CONST: tl.constexpr,
-              OC_CONST: tl.constexpr, OH_CONST: tl.constexpr,
-              G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr, BV: tl.constexpr):
-    """All slot values of step min(t, t_last) (a clamped step is a harmless reload)."""
-    row = (b.to(tl.int64) * T + tl.minimum(t, t_last)) * H + h
-    u, v, q, oq = _load_vecs(U, Vv, Q, OQ, row * K, offs_k, mask_k, G_V, G_Q, G_OQ)
-    a = _load_row(A, row * V, row, offs_v, mask_v, MODE_A, A_CONST, BV)
-    c = _load_row(C, row * V, row, offs_v, mask_v, MODE_C, C_CONST, BV)
-    p = _load_row(P, row * V, row, offs_v, mask_v, MODE_P, P_CONST, BV)
-    oc = _load_row(OC, row * V, row, offs_v, mask_v, MODE_OC, OC_CONST, BV)
-    oh = _load_row(OH, row * V, row, offs_v, mask_v, MODE_OH, OH_CONST, BV)
-    return u, v, q, oq, a, c, p, oc, oh
-
-
-@triton.jit
-def _fwd_step(s, u, v, q, oq, a, c, p, oc, oh, t, t_end, b, T, H, h, V, K, NC, i_bh, offs_v, mask_v, tile, mask_s,
-              Y, Z, CK, CHUNK: tl.constexpr, STORE_Z: tl.constexpr, STORE_CK: tl.constexpr):
-    """One step of the recurrence (no-op when t >= t_end): update s, store y (and z, checkpoint)."""
-    valid = t < t_end
-    row = (b.to(tl.int64) * T + t) * H + h
-    z = tl.sum(s * u[:, None], axis=0)
-    s_new = a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
-    s = tl.where(valid, s_new, s)
-    y = oc * tl.sum(s * oq[:, None], axis=0) + oh
-    tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
-    if STORE_Z:
-        tl.store(Z + row * V + offs_v, z, mask=mask_v & valid)
-    if STORE_CK:
-        # checkpoint j holds the state before step j*CHUNK
-        if (t + 1) % CHUNK == 0:
-            if ((t + 1) // CHUNK < NC) & valid:
-                tl.store(CK + (i_bh.to(tl.int64) * NC + (t + 1) // CHUNK) * K * V + tile, s, mask=mask_s)
-    return s
-
-
-@triton.jit
-def _fwd_kernel(
-    U, Vv, Q, OQ, A, C, P, OC, OH,            # slots ([B,T,H,K] / [B,T,H,V] / [B,T,H])
-    S0, s0_sb, s0_sh, s0_sg, s0_sk, s0_sv,    # initial state(s) [B,H,(NSEG),K,V] via strides
-    Y, ST, Z, CK,                             # y [B,T,H,V]; S_T [B,H,K,V]; z [B,T,H,V]; ckpt [B,H,NC,K,V]
-    T, H, V, K, SEG, NC,
-    BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
-    MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr, MODE_OC: tl.constexpr, MODE_OH: tl.constexpr,
-    A_CONST: tl.constexpr, C_CONST: tl.constexpr, P_CONST: tl.constexpr, OC_CONST: tl.constexpr, OH_CONST: tl.constexpr,
-    G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr,
-    HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_Z: tl.constexpr, STORE_CK: tl.constexpr,
-):
-    """One program: rows [iv*BV, iv*BV+BV) of head (b, h), steps [seg*SEG, seg*SEG+SEG).
-
-    The state tile is held transposed, [BK, BV], so that each row's K values sit in one or
-    two threads (reductions over K are in registers). The loop is unrolled by 4 with a
-    4-step-deep register prefetch (set j is refilled with step t+4+j right after step t+j
-    consumed it) and, on the GPU, an L2 prefetch PF steps ahead: the recurrence is latency
-    bound, so the loads must be in flight long before their step.
-    """
-    i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    i_s = tl.program_id(2)
-    b = i_bh // H
-    h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
-    t_begin = i_s * SEG
-    t_end = tl.minimum(t_begin + SEG, T)
-    t_last = t_end - 1
-
-    s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_S0:
-        p_s0 = S0 + b.to(tl.int64) * s0_sb + h * s0_sh + i_s * s0_sg + offs_k[:, None] * s0_sk + offs_v[None, :] * s0_sv
-        s += tl.load(p_s0, mask=mask_s, other=0.).to(tl.float32)
-    if STORE_CK:
-        if i_s == 0:
-            # checkpoint 0 is the initial state
-            tl.store(CK + i_bh.to(tl.int64) * NC * K * V + tile, s, mask=mask_s)
-
-    u0, v0, q0, oq0, a0, c0, p0, oc0, oh0 = _load_set(
-        U, Vv, Q, OQ, A, C, P, OC, OH, b, t_begin + 0, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-        MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-    u1, v1, q1, oq1, a1, c1, p1, oc1, oh1 = _load_set(
-        U, Vv, Q, OQ, A, C, P, OC, OH, b, t_begin + 1, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-        MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-    u2, v2, q2, oq2, a2, c2, p2, oc2, oh2 = _load_set(
-        U, Vv, Q, OQ, A, C, P, OC, OH, b, t_begin + 2, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-        MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-    u3, v3, q3, oq3, a3, c3, p3, oc3, oh3 = _load_set(
-        U, Vv, Q, OQ, A, C, P, OC, OH, b, t_begin + 3, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-        MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-    for tb in range(t_begin, t_end, 4):
-        if PF > 0:
-            rowf = ((b.to(tl.int64) * T + tl.minimum(tb + PF, t_last)) * H + h)
-            _prefetch_step(U, Vv, Q, OQ, A, C, P, rowf, offs_k, offs_v, MODE_A, MODE_C, MODE_P,
-                           G_V, G_Q, G_OQ, K, V)
-            rowf2 = ((b.to(tl.int64) * T + tl.minimum(tb + PF + 2, t_last)) * H + h)
-            _prefetch_step(U, Vv, Q, OQ, A, C, P, rowf2, offs_k, offs_v, MODE_A, MODE_C, MODE_P,
-                           G_V, G_Q, G_OQ, K, V)
-        s = _fwd_step(s, u0, v0, q0, oq0, a0, c0, p0, oc0, oh0, tb + 0, t_end, b, T, H, h, V, K, NC, i_bh,
-                      offs_v, mask_v, tile, mask_s, Y, Z, CK, CHUNK, STORE_Z, STORE_CK)
-        u0, v0, q0, oq0, a0, c0, p0, oc0, oh0 = _load_set(
-            U, Vv, Q, OQ, A, C, P, OC, OH, b, tb + 4, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-        s = _fwd_step(s, u1, v1, q1, oq1, a1, c1, p1, oc1, oh1, tb + 1, t_end, b, T, H, h, V, K, NC, i_bh,
-                      offs_v, mask_v, tile, mask_s, Y, Z, CK, CHUNK, STORE_Z, STORE_CK)
-        u1, v1, q1, oq1, a1, c1, p1, oc1, oh1 = _load_set(
-            U, Vv, Q, OQ, A, C, P, OC, OH, b, tb + 5, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-        s = _fwd_step(s, u2, v2, q2, oq2, a2, c2, p2, oc2, oh2, tb + 2, t_end, b, T, H, h, V, K, NC, i_bh,
-                      offs_v, mask_v, tile, mask_s, Y, Z, CK, CHUNK, STORE_Z, STORE_CK)
-        u2, v2, q2, oq2, a2, c2, p2, oc2, oh2 = _load_set(
-            U, Vv, Q, OQ, A, C, P, OC, OH, b, tb + 6, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-        s = _fwd_step(s, u3, v3, q3, oq3, a3, c3, p3, oc3, oh3, tb + 3, t_end, b, T, H, h, V, K, NC, i_bh,
-                      offs_v, mask_v, tile, mask_s, Y, Z, CK, CHUNK, STORE_Z, STORE_CK)
-        u3, v3, q3, oq3, a3, c3, p3, oc3, oh3 = _load_set(
-            U, Vv, Q, OQ, A, C, P, OC, OH, b, tb + 7, t_last, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, MODE_OH, A_CONST, C_CONST, P_CONST, OC_CONST, OH_CONST, G_V, G_Q, G_OQ, BV)
-    if STORE_ST:
-        tl.store(ST + i_bh.to(tl.int64) * K * V + tile, s, mask=mask_s)
-
-
-@triton.jit
-def _store_row_grad(ptr, base_row, part_head, offs_v, mask_v, valid, g, MODE: tl.constexpr):
-    """Gradient of a row coefficient: per row -> [B,T,H,V]; per head -> partial [NV,B,T,H].
-    ``mask_v`` masks rows, ``valid`` the whole step."""
-    if MODE == 2:
-        tl.store(ptr + base_row + offs_v, g, mask=mask_v & valid)
-    elif MODE == 1:
-        tl.store(ptr + part_head, tl.sum(tl.where(mask_v, g, 0.), axis=0), mask=valid)
-
-
-@triton.jit
-def _load_bwd_set(U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t, t_lo, t0, T, H, h, K, V,
-                  offs_k, mask_k, offs_v, mask_v,
-                  MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr, MODE_OC: tl.constexpr,
-                  A_CONST: tl.constexpr, C_CONST: tl.constexpr, P_CONST: tl.constexpr, OC_CONST: tl.constexpr,
-                  G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                  INVERT: tl.constexpr):
-    """Everything step max(t, t_lo) of the backward reads: slots, dy, and z (INVERT) or the
-    stored s_{t-1} (scratch)."""
-    tc = tl.maximum(t, t_lo)
-    row = (b.to(tl.int64) * T + tc) * H + h
-    u, v, q, oq = _load_vecs(U, Vv, Q, OQ, row * K, offs_k, mask_k, G_V, G_Q, G_OQ)
-    a = _load_row(A, row * V, row, offs_v, mask_v, MODE_A, A_CONST, BV)
-    c = _load_row(C, row * V, row, offs_v, mask_v, MODE_C, C_CONST, BV)
-    p = _load_row(P, row * V, row, offs_v, mask_v, MODE_P, P_CONST, BV)
-    oc = _load_row(OC, row * V, row, offs_v, mask_v, MODE_OC, OC_CONST, BV)
-    dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)
-    if INVERT:
-        zs = tl.load(Z + row * V + offs_v, mask=mask_v, other=0.)
-    else:
-        zs = tl.load(scr + (tc - t0) * BK * BV)
-    return u, v, q, oq, a, c, p, oc, dy, zs
-
-
-@triton.jit
-def _bwd_step(ds, st, u, v, q, oq, a, c, p, oc, dy, zs, t, t_lo, b, T, H, h, V, K, NB, NG, i_v,
-              offs_v, mask_v, offs_k, mask_k,
-              DA, DC, DP, DOC, DM, BV: tl.constexpr,
-              MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr, MODE_OC: tl.constexpr,
-              G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr,
-              I_V: tl.constexpr, I_Q: tl.constexpr, I_OQ: tl.constexpr, INVERT: tl.constexpr):
-    """One reverse step (no-op when t < t_lo): st is s_t, ds the adjoint of s_t from later
-    steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1})."""
-    valid = t >= t_lo
-    row = (b.to(tl.int64) * T + t) * H + h
-    if INVERT:
-        z = zs
-        sp = st + v[:, None] * (c * z)[None, :] - q[:, None] * p[None, :]
-    else:
-        sp = zs
-        z = tl.sum(sp * u[:, None], axis=0)
-        st = a[None, :] * sp - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
-    wo = oc * dy
-    ds_in = ds
-    ds = ds + oq[:, None] * wo[None, :]
-    e = tl.sum(ds * v[:, None], axis=0)
-    part_head = (i_v * NB + b.to(tl.int64) * T + t) * H + h      # [NV, B, T, H] partials
-    if MODE_C != 0:
-        _store_row_grad(DC, row * V, part_head, offs_v, mask_v, valid, -z * e, MODE_C)
-    if MODE_P != 0:
-        _store_row_grad(DP, row * V, part_head, offs_v, mask_v, valid, tl.sum(ds * q[:, None], axis=0), MODE_P)
-    if MODE_OC != 0:
-        _store_row_grad(DOC, row * V, part_head, offs_v, mask_v, valid, dy * tl.sum(st * oq[:, None], axis=0), MODE_OC)
-    if MODE_A != 0:
-        _store_row_grad(DA, row * V, part_head, offs_v, mask_v, valid, tl.sum(ds * sp, axis=0), MODE_A)
-    # K-vector gradients, one row-reduction per distinct input tensor
-    wu = -(c * e)          # coefficient of s_{t-1} in du
-    wv = -(c * z)          # coefficient of ds in dv
-    wq = p                 # coefficient of ds in dq
-    d0 = tl.zeros([BV], dtype=tl.float32)
-    if G_V == 0:
-        d0 += wv
-    if G_Q == 0:
-        d0 += wq
-    g0 = sp * wu[None, :] + ds * d0[None, :]
-    if G_OQ == 0:
-        g0 += st * wo[None, :]
-    mk = mask_k & valid
-    dm = DM + (((i_v * NG) * NB + b.to(tl.int64) * T + t) * H + h) * K + offs_k
-    tl.store(dm, tl.sum(g0, axis=1), mask=mk)
-    if G_V == 1:
-        d1 = wv
-        if G_Q == 1:
-            d1 += wq
-        g1 = ds * d1[None, :]
-        if G_OQ == 1:
-            g1 += st * wo[None, :]
-        tl.store(dm + I_V * NB * H * K, tl.sum(g1, axis=1), mask=mk)
-    if G_Q == 2:
-        g2 = ds * wq[None, :]
-        if G_OQ == 2:
-            g2 += st * wo[None, :]
-        tl.store(dm + I_Q * NB * H * K, tl.sum(g2, axis=1), mask=mk)
-    if G_OQ == 3:
-        tl.store(dm + I_OQ * NB * H * K, tl.sum(st * wo[None, :], axis=1), mask=mk)
-    # adjoint of s_{t-1}
-    ds_new = a[None, :] * ds - u[:, None] * (c * e)[None, :]
-    ds = tl.where(valid, ds_new, ds_in)
-    st = tl.where(valid, sp, st)
-    return ds, st
-
-
-@triton.jit
-def _bwd_kernel(
-    U, Vv, Q, OQ, A, C, P, OC,
-    Z, CK, SCR, ST, DY, DHT, dht_sb, dht_sh, dht_sk, dht_sv,
-    DA, DC, DP, DOC, DM, DS0,
-    T, H, V, K, NC, NV, NB, NG,
-    BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
-    MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr, MODE_OC: tl.constexpr,
-    A_CONST: tl.constexpr, C_CONST: tl.constexpr, P_CONST: tl.constexpr, OC_CONST: tl.constexpr,
-    G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr,
-    I_V: tl.constexpr, I_Q: tl.constexpr, I_OQ: tl.constexpr,   # buffer index of each slot's group
-    INVERT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr,
-):
-    """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV].
-
-    INVERT (a == 1): s_{t-1} = s_t + c z v - p q from the stored z, reset to the stored
-    checkpoint at every chunk start. Otherwise each chunk's states are recomputed from its
-    checkpoint into SCR [prog, CHUNK, BK, BV] and read back in reverse. The reverse loop is
-    unrolled by 4 with a 4-step register prefetch, as in the forward.
-    """
-    i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    b = i_bh // H
-    h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * V + offs_v[None, :]
-
-    ds = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        p_dht = DHT + b.to(tl.int64) * dht_sb + h * dht_sh + offs_k[:, None] * dht_sk + offs_v[None, :] * dht_sv
-        ds += tl.load(p_dht, mask=mask_s, other=0.).to(tl.float32)
-    st = tl.zeros([BK, BV], dtype=tl.float32)
-    if INVERT:
-        st += tl.load(ST + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.)
-    scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * CHUNK) * BK * BV \
-        + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
-
-    for jc in range(0, NC):
-        ci = NC - 1 - jc
-        t0 = ci * CHUNK
-        t1 = tl.minimum(t0 + CHUNK, T)
-        if not INVERT:
-            # recompute this chunk's states s_{t-1}, t in [t0, t1), into the scratch buffer
-            sp = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=mask_s, other=0.)
-            for t in range(t0, t1):
-                row = ((b.to(tl.int64) * T + t) * H + h)
-                u, v, q, oq = _load_vecs(U, Vv, Q, OQ, row * K, offs_k, mask_k, G_V, G_Q, G_OQ)
-                a = _load_row(A, row * V, row, offs_v, mask_v, MODE_A, A_CONST, BV)
-                c = _load_row(C, row * V, row, offs_v, mask_v, MODE_C, C_CONST, BV)
-                p = _load_row(P, row * V, row, offs_v, mask_v, MODE_P, P_CONST, BV)
-                tl.store(scr + (t - t0) * BK * BV, sp)
-                z = tl.sum(sp * u[:, None], axis=0)
-                sp = a[None, :] * sp - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
-            tl.debug_barrier()
-        u0, v0, q0, oq0, a0, c0, p0, oc0, dy0, zs0 = _load_bwd_set(
-            U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t1 - 1, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-        u1, v1, q1, oq1, a1, c1, p1, oc1, dy1, zs1 = _load_bwd_set(
-            U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t1 - 2, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-        u2, v2, q2, oq2, a2, c2, p2, oc2, dy2, zs2 = _load_bwd_set(
-            U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t1 - 3, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-        u3, v3, q3, oq3, a3, c3, p3, oc3, dy3, zs3 = _load_bwd_set(
-            U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t1 - 4, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-            MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-        for jt in range(0, t1 - t0, 4):
-            t = t1 - 1 - jt
-            if PF > 0:
-                rowf = ((b.to(tl.int64) * T + tl.maximum(t - PF, 0)) * H + h)
-                _prefetch_step(U, Vv, Q, OQ, A, C, P, rowf, offs_k, offs_v, MODE_A, MODE_C, MODE_P,
-                               G_V, G_Q, G_OQ, K, V)
-                _prefetch_l2(DY + rowf * V + offs_v)
-                if INVERT:
-                    _prefetch_l2(Z + rowf * V + offs_v)
-            ds, st = _bwd_step(ds, st, u0, v0, q0, oq0, a0, c0, p0, oc0, dy0, zs0, t, t0, b, T, H, h, V, K, NB, NG,
-                               i_v, offs_v, mask_v, offs_k, mask_k, DA, DC, DP, DOC, DM, BV,
-                               MODE_A, MODE_C, MODE_P, MODE_OC, G_V, G_Q, G_OQ, I_V, I_Q, I_OQ, INVERT)
-            u0, v0, q0, oq0, a0, c0, p0, oc0, dy0, zs0 = _load_bwd_set(
-                U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t - 4, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-                MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-            ds, st = _bwd_step(ds, st, u1, v1, q1, oq1, a1, c1, p1, oc1, dy1, zs1, t - 1, t0, b, T, H, h, V, K, NB, NG,
-                               i_v, offs_v, mask_v, offs_k, mask_k, DA, DC, DP, DOC, DM, BV,
-                               MODE_A, MODE_C, MODE_P, MODE_OC, G_V, G_Q, G_OQ, I_V, I_Q, I_OQ, INVERT)
-            u1, v1, q1, oq1, a1, c1, p1, oc1, dy1, zs1 = _load_bwd_set(
-                U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t - 5, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-                MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-            ds, st = _bwd_step(ds, st, u2, v2, q2, oq2, a2, c2, p2, oc2, dy2, zs2, t - 2, t0, b, T, H, h, V, K, NB, NG,
-                               i_v, offs_v, mask_v, offs_k, mask_k, DA, DC, DP, DOC, DM, BV,
-                               MODE_A, MODE_C, MODE_P, MODE_OC, G_V, G_Q, G_OQ, I_V, I_Q, I_OQ, INVERT)
-            u2, v2, q2, oq2, a2, c2, p2, oc2, dy2, zs2 = _load_bwd_set(
-                U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t - 6, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-                MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-            ds, st = _bwd_step(ds, st, u3, v3, q3, oq3, a3, c3, p3, oc3, dy3, zs3, t - 3, t0, b, T, H, h, V, K, NB, NG,
-                               i_v, offs_v, mask_v, offs_k, mask_k, DA, DC, DP, DOC, DM, BV,
-                               MODE_A, MODE_C, MODE_P, MODE_OC, G_V, G_Q, G_OQ, I_V, I_Q, I_OQ, INVERT)
-            u3, v3, q3, oq3, a3, c3, p3, oc3, dy3, zs3 = _load_bwd_set(
-                U, Vv, Q, OQ, A, C, P, OC, DY, Z, scr, b, t - 7, t0, t0, T, H, h, K, V, offs_k, mask_k, offs_v, mask_v,
-                MODE_A, MODE_C, MODE_P, MODE_OC, A_CONST, C_CONST, P_CONST, OC_CONST, G_V, G_Q, G_OQ, BV, BK, INVERT)
-        if INVERT:
-            # exact state at the chunk start (stops rounding from accumulating)
-            st = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=mask_s, other=0.)
-    if STORE_DS0:
-        tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, ds, mask=mask_s)
-
-
-@triton.jit
-def _segment_kernel(
-    U, Vv, Q, OQ, A, C, P,
-    PR, LOC,                                   # [B*H, NSEG, K, K, V], [B*H, NSEG, K, V]
-    T, H, V, K, SEG, NSEG,
-    BV: tl.constexpr, BK: tl.constexpr,
-    MODE_A: tl.constexpr, MODE_C: tl.constexpr, MODE_P: tl.constexpr,
-    A_CONST: tl.constexpr, C_CONST: tl.constexpr, P_CONST: tl.constexpr,
-    G_V: tl.constexpr, G_Q: tl.constexpr, G_OQ: tl.constexpr,
-):
-    """Chunked forward, phase 1: per segment, each row's transition product
-    P_i = M_{t0} ... M_{t1-1} (M = a I - c u v^T, s_t = s_{t-1} M + p q^T), held as
-    pm[r, j, i] = (P_i)_{rj}, and the segment's end state from a zero start."""
-    i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    i_s = tl.program_id(2)
-    b = i_bh // H
-    h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    eye = (offs_k[:, None] == offs_k[None, :]).to(tl.float32)
-    pm = tl.zeros([BK, BK, BV], dtype=tl.float32) + eye[:, :, None]
-    s = tl.zeros([BK, BV], dtype=tl.float32)
-    t0 = i_s * SEG
-    t1 = tl.minimum(t0 + SEG, T)
-    for t in range(t0, t1):
-        row = ((b.to(tl.int64) * T + t) * H + h)
-        u, v, q, oq = _load_vecs(U, Vv, Q, OQ, row * K, offs_k, mask_k, G_V, G_Q, G_OQ)
-        a = _load_row(A, row * V, row, offs_v, mask_v, MODE_A, A_CONST, BV)
-        c = _load_row(C, row * V, row, offs_v, mask_v, MODE_C, C_CONST, BV)
-        p = _load_row(P, row * V, row, offs_v, mask_v, MODE_P, P_CONST, BV)
-        z = tl.sum(s * u[:, None], axis=0)
-        s = a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
-        pu = tl.sum(pm * u[None, :, None], axis=1)                         # [BK(r), BV]
-        pm = a[None, None, :] * pm - (pu * c[None, :])[:, None, :] * v[None, :, None]
-    base = (i_bh.to(tl.int64) * NSEG + i_s) * K
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    tl.store(LOC + (base + offs_k[:, None]) * V + offs_v[None, :], s, mask=mask_s)
-    p_pr = PR + ((base + offs_k[:, None, None]) * K + offs_k[None, :, None]) * V + offs_v[None, None, :]
-    tl.store(p_pr, pm, mask=mask_k[:, None, None] & mask_s[None, :, :])
-
-
-@triton.jit
-def _propagate_kernel(
-    S0, s0_sb, s0_sh, s0_sk, s0_sv, PR, LOC, SS,
-    H, V, K, NSEG,
-    BV: tl.constexpr, BK: tl.constexpr, HAS_S0: tl.constexpr,
-):
-    """Chunked forward, phase 2: segment start states SS[g] = SS[g-1] P_{g-1} + local end."""
-    i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    b = i_bh // H
-    h = i_bh % H
-    offs_v = i_v * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    s = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_S0:
-        s += tl.load(S0 + b.to(tl.int64) * s0_sb + h * s0_sh + offs_k[:, None] * s0_sk + offs_v[None, :] * s0_sv,
-                     mask=mask_s, other=0.).to(tl.float32)
-    for g in range(0, NSEG):
-        base = (i_bh.to(tl.int64) * NSEG + g) * K
-        tl.store(SS + (base + offs_k[:, None]) * V + offs_v[None, :], s, mask=mask_s)
-        pm = tl.load(PR + ((base + offs_k[:, None, None]) * K + offs_k[None, :, None]) * V + offs_v[None, None, :],
-                     mask=mask_k[:, None, None] & mask_s[None, :, :], other=0.)
-        loc = tl.load(LOC + (base + offs_k[:, None]) * V + offs_v[None, :], mask=mask_s, other=0.)
-        s = tl.sum(s[:, None, :] * pm, axis=0) + loc
-
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
 def default_config(BH: int, V: int, K: int, which: str = "fwd") -> tuple[int, int]:
-    """(BV, num_warps). Interpreter: one large tile (few programs run fastest). GPU: one warp
-    per program so that the per-step chain has no cross-warp step, and small row blocks so
-    that B*H*V/BV programs fill the chip. Measured on an H200 at B=8, T=2048, K=16, V=1536
-    (BENCHMARKS.md, "Rank-1 per row", run 2): forward best at BV=32 (0.535 ms; 16: 0.577,
-    8: 0.575, 2 warps: 0.78-0.90), backward best at BV=16 (fwd+bwd 1.98 ms; 8: 2.73, 32: 2.10)."""
+    """(BV, num_warps). Interpreter: one large tile (few programs run fastest). GPU: small row
+    blocks so that B*H*V/BV programs fill the chip, one warp so that the per-step chain has no
+    cross-warp step. Measured on an H200, bf16: at B=8, T=2048, K=16, V=1536 (BENCHMARKS.md,
+    "Rank-1 per row", run 2) the forward is best at BV=32 (0.535 ms; 16: 0.577, 8: 0.575, 2 warps:
+    0.78-0.90) and the backward at BV=16 (fwd+bwd 1.98 ms; 8: 2.73, 32: 2.10); at B=8, T=2048,
+    H=16, K=V=64 through ``obj()`` (``benchmarks/sweep_rank1_row.py``) BV=8 with one warp is best
+    for Longhorn, wd_longhorn and gated_longhorn alike (Longhorn fwd+bwd 3.30 ms; 16 rows on 2
+    warps 3.37, 16 on 1 warp 4.39, 4 rows 4.86; wd_longhorn 6.07 against 8.15 at 16 on 2 warps)."""
     if INTERPRET:
         return min(next_pow2(V), 64), 1
     BK = next_pow2(K)
@@ -559,7 +80,7 @@ def default_config(BH: int, V: int, K: int, which: str = "fwd") -> tuple[int, in
         return (32, 1) if which == "fwd" else (16, 1)
     if BK <= 32:
         return 16, 1
-    return 16, 2
+    return 8, 1
 
 
 _CONFIG_OVERRIDE: dict = {}
@@ -613,51 +134,43 @@ def _prefetch_distance() -> int:
     return 0 if INTERPRET else int(PREFETCH)
 
 
-def _dummy(device):
-    return torch.empty(1, device=device, dtype=torch.float32)
-
-
 def _contig(x):
     return x if x is None or not isinstance(x, torch.Tensor) else x.contiguous()
 
 
+def _modes(xs):
+    """(MODES, CONSTS, tensors) of row coefficients for the kernels (``_row_mode`` of each)."""
+    ms = [_row_mode(x) for x in xs]
+    return tuple(m[0] for m in ms), tuple(m[1] for m in ms), [m[2] for m in ms]
+
+
+def _exact_inverse(a) -> bool:
+    """Whether s_{t-1} follows from s_t without dividing by a decay (a == 1)."""
+    mode, const, _ = _row_mode(a)
+    return mode == 0 and const == 1.0
+
+
 def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training):
-    """S0: [B, H, V, K] (math layout, any strides) or None.
-    Returns y [B,T,H,V], S_T [B,H,K,V] fp32, z [B,T,H,V] fp32, checkpoints [B,H,NC,K,V] fp32."""
+    """S0: [B, H, V, K] (math layout, any strides) or None. Returns y [B,T,H,V], S_T [B,H,K,V]
+    fp32 (with ``want_state`` or ``training``), and when ``training`` z [B,T,H,V] fp32 and the
+    checkpoints [B,H,NC,K,V] fp32."""
     B, T, H, K = u.shape
     dev = u.device
     BV, nw = _config("fwd", B * H, V, K)
-    BK = next_pow2(K)
-    NV = cdiv(V, BV)
-    G_V, G_Q, G_OQ = _groups((u, v, q, oq))
-    modes = {n: _row_mode(x) for n, x in zip(ROW_SLOTS, (a, c, p, oc, oh))}
-    invert = modes["a"][0] == 0 and modes["a"][1] == 1.0
     NC = max(1, cdiv(T, CHUNK))
+    modes, consts, rows = _modes((a, c, p, oc, oh))
     y = _new((B, T, H, V), dev, out_dtype)
-    ST = _new((B, H, K, V), dev) if (want_state or (training and invert)) else None
-    Z = _new((B, T, H, V), dev) if (training and invert) else None
+    ST = _new((B, H, K, V), dev) if (want_state or training) else None
+    Z = _new((B, T, H, V), dev) if training else None
     CK = _new((B, H, NC, K, V), dev) if training else None
-    d = _dummy(dev)
     if S0 is not None:
         S0 = S0.transpose(-1, -2).contiguous()     # [B, H, K, V], like every state tile
-    s0 = S0 if S0 is not None else d
     s0_strides = (H * K * V, K * V, 0, V, 1) if S0 is not None else (0,) * 5
-    grid = (B * H, NV, 1)
     if T > 0:
-        launch(_fwd_kernel, grid,
-            u, v, q, oq, *[(modes[n][2] if modes[n][2] is not None else d) for n in ROW_SLOTS],
-            s0, *s0_strides,
-            y, ST if ST is not None else d, Z if Z is not None else d, CK if CK is not None else d,
-            T, H, V, K, T, NC,
-            BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(),
-            MODE_A=modes["a"][0], MODE_C=modes["c"][0], MODE_P=modes["p"][0], MODE_OC=modes["oc"][0],
-            MODE_OH=modes["oh"][0],
-            A_CONST=modes["a"][1], C_CONST=modes["c"][1], P_CONST=modes["p"][1], OC_CONST=modes["oc"][1],
-            OH_CONST=modes["oh"][1],
-            G_V=G_V, G_Q=G_Q, G_OQ=G_OQ,
-            HAS_S0=S0 is not None, STORE_ST=ST is not None, STORE_Z=Z is not None, STORE_CK=CK is not None,
-            num_warps=nw,
-        )
+        launch(rank1_row_fwd_kernel, (B * H, cdiv(V, BV), 1),
+               u, v, q, oq, *rows, S0, *s0_strides, y, ST, Z, CK, T, H, V, K, T, NC,
+               BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(),
+               MODES=modes, CONSTS=consts, GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw)
     elif ST is not None:
         ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
     return y, ST, Z, CK
@@ -671,54 +184,36 @@ def _backward(saved, groups, dy, dht, needs_ds0):
     BK = next_pow2(K)
     NV = cdiv(V, BV)
     NC = max(1, cdiv(T, CHUNK))
-    G_V, G_Q, G_OQ = groups
-    distinct = [0] + [i for i, g in zip((1, 2, 3), (G_V, G_Q, G_OQ)) if g == i]
+    distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
     index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
     NG = len(distinct)
-    modes = {n: _row_mode(x) for n, x in zip(ROW_SLOTS[:4], (a, c, p, oc))}
-    invert = Z is not None
-    f32 = dict(device=dev, dtype=torch.float32)
+    modes, consts, rows = _modes((a, c, p, oc))
 
-    def row_buf(n):
-        mode = modes[n][0]
+    def row_buf(mode):
         if mode == 2:
             return _new((B, T, H, V), dev)
         if mode == 1:
             return _new((NV, B, T, H), dev)
         return None
 
-    bufs = {n: row_buf(n) for n in ROW_SLOTS[:4]}
+    bufs = [row_buf(m) for m in modes]
     DM = _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((B, H, K, V), dev) if needs_ds0 else None
-    SCR = None if invert else torch.empty(B * H * NV * CHUNK * BV * BK, **f32)
-    d = _dummy(dev)
-    dy = dy.contiguous()
+    # the decay path's kept states: one per reverse pair of steps of a chunk, per program
+    SCR = None if _exact_inverse(a) else torch.empty(B * H * NV * cdiv(CHUNK, 2) * BK * BV, device=dev,
+                                                     dtype=torch.float32)
     if dht is not None:
         # [B, H, V, K] -> contiguous [B, H, K, V]: the same layout as every other state tile
         dht = dht.transpose(-1, -2).contiguous()
-    dht_strides = (H * K * V, K * V, V, 1) if dht is not None else (0,) * 4
     if T > 0 or DS0 is not None:
-        launch(_bwd_kernel, (B * H, NV),
-            u, v, q, oq, *[(modes[n][2] if modes[n][2] is not None else d) for n in ROW_SLOTS[:4]],
-            Z if Z is not None else d, CK, SCR if SCR is not None else d, ST if ST is not None else d,
-            dy, dht if dht is not None else d, *dht_strides,
-            *[(bufs[n] if bufs[n] is not None else d) for n in ROW_SLOTS[:4]], DM, DS0 if DS0 is not None else d,
-            T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
-            BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(),
-            MODE_A=modes["a"][0], MODE_C=modes["c"][0], MODE_P=modes["p"][0], MODE_OC=modes["oc"][0],
-            A_CONST=modes["a"][1], C_CONST=modes["c"][1], P_CONST=modes["p"][1], OC_CONST=modes["oc"][1],
-            G_V=G_V, G_Q=G_Q, G_OQ=G_OQ, I_V=index[1], I_Q=index[2], I_OQ=index[3],
-            INVERT=invert, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None,
-            num_warps=nw,
-        )
+        launch(rank1_row_bwd_kernel, (B * H, NV),
+               u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0,
+               T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
+               BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
+               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw)
     dm = DM.sum(0) if NV > 1 else DM[0]
-    vec_grads = [dm[index[0]]]
-    for slot, g in zip((1, 2, 3), (G_V, G_Q, G_OQ)):
-        vec_grads.append(dm[index[slot]] if g == slot else None)
-    row_grads = []
-    for n in ROW_SLOTS[:4]:
-        buf = bufs[n]
-        row_grads.append(buf.sum(0) if buf is not None and buf.dim() == 4 and modes[n][0] == 1 else buf)
+    vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
+    row_grads = [buf.sum(0) if buf is not None and m == 1 else buf for buf, m in zip(bufs, modes)]
     return vec_grads, row_grads, (DS0.transpose(-1, -2) if DS0 is not None else None)
 
 
@@ -820,29 +315,23 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
     BK = next_pow2(K)
     NV = cdiv(V, BV)
     NSEG = max(1, cdiv(T, segment))
-    G_V, G_Q, G_OQ = _groups((u, v, q, oq))
-    modes = {n: _row_mode(x) for n, x in zip(ROW_SLOTS, (a, c, p, oc, oh))}
-    d = _dummy(dev)
-    rows = [(modes[n][2] if modes[n][2] is not None else d) for n in ROW_SLOTS]
+    modes, consts, rows = _modes((a, c, p, oc, oh))
+    groups = tuple(_groups((u, v, q, oq)))
     PR = _new((B * H, NSEG, K, K, V), dev)
     LOC = _new((B * H, NSEG, K, V), dev)
     SS = _new((B * H, NSEG, K, V), dev)
     S0 = initial_state
-    cm = dict(MODE_A=modes["a"][0], MODE_C=modes["c"][0], MODE_P=modes["p"][0],
-              A_CONST=modes["a"][1], C_CONST=modes["c"][1], P_CONST=modes["p"][1], G_V=G_V, G_Q=G_Q, G_OQ=G_OQ)
-    launch(_segment_kernel, (B * H, NV, NSEG), u, v, q, oq, *rows[:3], PR, LOC, T, H, V, K, segment, NSEG,
-           BV=BV, BK=BK, num_warps=max(nw, 4), **cm)
+    launch(rank1_row_segment_kernel, (B * H, NV, NSEG), u, v, q, oq, *rows[:3], PR, LOC, T, H, V, K, segment, NSEG,
+           BV=BV, BK=BK, MODES=modes, CONSTS=consts, GROUPS=groups, num_warps=max(nw, 4))
     s0_strides = (S0.stride(0), S0.stride(1), S0.stride(3), S0.stride(2)) if S0 is not None else (0,) * 4
-    launch(_propagate_kernel, (B * H, NV), S0 if S0 is not None else d, *s0_strides, PR, LOC, SS, H, V, K, NSEG,
-           BV=BV, BK=BK, HAS_S0=S0 is not None, num_warps=nw)
+    launch(rank1_row_propagate_kernel, (B * H, NV), S0, *s0_strides, PR, LOC, SS, H, V, K, NSEG,
+           BV=BV, BK=BK, num_warps=nw)
     y = _new((B, T, H, V), dev, u.dtype)
     # phase 3: every segment from its start state
-    launch(_fwd_kernel, (B * H, NV, NSEG),
-        u, v, q, oq, *rows, SS, H * NSEG * K * V, NSEG * K * V, K * V, V, 1,
-        y, d, d, d, T, H, V, K, segment, 1,
-        BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), OH_CONST=modes["oh"][1], OC_CONST=modes["oc"][1],
-        MODE_OC=modes["oc"][0], MODE_OH=modes["oh"][0],
-        HAS_S0=True, STORE_ST=False, STORE_Z=False, STORE_CK=False, num_warps=nw, **cm)
+    launch(rank1_row_fwd_kernel, (B * H, NV, NSEG),
+           u, v, q, oq, *rows, SS, H * NSEG * K * V, NSEG * K * V, K * V, V, 1, y, None, None, None,
+           T, H, V, K, segment, 1, BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(),
+           MODES=modes, CONSTS=consts, GROUPS=groups, num_warps=nw)
     # the final state: the last segment's start state through the last segment
     ST = (SS[:, -1].unsqueeze(2) * PR[:, -1]).sum(1) + LOC[:, -1]
     return y, ST.view(B, H, K, V).transpose(-1, -2)

@@ -33,8 +33,9 @@ def prologue_fwd_kernel(P_x, P_k, P_beta, O_c, O_p, N, H, V, K, R: tl.constexpr,
     l_k = tl.load(P_k + r64[:, None, None] * K + offs_k[None, None, :], mask=MK, other=0.).to(tl.float32)
     l_beta = tl.load(P_beta + r64[:, None, None] * V + offs_v[None, :, None], mask=MV, other=0.).to(tl.float32)
     r_r0 = tl.sum(tl.where(MK, (l_k*l_k), 0.0), axis=2, keep_dims=True)
-    tl.store(O_c + r64[:, None, None] * V + offs_v[None, :, None], l_beta/(1.0 + r_r0*l_beta) + ZV, mask=MV)
-    tl.store(O_p + r64[:, None, None] * V + offs_v[None, :, None], l_x*l_beta/(1.0 + r_r0*l_beta) + ZV, mask=MV)
+    c_0 = l_beta/(1.0 + r_r0*l_beta)
+    tl.store(O_c + r64[:, None, None] * V + offs_v[None, :, None], c_0 + ZV, mask=MV)
+    tl.store(O_p + r64[:, None, None] * V + offs_v[None, :, None], c_0*l_x + ZV, mask=MV)
 
 
 @triton.jit
@@ -58,6 +59,10 @@ def prologue_bwd_kernel(P_x, P_k, P_beta, GO_c, GO_p, D_x, D_k, D_beta, N, H, V,
     r_r0 = tl.sum(tl.where(MK, (l_k*l_k), 0.0), axis=2, keep_dims=True)
     r_r1002 = tl.sum(tl.where(MV, g_p*l_x*(l_beta*l_beta)/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)), 0.0), axis=1, keep_dims=True)
     r_r1003 = tl.sum(tl.where(MV, g_c*(l_beta*l_beta)/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)), 0.0), axis=1, keep_dims=True)
-    tl.store(D_x + r64[:, None, None] * V + offs_v[None, :, None], (g_p*l_beta/(1.0 + r_r0*l_beta) + ZV).to(D_x.dtype.element_ty), mask=MV)
+    c_0 = r_r0*l_beta
+    c_1 = 1.0 + c_0
+    c_2 = (1.0 / (c_1))
+    c_3 = c_0/(c_1*c_1)
+    tl.store(D_x + r64[:, None, None] * V + offs_v[None, :, None], (c_2*g_p*l_beta + ZV).to(D_x.dtype.element_ty), mask=MV)
     tl.store(D_k + r64[:, None, None] * K + offs_k[None, None, :], (2.0*l_k*(-r_r1002 - r_r1003) + ZK).to(D_k.dtype.element_ty), mask=MK)
-    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (g_c/(1.0 + r_r0*l_beta) + g_p*l_x/(1.0 + r_r0*l_beta) - g_c*r_r0*l_beta/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)) - g_p*l_x*r_r0*l_beta/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)) + ZV).to(D_beta.dtype.element_ty), mask=MV)
+    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (c_2*g_c - c_3*g_c + c_2*g_p*l_x - c_3*g_p*l_x + ZV).to(D_beta.dtype.element_ty), mask=MV)

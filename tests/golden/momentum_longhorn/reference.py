@@ -40,7 +40,7 @@ STATES = ('D', 'S')
 
 
 def step(prev, env, co, d, m):
-    """One step: the previous states (D_prev, S_prev), each [..., d, m] -> the new ones, in order."""
+    """One step: the previous states (D_prev, S_prev) -> the new ones, in order."""
     D_prev, S_prev, = prev
     x = env['x']
     k = env['k']

@@ -36,9 +36,12 @@ def prologue_fwd_kernel(P_x, P_k, P_beta, P_lam, O_c, O_a, O_p, N, H, V, K, R: t
     l_beta = tl.load(P_beta + r64[:, None, None] * V + offs_v[None, :, None], mask=MV, other=0.).to(tl.float32)
     l_lam = tl.load(P_lam + r64[:, None, None] * V + offs_v[None, :, None], mask=MV, other=0.).to(tl.float32)
     r_r0 = tl.sum(tl.where(MK, (l_k*l_k), 0.0), axis=2, keep_dims=True)
-    tl.store(O_c + r64[:, None, None] * V + offs_v[None, :, None], l_beta/((1.0 + l_lam)*(1.0 + l_lam + r_r0*l_beta)) + ZV, mask=MV)
-    tl.store(O_a + r64[:, None, None] * V + offs_v[None, :, None], (1.0 / ((1.0 + l_lam))) + ZV, mask=MV)
-    tl.store(O_p + r64[:, None, None] * V + offs_v[None, :, None], l_x*l_beta/(1.0 + l_lam + r_r0*l_beta) + ZV, mask=MV)
+    c_0 = 1.0 + l_lam
+    c_1 = (1.0 / (c_0))
+    c_2 = l_beta/(c_0 + r_r0*l_beta)
+    tl.store(O_c + r64[:, None, None] * V + offs_v[None, :, None], c_1*c_2 + ZV, mask=MV)
+    tl.store(O_a + r64[:, None, None] * V + offs_v[None, :, None], c_1 + ZV, mask=MV)
+    tl.store(O_p + r64[:, None, None] * V + offs_v[None, :, None], c_2*l_x + ZV, mask=MV)
 
 
 @triton.jit
@@ -64,7 +67,18 @@ def prologue_bwd_kernel(P_x, P_k, P_beta, P_lam, GO_c, GO_a, GO_p, D_x, D_k, D_b
     r_r0 = tl.sum(tl.where(MK, (l_k*l_k), 0.0), axis=2, keep_dims=True)
     r_r1003 = tl.sum(tl.where(MV, g_p*l_x*(l_beta*l_beta)/((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta)), 0.0), axis=1, keep_dims=True)
     r_r1004 = tl.sum(tl.where(MV, g_c*(l_beta*l_beta)/((1.0 + l_lam)*((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta))), 0.0), axis=1, keep_dims=True)
-    tl.store(D_x + r64[:, None, None] * V + offs_v[None, :, None], (g_p*l_beta/(1.0 + l_lam + r_r0*l_beta) + ZV).to(D_x.dtype.element_ty), mask=MV)
+    c_0 = r_r0*l_beta
+    c_1 = 1.0 + l_lam
+    c_2 = c_0 + c_1
+    c_3 = (1.0 / (c_2))
+    c_4 = g_p*l_x
+    c_5 = (1.0 / (c_2*c_2))
+    c_6 = c_0*c_5
+    c_7 = (1.0 / (c_1))
+    c_8 = c_7*g_c
+    c_9 = (1.0 / (c_1*c_1))
+    c_10 = c_5*l_beta
+    tl.store(D_x + r64[:, None, None] * V + offs_v[None, :, None], (c_3*g_p*l_beta + ZV).to(D_x.dtype.element_ty), mask=MV)
     tl.store(D_k + r64[:, None, None] * K + offs_k[None, None, :], (2.0*l_k*(-r_r1003 - r_r1004) + ZK).to(D_k.dtype.element_ty), mask=MK)
-    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (g_c/((1.0 + l_lam)*(1.0 + l_lam + r_r0*l_beta)) + g_p*l_x/(1.0 + l_lam + r_r0*l_beta) - g_c*r_r0*l_beta/((1.0 + l_lam)*((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta))) - g_p*l_x*r_r0*l_beta/((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta)) + ZV).to(D_beta.dtype.element_ty), mask=MV)
-    tl.store(D_lam + r64[:, None, None] * V + offs_v[None, :, None], (-g_a/((1.0 + l_lam)*(1.0 + l_lam)) - g_c*l_beta/((1.0 + l_lam)*((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta))) - g_c*l_beta/(((1.0 + l_lam)*(1.0 + l_lam))*(1.0 + l_lam + r_r0*l_beta)) - g_p*l_x*l_beta/((1.0 + l_lam + r_r0*l_beta)*(1.0 + l_lam + r_r0*l_beta)) + ZV).to(D_lam.dtype.element_ty), mask=MV)
+    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (-c_4*c_6 - c_6*c_8 + c_3*c_7*g_c + c_3*g_p*l_x + ZV).to(D_beta.dtype.element_ty), mask=MV)
+    tl.store(D_lam + r64[:, None, None] * V + offs_v[None, :, None], (-c_10*c_4 - c_10*c_8 - c_9*g_a - c_3*c_9*g_c*l_beta + ZV).to(D_lam.dtype.element_ty), mask=MV)

@@ -1,0 +1,256 @@
+"""Triton kernel of the per-row rank-1 family's backward (the adjoint is derived in
+``ssmcraft.ops.rank1_row.recurrent``'s docstring; argument groups as in ``rank1_row_fwd``).
+
+The reverse sweep needs ``s_{t-1}`` at every step. The forward stores ``z = s_{t-1} . u`` (one
+scalar per row and step), the state every ``CHUNK`` steps and the final state. Then:
+
+- ``SCR`` None (``a == 1``: Longhorn, DeltaNet): ``s_{t-1} = s_t + c z v - p q`` exactly from
+  the stored ``z``, reset to the stored checkpoint at every chunk start;
+- otherwise (a decay): per chunk, the states are rebuilt from its checkpoint with the stored
+  ``z`` (``s_t = a s_{t-1} - c z v + p q``: no reduction, so each step is a few multiply-adds on
+  loads issued four steps at a time) and every second one is kept in the per-program scratch
+  ``SCR [prog, CHUNK/2, BK, BV]`` (L2-resident). The reverse loop reads a pair's first state back
+  and rebuilds the second in registers from the slots it has loaded for the step anyway (keeping
+  every fourth state instead held four state tiles live and spilled registers at K = 64).
+  Dividing by ``a`` instead would amplify rounding by ``1/a`` per step, so a decay always takes
+  this path.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.rank1_row.fwd import (IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots,
+                                            row_tile, transition)
+
+
+@triton.jit
+def load_bwd_slots(vecs, rows, DY, Z, row, K, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr,
+                   GROUPS: tl.constexpr, BV: tl.constexpr):
+    """Everything one reverse step reads: (u, v, q, oq, a, c, p, oc, dy, z)."""
+    u, v, q, oq, a, c, p, oc, oh = load_slots(vecs, rows, row, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    dy = tl.load(DY + row * V + ix[2], mask=ix[3], other=0.).to(tl.float32)
+    z = tl.load(Z + row * V + ix[2], mask=ix[3], other=0.)
+    return u, v, q, oq, a, c, p, oc, dy, z
+
+
+@triton.jit
+def load_transition(vecs, rows, Z, row, K, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr,
+                    GROUPS: tl.constexpr, BV: tl.constexpr):
+    """What the state update with a stored z reads: (a, c, z, v, q, p)."""
+    v = tl.load(vecs[GROUPS[0]] + row * K + ix[0], mask=ix[1], other=0.).to(tl.float32)
+    if GROUPS[1] == GROUPS[0]:
+        q = v
+    else:
+        q = tl.load(vecs[GROUPS[1]] + row * K + ix[0], mask=ix[1], other=0.).to(tl.float32)
+    a = load_coef(rows[IA], row, V, ix[2], ix[3], MODES[IA], CONSTS[IA], BV)
+    c = load_coef(rows[IC], row, V, ix[2], ix[3], MODES[IC], CONSTS[IC], BV)
+    p = load_coef(rows[IP], row, V, ix[2], ix[3], MODES[IP], CONSTS[IP], BV)
+    z = tl.load(Z + row * V + ix[2], mask=ix[3], other=0.)
+    return a, c, z, v, q, p
+
+
+@triton.jit
+def rebuild(s, sl, valid):
+    """The state after the step of slot set ``sl`` (a reverse set), or ``s`` where not ``valid``."""
+    u, v, q, oq, a, c, p, oc, dy, z = sl
+    return tl.where(valid, transition(s, a, c, z, v, q, p), s)
+
+
+@triton.jit
+def state_before(st, sl, rebuilt, REBUILT: tl.constexpr):
+    """s_{t-1}: ``rebuilt`` (decay path), else s_t + c z v - p q (``a == 1``)."""
+    if REBUILT:
+        sp = rebuilt
+    else:
+        u, v, q, oq, a, c, p, oc, dy, z = sl
+        sp = st + v[:, None] * (c * z)[None, :] - q[:, None] * p[None, :]
+    return sp
+
+
+@triton.jit
+def store_row_grad(ptr, row, V, part, offs_v, mask_v, valid, g, MODE: tl.constexpr):
+    """Gradient of a row coefficient: per row -> [B,T,H,V] at ``row``; per head -> the row block's
+    partial sum at ``part`` of [NV,B,T,H]. ``mask_v`` masks rows, ``valid`` the whole step."""
+    if MODE == 2:
+        tl.store(ptr + row * V + offs_v, g, mask=mask_v & valid)
+    elif MODE == 1:
+        tl.store(ptr + part, tl.sum(tl.where(mask_v, g, 0.), axis=0), mask=valid)
+
+
+@triton.jit
+def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
+             MODES: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, BV: tl.constexpr):
+    """One reverse step (a no-op when t < t_lo): ``st`` is s_t, ``sp`` s_{t-1}, ``ds`` the adjoint
+    of s_t from later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1})."""
+    u, v, q, oq, a, c, p, oc, dy, z = sl
+    offs_k, mask_k, offs_v, mask_v = ix
+    valid = t >= t_lo
+    wo = oc * dy
+    ds_in = ds
+    ds = ds + oq[:, None] * wo[None, :]
+    e = tl.sum(ds * v[:, None], axis=0)
+    part = i_v * NB * H + row                  # [NV, B, T, H] partials of per-head coefficients
+    if MODES[IC] != 0:
+        store_row_grad(grads[IC], row, V, part, offs_v, mask_v, valid, -z * e, MODES[IC])
+    if MODES[IP] != 0:
+        store_row_grad(grads[IP], row, V, part, offs_v, mask_v, valid, tl.sum(ds * q[:, None], axis=0), MODES[IP])
+    if MODES[IOC] != 0:
+        store_row_grad(grads[IOC], row, V, part, offs_v, mask_v, valid, dy * tl.sum(st * oq[:, None], axis=0),
+                       MODES[IOC])
+    if MODES[IA] != 0:
+        store_row_grad(grads[IA], row, V, part, offs_v, mask_v, valid, tl.sum(ds * sp, axis=0), MODES[IA])
+    # K-vector gradients, one row-reduction per distinct input tensor
+    wu = -(c * e)          # coefficient of s_{t-1} in du
+    wv = -(c * z)          # coefficient of ds in dv
+    d0 = tl.zeros([BV], dtype=tl.float32)
+    if GROUPS[0] == 0:
+        d0 += wv
+    if GROUPS[1] == 0:
+        d0 += p
+    g0 = sp * wu[None, :] + ds * d0[None, :]
+    if GROUPS[2] == 0:
+        g0 += st * wo[None, :]
+    mk = mask_k & valid
+    dm = DM + (i_v * NG * NB * H + row) * K + offs_k
+    gstride = NB * H * K
+    tl.store(dm, tl.sum(g0, axis=1), mask=mk)
+    if GROUPS[0] == 1:
+        d1 = wv
+        if GROUPS[1] == 1:
+            d1 += p
+        g1 = ds * d1[None, :]
+        if GROUPS[2] == 1:
+            g1 += st * wo[None, :]
+        tl.store(dm + INDEX[0] * gstride, tl.sum(g1, axis=1), mask=mk)
+    if GROUPS[1] == 2:
+        g2 = ds * p[None, :]
+        if GROUPS[2] == 2:
+            g2 += st * wo[None, :]
+        tl.store(dm + INDEX[1] * gstride, tl.sum(g2, axis=1), mask=mk)
+    if GROUPS[2] == 3:
+        tl.store(dm + INDEX[2] * gstride, tl.sum(st * wo[None, :], axis=1), mask=mk)
+    # adjoint of s_{t-1}
+    ds = tl.where(valid, a[None, :] * ds - u[:, None] * (c * e)[None, :], ds_in)
+    st = tl.where(valid, sp, st)
+    return ds, st
+
+
+@triton.jit
+def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
+                MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr,
+                BK: tl.constexpr, PF: tl.constexpr):
+    """Rebuild the states of steps [t0, t1) from the checkpoint ``ckp`` with the stored z and keep
+    the state before the lower step of each reverse pair (steps t1-2j-2, t1-2j-1; the last pair
+    cut at t0) in scratch slot j."""
+    sp = tl.load(ckp + tile, mask=mask_s, other=0.)
+    t_hi = t1 - 1
+    # four steps per iteration, the next iteration's loads issued before this one's updates
+    l0 = load_transition(vecs, rows, Z, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l1 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 1, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l2 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 2, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l3 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 3, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    for tb in range(t0, t1, 4):
+        if PF > 0:
+            rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
+            prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
+            prefetch_l2(Z + rowf * V + ix[2])
+        sp = keep_step(sp, l0, tb, t0, t1, scr, BK, BV)
+        l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, BK, BV)
+        l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, BK, BV)
+        l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, BK, BV)
+        l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+
+
+@triton.jit
+def keep_step(sp, lt, t, t0, t1, scr, BK: tl.constexpr, BV: tl.constexpr):
+    """``keep_states``' step t: keep s_{t-1} if t starts a reverse pair, then apply step t."""
+    a, c, z, v, q, p = lt
+    valid = t < t1
+    tl.store(scr + ((t1 - 1 - t) // 2) * BK * BV, sp, mask=valid & (((t1 - t) % 2 == 0) | (t == t0)))
+    return tl.where(valid, transition(sp, a, c, z, v, q, p), sp)
+
+
+@triton.jit
+def rank1_row_bwd_kernel(
+    U, Vv, Q, OQ, A, C, P, OC,                # slots (A .. OC None where a constant)
+    Z, CK, SCR, ST, DY, DHT,                  # z, checkpoints, scratch (None: a == 1), S_T, dy, dS_T (or None)
+    DA, DC, DP, DOC, DM, DS0,                 # gradients (None where not wanted); DM [NV, NG, B, T, H, K]
+    T, H, V, K, NC, NV, NB, NG,
+    BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr,
+    INDEX: tl.constexpr,                      # for v, q, oq: the DM group index of its tensor
+):
+    """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV].
+    Four steps per iteration with a 4-step register prefetch of the slots, as in the forward;
+    ``s_{t-1}`` as the module docstring says."""
+    i_bh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    b = i_bh // H
+    h = i_bh % H
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k, offs_v = ix[0], ix[2]
+    vecs = (U, Vv, Q, OQ)
+    rows = (A, C, P, OC, None)
+    grads = (DA, DC, DP, DOC)
+    base = b.to(tl.int64) * T
+    REBUILT: tl.constexpr = SCR is not None
+
+    ds = tl.zeros([BK, BV], dtype=tl.float32)
+    if DHT is not None:
+        ds += tl.load(DHT + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
+    st = tl.zeros([BK, BV], dtype=tl.float32)
+    if T > 0:
+        st += tl.load(ST + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.)
+    ckp = CK + i_bh.to(tl.int64) * NC * K * V
+    scr = SCR
+    if REBUILT:
+        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2)) * BK * BV \
+            + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
+
+    for jc in range(0, NC):
+        ci = NC - 1 - jc
+        t0 = ci * CHUNK
+        t1 = tl.minimum(t0 + CHUNK, T)
+        if REBUILT:
+            keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
+                        MODES, CONSTS, GROUPS, BV, BK, PF)
+            tl.debug_barrier()
+        s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + t1 - 1) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 2, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 3, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        for jt in range(0, t1 - t0, 4):
+            t = t1 - 1 - jt
+            if PF > 0:
+                rowf = (base + tl.maximum(t - PF, 0)) * H + h
+                prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
+                prefetch_l2(DY + rowf * V + offs_v)
+                prefetch_l2(Z + rowf * V + offs_v)
+            x0, x1, x2, x3 = st, st, st, st
+            if REBUILT:
+                x1 = tl.load(scr + (jt // 2) * BK * BV)
+                x0 = rebuild(x1, s1_, t - 1 >= t0)
+            row = (base + t) * H + h
+            ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT), s0_, t, t0, row, K, V, ix, grads, DM,
+                              i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+            s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            ds, st = bwd_step(ds, st, state_before(st, s1_, x1, REBUILT), s1_, t - 1, t0, row - H, K, V, ix, grads,
+                              DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+            s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            if REBUILT:
+                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV, mask=t - 2 >= t0, other=0.)
+                x2 = rebuild(x3, s3_, t - 3 >= t0)
+            ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
+                              DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+            s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 6, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT), s3_, t - 3, t0, row - 3 * H, K, V, ix, grads,
+                              DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+            s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        # the exact state at the chunk start (the reconstruction's rounding does not accumulate)
+        st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
+    if DS0 is not None:
+        tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, ds, mask=mask_s)
