@@ -1,0 +1,86 @@
+"""Every library objective through ``obj()`` on the GPU against its float64 reference loop, in one
+process: the output, the final state(s) and every gradient (initial states included), in fp32 and
+bf16, at an odd length, with the family that ran named. The GPU check of the kernel families as
+they are laid out and dispatched (``ssmcraft.ops.registry``).
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/check_library_gpu.py [--shape 2,67,2,32,32] [--only a,b]
+
+Exit status 1 when any check fails; objectives no Triton family runs are listed as such (their
+``obj()`` runs the PyTorch path, which the CPU tests cover).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ssmcraft  # noqa: E402
+from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.compiler.library import library_names  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors  # noqa: E402
+
+from checks import TOL_CHUNKED, dtype_name  # noqa: E402
+
+
+def initial_states(obj, B, H, d, m, g):
+    """Random initial state(s) of the declared shapes (float64, small), a tuple with several."""
+    square = set(obj.spec.square_states())
+    states = []
+    for x, shape in obj.state_shapes(B, H, d, m).items():
+        s = 0.1 * torch.randn(*shape, generator=g, dtype=torch.float64)
+        if x in square:        # a metric state stays symmetric positive definite
+            s = torch.eye(shape[-1], dtype=torch.float64) + s @ s.transpose(-1, -2)
+        states.append(s)
+    states = tuple(states)
+    return states if len(states) > 1 else states[0]
+
+
+def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
+    B, T, H, d, m = shape
+    obj = ssmcraft.compile(name)
+    ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, "cpu", seed=1, unit_keys=True)
+    g = torch.Generator().manual_seed(2)
+    S0 = initial_states(obj, B, H, d, m, g)
+    ins = {k: v.to(device) for k, v in ins.items()}
+    params = {k: v.to(device) for k, v in params.items()}
+    S0 = tuple(s.to(device) for s in S0) if isinstance(S0, tuple) else S0.to(device)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s), ins, params, S0, g, dtype)
+    tol = TOL_CHUNKED[dtype]
+    ok = cmp.within(tol)
+    worst, err = cmp.worst
+    verdict = "ok" if ok else f"FAIL {cmp.over(tol)}"
+    return obj.backend, f"worst {err:.2e} ({worst}) {verdict}", ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="2,67,2,32,32", help="B,T,H,d,m")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--device", default="cuda", help="cpu checks the PyTorch paths (a smoke test of this script)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("check_library_gpu: needs a CUDA device", file=sys.stderr)
+        return 2
+    shape = tuple(int(x) for x in args.shape.split(","))
+    names = [n for n in args.only.split(",") if n] or library_names()
+    failed = []
+    print(f"{'objective':<20} {'dtype':<9} {'backend':<34} result")
+    for name in names:
+        for dtype in (torch.float32, torch.bfloat16):
+            try:
+                backend, text, ok = check(name, shape, dtype, args.device)
+            except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported by name
+                backend, text, ok = "-", f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:200]}", False
+            print(f"{name:<20} {dtype_name(dtype):<9} {backend:<34} {text}", flush=True)
+            if not ok:
+                failed.append(f"{name}/{dtype_name(dtype)}")
+    print(f"{len(names) * 2 - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
