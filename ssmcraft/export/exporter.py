@@ -319,6 +319,7 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
             "    logits = model(torch.tensor([[1, 2, 3]]))               # [B, T] -> [B, T, vocab]",
             "    state = model.init_state(1)                             # constant-size recurrent state",
             "    logits_t, state = model.step(torch.tensor([4]), state)  # one token: [B] -> [B, vocab]",
+            "    logits, state = model.prefill(torch.tensor([[1, 2, 3]]))  # a prompt in one parallel pass, then step",
             "    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8)",
             "",
             "The recurrence runs the Triton kernels on CUDA when they are inline and triton imports, else the",
@@ -403,9 +404,11 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
     ]
     if not layer_only:
         lines += ["", "Recurrent inference with a constant-size state: `state = model.init_state(batch)`, then "
-                  "`logits, state = model.step(token, state)` per token (`generate` does this)."]
+                  "`logits, state = model.step(token, state)` per token; `logits, state = model.prefill(tokens)` "
+                  "runs a prompt in one parallel pass and returns the state to step on from (`generate` does this)."]
     else:
-        lines += ["", "Recurrent use: `cache = layer.init_cache(batch)`, then `y_t, cache = layer.step(h_t, cache)`."]
+        lines += ["", "Recurrent use: `cache = layer.init_cache(batch)`, then `y_t, cache = layer.step(h_t, cache)`; "
+                  "`y, cache = layer.prefill(h)` runs a prompt in parallel and returns the cache to step on from."]
     return "\n".join(lines) + "\n"
 
 

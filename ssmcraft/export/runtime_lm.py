@@ -27,7 +27,9 @@ class Model(LM):
         state = model.init_state(batch_size)          # per layer: conv window + [B, H, d, m]
         logits_t, state = model.step(token_t, state)  # token_t [B] -> logits_t [B, V]
 
-    ``generate(ids, max_new_tokens)`` runs the prompt and the new tokens through ``step``.
+    ``logits, state = model.prefill(tokens)`` runs a prompt ``[B, T]`` in one parallel pass and
+    returns the state ``step`` continues from. ``generate(ids, max_new_tokens)`` prefills the
+    prompt and runs the new tokens through ``step``.
     ``model.backend`` says which recurrence path ran last (``triton`` or
     ``torch-vectorised``; see ``Objective``).
     """
@@ -78,6 +80,12 @@ class Model(LM):
             check_cache(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
         return super().step(token_t, list(state))
 
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """tokens ``[B, T]`` -> (logits ``[B, T, V]``, the state after the last token), in one
+        parallel pass; the same as ``step`` over every token from ``init_state(B)``."""
+        check_tokens(tokens, self.cfg.vocab_size, self.embed.weight.device, "prefill: tokens")
+        return super().prefill(tokens)
+
     @staticmethod
     def state_size(state: list) -> int:
         """Number of elements of a recurrent state (the same after any number of steps)."""
@@ -93,8 +101,8 @@ class Model(LM):
 
         Greedy when ``temperature == 0``, else sampled from ``softmax(logits / temperature)``
         (restricted to the ``top_k`` most likely when given). Returns ``[B, T + max_new_tokens]``
-        (``[T + max_new_tokens]`` for a 1-D prompt). Runs recurrently: memory does not grow
-        with the length.
+        (``[T + max_new_tokens]`` for a 1-D prompt). The prompt runs in one parallel pass
+        (``prefill``), the new tokens recurrently: memory does not grow with their number.
         """
         device = self.embed.weight.device
         if not isinstance(ids, torch.Tensor):
@@ -114,9 +122,8 @@ class Model(LM):
         if top_k is not None:
             check_count(top_k, "generate: top_k")
         ids = ids.long()
-        state = self.init_state(ids.shape[0])
-        for t in range(ids.shape[1]):
-            logits, state = self.step(ids[:, t], state)
+        logits, state = self.prefill(ids)
+        logits = logits[:, -1]
         out = [ids]
         for _ in range(max_new_tokens):
             nxt = self._pick(logits, temperature, top_k, generator)

@@ -18,7 +18,8 @@ Data flow for hidden states ``h [B, T, d_model]`` (``D = expand * d_model = H * 
     out    = out_proj(y)                       [B, T, d_model]
 
 The state is ``[B, H, d, m]`` (a tuple of them for an objective with several states). ``step`` runs one token with a carried conv window and
-recurrent state and gives the same outputs as ``forward``.
+recurrent state and gives the same outputs as ``forward``; ``prefill`` runs a prompt in parallel
+and returns that cache after its last token.
 """
 from __future__ import annotations
 
@@ -176,15 +177,18 @@ class ObjectiveMixer(nn.Module):
     def _active_objective(self):
         return self._scaled_obj if self.mitigation.scales else self.obj
 
-    def _recur(self, inputs, params, state=None):
+    def _recur(self, inputs, params, state=None, final: bool = False):
+        """The recurrence from ``state`` (zero when None); its final state when ``state`` is given
+        or ``final``, else None."""
         obj = self._active_objective()
+        final = final or state is not None
         if self.mitigation.window is not None:
-            if state is not None:
-                raise SsmcraftError("the sliding-window mitigation has no one-token recurrent mode")
+            if final:
+                raise SsmcraftError("the sliding-window mitigation has no recurrent mode (no step, no prefill)")
             y = obj.sliding_window(inputs, params, self.mitigation.window)
             S = None
         else:
-            y, S = obj(inputs, params, initial_state=state, output_final_state=state is not None)
+            y, S = obj(inputs, params, initial_state=state, output_final_state=final)
         self.last_backend = getattr(obj, "backend", None)
         return y, S
 
@@ -203,6 +207,16 @@ class ObjectiveMixer(nn.Module):
                        for _ in self.obj.spec.state_names())
         return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype),
                               states if self.obj.spec.states else states[0])
+
+    def prefill(self, h: torch.Tensor, cache: RecurrentCache | None = None) -> tuple[torch.Tensor, RecurrentCache]:
+        """A prompt h ``[B, T, d_model]`` through the parallel (chunked) path, continuing ``cache``
+        (a fresh one when None) -> (``[B, T, d_model]``, the cache after its last token): the same
+        as ``step`` over every token, for one parallel pass."""
+        x, z = self._split_in(h)
+        x, conv_state = self.conv.prefill(x, None if cache is None else cache.conv)
+        u = F.silu(x)
+        y, S = self._recur(self.project(u), self.param_values(), None if cache is None else cache.state, final=True)
+        return self._finish(y, u, z), RecurrentCache(conv_state, S)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""
