@@ -123,8 +123,8 @@ class Objective:
         self.update = update
         self.backend: str | None = None
         self.prefer = os.environ.get("SSM_BACKEND", "auto")
-        if self.prefer not in BACKENDS:
-            raise SsmcraftError(f"SSM_BACKEND={self.prefer!r} is not a backend; choose one of {', '.join(BACKENDS)} "
+        if self.prefer not in PREFER:
+            raise SsmcraftError(f"SSM_BACKEND={self.prefer!r} is not a backend; choose one of {', '.join(PREFER)} "
                                 "(or leave it unset: auto)")
         self._kernels = None
         self._kernel_error: str | None = None

@@ -16,7 +16,22 @@ from ssmcraft.errors import SsmcraftError
 from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, check_cache, check_count,
                                      check_tokens, default_dir, load_safetensors, load_weights, read_config)
 from ssmcraft.layers.config import LMConfig
+from ssmcraft.layers.attention import AttentionMixer, KVCache
 from ssmcraft.layers.lm import LM
+from ssmcraft.layers.mixer import ObjectiveMixer
+
+
+def check_kv_cache(mixer: AttentionMixer, cache, batch_size: int, where: str) -> None:
+    """An attention layer's cache (``init_cache``/``prefill``'s): keys and values ``[B, H, t, d_head]``,
+    ``t`` the window's slots with a window."""
+    want = (batch_size, mixer.H, mixer.window or None, mixer.hd)
+    shapes = [tuple(getattr(cache, n).shape) if isinstance(getattr(cache, n, None), torch.Tensor) else None
+              for n in ("k", "v")]
+    if not isinstance(cache, KVCache) or any(s is None or len(s) != 4 or any(w not in (None, g) for w, g in zip(want, s))
+                                             for s in shapes):
+        got = ", ".join(str(list(s)) if s else "none" for s in shapes) if isinstance(cache, KVCache) else type(cache).__name__
+        raise SsmcraftError(f"{where}: expected an attention cache from init_state({batch_size}) (keys and values "
+                            f"[{batch_size}, {mixer.H}, {mixer.window or 't'}, {mixer.hd}]), got {got}")
 
 
 class Model(LM):
@@ -77,7 +92,8 @@ class Model(LM):
             raise SsmcraftError(f"step: state must hold one cache per layer ({len(self.blocks)}; from "
                                 f"init_state), got {got}")
         for i, (block, cache) in enumerate(zip(self.blocks, state)):
-            check_cache(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
+            check = check_cache if isinstance(block.mixer, ObjectiveMixer) else check_kv_cache
+            check(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
         return super().step(token_t, list(state))
 
     def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
