@@ -169,3 +169,23 @@ def test_prefill_refusals_are_one_line():
     _, cache = swa.prefill(h)
     with pytest.raises(SsmcraftError, match="attention prefill starts from an empty cache"):
         swa.prefill(h, cache)
+
+
+def test_prefill_under_autocast_keeps_the_cache_dtypes_step_keeps():
+    """bf16 autocast: the prefilled caches have ``init_cache``'s dtypes (the weights'), as the
+    caches ``step`` leaves, so decoding and graphed decoding's static buffers see one layout."""
+    torch.manual_seed(0)
+    lm = LM(LMConfig(vocab_size=40, d_model=16, n_layers=3, mlp_ratio=2.0, mixer={**OBJ, "objective": "momentum_longhorn"},
+                     layers=[{"at": [1], "mixer": FULL}, {"at": [2], "mixer": SWA}]))
+    tokens = torch.randint(0, 40, (2, 6))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, caches = lm.prefill(tokens)
+        stepped, stepped_caches = decode_all(lm, tokens)
+    for a, b in zip(caches, stepped_caches):
+        for name, value in vars(a).items():
+            other = vars(b)[name]
+            assert type(value) is type(other), name
+            for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (value, other))):
+                assert getattr(x, "dtype", None) == getattr(y, "dtype", None), (name, x, y)
+    assert caches[0].conv.dtype == torch.float32 and caches[2].k.dtype == torch.float32
+    torch.testing.assert_close(logits.float(), stepped.float(), rtol=0.05, atol=0.02)

@@ -84,9 +84,10 @@ class AttentionMixer(nn.Module):
                                 "cache token by token with step")
         y, k, v = self._attend(h)
         T = h.shape[1]
+        ring = self.init_cache(h.shape[0])      # its dtype (the weights'), as step keeps it under autocast
+        k, v = k.to(ring.k.dtype), v.to(ring.v.dtype)
         if not self.window:
             return y, KVCache(k, v, T)
-        ring = self.init_cache(h.shape[0])
         kept = torch.arange(max(0, T - self.window), T, device=h.device)
         slots = kept % self.window
         return y, KVCache(ring.k.index_copy(2, slots, k[:, :, kept]), ring.v.index_copy(2, slots, v[:, :, kept]),

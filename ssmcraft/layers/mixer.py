@@ -177,18 +177,16 @@ class ObjectiveMixer(nn.Module):
     def _active_objective(self):
         return self._scaled_obj if self.mitigation.scales else self.obj
 
-    def _recur(self, inputs, params, state=None, final: bool = False):
-        """The recurrence from ``state`` (zero when None); its final state when ``state`` is given
-        or ``final``, else None."""
+    def _recur(self, inputs, params, state=None):
+        """The recurrence from ``state`` and its final state (parallel forward: from zero, no final state)."""
         obj = self._active_objective()
-        final = final or state is not None
         if self.mitigation.window is not None:
-            if final:
+            if state is not None:
                 raise SsmcraftError("the sliding-window mitigation has no recurrent mode (no step, no prefill)")
             y = obj.sliding_window(inputs, params, self.mitigation.window)
             S = None
         else:
-            y, S = obj(inputs, params, initial_state=state, output_final_state=final)
+            y, S = obj(inputs, params, initial_state=state, output_final_state=state is not None)
         self.last_backend = getattr(obj, "backend", None)
         return y, S
 
@@ -212,10 +210,12 @@ class ObjectiveMixer(nn.Module):
         """A prompt h ``[B, T, d_model]`` through the parallel (chunked) path, continuing ``cache``
         (a fresh one when None) -> (``[B, T, d_model]``, the cache after its last token): the same
         as ``step`` over every token, for one parallel pass."""
+        if cache is None:       # init_cache's dtypes (the weights'), as step keeps them under autocast
+            cache = self.init_cache(h.shape[0])
         x, z = self._split_in(h)
-        x, conv_state = self.conv.prefill(x, None if cache is None else cache.conv)
+        x, conv_state = self.conv.prefill(x, cache.conv)
         u = F.silu(x)
-        y, S = self._recur(self.project(u), self.param_values(), None if cache is None else cache.state, final=True)
+        y, S = self._recur(self.project(u), self.param_values(), cache.state)
         return self._finish(y, u, z), RecurrentCache(conv_state, S)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
