@@ -189,3 +189,22 @@ def test_prefill_under_autocast_keeps_the_cache_dtypes_step_keeps():
                 assert getattr(x, "dtype", None) == getattr(y, "dtype", None), (name, x, y)
     assert caches[0].conv.dtype == torch.float32 and caches[2].k.dtype == torch.float32
     torch.testing.assert_close(logits.float(), stepped.float(), rtol=0.05, atol=0.02)
+
+
+def test_module_mixers_prefill_by_their_hook():
+    """A module mixer with a ``prefill`` hook prefills in a hybrid; one without it is one line."""
+    ema = {"kind": "module", "module": "examples.mixers:EMAMixer", "options": {"decay": 0.8, "width": 6}}
+    lm = _lm([{"at": [1], "mixer": ema}], 3)
+    tokens = torch.randint(0, 40, (2, 5 + K))
+    with torch.no_grad():
+        logits, caches = lm.prefill(tokens[:, :5])
+        more = []
+        for t in range(5, 5 + K):
+            lt, caches = lm.step(tokens[:, t], caches)
+            more.append(lt)
+        stepped, stepped_caches = decode_all(lm, tokens)
+    torch.testing.assert_close(torch.cat([logits, torch.stack(more, 1)], 1), stepped, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(caches[1], stepped_caches[1], rtol=1e-9, atol=1e-10)
+    fla = _lm([], 1, {"kind": "module", "module": "example_mixer:fla_like", "d_model_arg": "hidden_size"})
+    with pytest.raises(SsmcraftError, match=r"example_mixer:fla_like has no prefill\(\); parallel prefill needs"):
+        fla.prefill(tokens)
