@@ -208,3 +208,19 @@ def test_module_mixers_prefill_by_their_hook():
     fla = _lm([], 1, {"kind": "module", "module": "example_mixer:fla_like", "d_model_arg": "hidden_size"})
     with pytest.raises(SsmcraftError, match=r"example_mixer:fla_like has no prefill\(\); parallel prefill needs"):
         fla.prefill(tokens)
+
+
+def test_graphed_decoding_continues_a_prefill():
+    """The static caches of graphed decoding load a prefill's caches (objective layers and a
+    sliding window past its length) and step on as eager decoding does."""
+    from ssmcraft.layers.graphed_decode import StaticDecodeState
+
+    lm = _lm([{"at": [1], "mixer": SWA}], 2)
+    tokens = torch.randint(0, 40, (2, 5 + K))
+    with torch.no_grad():
+        static = StaticDecodeState(lm, 2)
+        static.load(lm.prefill(tokens[:, :5])[1])
+        stepped, _ = decode_all(lm, tokens)
+        for t in range(5, 5 + K):
+            static.token.copy_(tokens[:, t])
+            torch.testing.assert_close(static.advance(), stepped[:, t], rtol=1e-9, atol=1e-10)
