@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, check_cache, check_count,
-                                     check_tokens, default_dir, load_safetensors, load_weights, read_config)
+from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, _shape, check_cache,
+                                     check_count, check_tokens, default_dir, load_safetensors, load_weights,
+                                     read_config)
 from ssmcraft.layers.config import LMConfig
 from ssmcraft.layers.attention import AttentionMixer, KVCache
 from ssmcraft.layers.lm import LM
@@ -23,13 +24,15 @@ from ssmcraft.layers.mixer import ObjectiveMixer
 
 def check_kv_cache(mixer: AttentionMixer, cache, batch_size: int, where: str) -> None:
     """An attention layer's cache (``init_cache``/``prefill``'s): keys and values ``[B, H, t, d_head]``,
-    ``t`` the window's slots with a window."""
+    ``t`` the window's slots with a window, any length without."""
     want = (batch_size, mixer.H, mixer.window or None, mixer.hd)
-    shapes = [tuple(getattr(cache, n).shape) if isinstance(getattr(cache, n, None), torch.Tensor) else None
-              for n in ("k", "v")]
-    if not isinstance(cache, KVCache) or any(s is None or len(s) != 4 or any(w not in (None, g) for w, g in zip(want, s))
-                                             for s in shapes):
-        got = ", ".join(str(list(s)) if s else "none" for s in shapes) if isinstance(cache, KVCache) else type(cache).__name__
+
+    def fits(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() == 4 and all(w in (None, g) for w, g in zip(want, t.shape))
+
+    if not (isinstance(cache, KVCache) and fits(cache.k) and fits(cache.v)):
+        got = (f"keys {_shape(cache.k)}, values {_shape(cache.v)}" if isinstance(cache, KVCache)
+               else type(cache).__name__)
         raise SsmcraftError(f"{where}: expected an attention cache from init_state({batch_size}) (keys and values "
                             f"[{batch_size}, {mixer.H}, {mixer.window or 't'}, {mixer.hd}]), got {got}")
 

@@ -29,11 +29,9 @@ class CausalConv1d(nn.Module):
     def init_state(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
         return torch.zeros(batch_size, self.channels, max(self.kernel_size - 1, 0), device=device, dtype=dtype)
 
-    def prefill(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[B, T, C]`` after the window ``state`` ``[B, C, k-1]`` (zeros when None) -> (``[B, T, C]``,
-        the window after the last token): ``forward`` over the whole sequence, or ``step`` T times."""
-        if state is None:
-            state = self.init_state(x.shape[0], x.device, x.dtype)
+    def prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[B, T, C]`` after the window ``state`` ``[B, C, k-1]`` -> (``[B, T, C]``, the window
+        after the last token): ``step`` T times in one call (``forward`` when ``state`` is zero)."""
         if self.kernel_size <= 1:
             return x, state
         window = torch.cat([state, x.transpose(1, 2)], dim=2)                # [B, C, k-1+T]

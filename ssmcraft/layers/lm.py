@@ -130,7 +130,8 @@ class LM(nn.Module):
         return [b.mixer.init_cache(batch_size) for b in self.blocks]
 
     def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """A prompt ``[B, T]`` in one parallel pass (each mixer's chunked path) -> (logits
+        """A prompt ``[B, T]`` in one parallel pass (each mixer's parallel path: the objective's
+        chunked or row kernel, attention's SDPA) -> (logits
         ``[B, T, V]``, the caches after its last token, as ``init_cache`` + ``step`` over every
         token would leave them); decode on with ``step``."""
         h = self.embed(tokens)
