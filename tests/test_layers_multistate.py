@@ -70,3 +70,4 @@ def test_train_and_export(tmp_path):
     res = export(tmp_path / "run", tmp_path / "export")
     assert res.structure == "general"
     assert res.verified["max_abs_diff"] < 1e-5 and res.verified["step_max_abs_diff"] < 1e-5
+    assert res.verified["prefill_max_abs_diff"] < 1e-5
