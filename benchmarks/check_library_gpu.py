@@ -5,13 +5,15 @@ they are laid out and dispatched (``ssmcraft.ops.registry``).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/check_library_gpu.py [--shape 2,67,2,32,32] [--only a,b]
 
-Exit status 1 when any check fails; objectives no Triton family runs are listed as such (their
-``obj()`` runs the PyTorch path, which the CPU tests cover).
+Each check runs in a process of its own, so that a kernel fault (an illegal memory access
+poisons the CUDA context) fails that check alone. Exit status 1 when any check fails; objectives
+no Triton family runs show the PyTorch path that ran (``torch-vectorised``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 import torch
@@ -56,25 +58,41 @@ def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
     return obj.backend, f"worst {err:.2e} ({worst}) {verdict}", ok
 
 
+def child(name: str, dtype, args) -> tuple[str, str, bool]:
+    """One check in a fresh process: (backend, result, ok); a crash is a failed check with its last line."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{name}:{dtype_name(dtype)}", "--shape", args.shape,
+           "--device", args.device]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    last = (run.stdout.strip().splitlines() or [""])[-1]
+    if "\t" in last:
+        backend, text = last.split("\t", 1)
+        return backend, text, run.returncode == 0
+    err = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    return "-", f"FAIL (exit {run.returncode}): {err[:200]}", False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="2,67,2,32,32", help="B,T,H,d,m")
     ap.add_argument("--only", default="")
     ap.add_argument("--device", default="cuda", help="cpu checks the PyTorch paths (a smoke test of this script)")
+    ap.add_argument("--one", default="", help="NAME:DTYPE: run one check in this process (what each child runs)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("check_library_gpu: needs a CUDA device", file=sys.stderr)
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
+    if args.one:
+        name, dt = args.one.split(":")
+        backend, text, ok = check(name, shape, getattr(torch, dt), args.device)
+        print(f"{backend}\t{text}")
+        return 0 if ok else 1
     names = [n for n in args.only.split(",") if n] or library_names()
     failed = []
     print(f"{'objective':<20} {'dtype':<9} {'backend':<34} result")
     for name in names:
         for dtype in (torch.float32, torch.bfloat16):
-            try:
-                backend, text, ok = check(name, shape, dtype, args.device)
-            except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported by name
-                backend, text, ok = "-", f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:200]}", False
+            backend, text, ok = child(name, dtype, args)
             print(f"{name:<20} {dtype_name(dtype):<9} {backend:<34} {text}", flush=True)
             if not ok:
                 failed.append(f"{name}/{dtype_name(dtype)}")

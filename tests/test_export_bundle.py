@@ -41,7 +41,7 @@ def test_every_library_objective_exports_and_reproduces(compiled, name, tmp_path
     model = tiny_lm(compiled, name, heads=2)
     result = export_model(model, tmp_path / "exp", source(tmp_path), check=True)
     v = result.verified
-    assert v["max_abs_diff"] < 1e-5 and v["step_max_abs_diff"] < 1e-5, v
+    assert v["max_abs_diff"] < 1e-5 and v["step_max_abs_diff"] < 1e-5 and v["prefill_max_abs_diff"] < 1e-5, v
     assert v["backend"] == "torch-vectorised"
     assert result.structure == compiled(name).ir.kind
 
@@ -54,6 +54,7 @@ def test_layer_only_bundle_has_no_lm(compiled, tmp_path):
     text = result.module.read_text()
     assert "class Mixer(ObjectiveMixer)" in text and "class LM(" not in text and "class Model(" not in text
     assert result.verified["layers"] == 2 and result.verified["max_abs_diff"] < 1e-5
+    assert result.verified["prefill_max_abs_diff"] < 1e-5
 
 
 def test_bundle_refuses_missing_and_duplicate_definitions(compiled):

@@ -151,7 +151,7 @@ def test_an_unknown_backend_is_refused_at_import(exported, monkeypatch):
     with pytest.raises(Exception) as e:
         load(exported / "lm")
     assert type(e.value).__name__ == SsmcraftError.__name__ and "\n" not in str(e.value)
-    assert str(e.value) == ("SSM_BACKEND='garbage' is not a backend; choose one of auto, reference, torch, triton, "
+    assert str(e.value) == ("SSM_BACKEND='garbage' is not a backend; choose one of auto, torch, reference, triton, "
                             "interpret (or leave it unset: auto)")
     monkeypatch.setenv("SSM_BACKEND", "reference")
     mod = load(exported / "lm")

@@ -113,6 +113,16 @@ STANDALONE = textwrap.dedent(r'''
             sizes.add(model.state_size(state))
         r["step_diff"] = float((torch.stack(steps, 1) - logits).abs().max())
         r["state_sizes"] = sorted(sizes)
+        pre, diffs = {}, []
+        for T in (1, 3, 8):                  # shorter than the conv kernel (4), odd, longer
+            lp, pstate = model.prefill(ids[:, :T])
+            more = [lp]
+            for t in range(T, ids.shape[1]):
+                lt, pstate = model.step(ids[:, t], pstate)
+                more.append(lt[:, None])
+            diffs.append(float((torch.cat(more, 1) - torch.stack(steps, 1)).abs().max()))
+        r["prefill_diffs"] = diffs
+        r["prefill_state_size"] = model.state_size(pstate)
         out = model.generate(ids[0, :5], max_new_tokens=6)
         full = model(out[None])[0]
         r["generate_len"] = int(out.shape[0])
@@ -152,6 +162,11 @@ STANDALONE = textwrap.dedent(r'''
         y, cache = fresh.step(h[:, t], cache)
         ys.append(y)
     lr["step_diff"] = float((torch.stack(ys, 1) - fresh(h)).abs().max())
+    y_pre, pcache = fresh.prefill(h[:, :5])
+    y_pre2, pcache = fresh.prefill(h[:, 5:], pcache)
+    lr["prefill_diff"] = float((torch.cat([y_pre, y_pre2], 1) - torch.stack(ys, 1)).abs().max())
+    lr["prefill_cache_diff"] = max(float((pcache.conv - cache.conv).abs().max()),
+                                   float((pcache.state - cache.state).abs().max()))
     lr["backend"] = fresh.last_backend
     results["layer"] = lr
     results["ssmcraft_loaded"] = sorted(n for n, m in sys.modules.items() if n.startswith("ssmcraft") and m is not None)
@@ -199,6 +214,8 @@ def test_exported_module_runs_without_ssmcraft(runs, search_dir, exports, tmp_pa
         r = res[key]
         assert r["diff"] < 1e-5, (key, r)                  # same logits as ssmcraft's loaded model
         assert r["step_diff"] < 1e-5, (key, r)             # recurrent decoding == parallel forward
+        assert max(r["prefill_diffs"]) < 1e-5, (key, r)    # prefill + steps == steps alone
+        assert r["prefill_state_size"] == r["state_sizes"][0], (key, r)
         assert len(r["state_sizes"]) == 1, (key, r)        # constant-size state
         assert r["backend"] == "torch-vectorised" and r["dtype"] == "torch.float32"
         assert r["reference_diff"] < 1e-5 and r["reference_backend"] == "reference-loop"
@@ -210,6 +227,7 @@ def test_exported_module_runs_without_ssmcraft(runs, search_dir, exports, tmp_pa
     assert lr["loss_finite"] and lr["grads"]
     assert lr["fresh_shape"] == [2, 7, 24] and lr["fresh_m"] == 4
     assert lr["step_diff"] < 1e-5 and lr["backend"] == "torch-vectorised"
+    assert lr["prefill_diff"] < 1e-5 and lr["prefill_cache_diff"] < 1e-5, lr
 
 
 def test_export_folder_contents(exports):

@@ -167,6 +167,18 @@ def test_hybrid_export_reproduces_outputs_and_decodes(hybrid_run, tmp_path):
         torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=1e-5)
     assert [type(b.mixer).__name__ for b in model.blocks] == ["ObjectiveMixer", "AttentionMixer", "AttentionMixer"]
     assert model.blocks[1].mixer.window == 3 and model.blocks[2].mixer.window == 0
+    with torch.no_grad():                                  # the exported prefill (past the window), then steps
+        logits, state = model.prefill(ids[:, :7])
+        more = []
+        for t in range(7, 20):
+            lt, state = model.step(ids[:, t], state)
+            more.append(lt)
+        torch.testing.assert_close(torch.cat([logits, torch.stack(more, 1)], 1), ref(ids), rtol=0, atol=1e-5)
+        generated = model.generate(ids[0, :7], max_new_tokens=4)
+        assert torch.equal(generated[7:], ref(generated[None, :-1])[0, 6:].argmax(-1))
+    wrong = r"step: state\[1\]: expected an attention cache .*\[2, 2, 3, 8\]\), got keys shape \[2, 2, 20, 8\]"
+    with pytest.raises(Exception, match=wrong):
+        model.step(ids[:, 0], [state[0], state[2], state[2]])
     layer = export(out, tmp_path / "layer", layer_only=True)
     assert layer.verified["layers"] == 1
     lmod = import_module_from(layer.module)

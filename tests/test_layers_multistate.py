@@ -83,6 +83,7 @@ def test_train_and_export(tmp_path, objective, structure):
     res = export(tmp_path / "run", tmp_path / "export")
     assert res.structure == structure
     assert res.verified["max_abs_diff"] < 1e-5 and res.verified["step_max_abs_diff"] < 1e-5
+    assert res.verified["prefill_max_abs_diff"] < 1e-5
 
 
 def test_exported_state_size_counts_every_state():

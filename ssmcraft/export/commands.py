@@ -33,5 +33,6 @@ def run(args: argparse.Namespace) -> int:
     if result.verified is not None:
         v = result.verified
         print(f"  verified: the written module vs ssmcraft's model, max |diff| {v['max_abs_diff']:.2g}; "
-              f"step-by-step vs parallel {v['step_max_abs_diff']:.2g} (fp32, CPU, shape {v['shape']})")
+              f"step-by-step vs parallel {v['step_max_abs_diff']:.2g}; prefill + steps vs steps "
+              f"{v['prefill_max_abs_diff']:.2g} (fp32, CPU, shape {v['shape']})")
     return 0

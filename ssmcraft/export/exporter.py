@@ -102,7 +102,7 @@ class ExportResult:
     layer_only: bool
     kernels: str              # "inline (<family>)" or "none (<why>)"
     n_params: int
-    verified: dict | None = None   # {"max_abs_diff": ..., "step_max_abs_diff": ..., "shape": [...]}
+    verified: dict | None = None   # {"max_abs_diff": ..., "step_max_abs_diff": ..., "prefill_max_abs_diff": ..., "shape": [...]}
 
 
 # -- finding the trained model ---------------------------------------------------------------
@@ -319,6 +319,7 @@ def header_text(obj, source: TrialSource, stem: str, layer_only: bool, kernels: 
             "    logits = model(torch.tensor([[1, 2, 3]]))               # [B, T] -> [B, T, vocab]",
             "    state = model.init_state(1)                             # constant-size recurrent state",
             "    logits_t, state = model.step(torch.tensor([4]), state)  # one token: [B] -> [B, vocab]",
+            "    logits, state = model.prefill(torch.tensor([[1, 2, 3]]))  # a prompt in one parallel pass, then step",
             "    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8)",
             "",
             "The recurrence runs the Triton kernels on CUDA when they are inline and triton imports, else the",
@@ -403,9 +404,11 @@ def readme_text(stem: str, obj, source: TrialSource, layer_only: bool, kernels: 
     ]
     if not layer_only:
         lines += ["", "Recurrent inference with a constant-size state: `state = model.init_state(batch)`, then "
-                  "`logits, state = model.step(token, state)` per token (`generate` does this)."]
+                  "`logits, state = model.step(token, state)` per token; `logits, state = model.prefill(tokens)` "
+                  "runs a prompt in one parallel pass and returns the state to step on from (`generate` does this)."]
     else:
-        lines += ["", "Recurrent use: `cache = layer.init_cache(batch)`, then `y_t, cache = layer.step(h_t, cache)`."]
+        lines += ["", "Recurrent use: `cache = layer.init_cache(batch)`, then `y_t, cache = layer.step(h_t, cache)`; "
+                  "`y, cache = layer.prefill(h)` runs a prompt in parallel and returns the cache to step on from."]
     return "\n".join(lines) + "\n"
 
 
@@ -418,6 +421,9 @@ def import_module_from(path: Path, name: str | None = None):
                        policy=None)
 
 
+PREFILL = 7    # verify's prompt length: odd, longer than the default conv window, shorter than the check's sequence
+
+
 @torch.no_grad()
 def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, seed: int = 0) -> dict:
     """Import the written module and compare it with ssmcraft's model (fp32, CPU)."""
@@ -428,7 +434,7 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
         ref = reference_model.float().cpu().eval()
         if layer_only:
             out = {"layers": len(ref.recurrent_layers)}
-            worst, worst_step = 0.0, 0.0
+            worst, worst_step, worst_prefill = 0.0, 0.0, 0.0
             for i in ref.recurrent_layers:
                 block = ref.blocks[i]
                 mixer = mod.Mixer.from_pretrained(str(folder), layer=i)
@@ -440,7 +446,12 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
                     y_t, cache = mixer.step(h[:, t], cache)
                     steps.append(y_t)
                 worst_step = max(worst_step, float((torch.stack(steps, 1) - mixer(h)).abs().max()))
-            out.update(max_abs_diff=worst, step_max_abs_diff=worst_step, shape=[2, 12])
+                y_pre, cache = mixer.prefill(h[:, :PREFILL])          # a prompt, then its continuation
+                y_more, _ = mixer.prefill(h[:, PREFILL:], cache)
+                prefilled = torch.cat([y_pre, y_more], 1)
+                worst_prefill = max(worst_prefill, float((prefilled - torch.stack(steps, 1)).abs().max()))
+            out.update(max_abs_diff=worst, step_max_abs_diff=worst_step, prefill_max_abs_diff=worst_prefill,
+                       shape=[2, 12])
         else:
             model = mod.from_pretrained(str(folder))
             vocab = ref.cfg.vocab_size
@@ -453,7 +464,12 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
                 lt, state = model.step(ids[:, t], state)
                 steps.append(lt)
             step_diff = float((torch.stack(steps, 1) - logits).abs().max())
+            prefilled, state = model.prefill(ids[:, :PREFILL])        # a prompt, then steps from its state
+            for t in range(PREFILL, ids.shape[1]):
+                lt, state = model.step(ids[:, t], state)
+                prefilled = torch.cat([prefilled, lt[:, None]], 1)
             out = {"max_abs_diff": diff, "step_max_abs_diff": step_diff, "shape": list(ids.shape),
+                   "prefill_max_abs_diff": float((prefilled - torch.stack(steps, 1)).abs().max()),
                    "backend": model.backend}
     finally:
         sys.modules.pop(mod.__name__, None)
@@ -464,6 +480,9 @@ def verify(module_path: Path, folder: Path, reference_model, layer_only: bool, s
     if not out["step_max_abs_diff"] <= 1e-3:
         raise ExportError(f"the exported module's step-by-step outputs differ from its parallel forward by "
                           f"{out['step_max_abs_diff']:.3g} (an ssmcraft bug; please report it)")
+    if not out["prefill_max_abs_diff"] <= 1e-3:
+        raise ExportError(f"the exported module's prefill and steps differ from its step-by-step outputs by "
+                          f"{out['prefill_max_abs_diff']:.3g} (an ssmcraft bug; please report it)")
     return out
 
 

@@ -405,7 +405,8 @@ class Mixer(ObjectiveMixer):
     ``Mixer(d_model=256, heads=2)`` changes the width or any mixer setting (state_size,
     expand, conv_kernel, ...); ``Mixer.from_pretrained(path, layer=0)`` loads the trained
     weights of one layer. Recurrent use: ``cache = m.init_cache(B)``;
-    ``y_t, cache = m.step(h_t, cache)`` with ``h_t [B, d_model]`` and a constant-size cache.
+    ``y_t, cache = m.step(h_t, cache)`` with ``h_t [B, d_model]`` and a constant-size cache;
+    ``y, cache = m.prefill(h)`` runs a prompt in parallel and returns the cache ``step`` continues.
     """
 
     def __init__(self, d_model: int | None = None, **overrides):
@@ -442,6 +443,14 @@ class Mixer(ObjectiveMixer):
 
     def init_cache(self, batch_size: int):
         return super().init_cache(check_count(batch_size, "Mixer.init_cache: batch_size"))
+
+    def prefill(self, h: torch.Tensor, cache=None):
+        """A prompt h ``[B, T, d_model]`` in one parallel pass, continuing ``cache`` (fresh when
+        None) -> (``[B, T, d_model]``, the cache after its last token)."""
+        check_hidden(h, self.d_model, self.in_proj.weight, "Mixer.prefill: h")
+        if cache is not None:
+            check_cache(self, cache, h.shape[0], "Mixer.prefill: cache")
+        return super().prefill(h, cache)
 
     def step(self, h_t: torch.Tensor, cache):
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""

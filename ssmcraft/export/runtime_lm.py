@@ -13,10 +13,28 @@ import torch
 import torch.nn.functional as F
 
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, check_cache, check_count,
-                                     check_tokens, default_dir, load_safetensors, load_weights, read_config)
+from ssmcraft.export.runtime import (CONFIG_FILE, MODEL_CONFIG, OBJECTIVE, WEIGHTS_FILE, _shape, check_cache,
+                                     check_count, check_tokens, default_dir, load_safetensors, load_weights,
+                                     read_config)
 from ssmcraft.layers.config import LMConfig
+from ssmcraft.layers.attention import AttentionMixer, KVCache
 from ssmcraft.layers.lm import LM
+from ssmcraft.layers.mixer import ObjectiveMixer
+
+
+def check_kv_cache(mixer: AttentionMixer, cache, batch_size: int, where: str) -> None:
+    """An attention layer's cache (``init_cache``/``prefill``'s): keys and values ``[B, H, t, d_head]``,
+    ``t`` the window's slots with a window, any length without."""
+    want = (batch_size, mixer.H, mixer.window or None, mixer.hd)
+
+    def fits(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() == 4 and all(w in (None, g) for w, g in zip(want, t.shape))
+
+    if not (isinstance(cache, KVCache) and fits(cache.k) and fits(cache.v)):
+        got = (f"keys {_shape(cache.k)}, values {_shape(cache.v)}" if isinstance(cache, KVCache)
+               else type(cache).__name__)
+        raise SsmcraftError(f"{where}: expected an attention cache from init_state({batch_size}) (keys and values "
+                            f"[{batch_size}, {mixer.H}, {mixer.window or 't'}, {mixer.hd}]), got {got}")
 
 
 class Model(LM):
@@ -27,7 +45,9 @@ class Model(LM):
         state = model.init_state(batch_size)          # per layer: conv window + [B, H, d, m]
         logits_t, state = model.step(token_t, state)  # token_t [B] -> logits_t [B, V]
 
-    ``generate(ids, max_new_tokens)`` runs the prompt and the new tokens through ``step``.
+    ``logits, state = model.prefill(tokens)`` runs a prompt ``[B, T]`` in one parallel pass and
+    returns the state ``step`` continues from. ``generate(ids, max_new_tokens)`` prefills the
+    prompt and runs the new tokens through ``step``.
     ``model.backend`` says which recurrence path ran last (``triton`` or
     ``torch-vectorised``; see ``Objective``).
     """
@@ -75,8 +95,15 @@ class Model(LM):
             raise SsmcraftError(f"step: state must hold one cache per layer ({len(self.blocks)}; from "
                                 f"init_state), got {got}")
         for i, (block, cache) in enumerate(zip(self.blocks, state)):
-            check_cache(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
+            check = check_cache if isinstance(block.mixer, ObjectiveMixer) else check_kv_cache
+            check(block.mixer, cache, token_t.shape[0], f"step: state[{i}]")
         return super().step(token_t, list(state))
+
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """tokens ``[B, T]`` -> (logits ``[B, T, V]``, the state after the last token), in one
+        parallel pass; the same as ``step`` over every token from ``init_state(B)``."""
+        check_tokens(tokens, self.cfg.vocab_size, self.embed.weight.device, "prefill: tokens")
+        return super().prefill(tokens)
 
     @staticmethod
     def state_size(state: list) -> int:
@@ -100,8 +127,8 @@ class Model(LM):
 
         Greedy when ``temperature == 0``, else sampled from ``softmax(logits / temperature)``
         (restricted to the ``top_k`` most likely when given). Returns ``[B, T + max_new_tokens]``
-        (``[T + max_new_tokens]`` for a 1-D prompt). Runs recurrently: memory does not grow
-        with the length.
+        (``[T + max_new_tokens]`` for a 1-D prompt). The prompt runs in one parallel pass
+        (``prefill``), the new tokens recurrently: memory does not grow with their number.
         """
         device = self.embed.weight.device
         if not isinstance(ids, torch.Tensor):
@@ -121,9 +148,8 @@ class Model(LM):
         if top_k is not None:
             check_count(top_k, "generate: top_k")
         ids = ids.long()
-        state = self.init_state(ids.shape[0])
-        for t in range(ids.shape[1]):
-            logits, state = self.step(ids[:, t], state)
+        logits, state = self.prefill(ids)
+        logits = logits[:, -1]
         out = [ids]
         for _ in range(max_new_tokens):
             nxt = self._pick(logits, temperature, top_k, generator)

@@ -58,8 +58,8 @@ class AttentionMixer(nn.Module):
         q, k, v = self.qkv(h).view(B, T, 3, self.H, self.hd).permute(2, 0, 3, 1, 4)
         return rotary(q, positions, self.cfg.rope_base), rotary(k, positions, self.cfg.rope_base), v
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
+    def _attend(self, h: torch.Tensor):
+        """h ``[B, T, d_model]`` -> (``[B, T, d_model]``, the rotated keys and the values ``[B, H, T, d_head]``)."""
         B, T, C = h.shape
         pos = torch.arange(T, device=h.device)
         q, k, v = self._qkv(h, pos)
@@ -69,7 +69,29 @@ class AttentionMixer(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=(near >= 0) & (near < self.window))
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
+        return self._attend(h)[0]
+
+    def prefill(self, h: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """A prompt h ``[B, T, d_model]`` from an empty cache -> (``forward(h)``, the cache ``step``
+        holds after its last token: every key/value, or with a window the ring of the last
+        ``window`` ones, position ``p`` in slot ``p % window``)."""
+        if cache is not None:
+            raise SsmcraftError("attention prefill starts from an empty cache (cache=None); continue a "
+                                "cache token by token with step")
+        y, k, v = self._attend(h)
+        T = h.shape[1]
+        ring = self.init_cache(h.shape[0])      # its dtype (the weights'), as step keeps it under autocast
+        k, v = k.to(ring.k.dtype), v.to(ring.v.dtype)
+        if not self.window:
+            return y, KVCache(k, v, T)
+        kept = torch.arange(max(0, T - self.window), T, device=h.device)
+        slots = kept % self.window
+        return y, KVCache(ring.k.index_copy(2, slots, k[:, :, kept]), ring.v.index_copy(2, slots, v[:, :, kept]),
+                          torch.tensor(T, dtype=torch.int64, device=h.device))
 
     def init_cache(self, batch_size: int) -> KVCache:
         """An empty key/value cache (a ring of ``window`` zero slots with a window) on the module's

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class CausalConv1d(nn.Module):
@@ -27,6 +28,15 @@ class CausalConv1d(nn.Module):
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
         return torch.zeros(batch_size, self.channels, max(self.kernel_size - 1, 0), device=device, dtype=dtype)
+
+    def prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[B, T, C]`` after the window ``state`` ``[B, C, k-1]`` -> (``[B, T, C]``, the window
+        after the last token): ``step`` T times in one call (``forward`` when ``state`` is zero)."""
+        if self.kernel_size <= 1:
+            return x, state
+        window = torch.cat([state, x.transpose(1, 2)], dim=2)                # [B, C, k-1+T]
+        y = F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.channels)
+        return y.transpose(1, 2), window[:, :, window.shape[2] - (self.kernel_size - 1):]
 
     def step(self, x_t: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t ``[B, C]``, state ``[B, C, k-1]`` -> (``[B, C]``, new state)."""

@@ -9,7 +9,7 @@ slots ``[B, H, w, d_head]`` and position) in static buffers, captures one
 token as: copy the token in, replay, read the static logits ``[B, V]``.
 
     dec = GraphedDecoder(model, batch_size=16, autocast_dtype=torch.bfloat16)
-    dec.state.reset()                 # zero caches: a new sequence (dec.state.load(caches): a prefill)
+    dec.state.reset()                 # zero caches: a new sequence (dec.state.load(model.prefill(prompt)[1]): a prompt)
     for t in range(T):
         logits = dec.step(tokens[:, t])     # [B] int64 -> [B, V]; overwritten by the next step
 
@@ -76,7 +76,7 @@ class StaticDecodeState:
                 t.zero_()
 
     def load(self, caches) -> None:
-        """Copy ``caches`` (e.g. from an eager prefill with ``model.step``) into the static ones. They
+        """Copy ``caches`` (e.g. ``model.prefill``'s after a prompt) into the static ones. They
         must fit exactly: one per layer, each tensor of the static one's shape (``copy_`` would
         broadcast a batch-1 cache into every row); else ``SsmcraftError`` naming the layer."""
         caches = list(caches)
@@ -101,7 +101,7 @@ class GraphedDecoder:
     eager steps run first on a side stream (kernel choice, compilation), then the caches are zeroed.
     The logits returned by ``step`` are a static buffer, overwritten by the next step. ``state`` is
     the ``StaticDecodeState`` the graph reads and writes: ``state.reset()`` starts a new sequence,
-    ``state.load(caches)`` continues an eager prefill, ``state.caches`` are the current caches.
+    ``state.load(caches)`` continues a prefill (``model.prefill``'s caches), ``state.caches`` are the current caches.
     """
 
     def __init__(self, model, batch_size: int, autocast_dtype: torch.dtype | None = None, warmup: int = 3):

@@ -2,7 +2,8 @@
 
 tokens ``[B, T]`` int64 -> logits ``[B, T, V]``. ``step`` runs one token with per-layer
 caches (constant size for objective mixers and sliding-window attention, growing for full
-attention) and matches ``forward``. A hybrid stack places a mixer per layer
+attention) and matches ``forward``; ``prefill`` runs a prompt in parallel and returns those
+caches. A hybrid stack places a mixer per layer
 (``LMConfig.layers``, ``config.layer_mixers``).
 """
 from __future__ import annotations
@@ -70,15 +71,19 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if self.mlp is not None else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.mixer(self.norm1(h))
+        return self._residual(h, self.mixer(self.norm1(h)))
+
+    def _residual(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = h + y
         return h + self.mlp(self.norm2(h)) if self.mlp is not None else h
+
+    def prefill(self, h: torch.Tensor):
+        y, cache = self.mixer.prefill(self.norm1(h))
+        return self._residual(h, y), cache
 
     def step(self, h_t: torch.Tensor, cache):
         y, cache = self.mixer.step(self.norm1(h_t), cache)
-        h_t = h_t + y
-        if self.mlp is not None:
-            h_t = h_t + self.mlp(self.norm2(h_t))
-        return h_t, cache
+        return self._residual(h_t, y), cache
 
 
 class LM(nn.Module):
@@ -123,6 +128,18 @@ class LM(nn.Module):
 
     def init_cache(self, batch_size: int) -> list:
         return [b.mixer.init_cache(batch_size) for b in self.blocks]
+
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """A prompt ``[B, T]`` in one parallel pass (each mixer's parallel path: the objective's
+        chunked or row kernel, attention's SDPA) -> (logits
+        ``[B, T, V]``, the caches after its last token, as ``init_cache`` + ``step`` over every
+        token would leave them); decode on with ``step``."""
+        h = self.embed(tokens)
+        caches = []
+        for block in self.blocks:
+            h, cache = block.prefill(h)
+            caches.append(cache)
+        return F.linear(self.norm_f(h), self.embed.weight), caches
 
     def step(self, token_t: torch.Tensor, caches: list) -> tuple[torch.Tensor, list]:
         """token_t ``[B]`` -> (logits ``[B, V]``, the next caches)."""

@@ -18,7 +18,8 @@ Data flow for hidden states ``h [B, T, d_model]`` (``D = expand * d_model = H * 
     out    = out_proj(y)                       [B, T, d_model]
 
 The state is ``[B, H, d, m]`` (a tuple of them for an objective with several states). ``step`` runs one token with a carried conv window and
-recurrent state and gives the same outputs as ``forward``.
+recurrent state and gives the same outputs as ``forward``; ``prefill`` runs a prompt in parallel
+and returns that cache after its last token.
 """
 from __future__ import annotations
 
@@ -189,10 +190,11 @@ class ObjectiveMixer(nn.Module):
         return self._scaled_obj if self.mitigation.scales else self.obj
 
     def _recur(self, inputs, params, state=None):
+        """The recurrence from ``state`` and its final state (parallel forward: from zero, no final state)."""
         obj = self._active_objective()
         if self.mitigation.window is not None:
             if state is not None:
-                raise SsmcraftError("the sliding-window mitigation has no one-token recurrent mode")
+                raise SsmcraftError("the sliding-window mitigation has no recurrent mode (no step, no prefill)")
             y = obj.sliding_window(inputs, params, self.mitigation.window)
             S = None
         else:
@@ -216,6 +218,18 @@ class ObjectiveMixer(nn.Module):
         if getattr(self.obj.ir, "minibatch", 0):     # (an export's IR view has it only when set)
             state = ChunkCache(state, {})
         return RecurrentCache(self.conv.init_state(batch_size, w.device, w.dtype), state)
+
+    def prefill(self, h: torch.Tensor, cache: RecurrentCache | None = None) -> tuple[torch.Tensor, RecurrentCache]:
+        """A prompt h ``[B, T, d_model]`` through the parallel (chunked) path, continuing ``cache``
+        (a fresh one when None) -> (``[B, T, d_model]``, the cache after its last token): the same
+        as ``step`` over every token, for one parallel pass."""
+        if cache is None:       # init_cache's dtypes (the weights'), as step keeps them under autocast
+            cache = self.init_cache(h.shape[0])
+        x, z = self._split_in(h)
+        x, conv_state = self.conv.prefill(x, cache.conv)
+        u = F.silu(x)
+        y, S = self._recur(self.project(u), self.param_values(), cache.state)
+        return self._finish(y, u, z), RecurrentCache(conv_state, S)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache)."""

@@ -10,7 +10,9 @@ Optional hooks on the built module, used when present:
 - ``state_elements() -> int | None``: numbers of state one sequence carries (iso-state
   accounting; the config's ``state_elements`` overrides it);
 - ``init_cache(batch_size)`` and ``step(h_t [B, d_model], cache) -> (y_t [B, d_model], cache)``:
-  recurrent decoding (``LM.step``); without them the LM decodes only by its parallel forward.
+  recurrent decoding (``LM.step``); without them the LM decodes only by its parallel forward;
+- ``prefill(h [B, T, d_model]) -> (y [B, T, d_model], cache)``: a prompt in parallel, giving the
+  cache ``step`` continues from (``LM.prefill``).
 
 Importing the factory's module runs its code: a module path in a spec is code its author chose to
 run. Nothing from the spec is evaluated (``ssmcraft.modpath``).
@@ -60,15 +62,20 @@ class ModuleMixer(nn.Module):
                                 "[B, T, d_model] to the same shape")
         return y
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, needs: str = "recurrent decoding needs init_cache(batch) and step(h_t, cache)"):
         hook = getattr(self.inner, name, None)
         if hook is None:
-            raise SsmcraftError(f"mixer {self.cfg.module} has no {name}(); recurrent decoding needs init_cache(batch) "
-                                "and step(h_t, cache)")
+            raise SsmcraftError(f"mixer {self.cfg.module} has no {name}(); {needs}")
         return hook
 
     def init_cache(self, batch_size: int):
         return self._hook("init_cache")(batch_size)
+
+    def prefill(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, Any]:
+        """A prompt h ``[B, T, d_model]`` -> (``[B, T, d_model]``, its cache), by the module's ``prefill``."""
+        if cache is not None:
+            raise SsmcraftError(f"mixer {self.cfg.module}: prefill starts from an empty cache (cache=None)")
+        return self._hook("prefill", "parallel prefill needs prefill(h) -> (y, cache)")(h)
 
     def step(self, h_t: torch.Tensor, cache) -> tuple[torch.Tensor, Any]:
         """One token: h_t ``[B, d_model]`` -> (``[B, d_model]``, the next cache), by the module's ``step``."""

@@ -26,7 +26,7 @@ import os
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.ops.common.reference import layout, validate, vectorised
 
-PREFER = ("auto", "reference", "torch", "triton", "interpret")
+PREFER = ("auto", "torch", "reference", "triton", "interpret")
 
 
 def triton_mode(inputs, prefer: str, interpret: bool) -> tuple[str | None, str]:
