@@ -48,11 +48,11 @@ class SpecError(SsmcraftError):
 
     def __init__(self, source: str, key: str, problem: str):
         self.source = source
+        self.key = key
+        self.problem = problem
         # bounded: a message quotes user text (a label, a key, a value) but stays one short line
-        self.key = clip(key, 200)
-        self.problem = clip(problem, 600)
-        where = clip(source, 500)
-        super().__init__(f"{where}: {self.key}: {self.problem}" if key else f"{where}: {self.problem}")
+        where, key_text, problem_text = clip(source, 500), clip(key, 200), clip(problem, 600)
+        super().__init__(f"{where}: {key_text}: {problem_text}" if key else f"{where}: {problem_text}")
 
     def __reduce__(self):   # picklable, so errors cross process and Ray worker boundaries
         return (type(self), (self.source, self.key, self.problem))

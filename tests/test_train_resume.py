@@ -106,6 +106,7 @@ def test_a_changed_config_is_refused_in_one_line_and_changes_nothing(corpus, tmp
                             "with the run's settings, or start it again with --fresh")
     spec = tmp_path.parent / "exp.yaml"
     spec.write_text(json.dumps(config(corpus)))
+    capsys.readouterr()             # what the runs above logged (a handler an earlier CLI test installed)
     assert main(["train", str(spec), "--out", str(tmp_path), "--quiet", "--set", "model.d_model=24"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"ssmcraft train: error: {spec}: model.d_model: 16 in ") and len(err.splitlines()) == 1
