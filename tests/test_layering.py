@@ -47,7 +47,7 @@ def layer(module: str) -> str:
     leaf = module.rsplit(".", 1)[-1]
     if module in ("ssmcraft", "ssmcraft.cli", "ssmcraft.__main__") or leaf == "commands" or leaf.endswith("_commands"):
         return "cli"
-    if module in ("ssmcraft.yamlsafe", "ssmcraft.modpath"):   # reading specs: beside the error types, below all
+    if module in ("ssmcraft.yamlsafe", "ssmcraft.modpath", "ssmcraft.fileio"):   # reading specs, writing files: below all
         return "errors"
     return module.split(".")[1]
 
