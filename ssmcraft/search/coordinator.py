@@ -37,10 +37,11 @@ from optuna.trial import TrialState
 
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.fileio import write_text
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.search import fidelity as fid
 from ssmcraft.search import lease, reports
 from ssmcraft.search.executor import Capacity, Executor, Job
-from ssmcraft.search.objectives import check_objectives, compile_objective
+from ssmcraft.search.objectives import check_objectives
 from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
 from ssmcraft.search.rundir import (RUN_INFO, SPEC_COPY, TRIAL_INFO, check_trial_folders, journal_trial_numbers,

@@ -566,7 +566,7 @@ def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path 
     for i, entry in enumerate(choices):
         ekey = f"{key}.choice[{i}]"
         if isinstance(entry, str):
-            path = library.find_objective(entry, base, objectives_dir, c.source, ekey)
+            path = library.resolve_objective(entry, base, objectives_dir, c.source, ekey)
             kind = "file" if library.is_path(entry) else "library"
             options.append(ObjectiveOption(entry, kind, path=path))
             continue

@@ -450,10 +450,10 @@ def run_state_capacity(p: dict, th: dict, ctx: Context) -> dict:
 def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
     import optuna
 
+    from ssmcraft.runtime.lookup import compile_objective
     from ssmcraft.search import reports
     from ssmcraft.search.coordinator import run_search
     from ssmcraft.search.executor import InlineExecutor
-    from ssmcraft.search.objectives import compile_objective
     from ssmcraft.search.spec import load_search_spec
     from ssmcraft.search.trial import train_trial
 
@@ -582,7 +582,7 @@ def confirm_on_other_task(ctx: Context, p: dict, novel: dict, library_best: dict
 
 
 def _library() -> set[str]:
-    from ssmcraft.search.library import library_names
+    from ssmcraft.compiler.library import library_names
 
     return set(library_names())
 

@@ -159,7 +159,7 @@ def _eval(c: _C, key: str, v: Any) -> dict:
 
 def _objective(c: _C, key: str, v: Any) -> str:
     """An objective name: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
-    from ssmcraft.layers.objectives import unknown_objective
+    from ssmcraft.runtime.lookup import unknown_objective
 
     name = c.string(key, v)
     why = None if name == "attention" or "/" in name or name.lower().endswith((".yaml", ".yml")) else unknown_objective(name)
@@ -186,7 +186,7 @@ def _search(c: _C, key: str, v: Any, source: str, base: Path) -> dict:
 def _leave_out(c: _C, key: str, v: Any) -> list[str]:
     """Library layers removed from the library for a leave-one-out search (checked against the
     space in ``_check_leave_out`` once the scale's search is known)."""
-    from ssmcraft.search.library import library_names
+    from ssmcraft.compiler.library import library_names
 
     names = c.seq(key, v, c.string, min_len=0)
     if len(set(names)) != len(names):

@@ -23,7 +23,8 @@ from ssmcraft import fileio
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.config import ObjectiveMixerConfig, mixer_config
-from ssmcraft.layers.objectives import compile_objective, spec_mapping
+from ssmcraft.layers.objectives import spec_mapping
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.train import record
 
 CONFIG, METRICS, HISTORY, WEIGHTS = "config.json", "metrics.json", "history.json", "model.safetensors"
