@@ -24,15 +24,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ssmcraft.errors import SpecError
-from ssmcraft.errors import quote as shown
+from ssmcraft.errors import SpecError, quote
 
 INT_MAX = 2 ** 63 - 1        # integers reach Optuna, torch and JSON: 64 bits
 REQUIRED = object()          # a ``Field`` default: the key must be given
 ABSENT = object()            # a ``Field`` default: a key not given is left out of the section
 
 
-def kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """What a value is, for a message (``null`` for YAML's empty value)."""
     return "null" if value is None else type(value).__name__
 
@@ -111,7 +110,7 @@ class Checker:
     def mapping(self, key: str, value: Any, allowed: tuple[str, ...] | None = None) -> dict:
         """``value`` as a dict; with ``allowed``, a key outside it is refused."""
         if not isinstance(value, Mapping):
-            self.fail(key, f"expected a mapping, got {kind(value)}")
+            self.fail(key, f"expected a mapping, got {kind_of(value)}")
         if allowed is not None:
             for k in value:
                 if k not in allowed:
@@ -120,7 +119,7 @@ class Checker:
 
     def string(self, key: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
-            self.fail(key, f"expected a non-empty string, got {shown(value)}")
+            self.fail(key, f"expected a non-empty string, got {quote(value)}")
         return value
 
     def number(self, key: str, value: Any, *, integer: bool = False, min: float | None = None,
@@ -130,41 +129,41 @@ class Checker:
         and 400 zeros as one) is refused."""
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok or (not integer and not finite(value)):
-            self.fail(key, f"expected {'an integer' if integer else 'a finite number'}, got {shown(value)}")
+            self.fail(key, f"expected {'an integer' if integer else 'a finite number'}, got {quote(value)}")
         if integer and abs(value) > INT_MAX:
-            self.fail(key, f"must be at most {INT_MAX} in size (64 bits), got {shown(value)}")
+            self.fail(key, f"must be at most {INT_MAX} in size (64 bits), got {quote(value)}")
         if max is not None and value > max:
-            self.fail(key, f"must be <= {max}, got {shown(value)}")
+            self.fail(key, f"must be <= {max}, got {quote(value)}")
         if min is not None and value < min:
-            self.fail(key, f"must be >= {min}, got {shown(value)}")
+            self.fail(key, f"must be >= {min}, got {quote(value)}")
         if above is not None and value <= above:
-            self.fail(key, f"must be > {above}, got {shown(value)}")
+            self.fail(key, f"must be > {above}, got {quote(value)}")
         return value
 
     def positive(self, key: str, value: Any, *, integer: bool = False):
         """A positive integer, or a positive number (returned as a float)."""
         if integer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                self.fail(key, f"expected a positive integer, got {shown(value)}")
+                self.fail(key, f"expected a positive integer, got {quote(value)}")
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            self.fail(key, f"expected a positive number, got {shown(value)}")
+            self.fail(key, f"expected a positive number, got {quote(value)}")
         return float(value)
 
     def one_of(self, key: str, value: Any, allowed: tuple, words: str | None = None):
         """``value`` if it is one of ``allowed`` (a value of another type is refused, not looked
         up: a list or a mapping is not hashable); ``words`` says what is expected."""
         if not isinstance(value, (str, int, float)) or value not in allowed:
-            self.fail(key, f"expected {words or 'one of ' + ', '.join(map(str, allowed))}, got {shown(value)}")
+            self.fail(key, f"expected {words or 'one of ' + ', '.join(map(str, allowed))}, got {quote(value)}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool:
         if not isinstance(value, bool):
-            self.fail(key, f"expected true or false, got {shown(value)}")
+            self.fail(key, f"expected true or false, got {quote(value)}")
         return value
 
     def seq(self, key: str, value: Any, item: Callable[[str, Any], Any], min_len: int = 1) -> list:
         """A list of at least ``min_len`` items, each through ``item(key[i], value)``."""
         if not isinstance(value, list) or len(value) < min_len:
-            self.fail(key, f"expected a list of at least {min_len} item(s), got {shown(value)}")
+            self.fail(key, f"expected a list of at least {min_len} item(s), got {quote(value)}")
         return [item(f"{key}[{i}]", x) for i, x in enumerate(value)]

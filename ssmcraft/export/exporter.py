@@ -50,6 +50,7 @@ VERIFY_TOL = 1e-5
 LAYER_PLAN = [
     ("module", "ssmcraft.errors"),
     ("module", "ssmcraft.fileio"),
+    ("module", "ssmcraft.config_check"),
     ("module", "ssmcraft.compiler.spec", {"only": ["InputDecl", "ParamDecl", "Spec"]}),
     ("generated", "objective"),
     ("module", "ssmcraft.ops.common.reference"),
