@@ -47,8 +47,8 @@ def layer(module: str) -> str:
     leaf = module.rsplit(".", 1)[-1]
     if module in ("ssmcraft", "ssmcraft.cli", "ssmcraft.__main__") or leaf == "commands" or leaf.endswith("_commands"):
         return "cli"
-    if module in ("ssmcraft.yamlsafe", "ssmcraft.modpath"):   # reading specs: beside the error types, below all
-        return "errors"
+    if module in ("ssmcraft.yamlsafe", "ssmcraft.config_check", "ssmcraft.modpath", "ssmcraft.fileio"):
+        return "errors"                               # reading and checking specs, writing files: below all
     return module.split(".")[1]
 
 

@@ -436,15 +436,18 @@ def test_cli_search_resume_and_leaderboard(tmp_path, capsys):
 
 
 def test_cli_search_check_lists_the_compositions_that_do_not_derive(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
     import yaml
 
-    import ssmcraft
+    from ssmcraft.runtime import objective as runtime_objective
 
     def compile_fn(objective):
         if objective["inputs"]["beta"]["shape"] == []:
             raise DerivationError("<dict>", "objective", "no closed form here")
+        return SimpleNamespace(spec=SimpleNamespace(name=objective["name"]))
 
-    monkeypatch.setattr(ssmcraft, "compile", compile_fn)
+    monkeypatch.setattr(runtime_objective, "compile", compile_fn)
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec()))
     assert cli.main(["search", str(spec), "--out", str(tmp_path / "run"), "--check"]) == 0

@@ -365,12 +365,16 @@ def test_check_objectives_lists_underivable_compositions_and_rejects_a_library_l
     assert "mamba (objective=mamba) is rejected by the compiler" in str(e.value) and "no closed form" in str(e.value)
 
 
-def test_compile_objective_calls_ssmcraft_compile(monkeypatch):
-    import ssmcraft
-    from ssmcraft.search.objectives import compile_objective
+def test_the_search_compiles_through_the_one_compile_objective(monkeypatch):
+    from types import SimpleNamespace
 
-    monkeypatch.setattr(ssmcraft, "compile", lambda spec: ("compiled", spec["name"]), raising=False)
-    assert compile_objective({"name": "x"}) == ("compiled", "x")
+    from ssmcraft.runtime import objective
+    from ssmcraft.runtime.lookup import compile_objective
+    from ssmcraft.search import objectives, trial
+
+    assert objectives.compile_objective is compile_objective and trial.compile_objective is compile_objective
+    monkeypatch.setattr(objective, "compile", lambda spec: SimpleNamespace(spec=SimpleNamespace(name=spec["name"])))
+    assert compile_objective({"name": "x"}).spec.name == "x"
 
 
 def test_quickstart_spec_is_valid():

@@ -154,11 +154,11 @@ def test_the_module_run_is_the_checked_text_not_the_file(fresh_cache, tmp_path, 
     """A file changed between the check and the import is not what runs."""
     target = tmp_path / "PWNED"
     text = "X = 1\n"
-    real = cache.write_atomic
+    real = cache.write_text
 
     def write_then_tamper(path, source):
         real(path, source + f"open({str(target)!r}, 'w')\n")
-    monkeypatch.setattr(cache, "write_atomic", write_then_tamper)
+    monkeypatch.setattr(cache, "write_text", write_then_tamper)
     module = cache.load_generated("ref_t", cache.key_for("tamper", text), text)
     assert module.X == 1 and not target.exists()
 

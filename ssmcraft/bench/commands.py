@@ -2,10 +2,10 @@
 documented there)."""
 from __future__ import annotations
 
-import json
 import sys
 
 from ssmcraft.bench.run import LAYER_NOT_GRAPHED, run_bench, run_layer_bench
+from ssmcraft.fileio import write_json
 
 
 def add_arguments(p):
@@ -95,8 +95,7 @@ def run(args) -> int:
         res = run_bench(args.spec, shape, args.dtype, backward=not args.no_backward, graphed=args.graphed)
     _print(res)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        write_json(args.out, res)
         print(f"wrote {args.out}", file=sys.stderr)
     if res.get("graphed") and not res["check_ok"]:
         print("ssmcraft bench: error: the graphed call differs from eager obj() (check above)", file=sys.stderr)

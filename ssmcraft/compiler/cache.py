@@ -18,11 +18,11 @@ import importlib.util
 import linecache
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from ssmcraft.compiler import safe_source
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import write_text
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,18 +60,6 @@ def key_for(*parts: str) -> str:
     return h.hexdigest()[:20]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def load_generated(stem: str, key: str, source: str):
     """Check ``source`` (``safe_source.check``), write it (if not cached yet) as ``<stem>_<key>.py``
     and import it. A cached file whose text is not ``source`` (``key`` hashes ``source``: the file
@@ -84,7 +72,7 @@ def load_generated(stem: str, key: str, source: str):
     path = cache_dir() / f"{stem}_{key}.py"
     if not _holds(path, source):
         try:
-            write_atomic(path, source)
+            write_text(path, source)
         except OSError as e:
             raise SsmcraftError(f"cache folder {path.parent}: cannot write {path.name}: {e.strerror or e} "
                                 f"(set SSMCRAFT_CACHE to a writable folder)") from None

@@ -15,12 +15,13 @@ def roots(kind: str) -> list[Path]:
     return [p for p in (_PACKAGE.parent / kind, _PACKAGE / "data" / kind) if p.is_dir()]
 
 
-def find_objective(name: str) -> Path | None:
-    """The library file for ``name`` (``longhorn`` or ``longhorn.yaml``), or None."""
+def find_objective(name: str, extra: Path | None = None) -> Path | None:
+    """The objective file for ``name`` (``longhorn`` or ``longhorn.yaml``) in ``extra`` (a
+    folder of the caller's own objectives, searched first) or the library, or None."""
     stem = Path(name).name
     if not stem.endswith((".yaml", ".yml")):
         stem += ".yaml"
-    for root in roots("objectives"):
+    for root in ([extra] if extra is not None else []) + roots("objectives"):
         try:
             if (root / stem).is_file():
                 return root / stem
@@ -29,8 +30,9 @@ def find_objective(name: str) -> Path | None:
     return None
 
 
-def library_names() -> list[str]:
+def library_names(extra: Path | None = None) -> list[str]:
+    """Every objective name available: ``extra``'s (a folder of the caller's own) and the library's."""
     names = set()
-    for root in roots("objectives"):
+    for root in ([extra] if extra is not None else []) + roots("objectives"):
         names |= {p.stem for p in root.glob("*.yaml")}
     return sorted(names)

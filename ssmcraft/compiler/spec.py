@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ssmcraft import yamlsafe
 from ssmcraft.compiler import expr as E
+from ssmcraft.config_check import Checker
 from ssmcraft.errors import SpecError, quote
 
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")   # whole text (fullmatch): no trailing newline
@@ -196,9 +197,7 @@ def _is_dir(path: Path) -> bool:
 
 
 def _bool(src, key, value) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(src, key, f"expected true or false, got {quote(value)}")
-    return value
+    return Checker(src).boolean(key, value)
 
 
 def _str(src, key, value, *, allow_empty=False) -> str:
@@ -229,11 +228,7 @@ def _shape(src, key, value, dims) -> tuple[str, ...]:
 
 
 def _keys(src, key, value, allowed):
-    if not isinstance(value, dict):
-        raise SpecError(src, key, f"expected a mapping, got {type(value).__name__}")
-    for k in value:
-        if k not in allowed:
-            raise SpecError(src, f"{key}.{k}" if key else str(k), f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    Checker(src).mapping(key, value, tuple(sorted(allowed)))
 
 
 def _init(src, key, value):

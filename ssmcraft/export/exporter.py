@@ -49,6 +49,8 @@ VERIFY_TOL = 1e-5
 # What goes into the module, in order (see ssmcraft.export.assemble.bundle).
 LAYER_PLAN = [
     ("module", "ssmcraft.errors"),
+    ("module", "ssmcraft.fileio"),
+    ("module", "ssmcraft.config_check"),
     ("module", "ssmcraft.compiler.spec", {"only": ["InputDecl", "ParamDecl", "Spec"]}),
     ("generated", "objective"),
     ("module", "ssmcraft.ops.common.reference"),

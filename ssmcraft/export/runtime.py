@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import write_bytes, write_text
 from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
                                            validate)
 from ssmcraft.layers.config import LMConfig, layer_mixers, mixer_config
@@ -248,10 +249,7 @@ class Objective:
             try:
                 os.makedirs(folder, exist_ok=True)
                 if not os.path.exists(path) or open(path, encoding="utf-8").read() != self.triton_source:
-                    tmp = f"{path}.{os.getpid()}.tmp"
-                    with open(tmp, "w", encoding="utf-8") as f:
-                        f.write(self.triton_source)
-                    os.replace(tmp, path)
+                    write_text(path, self.triton_source)
                 break
             except OSError:
                 continue
@@ -295,19 +293,13 @@ def load_safetensors(path, device="cpu") -> dict:
 
 
 def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """Write ``tensors`` (name -> tensor) as safetensors (contiguous CPU copies), to a temporary
-    file renamed into place, so a reader never sees half a file (written by ``open``, so the
-    file's mode follows the umask as every other file of an export)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """Write ``tensors`` (name -> tensor) as safetensors (contiguous CPU copies), atomically
+    (``write_bytes``: a reader never sees half a file)."""
     try:
         data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
                     metadata={str(k): str(v) for k, v in (metadata or {}).items()})
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_bytes(path, data)
     except (SafetensorError, OSError, ValueError) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise SsmcraftError(f"{path}: cannot write the weights ({' '.join(str(e).split())[:200]})") from None
 
 

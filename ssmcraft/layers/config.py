@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ssmcraft.config_check import ABSENT, REQUIRED, Checker, Field
 from ssmcraft.errors import SpecError
 
 
@@ -115,25 +116,17 @@ class LMConfig:
 
 
 def from_mapping(cls, data: Mapping[str, Any], source: str, key: str):
-    """``cls(**data)`` refusing unknown keys and missing required ones (as ``SpecError``)."""
-    if not isinstance(data, Mapping):
-        raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in names:
-            raise SpecError(source, f"{key}.{k}", f"unknown key; allowed: {', '.join(sorted(names))}")
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for r in required:
-        if r not in data:
-            raise SpecError(source, f"{key}.{r}", "missing (required)")
-    data = dict(data)
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            if f.type == "float":
-                data[f.name] = number_or_same(data[f.name])
-            _check_value(f, data[f.name], source, f"{key}.{f.name}")
-    return cls(**data)
+    """``cls(**data)`` refusing unknown keys, missing required ones and ill-typed values (as
+    ``SpecError``): the dataclass's fields read as a ``config_check`` section (``fields_of``)."""
+    return cls(**Checker(source, key).section("", data, fields_of(cls)))
+
+
+def fields_of(cls) -> dict[str, Field]:
+    """A config dataclass's fields as a ``config_check`` table: required where the dataclass has
+    no default; a field not given is left to the dataclass's default."""
+    return {f.name: Field(_value_check(f), REQUIRED if f.default is dataclasses.MISSING
+                          and f.default_factory is dataclasses.MISSING else ABSENT)
+            for f in dataclasses.fields(cls)}
 
 
 def number_or_same(value: Any) -> Any:
@@ -146,23 +139,29 @@ def number_or_same(value: Any) -> Any:
     return value
 
 
-def _check_value(f: dataclasses.Field, v: Any, source: str, key: str) -> None:
-    """A field's value against its annotation: ``int`` an integer >= ``metadata["min"]`` (1 by
-    default: sizes and counts), ``float`` a finite number > 0 (>= ``metadata["min"]`` when given),
-    ``bool`` / ``str`` / ``dict`` their type; ``Any`` unchecked (read by the field's own user)."""
+def _value_check(f: dataclasses.Field):
+    """The check of a field's value against its annotation: ``int`` an integer >= ``metadata["min"]``
+    (1 by default: sizes and counts), ``float`` a finite number > 0 (>= ``metadata["min"]`` when
+    given; ``"3e-3"`` read as a number), ``bool`` / ``str`` / ``dict`` their type; ``Any``
+    unchecked (read by the field's own user)."""
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     lo = f.metadata.get("min")
-    if kind == "int":
-        lo = 1 if lo is None else lo
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise SpecError(source, key, f"expected an integer >= {lo}, got {v!r}")
-    elif kind == "float":
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        if not number or (v < lo if lo is not None else v <= 0):
-            raise SpecError(source, key, f"expected a finite number {'>= ' + str(lo) if lo is not None else '> 0'}, got {v!r}")
-    elif kind in ("bool", "str", "dict", "list"):
-        if not isinstance(v, {"bool": bool, "str": str, "dict": Mapping, "list": list}[kind]):
-            raise SpecError(source, key, f"expected a {'mapping' if kind == 'dict' else kind}, got {v!r}")
+
+    def check(c: Checker, key: str, v: Any) -> Any:
+        if kind == "int":
+            least = 1 if lo is None else lo
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                c.fail(key, f"expected an integer >= {least}, got {v!r}")
+        elif kind == "float":
+            v = number_or_same(v)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or (v < lo if lo is not None else v <= 0):
+                c.fail(key, f"expected a finite number {'>= ' + str(lo) if lo is not None else '> 0'}, got {v!r}")
+        elif kind in ("bool", "str", "dict", "list"):
+            if not isinstance(v, {"bool": bool, "str": str, "dict": Mapping, "list": list}[kind]):
+                c.fail(key, f"expected a {'mapping' if kind == 'dict' else kind}, got {v!r}")
+        return v
+    return check
 
 
 def mixer_kind(data: Mapping[str, Any]) -> Any:
@@ -172,8 +171,7 @@ def mixer_kind(data: Mapping[str, Any]) -> Any:
 
 def mixer_config(data: Mapping[str, Any], source: str = "<config>", key: str = "model.mixer"):
     """The mixer config dataclass for a mapping with a ``kind``."""
-    if not isinstance(data, Mapping):
-        raise SpecError(source, key, f"expected a mapping, got {type(data).__name__}")
+    data = Checker(source, key).mapping("", data)
     kind = mixer_kind(data)
     if kind not in MIXER_KINDS:
         raise SpecError(source, f"{key}.kind", f"unknown mixer kind {kind!r}; known: {', '.join(MIXER_KINDS)}")
@@ -203,9 +201,7 @@ def layer_mixers(cfg: "LMConfig", source: str = "<config>", key: str = "model") 
         rkey = f"{key}.layers[{r}]"
         if not isinstance(rule, Mapping):
             raise SpecError(source, rkey, f"expected a mapping {{at: [...] or every: n, mixer: {{...}}}}, got {rule!r}")
-        unknown = sorted(set(rule) - {"at", "every", "offset", "mixer"})
-        if unknown:
-            raise SpecError(source, f"{rkey}.{unknown[0]}", "unknown key; allowed: at, every, mixer, offset")
+        Checker(source, rkey).mapping("", rule, ("at", "every", "mixer", "offset"))
         if ("at" in rule) == ("every" in rule):
             raise SpecError(source, rkey, "give exactly one of at: [layer indices] or every: n")
         if "mixer" not in rule:

@@ -21,7 +21,7 @@ from ssmcraft.layers.config import AttentionConfig, LMConfig, ModuleMixerConfig,
 from ssmcraft.layers.mitigation import Mitigation
 from ssmcraft.layers.mixer import ObjectiveMixer
 from ssmcraft.layers.module_mixer import ModuleMixer
-from ssmcraft.layers.objectives import compile_objective
+from ssmcraft.runtime.lookup import compile_objective
 
 
 class RMSNorm(nn.Module):

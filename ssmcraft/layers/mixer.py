@@ -39,7 +39,7 @@ from ssmcraft.layers.activations import (apply_activation, implied_activation, i
 from ssmcraft.layers.config import ObjectiveMixerConfig
 from ssmcraft.layers.conv import CausalConv1d
 from ssmcraft.layers.mitigation import Mitigation
-from ssmcraft.layers.objectives import compile_objective
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.layers.params import from_raw, initial_value, to_raw
 
 log = logging.getLogger(__name__)

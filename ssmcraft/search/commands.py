@@ -72,10 +72,11 @@ def run(args: argparse.Namespace) -> int:
 
     import optuna
 
+    from ssmcraft.runtime.lookup import compile_objective
     from ssmcraft.search import reports
     from ssmcraft.search.coordinator import run_search
     from ssmcraft.search.executor import InlineExecutor
-    from ssmcraft.search.objectives import check_objectives, compile_objective
+    from ssmcraft.search.objectives import check_objectives
     from ssmcraft.search.space import check_experiment
     from ssmcraft.search.trial import train_trial
 

@@ -36,10 +36,12 @@ import yaml
 from optuna.trial import TrialState
 
 from ssmcraft.errors import SpecError, SsmcraftError
+from ssmcraft.fileio import write_text
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.search import fidelity as fid
 from ssmcraft.search import lease, reports
 from ssmcraft.search.executor import Capacity, Executor, Job
-from ssmcraft.search.objectives import check_objectives, compile_objective
+from ssmcraft.search.objectives import check_objectives
 from ssmcraft.search.outcome import Outcome, TrialFn, Verdict, classify_exception, is_number, judge
 from ssmcraft.search.provenance import code_version
 from ssmcraft.search.rundir import (RUN_INFO, SPEC_COPY, TRIAL_INFO, check_trial_folders, journal_trial_numbers,
@@ -199,7 +201,7 @@ def _open_study(spec: SearchSpec, storage, out_dir: Path, log, driver: str | Non
 
 def _stamp(study: optuna.Study, spec: SearchSpec, digest: str, out_dir: Path) -> None:
     """Record on a new study what it was created from; keep a copy of the spec."""
-    (out_dir / SPEC_COPY).write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+    write_text(out_dir / SPEC_COPY, yaml.safe_dump(spec.raw, sort_keys=False))
     for key, value in {"metrics": spec.metrics, "param_names": param_names(spec), "spec": spec.raw,
                        "spec_base": str(spec.base), "code_version": code_version(),
                        "spec_sha256": digest}.items():  # the hash last: it marks the study complete

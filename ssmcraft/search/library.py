@@ -11,19 +11,13 @@ from ssmcraft.errors import SpecError, one_line
 from ssmcraft.errors import quote as shown
 
 
-def library_names(extra: Path | None = None) -> list[str]:
-    """Every objective name available: ``extra``'s and the library's."""
-    own = {p.stem for p in extra.glob("*.yaml")} if extra is not None else set()
-    return sorted(own | set(compiler_library.library_names()))
-
-
 def is_path(ref: str) -> bool:
     """A reference is a path (not a library name) when it names a YAML file."""
     return ref.endswith((".yaml", ".yml"))
 
 
-def find_objective(ref: str, base: Path, extra: Path | None = None,
-                   source: str = "<spec>", key: str = "objective") -> Path:
+def resolve_objective(ref: str, base: Path, extra: Path | None = None,
+                      source: str = "<spec>", key: str = "objective") -> Path:
     """Path of the objective spec ``ref``: a YAML path relative to ``base`` (the search
     spec's folder), else a name in ``extra`` (``objectives_dir``) or the library."""
     if is_path(ref):
@@ -34,14 +28,12 @@ def find_objective(ref: str, base: Path, extra: Path | None = None,
         if not _is_file(path):
             raise SpecError(source, key, f"objective file {shown(ref)} not found (looked at {path})")
         return path
-    if extra is not None and _is_file(extra / f"{ref}.yaml"):
-        return extra / f"{ref}.yaml"
-    path = compiler_library.find_objective(ref)
+    path = compiler_library.find_objective(ref, extra)
     if path is None:
         where = [str(extra)] if extra is not None else []
         where += [str(r) for r in compiler_library.roots("objectives")]
         raise SpecError(source, key, f"unknown objective {shown(ref)}; known ({', '.join(where) or 'no library'}): "
-                                     f"{', '.join(library_names(extra)) or 'none'}")
+                                     f"{', '.join(compiler_library.library_names(extra)) or 'none'}")
     return path
 
 

@@ -1,8 +1,7 @@
-"""The search's only contact with the compiler.
+"""Checking, before any trial, that the objectives a search space can select derive.
 
-``compile_objective`` is the single call into ``ssmcraft.compile``; everything else in
-the search takes a ``compile_fn`` argument defaulting to it, so tests (and a search run
-before the compiler exists) can substitute their own.
+The search compiles through ``compile_fn`` arguments defaulting to
+``ssmcraft.runtime.lookup.compile_objective``, so tests can substitute their own.
 """
 from __future__ import annotations
 
@@ -11,16 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ssmcraft.errors import SpecError
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.search.space import OBJECTIVE_PARAM, objective_variants
 from ssmcraft.search.spec import SearchSpec
-
-
-def compile_objective(objective: dict) -> Any:
-    """Compile an objective spec dict with ``ssmcraft.compile``; raises ``SpecError``
-    (or its subclass ``DerivationError``) when the spec is invalid or does not derive."""
-    import ssmcraft  # lazily: the compiler pulls in sympy and torch
-
-    return ssmcraft.compile(objective)
 
 
 @dataclass(frozen=True)

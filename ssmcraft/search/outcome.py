@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ssmcraft.errors import DerivationError, SpecError
+from ssmcraft.fileio import write_text
 from ssmcraft.search.provenance import code_version
 
 TrialFn = Callable[[dict, Path, Callable[[int, dict], bool]], dict]
@@ -168,7 +169,7 @@ def execute(trial_fn: TrialFn, config: dict, out_dir: Path, report: Report = no_
     except Exception as e:  # a trial's own failure is data, not a crash of the search
         outcome.error = classify_exception(e)
         try:
-            (out_dir / ERROR_FILE).write_text("".join(traceback.format_exception(e)))
+            write_text(out_dir / ERROR_FILE, "".join(traceback.format_exception(e)))
         except OSError:     # the folder was deleted while the trial ran: the coordinator says so
             pass
     outcome.wall_s = time.perf_counter() - start

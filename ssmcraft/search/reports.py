@@ -10,15 +10,16 @@ whichever executor ran it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from ssmcraft.fileio import write_text
 from ssmcraft.search.pareto import directions_of, pareto_fronts
 
 LEADERBOARD = "leaderboard.csv"
@@ -81,14 +82,13 @@ def rows(study: optuna.Study) -> list[dict[str, Any]]:
 def write_leaderboard(study: optuna.Study, out_dir: Path) -> tuple[Path, int]:
     """(Re)write ``DIR/leaderboard.csv`` atomically; returns its path and row count."""
     path = Path(out_dir) / LEADERBOARD
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     table = rows(study)
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns(study), extrasaction="ignore")
-        w.writeheader()
-        for row in table:
-            w.writerow({k: "" if v is None else v for k, v in row.items()})
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=columns(study), extrasaction="ignore")
+    w.writeheader()
+    for row in table:
+        w.writerow({k: "" if v is None else v for k, v in row.items()})
+    write_text(path, text.getvalue())
     return path, len(table)
 
 

@@ -15,11 +15,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import optuna
 
+from ssmcraft import fileio
 from ssmcraft.errors import SsmcraftError, one_line
 from ssmcraft.search.storage import open_storage
 
@@ -71,10 +71,9 @@ def run_dir_of(trial_folder: Path) -> Path:
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` atomically (temp file + rename), so a reader never sees half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    """Write a run folder's JSON record atomically (``fileio.write_json``): keys sorted, values
+    JSON cannot hold written as their ``str``."""
+    fileio.write_json(path, data, sort_keys=True, default=str)
 
 
 def read_run_info(out_dir: Path) -> dict:

@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ssmcraft import yamlsafe
+from ssmcraft.config_check import Checker, Field
 from ssmcraft.errors import SpecError, one_line
 from ssmcraft.search import library
 from ssmcraft.search.compose import TERMS, check_choices
@@ -78,7 +78,6 @@ MANAGED: dict[tuple[str, ...], str] = {
 TOP_KEYS = ("name", "seed", "task", "model", "train", "objectives_dir", "budget",
             "space", "rank", "sampler", "pruner", "resources", "fidelity")
 DIRECTIONS = ("minimize", "maximize")
-INT_MAX = 2 ** 63 - 1
 SEED_MAX = 2 ** 32 - 1      # numpy's seeds, which Optuna's samplers take, are 32-bit
 
 
@@ -212,61 +211,6 @@ def load_search_spec(spec: str | Path | Mapping, source: str | None = None,
     return _parse(yamlsafe.load(text, str(path)), source or str(path), base or path.resolve().parent)
 
 
-class _Checker:
-    """Validation helpers bound to one spec source, so every error names it."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, key: str, problem: str):
-        raise SpecError(self.source, key, problem)      # which bounds their length
-
-    def mapping(self, key: str, value: Any, allowed: tuple[str, ...] | None = None) -> dict:
-        if not isinstance(value, Mapping):
-            self.fail(key, f"expected a mapping, got {_kind(value)}")
-        if allowed is not None:
-            for k in value:
-                if k not in allowed:
-                    self.fail(f"{key}.{k}" if key else str(k), f"unknown key; allowed: {', '.join(allowed)}")
-        return dict(value)
-
-    def number(self, key: str, value: Any, *, integer: bool = False, min: float | None = None,
-               above: float | None = None, max: float | None = None) -> float:
-        """``value`` if it is a number (an integer) within the bounds. Integers fit 64 bits
-        (they reach Optuna, torch and JSON); a float key takes any finite float, so an
-        integer past the float range (YAML reads ``1`` and 400 zeros as one) is refused."""
-        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok or (not integer and not _finite(value)):
-            self.fail(key, f"expected {'an integer' if integer else 'a finite number'}, got {shown(value)}")
-        if integer and abs(value) > INT_MAX:
-            self.fail(key, f"must be at most {INT_MAX} in size (64 bits), got {shown(value)}")
-        if max is not None and value > max:
-            self.fail(key, f"must be <= {max}, got {shown(value)}")
-        if min is not None and value < min:
-            self.fail(key, f"must be >= {min}, got {shown(value)}")
-        if above is not None and value <= above:
-            self.fail(key, f"must be > {above}, got {shown(value)}")
-        return value
-
-    def one_of(self, key: str, value: Any, allowed: tuple[str, ...], words: str | None = None) -> str:
-        """``value`` if it is one of the names ``allowed`` (a value of any type is refused, not
-        looked up: a list or a mapping is not hashable); ``words`` says what is expected."""
-        if not isinstance(value, str) or value not in allowed:
-            self.fail(key, f"expected {words or 'one of ' + ', '.join(allowed)}, got {shown(value)}")
-        return value
-
-    def boolean(self, key: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            self.fail(key, f"expected true or false, got {shown(value)}")
-        return value
-
-    def options(self, key: str, given: dict, schema: dict[str, tuple[Any, Callable]]) -> dict:
-        """Fill ``given`` from ``schema`` (name -> (default, check(key, value)))."""
-        self.mapping(key, given, tuple(schema) + ("name",))
-        return {n: (check(f"{key}.{n}", given[n]) if n in given else default)
-                for n, (default, check) in schema.items()}
-
-
 def _lookup(sections: Mapping, path: tuple[str, ...]) -> Any:
     """The value at ``path`` in the sections, or None when any step is missing."""
     node: Any = sections
@@ -277,7 +221,7 @@ def _lookup(sections: Mapping, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _check_path(c: "_Checker", sections: Mapping, p: Param) -> None:
+def _check_path(c: Checker, sections: Mapping, p: Param) -> None:
     """A searched path goes through sections: refuse one through a fixed value (``model.d_model.x``
     with ``d_model: 16``), which a trial's config could not hold."""
     node: Any = sections
@@ -296,19 +240,8 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
-def _finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:       # an int beyond the float range
-        return False
-
-
-def _kind(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
 def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
-    c = _Checker(source)
+    c = Checker(source)
     raw = c.mapping("", raw, TOP_KEYS)
     for key in ("name", "task", "model", "budget", "space", "rank"):
         if key not in raw:
@@ -364,7 +297,7 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
         resources=_parse_resources(c, raw.get("resources", {})), raw=raw, fidelity=fidelity, **sections)
 
 
-def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
+def _parse_rank(c: Checker, value: Any) -> tuple[tuple[str, str], ...]:
     rank = c.mapping("rank", value)
     if not rank:
         c.fail("rank", "name at least one metric with minimize or maximize")
@@ -373,22 +306,29 @@ def _parse_rank(c: _Checker, value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(rank.items())
 
 
-def _parse_budget(c: _Checker, value: Any) -> Budget:
-    b = c.mapping("budget", value, ("trials", "tokens_per_trial", "seconds_per_trial",
-                                    "timeout_grace", "total_seconds"))
-    for key in ("trials", "tokens_per_trial", "seconds_per_trial"):
-        if key not in b:
-            c.fail(f"budget.{key}", "missing (required)")
-    total = b.get("total_seconds")
-    return Budget(
-        trials=c.number("budget.trials", b["trials"], integer=True, min=1),
-        tokens_per_trial=c.number("budget.tokens_per_trial", b["tokens_per_trial"], integer=True, min=1),
-        seconds_per_trial=c.number("budget.seconds_per_trial", b["seconds_per_trial"], above=0),
-        timeout_grace=c.number("budget.timeout_grace", b.get("timeout_grace", 30.0), min=0),
-        total_seconds=None if total is None else c.number("budget.total_seconds", total, above=0))
+def _int_from(low: int) -> Field:
+    """A required integer >= ``low``."""
+    return Field(lambda c, k, v: c.number(k, v, integer=True, min=low))
 
 
-def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budget) -> Fidelity:
+def _with_default(f: Field, default: Any) -> Field:
+    return Field(f.check, default, f.choices)
+
+
+_POSITIVE = Field(lambda c, k, v: c.number(k, v, above=0))
+_OPTIONAL_POSITIVE = Field(lambda c, k, v: None if v is None else c.number(k, v, above=0), None)
+_PROB = Field(lambda c, k, v: c.number(k, v, min=0, max=1))
+_FLAG = Field(lambda c, k, v: c.boolean(k, v))
+
+BUDGET = {"trials": _int_from(1), "tokens_per_trial": _int_from(1), "seconds_per_trial": _POSITIVE,
+          "timeout_grace": Field(lambda c, k, v: c.number(k, v, min=0), 30.0), "total_seconds": _OPTIONAL_POSITIVE}
+
+
+def _parse_budget(c: Checker, value: Any) -> Budget:
+    return Budget(**c.section("budget", value, BUDGET))
+
+
+def _parse_fidelity(c: Checker, value: Any, rank: dict[str, str], budget: Budget) -> Fidelity:
     f = c.mapping("fidelity", value, ("kind", "min_tokens", "eta", "metric", "direction"))
     for key in ("kind", "min_tokens"):
         if key not in f:
@@ -409,7 +349,7 @@ def _parse_fidelity(c: _Checker, value: Any, rank: dict[str, str], budget: Budge
                     metric, direction)
 
 
-def _parse_resources(c: _Checker, value: Any) -> Resources:
+def _parse_resources(c: Checker, value: Any) -> Resources:
     def gpus(key, v):
         if v == "auto":
             return None
@@ -421,66 +361,63 @@ def _parse_resources(c: _Checker, value: Any) -> Resources:
     def concurrent(key, v):
         return None if v == "auto" else c.number(key, v, integer=True, min=1)
 
-    o = c.options("resources", c.mapping("resources", value), {
-        "cpus_per_trial": (1.0, lambda k, v: float(c.number(k, v, above=0))),
-        "gpus_per_trial": (None, gpus),
-        "max_concurrent": (None, concurrent),
-        "max_retries": (2, lambda k, v: c.number(k, v, integer=True, min=0)),
-        "max_trials_per_gpu": (8, lambda k, v: c.number(k, v, integer=True, min=1)),
-    })
+    o = c.section("resources", value, {
+        "cpus_per_trial": Field(lambda c, k, v: float(c.number(k, v, above=0)), 1.0),
+        "gpus_per_trial": Field(lambda c, k, v: gpus(k, v), None),
+        "max_concurrent": Field(lambda c, k, v: concurrent(k, v), None),
+        "max_retries": _with_default(_int_from(0), 2),
+        "max_trials_per_gpu": _with_default(_int_from(1), 8),
+    }, extra=("name",))
     return Resources(**o)
 
 
-def _seed(c: _Checker):
-    return lambda k, v: c.number(k, v, integer=True, min=0, max=SEED_MAX)
+def _seed(default: int) -> Field:
+    return Field(lambda c, k, v: c.number(k, v, integer=True, min=0, max=SEED_MAX), default)
 
 
-def _parse_sampler(c: _Checker, value: Any, n_metrics: int, seed: int) -> Component:
+def _parse_sampler(c: Checker, value: Any, n_metrics: int, seed: int) -> Component:
     given = c.mapping("sampler", value)
     name = given.get("name", "tpe" if n_metrics == 1 else "nsga2")
-    pos_int = lambda k, v: c.number(k, v, integer=True, min=1)  # noqa: E731
-    prob = lambda k, v: c.number(k, v, min=0, max=1)  # noqa: E731
     schemas = {
         # TPE for one metric: multivariate + group handle the conditional (define-by-run)
         # space of composed objectives; constant liar keeps parallel trials apart.
-        "tpe": {"seed": (seed, _seed(c)), "n_startup_trials": (10, pos_int),
-                "n_ei_candidates": (24, pos_int),
-                "multivariate": (True, c.boolean), "group": (True, c.boolean),
-                "constant_liar": (True, c.boolean)},
-        "nsga2": {"seed": (seed, _seed(c)), "population_size": (50, lambda k, v: c.number(k, v, integer=True, min=2)),
-                  "mutation_prob": (None, lambda k, v: None if v is None else prob(k, v)),
-                  "crossover_prob": (0.9, prob), "swapping_prob": (0.5, prob)},
-        "random": {"seed": (seed, _seed(c))},
+        "tpe": {"seed": _seed(seed), "n_startup_trials": _with_default(_int_from(1), 10),
+                "n_ei_candidates": _with_default(_int_from(1), 24),
+                "multivariate": _with_default(_FLAG, True), "group": _with_default(_FLAG, True),
+                "constant_liar": _with_default(_FLAG, True)},
+        "nsga2": {"seed": _seed(seed), "population_size": _with_default(_int_from(2), 50),
+                  "mutation_prob": Field(lambda c, k, v: None if v is None else _PROB.check(c, k, v), None),
+                  "crossover_prob": _with_default(_PROB, 0.9), "swapping_prob": _with_default(_PROB, 0.5)},
+        "random": {"seed": _seed(seed)},
     }
     c.one_of("sampler.name", name, tuple(schemas))
-    return Component(name, c.options("sampler", given, schemas[name]))
+    return Component(name, c.section("sampler", given, schemas[name], extra=("name",)))
 
 
-def _parse_pruner(c: _Checker, value: Any, n_metrics: int) -> Component:
+def _parse_pruner(c: Checker, value: Any, n_metrics: int) -> Component:
     given = {"name": value} if isinstance(value, str) else c.mapping("pruner", value)
     name = given.get("name", "none")
-    nonneg = lambda k, v: c.number(k, v, integer=True, min=0)  # noqa: E731
     schemas = {
         "none": {},
         # steps are tokens seen: warmup and resources are in tokens
-        "median": {"n_startup_trials": (5, nonneg), "n_warmup_steps": (0, nonneg),
-                   "interval_steps": (1, lambda k, v: c.number(k, v, integer=True, min=1)),
-                   "n_min_trials": (1, lambda k, v: c.number(k, v, integer=True, min=1))},
+        "median": {"n_startup_trials": _with_default(_int_from(0), 5), "n_warmup_steps": _with_default(_int_from(0), 0),
+                   "interval_steps": _with_default(_int_from(1), 1), "n_min_trials": _with_default(_int_from(1), 1)},
         "successive_halving": {
-            "min_resource": ("auto", lambda k, v: v if v == "auto" else c.number(k, v, integer=True, min=1)),
-            "reduction_factor": (4, lambda k, v: c.number(k, v, integer=True, min=2)),
-            "min_early_stopping_rate": (0, nonneg), "bootstrap_count": (0, nonneg)},
+            "min_resource": Field(lambda c, k, v: v if v == "auto" else c.number(k, v, integer=True, min=1), "auto"),
+            "reduction_factor": _with_default(_int_from(2), 4),
+            "min_early_stopping_rate": _with_default(_int_from(0), 0),
+            "bootstrap_count": _with_default(_int_from(0), 0)},
     }
     c.one_of("pruner.name", name, tuple(schemas))
     if name != "none" and n_metrics > 1:
         c.fail("pruner", f"pruning needs a single ranking metric (Optuna cannot prune "
                          f"multi-objective trials); rank has {n_metrics}")
-    return Component(name, c.options("pruner", given, schemas[name]))
+    return Component(name, c.section("pruner", given, schemas[name], extra=("name",)))
 
 
 # ---------------------------------------------------------------- the space
 
-def _parse_space(c: _Checker, value: Any, base: Path, objectives_dir: Path | None
+def _parse_space(c: Checker, value: Any, base: Path, objectives_dir: Path | None
                  ) -> tuple[tuple[ObjectiveOption, ...], tuple[Param, ...]]:
     space = c.mapping("space", value)
     if "objective" not in space:
@@ -505,7 +442,7 @@ def _parse_space(c: _Checker, value: Any, base: Path, objectives_dir: Path | Non
     return objectives, tuple(params)
 
 
-def _dotted(c: _Checker, key: str) -> tuple[str, ...]:
+def _dotted(c: Checker, key: str) -> tuple[str, ...]:
     path = tuple(str(key).split("."))
     if len(path) < 2 or path[0] not in PATH_ROOTS or not all(path):
         c.fail(f"space.{key}", f"unknown key; use one of {', '.join(ALIASES)} or a dotted "
@@ -513,7 +450,7 @@ def _dotted(c: _Checker, key: str) -> tuple[str, ...]:
     return path
 
 
-def _parse_param(c: _Checker, key: str, name: str, path: tuple[str, ...], dist: Any) -> Param:
+def _parse_param(c: Checker, key: str, name: str, path: tuple[str, ...], dist: Any) -> Param:
     d = c.mapping(key, dist, ("choice", "int", "float", "step", "log"))
     kinds = [k for k in ("choice", "int", "float") if k in d]
     if len(kinds) != 1:
@@ -555,7 +492,7 @@ def _parse_param(c: _Checker, key: str, name: str, path: tuple[str, ...], dist: 
     return Param(name, path, kind, low=low, high=high, step=step, log=log)
 
 
-def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path | None
+def _parse_objectives(c: Checker, value: Any, base: Path, objectives_dir: Path | None
                       ) -> tuple[ObjectiveOption, ...]:
     key = "space.objective"
     choices = c.mapping(key, value, ("choice",)).get("choice")
@@ -566,7 +503,7 @@ def _parse_objectives(c: _Checker, value: Any, base: Path, objectives_dir: Path 
     for i, entry in enumerate(choices):
         ekey = f"{key}.choice[{i}]"
         if isinstance(entry, str):
-            path = library.find_objective(entry, base, objectives_dir, c.source, ekey)
+            path = library.resolve_objective(entry, base, objectives_dir, c.source, ekey)
             kind = "file" if library.is_path(entry) else "library"
             options.append(ObjectiveOption(entry, kind, path=path))
             continue

@@ -10,7 +10,7 @@ import inspect
 from pathlib import Path
 from typing import Callable
 
-from ssmcraft.search.objectives import compile_objective
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.search.space import objective_of
 
 

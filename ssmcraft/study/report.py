@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from ssmcraft.fileio import write_text
+
 SECTIONS = ("## Setup", "## Results", "## Plots", "## Agreement with the paper")
 
 
@@ -71,12 +73,12 @@ def write_report(out: Path, *, spec, scale: str, device: str, command: str, resu
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text(report, "\n".join(lines) + "\n")
     results = out / "results.json"
     payload = {"study": spec.name, "kind": spec.kind, "scale": scale, "date": date, "device": device,
                "command": command, "spec": spec.source, "params": spec.params(scale),
                "thresholds": spec.thresholds, "wall_s": wall_s, "tables": result.get("tables", []),
                "plots": result.get("plots", []), "verdicts": result.get("verdicts", []),
                "notes": result.get("notes", []), "data": result.get("data", {})}
-    results.write_text(json.dumps(_clean(payload), indent=1, default=str), encoding="utf-8")
+    write_text(results, json.dumps(_clean(payload), indent=1, default=str))
     return report, results

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import write_text
 from ssmcraft.study import verdict as V
 from ssmcraft.study.rediscovery import census_rows, fingerprint_of, rediscoveries, row_fingerprint, space_census
 
@@ -93,7 +94,7 @@ def train_cell(ctx: Context, exp: dict, rel: str, *, objective: str | dict, seed
     if metrics["state_bytes"] is None:      # attention: its KV cache at the training length, fp32
         d, L = cfg["model"].get("d_model", 256), cfg["task"]["seq_len"]
         metrics["state_bytes_kv_cache"] = 2 * 4 * L * d * int(cfg["model"].get("n_layers", 1))
-    done.write_text(json.dumps(metrics, default=str))
+    write_text(done, json.dumps(metrics, default=str))
     return metrics, run_dir
 
 
@@ -118,7 +119,7 @@ def eval_cell(ctx: Context, run_dir: Path, label: str, options) -> dict:
     except SsmcraftError as e:
         ctx.say(f"study: {run_dir.name} {label}: refused: {e}")
         out.mkdir(parents=True, exist_ok=True)
-        refused.write_text(json.dumps({"refused": str(e)}))
+        write_text(refused, json.dumps({"refused": str(e)}))
         return {"refused": str(e)}
 
 
@@ -449,10 +450,10 @@ def run_state_capacity(p: dict, th: dict, ctx: Context) -> dict:
 def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
     import optuna
 
+    from ssmcraft.runtime.lookup import compile_objective
     from ssmcraft.search import reports
     from ssmcraft.search.coordinator import run_search
     from ssmcraft.search.executor import InlineExecutor
-    from ssmcraft.search.objectives import compile_objective
     from ssmcraft.search.spec import load_search_spec
     from ssmcraft.search.trial import train_trial
 
@@ -487,9 +488,9 @@ def run_composed_search(p: dict, th: dict, ctx: Context, base: Path) -> dict:
     if best is not None and best.get("objective_spec"):
         compiled = compile_objective(json.loads(best["objective_spec"]))
         update_text = str(compiled.update)
-        (ctx.out / "best_composed_update.txt").write_text(
-            f"# trial {best['trial']}: {best['objective']}\n# {json.loads(best['objective_spec']).get('objective')}\n"
-            f"{update_text}\n")
+        write_text(ctx.out / "best_composed_update.txt",
+                   f"# trial {best['trial']}: {best['objective']}\n"
+                   f"# {json.loads(best['objective_spec']).get('objective')}\n{update_text}\n")
         notes.append(f"best non-library objective: trial {best['trial']} {best['objective']} (rank {best['rank']}, "
                      f"{'on' if best['pareto'] else 'not on'} the Pareto front); derived update in "
                      "best_composed_update.txt and below")
@@ -581,7 +582,7 @@ def confirm_on_other_task(ctx: Context, p: dict, novel: dict, library_best: dict
 
 
 def _library() -> set[str]:
-    from ssmcraft.search.library import library_names
+    from ssmcraft.compiler.library import library_names
 
     return set(library_names())
 

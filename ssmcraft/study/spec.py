@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ssmcraft import yamlsafe
+from ssmcraft.config_check import ABSENT, REQUIRED, Checker, Field
 from ssmcraft.errors import SpecError, SsmcraftError, one_line
 
 SCALES = ("smoke", "full")
@@ -45,65 +46,47 @@ def _deep_merge(a: Mapping, b: Mapping) -> dict:
     return out
 
 
-class _C:
-    def __init__(self, source: str, prefix: str):
-        self.source, self.prefix = source, prefix
+class _Checker(Checker):
+    """A ``Checker`` that also knows the spec's folder (a search section's relative paths)."""
 
-    def fail(self, key: str, problem: str):
-        raise SpecError(self.source, f"{self.prefix}.{key}" if self.prefix else key, problem)
-
-    def mapping(self, key, v):
-        if not isinstance(v, Mapping):
-            self.fail(key, f"expected a mapping, got {type(v).__name__}")
-        return dict(v)
-
-    def string(self, key, v):
-        if not isinstance(v, str) or not v:
-            self.fail(key, f"expected a non-empty string, got {v!r}")
-        return v
-
-    def pos_int(self, key, v):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            self.fail(key, f"expected a positive integer, got {v!r}")
-        return v
-
-    def pos_float(self, key, v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            self.fail(key, f"expected a positive number, got {v!r}")
-        return float(v)
-
-    def seq(self, key, v, item: Callable, min_len: int = 1):
-        if not isinstance(v, list) or len(v) < min_len:
-            self.fail(key, f"expected a list of at least {min_len} item(s), got {v!r}")
-        return [item(f"{key}[{i}]", x) for i, x in enumerate(v)]
-
-    def seeds(self, key, v):
-        out = self.seq(key, v, lambda k, x: x if isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                       else self.fail(k, f"expected a seed (integer >= 0), got {x!r}"))
-        if len(set(out)) != len(out):
-            self.fail(key, f"seeds repeat: {out}")
-        return out
+    def __init__(self, source: str, prefix: str = "", base: Path | None = None):
+        super().__init__(source, prefix)
+        self.base = base or Path.cwd()
 
 
-def _experiment(c: _C, key: str, v: Any, task: str | None) -> dict:
+def _seeds(c: Checker, key: str, v: Any) -> list[int]:
+    out = c.seq(key, v, lambda k, x: x if isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                else c.fail(k, f"expected a seed (integer >= 0), got {x!r}"))
+    if len(set(out)) != len(out):
+        c.fail(key, f"seeds repeat: {out}")
+    return out
+
+
+def _pos_int(c: Checker, key: str, v: Any) -> int:
+    return c.positive(key, v, integer=True)
+
+
+def _pos_float(c: Checker, key: str, v: Any) -> float:
+    return c.positive(key, v)
+
+
+def _mapping(c: Checker, key: str, v: Any) -> dict:
+    return c.mapping(key, v)
+
+
+_EXPERIMENT = {"task": Field(_mapping), "model": Field(_mapping), "train": Field(_mapping, default={})}
+
+
+def _experiment(c: Checker, key: str, v: Any, task: str | None) -> dict:
     """``{task, model, train}`` of ``ssmcraft train``; ``task.name`` must be ``task``."""
-    e = c.mapping(key, v)
-    unknown = set(e) - {"task", "model", "train"}
-    if unknown:
-        c.fail(f"{key}.{sorted(unknown)[0]}", "unknown key; expected task, model, train")
-    for part in ("task", "model"):
-        if part not in e:
-            c.fail(f"{key}.{part}", "missing (required)")
-        c.mapping(f"{key}.{part}", e[part])
-    e.setdefault("train", {})
-    c.mapping(f"{key}.train", e["train"])
+    e = c.section(key, v, _EXPERIMENT)
     if task is not None and e["task"].get("name") != task:
         c.fail(f"{key}.task.name", f"this study needs the {task!r} task, got {e['task'].get('name')!r}")
     _check_as_training(c, key, e)
     return e
 
 
-def _check_as_training(c: _C, key: str, e: dict) -> None:
+def _check_as_training(c: Checker, key: str, e: dict) -> None:
     """The experiment through the checks ``ssmcraft train`` gives a config (``train.config.resolve``:
     the model, train and task keys, the model's and train's values), so that a typo in either scale
     is found when the spec is loaded."""
@@ -115,7 +98,7 @@ def _check_as_training(c: _C, key: str, e: dict) -> None:
         c.fail(f"{key}.{err.key}", err.problem)
 
 
-def _mitigations(c: _C, key: str, v: Any) -> list[str]:
+def _mitigations(c: Checker, key: str, v: Any) -> list[str]:
     from ssmcraft.layers.mitigation import Mitigation
 
     out = c.seq(key, v, c.string, min_len=0)
@@ -127,18 +110,10 @@ def _mitigations(c: _C, key: str, v: Any) -> list[str]:
     return out
 
 
-def _overrides(c: _C, key: str, v: Any) -> dict:
+def _overrides(c: Checker, key: str, v: Any) -> dict:
     """objective -> a partial ``{task, model, train}`` merged over the experiment for that objective."""
-    out = {}
-    for obj, part in c.mapping(key, v).items():
-        part = c.mapping(f"{key}.{obj}", part)
-        unknown = set(part) - {"task", "model", "train"}
-        if unknown:
-            c.fail(f"{key}.{obj}.{sorted(unknown)[0]}", "unknown key; expected task, model, train")
-        for name, sub in part.items():
-            c.mapping(f"{key}.{obj}.{name}", sub)
-        out[str(obj)] = part
-    return out
+    partial = {name: Field(_mapping, default=ABSENT) for name in _EXPERIMENT}
+    return {str(obj): c.section(f"{key}.{obj}", part, partial) for obj, part in c.mapping(key, v).items()}
 
 
 def experiment_for(experiment: dict, overrides: dict, objective: str) -> dict:
@@ -146,20 +121,14 @@ def experiment_for(experiment: dict, overrides: dict, objective: str) -> dict:
     return _deep_merge(experiment, overrides.get(objective, {}))
 
 
-def _eval(c: _C, key: str, v: Any) -> dict:
-    e = c.mapping(key, v)
-    schema = {"batches": c.pos_int, "batch_size": c.pos_int, "explosion_factor": c.pos_float,
-              "state_points": c.pos_int}
-    for k, val in e.items():
-        if k not in schema:
-            c.fail(f"{key}.{k}", f"unknown key; expected one of {', '.join(schema)}")
-        schema[k](f"{key}.{k}", val)
-    return e
+# the options of ``ssmcraft eval`` a study may set; the others keep ``EvalOptions``' defaults
+_EVAL = {"batches": Field(_pos_int, ABSENT), "batch_size": Field(_pos_int, ABSENT),
+         "explosion_factor": Field(_pos_float, ABSENT), "state_points": Field(_pos_int, ABSENT)}
 
 
-def _objective(c: _C, key: str, v: Any) -> str:
+def _objective(c: Checker, key: str, v: Any) -> str:
     """An objective name: "attention", a library objective, or a spec file's path (.yaml / .yml)."""
-    from ssmcraft.layers.objectives import unknown_objective
+    from ssmcraft.runtime.lookup import unknown_objective
 
     name = c.string(key, v)
     why = None if name == "attention" or "/" in name or name.lower().endswith((".yaml", ".yml")) else unknown_objective(name)
@@ -168,25 +137,25 @@ def _objective(c: _C, key: str, v: Any) -> str:
     return name
 
 
-def _objectives(c: _C, key: str, v: Any) -> list[str]:
+def _objectives(c: Checker, key: str, v: Any) -> list[str]:
     return c.seq(key, v, lambda k, x: _objective(c, k, x))
 
 
-def _search(c: _C, key: str, v: Any, source: str, base: Path) -> dict:
+def _search(c: _Checker, key: str, v: Any) -> dict:
     from ssmcraft.search.spec import load_search_spec
 
     s = c.mapping(key, v)
     try:
-        load_search_spec(s, source=f"{source} ({c.prefix}.{key})", base=base)
+        load_search_spec(s, source=f"{c.source} ({c.prefix}.{key})", base=c.base)
     except SpecError as e:
-        raise SpecError(source, f"{c.prefix}.{key}.{e.key}" if e.key else f"{c.prefix}.{key}", e.problem) from None
+        raise SpecError(c.source, f"{c.prefix}.{key}.{e.key}" if e.key else f"{c.prefix}.{key}", e.problem) from None
     return s
 
 
-def _leave_out(c: _C, key: str, v: Any) -> list[str]:
+def _leave_out(c: Checker, key: str, v: Any) -> list[str]:
     """Library layers removed from the library for a leave-one-out search (checked against the
     space in ``_check_leave_out`` once the scale's search is known)."""
-    from ssmcraft.search.library import library_names
+    from ssmcraft.compiler.library import library_names
 
     names = c.seq(key, v, c.string, min_len=0)
     if len(set(names)) != len(names):
@@ -198,7 +167,7 @@ def _leave_out(c: _C, key: str, v: Any) -> list[str]:
     return names
 
 
-def _check_leave_out(c: _C, params: dict) -> None:
+def _check_leave_out(c: Checker, params: dict) -> None:
     """A left-out layer must not be offered to the search by name."""
     choices = (((params.get("search") or {}).get("space") or {}).get("objective") or {}).get("choice") or []
     for n in params.get("leave_out") or []:
@@ -206,13 +175,7 @@ def _check_leave_out(c: _C, params: dict) -> None:
             c.fail("search.space.objective", f"{n!r} is left out of the library (leave_out) but listed here by name")
 
 
-def _executor(c: _C, key: str, v: Any) -> str:
-    if v not in ("inline", "ray"):
-        c.fail(key, f"expected inline or ray, got {v!r}")
-    return v
-
-
-def _mad_tasks(c: _C, key: str, v: Any) -> list[str]:
+def _mad_tasks(c: Checker, key: str, v: Any) -> list[str]:
     from ssmcraft.tasks.mad import MAD_TASKS
 
     out = c.seq(key, v, c.string)
@@ -236,7 +199,7 @@ def mad_cells(params: dict) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _check_mad(c: _C, params: dict) -> None:
+def _check_mad(c: Checker, params: dict) -> None:
     """Every level's task config builds, and the model and train sections pass ``ssmcraft train``'s checks."""
     from ssmcraft.tasks import build_task
 
@@ -254,55 +217,74 @@ def _check_mad(c: _C, params: dict) -> None:
                                          "train": params["train"]})
 
 
-# kind -> key -> (required, default, validator(c, key, value, ctx))
-_E = lambda task: (lambda c, k, v, ctx: _experiment(c, k, v, task))  # noqa: E731
-_S = lambda c, k, v, ctx: c.seeds(k, v)  # noqa: E731
-_O = lambda c, k, v, ctx: _objectives(c, k, v)  # noqa: E731
-_INTS = lambda c, k, v, ctx: c.seq(k, v, c.pos_int)  # noqa: E731
-_FLOATS = lambda c, k, v, ctx: c.seq(k, v, c.pos_float)  # noqa: E731
-_INT = lambda c, k, v, ctx: c.pos_int(k, v)  # noqa: E731
-_EV = lambda c, k, v, ctx: _eval(c, k, v)  # noqa: E731
-_M = lambda c, k, v, ctx: _mitigations(c, k, v)  # noqa: E731
+def _exact_and_diagonal(c: Checker, key: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or len(v) != 2:
+        c.fail(key, f"expected [exact, diagonal], got {v!r}")
+    return _objectives(c, key, v)
 
-KINDS: dict[str, dict[str, tuple[bool, Any, Callable]]] = {
+
+def _bench_shape(c: Checker, key: str, v: Any) -> list[int]:
+    if not isinstance(v, list) or len(v) != 5:
+        c.fail(key, f"expected [B, T, H, d, m], got {v!r}")
+    return c.seq(key, v, lambda k, x: c.positive(k, x, integer=True), min_len=5)
+
+
+def _task_overrides(c: Checker, key: str, v: Any) -> dict:
+    return {t: c.mapping(f"{key}.{t}", o) for t, o in c.mapping(key, v).items()}
+
+
+def _ints(c: Checker, key: str, v: Any) -> list[int]:
+    return c.seq(key, v, lambda k, x: c.positive(k, x, integer=True))
+
+
+def _floats(c: Checker, key: str, v: Any) -> list[float]:
+    return c.seq(key, v, c.positive)
+
+
+def _experiment_of(task: str | None) -> Field:
+    """A required ``{task, model, train}`` section whose task is ``task`` (None: any)."""
+    return Field(lambda c, k, v: _experiment(c, k, v, task))
+
+
+def _field(check: Callable, default: Any = REQUIRED, **kw) -> Field:
+    """A field whose check is ``check(c, key, value)`` of this module."""
+    return Field(check, default, **kw)
+
+
+_SEEDS = _field(_seeds, [0])
+_OBJECTIVES = _field(_objectives)
+_EVAL_FIELD = _field(lambda c, k, v: c.section(k, v, _EVAL), {})
+
+# kind -> its parameters (the same in both scales)
+KINDS: dict[str, dict[str, Field]] = {
     "mqar_state_size": {
-        "experiment": (True, None, _E("mqar")), "objectives": (True, None, _O),
-        "state_sizes": (True, None, _INTS), "lrs": (True, None, _FLOATS), "seeds": (False, [0], _S),
-        "overrides": (False, {}, lambda c, k, v, ctx: _overrides(c, k, v))},
+        "experiment": _experiment_of("mqar"), "objectives": _OBJECTIVES, "state_sizes": _field(_ints),
+        "lrs": _field(_floats), "seeds": _SEEDS, "overrides": _field(_overrides, {})},
     "exact_vs_diagonal": {
-        "mqar": (True, None, _E("mqar")), "text": (True, None, _E("text")),
-        "objectives": (False, ["longhorn", "longhorn_diag"],
-                       lambda c, k, v, ctx: (_objectives(c, k, v) if len(v) == 2 else
-                                             c.fail(k, f"expected [exact, diagonal], got {v!r}")) if isinstance(v, list)
-                       else c.fail(k, f"expected [exact, diagonal], got {v!r}")),
-        "seeds": (False, [0, 1, 2], _S),
-        "bench_shape": (False, None, lambda c, k, v, ctx: c.seq(k, v, c.pos_int, min_len=5)
-                        if isinstance(v, list) and len(v) == 5 else c.fail(k, f"expected [B, T, H, d, m], got {v!r}"))},
+        "mqar": _experiment_of("mqar"), "text": _experiment_of("text"),
+        "objectives": _field(_exact_and_diagonal, ["longhorn", "longhorn_diag"]),
+        "seeds": _field(_seeds, [0, 1, 2]), "bench_shape": _field(_bench_shape, None)},
     "extrapolation": {
-        "experiment": (True, None, _E("text")), "objectives": (False, ["longhorn", "mamba", "gla"], _O),
-        "extrapolate": (False, 16, _INT), "mitigations": (False, [], _M), "eval": (False, {}, _EV),
-        "seeds": (False, [0], _S)},
+        "experiment": _experiment_of("text"), "objectives": _field(_objectives, ["longhorn", "mamba", "gla"]),
+        "extrapolate": _field(_pos_int, 16), "mitigations": _field(_mitigations, []), "eval": _EVAL_FIELD,
+        "seeds": _SEEDS},
     "state_capacity": {
-        "experiment": (True, None, _E("text")), "objective": (False, "mamba", lambda c, k, v, ctx: _objective(c, k, v)),
-        "state_sizes": (True, None, _INTS), "train_lengths": (True, None, _INTS),
-        "extrapolate": (False, 16, _INT), "eval": (False, {}, _EV), "seeds": (False, [0], _S),
-        "tokens_per_batch": (False, None, _INT)},
+        "experiment": _experiment_of("text"), "objective": _field(_objective, "mamba"),
+        "state_sizes": _field(_ints), "train_lengths": _field(_ints),
+        "extrapolate": _field(_pos_int, 16), "eval": _EVAL_FIELD, "seeds": _SEEDS,
+        "tokens_per_batch": _field(_pos_int, None)},
     "composed_search": {
-        "search": (True, None, lambda c, k, v, ctx: _search(c, k, v, ctx["source"], ctx["base"])),
-        "executor": (False, "inline", lambda c, k, v, ctx: _executor(c, k, v)),
-        "confirm": (False, None, _E(None)), "confirm_seeds": (False, [0], _S),
-        "leave_out": (False, [], lambda c, k, v, ctx: _leave_out(c, k, v))},
+        "search": _field(_search), "executor": Field(default="inline", choices=("inline", "ray")),
+        "confirm": Field(lambda c, k, v: _experiment(c, k, v, None), None), "confirm_seeds": _SEEDS,
+        "leave_out": _field(_leave_out, [])},
     "mad": {
-        "objectives": (True, None, _O), "model": (True, None, lambda c, k, v, ctx: c.mapping(k, v)),
-        "train": (False, {}, lambda c, k, v, ctx: c.mapping(k, v)),
-        "tasks": (False, ["in_context_recall", "fuzzy_recall", "noisy_recall", "selective_copying", "compression",
-                          "memorization"], lambda c, k, v, ctx: _mad_tasks(c, k, v)),
-        "levels": (False, "all", lambda c, k, v, ctx: v if v in ("all", "baseline")
-                   else c.fail(k, f"expected all or baseline, got {v!r}")),
-        "task_overrides": (False, {}, lambda c, k, v, ctx: {t: c.mapping(f"{k}.{t}", o)
-                                                            for t, o in c.mapping(k, v).items()}),
-        "lrs": (False, [1e-4, 5e-4, 1e-3], _FLOATS), "seeds": (False, [0], _S),
-        "state_size": (False, None, _INT), "state_elements": (False, None, _INT)},
+        "objectives": _OBJECTIVES, "model": _field(_mapping), "train": _field(_mapping, {}),
+        "tasks": _field(_mad_tasks, ["in_context_recall", "fuzzy_recall", "noisy_recall", "selective_copying",
+                                     "compression", "memorization"]),
+        "levels": Field(default="all", choices=("all", "baseline")),
+        "task_overrides": _field(_task_overrides, {}),
+        "lrs": _field(_floats, [1e-4, 5e-4, 1e-3]), "seeds": _SEEDS,
+        "state_size": _field(_pos_int, None), "state_elements": _field(_pos_int, None)},
 }
 
 
@@ -337,52 +319,30 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
             raise SpecError(str(path), "", f"cannot read: {one_line(e)}") from None
         raw = yamlsafe.load(text, str(path))
         source, base = source or str(path), path.resolve().parent
-    c = _C(source, "")
+    c = _Checker(source, "", base)
     if not isinstance(raw, dict):
         c.fail("", "expected a mapping at the top level")
-    allowed = {"name", "kind", "claim", "thresholds", "base", *SCALES}
-    for k in raw:
-        if k not in allowed:
-            c.fail(str(k), f"unknown key; expected one of {', '.join(sorted(allowed))}")
-    for k in ("name", "kind", *SCALES):
-        if k not in raw:
-            c.fail(k, "missing (required)")
-    name = raw["name"]
+    top = c.section("", raw, {"name": Field(), "kind": Field(), "claim": Field(lambda c, k, v: c.string(k, v), None),
+                              "thresholds": Field(_mapping, {}), "base": Field(_mapping, {}),
+                              **{s: Field() for s in SCALES}})
+    name, kind, claim = top["name"], top["kind"], top["claim"]
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         c.fail("name", f"expected letters, digits, '_', '.', '-', got {name!r}")
-    kind = raw["kind"]
     if kind not in KINDS:
         c.fail("kind", f"unknown study kind {kind!r}; known: {', '.join(KINDS)}")
-    claim = raw.get("claim")
-    if claim is not None:
-        c.string("claim", claim)
     thresholds = dict(THRESHOLDS[kind])
-    for k, v in c.mapping("thresholds", raw.get("thresholds", {})).items():
+    for k, v in top["thresholds"].items():
         if k not in thresholds:
             c.fail(f"thresholds.{k}", f"unknown threshold; {kind} has: {', '.join(thresholds) or 'none'}")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             c.fail(f"thresholds.{k}", f"expected a number, got {v!r}")
         thresholds[k] = float(v)
-    shared = c.mapping("base", raw.get("base", {}))
     scales = {}
-    ctx = {"source": source, "base": base}
     for scale in SCALES:
-        merged = _deep_merge(shared, c.mapping(scale, raw[scale] or {}))
-        sc = _C(source, scale)
-        schema = KINDS[kind]
-        for k in merged:
-            if k not in schema:
-                sc.fail(k, f"unknown key for a {kind} study; expected one of {', '.join(schema)}")
-        params = {}
-        for k, (required, default, check) in schema.items():
-            if k not in merged:
-                if required:
-                    sc.fail(k, "missing (required; in base: or in this scale)")
-                params[k] = copy.deepcopy(default)
-                continue
-            params[k] = check(sc, k, merged[k], ctx)
-            if params[k] is None:
-                params[k] = merged[k]
+        merged = _deep_merge(top["base"], c.mapping(scale, raw[scale] or {}))
+        sc = _Checker(source, scale, base)
+        params = sc.section("", merged, KINDS[kind], unknown=f"unknown key for a {kind} study",
+                            missing="missing (required; in base: or in this scale)")
         if kind == "composed_search":
             _check_leave_out(sc, params)
         if kind == "mad":

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ssmcraft.errors import SpecError
+from ssmcraft.config_check import Checker, Field
 
 IGNORE = -100
 SPLITS = ("train", "val")
@@ -110,40 +110,39 @@ def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
 
 
 class Options:
-    """Reads a task's config mapping, refusing unknown keys and ill-typed values.
-
-    ``source`` names where the mapping came from ("task" in an experiment spec) for messages.
-    """
+    """A task's config section, read with the shared checker (``ssmcraft.config_check``): the keys of
+    ``allowed`` (name -> default) and ``name``, unknown keys refused; ``int`` / ``float`` check a
+    value where the task reads it. ``source`` names where the mapping came from ("task" in an
+    experiment spec) for messages."""
 
     def __init__(self, cfg: Mapping[str, Any], allowed: Mapping[str, Any], source: str = "<experiment>",
                  key: str = "task"):
-        self.cfg, self.source, self.key = dict(cfg), source, key
-        unknown = sorted(set(self.cfg) - set(allowed) - {"name"})
-        if unknown:
-            raise SpecError(source, f"{key}.{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
-        self.defaults = dict(allowed)
+        self.checker = Checker(source, key)
+        self.values = self.checker.section("", cfg, {k: Field(default=v) for k, v in allowed.items()},
+                                           extra=("name",))
 
     def get(self, name: str):
-        return self.cfg.get(name, self.defaults[name])
+        return self.values[name]
 
     def int(self, name: str, minimum: int | None = None) -> int:
+        """An integer (a float with no fraction, as YAML may write one, is taken), at least ``minimum``."""
         value = self.get(name)
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                raise SpecError(self.source, f"{self.key}.{name}", f"expected an integer, got {value!r}")
+                self.fail(name, f"expected an integer, got {value!r}")
         if minimum is not None and value < minimum:
-            raise SpecError(self.source, f"{self.key}.{name}", f"must be at least {minimum}, got {value}")
+            self.fail(name, f"must be at least {minimum}, got {value}")
         return value
 
     def float(self, name: str, low: float | None = None, high: float | None = None) -> float:
         value = self.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(self.source, f"{self.key}.{name}", f"expected a number, got {value!r}")
+            self.fail(name, f"expected a number, got {value!r}")
         if (low is not None and value < low) or (high is not None and value > high):
-            raise SpecError(self.source, f"{self.key}.{name}", f"must lie in [{low}, {high}], got {value}")
+            self.fail(name, f"must lie in [{low}, {high}], got {value}")
         return float(value)
 
     def fail(self, name: str, problem: str):
-        raise SpecError(self.source, f"{self.key}.{name}" if name else self.key, problem)
+        self.checker.fail(name, problem)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import write_bytes, write_text
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,6 @@ def _load_hf(name: str, split: str, text_field: str, max_bytes: int | None,
         raise SsmcraftError(f"corpus hf:{name}: could not load the dataset ({type(e).__name__}: {e})") from None
     data = b"\n".join(parts)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, cache)
-    meta.write_text(json.dumps({"name": name, "split": split, "text_field": text_field, "n_documents": n}))
+    write_bytes(cache, data)
+    write_text(meta, json.dumps({"name": name, "split": split, "text_field": text_field, "n_documents": n}))
     return data, n

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,10 +19,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from ssmcraft import fileio
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers import LM, LMConfig
 from ssmcraft.layers.config import ObjectiveMixerConfig, mixer_config
-from ssmcraft.layers.objectives import compile_objective, spec_mapping
+from ssmcraft.layers.objectives import spec_mapping
+from ssmcraft.runtime.lookup import compile_objective
 from ssmcraft.train import record
 
 CONFIG, METRICS, HISTORY, WEIGHTS = "config.json", "metrics.json", "history.json", "model.safetensors"
@@ -42,16 +43,7 @@ def _finite(value: Any) -> Any:
 
 def write_json(path: str | Path, data: Any) -> None:
     """Write ``data`` as strict JSON, atomically (a reader never sees half a file)."""
-    write_bytes(path, (json.dumps(_finite(data), indent=2, sort_keys=False, allow_nan=False) + "\n").encode())
-
-
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` atomically: a temporary file beside ``path``, then a rename, so a reader (or a
-    run resumed after a kill) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fileio.write_json(path, _finite(data), allow_nan=False)
 
 
 def read_json(path: str | Path) -> Any:

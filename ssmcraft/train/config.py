@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from ssmcraft import yamlsafe
+from ssmcraft.config_check import Checker, Field
 from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers.config import LMConfig, number_or_same
 from ssmcraft.tasks import check_task
@@ -110,22 +111,14 @@ def apply_overrides(cfg: Mapping[str, Any], overrides: Iterable[str], source: st
 
 
 def _section(cfg: Mapping, name: str, defaults: Mapping[str, Any], source: str) -> dict[str, Any]:
-    given = cfg.get(name, {}) or {}
-    if not isinstance(given, Mapping):
-        raise SpecError(source, name, f"expected a mapping, got {type(given).__name__}")
-    for k in given:
-        if k not in defaults:
-            raise SpecError(source, f"{name}.{k}", f"unknown key; allowed: {', '.join(sorted(defaults))}")
-    return {**copy.deepcopy(dict(defaults)), **copy.deepcopy(dict(given))}
+    """Section ``name`` of ``cfg`` (absent or empty: all defaults), its keys those of ``defaults``."""
+    fields = {k: Field(default=v) for k, v in defaults.items()}
+    return copy.deepcopy(Checker(source, name).section("", cfg.get(name, {}) or {}, fields))
 
 
 def resolve(cfg: Mapping[str, Any], source: str = "<experiment>") -> dict[str, Any]:
     """The complete experiment mapping with defaults filled in; structural errors are ``SpecError``."""
-    if not isinstance(cfg, Mapping):
-        raise SpecError(source, "", "expected a mapping")
-    for k in cfg:
-        if k not in SECTIONS and k not in TOP_DEFAULTS:
-            raise SpecError(source, str(k), f"unknown key; allowed: {', '.join(sorted(SECTIONS | set(TOP_DEFAULTS)))}")
+    Checker(source).mapping("", cfg, tuple(sorted(SECTIONS | set(TOP_DEFAULTS))))
     if "task" not in cfg or not isinstance(cfg["task"], Mapping) or "name" not in cfg["task"]:
         raise SpecError(source, "task", "missing (required): a mapping with a task name")
     out = {k: cfg.get(k, v) for k, v in TOP_DEFAULTS.items()}

@@ -1,6 +1,6 @@
 """Resumable training: ``DIR/resume.safetensors``, the state a killed run continues from.
 
-Written by the run's writer every ``train.checkpoint_every`` steps (``checkpoint.write_bytes``:
+Written by the run's writer every ``train.checkpoint_every`` steps (``fileio.write_bytes``:
 atomic, so a kill mid-write leaves the previous one), and removed when the run writes its final
 results. It holds everything the next steps depend on, so a resumed run reaches the weights an
 uninterrupted one does (bitwise on CPU):
@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from ssmcraft.errors import SpecError, SsmcraftError, one_line
-from ssmcraft.train.checkpoint import write_bytes
+from ssmcraft.fileio import write_bytes
 
 FILE = "resume.safetensors"
 _META = "ssmcraft.resume"
