@@ -39,8 +39,8 @@ from safetensors.torch import load_file, save
 
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.fileio import write_bytes, write_text
-from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, traced_state,
-                                           validate)
+from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, state_shapes,
+                                           traced_state, validate)
 from ssmcraft.layers.config import LMConfig, layer_mixers, mixer_config
 from ssmcraft.layers.mixer import ObjectiveMixer
 from ssmcraft.runtime.dispatch import PREFER, backend_name, run_fast, triton_mode
@@ -346,20 +346,21 @@ def check_hidden(h, d_model: int, weight: torch.Tensor, where: str, layout: str 
 
 
 def check_cache(mixer, cache, batch_size: int, where: str) -> None:
-    """One mixer's recurrent cache (``init_cache``'s shapes) for ``batch_size`` sequences."""
+    """One mixer's recurrent cache (``init_cache``'s shapes: every declared state, a square one
+    ``[B, H, m, m]``; a mini-batch objective's chunk start) for ``batch_size`` sequences."""
     w = mixer.in_proj.weight
     conv = tuple(mixer.conv.init_state(batch_size, torch.device("meta"), w.dtype).shape)
-    n_states = len(mixer.obj.spec.state_names())
-    state = (batch_size, mixer.H, mixer.d, mixer.m)
+    want = [tuple(s) for s in state_shapes(mixer.obj.ir, batch_size, mixer.H, mixer.d, mixer.m).values()]
     got_conv, got_state = getattr(cache, "conv", None), getattr(cache, "state", None)
-    states = got_state if isinstance(got_state, tuple) else (got_state,)
-    ok = (isinstance(got_conv, torch.Tensor) and tuple(got_conv.shape) == conv and len(states) == n_states
-          and all(isinstance(S, torch.Tensor) and tuple(S.shape) == state for S in states))
+    start = getattr(got_state, "start", got_state)      # a mini-batch objective's cache: its chunk's start
+    states = start if isinstance(start, tuple) else (start,)
+    ok = (isinstance(got_conv, torch.Tensor) and tuple(got_conv.shape) == conv and len(states) == len(want)
+          and all(isinstance(S, torch.Tensor) and tuple(S.shape) == shape for S, shape in zip(states, want)))
     if not ok:
         shapes = (f"conv {_shape(got_conv)}, state {', '.join(_shape(S) for S in states)}"
                   if got_conv is not None else type(cache).__name__)
         raise SsmcraftError(f"{where}: expected a cache from init_cache({batch_size}) (conv {list(conv)}, "
-                            f"{n_states} state(s) {list(state)}), got {shapes}")
+                            f"state(s) {', '.join(str(list(x)) for x in want)}), got {shapes}")
 
 
 def read_config(path) -> dict:

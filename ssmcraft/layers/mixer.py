@@ -228,7 +228,10 @@ class ObjectiveMixer(nn.Module):
         x, z = self._split_in(h)
         x, conv_state = self.conv.prefill(x, cache.conv)
         u = F.silu(x)
-        y, S = self._recur(self.project(u), self.param_values(), cache.state)
+        if isinstance(cache.state, ChunkCache):
+            y, S = self._chunk_prefill(self.project(u), cache.state)
+        else:
+            y, S = self._recur(self.project(u), self.param_values(), cache.state)
         return self._finish(y, u, z), RecurrentCache(conv_state, S)
 
     def step(self, h_t: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, RecurrentCache]:
@@ -247,6 +250,23 @@ class ObjectiveMixer(nn.Module):
         each, ``[H, m, m]`` for a square one; the iso-state measure; the conv window's ``D * (k - 1)`` is
         not counted)."""
         return self.obj.state_elements(self.H, self.d, self.m)
+
+    def _chunk_prefill(self, inputs: dict, chunk: ChunkCache):
+        """A prompt through a mini-batch objective, continuing ``chunk``: the chunk's pending tokens and
+        the prompt from the chunk's start, in two parallel calls (the whole chunks, then the last partial
+        one from the state they end in), so the chunks stay aligned as in ``step``."""
+        pending = next(iter(chunk.inputs.values())).shape[1] if chunk.inputs else 0
+        if pending:
+            inputs = {k: torch.cat([chunk.inputs[k], v], dim=1) for k, v in inputs.items()}
+        T, C = next(iter(inputs.values())).shape[1], self.obj.ir.minibatch
+        whole = T - T % C
+        y, S = self._recur({k: v[:, :whole] for k, v in inputs.items()}, self.param_values(), chunk.start) \
+            if whole else (None, chunk.start)
+        rest = {k: v[:, whole:] for k, v in inputs.items()}
+        if T > whole:
+            y_rest, _ = self._recur(rest, self.param_values(), S)
+            y = y_rest if y is None else torch.cat([y, y_rest], dim=1)
+        return y[:, pending:], ChunkCache(S, rest if T > whole else {})
 
     def _chunk_step(self, inputs: dict, chunk: ChunkCache):
         """One token of a mini-batch objective: the chunk so far and this token from the chunk's
