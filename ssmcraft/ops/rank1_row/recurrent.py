@@ -67,12 +67,9 @@ CHUNK = 64            # checkpoint interval of the backward (steps)
 def default_config(BH: int, V: int, K: int, which: str = "fwd") -> tuple[int, int]:
     """(BV, num_warps). Interpreter: one large tile (few programs run fastest). GPU: small row
     blocks so that B*H*V/BV programs fill the chip, one warp so that the per-step chain has no
-    cross-warp step. Measured on an H200, bf16: at B=8, T=2048, K=16, V=1536 (BENCHMARKS.md,
-    "Rank-1 per row", run 2) the forward is best at BV=32 (0.535 ms; 16: 0.577, 8: 0.575, 2 warps:
-    0.78-0.90) and the backward at BV=16 (fwd+bwd 1.98 ms; 8: 2.73, 32: 2.10); at B=8, T=2048,
-    H=16, K=V=64 through ``obj()`` (``benchmarks/sweep_rank1_row.py``) BV=8 with one warp is best
-    for Longhorn, wd_longhorn and gated_longhorn alike (Longhorn fwd+bwd 3.30 ms; 16 rows on 2
-    warps 3.37, 16 on 1 warp 4.39, 4 rows 4.86; wd_longhorn 6.07 against 8.15 at 16 on 2 warps)."""
+    cross-warp step: at K=16 the forward is best at BV=32 and the backward at BV=16; at K=64
+    (``benchmarks/sweep_rank1_row.py``) BV=8 on one warp for Longhorn and its decayed variants alike
+    (BENCHMARKS.md, "Rank-1 per row" and "Structure classes through ``obj()``", have the sweeps)."""
     if INTERPRET:
         return min(next_pow2(V), 64), 1
     BK = next_pow2(K)
