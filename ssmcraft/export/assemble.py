@@ -191,7 +191,6 @@ def module_section(module_name: str, imports: Imports, *, only: list[str] | None
         gap = lines[prev_end:start - 1]
         prev_end = node.end_lineno
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mod = node.module if isinstance(node, ast.ImportFrom) else None
             if isinstance(node, ast.Import) and any(_is_ssmcraft(a.name) for a in node.names):
                 raise ExportError(f"{where}:{node.lineno}: 'import ssmcraft' cannot be bundled; import the "
                                   "names with 'from ssmcraft.x import name'")

@@ -339,6 +339,7 @@ def reference_loop(module, lay: Layout, *, every: int | None = None, traced: int
     d, m = lay.d, lay.m
     S = _initial(lay, _device(lay), n_states(module), module)
     C = getattr(module, "MINIBATCH", 0)
+    S_c = S             # a mini-batch step's anchor: the state before the current chunk
     ys, states = [], []
     for t in range(lay.T):
         env_t = {k: at(v, t) for k, v in lay.env.items()}
