@@ -48,7 +48,7 @@ def summarize(arm: str, study, wall_s: float, gpus: float, metric: str, directio
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     values = [t.user_attrs["metrics"][metric] for t in complete]
     best = (min if direction == "minimize" else max)(values) if values else None
-    return {"arm": arm, "wall_s": round(wall_s, 1), "candidates": len(trials), "full_budget": len(complete),
+    return {"arm": arm, "wall_s": round(wall_s, 3), "candidates": len(trials), "full_budget": len(complete),
             "stopped_at_a_rung": sum(t.state == TrialState.PRUNED for t in trials),
             "failed": sum(t.state == TrialState.FAIL for t in trials), f"best_{metric}": best,
             "candidates_per_gpu_hour": round(len(trials) / (wall_s / 3600 * gpus), 1)}
