@@ -84,6 +84,23 @@ class Count:
     loops: list        # [(instructions, Counter of opcodes)], innermost first as nvdisasm lists them
 
 
+def sm90(fn, sig: dict, consts: dict, attrs: dict, warps: int) -> tuple[int, int, str]:
+    """(registers, stack bytes, SASS text) of ``fn`` compiled for sm_90 (Triton's bundled ptxas,
+    cuobjdump and nvdisasm; no GPU needed)."""
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+
+
 def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
                   hsum: bool = True, even: bool = True, prefetch: bool = False) -> Count:
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
@@ -99,19 +116,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
                  HAS_H0=True, HAS_DHT=True, **D.flags(cfg, K, 128 * L + (not even), 48 * BV + (not even), ls))
     consts = {k: v for k, v in known.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, plan.leaves, io, consts)
-    k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps))
-    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
-                              capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    regs, stack, sass = sm90(fn, sig, consts, attrs, warps)
     return Count(kernel, regs, stack, loops(sass))
 
 

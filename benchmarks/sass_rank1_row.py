@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.pop("TRITON_INTERPRET", None)       # compiled kernels only (see sass_count.py)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from sass_count import loops  # noqa: E402
+from sass_count import loops, sm90  # noqa: E402
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel  # noqa: E402
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel  # noqa: E402
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel  # noqa: E402
@@ -52,18 +47,8 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
             attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(sig[a]))})
         elif sig[a].startswith("*") or a in ("K", "V"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps))
-    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), loops(sass)
+    regs, stack, sass = sm90(fn, sig, consts, attrs, warps)
+    return regs, stack, loops(sass)
 
 
 def rank1_consts(case: str, BV: int, which: str) -> dict:
