@@ -88,7 +88,7 @@ def test_the_rule_and_the_schedule():
     ({"pruner": {"name": "median"}, "rank": {"val_loss": "minimize"}}, "fidelity", "keep one"),
     ({"train": {"eval_every": 5}}, "train.eval_every", "set by the search from fidelity.min_tokens"),
     ({"fidelity": {**FIDELITY, "min_tokens": 864}}, "fidelity.min_tokens", "leaves no rung"),
-    ({"fidelity": {**FIDELITY, "kind": "bohb"}}, "fidelity.kind", "expected one of"),
+    ({"fidelity": {**FIDELITY, "kind": "bohb"}}, "fidelity.kind", "expected successive_halving or hyperband, got 'bohb'"),
     ({"fidelity": {**FIDELITY, "eta": 1}}, "fidelity.eta", "must be >= 2"),
     ({"fidelity": {**FIDELITY, "direction": "maximize"}}, "fidelity.direction", "rank says val_loss: minimize"),
     ({"fidelity": {"kind": "hyperband"}}, "fidelity.min_tokens", "missing"),

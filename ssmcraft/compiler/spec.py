@@ -25,17 +25,13 @@ from typing import Any, Mapping
 
 from ssmcraft import yamlsafe
 from ssmcraft.compiler import expr as E
-from ssmcraft.config_check import Checker
+from ssmcraft.config_check import ABSENT, Checker, Field
 from ssmcraft.errors import SpecError, quote
 
 IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")   # whole text (fullmatch): no trailing newline
 # names the generated PyTorch/Triton code uses, Python's keywords and builtins
 CODE_NAMES = {"torch", "F", "tl", "triton", "math", "env", "co", "erase"}
 RESERVED = {"S_prev"} | set(E.FUNCTIONS) | CODE_NAMES | set(keyword.kwlist) | set(dir(builtins))
-TOP_KEYS = {"name", "summary", "state", "inputs", "params", "let", "objective", "update", "hidden",
-            "approximation", "output", "source"}
-INPUT_KEYS = {"shape", "positive", "bounded", "normalize", "activation"}
-PARAM_KEYS = {"shape", "positive", "negative", "init", "trainable"}
 ACTIVATIONS = {"identity", "silu", "sigmoid", "softplus", "exp", "tanh", "relu", "elu1"}
 INIT_NAMES = {"zeros", "ones", "s4d_real", "retnet_decay"}
 INIT_FORMS = {"constant": 1, "uniform": 2, "normal": 2, "log_uniform": 2}
@@ -288,15 +284,56 @@ def _order(name: str):
     return (name != "S", name != "S_prev", name)
 
 
+def _flag(default: bool) -> Field:
+    return Field(lambda c, k, v: c.boolean(k, v), default)
+
+
+# the top level: presence and the two plain values; the rest is read in ``load_spec``'s order
+TOP_FIELDS = {
+    "name": Field(lambda c, k, v: _ident(c.source, k, v)),
+    "summary": Field(lambda c, k, v: _str(c.source, k, v, allow_empty=True), ""),
+    **{k: Field() for k in ("state", "inputs", "objective", "update", "output")},
+    **{k: Field(default=ABSENT) for k in ("params", "let", "hidden", "approximation", "source")},
+}
+
+
+def _input_fields(src, dims) -> dict[str, Field]:
+    """An input's declaration: ``shape`` a vector over a state dimension or a scalar."""
+    def shape(c, k, v):
+        out = _shape(src, k, v, dims)
+        if len(out) == 2:
+            raise SpecError(src, k, "inputs are vectors or scalars; matrices come from outer()")
+        return out
+
+    def activation(c, k, v):
+        if v is not None and (not isinstance(v, str) or v not in ACTIVATIONS):
+            raise SpecError(src, k, f"unknown activation {quote(v)}; known: {', '.join(sorted(ACTIVATIONS))}")
+        return v
+    return {"shape": Field(shape), "activation": Field(activation, None),
+            "positive": _flag(False), "bounded": _flag(False), "normalize": _flag(False)}
+
+
+def _param_fields(src, dims) -> dict[str, Field]:
+    """A learned parameter's declaration (a scalar when ``shape`` is left out)."""
+    return {"shape": Field(lambda c, k, v: _shape(src, k, v, dims), ()),
+            "positive": _flag(False), "negative": _flag(False),
+            "init": Field(lambda c, k, v: _init(src, k, v), "zeros"), "trainable": _flag(True)}
+
+
+def _declared_name(src, key, name, taken: set) -> str:
+    """An input's or parameter's name: an identifier not yet used (it is then taken)."""
+    name = _ident(src, key, name)
+    if name in taken:
+        raise SpecError(src, key, f"name {quote(name)} is already used")
+    taken.add(name)
+    return name
+
+
 def load_spec(spec: str | Path | Mapping) -> Spec:
     """Read and validate a spec (a path, YAML text or a mapping) into a frozen ``Spec``."""
     raw, src = read_source(spec)
-    _keys(src, "", raw, TOP_KEYS)
-    for required in ("name", "state", "inputs", "objective", "update", "output"):
-        if required not in raw:
-            raise SpecError(src, required, "missing (required)")
-    name = _ident(src, "name", raw["name"])
-    summary = _str(src, "summary", raw.get("summary", ""), allow_empty=True)
+    top = Checker(src).section("", raw, TOP_FIELDS)
+    name, summary = top["name"], top["summary"]
 
     hidden = hidden_dims(src, raw.get("hidden"))
     state_names, dims, shapes, inits = state_decls(src, raw["state"], tuple(h[0] for h in hidden))
@@ -307,32 +344,16 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
     inputs_raw = raw["inputs"]
     if not isinstance(inputs_raw, dict) or not inputs_raw:
         raise SpecError(src, "inputs", "expected a non-empty mapping of input declarations")
+    c = Checker(src)
     taken = {*state_names, *prevs, *dims}
     inputs: dict[str, InputDecl] = {}
     for iname, decl in inputs_raw.items():
         key = f"inputs.{iname}"
-        iname = _ident(src, key, iname)
-        if iname in taken:
-            raise SpecError(src, key, f"name {quote(iname)} is already used")
-        _keys(src, key, decl, INPUT_KEYS)
-        if "shape" not in decl:
-            raise SpecError(src, f"{key}.shape", "missing (required)")
-        shape = _shape(src, f"{key}.shape", decl["shape"], dims)
-        if len(shape) == 2:
-            raise SpecError(src, f"{key}.shape", "inputs are vectors or scalars; matrices come from outer()")
-        act = decl.get("activation")
-        if act is not None and (not isinstance(act, str) or act not in ACTIVATIONS):
-            raise SpecError(src, f"{key}.activation", f"unknown activation {quote(act)}; known: {', '.join(sorted(ACTIVATIONS))}")
-        inputs[iname] = InputDecl(
-            iname, shape,
-            positive=_bool(src, f"{key}.positive", decl.get("positive", False)),
-            bounded=_bool(src, f"{key}.bounded", decl.get("bounded", False)),
-            normalize=_bool(src, f"{key}.normalize", decl.get("normalize", False)),
-            activation=act,
-        )
-        if inputs[iname].normalize and len(shape) != 1:
+        iname = _declared_name(src, key, iname, taken)
+        d = c.section(key, decl, _input_fields(src, dims))
+        inputs[iname] = InputDecl(iname, **d)
+        if d["normalize"] and len(d["shape"]) != 1:
             raise SpecError(src, f"{key}.normalize", "only a vector input can be normalised")
-        taken.add(iname)
 
     params: dict[str, ParamDecl] = {}
     params_raw = raw.get("params", {}) or {}
@@ -340,22 +361,11 @@ def load_spec(spec: str | Path | Mapping) -> Spec:
         raise SpecError(src, "params", f"expected a mapping, got {type(params_raw).__name__}")
     for pname, decl in params_raw.items():
         key = f"params.{pname}"
-        pname = _ident(src, key, pname)
-        if pname in taken:
-            raise SpecError(src, key, f"name {quote(pname)} is already used")
-        _keys(src, key, decl, PARAM_KEYS)
-        shape = _shape(src, f"{key}.shape", decl.get("shape", []), dims)
-        p = ParamDecl(
-            pname, shape,
-            positive=_bool(src, f"{key}.positive", decl.get("positive", False)),
-            negative=_bool(src, f"{key}.negative", decl.get("negative", False)),
-            init=_init(src, f"{key}.init", decl.get("init", "zeros")),
-            trainable=_bool(src, f"{key}.trainable", decl.get("trainable", True)),
-        )
+        pname = _declared_name(src, key, pname, taken)
+        p = ParamDecl(pname, **c.section(key, decl, _param_fields(src, dims)))
         if p.positive and p.negative:
             raise SpecError(src, key, "cannot be both positive and negative")
         params[pname] = p
-        taken.add(pname)
 
     declared = {*state_names, *prevs, *inputs, *params, *dims}
     lets: list[tuple[str, str]] = []
@@ -407,7 +417,7 @@ def minibatch_approximation(src, value: dict, update: str) -> tuple[str, int]:
     return "minibatch", C
 
 
-STATE_KEYS = {"shape", "init"}
+STATE_FIELDS = {"shape": Field(), "init": Field(default="zeros")}
 
 
 def state_decls(src, state, hidden: tuple = ()) -> tuple[tuple[str, ...], tuple[str, str], tuple, tuple]:
@@ -426,11 +436,9 @@ def state_decls(src, state, hidden: tuple = ()) -> tuple[tuple[str, ...], tuple[
         key = f"state.{sname}"
         init = None
         if isinstance(decl, dict):
-            _keys(src, key, decl, STATE_KEYS)
-            if "shape" not in decl:
-                raise SpecError(src, f"{key}.shape", "missing (required)")
-            init = _state_init(src, f"{key}.init", decl.get("init", "zeros"))
-            decl = decl["shape"]
+            d = Checker(src).section(key, decl, STATE_FIELDS)
+            init = _state_init(src, f"{key}.init", d["init"])
+            decl = d["shape"]
         shapes_raw[sname] = decl
         inits.append(init)
     if hidden:

@@ -75,8 +75,6 @@ MANAGED: dict[tuple[str, ...], str] = {
     ("train", "device"): "resources.gpus_per_trial",
     ("model", "mixer", "objective"): "space.objective",
 }
-TOP_KEYS = ("name", "seed", "task", "model", "train", "objectives_dir", "budget",
-            "space", "rank", "sampler", "pruner", "resources", "fidelity")
 DIRECTIONS = ("minimize", "maximize")
 SEED_MAX = 2 ** 32 - 1      # numpy's seeds, which Optuna's samplers take, are 32-bit
 
@@ -240,38 +238,58 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
-def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
-    c = Checker(source)
-    raw = c.mapping("", raw, TOP_KEYS)
-    for key in ("name", "task", "model", "budget", "space", "rank"):
-        if key not in raw:
-            c.fail(key, "missing (required)")
-    name = raw["name"]
+def _name(c: Checker, key: str, name: Any) -> str:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name):
         # 128: Optuna's RDB storage keeps study names of up to 512 characters
-        c.fail("name", f"expected a name of 1 to 128 letters, digits, '_', '.', '-', got {shown(name)}")
-    seed = c.number("seed", raw.get("seed", 0), integer=True, min=0, max=SEED_MAX)
-    sections = {k: c.mapping(k, raw.get(k, {})) for k in PATH_ROOTS}
+        c.fail(key, f"expected a name of 1 to 128 letters, digits, '_', '.', '-', got {shown(name)}")
+    return name
+
+
+def _folder(base: Path) -> Field:
+    """An optional folder, relative to the spec's own folder."""
+    def check(c: Checker, key: str, value: Any) -> Path | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            c.fail(key, f"expected a folder path, got {shown(value)}")
+        try:
+            folder = (base / value).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a loop of links
+            c.fail(key, f"not a usable path ({one_line(e)})")
+        if not _is_dir(folder):
+            c.fail(key, f"not a folder: {shown(str(folder))}")
+        return folder
+    return Field(check, None)
+
+
+def _top_fields(base: Path) -> dict[str, Field]:
+    """The top level: presence, and the values that need nothing else; ``budget``, ``rank``,
+    ``space``, ``sampler``, ``pruner``, ``resources`` and ``fidelity`` depend on one another and
+    are read by their own parsers, in ``_parse``."""
+    return {"name": Field(_name), "seed": _seed(0),
+            **{k: Field(lambda c, k, v: c.mapping(k, v), {}) for k in PATH_ROOTS},
+            "objectives_dir": _folder(base),
+            **{k: Field() for k in ("budget", "space", "rank")},
+            "sampler": Field(default={}), "pruner": Field(default={"name": "none"}),
+            "resources": Field(default={}), "fidelity": Field(default=None)}
+
+
+def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
+    c = Checker(source)
+    top = c.section("", raw, _top_fields(base))
+    raw = dict(raw)
+    name, seed, objectives_dir = top["name"], top["seed"], top["objectives_dir"]
+    sections = {k: top[k] for k in PATH_ROOTS}
     for path, origin in MANAGED.items():
         if _lookup(sections, path) is not None:
             c.fail(".".join(path), f"set by the search from {origin}; remove it here")
-    objectives_dir = None
-    if raw.get("objectives_dir") is not None:
-        if not isinstance(raw["objectives_dir"], str):
-            c.fail("objectives_dir", f"expected a folder path, got {shown(raw['objectives_dir'])}")
-        try:
-            objectives_dir = (base / raw["objectives_dir"]).resolve()
-        except (OSError, ValueError) as e:  # a NUL byte, a loop of links
-            c.fail("objectives_dir", f"not a usable path ({one_line(e)})")
-        if not _is_dir(objectives_dir):
-            c.fail("objectives_dir", f"not a folder: {shown(str(objectives_dir))}")
 
     rank = _parse_rank(c, raw["rank"])
     budget = _parse_budget(c, raw["budget"])
-    pruner = _parse_pruner(c, raw.get("pruner", {"name": "none"}), len(rank))
+    pruner = _parse_pruner(c, top["pruner"], len(rank))
     fidelity = None
-    if raw.get("fidelity") is not None:
-        fidelity = _parse_fidelity(c, raw["fidelity"], dict(rank), budget)
+    if top["fidelity"] is not None:
+        fidelity = _parse_fidelity(c, top["fidelity"], dict(rank), budget)
         if pruner.name != "none":
             c.fail("fidelity", f"and pruner {shown(pruner.name)} both stop trials early; keep one")
         if _lookup(sections, ("train", "eval_every")) is not None:
@@ -293,8 +311,8 @@ def _parse(raw: Any, source: str, base: Path) -> SearchSpec:
     return SearchSpec(
         name=name, source=source, base=base, seed=seed, objectives_dir=objectives_dir,
         budget=budget, objectives=objectives, params=params, rank=rank,
-        sampler=_parse_sampler(c, raw.get("sampler", {}), len(rank), seed), pruner=pruner,
-        resources=_parse_resources(c, raw.get("resources", {})), raw=raw, fidelity=fidelity, **sections)
+        sampler=_parse_sampler(c, top["sampler"], len(rank), seed), pruner=pruner,
+        resources=_parse_resources(c, top["resources"]), raw=raw, fidelity=fidelity, **sections)
 
 
 def _parse_rank(c: Checker, value: Any) -> tuple[tuple[str, str], ...]:
@@ -329,24 +347,20 @@ def _parse_budget(c: Checker, value: Any) -> Budget:
 
 
 def _parse_fidelity(c: Checker, value: Any, rank: dict[str, str], budget: Budget) -> Fidelity:
-    f = c.mapping("fidelity", value, ("kind", "min_tokens", "eta", "metric", "direction"))
-    for key in ("kind", "min_tokens"):
-        if key not in f:
-            c.fail(f"fidelity.{key}", "missing (required)")
-    c.one_of("fidelity.kind", f["kind"], FIDELITY_KINDS)
-    min_tokens = c.number("fidelity.min_tokens", f["min_tokens"], integer=True, min=1)
-    if min_tokens >= budget.tokens_per_trial:
-        c.fail("fidelity.min_tokens", f"{min_tokens} leaves no rung below budget.tokens_per_trial "
-                                      f"({budget.tokens_per_trial})")
-    metric = f.get("metric", "val_loss")
-    if not isinstance(metric, str) or not metric:
-        c.fail("fidelity.metric", f"expected a metric name, got {shown(metric)}")
-    direction = f.get("direction", rank.get(metric, "minimize"))
+    def min_tokens(c, key, v):
+        v = c.number(key, v, integer=True, min=1)
+        if v >= budget.tokens_per_trial:
+            c.fail(key, f"{v} leaves no rung below budget.tokens_per_trial ({budget.tokens_per_trial})")
+        return v
+    f = c.section("fidelity", value, {
+        "kind": Field(choices=FIDELITY_KINDS), "min_tokens": Field(min_tokens),
+        "eta": Field(lambda c, k, v: c.number(k, v, integer=True, min=2), 3),
+        "metric": Field(lambda c, k, v: c.string(k, v), "val_loss"), "direction": Field(default=None)})
+    direction = f["direction"] if f["direction"] is not None else rank.get(f["metric"], "minimize")
     c.one_of("fidelity.direction", direction, DIRECTIONS, "minimize or maximize")
-    if metric in rank and rank[metric] != direction:
-        c.fail("fidelity.direction", f"{direction}, but rank says {metric}: {rank[metric]}")
-    return Fidelity(f["kind"], min_tokens, c.number("fidelity.eta", f.get("eta", 3), integer=True, min=2),
-                    metric, direction)
+    if f["metric"] in rank and rank[f["metric"]] != direction:
+        c.fail("fidelity.direction", f"{direction}, but rank says {f['metric']}: {rank[f['metric']]}")
+    return Fidelity(f["kind"], f["min_tokens"], f["eta"], f["metric"], direction)
 
 
 def _parse_resources(c: Checker, value: Any) -> Resources:
