@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     for name, bf in best.items():
         print(f"| {name} | {bf['f'][0]:.3f} {bf['f'][1]} | {bf['fb'][0]:.3f} {bf['fb'][1]} | {bf['fb'][0] / ref:.2f} |")
     if args.profile:
-        from bench_classes import kernel_profile
+        from ssmcraft.bench.classes_commands import kernel_profile
         for name, bf in best.items():
             cf = bf["fb"][1]
             R.set_config(fwd=cf[:2], bwd=cf[:2])

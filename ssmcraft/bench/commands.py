@@ -1,5 +1,6 @@
 """``ssmcraft bench SPEC``: the command line of ``ssmcraft.bench.run`` (what it times and how is
-documented there)."""
+documented there); ``ssmcraft bench --classes``: the structure-class table of
+``ssmcraft.bench.classes_commands``."""
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,18 @@ from ssmcraft.fileio import write_json
 
 
 def add_arguments(p):
-    p.add_argument("spec", help="an objective spec: a path, or a library name such as longhorn_diag")
-    p.add_argument("--shape", default="8,2048,1,1536,16",
-                   help="B,T,H,d,m (d = V values per head, m = K keys); default 8,2048,1,1536,16")
+    p.add_argument("spec", nargs="?", help="an objective spec: a path, or a library name such as longhorn_diag")
+    p.add_argument("--classes", action="store_true",
+                   help="the structure-class table instead: every library objective and one composed objective "
+                        "per class the library lacks, fwd and fwd+bwd through obj() and the ratio to DeltaNet's "
+                        "fwd+bwd in the same process (CUDA only); --only limits the rows")
+    p.add_argument("--only", default="", help="with --classes: comma-separated library names, composed class labels "
+                                              "or spec files")
+    p.add_argument("--no-composed", action="store_true", help="with --classes: the library's objectives only")
+    p.add_argument("--profile", action="store_true", help="with --classes: each row's GPU kernels of one fwd+bwd")
+    p.add_argument("--shape", default=None,
+                   help="B,T,H,d,m (d = V values per head, m = K keys); default 8,2048,1,1536,16, "
+                        "and 8,2048,16,64,64 with --classes")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="input/output dtype (state is fp32)")
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
     p.add_argument("--layer", action="store_true",
@@ -79,14 +89,50 @@ def _print(res: dict) -> None:
         print(f"  config ({k})  {v}")
 
 
-def run(args) -> int:
+def _shape(text: str) -> tuple[int, ...]:
     from ssmcraft.errors import SsmcraftError
     try:
-        shape = tuple(int(x) for x in args.shape.split(","))
+        shape = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise SsmcraftError(f"--shape must be B,T,H,d,m integers, got {args.shape!r}")
+        raise SsmcraftError(f"--shape must be B,T,H,d,m integers, got {text!r}")
     if len(shape) != 5 or min(shape) < 1:
-        raise SsmcraftError(f"--shape must be five positive integers B,T,H,d,m, got {args.shape!r}")
+        raise SsmcraftError(f"--shape must be five positive integers B,T,H,d,m, got {text!r}")
+    return shape
+
+
+def _classes(args) -> int:
+    import torch
+
+    from ssmcraft.bench.classes_commands import REFERENCE, run_classes, table
+    from ssmcraft.errors import SsmcraftError
+    if not torch.cuda.is_available():
+        raise SsmcraftError("bench --classes times Triton kernels on CUDA; this machine has no CUDA device "
+                            "(timings under the interpreter mean nothing)")
+    shape = _shape(args.shape or "8,2048,16,64,64")
+    rows = run_classes(shape, args.dtype, tuple(n for n in args.only.split(",") if n), not args.no_composed,
+                       args.profile)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape B,T,H,d,m = "
+          f"{','.join(map(str, shape))}, {args.dtype}; ratio: fwd+bwd / {REFERENCE}'s fwd+bwd (same process)")
+    print("\n".join(table(rows)))
+    if args.out:
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "shape": shape, "dtype": args.dtype,
+                              "rows": rows})
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def run(args) -> int:
+    from ssmcraft.errors import SsmcraftError
+    if args.classes:
+        if args.spec or args.layer or args.graphed or args.no_backward:
+            raise SsmcraftError("bench --classes times its own list of objectives (--only limits it); "
+                                "it takes no SPEC, --layer, --graphed or --no-backward")
+        return _classes(args)
+    if not args.spec:
+        raise SsmcraftError("bench needs an objective SPEC (a path or a library name), or --classes")
+    if args.only or args.no_composed or args.profile:
+        raise SsmcraftError("--only, --no-composed and --profile go with --classes")
+    shape = _shape(args.shape or "8,2048,1,1536,16")
     if args.layer and args.graphed:
         raise SsmcraftError(LAYER_NOT_GRAPHED)
     if args.layer:
