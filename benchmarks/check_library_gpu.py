@@ -1,4 +1,5 @@
-"""Every library objective through ``obj()`` on the GPU against its float64 reference loop, in one
+"""Every library objective and composed structure class (``ssmcraft bench --classes``'s
+``COMPOSED``) through ``obj()`` on the GPU against its float64 reference loop, in one
 process: the output, the final state(s) and every gradient (initial states included), in fp32 and
 bf16, at an odd length, with the family that ran named. The GPU check of the kernel families as
 they are laid out and dispatched (``ssmcraft.ops.registry``).
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.bench.classes_commands import COMPOSED, class_specs  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 
@@ -43,7 +45,7 @@ def initial_states(obj, B, H, d, m, g):
 
 def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
     B, T, H, d, m = shape
-    obj = ssmcraft.compile(name)
+    obj = ssmcraft.compile(dict(class_specs((name,)))[name])
     ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, "cpu", seed=1, unit_keys=True)
     g = torch.Generator().manual_seed(2)
     S0 = initial_states(obj, B, H, d, m, g)
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
         backend, text, ok = check(name, shape, getattr(torch, dt), args.device)
         print(f"{backend}\t{text}")
         return 0 if ok else 1
-    names = [n for n in args.only.split(",") if n] or library_names()
+    names = [n for n in args.only.split(",") if n] or [*library_names(), *COMPOSED]
     failed = []
     print(f"{'objective':<20} {'dtype':<9} {'backend':<34} result")
     for name in names:
