@@ -231,6 +231,18 @@ class Rank1ChunkFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------
 
 
+def as_operand(t, shape, dtype):
+    """``t`` as a contiguous ``shape`` tensor in ``dtype`` (None stays None). No op, and no autograd
+    node, where it already is one."""
+    if t is None:
+        return None
+    if t.shape != shape:
+        t = t.expand(*shape)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
 def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=None,
                 output_final_state: bool = False, chunk_size: int = 64):
     """H_t = a_t H_{t-1} - c_t v_t (u_t^T H_{t-1}) + q_t (ps_t p_t)^T;  o_t = H_t^T oq_t.
@@ -267,16 +279,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
 
-    def prep(t, shape, dtype=dt):
-        """``t`` as a contiguous ``shape`` tensor in ``dtype``. No op, and no autograd node, where it
-        already is one."""
-        if t is None:
-            return None
-        if t.shape != shape:
-            t = t.expand(*shape)
-        if t.dtype != dtype:
-            t = t.to(dtype)
-        return t.contiguous()
+    prep = (lambda t, shape, dtype=dt: as_operand(t, shape, dtype))
     kshape, hshape = (B, T, H, K), (B, T, H)
     head = (lambda t: None if t is None else prep(t, hshape, io_dtype(t.dtype)))
     h0 = None if initial_state is None else initial_state.float().contiguous()
