@@ -13,6 +13,7 @@ from ssmcraft.ops.rank1_chunk import chunk as R1  # noqa: E402
 from ssmcraft.ops.rankr_chunk import chunk as RC  # noqa: E402
 from ssmcraft.ops.rankr_chunk.naive import naive_recurrent_rankr  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
+from ssmcraft.runtime import select  # noqa: E402
 from ssmcraft.runtime.select import validated_call  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_inputs, rel_rms as rel  # noqa: E402
@@ -83,6 +84,21 @@ def test_composed_matches_reference(which, T, chunk, B, monkeypatch):
         assert y.dtype == torch.float32 and S.dtype == torch.float32
         return y, S
     assert_within(reference_errors(obj, ours, ins, params, S0, g).errors, TOL)
+
+
+@pytest.mark.parametrize("which,computed", [("decay_explicit", False), ("implicit", True)])
+def test_dispatch_in_the_gpu_order(which, computed, monkeypatch):
+    """With the families in their CUDA order, ``obj()`` runs a per-head rank-r objective on this family
+    (the Woodbury factors by the fused prologue), bf16 in and out as a layer calls it."""
+    monkeypatch.setattr(select, "order", lambda ir, mode: registry.order(ir, "triton"))
+    obj = _compiled(which)
+    obj.prefer = "interpret"
+    ins, _, S0, _ = kernel_inputs(obj, 1, 21, 2, 16, 16, seed=3)
+    with torch.no_grad():
+        y, S = obj({k: v.half() for k, v in ins.items()}, initial_state=S0.float(), output_final_state=True)
+    assert obj.backend == "triton-interpret:rankr-chunk" + ("+prologue" if computed else "")
+    y_ref, S_ref = obj.reference({k: v.half().double() for k, v in ins.items()}, initial_state=S0)
+    assert y.dtype == torch.float16 and rel(y.double(), y_ref) < 1e-2 and rel(S.double(), S_ref) < 1e-2
 
 
 @pytest.mark.parametrize("T,R,K,V,chunk,sep_u,decay,scale,per_term,bv", [
