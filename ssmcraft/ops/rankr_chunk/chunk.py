@@ -33,25 +33,35 @@ CHUNK = 64                          # chunk size (term rows) used by the family
 BACKEND_NAME = "rankr-chunk"
 
 
-def _terms(x, shape, dtype):
-    """A per-token stack ``[B, T, H, R, n]`` as the ``[B, T * R, H, n]`` term rows (term i of token t at
-    row t R + i), contiguous in ``dtype``."""
-    B, T, H, R, n = shape
-    return as_operand(x, shape, dtype).transpose(2, 3).reshape(B, T * R, H, n).contiguous()    # a view at T = 1
+def _term_rows(x, B, T, H, R, n, dtype):
+    """Per-token terms as the contiguous ``[B, T * R, H, n]`` term rows in ``dtype`` (term i of token t
+    at row t R + i), in one copy: ``x`` a ``[B, T, H, R, n]`` tensor or a sequence of R tensors
+    broadcastable to ``[B, T, H, n]``."""
+    if isinstance(x, (list, tuple)):
+        x = torch.stack([t.expand(B, T, H, n).to(dtype) for t in x], dim=2)           # [B, T, R, H, n]
+    else:
+        x = as_operand(x, (B, T, H, R, n), dtype).transpose(2, 3)
+    return x.reshape(B, T * R, H, n).contiguous()       # contiguous: at T = 1 the reshape is a strided view
 
 
-def _head_terms(x, B, T, H, R):
-    """A per-head factor, ``[B, T, H]`` (the same for every term) or ``[B, T, H, R]``, as ``[B, T * R, H]``
-    term rows in its own dtype (fp32, bf16 or fp16)."""
+def _head_rows(x, B, T, H, R):
+    """A per-head factor as ``[B, T * R, H]`` term rows in its own dtype (fp32, bf16 or fp16): ``x``
+    ``[B, T, H]`` (every term's), ``[B, T, H, R]`` or a sequence of R ``[B, T, H]`` tensors."""
     if x is None:
         return None
+    if isinstance(x, (list, tuple)):
+        return _term_rows([t.unsqueeze(-1) for t in x], B, T, H, R, 1, io_dtype(x[0].dtype)).squeeze(-1)
     x = x if x.dim() == 4 else x.unsqueeze(-1)
-    return as_operand(x, (B, T, H, R), io_dtype(x.dtype)).transpose(2, 3).reshape(B, T * R, H).contiguous()
+    return _term_rows(x.unsqueeze(-1), B, T, H, R, 1, io_dtype(x.dtype)).squeeze(-1)
 
 
 def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, output_final_state: bool = False,
                 chunk_size: int = 64):
     """H_t = a_t H_{t-1} - sum_i c_ti v_ti (u_ti^T H_{t-1}) + sum_i v_ti (ps_ti p_ti)^T;  o_t = H_t^T oq_t.
+
+    The terms go to the kernels as ``T * R`` term rows (``[B, T, H, R, n] -> [B, T * R, H, n]``, one copy);
+    each term argument (v, u, p; c, ps where per term) is a ``[B, T, H, R, ...]`` tensor or a sequence of
+    R per-term tensors ``[B, T, H, ...]`` (stacked straight into term rows).
 
     Args:
         v:  the R erase (and insert) keys of each token [B, T, H, R, K].
@@ -68,29 +78,30 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
     Returns:
         o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
     """
-    dt = p.dtype
+    seq = isinstance(v, (list, tuple))
+    dt = (p[0] if seq else p).dtype
     if dt not in IO_DTYPES:
         raise ValueError(f"chunk_rankr: I/O dtype must be one of {IO_DTYPES}, got {dt}")
-    B, T, H, R, K = v.shape
-    V = p.shape[-1]
+    B, T, H, K = oq.shape
+    R = len(v) if seq else v.shape[3]
+    V = (p[0] if seq else p).shape[-1]
     if chunk_size not in (16, 32, 64) or R not in (1, 2, 4) or chunk_size // R < 16:
         raise ValueError(f"chunk_rankr: {R} terms per token need a chunk of 16, 32 or 64 term rows with at "
                          f"least 16 tokens, got chunk_size {chunk_size}")
     if c is None:
         raise ValueError("chunk_rankr: the step c is required (1 where the keys carry it)")
     if T == 0:
-        o = p.new_zeros(B, 0, H, V)
-        S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
+        o = oq.new_zeros(B, 0, H, V, dtype=dt)
+        S = initial_state.float() if initial_state is not None else oq.new_zeros(B, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
-    kshape = (B, T, H, R, K)
-    hps = _head_terms(ps, B, T, H, R)
-    hc = hps if c is ps else _head_terms(c, B, T, H, R)      # one tensor stays one (C_IS_PS)
+    hps = _head_rows(ps, B, T, H, R)
+    hc = hps if c is ps else _head_rows(c, B, T, H, R)      # one tensor stays one (C_IS_PS)
     c_mode = C_IS_PS.value if c is ps else C_GIVEN.value
     h0 = None if initial_state is None else initial_state.float().contiguous()
     a = None if a is None else as_operand(a, (B, T, H), io_dtype(a.dtype))
-    return Rank1ChunkFunction.apply(_terms(v, kshape, dt), None if u is None else _terms(u, kshape, dt), None,
-                                    _terms(p, (B, T, H, R, V), dt), hps, as_operand(oq, (B, T, H, K), dt), hc, a,
-                                    h0, c_mode, output_final_state, chunk_size, R)
+    rows = (lambda x, n: None if x is None else _term_rows(x, B, T, H, R, n, dt))
+    return Rank1ChunkFunction.apply(rows(v, K), rows(u, K), None, rows(p, V), hps, as_operand(oq, (B, T, H, K), dt),
+                                    hc, a, h0, c_mode, output_final_state, chunk_size, R)
 
 
 # ----------------------------------------------------------------------------------------
@@ -144,9 +155,7 @@ def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
     (per-head scale or None, vector)."""
     L, R = ir.ranks()
 
-    def stack(xs, n):
-        return torch.stack([x.expand(B, T, H, n) for x in xs], dim=3)
-    v = stack([get(f"v{r}") for r in range(R)], m)
+    v = [get(f"v{r}") for r in range(R)]
     # p_r = ps x_r with one per-head scale for every term: the scale is fused in the kernels
     parts = [split(s) for s in (f"p{r}" for r in range(R))] if len(ir.input_slots()) == R else None
     scales = {binds[f"p{r}"].scale for r in range(R)} if parts else set()
@@ -154,8 +163,9 @@ def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
         ps, xs = parts[0][0], [x for _, x in parts]
     else:
         ps, xs = None, [get(f"p{r}", 0.0) for r in range(R)]
-    xs = [x.unsqueeze(-1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x for x in xs]
-    p = stack([x if isinstance(x, torch.Tensor) else torch.full((), float(x), device=dev) for x in xs], d)
+    # a per-head or constant p_r is the same value in every row
+    p = [(x.unsqueeze(-1) if x.dim() == 3 else x) if isinstance(x, torch.Tensor) else torch.full((1,), float(x), device=dev)
+         for x in xs]
 
     def head(slot, default):
         return _per_head(get(slot, default), B, T, H, dev)
@@ -166,17 +176,16 @@ def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
         elif all(b == cs[0] for b in cs):
             c = head("c00", 0.0)
         else:
-            c = torch.stack([head(f"c{r}{r}", 0.0) for r in range(R)], dim=3)
-        uu = [get(f"u{r}") for r in range(R)]
-        u = None if all(binds[f"u{r}"] == binds[f"v{r}"] for r in range(R)) else stack(uu, m)
+            c = [head(f"c{r}{r}", 0.0) for r in range(R)]
+        u = None if all(binds[f"u{r}"] == binds[f"v{r}"] for r in range(R)) else [get(f"u{r}") for r in range(R)]
     else:   # fold the row factors into the read keys: u'_r = sum_l c_rl u_l, c = 1
         us = torch.stack([get(f"u{l}").float().expand(B, T, H, m) for l in range(L)], dim=3)     # [B, T, H, L, m]
         cf = torch.stack([torch.stack([head(f"c{r}{l}", 0.0).float() for l in range(L)], dim=-1)
                           for r in range(R)], dim=-2)                                             # [B, T, H, R, L]
-        u = torch.matmul(cf, us).to(io)
+        u = torch.matmul(cf, us).to(io)                                                          # [B, T, H, R, m]
         c = torch.ones((), device=dev).expand(B, T, H)
     a = _per_head(get("a", 1.0), B, T, H, dev, one_is_none=True)
-    return v, p.to(io), c, get("oq"), u, a, ps
+    return v, [x.to(io) for x in p], c, get("oq"), u, a, ps
 
 
 def prepare(obj, lay):
