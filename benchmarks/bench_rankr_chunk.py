@@ -24,6 +24,7 @@ this script; the families in their CUDA order).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -44,9 +45,19 @@ from ssmcraft.ops.rankr_chunk import chunk as RC  # noqa: E402
 from ssmcraft.ops.rankr_chunk.naive import naive_recurrent_rankr  # noqa: E402
 from ssmcraft.runtime import select, timing  # noqa: E402
 from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
-from ssmcraft.search.compose import compose_objective  # noqa: E402
 from checks import TOL_CHUNKED, dtype_name, reference_errors, summary  # noqa: E402
 
+def _compose_module():
+    """``ssmcraft.search.compose`` loaded alone: the ``ssmcraft.search`` package imports Optuna, which
+    the GPU image lacks, and composing a spec needs none of it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ssmcraft", "search", "compose.py")
+    spec = importlib.util.spec_from_file_location("compose_alone", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+compose_objective = _compose_module().compose_objective
 DEV = "cpu" if SMOKE else "cuda"
 TOL = {**TOL_CHUNKED, torch.float16: TOL_CHUNKED[torch.bfloat16]}
 SMALL = dict(H=2, d=16, m=16) if SMOKE else dict(H=4, d=64, m=64)
@@ -100,8 +111,10 @@ def check_objective(which, T, dtype, B=2, seed=1) -> bool:
     return ok
 
 
-def time_obj(spec, shape, dtype, label, exclude=()) -> dict:
-    """fwd and fwd+bwd ms through ``obj()`` (families in ``exclude`` left out of the CUDA order)."""
+def time_obj(spec, shape, dtype, label, exclude=(), warm=False, profile=False) -> dict:
+    """fwd and fwd+bwd ms through ``obj()`` (families in ``exclude`` left out of the CUDA order);
+    ``warm``: one call of each, untimed (compiles the kernels); ``profile``: also the GPU kernels of
+    one fwd+bwd (``bench_classes.kernel_profile``)."""
     B, T, H, d, m = shape
     obj = ssmcraft.compile(spec)
     real = select.order
@@ -111,10 +124,38 @@ def time_obj(spec, shape, dtype, label, exclude=()) -> dict:
         y = obj(inputs, params, None, False)[0]
         calls = timing.obj_calls(obj, inputs, params, None, False, torch.randn_like(y))
         calls.pop("onethread", None)
+        if warm:
+            with torch.no_grad():
+                calls["eager"]["fwd"]()
+            calls["eager"]["fwd_bwd"]()
+            torch.cuda.synchronize()
+            return {"label": label, "backend": obj.backend}
         t = timing.time_calls(calls)
+        row = {"label": label, "backend": obj.backend, "fwd": t["eager_fwd_ms"], "fwd_bwd": t["eager_fwd_bwd_ms"]}
+        if profile:
+            from bench_classes import kernel_profile
+            row["kernels"] = kernel_profile(calls["eager"]["fwd_bwd"])
     finally:
         select.order = real
-    return {"label": label, "backend": obj.backend, "fwd": t["eager_fwd_ms"], "fwd_bwd": t["eager_fwd_bwd_ms"]}
+    return row
+
+
+def time_kernels_alone(shape, dtype, R=2) -> dict:
+    """``chunk_rankr`` on ready term tensors (no slots, no stacking), the delta-rule form with a decay:
+    what the kernels cost without the host side."""
+    B, T, H, d, m = shape
+    dev = "cuda"
+    v = torch.nn.functional.normalize(torch.randn(B, T, H, R, m, device=dev), dim=-1).to(dtype).requires_grad_()
+    p = torch.randn(B, T, H, R, d, device=dev, dtype=dtype).requires_grad_()
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, m, device=dev), dim=-1).to(dtype).requires_grad_()
+    beta = torch.rand(B, T, H, device=dev, dtype=dtype).requires_grad_()
+    a = (0.9 + 0.1 * torch.rand(B, T, H, device=dev)).to(dtype).requires_grad_()
+    run = (lambda: RC.chunk_rankr(v, p, beta, q, a=a, ps=beta)[0])
+    with torch.no_grad():
+        fwd = timing.bench_ms(run)
+    dy = torch.randn(B, T, H, d, device=dev, dtype=dtype)
+    return {"label": f"chunk_rankr alone (R={R}, decay, c = ps)", "backend": "kernels", "fwd": fwd,
+            "fwd_bwd": timing.bench_ms(lambda: torch.autograd.grad(run(), [v, p, q, beta, a], dy))}
 
 
 def time_fla_gdp(shape, dtype) -> dict:
@@ -172,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--row", action="store_true", help="also time the composed layers on rankr_row")
     ap.add_argument("--smallk", action="store_true", help="DeltaNet bf16 + initial state at K = V = 32 (child process)")
+    ap.add_argument("--warm", action="store_true", help="run each timed call once, untimed (compile only)")
+    ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd of each composed layer")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run of the checks under the interpreter")
     args = ap.parse_args(argv)
     if SMOKE:      # the families in their CUDA order, as a GPU would try them
@@ -195,18 +238,29 @@ def main(argv=None) -> int:
         print("correctness:", "ok" if ok else "FAIL", flush=True)
     if not args.no_time and not SMOKE:
         shape = tuple(int(x) for x in args.shape.split(","))
-        rows = [time_obj("deltanet", shape, torch.bfloat16, "deltanet"),
-                time_obj("gated_deltanet", shape, torch.bfloat16, "gated_deltanet")]
+        bf = torch.bfloat16
+        rows = [time_obj("deltanet", shape, bf, "deltanet", warm=args.warm),
+                time_obj("gated_deltanet", shape, bf, "gated_deltanet", warm=args.warm)]
         for which, spec in COMPOSED.items():
-            rows.append(time_obj(compose_objective(spec), shape, torch.bfloat16, which))
+            rows.append(time_obj(compose_objective(spec), shape, bf, which, warm=args.warm, profile=args.profile))
             if args.row:
-                rows.append(time_obj(compose_objective(spec), shape, torch.bfloat16, which + " (rankr_row)",
-                                     exclude=("rankr_chunk",)))
+                rows.append(time_obj(compose_objective(spec), shape, bf, which + " (rankr_row)",
+                                     exclude=("rankr_chunk",), warm=args.warm))
             torch.cuda.empty_cache()
+        if not args.warm:
+            rows.append(time_kernels_alone(shape, bf))
         try:
-            rows.append(time_fla_gdp(shape, torch.bfloat16))
+            rows.append(time_fla_gdp(shape, bf))
         except ImportError as e:
             print("FLA not installed:", e)
+        if args.warm:
+            print("warm:", ", ".join(f"{r['label']} [{r['backend']}]" for r in rows), flush=True)
+            return 0 if ok else 1
+        for r in rows:
+            if "kernels" in r:
+                print(f"-- {r['label']} ({r['backend']}): GPU kernels of one fwd+bwd")
+                for k, c, us in r["kernels"][:10]:
+                    print(f"   {us:9.1f} us  x{c:<3d} {k[:100]}")
         ref = rows[0]["fwd_bwd"]
         gdp = next((r.get("fwd_bwd") for r in rows if r["backend"] == "fla 0.6.0"), None)
         print(f"\n{torch.cuda.get_device_name()}, shape B,T,H,d,m = {args.shape}, bf16, through obj(); "
@@ -220,9 +274,12 @@ def main(argv=None) -> int:
                   f"{fb / ref if fb else float('nan'):.2f} | {fb / gdp if fb and gdp else float('nan'):.2f} |")
     if args.smallk:
         print("\n-- DeltaNet bf16, initial state, K = V = 32 (rank1_chunk), child process", flush=True)
-        p = subprocess.run([sys.executable, "-c", SMALLK], capture_output=True, text=True, timeout=240,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        print(f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2500:]}")
+        try:
+            p = subprocess.run([sys.executable, "-c", SMALLK], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            print(f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2500:]}")
+        except subprocess.TimeoutExpired as e:
+            print(f"no answer in {e.timeout} s (hung)\n{(e.stdout or b'')[-2000:]!r}")
     return 0 if ok else 1
 
 
