@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         try:
             p = subprocess.run([sys.executable, "-c", SMALLK], capture_output=True, text=True, timeout=120,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-            print(f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2500:]}")
+            print(f"exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
         except subprocess.TimeoutExpired as e:
             print(f"no answer in {e.timeout} s (hung)\n{(e.stdout or b'')[-2000:]!r}")
     return 0 if ok else 1
