@@ -28,6 +28,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 SMOKE = "--smoke" in sys.argv        # CPU dry run under the interpreter, tiny sizes
 if SMOKE:
@@ -239,29 +240,35 @@ def main(argv=None) -> int:
     if not args.no_time and not SMOKE:
         shape = tuple(int(x) for x in args.shape.split(","))
         bf = torch.bfloat16
-        rows = [time_obj("deltanet", shape, bf, "deltanet", warm=args.warm),
-                time_obj("gated_deltanet", shape, bf, "gated_deltanet", warm=args.warm)]
+        todo = [("deltanet", lambda: time_obj("deltanet", shape, bf, "deltanet", warm=args.warm)),
+                ("gated_deltanet", lambda: time_obj("gated_deltanet", shape, bf, "gated_deltanet", warm=args.warm))]
         for which, spec in COMPOSED.items():
-            rows.append(time_obj(compose_objective(spec), shape, bf, which, warm=args.warm, profile=args.profile))
+            todo.append((which, lambda w=which, sp=spec: time_obj(compose_objective(sp), shape, bf, w, warm=args.warm,
+                                                                 profile=args.profile)))
             if args.row:
-                rows.append(time_obj(compose_objective(spec), shape, bf, which + " (rankr_row)",
-                                     exclude=("rankr_chunk",), warm=args.warm))
-            torch.cuda.empty_cache()
+                todo.append((which + " (rankr_row)", lambda w=which, sp=spec: time_obj(
+                    compose_objective(sp), shape, bf, w + " (rankr_row)", exclude=("rankr_chunk",), warm=args.warm)))
         if not args.warm:
-            rows.append(time_kernels_alone(shape, bf))
-        try:
-            rows.append(time_fla_gdp(shape, bf))
-        except ImportError as e:
-            print("FLA not installed:", e)
+            todo.append(("kernels", lambda: time_kernels_alone(shape, bf)))
+        todo.append(("fla", lambda: time_fla_gdp(shape, bf)))
+        rows = []
+        t0 = time.time()
+        for label, fn in todo:       # each row printed as it comes: a run cut short keeps what it measured
+            try:
+                r = fn()
+            except ImportError as e:
+                print(f"{label}: FLA not installed ({e})", flush=True)
+                continue
+            rows.append(r)
+            print(f"[{time.time() - t0:6.1f} s] {r['label']} [{r['backend']}]"
+                  + ("" if args.warm else f": fwd {r['fwd']:.3f} ms, fwd+bwd "
+                     + (f"{r['fwd_bwd']:.3f} ms" if "fwd_bwd" in r else r.get("fwd_bwd_error", "-"))), flush=True)
+            for k, c, us in r.get("kernels", [])[:10]:
+                print(f"   {us:9.1f} us  x{c:<3d} {k[:100]}", flush=True)
+            torch.cuda.empty_cache()
         if args.warm:
-            print("warm:", ", ".join(f"{r['label']} [{r['backend']}]" for r in rows), flush=True)
             return 0 if ok else 1
-        for r in rows:
-            if "kernels" in r:
-                print(f"-- {r['label']} ({r['backend']}): GPU kernels of one fwd+bwd")
-                for k, c, us in r["kernels"][:10]:
-                    print(f"   {us:9.1f} us  x{c:<3d} {k[:100]}")
-        ref = rows[0]["fwd_bwd"]
+        ref = next((r["fwd_bwd"] for r in rows if r["label"] == "deltanet"), None)
         gdp = next((r.get("fwd_bwd") for r in rows if r["backend"] == "fla 0.6.0"), None)
         print(f"\n{torch.cuda.get_device_name()}, shape B,T,H,d,m = {args.shape}, bf16, through obj(); "
               f"ratios: fwd+bwd / deltanet's, / FLA gated DeltaProduct's (same process)")
@@ -271,13 +278,18 @@ def main(argv=None) -> int:
             fb = r.get("fwd_bwd")
             fbs = f"{fb:.3f}" if fb is not None else r.get("fwd_bwd_error", "-")[:90]
             print(f"| {r['label']} | {r['backend']} | {r['fwd']:.3f} | {fbs} | "
-                  f"{fb / ref if fb else float('nan'):.2f} | {fb / gdp if fb and gdp else float('nan'):.2f} |")
+                  f"{fb / ref if fb and ref else float('nan'):.2f} | {fb / gdp if fb and gdp else float('nan'):.2f} |")
     if args.smallk:
         print("\n-- DeltaNet bf16, initial state, K = V = 32 (rank1_chunk), child process", flush=True)
         try:
+            # CUDA_LAUNCH_BLOCKING: the fault is raised at the launch that makes it; the autotuner names
+            # each kernel and config it benchmarks
             p = subprocess.run([sys.executable, "-c", SMALLK], capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-            print(f"exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_LAUNCH_BLOCKING": "1",
+                                    "TRITON_PRINT_AUTOTUNING": "1"})
+            err = [ln for ln in p.stderr.splitlines() if "Warning" not in ln and "warn" not in ln]
+            where = [ln for i, ln in enumerate(err) if "ssmcraft" in ln or (i and "ssmcraft" in err[i - 1])]
+            print(f"exit {p.returncode}\n{p.stdout[-2500:]}\n" + "\n".join(where + ["..."] + err[-6:]))
         except subprocess.TimeoutExpired as e:
             print(f"no answer in {e.timeout} s (hung)\n{(e.stdout or b'')[-2000:]!r}")
     return 0 if ok else 1
