@@ -31,14 +31,22 @@ COMPOSED = {
     "implicit_decay": dict(TWO, proximity="scalar_decay", update="implicit"),    # read keys alpha k
     "wdecay_explicit": dict(TWO, proximity="weight_decay", update="decay_explicit"),   # a computed decay 1/(1+lam)
 }
-# held out, written by hand: three terms (R = 3 is refused; four with a zero-step fourth key is not
-# written here), and a per-head step that differs per key (c00 != c11: stacked per term)
+# held out, written by hand: a per-head step that differs per key (c00 != c11: stacked per term), and
+# three keys (R = 3, run as four terms with a zero fourth), explicit and implicit (a 3 x 3 Woodbury solve)
 TWO_STEPS = {"name": "rc_two_steps", "state": {"S": ["d", "m"]},
              "inputs": {"x": {"shape": ["d"]}, "x2": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True},
                         "k2": {"shape": ["m"], "normalize": True}, "q": {"shape": ["m"]},
                         "beta": {"shape": [], "bounded": True}, "gamma": {"shape": [], "bounded": True}},
              "objective": "sq(S - S_prev)/2 + beta*sq(S*k - x)/2 + gamma*sq(S*k2 - x2)/2",
              "update": "explicit", "output": "S*q"}
+THREE = {"name": "rc_three", "state": {"S": ["d", "m"]},
+         "inputs": {**{x: {"shape": ["d"]} for x in ("x", "x2", "x3")},
+                    **{k: {"shape": ["m"], "normalize": True} for k in ("k", "k2", "k3")},
+                    "q": {"shape": ["m"]}, "beta": {"shape": [], "bounded": True}},
+         "objective": "sq(S - S_prev)/2 + beta*sq(S*k - x)/2 + beta*sq(S*k2 - x2)/2 + beta*sq(S*k3 - x3)/2",
+         "update": "explicit", "output": "S*q"}
+HANDWRITTEN = {"two_steps": TWO_STEPS, "three_explicit": THREE,
+               "three_implicit": dict(THREE, name="rc_three_impl", update="implicit")}
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +57,11 @@ def _poison(monkeypatch):
 
 
 def _compiled(which):
-    return ssmcraft.compile(compose_objective(COMPOSED[which]) if which in COMPOSED else TWO_STEPS)
+    return ssmcraft.compile(compose_objective(COMPOSED[which]) if which in COMPOSED else HANDWRITTEN[which])
 
 
 def test_supports_and_order():
-    for which in (*COMPOSED, "two_steps"):
+    for which in (*COMPOSED, *HANDWRITTEN):
         ir = _compiled(which).ir
         assert ir.kind == "rankr" and RC.supports(ir) is None and RC.per_head_step(ir), which
     assert "per head" in RC.supports(ssmcraft.compile("longhorn_2key").ir)
@@ -71,6 +79,7 @@ def test_supports_and_order():
     ("explicit_decay", 19, 32, 1),
     ("implicit", 23, 32, 1), ("implicit_decay", 37, 32, 1),
     ("wdecay_explicit", 17, 32, 1), ("two_steps", 35, 32, 1),
+    ("three_explicit", 21, 64, 1), ("three_implicit", 18, 64, 1),
 ])
 def test_composed_matches_reference(which, T, chunk, B, monkeypatch):
     """Through the family's validated entry (prepare's runner, slots bound and computed as on the
@@ -106,6 +115,8 @@ def test_dispatch_in_the_gpu_order(which, computed, monkeypatch):
     (33, 2, 20, 40, 32, True, True, False, True, 16),      # odd K and V, 3 value blocks, a step per term
     (50, 4, 16, 16, 64, True, False, True, True, None),    # four terms per token
     (9, 1, 16, 16, 16, False, True, False, False, None),   # R = 1 through the rank-r entry
+    (19, 3, 16, 24, 64, True, True, True, True, None),     # three terms, run as four (a zero fourth)
+    (23, 3, 16, 16, 64, False, False, True, False, None),  # three terms, u = v, one step per token
 ])
 def test_kernel_slots(T, R, K, V, chunk, sep_u, decay, scale, per_term, bv, monkeypatch):
     monkeypatch.setattr(R1, "INTERPRET_BV", bv)
@@ -153,8 +164,8 @@ def test_refusals_and_empty():
     v, p = torch.randn(1, 4, 1, 4, 16), torch.randn(1, 4, 1, 4, 8)
     with pytest.raises(ValueError, match="at least 16 tokens"):
         RC.chunk_rankr(v, p, torch.rand(1, 4, 1), v[:, :, :, 0], chunk_size=32)
-    with pytest.raises(ValueError, match="at least 16 tokens"):
+    with pytest.raises(ValueError, match="at least 16 tokens"):     # R = 3 runs as 4 terms
         RC.chunk_rankr(torch.randn(1, 4, 1, 3, 16), torch.randn(1, 4, 1, 3, 8), torch.rand(1, 4, 1),
-                       v[:, :, :, 0])
+                       v[:, :, :, 0], chunk_size=32)
     o, S = RC.chunk_rankr(v[:, :0], p[:, :0], torch.rand(1, 0, 1), v[:, :0, :, 0], output_final_state=True)
     assert o.shape == (1, 0, 1, 8) and float(S.abs().sum()) == 0.0

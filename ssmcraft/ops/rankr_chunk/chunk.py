@@ -33,25 +33,37 @@ CHUNK = 64                          # chunk size (term rows) used by the family
 BACKEND_NAME = "rankr-chunk"
 
 
+def _group(R: int) -> int:
+    """Term rows per token in the kernels: R, or 4 for R = 3 (a zero fourth term: its keys and value are
+    0, so it reads, erases and inserts nothing; the kernels' token-row tiles need a power of two)."""
+    return 4 if R == 3 else R
+
+
 def _term_rows(x, B, T, H, R, n, dtype):
-    """Per-token terms as the contiguous ``[B, T * R, H, n]`` term rows in ``dtype`` (term i of token t
-    at row t R + i), in one copy: ``x`` a ``[B, T, H, R, n]`` tensor or a sequence of R tensors
-    broadcastable to ``[B, T, H, n]``."""
+    """Per-token terms as the contiguous ``[B, T * G, H, n]`` term rows in ``dtype`` (term i of token t
+    at row t G + i, ``G = _group(R)``, zero terms after the R given), in one copy: ``x`` a
+    ``[B, T, H, R, n]`` tensor or a sequence of R tensors broadcastable to ``[B, T, H, n]``."""
+    G = _group(R)
     if isinstance(x, (list, tuple)):
-        x = torch.stack([t.expand(B, T, H, n).to(dtype) for t in x], dim=2)           # [B, T, R, H, n]
+        zero = torch.zeros((), dtype=dtype, device=x[0].device)
+        x = torch.stack([t.expand(B, T, H, n).to(dtype) for t in x] + [zero.expand(B, T, H, n)] * (G - R), dim=2)
     else:
-        x = as_operand(x, (B, T, H, R, n), dtype).transpose(2, 3)
-    return x.reshape(B, T * R, H, n).contiguous()       # contiguous: at T = 1 the reshape is a strided view
+        x = as_operand(x, (B, T, H, R, n), dtype)
+        x = torch.nn.functional.pad(x, (0, 0, 0, G - R)) if G > R else x
+        x = x.transpose(2, 3)                                                            # [B, T, G, H, n]
+    return x.reshape(B, T * G, H, n).contiguous()       # contiguous: at T = 1 the reshape is a strided view
 
 
 def _head_rows(x, B, T, H, R):
-    """A per-head factor as ``[B, T * R, H]`` term rows in its own dtype (fp32, bf16 or fp16): ``x``
+    """A per-head factor as ``[B, T * G, H]`` term rows in its own dtype (fp32, bf16 or fp16): ``x``
     ``[B, T, H]`` (every term's), ``[B, T, H, R]`` or a sequence of R ``[B, T, H]`` tensors."""
     if x is None:
         return None
     if isinstance(x, (list, tuple)):
         return _term_rows([t.unsqueeze(-1) for t in x], B, T, H, R, 1, io_dtype(x[0].dtype)).squeeze(-1)
-    x = x if x.dim() == 4 else x.unsqueeze(-1)
+    if x.dim() == 3:        # every term's: the same in the zero terms too (they multiply zero keys)
+        x = x.unsqueeze(-1).expand(B, T, H, _group(R))
+        R = _group(R)
     return _term_rows(x.unsqueeze(-1), B, T, H, R, 1, io_dtype(x.dtype)).squeeze(-1)
 
 
@@ -59,7 +71,8 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
                 chunk_size: int = 64):
     """H_t = a_t H_{t-1} - sum_i c_ti v_ti (u_ti^T H_{t-1}) + sum_i v_ti (ps_ti p_ti)^T;  o_t = H_t^T oq_t.
 
-    The terms go to the kernels as ``T * R`` term rows (``[B, T, H, R, n] -> [B, T * R, H, n]``, one copy);
+    The terms go to the kernels as ``T * R`` term rows (``[B, T, H, R, n] -> [B, T * R, H, n]``, one copy;
+    R = 3 as 4, with a zero fourth term);
     each term argument (v, u, p; c, ps where per term) is a ``[B, T, H, R, ...]`` tensor or a sequence of
     R per-term tensors ``[B, T, H, ...]`` (stacked straight into term rows).
 
@@ -74,7 +87,7 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
         ps: per-head scale of p, [B, T, H] or [B, T, H, R], or None (= 1); fused.
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
-        chunk_size: 16, 32 or 64 term rows, at least 16 tokens: ``chunk_size / R >= 16``.
+        chunk_size: 16, 32 or 64 term rows, at least 16 tokens: ``chunk_size / R >= 16`` (R = 3 counts 4).
     Returns:
         o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
     """
@@ -85,7 +98,7 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
     B, T, H, K = oq.shape
     R = len(v) if seq else v.shape[3]
     V = (p[0] if seq else p).shape[-1]
-    if chunk_size not in (16, 32, 64) or R not in (1, 2, 4) or chunk_size // R < 16:
+    if chunk_size not in (16, 32, 64) or R not in (1, 2, 3, 4) or chunk_size // _group(R) < 16:
         raise ValueError(f"chunk_rankr: {R} terms per token need a chunk of 16, 32 or 64 term rows with at "
                          f"least 16 tokens, got chunk_size {chunk_size}")
     if c is None:
@@ -101,7 +114,7 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
     a = None if a is None else as_operand(a, (B, T, H), io_dtype(a.dtype))
     rows = (lambda x, n: None if x is None else _term_rows(x, B, T, H, R, n, dt))
     return Rank1ChunkFunction.apply(rows(v, K), rows(u, K), None, rows(p, V), hps, as_operand(oq, (B, T, H, K), dt),
-                                    hc, a, h0, c_mode, output_final_state, chunk_size, R)
+                                    hc, a, h0, c_mode, output_final_state, chunk_size, _group(R))
 
 
 # ----------------------------------------------------------------------------------------
@@ -117,8 +130,8 @@ def supports(ir) -> str | None:
     if "B" in ir.slots:
         return f"{ir.spec_name}: the input term is not in the span of the v_r"
     L, R = ir.ranks()
-    if R not in (1, 2, 4) or L > 4:
-        return f"{ir.spec_name}: {R} erase keys and {L} read keys; the chunked kernels take 1, 2 or 4 and at most 4"
+    if R > 4 or L > 4:
+        return f"{ir.spec_name}: {R} erase keys and {L} read keys; the chunked kernels take at most 4 of each"
 
     def dims(slot):
         co = ir.coefficient(slot)
