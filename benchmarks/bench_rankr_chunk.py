@@ -214,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--row", action="store_true", help="also time the composed layers on rankr_row")
     ap.add_argument("--smallk", action="store_true", help="DeltaNet bf16 + initial state at K = V = 32 (child process)")
+    ap.add_argument("--only", default="", help=f"comma-separated composed layers to time (of {', '.join(COMPOSED)}); "
+                    "DeltaNet is always timed")
+    ap.add_argument("--no-fla", action="store_true", help="leave FLA's gated DeltaProduct out")
     ap.add_argument("--warm", action="store_true", help="run each timed call once, untimed (compile only)")
     ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd of each composed layer")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run of the checks under the interpreter")
@@ -240,9 +243,18 @@ def main(argv=None) -> int:
     if not args.no_time and not SMOKE:
         shape = tuple(int(x) for x in args.shape.split(","))
         bf = torch.bfloat16
-        todo = [("deltanet", lambda: time_obj("deltanet", shape, bf, "deltanet", warm=args.warm)),
-                ("gated_deltanet", lambda: time_obj("gated_deltanet", shape, bf, "gated_deltanet", warm=args.warm))]
+        only = [w for w in args.only.split(",") if w]
+        unknown = [w for w in only if w not in COMPOSED]
+        if unknown:
+            print(f"bench_rankr_chunk.py: --only: unknown layer {unknown[0]!r}; layers: {', '.join(COMPOSED)}")
+            return 2
+        todo = [("deltanet", lambda: time_obj("deltanet", shape, bf, "deltanet", warm=args.warm))]
+        if not only:
+            todo.append(("gated_deltanet", lambda: time_obj("gated_deltanet", shape, bf, "gated_deltanet",
+                                                            warm=args.warm)))
         for which, spec in COMPOSED.items():
+            if only and which not in only:
+                continue
             todo.append((which, lambda w=which, sp=spec: time_obj(compose_objective(sp), shape, bf, w, warm=args.warm,
                                                                  profile=args.profile)))
             if args.row:
@@ -250,7 +262,8 @@ def main(argv=None) -> int:
                     compose_objective(sp), shape, bf, w + " (rankr_row)", exclude=("rankr_chunk",), warm=args.warm)))
         if not args.warm:
             todo.append(("kernels", lambda: time_kernels_alone(shape, bf)))
-        todo.append(("fla", lambda: time_fla_gdp(shape, bf)))
+        if not args.no_fla:
+            todo.append(("fla", lambda: time_fla_gdp(shape, bf)))
         rows = []
         t0 = time.time()
         for label, fn in todo:       # each row printed as it comes: a run cut short keeps what it measured
