@@ -20,7 +20,8 @@ The kernels are ``rank1_chunk``'s with the group size ``R`` (``ssmcraft.ops.rank
 the R terms of token t are the term rows ``t R + i`` of a sequence of ``T R`` rows, masks
 token-strict (the terms of one token do not see each other), the decay once per token, the output
 read once per token after its R terms. The WY / UT algorithm is ``rank1_chunk.chunk``'s on the
-term rows. Shapes: ``chunk_rankr``'s docstring.
+term rows. Up to four keys: R = 3 runs as four terms, the fourth zero (``_group``). Shapes:
+``chunk_rankr``'s docstring. GPU checks and timings: ``benchmarks/bench_rankr_chunk.py``.
 """
 from __future__ import annotations
 
