@@ -117,45 +117,50 @@ def _operands(v, u, q, ps, c, a):
             cc if a is None else a)
 
 
-def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT):
-    B, T, H, K = v.shape
+def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT, R):
+    """R: terms per token (``ssmcraft.ops.rankr_chunk``): v, u, p, c, ps hold ``T * R`` term rows,
+    oq and a ``T`` token rows (``kernels``' docstring); 1 for the rank-1 family."""
+    B, TR, H, K = v.shape
+    T = oq.shape[1]
     V = p.shape[-1]
     dt = p.dtype
     dev = p.device
-    NT = cdiv(T, BT)
+    NT = cdiv(TR, BT)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
     has_ps = ps is not None
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     prec = dot_precision(dt)
-    M = _empty(B, T, H, BT, device=dev, dtype=dt)
+    M = _empty(B, TR, H, BT, device=dev, dtype=dt)
     L = _empty(B, T, H, BT, device=dev, dtype=dt)
     Lq = _empty(B, T, H, BT, device=dev, dtype=dt) if general else L
-    W = _empty(B, T, H, K, device=dev, dtype=dt)
-    Up = _empty(B, T, H, V, device=dev, dtype=dt)
+    W = _empty(B, TR, H, K, device=dev, dtype=dt)
+    Up = _empty(B, TR, H, V, device=dev, dtype=dt)
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
     launch(rank1_chunk_prep_kernel, (NT, B * H),
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, M=M, W=W, Up=Up, L=L, Lq=Lq, g=g, T=T, H=H, K=K, V=V,
-           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec)
+           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
-    psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
+    psi = _empty(B, TR, H, V, device=dev, dtype=dt) if store_states else o
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     # no h0 or no final state: a flag, not a zero state filled and read or a state written unread
     launch(rank1_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
            v=v, q=qq, p=p, ps=pss, oq=oq, W=W, Up=Up, L=L, Lq=Lq, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi,
            ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
-           STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, **_launch_opts(V))
+           STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, R=R,
+           **_launch_opts(V))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
 
-def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
-    B, T, H, K = v.shape
+def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R):
+    B, TR, H, K = v.shape
+    T = oq.shape[1]
     V = p.shape[-1]
     dt = p.dtype
-    NT = cdiv(T, BT)
+    NT = cdiv(TR, BT)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
@@ -169,7 +174,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
     launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs, dpsi=dpsi,
            dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, **_launch_opts(V))
+           PREC=prec, R=R, **_launch_opts(V))
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
@@ -185,7 +190,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
            do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
            V=V, BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
-           PREC=prec)
+           PREC=prec, R=R)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 
@@ -196,14 +201,16 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT):
 
 class Rank1ChunkFunction(torch.autograd.Function):
     """(v, u|None, q|None, p, ps|None, oq, c|None, a|None, h0|None) -> (o, ht|None);
-    u/q None mean "= v", ps None means 1, c per ``c_mode`` (``_c_mode``)."""
+    u/q None mean "= v", ps None means 1, c per ``c_mode`` (``_c_mode``); ``group``: terms per
+    token R (v, u, p, c, ps in ``T * R`` term rows; ``ssmcraft.ops.rankr_chunk``), 1 for rank-1."""
 
     @staticmethod
-    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, c_mode, output_final_state, chunk_size):
+    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, c_mode, output_final_state, chunk_size, group):
         train = any(ctx.needs_input_grad[:9])
         ctx.c_mode = c_mode
+        ctx.group = group
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
-        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, c_mode, chunk_size)
+        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, c_mode, chunk_size, group)
         if train:
             ctx.save_for_backward(v, u, q, p, ps, oq, c, a, *saved)
         ctx.chunk_size = chunk_size
@@ -214,14 +221,26 @@ class Rank1ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         v, u, q, p, ps, oq, c, a, *saved = ctx.saved_tensors
         if do is None:
-            do = torch.zeros_like(p)
-        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size)
-        return (*grads, None, None, None)
+            do = p.new_zeros(*oq.shape[:3], p.shape[-1])
+        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size, ctx.group)
+        return (*grads, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
 # public functions
 # ----------------------------------------------------------------------------------------
+
+
+def as_operand(t, shape, dtype):
+    """``t`` as a contiguous ``shape`` tensor in ``dtype`` (None stays None). No op, and no autograd
+    node, where it already is one."""
+    if t is None:
+        return None
+    if t.shape != shape:
+        t = t.expand(*shape)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=None,
@@ -260,16 +279,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
 
-    def prep(t, shape, dtype=dt):
-        """``t`` as a contiguous ``shape`` tensor in ``dtype``. No op, and no autograd node, where it
-        already is one."""
-        if t is None:
-            return None
-        if t.shape != shape:
-            t = t.expand(*shape)
-        if t.dtype != dtype:
-            t = t.to(dtype)
-        return t.contiguous()
+    prep = (lambda t, shape, dtype=dt: as_operand(t, shape, dtype))
     kshape, hshape = (B, T, H, K), (B, T, H)
     head = (lambda t: None if t is None else prep(t, hshape, io_dtype(t.dtype)))
     h0 = None if initial_state is None else initial_state.float().contiguous()
@@ -277,7 +287,7 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     hc = hps if c is ps else head(c)      # one tensor stays one (C_IS_PS) whatever prep does to it
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
                                      hps, prep(oq, kshape), hc, head(a), h0,
-                                     c_mode, output_final_state, chunk_size)
+                                     c_mode, output_final_state, chunk_size, 1)
     return o, ht
 
 

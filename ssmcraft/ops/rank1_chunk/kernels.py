@@ -1,5 +1,14 @@
 """The Triton kernels of the chunked rank-1 family; the algorithm, shapes and the host code that
-launches them are in ``ssmcraft.ops.rank1_chunk.chunk``."""
+launches them are in ``ssmcraft.ops.rank1_chunk.chunk``.
+
+Group size ``R`` (a constexpr; 1 for the rank-1 family): each token carries R rank-1 terms that all
+read the state left by the previous token (``ssmcraft.ops.rankr_chunk``). The terms are laid out as
+rows of a sequence of ``T * R`` term rows (term ``i`` of token ``t`` at row ``t R + i``: u, v, p, c,
+ps, and the chunk buffers M, W, Up, Psi), the tokens' tensors keep ``T`` rows (oq, a, g, o, and L,
+whose rows are the chunk's tokens and its columns the chunk's term rows). A chunk is ``BT`` term
+rows, ``BT / R`` tokens. The masks become token-strict (a term sees the terms of earlier tokens
+only), the decay acts once per token and the output is read once per token, after its R terms.
+With R = 1 each branch on R compiles to the rank-1 kernel's code."""
 from __future__ import annotations
 
 import triton
@@ -28,54 +37,85 @@ def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
-    """The within-chunk log-decay sums ``g`` at the chunk's rows and at its last row (``gl``), and
-    the factors ``e^{gl - g}`` (0 past T)."""
-    b_g = tl.load(g + row, mask=m_t, other=0.)
-    last = tl.minimum(T, i_t * BT + BT) - 1
+def group_rows(i_b, i_h, i_t, T, H, BT: tl.constexpr, R: tl.constexpr):
+    """Chunk ``i_t`` of ``BT`` term rows (``R`` per token, T tokens): the term rows' local index
+    ``o_i``, mask ``m_t`` and ids ``row`` in ``[B, T*R, H, *]``; each term row's token within the
+    chunk ``o_g`` and that token's id ``vtrow`` in ``[B, T, H, *]``; the chunk's token rows ``o_j``,
+    mask ``m_j`` and ids ``trow``. R = 1: tokens and term rows coincide."""
+    if R == 1:
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+        return o_i, m_t, row, o_i, row, o_i, m_t, row
+    else:
+        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T * R, H, BT)
+        o_j, m_j, trow = chunk_rows(i_b, i_h, i_t, T, H, BT // R)
+        o_g = o_i // R
+        return o_i, m_t, row, o_g, (i_b * T + i_t * (BT // R) + o_g).to(tl.int64) * H + i_h, o_j, m_j, trow
+
+
+@triton.jit
+def _per_token(x, o_g, o_j, R: tl.constexpr):
+    """A term-row vector ``x [BT]`` summed over each token's R rows: ``[BT / R]``."""
+    if R == 1:
+        return x
+    else:
+        return tl.sum(tl.where(o_g[None, :] == o_j[:, None], x[None, :], 0.), axis=1)
+
+
+@triton.jit
+def _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H: tl.constexpr, BTT: tl.constexpr):
+    """The within-chunk log-decay sums ``g`` at the chunk's term rows (their tokens' ``vtrow``) and
+    at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end)."""
+    b_g = tl.load(g + vtrow, mask=m_t, other=0.)
+    last = tl.minimum(T, i_t * BTT + BTT) - 1
     b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
     return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE", "R"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
                  T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
-                 C_MODE: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: M = (I + A)^{-1} [BT per token], W [K], Up [V], L (and Lq) [BT], g.
-    C_MODE (``C_GIVEN``, ``C_IS_PS``, ``C_IS_A_PS``): where the step c comes from."""
+                 C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
+    """Per chunk: M = (I + A)^{-1} [BT per term row], W [K], Up [V], L (and Lq) [BT per token], g
+    (per token). C_MODE (``C_GIVEN``, ``C_IS_PS``, ``C_IS_A_PS``): where the step c comes from.
+    R: terms per token (``C_IS_A_PS`` and GENERAL with R = 1 only)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
-    lower = o_i[:, None] > o_i[None, :]
-    incl = o_i[:, None] >= o_i[None, :]
+    lower = o_g[:, None] > o_g[None, :]
+    incl = o_j[:, None] >= o_g[None, :]
 
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_la = tl.log(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
-        b_g = tl.cumsum(b_la, axis=0)
+        b_la = tl.log(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
+        if R == 1:
+            b_g = tl.cumsum(b_la, axis=0)
+            b_gt = b_g
+        else:   # the decay once per token: counted at its first term row
+            b_g = tl.cumsum(tl.where(o_i % R == 0, b_la, 0.), axis=0)
+            b_gt = tl.cumsum(tl.log(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0)
         b_gp = b_g - b_la
-        tl.store(g + row, b_g, mask=m_t)
+        tl.store(g + trow, b_gt, mask=m_j)
         b_ch = b_c * tl.exp(b_gp)
     else:
         b_ch = b_c
-    # L = tril(OQ V^T o Gamma) (and Lq with Q)
+    # L = tril(OQ V^T o Gamma) (and Lq with Q): token rows x term rows
     b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-    b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & (o_k < K)[None, :], other=0.)
     b_L = tl.dot(b_oq, tl.trans(b_v), input_precision=PREC)
     if HAS_A:
-        b_L = b_L * tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.))
+        b_L = b_L * tl.exp(tl.where(incl, b_gt[:, None] - b_g[None, :], 0.))
     b_L = tl.where(incl, b_L, 0.)
-    tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
+    tl.store(L + trow[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_j[:, None] & (o_i < BT)[None, :])
     if GENERAL:
         b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_Lq = tl.dot(b_oq, tl.trans(b_q), input_precision=PREC)
@@ -120,14 +160,14 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT"])
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT", "R"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
                       WRITE_O: tl.constexpr, STORE_H: tl.constexpr, HAS_H0: tl.constexpr,
-                      STORE_HT: tl.constexpr, PREC: tl.constexpr):
+                      STORE_HT: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
     """Sequential over chunks, one program per (value block, batch, head). HAS_H0: start from
     ``h0`` (else from zero, ``h0`` unread); STORE_HT: write the final state to ``ht``."""
     i_v = tl.program_id(0)
@@ -139,7 +179,7 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
 
     for i_t in range(NT):
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         if STORE_H:
@@ -153,21 +193,25 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
             tl.store(psi + row[:, None] * V + o_v[None, :], b_psi.to(DT), mask=m_tv)
         b_psid = b_psi.to(DT)
         if HAS_A:
-            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
+            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BT // R)
         if WRITE_O:
-            b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
             b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
             if HAS_A:
-                b_o = b_o * tl.exp(b_g)[:, None]
-            b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+                if R == 1:
+                    b_gt = b_g
+                else:
+                    b_gt = tl.load(g + trow, mask=m_j, other=0.)
+                b_o = b_o * tl.exp(b_gt)[:, None]
+            b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
             b_o += tl.dot(b_L, b_psid, input_precision=PREC)
             if GENERAL:
                 b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
                 if HAS_PS:
                     b_p = (b_p.to(tl.float32) * tl.load(ps + row, mask=m_t, other=0.)[:, None]).to(DT)
-                b_Lq = tl.load(Lq + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+                b_Lq = tl.load(Lq + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
                 b_o += tl.dot(b_Lq, b_p, input_precision=PREC)
-            tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+            tl.store(o + trow[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_j[:, None] & m_v[None, :])
         b_vk = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         if HAS_A:
             b_h *= tl.exp(b_gl)
@@ -189,13 +233,13 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0"])
+       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0", "R"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_A: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, R: tl.constexpr = 1):
     """Reverse over chunks: dH at each chunk's end, dPsi = L^T dO + Vbar dH, and
     dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi. HAS_DHT: start from ``dht`` (else from zero,
     ``dht`` unread); STORE_DH0: write dH0 to ``dh0``."""
@@ -209,20 +253,24 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
 
     for j in range(NT):
         i_t = NT - 1 - j
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
         tl.store(dhs + base + p_kv, b_dh.to(DT), mask=m_kv)
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
+        b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
         b_vk = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
         b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         if HAS_A:
-            b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
+            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BT // R)
             b_vk = (b_vk.to(tl.float32) * b_dec[:, None]).to(DT)
-            b_oq = (b_oq.to(tl.float32) * tl.exp(b_g)[:, None]).to(DT)
+            if R == 1:
+                b_gt = b_g
+            else:
+                b_gt = tl.load(g + trow, mask=m_j, other=0.)
+            b_oq = (b_oq.to(tl.float32) * tl.exp(b_gt)[:, None]).to(DT)
         b_dpsi = tl.dot(tl.trans(b_L), b_do, input_precision=PREC)
         b_dpsi += tl.dot(b_vk, b_dh.to(DT), input_precision=PREC)
         b_dpsid = b_dpsi.to(DT)
@@ -237,14 +285,14 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
                  du, dv, dq, dp, dps, doq, dc, da,
                  T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
-                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr):
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
@@ -255,19 +303,21 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     i_b = i_bh // H
     i_h = i_bh % H
     DT = M.dtype.element_ty
-    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
+    BTT: tl.constexpr = BT // R
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    lower = o_i[:, None] > o_i[None, :]
-    incl = o_i[:, None] >= o_i[None, :]
+    m_jk = m_j[:, None] & m_k[None, :]
+    lower = o_g[:, None] > o_g[None, :]
+    incl = o_j[:, None] >= o_g[None, :]
     base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
 
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_g, b_gl, b_dec = _chunk_decay(g, row, m_t, i_b, i_h, i_t, T, H, BT)
-        b_a = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
+        b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BTT)
+        b_a = tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32)
         b_gp = b_g - tl.log(b_a)
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
@@ -285,7 +335,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_Bnc = tl.where(lower, b_Bnc, 0.)
         b_B = b_Bnc * b_c[:, None]
         b_nMB = (-tl.dot(b_M.to(tl.float32), b_B, input_precision=PREC)).to(DT)
-        b_Lq = tl.load(Lq + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_Lq = tl.load(Lq + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
         b_qd = b_q
         if HAS_A:
             b_qd = (b_q.to(tl.float32) * b_dec[:, None]).to(DT)
@@ -308,7 +358,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dPM += tl.dot(b_dpsi, tl.trans(b_p), input_precision=PREC)
         if GENERAL:
             b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+            b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
             b_dp = tl.dot(tl.trans(b_nMB), b_dpsi, input_precision=PREC)
             b_dp += tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC)
             b_dp += tl.dot(b_qd, b_dh, input_precision=PREC)
@@ -394,8 +444,8 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
 
     # ---- phase 3: readout (O = e^g OQ h + L Psi) and state (Vbar^T Psi) terms ---------
-    b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dLv = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dOQ = tl.zeros([BTT, BK], dtype=tl.float32)
+    b_dLv = tl.zeros([BTT, BT], dtype=tl.float32)
     b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -403,21 +453,26 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
         b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
         b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
         b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
         if HAS_A:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
 
-    b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        b_dOQ = b_dOQ * tl.exp(b_g)[:, None]
-        b_dgv += tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)
-        b_L = tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        if R == 1:
+            b_gt = b_g
+        else:
+            b_gt = tl.load(g + trow, mask=m_j, other=0.)
+        b_dOQ = b_dOQ * tl.exp(b_gt)[:, None]
+        b_dgt = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)     # d g at the chunk's tokens
+        b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.).to(tl.float32)
         X = b_dLv * b_L
-        b_dgv += tl.sum(X, axis=1) - tl.sum(X, axis=0)
-        Gm = tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.))
+        b_dgt += tl.sum(X, axis=1)
+        b_dgv -= tl.sum(X, axis=0)
+        Gm = tl.exp(tl.where(incl, b_gt[:, None] - b_g[None, :], 0.))
         b_dLv = tl.where(incl, b_dLv * Gm, 0.)
         b_dVb = b_dVb * b_dec[:, None]
         Y = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
@@ -432,7 +487,8 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     if GENERAL:
         if HAS_A:
             X = b_dLq * b_Lq.to(tl.float32)
-            b_dgv += tl.sum(X, axis=1) - tl.sum(X, axis=0)
+            b_dgt += tl.sum(X, axis=1)
+            b_dgv -= tl.sum(X, axis=0)
             b_dLq = tl.where(incl, b_dLq * Gm, 0.)
             b_dQb = b_dQb * b_dec[:, None]
             Y = tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
@@ -446,11 +502,17 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         tl.store(dq + row[:, None] * K + o_k[None, :], b_dqq.to(dq.dtype.element_ty), mask=m_tk)
 
     if HAS_A:
-        b_dgv += tl.where(i_t * BT + o_i == tl.minimum(T, i_t * BT + BT) - 1, b_dgl, 0.)   # at the last row
-        b_dla = tl.cumsum(b_dgv, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        b_da = b_dla / b_a
+        # d g and d gp per token (a token's R term rows share its g and gp), then the reverse sums
+        b_dgt += _per_token(b_dgv, o_g, o_j, R)
+        b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
+        b_dgp = _per_token(b_dgp, o_g, o_j, R)
+        b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
+        if R == 1:
+            b_da = b_dla / b_a
+        else:
+            b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
         if C_MODE == C_IS_A_PS:
             b_da += b_dac
-        tl.store(da + row, b_da.to(da.dtype.element_ty), mask=m_t)
+        tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
-    tl.store(doq + row[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_tk)
+    tl.store(doq + trow[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_jk)
