@@ -24,7 +24,6 @@ this script; the families in their CUDA order).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -45,20 +44,10 @@ from ssmcraft.ops import registry  # noqa: E402
 from ssmcraft.ops.rankr_chunk import chunk as RC  # noqa: E402
 from ssmcraft.ops.rankr_chunk.naive import naive_recurrent_rankr  # noqa: E402
 from ssmcraft.runtime import select, timing  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
 from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
 from checks import TOL_CHUNKED, dtype_name, reference_errors, summary  # noqa: E402
 
-def _compose_module():
-    """``ssmcraft.search.compose`` loaded alone: the ``ssmcraft.search`` package imports Optuna, which
-    the GPU image lacks, and composing a spec needs none of it."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ssmcraft", "search", "compose.py")
-    spec = importlib.util.spec_from_file_location("compose_alone", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-compose_objective = _compose_module().compose_objective
 DEV = "cpu" if SMOKE else "cuda"
 TOL = {**TOL_CHUNKED, torch.float16: TOL_CHUNKED[torch.bfloat16]}
 SMALL = dict(H=2, d=16, m=16) if SMOKE else dict(H=4, d=64, m=64)
@@ -134,7 +123,7 @@ def time_obj(spec, shape, dtype, label, exclude=(), warm=False, profile=False) -
         t = timing.time_calls(calls)
         row = {"label": label, "backend": obj.backend, "fwd": t["eager_fwd_ms"], "fwd_bwd": t["eager_fwd_bwd_ms"]}
         if profile:
-            from bench_classes import kernel_profile
+            from ssmcraft.bench.classes_commands import kernel_profile
             row["kernels"] = kernel_profile(calls["eager"]["fwd_bwd"])
     finally:
         select.order = real

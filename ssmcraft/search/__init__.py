@@ -6,13 +6,19 @@ executor (in-process or Ray), ranking and reports. See docs/design.md ("Search")
                         executor=InlineExecutor())
     model = load_trial("runs/q", "best")
 
-Importing this package imports Optuna, not Ray or torch.
+The names below are loaded on first use, so that ``ssmcraft.search.compose`` (composing an
+objective spec: pure text) imports without Optuna, as on a machine that only runs kernels;
+the coordinator, the executors and the spec reader import Optuna, never Ray or torch.
 """
-from ssmcraft.search.compose import compose_objective
-from ssmcraft.search.coordinator import SearchResult, run_search
-from ssmcraft.search.executor import InlineExecutor
-from ssmcraft.search.load import find_trial, load_trial
-from ssmcraft.search.spec import SearchSpec, load_search_spec
+from importlib import import_module
 
-__all__ = ["compose_objective", "run_search", "SearchResult", "InlineExecutor", "find_trial",
-           "load_trial", "SearchSpec", "load_search_spec"]
+_LAZY = {"compose_objective": "compose", "run_search": "coordinator", "SearchResult": "coordinator",
+         "InlineExecutor": "executor", "find_trial": "load", "load_trial": "load",
+         "SearchSpec": "spec", "load_search_spec": "spec"}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ssmcraft.search' has no attribute {name!r}")
+    return getattr(import_module(f"ssmcraft.search.{_LAZY[name]}"), name)
