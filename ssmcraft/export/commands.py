@@ -1,4 +1,4 @@
-"""``ssmcraft export RUN_DIR [--trial best|N] --out EXP [--layer-only]``."""
+"""``ssmcraft export RUN_DIR [--trial best|N] --out EXP [--layer-only] [--format module|hf]``."""
 from __future__ import annotations
 
 import argparse
@@ -18,11 +18,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true",
                         help="skip importing the written module and comparing it with ssmcraft's model")
     parser.add_argument("--force", action="store_true", help="write into EXP even when it is not empty")
+    parser.add_argument("--format", choices=("module", "hf"), default="module",
+                        help="module: a standalone PyTorch module (the default); hf: a folder that transformers "
+                             "loads with AutoModelForCausalLM.from_pretrained(EXP, trust_remote_code=True) "
+                             "(needs: pip install 'ssmcraft[hf]')")
 
 
 def run(args: argparse.Namespace) -> int:
     from ssmcraft.export.exporter import export
 
+    if args.format == "hf":
+        return run_hf(args)
     result = export(args.run_dir, args.out, args.trial, layer_only=args.layer_only, name=args.name,
                     check=not args.no_verify, overwrite=args.force, log_fn=lambda _msg: None)
     print(f"exported {result.source.label}")
@@ -35,4 +41,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"  verified: the written module vs ssmcraft's model, max |diff| {v['max_abs_diff']:.2g}; "
               f"step-by-step vs parallel {v['step_max_abs_diff']:.2g}; prefill + steps vs steps "
               f"{v['prefill_max_abs_diff']:.2g} (fp32, CPU, shape {v['shape']})")
+    return 0
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    from ssmcraft.export.assemble import ExportError
+    from ssmcraft.export.hf import export_run
+
+    if args.layer_only:
+        raise ExportError("--layer-only exports a mixer layer, which transformers cannot load as a causal LM; "
+                          "drop it for --format hf")
+    result = export_run(args.run_dir, args.out, args.trial, name=args.name, check=not args.no_verify,
+                        overwrite=args.force)
+    print(f"exported {result.source.label} for transformers")
+    print(f"  objective {result.objective} ({result.structure}); {result.n_params:,} parameters; "
+          f"Triton kernels: {result.kernels}")
+    for f in result.files:
+        print(f"  {f}")
+    if result.verified is not None:
+        v = result.verified
+        print(f"  verified: AutoModelForCausalLM (trust_remote_code) vs the exported module, max |diff| "
+              f"{v['hf_max_abs_diff']:.2g}; greedy generate equal for {v['new_tokens']} new tokens"
+              f"{'; tokenizer: ' + v['tokenizer'] if v['tokenizer'] else ''} (fp32, CPU, shape {v['shape']})")
     return 0

@@ -1,0 +1,171 @@
+"""``ssmcraft export --format hf``: the folder loads with ``AutoModelForCausalLM`` (trust_remote_code),
+its logits and ``generate`` (greedy and seeded sampling, with the cache) equal the exported module's,
+for a byte LM (with its tokenizer) and a hybrid stack; tampered weights or config are refused; the
+command says how to install transformers when it is missing."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import code_corpus, subprocess_env, tiny_text_experiment
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'ssmcraft[hf]')")
+
+SWA = {"kind": "attention", "heads": 2, "window": 3}
+FULL = {"kind": "attention", "heads": 2}
+NEW = 24                         # new tokens per generate: past the sliding window and the training length
+
+
+def _train(root, name, **model):
+    from ssmcraft.train import train_run
+
+    corpus = root / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        code_corpus(corpus)
+    config = tiny_text_experiment(str(corpus), batch_size=4, steps=3)
+    config["train"]["eval_every"] = 0
+    config["model"].update(model)
+    assert train_run(config, root / name)["status"] == "ok"
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """name -> (the --format hf folder, the standalone export of the same run)."""
+    from ssmcraft.cli import main
+
+    root = tmp_path_factory.mktemp("hf")
+    runs = {"byte": _train(root, "byte"),
+            "hybrid": _train(root, "hybrid", n_layers=3, layers=[{"at": [1], "mixer": SWA}, {"at": [2], "mixer": FULL}])}
+    out = {}
+    for name, run in runs.items():
+        assert main(["export", str(run), "--out", str(root / f"{name}_hf"), "--format", "hf"]) == 0
+        assert main(["export", str(run), "--out", str(root / f"{name}_module")]) == 0
+        out[name] = (root / f"{name}_hf", root / f"{name}_module")
+    return out
+
+
+def _load(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+
+
+def _module(folder):
+    from ssmcraft.export.exporter import import_module_from
+
+    [path] = [p for p in folder.glob("*.py")]
+    return import_module_from(path).from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("name", ["byte", "hybrid"])
+@torch.no_grad()
+def test_hf_model_matches_the_exported_module(exports, name):
+    hf_dir, module_dir = exports[name]
+    hf, module = _load(hf_dir), _module(module_dir)
+    assert type(hf).__name__ == "SsmcraftForCausalLM" and hf.config.model_type == "ssmcraft"
+    if name == "hybrid":
+        assert [type(b.mixer).__name__ for b in hf.model.blocks] == ["ObjectiveMixer", "AttentionMixer", "AttentionMixer"]
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(hf(ids).logits, module(ids), rtol=0, atol=1e-5)
+    prompt = ids[:, :5]
+    greedy = hf.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    assert greedy.shape == (2, 5 + NEW)
+    assert torch.equal(greedy, module.generate(prompt, NEW))
+    torch.manual_seed(123)
+    sampled = hf.generate(prompt, max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=40)
+    torch.manual_seed(123)
+    assert torch.equal(sampled, module.generate(prompt, NEW, temperature=0.9, top_k=40))
+    assert not torch.equal(sampled, greedy)           # sampling took another path: the comparison above tests it
+
+
+@torch.no_grad()
+def test_generate_prefills_once_then_steps_from_the_cache(exports):
+    hf = _load(exports["hybrid"][0])
+    calls = {"prefill": 0, "step": 0, "forward": 0}
+    for what in calls:
+        original = getattr(hf.model, what)
+
+        def counted(*args, _original=original, _what=what, **kwargs):
+            calls[_what] += 1
+            return _original(*args, **kwargs)
+        setattr(hf.model, what, counted)
+    out = hf.generate(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 13)
+    assert calls == {"prefill": 1, "step": 5, "forward": 0}    # the last new token needs no step
+
+
+@torch.no_grad()
+def test_byte_tokenizer_and_text_generation(exports):
+    from transformers import AutoTokenizer
+
+    hf_dir, module_dir = exports["byte"]
+    tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
+    text = "def f(x):\n    return 'é ✓'"
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(text.encode("utf-8"))
+    out = _load(hf_dir).generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, _module(module_dir).generate(ids, 8))
+    assert tok.decode(out[0, :ids.shape[1]]) == text
+    assert not (exports["byte"][0] / "special_tokens_map.json").exists() or tok.all_special_ids == []
+
+
+def test_tampered_weights_and_config_are_refused(exports, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = exports["byte"][0]
+    bad = tmp_path / "bad_weights"
+    shutil.copytree(hf_dir, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.norm_f.weight"] = tensors["model.norm_f.weight"] + 1
+    save_file(tensors, str(bad / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(Exception, match=r"model\.safetensors: SHA-256 [0-9a-f]{64} is not the weights_sha256 "
+                                        r"config\.json records .*the weights were changed after export"):
+        _load(bad)
+    wrong = tmp_path / "bad_config"
+    shutil.copytree(hf_dir, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["objective"]["ir_hash"] = "0" * 16
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"config\.json: objective\.ir_hash '0{16}' is not the IR this module was "
+                                        "exported with"):
+        _load(wrong)
+
+
+def test_remote_code_imports_only_names_the_module_defines():
+    from ssmcraft.export.assemble import ExportError
+    from ssmcraft.export.hf import remote_code
+
+    text = remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "EXPORT", "WEIGHTS_FILE", "Model"})
+    assert "from .gla_ssm import Model" in text and "from .configuration_ssmcraft import SsmcraftConfig" in text
+    assert "ssmcraft." not in "".join(l for l in text.splitlines() if l.startswith(("from", "import")))
+    with pytest.raises(ExportError, match=r"imports Model from ssmcraft\.export\.runtime_lm, which the exported "
+                                          r"module gla_ssm\.py does not define"):
+        remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "EXPORT", "WEIGHTS_FILE"})
+
+
+def test_cli_without_transformers_says_how_to_install_it(exports, tmp_path, monkeypatch, capsys):
+    from ssmcraft.cli import main
+
+    run = exports["byte"][0].parent / "byte"
+    monkeypatch.setitem(sys.modules, "transformers", None)          # importing it now raises ImportError
+    assert main(["export", str(run), "--out", str(tmp_path / "x"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--format hf needs the transformers package, which is not installed; "
+                        "pip install 'ssmcraft[hf]'") and "\n" not in err
+    assert main(["export", str(run), "--out", str(tmp_path / "y"), "--format", "hf", "--layer-only"]) == 2
+    assert "drop it for --format hf" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_core_never_imports_transformers():
+    code = ("import sys, ssmcraft.cli, ssmcraft.export.exporter, ssmcraft.export.commands, ssmcraft.train\n"
+            "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
