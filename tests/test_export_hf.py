@@ -101,6 +101,48 @@ def test_generate_prefills_once_then_steps_from_the_cache(exports):
 
 
 @torch.no_grad()
+def test_beam_search_reorders_the_cache(exports, monkeypatch):
+    """Beam search with the cache (prefill, steps, rows reordered per step) picks what it picks
+    re-running the whole sequence each step without one."""
+    hf = _load(exports["hybrid"][0])
+    cache_class = type(hf(torch.tensor([[1]]), use_cache=True).cache)
+    picks = []
+    monkeypatch.setattr(cache_class, "reorder_cache",
+                        lambda self, idx, _reorder=cache_class.reorder_cache: (picks.append(idx.tolist()),
+                                                                               _reorder(self, idx)))
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    options = {"max_new_tokens": 8, "num_beams": 3, "num_return_sequences": 2, "do_sample": False}
+    cached = hf.generate(prompt, use_cache=True, **options)
+    assert torch.equal(cached, hf.generate(prompt, use_cache=False, **options))
+    assert any(p != sorted(p) or len(set(p)) < len(p) for p in picks)     # the beams were reordered
+
+
+@torch.no_grad()
+def test_left_padding_is_refused_and_save_pretrained_reloads(exports, tmp_path):
+    hf = _load(exports["byte"][0])
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    # the exported module's own SsmcraftError (the folder's code does not import ssmcraft)
+    with pytest.raises(Exception, match="padding .* with a cache: a recurrent state cannot skip tokens") as e:
+        hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), max_new_tokens=2)
+    assert type(e.value).__name__ == "SsmcraftError"
+    with pytest.raises(Exception, match="pads on the left or has gaps"):
+        hf(ids, attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]]), use_cache=False)
+    right = hf(ids, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]), use_cache=False).logits
+    torch.testing.assert_close(right, hf(ids, use_cache=False).logits, rtol=0, atol=0)
+    with torch.enable_grad():                           # a step of fine-tuning, then save and load it back
+        hf.train()
+        hf(ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p -= 0.1 * p.grad
+        hf.eval()
+    hf.save_pretrained(tmp_path / "tuned")
+    again = _load(tmp_path / "tuned")
+    torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
+    assert not torch.equal(again(ids).logits, _load(exports["byte"][0])(ids).logits)
+
+
+@torch.no_grad()
 def test_byte_tokenizer_and_text_generation(exports):
     from transformers import AutoTokenizer
 

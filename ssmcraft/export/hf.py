@@ -164,8 +164,11 @@ def readme_text(stem: str, objective: str, label: str, byte_level: bool, out_nam
     if byte_level:
         lines += ["", "Tokenizer: one token per byte of UTF-8 text (ids 0..255), no special tokens.", "",
                   "lm-eval-harness:", "", "```",
-                  f"lm_eval --model hf --model_args pretrained={out_name},trust_remote_code=True "
-                  "--tasks lambada_openai --batch_size 1", "```"]
+                  f"lm_eval --model hf --model_args pretrained={out_name},trust_remote_code=True,prefix_token_id=10 "
+                  "--tasks TASKS --batch_size 1", "```", "",
+                  "`prefix_token_id=10`: the tokenizer has no BOS/EOS token (every id is a byte), so lm-eval "
+                  "needs a token to start an empty context with; a newline is the natural one for text. Tasks that "
+                  "generate until an end-of-text token need one too, which a byte model does not have."]
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +238,11 @@ def verify_hf(folder: Path, stem: str, byte_level: bool, seed: int = 0) -> dict:
     loaded on its own: logits on random ids, and greedy ``generate`` token for token (fp32, CPU)."""
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
     mod = import_module_from(folder / f"{stem}.py")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()          # a check, not a download: no progress bar on the command line
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
         ref = mod.Model(hf.config.ssmcraft)
@@ -250,6 +257,8 @@ def verify_hf(folder: Path, stem: str, byte_level: bool, seed: int = 0) -> dict:
         tokenizer = verify_tokenizer(folder) if byte_level else None
     finally:
         sys.modules.pop(mod.__name__, None)
+        if bars:
+            hf_logging.enable_progress_bar()
     if not diff <= VERIFY_TOL:
         raise ExportError(f"the transformers model does not reproduce the exported module: max |diff| {diff:.3g} "
                           "(an ssmcraft bug; please report it)")

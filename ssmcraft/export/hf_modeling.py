@@ -15,7 +15,9 @@ module's, this file only adapts them to ``transformers``:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
@@ -59,6 +61,28 @@ class SsmcraftCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Keep the sequences ``beam_idx`` picks (beam search): row ``i`` of every state becomes row
+        ``beam_idx[i]``."""
+        self.states = [select_rows(state, beam_idx) for state in self.states]
+
+
+def select_rows(value, index: torch.Tensor):
+    """``value`` (a layer's cache: dataclasses, tuples and dicts of tensors ``[B, ...]``) with the rows
+    ``index`` of every batched tensor; a position (an int or a 0-dim tensor) is shared by the batch."""
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device)) if value.dim() > 0 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(select_rows(v, index) for v in value)
+    if isinstance(value, dict):
+        return {k: select_rows(v, index) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: select_rows(getattr(value, f.name), index)
+                                             for f in dataclasses.fields(value)})
+    if isinstance(value, int):
+        return value
+    raise SsmcraftError(f"SsmcraftCache: cannot reorder a {type(value).__name__} of a layer's cache")
 
 
 class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
@@ -107,6 +131,20 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
             raise SsmcraftError(f"{weights}: SHA-256 {got} is not the weights_sha256 config.json records "
                                 f"({config.weights_sha256}); the weights were changed after export, refusing them")
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, then config.json records the SHA-256 of the weights it wrote
+        (what ``from_pretrained`` checks): one ``model.safetensors``, saved before any upload."""
+        if kwargs.get("push_to_hub"):
+            raise SsmcraftError("SsmcraftForCausalLM.save_pretrained: push_to_hub would upload config.json before it "
+                                "records the new weights' hash; save, then upload the folder")
+        super().save_pretrained(save_directory, *args, **kwargs)
+        weights = os.path.join(save_directory, WEIGHTS_FILE)
+        if not os.path.isfile(weights):
+            raise SsmcraftError(f"{save_directory}: no single {WEIGHTS_FILE} was written (sharded or not "
+                                "safetensors), whose hash from_pretrained checks; save without max_shard_size")
+        self.config.weights_sha256 = file_sha256(weights)
+        self.config.save_pretrained(save_directory)
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=None, **kwargs):
         """The prompt on the first call, then only the tokens the cache has not seen."""
