@@ -185,12 +185,12 @@ def test_remote_code_imports_only_names_the_module_defines():
     from ssmcraft.export.assemble import ExportError
     from ssmcraft.export.hf import remote_code
 
-    text = remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "EXPORT", "WEIGHTS_FILE", "Model"})
+    text = remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "file_sha256", "EXPORT", "WEIGHTS_FILE", "Model"})
     assert "from .gla_ssm import Model" in text and "from .configuration_ssmcraft import SsmcraftConfig" in text
     assert "ssmcraft." not in "".join(l for l in text.splitlines() if l.startswith(("from", "import")))
     with pytest.raises(ExportError, match=r"imports Model from ssmcraft\.export\.runtime_lm, which the exported "
                                           r"module gla_ssm\.py does not define"):
-        remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "EXPORT", "WEIGHTS_FILE"})
+        remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "file_sha256", "EXPORT", "WEIGHTS_FILE"})
 
 
 def test_cli_without_transformers_says_how_to_install_it(exports, tmp_path, monkeypatch, capsys):

@@ -23,7 +23,6 @@ greedy generation token for token.
 from __future__ import annotations
 
 import ast
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -34,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from ssmcraft.fileio import file_sha256
 from ssmcraft.export.assemble import ExportError, _is_ssmcraft, _top_level_names, import_problem
 from ssmcraft.export.exporter import (CONFIG_FILE, README_FILE, WEIGHTS_FILE, ExportResult, TrialSource, _check_out,
                                       _put_in_place, _read_json, _remove_empty, _save_weights, export_model,
@@ -58,14 +58,6 @@ def require_transformers():
     except ImportError:
         raise ExportError(f"--format hf needs the transformers package, which is not installed; {INSTALL}") from None
     return transformers
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- the remote-code files ---------------------------------------------------------------------
@@ -212,13 +204,13 @@ def export_hf(model, out: str | Path, source: TrialSource, *, name: str | None =
         weights = {PREFIX + k: v for k, v in model.state_dict().items()}
         _save_weights(weights, folder / WEIGHTS_FILE, {"objective": module.objective, "source": source.label,
                                                         "ir_hash": export_config["objective"]["ir_hash"]})
-        config = hf_config(export_config, stem, sha256_file(folder / WEIGHTS_FILE))
+        config = hf_config(export_config, stem, file_sha256(folder / WEIGHTS_FILE))
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
         byte_level = is_byte_level(source, config["vocab_size"])
         if byte_level:
             byte_tokenizer(transformers, folder)
         (folder / README_FILE).write_text(readme_text(stem, module.objective, source.label, byte_level, str(out)))
-        checked = verify_hf(folder, stem, byte_level) if check else None
+        checked = {**module.verified, **verify_hf(folder, stem, byte_level)} if check else None
         files = [out / f.name for f in sorted(folder.iterdir())]
         _put_in_place(folder, out)
     except BaseException:
@@ -265,8 +257,8 @@ def verify_hf(folder: Path, stem: str, byte_level: bool, seed: int = 0) -> dict:
     if not same:
         raise ExportError("the transformers model's greedy generate differs from the exported module's "
                           "(an ssmcraft bug; please report it)")
-    return {"hf_max_abs_diff": diff, "hf_generate_equal": same, "shape": list(ids.shape),
-            "new_tokens": VERIFY_NEW_TOKENS, "tokenizer": tokenizer}
+    return {"hf_max_abs_diff": diff, "hf_generate_equal": same, "hf_shape": list(ids.shape),
+            "hf_new_tokens": VERIFY_NEW_TOKENS, "hf_tokenizer": tokenizer}
 
 
 def verify_tokenizer(folder: Path) -> str:

@@ -16,7 +16,6 @@ module's, this file only adapts them to ``transformers``:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 
 import torch
@@ -25,19 +24,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import cached_file
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import file_sha256
 from ssmcraft.export.hf_configuration import SsmcraftConfig
 from ssmcraft.export.runtime import EXPORT, WEIGHTS_FILE
 from ssmcraft.export.runtime_lm import Model
 
 HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_objective(config: SsmcraftConfig) -> None:
