@@ -131,7 +131,9 @@ def test_left_padding_is_refused_and_save_pretrained_reloads(exports, tmp_path):
     torch.testing.assert_close(right, hf(ids, use_cache=False).logits, rtol=0, atol=0)
     with torch.enable_grad():                           # a step of fine-tuning, then save and load it back
         hf.train()
-        hf(ids, labels=ids).loss.backward()
+        out = hf(ids, labels=ids)
+        assert out.cache is None                        # training runs the parallel pass, no cache
+        out.loss.backward()
         with torch.no_grad():
             for p in hf.parameters():
                 p -= 0.1 * p.grad
@@ -193,10 +195,12 @@ def test_remote_code_imports_only_names_the_module_defines():
         remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "file_sha256", "EXPORT", "WEIGHTS_FILE"})
 
 
-def test_cli_without_transformers_says_how_to_install_it(exports, tmp_path, monkeypatch, capsys):
+def test_cli_refusals_are_one_line_and_write_nothing(exports, tmp_path, monkeypatch, capsys):
     from ssmcraft.cli import main
 
     run = exports["byte"][0].parent / "byte"
+    assert main(["export", str(run), "--out", str(tmp_path / "z"), "--format", "hf", "--name", "modeling_ssmcraft"]) == 2
+    assert "--name 'modeling_ssmcraft' is the name of a transformers file of the folder" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)          # importing it now raises ImportError
     assert main(["export", str(run), "--out", str(tmp_path / "x"), "--format", "hf"]) == 2
     err = capsys.readouterr().err.strip()
@@ -204,7 +208,7 @@ def test_cli_without_transformers_says_how_to_install_it(exports, tmp_path, monk
                         "pip install 'ssmcraft[hf]'") and "\n" not in err
     assert main(["export", str(run), "--out", str(tmp_path / "y"), "--format", "hf", "--layer-only"]) == 2
     assert "drop it for --format hf" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not any((tmp_path / x).exists() for x in "xyz")
 
 
 def test_the_core_never_imports_transformers():

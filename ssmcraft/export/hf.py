@@ -186,6 +186,8 @@ def export_hf(model, out: str | Path, source: TrialSource, *, name: str | None =
     """Write the ``transformers`` folder of an ssmcraft ``LM`` (already loaded) to ``out`` (see the
     module docstring); returns what was written, ``verified`` with the transformers comparison."""
     transformers = require_transformers()
+    if name is not None and f"{name}.py" in REMOTE_CODE:
+        raise ExportError(f"--name {name!r} is the name of a transformers file of the folder; choose another")
     out = Path(out)
     _check_out(out, overwrite)
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]   # removed again on failure

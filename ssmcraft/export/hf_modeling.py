@@ -153,7 +153,8 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
         cannot skip a token); ``labels`` give the shifted cross-entropy ``loss``."""
         if inputs_embeds is not None:
             raise SsmcraftError("SsmcraftForCausalLM: inputs_embeds is not supported; pass input_ids")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:        # training needs no cache: the plain parallel pass
+            use_cache = self.config.use_cache and not self.training
         self._check_mask(attention_mask, use_cache or cache is not None)
         if cache is None and use_cache:
             logits, states = self.model.prefill(input_ids)
@@ -172,7 +173,7 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
         return out if return_dict is not False else out.to_tuple()
 
     @staticmethod
@@ -181,7 +182,8 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
             return
         if recurrent:
             raise SsmcraftError("SsmcraftForCausalLM: padding (zeros in attention_mask) with a cache: a recurrent "
-                                "state cannot skip tokens; generate one sequence at a time (batch size 1)")
+                                "state cannot skip tokens; generate one sequence at a time (batch size 1), or pass "
+                                "use_cache=False to score right-padded sequences")
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise SsmcraftError("SsmcraftForCausalLM: attention_mask pads on the left or has gaps; a recurrent "
                                 "model reads every token before a position, so only right padding is allowed")
