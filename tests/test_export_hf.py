@@ -20,34 +20,48 @@ FULL = {"kind": "attention", "heads": 2}
 NEW = 24                         # new tokens per generate: past the sliding window and the training length
 
 
-def _train(root, name, **model):
+def _train_byte_lm(root):
     from ssmcraft.train import train_run
 
-    corpus = root / "corpus"
-    if not corpus.exists():
-        corpus.mkdir()
-        code_corpus(corpus)
-    config = tiny_text_experiment(str(corpus), batch_size=4, steps=3)
+    (root / "corpus").mkdir()
+    config = tiny_text_experiment(code_corpus(root / "corpus"), batch_size=4, steps=3)
     config["train"]["eval_every"] = 0
-    config["model"].update(model)
-    assert train_run(config, root / name)["status"] == "ok"
-    return root / name
+    assert train_run(config, root / "byte")["status"] == "ok"
+    return root / "byte"
+
+
+def _random_hybrid(root):
+    """A freshly initialised hybrid (objective, sliding-window and full attention layers) of another
+    objective: its greedy continuations vary (a barely trained byte LM's are mostly spaces), and it
+    is no byte-level run, so its folder has no tokenizer."""
+    from ssmcraft.export.exporter import TrialSource
+    from ssmcraft.train.checkpoint import build_lm
+
+    torch.manual_seed(0)
+    model = build_lm({"model": {"vocab_size": 256, "d_model": 16, "n_layers": 3, "mlp_ratio": 2,
+                                "mixer": {"kind": "objective", "objective": "mamba", "state_size": 4},
+                                "layers": [{"at": [1], "mixer": SWA}, {"at": [2], "mixer": FULL}]}})
+    (root / "hybrid").mkdir()
+    return model.eval(), TrialSource("train", root / "hybrid", root / "hybrid")
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """name -> (the --format hf folder, the standalone export of the same run)."""
+    """name -> (the --format hf folder, the standalone export of the same model)."""
     from ssmcraft.cli import main
+    from ssmcraft.export.exporter import export_model
+    from ssmcraft.export.hf import export_hf
 
     root = tmp_path_factory.mktemp("hf")
-    runs = {"byte": _train(root, "byte"),
-            "hybrid": _train(root, "hybrid", n_layers=3, layers=[{"at": [1], "mixer": SWA}, {"at": [2], "mixer": FULL}])}
-    out = {}
-    for name, run in runs.items():
-        assert main(["export", str(run), "--out", str(root / f"{name}_hf"), "--format", "hf"]) == 0
-        assert main(["export", str(run), "--out", str(root / f"{name}_module")]) == 0
-        out[name] = (root / f"{name}_hf", root / f"{name}_module")
-    return out
+    run = _train_byte_lm(root)
+    assert main(["export", str(run), "--out", str(root / "byte_hf"), "--format", "hf"]) == 0
+    assert main(["export", str(run), "--out", str(root / "byte_module")]) == 0
+    model, source = _random_hybrid(root)
+    result = export_hf(model, root / "hybrid_hf", source)
+    assert result.verified["hf_generate_equal"] and result.verified["hf_tokenizer"] is None
+    assert not (root / "hybrid_hf" / "tokenizer.json").exists()
+    export_model(model, root / "hybrid_module", source)
+    return {name: (root / f"{name}_hf", root / f"{name}_module") for name in ("byte", "hybrid")}
 
 
 def _load(folder):
@@ -82,6 +96,8 @@ def test_hf_model_matches_the_exported_module(exports, name):
     torch.manual_seed(123)
     assert torch.equal(sampled, module.generate(prompt, NEW, temperature=0.9, top_k=40))
     assert not torch.equal(sampled, greedy)           # sampling took another path: the comparison above tests it
+    if name == "hybrid":                              # greedy tokens that vary: the comparison tests them
+        assert len(set(greedy[:, 5:].flatten().tolist())) > NEW // 3
 
 
 @torch.no_grad()
@@ -190,6 +206,10 @@ def test_remote_code_imports_only_names_the_module_defines():
     text = remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "file_sha256", "EXPORT", "WEIGHTS_FILE", "Model"})
     assert "from .gla_ssm import Model" in text and "from .configuration_ssmcraft import SsmcraftConfig" in text
     assert "ssmcraft." not in "".join(l for l in text.splitlines() if l.startswith(("from", "import")))
+    config = remote_code("ssmcraft.export.hf_configuration", "gla_ssm", set(), {"MODULE_SHA256": "ab\"\n12"})
+    assert 'MODULE_SHA256 = "ab\\"\\n12"' in config                   # a string literal, whatever the value
+    with pytest.raises(ExportError, match="assigns no placeholder NOPE to set"):
+        remote_code("ssmcraft.export.hf_configuration", "gla_ssm", set(), {"NOPE": "1"})
     with pytest.raises(ExportError, match=r"imports Model from ssmcraft\.export\.runtime_lm, which the exported "
                                           r"module gla_ssm\.py does not define"):
         remote_code("ssmcraft.export.hf_modeling", "gla_ssm", {"SsmcraftError", "file_sha256", "EXPORT", "WEIGHTS_FILE"})
@@ -198,7 +218,7 @@ def test_remote_code_imports_only_names_the_module_defines():
 def test_cli_refusals_are_one_line_and_write_nothing(exports, tmp_path, monkeypatch, capsys):
     from ssmcraft.cli import main
 
-    run = exports["byte"][0].parent / "byte"
+    run = exports["byte"][0].parent / "byte"          # the training run folder
     assert main(["export", str(run), "--out", str(tmp_path / "z"), "--format", "hf", "--name", "modeling_ssmcraft"]) == 2
     assert "--name 'modeling_ssmcraft' is the name of a transformers file of the folder" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)          # importing it now raises ImportError

@@ -15,7 +15,8 @@
 
 ``AutoModelForCausalLM.from_pretrained(EXP, trust_remote_code=True)`` loads it. The two remote-code
 files are ssmcraft's own modules copied as they are, their ssmcraft imports turned into relative
-imports of the exported module (whose names are checked to exist); nothing else is generated, and no
+imports of the exported module (whose names are checked to exist) and the config file's placeholder
+``MODULE_SHA256`` set to the module's hash (a hex string literal); nothing else is generated, and no
 spec text reaches them (it is data in config.json). Unless ``check=False`` the folder is loaded with
 ``transformers`` before it is put in place and compared with the exported module: logits, and
 greedy generation token for token.
@@ -33,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from ssmcraft.compiler import safe_source
 from ssmcraft.fileio import file_sha256
 from ssmcraft.export.assemble import ExportError, _is_ssmcraft, _top_level_names, import_problem
 from ssmcraft.export.exporter import (CONFIG_FILE, README_FILE, WEIGHTS_FILE, ExportResult, TrialSource, _check_out,
@@ -61,11 +63,12 @@ def require_transformers():
 
 
 # -- the remote-code files ---------------------------------------------------------------------
-def remote_code(module_name: str, stem: str, bundle_names: set[str]) -> str:
+def remote_code(module_name: str, stem: str, bundle_names: set[str], constants: dict[str, str] | None = None) -> str:
     """The source of ssmcraft's ``module_name`` with each top-level ``from ssmcraft.x import names``
     made ``from .<stem> import names`` (``.configuration_ssmcraft`` for the config module); every
     name must be one the exported module defines, and nothing else may be imported but the standard
-    library, torch, safetensors and transformers."""
+    library, torch, safetensors and transformers. ``constants``: top-level names the module assigns
+    a placeholder, given a string value here (a literal through ``safe_source.string``)."""
     path = Path(importlib.util.find_spec(module_name).origin)
     where = f"ssmcraft/export/{path.name}"
     source = path.read_text(encoding="utf-8")
@@ -79,7 +82,12 @@ def remote_code(module_name: str, stem: str, bundle_names: set[str]) -> str:
             raise ExportError(f"{where}:{node.lineno}: an ssmcraft import inside a function cannot become a "
                               "relative import")
     lines = source.splitlines()
+    constants = dict(constants or {})
     for node in reversed(tree.body):
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id in constants:
+            lines[node.lineno - 1:node.end_lineno] = [f"{target.id} = {safe_source.string(constants.pop(target.id))}"]
+            continue
         if not (isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module)):
             continue
         names = [a.name for a in node.names]
@@ -92,6 +100,8 @@ def remote_code(module_name: str, stem: str, bundle_names: set[str]) -> str:
             raise ExportError(f"{where}:{node.lineno}: imports {', '.join(missing)} from {node.module}, which the "
                               f"exported module {stem}.py does not define")
         lines[node.lineno - 1:node.end_lineno] = [f"from .{target} import {', '.join(names)}"]
+    if constants:
+        raise ExportError(f"{where}: assigns no placeholder {', '.join(sorted(constants))} to set")
     text = "\n".join(lines) + "\n"
     compile(text, where, "exec")
     return text
@@ -200,8 +210,10 @@ def export_hf(model, out: str | Path, source: TrialSource, *, name: str | None =
         text = (stage / "module" / module.module.name).read_text(encoding="utf-8")
         (folder / module.module.name).write_text(text, encoding="utf-8")
         names = set().union(*(_top_level_names(n) for n in ast.parse(text).body))
+        constants = {"MODULE_SHA256": file_sha256(folder / module.module.name)}
         for file, module_name in REMOTE_CODE.items():
-            (folder / file).write_text(remote_code(module_name, stem, names), encoding="utf-8")
+            (folder / file).write_text(remote_code(module_name, stem, names, constants if "config" in file else None),
+                                       encoding="utf-8")
         export_config = json.loads((stage / "module" / CONFIG_FILE).read_text())
         weights = {PREFIX + k: v for k, v in model.state_dict().items()}
         _save_weights(weights, folder / WEIGHTS_FILE, {"objective": module.objective, "source": source.label,

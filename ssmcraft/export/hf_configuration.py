@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+# The SHA-256 of the exported module this config goes with (an export writes it into its copy). transformers
+# maps a config class to the first model class loaded for it, so exports whose modules differ must not
+# share one config class: with their own hash in it, their configuration files are different modules.
+MODULE_SHA256: str | None = None
+
 
 class SsmcraftConfig(PretrainedConfig):
     """An exported ssmcraft language model: the model config, the objective and the weights' hash."""

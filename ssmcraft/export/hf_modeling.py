@@ -89,7 +89,11 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: SsmcraftConfig):
         super().__init__(config)
         check_objective(config)
-        self.model = Model(config.ssmcraft, "config.json")
+        # built on the CPU even where transformers builds on the meta device (from_pretrained): some
+        # parameters' initial values are computed from numbers read off tensors; the checkpoint then
+        # replaces every value
+        with torch.device("cpu"):
+            self.model = Model(config.ssmcraft, "config.json")
         self.post_init()
 
     @classmethod
