@@ -9,7 +9,7 @@
       modeling_ssmcraft.py         SsmcraftForCausalLM + SsmcraftCache (ssmcraft/export/hf_modeling.py)
       <objective>_ssm.py           the exported module (ssmcraft.export.exporter): layers,
                                    recurrence, kernels; the modeling file imports it
-      model.safetensors            the weights, named as SsmcraftForCausalLM's ("model." + the module's)
+      model.safetensors            the module's weights, named as SsmcraftForCausalLM's ("model." + the module's)
       tokenizer.json, tokenizer_config.json   a byte-level tokenizer, when the model is byte-level
       README.md                    usage
 
@@ -40,10 +40,11 @@ from ssmcraft.export.assemble import ExportError, _is_ssmcraft, _top_level_names
 from ssmcraft.export.exporter import (CONFIG_FILE, README_FILE, WEIGHTS_FILE, ExportResult, TrialSource, _check_out,
                                       _put_in_place, _read_json, _remove_empty, _save_weights, export_model,
                                       import_module_from, resolve_source)
+from ssmcraft.export.runtime import load_safetensors
 
 INSTALL = "pip install 'ssmcraft[hf]'"
-REMOTE_CODE = {"configuration_ssmcraft.py": "ssmcraft.export.hf_configuration",
-               "modeling_ssmcraft.py": "ssmcraft.export.hf_modeling"}
+CONFIG_MODULE = "ssmcraft.export.hf_configuration"
+REMOTE_CODE = {"configuration_ssmcraft.py": CONFIG_MODULE, "modeling_ssmcraft.py": "ssmcraft.export.hf_modeling"}
 REMOTE_IMPORTS = ("torch", "safetensors", "transformers")   # what the remote-code files may import
 PREFIX = "model."            # SsmcraftForCausalLM holds the exported Model as ``self.model``
 # tasks whose tokens are bytes (one token per byte, vocabulary 256): the folder gets a byte tokenizer
@@ -93,8 +94,7 @@ def remote_code(module_name: str, stem: str, bundle_names: set[str], constants: 
         names = [a.name for a in node.names]
         if any(a.asname for a in node.names):
             raise ExportError(f"{where}:{node.lineno}: a renamed ssmcraft import cannot become a relative import")
-        config = next(k for k, v in REMOTE_CODE.items() if k.startswith("configuration"))[:-3]
-        target = config if node.module == REMOTE_CODE[config + ".py"] else stem
+        target = "configuration_ssmcraft" if node.module == CONFIG_MODULE else stem
         missing = sorted(set(names) - bundle_names) if target == stem else []
         if missing:
             raise ExportError(f"{where}:{node.lineno}: imports {', '.join(missing)} from {node.module}, which the "
@@ -119,11 +119,12 @@ def byte_tokenizer(transformers, folder: Path) -> None:
     tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    # a recurrent model has no context limit; 2**30 tells tools (lm-eval) so without the "unset" sentinel
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1 << 30)
     fast.save_pretrained(str(folder))
 
 
-def hf_config(export_config: dict, stem: str, weights_sha256: str) -> dict:
+def hf_config(export_config: dict, stem: str, weights_sha256: str, dtype: str) -> dict:
     """config.json: what transformers reads, then the export's own record (model config, objective,
     source, metrics)."""
     model = export_config["model"]
@@ -133,7 +134,7 @@ def hf_config(export_config: dict, stem: str, weights_sha256: str) -> dict:
         "auto_map": {"AutoConfig": "configuration_ssmcraft.SsmcraftConfig",
                      "AutoModelForCausalLM": "modeling_ssmcraft.SsmcraftForCausalLM"},
         "vocab_size": model["vocab_size"], "hidden_size": model["d_model"], "num_hidden_layers": model["n_layers"],
-        "tie_word_embeddings": True, "use_cache": True, "dtype": "float32",
+        "tie_word_embeddings": True, "use_cache": True, "dtype": dtype,
         "module": f"{stem}.py", "weights_sha256": weights_sha256,
         "ssmcraft": model,
         **{k: export_config[k] for k in ("objective", "source", "metrics", "exported_by")},
@@ -212,13 +213,14 @@ def export_hf(model, out: str | Path, source: TrialSource, *, name: str | None =
         names = set().union(*(_top_level_names(n) for n in ast.parse(text).body))
         constants = {"MODULE_SHA256": file_sha256(folder / module.module.name)}
         for file, module_name in REMOTE_CODE.items():
-            (folder / file).write_text(remote_code(module_name, stem, names, constants if "config" in file else None),
-                                       encoding="utf-8")
+            text = remote_code(module_name, stem, names, constants if module_name == CONFIG_MODULE else None)
+            (folder / file).write_text(text, encoding="utf-8")
         export_config = json.loads((stage / "module" / CONFIG_FILE).read_text())
-        weights = {PREFIX + k: v for k, v in model.state_dict().items()}
+        weights = {PREFIX + k: v for k, v in load_safetensors(stage / "module" / WEIGHTS_FILE).items()}
         _save_weights(weights, folder / WEIGHTS_FILE, {"objective": module.objective, "source": source.label,
                                                         "ir_hash": export_config["objective"]["ir_hash"]})
-        config = hf_config(export_config, stem, file_sha256(folder / WEIGHTS_FILE))
+        config = hf_config(export_config, stem, file_sha256(folder / WEIGHTS_FILE),
+                           str(next(iter(weights.values())).dtype).removeprefix("torch."))
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
         byte_level = is_byte_level(source, config["vocab_size"])
         if byte_level:
@@ -228,8 +230,8 @@ def export_hf(model, out: str | Path, source: TrialSource, *, name: str | None =
         files = [out / f.name for f in sorted(folder.iterdir())]
         _put_in_place(folder, out)
     except BaseException:
-        for folder in made:
-            _remove_empty(folder)
+        for parent in made:
+            _remove_empty(parent)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)

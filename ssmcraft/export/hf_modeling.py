@@ -41,8 +41,9 @@ def check_objective(config: SsmcraftConfig) -> None:
 
 
 class SsmcraftCache:
-    """The recurrent state of every layer after ``seen`` tokens: not a ``transformers.Cache`` (there
-    are no per-layer key/value tensors to expose), so ``generate`` takes it from the model's outputs."""
+    """Every layer's cache after ``seen`` tokens, as the exported ``Model`` lays it out (recurrent states and
+    convolution windows, attention keys and values): not a ``transformers.Cache``, whose layers hold keys and
+    values only, so ``generate`` makes none and takes this one from the model's outputs."""
 
     is_compileable = False
     is_croppable = False
@@ -115,7 +116,8 @@ class SsmcraftForCausalLM(PreTrainedModel, GenerationMixin):
         the config records (its SHA-256) and the config's objective is this module's."""
         hub = {k: kwargs[k] for k in HUB_ARGUMENTS if kwargs.get(k) is not None}
         config = kwargs.get("config")
-        if not isinstance(config, SsmcraftConfig):
+        # the config AutoModel passes comes from its own copy of configuration_ssmcraft: not this module's class
+        if getattr(config, "model_type", None) != SsmcraftConfig.model_type:
             config = SsmcraftConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         check_objective(config)
         weights = cached_file(pretrained_model_name_or_path, WEIGHTS_FILE, _raise_exceptions_for_missing_entries=False,
