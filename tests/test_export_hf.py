@@ -232,6 +232,8 @@ def test_cli_refusals_are_one_line_and_write_nothing(exports, tmp_path, monkeypa
 
 
 def test_the_core_never_imports_transformers():
-    code = ("import sys, ssmcraft.cli, ssmcraft.export.exporter, ssmcraft.export.commands, ssmcraft.train\n"
+    # ssmcraft.export.hf too: the command imports it first, then says how to install transformers when missing
+    code = ("import sys, ssmcraft.cli, ssmcraft.export.exporter, ssmcraft.export.commands, ssmcraft.export.hf, "
+            "ssmcraft.train\n"
             "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
