@@ -237,3 +237,22 @@ def test_the_core_never_imports_transformers():
             "ssmcraft.train\n"
             "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env())
+
+
+def test_the_folder_loads_without_ssmcraft(exports):
+    """The folder's code is its own: transformers loads and runs it with ssmcraft unimportable (sympy
+    stays: torch itself imports it)."""
+    code = ("import sys\n"
+            "sys.modules['ssmcraft'] = None\n"
+            "import torch\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "path = sys.argv[1]\n"
+            "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()\n"
+            "tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)\n"
+            "ids = tok('def f(x):', return_tensors='pt').input_ids\n"
+            "out = model.generate(ids, max_new_tokens=4, do_sample=False)\n"
+            "print('GENERATED', out.shape[1], sorted(n for n, m in sys.modules.items() if n.startswith('ssmcraft') and m is not None))\n")
+    run = subprocess.run([sys.executable, "-c", code, str(exports["byte"][0])], capture_output=True, text=True,
+                         env=subprocess_env())
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "GENERATED 13 []" in run.stdout
