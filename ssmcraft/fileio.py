@@ -6,10 +6,12 @@ The data goes to a temporary file beside the target, which is then renamed over 
 never half of one. The temporary name is unique to the writer (process and a random part), so
 two threads or processes writing the same target do not share one; it is created with
 ``open(..., "x")``, so the file's mode follows the umask like any other file. A failed write
-removes its temporary file and re-raises the ``OSError``.
+removes its temporary file and re-raises the ``OSError``. ``file_sha256`` is the hash a written
+file is recorded and later checked by.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -39,3 +41,12 @@ def write_json(path, data: Any, **dumps) -> None:
     """Write ``data`` as JSON (indented by 2, a final newline) to ``path`` atomically; ``dumps``:
     further ``json.dumps`` options (``sort_keys``, ``default``, ``allow_nan``)."""
     write_text(path, json.dumps(data, indent=2, **dumps) + "\n")
+
+
+def file_sha256(path) -> str:
+    """sha256 of a file's bytes, read in blocks (weights may be large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,5 +1,7 @@
 """Export a trained trial as a standalone PyTorch module: ``ssmcraft export`` (see
-``ssmcraft.export.exporter``). ``export(run_dir, out, trial="best")`` is the Python entry."""
+``ssmcraft.export.exporter``). ``export(run_dir, out, trial="best")`` is the Python entry.
+``ssmcraft export --format hf`` puts that module in a folder ``transformers`` loads
+(``ssmcraft.export.hf``: ``export_run``; needs the ``hf`` extra)."""
 from __future__ import annotations
 
 

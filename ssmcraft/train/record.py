@@ -28,19 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from ssmcraft.errors import SsmcraftError
+from ssmcraft.fileio import file_sha256
 
 log = logging.getLogger("ssmcraft.train")
 
 KEY = "artefacts"
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file's bytes, read in blocks (weights may be large)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def value_sha256(value: Any) -> str:
