@@ -1,6 +1,6 @@
 """Per-row rank-1 family at the issue-27 shape through ``obj()``: a correctness check of every
 objective of the family (float64 reference, NaN-poisoned outputs, odd T) at a small shape, then
-(BV, warps, and the backward's INTERLEAVE) of the forward and backward kernels swept for Longhorn, wd_longhorn and
+(BV, warps) of the forward and backward kernels swept for Longhorn, wd_longhorn and
 gated_longhorn, DeltaNet's fwd+bwd in the same process as the reference.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/sweep_rank1_row.py [--shape 8,2048,16,64,64] [--no-check]
@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--configs", default="16x2,8x1,16x1,16x4,32x4,8x2")
     ap.add_argument("--chunks", default="64", help="checkpoint intervals (rank1_row.CHUNK) to sweep")
-    ap.add_argument("--interleave", default="1", help="rank1_row.INTERLEAVE values to sweep (1, 0 or 1,0)")
     ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd at each objective's best")
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -65,21 +64,18 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()} shape {args.shape} bf16; deltanet fwd+bwd {ref:.3f} ms")
     rows = []
     chunks = [int(x) for x in args.chunks.split(",")]
-    interleave = R.INTERLEAVE
     for name in FAMILY:
         obj, c = calls(name, shape)
         for chunk in chunks:
             R.CHUNK = chunk
-            for il in (bool(int(x)) for x in args.interleave.split(",")):
-                R.INTERLEAVE = il
-                for cf in cfgs:
-                    R.set_config(fwd=cf, bwd=cf)
-                    f, fb = timed(c)
-                    rows.append((name, cf + (chunk, il), f, fb))
-                    print(f"  {name:15s} BV={cf[0]:3d} warps={cf[1]} chunk={chunk} interleave={int(il)}: fwd {f:.3f} "
-                          f"fwd+bwd {fb:.3f} ms", flush=True)
+            for cf in cfgs:
+                R.set_config(fwd=cf, bwd=cf)
+                f, fb = timed(c)
+                rows.append((name, cf + (chunk,), f, fb))
+                print(f"  {name:15s} BV={cf[0]:3d} warps={cf[1]} chunk={chunk}: fwd {f:.3f} fwd+bwd {fb:.3f} ms",
+                      flush=True)
         R.set_config()
-        R.CHUNK, R.INTERLEAVE = 64, interleave
+        R.CHUNK = 64
     best = {}
     for name, cf, f, fb in rows:
         bf = best.setdefault(name, {"f": (1e9, None), "fb": (1e9, None)})
@@ -93,7 +89,7 @@ def main(argv=None) -> int:
         for name, bf in best.items():
             cf = bf["fb"][1]
             R.set_config(fwd=cf[:2], bwd=cf[:2])
-            R.CHUNK, R.INTERLEAVE = cf[2], cf[3]
+            R.CHUNK = cf[2]
             print(f"-- {name} at {cf}: GPU kernels of one fwd+bwd")
             for k, n, us in kernel_profile(calls(name, shape)[1]["fwd_bwd"])[:8]:
                 print(f"   {us:9.1f} us x{n} {k[:90]}")

@@ -80,16 +80,6 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
                         ins, {}, S0, g))
 
 
-# the decay path with the states of chunk c-1 rebuilt after chunk c's sweep instead of during it
-DECAY_CASES = [c for c in CASES if c[0] in ("wd_longhorn", "gated_longhorn", "gated_wd_longhorn", "decay_delta")]
-
-
-@pytest.mark.parametrize("name,T,chunk", DECAY_CASES)
-def test_decay_backward_without_interleave_matches_reference(name, T, chunk, monkeypatch):
-    monkeypatch.setattr(R, "INTERLEAVE", False)
-    test_objective_matches_reference(name, T, chunk, monkeypatch)
-
-
 def test_general_slots_fla_layout(monkeypatch):
     """Distinct u, v, q, oq; per-head a and c; per-row p, oc, oh; initial state in FLA layout."""
     monkeypatch.setattr(R, "CHUNK", 4)

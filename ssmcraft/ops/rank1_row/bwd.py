@@ -12,10 +12,6 @@ scalar per row and step), the state every ``CHUNK`` steps and the final state. T
   ``SCR [prog, CHUNK/2, BK, BV]`` (L2-resident). The reverse loop reads a pair's first state back
   and rebuilds the second in registers from the slots it has loaded for the step anyway (keeping
   every fourth state instead held four state tiles live and spilled registers at K = 64).
-  With ``INTERLEAVE`` the rebuild of chunk c-1 runs inside chunk c's reverse loop, four steps
-  per iteration into the other half of a double scratch buffer (only the last chunk is rebuilt
-  on its own): its loads and multiply-adds fill the reverse sweep's reduction latency instead of
-  a separate pass per chunk.
   Dividing by ``a`` instead would amplify rounding by ``1/a`` per step, so a decay always takes
   this path.
 """
@@ -141,54 +137,32 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
 
 
 @triton.jit
-def keep_begin(ckp, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
-               MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr):
-    """``keep_states``' start: the checkpoint and the slots of steps t0 .. t0+3 (rows clamped into
-    [0, t1) so that an empty range reads nothing out of bounds)."""
-    sp = tl.load(ckp + tile, mask=mask_s, other=0.)
-    t_hi = tl.maximum(t1 - 1, 0)
-    l0 = load_transition(vecs, rows, Z, (base + tl.minimum(t0, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    l1 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 1, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    l2 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 2, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    l3 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 3, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    return sp, l0, l1, l2, l3
-
-
-@triton.jit
-def keep_four(sp, l0, l1, l2, l3, tb, t0, t1, scr, vecs, rows, Z, base, H, h, K, V, ix,
-              MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr,
-              BK: tl.constexpr, PF: tl.constexpr):
-    """``keep_states``' steps tb .. tb+3 (those >= t1 are no-ops), each step's loads for four steps
-    later issued before the next update."""
-    t_hi = tl.maximum(t1 - 1, 0)
-    if PF > 0:
-        rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
-        prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
-        prefetch_l2(Z + rowf * V + ix[2])
-    sp = keep_step(sp, l0, tb, t0, t1, scr, BK, BV)
-    l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    sp = keep_step(sp, l1, tb + 1, t0, t1, scr, BK, BV)
-    l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    sp = keep_step(sp, l2, tb + 2, t0, t1, scr, BK, BV)
-    l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    sp = keep_step(sp, l3, tb + 3, t0, t1, scr, BK, BV)
-    l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    return sp, l0, l1, l2, l3
-
-
-@triton.jit
 def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
                 MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr,
                 BK: tl.constexpr, PF: tl.constexpr):
     """Rebuild the states of steps [t0, t1) from the checkpoint ``ckp`` with the stored z and keep
     the state before the lower step of each reverse pair (steps t1-2j-2, t1-2j-1; the last pair
-    cut at t0) in scratch slot j. Four steps per iteration, the next iteration's loads issued
-    before this one's updates."""
-    sp, l0, l1, l2, l3 = keep_begin(ckp, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
-                                    MODES, CONSTS, GROUPS, BV)
+    cut at t0) in scratch slot j."""
+    sp = tl.load(ckp + tile, mask=mask_s, other=0.)
+    t_hi = t1 - 1
+    # four steps per iteration, the next iteration's loads issued before this one's updates
+    l0 = load_transition(vecs, rows, Z, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l1 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 1, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l2 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 2, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    l3 = load_transition(vecs, rows, Z, (base + tl.minimum(t0 + 3, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     for tb in range(t0, t1, 4):
-        sp, l0, l1, l2, l3 = keep_four(sp, l0, l1, l2, l3, tb, t0, t1, scr, vecs, rows, Z, base, H, h, K, V, ix,
-                                       MODES, CONSTS, GROUPS, BV, BK, PF)
+        if PF > 0:
+            rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
+            prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
+            prefetch_l2(Z + rowf * V + ix[2])
+        sp = keep_step(sp, l0, tb, t0, t1, scr, BK, BV)
+        l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, BK, BV)
+        l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, BK, BV)
+        l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, BK, BV)
+        l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
 
 
 @triton.jit
@@ -209,7 +183,6 @@ def rank1_row_bwd_kernel(
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr,
     INDEX: tl.constexpr,                      # for v, q, oq: the DM group index of its tensor
-    INTERLEAVE: tl.constexpr = False,         # decay path: rebuild chunk c-1 during chunk c's reverse loop
 ):
     """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV].
     Four steps per iteration with a 4-step register prefetch of the slots, as in the forward;
@@ -233,40 +206,24 @@ def rank1_row_bwd_kernel(
     if T > 0:
         st += tl.load(ST + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.)
     ckp = CK + i_bh.to(tl.int64) * NC * K * V
-    HALF: tl.constexpr = (CHUNK + 1) // 2 * BK * BV          # one buffer of kept states
-    NBUF: tl.constexpr = 2 if INTERLEAVE else 1
     scr = SCR
     if REBUILT:
-        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * NBUF) * HALF + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
-        if INTERLEAVE:      # the last chunk's states up front; every earlier chunk's during the next one's sweep
-            if NC > 0:
-                keep_states(ckp + (NC - 1) * K * V, scr + ((NC - 1) % 2) * HALF, vecs, rows, Z, (NC - 1) * CHUNK, T,
-                            base, H, h, K, V, ix, tile, mask_s, MODES, CONSTS, GROUPS, BV, BK, PF)
-                tl.debug_barrier()
+        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2)) * BK * BV \
+            + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
 
     for jc in range(0, NC):
         ci = NC - 1 - jc
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
-        n_it = t1 - t0
-        scr_c = scr
         if REBUILT:
-            if INTERLEAVE:
-                scr_c = scr + (ci % 2) * HALF
-                p0 = tl.maximum(t0 - CHUNK, 0)          # the previous chunk [p0, t0) (empty for the first)
-                scr_p = scr + ((ci + 1) % 2) * HALF
-                sk, l0, l1, l2, l3 = keep_begin(ckp + tl.maximum(ci - 1, 0) * K * V, vecs, rows, Z, p0, t0, base, H,
-                                                h, K, V, ix, tile, mask_s, MODES, CONSTS, GROUPS, BV)
-                n_it = tl.maximum(n_it, t0 - p0)
-            else:
-                keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
-                            MODES, CONSTS, GROUPS, BV, BK, PF)
-                tl.debug_barrier()
+            keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
+                        MODES, CONSTS, GROUPS, BV, BK, PF)
+            tl.debug_barrier()
         s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + t1 - 1) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 2, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 3, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        for jt in range(0, n_it, 4):
+        for jt in range(0, t1 - t0, 4):
             t = t1 - 1 - jt
             if PF > 0:
                 rowf = (base + tl.maximum(t - PF, 0)) * H + h
@@ -275,7 +232,7 @@ def rank1_row_bwd_kernel(
                 prefetch_l2(Z + rowf * V + offs_v)
             x0, x1, x2, x3 = st, st, st, st
             if REBUILT:
-                x1 = tl.load(scr_c + (jt // 2) * BK * BV)
+                x1 = tl.load(scr + (jt // 2) * BK * BV)
                 x0 = rebuild(x1, s1_, t - 1 >= t0)
             row = (base + t) * H + h
             ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT), s0_, t, t0, row, K, V, ix, grads, DM,
@@ -285,7 +242,7 @@ def rank1_row_bwd_kernel(
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
             if REBUILT:
-                x3 = tl.load(scr_c + (jt // 2 + 1) * BK * BV, mask=t - 2 >= t0, other=0.)
+                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV, mask=t - 2 >= t0, other=0.)
                 x2 = rebuild(x3, s3_, t - 3 >= t0)
             ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
@@ -293,14 +250,7 @@ def rank1_row_bwd_kernel(
             ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT), s3_, t - 3, t0, row - 3 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-            if REBUILT:
-                if INTERLEAVE:
-                    sk, l0, l1, l2, l3 = keep_four(sk, l0, l1, l2, l3, p0 + jt, p0, t0, scr_p, vecs, rows, Z, base,
-                                                   H, h, K, V, ix, MODES, CONSTS, GROUPS, BV, BK, PF)
         # the exact state at the chunk start (the reconstruction's rounding does not accumulate)
         st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
-        if REBUILT:
-            if INTERLEAVE:      # the next chunk reads what every thread kept during this one
-                tl.debug_barrier()
     if DS0 is not None:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, ds, mask=mask_s)

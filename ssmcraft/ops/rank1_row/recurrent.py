@@ -59,7 +59,6 @@ from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
 CHUNK = 64            # checkpoint interval of the backward (steps)
-INTERLEAVE = True     # decay path: rebuild chunk c-1's states during chunk c's reverse sweep (``bwd``)
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -198,8 +197,8 @@ def _backward(saved, groups, dy, dht, needs_ds0):
     DM = _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((B, H, K, V), dev) if needs_ds0 else None
     # the decay path's kept states: one per reverse pair of steps of a chunk, per program
-    SCR = None if _exact_inverse(a) else torch.empty(B * H * NV * (2 if INTERLEAVE else 1) * cdiv(CHUNK, 2) * BK * BV,
-                                                     device=dev, dtype=torch.float32)
+    SCR = None if _exact_inverse(a) else torch.empty(B * H * NV * cdiv(CHUNK, 2) * BK * BV, device=dev,
+                                                     dtype=torch.float32)
     if dht is not None:
         # [B, H, V, K] -> contiguous [B, H, K, V]: the same layout as every other state tile
         dht = dht.transpose(-1, -2).contiguous()
@@ -208,7 +207,7 @@ def _backward(saved, groups, dy, dht, needs_ds0):
                u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0,
                T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
                BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
-               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), INTERLEAVE=INTERLEAVE, num_warps=nw)
+               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw)
     dm = DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
     row_grads = [buf.sum(0) if buf is not None and m == 1 else buf for buf, m in zip(bufs, modes)]
