@@ -113,11 +113,13 @@ def test_an_objective_without_such_sums_keeps_its_ir():
         assert ir.factored == () and ir.content_hash() == plain.content_hash()
 
 
-def test_the_longhorn_2key_prologue_tiles_many_tokens_per_program(compiled):
+def test_the_longhorn_2key_prologue_tiles_many_tokens_per_program(compiled, monkeypatch):
     from ssmcraft.ops.codegen import prologue as P
     from ssmcraft.ops.common.slots import bindings
     obj = compiled("longhorn_2key")
     pro = P.build(obj.ir, bindings(obj.ir))
     assert "VK" not in pro.kinds
-    R, BV, BK, _ = P._tiles(pro, 64, 64, 8 * 2048 * 16)
-    assert (BV, BK) == (64, 64) and R > 1
+    monkeypatch.setattr(P, "INTERPRET", False)      # the GPU's tiles: rows per program by BUDGET
+    for backward in (False, True):
+        R, BV, BK, _ = P._tiles(pro, 64, 64, 8 * 2048 * 16, backward)
+        assert (BV, BK) == (64, 64) and R == P.BUDGET[backward] // 64 > 1

@@ -253,10 +253,11 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-# fp32 elements of the widest value tile per program on the GPU: forward, backward (the backward
-# holds several times more live values per element: the leaves, the upstream gradients and the
-# adjoints of every reduction; a Woodbury coefficient's adjoint spilled registers at the forward's)
-BUDGET = {False: 4096, True: 4096}
+# fp32 elements of the widest value tile per program on the GPU: forward, backward. The backward
+# holds several times more live values per element (the leaves, the upstream gradients, the
+# adjoints of every reduction): a rank-2 Woodbury coefficient's backward ran 16x slower at the
+# forward's budget, and slower again at 256 (``benchmarks/sweep_prologue.py``)
+BUDGET = {False: 4096, True: 1024}
 
 
 def _tiles(pro: Prologue, V: int, K: int, N: int, backward: bool = False) -> tuple[int, int, int, int]:
