@@ -119,6 +119,11 @@ def run(args) -> int:
     print("  where")
     for line in st["coefficients"]:
         print(f"    {line}")
+    if ir.factored:
+        print("  reductions factored (a sum over one dimension of a body that also varies over the other, "
+              "split over the body's terms):")
+        for f in ir.factored:
+            print(f"    sum_{f.over} {sympy.sstr(f.body)} = {sympy.sstr(f.expr)}")
     print(f"\n[5] code: reference module cached (IR {ir.content_hash()}); `--code` prints it, `--json` the IR")
     print(f"derived in {st['seconds'][0] * 1000:.0f} ms, reference generated and loaded in {st['seconds'][1] * 1000:.0f} ms")
     return 0

@@ -81,6 +81,9 @@ class UpdateIR:
     # hidden dimensions (a deep memory's widths): name -> (factor, base dim or None), size factor *
     # size(base); the generated code lays tensors out over ``axes()``
     hidden: dict = field(default_factory=dict)
+    # reductions the structure stage split into smaller ones (``ssmcraft.compiler.factor.Factoring``:
+    # ``sum_over body = expr``), for display; the coefficients read only the smaller ones
+    factored: tuple = ()
 
     @property
     def state_names(self) -> tuple:
@@ -129,10 +132,14 @@ class UpdateIR:
         })
 
     def to_json_states(self, out: dict) -> dict:
-        """Add the several-state fields (absent for one state, so existing IR hashes stay)."""
+        """Add the several-state fields and the factored reductions (absent when empty, so the
+        hashes of IRs without them stay)."""
         if self.states:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        if self.factored:
+            out["factored"] = [{"over": f.over, "body": sympy.sstr(f.body), "as": sympy.sstr(f.expr)}
+                               for f in self.factored]
         if self.minibatch:
             out["minibatch"] = self.minibatch
             out["minibatch_decay"] = None if self.minibatch_decay is None else sympy.sstr(self.minibatch_decay)

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import sympy
 
+from ssmcraft.compiler.factor import factor_sums
 from ssmcraft.compiler.updates import derive_update, derive_updates
 from ssmcraft.compiler.derive import (MAX_RANK, NotAffine, NotRowSeparable, affine,
                                      is_affine)
@@ -121,14 +122,19 @@ def _ordered(dims, order) -> tuple[str, ...]:
 
 
 class _Builder:
-    """Collects named coefficients, expressing later ones through earlier ones when shorter."""
+    """Collects named coefficients, expressing later ones through earlier ones when shorter; with
+    ``factor``, their reductions factored first (``ssmcraft.compiler.factor``, kept in ``factored``)."""
 
-    def __init__(self, alg: Algebra, order):
-        self.alg, self.order = alg, order
+    def __init__(self, alg: Algebra, order, factor: bool = True):
+        self.alg, self.order, self.factor = alg, order, factor
         self.named: list[tuple[str, sympy.Expr]] = []
         self.slots: dict = {}
+        self.factored: list = []
 
     def add(self, slot: str, expr, *, reuse: bool = True, if_nonzero: bool = False):
+        if self.factor:
+            expr, done = factor_sums(self.alg, expr)
+            self.factored += [f for f in done if f not in self.factored]
         expr = simplify(expr)
         if if_nonzero and expr == 0:      # a term that vanishes gets no slot
             return
@@ -226,8 +232,9 @@ def _readout_slots(so: SymbolicObjective, b: "_Builder") -> tuple:
     return None, ()
 
 
-def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
-    """Build the IR of update ``F`` (element form in S_prev) for the spec of ``so``."""
+def classify(so: SymbolicObjective, F: sympy.Expr, factor: bool = True) -> UpdateIR:
+    """Build the IR of update ``F`` (element form in S_prev) for the spec of ``so``; ``factor=False``
+    keeps the coefficients' reductions as derived (the tests' unfactored form)."""
     if so.spec.minibatch:
         return classify_minibatch(so, F)
     spec, alg = so.spec, so.algebra
@@ -239,7 +246,7 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
         params={k: v.shape for k, v in spec.params.items()},
         update=spec.update, approximation=spec.approximation,
     )
-    b = _Builder(alg, spec.dims)
+    b = _Builder(alg, spec.dims, factor)
     try:
         parts = affine(alg, F, S_prev)
         if len(parts.terms) > 1:
@@ -310,7 +317,9 @@ def classify(so: SymbolicObjective, F: sympy.Expr) -> UpdateIR:
             raise AssertionError(f"coefficient reduction {r.symbol} depends on the state")
     ir = UpdateIR(kind=kind, reductions=_reduction_irs(reductions, spec.dims), coefficients=tuple(coefficients),
                   slots=dict(b.slots), state_reductions=state_reductions, state_update=state_update,
-                  readout=readout, readout_reductions=readout_reductions, **common)
+                  readout=readout, readout_reductions=readout_reductions,
+                  factored=tuple(b.factored),
+                  **common)
     return renumber(ir)
 
 
@@ -359,7 +368,8 @@ def renumber(ir: UpdateIR) -> UpdateIR:
                                     else ren(ir.minibatch_decay)),
                    state_updates=tuple(ren(e) for e in ir.state_updates),
                    inverses=tuple((x, ren(a), tuple(tuple(ren(e) for e in t) for t in terms))
-                                  for x, a, terms in ir.inverses))
+                                  for x, a, terms in ir.inverses),
+                   factored=tuple(replace(f, body=ren(f.body), expr=ren(f.expr)) for f in ir.factored))
 
 
 def is_linear_in(alg: Algebra, exprs, variables) -> bool:
@@ -430,11 +440,11 @@ def _square_fields(spec, inverses, alg) -> dict:
                               for x, a, terms in inverses)}
 
 
-def build_ir(so: SymbolicObjective) -> UpdateIR:
-    """Stages 3 and 4: derive the update and classify it."""
+def build_ir(so: SymbolicObjective, factor: bool = True) -> UpdateIR:
+    """Stages 3 and 4: derive the update and classify it (``factor``: as ``classify``)."""
     if so.spec.states:
         return classify_states(so, derive_updates(so))
-    return classify(so, derive_update(so))
+    return classify(so, derive_update(so), factor)
 
 
 def element_form(ir: UpdateIR) -> UpdateIR:

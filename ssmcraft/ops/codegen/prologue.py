@@ -253,12 +253,19 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-def _tiles(pro: Prologue, V: int, K: int, N: int) -> tuple[int, int, int, int]:
-    """(R, BV, BK, num_warps): rows per program so that the widest value tile holds about 4096
+# fp32 elements of the widest value tile per program on the GPU: forward, backward. The backward
+# holds several times more live values per element (the leaves, the upstream gradients, the
+# adjoints of every reduction): a rank-2 Woodbury coefficient's backward ran 16x slower at the
+# forward's budget, and slower again at 256 (``benchmarks/sweep_prologue.py``)
+BUDGET = {False: 4096, True: 1024}
+
+
+def _tiles(pro: Prologue, V: int, K: int, N: int, backward: bool = False) -> tuple[int, int, int, int]:
+    """(R, BV, BK, num_warps): rows per program so that the widest value tile holds ``BUDGET``
     fp32 (16384 under the interpreter, where fewer programs run faster)."""
     BV, BK = next_pow2(V), next_pow2(K)
     width = max({"": 1, "V": BV, "K": BK, "VK": BV * BK}[k] for k in pro.kinds)
-    budget = 16384 if INTERPRET else 4096
+    budget = 16384 if INTERPRET else BUDGET[backward]
     R = max(1, min(budget // width, next_pow2(N), 1024))
     R = 1 << (R.bit_length() - 1)
     warps = 1 if INTERPRET else (4 if R * width <= 2048 else 8)
@@ -289,7 +296,7 @@ class _PrologueFunction(torch.autograd.Function):
             launch(mod.prologue_fwd_kernel, (cdiv(N, R),), *leaves, *outs, N, H, V, K, *strides, R=R, BV=BV, BK=BK,
                    num_warps=warps)
         ctx.save_for_backward(*leaves)
-        ctx.entry, ctx.shape, ctx.dev, ctx.tiles, ctx.strides = entry, shape, dev, (R, BV, BK, warps), strides
+        ctx.entry, ctx.shape, ctx.dev, ctx.strides = entry, shape, dev, strides
         return tuple(outs)
 
     @staticmethod
@@ -298,7 +305,8 @@ class _PrologueFunction(torch.autograd.Function):
         pro, mod, _ = ctx.entry
         B, T, H, V, K = ctx.shape
         N = B * T * H
-        dev, (R, BV, BK, warps), strides = ctx.dev, ctx.tiles, ctx.strides
+        dev, strides = ctx.dev, ctx.strides
+        R, BV, BK, warps = _tiles(pro, V, K, N, backward=True)
         grads = [_new((B, T, H, *_size(lf.dims, pro, V, K)), dev) if lf.param else _new(t.shape, dev, t.dtype)
                  for lf, t in zip(pro.leaves, leaves)]
         gouts = [g.contiguous() for g in gouts]

@@ -124,7 +124,6 @@ def rankr_row_fwd_kernel(
     b = i_bh // H
     h = i_bh % H
     ix, mask_s, tile = row_tile(V, K, BV, BK)
-    offs_v = ix[2]
     base = b.to(tl.int64) * T
     t_last = T - 1
     s = tl.zeros([BK, BV], dtype=tl.float32)
