@@ -135,3 +135,44 @@ def test_bad_offsets_are_one_clear_error(compiled, cu, B, rows, problem):
             run(ins, params, S0, True, cu_seqlens=offsets)
         assert problem in str(e.value), str(e.value)
         assert str(e.value).startswith("gla: cu_seqlens: ")
+
+
+# -- families with packed kernels, under the interpreter ---------------------------------------
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every kernel buffer of the packed families starts as NaN; small chunks so that sequences span
+    several chunks, and a chunk boundary falls inside some sequences and not others."""
+    from ssmcraft.ops.keydecay_chunk import chunk as KD
+    monkeypatch.setattr(KD, "POISON", True)
+    monkeypatch.setattr(KD, "CHUNK", 16)
+
+
+def _interpret(obj, ins, params, S0, cu):
+    obj.prefer = "interpret"
+    try:
+        return obj(ins, params, S0, True, cu_seqlens=cu)
+    finally:
+        obj.prefer = "auto"
+
+
+@pytest.mark.parametrize("name, family", [("gla", "keydecay-chunked"), ("retnet", "keydecay-chunked")])
+def test_native_family_packed_equals_separate(name, family, poisoned):
+    """fp32 kernels on a packed row vs the separate float64 reference calls; lengths cross the
+    chunk of 16 (17, 33), stay under it (5, 1) and include an empty sequence."""
+    obj = ssmcraft.compile(name)
+    errs = packed_errors(obj, [17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T.0": 1e-5, "grad": 2e-5})
+    assert obj.backend == f"triton-interpret:{family}+packed"
+
+
+def test_family_without_packed_kernels_is_named():
+    """A forced interpreter call of a family without packed kernels refuses, naming why; the
+    default path runs it per sequence and says so."""
+    from ssmcraft.ops.registry import family
+    assert family("keydecay_chunk").varlen is None
+    assert family("rank1_row").varlen is not None
+    obj = ssmcraft.compile("longhorn")
+    ins, params, S0, cu, _ = packed_inputs(obj, [3, 2])
+    with pytest.raises(SsmcraftError, match="rank1_row: no packed-sequence"):
+        _interpret(obj, {k: v.float() for k, v in ins.items()}, params, S0.float(), cu)

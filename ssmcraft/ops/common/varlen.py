@@ -15,6 +15,9 @@ packed call.
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
 from ssmcraft.errors import SsmcraftError
@@ -85,3 +88,28 @@ def per_sequence(run, inputs: dict, params, initial_state, output_final_state: b
     if not output_final_state:
         return y, None
     return y, like(S, tuple(torch.cat(parts, dim=0) for parts in zip(*finals)))
+
+
+@dataclass
+class Chunks:
+    """A packed row cut into chunks of ``BT`` tokens that never straddle two sequences, for the
+    chunked kernels (device tensors, int32): ``cu`` the offsets ``[N + 1]``; ``ci [NT, 2]`` each chunk's
+    (sequence, index within the sequence), sequence by sequence; ``co [N]`` each sequence's first
+    chunk in that list. A zero-length sequence has no chunk."""
+    cu: torch.Tensor
+    ci: torch.Tensor
+    co: torch.Tensor
+    N: int
+    NT: int
+
+
+def chunks(cu: list[int], cu_seqlens: torch.Tensor, BT: int) -> Chunks:
+    """``Chunks`` at chunk size ``BT`` of the offsets ``cu`` (``offsets``' list, checked) whose device
+    tensor is ``cu_seqlens``."""
+    counts = [-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:])]
+    pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)]
+    first = [0, *itertools.accumulate(counts)][:-1]
+    dev = cu_seqlens.device
+    ci = torch.tensor(pairs, dtype=torch.int32, device=dev).reshape(-1, 2)
+    return Chunks(cu_seqlens.to(torch.int32), ci, torch.tensor(first, dtype=torch.int32, device=dev),
+                  len(counts), len(pairs))
