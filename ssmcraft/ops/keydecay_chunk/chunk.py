@@ -76,9 +76,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -580,7 +580,7 @@ def _empty(*shape, device, dtype):
 
 def _sequences(B, T, BT, packed, ref):
     """(N sequences, NT chunks (per batch row, or of the whole packed row), the kernels' packing
-    arguments): ``packed`` a ``varlen.Chunks`` or None (``ref`` stands in for its pointers, unread)."""
+    arguments): ``packed`` a ``Chunks`` (``ssmcraft.ops.common.varlen``) or None (``ref`` stands in for its pointers, unread)."""
     if packed is None:
         return B, cdiv(T, BT), {"cu": ref, "co": ref, "ci": ref, "VARLEN": False}
     return packed.N, packed.NT, {"cu": packed.cu, "co": packed.co, "ci": packed.ci, "VARLEN": True}
@@ -593,7 +593,7 @@ def _only(args, *names):
 def _fwd(q, k, v, g, h0, BT, log_g=False, packed=None):
     """o [B,T,H,V] (v's dtype), ht [N,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
     A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward). ``packed``:
-    the ``varlen.Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
+    the ``Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
@@ -722,8 +722,8 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         raise ValueError(f"chunk_key_decay: K = {K} > {MAX_K} is not supported")
     packed = None
     if cu_seqlens is not None:
-        cu = varlen.offsets("chunk_key_decay", cu_seqlens, {"v": v}, initial_state)
-        packed = varlen.chunks(cu, cu_seqlens.to(v.device), chunk_size)
+        cu = offsets("chunk_key_decay", cu_seqlens, {"v": v}, initial_state)
+        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
     N = B if packed is None else packed.N
     if T == 0:
         o = v.new_zeros(B, 0, H, V)
