@@ -79,6 +79,7 @@ import triton.language as tl
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
 from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.keydecay_chunk.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -99,53 +100,6 @@ A_CONFIGS = [triton.Config({}, num_warps=w, num_stages=2) for w in (1, 2, 4)]
 # kernels
 # ----------------------------------------------------------------------------------------
 
-@triton.jit
-def _rows(bos, i_h, t, T, H):
-    """Row ids (int64) of time steps ``t`` of the sequence starting at row ``bos`` (``b * T``, or its
-    offset in a packed row) clamped into [0, T-1] (rows past the end repeat the last one, so that
-    cumulative sums stay flat there)."""
-    return (bos + tl.maximum(tl.minimum(t, T - 1), 0)).to(tl.int64) * H + i_h
-
-
-@triton.jit
-def _seq_state(cu, co, i_b, i_h, T, NT, H: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """The state kernels' sequence ``i_b``: (its first row ``bos``, its length, its chunk count, the
-    int64 index of its first chunk in the per-chunk buffers ``[B, H, NT, ...]``). VARLEN: sequence
-    ``i_b`` of a packed row (``cu`` its offsets, ``co`` each sequence's first chunk, NT every
-    sequence's chunks together); else row ``i_b`` of the batch."""
-    if VARLEN:
-        bos = tl.load(cu + i_b)
-        T_s = tl.load(cu + i_b + 1) - bos
-        return bos, T_s, tl.cdiv(T_s, BT), i_h.to(tl.int64) * NT + tl.load(co + i_b)
-    else:
-        return i_b * T, T, NT, (i_b * H + i_h).to(tl.int64) * NT
-
-
-@triton.jit
-def _seq_chunk(cu, ci, i_c, i_b, i_h, T, NT, H: tl.constexpr, VARLEN: tl.constexpr):
-    """The parallel kernels' chunk ``i_c`` (grid index): (its sequence's first row ``bos`` and
-    length, the chunk's index within the sequence, the int64 index of the sequence's first chunk in
-    the per-chunk buffers). VARLEN: ``ci [NT, 2]`` holds each chunk's (sequence, index within it),
-    so that no chunk straddles two sequences; else chunk ``i_c`` of batch row ``i_b``."""
-    if VARLEN:
-        n = tl.load(ci + 2 * i_c)
-        i_t = tl.load(ci + 2 * i_c + 1)
-        bos = tl.load(cu + n)
-        return bos, tl.load(cu + n + 1) - bos, i_t, i_h.to(tl.int64) * NT + i_c - i_t
-    else:
-        return i_b * T, T, i_c, (i_b * H + i_h).to(tl.int64) * NT
-
-
-@triton.jit
-def _state_program(H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """This program's (key block, value block, batch * head, batch, head) in the state kernels' grid
-    (key block x value block, batch * head)."""
-    i_kv = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NV = tl.cdiv(V, BV)
-    return i_kv // NV, i_kv % NV, i_bh, i_bh // H, i_bh % H
-
-
 @tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "BC", "HAS_H0"])
@@ -158,15 +112,15 @@ def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, cu, co, T, NT,
     gc = cumulative sums of g within each BC-row sub-block (key rows are independent, so
     blocks over K are too), hs[chunk] = state at the chunk's start, ht = final state.
     LOG_G: the tensor holds the decay a itself and g = log a is taken here."""
-    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
+    i_k, i_v, i_bh, i_b, i_h = state_program(H, V, BV)
     DT = hs.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    bos, T, n_t, cb = _seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
     for i_t in range(n_t):
         o_i = tl.arange(0, BT)
         m_t = i_t * BT + o_i < T
-        row = _rows(bos, i_h, i_t * BT + o_i, T, H)
+        row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
         m_tk = m_t[:, None] & m_k[None, :]
         tl.store(hs + (cb + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
         b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_tk, LOG_G)
@@ -191,16 +145,16 @@ def _log_decay(ptr, mask, LOG_G: tl.constexpr):
 
 
 @triton.jit
-def _ref_rows(gc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k, BC: tl.constexpr, OFF: tl.constexpr):
+def _refrow_ids(gc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k, BC: tl.constexpr, OFF: tl.constexpr):
     """[BT, BK] tile of gc at row (i // BC) * BC + OFF of each row i's sub-block (clamped)."""
-    r = _rows(bos, i_h, t0 + (o_i // BC) * BC + OFF, T, H)
+    r = row_ids(bos, i_h, t0 + (o_i // BC) * BC + OFF, T, H)
     return tl.load(gc + r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
 
 
 @triton.jit
 def _ref_vec(gc, bos, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
     """[BK] row of gc at time t (clamped)."""
-    return tl.load(gc + _rows(bos, i_h, t, T, H) * K + o_k, mask=m_k, other=0.)
+    return tl.load(gc + row_ids(bos, i_h, t, T, H) * K + o_k, mask=m_k, other=0.)
 
 
 @triton.jit
@@ -215,7 +169,7 @@ def _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
                 BT: tl.constexpr, BC: tl.constexpr):
     """From the block-local sums lc (each a direct sum, never a difference of large ones):
     b = the chunk's prefix sums b_i, sx = bl - b_j, and bl."""
-    b_own = _ref_rows(gc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BC, BC - 1)
+    b_own = _refrow_ids(gc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BC, BC - 1)
     blk = (o_i // BC)[:, None]
     b_pre = tl.zeros_like(b_lc)
     b_post = tl.zeros_like(b_lc)
@@ -229,9 +183,9 @@ def _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
 
 
 @triton.jit
-def _sub_rows(p, bos, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
+def _subrow_ids(p, bos, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
     """[BC, BK] fp32 tile of a [B, T, H, K] tensor at the times t (rows past T: 0)."""
-    r = _rows(bos, i_h, t, T, H)
+    r = row_ids(bos, i_h, t, T, H)
     return tl.load(p + r[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=0.).to(tl.float32)
 
 
@@ -249,8 +203,8 @@ def _key_to_ref(k, gc, bos, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_
     sub-blocks between J and R (every exponent <= 0 for g <= 0). Returns that [BC, BK] fp32 tile and
     tot_J, the [BK] sum of g over J (added to ``b_s`` before the next J down)."""
     t_J = t0 + J * BC + o_c
-    b_kJ = _sub_rows(k, bos, i_h, t_J, T, H, K, o_k, m_k)
-    b_lJ = tl.load(gc + _rows(bos, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_kJ = _subrow_ids(k, bos, i_h, t_J, T, H, K, o_k, m_k)
+    b_lJ = tl.load(gc + row_ids(bos, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     b_oJ = _ref_vec(gc, bos, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
     return b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :]), b_oJ
 
@@ -269,7 +223,7 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K
     i_b = i_bh // H
     i_h = i_bh % H
     I = i_c % NC
-    bos, T, i_t, _ = _seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    bos, T, i_t, _ = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
     t0 = i_t * BT
     DT = A.dtype.element_ty
     o_c = tl.arange(0, BC)
@@ -277,8 +231,8 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K
     m_k = o_k < K
     t_I = t0 + I * BC + o_c
     m_I = t_I < T
-    r_I = _rows(bos, i_h, t_I, T, H)
-    b_q = _sub_rows(q, bos, i_h, t_I, T, H, K, o_k, m_k)
+    r_I = row_ids(bos, i_h, t_I, T, H)
+    b_q = _subrow_ids(q, bos, i_h, t_I, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + r_I[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     b_qs = (b_q * tl.exp(b_lc)).to(DT)                    # q e^{b_i - R_I}
     b_s = tl.zeros([BK], dtype=tl.float32)                # sum of g over the whole blocks after J, before I
@@ -292,7 +246,7 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K
     b_d = tl.zeros([BC, BC], dtype=tl.float32)
     for c in range(BC):          # diagonal block: e^{b_i - b_c} = e^{lc_i - lc_c}, c <= i
         t_c = t0 + I * BC + c
-        r_c = _rows(bos, i_h, t_c, T, H)
+        r_c = row_ids(bos, i_h, t_c, T, H)
         b_kc = tl.load(k + r_c * K + o_k, mask=m_k & (t_c < T), other=0.).to(tl.float32)
         b_lcc = tl.load(gc + r_c * K + o_k, mask=m_k, other=0.)
         low = (o_c >= c)[:, None]
@@ -315,18 +269,18 @@ def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, cu, ci, T, NT,
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    bos, T, i_t, cb = _seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
     DT = x.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
     m_t = (t0 + o_i) < T
-    row = _rows(bos, i_h, t0 + o_i, T, H)
+    row = row_ids(bos, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    b_key = _sub_rows(key, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_key = _subrow_ids(key, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
     b_A = _causal(A, row, m_t, o_i, BT, DT)
@@ -353,18 +307,18 @@ def keydecay_chunk_bwd_state_kernel(q, g, do, dht, dhs, dh0, cu, co, T, NT,
                       LOG_G: tl.constexpr, VARLEN: tl.constexpr):
     """Reverse over chunks: dhs[chunk] = gradient of the state at the chunk's end;
     dH <- e^{bl} o dH + (q e^b)^T dO; dh0 = the gradient of the initial state."""
-    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
+    i_k, i_v, i_bh, i_b, i_h = state_program(H, V, BV)
     DT = dhs.dtype.element_ty
     o_i = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    bos, T, n_t, cb = _seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
     for j in range(n_t):
         i_t = n_t - 1 - j
         t0 = i_t * BT
         o_t = t0 + o_i
         m_t = o_t < T
-        row = _rows(bos, i_h, o_t, T, H)
+        row = row_ids(bos, i_h, o_t, T, H)
         tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
         b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_t[:, None] & m_k[None, :], LOG_G)
         b_b = tl.cumsum(b_g, axis=0)
@@ -392,12 +346,12 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    bos, T, i_t, cb = _seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = do.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
     m_t = (t0 + o_i) < T
-    row = _rows(bos, i_h, t0 + o_i, T, H)
+    row = row_ids(bos, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -423,7 +377,7 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     b_dk = b_dkh * tl.exp(b_sx)
     tl.store(dqi + row[:, None] * K + o_k[None, :], b_dqh * tl.exp(b_b), mask=m_tk)
     tl.store(dki + row[:, None] * K + o_k[None, :], b_dk, mask=m_tk)
-    b_k = _sub_rows(k, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_k = _subrow_ids(k, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_dbl = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_bl) * b_hdh
     tl.store(dbl + (cb + i_t) * K + o_k, b_dbl, mask=m_k)
 
@@ -445,7 +399,7 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    bos, T, i_t, cb = _seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    bos, T, i_t, cb = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
     I = i_c % NC
     DT = q.dtype.element_ty
     t0 = i_t * BT
@@ -454,11 +408,11 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     m_k = o_k < K
     t_I = t0 + I * BC + o_c
     m_I = t_I < T
-    r_I = _rows(bos, i_h, t_I, T, H)
+    r_I = row_ids(bos, i_h, t_I, T, H)
     m_Ik = m_I[:, None] & m_k[None, :]
     p_I = r_I[:, None] * K + o_k[None, :]
-    b_q = _sub_rows(q, bos, i_h, t_I, T, H, K, o_k, m_k)
-    b_k = _sub_rows(k, bos, i_h, t_I, T, H, K, o_k, m_k)
+    b_q = _subrow_ids(q, bos, i_h, t_I, T, H, K, o_k, m_k)
+    b_k = _subrow_ids(k, bos, i_h, t_I, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + p_I, mask=m_k[None, :], other=0.)
     b_own = _ref_vec(gc, bos, i_h, t0 + I * BC + BC - 1, T, H, K, o_k, m_k)
     # dq from the blocks J < I: dA[I, J] (k_J e^{R_I - b_J}), then e^{b_i - R_I}
@@ -475,8 +429,8 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     b_s = tl.zeros([BK], dtype=tl.float32)
     for J in range(I + 1, NC):
         t_J = t0 + J * BC + o_c
-        r_J = _rows(bos, i_h, t_J, T, H)
-        b_qJ = _sub_rows(q, bos, i_h, t_J, T, H, K, o_k, m_k)
+        r_J = row_ids(bos, i_h, t_J, T, H)
+        b_qJ = _subrow_ids(q, bos, i_h, t_J, T, H, K, o_k, m_k)
         b_lJ = tl.load(gc + r_J[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
         b_qt = (b_qJ * tl.exp(b_lJ + b_s[None, :])).to(DT)
         b_da = tl.load(dA + r_J[:, None] * BT + I * BC + o_c[None, :], mask=(t_J < T)[:, None], other=0.).to(DT)
@@ -487,7 +441,7 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     # diagonal block: partner row c; one exponential serves dq (c <= i) and dk (c >= i)
     for c in range(BC):
         t_c = t0 + I * BC + c
-        r_c = _rows(bos, i_h, t_c, T, H)
+        r_c = row_ids(bos, i_h, t_c, T, H)
         m_c = m_k & (t_c < T)
         b_qc = tl.load(q + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
         b_kc = tl.load(k + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
@@ -520,10 +474,10 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    bos, T, i_t, cb = _seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
     o_i = tl.arange(0, BT)
     m_t = (i_t * BT + o_i) < T
-    row = _rows(bos, i_h, i_t * BT + o_i, T, H)
+    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     base = (cb + i_t) * K
@@ -578,18 +532,6 @@ def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
 
 
-def _sequences(B, T, BT, packed, ref):
-    """(N sequences, NT chunks (per batch row, or of the whole packed row), the kernels' packing
-    arguments): ``packed`` a ``Chunks`` (``ssmcraft.ops.common.varlen``) or None (``ref`` stands in for its pointers, unread)."""
-    if packed is None:
-        return B, cdiv(T, BT), {"cu": ref, "co": ref, "ci": ref, "VARLEN": False}
-    return packed.N, packed.NT, {"cu": packed.cu, "co": packed.co, "ci": packed.ci, "VARLEN": True}
-
-
-def _only(args, *names):
-    return {n: args[n] for n in (*names, "VARLEN")}
-
-
 def _fwd(q, k, v, g, h0, BT, log_g=False, packed=None):
     """o [B,T,H,V] (v's dtype), ht [N,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
     A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward). ``packed``:
@@ -597,23 +539,23 @@ def _fwd(q, k, v, g, h0, BT, log_g=False, packed=None):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    N, NT, seq = _sequences(B, T, BT, packed, k)
+    N, NT, seq = sequences(B, T, BT, packed, k)
     prec = dot_precision(dt)
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_fwd_state_kernel, _state_grid(K, V, N * H),
            k=k, v=v, g=g, h0=h0 if h0 is not None else ht, gc=gc, hs=hs, ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT,
-           BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g, **_only(seq, "cu", "co"),
+           BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g, **packed_args(seq, "cu", "co"),
            **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
     launch(keydecay_chunk_intra_a_kernel, (NT * (BT // BC), B * H),
-           q=q, k=k, gc=gc, A=A, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **_only(seq, "cu", "ci"))
+           q=q, k=k, gc=gc, A=A, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
            key=q, x=v, gc=gc, st=hs, A=A, out=o, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=False, PREC=prec,
-           **_only(seq, "cu", "ci"), **_par_opts(V))
+           **packed_args(seq, "cu", "ci"), **_par_opts(V))
     return o, ht, gc, hs, A
 
 
@@ -622,7 +564,7 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    N, NT, seq = _sequences(B, T, BT, packed, k)
+    N, NT, seq = sequences(B, T, BT, packed, k)
     prec = dot_precision(dt)
     do = do.to(dt).contiguous()
     has_dht = dht is not None
@@ -631,19 +573,19 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_bwd_state_kernel, _state_grid(K, V, N * H),
            q=q, g=g, do=do, dht=dht, dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec,
-           LOG_G=log_g, **_only(seq, "cu", "co"), **_state_opts(K, V))
+           LOG_G=log_g, **packed_args(seq, "cu", "co"), **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
            key=k, x=do, gc=gc, st=dhs, A=A, out=dv, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=True,
-           PREC=prec, **_only(seq, "cu", "ci"), **_par_opts(V))
+           PREC=prec, **packed_args(seq, "cu", "ci"), **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_bwd_inter_kernel, (NT, B * H),
            q=q, k=k, v=v, gc=gc, hs=hs, dhs=dhs, do=do, dA=dA, dqi=dqi, dki=dki, dbl=dbl, T=T, NT=NT, V_run=V, H=H,
-           K=K, V=V, BT=BT, BC=BC, BK=BK, PREC=prec, **_only(seq, "cu", "ci"), **_par_opts(V))
+           K=K, V=V, BT=BT, BC=BC, BK=BK, PREC=prec, **packed_args(seq, "cu", "ci"), **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
@@ -651,12 +593,12 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
     grid = lambda meta: (cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
     launch(keydecay_chunk_bwd_intra_kernel, grid,
            q=q, k=k, gc=gc, dA=dA, dqi=dqi, dki=dki, dq=dq, dk=dk, dgl=dgl, dbt=dbt, T=T, NT=NT, H=H, K=K, BT=BT,
-           BC=BC, PREC=prec, **_only(seq, "cu", "ci"), **_intra_opts(K))
+           BC=BC, PREC=prec, **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
     launch(keydecay_chunk_bwd_dg_kernel, grid,
            dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g,
-           **_only(seq, "cu", "ci"), **_intra_opts(K))
+           **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
