@@ -132,3 +132,15 @@ def test_training_packs_by_default(folder, tmp_path):
     assert metrics["status"] == "ok", metrics.get("status")
     lm = load_run(tmp_path / "run", "cpu")
     assert lm.documents is False            # a loaded model reads plain tokens unless told
+
+
+def test_cuda_graphs_are_off_for_packed_documents():
+    """Boundaries change every batch, which a captured graph cannot replay: auto turns graphs off
+    (saying why), true is refused naming both keys."""
+    from ssmcraft.train.graphed import graphs_decision
+    cuda = torch.device("cuda")
+    assert graphs_decision("auto", cuda, False, documents=True) == \
+        (False, "train.cuda_graphs auto: off for packed documents (task.pack: boundaries change every batch)")
+    with pytest.raises(SpecError, match="train.cuda_graphs: true cannot capture packed documents"):
+        graphs_decision(True, cuda, False, documents=True)
+    assert graphs_decision("auto", cuda, False)[0] is True

@@ -148,7 +148,7 @@ class LM(nn.Module):
             tokens, cu_seqlens = document_offsets(tokens)
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h, cu_seqlens)
+            h = block(h) if cu_seqlens is None else block(h, cu_seqlens)
         return self.norm_f(h)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
