@@ -174,6 +174,25 @@ def test_native_family_packed_equals_separate(name, family, poisoned):
     assert obj.backend == f"triton-interpret:{family}+packed"
 
 
+@pytest.mark.parametrize("name", ["gla", "mamba"])
+def test_native_family_packed_without_final_state(name, poisoned):
+    """No final state asked (as a training forward calls it): the output and every input's gradient
+    equal the packed reference's, and no state comes back."""
+    obj = ssmcraft.compile(name)
+    ins, params, _, cu, g = packed_inputs(obj, [0, 19, 4], d=20, m=12)
+    dy = torch.randn(1, 23, 2, 20, generator=g, dtype=torch.float64)
+
+    def run(call, dtype):
+        x = {k: v.to(dtype).requires_grad_() for k, v in ins.items()}
+        y, S = call(x)
+        return y, S, torch.autograd.grad((y.double() * dy).sum(), list(x.values()))
+    y_r, _, g_r = run(lambda x: obj.reference(x, params, None, True, cu_seqlens=cu), torch.float64)
+    obj.prefer = "interpret"
+    y, S, g = run(lambda x: obj(x, params, None, False, cu_seqlens=cu), torch.float32)
+    assert S is None and obj.backend.endswith("+packed")
+    assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
+
+
 def test_family_without_packed_kernels_is_named():
     """A forced interpreter call of a family without packed kernels refuses, naming why; the
     default path runs it per sequence and says so."""

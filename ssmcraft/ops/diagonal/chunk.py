@@ -431,7 +431,7 @@ class _DiagonalScan(torch.autograd.Function):
         y, ht, ckpt = _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg, mod, packed)
         ctx.plan, ctx.names, ctx.shape, ctx.config, ctx.has_h0 = plan, names, shape, config, h0 is not None
         ctx.packed = packed
-        N = B if packed is None else ht.shape[0] // H
+        N = B if packed is None else packed(1).N
         if save:
             ctx.save_for_backward(ckpt, *tensors)
         if ht is not None:
