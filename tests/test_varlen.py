@@ -193,13 +193,14 @@ def test_native_family_packed_without_final_state(name, poisoned):
     assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
 
 
-def test_family_without_packed_kernels_is_named():
-    """A forced interpreter call of a family without packed kernels refuses, naming why; the
-    default path runs it per sequence and says so."""
+def test_family_without_packed_kernels_runs_each_sequence_and_says_why():
+    """Exact Longhorn (``rank1_row``, no packed kernels) under the interpreter: each sequence runs the
+    row kernel on its own, equal to the separate reference calls, and the backend names both."""
     from ssmcraft.ops.registry import family
-    assert family("keydecay_chunk").varlen is None
+    assert family("keydecay_chunk").varlen is None and family("diagonal").varlen is None
     assert family("rank1_row").varlen is not None
     obj = ssmcraft.compile("longhorn")
-    ins, params, S0, cu, _ = packed_inputs(obj, [3, 2])
-    with pytest.raises(SsmcraftError, match="rank1_row: no packed-sequence"):
-        _interpret(obj, {k: v.float() for k, v in ins.items()}, params, S0.float(), cu)
+    errs = packed_errors(obj, [0, 5, 1, 3], _interpret, dtype=torch.float32)
+    assert_within(errs, {"y": 1e-5, "grad": 2e-5})
+    assert obj.backend == ("triton-interpret:rank1-row+prologue+per-sequence (no packed kernel: rank1_row: "
+                           "no packed-sequence (cu_seqlens) kernels; no later family runs it)")

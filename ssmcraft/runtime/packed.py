@@ -3,19 +3,18 @@
 Where Triton runs (``ssmcraft.runtime.dispatch.triton_mode``), the first kernel family in
 ``registry.order`` that runs the objective *and* packed calls (``KernelFamily.varlen`` is None) runs
 the packed row natively, chunks never straddling a boundary; its backend name ends in ``+packed``
-(``triton:keydecay-chunked+packed``). Where no family does, the call runs the PyTorch path once per
-sequence, and the backend says so and why: ``torch-vectorised+per-sequence (no packed kernel:
-rank1_row runs it unpacked only)``. On CPU tensors outside the interpreter the PyTorch path is the
-fast path anyway (``torch-vectorised+per-sequence``); ``prefer="reference"`` runs the reference loop
-per sequence (``reference-loop+per-sequence``). A forced Triton path (``prefer`` "triton" or
-"interpret") with no family that runs packed calls raises, as an unpacked call would.
+(``triton:keydecay-chunked+packed``). Where no family does, each sequence runs as an unpacked call
+of its own (the family kernel that runs it, as ``obj()`` would pick it), and the backend says so and
+why: ``triton:rank1-row+per-sequence (no packed kernel: rank1_row: no packed-sequence (cu_seqlens)
+kernels; ...)``. On CPU tensors outside the interpreter the PyTorch path runs each sequence
+(``torch-vectorised+per-sequence``, the fast path there anyway); ``prefer="reference"`` runs the
+reference loop per sequence (``reference-loop+per-sequence``).
 
 The choice is kept per call signature (``dispatch.signature``), as for unpacked calls; the offsets
 are checked on every call (they are data, read to the host once: ``varlen.offsets``).
 """
 from __future__ import annotations
 
-from ssmcraft.errors import SsmcraftError
 from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.reference import validate
 from ssmcraft.runtime import dispatch
@@ -51,11 +50,28 @@ def _choose(obj, inputs, params, initial_state):
             y, S, _ = fn(obj, inputs, params, initial_state, output_final_state, cu_seqlens=cu_seqlens)
             return y, S, name
         return packed
-    if obj.prefer in ("triton", "interpret"):
-        raise SsmcraftError(f"{obj.name}: backend {obj.prefer!r} was asked for a packed call (cu_seqlens) but no "
-                            f"Triton kernel runs it here ({why})")
     mode, _ = _mode(obj, inputs)
-    return _split(dispatch._torch_path, "torch-vectorised+per-sequence" + ("" if mode is None else f" (no packed kernel: {why})"))
+    if mode is None:
+        return _split(dispatch._torch_path, "torch-vectorised+per-sequence")
+    return _each(f" (no packed kernel: {why})")
+
+
+def _each(why: str):
+    """A packed call as N calls of the unpacked fast path (``dispatch.run_fast``: the family kernel
+    that runs each sequence); its backend name is theirs plus ``+per-sequence`` and ``why``. A
+    zero-length sequence runs the reference loop, which returns its initial state."""
+    def path(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu):
+        names = []
+
+        def one(ins, p, S0, ofs):
+            if next(iter(ins.values())).shape[1] == 0:
+                return obj.reference(ins, p, S0, ofs)
+            y, S, name = dispatch.run_fast(obj, ins, p, S0, ofs)
+            names.append(name)
+            return y, S
+        y, S = varlen.per_sequence(one, inputs, params, initial_state, output_final_state, cu)
+        return y, S, f"{names[-1] if names else 'reference-loop'}+per-sequence{why}"
+    return path
 
 
 def _mode(obj, inputs):

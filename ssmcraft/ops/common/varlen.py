@@ -84,10 +84,11 @@ def per_sequence(run, inputs: dict, params, initial_state, output_final_state: b
         y, S = run(ins, params, S0, output_final_state)
         ys.append(y)
         finals.append(states(S))
-    y = torch.cat(ys, dim=1)
+    longest = max(range(len(ys)), key=lambda i: ys[i].shape[1])     # its dtypes win (an empty one's may differ)
+    y = torch.cat([t.to(ys[longest].dtype) for t in ys], dim=1)
     if not output_final_state:
         return y, None
-    return y, like(S, tuple(torch.cat(parts, dim=0) for parts in zip(*finals)))
+    return y, like(S, tuple(torch.cat([t.to(parts[longest].dtype) for t in parts], dim=0) for parts in zip(*finals)))
 
 
 @dataclass
