@@ -85,14 +85,26 @@ def test_reference_packed_equals_separate(compiled, name):
     assert_within(errs, {"y": 1e-12, "S_T.0": 1e-12, "S_T.1": 1e-12, "grad": 1e-12})
 
 
-@pytest.mark.parametrize("name", ["longhorn", "retnet", "momentum_longhorn"])
-def test_cpu_path_packed_equals_separate(compiled, name):
-    """The default CPU path (vectorised PyTorch, per sequence) on a packed call, and its name.
-    Float64 inputs; params and initial states go in as fp32 (``checking.compare``), hence 1e-6."""
-    obj = ssmcraft.compile(name)
+MINIBATCH_DELTA = {"name": "delta_mb", "state": {"S": ["d", "m"]}, "update": "explicit", "output": "S*q",
+                   "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True}, "q": {"shape": ["m"]},
+                              "beta": {"shape": [], "bounded": True}},
+                   "objective": "beta*sq(S*k - x)/2", "approximation": {"minibatch": 4}}
+
+
+@pytest.mark.parametrize("name, backend", [
+    ("longhorn", "torch-vectorised+padded"), ("retnet", "torch-vectorised+padded"),
+    ("momentum_longhorn", "torch-vectorised+padded"),                       # two states
+    ("ttt_mlp", "torch-vectorised+padded"),                                 # a deep memory (hidden axes)
+    ("minibatch", "torch-vectorised+per-sequence"),                         # chunks from each sequence's start
+])
+def test_cpu_path_packed_equals_separate(name, backend):
+    """The default CPU path (vectorised PyTorch) on a packed call: the sequences as one padded batch
+    whose padded steps keep each state (a mini-batch update: per sequence), and its name. Float64
+    inputs; params and initial states go in as fp32 (``checking.compare``), hence 1e-6."""
+    obj = ssmcraft.compile(MINIBATCH_DELTA if name == "minibatch" else name)
     errs = packed_errors(obj, LENS, _api)
     assert_within(errs, {"y": 1e-6, "grad": 1e-6})
-    assert obj.backend == "torch-vectorised+per-sequence"
+    assert obj.backend == backend
     obj.prefer = "reference"
     packed_errors(obj, [3, 2], _api)
     assert obj.backend == "reference-loop+per-sequence"

@@ -6,9 +6,10 @@ the packed row natively, chunks never straddling a boundary; its backend name en
 (``triton:keydecay-chunked+packed``). Where no family does, each sequence runs as an unpacked call
 of its own (the family kernel that runs it, as ``obj()`` would pick it), and the backend says so and
 why: ``triton:rank1-row+per-sequence (no packed kernel: rank1_row: no packed-sequence (cu_seqlens)
-kernels; ...)``. On CPU tensors outside the interpreter the PyTorch path runs each sequence
-(``torch-vectorised+per-sequence``, the fast path there anyway); ``prefer="reference"`` runs the
-reference loop per sequence (``reference-loop+per-sequence``).
+kernels; ...)``. On CPU tensors outside the interpreter the PyTorch path runs the sequences as one
+padded batch whose padded steps leave each state as it was (``torch-vectorised+padded``; a
+mini-batch update runs per sequence, ``torch-vectorised+per-sequence``); ``prefer="reference"``
+runs the reference loop per sequence (``reference-loop+per-sequence``).
 
 The choice is kept per call signature (``dispatch.signature``), as for unpacked calls; the offsets
 are checked on every call (they are data, read to the host once: ``varlen.offsets``).
@@ -16,7 +17,9 @@ are checked on every call (they are data, read to the host once: ``varlen.offset
 from __future__ import annotations
 
 from ssmcraft.ops.common import varlen
-from ssmcraft.ops.common.reference import validate
+import torch
+
+from ssmcraft.ops.common.reference import layout, validate, vectorised
 from ssmcraft.runtime import dispatch
 
 
@@ -52,7 +55,30 @@ def _choose(obj, inputs, params, initial_state):
         return packed
     mode, _ = _mode(obj, inputs)
     if mode is None:
-        return _split(dispatch._torch_path, "torch-vectorised+per-sequence")
+        if getattr(obj.module, "MINIBATCH", 0):         # its chunks are laid out from each sequence's start
+            return _split(dispatch._torch_path, "torch-vectorised+per-sequence")
+        return _padded
+    return _each(f" (no packed kernel: {why})")
+
+
+def _padded(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu):
+    """The PyTorch path on the sequences as one batch ``[N, T_max]``: each padded past its end with
+    copies of its tokens (finite values: no NaN reaches the gradients through the masked steps),
+    whose steps leave the state as it was (``reference.vectorised``'s ``valid``). One loop over
+    ``T_max`` steps for all sequences, as an unpacked batch runs."""
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    if max(lens) == 0:
+        return _split(dispatch._reference_path, "")(obj, inputs, params, initial_state, output_final_state,
+                                                    cu_seqlens, cu)[:2] + ("torch-vectorised+padded",)
+    dev = next(iter(inputs.values())).device
+    t = torch.arange(max(lens), device=dev)
+    n = torch.tensor(lens, device=dev)[:, None]
+    valid = t[None, :] < n                                                   # [N, T_max]
+    src = torch.tensor(cu[:-1], device=dev)[:, None] + torch.minimum(t[None, :], (n - 1).clamp_min(0))
+    src = src.clamp_max(cu[-1] - 1)                    # an empty sequence reads any token (never used)
+    lay = layout(obj.ir, obj.spec, {k: v[0, src] for k, v in inputs.items()}, params, initial_state)
+    y, S = vectorised(obj.module, obj.ir, lay, valid)
+    return y[valid][None].to(lay.out_dtype), (S if output_final_state else None), "torch-vectorised+padded"
     return _each(f" (no packed kernel: {why})")
 
 
