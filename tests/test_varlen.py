@@ -216,3 +216,11 @@ def test_family_without_packed_kernels_runs_each_sequence_and_says_why():
     assert_within(errs, {"y": 1e-5, "grad": 2e-5})
     assert obj.backend == ("triton-interpret:rank1-row+prologue+per-sequence (no packed kernel: rank1_row: "
                            "no packed-sequence (cu_seqlens) kernels; no later family runs it)")
+
+
+def test_all_sequences_empty(compiled):
+    """total_T = 0: no output rows, and every final state is its initial state."""
+    obj = ssmcraft.compile("gla")
+    ins, params, S0, cu, _ = packed_inputs(obj, [0, 0])
+    y, S = obj(ins, params, S0, True, cu_seqlens=cu)
+    assert y.shape == (1, 0, 2, 6) and torch.equal(S, S0)

@@ -16,9 +16,9 @@ are checked on every call (they are data, read to the host once: ``varlen.offset
 """
 from __future__ import annotations
 
-from ssmcraft.ops.common import varlen
 import torch
 
+from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.reference import layout, validate, vectorised
 from ssmcraft.runtime import dispatch
 
@@ -67,9 +67,9 @@ def _padded(obj, inputs, params, initial_state, output_final_state, cu_seqlens, 
     whose steps leave the state as it was (``reference.vectorised``'s ``valid``). One loop over
     ``T_max`` steps for all sequences, as an unpacked batch runs."""
     lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
-    if max(lens) == 0:
-        return _split(dispatch._reference_path, "")(obj, inputs, params, initial_state, output_final_state,
-                                                    cu_seqlens, cu)[:2] + ("torch-vectorised+padded",)
+    if max(lens) == 0:          # no token at all: every final state is its initial state
+        return _split(dispatch._reference_path, "reference-loop+per-sequence")(
+            obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu)
     dev = next(iter(inputs.values())).device
     t = torch.arange(max(lens), device=dev)
     n = torch.tensor(lens, device=dev)[:, None]
@@ -79,7 +79,6 @@ def _padded(obj, inputs, params, initial_state, output_final_state, cu_seqlens, 
     lay = layout(obj.ir, obj.spec, {k: v[0, src] for k, v in inputs.items()}, params, initial_state)
     y, S = vectorised(obj.module, obj.ir, lay, valid)
     return y[valid][None].to(lay.out_dtype), (S if output_final_state else None), "torch-vectorised+padded"
-    return _each(f" (no packed kernel: {why})")
 
 
 def _each(why: str):
