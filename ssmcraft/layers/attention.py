@@ -33,10 +33,13 @@ class KVCache:
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate pairs ``(x[..., i], x[..., i + d/2])`` of x ``[B, H, T, d]`` by ``pos * base**(-2i/d)``."""
+    """Rotate pairs ``(x[..., i], x[..., i + d/2])`` of x ``[B, H, T, d]`` by ``pos * base**(-2i/d)``;
+    ``positions`` ``[T]``, or ``[B, T]`` (each row its own, e.g. restarting at every packed document)."""
     d = x.shape[-1]
     freqs = base ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) * 2 / d)
-    angles = positions.to(torch.float32)[:, None] * freqs[None]                 # [T, d/2]
+    angles = positions.to(torch.float32)[..., None] * freqs                      # [T, d/2] or [B, T, d/2]
+    if angles.dim() == 3:
+        angles = angles[:, None]                                                  # [B, 1, T, d/2]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -58,22 +61,32 @@ class AttentionMixer(nn.Module):
         q, k, v = self.qkv(h).view(B, T, 3, self.H, self.hd).permute(2, 0, 3, 1, 4)
         return rotary(q, positions, self.cfg.rope_base), rotary(k, positions, self.cfg.rope_base), v
 
-    def _attend(self, h: torch.Tensor):
+    def _attend(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
         """h ``[B, T, d_model]`` -> (``[B, T, d_model]``, the rotated keys and the values ``[B, H, T, d_head]``)."""
         B, T, C = h.shape
         pos = torch.arange(T, device=h.device)
-        q, k, v = self._qkv(h, pos)
-        if self.window and self.window < T:
+        near = pos[:, None] - pos[None, :]
+        if cu_seqlens is not None:      # positions restart at every document, as each alone would have them
+            flat = torch.arange(B * T, device=h.device)
+            cu = cu_seqlens.to(device=h.device, dtype=torch.int64)
+            doc = torch.searchsorted(cu, flat, right=True) - 1
+            q, k, v = self._qkv(h, (flat - cu[doc]).view(B, T))
+            seen = (near >= 0) & (near < self.window) if self.window else near >= 0
+            doc = doc.view(B, 1, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen & (doc[..., :, None] == doc[..., None, :]))
+        elif self.window and self.window < T:
             # query i sees keys j with i - window < j <= i
-            near = pos[:, None] - pos[None, :]
+            q, k, v = self._qkv(h, pos)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=(near >= 0) & (near < self.window))
         else:
+            q, k, v = self._qkv(h, pos)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C)), k, v
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h ``[B, T, d_model]`` -> ``[B, T, d_model]``."""
-        return self._attend(h)[0]
+    def forward(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]``. ``cu_seqlens``: offsets of documents packed in
+        the rows laid end to end (``ObjectiveMixer.forward``): a query sees keys of its own document only."""
+        return self._attend(h, cu_seqlens)[0]
 
     def prefill(self, h: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """A prompt h ``[B, T, d_model]`` from an empty cache -> (``forward(h)``, the cache ``step``

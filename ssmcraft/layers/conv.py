@@ -19,12 +19,31 @@ class CausalConv1d(nn.Module):
         if kernel_size > 1:
             self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[B, T, C]`` -> ``[B, T, C]``."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[B, T, C]`` -> ``[B, T, C]``. With ``cu_seqlens`` (offsets ``[N + 1]`` of sequences packed
+        in ``x`` ``[1, total_T, C]``, ``ssmcraft.ops.common.varlen``) every sequence is convolved on its
+        own: an output never sees an input of an earlier sequence (as N separate calls)."""
         if self.kernel_size <= 1:
             return x
+        if cu_seqlens is not None:
+            return self._packed(x, cu_seqlens)
         T = x.shape[1]
         return self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)
+
+    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The taps summed one by one, tap ``j`` (input ``t - j``) kept only where ``t - j`` lies in
+        ``t``'s sequence (``t`` at least ``j`` tokens after the sequence's start)."""
+        T = x.shape[1]
+        t = torch.arange(T, device=x.device)
+        starts = cu_seqlens.to(device=x.device, dtype=torch.int64)[:-1]
+        start = starts[torch.searchsorted(starts, t, right=True) - 1]       # each token's sequence start
+        since = (t - start)[None, :, None]
+        w = self.conv.weight[:, 0, :]                                        # [C, k], tap k-1 reads t
+        y = x * w[:, -1]
+        for j in range(1, self.kernel_size):
+            shifted = torch.cat([x.new_zeros(1, j, x.shape[2]), x[:, :T - j]], dim=1)
+            y = y + torch.where(since >= j, shifted, 0.0) * w[:, -1 - j]
+        return y + self.conv.bias if self.conv.bias is not None else y
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
         return torch.zeros(batch_size, self.channels, max(self.kernel_size - 1, 0), device=device, dtype=dtype)

@@ -15,13 +15,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmcraft.layers.attention import AttentionMixer
-from ssmcraft.errors import SpecError
+from ssmcraft.errors import SpecError, SsmcraftError
 from ssmcraft.layers.config import AttentionConfig, LMConfig, ModuleMixerConfig, ObjectiveMixerConfig, layer_mixers, \
     mixer_config
 from ssmcraft.layers.mitigation import Mitigation
 from ssmcraft.layers.mixer import ObjectiveMixer
 from ssmcraft.layers.module_mixer import ModuleMixer
 from ssmcraft.runtime.lookup import compile_objective
+
+
+DOC_START = 1 << 30     # an input id plus DOC_START: that token begins a document (packed text, task.pack)
+
+
+def document_offsets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents: tokens ``[B, T]`` whose ids carry ``DOC_START`` where a document begins ->
+    (the plain ids, int32 offsets ``[N + 1]`` of the documents in the rows laid end to end, each row
+    starting one). Reads the flags to the host once (the kernels' chunk indices need the offsets)."""
+    B, T = tokens.shape
+    flagged = tokens >= DOC_START
+    starts = flagged.clone()
+    starts[:, 0] = True
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    end = torch.full((1,), B * T, dtype=first.dtype, device=first.device)
+    return torch.where(flagged, tokens - DOC_START, tokens), torch.cat([first, end]).to(torch.int32)
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +86,15 @@ class Block(nn.Module):
         self.mlp = GatedMLP(cfg.d_model, cfg.mlp_ratio) if cfg.mlp_ratio > 0 else None
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if self.mlp is not None else None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self._residual(h, self.mixer(self.norm1(h)))
+    def forward(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: packed documents (``LM.hidden``), which objective and attention mixers run."""
+        if cu_seqlens is None:
+            return self._residual(h, self.mixer(self.norm1(h)))
+        if not isinstance(self.mixer, (ObjectiveMixer, AttentionMixer)):
+            raise SsmcraftError(f"packed documents (task.pack) need objective or attention mixers; a "
+                                f"{type(self.mixer).__name__} layer cannot be told the document boundaries "
+                                "(set task.pack: false)")
+        return self._residual(h, self.mixer(self.norm1(h), cu_seqlens))
 
     def _residual(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = h + y
@@ -106,6 +129,7 @@ class LM(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(self._block(where, mixer) for where, mixer in self.layout)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.documents = False          # inputs carry document starts (a packing task sets it: train.loop)
 
     def _block(self, where: str, mixer: dict) -> Block:
         try:
@@ -116,10 +140,15 @@ class LM(nn.Module):
             raise SpecError("<mixer>", f"{where}.{e.key}", e.problem) from None
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``[B, T]`` -> final normalised hidden states ``[B, T, d_model]``."""
+        """tokens ``[B, T]`` -> final normalised hidden states ``[B, T, d_model]``. With ``documents``
+        set, tokens flagged ``DOC_START`` begin a document (``ssmcraft.tasks.base``): every layer
+        restarts its state there, and at each row's start."""
+        cu_seqlens = None
+        if self.documents:
+            tokens, cu_seqlens = document_offsets(tokens)
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h)
+            h = block(h) if cu_seqlens is None else block(h, cu_seqlens)
         return self.norm_f(h)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

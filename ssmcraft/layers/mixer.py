@@ -203,11 +203,26 @@ class ObjectiveMixer(nn.Module):
         return y, S
 
     # --- public API -----------------------------------------------------------------------
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h ``[B, T, d_model]`` -> ``[B, T, d_model]`` (parallel mode)."""
+    def forward(self, h: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """h ``[B, T, d_model]`` -> ``[B, T, d_model]`` (parallel mode). ``cu_seqlens``: offsets of the
+        sequences packed in the B rows laid end to end (``[N + 1]``, from 0 to ``B * T``; every row
+        starts one): the conv window and the recurrent state restart at each (``ssmcraft.ops.common.varlen``)."""
+        if cu_seqlens is not None:
+            B, T, D = h.shape
+            return self._packed(h.reshape(1, B * T, D), cu_seqlens).reshape(B, T, -1)
         x, z = self._split_in(h)
         u = F.silu(self.conv(x))
         y, _ = self._recur(self.project(u), self.param_values())
+        return self._finish(y, u, z)
+
+    def _packed(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        if self.mitigation.window is not None:
+            raise SsmcraftError("the sliding-window mitigation does not run packed sequences (cu_seqlens)")
+        x, z = self._split_in(h)
+        u = F.silu(self.conv(x, cu_seqlens))
+        obj = self._active_objective()
+        y, _ = obj(self.project(u), self.param_values(), output_final_state=False, cu_seqlens=cu_seqlens)
+        self.last_backend = getattr(obj, "backend", None)
         return self._finish(y, u, z)
 
     def init_cache(self, batch_size: int) -> RecurrentCache:

@@ -27,6 +27,9 @@ layout (``ssmcraft.ops.common.reference.validate``) and ``mode`` ``"triton"`` (C
   the interpreter);
 - ``module``: the module holding its kernels, whose ``POISON`` flag (where it has one) makes
   every output buffer start as NaN, so the tests see a value the kernels never wrote;
+- ``varlen``: why the family does not run packed calls (``cu_seqlens``, ``ssmcraft.ops.common.varlen``),
+  or None where its runner takes ``cu_seqlens=`` (inputs ``[1, total_T, H, n]``, states ``[N, H, d, m]``)
+  and runs every sequence natively; ``ssmcraft.runtime.packed`` picks the first family that does;
 - ``one_token``: the family runs one-token calls only (decode), never a sequence;
 - ``ahead_on_gpu``: ``(family name, when(ir))``: on CUDA, this family is tried before the named
   one for the IRs where ``when`` holds (the chunked rank-1 kernel is the fast one for a per-head
@@ -55,6 +58,7 @@ class KernelFamily:
     export_exclude: frozenset = frozenset({"prepare"})
     export_tail: Callable[..., tuple[str, str]] | None = None
     one_token: bool = False
+    varlen: Reason = "no packed-sequence (cu_seqlens) kernels"
     ahead_on_gpu: tuple[str, Callable[..., bool]] | None = None
 
     @property

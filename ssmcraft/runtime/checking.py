@@ -130,6 +130,24 @@ def reference(obj, ins: dict, params: dict | None, S0, g: torch.Generator, final
                      dict(zip(_leaf_names(ins, params, S0, _state_names(obj)), grads)))
 
 
+class _Packed:
+    """An objective whose ``reference`` runs one packed row (``cu_seqlens``) as its N sequences, each
+    on its own (``ssmcraft.runtime.packed``): the reference of a packed call."""
+
+    def __init__(self, obj, cu_seqlens):
+        self.obj, self.spec, self.cu_seqlens = obj, obj.spec, cu_seqlens
+
+    def reference(self, ins, params, S0, final_state):
+        return self.obj.reference(ins, params, S0, final_state, cu_seqlens=self.cu_seqlens)
+
+
+def packed_reference(obj, ins: dict, params: dict | None, S0, cu_seqlens, g: torch.Generator) -> Reference:
+    """``reference`` of a packed call: inputs ``[1, total_T, H, n]``, ``S0`` ``[N, H, d, m]`` (or None),
+    ``cu_seqlens`` the offsets; the sequences run separately. Compare a packed call with
+    ``compare(ref, lambda i, p, s: obj(i, p, s, True, cu_seqlens=cu_seqlens), dtype)``."""
+    return reference(_Packed(obj, cu_seqlens), ins, params, S0, g)
+
+
 def compare(ref: Reference, call: Callable, dtype: torch.dtype = torch.float32, *,
             grad_scale: dict | None = None) -> Comparison:
     """``call(inputs, params, S0) -> (y, S_T)`` (``S_T`` a tuple with several states) on the

@@ -20,7 +20,7 @@ from ssmcraft.compiler.symbolic import SymbolicObjective
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.ops.common.reference import (empty_trace, initial_states, layout, reference_loop, sliding_window,
                                            state_shapes, traced_state)
-from ssmcraft.runtime import dispatch
+from ssmcraft.runtime import dispatch, packed
 from ssmcraft.runtime.graphs import GraphedCall
 
 
@@ -70,17 +70,25 @@ class CompiledObjective(Derivation):
         return y.to(lay.out_dtype), (S if output_final_state else None)
 
     def reference(self, inputs: Mapping, params: Mapping | None = None, initial_state=None,
-                  output_final_state: bool = True):
+                  output_final_state: bool = True, cu_seqlens=None):
         """The plain per-step loop. inputs [B,T,H,n] / [B,T,H]; returns (y [B,T,H,d], S_T [B,H,d,m]).
-        With several states ``initial_state`` and ``S_T`` are tuples of [B,H,d,m], in declaration order."""
+        With several states ``initial_state`` and ``S_T`` are tuples of [B,H,d,m], in declaration order.
+        ``cu_seqlens`` (int32/int64 ``[N + 1]``): a packed call, inputs ``[1, total_T, H, n]`` holding N
+        sequences end to end, states ``[N, H, d, m]`` (``ssmcraft.ops.common.varlen``)."""
+        if cu_seqlens is not None:
+            return packed.reference(self, inputs, params, initial_state, output_final_state, cu_seqlens)
         lay = self._layout(inputs, params, initial_state)
         y, S, _ = reference_loop(self.module, lay)
         return self._finish(lay, y, S, output_final_state)
 
     def __call__(self, inputs: Mapping, params: Mapping | None = None, initial_state=None,
-                 output_final_state: bool = True):
-        """The fastest available path (``self.backend`` says which ran); same contract as ``reference``."""
-        y, S, backend = dispatch.run_fast(self, inputs, params, initial_state, output_final_state)
+                 output_final_state: bool = True, cu_seqlens=None):
+        """The fastest available path (``self.backend`` says which ran); same contract as ``reference``,
+        packed calls (``cu_seqlens``) included (``ssmcraft.runtime.packed`` says which path runs them)."""
+        if cu_seqlens is not None:
+            y, S, backend = packed.run_packed(self, inputs, params, initial_state, output_final_state, cu_seqlens)
+        else:
+            y, S, backend = dispatch.run_fast(self, inputs, params, initial_state, output_final_state)
         self.backend = backend
         return y, S
 

@@ -49,8 +49,8 @@ def _runner(fam, mode: str):
         slots_path = getattr(fn, "slots_path", None)       # how computed slots are made (slots.computed_path)
         full = f"{name}+{slots_path}" if slots_path else name
 
-        def fast(obj, inputs, params, initial_state, output_final_state):
-            y, S = fn(inputs, params, initial_state, output_final_state)
+        def fast(obj, inputs, params, initial_state, output_final_state, **packed):
+            y, S = fn(inputs, params, initial_state, output_final_state, **packed)   # packed: cu_seqlens=
             return y, (S if output_final_state else None), full
         fast.backend = full
         return fast
@@ -78,6 +78,24 @@ def select(obj, inputs, prefer):
         if reason is None:
             return _runner(fam, mode)
     return None
+
+
+def select_packed(obj, inputs, prefer):
+    """(``specialise(obj, lay) -> runner`` of the first family that runs ``obj`` on these packed inputs
+    natively (``KernelFamily.varlen`` None), or None; why none does). Its runner takes
+    ``cu_seqlens=`` (``ssmcraft.runtime.packed``)."""
+    mode, why = _mode(inputs, prefer)
+    if mode is None:
+        return None, why
+    runs = []
+    for fam, reason in _candidates(obj, mode, inputs):
+        if reason is None and not fam.one_token:
+            if fam.varlen is None:
+                return _runner(fam, mode), ""
+            runs.append(f"{fam.name}: {fam.varlen}")
+    if not runs:
+        return None, why_not(obj, inputs)
+    return None, f"{'; '.join(runs)}; no later family runs it"
 
 
 def why_not(obj, inputs) -> str:

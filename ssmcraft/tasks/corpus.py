@@ -14,7 +14,8 @@ Sources:
   the request, since a download is slow).
 
 Files are joined with one ``\\n`` between them, in sorted order, so the bytes (and their
-hash) depend only on the files' contents and relative paths. Reading the local sources
+hash) depend only on the files' contents and relative paths. ``Corpus.starts`` keeps where each
+document (file, or dataset row) begins, so that a task can pack documents with their boundaries. Reading the local sources
 takes well under a second, so they are not cached.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Corpus:
     n_files: int
     sha256: str
     details: dict[str, Any] = field(default_factory=dict)
+    starts: list[int] | None = field(default_factory=lambda: [0])    # where each document begins (None: unknown)
 
     @property
     def n_bytes(self) -> int:
@@ -83,7 +85,9 @@ def list_files(root: Path, glob: str = "*", exclude_top: set[str] = frozenset())
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _join(paths: list[Path], skip_binary: bool) -> tuple[bytes, int, int]:
+def _join(paths: list[Path], skip_binary: bool) -> tuple[bytes, int, int, list[int]]:
+    """(the files' bytes joined by newlines, how many, how many binary ones were skipped, where each
+    begins in the joined bytes)."""
     parts, skipped = [], 0
     for path in paths:
         data = path.read_bytes()
@@ -91,7 +95,16 @@ def _join(paths: list[Path], skip_binary: bool) -> tuple[bytes, int, int]:
             skipped += 1
             continue
         parts.append(data)
-    return b"\n".join(parts), len(parts), skipped
+    return b"\n".join(parts), len(parts), skipped, _starts(parts)
+
+
+def _starts(parts: list[bytes]) -> list[int]:
+    """Where each of ``parts`` begins once they are joined with one byte between them."""
+    out, at = [], 0
+    for p in parts:
+        out.append(at)
+        at += len(p) + 1
+    return out
 
 
 def load_corpus(source: str = "stdlib", glob: str = "*", max_bytes: int | None = None,
@@ -101,18 +114,18 @@ def load_corpus(source: str = "stdlib", glob: str = "*", max_bytes: int | None =
     t0 = time.perf_counter()
     if source == "stdlib":
         root = stdlib_root()
-        data, n, skipped = _join(list_files(root, "*.py", STDLIB_EXCLUDE_TOP), skip_binary=False)
+        data, n, skipped, starts = _join(list_files(root, "*.py", STDLIB_EXCLUDE_TOP), skip_binary=False)
         kind, label, details = "stdlib", f"stdlib:{root}", {"root": str(root)}
     elif source.startswith("hf:"):
-        data, n = _load_hf(source[3:], hf_split, hf_text_field, max_bytes, cache_dir)
+        data, n, starts = _load_hf(source[3:], hf_split, hf_text_field, max_bytes, cache_dir)
         kind, label, details, skipped = "hf", source, {"split": hf_split, "text_field": hf_text_field}, 0
     else:
         path = Path(source).expanduser()
         if path.is_file():
-            data, n, skipped = path.read_bytes(), 1, 0
+            data, n, skipped, starts = path.read_bytes(), 1, 0, [0]
             kind = "file"
         elif path.is_dir():
-            data, n, skipped = _join(list_files(path, glob), skip_binary=True)
+            data, n, skipped, starts = _join(list_files(path, glob), skip_binary=True)
             kind = "directory"
         else:
             raise SsmcraftError(f"corpus {source!r}: no such file or directory "
@@ -120,6 +133,7 @@ def load_corpus(source: str = "stdlib", glob: str = "*", max_bytes: int | None =
         label, details = str(path.resolve()), {"glob": glob} if kind == "directory" else {}
     if max_bytes is not None:
         data = data[: int(max_bytes)]
+        starts = None if starts is None else [s for s in starts if s < len(data)]
         details["max_bytes"] = int(max_bytes)
     if skipped:
         details["skipped_binary_files"] = skipped
@@ -130,18 +144,21 @@ def load_corpus(source: str = "stdlib", glob: str = "*", max_bytes: int | None =
     details["load_seconds"] = round(time.perf_counter() - t0, 3)
     log.info("corpus %s: %d files, %d bytes, sha256 %s (%.2f s)", label, n, len(data), sha[:12],
              details["load_seconds"])
-    return Corpus(data, label, kind, n, sha, details)
+    return Corpus(data, label, kind, n, sha, details, starts)
 
 
 def _load_hf(name: str, split: str, text_field: str, max_bytes: int | None,
-             cache_dir: str | Path | None) -> tuple[bytes, int]:
-    """A Hugging Face dataset's text as bytes (documents joined by newlines), cached."""
+             cache_dir: str | Path | None) -> tuple[bytes, int, list[int] | None]:
+    """A Hugging Face dataset's text as bytes (documents joined by newlines), how many documents and
+    where each begins (None from a cache written without them); cached."""
     key = hashlib.sha256(json.dumps([name, split, text_field, max_bytes]).encode()).hexdigest()[:24]
     cache = Path(cache_dir or default_cache_dir()) / "corpus" / f"hf-{key}.bin"
     meta = cache.with_suffix(".json")
     if cache.exists() and meta.exists():
         log.info("corpus hf:%s: read from cache %s", name, cache)
-        return cache.read_bytes(), int(json.loads(meta.read_text())["n_documents"])
+        saved = json.loads(meta.read_text())
+        starts = None if "starts" not in saved else [int(s) for s in saved["starts"]]    # None: an older cache
+        return cache.read_bytes(), int(saved["n_documents"]), starts
     try:
         import datasets  # noqa: F401  (optional dependency)
     except ImportError:
@@ -165,5 +182,7 @@ def _load_hf(name: str, split: str, text_field: str, max_bytes: int | None,
     data = b"\n".join(parts)
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_bytes(cache, data)
-    write_text(meta, json.dumps({"name": name, "split": split, "text_field": text_field, "n_documents": n}))
-    return data, n
+    starts = _starts(parts)
+    write_text(meta, json.dumps({"name": name, "split": split, "text_field": text_field, "n_documents": n,
+                                 "starts": starts}))
+    return data, n, starts

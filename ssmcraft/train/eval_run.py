@@ -87,6 +87,13 @@ def _check_corpus(run_dir, config: dict, task) -> None:
                             f"changed file); evaluate from the folder the run was trained in")
 
 
+def _unpacked(task_cfg: dict) -> dict:
+    """A text task's config with ``pack: false``: the evaluation reads unbroken windows, since
+    extrapolation and state statistics ask how the state carries over a long context (across
+    documents), whatever boundaries training restarted at."""
+    return {**task_cfg, "pack": False} if task_cfg.get("name") == TextTask.name else task_cfg
+
+
 def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: str | Path | None = None) -> dict:
     """Evaluate the run in ``run_dir``; returns the summary also written to ``eval.json``."""
     opt = options or EvalOptions()
@@ -98,7 +105,7 @@ def eval_run(run_dir: str | Path, options: EvalOptions | None = None, out_dir: s
     precision = pick_precision("auto", device)
     amp = lambda: autocast(device, precision)  # noqa: E731
     model = checkpoint.load_run(run_dir, device)
-    task = build_task(config["task"])
+    task = build_task(_unpacked(config["task"]))
     _check_corpus(run_dir, config, task)
     L = task.seq_len
     if isinstance(task, TextTask) and task.val_data.numel() < opt.extrapolate * L + 1:

@@ -50,12 +50,18 @@ log = logging.getLogger(__name__)
 
 
 def graphs_decision(setting: Any, device: torch.device, compile_enabled: bool,
-                    source: str = "<experiment>", recompute: bool = False) -> tuple[bool, str]:
+                    source: str = "<experiment>", recompute: bool = False, documents: bool = False) -> tuple[bool, str]:
     """(capture the step?, why) for ``train.cuda_graphs`` = ``setting`` on ``device``, with
     ``train.compile`` resolved to ``compile_enabled`` and ``train.activation_checkpointing`` =
-    ``recompute`` (``ssmcraft.train.recompute``). Refusals raise ``SpecError``."""
+    ``recompute`` (``ssmcraft.train.recompute``); ``documents``: batches of packed documents, whose
+    boundaries change every batch (a graph replays fixed ones). Refusals raise ``SpecError``."""
     if setting is False:
         return False, "train.cuda_graphs is false"
+    if documents:
+        if setting is True:
+            raise SpecError(source, "train.cuda_graphs", "true cannot capture packed documents (task.pack: their "
+                            "boundaries change every batch); set task.pack: false or train.cuda_graphs: auto")
+        return False, "train.cuda_graphs auto: off for packed documents (task.pack: boundaries change every batch)"
     if recompute:
         if setting is True:
             raise SpecError(source, "train.cuda_graphs", GRAPHS_WITH_RECOMPUTE)   # config refuses it first

@@ -201,7 +201,9 @@ def _build(cfg: dict[str, Any], source: str, device: torch.device):
         raise SpecError(source, "model.vocab_size", f"{cfg['model']['vocab_size']} is smaller than the task's "
                         f"vocabulary {task.vocab_size}")
     torch.manual_seed(cfg["seed"])
-    return task, build_model(cfg, source).to(device)
+    model = build_model(cfg, source).to(device)
+    model.documents = bool(getattr(task, "documents", False))      # packed documents (tasks.text)
+    return task, model
 
 
 def _start_files(cfg: dict[str, Any], out: Path, resumed: bool) -> dict[str, Any]:
@@ -251,7 +253,7 @@ def _setup(cfg, task, model, procs, precision: str, source: str, saved) -> Simpl
                    task.fixed_batches("val", tc["eval_batches"], tc["eval_batch_size"], seed=tc["val_seed"])]
     train_model, compile_info = compile_model(model, tc["compile"], device, tc["cuda_graphs"])
     use_graphs, why = graphs_decision(tc["cuda_graphs"], device, compile_info["enabled"], source,
-                                      tc["activation_checkpointing"])
+                                      tc["activation_checkpointing"], model.documents)
     log.info("CUDA graphs: %s", why)
     log.info("data built on %s; host read-back every %d step(s)", data_device, tc["log_every"])
     params = [p for g in opt.param_groups for p in g["params"]]

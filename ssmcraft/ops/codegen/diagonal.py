@@ -195,6 +195,7 @@ class _Gen:
                 f"{ind}i_g = {g}",
                 f"{ind}i_b = i_bh // H",
                 f"{ind}i_h = i_bh % H",
+                f"{ind}bos = i_b.to(tl.int64) * T                # the sequence's first row",
                 f"{ind}ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)",
                 f"{ind}ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)",
                 f"{ind}mk = ok < K",
@@ -230,7 +231,7 @@ class _Gen:
     @staticmethod
     def _tok_line(ind: str, t: str, tok: str) -> str:
         """The line defining ``tok``, the flat (batch, time, head) index of step ``t``."""
-        return f"{ind}{tok} = (i_b.to(tl.int64) * T + {t}) * H + i_h"
+        return f"{ind}{tok} = (bos + {t}) * H + i_h"
 
     def tok_loads(self, ind: str, t: str | None, need: set, tmask: str | None, suffix: str = "",
                   tok: str = "tok") -> list[str]:
@@ -337,18 +338,32 @@ class _Gen:
                 "        if g < NG - 1:",
                 "            S = tl.load(A_in + off, mask=mkv, other=0.0) * S + tl.load(S_in + off, mask=mkv, other=0.0)"]
 
+    @staticmethod
+    def packed_sequence(ind: str) -> list[str]:
+        """The main kernels' lines that make program row ``i_b`` sequence ``i_b`` of a packed row
+        (VARLEN; one group): its first row, its length, its chunk count and its first chunk among the
+        checkpoints ``[H, NC, K, V]`` (NC: every sequence's chunks together, ``co`` each sequence's
+        first); else batch row ``i_b`` with NC chunks."""
+        return [f"{ind}cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint",
+                f"{ind}if VARLEN:",
+                f"{ind}    bos = tl.load(cu + i_b).to(tl.int64)",
+                f"{ind}    T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)",
+                f"{ind}    cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)",
+                f"{ind}    NC = tl.cdiv(T, L)"]
+
     def fwd_main(self) -> list[str]:
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
         i = " " * 4
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def diagonal_fwd_main_kernel({self.leaf_args()}, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,",
+                f"def diagonal_fwd_main_kernel({self.leaf_args()}, h_start, y, ckpt, ht, cu, co, T, H, K, V, NC, NG, CPG, L,",
                 "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
-                "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):",
+                "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr, VARLEN: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
                 '    ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group). PREFETCH: the token',
                 f'    leaves are loaded {PREFETCH_DEPTH} steps before their step (needs L % {PREFETCH_DEPTH} == 0), so a pass with few',
                 '    programs per SM (one group) does not wait on memory every step."""',
                 *self.prologue(i),
+                *self.packed_sequence(i),
                 *self.param_loads(i, need),
                 f"{i}S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}c0 = i_g * CPG",
@@ -370,7 +385,7 @@ class _Gen:
         """diagonal_fwd_main_kernel's loop over its group's chunks, storing each chunk's start state when SAVE."""
         return [f"{ind}for c in range(c0, c1):",
                 f"{ind}    if SAVE:",
-                f"{ind}        tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)"]
+                f"{ind}        tl.store(ckpt + (cb + c) * K * V + st, S, mask=mkv)"]
 
     def _prefetched_steps(self, ind: str, need: set) -> list[str]:
         """diagonal_fwd_main_kernel's time loop with the token leaves loaded PREFETCH_DEPTH steps ahead (variables suffixed by the
@@ -595,14 +610,15 @@ class _Gen:
         i = " " * 4
         ls = self.ls
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])',
-               f"def diagonal_bwd_main_kernel({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,",
-               "             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,",
-               "             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,",
-               "             EVEN_T: tl.constexpr):",
+               f"def diagonal_bwd_main_kernel({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, cu, co, T, H, K, V, NC, NG, CPG, L,",
+               "             NTOK, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr,",
+               "             DOTRED: tl.constexpr, HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr,",
+               "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, VARLEN: tl.constexpr):",
                '    """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps',
                f'    the start of each sub-chunk of {ls} steps (L = {ls} * NSUB) in this program\'s scratch; then, sub-chunks',
                '    in reverse, their states are recomputed into registers and the adjoint stepped back through them."""',
                *self.prologue(i),
+               *self.packed_sequence(i),
                *self.param_loads(i, need),
                f"{i}zero11 = tl.zeros([1, 1], dtype=tl.int64)",
                f"{i}if HSUM:   # the key whose value-axis sum lane j of _hsum holds, and the lanes that store it",
@@ -621,7 +637,7 @@ class _Gen:
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
                 f"{i}for cc in range(0, c1 - c0):",
                 f"{i}{i}c = c1 - 1 - cc",
-                f"{i}{i}s0 = tl.load(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
+                f"{i}{i}s0 = tl.load(ckpt + (cb + c) * K * V + st, mask=mkv, other=0.0)",
                 f"{i}{i}tl.debug_barrier()   # the scratch's last readers are done",
                 f"{i}{i}# forward through the chunk, keeping each sub-chunk's start state",
                 *self._refill(i * 2),

@@ -393,12 +393,15 @@ def diagonal_states(module, lay: Layout, co: dict) -> torch.Tensor:
     return torch.cat(out, dim=1) if out else A.new_zeros(full)
 
 
-def vectorised(module, ir, lay: Layout):
+def vectorised(module, ir, lay: Layout, valid: torch.Tensor | None = None):
     """The fastest PyTorch path: coefficients for all t at once, then the recurrence.
 
     For the decay classes on a GPU the recurrence is a chunked parallel scan; on a CPU (and
     for the other classes) it is a loop over the precomputed coefficients, because the scan
-    does O(T log T) work and a CPU has no parallelism to spend it on.
+    does O(T log T) work and a CPU has no parallelism to spend it on. ``valid`` (bool ``[B, T]``,
+    the loop; not for a mini-batch update): a step where it is False leaves the state as it was, so
+    that rows padded past their end (``ssmcraft.runtime.packed``) end in their own final state;
+    the outputs there mean nothing.
 
     Returns (y [B, T, H, d], S_T [B, H, d, m]).
     """
@@ -406,7 +409,7 @@ def vectorised(module, ir, lay: Layout):
     co = module.coefficients(lay.env, d, m)
     if lay.T == 0 or getattr(module, "MINIBATCH", 0):
         return reference_loop(module, lay)[:2] if lay.T == 0 else minibatch(module, lay, co)
-    if ir.kind in ("scalar_decay", "diagonal_decay") and _device(lay).type == "cuda":
+    if ir.kind in ("scalar_decay", "diagonal_decay") and _device(lay).type == "cuda" and valid is None:
         states = diagonal_states(module, lay, co)
         y = module.readout(states, lay.env, co, d, m)[..., 0]
         return y.expand(lay.B, lay.T, lay.H, d), states[:, -1]
@@ -416,9 +419,17 @@ def vectorised(module, ir, lay: Layout):
     for t in range(lay.T):
         co_t = {k: at(v, t) for k, v in co.items()}
         env_t = {k: at(v, t) for k, v in lay.env.items()} if needs_env else None
-        S = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
+        new = expand_state(module.step(S, env_t, co_t, d, m), lay, module)
+        S = new if valid is None else _keep(new, S, valid[:, t])
         ys.append(output(module.readout(S, env_t, co_t, d, m), lay))
     return torch.stack(ys, dim=1), declared(module, S, lay)
+
+
+def _keep(new, old, mask: torch.Tensor):
+    """``new`` in the rows where ``mask`` [B] holds, else ``old`` (each state of a tuple)."""
+    if isinstance(new, tuple):
+        return tuple(_keep(a, b, mask) for a, b in zip(new, old))
+    return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
 
 
 def _chunk(value, s: int, e: int):

@@ -163,8 +163,10 @@ def slot_runner(obj, lay, run):
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
 
-    def fn(inputs, params, initial_state, output_final_state):
-        return run(CallSlots(obj, binds, inputs, params, B, T, H, d, m, path), initial_state, output_final_state)
+    def fn(inputs, params, initial_state, output_final_state, **packed):
+        """``packed``: ``cu_seqlens=`` for a family whose ``run`` takes it (``KernelFamily.varlen``)."""
+        return run(CallSlots(obj, binds, inputs, params, B, T, H, d, m, path), initial_state, output_final_state,
+                   **packed)
     fn.slots_path = path.name
     return fn
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -190,20 +190,34 @@ def _leaf_args(plan, leaves, H, grads=None):
     return args
 
 
-def _geometry(shape, cfg: Config, mod):
+def _geometry(shape, cfg: Config, mod, packed=None):
     """(L, NC, NG, CPG, NV, kw, flags) of one launch configuration: chunk length, chunks, groups,
-    chunks per group, value blocks, the block-size keywords every kernel takes, the compile-time flags."""
+    chunks per group, value blocks, the block-size keywords every kernel takes, the compile-time flags.
+    ``packed``: ``packed(L) -> Chunks`` of a packed row (``ssmcraft.ops.common.varlen``): one group,
+    NC every sequence's chunks together, no time mask dropped, no prefetch (a sequence may be empty)."""
     B, T, H, K, V = shape
     L = mod.LS * cfg.NSUB
+    kw = dict(BK=next_pow2(K), BV=cfg.BV, num_warps=cfg.num_warps)
+    f = flags(cfg, K, T, V, mod.LS)
+    if packed is not None:
+        NC = max(1, packed(L).NT)
+        return L, NC, 1, NC, cdiv(V, cfg.BV), kw, {**f, "EVEN_T": False, "PREFETCH": False}
     NC = cdiv(T, L)
     NG, CPG = _groups(NC, cfg.NG)
-    kw = dict(BK=next_pow2(K), BV=cfg.BV, num_warps=cfg.num_warps)
-    return L, NC, NG, CPG, cdiv(V, cfg.BV), kw, flags(cfg, K, T, V, mod.LS)
+    return L, NC, NG, CPG, cdiv(V, cfg.BV), kw, f
 
 
-def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod):
+def _rows(B, H, packed, L, ref):
+    """(sequences x heads, the main kernels' packing arguments ``cu``, ``co``, ``VARLEN``)."""
+    if packed is None:
+        return B * H, dict(cu=ref, co=ref, VARLEN=False)
+    ch = packed(L)
+    return ch.N * H, dict(cu=ch.cu, co=ch.co, VARLEN=True)
+
+
+def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod, packed=None):
     B, T, H, K, V = shape
-    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod)
+    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod, packed)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
@@ -215,18 +229,22 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
         _launch(mod, "diagonal_fwd_propagate_kernel", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
                                        HAS_H0=h0 is not None, **kw)
     else:
-        h_start = h0 if h0 is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
+        NH = _rows(B, H, packed, L, None)[0]
+        h_start = h0 if h0 is not None else torch.zeros(NH, 1, K, V, dtype=torch.float32, device=dev)
     y = _alloc((B, T, H, V), out_dtype, dev)
+    NH, seq = _rows(B, H, packed, L, y)
     ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
-    ht = _alloc((B * H, K, V), torch.float32, dev) if want_final else y
-    _launch(mod, "diagonal_fwd_main_kernel", (NV, B * H, NG), *largs, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
-                                  SAVE=save, STORE_FINAL=want_final, **kw, **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
+    ht = _alloc((NH, K, V), torch.float32, dev) if want_final else y
+    _launch(mod, "diagonal_fwd_main_kernel", (NV, NH, NG), *largs, h_start, y, ckpt, ht, seq["cu"], seq["co"], T, H, K, V,
+            NC, NG, CPG, L, SAVE=save, STORE_FINAL=want_final, VARLEN=seq["VARLEN"], **kw,
+            **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
     return y, (ht if want_final else None), (ckpt if save else None)
 
 
-def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, needs):
+def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, needs, packed=None):
     B, T, H, K, V = shape
-    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod)
+    L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod, packed)
+    NH, seq = _rows(B, H, packed, L, dy)
     dev = dy.device
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
@@ -238,7 +256,7 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
         _launch(mod, "diagonal_bwd_propagate_kernel", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
                                        HAS_DHT=dht is not None, **kw)
     else:
-        e_end = dht if dht is not None else torch.zeros(B * H, 1, K, V, dtype=torch.float32, device=dev)
+        e_end = dht if dht is not None else torch.zeros(NH, 1, K, V, dtype=torch.float32, device=dev)
     NTOK = B * T * H
     raw = {}
     scratch = torch.empty(1, dtype=torch.float32, device=dev)
@@ -246,7 +264,7 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
     for lf in plan.leaves.values():
         n = {frozenset({"d", "m"}): V * K, frozenset({"d"}): V, frozenset({"m"}): K, frozenset(): 1}[lf.dims]
         if lf.kind == "param":       # small: always written (zero where unused)
-            raw[lf.name] = _alloc((NG, 1 if "d" in lf.dims else NV, B, H, n), torch.float32, dev)
+            raw[lf.name] = _alloc((NG, 1 if "d" in lf.dims else NV, NH // H, H, n), torch.float32, dev)
         elif lf.name in mod.GRAD_LEAVES:
             # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums per
             # value block (summed below; those leaves are fp32, see diagonal_scan). A gradient nobody
@@ -258,11 +276,11 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
                 gargs.append(torch.empty(gshape, dtype=dtype, device=dev))
                 continue
         gargs.append(raw.get(lf.name, scratch))
-    dh0 = _alloc((B * H, K, V), torch.float32, dev) if need_dh0 else scratch
-    scratch = torch.empty(NV * B * H * NG * cfg.NSUB * kw["BK"] * cfg.BV, dtype=torch.float32, device=dev)
-    _launch(mod, "diagonal_bwd_main_kernel", (NV, B * H, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
-                                  NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED, **kw,
-                                  **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
+    dh0 = _alloc((NH, K, V), torch.float32, dev) if need_dh0 else scratch
+    scratch = torch.empty(NV * NH * NG * cfg.NSUB * kw["BK"] * cfg.BV, dtype=torch.float32, device=dev)
+    _launch(mod, "diagonal_bwd_main_kernel", (NV, NH, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, seq["cu"],
+            seq["co"], T, H, K, V, NC, NG, CPG, L, NTOK, NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED,
+            VARLEN=seq["VARLEN"], **kw, **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
     for lf in plan.leaves.values():
         g = raw.get(lf.name)
@@ -402,18 +420,22 @@ def tuning_timings() -> dict:
 
 class _DiagonalScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan, names, shape, out_dtype, want_final, config, h0, *tensors):
+    def forward(ctx, plan, names, shape, out_dtype, want_final, config, packed, h0, *tensors):
         leaves = dict(zip(names, tensors))
         B, T, H, K, V = shape
         mod = _module(plan, next_pow2(K), K)
         save = bool(any(ctx.needs_input_grad))
+        if packed is not None and config is None:       # one group: the rule's blocks, no timing
+            config = replace(_rule_config(K, V, B, H, T), NG=1, PREFETCH=False)
         cfg = config or _fwd_config(plan, leaves, h0, shape, out_dtype, want_final, save, mod)
-        y, ht, ckpt = _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg, mod)
+        y, ht, ckpt = _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg, mod, packed)
         ctx.plan, ctx.names, ctx.shape, ctx.config, ctx.has_h0 = plan, names, shape, config, h0 is not None
+        ctx.packed = packed
+        N = B if packed is None else packed(1).N
         if save:
             ctx.save_for_backward(ckpt, *tensors)
         if ht is not None:
-            ht = ht.view(B, H, K, V)
+            ht = ht.view(N, H, K, V)
         else:
             ht = y.new_zeros(0)
         return y, ht
@@ -426,12 +448,12 @@ class _DiagonalScan(torch.autograd.Function):
         leaves = dict(zip(ctx.names, tensors))
         mod = _module(plan, next_pow2(K), K)
         dy = dy.contiguous()
-        dht = dht.reshape(B * H, 1, K, V).float().contiguous() if dht is not None and dht.numel() else None
-        needs = {n: ctx.needs_input_grad[7 + i] for i, n in enumerate(ctx.names)}
-        need_dh0 = ctx.has_h0 and ctx.needs_input_grad[6]
+        dht = dht.reshape(-1, 1, K, V).float().contiguous() if dht is not None and dht.numel() else None
+        needs = {n: ctx.needs_input_grad[8 + i] for i, n in enumerate(ctx.names)}
+        need_dh0 = ctx.has_h0 and ctx.needs_input_grad[7]
 
         def run(cfg):
-            return _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg, mod, needs)
+            return _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg, mod, needs, ctx.packed)
 
         cfg = ctx.config
         if cfg is None:
@@ -444,8 +466,8 @@ class _DiagonalScan(torch.autograd.Function):
         out = [grads.get(n) for n in ctx.names]
         out = [g.to(t.dtype) if g is not None else None for g, t in zip(out, tensors)]
         if dh0 is not None:
-            dh0 = dh0.view(B * H, 1, K, V)
-        return (None, None, None, None, None, None, dh0, *out)
+            dh0 = dh0.view(-1, 1, K, V)
+        return (None, None, None, None, None, None, None, dh0, *out)
 
 
 def _fwd_config(plan, leaves, h0, shape, out_dtype, want_final, save, mod):
@@ -478,7 +500,7 @@ def _get_plan(ir) -> Plan:
 
 
 def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_state: bool = False,
-                  config: Config | None = None):
+                  config: Config | None = None, packed=None):
     """Run the generated diagonal-decay kernel of ``objective`` (a CompiledObjective, UpdateIR or
     library name) in FLA's layout.
 
@@ -487,6 +509,9 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
       per-head scalars, in fp32 or bf16; and params of their declared shape or ``[H, *shape]``
       (a ``[d, m]`` param is ``[V, K]``). Params left out take their constant init.
     initial_state: ``[B, H, K, V]`` (fp32 preferred) or None.
+    packed: a packed row of N sequences (B = 1; ``ssmcraft.ops.common.varlen``): ``packed(L)`` gives
+      its ``Chunks`` at chunk length L; each sequence runs from its own state, which is then
+      ``[N, H, K, V]`` in and out.
     Returns ``(o [B, T, H, V]`` in the first input's dtype, ``final_state [B, H, K, V]`` fp32 or None).
     Differentiable in every tensor and the initial state (gradient on the final state too).
     """
@@ -525,13 +550,14 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
             t = t.float()
         leaves[lf.name] = t.contiguous()
     if T == 0:
+        N = B if packed is None else packed(1).N
         y = x0.new_zeros(B, 0, H, V, dtype=out_dtype)
-        S = initial_state.float() if initial_state is not None else x0.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else x0.new_zeros(N, H, K, V, dtype=torch.float32)
         return y, (S if output_final_state else None)
-    h0 = None if initial_state is None else initial_state.float().contiguous().reshape(B * H, 1, K, V)
+    h0 = None if initial_state is None else initial_state.float().contiguous().reshape(-1, 1, K, V)
     names = list(leaves)
-    y, ht = _DiagonalScan.apply(plan, names, (B, T, H, K, V), out_dtype, bool(output_final_state), config, h0,
-                                *[leaves[n] for n in names])
+    y, ht = _DiagonalScan.apply(plan, names, (B, T, H, K, V), out_dtype, bool(output_final_state), config, packed,
+                                h0, *[leaves[n] for n in names])
     return y, (ht if output_final_state else None)
 
 
@@ -567,11 +593,26 @@ def prepare(obj, lay):
     checked the shapes once): the tensors go to the kernel as given, in their own dtype."""
     out_dtype = lay.out_dtype
 
-    def fn(inputs, params, initial_state, output_final_state):
+    def fn(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         s0 = None if initial_state is None else initial_state.transpose(-1, -2)
-        y, S = diagonal_scan(obj, _call_tensors(inputs, params), s0, output_final_state)
+        y, S = diagonal_scan(obj, _call_tensors(inputs, params), s0, output_final_state,
+                             packed=None if cu_seqlens is None else packing(obj.name, cu_seqlens, inputs, initial_state))
         return y.to(out_dtype), (S.transpose(-1, -2) if S is not None else None)
     return fn
+
+
+def packing(name: str, cu_seqlens, inputs: dict, initial_state):
+    """A packed call's ``packed(L) -> Chunks`` for ``diagonal_scan`` (its offsets checked and read
+    once; the chunks built once per chunk length)."""
+    from ssmcraft.ops.common.varlen import chunks, offsets
+    cu = offsets(name, cu_seqlens, inputs, initial_state)
+    made = {}
+
+    def packed(L: int):
+        if L not in made:
+            made[L] = chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), L)
+        return made[L]
+    return packed
 
 
 def forward(obj, lay, co, output_final_state: bool):
@@ -594,7 +635,7 @@ def forward(obj, lay, co, output_final_state: bool):
 
 # -- export (ssmcraft.export.exporter.triton_kernel_source) ---------------------------
 
-EXPORT_EXCLUDE = frozenset({"prepare", "supports", "_get_plan", "_module", "generated_source", "export_tail",
+EXPORT_EXCLUDE = frozenset({"prepare", "packing", "supports", "_get_plan", "_module", "generated_source", "export_tail",
                             "_as_ir"})
 
 

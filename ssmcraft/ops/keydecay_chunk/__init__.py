@@ -5,4 +5,4 @@ from ssmcraft.ops.keydecay_chunk import chunk
 
 FAMILY = KernelFamily(name="keydecay_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
                       prepare=chunk.prepare, forward=chunk.forward, supports_inputs=chunk.supports_inputs,
-                      supports_sizes=chunk.supports_sizes)
+                      supports_sizes=chunk.supports_sizes, varlen=None)

@@ -77,7 +77,9 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.keydecay_chunk.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -98,43 +100,29 @@ A_CONFIGS = [triton.Config({}, num_warps=w, num_stages=2) for w in (1, 2, 4)]
 # kernels
 # ----------------------------------------------------------------------------------------
 
-@triton.jit
-def _rows(i_b, i_h, t, T, H):
-    """Row ids (int64) of time steps ``t`` clamped into [0, T-1] (rows past the end repeat the
-    last one, so that cumulative sums stay flat there)."""
-    return (i_b * T + tl.maximum(tl.minimum(t, T - 1), 0)).to(tl.int64) * H + i_h
-
-
-@triton.jit
-def _state_program(H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """This program's (key block, value block, batch * head, batch, head) in the state kernels' grid
-    (key block x value block, batch * head)."""
-    i_kv = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NV = tl.cdiv(V, BV)
-    return i_kv // NV, i_kv % NV, i_bh, i_bh // H, i_bh % H
-
-
 @tune([triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "BC", "HAS_H0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, T, NT,
+def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, cu, co, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr,
-                      LOG_G: tl.constexpr):
+                      LOG_G: tl.constexpr, VARLEN: tl.constexpr):
     """Sequential over chunks, one program per (key block x value block, batch * head):
     gc = cumulative sums of g within each BC-row sub-block (key rows are independent, so
     blocks over K are too), hs[chunk] = state at the chunk's start, ht = final state.
     LOG_G: the tensor holds the decay a itself and g = log a is taken here."""
-    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
+    i_k, i_v, i_bh, i_b, i_h = state_program(H, V, BV)
     DT = hs.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    for i_t in range(NT):
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for i_t in range(n_t):
+        o_i = tl.arange(0, BT)
+        m_t = i_t * BT + o_i < T
+        row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
         m_tk = m_t[:, None] & m_k[None, :]
-        tl.store(hs + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
+        tl.store(hs + (cb + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
         b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_tk, LOG_G)
         if i_v == 0:      # block-local cumulative sums (rows past T: g = 0)
             b_lc = tl.reshape(tl.cumsum(tl.reshape(b_g, (BT // BC, BC, BK)), axis=1), (BT, BK))
@@ -157,37 +145,37 @@ def _log_decay(ptr, mask, LOG_G: tl.constexpr):
 
 
 @triton.jit
-def _ref_rows(gc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k, BC: tl.constexpr, OFF: tl.constexpr):
+def _refrow_ids(gc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k, BC: tl.constexpr, OFF: tl.constexpr):
     """[BT, BK] tile of gc at row (i // BC) * BC + OFF of each row i's sub-block (clamped)."""
-    r = _rows(i_b, i_h, t0 + (o_i // BC) * BC + OFF, T, H)
+    r = row_ids(bos, i_h, t0 + (o_i // BC) * BC + OFF, T, H)
     return tl.load(gc + r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
 
 
 @triton.jit
-def _ref_vec(gc, i_b, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
+def _ref_vec(gc, bos, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
     """[BK] row of gc at time t (clamped)."""
-    return tl.load(gc + _rows(i_b, i_h, t, T, H) * K + o_k, mask=m_k, other=0.)
+    return tl.load(gc + row_ids(bos, i_h, t, T, H) * K + o_k, mask=m_k, other=0.)
 
 
 @triton.jit
-def _tot(gc, i_b, i_h, t0, M: tl.constexpr, T, H, K: tl.constexpr, o_k, m_k, BC: tl.constexpr):
+def _tot(gc, bos, i_h, t0, M: tl.constexpr, T, H, K: tl.constexpr, o_k, m_k, BC: tl.constexpr):
     """[BK] sum of g over sub-block M of the chunk starting at t0 (0 if the block starts past T)."""
-    s = _ref_vec(gc, i_b, i_h, t0 + M * BC + BC - 1, T, H, K, o_k, m_k)
+    s = _ref_vec(gc, bos, i_h, t0 + M * BC + BC - 1, T, H, K, o_k, m_k)
     return tl.where(t0 + M * BC < T, s, 0.)
 
 
 @triton.jit
-def _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
+def _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
                 BT: tl.constexpr, BC: tl.constexpr):
     """From the block-local sums lc (each a direct sum, never a difference of large ones):
     b = the chunk's prefix sums b_i, sx = bl - b_j, and bl."""
-    b_own = _ref_rows(gc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BC, BC - 1)
+    b_own = _refrow_ids(gc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BC, BC - 1)
     blk = (o_i // BC)[:, None]
     b_pre = tl.zeros_like(b_lc)
     b_post = tl.zeros_like(b_lc)
-    b_bl = tl.zeros_like(_ref_vec(gc, i_b, i_h, t0, T, H, K, o_k, m_k))
+    b_bl = tl.zeros_like(_ref_vec(gc, bos, i_h, t0, T, H, K, o_k, m_k))
     for M in tl.static_range(BT // BC):
-        b_t = _tot(gc, i_b, i_h, t0, M, T, H, K, o_k, m_k, BC)[None, :]
+        b_t = _tot(gc, bos, i_h, t0, M, T, H, K, o_k, m_k, BC)[None, :]
         b_pre += tl.where(blk > M, b_t, 0.)
         b_post += tl.where(blk < M, b_t, 0.)
         b_bl += tl.sum(b_t, axis=0)
@@ -195,9 +183,9 @@ def _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K: tl.constexpr, o_i, o_k, m_k,
 
 
 @triton.jit
-def _sub_rows(p, i_b, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
+def _subrow_ids(p, bos, i_h, t, T, H, K: tl.constexpr, o_k, m_k):
     """[BC, BK] fp32 tile of a [B, T, H, K] tensor at the times t (rows past T: 0)."""
-    r = _rows(i_b, i_h, t, T, H)
+    r = row_ids(bos, i_h, t, T, H)
     return tl.load(p + r[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=0.).to(tl.float32)
 
 
@@ -209,22 +197,22 @@ def _causal(A, row, m_t, o_i, BT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_k, BC: tl.constexpr):
+def _key_to_ref(k, gc, bos, i_h, t0, J, b_s, T, H, K: tl.constexpr, o_c, o_k, m_k, BC: tl.constexpr):
     """Sub-block J of k scaled to a later reference R (the b just before the sub-block being
     built): k_j e^{R - b_j} = k_j e^{(tot_J - lc_j) + s}, with ``b_s`` the sum of g over the whole
     sub-blocks between J and R (every exponent <= 0 for g <= 0). Returns that [BC, BK] fp32 tile and
     tot_J, the [BK] sum of g over J (added to ``b_s`` before the next J down)."""
     t_J = t0 + J * BC + o_c
-    b_kJ = _sub_rows(k, i_b, i_h, t_J, T, H, K, o_k, m_k)
-    b_lJ = tl.load(gc + _rows(i_b, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_oJ = _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
+    b_kJ = _subrow_ids(k, bos, i_h, t_J, T, H, K, o_k, m_k)
+    b_lJ = tl.load(gc + row_ids(bos, i_h, t_J, T, H)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_oJ = _ref_vec(gc, bos, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
     return b_kJ * tl.exp(b_oJ[None, :] - b_lJ + b_s[None, :]), b_oJ
 
 
 @tune(A_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
-def keydecay_chunk_intra_a_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    BK: tl.constexpr, PREC: tl.constexpr):
+def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per (chunk, sub-block I): the rows of I in A[i, j] = sum_k q_ik k_jk e^{b_ik - b_jk}, j <= i.
     Columns of earlier blocks J are tensor-core products (q e^{b - R_I}) (k_J e^{R_I - b_J})^T with
     R_I = b just before block I (both exponents <= 0); the diagonal block is summed elementwise.
@@ -235,21 +223,22 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constex
     i_b = i_bh // H
     i_h = i_bh % H
     I = i_c % NC
-    t0 = (i_c // NC) * BT
+    bos, T, i_t, _ = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    t0 = i_t * BT
     DT = A.dtype.element_ty
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     t_I = t0 + I * BC + o_c
     m_I = t_I < T
-    r_I = _rows(i_b, i_h, t_I, T, H)
-    b_q = _sub_rows(q, i_b, i_h, t_I, T, H, K, o_k, m_k)
+    r_I = row_ids(bos, i_h, t_I, T, H)
+    b_q = _subrow_ids(q, bos, i_h, t_I, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + r_I[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     b_qs = (b_q * tl.exp(b_lc)).to(DT)                    # q e^{b_i - R_I}
     b_s = tl.zeros([BK], dtype=tl.float32)                # sum of g over the whole blocks after J, before I
     for jj in range(I):
         J = I - 1 - jj
-        b_kt, b_oJ = _key_to_ref(k, gc, i_b, i_h, t0, J, b_s, T, H, K, o_c, o_k, m_k, BC)    # k_j e^{R_I - b_j}
+        b_kt, b_oJ = _key_to_ref(k, gc, bos, i_h, t0, J, b_s, T, H, K, o_c, o_k, m_k, BC)    # k_j e^{R_I - b_j}
         b_kt = b_kt.to(DT)
         b_a = tl.dot(b_qs, tl.trans(b_kt), input_precision=PREC)
         tl.store(A + r_I[:, None] * BT + J * BC + o_c[None, :], b_a.to(DT), mask=m_I[:, None])
@@ -257,7 +246,7 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constex
     b_d = tl.zeros([BC, BC], dtype=tl.float32)
     for c in range(BC):          # diagonal block: e^{b_i - b_c} = e^{lc_i - lc_c}, c <= i
         t_c = t0 + I * BC + c
-        r_c = _rows(i_b, i_h, t_c, T, H)
+        r_c = row_ids(bos, i_h, t_c, T, H)
         b_kc = tl.load(k + r_c * K + o_k, mask=m_k & (t_c < T), other=0.).to(tl.float32)
         b_lcc = tl.load(gc + r_c * K + o_k, mask=m_k, other=0.)
         low = (o_c >= c)[:, None]
@@ -269,37 +258,38 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, T, H: tl.constexpr, K: tl.constex
 
 @tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC", "BWD"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
+def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, cu, ci, T, NT,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, BWD: tl.constexpr, PREC: tl.constexpr):
+                        BK: tl.constexpr, BV: tl.constexpr, BWD: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """Per (value block, chunk), the two products of a chunk's rows with its state and A:
     forward (BWD=False): o  = (q e^b) h0 + A v            key = q, x = v,  st = hs;
     backward (BWD=True): dv = (k e^{bl - b}) dH + A^T dO   key = k, x = dO, st = dhs."""
     i_v = tl.program_id(0)
-    i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
     DT = x.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
     m_t = (t0 + o_i) < T
-    row = _rows(i_b, i_h, t0 + o_i, T, H)
+    row = row_ids(bos, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    b_key = _sub_rows(key, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_key = _subrow_ids(key, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
+    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
     b_A = _causal(A, row, m_t, o_i, BT, DT)
     if BWD:
         b_key = (b_key * tl.exp(b_sx)).to(DT)
         b_A = tl.trans(b_A)
     else:
         b_key = (b_key * tl.exp(b_b)).to(DT)
-    b_st = tl.load(st + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+    b_st = tl.load(st + (cb + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.)
     b_x = tl.load(x + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
     b_o = tl.dot(b_key, b_st.to(DT), input_precision=PREC)
@@ -311,24 +301,25 @@ def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, T, NT,
         for bk, bv, w, s in ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2))],
        key=["H", "K", "V", "BT", "HAS_DHT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def keydecay_chunk_bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
+def keydecay_chunk_bwd_state_kernel(q, g, do, dht, dhs, dh0, cu, co, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr,
-                      LOG_G: tl.constexpr):
+                      LOG_G: tl.constexpr, VARLEN: tl.constexpr):
     """Reverse over chunks: dhs[chunk] = gradient of the state at the chunk's end;
     dH <- e^{bl} o dH + (q e^b)^T dO; dh0 = the gradient of the initial state."""
-    i_k, i_v, i_bh, i_b, i_h = _state_program(H, V, BV)
+    i_k, i_v, i_bh, i_b, i_h = state_program(H, V, BV)
     DT = dhs.dtype.element_ty
     o_i = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(i_k, i_v, K, V, BK, BV)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    for j in range(NT):
-        i_t = NT - 1 - j
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for j in range(n_t):
+        i_t = n_t - 1 - j
         t0 = i_t * BT
         o_t = t0 + o_i
         m_t = o_t < T
-        row = _rows(i_b, i_h, o_t, T, H)
-        tl.store(dhs + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
+        row = row_ids(bos, i_h, o_t, T, H)
+        tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
         b_g = _log_decay(g + row[:, None] * K + o_k[None, :], m_t[:, None] & m_k[None, :], LOG_G)
         b_b = tl.cumsum(b_g, axis=0)
         b_bl = tl.sum(b_g, axis=0)
@@ -341,9 +332,9 @@ def keydecay_chunk_bwd_state_kernel(q, g, do, dht, dhs, dh0, T, NT,
 
 @tune(PAR_CONFIGS, key=["H", "K", "V", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT", "V_run"])
-def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, T, NT, V_run,
+def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl, cu, ci, T, NT, V_run,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, summing over value blocks: dA = dO V^T (lower triangle), the state terms
     dq = e^b o (dO h0^T), dk = e^{bl - b} o (V dH^T) (fp32 scratch, finished by the intra kernel)
     and dL/dbl = sum_j k_j o dk_j + e^{bl} o sum_v h0 dH.
@@ -352,19 +343,19 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     Triton 3.6 miscompiles this software-pipelined loop (num_stages=2) on Hopper (sm_90) with bf16
     I/O, and dA = dO V^T comes out wrong (at V = 256, K = 16, 32; every config); with the trip count
     known only at run time, or num_stages=1, it is exact (BENCHMARKS.md, "Key-decay chunked")."""
-    i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = do.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
     m_t = (t0 + o_i) < T
-    row = _rows(i_b, i_h, t0 + o_i, T, H)
+    row = row_ids(bos, i_h, t0 + o_i, T, H)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    base = (i_bh.to(tl.int64) * NT + i_t) * K * V
+    base = (cb + i_t) * K * V
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkh = tl.zeros([BT, BK], dtype=tl.float32)
@@ -382,20 +373,20 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     b_dA = tl.where(o_i[:, None] >= o_i[None, :], b_dA, 0.)
     tl.store(dA + row[:, None] * BT + o_i[None, :], b_dA, mask=m_t[:, None])
     b_lc = tl.load(gc + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
-    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, i_b, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
+    b_b, b_sx, b_bl = _chunk_sums(gc, b_lc, bos, i_h, t0, T, H, K, o_i, o_k, m_k, BT, BC)
     b_dk = b_dkh * tl.exp(b_sx)
     tl.store(dqi + row[:, None] * K + o_k[None, :], b_dqh * tl.exp(b_b), mask=m_tk)
     tl.store(dki + row[:, None] * K + o_k[None, :], b_dk, mask=m_tk)
-    b_k = _sub_rows(k, i_b, i_h, t0 + o_i, T, H, K, o_k, m_k)
+    b_k = _subrow_ids(k, bos, i_h, t0 + o_i, T, H, K, o_k, m_k)
     b_dbl = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_bl) * b_hdh
-    tl.store(dbl + (i_bh.to(tl.int64) * NT + i_t) * K + o_k, b_dbl, mask=m_k)
+    tl.store(dbl + (cb + i_t) * K + o_k, b_dbl, mask=m_k)
 
 
 @tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T, NT,
+def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu, ci, T, NT,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per (key block, chunk x sub-block I): dq, dk of the rows of I = the inter terms plus
     dq_i += sum_{j<=i} dA_ij k_j e^{b_i - b_j},  dk_j += sum_{i>=j} dA_ij q_i e^{b_i - b_j}
     (earlier / later blocks as tensor-core products against references at the block boundaries,
@@ -408,7 +399,7 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T,
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
-    i_t = i_c // NC
+    bos, T, i_t, cb = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
     I = i_c % NC
     DT = q.dtype.element_ty
     t0 = i_t * BT
@@ -417,18 +408,18 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T,
     m_k = o_k < K
     t_I = t0 + I * BC + o_c
     m_I = t_I < T
-    r_I = _rows(i_b, i_h, t_I, T, H)
+    r_I = row_ids(bos, i_h, t_I, T, H)
     m_Ik = m_I[:, None] & m_k[None, :]
     p_I = r_I[:, None] * K + o_k[None, :]
-    b_q = _sub_rows(q, i_b, i_h, t_I, T, H, K, o_k, m_k)
-    b_k = _sub_rows(k, i_b, i_h, t_I, T, H, K, o_k, m_k)
+    b_q = _subrow_ids(q, bos, i_h, t_I, T, H, K, o_k, m_k)
+    b_k = _subrow_ids(k, bos, i_h, t_I, T, H, K, o_k, m_k)
     b_lc = tl.load(gc + p_I, mask=m_k[None, :], other=0.)
-    b_own = _ref_vec(gc, i_b, i_h, t0 + I * BC + BC - 1, T, H, K, o_k, m_k)
+    b_own = _ref_vec(gc, bos, i_h, t0 + I * BC + BC - 1, T, H, K, o_k, m_k)
     # dq from the blocks J < I: dA[I, J] (k_J e^{R_I - b_J}), then e^{b_i - R_I}
     b_dqo = tl.zeros([BC, BK], dtype=tl.float32)
     b_s = tl.zeros([BK], dtype=tl.float32)
     for jj in range(I):
-        b_kt, b_oJ = _key_to_ref(k, gc, i_b, i_h, t0, I - 1 - jj, b_s, T, H, K, o_c, o_k, m_k, BC)
+        b_kt, b_oJ = _key_to_ref(k, gc, bos, i_h, t0, I - 1 - jj, b_s, T, H, K, o_c, o_k, m_k, BC)
         b_kt = b_kt.to(DT)
         b_da = tl.load(dA + r_I[:, None] * BT + (I - 1 - jj) * BC + o_c[None, :], mask=m_I[:, None], other=0.).to(DT)
         b_dqo += tl.dot(b_da, b_kt, input_precision=PREC)
@@ -438,19 +429,19 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T,
     b_s = tl.zeros([BK], dtype=tl.float32)
     for J in range(I + 1, NC):
         t_J = t0 + J * BC + o_c
-        r_J = _rows(i_b, i_h, t_J, T, H)
-        b_qJ = _sub_rows(q, i_b, i_h, t_J, T, H, K, o_k, m_k)
+        r_J = row_ids(bos, i_h, t_J, T, H)
+        b_qJ = _subrow_ids(q, bos, i_h, t_J, T, H, K, o_k, m_k)
         b_lJ = tl.load(gc + r_J[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
         b_qt = (b_qJ * tl.exp(b_lJ + b_s[None, :])).to(DT)
         b_da = tl.load(dA + r_J[:, None] * BT + I * BC + o_c[None, :], mask=(t_J < T)[:, None], other=0.).to(DT)
         b_dko += tl.dot(tl.trans(b_da), b_qt, input_precision=PREC)
-        b_s += _ref_vec(gc, i_b, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
+        b_s += _ref_vec(gc, bos, i_h, t0 + J * BC + BC - 1, T, H, K, o_k, m_k)
     b_dq = tl.load(dqi + p_I, mask=m_Ik, other=0.) + tl.exp(b_lc) * b_dqo
     b_dk = tl.load(dki + p_I, mask=m_Ik, other=0.) + tl.exp(b_own[None, :] - b_lc) * b_dko
     # diagonal block: partner row c; one exponential serves dq (c <= i) and dk (c >= i)
     for c in range(BC):
         t_c = t0 + I * BC + c
-        r_c = _rows(i_b, i_h, t_c, T, H)
+        r_c = row_ids(bos, i_h, t_c, T, H)
         m_c = m_k & (t_c < T)
         b_qc = tl.load(q + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
         b_kc = tl.load(k + r_c * K + o_k, mask=m_c, other=0.).to(tl.float32)
@@ -467,29 +458,29 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, T,
     tl.store(dq + p_I, b_dq.to(dq.dtype.element_ty), mask=m_Ik)
     tl.store(dk + p_I, b_dk.to(dk.dtype.element_ty), mask=m_Ik)
     tl.store(dgl + p_I, tl.cumsum(b_db, axis=0, reverse=True), mask=m_Ik)
-    tl.store(dbt + ((i_bh.to(tl.int64) * NT + i_t) * NC + I) * K + o_k, tl.sum(b_db, axis=0), mask=m_k)
+    tl.store(dbt + ((cb + i_t) * NC + I) * K + o_k, tl.sum(b_db, axis=0), mask=m_k)
 
 
 @tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, LOG_G: tl.constexpr):
+def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, BK: tl.constexpr, LOG_G: tl.constexpr, VARLEN: tl.constexpr):
     """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
     later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
     chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)
     LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a."""
     NC: tl.constexpr = BT // BC
     i_k = tl.program_id(0)
-    i_t = tl.program_id(1)
     i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
     o_i = tl.arange(0, BT)
     m_t = (i_t * BT + o_i) < T
-    row = _rows(i_b, i_h, i_t * BT + o_i, T, H)
+    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    base = (i_bh.to(tl.int64) * NT + i_t) * K
+    base = (cb + i_t) * K
     b_off = tl.zeros([BT, BK], dtype=tl.float32) + tl.load(dbl + base + o_k, mask=m_k, other=0.)[None, :]
     blk = (o_i // BC)[:, None]
     for M in tl.static_range(1, NC):
@@ -541,58 +532,60 @@ def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
 
 
-def _fwd(q, k, v, g, h0, BT, log_g=False):
-    """o [B,T,H,V] (v's dtype), ht [B,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
-    A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward)."""
+def _fwd(q, k, v, g, h0, BT, log_g=False, packed=None):
+    """o [B,T,H,V] (v's dtype), ht [N,H,K,V] fp32, gc [B,T,H,K] fp32, hs [B,H,NT,K,V],
+    A [B,T,H,BT] (the intra-chunk matrix, lower triangle written; kept for the backward). ``packed``:
+    the ``Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, k)
     prec = dot_precision(dt)
     gc = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
-    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    launch(keydecay_chunk_fwd_state_kernel, _state_grid(K, V, B * H),
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    launch(keydecay_chunk_fwd_state_kernel, _state_grid(K, V, N * H),
            k=k, v=v, g=g, h0=h0 if h0 is not None else ht, gc=gc, hs=hs, ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT,
-           BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g, **_state_opts(K, V))
+           BC=min(SUB, BT), HAS_H0=h0 is not None, PREC=prec, LOG_G=log_g, **packed_args(seq, "cu", "co"),
+           **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     A = _empty(B, T, H, BT, device=dev, dtype=dt)
     launch(keydecay_chunk_intra_a_kernel, (NT * (BT // BC), B * H),
-           q=q, k=k, gc=gc, A=A, T=T, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec)
+           q=q, k=k, gc=gc, A=A, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
            key=q, x=v, gc=gc, st=hs, A=A, out=o, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=False, PREC=prec,
-           **_par_opts(V))
+           **packed_args(seq, "cu", "ci"), **_par_opts(V))
     return o, ht, gc, hs, A
 
 
-def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
-    """(dq, dk, dv in the I/O dtype; dg fp32 [B,T,H,K]; dh0 fp32 [B,H,K,V])."""
+def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
+    """(dq, dk, dv in the I/O dtype; dg fp32 [B,T,H,K]; dh0 fp32 [N,H,K,V]); ``packed`` as ``_fwd``."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt, dev = v.dtype, v.device
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, k)
     prec = dot_precision(dt)
     do = do.to(dt).contiguous()
     has_dht = dht is not None
     dht = dht.float().contiguous() if has_dht else hs
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=dt)
-    dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32)
-    launch(keydecay_chunk_bwd_state_kernel, _state_grid(K, V, B * H),
+    dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    launch(keydecay_chunk_bwd_state_kernel, _state_grid(K, V, N * H),
            q=q, g=g, do=do, dht=dht, dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, HAS_DHT=has_dht, PREC=prec,
-           LOG_G=log_g, **_state_opts(K, V))
+           LOG_G=log_g, **packed_args(seq, "cu", "co"), **_state_opts(K, V))
     BC, BK = min(SUB, BT), pow2(K)
     dv = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(keydecay_chunk_apply_kernel, _par_grid(V, NT, B * H),
            key=k, x=do, gc=gc, st=dhs, A=A, out=dv, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BWD=True,
-           PREC=prec, **_par_opts(V))
+           PREC=prec, **packed_args(seq, "cu", "ci"), **_par_opts(V))
     dA = _empty(B, T, H, BT, device=dev, dtype=torch.float32)
     dqi = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dki = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     dbl = _empty(B, H, NT, K, device=dev, dtype=torch.float32)
     launch(keydecay_chunk_bwd_inter_kernel, (NT, B * H),
            q=q, k=k, v=v, gc=gc, hs=hs, dhs=dhs, do=do, dA=dA, dqi=dqi, dki=dki, dbl=dbl, T=T, NT=NT, V_run=V, H=H,
-           K=K, V=V, BT=BT, BC=BC, BK=BK, PREC=prec, **_par_opts(V))
+           K=K, V=V, BT=BT, BC=BC, BK=BK, PREC=prec, **packed_args(seq, "cu", "ci"), **_par_opts(V))
     dq = _empty(B, T, H, K, device=dev, dtype=dt)
     dk = _empty(B, T, H, K, device=dev, dtype=dt)
     dgl = _empty(B, T, H, K, device=dev, dtype=torch.float32)      # dg within each sub-block
@@ -600,11 +593,12 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False):
     grid = lambda meta: (cdiv(K, meta["BK"]), NT * (BT // BC), B * H)  # noqa: E731
     launch(keydecay_chunk_bwd_intra_kernel, grid,
            q=q, k=k, gc=gc, dA=dA, dqi=dqi, dki=dki, dq=dq, dk=dk, dgl=dgl, dbt=dbt, T=T, NT=NT, H=H, K=K, BT=BT,
-           BC=BC, PREC=prec, **_intra_opts(K))
+           BC=BC, PREC=prec, **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     dg = _empty(B, T, H, K, device=dev, dtype=torch.float32)
     grid = lambda meta: (cdiv(K, meta["BK"]), NT, B * H)  # noqa: E731
     launch(keydecay_chunk_bwd_dg_kernel, grid,
-           dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g, **_intra_opts(K))
+           dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g,
+           **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
@@ -616,11 +610,11 @@ class KeyDecayChunkFunction(torch.autograd.Function):
     """(q, k, v, g, h0|None) -> (o, ht|None), FLA layout; gradients for all five (and via dht)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, output_final_state, chunk_size, log_g=False):
-        o, ht, gc, hs, A = _fwd(q, k, v, g, h0, chunk_size, log_g)
+    def forward(ctx, q, k, v, g, h0, output_final_state, chunk_size, log_g=False, packed=None):
+        o, ht, gc, hs, A = _fwd(q, k, v, g, h0, chunk_size, log_g, packed)
         if any(ctx.needs_input_grad[:5]):
             ctx.save_for_backward(q, k, v, g, gc, hs, A)
-        ctx.chunk_size, ctx.log_g = chunk_size, log_g
+        ctx.chunk_size, ctx.log_g, ctx.packed = chunk_size, log_g, packed
         ctx.has_h0 = h0 is not None
         return o, (ht if output_final_state else None)
 
@@ -629,8 +623,8 @@ class KeyDecayChunkFunction(torch.autograd.Function):
         q, k, v, g, gc, hs, A = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, A, do, dht, ctx.chunk_size, ctx.log_g)
-        return dq, dk, dv, dg.to(g.dtype), (dh0 if ctx.has_h0 else None), None, None, None
+        dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, gc, hs, A, do, dht, ctx.chunk_size, ctx.log_g, ctx.packed)
+        return dq, dk, dv, dg.to(g.dtype), (dh0 if ctx.has_h0 else None), None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------
@@ -639,7 +633,7 @@ class KeyDecayChunkFunction(torch.autograd.Function):
 
 
 def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool = False,
-                    chunk_size: int = 64, log_space: bool = True):
+                    chunk_size: int = 64, log_space: bool = True, cu_seqlens=None):
     """h_t = diag(exp(g_t)) h_{t-1} + k_t v_t^T;  o_t = h_t^T q_t  (FLA's chunk_gla with scale 1).
 
     Args:
@@ -652,6 +646,9 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         initial_state: [B, H, K, V] (kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); initial and final states
+            are then [N, H, K, V], and no chunk straddles two sequences.
     Returns:
         o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None. Differentiable in
         q, k, v, g and initial_state (a gradient on the final state flows back too).
@@ -665,13 +662,18 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
     V = v.shape[-1]
     if K > MAX_K:
         raise ValueError(f"chunk_key_decay: K = {K} > {MAX_K} is not supported")
+    packed = None
+    if cu_seqlens is not None:
+        cu = offsets("chunk_key_decay", cu_seqlens, {"v": v}, initial_state)
+        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
+    N = B if packed is None else packed.N
     if T == 0:
         o = v.new_zeros(B, 0, H, V)
-        S = initial_state.float() if initial_state is not None else v.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else v.new_zeros(N, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, ht = KeyDecayChunkFunction.apply(q.to(dt).contiguous(), k.to(dt).contiguous(), v.contiguous(),
-                                        g.contiguous(), h0, output_final_state, chunk_size, not log_space)
+                                        g.contiguous(), h0, output_final_state, chunk_size, not log_space, packed)
     return o, ht
 
 
@@ -785,12 +787,13 @@ def prepare(obj, lay):
             return torch.full((B, T, H, n), float(x), device=device, dtype=torch.float32)
         return x.unsqueeze(-1).expand(B, T, H, n) if x.dim() == 3 else x
 
-    def run(cs, initial_state, output_final_state):
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
         dev = cs.device
         a = vec(cs.get("a"), m, dev)
         o, ht = chunk_key_decay(vec(cs.get("oq"), m, dev).to(io), vec(cs.get("q"), m, dev).to(io),
                                 vec(cs.get("p"), d, dev).to(io), a,
                                 initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
-                                output_final_state=output_final_state, chunk_size=CHUNK, log_space=False)
+                                output_final_state=output_final_state, chunk_size=CHUNK, log_space=False,
+                                cu_seqlens=cu_seqlens)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
     return slot_runner(obj, lay, run)

@@ -62,6 +62,7 @@ def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_beta, A_out, S_out, T, H, K, V,
     i_g = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos = i_b.to(tl.int64) * T                # the sequence's first row
     ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)
     ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)
     mk = ok < K
@@ -74,7 +75,7 @@ def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_beta, A_out, S_out, T, H, K, V,
     t0 = i_g * CPG * L
     t1 = tl.minimum(t0 + CPG * L, T)
     for t in range(t0, t1):
-        tok = (i_b.to(tl.int64) * T + t) * H + i_h
+        tok = (bos + t) * H + i_h
         L_x = tl.load(p_x + tok * V + ov, mask=mv, other=0.0).to(tl.float32)
         L_k = tl.load(p_k + tok * K + ok).to(tl.float32)
         L_beta = tl.load(p_beta + tok * V + ov, mask=mv, other=0.0).to(tl.float32)
@@ -111,9 +112,9 @@ def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.c
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, K, V, NC, NG, CPG, L,
+def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, cu, co, T, H, K, V, NC, NG, CPG, L,
              BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,
-             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr):
+             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr, VARLEN: tl.constexpr):
     """Per group: from its start state, every step's state and output; chunk-start states
     ckpt[b*H+h, c] (SAVE) and the final state (STORE_FINAL, last group). PREFETCH: the token
     leaves are loaded 4 steps before their step (needs L % 4 == 0), so a pass with few
@@ -123,6 +124,7 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
     i_g = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos = i_b.to(tl.int64) * T                # the sequence's first row
     ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)
     ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)
     mk = ok < K
@@ -130,38 +132,44 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
     mkv = mk & mv
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
+    cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    if VARLEN:
+        bos = tl.load(cu + i_b).to(tl.int64)
+        T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)
+        NC = tl.cdiv(T, L)
     S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)
     c0 = i_g * CPG
     c1 = tl.minimum(c0 + CPG, NC)
     if PREFETCH:   # 4-deep register prefetch: set j holds step tb + j, refilled with tb + j + 4
         t_last = T - 1
-        tokp = (i_b.to(tl.int64) * T + tl.minimum(c0 * L + 0, t_last)) * H + i_h
+        tokp = (bos + tl.minimum(c0 * L + 0, t_last)) * H + i_h
         L_x_0 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
         L_k_0 = tl.load(p_k + tokp * K + ok).to(tl.float32)
         L_q_0 = tl.load(p_q + tokp * K + ok).to(tl.float32)
         L_beta_0 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
-        tokp = (i_b.to(tl.int64) * T + tl.minimum(c0 * L + 1, t_last)) * H + i_h
+        tokp = (bos + tl.minimum(c0 * L + 1, t_last)) * H + i_h
         L_x_1 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
         L_k_1 = tl.load(p_k + tokp * K + ok).to(tl.float32)
         L_q_1 = tl.load(p_q + tokp * K + ok).to(tl.float32)
         L_beta_1 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
-        tokp = (i_b.to(tl.int64) * T + tl.minimum(c0 * L + 2, t_last)) * H + i_h
+        tokp = (bos + tl.minimum(c0 * L + 2, t_last)) * H + i_h
         L_x_2 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
         L_k_2 = tl.load(p_k + tokp * K + ok).to(tl.float32)
         L_q_2 = tl.load(p_q + tokp * K + ok).to(tl.float32)
         L_beta_2 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
-        tokp = (i_b.to(tl.int64) * T + tl.minimum(c0 * L + 3, t_last)) * H + i_h
+        tokp = (bos + tl.minimum(c0 * L + 3, t_last)) * H + i_h
         L_x_3 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
         L_k_3 = tl.load(p_k + tokp * K + ok).to(tl.float32)
         L_q_3 = tl.load(p_q + tokp * K + ok).to(tl.float32)
         L_beta_3 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
         for c in range(c0, c1):
             if SAVE:
-                tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)
+                tl.store(ckpt + (cb + c) * K * V + st, S, mask=mkv)
             for tb in range(c * L, c * L + L, 4):
                 # step tb + 0, from set 0
                 vt = (tb + 0 < T) | EVEN_T
-                tok = (i_b.to(tl.int64) * T + tb + 0) * H + i_h
+                tok = (bos + tb + 0) * H + i_h
                 N_r0 = tl.sum((L_k_0*L_k_0), axis=0, keep_dims=True)
                 N_c = L_beta_0/(1.0 + N_r0*L_beta_0)
                 N_q = L_k_0
@@ -171,14 +179,14 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
                 S = tl.where(vt, N_a * S + N_q * N_p, S)
                 o = tl.sum(S * N_oq, axis=0, keep_dims=True)
                 tl.store(y + tok * V + ov, o, mask=mv & vt)
-                tokp = (i_b.to(tl.int64) * T + tl.minimum(tb + 4, t_last)) * H + i_h
+                tokp = (bos + tl.minimum(tb + 4, t_last)) * H + i_h
                 L_x_0 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 L_k_0 = tl.load(p_k + tokp * K + ok).to(tl.float32)
                 L_q_0 = tl.load(p_q + tokp * K + ok).to(tl.float32)
                 L_beta_0 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 # step tb + 1, from set 1
                 vt = (tb + 1 < T) | EVEN_T
-                tok = (i_b.to(tl.int64) * T + tb + 1) * H + i_h
+                tok = (bos + tb + 1) * H + i_h
                 N_r0 = tl.sum((L_k_1*L_k_1), axis=0, keep_dims=True)
                 N_c = L_beta_1/(1.0 + N_r0*L_beta_1)
                 N_q = L_k_1
@@ -188,14 +196,14 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
                 S = tl.where(vt, N_a * S + N_q * N_p, S)
                 o = tl.sum(S * N_oq, axis=0, keep_dims=True)
                 tl.store(y + tok * V + ov, o, mask=mv & vt)
-                tokp = (i_b.to(tl.int64) * T + tl.minimum(tb + 5, t_last)) * H + i_h
+                tokp = (bos + tl.minimum(tb + 5, t_last)) * H + i_h
                 L_x_1 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 L_k_1 = tl.load(p_k + tokp * K + ok).to(tl.float32)
                 L_q_1 = tl.load(p_q + tokp * K + ok).to(tl.float32)
                 L_beta_1 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 # step tb + 2, from set 2
                 vt = (tb + 2 < T) | EVEN_T
-                tok = (i_b.to(tl.int64) * T + tb + 2) * H + i_h
+                tok = (bos + tb + 2) * H + i_h
                 N_r0 = tl.sum((L_k_2*L_k_2), axis=0, keep_dims=True)
                 N_c = L_beta_2/(1.0 + N_r0*L_beta_2)
                 N_q = L_k_2
@@ -205,14 +213,14 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
                 S = tl.where(vt, N_a * S + N_q * N_p, S)
                 o = tl.sum(S * N_oq, axis=0, keep_dims=True)
                 tl.store(y + tok * V + ov, o, mask=mv & vt)
-                tokp = (i_b.to(tl.int64) * T + tl.minimum(tb + 6, t_last)) * H + i_h
+                tokp = (bos + tl.minimum(tb + 6, t_last)) * H + i_h
                 L_x_2 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 L_k_2 = tl.load(p_k + tokp * K + ok).to(tl.float32)
                 L_q_2 = tl.load(p_q + tokp * K + ok).to(tl.float32)
                 L_beta_2 = tl.load(p_beta + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 # step tb + 3, from set 3
                 vt = (tb + 3 < T) | EVEN_T
-                tok = (i_b.to(tl.int64) * T + tb + 3) * H + i_h
+                tok = (bos + tb + 3) * H + i_h
                 N_r0 = tl.sum((L_k_3*L_k_3), axis=0, keep_dims=True)
                 N_c = L_beta_3/(1.0 + N_r0*L_beta_3)
                 N_q = L_k_3
@@ -222,7 +230,7 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
                 S = tl.where(vt, N_a * S + N_q * N_p, S)
                 o = tl.sum(S * N_oq, axis=0, keep_dims=True)
                 tl.store(y + tok * V + ov, o, mask=mv & vt)
-                tokp = (i_b.to(tl.int64) * T + tl.minimum(tb + 7, t_last)) * H + i_h
+                tokp = (bos + tl.minimum(tb + 7, t_last)) * H + i_h
                 L_x_3 = tl.load(p_x + tokp * V + ov, mask=mv, other=0.0).to(tl.float32)
                 L_k_3 = tl.load(p_k + tokp * K + ok).to(tl.float32)
                 L_q_3 = tl.load(p_q + tokp * K + ok).to(tl.float32)
@@ -230,9 +238,9 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_beta, h_start, y, ckpt, ht, T, H, 
     else:
         for c in range(c0, c1):
             if SAVE:
-                tl.store(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, S, mask=mkv)
+                tl.store(ckpt + (cb + c) * K * V + st, S, mask=mkv)
             for t in range(c * L, tl.minimum(c * L + L, T)):
-                tok = (i_b.to(tl.int64) * T + t) * H + i_h
+                tok = (bos + t) * H + i_h
                 L_x = tl.load(p_x + tok * V + ov, mask=mv, other=0.0).to(tl.float32)
                 L_k = tl.load(p_k + tok * K + ok).to(tl.float32)
                 L_q = tl.load(p_q + tok * K + ok).to(tl.float32)
@@ -260,6 +268,7 @@ def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_beta, dy, A_out, E_out, T, H, K
     i_g = tl.program_id(2) + 1
     i_b = i_bh // H
     i_h = i_bh % H
+    bos = i_b.to(tl.int64) * T                # the sequence's first row
     ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)
     ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)
     mk = ok < K
@@ -273,7 +282,7 @@ def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_beta, dy, A_out, E_out, T, H, K
     t1 = tl.minimum(t0 + CPG * L, T)
     for tt in range(0, t1 - t0):
         t = t1 - 1 - tt
-        tok = (i_b.to(tl.int64) * T + t) * H + i_h
+        tok = (bos + t) * H + i_h
         L_k = tl.load(p_k + tok * K + ok).to(tl.float32)
         L_q = tl.load(p_q + tok * K + ok).to(tl.float32)
         L_beta = tl.load(p_beta + tok * V + ov, mask=mv, other=0.0).to(tl.float32)
@@ -313,10 +322,10 @@ def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.co
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])
-def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, ckpt, e_end, dh0, scratch, T, H, K, V, NC, NG, CPG, L, NTOK,
-             BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr, DOTRED: tl.constexpr,
-             HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, EVEN_V: tl.constexpr,
-             EVEN_T: tl.constexpr):
+def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, ckpt, e_end, dh0, scratch, cu, co, T, H, K, V, NC, NG, CPG, L,
+             NTOK, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr,
+             DOTRED: tl.constexpr, HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr,
+             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, VARLEN: tl.constexpr):
     """Per group, chunks in reverse: a forward pass over the chunk from its stored start state keeps
     the start of each sub-chunk of 4 steps (L = 4 * NSUB) in this program's scratch; then, sub-chunks
     in reverse, their states are recomputed into registers and the adjoint stepped back through them."""
@@ -325,6 +334,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
     i_g = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos = i_b.to(tl.int64) * T                # the sequence's first row
     ok = tl.arange(0, BK)[:, None]          # [BK, 1]  key index (state dim m)
     ov = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]  value index (state dim d)
     mk = ok < K
@@ -332,6 +342,12 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
     mkv = mk & mv
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
+    cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    if VARLEN:
+        bos = tl.load(cu + i_b).to(tl.int64)
+        T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)
+        NC = tl.cdiv(T, L)
     zero11 = tl.zeros([1, 1], dtype=tl.int64)
     if HSUM:   # the key whose value-axis sum lane j of _hsum holds, and the lanes that store it
         hm = tl.arange(0, BV)[None, :] >> (LOG_BV - LOG_BK)
@@ -345,14 +361,14 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
     c1 = tl.minimum(c0 + CPG, NC)
     for cc in range(0, c1 - c0):
         c = c1 - 1 - cc
-        s0 = tl.load(ckpt + (i_bh * NC + c).to(tl.int64) * K * V + st, mask=mkv, other=0.0)
+        s0 = tl.load(ckpt + (cb + c) * K * V + st, mask=mkv, other=0.0)
         tl.debug_barrier()   # the scratch's last readers are done
         # forward through the chunk, keeping each sub-chunk's start state
         for j in range(0, NSUB - 1):
             tl.store(scr + j * (BK * BV) + sc, s0)
             r0 = c * L + j * 4 + 0
             rv0 = (r0 < T) | EVEN_T   # EVEN_T: T % L == 0
-            rtok0 = (i_b.to(tl.int64) * T + r0) * H + i_h
+            rtok0 = (bos + r0) * H + i_h
             L_x = tl.load(p_x + rtok0 * V + ov, mask=mv & rv0, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + rtok0 * K + ok, mask=rv0, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + rtok0 * V + ov, mask=mv & rv0, other=0.0).to(tl.float32)
@@ -364,7 +380,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s0 = tl.where(rv0, N_a * s0 + N_q * N_p, s0)
             r1 = c * L + j * 4 + 1
             rv1 = (r1 < T) | EVEN_T   # EVEN_T: T % L == 0
-            rtok1 = (i_b.to(tl.int64) * T + r1) * H + i_h
+            rtok1 = (bos + r1) * H + i_h
             L_x = tl.load(p_x + rtok1 * V + ov, mask=mv & rv1, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + rtok1 * K + ok, mask=rv1, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + rtok1 * V + ov, mask=mv & rv1, other=0.0).to(tl.float32)
@@ -376,7 +392,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s0 = tl.where(rv1, N_a * s0 + N_q * N_p, s0)
             r2 = c * L + j * 4 + 2
             rv2 = (r2 < T) | EVEN_T   # EVEN_T: T % L == 0
-            rtok2 = (i_b.to(tl.int64) * T + r2) * H + i_h
+            rtok2 = (bos + r2) * H + i_h
             L_x = tl.load(p_x + rtok2 * V + ov, mask=mv & rv2, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + rtok2 * K + ok, mask=rv2, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + rtok2 * V + ov, mask=mv & rv2, other=0.0).to(tl.float32)
@@ -388,7 +404,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s0 = tl.where(rv2, N_a * s0 + N_q * N_p, s0)
             r3 = c * L + j * 4 + 3
             rv3 = (r3 < T) | EVEN_T   # EVEN_T: T % L == 0
-            rtok3 = (i_b.to(tl.int64) * T + r3) * H + i_h
+            rtok3 = (bos + r3) * H + i_h
             L_x = tl.load(p_x + rtok3 * V + ov, mask=mv & rv3, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + rtok3 * K + ok, mask=rv3, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + rtok3 * V + ov, mask=mv & rv3, other=0.0).to(tl.float32)
@@ -406,7 +422,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             # the sub-chunk's 4 states, in registers
             t0 = c * L + j * 4 + 0
             v0 = (t0 < T) | EVEN_T   # EVEN_T: T % L == 0
-            tok0 = (i_b.to(tl.int64) * T + t0) * H + i_h
+            tok0 = (bos + t0) * H + i_h
             L_x = tl.load(p_x + tok0 * V + ov, mask=mv & v0, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + tok0 * K + ok, mask=v0, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + tok0 * V + ov, mask=mv & v0, other=0.0).to(tl.float32)
@@ -418,7 +434,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s1 = tl.where(v0, N_a * s0 + N_q * N_p, s0)
             t1 = c * L + j * 4 + 1
             v1 = (t1 < T) | EVEN_T   # EVEN_T: T % L == 0
-            tok1 = (i_b.to(tl.int64) * T + t1) * H + i_h
+            tok1 = (bos + t1) * H + i_h
             L_x = tl.load(p_x + tok1 * V + ov, mask=mv & v1, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + tok1 * K + ok, mask=v1, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + tok1 * V + ov, mask=mv & v1, other=0.0).to(tl.float32)
@@ -430,7 +446,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s2 = tl.where(v1, N_a * s1 + N_q * N_p, s1)
             t2 = c * L + j * 4 + 2
             v2 = (t2 < T) | EVEN_T   # EVEN_T: T % L == 0
-            tok2 = (i_b.to(tl.int64) * T + t2) * H + i_h
+            tok2 = (bos + t2) * H + i_h
             L_x = tl.load(p_x + tok2 * V + ov, mask=mv & v2, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + tok2 * K + ok, mask=v2, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + tok2 * V + ov, mask=mv & v2, other=0.0).to(tl.float32)
@@ -442,7 +458,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_beta, g_x, g_k, g_q, g_beta, dy, c
             s3 = tl.where(v2, N_a * s2 + N_q * N_p, s2)
             t3 = c * L + j * 4 + 3
             v3 = (t3 < T) | EVEN_T   # EVEN_T: T % L == 0
-            tok3 = (i_b.to(tl.int64) * T + t3) * H + i_h
+            tok3 = (bos + t3) * H + i_h
             L_x = tl.load(p_x + tok3 * V + ov, mask=mv & v3, other=0.0).to(tl.float32)
             L_k = tl.load(p_k + tok3 * K + ok, mask=v3, other=0.0).to(tl.float32)
             L_beta = tl.load(p_beta + tok3 * V + ov, mask=mv & v3, other=0.0).to(tl.float32)
