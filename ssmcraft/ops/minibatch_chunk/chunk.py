@@ -20,9 +20,9 @@ so unlike the delta rule no triangular solve is needed: the residuals of a chunk
 Three kernels: ``minibatch_fwd_kernel`` (sequential over chunks, per value block: outputs, the
 chunk start states for training, the final state), ``minibatch_bwd_state_kernel`` (reverse over
 chunks: the state gradient at every chunk's end, and the initial state's) and
-``minibatch_bwd_grad_kernel`` (parallel over chunks: every input's gradient, the decay's as a
-gradient of g). The decay enters as g, formed here from log a by a within-chunk cumulative sum (one
-PyTorch op on [B, T, H], differentiated by autograd).
+``minibatch_bwd_grad_kernel`` (parallel over chunks: every input's gradient). Each kernel forms g
+from a by a cumulative sum over the chunk's rows; the decay's gradient is the reverse cumulative sum
+of g's, divided by a: no PyTorch op runs around the kernels.
 
 Shapes (kernel level, FLA layout): u, v, oq [B, T, H, K]; p [B, T, H, V]; c [B, T, H] or
 [B, T, H, V]; a [B, T, H] (> 0); initial / final state [B, H, K, V] fp32; output [B, T, H, V]. I/O
@@ -59,7 +59,7 @@ def _key_block(K: int, dtype) -> int:
     return pow2(K) if dtype == torch.float32 else pow2(K, lo=64)
 
 
-def _fwd(u, v, p, c, oq, g, h0, output_final_state, store_states, BT):
+def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT):
     B, T, H, K = u.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
@@ -68,14 +68,14 @@ def _fwd(u, v, p, c, oq, g, h0, output_final_state, store_states, BT):
     hs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32) if store_states else o
     ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     launch(minibatch_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-           u=u, v=v, p=p, c=c, oq=oq, g=o if g is None else g, h0=o if h0 is None else h0, o=o, hs=hs, ht=ht,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt), HAS_G=g is not None, C_ROW=c.dim() == 4,
+           u=u, v=v, p=p, c=c, oq=oq, a=o if a is None else a, h0=o if h0 is None else h0, o=o, hs=hs, ht=ht,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt), HAS_G=a is not None, C_ROW=c.dim() == 4,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(dt),
            **_seq_opts(V))
     return o, (ht if output_final_state else None), hs
 
 
-def _bwd(u, v, p, c, oq, g, hs, do, dht, need_dh0, BT):
+def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT):
     B, T, H, K = u.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
@@ -85,54 +85,44 @@ def _bwd(u, v, p, c, oq, g, hs, do, dht, need_dh0, BT):
     do = do.contiguous().to(dt)
     dhs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32)
     dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else dhs
-    has_g, c_row = g is not None, c.dim() == 4
+    has_g, c_row = a is not None, c.dim() == 4
     launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
-           u=u, v=v, c=c, oq=oq, g=do if g is None else g, do=do,
+           u=u, v=v, c=c, oq=oq, a=do if a is None else a, do=do,
            dht=do if dht is None else dht.contiguous().float(), dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V,
            BT=BT, BK=BK, HAS_G=has_g, C_ROW=c_row, HAS_DHT=dht is not None, STORE_DH0=need_dh0, PREC=prec,
            **_seq_opts(V))
     du, dv, doq = (_empty(*u.shape, device=dev, dtype=u.dtype) for _ in range(3))
     dp = _empty(*p.shape, device=dev, dtype=p.dtype)
     dc = _empty(*c.shape, device=dev, dtype=c.dtype)
-    dg = _empty(B, T, H, device=dev, dtype=torch.float32) if has_g else None
+    da = _empty(*a.shape, device=dev, dtype=a.dtype) if has_g else None
     launch(minibatch_bwd_grad_kernel, (NT, B * H),
-           u=u, v=v, p=p, c=c, oq=oq, g=do if g is None else g, hs=hs, dhs=dhs, do=do, du=du, dv=dv, dp=dp, dc=dc,
-           doq=doq, dg=dc if dg is None else dg, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V),
+           u=u, v=v, p=p, c=c, oq=oq, a=do if a is None else a, hs=hs, dhs=dhs, do=do, du=du, dv=dv, dp=dp, dc=dc,
+           doq=doq, da=dc if da is None else da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V),
            HAS_G=has_g, C_ROW=c_row, PREC=prec)
-    return du, dv, dp, dc, doq, dg, (dh0 if need_dh0 else None)
+    return du, dv, dp, dc, doq, da, (dh0 if need_dh0 else None)
 
 
 class MinibatchChunkFunction(torch.autograd.Function):
-    """(u, v, p, c, oq, g|None, h0|None) -> (o, ht|None)."""
+    """(u, v, p, c, oq, a|None, h0|None) -> (o, ht|None)."""
 
     @staticmethod
-    def forward(ctx, u, v, p, c, oq, g, h0, output_final_state, chunk_size):
+    def forward(ctx, u, v, p, c, oq, a, h0, output_final_state, chunk_size):
         train = any(ctx.needs_input_grad[:7])
         ctx.set_materialize_grads(False)
-        o, ht, hs = _fwd(u, v, p, c, oq, g, h0, output_final_state, train, chunk_size)
+        o, ht, hs = _fwd(u, v, p, c, oq, a, h0, output_final_state, train, chunk_size)
         if train:
-            ctx.save_for_backward(u, v, p, c, oq, g, hs)
+            ctx.save_for_backward(u, v, p, c, oq, a, hs)
         ctx.chunk_size = chunk_size
         ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[6]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        u, v, p, c, oq, g, hs = ctx.saved_tensors
+        u, v, p, c, oq, a, hs = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        du, dv, dp, dc, doq, dg, dh0 = _bwd(u, v, p, c, oq, g, hs, do, dht, ctx.need_dh0, ctx.chunk_size)
-        return du, dv, dp, dc, doq, dg, dh0, None, None
-
-
-def chunk_log_decay(a, chunk_size: int):
-    """g [B, T, H] fp32: the within-chunk cumulative sums of log a (a [B, T, H] > 0), restarting at
-    every chunk of ``chunk_size`` tokens."""
-    B, T, H = a.shape
-    NT = cdiv(T, chunk_size)
-    la = torch.log(a.float())
-    la = torch.nn.functional.pad(la, (0, 0, 0, NT * chunk_size - T))
-    return la.reshape(B, NT, chunk_size, H).cumsum(2).reshape(B, NT * chunk_size, H)[:, :T]
+        du, dv, dp, dc, doq, da, dh0 = _bwd(u, v, p, c, oq, a, hs, do, dht, ctx.need_dh0, ctx.chunk_size)
+        return du, dv, dp, dc, doq, da, dh0, None, None
 
 
 def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_state: bool = False,
@@ -164,9 +154,9 @@ def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_
         S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
         return p.new_zeros(B, 0, H, V), (S if output_final_state else None)
     key = lambda t: t.to(dt).contiguous()       # noqa: E731
-    g = None if a is None else chunk_log_decay(a, chunk_size).contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    return MinibatchChunkFunction.apply(key(u), key(v), key(p), c.contiguous(), key(oq), g, h0,
+    return MinibatchChunkFunction.apply(key(u), key(v), key(p), c.contiguous(), key(oq),
+                                        None if a is None else a.contiguous(), h0,
                                         output_final_state, chunk_size)
 
 

@@ -10,15 +10,16 @@ from ssmcraft.ops.common.tuning import tune, warp_rule
 
 
 @triton.jit
-def _decays(g, row, m_t, o_i, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr, HAS_G: tl.constexpr):
-    """The chunk's log-decay sums ``g [BT]`` (0 past T), the last row's ``gl``, the within-chunk
-    factors ``Gam[t, s] = e^{g_t - g_s}`` on ``s <= t`` (0 elsewhere and past T) and ``e^{gl - g}``
-    (0 past T). Without a decay: zeros, ones on the lower triangle, ones."""
+def _decays(a, row, m_t, o_i, BT: tl.constexpr, HAS_G: tl.constexpr):
+    """The chunk's log-decay sums ``g_t = sum_{r<=t} log a_r`` [BT] (from the chunk's first row; 0 past
+    T), the last row's ``gl``, the within-chunk factors ``Gam[t, s] = e^{g_t - g_s}`` on ``s <= t`` (0
+    elsewhere and past T) and ``e^{gl - g}`` (0 past T). Without a decay: zeros, ones on the lower
+    triangle, ones."""
     incl = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     if HAS_G:
-        b_g = tl.load(g + row, mask=m_t, other=0.)
-        last = tl.minimum(T, i_t * BT + BT) - 1
-        b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
+        b_la = tl.log(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
+        b_g = tl.cumsum(b_la, axis=0)
+        b_gl = tl.sum(b_la, axis=0)
         # the exponent is masked before exp: past T or above the diagonal it could overflow
         b_gam = tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], float("-inf")))
         b_dec = tl.exp(tl.where(m_t, b_gl - b_g, float("-inf")))
@@ -43,7 +44,7 @@ def _step(c, row, o_v, m_tv, m_t, V: tl.constexpr, C_ROW: tl.constexpr):
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "STORE_H", "HAS_H0", "STORE_HT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_fwd_kernel(u, v, p, c, oq, g, h0, o, hs, ht,
+def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht,
                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          HAS_G: tl.constexpr, C_ROW: tl.constexpr, STORE_H: tl.constexpr,
@@ -71,7 +72,7 @@ def minibatch_fwd_kernel(u, v, p, c, oq, g, h0, o, hs, ht,
         b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
         b_rc = (tl.dot(b_u, b_hd, input_precision=PREC) - b_p) * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
         b_rcd = b_rc.to(DT)
-        b_g, b_gl, b_gam, b_dec = _decays(g, row, m_t, o_i, i_b, i_h, i_t, T, H, BT, HAS_G)
+        b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
         b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
         b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
         if HAS_G:
@@ -90,7 +91,7 @@ def minibatch_fwd_kernel(u, v, p, c, oq, g, h0, o, hs, ht,
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_state_kernel(u, v, c, oq, g, do, dht, dhs, dh0,
+def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0,
                                T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                HAS_G: tl.constexpr, C_ROW: tl.constexpr, HAS_DHT: tl.constexpr,
@@ -115,7 +116,7 @@ def minibatch_bwd_state_kernel(u, v, c, oq, g, do, dht, dhs, dh0,
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_g, b_gl, b_gam, b_dec = _decays(g, row, m_t, o_i, i_b, i_h, i_t, T, H, BT, HAS_G)
+        b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
         b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
         b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
         b_drc = -tl.dot(tl.trans(b_a), b_do, input_precision=PREC) - tl.dot(b_vbar, b_dh.to(DT), input_precision=PREC)
@@ -131,12 +132,12 @@ def minibatch_bwd_state_kernel(u, v, c, oq, g, do, dht, dhs, dh0,
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_grad_kernel(u, v, p, c, oq, g, hs, dhs, do, du, dv, dp, dc, doq, dg,
+def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, doq, da,
                               T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               HAS_G: tl.constexpr, C_ROW: tl.constexpr, PREC: tl.constexpr):
     """Parallel over chunks (whole key and value blocks): every input's gradient from the chunk's
-    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``)."""
+    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``); the decay's through g."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -158,7 +159,7 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, g, hs, dhs, do, du, dv, dp, dc, do
     b_c = _step(c, row, o_v, m_tv, m_t, V, C_ROW)
     b_r = tl.dot(b_u, b_h0d, input_precision=PREC) - b_p
     b_rc = b_r * b_c
-    b_g, b_gl, b_gam, b_dec = _decays(g, row, m_t, o_i, i_b, i_h, i_t, T, H, BT, HAS_G)
+    b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
     b_araw = tl.dot(b_oq, tl.trans(b_v), input_precision=PREC)
     b_a = b_araw * b_gam
     b_vbar = b_v.to(tl.float32) * b_dec[:, None]
@@ -196,5 +197,8 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, g, hs, dhs, do, du, dv, dp, dc, do
         b_dg = tl.sum(b_oh * b_dof, axis=1) + tl.sum(b_dgam, axis=1) - tl.sum(b_dgam, axis=0) - b_w
         b_dgl = tl.sum(b_w, axis=0) + tl.exp(b_gl) * tl.sum(tl.sum(b_h0 * b_dh1, axis=1), axis=0)
         last = tl.minimum(T, i_t * BT + BT) - 1 - i_t * BT
-        b_dg += tl.where(o_i == last, b_dgl, 0.)
-        tl.store(dg + row, b_dg, mask=m_t)
+        b_dg = tl.where(m_t, b_dg + tl.where(o_i == last, b_dgl, 0.), 0.)
+        # g_t = sum_{r<=t} log a_r: d log a_r = sum_{t>=r} dg_t, then d a = d log a / a
+        b_dla = tl.sum(b_dg, axis=0) - tl.cumsum(b_dg, axis=0) + b_dg
+        b_at = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
+        tl.store(da + row, (b_dla / b_at).to(da.dtype.element_ty), mask=m_t)
