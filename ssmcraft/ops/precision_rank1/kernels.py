@@ -5,7 +5,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.tuning import tune
 
+# float64 [K, K] tiles: more warps keep them in registers (K = 64: 32 doubles a thread at 4 warps)
+_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+
+
+@triton.jit
+def _token(k, lam, beta, eta, row, ok, o_k, m_k, K: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr):
+    """One token's k [BK], lam, beta, eta in float64 (``ok`` False: zeros and ones, nothing read).
+    The kernels load the next token's while the current one's step runs: the step's chain of
+    reductions then never waits on memory."""
+    b_k = tl.load(k + row * K + o_k, mask=m_k & ok, other=0.).to(tl.float64)
+    b_lam = tl.load(lam + row, mask=ok, other=1.).to(tl.float64)
+    one = tl.full([], 1., tl.float64)      # a tensor, not a constant: the kernels carry it through their loop
+    b_beta = tl.load(beta + row, mask=ok, other=1.).to(tl.float64) if HAS_BETA else one
+    b_eta = tl.load(eta + row, mask=ok, other=1.).to(tl.float64) if HAS_ETA else one
+    return b_k, b_lam, b_beta, b_eta
+
+
+@tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "STORE_WS", "STORE_PT"])
 @triton.jit(do_not_specialize=["T"])
 def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                          HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE_WS: tl.constexpr,
@@ -21,12 +40,10 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr,
     p_kk = o_k[:, None] * K + o_k[None, :]
     m_kk = m_k[:, None] & m_k[None, :]
     b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    row = (i_b * T).to(tl.int64) * H + i_h
+    b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
     for t in range(T):
-        row = (i_b * T + t).to(tl.int64) * H + i_h
-        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.).to(tl.float64)
-        b_lam = tl.load(lam + row).to(tl.float64)
-        b_beta = tl.load(beta + row).to(tl.float64) if HAS_BETA else 1.
-        b_eta = tl.load(eta + row).to(tl.float64) if HAS_ETA else 1.
+        n_k, n_lam, n_beta, n_eta = _token(k, lam, beta, eta, row + H, t + 1 < T, o_k, m_k, K, HAS_BETA, HAS_ETA)
         b_w = tl.sum(b_p * b_k[None, :], axis=1)
         b_s = b_lam + b_beta * tl.sum(b_k * b_w, axis=0)
         tl.store(g + row * K + o_k, (b_eta * b_w / b_s).to(g.dtype.element_ty), mask=m_k)
@@ -37,10 +54,13 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr,
         # rounding error grows as 1 / lam per token in this recurrence, a symmetric one does not
         b_v = b_w * tl.sqrt(b_beta / b_s)
         b_p = (b_p - b_v[:, None] * b_v[None, :]) / b_lam
+        row += H
+        b_k, b_lam, b_beta, b_eta = n_k, n_lam, n_beta, n_eta
     if STORE_PT:
         tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
 
 
+@tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "HAS_DPT"])
 @triton.jit(do_not_specialize=["T"])
 def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, deta, dp0,
                          T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -61,15 +81,17 @@ def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, 
         b_dp = tl.load(dpt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     else:
         b_dp = tl.zeros([BK, BK], dtype=tl.float64)
+    row = (i_b * T + T - 1).to(tl.int64) * H + i_h
+    b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
+    b_w = tl.load(w + row * K + o_k, mask=m_k & (T > 0), other=0.)
+    b_s = tl.load(s + row, mask=T > 0, other=1.)
+    b_dg = tl.load(dg + row * K + o_k, mask=m_k & (T > 0), other=0.).to(tl.float64)
     for j in range(T):
-        row = (i_b * T + T - 1 - j).to(tl.int64) * H + i_h
-        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.).to(tl.float64)
-        b_lam = tl.load(lam + row).to(tl.float64)
-        b_beta = tl.load(beta + row).to(tl.float64) if HAS_BETA else 1.
-        b_eta = tl.load(eta + row).to(tl.float64) if HAS_ETA else 1.
-        b_w = tl.load(w + row * K + o_k, mask=m_k, other=0.)
-        b_s = tl.load(s + row)
-        b_dg = tl.load(dg + row * K + o_k, mask=m_k, other=0.).to(tl.float64)
+        nxt = j + 1 < T
+        n_k, n_lam, n_beta, n_eta = _token(k, lam, beta, eta, row - H, nxt, o_k, m_k, K, HAS_BETA, HAS_ETA)
+        n_w = tl.load(w + (row - H) * K + o_k, mask=m_k & nxt, other=0.)
+        n_s = tl.load(s + row - H, mask=nxt, other=1.)
+        n_dg = tl.load(dg + (row - H) * K + o_k, mask=m_k & nxt, other=0.).to(tl.float64)
         b_c = b_beta / b_s
         b_a = tl.sum(b_w * b_dg, axis=0)
         b_v1 = tl.sum(b_dp * b_w[None, :], axis=1)          # dP w (dP symmetric)
@@ -88,4 +110,6 @@ def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, 
         # the symmetric part of dw k^T: P is symmetric, so only dP's symmetric part reaches k, lam and
         # beta; its antisymmetric part would grow as 1 / lam per token and its rounding with it
         b_dp = b_dp / b_lam + 0.5 * (b_dw[:, None] * b_k[None, :] + b_k[:, None] * b_dw[None, :])
+        row -= H
+        b_k, b_lam, b_beta, b_eta, b_w, b_s, b_dg = n_k, n_lam, n_beta, n_eta, n_w, n_s, n_dg
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
