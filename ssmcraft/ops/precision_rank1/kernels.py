@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.tiles import state_block
 from ssmcraft.ops.common.tuning import tune
 
 # float64 [K, K] tiles: more warps keep them in registers (K = 64: 32 doubles a thread at 4 warps)
@@ -35,10 +36,7 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr,
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    p_kk = o_k[:, None] * K + o_k[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
+    o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     row = (i_b * T).to(tl.int64) * H + i_h
     b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
@@ -72,10 +70,7 @@ def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, 
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    p_kk = o_k[:, None] * K + o_k[None, :]
-    m_kk = m_k[:, None] & m_k[None, :]
+    o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     b_p = tl.load(pt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     if HAS_DPT:
         b_dp = tl.load(dpt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
