@@ -43,10 +43,16 @@ def initial_states(obj, B, H, d, m, g):
     return states if len(states) > 1 else states[0]
 
 
+# inputs drawn inside an objective's stated stable region (its spec's summary), where the default
+# draws leave it and the float64 reference itself diverges: input -> rescaling
+STABLE_REGION = {"ttt_mlp": {"x": lambda x: torch.nn.functional.normalize(x, dim=-1)}}
+
+
 def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
     B, T, H, d, m = shape
     obj = ssmcraft.compile(dict(class_specs((name,)))[name])
     ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, "cpu", seed=1, unit_keys=True)
+    ins.update({n: f(ins[n]) for n, f in STABLE_REGION.get(name, {}).items()})
     g = torch.Generator().manual_seed(2)
     S0 = initial_states(obj, B, H, d, m, g)
     ins = {k: v.to(device) for k, v in ins.items()}

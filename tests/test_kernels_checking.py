@@ -65,3 +65,20 @@ def test_several_states_and_no_initial_state():
     assert cmp.within(1e-5)
     cmp = compare(reference(obj, ins, None, None, g), lambda i, p, s: obj(i, p, s, True))
     assert "dD0" not in cmp.errors and cmp.within(1e-5)
+
+
+def test_a_covariance_states_initial_gradient_is_compared_by_its_symmetric_part():
+    """rls's R is symmetric: reading R0 as R0^T is the same layer (the antisymmetric part of dR0
+    flips, which is not compared); scaling R0's entries by 1.001 is not."""
+    obj, ins, params, _, g = _case("rls", seed=2)
+    A = torch.randn(1, 2, 4, 4, generator=g, dtype=torch.float64)
+    R0 = torch.eye(4, dtype=torch.float64) + 0.3 * A @ A.transpose(-1, -2)
+    S0 = (R0, torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64))
+    ref = reference(obj, ins, params, S0, g)
+    as_f64 = lambda i: {k: v.double() for k, v in i.items()}    # noqa: E731
+    transposed = compare(ref, lambda i, p, s: obj.reference(as_f64(i), p, (s[0].transpose(-1, -2).double(), s[1].double()),
+                                                            True), torch.float64)
+    assert transposed.errors["dR0"] < 1e-6        # the initial states reach the call in float32
+    scaled = compare(ref, lambda i, p, s: obj.reference(as_f64(i), p, (1.001 * s[0].double(), s[1].double()), True),
+                     torch.float64)
+    assert scaled.errors["dR0"] > 1e-4

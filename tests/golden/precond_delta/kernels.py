@@ -1,1 +1,2 @@
-# no Triton kernel family: precond_delta: no Triton kernel family runs it on CUDA tensors (keydecay_chunk: precond_delta: structure 'nonlinear', not a scalar or diagonal decay; diagonal: the diagonal family runs scalar/elementwise decays, not nonlinear; rank1_row: not a rank-1 update (nonlinear); rankr_row: not a rank-r update (nonlinear); general: square states (R: [m, m], carried by their inverses) do not fit the kernel's one [K, V] tile per state; rank1_chunk: precond_delta: structure 'nonlinear', not rank1; rankr_chunk: precond_delta: structure 'nonlinear', not rankr)
+# family: precision_rank1 (ssmcraft/ops/precision_rank1/)
+# hand-written kernels specialised by constexpr modes: no per-objective source

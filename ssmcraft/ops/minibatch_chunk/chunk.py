@@ -1,0 +1,265 @@
+"""Chunked mini-batch regression steps (``approximation: {minibatch: C}`` on an explicit regression
+update) on tensor cores.
+
+The family: within chunk j of C tokens every data gradient is taken at the chunk's start state
+``S_c`` (the initial state for j = 0), with a per-head decay ``a`` applied at the running state:
+
+    S_t = a_t S_{t-1} - (c_t . (S_c u_t - p_t)) v_t^T          S [d, m] = "V x K"
+    y_t = S_t oq_t
+
+DeltaNet's mini-batch form is u = v = k (oq = q), c = beta (per head or per row ``d``), p = x,
+a = 1; a scalar decay (``alpha * S_prev``) gives a. Kernels keep the transpose ``H = S^T`` ([K, V]).
+Per chunk (local index t, H0 the chunk's start state, g_t = sum_{r<=t} log a_r within the chunk,
+gl its last value, Gam[t, s] = e^{g_t - g_s} for s <= t, 0 above):
+
+    Rc  = c . (U H0 - P)                                    [C, V]   (the chunk's residuals, scaled)
+    O   = diag(e^g) OQ H0 - (OQ V^T . Gam) Rc               [C, V]
+    H1  = e^{gl} H0 - Vbar^T Rc,  Vbar = diag(e^{gl - g}) V
+
+so unlike the delta rule no triangular solve is needed: the residuals of a chunk read only H0.
+Three kernels: ``minibatch_fwd_kernel`` (sequential over chunks, per value block: outputs, the
+chunk start states for training, the final state), ``minibatch_bwd_state_kernel`` (reverse over
+chunks: the state gradient at every chunk's end, and the initial state's) and
+``minibatch_bwd_grad_kernel`` (parallel over chunks: every input's gradient). Each kernel forms g
+from a by a cumulative sum over the chunk's rows; the decay's gradient is the reverse cumulative sum
+of g's, divided by a: no PyTorch op runs around the kernels.
+
+Shapes (kernel level, FLA layout): u, v, oq [B, T, H, K]; p [B, T, H, V]; c [B, T, H] or
+[B, T, H, V]; a [B, T, H] (> 0); initial / final state [B, H, K, V] fp32; output [B, T, H, V]. I/O
+in float32, bfloat16 or float16; states, residuals and reductions in float32.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.minibatch_chunk.kernels import (minibatch_bwd_grad_kernel, minibatch_bwd_state_kernel,
+                                                  minibatch_fwd_kernel)
+
+POISON = False                      # tests: fill every buffer with NaN before the kernels write it
+INTERPRET_BV: int | None = None     # value block of the sequential kernels under the interpreter
+BACKEND_NAME = "minibatch-chunk"
+CHUNKS = (16, 32, 64)               # mini-batch sizes the kernels take (tensor-core blocks of >= 16)
+
+
+def _empty(*shape, device, dtype):
+    return buffer(shape, device, dtype, POISON)
+
+
+def _seq_opts(V: int) -> dict:
+    """The sequential kernels' value block under the interpreter (autotuned on a GPU)."""
+    return {"BV": INTERPRET_BV or pow2(V)} if INTERPRET else {}
+
+
+def _key_block(K: int, dtype) -> int:
+    """The padded key block: at least 64 for 16-bit I/O, as ``rank1_chunk._key_block`` explains
+    (bf16 products with smaller key blocks fail on sm_90 with Triton 3.6)."""
+    return pow2(K) if dtype == torch.float32 else pow2(K, lo=64)
+
+
+def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT):
+    B, T, H, K = u.shape
+    V = p.shape[-1]
+    dt, dev = p.dtype, p.device
+    NT = cdiv(T, BT)
+    o = _empty(B, T, H, V, device=dev, dtype=dt)
+    hs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32) if store_states else o
+    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
+    launch(minibatch_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+           u=u, v=v, p=p, c=c, oq=oq, a=o if a is None else a, h0=o if h0 is None else h0, o=o, hs=hs, ht=ht,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt), HAS_G=a is not None, C_ROW=c.dim() == 4,
+           STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(dt),
+           **_seq_opts(V))
+    return o, (ht if output_final_state else None), hs
+
+
+def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT):
+    B, T, H, K = u.shape
+    V = p.shape[-1]
+    dt, dev = p.dtype, p.device
+    NT = cdiv(T, BT)
+    BK = _key_block(K, dt)
+    prec = dot_precision(dt)
+    do = do.contiguous().to(dt)
+    dhs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32)
+    dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else dhs
+    has_g, c_row = a is not None, c.dim() == 4
+    launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+           u=u, v=v, c=c, oq=oq, a=do if a is None else a, do=do,
+           dht=do if dht is None else dht.contiguous().float(), dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V,
+           BT=BT, BK=BK, HAS_G=has_g, C_ROW=c_row, HAS_DHT=dht is not None, STORE_DH0=need_dh0, PREC=prec,
+           **_seq_opts(V))
+    du, dv, doq = (_empty(*u.shape, device=dev, dtype=u.dtype) for _ in range(3))
+    dp = _empty(*p.shape, device=dev, dtype=p.dtype)
+    dc = _empty(*c.shape, device=dev, dtype=c.dtype)
+    da = _empty(*a.shape, device=dev, dtype=a.dtype) if has_g else None
+    launch(minibatch_bwd_grad_kernel, (NT, B * H),
+           u=u, v=v, p=p, c=c, oq=oq, a=do if a is None else a, hs=hs, dhs=dhs, do=do, du=du, dv=dv, dp=dp, dc=dc,
+           doq=doq, da=dc if da is None else da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V),
+           HAS_G=has_g, C_ROW=c_row, PREC=prec)
+    return du, dv, dp, dc, doq, da, (dh0 if need_dh0 else None)
+
+
+class MinibatchChunkFunction(torch.autograd.Function):
+    """(u, v, p, c, oq, a|None, h0|None) -> (o, ht|None)."""
+
+    @staticmethod
+    def forward(ctx, u, v, p, c, oq, a, h0, output_final_state, chunk_size):
+        train = any(ctx.needs_input_grad[:7])
+        ctx.set_materialize_grads(False)
+        o, ht, hs = _fwd(u, v, p, c, oq, a, h0, output_final_state, train, chunk_size)
+        if train:
+            ctx.save_for_backward(u, v, p, c, oq, a, hs)
+        ctx.chunk_size = chunk_size
+        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[6]
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        u, v, p, c, oq, a, hs = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(p)
+        du, dv, dp, dc, doq, da, dh0 = _bwd(u, v, p, c, oq, a, hs, do, dht, ctx.need_dh0, ctx.chunk_size)
+        return du, dv, dp, dc, doq, da, dh0, None, None
+
+
+def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_state: bool = False,
+                    chunk_size: int = 64):
+    """H_t = a_t H_{t-1} - v_t (c_t . (H_c^T u_t - p_t))^T with H_c the state before t's chunk of
+    ``chunk_size`` tokens;  o_t = H_t^T oq_t.
+
+    Args:
+        u:  read key [B, T, H, K] (the prediction ``H_c^T u``).
+        v:  erase key [B, T, H, K].
+        p:  target [B, T, H, V].
+        c:  step, per head [B, T, H] or per row [B, T, H, V].
+        oq: readout key [B, T, H, K].
+        a:  per-head decay [B, T, H], > 0, or None (= 1).
+        initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
+        output_final_state: also return the state [B, H, K, V] (fp32).
+        chunk_size: the mini-batch, 16, 32 or 64.
+    Returns:
+        o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
+    """
+    if chunk_size not in CHUNKS:
+        raise ValueError(f"chunk_minibatch: chunk_size must be one of {CHUNKS}, got {chunk_size}")
+    dt = p.dtype
+    if dt not in IO_DTYPES:
+        raise ValueError(f"chunk_minibatch: I/O dtype must be one of {IO_DTYPES}, got {dt}")
+    B, T, H, K = u.shape
+    V = p.shape[-1]
+    if T == 0:
+        S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
+        return p.new_zeros(B, 0, H, V), (S if output_final_state else None)
+    key = lambda t: t.to(dt).contiguous()       # noqa: E731
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    return MinibatchChunkFunction.apply(key(u), key(v), key(p), c.contiguous(), key(oq),
+                                        None if a is None else a.contiguous(), h0,
+                                        output_final_state, chunk_size)
+
+
+# ----------------------------------------------------------------------------------------
+# family interface (ssmcraft.runtime.select)
+# ----------------------------------------------------------------------------------------
+
+def _leaf(ir, expr, dims_ok, what):
+    """The input named by ``expr`` (a bare symbol) when its dims are one of ``dims_ok``."""
+    if not isinstance(expr, sympy.Symbol) or expr.name not in ir.inputs:
+        raise ValueError(f"{what} is {expr}, not one input")
+    if tuple(ir.inputs[expr.name]) not in dims_ok:
+        raise ValueError(f"{what} {expr.name} has dims {tuple(ir.inputs[expr.name])}")
+    return expr.name
+
+
+def _split_row_key(ir, expr, what):
+    """(step, key): ``expr`` = step * key with the step a per-head or per-row input and the key an
+    input over m."""
+    d, m = ir.dims
+    factors = sympy.Mul.make_args(sympy.factor_terms(expr))
+    keys = [f for f in factors if isinstance(f, sympy.Symbol) and tuple(ir.inputs.get(f.name, ())) == (m,)]
+    if len(keys) != 1:
+        raise ValueError(f"{what} {expr} is not a step times one key over {m}")
+    return _leaf(ir, sympy.Mul(*[f for f in factors if f is not keys[0]]), ((), (d,)), f"{what}'s step"), keys[0].name
+
+
+def match(ir) -> dict:
+    """The slots of this family read off a mini-batch IR: input names ``u, v, p, c, oq`` and ``a``
+    (None: no decay), and whether the step is per row. ValueError says why it is not of the form."""
+    d, m = ir.dims
+    if not ir.minibatch or ir.states or ir.kind != "general":
+        raise ValueError("not a one-state mini-batch update")
+    if ir.minibatch not in CHUNKS:
+        raise ValueError(f"mini-batch of {ir.minibatch}; the kernels take {CHUNKS}")
+    if ir.minibatch_decay is None:
+        raise ValueError("the update is not a decay of S_prev plus a step at the chunk's start")
+    a = sympy.sympify(ir.minibatch_decay)
+    decay = None if a == 1 else _leaf(ir, a, ((),), "the decay")
+    if len(ir.state_reductions) != 1:
+        raise ValueError("not one prediction S_c u per token")
+    red = ir.state_reductions[0]
+    anchor = sympy.Symbol(f"_{ir.state}_c", real=True)
+    S_prev = sympy.Symbol(f"{ir.state}_prev", real=True)
+    r = sympy.Symbol(red.name, real=True)
+    u = sympy.cancel(red.body / anchor)
+    if red.over != m or tuple(red.dims) != (d,) or u.has(anchor):
+        raise ValueError(f"the prediction {red.body} is not S_c times a key over {m}")
+    u = _leaf(ir, u, ((m,),), "the read key")
+    G = sympy.expand(ir.state_update - a * S_prev)
+    erase = -sympy.diff(G, r)
+    insert = sympy.expand(G + erase * r)
+    if G.has(S_prev) or erase.has(r) or erase == 0:
+        raise ValueError(f"the step {G} is not linear in the prediction")
+    c, v = _split_row_key(ir, erase, "the erase")
+    p = _leaf(ir, sympy.cancel(insert / erase), ((d,),), "the target")
+    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
+        raise ValueError(f"the readout {ir.readout} is not S q")
+    ro = ir.readout_reductions[0]
+    oq = _leaf(ir, sympy.cancel(ro.body / sympy.Symbol(ir.state, real=True)), ((m,),), "the readout key")
+    return {"u": u, "v": v, "p": p, "c": c, "oq": oq, "a": decay, "c_row": tuple(ir.inputs[c]) == (d,)}
+
+
+def supports(ir) -> str | None:
+    """None if this family runs ``ir``, else the reason it does not."""
+    try:
+        match(ir)
+    except ValueError as e:
+        return f"{ir.spec_name}: {e}"
+    return None
+
+
+def _run(names, get, C, initial_state, output_final_state, io):
+    """The family on tensors ``get(name)`` in FLA layout; states in the API's [B, H, d, m]."""
+    o, ht = chunk_minibatch(get(names["u"]), get(names["v"]), get(names["p"]).to(io), get(names["c"]), get(names["oq"]),
+                            a=None if names["a"] is None else get(names["a"]),
+                            initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
+                            output_final_state=output_final_state, chunk_size=C)
+    return o, (None if ht is None else ht.transpose(-1, -2))
+
+
+def forward(obj, lay, co, output_final_state):
+    """Run the family on a reference layout (``ssmcraft.ops.common.reference.layout``): (y [B, T, H, d]
+    in lay.dtype, S_T [B, H, d, m] fp32 or None); autograd reaches every input and lay.S0."""
+    names = match(obj.ir)
+    io = io_dtype(lay.out_dtype)
+    B, T, H = lay.B, lay.T, lay.H
+
+    def get(n):
+        t = lay.env[n].to(io)
+        return t.reshape(B, T, H) if not obj.ir.inputs[n] else t.reshape(B, T, H, -1)
+    o, S = _run(names, get, obj.ir.minibatch, lay.S0, output_final_state, io)
+    return o.to(lay.dtype), S
+
+
+def prepare(obj, lay):
+    """The runner for one call signature: the caller's inputs go to the kernels as they are."""
+    names = match(obj.ir)
+    io = io_dtype(lay.out_dtype)
+    out_dtype = lay.out_dtype
+
+    def run(inputs, params, initial_state, output_final_state):
+        get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
+        o, S = _run(names, get, obj.ir.minibatch, initial_state, output_final_state, io)
+        return o.to(out_dtype), S
+    return run

@@ -1,0 +1,266 @@
+"""Second-order learners whose precision does not read the memory: recursive least squares
+(``objectives/rls.yaml``) and the preconditioned delta rule (``objectives/precond_delta.yaml``).
+
+The family, with per-head ``lam`` (forgetting), ``beta`` (the covariance's weight) and ``eta``
+(the memory's step) per token; RLS: beta = eta = 1, the preconditioned delta rule: beta = eta:
+
+    R_t = lam_t R_{t-1} + beta_t k_t k_t^T          (the key covariance, [m, m]; carried as P = R^-1)
+    g_t = eta_t R_t^{-1} k_t = eta_t P_{t-1} k_t / (lam_t + beta_t k_t^T P_{t-1} k_t)
+    S_t = S_{t-1} - (S_{t-1} k_t - x_t) g_t^T,      y_t = S_t q_t
+
+R (and so g) never reads S, so the layer splits in two:
+
+1. the gains g: ``precision_fwd_kernel``, one program per (batch, head), sequential over tokens, P
+   in float64 in registers (Sherman-Morrison: w = P k, s = lam + beta k.w, g = eta w / s,
+   P <- (P - (beta / s) w w^T) / lam); ``precision_bwd_kernel`` runs the adjoint in reverse,
+   rebuilding every P from the final one and the stored w, s (P_{t-1} = lam P_t + (beta / s) w w^T);
+2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
+   tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
+   erase key).
+
+Why float64 for P: with forgetting (lam < 1) the directions of R that recent keys do not fill
+decay towards 0, so R's condition number reaches ~1e6 at m = 64 within tens of tokens, and the
+Sherman-Morrison recurrence amplifies each step's rounding by it: float32 P drifts by ~1e-2
+relative (lam's gradient by up to 1e-1), although the layer itself is well conditioned (the
+float64 reference moves by ~1e-8 when its inputs are rounded to float32). In float64 the drift is
+~1e-10. The cost is small: the recurrence is O(m^2) per token, one [m, m] tile per head.
+
+Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [B, H, m, m], S
+[B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16; P, w, s in float64,
+g in float32 then the I/O dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
+from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
+from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
+
+POISON = False                      # tests: fill every buffer with NaN before the kernels write it
+BACKEND_NAME = "precision-fp64+rank1-chunk"
+CHUNK = 64                          # chunk size of the rank-1 part
+
+
+def _empty(*shape, device, dtype):
+    return buffer(shape, device, dtype, POISON)
+
+
+class PrecisionFunction(torch.autograd.Function):
+    """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [B, H, K, K]
+    float64) -> (g [B, T, H, K] float32, P_T [B, H, K, K] float64)."""
+
+    @staticmethod
+    def forward(ctx, k, lam, beta, eta, p0):
+        B, T, H, K = k.shape
+        dev = k.device
+        train = any(ctx.needs_input_grad[:5])
+        g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
+        w = _empty(B, T, H, K, device=dev, dtype=torch.float64) if train else g
+        s = _empty(B, T, H, device=dev, dtype=torch.float64) if train else g
+        pt = _empty(B, H, K, K, device=dev, dtype=torch.float64)
+        launch(precision_fwd_kernel, (B * H,), k=k, lam=lam, beta=lam if beta is None else beta,
+               eta=lam if eta is None else eta, p0=p0, g=g, w=w, s=s, pt=pt, T=T, H=H, K=K, BK=pow2(K),
+               HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE_WS=train, STORE_PT=True)
+        ctx.set_materialize_grads(False)
+        if train:
+            ctx.save_for_backward(k, lam, beta, eta, w, s, pt)
+        return g, pt
+
+    @staticmethod
+    def backward(ctx, dg, dpt):
+        k, lam, beta, eta, w, s, pt = ctx.saved_tensors
+        B, T, H, K = k.shape
+        dev = k.device
+        dg = torch.zeros(B, T, H, K, device=dev, dtype=torch.float32) if dg is None else dg.contiguous()
+        dk = _empty(*k.shape, device=dev, dtype=k.dtype)
+        dlam = _empty(*lam.shape, device=dev, dtype=lam.dtype)
+        dbeta = _empty(*beta.shape, device=dev, dtype=beta.dtype) if beta is not None else dlam
+        deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else dlam
+        dp0 = _empty(B, H, K, K, device=dev, dtype=torch.float64)
+        launch(precision_bwd_kernel, (B * H,), k=k, lam=lam, beta=lam if beta is None else beta,
+               eta=lam if eta is None else eta, w=w, s=s, pt=pt, dg=dg, dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
+               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, T=T, H=H, K=K, BK=pow2(K),
+               HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None)
+        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0
+
+
+def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, output_final_state: bool = False,
+                    chunk_size: int = CHUNK):
+    """The layer of the module docstring.
+
+    Args:
+        k: key [B, T, H, m]; x: target [B, T, H, d]; q: query [B, T, H, m].
+        lam: forgetting factor [B, T, H] in (0, 1]; beta: the covariance's weight of k k^T [B, T, H]
+            or None (= 1); eta: the memory's step [B, T, H] or None (= 1). RLS: both 1; the
+            preconditioned delta rule: both its beta.
+        initial_state: (R0, S0) or None (= (I, 0)): R0 [B, H, m, m] (or [m, m]) symmetric positive
+            definite or None (= I), S0 [B, H, d, m] or None (= 0).
+        output_final_state: also return (R_T, S_T) (fp32).
+        chunk_size: the rank-1 part's chunk, 16, 32 or 64.
+    Returns:
+        y [B, T, H, d] in x's dtype, (R_T, S_T) or None.
+    """
+    B, T, H, K = k.shape
+    dt = x.dtype
+    if dt not in IO_DTYPES:
+        raise ValueError(f"precision_rank1: I/O dtype must be one of {IO_DTYPES}, got {dt}")
+    R0, S0 = (None, None) if initial_state is None else initial_state
+    R0 = torch.eye(K, device=k.device, dtype=torch.float64) if R0 is None else R0.double()
+    p0 = torch.linalg.inv(R0)
+    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(B, H, K, K).contiguous()    # exactly symmetric (kernels)
+    head = lambda t: None if t is None else t.contiguous()     # noqa: E731
+    g, pt = PrecisionFunction.apply(k.contiguous(), lam.contiguous(), head(beta), head(eta), p0)
+    ones = torch.ones(B, T, H, device=k.device, dtype=dt)
+    o, ht = chunk_rank1(g.to(dt), x, ones, q, u=k, initial_state=None if S0 is None else S0.transpose(-1, -2),
+                        output_final_state=output_final_state, chunk_size=chunk_size)
+    if not output_final_state:
+        return o, None
+    return o, (torch.linalg.inv(pt).float(), ht.transpose(-1, -2))
+
+
+# ----------------------------------------------------------------------------------------
+# family interface (ssmcraft.runtime.select)
+# ----------------------------------------------------------------------------------------
+
+def _leaf(ir, e, dims):
+    import sympy
+    if isinstance(e, sympy.Symbol) and e.name in ir.inputs and tuple(ir.inputs[e.name]) == dims:
+        return e.name
+    raise ValueError(f"{e} is not an input of dims {dims}")
+
+
+def _structure(ir) -> dict:
+    """Input names (k, x, q, lam, beta | None), state names, R's initial scale and the candidates
+    for the memory's step ``eta`` (None = 1, or a per-head input), read off the IR's structure;
+    ValueError says what does not fit. The S update itself is checked by ``_probe``."""
+    import sympy
+    d, m = ir.dims
+    if len(ir.states) != 2 or len(ir.inverses) != 1 or ir.params or ir.minibatch or ir.hidden:
+        raise ValueError("not one square state carried by its inverse plus one memory")
+    R, alpha, terms = ir.inverses[0]
+    S = next(x for x in ir.states if x != R)
+    if tuple(ir.shape_of(R)) != (m, m) or tuple(ir.shape_of(S)) != (d, m):
+        raise ValueError(f"states {R} {ir.shape_of(R)}, {S} {ir.shape_of(S)}")
+    if R not in ir.inits:
+        raise ValueError(f"{R} does not start at a multiple of the identity")
+    if len(terms) != 1 or terms[0][1] != terms[0][2]:
+        raise ValueError(f"{R} is not updated by one k k^T term")
+    c, key, _ = terms[0]
+    k = _leaf(ir, sympy.sympify(key), (m,))
+    lam = _leaf(ir, sympy.sympify(alpha), ())
+    beta = None if sympy.sympify(c) == 1 else _leaf(ir, sympy.sympify(c), ())
+    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
+        raise ValueError("the readout is not S q")
+    q = _leaf(ir, sympy.cancel(ir.readout_reductions[0].body / sympy.Symbol(S, real=True)), (m,))
+    xs = [n for n, dims in ir.inputs.items() if tuple(dims) == (d,)]
+    if len(xs) != 1:
+        raise ValueError(f"not one target over {d}")
+    heads = [n for n, dims in ir.inputs.items() if tuple(dims) == () and n != lam]
+    if set(ir.inputs) != {k, q, lam, xs[0], *heads}:
+        raise ValueError("inputs besides a key, a query, a target and per-head factors")
+    return {"k": k, "x": xs[0], "q": q, "lam": lam, "beta": beta, "R": R, "S": S, "r0": float(ir.inits[R]),
+            "heads": heads}
+
+
+def _probe(ir, names) -> dict | str:
+    """The IR's reference loop against the naive twin on a small float64 case, for each candidate
+    step ``eta`` (1, then each per-head input): the names with the ``eta`` that agrees, or why none does."""
+    from ssmcraft.compiler.api import generate_reference
+    from ssmcraft.ops.common.reference import Layout, reference_loop
+    from ssmcraft.ops.precision_rank1.naive import naive_precision_rank1
+    d, m = ir.dims
+    B, T, H, D, M = 1, 5, 1, 2, 3
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)     # noqa: E731
+    val = {names["k"]: r(B, T, H, M), names["q"]: r(B, T, H, M), names["x"]: r(B, T, H, D),
+           names["lam"]: 0.5 + 0.4 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)}
+    for n in names["heads"]:
+        val[n] = 0.2 + 0.6 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    A = r(B, H, M, M)
+    R0, S0 = torch.eye(M, dtype=torch.float64) + A @ A.transpose(-1, -2) * 0.1, r(B, H, D, M)
+    env = {n: t.reshape(B, T, H, *((D, 1) if tuple(ir.inputs[n]) == (d,) else (1, M) if tuple(ir.inputs[n]) == (m,)
+                                   else (1, 1))) for n, t in val.items()}
+    module, _ = generate_reference(ir)
+    y, ST, _ = reference_loop(module, Layout(env, B, T, H, D, M, torch.float64, torch.float64,
+                                             tuple(R0 if x == names["R"] else S0 for x in ir.states)))
+    got = dict(zip(ir.states, ST))
+    for eta in (None, *names["heads"]):
+        yn, Rn, Sn = naive_precision_rank1(val[names["k"]], val[names["x"]], val[names["q"]], val[names["lam"]],
+                                           val.get(names["beta"]), val.get(eta), R0, S0)
+        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9) for a, b in ((y, yn), (got[names["R"]], Rn),
+                                                                       (got[names["S"]], Sn))):
+            return {**{n: v for n, v in names.items() if n != "heads"}, "eta": eta}
+    return ("the update is not R_t = lam R + beta k k^T, S_t = S - (S k - x)(eta R_t^-1 k)^T with eta 1 or "
+            "a per-head input")
+
+
+def match(ir) -> dict:
+    """``_structure`` and ``_probe`` (once per IR); ValueError says why the family does not run it."""
+    def check():
+        try:
+            names = _structure(ir)
+        except ValueError as e:
+            return str(e)
+        return _probe(ir, names)
+    out = ir.memo("precision_rank1", check)
+    if isinstance(out, str):
+        raise ValueError(out)
+    return dict(out)
+
+
+def supports(ir) -> str | None:
+    """None if this family runs ``ir``, else the reason it does not."""
+    if not ir.states or not ir.inverses:
+        return f"{ir.spec_name}: no square state carried by its inverse"
+    try:
+        match(ir)
+    except ValueError as e:
+        return f"{ir.spec_name}: {e}"
+    return None
+
+
+def _run(names, get, initial_state, output_final_state, io):
+    """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``)."""
+    k = get(names["k"])
+    if initial_state is not None:
+        st = dict(zip(names["order"], initial_state))
+        R0, S0 = st[names["R"]], st[names["S"]].to(torch.float32)
+    else:           # R starts at r0 I (``init: {identity: r0}``), S at zero
+        R0, S0 = names["r0"] * torch.eye(k.shape[-1], device=k.device, dtype=torch.float64), None
+    y, fin = precision_rank1(k.to(io), get(names["x"]).to(io), get(names["q"]).to(io),
+                             get(names["lam"]), beta=None if names["beta"] is None else get(names["beta"]),
+                             eta=None if names["eta"] is None else get(names["eta"]),
+                             initial_state=(R0, S0), output_final_state=output_final_state, chunk_size=CHUNK)
+    if fin is None:
+        return y, None
+    out = {names["R"]: fin[0], names["S"]: fin[1]}
+    return y, tuple(out[x] for x in names["order"])
+
+
+def forward(obj, lay, co, output_final_state):
+    """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
+    names = dict(match(obj.ir), order=obj.ir.states)
+    io = io_dtype(lay.out_dtype)
+    B, T, H = lay.B, lay.T, lay.H
+
+    def get(n):
+        t = lay.env[n]
+        return t.reshape(B, T, H) if not obj.ir.inputs[n] else t.reshape(B, T, H, -1)
+    y, S = _run(names, get, lay.S0, output_final_state, io)
+    return y.to(lay.dtype), S
+
+
+def prepare(obj, lay):
+    """The runner for one call signature: the caller's inputs go to the kernels as they are."""
+    names = dict(match(obj.ir), order=obj.ir.states)
+    io = io_dtype(lay.out_dtype)
+    out_dtype = lay.out_dtype
+
+    def run(inputs, params, initial_state, output_final_state):
+        get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
+        y, S = _run(names, get, initial_state, output_final_state, io)
+        return y.to(out_dtype), S
+    return run
+

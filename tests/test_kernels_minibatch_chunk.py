@@ -1,0 +1,109 @@
+"""Chunked mini-batch family (``approximation: {minibatch: C}`` on explicit regression steps) under
+the Triton interpreter: its kernels against their float64 loop twin (``naive.py``), and composed
+objectives through the family against the objective's float64 reference (output, final state,
+every gradient including the initial state's, with a gradient on the final state), on lengths
+that are not a multiple of the mini-batch, with every output buffer poisoned with NaN."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.ops import registry  # noqa: E402
+from ssmcraft.ops.minibatch_chunk import chunk as M  # noqa: E402
+from ssmcraft.ops.minibatch_chunk.naive import naive_minibatch  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
+from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
+
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(M, "POISON", True)
+    monkeypatch.setattr(M, "INTERPRET_BV", None)
+
+
+def _twin_case(B, T, H, K, V, row, decay, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)       # noqa: E731
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)            # noqa: E731
+    c = torch.rand(B, T, H, *((V,) if row else ()), generator=g, dtype=F64)
+    a = 0.5 + 0.5 * torch.rand(B, T, H, generator=g, dtype=F64) if decay else None
+    return [unit(r(B, T, H, K)), unit(r(B, T, H, K)), r(B, T, H, V), c, r(B, T, H, K), a, r(B, H, K, V)], g
+
+
+@pytest.mark.parametrize("T,C,row,decay,bv", [
+    (1, 16, False, False, None), (37, 16, False, True, None), (37, 16, True, False, 16),
+    (70, 32, True, True, None), (65, 64, False, True, 16),
+])
+def test_kernels_match_their_loop_twin(T, C, row, decay, bv, monkeypatch):
+    monkeypatch.setattr(M, "INTERPRET_BV", bv)
+    xs, g = _twin_case(2, T, 2, 16, 24, row, decay, seed=T + C)
+    xs = [None if x is None else x.requires_grad_() for x in xs]
+    o, ht = naive_minibatch(*xs, C)
+    do, dht = torch.randn(o.shape, generator=g, dtype=F64), torch.randn(ht.shape, generator=g, dtype=F64)
+    want = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [x for x in xs if x is not None])
+    ys = [None if x is None else x.detach().float().requires_grad_() for x in xs]
+    u, v, p, c, oq, a, h0 = ys
+    o2, ht2 = M.chunk_minibatch(u, v, p, c, oq, a=a, initial_state=h0, output_final_state=True, chunk_size=C)
+    got = torch.autograd.grad((o2 * do.float()).sum() + (ht2 * dht.float()).sum(), [x for x in ys if x is not None])
+    assert rel(o2, o) < TOL["y"] and rel(ht2, ht) < TOL["S_T"]
+    for name, x, y in zip("u v p c oq a h0".split(), got, want):
+        assert rel(x, y) < TOL["grad"], name
+
+
+def test_no_initial_state_and_no_final_gradient():
+    xs, g = _twin_case(1, 20, 2, 16, 16, False, True, seed=5)
+    xs[-1] = torch.zeros_like(xs[-1])
+    u, v, p, c, oq, a, _ = [None if x is None else x.float().requires_grad_() for x in xs]
+    o, ht = M.chunk_minibatch(u, v, p, c, oq, a=a, chunk_size=16)
+    assert ht is None
+    o.square().sum().backward()
+    ref = [None if x is None else x.clone().requires_grad_() for x in xs[:-1]]
+    ro, _ = naive_minibatch(*ref, xs[-1], 16)
+    ro.square().sum().backward()
+    assert rel(o, ro) < TOL["y"]
+    for name, x, y in zip("u v p c oq a".split(), (u, v, p, c, oq, a), ref):
+        assert rel(x.grad, y.grad) < TOL["grad"], name
+
+
+# composed objectives the family runs (none is in the library): (choices, T)
+COMPOSED = [
+    ({"update": "explicit", "minibatch": 16}, 37),                                   # per-row step
+    ({"update": "explicit", "minibatch": 32, "step": "scalar", "normalize": True}, 70),
+    ({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay", "step": "scalar"}, 33),
+    ({"update": "explicit", "minibatch": 64, "proximity": "scalar_decay", "normalize": True}, 67),
+]
+
+
+@pytest.mark.parametrize("choices,T", COMPOSED)
+def test_composed_objectives_match_the_reference(choices, T):
+    obj = ssmcraft.compile(compose_objective(choices))
+    assert M.supports(obj.ir) is None
+    ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 24, 16, seed=T)
+    errs = kernel_errors(obj, lambda o, lay: M.forward(o, lay, None, True), ins, params, S0, g)
+    assert_within(errs, TOL)
+
+
+def test_dispatch_runs_the_family_and_says_so():
+    obj = ssmcraft.compile(compose_objective({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay"}))
+    obj.prefer = "interpret"
+    ins, params, S0, _ = kernel_inputs(obj, 1, 21, 2, 8, 16, seed=1)
+    ins = {k: v.float() for k, v in ins.items()}
+    y, S = obj(ins, None, S0.float(), True)
+    assert obj.backend == "triton-interpret:minibatch-chunk"
+    yr, Sr = obj.reference(ins, None, S0.float(), True)
+    assert rel(y, yr) < 1e-5 and rel(S, Sr) < 1e-5
+    assert registry.family("minibatch_chunk").reason(obj.ir) is None
+
+
+@pytest.mark.parametrize("choices,why", [
+    ({"update": "explicit", "minibatch": 8}, "mini-batch of 8"),
+    ({"update": "explicit", "minibatch": 16, "data": "huber"}, "not a one-state mini-batch update"),
+    ({"update": "explicit", "minibatch": 16, "proximity": "channel_decay"}, "decay alpha has dims ('d',)"),
+    ({"update": "explicit"}, "not a one-state mini-batch update"),
+])
+def test_refusals_say_why(choices, why):
+    assert why in M.supports(ssmcraft.compile(compose_objective(choices)).ir)
