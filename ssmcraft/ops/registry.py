@@ -6,7 +6,8 @@ dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on t
 ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``), ``rank1_row``,
 ``rankr_row`` (several keys), ``general`` (anything else the generator prints), then
 ``rank1_chunk``, which declares itself ahead of ``rank1_row`` on CUDA for a per-head step
-(``KernelFamily.ahead_on_gpu``). A family that does not support an IR says why
+(``KernelFamily.ahead_on_gpu``), and ``rank1_keydecay_chunk`` (rank-1 with a per-key decay and a
+per-head step: a KDA-like layer; chunked, on tensor cores). A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
 from __future__ import annotations
@@ -17,10 +18,12 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.general import FAMILY as GENERAL
 from ssmcraft.ops.keydecay_chunk import FAMILY as KEYDECAY_CHUNK
 from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
+from ssmcraft.ops.rank1_keydecay_chunk import FAMILY as RANK1_KEYDECAY_CHUNK
 from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
 from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
-FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, GENERAL, RANK1_CHUNK)
+FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, GENERAL, RANK1_CHUNK,
+                                      RANK1_KEYDECAY_CHUNK)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 
