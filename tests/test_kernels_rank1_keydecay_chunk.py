@@ -45,6 +45,7 @@ def test_supports(tmp_path):
     assert "rank1" in R.supports(ssmcraft.compile("gla").ir)
     assert "per head" in R.supports(_composed(tmp_path, step="per_channel").ir)   # beta over d
     assert R.supports_sizes(_composed(tmp_path).ir, {"m": R.MAX_K * 2}, "triton") is not None
+    assert R._read_key(_composed(tmp_path).ir) == R.AV         # u = alpha k: formed in the kernels
 
 
 @pytest.mark.parametrize("changes,T,chunk", [
@@ -74,37 +75,41 @@ def test_public_path_runs_the_family(tmp_path, monkeypatch):
     assert_within(cmp.errors, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})
 
 
-def _kernel_case(T, K, V, sep_u, strong, seed):
+def _kernel_case(T, K, V, read, strong, seed):
+    """Float64 kernel-level inputs; ``read``: the erase's read key, "own" (a tensor of its own),
+    "v" (u = v) or "av" (u = a o v, formed in the kernels)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
     B, H = 1, 2
-    return {"v": nk(r(B, T, H, K)), "u": nk(r(B, T, H, K)) if sep_u else None, "p": r(B, T, H, V),
+    return {"v": nk(r(B, T, H, K)), "u": nk(r(B, T, H, K)) if read == "own" else read, "p": r(B, T, H, V),
             "oq": r(B, T, H, K), "c": torch.rand(B, T, H, generator=g, dtype=torch.float64),
             "a": torch.sigmoid(1.0 + strong * r(B, T, H, K)), "h0": r(B, H, K, V)}, g
 
 
 def _run_both(ins, g, chunk):
-    names = [n for n, t in ins.items() if t is not None]
-    ref = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
-    ours = {n: (t.float().clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
-    o, hT = naive_recurrent_rank1_keydecay(ref["v"], ref["u"], ref["p"], ref["oq"], ref["c"], ref["a"], ref["h0"])
+    names = [n for n, t in ins.items() if isinstance(t, torch.Tensor)]
+    ref = {n: ins[n].clone().requires_grad_() for n in names}
+    ours = {n: ins[n].float().clone().requires_grad_() for n in names}
+    u = {"v": (None, None), "av": (ref["a"] * ref["v"], R.AV)}.get(ins["u"]) or (ref["u"], ours["u"])
+    o, hT = naive_recurrent_rank1_keydecay(ref["v"], u[0], ref["p"], ref["oq"], ref["c"], ref["a"], ref["h0"])
     do, dh = torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(hT.shape, generator=g, dtype=torch.float64)
     ((o * do).sum() + (hT * dh).sum()).backward()
-    o2, h2 = R.chunk_rank1_keydecay(ours["v"], ours["p"], ours["c"], ours["oq"], ours["a"], u=ours["u"],
+    o2, h2 = R.chunk_rank1_keydecay(ours["v"], ours["p"], ours["c"], ours["oq"], ours["a"], u=u[1],
                                     initial_state=ours["h0"], output_final_state=True, chunk_size=chunk)
     ((o2 * do.float()).sum() + (h2 * dh.float()).sum()).backward()
     assert not torch.isnan(o2).any() and not torch.isnan(h2).any()
     return {"y": rel(o2, o), "S_T": rel(h2, hT)}, {n: (ours[n].grad, ref[n].grad) for n in names}, ours, ref
 
 
-@pytest.mark.parametrize("T,K,V,chunk,sep_u,bv", [
-    (67, 20, 40, 64, True, 16),     # u != v, odd K and V, three value blocks, a partial chunk
-    (21, 16, 16, 16, False, None),  # u = v, one sub-block per chunk
+@pytest.mark.parametrize("T,K,V,chunk,read,bv", [
+    (67, 20, 40, 64, "own", 16),    # u a tensor of its own, odd K and V, three value blocks, a partial chunk
+    (50, 20, 24, 32, "av", 16),     # u = a o v (KDA), formed in the kernels
+    (21, 16, 16, 16, "v", None),    # u = v, one sub-block per chunk
 ])
-def test_kernel_matches_naive(T, K, V, chunk, sep_u, bv, monkeypatch):
+def test_kernel_matches_naive(T, K, V, chunk, read, bv, monkeypatch):
     monkeypatch.setattr(R, "INTERPRET_BV", bv)
-    ins, g = _kernel_case(T, K, V, sep_u, 1.0, seed=T + K)
+    ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K)
     errs, grads, _, _ = _run_both(ins, g, chunk)
     errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items()})
     assert_within(errs, TOL)
@@ -116,7 +121,7 @@ def test_strong_decays_stay_finite_and_accurate():
     gradient is checked in log space (a * da = d log a), which is what the kernels form: dividing
     by a tiny a magnifies its fp32 rounding, and any parametrisation of a in (0, 1) multiplies
     that back by a factor of order a."""
-    ins, g = _kernel_case(45, 16, 24, True, 8.0, seed=5)
+    ins, g = _kernel_case(45, 16, 24, "own", 8.0, seed=5)
     assert ins["a"].min() < 1e-8
     errs, grads, ours, ref = _run_both(ins, g, 32)
     errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items() if n != "a"})

@@ -59,7 +59,7 @@ import torch
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_chunk.chunk import _key_block, _per_head
-from ssmcraft.ops.rank1_keydecay_chunk.kernels import (rank1_keydecay_chunk_bwd_grad_kernel,
+from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_grad_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_fwd_state_kernel,
                                                        rank1_keydecay_chunk_prep_kernel)
@@ -70,6 +70,7 @@ CHUNK = 64                          # chunk size used by ``forward`` / ``prepare
 SUB = 16                            # sub-block of the intra-chunk matrices
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
+AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
 
 
 def _bv(V: int) -> int:
@@ -92,6 +93,11 @@ def _empty_like(t):
     return _empty(*t.shape, device=t.device, dtype=t.dtype)
 
 
+def _u_mode(u) -> int:
+    """``U_MODE`` of a call: u None stands for u = a o v (``chunk_rank1_keydecay``)."""
+    return U_IS_AV.value if u is None else U_GIVEN.value
+
+
 def _fwd(v, u, p, oq, c, a, h0, output_final_state, store_states, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
@@ -104,8 +110,8 @@ def _fwd(v, u, p, oq, c, a, h0, output_final_state, store_states, BT):
     L = _empty(B, T, H, BT, device=dev, dtype=dt)
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec)
+    launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
+           L=L, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u), PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
@@ -135,16 +141,17 @@ def _bwd(v, u, p, oq, c, a, saved, do, dht, need_dh0, BT):
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs,
            dpsi=dpsi, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_DHT=has_dht, STORE_DH0=need_dh0,
            PREC=prec, **_launch_opts(V))
-    du, dv, dp, doq, dc, da = (_empty_like(t) for t in (u, v, p, oq, c, a))
+    dv, dp, doq, dc, da = (_empty_like(t) for t in (v, p, oq, c, a))
+    du = dv if u is None else _empty_like(u)       # u = a o v: its gradient is folded into dv and da
     launch(rank1_keydecay_chunk_bwd_grad_kernel, (NT, B * H),
-           u=u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
+           u=v if u is None else u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
            du=du, dv=dv, dp=dp, doq=doq, dc=dc, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V),
-           SUB=min(SUB, BT), PREC=prec)
-    return dv, du, dp, doq, dc, da, (dh0 if need_dh0 else None)
+           SUB=min(SUB, BT), U_MODE=_u_mode(u), PREC=prec)
+    return dv, (None if u is None else du), dp, doq, dc, da, (dh0 if need_dh0 else None)
 
 
 class Rank1KeyDecayChunkFunction(torch.autograd.Function):
-    """(v, u, p, oq, c, a, h0|None) -> (o, ht|None)."""
+    """(v, u|None, p, oq, c, a, h0|None) -> (o, ht|None); u None means u = a o v."""
 
     @staticmethod
     def forward(ctx, v, u, p, oq, c, a, h0, output_final_state, chunk_size):
@@ -165,17 +172,21 @@ class Rank1KeyDecayChunkFunction(torch.autograd.Function):
         return (*_bwd(v, u, p, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.chunk_size), None, None)
 
 
-def chunk_rank1_keydecay(v, p, c, oq, a, *, u=None, initial_state=None, output_final_state: bool = False,
+def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, initial_state=None, output_final_state: bool = False,
                          chunk_size: int = 64):
     """H_t = diag(a_t) H_{t-1} - c_t v_t (u_t^T H_{t-1}) + v_t p_t^T;  o_t = H_t^T oq_t.
 
+    KDA in FLA's convention: ``chunk_rank1_keydecay(k, beta x, beta, q, alpha)``:
+    H_t = (I - beta k k^T) diag(alpha) H_{t-1} + beta k x^T.
+
     Args:
-        v:  erase and insert key [B, T, H, K] (also u where u is None).
+        v:  erase and insert key [B, T, H, K].
         p:  inserted value [B, T, H, V].
         c:  per-head step [B, T, H].
         oq: readout key [B, T, H, K].
         a:  per-key decay [B, T, H, K], in (0, 1] (the kernels take its log).
-        u:  read key of the erase [B, T, H, K] or None (= v).
+        u:  read key of the erase [B, T, H, K]; None means u = v; ``AV`` (the default) means
+            u = a o v (KDA's order: decay, then erase), taken in the kernels.
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
@@ -206,7 +217,8 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=None, initial_state=None, output_f
     kshape = (B, T, H, K)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     vv = prep(v, kshape)
-    return Rank1KeyDecayChunkFunction.apply(vv, vv if u is None else prep(u, kshape), prep(p, (B, T, H, V)),
+    uu = None if isinstance(u, str) and u == AV else vv if u is None else prep(u, kshape)
+    return Rank1KeyDecayChunkFunction.apply(vv, uu, prep(p, (B, T, H, V)),
                                             prep(oq, kshape), prep(c, (B, T, H)), prep(a, kshape), h0,
                                             output_final_state, chunk_size)
 
@@ -260,6 +272,21 @@ def supports_inputs(ir, inputs, mode) -> str | None:
     return supports_sizes(ir, sizes, mode)
 
 
+def _read_key(ir) -> str:
+    """How the erase's read key u relates to v and a in ``ir``: ``AV`` (u = a o v, KDA), ``"v"``
+    (u = v) or ``"own"`` (any other expression: its own tensor)."""
+    exprs = ir.expanded_coefficients()
+    u, v, a = (exprs[ir.slots[s]] for s in ("u", "v", "a"))
+    if (u - a * v).expand() == 0:
+        return AV
+    return "v" if u == v else "own"
+
+
+def _u_arg(kind: str, value):
+    """The ``u`` argument of ``chunk_rank1_keydecay`` for a read key of ``kind`` (``_read_key``)."""
+    return AV if kind == AV else None if kind == "v" else value()
+
+
 def forward(obj, lay, co, output_final_state):
     """Run the family on laid-out coefficients (see ssmcraft.ops.common.reference.layout).
 
@@ -277,7 +304,7 @@ def forward(obj, lay, co, output_final_state):
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_rank1_keydecay(vec(co["v"], m), vec(co["p"], d), _per_head(co["c"], B, T, H, dev).to(io),
                                  vec(co["oq"], m), vec(co["a"], m),
-                                 u=None if co["u"] is co["v"] else vec(co["u"], m), initial_state=h0,
+                                 u=_u_arg(_read_key(obj.ir), lambda: vec(co["u"], m)), initial_state=h0,
                                  output_final_state=output_final_state, chunk_size=CHUNK)
     y = o.to(lay.dtype)
     oc = co.get("oc", 1)
@@ -300,13 +327,12 @@ def prepare(obj, lay):
     B, T, H = lay.B, lay.T, lay.H
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)
-    exprs = obj.ir.expanded_coefficients()
-    u_is_v = exprs[obj.ir.slots["u"]] == exprs[obj.ir.slots["v"]]
+    read = _read_key(obj.ir)
 
     def run(cs, initial_state, output_final_state):
         v = cs.get("v")
         o, ht = chunk_rank1_keydecay(v, cs.get("p").to(io), _per_head(cs.get("c"), B, T, H, cs.device).to(io),
-                                     cs.get("oq"), cs.get("a"), u=None if u_is_v else cs.get("u"),
+                                     cs.get("oq"), cs.get("a"), u=_u_arg(read, lambda: cs.get("u")),
                                      initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                                      output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))

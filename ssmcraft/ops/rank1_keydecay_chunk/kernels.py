@@ -9,6 +9,11 @@ from ssmcraft.ops.common.solvers import solve_unit_lower
 from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
+# the erase's read key u (U_MODE): its own tensor, or u = a o v (KDA: the erase reads the decayed
+# state), read as v e^{g} in place of u e^{gp}, so u is never formed
+U_GIVEN = tl.constexpr(0)
+U_IS_AV = tl.constexpr(1)
+
 
 # ----------------------------------------------------------------------------------------
 # gated intra-chunk products: P[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}, s <= t
@@ -138,16 +143,26 @@ def _decays(g, row, m_tk, o_k, m_k, i_b, i_h, i_t, T, H, K: tl.constexpr, BT: tl
     return b_g, b_gl, tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
 
 
+@triton.jit
+def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
+    """The erase's read key and its exponent, (x, gx) with u_t e^{gp_t} = x_t e^{gx_t}: (u, gp),
+    or (v, g) where u = a o v."""
+    if U_MODE == U_IS_AV:
+        return b_v, b_g
+    else:
+        return tl.load(u + p_tk, mask=m_tk, other=0.).to(tl.float32), b_gp
+
+
 # ----------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
 def rank1_keydecay_chunk_prep_kernel(u, v, p, oq, c, a, g, M, W, Up, L,
                                      T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, PREC: tl.constexpr):
+                                     SUB: tl.constexpr, U_MODE: tl.constexpr, PREC: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT]."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -168,16 +183,16 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, oq, c, a, g, M, W, Up, L,
     tl.debug_barrier()       # the diagonal sub-blocks read g back, across the program's threads
 
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
-    b_u = tl.load(u + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_L = gated_lower(b_oq, b_g, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
-    b_A = gated_lower(b_u, b_gp, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, True, DT, PREC)
+    b_A = gated_lower(b_x, b_gx, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, True, DT, PREC)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
     tl.store(M + row[:, None] * BT + o_i[None, :], b_M.to(DT), mask=m_tt)
     b_Md = b_M.to(DT)
-    b_cu = (b_u * tl.exp(b_gp) * b_c[:, None]).to(DT)
+    b_cu = (b_x * tl.exp(b_gx) * b_c[:, None]).to(DT)
     tl.store(W + p_tk, tl.dot(b_Md, b_cu, input_precision=PREC).to(DT), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -269,13 +284,13 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, oq, c, a, g, M, hs, dhs, psi, dpsi, do,
                                          du, dv, dp, doq, dc, da,
                                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                         SUB: tl.constexpr, PREC: tl.constexpr):
+                                         SUB: tl.constexpr, U_MODE: tl.constexpr, PREC: tl.constexpr):
     """Per chunk, every input's gradient from the chunk states, their gradients at the chunk's
     end, Psi and dPsi (the backward in ``chunk``'s docstring); two passes over value blocks keep
     few tiles live: (1) dPsi H0^T, dPsi P^T and dP; (2) dO H0^T, dO Psi^T, Psi dH^T."""
@@ -314,27 +329,34 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, oq, c, a, g, M, hs, dhs, psi, 
     # flat past T, as in the forward: the sub-block references stay at or above every later row's
     b_g = _gathered_g(g, a, i_b, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
     b_gp = b_g - tl.log(b_a)
-    b_u = tl.load(u + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_ug = b_u * tl.exp(b_gp)
+    b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
+    b_ug = b_x * tl.exp(b_gx)
     b_dWd = (-b_nW).to(DT)
     b_T1 = tl.dot(tl.trans(b_M), b_dWd, input_precision=PREC)            # d(diag(c) U e^{gp})
     b_dc = tl.sum(b_T1 * b_ug, axis=1)
-    b_du = b_T1 * b_c[:, None] * tl.exp(b_gp)
-    b_dgp = b_T1 * b_c[:, None] * b_ug
+    b_du = b_T1 * b_c[:, None] * tl.exp(b_gx)      # d x and d gx: (u, gp), or (v, g) where u = a o v
+    b_dgx = b_T1 * b_c[:, None] * b_ug
     b_dM = b_dPM + tl.dot(b_dWd, tl.trans((b_ug * b_c[:, None]).to(DT)), input_precision=PREC)
     b_X = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
     b_dA = tl.where(lower, -tl.dot(b_X.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
     # A[t, s] = c_t sum_k u_tk v_sk e^{gp_tk - g_sk}
-    b_Y = gated_rows(b_dA, b_v, b_gp, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
-    b_dc += tl.sum(b_Y * b_u, axis=1)
+    b_Y = gated_rows(b_dA, b_v, b_gx, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
-    b_dgp += b_Y * b_c[:, None] * b_u
-    b_Z = gated_cols(b_dA * b_c[:, None], b_u, b_gp, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
-                     BT, SUB, True, DT, PREC)
-    b_dv = b_Z
-    b_dg = -b_v * b_Z
-    tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
+    b_dgx += b_Y * b_c[:, None] * b_x
+    if U_MODE == U_IS_AV:
+        b_Z = gated_cols(b_dA * b_c[:, None], b_x, b_gx, b_g, v, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+                         BT, SUB, False, DT, PREC)
+        b_dv = b_Z + b_du
+        b_dg = b_dgx - b_v * b_Z
+    else:
+        b_Z = gated_cols(b_dA * b_c[:, None], b_x, b_gx, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+                         BT, SUB, True, DT, PREC)
+        b_dv = b_Z
+        b_dg = -b_v * b_Z
+        b_dgp = b_dgx
+        tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
     tl.store(dc + row, b_dc.to(dc.dtype.element_ty), mask=m_t)
 
     # ---- pass 2: readout O = (OQ e^g) H0 + L Psi and state (V e^{gl - g})^T Psi terms ---------
@@ -373,7 +395,9 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, oq, c, a, g, M, hs, dhs, psi, 
     b_dg -= b_Yb
     b_dgl = tl.sum(b_Yb, axis=0) + tl.exp(b_gl) * b_hdh
     # g_t = sum_{r<=t} log a_r, gp_t = sum_{r<t} log a_r, gl = sum_r log a_r over the chunk's rows
-    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp + b_dgl[None, :]
+    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :]
+    if U_MODE != U_IS_AV:
+        b_dla += tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
     tl.store(da + p_tk, (b_dla / b_a).to(da.dtype.element_ty), mask=m_tk)
     tl.store(dv + p_tk, b_dv.to(dv.dtype.element_ty), mask=m_tk)
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
