@@ -75,16 +75,17 @@ def test_public_path_runs_the_family(tmp_path, monkeypatch):
     assert_within(cmp.errors, {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5})
 
 
-def _kernel_case(T, K, V, read, strong, seed):
+def _kernel_case(T, K, V, read, strong, seed, scale=False):
     """Float64 kernel-level inputs; ``read``: the erase's read key, "own" (a tensor of its own),
-    "v" (u = v) or "av" (u = a o v, formed in the kernels)."""
+    "v" (u = v) or "av" (u = a o v, formed in the kernels); ``scale``: p's per-head scale ps."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
     B, H = 1, 2
     return {"v": nk(r(B, T, H, K)), "u": nk(r(B, T, H, K)) if read == "own" else read, "p": r(B, T, H, V),
             "oq": r(B, T, H, K), "c": torch.rand(B, T, H, generator=g, dtype=torch.float64),
-            "a": torch.sigmoid(1.0 + strong * r(B, T, H, K)), "h0": r(B, H, K, V)}, g
+            "a": torch.sigmoid(1.0 + strong * r(B, T, H, K)), "h0": r(B, H, K, V),
+            "ps": r(B, T, H) if scale else None}, g
 
 
 def _run_both(ins, g, chunk):
@@ -92,24 +93,25 @@ def _run_both(ins, g, chunk):
     ref = {n: ins[n].clone().requires_grad_() for n in names}
     ours = {n: ins[n].float().clone().requires_grad_() for n in names}
     u = {"v": (None, None), "av": (ref["a"] * ref["v"], R.AV)}.get(ins["u"]) or (ref["u"], ours["u"])
-    o, hT = naive_recurrent_rank1_keydecay(ref["v"], u[0], ref["p"], ref["oq"], ref["c"], ref["a"], ref["h0"])
+    p = ref["p"] * ref["ps"][..., None] if "ps" in ref else ref["p"]
+    o, hT = naive_recurrent_rank1_keydecay(ref["v"], u[0], p, ref["oq"], ref["c"], ref["a"], ref["h0"])
     do, dh = torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(hT.shape, generator=g, dtype=torch.float64)
     ((o * do).sum() + (hT * dh).sum()).backward()
-    o2, h2 = R.chunk_rank1_keydecay(ours["v"], ours["p"], ours["c"], ours["oq"], ours["a"], u=u[1],
+    o2, h2 = R.chunk_rank1_keydecay(ours["v"], ours["p"], ours["c"], ours["oq"], ours["a"], u=u[1], ps=ours.get("ps"),
                                     initial_state=ours["h0"], output_final_state=True, chunk_size=chunk)
     ((o2 * do.float()).sum() + (h2 * dh.float()).sum()).backward()
     assert not torch.isnan(o2).any() and not torch.isnan(h2).any()
     return {"y": rel(o2, o), "S_T": rel(h2, hT)}, {n: (ours[n].grad, ref[n].grad) for n in names}, ours, ref
 
 
-@pytest.mark.parametrize("T,K,V,chunk,read,bv", [
-    (67, 20, 40, 64, "own", 16),    # u a tensor of its own, odd K and V, three value blocks, a partial chunk
-    (50, 20, 24, 32, "av", 16),     # u = a o v (KDA), formed in the kernels
-    (21, 16, 16, 16, "v", None),    # u = v, one sub-block per chunk
+@pytest.mark.parametrize("T,K,V,chunk,read,scale,bv", [
+    (67, 20, 40, 64, "own", False, 16),  # u a tensor of its own, odd K and V, three value blocks, a partial chunk
+    (50, 20, 24, 32, "av", True, 16),    # u = a o v (KDA), formed in the kernels; p's scale fused
+    (21, 16, 16, 16, "v", False, None),  # u = v, one sub-block per chunk
 ])
-def test_kernel_matches_naive(T, K, V, chunk, read, bv, monkeypatch):
+def test_kernel_matches_naive(T, K, V, chunk, read, scale, bv, monkeypatch):
     monkeypatch.setattr(R, "INTERPRET_BV", bv)
-    ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K)
+    ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K, scale=scale)
     errs, grads, _, _ = _run_both(ins, g, chunk)
     errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items()})
     assert_within(errs, TOL)
@@ -131,3 +133,24 @@ def test_strong_decays_stay_finite_and_accurate():
 
 def test_registered():
     assert registry.family("rank1_keydecay_chunk").backend == R.BACKEND_NAME
+
+
+def test_kda_slots_reach_the_kernel_uncopied(tmp_path, monkeypatch):
+    """The KDA-like layer's inputs go to the kernels as the caller's tensors: u = alpha k and
+    p = beta x are formed in the kernels, beta is one tensor for c and p's scale."""
+    from helpers import random_inputs
+    obj = _composed(tmp_path)
+    obj.prefer = "interpret"
+    seen, real = {}, R.chunk_rank1_keydecay
+
+    def spy(*args, **kw):
+        seen.update(dict(zip(("v", "p", "c", "oq", "a"), args)), **kw)
+        return real(*args, **kw)
+    monkeypatch.setattr(R, "chunk_rank1_keydecay", spy)
+    monkeypatch.setattr(R, "CHUNK", 16)
+    inputs, _ = random_inputs(obj.spec, T=5, sizes={"d": 8, "m": 4}, dtype=torch.float32)
+    obj(inputs)
+    assert obj.backend == "triton-interpret:rank1-keydecay-chunk"
+    assert seen["v"] is inputs["k"] and seen["u"] == R.AV and seen["a"] is inputs["alpha"]
+    assert seen["p"] is inputs["x"] and seen["ps"] is inputs["beta"] and seen["c"] is inputs["beta"]
+    assert seen["oq"] is inputs["q"]

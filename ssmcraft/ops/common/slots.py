@@ -152,14 +152,15 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs), source=entry[2])
 
 
-def slot_runner(obj, lay, run):
+def slot_runner(obj, lay, run, in_kernel: tuple = ()):
     """A structured family's ``prepare`` result for one call signature (``lay`` from
     ``reference.validate``): the slots bound (``bindings``, kept on the IR), the computed slots' path chosen once (``computed_path``), and per call
     ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
     ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``; its
     ``slots_path`` is the computed slots' path, which the backend name carries
-    (``ssmcraft.runtime.select``)."""
-    binds = bindings(obj.ir)
+    (``ssmcraft.runtime.select``). ``in_kernel``: slots the family forms in its kernels from other
+    slots (never read through ``cs``), so they choose no computed path."""
+    binds = {s: b for s, b in bindings(obj.ir).items() if s not in in_kernel}
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
 
@@ -265,6 +266,21 @@ class CallSlots:
         if b.kind == "scaled":
             return self.leaf(b.scale), self.leaf(b.leaf)
         return None, self.get(slot)
+
+
+def finish_laid_out(y: torch.Tensor, co: dict, B: int, T: int, H: int) -> torch.Tensor:
+    """``CallSlots.finish`` on laid-out coefficients (``reference.layout``: slot -> tensor
+    ``[B|1, T|1, H|1, r, c]`` or number), the families' ``forward`` path: ``oc * y + oh`` on
+    ``y [B, T, H, d]``."""
+    oc = co.get("oc", 1)
+    if isinstance(oc, torch.Tensor):
+        y = y * oc.expand(B, T, H, oc.shape[-2], 1).reshape(B, T, H, oc.shape[-2])
+    elif float(oc) != 1.0:
+        y = y * float(oc)
+    oh = co.get("oh")
+    if oh is not None:
+        y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
+    return y
 
 
 def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:

@@ -58,7 +58,8 @@ import torch
 
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
-from ssmcraft.ops.rank1_chunk.chunk import _key_block, _per_head
+from ssmcraft.ops.common.slots import finish_laid_out
+from ssmcraft.ops.rank1_chunk.chunk import _key_block, _per_head, _split_p
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_grad_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_fwd_state_kernel,
@@ -98,7 +99,7 @@ def _u_mode(u) -> int:
     return U_IS_AV.value if u is None else U_GIVEN.value
 
 
-def _fwd(v, u, p, oq, c, a, h0, output_final_state, store_states, BT):
+def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
@@ -110,8 +111,8 @@ def _fwd(v, u, p, oq, c, a, h0, output_final_state, store_states, BT):
     L = _empty(B, T, H, BT, device=dev, dtype=dt)
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
-    launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u), PREC=prec)
+    launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
+           L=L, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
@@ -124,7 +125,7 @@ def _fwd(v, u, p, oq, c, a, h0, output_final_state, store_states, BT):
     return o, (ht if output_final_state else None), (g, M, L, W, hs, psi)
 
 
-def _bwd(v, u, p, oq, c, a, saved, do, dht, need_dh0, BT):
+def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt = p.dtype
@@ -143,45 +144,48 @@ def _bwd(v, u, p, oq, c, a, saved, do, dht, need_dh0, BT):
            PREC=prec, **_launch_opts(V))
     dv, dp, doq, dc, da = (_empty_like(t) for t in (v, p, oq, c, a))
     du = dv if u is None else _empty_like(u)       # u = a o v: its gradient is folded into dv and da
+    dps = dc if ps is None else _empty_like(ps)
     launch(rank1_keydecay_chunk_bwd_grad_kernel, (NT, B * H),
-           u=v if u is None else u, v=v, p=p, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
-           du=du, dv=dv, dp=dp, doq=doq, dc=dc, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V),
-           SUB=min(SUB, BT), U_MODE=_u_mode(u), PREC=prec)
-    return dv, (None if u is None else du), dp, doq, dc, da, (dh0 if need_dh0 else None)
+           u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
+           du=du, dv=dv, dp=dp, dps=dps, doq=doq, dc=dc, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V),
+           SUB=min(SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
+    return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 
 class Rank1KeyDecayChunkFunction(torch.autograd.Function):
-    """(v, u|None, p, oq, c, a, h0|None) -> (o, ht|None); u None means u = a o v."""
+    """(v, u|None, p, ps|None, oq, c, a, h0|None) -> (o, ht|None); u None means u = a o v, ps None
+    means 1. ps that is c (KDA's beta) is one autograd input passed twice: its two gradients sum."""
 
     @staticmethod
-    def forward(ctx, v, u, p, oq, c, a, h0, output_final_state, chunk_size):
-        train = any(ctx.needs_input_grad[:7])
+    def forward(ctx, v, u, p, ps, oq, c, a, h0, output_final_state, chunk_size):
+        train = any(ctx.needs_input_grad[:8])
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
-        o, ht, saved = _fwd(v, u, p, oq, c, a, h0, output_final_state, train, chunk_size)
+        o, ht, saved = _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, train, chunk_size)
         if train:
-            ctx.save_for_backward(v, u, p, oq, c, a, *saved)
+            ctx.save_for_backward(v, u, p, ps, oq, c, a, *saved)
         ctx.chunk_size = chunk_size
-        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[6]
+        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[7]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        v, u, p, oq, c, a, *saved = ctx.saved_tensors
+        v, u, p, ps, oq, c, a, *saved = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        return (*_bwd(v, u, p, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.chunk_size), None, None)
+        return (*_bwd(v, u, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.chunk_size), None, None)
 
 
-def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, initial_state=None, output_final_state: bool = False,
+def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, output_final_state: bool = False,
                          chunk_size: int = 64):
     """H_t = diag(a_t) H_{t-1} - c_t v_t (u_t^T H_{t-1}) + v_t p_t^T;  o_t = H_t^T oq_t.
 
-    KDA in FLA's convention: ``chunk_rank1_keydecay(k, beta x, beta, q, alpha)``:
+    KDA in FLA's convention: ``chunk_rank1_keydecay(k, x, beta, q, alpha, ps=beta)``:
     H_t = (I - beta k k^T) diag(alpha) H_{t-1} + beta k x^T.
 
     Args:
         v:  erase and insert key [B, T, H, K].
-        p:  inserted value [B, T, H, V].
+        p:  inserted value [B, T, H, V] (times ps where ps is given).
+        ps: per-head scale of p [B, T, H] or None (= 1); taken in the kernels (KDA's beta x).
         c:  per-head step [B, T, H].
         oq: readout key [B, T, H, K].
         a:  per-key decay [B, T, H, K], in (0, 1] (the kernels take its log).
@@ -218,8 +222,10 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, initial_state=None, output_fin
     h0 = None if initial_state is None else initial_state.float().contiguous()
     vv = prep(v, kshape)
     uu = None if isinstance(u, str) and u == AV else vv if u is None else prep(u, kshape)
-    return Rank1KeyDecayChunkFunction.apply(vv, uu, prep(p, (B, T, H, V)),
-                                            prep(oq, kshape), prep(c, (B, T, H)), prep(a, kshape), h0,
+    cc = prep(c, (B, T, H))
+    pss = None if ps is None else cc if ps is c else prep(ps, (B, T, H))    # one tensor stays one
+    return Rank1KeyDecayChunkFunction.apply(vv, uu, prep(p, (B, T, H, V)), pss,
+                                            prep(oq, kshape), cc, prep(a, kshape), h0,
                                             output_final_state, chunk_size)
 
 
@@ -302,26 +308,23 @@ def forward(obj, lay, co, output_final_state):
             return torch.full((B, T, H, n), float(x), device=dev, dtype=io)
         return x.expand(B, T, H, *x.shape[3:]).reshape(B, T, H, -1).expand(B, T, H, n).to(io)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
-    o, ht = chunk_rank1_keydecay(vec(co["v"], m), vec(co["p"], d), _per_head(co["c"], B, T, H, dev).to(io),
-                                 vec(co["oq"], m), vec(co["a"], m),
-                                 u=_u_arg(_read_key(obj.ir), lambda: vec(co["u"], m)), initial_state=h0,
+    split = _split_p(obj.ir)
+    if split is not None:           # p = s x with s per head: the scale is taken in the kernels
+        ps, p = _per_head(lay.env[split[0]], B, T, H, dev).to(io), vec(lay.env[split[1]], d)
+    else:
+        ps, p = None, vec(co["p"], d)
+    c = _per_head(co["c"], B, T, H, dev).to(io)
+    o, ht = chunk_rank1_keydecay(vec(co["v"], m), p, c, vec(co["oq"], m), vec(co["a"], m),
+                                 u=_u_arg(_read_key(obj.ir), lambda: vec(co["u"], m)), ps=ps, initial_state=h0,
                                  output_final_state=output_final_state, chunk_size=CHUNK)
-    y = o.to(lay.dtype)
-    oc = co.get("oc", 1)
-    if isinstance(oc, torch.Tensor):
-        y = y * oc.expand(B, T, H, oc.shape[-2], 1).reshape(B, T, H, oc.shape[-2])
-    elif float(oc) != 1.0:
-        y = y * float(oc)
-    oh = co.get("oh")
-    if oh is not None:
-        y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
-    return y, (None if ht is None else ht.transpose(-1, -2))
+    return finish_laid_out(o.to(lay.dtype), co, B, T, H), (None if ht is None else ht.transpose(-1, -2))
 
 
 def prepare(obj, lay):
     """The family's runner for one call signature (``lay``: sizes and dtypes, from
-    ``reference.validate``): plain-input slots go to the kernels as they are, computed ones
-    (KDA's u = alpha k, p = beta x) come from ``slots.CallSlots``.
+    ``reference.validate``): plain-input slots go to the kernels as they are (KDA: k, q, x, beta,
+    alpha, with u = alpha k and beta x formed in the kernels), computed ones come from
+    ``slots.CallSlots``.
     Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
     from ssmcraft.ops.common.slots import slot_runner
     B, T, H = lay.B, lay.T, lay.H
@@ -330,10 +333,10 @@ def prepare(obj, lay):
     read = _read_key(obj.ir)
 
     def run(cs, initial_state, output_final_state):
-        v = cs.get("v")
-        o, ht = chunk_rank1_keydecay(v, cs.get("p").to(io), _per_head(cs.get("c"), B, T, H, cs.device).to(io),
-                                     cs.get("oq"), cs.get("a"), u=_u_arg(read, lambda: cs.get("u")),
+        ps, p = cs.split("p")       # KDA's p = beta x: beta taken in the kernels (and beta is c: one tensor)
+        o, ht = chunk_rank1_keydecay(cs.get("v"), p.to(io), _per_head(cs.get("c"), B, T, H, cs.device).to(io),
+                                     cs.get("oq"), cs.get("a"), u=_u_arg(read, lambda: cs.get("u")), ps=ps,
                                      initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                                      output_final_state=output_final_state, chunk_size=CHUNK)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
-    return slot_runner(obj, lay, run)
+    return slot_runner(obj, lay, run, in_kernel=("u",) if read == AV else ())

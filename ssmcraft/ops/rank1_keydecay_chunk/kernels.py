@@ -157,13 +157,16 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 # kernels
 # ----------------------------------------------------------------------------------------
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
+      prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
-def rank1_keydecay_chunk_prep_kernel(u, v, p, oq, c, a, g, M, W, Up, L,
+def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L,
                                      T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, U_MODE: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT]."""
+                                     SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
+                                     PREC: tl.constexpr):
+    """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
+    HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -194,10 +197,14 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, oq, c, a, g, M, W, Up, L,
     b_Md = b_M.to(DT)
     b_cu = (b_x * tl.exp(b_gx) * b_c[:, None]).to(DT)
     tl.store(W + p_tk, tl.dot(b_Md, b_cu, input_precision=PREC).to(DT), mask=m_tk)
+    if HAS_PS:
+        b_ps = tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        if HAS_PS:
+            b_p = b_p.to(tl.float32) * b_ps[:, None]
         tl.store(Up + row[:, None] * V + o_v[None, :], tl.dot(b_Md, b_p.to(DT), input_precision=PREC).to(DT), mask=m_tv)
 
 
@@ -284,13 +291,15 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
+      prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, oq, c, a, g, M, hs, dhs, psi, dpsi, do,
-                                         du, dv, dp, doq, dc, da,
+def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, psi, dpsi, do,
+                                         du, dv, dp, dps, doq, dc, da,
                                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                         SUB: tl.constexpr, U_MODE: tl.constexpr, PREC: tl.constexpr):
+                                         SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
+                                         PREC: tl.constexpr):
     """Per chunk, every input's gradient from the chunk states, their gradients at the chunk's
     end, Psi and dPsi (the backward in ``chunk``'s docstring); two passes over value blocks keep
     few tiles live: (1) dPsi H0^T, dPsi P^T and dP; (2) dO H0^T, dO Psi^T, Psi dH^T."""
@@ -313,15 +322,26 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, oq, c, a, g, M, hs, dhs, psi, 
     # ---- pass 1: dPsi H0^T (= -dW), dPsi P^T, dP = M^T dPsi ------------------------------
     b_nW = tl.zeros([BT, BK], dtype=tl.float32)
     b_dPM = tl.zeros([BT, BT], dtype=tl.float32)
+    if HAS_PS:
+        b_ps = tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+        b_dps = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
         p_tv = row[:, None] * V + o_v[None, :]
         b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dpsi = tl.load(dpsi + p_tv, mask=m_tv, other=0.)
-        b_p = tl.load(p + p_tv, mask=m_tv, other=0.).to(DT)
+        b_p = tl.load(p + p_tv, mask=m_tv, other=0.)
+        b_dp = tl.dot(tl.trans(b_M), b_dpsi, input_precision=PREC)
+        if HAS_PS:
+            b_p0 = b_p.to(tl.float32)
+            b_dps += tl.sum(b_dp * b_p0, axis=1)
+            b_dp = b_dp * b_ps[:, None]
+            b_p = b_p0 * b_ps[:, None]
         b_nW += tl.dot(b_dpsi, tl.trans(b_h), input_precision=PREC)
-        b_dPM += tl.dot(b_dpsi, tl.trans(b_p), input_precision=PREC)
-        tl.store(dp + p_tv, tl.dot(tl.trans(b_M), b_dpsi, input_precision=PREC).to(dp.dtype.element_ty), mask=m_tv)
+        b_dPM += tl.dot(b_dpsi, tl.trans(b_p.to(DT)), input_precision=PREC)
+        tl.store(dp + p_tv, b_dp.to(dp.dtype.element_ty), mask=m_tv)
+    if HAS_PS:
+        tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
 
     # ---- WY backward: W = M diag(c) (U e^{gp}), Up = M P, M = (I + A)^{-1} ---------------
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
