@@ -45,7 +45,7 @@ def test_supports(tmp_path):
     assert "rank1" in R.supports(ssmcraft.compile("gla").ir)
     assert "per head" in R.supports(_composed(tmp_path, step="per_channel").ir)   # beta over d
     assert R.supports_sizes(_composed(tmp_path).ir, {"m": R.MAX_K * 2}, "triton") is not None
-    assert R._read_key(_composed(tmp_path).ir) == R.AV         # u = alpha k: formed in the kernels
+    assert R._read_key_kind(_composed(tmp_path).ir) == R.AV         # u = alpha k: formed in the kernels
 
 
 @pytest.mark.parametrize("changes,T,chunk", [
@@ -154,3 +154,29 @@ def test_kda_slots_reach_the_kernel_uncopied(tmp_path, monkeypatch):
     assert seen["v"] is inputs["k"] and seen["u"] == R.AV and seen["a"] is inputs["alpha"]
     assert seen["p"] is inputs["x"] and seen["ps"] is inputs["beta"] and seen["c"] is inputs["beta"]
     assert seen["oq"] is inputs["q"]
+
+
+def test_exported_layer_runs_the_family(tmp_path):
+    """A tiny LM with the KDA-like layer exports with this family's kernels inlined, and the
+    standalone module (no ssmcraft importable) matches its own reference path under the interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ssmcraft.export.exporter import export_model
+    from ssmcraft.layers import LM, LMConfig
+    from test_export_bundle import INTERPRETED, source
+
+    obj = _composed(tmp_path)
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=24, d_model=16, n_layers=1, mlp_ratio=2,
+                   mixer={"kind": "objective", "objective": dict(obj.spec.raw), "heads": 2, "state_size": 4})
+    result = export_model(LM(cfg, obj).eval(), tmp_path / "kda", source(tmp_path), check=False)
+    assert result.kernels == "inline (rank1_keydecay_chunk)", result.kernels
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "kda")], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [res] = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:]).values()
+    assert res["backend"] == "triton-interpret:rank1-keydecay-chunk", res
+    assert res["diff"] < 1e-4 and res["step_diff"] < 1e-4, res

@@ -268,21 +268,6 @@ class CallSlots:
         return None, self.get(slot)
 
 
-def finish_laid_out(y: torch.Tensor, co: dict, B: int, T: int, H: int) -> torch.Tensor:
-    """``CallSlots.finish`` on laid-out coefficients (``reference.layout``: slot -> tensor
-    ``[B|1, T|1, H|1, r, c]`` or number), the families' ``forward`` path: ``oc * y + oh`` on
-    ``y [B, T, H, d]``."""
-    oc = co.get("oc", 1)
-    if isinstance(oc, torch.Tensor):
-        y = y * oc.expand(B, T, H, oc.shape[-2], 1).reshape(B, T, H, oc.shape[-2])
-    elif float(oc) != 1.0:
-        y = y * float(oc)
-    oh = co.get("oh")
-    if oh is not None:
-        y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
-    return y
-
-
 def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
     """Every computed slot of ``objective`` (CompiledObjective or library name) from one call's
     tensors, with the fused kernel (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).

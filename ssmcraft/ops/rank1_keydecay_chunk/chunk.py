@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
-from ssmcraft.ops.common.slots import finish_laid_out
-from ssmcraft.ops.rank1_chunk.chunk import _key_block, _per_head, _split_p
+from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_grad_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_fwd_state_kernel,
@@ -251,8 +251,7 @@ def supports(ir) -> str | None:
     for s in ("u", "v", "q", "oq"):
         if dims(s) != m:
             return f"{ir.spec_name}: slot {s} has dims {dims(s)}, not ({ir.dims[1]},)"
-    exprs = ir.expanded_coefficients()
-    if exprs[ir.slots["q"]] != exprs[ir.slots["v"]]:
+    if _text(ir, "q") != _text(ir, "v"):
         return f"{ir.spec_name}: insert key q differs from the erase key v (only q = v is chunked here)"
     if "p" not in ir.slots or dims("p") not in ((), (ir.dims[0],)):
         return f"{ir.spec_name}: input term is not p q^T with p of dims ({ir.dims[0]},)"
@@ -278,18 +277,23 @@ def supports_inputs(ir, inputs, mode) -> str | None:
     return supports_sizes(ir, sizes, mode)
 
 
-def _read_key(ir) -> str:
-    """How the erase's read key u relates to v and a in ``ir``: ``AV`` (u = a o v, KDA), ``"v"``
-    (u = v) or ``"own"`` (any other expression: its own tensor)."""
-    exprs = ir.expanded_coefficients()
-    u, v, a = (exprs[ir.slots[s]] for s in ("u", "v", "a"))
-    if (u - a * v).expand() == 0:
+def _text(ir, slot: str) -> str:
+    """A slot's expression as text without spaces (sympy in ssmcraft, text in an exported module)."""
+    return str(ir.coefficient(slot).expr).replace(" ", "")
+
+
+def _read_key_kind(ir) -> str:
+    """How the erase's read key u relates to v and a in ``ir``: ``AV`` (u = a o v with a and v
+    plain inputs, KDA), ``"v"`` (u = v) or ``"own"`` (any other expression: its own tensor)."""
+    u, v, a = (_text(ir, s) for s in ("u", "v", "a"))
+    leaves = {**ir.inputs, **ir.params}
+    if a in leaves and v in leaves and sorted(u.split("*")) == sorted([a, v]):
         return AV
     return "v" if u == v else "own"
 
 
 def _u_arg(kind: str, value):
-    """The ``u`` argument of ``chunk_rank1_keydecay`` for a read key of ``kind`` (``_read_key``)."""
+    """The ``u`` argument of ``chunk_rank1_keydecay`` for a read key of ``kind`` (``_read_key_kind``)."""
     return AV if kind == AV else None if kind == "v" else value()
 
 
@@ -315,7 +319,7 @@ def forward(obj, lay, co, output_final_state):
         ps, p = None, vec(co["p"], d)
     c = _per_head(co["c"], B, T, H, dev).to(io)
     o, ht = chunk_rank1_keydecay(vec(co["v"], m), p, c, vec(co["oq"], m), vec(co["a"], m),
-                                 u=_u_arg(_read_key(obj.ir), lambda: vec(co["u"], m)), ps=ps, initial_state=h0,
+                                 u=_u_arg(_read_key_kind(obj.ir), lambda: vec(co["u"], m)), ps=ps, initial_state=h0,
                                  output_final_state=output_final_state, chunk_size=CHUNK)
     return finish_laid_out(o.to(lay.dtype), co, B, T, H), (None if ht is None else ht.transpose(-1, -2))
 
@@ -330,7 +334,7 @@ def prepare(obj, lay):
     B, T, H = lay.B, lay.T, lay.H
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)
-    read = _read_key(obj.ir)
+    read = _read_key_kind(obj.ir)
 
     def run(cs, initial_state, output_final_state):
         ps, p = cs.split("p")       # KDA's p = beta x: beta taken in the kernels (and beta is c: one tensor)
