@@ -180,3 +180,13 @@ def test_exported_layer_runs_the_family(tmp_path):
     [res] = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:]).values()
     assert res["backend"] == "triton-interpret:rank1-keydecay-chunk", res
     assert res["diff"] < 1e-4 and res["step_diff"] < 1e-4, res
+
+
+@pytest.mark.parametrize("file,changes", [("kda_like.yaml", {}), ("kda_like_unnormalized.yaml", {"normalize": False})])
+def test_benchmark_specs_are_the_compositions(file, changes):
+    """``benchmarks/bench_kda.py`` reads the composed specs from files: they are what
+    ``compose_objective`` writes."""
+    import yaml
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "specs" / file
+    assert yaml.safe_load(path.read_text()) == compose_objective({**KDA, **changes})
