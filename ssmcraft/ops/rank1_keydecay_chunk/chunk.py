@@ -147,6 +147,7 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     dps = dc if ps is None else _empty_like(ps)
     launch(rank1_keydecay_chunk_bwd_grad_kernel, (NT, B * H),
            u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
+           Ds=_empty(B, T, H, BT, device=v.device, dtype=torch.float32),
            du=du, dv=dv, dp=dp, dps=dps, doq=doq, dc=dc, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V),
            SUB=min(SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)

@@ -80,10 +80,12 @@ def gated_lower(b_x, b_gx, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr
 
 
 @triton.jit
-def gated_rows(D, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
                BT: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Y [BT, BK] with Y_t = sum_{s<=t} D[t, s] y_s e^{gx_t - g_s} (D lower triangular, fp32): the
-    row side's gradient through ``gated_lower``; the same references and exponents."""
+    row side's gradient through ``gated_lower``; the same references and exponents. ``Ds``: D in
+    memory (``[B, T, H, BT]``, this chunk's rows ``row`` written), whose entries the diagonal
+    sub-blocks read one column at a time (a gather, not a reduction over a [BT, BT] tile)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     Y = tl.zeros(b_y.shape, dtype=tl.float32)
@@ -98,7 +100,7 @@ def gated_rows(D, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o
     for j in range(SUB):
         s = blk * SUB + j
         ok = s <= o_i
-        d = tl.sum(tl.where(o_i[None, :] == s[:, None], D, 0.), axis=1)
+        d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
         y_s = _gather(y, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
         g_s = _gathered_g(g, g, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
         Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gx - g_s, 0.)), 0.)
@@ -106,12 +108,14 @@ def gated_rows(D, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o
 
 
 @triton.jit
-def gated_cols(D, b_x, b_gx, b_gy, x, g, a, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-               BT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+               BT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
+               DT: tl.constexpr, PREC: tl.constexpr):
     """Z [BT, BK] with Z_s = sum_{t>=s} D[t, s] x_t e^{gx_t - g_s}: the column side's gradient
     through ``gated_lower``. Off-diagonal blocks (column block J, later rows) use the reference
     at J's last row; ``x`` and ``gx`` (``g``, or ``gp`` when SHIFT, from ``g`` and ``a``) are read
-    again for the diagonal sub-blocks."""
+    again for the diagonal sub-blocks, with D's entries from ``Ds`` (as ``gated_rows``), times
+    ``c`` at row t when SCALE (D = diag(c) Ds)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     Z = tl.zeros(b_x.shape, dtype=tl.float32)
@@ -126,7 +130,11 @@ def gated_cols(D, b_x, b_gx, b_gy, x, g, a, i_b, i_h, i_t, T, H, K: tl.constexpr
     for j in range(SUB):
         t = blk * SUB + j
         ok = t >= o_i
-        d = tl.sum(tl.where(o_i[:, None] == t[None, :], D, 0.), axis=0)
+        tt = i_t * BT + t
+        rows_t = (i_b * T + tl.minimum(tt, T - 1)).to(tl.int64) * H + i_h
+        d = tl.load(Ds + rows_t * BT + o_i, mask=(tt < T) & ok, other=0.)
+        if SCALE:
+            d = d * tl.load(c + rows_t, mask=tt < T, other=0.).to(tl.float32)
         x_t = _gather(x, i_b, i_h, i_t, t, T, H, K, o_k, m_k, BT, 0.)
         gx_t = _gathered_g(g, a, i_b, i_h, i_t, t, T, H, K, o_k, m_k, BT, SHIFT)
         Z += tl.where(ok[:, None], d[:, None] * x_t * tl.exp(tl.where(ok[:, None], gx_t - b_gy, 0.)), 0.)
@@ -294,7 +302,7 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, psi, dpsi, do,
+def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, psi, dpsi, do, Ds,
                                          du, dv, dp, dps, doq, dc, da,
                                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -361,18 +369,21 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, p
     b_X = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
     b_dA = tl.where(lower, -tl.dot(b_X.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
     # A[t, s] = c_t sum_k u_tk v_sk e^{gp_tk - g_sk}
-    b_Y = gated_rows(b_dA, b_v, b_gx, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    m_tt = m_t[:, None] & (o_i < BT)[None, :]
+    tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dA, mask=m_tt)
+    tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
+    b_Y = gated_rows(b_dA, Ds, row, m_t, b_v, b_gx, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
     if U_MODE == U_IS_AV:
-        b_Z = gated_cols(b_dA * b_c[:, None], b_x, b_gx, b_g, v, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
-                         BT, SUB, False, DT, PREC)
+        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, v, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+                         BT, SUB, False, True, DT, PREC)
         b_dv = b_Z + b_du
         b_dg = b_dgx - b_v * b_Z
     else:
-        b_Z = gated_cols(b_dA * b_c[:, None], b_x, b_gx, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
-                         BT, SUB, True, DT, PREC)
+        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+                         BT, SUB, True, True, DT, PREC)
         b_dv = b_Z
         b_dg = -b_v * b_Z
         b_dgp = b_dgx
@@ -400,10 +411,14 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, p
     b_doq = b_dOQ * b_eg
     b_dg += b_doq * b_oq
     b_dL = tl.where(incl, b_dL, 0.)
-    b_Yq = gated_rows(b_dL, b_v, b_g, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    tl.debug_barrier()       # every read of dA done before dL takes its place
+    tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
+    tl.debug_barrier()
+    b_Yq = gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
     b_doq += b_Yq
     b_dg += b_Yq * b_oq
-    b_Zl = gated_cols(b_dL, b_oq, b_g, b_g, oq, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, DT, PREC)
+    b_Zl = gated_cols(b_dL, Ds, c, b_oq, b_g, b_g, oq, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
+                      DT, PREC)
     b_dv += b_Zl
     b_dg -= b_Zl * b_v
     last = tl.minimum(T, i_t * BT + BT) - 1
