@@ -44,8 +44,11 @@ Backward, per chunk with dO and dH_C (gradient at the chunk's end):
 Kernels: ``rank1_keydecay_chunk_prep_kernel`` (parallel over chunks: g, A, M, W, Up, L), the
 sequential ``rank1_keydecay_chunk_fwd_state_kernel`` (states across chunks, outputs; for
 training the chunk states and Psi), ``rank1_keydecay_chunk_bwd_state_kernel`` (reverse
-recurrence of dH, dPsi) and ``rank1_keydecay_chunk_bwd_grad_kernel`` (parallel over chunks:
-every input's gradient). Nothing of size [B, T, K, V] is stored.
+recurrence of dH, dPsi), then, parallel over chunks, ``rank1_keydecay_chunk_bwd_wy_kernel``
+(the gradients through M, W and Up: dp, dc, du, a share of dv and d log a) and
+``rank1_keydecay_chunk_bwd_out_kernel`` (through O and H_C: doq, the rest of dv and da); two
+kernels keep fewer tiles live in each (the shares pass through fp32 buffers the size of v).
+Nothing of size [B, T, K, V] is stored.
 
 Shapes (kernel level, FLA layout): v, u, oq, a [B, T, H, K]; p [B, T, H, V]; c [B, T, H];
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
@@ -60,8 +63,9 @@ from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.readout import finish_laid_out
-from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_grad_kernel,
+from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
+                                                       rank1_keydecay_chunk_bwd_wy_kernel,
                                                        rank1_keydecay_chunk_fwd_state_kernel,
                                                        rank1_keydecay_chunk_prep_kernel)
 
@@ -145,11 +149,17 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     dv, dp, doq, dc, da = (_empty_like(t) for t in (v, p, oq, c, a))
     du = dv if u is None else _empty_like(u)       # u = a o v: its gradient is folded into dv and da
     dps = dc if ps is None else _empty_like(ps)
-    launch(rank1_keydecay_chunk_bwd_grad_kernel, (NT, B * H),
-           u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do,
-           Ds=_empty(B, T, H, BT, device=v.device, dtype=torch.float32),
-           du=du, dv=dv, dp=dp, dps=dps, doq=doq, dc=dc, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V),
-           SUB=min(SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
+    Ds = _empty(B, T, H, BT, device=v.device, dtype=torch.float32)       # dA, then dL, per chunk row
+    dvs = _empty(B, T, H, K, device=v.device, dtype=torch.float32)       # the WY half's dv and d log a
+    dlas = _empty(B, T, H, K, device=v.device, dtype=torch.float32)
+    uu, pss = (v if u is None else u), (c if ps is None else ps)
+    launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
+           u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
+           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT),
+           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
+    launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
+           v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec)
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 

@@ -299,35 +299,42 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
-      prune=warp_rule)
-@triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, psi, dpsi, do, Ds,
-                                         du, dv, dp, dps, doq, dc, da,
-                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                         SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                         PREC: tl.constexpr):
-    """Per chunk, every input's gradient from the chunk states, their gradients at the chunk's
-    end, Psi and dPsi (the backward in ``chunk``'s docstring); two passes over value blocks keep
-    few tiles live: (1) dPsi H0^T, dPsi P^T and dP; (2) dO H0^T, dO Psi^T, Psi dH^T."""
+@triton.jit
+def _grad_program(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, NT, BT: tl.constexpr, BK: tl.constexpr):
+    """A chunk's program in the gradient kernels' grid (chunk, batch * head): (i_t, i_b, i_h, o_i,
+    m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base) with ``base`` the offset of its chunk state."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    DT = M.dtype.element_ty
     o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    p_tk = row[:, None] * K + o_k[None, :]
-    lower = o_i[:, None] > o_i[None, :]
-    incl = o_i[:, None] >= o_i[None, :]
+    m_tt = m_t[:, None] & (o_i < BT)[None, :]
     base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+    return i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
+      prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas,
+                                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                       SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
+                                       PREC: tl.constexpr):
+    """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
+    M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
+    and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
+    ``rank1_keydecay_chunk_bwd_out_kernel``. The backward is split in two kernels so that fewer
+    tiles are live in each."""
+    i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(H, K, V, T, NT, BT, BK)
+    DT = M.dtype.element_ty
+    lower = o_i[:, None] > o_i[None, :]
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
 
-    # ---- pass 1: dPsi H0^T (= -dW), dPsi P^T, dP = M^T dPsi ------------------------------
+    # dPsi H0^T (= -dW), dPsi P^T and dP = M^T dPsi, over value blocks
     b_nW = tl.zeros([BT, BK], dtype=tl.float32)
     b_dPM = tl.zeros([BT, BT], dtype=tl.float32)
     if HAS_PS:
@@ -351,12 +358,10 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, p
     if HAS_PS:
         tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
 
-    # ---- WY backward: W = M diag(c) (U e^{gp}), Up = M P, M = (I + A)^{-1} ---------------
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
-    b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
     # flat past T, as in the forward: the sub-block references stay at or above every later row's
     b_g = _gathered_g(g, a, i_b, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
-    b_gp = b_g - tl.log(b_a)
+    b_gp = b_g - tl.log(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_ug = b_x * tl.exp(b_gx)
@@ -369,28 +374,39 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, p
     b_X = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
     b_dA = tl.where(lower, -tl.dot(b_X.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
     # A[t, s] = c_t sum_k u_tk v_sk e^{gp_tk - g_sk}
-    m_tt = m_t[:, None] & (o_i < BT)[None, :]
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dA, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
     b_Y = gated_rows(b_dA, Ds, row, m_t, b_v, b_gx, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
+    tl.store(dc + row, b_dc.to(dc.dtype.element_ty), mask=m_t)
     if U_MODE == U_IS_AV:
         b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, v, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
                          BT, SUB, False, True, DT, PREC)
-        b_dv = b_Z + b_du
-        b_dg = b_dgx - b_v * b_Z
+        b_dla = tl.cumsum(b_dgx - b_v * b_Z, axis=0, reverse=True)
+        b_Z += b_du
     else:
         b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
                          BT, SUB, True, True, DT, PREC)
-        b_dv = b_Z
-        b_dg = -b_v * b_Z
-        b_dgp = b_dgx
+        # g_t = sum_{r<=t} log a_r and gp_t = sum_{r<t} log a_r within the chunk
+        b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
         tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
-    tl.store(dc + row, b_dc.to(dc.dtype.element_ty), mask=m_t)
+    tl.store(dvs + p_tk, b_Z, mask=m_tk)
+    tl.store(dlas + p_tk, b_dla, mask=m_tk)
 
-    # ---- pass 2: readout O = (OQ e^g) H0 + L Psi and state (V e^{gl - g})^T Psi terms ---------
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da,
+                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                        SUB: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
+    (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
+    i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(H, K, V, T, NT, BT, BK)
+    DT = psi.dtype.element_ty
+    incl = o_i[:, None] >= o_i[None, :]
     b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)
     b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
@@ -406,33 +422,27 @@ def rank1_keydecay_chunk_bwd_grad_kernel(u, v, p, ps, oq, c, a, g, M, hs, dhs, p
         b_dL += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
         b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_g = _gathered_g(g, a, i_b, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
+    b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_eg = tl.exp(b_g)
-    b_doq = b_dOQ * b_eg
-    b_dg += b_doq * b_oq
+    b_doq = b_dOQ * tl.exp(b_g)
     b_dL = tl.where(incl, b_dL, 0.)
-    tl.debug_barrier()       # every read of dA done before dL takes its place
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
-    tl.debug_barrier()
-    b_Yq = gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
-    b_doq += b_Yq
-    b_dg += b_Yq * b_oq
-    b_Zl = gated_cols(b_dL, Ds, c, b_oq, b_g, b_g, oq, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
+    tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
+    b_doq += gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
+    b_dg = b_doq * b_oq
+    b_dv = gated_cols(b_dL, Ds, oq, b_oq, b_g, b_g, oq, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
                       DT, PREC)
-    b_dv += b_Zl
-    b_dg -= b_Zl * b_v
     last = tl.minimum(T, i_t * BT + BT) - 1
     b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.)
-    b_dec = tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
-    b_dVb = b_dVb * b_dec
+    b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
-    b_Yb = b_dVb * b_v
-    b_dg -= b_Yb
-    b_dgl = tl.sum(b_Yb, axis=0) + tl.exp(b_gl) * b_hdh
-    # g_t = sum_{r<=t} log a_r, gp_t = sum_{r<t} log a_r, gl = sum_r log a_r over the chunk's rows
-    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :]
-    if U_MODE != U_IS_AV:
-        b_dla += tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
+    b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
+    b_dgl = tl.sum(b_dVb * b_v, axis=0) + tl.exp(b_gl) * b_hdh
+    # g_t = sum_{r<=t} log a_r, gl = sum_r log a_r over the chunk's rows
+    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
+    b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
     tl.store(da + p_tk, (b_dla / b_a).to(da.dtype.element_ty), mask=m_tk)
+    b_dv += tl.load(dvs + p_tk, mask=m_tk, other=0.)
     tl.store(dv + p_tk, b_dv.to(dv.dtype.element_ty), mask=m_tk)
-    tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
