@@ -52,6 +52,7 @@ import torch
 
 from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
                                           rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,
@@ -338,17 +339,8 @@ def forward(obj, lay, co, output_final_state):
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_rank1(v, p.to(io), c, oq, u=u, q=q, a=a, ps=ps, initial_state=h0,
                         output_final_state=output_final_state, chunk_size=CHUNK)
-    y = o.to(lay.dtype)
-    oc = co.get("oc", 1)
-    if isinstance(oc, torch.Tensor):
-        y = y * oc.expand(B, T, H, oc.shape[-2], 1).reshape(B, T, H, oc.shape[-2])
-    elif float(oc) != 1.0:
-        y = y * float(oc)
-    oh = co.get("oh")
-    if oh is not None:
-        y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
     S = None if ht is None else ht.transpose(-1, -2)
-    return y, S
+    return finish_laid_out(o.to(lay.dtype), co, B, T, H), S
 
 
 def prepare(obj, lay):
