@@ -50,33 +50,43 @@ def _ref(b_g, o_i, r):
 
 
 @triton.jit
-def gated_lower(b_x, b_gx, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-                BT: tl.constexpr, SUB: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """P [BT, BT] with P[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk} for s < t (STRICT) or s <= t, fp32.
+def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+                BT: tl.constexpr, SUB: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
+    for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
 
-    ``b_x, b_gx`` the row side (gx <= g at the same row: ``g`` or ``gp``), ``b_y, b_gy`` the column
-    side at the chunk's rows; ``y`` and ``g`` the same in memory, read again for the diagonal
-    sub-blocks. Off-diagonal sub-blocks (row block I, columns before it) are tensor-core products
-    against the reference R_I = g at row SUB I - 1, both exponents <= 0; diagonal sub-blocks are
-    summed column by column with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
+    ``b_x, b_gx`` and ``b_q`` the row sides (gx <= g at the same row: ``gp``, or ``g`` itself when
+    SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
+    rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
+    sub-blocks (row block I, columns before it) are tensor-core products against the reference
+    R_I = g at row SUB I - 1, both exponents <= 0; diagonal sub-blocks are summed column by column
+    with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
-    P = tl.zeros([BT, BT], dtype=tl.float32)
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
     for I in tl.static_range(1, BT // SUB):
         R = _ref(b_gy, o_i, I * SUB - 1)
         rows = blk == I
         cols = o_i < I * SUB
-        xs = tl.where(rows[:, None], b_x * tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
-        ys = tl.where(cols[:, None], b_y * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
-        P += tl.dot(xs.to(DT), tl.trans(ys.to(DT)), input_precision=PREC)
+        ys = tl.where(cols[:, None], b_y * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.).to(DT)
+        e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gy - R[None, :], 0.)), 0.)
+        L += tl.dot((b_q * e).to(DT), tl.trans(ys), input_precision=PREC)
+        if not SAME_G:
+            e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
+        A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
     for j in range(SUB):
         s = blk * SUB + j
-        ok = (s < o_i) if STRICT else (s <= o_i)
+        incl = s <= o_i
         y_s = _gather(y, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
         g_s = _gathered_g(g, g, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
-        val = tl.sum(b_x * y_s * tl.exp(tl.where(ok[:, None], b_gx - g_s, 0.)), axis=1)
-        P = tl.where((o_i[None, :] == s[:, None]) & ok[:, None], val[:, None], P)
-    return P
+        e = y_s * tl.exp(tl.where(incl[:, None], b_gy - g_s, 0.))
+        at = o_i[None, :] == s[:, None]
+        L = tl.where(at & incl[:, None], tl.sum(b_q * e, axis=1)[:, None], L)
+        if not SAME_G:
+            e = y_s * tl.exp(tl.where(incl[:, None], b_gx - g_s, 0.))
+        A = tl.where(at & (s < o_i)[:, None], tl.sum(b_x * e, axis=1)[:, None], A)
+    return A, L
 
 
 @triton.jit
@@ -197,9 +207,9 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L,
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_L = gated_lower(b_oq, b_g, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, DT, PREC)
+    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
+                           U_MODE == U_IS_AV, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
-    b_A = gated_lower(b_x, b_gx, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, True, DT, PREC)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
     tl.store(M + row[:, None] * BT + o_i[None, :], b_M.to(DT), mask=m_tt)
     b_Md = b_M.to(DT)
