@@ -41,6 +41,12 @@ Backward, per chunk with dO and dH_C (gradient at the chunk's end):
     dA = -M^T dM M^T (strict lower), then u, v, c and g through A's, L's and W's entries, and
     d log a_r = sum_{t>=r} dg_t + sum_{t>r} dgp_t + dgl.
 
+Operands formed in the kernels: u = a o v (KDA: the erase reads the decayed state) is read as
+u e^{gp} = v e^{g}, so no u tensor exists and A shares L's exponentials; p = ps x with a per-head
+ps (KDA's beta x) is scaled where it is read. The decay's gradient is formed as d log a, then
+divided by a: where a is tiny (say 1e-8) its absolute error is that of d log a over a, while any
+parametrisation of a in (0, 1) (sigmoid, exp) multiplies it back by a factor of order a.
+
 Kernels: ``rank1_keydecay_chunk_prep_kernel`` (parallel over chunks: g, A, M, W, Up, L), the
 sequential ``rank1_keydecay_chunk_fwd_state_kernel`` (states across chunks, outputs; for
 training the chunk states and Psi), ``rank1_keydecay_chunk_bwd_state_kernel`` (reverse
