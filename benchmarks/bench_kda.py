@@ -108,6 +108,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['spec'] if r['spec'] == 'deltanet' else 'KDA-like (composed)'} [{r['backend']}] | "
               f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
+    if args.profile:
+        print("-- KDA-like layer: GPU kernels of one fwd+bwd")
+        for k, c, us in rows[1]["kernels"][:16]:
+            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
             f, fb = fla_kda(shape, ref)
@@ -116,10 +120,6 @@ def main(argv=None) -> int:
                       f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"FLA chunk_kda failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-    if args.profile:
-        print("-- KDA-like layer: GPU kernels of one fwd+bwd")
-        for k, c, us in rows[1]["kernels"][:16]:
-            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     return 0 if ok else 1
 
 
