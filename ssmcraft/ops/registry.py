@@ -7,8 +7,9 @@ dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on t
 ``rankr_row`` (several keys), ``general`` (anything else the generator prints), then
 ``rank1_chunk``, which declares itself ahead of ``rank1_row`` on CUDA for a per-head step
 (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``, ahead of ``rankr_row`` likewise, ``minibatch_chunk``
-(mini-batch regression steps) and ``precision_rank1`` (recursive least squares, the preconditioned
-delta rule), which no other family runs. A family that does not support an IR says why
+(mini-batch regression steps), ``precision_rank1`` (recursive least squares, the preconditioned
+delta rule) and ``rank1_keydecay_chunk`` (rank-1 with a per-key decay and a per-head step: a KDA-like
+layer; chunked, on tensor cores), which no other family runs. A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
 from __future__ import annotations
@@ -21,12 +22,13 @@ from ssmcraft.ops.keydecay_chunk import FAMILY as KEYDECAY_CHUNK
 from ssmcraft.ops.minibatch_chunk import FAMILY as MINIBATCH_CHUNK
 from ssmcraft.ops.precision_rank1 import FAMILY as PRECISION_RANK1
 from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
+from ssmcraft.ops.rank1_keydecay_chunk import FAMILY as RANK1_KEYDECAY_CHUNK
 from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
 from ssmcraft.ops.rankr_chunk import FAMILY as RANKR_CHUNK
 from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
 FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, GENERAL, RANK1_CHUNK,
-                                      RANKR_CHUNK, MINIBATCH_CHUNK, PRECISION_RANK1)
+                                      RANKR_CHUNK, MINIBATCH_CHUNK, PRECISION_RANK1, RANK1_KEYDECAY_CHUNK)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 

@@ -152,14 +152,15 @@ def computed_path(obj, binds: dict) -> ComputedPath:
     return ComputedPath("prologue", lambda cs: prologue.run(entry, cs), source=entry[2])
 
 
-def slot_runner(obj, lay, run):
+def slot_runner(obj, lay, run, in_kernel: tuple = ()):
     """A structured family's ``prepare`` result for one call signature (``lay`` from
     ``reference.validate``): the slots bound (``bindings``, kept on the IR), the computed slots' path chosen once (``computed_path``), and per call
     ``run(cs, initial_state, output_final_state) -> (y, S_T)`` with ``cs`` the call's
     ``CallSlots``. Returns ``fn(inputs, params, initial_state, output_final_state)``; its
     ``slots_path`` is the computed slots' path, which the backend name carries
-    (``ssmcraft.runtime.select``)."""
-    binds = bindings(obj.ir)
+    (``ssmcraft.runtime.select``). ``in_kernel``: slots the family forms in its kernels from other
+    slots (never read through ``cs``), so they choose no computed path."""
+    binds = {s: b for s, b in bindings(obj.ir).items() if s not in in_kernel}
     path = computed_path(obj, binds)
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
 

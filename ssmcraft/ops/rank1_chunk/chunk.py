@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
                                           rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,
@@ -78,18 +80,6 @@ def _bv(V: int) -> int:
     if INTERPRET:
         return INTERPRET_BV or pow2(V)
     return min(pow2(V), 64)
-
-
-def _key_block(K: int, dtype) -> int:
-    """The padded key block. bf16 products with a key block below 64 fail on Hopper (sm_90) with
-    Triton 3.6: an illegal memory access in ``rank1_chunk_bwd_grad_kernel`` at K = 32 and NaN outputs at K = 16,
-    while fp32 (tf32x3) is right at every K (``benchmarks/diag_rank1_smallk.py``, which runs fp32
-    and bf16). There the key block is padded to 64: the loads are masked, so the extra key columns
-    are zeros. fp16 is padded too, by analogy with bf16 (the same 16-bit dot path; not measured).
-    The rule is the same under the interpreter, so the CPU tests run the padded kernels."""
-    if dtype == torch.float32:
-        return pow2(K)
-    return pow2(K, lo=64)
 
 
 def _empty(*shape, device, dtype):
@@ -330,29 +320,6 @@ def supports(ir) -> str | None:
     return None
 
 
-def _split_p(ir):
-    """(s, x) when p's expression is s * x with s a per-head input/param and x a (d,) one."""
-    co = ir.coefficient("p")
-    if co is None or co.dims != ("d",):
-        return None
-    dims = {**ir.inputs, **ir.params}
-    # the expression is sympy here and its printed text in an exported module: read the text
-    names = str(co.expr).replace(" ", "").split("*")
-    if len(names) != 2 or not all(n in dims for n in names):
-        return None
-    s = [n for n in names if tuple(dims[n]) == ()]
-    x = [n for n in names if tuple(dims[n]) == ("d",)]
-    return (s[0], x[0]) if len(s) == 1 and len(x) == 1 else None
-
-
-def _per_head(x, B, T, H, device, one_is_none=False):
-    """A per-head slot as [B, T, H]: a ``[B, T, H]`` tensor as it is, a laid-out one
-    (``[B|1, T|1, H|1, 1, 1]``) broadcast, a number filled in (None for a decay of 1 when ``one_is_none``)."""
-    if isinstance(x, torch.Tensor):
-        return x if x.dim() == 3 else x.expand(B, T, H, 1, 1).reshape(B, T, H)
-    return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
-
-
 def forward(obj, lay, co, output_final_state):
     """Run the family on laid-out coefficients (see ssmcraft.ops.common.reference.layout).
 
@@ -382,17 +349,8 @@ def forward(obj, lay, co, output_final_state):
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_rank1(v, p.to(io), c, oq, u=u, q=q, a=a, ps=ps, initial_state=h0,
                         output_final_state=output_final_state, chunk_size=CHUNK)
-    y = o.to(lay.dtype)
-    oc = co.get("oc", 1)
-    if isinstance(oc, torch.Tensor):
-        y = y * oc.expand(B, T, H, oc.shape[-2], 1).reshape(B, T, H, oc.shape[-2])
-    elif float(oc) != 1.0:
-        y = y * float(oc)
-    oh = co.get("oh")
-    if oh is not None:
-        y = y + (oh.reshape(*oh.shape[:3], -1) if isinstance(oh, torch.Tensor) else float(oh))
     S = None if ht is None else ht.transpose(-1, -2)
-    return y, S
+    return finish_laid_out(o.to(lay.dtype), co, B, T, H), S
 
 
 def prepare(obj, lay):

@@ -1,0 +1,127 @@
+"""The KDA-like composed layer (``diagonal_decay, regression, scalar step, decay_explicit``, normalised
+keys) on its chunked family ``rank1_keydecay_chunk``: correctness on the GPU first, then timings.
+
+Run on a CUDA machine (FLA 0.6.0 importable for its row):
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_kda.py [--shape 8,2048,16,64,64] [--no-fla] [--profile]
+
+1. Correctness: the composed KDA-like objective and a held-out one of the class (keys not
+   normalised) through ``obj()``, fp32 and bf16, against the float64 reference loop (output,
+   final state, every gradient incl. the initial state's; ``checks.compare``) at B=2 T=300 H=2
+   d=m=64.
+2. Timings at ``--shape`` (bf16, one process): ssmcraft DeltaNet and the KDA-like layer through
+   ``obj()`` as ``bench_classes.py`` times them (``timing.obj_calls`` / ``time_calls``), then FLA's
+   ``chunk_kda`` fwd and fwd+bwd (``timing.bench_ms``; log-space decay, unit keys, scale 1), each
+   with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes for minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ssmcraft  # noqa: E402
+from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.runtime import timing  # noqa: E402
+from bench_classes import measure  # noqa: E402
+from checks import TOL_CHUNKED, compare, dtype_name, reference, summary  # noqa: E402
+
+# the composed specs as files (``compose_objective`` needs ``ssmcraft.search``, whose optuna a
+# GPU image may lack); the tests check them against ``compose_objective``
+SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
+KDA_LIKE = os.path.join(SPECS, "kda_like.yaml")
+HELD_OUT = os.path.join(SPECS, "kda_like_unnormalized.yaml")
+
+
+def check(path: str) -> bool:
+    obj = ssmcraft.compile(path)
+    B, T, H, d, m = 2, 300, 2, 64, 64
+    ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, torch.device("cuda"), seed=1)
+    S0 = 0.5 * torch.randn(B, H, d, m, dtype=torch.float64, device="cuda")
+    ref = reference(obj, ins, params, S0, torch.Generator().manual_seed(2))
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        cmp = compare(ref, lambda i, p, s: obj(i, p, s, True), dtype)
+        good = cmp.within(TOL_CHUNKED[dtype]) and "rank1-keydecay-chunk" in obj.backend
+        ok &= good
+        print(f"{obj.spec.name} {dtype_name(dtype)} B{B} T{T} H{H} d{d} m{m} [{obj.backend}]: "
+              f"{summary(cmp, TOL_CHUNKED[dtype])}", flush=True)
+    return ok
+
+
+def fla_kda(shape, ref_ms):
+    """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or the reason it failed)."""
+    from fla.ops.kda import chunk_kda
+    B, T, H, d, m = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q = torch.nn.functional.normalize(mk(B, T, H, m), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(mk(B, T, H, m), dim=-1).bfloat16()
+    v = mk(B, T, H, d).bfloat16()
+    gate = torch.nn.functional.logsigmoid(2.0 + mk(B, T, H, m))           # log alpha, fp32
+    beta = torch.sigmoid(mk(B, T, H)).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
+    do = torch.randn(B, T, H, d, generator=g, device="cuda").bfloat16()
+
+    def fwd():
+        return chunk_kda(q, k, v, gate, beta, scale=1.0)[0]
+
+    def fwd_bwd():
+        return torch.autograd.grad(chunk_kda(*leaves, scale=1.0)[0], leaves, do)
+    with torch.no_grad():
+        f = timing.bench_ms(fwd)
+    print(f"| FLA chunk_kda | {f:.3f} | ", end="", flush=True)
+    try:
+        fb = timing.bench_ms(fwd_bwd)
+        print(f"{fb:.3f} | {fb / ref_ms:.2f} |", flush=True)
+    except Exception as e:  # noqa: BLE001 - the refusal is the row's content
+        print(f"backward failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} | - |", flush=True)
+        fb = None
+    return f, fb
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of the KDA-like layer")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kda.py needs a CUDA device")
+        return 2
+    shape = tuple(int(x) for x in args.shape.split(","))
+    kda, held_out = KDA_LIKE, HELD_OUT
+    ok = True
+    if not args.no_check:
+        ok = check(kda) and check(held_out)
+    rows = [measure("deltanet", shape, torch.bfloat16, False), measure(kda, shape, torch.bfloat16, args.profile)]
+    ref = rows[0]["fwd_bwd_ms"]
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
+          "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
+    print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['spec'] if r['spec'] == 'deltanet' else 'KDA-like (composed)'} [{r['backend']}] | "
+              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
+    if args.profile:
+        print("-- KDA-like layer: GPU kernels of one fwd+bwd")
+        for k, c, us in rows[1]["kernels"][:16]:
+            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
+    if not args.no_fla:
+        try:
+            f, fb = fla_kda(shape, ref)
+            if fb:
+                print(f"KDA-like ours / FLA chunk_kda: fwd {rows[1]['fwd_ms'] / f:.2f}x, "
+                      f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"FLA chunk_kda failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

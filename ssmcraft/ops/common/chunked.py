@@ -1,0 +1,45 @@
+"""Host-side helpers of the chunked tensor-core families (``rank1_chunk``, ``rank1_keydecay_chunk``):
+the padded key block of their 16-bit products, and per-head slots as their kernels take them.
+A module of its own so that an exported bundle, which pastes a family's modules into one
+namespace, imports these once (under the names the families call them by: a renamed import
+cannot be bundled)."""
+from __future__ import annotations
+
+import torch
+
+from ssmcraft.ops.common.tuning import pow2
+
+
+def _key_block(K: int, dtype) -> int:
+    """The padded key block. bf16 products with a key block below 64 fail on Hopper (sm_90) with
+    Triton 3.6: an illegal memory access in rank1_chunk's backward kernel at K = 32 and NaN outputs at K = 16,
+    while fp32 (tf32x3) is right at every K (``benchmarks/diag_rank1_smallk.py``, which runs fp32
+    and bf16). There the key block is padded to 64: the loads are masked, so the extra key columns
+    are zeros. fp16 is padded too, by analogy with bf16 (the same 16-bit dot path; not measured).
+    The rule is the same under the interpreter, so the CPU tests run the padded kernels."""
+    if dtype == torch.float32:
+        return pow2(K)
+    return pow2(K, lo=64)
+
+
+def _split_p(ir):
+    """(s, x) when p's expression is s * x with s a per-head input/param and x a (d,) one."""
+    co = ir.coefficient("p")
+    if co is None or co.dims != ("d",):
+        return None
+    dims = {**ir.inputs, **ir.params}
+    # the expression is sympy here and its printed text in an exported module: read the text
+    names = str(co.expr).replace(" ", "").split("*")
+    if len(names) != 2 or not all(n in dims for n in names):
+        return None
+    s = [n for n in names if tuple(dims[n]) == ()]
+    x = [n for n in names if tuple(dims[n]) == ("d",)]
+    return (s[0], x[0]) if len(s) == 1 and len(x) == 1 else None
+
+
+def _per_head(x, B, T, H, device, one_is_none=False):
+    """A per-head slot as [B, T, H]: a ``[B, T, H]`` tensor as it is, a laid-out one
+    (``[B|1, T|1, H|1, 1, 1]``) broadcast, a number filled in (None for a decay of 1 when ``one_is_none``)."""
+    if isinstance(x, torch.Tensor):
+        return x if x.dim() == 3 else x.expand(B, T, H, 1, 1).reshape(B, T, H)
+    return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
