@@ -273,18 +273,56 @@ def _scr_block(i: int, ns: int) -> str:
     return blk if ns == 1 else f"({blk} * {ns} + {i})"
 
 
-def _leaf_load(name, ldims, step, indent) -> str:
+def _leaf_load(name, ldims, step, indent, var=None, row="row") -> str:
+    """The line loading leaf ``name`` at step ``row`` (a row index of ``[B, T, H]``) into ``var``
+    (default ``l_<name>``), as an fp32 value over the tile."""
     d, m = step.dims
-    v = f"l_{name}"
+    v = var or f"l_{name}"
     if tuple(ldims) == (d,):
-        return f"{indent}{v} = tl.load(P_{name} + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
     if tuple(ldims) == (m,):
-        return f"{indent}{v} = tl.load(P_{name} + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
     if not ldims:
-        return f"{indent}{v} = tl.load(P_{name} + row).to(tl.float32)"
+        return f"{indent}{v} = tl.load(P_{name} + {row}).to(tl.float32)"
     # [d, m] leaf laid out [B, T, H, V, K]
-    return (f"{indent}{v} = tl.load(P_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], "
+    return (f"{indent}{v} = tl.load(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None], "
             f"mask=MASK, other=0.).to(tl.float32)")
+
+
+def _leaf_prefetch(name, ldims, step, indent, row) -> list[str]:
+    """An L2 prefetch of leaf ``name`` at step ``row`` (nothing waits on it). Scalars are left
+    out: a head's scalars of several steps share one cache line."""
+    d, m = step.dims
+    if tuple(ldims) == (d,):
+        return [f"{indent}prefetch_l2(P_{name} + {row} * V + offs_v)"]
+    if tuple(ldims) == (m,):
+        return [f"{indent}prefetch_l2(P_{name} + {row} * K + offs_k)"]
+    if not ldims:
+        return []
+    return [f"{indent}prefetch_l2(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None])"]
+
+
+def _loads_ahead(step, indent, row_next) -> list[str]:
+    """Lines that take this step's leaves from the values loaded one step ahead (``n_<name>``)
+    and load the next step's (at ``row_next``): the loads' latency overlaps the step's work
+    instead of starting its dependency chain."""
+    take = [f"{indent}l_{n} = n_{n}" for n, _, _ in step.leaves]
+    return take + [_leaf_load(n, ld, step, indent, f"n_{n}", row_next) for n, ld, _ in step.leaves]
+
+
+def _first_loads(step, indent, row) -> list[str]:
+    """The loads ahead of a loop's first step (``_loads_ahead``), at ``row`` (an expression)."""
+    return [f"{indent}row_n = {row}", *(_leaf_load(n, ld, step, indent, f"n_{n}", "row_n") for n, ld, _ in step.leaves)]
+
+
+def _prefetches(step, indent, row, dy=False) -> list[str]:
+    """L2 prefetches of every leaf (and ``DY`` if ``dy``) at step ``row``."""
+    lines = [line for n, ld, _ in step.leaves for line in _leaf_prefetch(n, ld, step, indent, row)]
+    return lines + ([f"{indent}prefetch_l2(DY + {row} * V + offs_v)"] if dy else [])
+
+
+def _dy_load(indent, var, row) -> str:
+    return f"{indent}{var} = tl.load(DY + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
 
 
 def _leaf_store(name, ldims, step, value, indent) -> list[str]:
@@ -298,7 +336,7 @@ def _leaf_store(name, ldims, step, value, indent) -> list[str]:
     return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
 
 
-_I1, _I2 = " " * 8, " " * 12
+_I1, _I2, _I3 = " " * 8, " " * 12, " " * 16
 _PREAMBLE = [
     "    i_bh = tl.program_id(0)",
     "    i_v = tl.program_id(1)",
@@ -319,6 +357,17 @@ _PREAMBLE = [
 ]
 
 
+# generated code imports nothing but triton (``ssmcraft.compiler.safe_source``): its own copy of
+# the L2 prefetch (``ssmcraft.ops.rank1_row.fwd.prefetch_l2``)
+_PREFETCH_L2 = [
+    "@triton.jit",
+    "def prefetch_l2(ptrs):",
+    '    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""',
+    '    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],',
+    "                              dtype=tl.int32, is_pure=False, pack=1)",
+]
+
+
 def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F_codes: list) -> list[str]:
     """The forward kernel's lines: the state tile in registers, stepped through T."""
     ns, I1, I2 = step.n_states, _I1, _I2
@@ -328,7 +377,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "@triton.jit",
         f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):",
+        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr):",
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers."""',
         *_PREAMBLE,
@@ -338,9 +387,14 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
           for i, x in states],
         "    if STORE_CK:",
         *[f"        tl.store(CK + {_sbase(i, ns)} * NC * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
+        *_first_loads(step, "    ", "b.to(tl.int64) * T * H + h"),
         "    for t in range(0, T):",
         "        row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I1) for n, ld, _ in step.leaves],
+        "        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h",
+        *_loads_ahead(step, I1, "row_n"),
+        "        if PF > 0:",
+        "            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h",
+        *_prefetches(step, I2, "row_p"),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
         *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
@@ -360,7 +414,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
 def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str, states: list,
                      F_codes: list) -> list[str]:
     """The backward kernel's lines: per chunk in reverse, recompute the states, then step the adjoint back."""
-    ns, I2 = step.n_states, _I2
+    ns, I1, I2 = step.n_states, _I1, _I2
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
     rec_red = pr.reductions(step.Fs, I2)
@@ -389,7 +443,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "@triton.jit",
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):",
+        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr):",
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
         *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
@@ -405,19 +459,32 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "        t1 = tl.minimum(t0 + CHUNK, T)",
         *[f"        sp{x} = tl.load(CK + ({_sbase(i, ns)} * NC + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
+        *_first_loads(step, I1, "(b.to(tl.int64) * T + t0) * H + h"),
         "        for t in range(t0, t1):",
         "            row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
+        "            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h",
+        *_loads_ahead(step, I2, "row_n"),
+        "            if PF > 0:     # the reverse sweep below reads DY at this step",
+        f"{_I3}prefetch_l2(DY + row * V + offs_v)",
         *[f"            tl.store(scr{x} + (t - t0) * BK * BV, sp{x})" for _, x in states],
         *rec_red,
         *recompute,
         "        tl.debug_barrier()",
+        *_first_loads(step, I1, "(b.to(tl.int64) * T + t1 - 1) * H + h"),
+        _dy_load(I1, "n_dy", "row_n"),
+        *[f"        n_sp{x} = tl.load(scr{x} + (t1 - 1 - t0) * BK * BV)" for _, x in states],
         "        for jt in range(0, t1 - t0):",
         "            t = t1 - 1 - jt",
         "            row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
-        "            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]",
-        *[f"            sp{x} = tl.load(scr{x} + (t - t0) * BK * BV)" for _, x in states],
+        "            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h",
+        *_loads_ahead(step, I2, "row_n"),
+        "            dy = n_dy",
+        _dy_load(I2, "n_dy", "row_n"),
+        *[f"            sp{x} = n_sp{x}" for _, x in states],
+        *[f"            n_sp{x} = tl.load(scr{x} + (tl.maximum(t - 1, t0) - t0) * BK * BV)" for _, x in states],
+        "            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next",
+        "                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h",
+        *_prefetches(step, _I3, "row_p", dy=True),
         *b_fwd,
         *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
@@ -449,4 +516,5 @@ def kernel_source(ir, step: Step, header: str) -> str:
                          *(f"    {S.name}_t[i,j] = {sympy.sstr(F)}" for S, F in zip(step.Ss, step.Fs)),
                          *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}" for r in step.alg.reductions_in(sympy.Add(*step.Fs))),
                          f"    y_t[i] = {sympy.sstr(step.readout)}", ""]))])
-    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *fwd, "", "", *bwd]) + "\n"
+    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *_PREFETCH_L2, "", "", *fwd, "", "",
+                      *bwd]) + "\n"

@@ -15,6 +15,8 @@ from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_p
 
 CHUNK = 32               # checkpoint interval of the backward (steps)
 POISON = False           # tests: allocate outputs with NaN
+PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
+CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps} over the rules below
 
 
 _MODULES: dict = {}    # content hash of the element form -> (step, module, source)
@@ -49,9 +51,37 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-def _warps(BK, BV):
+def _warps(BK, BV, V):
+    """num_warps: one warp for a block of a row-tiled state (the per-step reductions over the key
+    stay in the warp: shuffles, no barrier), else by the tile's size."""
+    if INTERPRET:
+        return 1
+    if "warps" in CONFIG:
+        return CONFIG["warps"]
     n = BK * BV
-    return 1 if INTERPRET else (4 if n <= 2048 else 8 if n <= 8192 else 16)
+    if BV < next_pow2(V) and n <= 1024:
+        return 1
+    return 4 if n <= 2048 else 8 if n <= 8192 else 16
+
+
+def _prefetch() -> int:
+    return 0 if INTERPRET else PREFETCH
+
+
+def rows_per_program(ir, V: int, K: int) -> int | None:
+    """Rows per program for ``ir``'s kernels at ``[V, K]``: None (every row in one program) if the
+    step or its adjoint sums over the rows (``row_sums``: e.g. ``cauchy_delta``'s ``|S k - x|^2``),
+    else a block of rows, so that B*H*V/rows programs share the chip. Row-separable updates are the
+    nonlinear ones whose loss is per row (``huber_longhorn``) and several-state ones whose every
+    state's row depends only on the same row of the states (``momentum_longhorn``)."""
+    if row_sums(_module(ir)[0]):
+        return None
+    full = next_pow2(V)
+    if "rows" in CONFIG:
+        return min(CONFIG["rows"], full)
+    if INTERPRET:
+        return full
+    return min(full, max(8, 512 // next_pow2(K)))
 
 
 def _stacked(ir) -> tuple:
@@ -89,7 +119,7 @@ class _GeneralFunction(torch.autograd.Function):
         if T > 0:
             launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
                    CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
-                   STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
+                   STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(), num_warps=_warps(BK, BV, V))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
@@ -118,7 +148,8 @@ class _GeneralFunction(torch.autograd.Function):
         if T > 0:
             launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
-                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
+                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(),
+                   num_warps=_warps(BK, BV, V))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
@@ -169,7 +200,8 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
         leaves.append(t.contiguous())
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
     out_dtype = io_dtype(first.dtype)
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, next_pow2(V)), out_dtype, output_final_state,
+    BV = rows_per_program(ir, V, K) or next_pow2(V)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), out_dtype, output_final_state,
                                   S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
 
@@ -227,13 +259,13 @@ def runner(obj, ir, lay, row_block=None):
 
 
 def prepare(obj, lay):
-    """The family's runner for one call signature (see ``runner``; one row block)."""
-    return runner(obj, obj.ir, lay)
+    """The family's runner for one call signature (see ``runner``; rows per program by ``rows_per_program``)."""
+    return runner(obj, obj.ir, lay, row_block=rows_per_program(obj.ir, lay.d, lay.m))
 
 
 def forward(obj, lay, co, output_final_state, row_block=None):
     """Family contract: the kernel computes everything from the layout's leaves (``co`` unused).
-    ``row_block``: rows per program (a power of 2; None: all rows in one program).
+    ``row_block``: rows per program (a power of 2; None: ``rows_per_program``'s rule).
     Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
     ir = obj.ir
     d, m = ir.dims
@@ -249,7 +281,7 @@ def forward(obj, lay, co, output_final_state, row_block=None):
         elif not dims:
             t = t.reshape(B, T, H)
         leaves.append(t.contiguous())
-    BV = row_block or next_pow2(V)
+    BV = row_block or rows_per_program(ir, V, K) or next_pow2(V)
     S0 = _stack_states(ir, lay.S0)
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
     return y.to(lay.dtype), _unstack_states(ir, S)
