@@ -187,19 +187,54 @@ class TilePrinter:
         for n, _, s in step.leaves:
             names[s.name] = f"l_{n}"
         self._setup(step.alg, step.dims, names)
+        self.factor = True
 
     def _setup(self, alg, dims, names: dict) -> None:
         """The printer's state: the algebra and (d, m) dims, symbol -> Triton variable names."""
         self.alg, self.dims, self.names = alg, dims, names
         self.done: set = set()
         self.rewrite: dict = {}      # expression -> the same in shared factors (``shared_factors``)
+        self.temp_dims: dict = {}    # shared factor's symbol -> the dims it varies over
+        self.factor = False          # print tiles and reductions factored (``tile_terms``, ``reduction_lines``)
+        self.msums: dict = {}        # (monomial, summed dim) -> the variable of its sum in this step
+        self.n_msums = 0
+
+    def dims_of(self, e) -> frozenset:
+        """The dims ``e`` varies over (shared factors by their definitions)."""
+        out = frozenset()
+        for s in sympy.sympify(e).free_symbols:
+            out |= self.temp_dims.get(s, self.alg.symbol_dims.get(s, frozenset()))
+        return out
 
     def expr(self, e) -> str:
         e = self.rewrite.get(e, e)
         for s in sympy.sympify(e).free_symbols:
             if s in self.alg.reductions:
                 self.names.setdefault(s.name, f"r_{s.name.lstrip('_')}")
-        return _triton_code(e, self.names)
+        terms = self.tile_terms(e) if self.factor else None
+        if terms is None:
+            return _triton_code(e, self.names)
+        return " + ".join(_triton_code(c, self.names) if mon == 1 else _triton_code(mon, self.names) if c == 1 else
+                          f"{_triton_code(mon, self.names)}*({_triton_code(c, self.names)})" for mon, c in terms)
+
+    def tile_terms(self, e):
+        """``e``, a value over the whole ``[BK, BV]`` tile, as ``[(monomial, coefficient)]``: the
+        monomials in its key-indexed symbols (state, adjoint, keys, reductions over the rows),
+        each coefficient free of them (values per row, per head), or None where ``e`` is not a
+        polynomial in them or reads no tile. Printed as ``monomial*(coefficient)``, the
+        coefficient is evaluated once per row on ``[1, BV]`` and the tile work is one product
+        and sum per monomial; printed as sympy writes it, a quotient such as a Newton step's
+        ``(sp*A*B + k*C)/(A*B)`` is evaluated over the whole tile, division included."""
+        d, m = self.dims
+        e = sympy.sympify(e)
+        if not {d, m} <= self.dims_of(e):
+            return None
+        gens = {s for s in e.free_symbols if m in self.dims_of(s)}
+        terms = _monomial_terms(e, gens)
+        if terms is None or len(terms) > 8:
+            return None
+        return sorted(terms.items(), key=lambda mc: sympy.default_sort_key(mc[0]))
+
 
     def reductions(self, exprs, indent) -> list[str]:
         """Lines computing every reduction ``exprs`` use (inner first) not yet computed."""
@@ -210,14 +245,85 @@ class TilePrinter:
                     continue
                 self.done.add(r.symbol)
                 self.names[r.symbol.name] = f"r_{r.symbol.name.lstrip('_')}"
-                lines.append(f"{indent}{self.names[r.symbol.name]} = {self.reduce(r)}")
+                lines += self.reduction_lines(r, self.names[r.symbol.name], indent)
         return lines
+
+    def reduction_lines(self, r, name: str, indent: str) -> list[str]:
+        """Lines computing reduction ``r`` as ``name``. Factored (``self.factor``): its body as
+        monomials in the symbols that vary over the keys times per-row coefficients
+        (``_monomial_terms``), so that it is ``sum_j c_j * (sum_m mon_j)``, and each monomial's sum is
+        computed once per step for every reduction that needs it (``self.msums``): the derived
+        adjoint of a several-state or Newton step has dozens of reductions over a handful of
+        distinct monomials (``sum_m g k``, ``sum_m g S_prev``, ...)."""
+        d, m = self.dims
+        terms = None
+        body = self.rewrite.get(r.body, r.body)
+        if self.factor and r.over == m and {d, m} <= self.dims_of(body):     # a tile summed over the keys
+            gens = {s for s in body.free_symbols if r.over in self.dims_of(s)}
+            terms = _monomial_terms(body, gens)
+        if terms is None or len(terms) > 8:
+            return [f"{indent}{name} = {self.reduce(r)}"]
+        lines, parts = [], []
+        for mon, c in sorted(terms.items(), key=lambda mc: sympy.default_sort_key(mc[0])):
+            if mon == 1:
+                parts.append(f"{'K_f' if r.over == m else 'V_f'}*({self.expr(c)})")
+                continue
+            if (mon, r.over) not in self.msums:
+                var = f"s_{self.n_msums}"
+                self.n_msums += 1
+                lines.append(f"{indent}{var} = {self.reduce(Reduction(None, mon, r.over, frozenset()))}")
+                self.msums[(mon, r.over)] = var
+            var = self.msums[(mon, r.over)]
+            parts.append(var if c == 1 else f"{var}*({self.expr(c)})")
+        return lines + [f"{indent}{name} = {' + '.join(parts)}"]
+
+    def forget(self, symbols=None) -> None:
+        """Drop the monomial sums that read any of ``symbols`` (all of them with None): the
+        values they summed change from here on."""
+        self.msums = {k: v for k, v in self.msums.items()
+                      if symbols is not None and not (k[0].free_symbols & set(symbols))}
 
     def reduce(self, r) -> str:
         """The Triton sum of reduction ``r`` over the tile (padding masked out)."""
         d, m = self.dims
-        mask = "MASK" if {d, m} <= self.alg.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
+        mask = "MASK" if {d, m} <= self.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
         return f"tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), axis={0 if r.over == m else 1}, keep_dims=True)"
+
+
+def _monomial_terms(e, gens: set):
+    """``e`` as ``{monomial in gens: coefficient}``, expanding only over ``gens`` (coefficients
+    keep their factored form: expanding them would cost more and lose precision), or None where
+    ``e`` is not a polynomial of degree <= 3 in them."""
+    if not (e.free_symbols & gens):
+        return {sympy.Integer(1): e}
+    if e in gens:
+        return {e: sympy.Integer(1)}
+    if isinstance(e, sympy.Add):
+        out: dict = {}
+        for a in e.args:
+            t = _monomial_terms(a, gens)
+            if t is None:
+                return None
+            for mon, c in t.items():
+                out[mon] = out.get(mon, 0) + c
+        return out
+    if isinstance(e, sympy.Mul) or (isinstance(e, sympy.Pow) and e.exp.is_Integer and 1 < e.exp <= 3):
+        factors = e.args if isinstance(e, sympy.Mul) else [e.base] * int(e.exp)
+        out = {sympy.Integer(1): sympy.Integer(1)}
+        for f in factors:
+            t = _monomial_terms(f, gens)
+            if t is None:
+                return None
+            nxt: dict = {}
+            for m1, c1 in out.items():
+                for m2, c2 in t.items():
+                    mon = m1 * m2
+                    if sum(int(f.exp) if f.is_Pow else 1 for f in sympy.Mul.make_args(mon) if f != 1) > 3:
+                        return None
+                    nxt[mon] = nxt.get(mon, 0) + c1 * c2
+            out = nxt
+        return out
+    return None
 
 
 def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
@@ -231,6 +337,8 @@ def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
     alg = step.alg
     state = {*step.S_prevs, *step.Ss, *step.Gs, step.DY}
     ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
+    if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
+        ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
     adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
                if sympy.sympify(e) != 0]
     return shared_lines(pr, adjoint, indent, ignore)
@@ -249,6 +357,7 @@ def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
     lines = pr.reductions([e for _, e in temps], indent)
     for i, (sym, e) in enumerate(temps):
         code = pr.expr(e)
+        pr.temp_dims[sym] = pr.dims_of(e)
         pr.names[sym.name] = f"c_{i}"
         lines.append(f"{indent}c_{i} = {code}")
     pr.rewrite = dict(zip(originals, reduced))
@@ -417,12 +526,15 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
     ns, I1, I2 = step.n_states, _I1, _I2
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
+    pr.forget()
     rec_red = pr.reductions(step.Fs, I2)
     pr.done = set()
+    pr.forget()
     b_fwd = pr.reductions(step.Fs, I2)
     b_shared = shared_factors(step, pr, I2)
     b_ro = pr.reductions([step.readout], I2)
     b_a = pr.reductions([*step.dS_ros, *step.din_ro.values()], I2)
+    pr.forget(step.Gs)             # the adjoint takes the readout's term before these
     b_b = pr.reductions([*step.dS_prevs, *step.din_F.values()], I2)
     grads = []
     for n, ld, s in step.leaves:
