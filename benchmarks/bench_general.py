@@ -8,7 +8,7 @@ Run on a CUDA machine:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_general.py [--shape 8,2048,16,64,64] [--dtype bf16]
         [--only deltanet,longhorn,huber_longhorn,cauchy_delta,momentum_longhorn]
-        [--sweep huber_longhorn:4:1,huber_longhorn:8:1,cauchy_delta:64:16] [--fla]
+        [--sweep huber_longhorn:4:1,huber_longhorn:8:1:16,cauchy_delta:64:16] [--fla]
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--only", default=ONLY, help="comma-separated objective names, timed by the rules")
-    ap.add_argument("--sweep", default="", help="comma-separated NAME:ROWS:WARPS, each timed with that config forced")
+    ap.add_argument("--sweep", default="", help="comma-separated NAME:ROWS:WARPS[:CHUNK], each timed with that config "
+                    "forced (CHUNK: the backward's checkpoint interval)")
     ap.add_argument("--fla", action="store_true", help="add FLA's fused_recurrent_delta_rule")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -63,15 +64,15 @@ def main(argv=None) -> int:
     shape = tuple(int(x) for x in args.shape.split(","))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     runs = [(n, None) for n in args.only.split(",") if n]
-    runs += [(n, (int(r), int(w))) for n, r, w in (s.split(":") for s in args.sweep.split(",") if s)]
+    runs += [(c[0], tuple(int(x) for x in c[1:])) for c in (s.split(":") for s in args.sweep.split(",") if s)]
     rows = []
     for name, cfg in runs:
         G.CONFIG.clear()
         if cfg is not None:
-            G.CONFIG.update(rows=cfg[0], warps=cfg[1])
+            G.CONFIG.update(zip(("rows", "warps", "chunk"), cfg))
         try:
             row = measure(name, shape, dtype, False)
-            row["config"] = "rule" if cfg is None else f"{cfg[0]} rows, {cfg[1]} warps"
+            row["config"] = "rule" if cfg is None else ", ".join(f"{k} {v}" for k, v in zip(("rows", "warps", "chunk"), cfg))
         except Exception as e:  # noqa: BLE001: one failure is a row of the table
             row = {"spec": name, "config": str(cfg), "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         G.CONFIG.clear()

@@ -364,6 +364,37 @@ def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
     return lines
 
 
+def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
+    """``{leaf: (body, rest)}`` for the key-indexed leaves whose transition adjoint is
+    ``sum_i a_i * (sum_d B_i) + rest`` with ``a_i`` constant over the rows and no other expression
+    of the step reading those sums: the gradient is then ``sum_d (sum_i a_i B_i) + rest``, one
+    sum over the rows (a cross-thread reduction of the tile) instead of one per term. ``body`` and
+    ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
+    d, m = step.dims
+    alg = step.alg
+    keyed = [n for n, ld, _ in step.leaves if tuple(ld) == (m,) and step.din_F[n] != 0]
+    if not keyed:
+        return {}
+
+    def used(exprs) -> set:
+        return {r.symbol for e in exprs for r in alg.reductions_in(pr.rewrite.get(e, e))}
+    out = {}
+    for n in keyed:
+        e = sympy.sympify(pr.rewrite.get(step.din_F[n], step.din_F[n]))
+        others = [*step.dS_prevs, *step.dS_ros, *step.din_ro.values(), step.readout,
+                  *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
+        elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
+                                              for r in alg.reductions_in(alg.reductions[x].body)}
+        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere}
+        terms = _monomial_terms(e, cands) if len(cands) > 1 else None
+        if terms is None or any(mon != 1 and (mon not in cands or d in pr.dims_of(c)) for mon, c in terms.items()):
+            continue
+        body = sympy.Add(*(c * pr.rewrite.get(alg.reductions[mon].body, alg.reductions[mon].body)
+                           for mon, c in terms.items() if mon != 1))
+        out[n] = (body, terms.get(sympy.Integer(1), sympy.Integer(0)))
+    return out
+
+
 def _suffixes(step: Step) -> list[str]:
     """Per-state suffix of the kernel's variables: ``sp``, ``st``, ``g`` with one state,
     ``sp0``, ``sp1``, ... with several."""
@@ -453,8 +484,8 @@ _PREAMBLE = [
     "    h = i_bh % H",
     "    offs_v = i_v * BV + tl.arange(0, BV)",
     "    offs_k = tl.arange(0, BK)",
-    "    mask_v = offs_v < V",
-    "    mask_k = offs_k < K",
+    "    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away",
+    "    mask_k = (offs_k < K) | EVEN",
     "    MASK = mask_k[:, None] & mask_v[None, :]",
     "    tile = offs_k[:, None] * V + offs_v[None, :]",
     "    V_f = V * 1.0",
@@ -486,7 +517,8 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "@triton.jit",
         f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr):",
+        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,",
+        "               EVEN: tl.constexpr):",
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers."""',
         *_PREAMBLE,
@@ -535,14 +567,17 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
     b_ro = pr.reductions([step.readout], I2)
     b_a = pr.reductions([*step.dS_ros, *step.din_ro.values()], I2)
     pr.forget(step.Gs)             # the adjoint takes the readout's term before these
-    b_b = pr.reductions([*step.dS_prevs, *step.din_F.values()], I2)
+    merged = merged_key_grads(step, pr) if pr.factor else {}
+    din_F = [e for n, _, _ in step.leaves if n not in merged for e in (step.din_F[n],)]
+    b_b = pr.reductions([*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)], I2)
     grads = []
     for n, ld, s in step.leaves:
-        parts = [e for e in (step.din_ro[n], step.din_F[n]) if e != 0]
-        if not parts:
-            grads.append((n, ld, "0.0"))
-            continue
-        grads.append((n, ld, " + ".join(f"({pr.expr(e)})" for e in parts)))
+        parts = [f"({pr.expr(e)})" for e in (step.din_ro[n], step.din_F[n] if n not in merged else 0) if e != 0]
+        if n in merged:
+            body, rest = merged[n]
+            parts.append(f"tl.sum(tl.where(MASK, {pr.expr(body)}, 0.0), axis=1, keep_dims=True)")
+            parts += [f"({pr.expr(rest)})"] if rest != 0 else []
+        grads.append((n, ld, " + ".join(parts) if parts else "0.0"))
     if ns == 1:     # one state: the step's new value and adjoint replace the old ones in place
         recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
         adjoint_back = [f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
@@ -555,7 +590,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "@triton.jit",
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr):",
+        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):",
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
         *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],

@@ -13,10 +13,10 @@ from ssmcraft.ops.codegen.general import Step, build_step, kernel_source
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
-CHUNK = 32               # checkpoint interval of the backward (steps)
+CHUNK = 32               # checkpoint interval of the backward (steps); CONFIG["chunk"] over it
 POISON = False           # tests: allocate outputs with NaN
 PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
-CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps} over the rules below
+CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps, "chunk": CHUNK} over the rules below
 
 
 _MODULES: dict = {}    # content hash of the element form -> (step, module, source)
@@ -53,7 +53,10 @@ def _new(shape, device, dtype=torch.float32):
 
 def _warps(BK, BV, V):
     """num_warps: one warp for a block of a row-tiled state (the per-step reductions over the key
-    stay in the warp: shuffles, no barrier), else by the tile's size."""
+    stay in the warp: shuffles, no barrier), else by the tile's size. H200, bf16, B=8 T=2048 H=16
+    d=m=64 (``benchmarks/bench_general.py --sweep``), fwd / fwd+bwd ms: huber_longhorn at 8 rows
+    1.73 / 11.0 on 1 warp, 1.75 / 15.5 on 2; 4 rows on 1 warp 1.85 / 17.5; cauchy_delta (one
+    program per head, a [64, 64] tile) 1.72 / 7.7 on 4 warps, 2.02 / 11.6 on 8, 2.40 / 17.7 on 16."""
     if INTERPRET:
         return 1
     if "warps" in CONFIG:
@@ -61,7 +64,7 @@ def _warps(BK, BV, V):
     n = BK * BV
     if BV < next_pow2(V) and n <= 1024:
         return 1
-    return 4 if n <= 2048 else 8 if n <= 8192 else 16
+    return 4 if n <= 4096 else 8 if n <= 16384 else 16
 
 
 def _prefetch() -> int:
@@ -108,7 +111,8 @@ class _GeneralFunction(torch.autograd.Function):
         B, T, H, K, V, BV = shape
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
-        NC = max(1, cdiv(T, CHUNK))
+        chunk = CONFIG.get("chunk", CHUNK)
+        NC = max(1, cdiv(T, chunk))
         ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
@@ -118,12 +122,13 @@ class _GeneralFunction(torch.autograd.Function):
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
             launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
-                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
-                   STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(), num_warps=_warps(BK, BV, V))
+                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=chunk, HAS_S0=S0c is not None,
+                   STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
+                   num_warps=_warps(BK, BV, V))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
-        ctx.ir, ctx.shape, ctx.has_s0 = ir, shape, S0 is not None
+        ctx.ir, ctx.shape, ctx.has_s0, ctx.chunk = ir, shape, S0 is not None, chunk
         ctx.s0_dtype = S0.dtype if S0 is not None else None
         return y, (ST.transpose(-1, -2) if output_final_state else None)
 
@@ -134,13 +139,14 @@ class _GeneralFunction(torch.autograd.Function):
         B, T, H, K, V, BV = ctx.shape
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
-        NC = max(1, cdiv(T, CHUNK))
+        chunk = ctx.chunk
+        NC = max(1, cdiv(T, chunk))
         d_dim = ctx.ir.dims[0]
         shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
+        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
         d = torch.empty(1, device=dev)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
@@ -148,7 +154,7 @@ class _GeneralFunction(torch.autograd.Function):
         if T > 0:
             launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
-                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(),
+                   CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
                    num_warps=_warps(BK, BV, V))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
