@@ -9,11 +9,13 @@ the state (``ir.state_update``, ``ir.state_reductions``); for example the robust
     _r0 = sum_m S_prev*k,   _r1 = sum_d (_r0 - x)**2
     S_t = (S_prev*_r1 + S_prev - _r0*beta*k + beta*k*x)/(_r1 + 1)
 
-Kernels (one program per batch*head, the whole ``[K, V]`` state in registers, transposed as
-in FLA; fp32 state and arithmetic, fp32/bf16 I/O):
+Kernels (one program per batch*head and block of rows, the state tile ``[K, BV]`` in registers,
+transposed as in FLA; fp32 state and arithmetic, fp32/bf16 I/O):
 
-forward  loop over t: load the step's leaves (inputs, params), evaluate the reductions and
-         ``F``, the readout, store ``y``; for training, store the state every ``CHUNK`` steps.
+forward  loop over t: take the step's leaves (inputs, params), loaded one step ahead (and, on
+         the GPU, prefetched into L2 ``PF`` steps ahead: the recurrence is latency-bound, and a
+         load at the top of the step would start its dependency chain), evaluate the reductions
+         and ``F``, the readout, store ``y``; for training, store the state every ``CHUNK`` steps.
 backward chunks in reverse: recompute the chunk's states from its checkpoint into a
          per-program scratch buffer ``[CHUNK, K, V]``, then step back through them. The
          step's adjoint is derived here with ``ssmcraft.compiler.derive.gradient`` (reverse
@@ -26,21 +28,34 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
          adjoint's sub-expressions that read no state (e.g. a Woodbury denominator) are
          computed once per step (``shared_factors``) instead of in every term.
 
+Printing (``TilePrinter``): a value over the whole tile is written as a sum of monomials in
+its key-indexed symbols (state, adjoint, keys) times coefficients that vary only per row
+(``tile_terms``), so a Newton step's ``(S A B + k C)/(A B)`` costs one product and sum per
+monomial over the tile, its quotient evaluated once per row; a sum over the keys is the
+per-row coefficients times the sums of its monomials, each monomial's sum computed once per
+step for every reduction that reads it (``reduction_lines``: a two-state adjoint's thirty
+reductions read about eight distinct sums); a key-indexed gradient that adds several sums
+over the rows takes one (``merged_key_grads``). The per-step instruction count is what a
+row-tiled backward is bound by (``benchmarks/bench_general.py``; BENCHMARKS.md has the figures).
+
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
 generated source is readable and cached (``ssmcraft.compiler.cache``).
 
 Row tiling: the grid is ``(B*H, NV)``, program ``(bh, iv)`` owning rows
-``iv*BV .. iv*BV + BV - 1`` of the state. A general update may sum over rows, so it runs with
-one block (``NV = 1``); a row-separable one (``rankr``, ``ssmcraft.ops.rankr_row.recurrent``) runs
-several, and the gradients of leaves shared by the rows (over ``m`` or per head) are written
-per row block (``[NV, ...]``) and summed on the host. Structured updates are lowered to their
-element form (``ssmcraft.compiler.structure.element_form``), general ones give ``ir.state_update``.
+``iv*BV .. iv*BV + BV - 1`` of the state. An update whose step or adjoint sums over the rows
+(``recurrent.row_sums``: cauchy_delta's ``|S k - x|^2``) runs with one block (``NV = 1``); a
+row-separable one (every row of every state reads only the same row of the states and per-row
+or shared inputs: huber_longhorn's per-channel loss, momentum_longhorn's two states, the
+``rankr`` fallback of ``ssmcraft.ops.rankr_row.recurrent``) runs several
+(``recurrent.rows_per_program``), and the gradients of leaves shared by the rows (over ``m`` or
+per head) are written per row block (``[NV, ...]``) and summed on the host. Structured updates
+are lowered to their element form (``ssmcraft.compiler.structure.element_form``), general ones
+give ``ir.state_update``.
 
 Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpoint, scratch
-block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host. The
-generator composes them with row tiling (scratch blocks ordered ``[B*H, NV, n]``), but
-several-state updates are classified ``general`` and so run with one row block.
+block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host, row
+tiled as one state is (scratch blocks ordered ``[B*H, NV, n]``).
 """
 from __future__ import annotations
 
@@ -198,6 +213,8 @@ class TilePrinter:
         self.factor = False          # print tiles and reductions factored (``tile_terms``, ``reduction_lines``)
         self.msums: dict = {}        # (monomial, summed dim) -> the variable of its sum in this step
         self.n_msums = 0
+        self.resum: dict = {}        # reduction -> its terms, summed keys first (``plan_resums``)
+        self.skip: set = set()       # reductions that only a planned resum reads: never computed
 
     def dims_of(self, e) -> frozenset:
         """The dims ``e`` varies over (shared factors by their definitions)."""
@@ -241,12 +258,56 @@ class TilePrinter:
         lines = []
         for e in exprs:
             for r in self.alg.reductions_in(e):
-                if r.symbol in self.done:
+                if r.symbol in self.done or r.symbol in self.skip:
                     continue
                 self.done.add(r.symbol)
                 self.names[r.symbol.name] = f"r_{r.symbol.name.lstrip('_')}"
-                lines += self.reduction_lines(r, self.names[r.symbol.name], indent)
+                if r.symbol in self.resum:
+                    lines += self.resum_lines(r, self.names[r.symbol.name], indent)
+                else:
+                    lines += self.reduction_lines(r, self.names[r.symbol.name], indent)
         return lines
+
+    def resum_lines(self, r, name: str, indent: str) -> list[str]:
+        """Lines computing ``r = sum_m (sum_i a_i (sum_d B_i) + rest)`` (``plan_resums``) as
+        ``sum_i sum_d (sum_m a_i B_i) + sum_m rest``: the inner sums over the keys are monomial sums
+        (``reduction_lines``), and the sums over the rows are of per-row values, so no tile is
+        summed across the rows."""
+        d, m = self.dims
+        lines, parts = [], []
+        for mon, c in self.resum[r.symbol].items():
+            inner = c if mon == 1 else c * self.rewrite.get(self.alg.reductions[mon].body, self.alg.reductions[mon].body)
+            lines += self.reductions([inner], indent)
+            var = f"u_{self.n_msums}"
+            self.n_msums += 1
+            lines += self.reduction_lines(Reduction(None, inner, m, frozenset()), var, indent)
+            parts.append(var if mon == 1 else f"tl.sum(tl.where(mask_v[None, :], {var}, 0.0), axis=1, keep_dims=True)")
+        return lines + [f"{indent}{name} = {' + '.join(parts)}"]
+
+    def plan_resums(self, exprs) -> None:
+        """Find the sums over the keys of values that are sums over the rows, ``sum_m (sum_i a_i
+        (sum_d B_i) + rest)`` with ``a_i`` constant over the rows and no other expression reading
+        the ``sum_d B_i``, and plan them summed keys first (``resum_lines``): a derived adjoint's
+        gradient of a per-head leaf is such a double sum."""
+        d, m = self.dims
+        alg = self.alg
+        reds = {r.symbol: r for e in exprs for r in alg.reductions_in(self.rewrite.get(e, e))}
+        refs: dict = {}
+        for e in [*(self.rewrite.get(e, e) for e in exprs), *(self.rewrite.get(r.body, r.body) for r in reds.values())]:
+            for x in sympy.sympify(e).free_symbols & set(reds):
+                refs[x] = refs.get(x, 0) + 1
+        self.resum, self.skip = {}, set()
+        for q, r in reds.items():
+            body = sympy.sympify(self.rewrite.get(r.body, r.body))
+            if r.over != m or q in self.done or d in self.dims_of(body):
+                continue
+            cands = {x for x in body.free_symbols if x in reds and reds[x].over == d and refs.get(x) == 1
+                     and x not in self.done and x not in self.skip}
+            terms = _monomial_terms(body, cands) if cands else None
+            if terms is None or any(mon != 1 and (mon not in cands or d in self.dims_of(c)) for mon, c in terms.items()):
+                continue
+            self.resum[q] = terms
+            self.skip |= {mon for mon in terms if mon != 1}
 
     def reduction_lines(self, r, name: str, indent: str) -> list[str]:
         """Lines computing reduction ``r`` as ``name``. Factored (``self.factor``): its body as
@@ -569,7 +630,10 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
     pr.forget(step.Gs)             # the adjoint takes the readout's term before these
     merged = merged_key_grads(step, pr) if pr.factor else {}
     din_F = [e for n, _, _ in step.leaves if n not in merged for e in (step.din_F[n],)]
-    b_b = pr.reductions([*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)], I2)
+    b_exprs = [*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)]
+    if pr.factor:
+        pr.plan_resums(b_exprs)
+    b_b = pr.reductions(b_exprs, I2)
     grads = []
     for n, ld, s in step.leaves:
         parts = [f"({pr.expr(e)})" for e in (step.din_ro[n], step.din_F[n] if n not in merged else 0) if e != 0]

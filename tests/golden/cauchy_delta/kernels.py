@@ -185,10 +185,10 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             r_r1002 = s_5*(1.0 + r_r1) + s_6*(l_x*l_beta - r_r0*l_beta)
             r_r1003 = tl.sum(tl.where(mask_v[None, :], r_r1002, 0.0), axis=1, keep_dims=True)
             r_r1004 = s_6
-            r_r1005 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=1, keep_dims=True)
-            r_r1006 = tl.sum(tl.where(mask_k[:, None], r_r1005, 0.0), axis=0, keep_dims=True)
-            r_r1010 = tl.sum(tl.where(MASK, g*l_k*(l_x - r_r0), 0.0), axis=1, keep_dims=True)
-            r_r1011 = tl.sum(tl.where(mask_k[:, None], r_r1010, 0.0), axis=0, keep_dims=True)
+            u_7 = s_5
+            r_r1006 = tl.sum(tl.where(mask_v[None, :], u_7, 0.0), axis=1, keep_dims=True)
+            u_8 = s_6*(l_x - r_r0)
+            r_r1011 = tl.sum(tl.where(mask_v[None, :], u_8, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum(((-c_0 - 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) + r_r1004*l_beta/(1.0 + r_r1)) + ZR, axis=0), mask=mask_v)
             tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + g*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1007) + ZC, axis=1), mask=mask_k)
