@@ -13,7 +13,10 @@ from ssmcraft.ops.codegen.general import Step, build_step, kernel_source
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
-CHUNK = 32               # checkpoint interval of the backward (steps); CONFIG["chunk"] over it
+CHUNK = 16               # checkpoint interval of the backward (steps; CONFIG["chunk"] over it): the
+                         # scratch of every program's chunk, B*H*CHUNK*K*V fp32, stays in L2 (32 MB at
+                         # B=8 H=16 K=V=64; H100 bf16 T=2048 fwd+bwd ms, 32 -> 16: huber_longhorn 8.09 ->
+                         # 7.41, cauchy_delta 6.82 -> 6.42)
 POISON = False           # tests: allocate outputs with NaN
 PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
 CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps, "chunk": CHUNK} over the rules below
@@ -54,9 +57,10 @@ def _new(shape, device, dtype=torch.float32):
 def _warps(BK, BV, V):
     """num_warps: one warp for a block of a row-tiled state (the per-step reductions over the key
     stay in the warp: shuffles, no barrier), else by the tile's size. H200, bf16, B=8 T=2048 H=16
-    d=m=64 (``benchmarks/bench_general.py --sweep``), fwd / fwd+bwd ms: huber_longhorn at 8 rows
-    1.73 / 11.0 on 1 warp, 1.75 / 15.5 on 2; 4 rows on 1 warp 1.85 / 17.5; cauchy_delta (one
-    program per head, a [64, 64] tile) 1.72 / 7.7 on 4 warps, 2.02 / 11.6 on 8, 2.40 / 17.7 on 16."""
+    d=m=64, checkpoints every 32 steps (``benchmarks/bench_general.py --sweep``), fwd / fwd+bwd ms:
+    huber_longhorn at 8 rows 1.73 / 11.0 on 1 warp, 1.75 / 15.5 on 2; 4 rows on 1 warp 1.85 /
+    17.5; cauchy_delta (one program per head, a [64, 64] tile) 1.72 / 7.7 on 4 warps, 2.02 / 11.6
+    on 8, 2.40 / 17.7 on 16."""
     if INTERPRET:
         return 1
     if "warps" in CONFIG:
@@ -76,7 +80,11 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     step or its adjoint sums over the rows (``row_sums``: e.g. ``cauchy_delta``'s ``|S k - x|^2``),
     else a block of rows, so that B*H*V/rows programs share the chip. Row-separable updates are the
     nonlinear ones whose loss is per row (``huber_longhorn``) and several-state ones whose every
-    state's row depends only on the same row of the states (``momentum_longhorn``)."""
+    state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
+    fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
+    ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
+    7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
+    backward spills)."""
     if row_sums(_module(ir)[0]):
         return None
     full = next_pow2(V)
@@ -84,7 +92,7 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
         return min(CONFIG["rows"], full)
     if INTERPRET:
         return full
-    return min(full, max(8, 512 // next_pow2(K)))
+    return min(full, max(8, 1024 // (next_pow2(K) * max(1, len(ir.states)))))
 
 
 def _stacked(ir) -> tuple:
