@@ -330,13 +330,13 @@ class TilePrinter:
                 parts.append(f"{'K_f' if r.over == m else 'V_f'}*({self.expr(c)})")
                 continue
             if (mon, r.over) not in self.msums:
-                var = f"s_{self.n_msums}"
-                self.n_msums += 1
+                var = name if (len(terms) == 1 and c == 1) else f"s_{self.n_msums}"     # the sum is the reduction
+                self.n_msums += var != name
                 lines.append(f"{indent}{var} = {self.reduce(Reduction(None, mon, r.over, frozenset()))}")
                 self.msums[(mon, r.over)] = var
             var = self.msums[(mon, r.over)]
             parts.append(var if c == 1 else f"{var}*({self.expr(c)})")
-        return lines + [f"{indent}{name} = {' + '.join(parts)}"]
+        return lines + ([f"{indent}{name} = {' + '.join(parts)}"] if parts != [name] else [])
 
     def forget(self, symbols=None) -> None:
         """Drop the monomial sums that read any of ``symbols`` (all of them with None): the

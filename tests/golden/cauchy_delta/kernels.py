@@ -68,12 +68,10 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
             prefetch_l2(P_x + row_p * V + offs_v)
             prefetch_l2(P_k + row_p * K + offs_k)
             prefetch_l2(P_q + row_p * K + offs_k)
-        s_0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-        r_r0 = s_0
+        r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
         r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
         st = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
-        s_1 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-        r_r1000 = s_1
+        r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
         sp = st
@@ -135,8 +133,7 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             if PF > 0:     # the reverse sweep below reads DY at this step
                 prefetch_l2(DY + row * V + offs_v)
             tl.store(scr + (t - t0) * BK * BV, sp)
-            s_2 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_r0 = s_2
+            r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
             sp = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
         tl.debug_barrier()
@@ -169,26 +166,24 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
                 prefetch_l2(P_k + row_p * K + offs_k)
                 prefetch_l2(P_q + row_p * K + offs_k)
                 prefetch_l2(DY + row_p * V + offs_v)
-            s_3 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_r0 = s_3
+            r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
             c_0 = -2.0*l_x
             st = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
-            s_4 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-            r_r1000 = s_4
+            r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1007 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
             g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
-            s_5 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
-            s_6 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1002 = s_5*(1.0 + r_r1) + s_6*(l_x*l_beta - r_r0*l_beta)
+            s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
+            s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1002 = s_0*(1.0 + r_r1) + s_1*(l_x*l_beta - r_r0*l_beta)
             r_r1003 = tl.sum(tl.where(mask_v[None, :], r_r1002, 0.0), axis=1, keep_dims=True)
-            r_r1004 = s_6
-            u_7 = s_5
-            r_r1006 = tl.sum(tl.where(mask_v[None, :], u_7, 0.0), axis=1, keep_dims=True)
-            u_8 = s_6*(l_x - r_r0)
-            r_r1011 = tl.sum(tl.where(mask_v[None, :], u_8, 0.0), axis=1, keep_dims=True)
+            r_r1004 = s_1
+            u_2 = s_0
+            r_r1006 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
+            u_3 = s_1*(l_x - r_r0)
+            r_r1011 = tl.sum(tl.where(mask_v[None, :], u_3, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum(((-c_0 - 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) + r_r1004*l_beta/(1.0 + r_r1)) + ZR, axis=0), mask=mask_v)
             tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + g*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1007) + ZC, axis=1), mask=mask_k)

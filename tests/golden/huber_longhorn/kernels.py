@@ -70,11 +70,9 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
             prefetch_l2(P_q + row_p * K + offs_k)
             prefetch_l2(P_beta + row_p * V + offs_v)
         r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-        s_0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-        r_r1 = s_0
+        r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
         st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
-        s_1 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-        r_r1000 = s_1
+        r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
         sp = st
@@ -137,8 +135,7 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
                 prefetch_l2(DY + row * V + offs_v)
             tl.store(scr + (t - t0) * BK * BV, sp)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-            s_2 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1 = s_2
+            r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             sp = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
         tl.debug_barrier()
         row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
@@ -172,27 +169,25 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
                 prefetch_l2(P_beta + row_p * V + offs_v)
                 prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-            s_3 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1 = s_3
+            r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             c_0 = -3.0*l_x
             c_1 = r_r0*l_beta
             c_2 = -l_x
             c_3 = r_r0*(l_beta*l_beta)
             st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
-            s_4 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-            r_r1000 = s_4
+            r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1005 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
             g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
-            s_5 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
-            s_6 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1002 = s_5*(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + s_6*(c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))
-            r_r1004 = s_5*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_6*(c_3 - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1)*(c_2 + r_r1))
-            r_r1006 = s_5*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(-c_0 - 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(-c_2 - r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_6*(-c_3 + l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_2 + r_r1)*(-c_0 - 3.0*r_r1))
-            r_r1012 = s_5*(r_r0*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_6*(c_1*(c_2 + r_r1) + (c_2 + r_r1)*(-c_1 - ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
-            u_7 = s_5*(l_beta/(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
-            r_r1009 = tl.sum(tl.where(mask_v[None, :], u_7, 0.0), axis=1, keep_dims=True)
+            s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
+            s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1002 = s_0*(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + s_1*(c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))
+            r_r1004 = s_0*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(c_3 - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1)*(c_2 + r_r1))
+            r_r1006 = s_0*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(-c_0 - 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(-c_2 - r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(-c_3 + l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_2 + r_r1)*(-c_0 - 3.0*r_r1))
+            r_r1012 = s_0*(r_r0*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(c_1*(c_2 + r_r1) + (c_2 + r_r1)*(-c_1 - ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
+            u_2 = s_0*(l_beta/(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
+            r_r1009 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((r_r1006/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(-c_0 - 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(c_2 + r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + ZR, axis=0), mask=mask_v)
             tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1005) + ZC, axis=1), mask=mask_k)

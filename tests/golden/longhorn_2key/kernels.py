@@ -90,13 +90,10 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
         r_r3 = s_0*(l_x*l_beta) + s_1*(l_x2*l_beta)
         s_2 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
         r_r4 = s_2*(l_x2*l_beta) + s_1*(l_x*l_beta)
-        s_3 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-        r_rS0 = s_3
-        s_4 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-        r_rS1 = s_4
+        r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
+        r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
         st = tl.where(MASK, sp + l_k*(l_beta*(l_x - r_r3 + r_r2*r_r4*l_beta + l_x*r_r0*l_beta + l_x*r_r1*l_beta - r_r3*r_r1*l_beta - l_x*(r_r2*r_r2)*(l_beta*l_beta) + l_x*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 - r_r4 + r_r2*r_r3*l_beta + l_x2*r_r0*l_beta + l_x2*r_r1*l_beta - r_r4*r_r0*l_beta - l_x2*(r_r2*r_r2)*(l_beta*l_beta) + l_x2*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
-        s_5 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-        r_r1000 = s_5
+        r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
         sp = st
@@ -167,15 +164,13 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
             r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
-            s_6 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-            s_7 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
-            r_r3 = s_6*(l_x*l_beta) + s_7*(l_x2*l_beta)
-            s_8 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
-            r_r4 = s_8*(l_x2*l_beta) + s_7*(l_x*l_beta)
-            s_9 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_rS0 = s_9
-            s_10 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-            r_rS1 = s_10
+            s_3 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
+            s_4 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
+            r_r3 = s_3*(l_x*l_beta) + s_4*(l_x2*l_beta)
+            s_5 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
+            r_r4 = s_5*(l_x2*l_beta) + s_4*(l_x*l_beta)
+            r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
+            r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
             sp = tl.where(MASK, sp + l_k*(l_beta*(l_x - r_r3 + r_r2*r_r4*l_beta + l_x*r_r0*l_beta + l_x*r_r1*l_beta - r_r3*r_r1*l_beta - l_x*(r_r2*r_r2)*(l_beta*l_beta) + l_x*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 - r_r4 + r_r2*r_r3*l_beta + l_x2*r_r0*l_beta + l_x2*r_r1*l_beta - r_r4*r_r0*l_beta - l_x2*(r_r2*r_r2)*(l_beta*l_beta) + l_x2*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
         tl.debug_barrier()
         row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
@@ -219,15 +214,13 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
             r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
-            s_11 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-            s_12 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
-            r_r3 = s_11*(l_x*l_beta) + s_12*(l_x2*l_beta)
-            s_13 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
-            r_r4 = s_13*(l_x2*l_beta) + s_12*(l_x*l_beta)
-            s_14 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            r_rS0 = s_14
-            s_15 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-            r_rS1 = s_15
+            s_6 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
+            s_7 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
+            r_r3 = s_6*(l_x*l_beta) + s_7*(l_x2*l_beta)
+            s_8 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
+            r_r4 = s_8*(l_x2*l_beta) + s_7*(l_x*l_beta)
+            r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
+            r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
             c_0 = r_r0*l_beta
             c_1 = r_r2*l_beta
             c_2 = r_r1*l_beta
@@ -273,29 +266,28 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             c_42 = 2.0*c_3
             c_43 = l_x2*r_r1
             st = tl.where(MASK, sp + l_k*(l_beta*(l_x - r_r3 + r_r2*r_r4*l_beta + l_x*r_r0*l_beta + l_x*r_r1*l_beta - r_r3*r_r1*l_beta - l_x*(r_r2*r_r2)*(l_beta*l_beta) + l_x*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 - r_r4 + r_r2*r_r3*l_beta + l_x2*r_r0*l_beta + l_x2*r_r1*l_beta - r_r4*r_r0*l_beta - l_x2*(r_r2*r_r2)*(l_beta*l_beta) + l_x2*r_r0*r_r1*(l_beta*l_beta))/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
-            s_16 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
-            r_r1000 = s_16
+            r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1006 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
             g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
-            s_17 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            s_18 = tl.sum(tl.where(MASK, g*l_k2, 0.0), axis=0, keep_dims=True)
-            r_r1004 = s_17*(-c_11*c_7) + s_18*(c_10*c_9)
-            r_r1005 = s_17*(c_10*c_9) + s_18*(-c_11*c_12)
-            r_r1007 = s_17*(-c_11*c_7) + s_18*(c_10*c_9)
-            r_r1008 = s_17*(c_10*c_9) + s_18*(-c_11*c_12)
-            r_r1009 = s_17
-            r_r1010 = s_18
-            r_r1025 = s_17*(c_11*(c_22 + c_41 + c_37*c_41 + r_r2*r_r4 - c_13*c_42 - r_r3*r_r1) + c_23*c_40 + c_23*c_9 + 2.0*c_36*r_rS1 + c_19*c_39*r_rS1 - c_2*c_9*r_rS0 - c_40*c_7*r_rS0 - c_7*c_9*r_rS0) + s_18*(c_11*(c_25 + c_43 + c_37*c_43 + r_r2*r_r3 - c_14*c_42 - r_r4*r_r0) + c_26*c_40 + c_26*c_9 + 2.0*c_36*r_rS0 + c_19*c_39*r_rS0 - c_0*c_9*r_rS1 - c_12*c_40*r_rS1 - c_12*c_9*r_rS1)
-            r_r1026 = s_13*(l_x2) + s_12*(l_x)
-            r_r1027 = s_11*(l_x) + s_12*(l_x2)
-            u_19 = s_17*(c_11*(c_13 + c_6*l_x) + c_21*c_23 + c_18*c_19*r_rS1 - c_21*c_7*r_rS0) + s_18*(c_11*(c_14 + c_16 + c_6*l_x2) + c_21*c_26 + c_18*c_19*r_rS0 - c_12*c_21*r_rS1 - c_4*c_9*r_rS1)
-            r_r1012 = tl.sum(tl.where(mask_v[None, :], u_19, 0.0), axis=1, keep_dims=True)
-            u_20 = s_17*(c_11*(-c_16 - c_29*l_x) + 2.0*c_23*c_28 + c_4*c_9*r_rS1 - 2.0*c_28*c_7*r_rS0 + 2.0*c_19*c_27*r_rS1) + s_18*(c_11*(-c_30 - c_29*l_x2) + 2.0*c_26*c_28 + c_4*c_9*r_rS0 - 2.0*c_12*c_28*r_rS1 + 2.0*c_19*c_27*r_rS0)
-            r_r1014 = tl.sum(tl.where(mask_v[None, :], u_20, 0.0), axis=1, keep_dims=True)
-            u_21 = s_17*(c_11*(c_13 + c_30 + c_32*l_x) + c_23*c_35 + c_19*c_34*r_rS1 - c_35*c_7*r_rS0 - c_4*c_9*r_rS0) + s_18*(c_11*(c_14 + c_32*l_x2) + c_26*c_35 + c_19*c_34*r_rS0 - c_12*c_35*r_rS1)
-            r_r1020 = tl.sum(tl.where(mask_v[None, :], u_21, 0.0), axis=1, keep_dims=True)
+            s_9 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
+            s_10 = tl.sum(tl.where(MASK, g*l_k2, 0.0), axis=0, keep_dims=True)
+            r_r1004 = s_9*(-c_11*c_7) + s_10*(c_10*c_9)
+            r_r1005 = s_9*(c_10*c_9) + s_10*(-c_11*c_12)
+            r_r1007 = s_9*(-c_11*c_7) + s_10*(c_10*c_9)
+            r_r1008 = s_9*(c_10*c_9) + s_10*(-c_11*c_12)
+            r_r1009 = s_9
+            r_r1010 = s_10
+            r_r1025 = s_9*(c_11*(c_22 + c_41 + c_37*c_41 + r_r2*r_r4 - c_13*c_42 - r_r3*r_r1) + c_23*c_40 + c_23*c_9 + 2.0*c_36*r_rS1 + c_19*c_39*r_rS1 - c_2*c_9*r_rS0 - c_40*c_7*r_rS0 - c_7*c_9*r_rS0) + s_10*(c_11*(c_25 + c_43 + c_37*c_43 + r_r2*r_r3 - c_14*c_42 - r_r4*r_r0) + c_26*c_40 + c_26*c_9 + 2.0*c_36*r_rS0 + c_19*c_39*r_rS0 - c_0*c_9*r_rS1 - c_12*c_40*r_rS1 - c_12*c_9*r_rS1)
+            r_r1026 = s_8*(l_x2) + s_7*(l_x)
+            r_r1027 = s_6*(l_x) + s_7*(l_x2)
+            u_11 = s_9*(c_11*(c_13 + c_6*l_x) + c_21*c_23 + c_18*c_19*r_rS1 - c_21*c_7*r_rS0) + s_10*(c_11*(c_14 + c_16 + c_6*l_x2) + c_21*c_26 + c_18*c_19*r_rS0 - c_12*c_21*r_rS1 - c_4*c_9*r_rS1)
+            r_r1012 = tl.sum(tl.where(mask_v[None, :], u_11, 0.0), axis=1, keep_dims=True)
+            u_12 = s_9*(c_11*(-c_16 - c_29*l_x) + 2.0*c_23*c_28 + c_4*c_9*r_rS1 - 2.0*c_28*c_7*r_rS0 + 2.0*c_19*c_27*r_rS1) + s_10*(c_11*(-c_30 - c_29*l_x2) + 2.0*c_26*c_28 + c_4*c_9*r_rS0 - 2.0*c_12*c_28*r_rS1 + 2.0*c_19*c_27*r_rS0)
+            r_r1014 = tl.sum(tl.where(mask_v[None, :], u_12, 0.0), axis=1, keep_dims=True)
+            u_13 = s_9*(c_11*(c_13 + c_30 + c_32*l_x) + c_23*c_35 + c_19*c_34*r_rS1 - c_35*c_7*r_rS0 - c_4*c_9*r_rS0) + s_10*(c_11*(c_14 + c_32*l_x2) + c_26*c_35 + c_19*c_34*r_rS0 - c_12*c_35*r_rS1)
+            r_r1020 = tl.sum(tl.where(mask_v[None, :], u_13, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((c_0*r_r1007 + c_1*r_r1008 + r_r1009*l_beta) + ZR, axis=0), mask=mask_v)
             tl.store(D_x2 + row * V + offs_v, tl.sum((c_1*r_r1007 + c_2*r_r1008 + r_r1010*l_beta) + ZR, axis=0), mask=mask_v)
             tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_11*c_23 + c_31*r_rS1 - c_11*c_7*r_rS0) + l_k*(2.0*c_13*r_r1007) + l_k2*(c_13*r_r1008 + c_14*r_r1007), 0.0), axis=1, keep_dims=True) + (r_r1014*l_k2 + 2.0*r_r1012*l_k) + ZC, axis=1), mask=mask_k)
