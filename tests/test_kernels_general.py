@@ -55,6 +55,22 @@ def test_printer_keeps_denominators():
     assert eval(code, {"x": 1.3, "y": 0.7, "b": -2.1}) == pytest.approx(float((-b * x / (1 + y)).subs({x: 1.3, y: 0.7, b: -2.1})))
 
 
+@pytest.mark.parametrize("expr,expected", [("x**(3/2)", "(x*tl.sqrt(x))"), ("x**(-5/2)", "(1.0 / (x*x*tl.sqrt(x)))"),
+                                           ("(1 + y)**(3/2)", "((1.0 + y)*tl.sqrt(1.0 + y))")])
+def test_printer_half_integer_powers(expr, expected):
+    """x**(n/2) printed as products and one square root (a Newton step's curvature, huber_longhorn's
+    (1 + r^2)^(3/2)), exact where exp(n/2 log x) rounds twice, and evaluating as the power does."""
+    import math
+
+    import sympy
+    x, y = sympy.symbols("x y", positive=True)
+    e = sympy.sympify(expr, locals={"x": x, "y": y})
+    code = GC._triton_code(e, {})
+    assert code == expected
+    env = {"tl": type("tl", (), {"sqrt": staticmethod(math.sqrt)})}
+    assert eval(code, env, {"x": 1.7, "y": 0.3}) == pytest.approx(float(e.subs({x: 1.7, y: 0.3})), rel=1e-14)
+
+
 @pytest.mark.parametrize("which,T,chunk", [
     ("cauchy_delta", 1, 32), ("cauchy_delta", 7, 4), ("cauchy_delta", 33, 16),
     ("col_delta", 7, 4), ("col_cauchy", 9, 4),

@@ -9,11 +9,13 @@ the state (``ir.state_update``, ``ir.state_reductions``); for example the robust
     _r0 = sum_m S_prev*k,   _r1 = sum_d (_r0 - x)**2
     S_t = (S_prev*_r1 + S_prev - _r0*beta*k + beta*k*x)/(_r1 + 1)
 
-Kernels (one program per batch*head, the whole ``[K, V]`` state in registers, transposed as
-in FLA; fp32 state and arithmetic, fp32/bf16 I/O):
+Kernels (one program per batch*head and block of rows, the state tile ``[K, BV]`` in registers,
+transposed as in FLA; fp32 state and arithmetic, fp32/bf16 I/O):
 
-forward  loop over t: load the step's leaves (inputs, params), evaluate the reductions and
-         ``F``, the readout, store ``y``; for training, store the state every ``CHUNK`` steps.
+forward  loop over t: take the step's leaves (inputs, params), loaded one step ahead (and, on
+         the GPU, prefetched into L2 ``PF`` steps ahead: the recurrence is latency-bound, and a
+         load at the top of the step would start its dependency chain), evaluate the reductions
+         and ``F``, the readout, store ``y``; for training, store the state every ``CHUNK`` steps.
 backward chunks in reverse: recompute the chunk's states from its checkpoint into a
          per-program scratch buffer ``[CHUNK, K, V]``, then step back through them. The
          step's adjoint is derived here with ``ssmcraft.compiler.derive.gradient`` (reverse
@@ -26,21 +28,34 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
          adjoint's sub-expressions that read no state (e.g. a Woodbury denominator) are
          computed once per step (``shared_factors``) instead of in every term.
 
+Printing (``TilePrinter``): a value over the whole tile is written as a sum of monomials in
+its key-indexed symbols (state, adjoint, keys) times coefficients that vary only per row
+(``tile_terms``), so a Newton step's ``(S A B + k C)/(A B)`` costs one product and sum per
+monomial over the tile, its quotient evaluated once per row; a sum over the keys is the
+per-row coefficients times the sums of its monomials, each monomial's sum computed once per
+step for every reduction that reads it (``reduction_lines``: a two-state adjoint's thirty
+reductions read about eight distinct sums); a key-indexed gradient that adds several sums
+over the rows takes one (``merged_key_grads``). The per-step instruction count is what a
+row-tiled backward is bound by (``benchmarks/bench_general.py``; BENCHMARKS.md has the figures).
+
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
 generated source is readable and cached (``ssmcraft.compiler.cache``).
 
 Row tiling: the grid is ``(B*H, NV)``, program ``(bh, iv)`` owning rows
-``iv*BV .. iv*BV + BV - 1`` of the state. A general update may sum over rows, so it runs with
-one block (``NV = 1``); a row-separable one (``rankr``, ``ssmcraft.ops.rankr_row.recurrent``) runs
-several, and the gradients of leaves shared by the rows (over ``m`` or per head) are written
-per row block (``[NV, ...]``) and summed on the host. Structured updates are lowered to their
-element form (``ssmcraft.compiler.structure.element_form``), general ones give ``ir.state_update``.
+``iv*BV .. iv*BV + BV - 1`` of the state. An update whose step or adjoint sums over the rows
+(``recurrent.row_sums``: cauchy_delta's ``|S k - x|^2``) runs with one block (``NV = 1``); a
+row-separable one (every row of every state reads only the same row of the states and per-row
+or shared inputs: huber_longhorn's per-channel loss, momentum_longhorn's two states, the
+``rankr`` fallback of ``ssmcraft.ops.rankr_row.recurrent``) runs several
+(``recurrent.rows_per_program``), and the gradients of leaves shared by the rows (over ``m`` or
+per head) are written per row block (``[NV, ...]``) and summed on the host. Structured updates
+are lowered to their element form (``ssmcraft.compiler.structure.element_form``), general ones
+give ``ir.state_update``.
 
 Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpoint, scratch
-block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host. The
-generator composes them with row tiling (scratch blocks ordered ``[B*H, NV, n]``), but
-several-state updates are classified ``general`` and so run with one row block.
+block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host, row
+tiled as one state is (scratch blocks ordered ``[B*H, NV, n]``).
 """
 from __future__ import annotations
 
@@ -187,37 +202,189 @@ class TilePrinter:
         for n, _, s in step.leaves:
             names[s.name] = f"l_{n}"
         self._setup(step.alg, step.dims, names)
+        self.factor = True
 
     def _setup(self, alg, dims, names: dict) -> None:
         """The printer's state: the algebra and (d, m) dims, symbol -> Triton variable names."""
         self.alg, self.dims, self.names = alg, dims, names
         self.done: set = set()
         self.rewrite: dict = {}      # expression -> the same in shared factors (``shared_factors``)
+        self.temp_dims: dict = {}    # shared factor's symbol -> the dims it varies over
+        self.factor = False          # print tiles and reductions factored (``tile_terms``, ``reduction_lines``)
+        self.msums: dict = {}        # (monomial, summed dim) -> the variable of its sum in this step
+        self.n_msums = 0
+        self.resum: dict = {}        # reduction -> its terms, summed keys first (``plan_resums``)
+        self.skip: set = set()       # reductions that only a planned resum reads: never computed
+
+    def dims_of(self, e) -> frozenset:
+        """The dims ``e`` varies over (shared factors by their definitions)."""
+        out = frozenset()
+        for s in sympy.sympify(e).free_symbols:
+            out |= self.temp_dims.get(s, self.alg.symbol_dims.get(s, frozenset()))
+        return out
 
     def expr(self, e) -> str:
         e = self.rewrite.get(e, e)
         for s in sympy.sympify(e).free_symbols:
             if s in self.alg.reductions:
                 self.names.setdefault(s.name, f"r_{s.name.lstrip('_')}")
-        return _triton_code(e, self.names)
+        terms = self.tile_terms(e) if self.factor else None
+        if terms is None:
+            return _triton_code(e, self.names)
+        return " + ".join(_triton_code(c, self.names) if mon == 1 else _triton_code(mon, self.names) if c == 1 else
+                          f"{_triton_code(mon, self.names)}*({_triton_code(c, self.names)})" for mon, c in terms)
+
+    def tile_terms(self, e):
+        """``e``, a value over the whole ``[BK, BV]`` tile, as ``[(monomial, coefficient)]``: the
+        monomials in its key-indexed symbols (state, adjoint, keys, reductions over the rows),
+        each coefficient free of them (values per row, per head), or None where ``e`` is not a
+        polynomial in them or reads no tile. Printed as ``monomial*(coefficient)``, the
+        coefficient is evaluated once per row on ``[1, BV]`` and the tile work is one product
+        and sum per monomial; printed as sympy writes it, a quotient such as a Newton step's
+        ``(sp*A*B + k*C)/(A*B)`` is evaluated over the whole tile, division included."""
+        d, m = self.dims
+        e = sympy.sympify(e)
+        if not {d, m} <= self.dims_of(e):
+            return None
+        gens = {s for s in e.free_symbols if m in self.dims_of(s)}
+        terms = _monomial_terms(e, gens)
+        if terms is None or len(terms) > 8:
+            return None
+        return sorted(terms.items(), key=lambda mc: sympy.default_sort_key(mc[0]))
+
 
     def reductions(self, exprs, indent) -> list[str]:
         """Lines computing every reduction ``exprs`` use (inner first) not yet computed."""
         lines = []
         for e in exprs:
             for r in self.alg.reductions_in(e):
-                if r.symbol in self.done:
+                if r.symbol in self.done or r.symbol in self.skip:
                     continue
                 self.done.add(r.symbol)
                 self.names[r.symbol.name] = f"r_{r.symbol.name.lstrip('_')}"
-                lines.append(f"{indent}{self.names[r.symbol.name]} = {self.reduce(r)}")
+                if r.symbol in self.resum:
+                    lines += self.resum_lines(r, self.names[r.symbol.name], indent)
+                else:
+                    lines += self.reduction_lines(r, self.names[r.symbol.name], indent)
         return lines
+
+    def resum_lines(self, r, name: str, indent: str) -> list[str]:
+        """Lines computing ``r = sum_m (sum_i a_i (sum_d B_i) + rest)`` (``plan_resums``) as
+        ``sum_i sum_d (sum_m a_i B_i) + sum_m rest``: the inner sums over the keys are monomial sums
+        (``reduction_lines``), and the sums over the rows are of per-row values, so no tile is
+        summed across the rows."""
+        d, m = self.dims
+        lines, parts = [], []
+        for mon, c in self.resum[r.symbol].items():
+            inner = c if mon == 1 else c * self.rewrite.get(self.alg.reductions[mon].body, self.alg.reductions[mon].body)
+            lines += self.reductions([inner], indent)
+            var = f"u_{self.n_msums}"
+            self.n_msums += 1
+            lines += self.reduction_lines(Reduction(None, inner, m, frozenset()), var, indent)
+            parts.append(var if mon == 1 else f"tl.sum(tl.where(mask_v[None, :], {var}, 0.0), axis=1, keep_dims=True)")
+        return lines + [f"{indent}{name} = {' + '.join(parts)}"]
+
+    def plan_resums(self, exprs) -> None:
+        """Find the sums over the keys of values that are sums over the rows, ``sum_m (sum_i a_i
+        (sum_d B_i) + rest)`` with ``a_i`` constant over the rows and no other expression reading
+        the ``sum_d B_i``, and plan them summed keys first (``resum_lines``): a derived adjoint's
+        gradient of a per-head leaf is such a double sum."""
+        d, m = self.dims
+        alg = self.alg
+        reds = {r.symbol: r for e in exprs for r in alg.reductions_in(self.rewrite.get(e, e))}
+        refs: dict = {}
+        for e in [*(self.rewrite.get(e, e) for e in exprs), *(self.rewrite.get(r.body, r.body) for r in reds.values())]:
+            for x in sympy.sympify(e).free_symbols & set(reds):
+                refs[x] = refs.get(x, 0) + 1
+        self.resum, self.skip = {}, set()
+        for q, r in reds.items():
+            body = sympy.sympify(self.rewrite.get(r.body, r.body))
+            if r.over != m or q in self.done or d in self.dims_of(body):
+                continue
+            cands = {x for x in body.free_symbols if x in reds and reds[x].over == d and refs.get(x) == 1
+                     and x not in self.done and x not in self.skip}
+            terms = _monomial_terms(body, cands) if cands else None
+            if terms is None or any(mon != 1 and (mon not in cands or d in self.dims_of(c)) for mon, c in terms.items()):
+                continue
+            self.resum[q] = terms
+            self.skip |= {mon for mon in terms if mon != 1}
+
+    def reduction_lines(self, r, name: str, indent: str) -> list[str]:
+        """Lines computing reduction ``r`` as ``name``. Factored (``self.factor``): its body as
+        monomials in the symbols that vary over the keys times per-row coefficients
+        (``_monomial_terms``), so that it is ``sum_j c_j * (sum_m mon_j)``, and each monomial's sum is
+        computed once per step for every reduction that needs it (``self.msums``): the derived
+        adjoint of a several-state or Newton step has dozens of reductions over a handful of
+        distinct monomials (``sum_m g k``, ``sum_m g S_prev``, ...)."""
+        d, m = self.dims
+        terms = None
+        body = self.rewrite.get(r.body, r.body)
+        if self.factor and r.over == m and {d, m} <= self.dims_of(body):     # a tile summed over the keys
+            gens = {s for s in body.free_symbols if r.over in self.dims_of(s)}
+            terms = _monomial_terms(body, gens)
+        if terms is None or len(terms) > 8:
+            return [f"{indent}{name} = {self.reduce(r)}"]
+        lines, parts = [], []
+        for mon, c in sorted(terms.items(), key=lambda mc: sympy.default_sort_key(mc[0])):
+            if mon == 1:
+                parts.append(f"{'K_f' if r.over == m else 'V_f'}*({self.expr(c)})")
+                continue
+            if (mon, r.over) not in self.msums:
+                var = name if (len(terms) == 1 and c == 1) else f"s_{self.n_msums}"     # the sum is the reduction
+                self.n_msums += var != name
+                lines.append(f"{indent}{var} = {self.reduce(Reduction(None, mon, r.over, frozenset()))}")
+                self.msums[(mon, r.over)] = var
+            var = self.msums[(mon, r.over)]
+            parts.append(var if c == 1 else f"{var}*({self.expr(c)})")
+        return lines + ([f"{indent}{name} = {' + '.join(parts)}"] if parts != [name] else [])
+
+    def forget(self, symbols=None) -> None:
+        """Drop the monomial sums that read any of ``symbols`` (all of them with None): the
+        values they summed change from here on."""
+        self.msums = {k: v for k, v in self.msums.items()
+                      if symbols is not None and not (k[0].free_symbols & set(symbols))}
 
     def reduce(self, r) -> str:
         """The Triton sum of reduction ``r`` over the tile (padding masked out)."""
         d, m = self.dims
-        mask = "MASK" if {d, m} <= self.alg.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
+        mask = "MASK" if {d, m} <= self.dims_of(r.body) else "mask_k[:, None]" if r.over == m else "mask_v[None, :]"
         return f"tl.sum(tl.where({mask}, {self.expr(r.body)}, 0.0), axis={0 if r.over == m else 1}, keep_dims=True)"
+
+
+def _monomial_terms(e, gens: set):
+    """``e`` as ``{monomial in gens: coefficient}``, expanding only over ``gens`` (coefficients
+    keep their factored form: expanding them would cost more and lose precision), or None where
+    ``e`` is not a polynomial of degree <= 3 in them."""
+    if not (e.free_symbols & gens):
+        return {sympy.Integer(1): e}
+    if e in gens:
+        return {e: sympy.Integer(1)}
+    if isinstance(e, sympy.Add):
+        out: dict = {}
+        for a in e.args:
+            t = _monomial_terms(a, gens)
+            if t is None:
+                return None
+            for mon, c in t.items():
+                out[mon] = out.get(mon, 0) + c
+        return out
+    if isinstance(e, sympy.Mul) or (isinstance(e, sympy.Pow) and e.exp.is_Integer and 1 < e.exp <= 3):
+        factors = e.args if isinstance(e, sympy.Mul) else [e.base] * int(e.exp)
+        out = {sympy.Integer(1): sympy.Integer(1)}
+        for f in factors:
+            t = _monomial_terms(f, gens)
+            if t is None:
+                return None
+            nxt: dict = {}
+            for m1, c1 in out.items():
+                for m2, c2 in t.items():
+                    mon = m1 * m2
+                    if sum(int(f.exp) if f.is_Pow else 1 for f in sympy.Mul.make_args(mon) if f != 1) > 3:
+                        return None
+                    nxt[mon] = nxt.get(mon, 0) + c1 * c2
+            out = nxt
+        return out
+    return None
 
 
 def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
@@ -231,6 +398,8 @@ def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
     alg = step.alg
     state = {*step.S_prevs, *step.Ss, *step.Gs, step.DY}
     ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
+    if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
+        ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
     adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
                if sympy.sympify(e) != 0]
     return shared_lines(pr, adjoint, indent, ignore)
@@ -249,10 +418,42 @@ def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
     lines = pr.reductions([e for _, e in temps], indent)
     for i, (sym, e) in enumerate(temps):
         code = pr.expr(e)
+        pr.temp_dims[sym] = pr.dims_of(e)
         pr.names[sym.name] = f"c_{i}"
         lines.append(f"{indent}c_{i} = {code}")
     pr.rewrite = dict(zip(originals, reduced))
     return lines
+
+
+def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
+    """``{leaf: (body, rest)}`` for the key-indexed leaves whose transition adjoint is
+    ``sum_i a_i * (sum_d B_i) + rest`` with ``a_i`` constant over the rows and no other expression
+    of the step reading those sums: the gradient is then ``sum_d (sum_i a_i B_i) + rest``, one
+    sum over the rows (a cross-thread reduction of the tile) instead of one per term. ``body`` and
+    ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
+    d, m = step.dims
+    alg = step.alg
+    keyed = [n for n, ld, _ in step.leaves if tuple(ld) == (m,) and step.din_F[n] != 0]
+    if not keyed:
+        return {}
+
+    def used(exprs) -> set:
+        return {r.symbol for e in exprs for r in alg.reductions_in(pr.rewrite.get(e, e))}
+    out = {}
+    for n in keyed:
+        e = sympy.sympify(pr.rewrite.get(step.din_F[n], step.din_F[n]))
+        others = [*step.dS_prevs, *step.dS_ros, *step.din_ro.values(), step.readout,
+                  *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
+        elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
+                                              for r in alg.reductions_in(alg.reductions[x].body)}
+        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere}
+        terms = _monomial_terms(e, cands) if len(cands) > 1 else None
+        if terms is None or any(mon != 1 and (mon not in cands or d in pr.dims_of(c)) for mon, c in terms.items()):
+            continue
+        body = sympy.Add(*(c * pr.rewrite.get(alg.reductions[mon].body, alg.reductions[mon].body)
+                           for mon, c in terms.items() if mon != 1))
+        out[n] = (body, terms.get(sympy.Integer(1), sympy.Integer(0)))
+    return out
 
 
 def _suffixes(step: Step) -> list[str]:
@@ -273,18 +474,56 @@ def _scr_block(i: int, ns: int) -> str:
     return blk if ns == 1 else f"({blk} * {ns} + {i})"
 
 
-def _leaf_load(name, ldims, step, indent) -> str:
+def _leaf_load(name, ldims, step, indent, var=None, row="row") -> str:
+    """The line loading leaf ``name`` at step ``row`` (a row index of ``[B, T, H]``) into ``var``
+    (default ``l_<name>``), as an fp32 value over the tile."""
     d, m = step.dims
-    v = f"l_{name}"
+    v = var or f"l_{name}"
     if tuple(ldims) == (d,):
-        return f"{indent}{v} = tl.load(P_{name} + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
     if tuple(ldims) == (m,):
-        return f"{indent}{v} = tl.load(P_{name} + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
     if not ldims:
-        return f"{indent}{v} = tl.load(P_{name} + row).to(tl.float32)"
+        return f"{indent}{v} = tl.load(P_{name} + {row}).to(tl.float32)"
     # [d, m] leaf laid out [B, T, H, V, K]
-    return (f"{indent}{v} = tl.load(P_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], "
+    return (f"{indent}{v} = tl.load(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None], "
             f"mask=MASK, other=0.).to(tl.float32)")
+
+
+def _leaf_prefetch(name, ldims, step, indent, row) -> list[str]:
+    """An L2 prefetch of leaf ``name`` at step ``row`` (nothing waits on it). Scalars are left
+    out: a head's scalars of several steps share one cache line."""
+    d, m = step.dims
+    if tuple(ldims) == (d,):
+        return [f"{indent}prefetch_l2(P_{name} + {row} * V + offs_v)"]
+    if tuple(ldims) == (m,):
+        return [f"{indent}prefetch_l2(P_{name} + {row} * K + offs_k)"]
+    if not ldims:
+        return []
+    return [f"{indent}prefetch_l2(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None])"]
+
+
+def _loads_ahead(step, indent, row_next) -> list[str]:
+    """Lines that take this step's leaves from the values loaded one step ahead (``n_<name>``)
+    and load the next step's (at ``row_next``): the loads' latency overlaps the step's work
+    instead of starting its dependency chain."""
+    take = [f"{indent}l_{n} = n_{n}" for n, _, _ in step.leaves]
+    return take + [_leaf_load(n, ld, step, indent, f"n_{n}", row_next) for n, ld, _ in step.leaves]
+
+
+def _first_loads(step, indent, row) -> list[str]:
+    """The loads ahead of a loop's first step (``_loads_ahead``), at ``row`` (an expression)."""
+    return [f"{indent}row_n = {row}", *(_leaf_load(n, ld, step, indent, f"n_{n}", "row_n") for n, ld, _ in step.leaves)]
+
+
+def _prefetches(step, indent, row, dy=False) -> list[str]:
+    """L2 prefetches of every leaf (and ``DY`` if ``dy``) at step ``row``."""
+    lines = [line for n, ld, _ in step.leaves for line in _leaf_prefetch(n, ld, step, indent, row)]
+    return lines + ([f"{indent}prefetch_l2(DY + {row} * V + offs_v)"] if dy else [])
+
+
+def _dy_load(indent, var, row) -> str:
+    return f"{indent}{var} = tl.load(DY + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
 
 
 def _leaf_store(name, ldims, step, value, indent) -> list[str]:
@@ -298,7 +537,7 @@ def _leaf_store(name, ldims, step, value, indent) -> list[str]:
     return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
 
 
-_I1, _I2 = " " * 8, " " * 12
+_I1, _I2, _I3 = " " * 8, " " * 12, " " * 16
 _PREAMBLE = [
     "    i_bh = tl.program_id(0)",
     "    i_v = tl.program_id(1)",
@@ -306,8 +545,8 @@ _PREAMBLE = [
     "    h = i_bh % H",
     "    offs_v = i_v * BV + tl.arange(0, BV)",
     "    offs_k = tl.arange(0, BK)",
-    "    mask_v = offs_v < V",
-    "    mask_k = offs_k < K",
+    "    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away",
+    "    mask_k = (offs_k < K) | EVEN",
     "    MASK = mask_k[:, None] & mask_v[None, :]",
     "    tile = offs_k[:, None] * V + offs_v[None, :]",
     "    V_f = V * 1.0",
@@ -316,6 +555,17 @@ _PREAMBLE = [
     "    ZC = tl.zeros([BK, 1], dtype=tl.float32)",
     "    Z2 = tl.zeros([BK, BV], dtype=tl.float32)",
     "    Z11 = tl.zeros([1, 1], dtype=tl.float32)",
+]
+
+
+# generated code imports nothing but triton (``ssmcraft.compiler.safe_source``): its own copy of
+# the L2 prefetch (``ssmcraft.ops.rank1_row.fwd.prefetch_l2``)
+_PREFETCH_L2 = [
+    "@triton.jit",
+    "def prefetch_l2(ptrs):",
+    '    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""',
+    '    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],',
+    "                              dtype=tl.int32, is_pure=False, pack=1)",
 ]
 
 
@@ -328,7 +578,8 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "@triton.jit",
         f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):",
+        "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,",
+        "               EVEN: tl.constexpr):",
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers."""',
         *_PREAMBLE,
@@ -338,9 +589,14 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
           for i, x in states],
         "    if STORE_CK:",
         *[f"        tl.store(CK + {_sbase(i, ns)} * NC * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
+        *_first_loads(step, "    ", "b.to(tl.int64) * T * H + h"),
         "    for t in range(0, T):",
         "        row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I1) for n, ld, _ in step.leaves],
+        "        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h",
+        *_loads_ahead(step, I1, "row_n"),
+        "        if PF > 0:",
+        "            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h",
+        *_prefetches(step, I2, "row_p"),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
         *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
@@ -360,23 +616,32 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
 def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str, states: list,
                      F_codes: list) -> list[str]:
     """The backward kernel's lines: per chunk in reverse, recompute the states, then step the adjoint back."""
-    ns, I2 = step.n_states, _I2
+    ns, I1, I2 = step.n_states, _I1, _I2
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
+    pr.forget()
     rec_red = pr.reductions(step.Fs, I2)
     pr.done = set()
+    pr.forget()
     b_fwd = pr.reductions(step.Fs, I2)
     b_shared = shared_factors(step, pr, I2)
     b_ro = pr.reductions([step.readout], I2)
     b_a = pr.reductions([*step.dS_ros, *step.din_ro.values()], I2)
-    b_b = pr.reductions([*step.dS_prevs, *step.din_F.values()], I2)
+    pr.forget(step.Gs)             # the adjoint takes the readout's term before these
+    merged = merged_key_grads(step, pr) if pr.factor else {}
+    din_F = [e for n, _, _ in step.leaves if n not in merged for e in (step.din_F[n],)]
+    b_exprs = [*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)]
+    if pr.factor:
+        pr.plan_resums(b_exprs)
+    b_b = pr.reductions(b_exprs, I2)
     grads = []
     for n, ld, s in step.leaves:
-        parts = [e for e in (step.din_ro[n], step.din_F[n]) if e != 0]
-        if not parts:
-            grads.append((n, ld, "0.0"))
-            continue
-        grads.append((n, ld, " + ".join(f"({pr.expr(e)})" for e in parts)))
+        parts = [f"({pr.expr(e)})" for e in (step.din_ro[n], step.din_F[n] if n not in merged else 0) if e != 0]
+        if n in merged:
+            body, rest = merged[n]
+            parts.append(f"tl.sum(tl.where(MASK, {pr.expr(body)}, 0.0), axis=1, keep_dims=True)")
+            parts += [f"({pr.expr(rest)})"] if rest != 0 else []
+        grads.append((n, ld, " + ".join(parts) if parts else "0.0"))
     if ns == 1:     # one state: the step's new value and adjoint replace the old ones in place
         recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
         adjoint_back = [f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
@@ -389,7 +654,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "@triton.jit",
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):",
+        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):",
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
         *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
@@ -405,19 +670,32 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "        t1 = tl.minimum(t0 + CHUNK, T)",
         *[f"        sp{x} = tl.load(CK + ({_sbase(i, ns)} * NC + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
+        *_first_loads(step, I1, "(b.to(tl.int64) * T + t0) * H + h"),
         "        for t in range(t0, t1):",
         "            row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
+        "            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h",
+        *_loads_ahead(step, I2, "row_n"),
+        "            if PF > 0:     # the reverse sweep below reads DY at this step",
+        f"{_I3}prefetch_l2(DY + row * V + offs_v)",
         *[f"            tl.store(scr{x} + (t - t0) * BK * BV, sp{x})" for _, x in states],
         *rec_red,
         *recompute,
         "        tl.debug_barrier()",
+        *_first_loads(step, I1, "(b.to(tl.int64) * T + t1 - 1) * H + h"),
+        _dy_load(I1, "n_dy", "row_n"),
+        *[f"        n_sp{x} = tl.load(scr{x} + (t1 - 1 - t0) * BK * BV)" for _, x in states],
         "        for jt in range(0, t1 - t0):",
         "            t = t1 - 1 - jt",
         "            row = (b.to(tl.int64) * T + t) * H + h",
-        *[_leaf_load(n, ld, step, I2) for n, ld, _ in step.leaves],
-        "            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]",
-        *[f"            sp{x} = tl.load(scr{x} + (t - t0) * BK * BV)" for _, x in states],
+        "            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h",
+        *_loads_ahead(step, I2, "row_n"),
+        "            dy = n_dy",
+        _dy_load(I2, "n_dy", "row_n"),
+        *[f"            sp{x} = n_sp{x}" for _, x in states],
+        *[f"            n_sp{x} = tl.load(scr{x} + (tl.maximum(t - 1, t0) - t0) * BK * BV)" for _, x in states],
+        "            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next",
+        "                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h",
+        *_prefetches(step, _I3, "row_p", dy=True),
         *b_fwd,
         *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
@@ -449,4 +727,5 @@ def kernel_source(ir, step: Step, header: str) -> str:
                          *(f"    {S.name}_t[i,j] = {sympy.sstr(F)}" for S, F in zip(step.Ss, step.Fs)),
                          *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}" for r in step.alg.reductions_in(sympy.Add(*step.Fs))),
                          f"    y_t[i] = {sympy.sstr(step.readout)}", ""]))])
-    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *fwd, "", "", *bwd]) + "\n"
+    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *_PREFETCH_L2, "", "", *fwd, "", "",
+                      *bwd]) + "\n"

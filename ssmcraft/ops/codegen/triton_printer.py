@@ -108,6 +108,9 @@ class TritonPrinter(StrPrinter):
             return "(1.0 / (" + "*".join([b] * -int(e)) + "))"
         if e == 0:
             return "1.0"
+        if e.is_Rational and e.q == 2 and abs(e.p) <= 9:     # x**(n/2) as x**(n//2) * sqrt(x): exact, no exp/log
+            root = "*".join([b] * (abs(e.p) // 2) + [f"tl.sqrt({self._print(base)})"])
+            return f"({root})" if e > 0 else f"(1.0 / ({root}))"
         # real powers of a base the spec declares positive (or of an Abs)
         return f"{self.exp_fn}({self._print(e)} * tl.log({self._print(base)}))"
 

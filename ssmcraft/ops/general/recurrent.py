@@ -13,8 +13,13 @@ from ssmcraft.ops.codegen.general import Step, build_step, kernel_source
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
-CHUNK = 32               # checkpoint interval of the backward (steps)
+CHUNK = 16               # checkpoint interval of the backward (steps; CONFIG["chunk"] over it): the
+                         # scratch of every program's chunk, B*H*CHUNK*K*V fp32, stays in L2 (32 MB at
+                         # B=8 H=16 K=V=64; H100 bf16 T=2048 fwd+bwd ms, 32 -> 16: huber_longhorn 8.09 ->
+                         # 7.41, cauchy_delta 6.82 -> 6.42)
 POISON = False           # tests: allocate outputs with NaN
+PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
+CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps, "chunk": CHUNK} over the rules below
 
 
 _MODULES: dict = {}    # content hash of the element form -> (step, module, source)
@@ -49,9 +54,45 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-def _warps(BK, BV):
+def _warps(BK, BV, V):
+    """num_warps: one warp for a block of a row-tiled state (the per-step reductions over the key
+    stay in the warp: shuffles, no barrier), else by the tile's size. H200, bf16, B=8 T=2048 H=16
+    d=m=64, checkpoints every 32 steps (``benchmarks/bench_general.py --sweep``), fwd / fwd+bwd ms:
+    huber_longhorn at 8 rows 1.73 / 11.0 on 1 warp, 1.75 / 15.5 on 2; 4 rows on 1 warp 1.85 /
+    17.5; cauchy_delta (one program per head, a [64, 64] tile) 1.72 / 7.7 on 4 warps, 2.02 / 11.6
+    on 8, 2.40 / 17.7 on 16."""
+    if INTERPRET:
+        return 1
+    if "warps" in CONFIG:
+        return CONFIG["warps"]
     n = BK * BV
-    return 1 if INTERPRET else (4 if n <= 2048 else 8 if n <= 8192 else 16)
+    if BV < next_pow2(V) and n <= 1024:
+        return 1
+    return 4 if n <= 4096 else 8 if n <= 16384 else 16
+
+
+def _prefetch() -> int:
+    return 0 if INTERPRET else PREFETCH
+
+
+def rows_per_program(ir, V: int, K: int) -> int | None:
+    """Rows per program for ``ir``'s kernels at ``[V, K]``: None (every row in one program) if the
+    step or its adjoint sums over the rows (``row_sums``: e.g. ``cauchy_delta``'s ``|S k - x|^2``),
+    else a block of rows, so that B*H*V/rows programs share the chip. Row-separable updates are the
+    nonlinear ones whose loss is per row (``huber_longhorn``) and several-state ones whose every
+    state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
+    fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
+    ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
+    7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
+    backward spills)."""
+    if row_sums(_module(ir)[0]):
+        return None
+    full = next_pow2(V)
+    if "rows" in CONFIG:
+        return min(CONFIG["rows"], full)
+    if INTERPRET:
+        return full
+    return min(full, max(8, 1024 // (next_pow2(K) * max(1, len(ir.states)))))
 
 
 def _stacked(ir) -> tuple:
@@ -78,7 +119,8 @@ class _GeneralFunction(torch.autograd.Function):
         B, T, H, K, V, BV = shape
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
-        NC = max(1, cdiv(T, CHUNK))
+        chunk = CONFIG.get("chunk", CHUNK)
+        NC = max(1, cdiv(T, chunk))
         ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
@@ -88,12 +130,13 @@ class _GeneralFunction(torch.autograd.Function):
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
         if T > 0:
             launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
-                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=CHUNK, HAS_S0=S0c is not None,
-                   STORE_ST=True, STORE_CK=CK is not None, num_warps=_warps(BK, BV))
+                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=chunk, HAS_S0=S0c is not None,
+                   STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
+                   num_warps=_warps(BK, BV, V))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
-        ctx.ir, ctx.shape, ctx.has_s0 = ir, shape, S0 is not None
+        ctx.ir, ctx.shape, ctx.has_s0, ctx.chunk = ir, shape, S0 is not None, chunk
         ctx.s0_dtype = S0.dtype if S0 is not None else None
         return y, (ST.transpose(-1, -2) if output_final_state else None)
 
@@ -104,13 +147,14 @@ class _GeneralFunction(torch.autograd.Function):
         B, T, H, K, V, BV = ctx.shape
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
-        NC = max(1, cdiv(T, CHUNK))
+        chunk = ctx.chunk
+        NC = max(1, cdiv(T, chunk))
         d_dim = ctx.ir.dims[0]
         shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * CHUNK * BK * BV, device=dev, dtype=torch.float32)
+        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
         d = torch.empty(1, device=dev)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
@@ -118,7 +162,8 @@ class _GeneralFunction(torch.autograd.Function):
         if T > 0:
             launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
-                   CHUNK=CHUNK, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, num_warps=_warps(BK, BV))
+                   CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
+                   num_warps=_warps(BK, BV, V))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
@@ -169,7 +214,8 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
         leaves.append(t.contiguous())
     S0 = initial_state.transpose(-1, -2) if initial_state is not None else None
     out_dtype = io_dtype(first.dtype)
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, next_pow2(V)), out_dtype, output_final_state,
+    BV = rows_per_program(ir, V, K) or next_pow2(V)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), out_dtype, output_final_state,
                                   S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
 
@@ -227,13 +273,13 @@ def runner(obj, ir, lay, row_block=None):
 
 
 def prepare(obj, lay):
-    """The family's runner for one call signature (see ``runner``; one row block)."""
-    return runner(obj, obj.ir, lay)
+    """The family's runner for one call signature (see ``runner``; rows per program by ``rows_per_program``)."""
+    return runner(obj, obj.ir, lay, row_block=rows_per_program(obj.ir, lay.d, lay.m))
 
 
 def forward(obj, lay, co, output_final_state, row_block=None):
     """Family contract: the kernel computes everything from the layout's leaves (``co`` unused).
-    ``row_block``: rows per program (a power of 2; None: all rows in one program).
+    ``row_block``: rows per program (a power of 2; None: ``rows_per_program``'s rule).
     Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
     ir = obj.ir
     d, m = ir.dims
@@ -249,7 +295,7 @@ def forward(obj, lay, co, output_final_state, row_block=None):
         elif not dims:
             t = t.reshape(B, T, H)
         leaves.append(t.contiguous())
-    BV = row_block or next_pow2(V)
+    BV = row_block or rows_per_program(ir, V, K) or next_pow2(V)
     S0 = _stack_states(ir, lay.S0)
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
     return y.to(lay.dtype), _unstack_states(ir, S)

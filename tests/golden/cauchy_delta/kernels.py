@@ -14,9 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):
+               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,
+               EVEN: tl.constexpr):
     """One program per (batch*head, block of BV rows): the state tile, transposed [BK, BV], in registers."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -24,8 +32,8 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -39,15 +47,30 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
         sp += tl.load(S0 + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)
     if STORE_CK:
         tl.store(CK + i_bh.to(tl.int64) * NC * K * V + tile, sp, mask=MASK)
+    row_n = b.to(tl.int64) * T * H + h
+    n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_beta = tl.load(P_beta + row_n).to(tl.float32)
     for t in range(0, T):
         row = (b.to(tl.int64) * T + t) * H + h
-        l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_beta = tl.load(P_beta + row).to(tl.float32)
+        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h
+        l_x = n_x
+        l_k = n_k
+        l_q = n_q
+        l_beta = n_beta
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n).to(tl.float32)
+        if PF > 0:
+            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h
+            prefetch_l2(P_x + row_p * V + offs_v)
+            prefetch_l2(P_k + row_p * K + offs_k)
+            prefetch_l2(P_q + row_p * K + offs_k)
         r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
         r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
-        st = tl.where(MASK, (sp + sp*r_r1 + l_k*l_x*l_beta - r_r0*l_k*l_beta)/(1.0 + r_r1) + Z2, 0.0)
+        st = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
         r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
@@ -63,7 +86,7 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
 @triton.jit
 def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):
+               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):
     """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -71,8 +94,8 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -91,46 +114,78 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
         sp = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=MASK, other=0.)
+        row_n = (b.to(tl.int64) * T + t0) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n).to(tl.float32)
         for t in range(t0, t1):
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row).to(tl.float32)
+            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h
+            l_x = n_x
+            l_k = n_k
+            l_q = n_q
+            l_beta = n_beta
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n).to(tl.float32)
+            if PF > 0:     # the reverse sweep below reads DY at this step
+                prefetch_l2(DY + row * V + offs_v)
             tl.store(scr + (t - t0) * BK * BV, sp)
             r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
-            sp = tl.where(MASK, (sp + sp*r_r1 + l_k*l_x*l_beta - r_r0*l_k*l_beta)/(1.0 + r_r1) + Z2, 0.0)
+            sp = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
         tl.debug_barrier()
+        row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n).to(tl.float32)
+        n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_sp = tl.load(scr + (t1 - 1 - t0) * BK * BV)
         for jt in range(0, t1 - t0):
             t = t1 - 1 - jt
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row).to(tl.float32)
-            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            sp = tl.load(scr + (t - t0) * BK * BV)
+            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h
+            l_x = n_x
+            l_k = n_k
+            l_q = n_q
+            l_beta = n_beta
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n).to(tl.float32)
+            dy = n_dy
+            n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            sp = n_sp
+            n_sp = tl.load(scr + (tl.maximum(t - 1, t0) - t0) * BK * BV)
+            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next
+                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h
+                prefetch_l2(P_x + row_p * V + offs_v)
+                prefetch_l2(P_k + row_p * K + offs_k)
+                prefetch_l2(P_q + row_p * K + offs_k)
+                prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
             c_0 = -2.0*l_x
-            st = tl.where(MASK, (sp + sp*r_r1 + l_k*l_x*l_beta - r_r0*l_k*l_beta)/(1.0 + r_r1) + Z2, 0.0)
+            st = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)) + Z2, 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
-            r_r1007 = tl.sum(tl.where(MASK, st*dy, 0.0), axis=1, keep_dims=True)
-            g = g + tl.where(MASK, dy*l_q + Z2, 0.0)
+            r_r1007 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
+            g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
-            r_r1002 = tl.sum(tl.where(MASK, g*(sp + sp*r_r1 + l_k*l_x*l_beta - r_r0*l_k*l_beta), 0.0), axis=0, keep_dims=True)
+            s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
+            s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1002 = s_0*(1.0 + r_r1) + s_1*(l_x*l_beta - r_r0*l_beta)
             r_r1003 = tl.sum(tl.where(mask_v[None, :], r_r1002, 0.0), axis=1, keep_dims=True)
-            r_r1004 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1005 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=1, keep_dims=True)
-            r_r1006 = tl.sum(tl.where(mask_k[:, None], r_r1005, 0.0), axis=0, keep_dims=True)
-            r_r1008 = tl.sum(tl.where(MASK, g*(l_x*l_beta - r_r0*l_beta), 0.0), axis=1, keep_dims=True)
-            r_r1009 = tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True)
-            r_r1010 = tl.sum(tl.where(MASK, g*(l_k*l_x - r_r0*l_k), 0.0), axis=1, keep_dims=True)
-            r_r1011 = tl.sum(tl.where(mask_k[:, None], r_r1010, 0.0), axis=0, keep_dims=True)
+            r_r1004 = s_1
+            u_2 = s_0
+            r_r1006 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
+            u_3 = s_1*(l_x - r_r0)
+            r_r1011 = tl.sum(tl.where(mask_v[None, :], u_3, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum(((-c_0 - 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) + r_r1004*l_beta/(1.0 + r_r1)) + ZR, axis=0), mask=mask_v)
-            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1009 + r_r1008/(1.0 + r_r1)) + ZC, axis=1), mask=mask_k)
+            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + g*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1007) + ZC, axis=1), mask=mask_k)
             tl.store(D_beta + i_v * NBT + row, tl.sum(tl.sum((r_r1011/(1.0 + r_r1)) + Z11, axis=1), axis=0))
             g = tl.where(MASK, g + l_k*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + Z2, 0.0)

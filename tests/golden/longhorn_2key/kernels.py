@@ -17,9 +17,17 @@ import triton.language as tl
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):
+               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,
+               EVEN: tl.constexpr):
     """One program per (batch*head, block of BV rows): the state tile, transposed [BK, BV], in registers."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -27,8 +35,8 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -42,20 +50,42 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
         sp += tl.load(S0 + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)
     if STORE_CK:
         tl.store(CK + i_bh.to(tl.int64) * NC * K * V + tile, sp, mask=MASK)
+    row_n = b.to(tl.int64) * T * H + h
+    n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
     for t in range(0, T):
         row = (b.to(tl.int64) * T + t) * H + h
-        l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        l_x2 = tl.load(P_x2 + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_k2 = tl.load(P_k2 + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h
+        l_x = n_x
+        l_x2 = n_x2
+        l_k = n_k
+        l_k2 = n_k2
+        l_q = n_q
+        l_beta = n_beta
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        if PF > 0:
+            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h
+            prefetch_l2(P_x + row_p * V + offs_v)
+            prefetch_l2(P_x2 + row_p * V + offs_v)
+            prefetch_l2(P_k + row_p * K + offs_k)
+            prefetch_l2(P_k2 + row_p * K + offs_k)
+            prefetch_l2(P_q + row_p * K + offs_k)
+            prefetch_l2(P_beta + row_p * V + offs_v)
         r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
         r_r1 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
         r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
         r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
         r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-        st = tl.where(MASK, sp + l_k*l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + l_k2*l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*l_k2*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*l_k*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_k*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_k2*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + Z2, 0.0)
+        st = tl.where(MASK, sp + l_k*(l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
         r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
@@ -71,7 +101,7 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
 @triton.jit
 def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, D_q, D_beta, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):
+               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):
     """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -79,8 +109,8 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -99,109 +129,138 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
         sp = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=MASK, other=0.)
+        row_n = (b.to(tl.int64) * T + t0) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         for t in range(t0, t1):
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_x2 = tl.load(P_x2 + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_k2 = tl.load(P_k2 + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h
+            l_x = n_x
+            l_x2 = n_x2
+            l_k = n_k
+            l_k2 = n_k2
+            l_q = n_q
+            l_beta = n_beta
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            if PF > 0:     # the reverse sweep below reads DY at this step
+                prefetch_l2(DY + row * V + offs_v)
             tl.store(scr + (t - t0) * BK * BV, sp)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
             r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
             r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-            sp = tl.where(MASK, sp + l_k*l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + l_k2*l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*l_k2*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*l_k*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_k*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_k2*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + Z2, 0.0)
+            sp = tl.where(MASK, sp + l_k*(l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
         tl.debug_barrier()
+        row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_sp = tl.load(scr + (t1 - 1 - t0) * BK * BV)
         for jt in range(0, t1 - t0):
             t = t1 - 1 - jt
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_x2 = tl.load(P_x2 + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_k2 = tl.load(P_k2 + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            sp = tl.load(scr + (t - t0) * BK * BV)
+            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h
+            l_x = n_x
+            l_x2 = n_x2
+            l_k = n_k
+            l_k2 = n_k2
+            l_q = n_q
+            l_beta = n_beta
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_k2 = tl.load(P_k2 + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            dy = n_dy
+            n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            sp = n_sp
+            n_sp = tl.load(scr + (tl.maximum(t - 1, t0) - t0) * BK * BV)
+            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next
+                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h
+                prefetch_l2(P_x + row_p * V + offs_v)
+                prefetch_l2(P_x2 + row_p * V + offs_v)
+                prefetch_l2(P_k + row_p * K + offs_k)
+                prefetch_l2(P_k2 + row_p * K + offs_k)
+                prefetch_l2(P_q + row_p * K + offs_k)
+                prefetch_l2(P_beta + row_p * V + offs_v)
+                prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_k[:, None], (l_k2*l_k2), 0.0), axis=0, keep_dims=True)
             r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
             r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-            c_0 = 2.0*l_k
-            c_1 = 2.0*l_k2
-            c_2 = r_r0*l_beta
-            c_3 = (r_r2*r_r2)
-            c_4 = (l_beta*l_beta)
-            c_5 = c_4*r_r1
-            c_6 = r_r1*l_beta
-            c_7 = 1.0 + c_6
-            c_8 = c_2 + c_7 + c_5*r_r0 - c_3*c_4
-            c_9 = (1.0 / (c_8))
-            c_10 = c_9*l_k2
-            c_11 = c_4*r_r2
-            c_12 = c_9*l_beta
-            c_13 = c_12*c_7
-            c_14 = c_10*c_11 - c_13*l_k
-            c_15 = c_9*l_k
-            c_16 = 1.0 + c_2
-            c_17 = c_12*c_16
-            c_18 = c_11*c_15 - c_17*l_k2
-            c_19 = c_10*c_4
-            c_20 = -c_5 - l_beta
-            c_21 = c_11*c_20
-            c_22 = (1.0 / (c_8*c_8))
-            c_23 = c_22*l_beta
-            c_24 = c_20*c_23
-            c_25 = r_r2*l_x2
-            c_26 = l_x + c_6*l_x - c_25*l_beta
-            c_27 = c_26*l_k
-            c_28 = r_r2*l_x
-            c_29 = l_x2 + c_2*l_x2 - c_28*l_beta
-            c_30 = c_29*l_k2
-            c_31 = c_15*c_4
-            c_32 = c_3*(l_beta*l_beta*l_beta*l_beta)
-            c_33 = (l_beta*l_beta*l_beta)
-            c_34 = c_0*r_r2
-            c_35 = c_1*r_r2
-            c_36 = c_22*c_33
-            c_37 = c_11*c_9
-            c_38 = -l_beta - c_4*r_r0
-            c_39 = c_11*c_38
-            c_40 = c_23*c_38
-            c_41 = -r_r0 - r_r1 - 2.0*c_2*r_r1 + 2.0*c_3*l_beta
-            c_42 = c_11*c_41
-            c_43 = c_23*c_41
-            st = tl.where(MASK, sp + l_k*l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + l_k2*l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*l_k2*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*l_k*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_k*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_k2*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + Z2, 0.0)
+            c_0 = r_r0*l_beta
+            c_1 = (r_r2*r_r2)
+            c_2 = (l_beta*l_beta)
+            c_3 = c_2*r_r1
+            c_4 = r_r1*l_beta
+            c_5 = 1.0 + c_4
+            c_6 = c_0 + c_5 + c_3*r_r0 - c_1*c_2
+            c_7 = (1.0 / (c_6))
+            c_8 = c_2*r_r2
+            c_9 = c_7*l_beta
+            c_10 = c_5*c_9
+            c_11 = 1.0 + c_0
+            c_12 = c_11*c_9
+            c_13 = -c_3 - l_beta
+            c_14 = c_13*c_8
+            c_15 = (1.0 / (c_6*c_6))
+            c_16 = c_15*l_beta
+            c_17 = c_13*c_16
+            c_18 = r_r2*l_x2
+            c_19 = l_x + c_4*l_x - c_18*l_beta
+            c_20 = r_r2*l_x
+            c_21 = l_x2 + c_0*l_x2 - c_20*l_beta
+            c_22 = c_1*(l_beta*l_beta*l_beta*l_beta)
+            c_23 = (l_beta*l_beta*l_beta)
+            c_24 = c_15*c_23
+            c_25 = c_7*c_8
+            c_26 = -l_beta - c_2*r_r0
+            c_27 = c_26*c_8
+            c_28 = c_16*c_26
+            c_29 = -r_r0 - r_r1 - 2.0*c_0*r_r1 + 2.0*c_1*l_beta
+            c_30 = c_29*c_8
+            c_31 = c_16*c_29
+            st = tl.where(MASK, sp + l_k*(l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
-            r_r1006 = tl.sum(tl.where(MASK, st*dy, 0.0), axis=1, keep_dims=True)
-            g = g + tl.where(MASK, dy*l_q + Z2, 0.0)
+            r_r1006 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
+            g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
-            r_r1004 = tl.sum(tl.where(MASK, c_14*g, 0.0), axis=0, keep_dims=True)
-            r_r1005 = tl.sum(tl.where(MASK, c_18*g, 0.0), axis=0, keep_dims=True)
-            r_r1007 = tl.sum(tl.where(MASK, -c_14*g, 0.0), axis=0, keep_dims=True)
-            r_r1008 = tl.sum(tl.where(MASK, -c_18*g, 0.0), axis=0, keep_dims=True)
-            r_r1009 = tl.sum(tl.where(MASK, g*(c_19*l_x2 + c_24*c_27 + c_24*c_30 - c_19*r_rS1 + c_21*c_22*r_rS0*l_k2 + c_21*c_22*r_rS1*l_k - c_16*c_24*r_rS1*l_k2 - c_24*c_7*r_rS0*l_k), 0.0), axis=1, keep_dims=True)
-            r_r1010 = tl.sum(tl.where(mask_k[:, None], r_r1009, 0.0), axis=0, keep_dims=True)
-            r_r1011 = tl.sum(tl.where(MASK, g*(c_19*r_rS0 + c_31*r_rS1 - c_19*l_x - c_31*l_x2 + c_26*c_34*c_36 + c_29*c_35*c_36 + c_0*c_22*c_32*r_rS1 + c_1*c_22*c_32*r_rS0 - c_16*c_22*c_33*c_35*r_rS1 - c_22*c_33*c_34*c_7*r_rS0), 0.0), axis=1, keep_dims=True)
-            r_r1012 = tl.sum(tl.where(mask_k[:, None], r_r1011, 0.0), axis=0, keep_dims=True)
-            r_r1013 = tl.sum(tl.where(MASK, g*(c_12*c_26 + c_37*r_rS1 - c_13*r_rS0), 0.0), axis=1, keep_dims=True)
-            r_r1014 = tl.sum(tl.where(MASK, sp*r_r1004, 0.0), axis=1, keep_dims=True)
-            r_r1015 = tl.sum(tl.where(MASK, g*(c_27*c_40 + c_30*c_40 + c_31*l_x - c_31*r_rS0 + c_22*c_39*r_rS0*l_k2 + c_22*c_39*r_rS1*l_k - c_16*c_40*r_rS1*l_k2 - c_40*c_7*r_rS0*l_k), 0.0), axis=1, keep_dims=True)
-            r_r1016 = tl.sum(tl.where(mask_k[:, None], r_r1015, 0.0), axis=0, keep_dims=True)
-            r_r1017 = tl.sum(tl.where(MASK, g*(c_12*c_29 + c_37*r_rS0 - c_17*r_rS1), 0.0), axis=1, keep_dims=True)
-            r_r1018 = tl.sum(tl.where(MASK, sp*r_r1005, 0.0), axis=1, keep_dims=True)
-            r_r1019 = tl.sum(tl.where(MASK, g*(c_10*c_29 + c_15*c_26 + c_27*c_43 + c_30*c_43 + c_12*c_34*r_rS1 + c_12*c_35*r_rS0 + c_12*l_k*(-c_25 + l_x*r_r1) + c_12*l_k2*(-c_28 + l_x2*r_r0) - c_10*c_16*r_rS1 - c_10*c_2*r_rS1 - c_15*c_6*r_rS0 - c_15*c_7*r_rS0 + c_22*c_42*r_rS0*l_k2 + c_22*c_42*r_rS1*l_k - c_16*c_43*r_rS1*l_k2 - c_43*c_7*r_rS0*l_k), 0.0), axis=0, keep_dims=True)
+            s_0 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
+            s_1 = tl.sum(tl.where(MASK, g*l_k2, 0.0), axis=0, keep_dims=True)
+            r_r1004 = s_0*(-c_10) + s_1*(c_7*c_8)
+            r_r1005 = s_0*(c_7*c_8) + s_1*(-c_12)
+            r_r1007 = s_0*(c_10) + s_1*(-c_7*c_8)
+            r_r1008 = s_0*(-c_7*c_8) + s_1*(c_12)
+            r_r1019 = s_0*(c_19*c_31 + c_19*c_7 + c_9*(-c_18 + l_x*r_r1) + c_15*c_30*r_rS1 - c_31*c_5*r_rS0 - c_4*c_7*r_rS0 - c_5*c_7*r_rS0 + 2.0*c_9*r_r2*r_rS1) + s_1*(c_21*c_31 + c_21*c_7 + c_9*(-c_20 + l_x2*r_r0) + c_15*c_30*r_rS0 - c_0*c_7*r_rS1 - c_11*c_31*r_rS1 - c_11*c_7*r_rS1 + 2.0*c_9*r_r2*r_rS0)
+            u_2 = s_0*(c_17*c_19 + c_14*c_15*r_rS1 - c_17*c_5*r_rS0) + s_1*(c_17*c_21 + c_14*c_15*r_rS0 + c_2*c_7*l_x2 - c_11*c_17*r_rS1 - c_2*c_7*r_rS1)
+            r_r1010 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
+            u_3 = s_0*(c_2*c_7*r_rS1 - c_2*c_7*l_x2 + 2.0*c_15*c_22*r_rS1 + 2.0*c_19*c_24*r_r2 - 2.0*c_15*c_23*c_5*r_r2*r_rS0) + s_1*(c_2*c_7*r_rS0 - c_2*c_7*l_x + 2.0*c_15*c_22*r_rS0 + 2.0*c_21*c_24*r_r2 - 2.0*c_11*c_15*c_23*r_r2*r_rS1)
+            r_r1012 = tl.sum(tl.where(mask_v[None, :], u_3, 0.0), axis=1, keep_dims=True)
+            u_4 = s_0*(c_19*c_28 + c_15*c_27*r_rS1 + c_2*c_7*l_x - c_2*c_7*r_rS0 - c_28*c_5*r_rS0) + s_1*(c_21*c_28 + c_15*c_27*r_rS0 - c_11*c_28*r_rS1)
+            r_r1016 = tl.sum(tl.where(mask_v[None, :], u_4, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((r_r1007) + ZR, axis=0), mask=mask_v)
             tl.store(D_x2 + row * V + offs_v, tl.sum((r_r1008) + ZR, axis=0), mask=mask_v)
-            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1013 + r_r1014 + c_0*r_r1010 + r_r1012*l_k2) + ZC, axis=1), mask=mask_k)
-            tl.store(D_k2 + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1017 + r_r1018 + c_1*r_r1016 + r_r1012*l_k) + ZC, axis=1), mask=mask_k)
+            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_19*c_9 + c_25*r_rS1 - c_10*r_rS0), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k2 + 2.0*r_r1010*l_k) + ZC, axis=1), mask=mask_k)
+            tl.store(D_k2 + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1005) + g*(c_21*c_9 + c_25*r_rS0 - c_12*r_rS1), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k + 2.0*r_r1016*l_k2) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1006) + ZC, axis=1), mask=mask_k)
             tl.store(D_beta + row * V + offs_v, tl.sum((r_r1019) + ZR, axis=0), mask=mask_v)
-            g = tl.where(MASK, g + r_r1004*l_k + r_r1005*l_k2 + Z2, 0.0)
+            g = tl.where(MASK, g + l_k*(r_r1004) + l_k2*(r_r1005) + Z2, 0.0)
     if STORE_DS0:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, g, mask=MASK)

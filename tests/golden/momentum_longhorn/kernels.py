@@ -16,9 +16,17 @@ import triton.language as tl
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def general_fwd_kernel(P_x, P_k, P_q, P_beta, P_mu, S0, Y, ST, CK, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr):
+               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,
+               EVEN: tl.constexpr):
     """One program per (batch*head, block of BV rows): the state tile (each of 2), transposed [BK, BV], in registers."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -26,8 +34,8 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, P_mu, S0, Y, ST, CK, T, H, V, K, N
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -44,18 +52,38 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, P_mu, S0, Y, ST, CK, T, H, V, K, N
     if STORE_CK:
         tl.store(CK + (i_bh.to(tl.int64) * 2 + 0) * NC * K * V + tile, sp0, mask=MASK)
         tl.store(CK + (i_bh.to(tl.int64) * 2 + 1) * NC * K * V + tile, sp1, mask=MASK)
+    row_n = b.to(tl.int64) * T * H + h
+    n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+    n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_mu = tl.load(P_mu + row_n).to(tl.float32)
     for t in range(0, T):
         row = (b.to(tl.int64) * T + t) * H + h
-        l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        l_mu = tl.load(P_mu + row).to(tl.float32)
+        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h
+        l_x = n_x
+        l_k = n_k
+        l_q = n_q
+        l_beta = n_beta
+        l_mu = n_mu
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_mu = tl.load(P_mu + row_n).to(tl.float32)
+        if PF > 0:
+            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h
+            prefetch_l2(P_x + row_p * V + offs_v)
+            prefetch_l2(P_k + row_p * K + offs_k)
+            prefetch_l2(P_q + row_p * K + offs_k)
+            prefetch_l2(P_beta + row_p * V + offs_v)
         r_r0 = tl.sum(tl.where(MASK, sp1*l_k, 0.0), axis=0, keep_dims=True)
-        r_r1 = tl.sum(tl.where(MASK, l_k*(sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta), 0.0), axis=0, keep_dims=True)
+        s_0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
+        s_1 = tl.sum(tl.where(MASK, sp0*l_k, 0.0), axis=0, keep_dims=True)
+        r_r1 = s_0*(l_x*l_beta - r_r0*l_beta) + s_1*(l_mu)
         r_r2 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-        st0 = tl.where(MASK, (sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
-        st1 = tl.where(MASK, (sp1 + sp0*l_mu + sp1*r_r2*l_beta + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
+        st0 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
+        st1 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + sp1 + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
         r_r3 = tl.sum(tl.where(MASK, st1*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r3 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
@@ -74,7 +102,7 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, P_mu, S0, Y, ST, CK, T, H, V, K, N
 @triton.jit
 def general_bwd_kernel(P_x, P_k, P_q, P_beta, P_mu, D_x, D_k, D_q, D_beta, D_mu, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr):
+               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):
     """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -82,8 +110,8 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, P_mu, D_x, D_k, D_q, D_beta, D_mu,
     h = i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, BK)
-    mask_v = offs_v < V
-    mask_k = offs_k < K
+    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away
+    mask_k = (offs_k < K) | EVEN
     MASK = mask_k[:, None] & mask_v[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     V_f = V * 1.0
@@ -106,36 +134,79 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, P_mu, D_x, D_k, D_q, D_beta, D_mu,
         t1 = tl.minimum(t0 + CHUNK, T)
         sp0 = tl.load(CK + ((i_bh.to(tl.int64) * 2 + 0) * NC + ci) * K * V + tile, mask=MASK, other=0.)
         sp1 = tl.load(CK + ((i_bh.to(tl.int64) * 2 + 1) * NC + ci) * K * V + tile, mask=MASK, other=0.)
+        row_n = (b.to(tl.int64) * T + t0) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_mu = tl.load(P_mu + row_n).to(tl.float32)
         for t in range(t0, t1):
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_mu = tl.load(P_mu + row).to(tl.float32)
+            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h
+            l_x = n_x
+            l_k = n_k
+            l_q = n_q
+            l_beta = n_beta
+            l_mu = n_mu
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_mu = tl.load(P_mu + row_n).to(tl.float32)
+            if PF > 0:     # the reverse sweep below reads DY at this step
+                prefetch_l2(DY + row * V + offs_v)
             tl.store(scr0 + (t - t0) * BK * BV, sp0)
             tl.store(scr1 + (t - t0) * BK * BV, sp1)
             r_r0 = tl.sum(tl.where(MASK, sp1*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1 = tl.sum(tl.where(MASK, l_k*(sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta), 0.0), axis=0, keep_dims=True)
+            s_2 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
+            s_3 = tl.sum(tl.where(MASK, sp0*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1 = s_2*(l_x*l_beta - r_r0*l_beta) + s_3*(l_mu)
             r_r2 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
-            st0 = tl.where(MASK, (sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
-            st1 = tl.where(MASK, (sp1 + sp0*l_mu + sp1*r_r2*l_beta + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
+            st0 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
+            st1 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + sp1 + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
             sp0 = st0
             sp1 = st1
         tl.debug_barrier()
+        row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_mu = tl.load(P_mu + row_n).to(tl.float32)
+        n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_sp0 = tl.load(scr0 + (t1 - 1 - t0) * BK * BV)
+        n_sp1 = tl.load(scr1 + (t1 - 1 - t0) * BK * BV)
         for jt in range(0, t1 - t0):
             t = t1 - 1 - jt
             row = (b.to(tl.int64) * T + t) * H + h
-            l_x = tl.load(P_x + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_k = tl.load(P_k + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_q = tl.load(P_q + row * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            l_beta = tl.load(P_beta + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            l_mu = tl.load(P_mu + row).to(tl.float32)
-            dy = tl.load(DY + row * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            sp0 = tl.load(scr0 + (t - t0) * BK * BV)
-            sp1 = tl.load(scr1 + (t - t0) * BK * BV)
+            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h
+            l_x = n_x
+            l_k = n_k
+            l_q = n_q
+            l_beta = n_beta
+            l_mu = n_mu
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            n_mu = tl.load(P_mu + row_n).to(tl.float32)
+            dy = n_dy
+            n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            sp0 = n_sp0
+            sp1 = n_sp1
+            n_sp0 = tl.load(scr0 + (tl.maximum(t - 1, t0) - t0) * BK * BV)
+            n_sp1 = tl.load(scr1 + (tl.maximum(t - 1, t0) - t0) * BK * BV)
+            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next
+                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h
+                prefetch_l2(P_x + row_p * V + offs_v)
+                prefetch_l2(P_k + row_p * K + offs_k)
+                prefetch_l2(P_q + row_p * K + offs_k)
+                prefetch_l2(P_beta + row_p * V + offs_v)
+                prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(MASK, sp1*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1 = tl.sum(tl.where(MASK, l_k*(sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta), 0.0), axis=0, keep_dims=True)
+            s_4 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
+            s_5 = tl.sum(tl.where(MASK, sp0*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1 = s_4*(l_x*l_beta - r_r0*l_beta) + s_5*(l_mu)
             r_r2 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             c_0 = r_r2*l_beta
             c_1 = 1.0 + c_0
@@ -144,61 +215,50 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, P_mu, D_x, D_k, D_q, D_beta, D_mu,
             c_4 = c_2*l_beta
             c_5 = (1.0 / (c_1*c_1))
             c_6 = c_5*r_r2
-            c_7 = l_k*l_beta
-            c_8 = l_k*l_x
-            c_9 = (l_beta*l_beta)
-            c_10 = c_9*r_r2
-            c_11 = c_10*c_8
-            c_12 = c_7*l_x
-            c_13 = c_7 + c_10*l_k
-            c_14 = -c_13
-            c_15 = c_5*l_beta
-            c_16 = c_8*c_9
-            c_17 = -c_9*l_x*r_r2
-            c_18 = -l_x*l_beta
-            c_19 = 2.0*c_0
-            c_20 = c_19*c_8
-            st0 = tl.where(MASK, (sp0*l_mu + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
-            st1 = tl.where(MASK, (sp1 + sp0*l_mu + sp1*r_r2*l_beta + l_k*l_x*l_beta - r_r0*l_k*l_beta - r_r1*l_k*l_beta + sp0*r_r2*l_beta*l_mu + l_k*l_x*r_r2*(l_beta*l_beta) - r_r0*l_k*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta) + Z2, 0.0)
+            c_7 = (l_beta*l_beta)
+            c_8 = c_7*r_r2
+            c_9 = c_5*l_beta
+            c_10 = -c_7*l_x*r_r2
+            c_11 = -l_x*l_beta
+            c_12 = 2.0*c_0
+            st0 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
+            st1 = tl.where(MASK, sp0*((l_mu + r_r2*l_beta*l_mu)/(1.0 + r_r2*l_beta)) + sp1 + l_k*((l_x*l_beta - r_r0*l_beta - r_r1*l_beta + l_x*r_r2*(l_beta*l_beta) - r_r0*r_r2*(l_beta*l_beta))/(1.0 + r_r2*l_beta)) + Z2, 0.0)
             r_r3 = tl.sum(tl.where(MASK, st1*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
-            r_r1009 = tl.sum(tl.where(MASK, st1*dy, 0.0), axis=1, keep_dims=True)
+            r_r1009 = tl.sum(tl.where(MASK, st1*(dy), 0.0), axis=1, keep_dims=True)
             g0 = g0 + tl.where(MASK, 0.0 + Z2, 0.0)
-            g1 = g1 + tl.where(MASK, dy*l_q + Z2, 0.0)
+            g1 = g1 + tl.where(MASK, l_q*(dy) + Z2, 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
             r_r1005 = tl.sum(tl.where(MASK, g1*l_k, 0.0), axis=0, keep_dims=True)
             r_r1006 = tl.sum(tl.where(MASK, g0*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1007 = tl.sum(tl.where(MASK, c_14*g1, 0.0), axis=0, keep_dims=True)
-            r_r1008 = tl.sum(tl.where(MASK, c_14*g0, 0.0), axis=0, keep_dims=True)
-            r_r1010 = tl.sum(tl.where(MASK, c_13*g1, 0.0), axis=0, keep_dims=True)
-            r_r1011 = tl.sum(tl.where(MASK, c_13*g0, 0.0), axis=0, keep_dims=True)
-            r_r1003 = tl.sum(tl.where(MASK, g1*(c_11 + c_12 + sp1 + c_0*sp1 + sp0*l_mu - c_7*r_r0 - c_7*r_r1 + c_0*sp0*l_mu - c_10*r_r0*l_k), 0.0), axis=0, keep_dims=True)
-            r_r1012 = tl.sum(tl.where(mask_v[None, :], c_15*r_r1003, 0.0), axis=1, keep_dims=True)
-            r_r1013 = tl.sum(tl.where(MASK, c_2*g1*(c_16 + sp1*l_beta + sp0*l_beta*l_mu - c_9*r_r0*l_k), 0.0), axis=1, keep_dims=True)
-            r_r1014 = tl.sum(tl.where(mask_k[:, None], r_r1013, 0.0), axis=0, keep_dims=True)
-            r_r1015 = tl.sum(tl.where(MASK, c_2*g1*(-c_17 - c_18 - c_10*r_r0 - r_r0*l_beta - r_r1*l_beta), 0.0), axis=1, keep_dims=True)
-            r_r1001 = tl.sum(tl.where(MASK, g0*(c_11 + c_12 + sp0*l_mu - c_7*r_r0 - c_7*r_r1 + c_0*sp0*l_mu - c_10*r_r0*l_k), 0.0), axis=0, keep_dims=True)
-            r_r1016 = tl.sum(tl.where(mask_v[None, :], c_15*r_r1001, 0.0), axis=1, keep_dims=True)
-            r_r1017 = tl.sum(tl.where(MASK, c_2*g0*(c_16 + sp0*l_beta*l_mu - c_9*r_r0*l_k), 0.0), axis=1, keep_dims=True)
-            r_r1018 = tl.sum(tl.where(mask_k[:, None], r_r1017, 0.0), axis=0, keep_dims=True)
-            r_r1019 = tl.sum(tl.where(MASK, c_2*g0*(-c_17 - c_18 - c_10*r_r0 - r_r0*l_beta - r_r1*l_beta), 0.0), axis=1, keep_dims=True)
-            r_r1020 = tl.sum(tl.where(MASK, (-c_4*r_r1005 - c_4*r_r1006)*(c_12 + sp0*l_mu + l_k*(-c_18 - r_r0*l_beta) - c_7*r_r0), 0.0), axis=1, keep_dims=True)
-            r_r1021 = tl.sum(tl.where(MASK, sp1*(c_2*r_r1007 + c_2*r_r1008 - c_0*(-c_4*r_r1005 - c_4*r_r1006)), 0.0), axis=1, keep_dims=True)
-            r_r1022 = tl.sum(tl.where(MASK, g1*(c_20 + c_8 + sp1*r_r2 - r_r0*l_k - r_r1*l_k + sp0*r_r2*l_mu - c_19*r_r0*l_k), 0.0), axis=0, keep_dims=True)
-            r_r1023 = tl.sum(tl.where(MASK, g0*(c_20 + c_8 - r_r0*l_k - r_r1*l_k + sp0*r_r2*l_mu - c_19*r_r0*l_k), 0.0), axis=0, keep_dims=True)
-            r_r1024 = tl.sum(tl.where(MASK, l_k*(l_k*l_x - r_r0*l_k), 0.0), axis=0, keep_dims=True)
-            r_r1025 = tl.sum(tl.where(MASK, c_2*g1*(sp0 + c_0*sp0), 0.0), axis=1, keep_dims=True)
-            r_r1026 = tl.sum(tl.where(mask_k[:, None], r_r1025, 0.0), axis=0, keep_dims=True)
-            r_r1027 = tl.sum(tl.where(MASK, c_2*g0*(sp0 + c_0*sp0), 0.0), axis=1, keep_dims=True)
-            r_r1028 = tl.sum(tl.where(mask_k[:, None], r_r1027, 0.0), axis=0, keep_dims=True)
-            r_r1029 = tl.sum(tl.where(MASK, sp0*(-c_4*r_r1005 - c_4*r_r1006), 0.0), axis=1, keep_dims=True)
-            r_r1030 = tl.sum(tl.where(mask_k[:, None], r_r1029*l_k, 0.0), axis=0, keep_dims=True)
+            r_r1007 = r_r1005*(-c_8 - l_beta)
+            r_r1008 = r_r1006*(-c_8 - l_beta)
+            r_r1010 = r_r1005*(c_8 + l_beta)
+            r_r1011 = r_r1006*(c_8 + l_beta)
+            s_6 = tl.sum(tl.where(MASK, sp0*g0, 0.0), axis=0, keep_dims=True)
+            r_r1001 = s_6*(l_mu + c_0*l_mu) + r_r1006*(c_8*l_x + l_x*l_beta - c_8*r_r0 - r_r0*l_beta - r_r1*l_beta)
+            s_7 = tl.sum(tl.where(MASK, sp0*g1, 0.0), axis=0, keep_dims=True)
+            s_8 = tl.sum(tl.where(MASK, sp1*g1, 0.0), axis=0, keep_dims=True)
+            r_r1003 = s_7*(l_mu + c_0*l_mu) + s_8*(1.0 + c_0) + r_r1005*(c_8*l_x + l_x*l_beta - c_8*r_r0 - r_r0*l_beta - r_r1*l_beta)
+            r_r1022 = s_7*(r_r2*l_mu) + s_8*(r_r2) + r_r1005*(l_x - r_r0 - r_r1 + c_12*l_x - c_12*r_r0)
+            r_r1023 = s_6*(r_r2*l_mu) + r_r1006*(l_x - r_r0 - r_r1 + c_12*l_x - c_12*r_r0)
+            r_r1024 = s_4*(l_x - r_r0)
+            u_9 = s_7*(c_2*(1.0 + c_0))
+            r_r1026 = tl.sum(tl.where(mask_v[None, :], u_9, 0.0), axis=1, keep_dims=True)
+            u_10 = s_6*(c_2*(1.0 + c_0))
+            r_r1028 = tl.sum(tl.where(mask_v[None, :], u_10, 0.0), axis=1, keep_dims=True)
+            u_11 = s_5*(-c_4*r_r1005 - c_4*r_r1006)
+            r_r1030 = tl.sum(tl.where(mask_v[None, :], u_11, 0.0), axis=1, keep_dims=True)
+            u_12 = s_7*(c_2*l_beta*l_mu) + s_8*(c_2*l_beta) + r_r1005*(c_2*(c_7*l_x - c_7*r_r0))
+            r_r1014 = tl.sum(tl.where(mask_v[None, :], u_12, 0.0), axis=1, keep_dims=True)
+            u_13 = s_6*(c_2*l_beta*l_mu) + r_r1006*(c_2*(c_7*l_x - c_7*r_r0))
+            r_r1018 = tl.sum(tl.where(mask_v[None, :], u_13, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((c_0*(-c_4*r_r1005 - c_4*r_r1006) + c_2*r_r1010 + c_2*r_r1011) + ZR, axis=0), mask=mask_v)
-            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1015 + r_r1019 + r_r1020 + r_r1021 + 2.0*l_k*(r_r1014 + r_r1018 - r_r1012 - r_r1016)) + ZC, axis=1), mask=mask_k)
+            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp0*(l_mu*(-c_4*r_r1005 - c_4*r_r1006)) + sp1*(c_2*r_r1007 + c_2*r_r1008 - c_0*(-c_4*r_r1005 - c_4*r_r1006)) + g0*(c_2*(-c_10 - c_11 - c_8*r_r0 - r_r0*l_beta - r_r1*l_beta)) + g1*(c_2*(-c_10 - c_11 - c_8*r_r0 - r_r0*l_beta - r_r1*l_beta)) + l_k*((-c_4*r_r1005 - c_4*r_r1006)*(-c_11 + l_x*l_beta - 2.0*r_r0*l_beta) - 2.0*c_9*r_r1001 - 2.0*c_9*r_r1003), 0.0), axis=1, keep_dims=True) + (2.0*l_k*(r_r1014 + r_r1018)) + ZC, axis=1), mask=mask_k)
             tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1009) + ZC, axis=1), mask=mask_k)
             tl.store(D_beta + row * V + offs_v, tl.sum((c_2*r_r1022 + c_2*r_r1023 + r_r1024*(-c_4*r_r1005 - c_4*r_r1006) - c_6*r_r1001 - c_6*r_r1003) + ZR, axis=0), mask=mask_v)
             tl.store(D_mu + i_v * NBT + row, tl.sum(tl.sum((r_r1026 + r_r1028 + r_r1030) + Z11, axis=1), axis=0))
-            gn0 = tl.where(MASK, c_3*g0 + c_3*g1 + l_k*l_mu*(-c_4*r_r1005 - c_4*r_r1006) + Z2, 0.0)
+            gn0 = tl.where(MASK, g0*(c_3) + g1*(c_3) + l_k*(l_mu*(-c_4*r_r1005 - c_4*r_r1006)) + Z2, 0.0)
             gn1 = tl.where(MASK, g1 + l_k*(c_2*r_r1007 + c_2*r_r1008 - c_0*(-c_4*r_r1005 - c_4*r_r1006)) + Z2, 0.0)
             g0 = gn0
             g1 = gn1
