@@ -63,6 +63,10 @@ def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict
         if a in consts:
             sig[a] = "constexpr"
             continue
+        if a in ("cu", "co"):       # packed sequences' offsets (unread unless VARLEN)
+            sig[a] = "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
         if a in INT_ARGS or a.startswith("hs_"):
             sig[a] = "i32"
             if a in ("K", "V"):
@@ -102,7 +106,7 @@ def sm90(fn, sig: dict, consts: dict, attrs: dict, warps: int) -> tuple[int, int
 
 
 def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",
-                  hsum: bool = True, even: bool = True, prefetch: bool = False) -> Count:
+                  hsum: bool = True, even: bool = True, prefetch: bool = False, varlen: bool = False) -> Count:
     """Compile one kernel of a ``load``-ed GPU source for sm_90 and count its SASS. The compile-time
     flags come from ``diagonal.flags`` (which refuses what the kernels cannot run), on a shape whose
     T and V divide the chunk and the value block when ``even``."""
@@ -112,7 +116,7 @@ def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "
     BK, ls = next_pow2(K), D._ls_for(K)
     cfg = D.Config(BV=BV, num_warps=warps, NG=1, NSUB=D._nsub(K), HSUM=hsum, PREFETCH=prefetch)
     L = ls * cfg.NSUB
-    known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False,
+    known = dict(BK=BK, BV=BV, SAVE=True, STORE_FINAL=True, NSUB=cfg.NSUB, NEED_DH0=True, DOTRED=False, VARLEN=varlen,
                  HAS_H0=True, HAS_DHT=True, **D.flags(cfg, K, 128 * L + (not even), 48 * BV + (not even), ls))
     consts = {k: v for k, v in known.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, plan.leaves, io, consts)
@@ -158,12 +162,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hsum", action="store_true", help="backward key sums by tl.sum (Config.HSUM off)")
     ap.add_argument("--no-even", action="store_true", help="keep the value and time masks (EVEN_V/EVEN_T off)")
     ap.add_argument("--prefetch", action="store_true", help="diagonal_fwd_main_kernel with its register prefetch (Config.PREFETCH)")
+    ap.add_argument("--varlen", action="store_true", help="the main kernels' packed-sequence form (VARLEN)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (kernel, registers, spills, loops)")
     args = ap.parse_args(argv)
     loaded = load(args.objective)
     try:
         counts = [compile_count(loaded, kernel, args.BV, args.warps, args.io, not args.no_hsum, not args.no_even,
-                                prefetch=args.prefetch)
+                                prefetch=args.prefetch, varlen=args.varlen)
                   for kernel in args.kernels.split(",")]
     except SsmcraftError as e:
         print(f"sass_count: {e}", file=sys.stderr)

@@ -54,3 +54,11 @@ def test_the_prefetched_forward_compiles_without_spilling():
     assert pf["spill_bytes"] == 0, pf["spill_bytes"]
     body = _step_loop(pf)
     assert body["ops"].get("MUFU") == 4 * 16, body     # the loop body is the 4 prefetched steps
+
+
+def test_packed_sequence_form_compiles_for_sm90():
+    """The main kernels with VARLEN (per-sequence offsets loaded from ``cu``/``co``): a form the
+    interpreter runs with Python ints where the GPU compiles typed values."""
+    packed = _counts("--objective", "mamba", "--varlen", "--kernels", "diagonal_fwd_main_kernel,diagonal_bwd_main_kernel")
+    assert set(packed) == {"diagonal_fwd_main_kernel", "diagonal_bwd_main_kernel"}
+    assert packed["diagonal_fwd_main_kernel"]["spill_bytes"] == 0
