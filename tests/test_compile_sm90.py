@@ -37,10 +37,10 @@ def test_packed_kernels_compile_for_sm90():
 
 def test_packed_chunked_families_compile_for_sm90():
     """The packed form (VARLEN, cu/ci/co int32 pointers) of the composed classes' chunked families."""
-    rc, out, err = _run("kda_like", "--packed", "0,17,5,33")
+    rc, out, err = _run("kda_like", "minibatch_delta", "--packed", "0,17,5,33")
     assert rc == 0, out + err[-2000:]
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert backends == {"kda_like": "triton:rank1-keydecay-chunk+packed"}
+    assert backends == {"kda_like": "triton:rank1-keydecay-chunk+packed", "minibatch_delta": "triton:minibatch-chunk+packed"}
     assert set(_kernels(out).values()) == {"ok"}
 
 

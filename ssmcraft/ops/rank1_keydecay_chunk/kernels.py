@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.keydecay_chunk.rows import row_ids, seq_chunk, seq_state
 
@@ -164,16 +164,6 @@ def _decays(g, row, m_tk, o_k, m_k, bos, i_h, i_t, T, H, K: tl.constexpr, BT: tl
 
 
 @triton.jit
-def _chunk_rows(bos, i_h, i_t, T, H, BT: tl.constexpr):
-    """Chunk ``i_t`` of the sequence whose first row is ``bos`` and whose length is T: local index
-    ``o_i [BT]``, mask ``m_t`` (rows before T) and the flat (time, head) row ids ``row`` (int64) of
-    the ``[B, T, H, *]`` tensors (``rows.row_ids`` unclamped: rows past T are masked)."""
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    return o_i, o_t < T, (bos + o_t).to(tl.int64) * H + i_h
-
-
-@triton.jit
 def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
     """The erase's read key and its exponent, (x, gx) with u_t e^{gp_t} = x_t e^{gx_t}: (u, gp),
     or (v, g) where u = a o v."""
@@ -203,7 +193,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     i_h = i_bh % H
     bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = W.dtype.element_ty
-    o_i, m_t, row = _chunk_rows(bos, i_h, i_t, T, H, BT)
+    o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -260,7 +250,7 @@ def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
     bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
     for i_t in range(n_t):
-        o_i, m_t, row = _chunk_rows(bos, i_h, i_t, T, H, BT)
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tk = row[:, None] * K + o_k[None, :]
@@ -305,7 +295,7 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
     bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
     for j in range(n_t):
         i_t = n_t - 1 - j
-        o_i, m_t, row = _chunk_rows(bos, i_h, i_t, T, H, BT)
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tk = row[:, None] * K + o_k[None, :]
@@ -336,7 +326,7 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
-    o_i, m_t, row = _chunk_rows(bos, i_h, i_t, T, H, BT)
+    o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
