@@ -7,10 +7,8 @@ import pytest
 import torch
 
 import ssmcraft
-from ssmcraft.bench.classes_commands import COMPOSED
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.runtime.checking import compare, packed_reference
-from ssmcraft.search.compose import compose_objective
 from helpers import assert_within, kernel_inputs, rel_rms as rel
 
 LENS = [5, 0, 1, 13, 7]          # odd lengths, a zero-length and a one-token sequence, one over a chunk of 8
@@ -161,15 +159,8 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
-    from ssmcraft.ops.rank1_keydecay_chunk import chunk as RK
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
-    monkeypatch.setattr(RK, "POISON", True)
-    monkeypatch.setattr(RK, "CHUNK", 16)
-    monkeypatch.setattr(RK, "INTERPRET_BV", 8)          # several value blocks at d = 20
-    from ssmcraft.ops.minibatch_chunk import chunk as MB
-    monkeypatch.setattr(MB, "POISON", True)
-    monkeypatch.setattr(MB, "INTERPRET_BV", 8)
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -190,23 +181,6 @@ def test_native_family_packed_equals_separate(name, family, poisoned):
     chunk (16 tokens for keydecay_chunk, 16 for diagonal at K = 12: 4 unrolled steps x 4 sub-chunks),
     stay under it (5, 1) and include an empty sequence, first and in the middle."""
     obj = ssmcraft.compile(name)
-    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=20, m=12)
-    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
-    assert obj.backend == f"triton-interpret:{family}+packed"
-
-
-@pytest.mark.parametrize("choices, family", [
-    (COMPOSED["kda_like"], "rank1-keydecay-chunk"),
-    (COMPOSED["minibatch_delta"], "minibatch-chunk"),                      # mini-batches of 16
-    ({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay"}, "minibatch-chunk"),   # a decay, per-row step
-], ids=["kda_like", "minibatch_delta", "minibatch_decay"])
-def test_composed_family_packed_equals_separate(choices, family, poisoned):
-    """The families of composed classes (``bench --classes``' ``COMPOSED``) on a packed row, fp32
-    kernels vs the separate float64 reference calls, as above: every gradient, initial states
-    included. KDA-like: the per-key decay, beta and the keys restart at each sequence's start;
-    mini-batch: each sequence's mini-batches start at its first token (5 and 1 are shorter than one,
-    17 and 33 end with a partial one)."""
-    obj = ssmcraft.compile(compose_objective(choices))
     errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=20, m=12)
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
     assert obj.backend == f"triton-interpret:{family}+packed"

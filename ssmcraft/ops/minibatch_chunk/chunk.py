@@ -29,7 +29,7 @@ Shapes (kernel level, FLA layout): u, v, oq [B, T, H, K]; p [B, T, H, V]; c [B, 
 in float32, bfloat16 or float16; states, residuals and reductions in float32.
 
 Packed rows (``cu_seqlens``): B = 1 and N sequences laid end to end; every sequence's mini-batches
-start at its first token (``keydecay_chunk.rows``: no chunk straddles two sequences, and a sequence
+start at its first token (``common.rows``: no chunk straddles two sequences, and a sequence
 shorter than a mini-batch is one partial chunk), so a packed call is N separate calls; states
 ``[N, H, K, V]``, chunk start states ``[B, H, NT, K, V]`` (NT: every sequence's chunks together).
 """
@@ -41,7 +41,7 @@ import torch
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
-from ssmcraft.ops.keydecay_chunk.rows import packed_args, sequences
+from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.minibatch_chunk.kernels import (minibatch_bwd_grad_kernel, minibatch_bwd_state_kernel,
                                                   minibatch_fwd_kernel)
 

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero
 from ssmcraft.ops.common.tuning import tune, warp_rule
-from ssmcraft.ops.keydecay_chunk.rows import seq_chunk, seq_state
+from ssmcraft.ops.common.rows import seq_chunk, seq_state
 
 
 @triton.jit

@@ -62,7 +62,7 @@ bfloat16 or float16; the state, g and every reduction in float32. Requires a > 0
 the stability above).
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end;
-the parallel kernels run one program per chunk of a sequence (``keydecay_chunk.rows.seq_chunk``: no
+the parallel kernels run one program per chunk of a sequence (``rows.seq_chunk``: no
 chunk straddles two sequences, so g, A and L restart at each sequence's start), the state kernels
 one per (sequence, head) over that sequence's chunks (``rows.seq_state``), from its own initial state
 to its own final state ``[N, H, K, V]``. Chunk states are ``[B, H, NT, K, V]`` (NT: every sequence's
@@ -77,7 +77,7 @@ from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.varlen import chunks, offsets
-from ssmcraft.ops.keydecay_chunk.rows import packed_args, sequences
+from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_bwd_wy_kernel,

@@ -8,7 +8,7 @@ import triton.language as tl
 from ssmcraft.ops.common.solvers import solve_unit_lower
 from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
-from ssmcraft.ops.keydecay_chunk.rows import row_ids, seq_chunk, seq_state
+from ssmcraft.ops.common.rows import row_ids, seq_chunk, seq_state
 
 # the erase's read key u (U_MODE): its own tensor, or u = a o v (KDA: the erase reads the decayed
 # state), read as v e^{g} in place of u e^{gp}, so u is never formed

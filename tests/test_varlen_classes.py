@@ -1,0 +1,45 @@
+"""Packed sequences (``cu_seqlens``) in the families of the structure classes that the library's
+objectives do not cover (``bench --classes``' ``COMPOSED``: the KDA-like layer, mini-batch steps) and
+of the second-order learners (RLS, the preconditioned delta rule): a packed call under the
+interpreter equals N separate float64 reference calls on the output, every final state and every
+gradient (inputs and initial states), with every kernel buffer poisoned with NaN, and runs the
+family's packed kernels (``+packed``)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.bench.classes_commands import COMPOSED  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
+from helpers import assert_within  # noqa: E402
+from test_varlen import _interpret, packed_errors  # noqa: E402
+
+# odd lengths; empty first and in the middle; 5 and 1 under a chunk (a mini-batch) of 16; 17 and 33 end
+# with a partial one
+LENS = [0, 17, 5, 0, 1, 33]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every kernel buffer starts as NaN; chunks of 16 tokens and value blocks of 8 (several at d = 20)."""
+    from ssmcraft.ops.minibatch_chunk import chunk as MB
+    from ssmcraft.ops.rank1_keydecay_chunk import chunk as RK
+    for mod in (RK, MB):
+        monkeypatch.setattr(mod, "POISON", True)
+        monkeypatch.setattr(mod, "INTERPRET_BV", 8)
+    monkeypatch.setattr(RK, "CHUNK", 16)
+
+
+@pytest.mark.parametrize("choices, family", [
+    (COMPOSED["kda_like"], "rank1-keydecay-chunk"),
+    (COMPOSED["minibatch_delta"], "minibatch-chunk"),                      # mini-batches of 16
+    ({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay"}, "minibatch-chunk"),   # a decay, per-row step
+], ids=["kda_like", "minibatch_delta", "minibatch_decay"])
+def test_composed_family_packed_equals_separate(choices, family, poisoned):
+    """KDA-like: the per-key decay's sums, A and L restart at each sequence's start; mini-batch: each
+    sequence's mini-batches start at its first token, as N separate calls take them."""
+    obj = ssmcraft.compile(compose_objective(choices))
+    errs = packed_errors(obj, LENS, _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend == f"triton-interpret:{family}+packed"
