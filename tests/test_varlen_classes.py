@@ -13,7 +13,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.bench.classes_commands import COMPOSED  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from ssmcraft.runtime.checking import compare, packed_reference  # noqa: E402
-from helpers import assert_within  # noqa: E402
+from helpers import assert_within, rel_rms as rel  # noqa: E402
 from test_varlen import _interpret, packed_errors, packed_inputs  # noqa: E402
 
 # odd lengths; empty first and in the middle; 5 and 1 under a chunk (a mini-batch) of 16; 17 and 33 end
@@ -64,3 +64,23 @@ def test_precision_family_packed_equals_separate(name, poisoned):
     errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
     assert_within(errs, {"y": 1e-5, "R_T": 1e-5, "S_T": 1e-5, "grad": 2e-5})
     assert obj.backend == "triton-interpret:precision-fp64+rank1-chunk+packed"
+
+
+@pytest.mark.parametrize("label", ["kda_like", "minibatch_delta", "rls"])
+def test_packed_without_initial_or_final_state(label, poisoned):
+    """As a training forward calls them: no initial state (each sequence starts from the objective's
+    own start) and no final state asked: the output and every input's gradient equal the packed
+    reference's, and no state comes back."""
+    obj = ssmcraft.compile(compose_objective(COMPOSED[label]) if label in COMPOSED else label)
+    ins, params, _, cu, g = packed_inputs(obj, [0, 19, 4, 1], d=12, m=8)
+    dy = torch.randn(1, 24, 2, 12, generator=g, dtype=torch.float64)
+
+    def run(call, dtype):
+        x = {k: v.to(dtype).requires_grad_() for k, v in ins.items()}
+        y, S = call(x)
+        return y, S, torch.autograd.grad((y.double() * dy).sum(), list(x.values()))
+    y_r, _, g_r = run(lambda x: obj.reference(x, params, None, True, cu_seqlens=cu), torch.float64)
+    obj.prefer = "interpret"
+    y, S, g = run(lambda x: obj(x, params, None, False, cu_seqlens=cu), torch.float32)
+    assert S is None and obj.backend.endswith("+packed")
+    assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
