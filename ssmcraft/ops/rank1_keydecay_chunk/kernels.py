@@ -8,7 +8,7 @@ import triton.language as tl
 from ssmcraft.ops.common.solvers import solve_unit_lower
 from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
-from ssmcraft.ops.common.rows import row_ids, seq_chunk, seq_state
+from ssmcraft.ops.common.rows import seq_chunk, seq_state
 
 # the erase's read key u (U_MODE): its own tensor, or u = a o v (KDA: the erase reads the decayed
 # state), read as v e^{g} in place of u e^{gp}, so u is never formed
@@ -26,7 +26,7 @@ def _gather(ptr, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.const
     first row is ``bos`` (``rows.seq_chunk``) and whose length is T: rows past T read ``other`` (the
     flat extension of the cumulative sums, or zero keys)."""
     t = i_t * BT + s
-    rows = row_ids(bos, i_h, t, T, H)
+    rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
     return tl.load(ptr + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
                    other=other).to(tl.float32)
 
@@ -36,7 +36,7 @@ def _gathered_g(g, a, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.
     """The cumulative log-decay at rows ``s``: g (SHIFT false) or gp = g - log a (SHIFT), read with
     rows clamped into [0, T-1] so that past T it stays flat, as the chunk's own sums do."""
     t = i_t * BT + s
-    rows = row_ids(bos, i_h, t, T, H)
+    rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
     b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     if SHIFT:
         b_a = tl.load(a + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=1.)
@@ -143,7 +143,7 @@ def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, bos, i_h, i_t, T, H, K: tl.co
         t = blk * SUB + j
         ok = t >= o_i
         tt = i_t * BT + t
-        rows_t = row_ids(bos, i_h, tt, T, H)
+        rows_t = (bos + tl.minimum(tt, T - 1)).to(tl.int64) * H + i_h
         d = tl.load(Ds + rows_t * BT + o_i, mask=(tt < T) & ok, other=0.)
         if SCALE:
             d = d * tl.load(c + rows_t, mask=tt < T, other=0.).to(tl.float32)
@@ -159,7 +159,7 @@ def _decays(g, row, m_tk, o_k, m_k, bos, i_h, i_t, T, H, K: tl.constexpr, BT: tl
     row ``gl [BK]`` and the factors e^{gl - g} (0 past T)."""
     b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     last = tl.minimum(T, i_t * BT + BT) - 1
-    b_gl = tl.load(g + row_ids(bos, i_h, last, T, H) * K + o_k, mask=m_k, other=0.)
+    b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     return b_g, b_gl, tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
 
 
@@ -456,7 +456,7 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     b_dv = gated_cols(b_dL, Ds, oq, b_oq, b_g, b_g, oq, g, a, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
                       DT, PREC)
     last = tl.minimum(T, i_t * BT + BT) - 1
-    b_gl = tl.load(g + row_ids(bos, i_h, last, T, H) * K + o_k, mask=m_k, other=0.)
+    b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
     b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
