@@ -108,6 +108,11 @@ def compiling(seen: dict):
         compile_call(kernel, args, kw, seen)
     for m in patched:
         m.launch = fake
+    # the outputs are never written: host code that reads one (RLS inverts the final precision) reads
+    # NaN, not uninitialised memory (zeros where fresh: a singular matrix, and an error)
+    poisoned = [m for m in patched if getattr(m, "POISON", None) is False]
+    for m in poisoned:
+        m.POISON = True
     select._mode = lambda inputs, prefer: ("triton", "")
     diagonal._fast_math = lambda: True      # asks the (absent) CUDA driver otherwise
     try:
@@ -115,6 +120,8 @@ def compiling(seen: dict):
     finally:
         for m in patched:
             m.launch = real_launch
+        for m in poisoned:
+            m.POISON = False
         select._mode, diagonal._fast_math = real_mode, real_fast
 
 

@@ -35,6 +35,18 @@ def test_packed_kernels_compile_for_sm90():
     assert set(rows.values()) == {"ok"}
 
 
+def test_packed_chunked_families_compile_for_sm90():
+    """The packed form (VARLEN, cu/ci/co int32 pointers) of the composed classes' chunked families and
+    of the precision family's float64 kernels (RLS)."""
+    rc, out, err = _run("kda_like", "minibatch_delta", "rls", "--packed", "0,17,5,33")
+    assert rc == 0, out + err[-2000:]
+    backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    assert backends == {"kda_like": "triton:rank1-keydecay-chunk+packed", "minibatch_delta": "triton:minibatch-chunk+packed",
+                        "rls": "triton:precision-fp64+rank1-chunk+packed"}
+    assert {k for (label, k) in _kernels(out) if label == "rls"} >= {"precision_fwd_kernel", "precision_bwd_kernel"}
+    assert set(_kernels(out).values()) == {"ok"}
+
+
 def test_chunked_families_compile_for_sm90():
     rc, out, err = _run("kda_like", "rank2_head_gated", "minibatch_delta", "rls")
     assert rc == 0, out + err[-2000:]

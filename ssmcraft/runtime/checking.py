@@ -136,6 +136,7 @@ class _Packed:
 
     def __init__(self, obj, cu_seqlens):
         self.obj, self.spec, self.cu_seqlens = obj, obj.spec, cu_seqlens
+        self.ir = obj.ir        # ``compare`` reads from it which states are symmetric (carried by their inverse)
 
     def reference(self, ins, params, S0, final_state):
         return self.obj.reference(ins, params, S0, final_state, cu_seqlens=self.cu_seqlens)

@@ -48,3 +48,12 @@ def chunk_rows(i_b, i_h, i_t, T, H, BT: tl.constexpr):
     o_t = i_t * BT + o_i
     m_t = o_t < T
     return o_i, m_t, (i_b * T + o_t).to(tl.int64) * H + i_h
+
+
+@triton.jit
+def seq_rows(bos, i_h, i_t, T, H, BT: tl.constexpr):
+    """``chunk_rows`` of chunk ``i_t`` of the sequence whose first row is ``bos`` (``b * T``, or its
+    offset in a packed row) and whose length is T: rows past T are masked, not clamped."""
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    return o_i, o_t < T, (bos + o_t).to(tl.int64) * H + i_h

@@ -27,6 +27,11 @@ of g's, divided by a: no PyTorch op runs around the kernels.
 Shapes (kernel level, FLA layout): u, v, oq [B, T, H, K]; p [B, T, H, V]; c [B, T, H] or
 [B, T, H, V]; a [B, T, H] (> 0); initial / final state [B, H, K, V] fp32; output [B, T, H, V]. I/O
 in float32, bfloat16 or float16; states, residuals and reductions in float32.
+
+Packed rows (``cu_seqlens``): B = 1 and N sequences laid end to end; every sequence's mini-batches
+start at its first token (``common.rows``: no chunk straddles two sequences, and a sequence
+shorter than a mini-batch is one partial chunk), so a packed call is N separate calls; states
+``[N, H, K, V]``, chunk start states ``[B, H, NT, K, V]`` (NT: every sequence's chunks together).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ import torch
 
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.minibatch_chunk.kernels import (minibatch_bwd_grad_kernel, minibatch_bwd_state_kernel,
                                                   minibatch_fwd_kernel)
 
@@ -59,38 +66,39 @@ def _key_block(K: int, dtype) -> int:
     return pow2(K) if dtype == torch.float32 else pow2(K, lo=64)
 
 
-def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT):
+def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT, packed=None):
+    """``packed``: the ``Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
     B, T, H, K = u.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, u)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    hs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32) if store_states else o
-    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
-    launch(minibatch_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    hs = _empty(B, H, NT, K, V, device=dev, dtype=torch.float32) if store_states else o
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
+    launch(minibatch_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            u=u, v=v, p=p, c=c, oq=oq, a=o if a is None else a, h0=o if h0 is None else h0, o=o, hs=hs, ht=ht,
            T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt), HAS_G=a is not None, C_ROW=c.dim() == 4,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(dt),
-           **_seq_opts(V))
+           **packed_args(seq, "cu", "co"), **_seq_opts(V))
     return o, (ht if output_final_state else None), hs
 
 
-def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT):
+def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT, packed=None):
     B, T, H, K = u.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, u)
     BK = _key_block(K, dt)
     prec = dot_precision(dt)
     do = do.contiguous().to(dt)
-    dhs = _empty(B, NT, H, K, V, device=dev, dtype=torch.float32)
-    dh0 = _empty(B, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else dhs
+    dhs = _empty(B, H, NT, K, V, device=dev, dtype=torch.float32)
+    dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else dhs
     has_g, c_row = a is not None, c.dim() == 4
-    launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            u=u, v=v, c=c, oq=oq, a=do if a is None else a, do=do,
            dht=do if dht is None else dht.contiguous().float(), dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V,
            BT=BT, BK=BK, HAS_G=has_g, C_ROW=c_row, HAS_DHT=dht is not None, STORE_DH0=need_dh0, PREC=prec,
-           **_seq_opts(V))
+           **packed_args(seq, "cu", "co"), **_seq_opts(V))
     du, dv, doq = (_empty(*u.shape, device=dev, dtype=u.dtype) for _ in range(3))
     dp = _empty(*p.shape, device=dev, dtype=p.dtype)
     dc = _empty(*c.shape, device=dev, dtype=c.dtype)
@@ -98,7 +106,7 @@ def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT):
     launch(minibatch_bwd_grad_kernel, (NT, B * H),
            u=u, v=v, p=p, c=c, oq=oq, a=do if a is None else a, hs=hs, dhs=dhs, do=do, du=du, dv=dv, dp=dp, dc=dc,
            doq=doq, da=dc if da is None else da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V),
-           HAS_G=has_g, C_ROW=c_row, PREC=prec)
+           HAS_G=has_g, C_ROW=c_row, PREC=prec, **packed_args(seq, "cu", "ci"))
     return du, dv, dp, dc, doq, da, (dh0 if need_dh0 else None)
 
 
@@ -106,13 +114,13 @@ class MinibatchChunkFunction(torch.autograd.Function):
     """(u, v, p, c, oq, a|None, h0|None) -> (o, ht|None)."""
 
     @staticmethod
-    def forward(ctx, u, v, p, c, oq, a, h0, output_final_state, chunk_size):
+    def forward(ctx, u, v, p, c, oq, a, h0, output_final_state, chunk_size, packed=None):
         train = any(ctx.needs_input_grad[:7])
         ctx.set_materialize_grads(False)
-        o, ht, hs = _fwd(u, v, p, c, oq, a, h0, output_final_state, train, chunk_size)
+        o, ht, hs = _fwd(u, v, p, c, oq, a, h0, output_final_state, train, chunk_size, packed)
         if train:
             ctx.save_for_backward(u, v, p, c, oq, a, hs)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.packed = chunk_size, packed
         ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[6]
         return o, ht
 
@@ -121,12 +129,12 @@ class MinibatchChunkFunction(torch.autograd.Function):
         u, v, p, c, oq, a, hs = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        du, dv, dp, dc, doq, da, dh0 = _bwd(u, v, p, c, oq, a, hs, do, dht, ctx.need_dh0, ctx.chunk_size)
-        return du, dv, dp, dc, doq, da, dh0, None, None
+        du, dv, dp, dc, doq, da, dh0 = _bwd(u, v, p, c, oq, a, hs, do, dht, ctx.need_dh0, ctx.chunk_size, ctx.packed)
+        return du, dv, dp, dc, doq, da, dh0, None, None, None
 
 
 def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_state: bool = False,
-                    chunk_size: int = 64):
+                    chunk_size: int = 64, cu_seqlens=None):
     """H_t = a_t H_{t-1} - v_t (c_t . (H_c^T u_t - p_t))^T with H_c the state before t's chunk of
     ``chunk_size`` tokens;  o_t = H_t^T oq_t.
 
@@ -140,6 +148,10 @@ def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: the mini-batch, 16, 32 or 64.
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); initial and final states
+            are then [N, H, K, V], and every sequence's mini-batches start at its first token (as N
+            separate calls take them).
     Returns:
         o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
     """
@@ -150,14 +162,19 @@ def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_
         raise ValueError(f"chunk_minibatch: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     B, T, H, K = u.shape
     V = p.shape[-1]
+    packed = None
+    if cu_seqlens is not None:
+        cu = offsets("chunk_minibatch", cu_seqlens, {"u": u}, initial_state)
+        packed = chunks(cu, cu_seqlens.to(u.device), chunk_size)
+    N = B if packed is None else packed.N
     if T == 0:
-        S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else p.new_zeros(N, H, K, V, dtype=torch.float32)
         return p.new_zeros(B, 0, H, V), (S if output_final_state else None)
     key = lambda t: t.to(dt).contiguous()       # noqa: E731
     h0 = None if initial_state is None else initial_state.float().contiguous()
     return MinibatchChunkFunction.apply(key(u), key(v), key(p), c.contiguous(), key(oq),
                                         None if a is None else a.contiguous(), h0,
-                                        output_final_state, chunk_size)
+                                        output_final_state, chunk_size, packed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -229,12 +246,13 @@ def supports(ir) -> str | None:
     return None
 
 
-def _run(names, get, C, initial_state, output_final_state, io):
-    """The family on tensors ``get(name)`` in FLA layout; states in the API's [B, H, d, m]."""
+def _run(names, get, C, initial_state, output_final_state, io, cu_seqlens=None):
+    """The family on tensors ``get(name)`` in FLA layout; states in the API's [B, H, d, m] (``[N, H, d,
+    m]`` with ``cu_seqlens``)."""
     o, ht = chunk_minibatch(get(names["u"]), get(names["v"]), get(names["p"]).to(io), get(names["c"]), get(names["oq"]),
                             a=None if names["a"] is None else get(names["a"]),
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
-                            output_final_state=output_final_state, chunk_size=C)
+                            output_final_state=output_final_state, chunk_size=C, cu_seqlens=cu_seqlens)
     return o, (None if ht is None else ht.transpose(-1, -2))
 
 
@@ -253,13 +271,14 @@ def forward(obj, lay, co, output_final_state):
 
 
 def prepare(obj, lay):
-    """The runner for one call signature: the caller's inputs go to the kernels as they are."""
+    """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
+    call (``cu_seqlens=``) runs natively."""
     names = match(obj.ir)
     io = io_dtype(lay.out_dtype)
     out_dtype = lay.out_dtype
 
-    def run(inputs, params, initial_state, output_final_state):
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
-        o, S = _run(names, get, obj.ir.minibatch, initial_state, output_final_state, io)
+        o, S = _run(names, get, obj.ir.minibatch, initial_state, output_final_state, io, cu_seqlens)
         return o.to(out_dtype), S
     return run

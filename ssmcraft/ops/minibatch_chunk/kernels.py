@@ -5,8 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero
+from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero
 from ssmcraft.ops.common.tuning import tune, warp_rule
+from ssmcraft.ops.common.rows import seq_chunk, seq_state
 
 
 @triton.jit
@@ -44,14 +45,16 @@ def _step(c, row, o_v, m_tv, m_t, V: tl.constexpr, C_ROW: tl.constexpr):
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "STORE_H", "HAS_H0", "STORE_HT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht,
+def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht, cu, co,
                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          HAS_G: tl.constexpr, C_ROW: tl.constexpr, STORE_H: tl.constexpr,
-                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
-    """Sequential over chunks, one program per (value block, batch, head): per chunk from its start
+                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+                         VARLEN: tl.constexpr):
+    """Sequential over chunks, one program per (value block, sequence, head): per chunk from its start
     state H0, Rc = c . (U H0 - P), O = e^g . (OQ H0) - (OQ V^T . Gam) Rc, H = e^{gl} H0 - Vbar^T Rc.
-    STORE_H keeps every chunk's start state (fp32) for the backward."""
+    STORE_H keeps every chunk's start state (fp32) for the backward. VARLEN: sequence ``i_b`` of a
+    packed row (``rows.seq_state``: its mini-batches start at its first token); else batch row ``i_b``."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -59,12 +62,13 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht,
     DT = o.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    for i_t in range(NT):
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for i_t in range(n_t):
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         if STORE_H:
-            tl.store(hs + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+            tl.store(hs + (cb + i_t) * K * V + p_kv, b_h, mask=m_kv)
         b_hd = b_h.to(DT)
         b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
@@ -91,11 +95,11 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht,
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0,
+def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0, cu, co,
                                T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                HAS_G: tl.constexpr, C_ROW: tl.constexpr, HAS_DHT: tl.constexpr,
-                               STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                               STORE_DH0: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Reverse over chunks: the gradient dH1 at each chunk's end (kept in ``dhs``), then the one at
     its start, dH0 = e^{gl} dH1 + (e^g OQ)^T dO + U^T (c . dRc) with dRc = -(OQ V^T . Gam)^T dO - Vbar dH1
     (no forward state is read: the chunk's map from H0 is affine with a state-free linear part)."""
@@ -106,12 +110,13 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0,
     DT = do.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    for j in range(NT):
-        i_t = NT - 1 - j
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for j in range(n_t):
+        i_t = n_t - 1 - j
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        tl.store(dhs + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
+        tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh, mask=m_kv)
         b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
@@ -132,22 +137,24 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0,
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
       key=["H", "K", "V", "BT", "HAS_G", "C_ROW"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, doq, da,
+def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, doq, da, cu, ci,
                               T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                              HAS_G: tl.constexpr, C_ROW: tl.constexpr, PREC: tl.constexpr):
+                              HAS_G: tl.constexpr, C_ROW: tl.constexpr, PREC: tl.constexpr,
+                              VARLEN: tl.constexpr):
     """Parallel over chunks (whole key and value blocks): every input's gradient from the chunk's
-    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``); the decay's through g."""
-    i_t = tl.program_id(0)
+    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``); the decay's through g.
+    VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is its sequence's length."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = do.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, 0, K, V, BK, BV)
-    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+    base = (cb + i_t) * K * V
     b_h0 = tl.load(hs + base + p_kv, mask=m_kv, other=0.)
     b_dh1 = tl.load(dhs + base + p_kv, mask=m_kv, other=0.)
     b_h0d = b_h0.to(DT)

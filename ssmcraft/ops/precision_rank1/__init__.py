@@ -5,5 +5,5 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.precision_rank1 import chunk
 
 FAMILY = KernelFamily(name="precision_rank1", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
-                      prepare=chunk.prepare)
+                      prepare=chunk.prepare, varlen=None)
 # not exported (no ``forward``): ``supports`` probes the objective's generated reference module

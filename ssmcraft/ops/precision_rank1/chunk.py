@@ -28,11 +28,18 @@ float64 reference moves by ~1e-8 when its inputs are rounded to float32). In flo
 Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [B, H, m, m], S
 [B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16; P, w, s in float64,
 g in float32 then the I/O dtype.
+
+Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
+states ``[N, H, ...]``. The precision kernels run one program per (sequence, head) over that
+sequence's tokens, from its own P0 to its own final P. The memory S runs ``chunk_rank1`` once per
+sequence on its slice of the row (``varlen.per_sequence``): ``rank1_chunk``'s public function takes
+no packed row on this branch.
 """
 from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
@@ -48,22 +55,26 @@ def _empty(*shape, device, dtype):
 
 
 class PrecisionFunction(torch.autograd.Function):
-    """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [B, H, K, K]
-    float64) -> (g [B, T, H, K] float32, P_T [B, H, K, K] float64)."""
+    """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [N, H, K, K]
+    float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B)) -> (g [B, T, H, K]
+    float32, P_T [N, H, K, K] float64)."""
 
     @staticmethod
-    def forward(ctx, k, lam, beta, eta, p0):
+    def forward(ctx, k, lam, beta, eta, p0, cu=None):
         B, T, H, K = k.shape
+        N = p0.shape[0]
         dev = k.device
         train = any(ctx.needs_input_grad[:5])
         g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
         w = _empty(B, T, H, K, device=dev, dtype=torch.float64) if train else g
         s = _empty(B, T, H, device=dev, dtype=torch.float64) if train else g
-        pt = _empty(B, H, K, K, device=dev, dtype=torch.float64)
-        launch(precision_fwd_kernel, (B * H,), k=k, lam=lam, beta=lam if beta is None else beta,
-               eta=lam if eta is None else eta, p0=p0, g=g, w=w, s=s, pt=pt, T=T, H=H, K=K, BK=pow2(K),
-               HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE_WS=train, STORE_PT=True)
+        pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
+        launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
+               eta=lam if eta is None else eta, p0=p0, g=g, w=w, s=s, pt=pt, cu=g if cu is None else cu, T=T, H=H,
+               K=K, BK=pow2(K), HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE_WS=train, STORE_PT=True,
+               VARLEN=cu is not None)
         ctx.set_materialize_grads(False)
+        ctx.cu = cu
         if train:
             ctx.save_for_backward(k, lam, beta, eta, w, s, pt)
         return g, pt
@@ -72,22 +83,37 @@ class PrecisionFunction(torch.autograd.Function):
     def backward(ctx, dg, dpt):
         k, lam, beta, eta, w, s, pt = ctx.saved_tensors
         B, T, H, K = k.shape
+        N = pt.shape[0]
         dev = k.device
         dg = torch.zeros(B, T, H, K, device=dev, dtype=torch.float32) if dg is None else dg.contiguous()
         dk = _empty(*k.shape, device=dev, dtype=k.dtype)
         dlam = _empty(*lam.shape, device=dev, dtype=lam.dtype)
         dbeta = _empty(*beta.shape, device=dev, dtype=beta.dtype) if beta is not None else dlam
         deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else dlam
-        dp0 = _empty(B, H, K, K, device=dev, dtype=torch.float64)
-        launch(precision_bwd_kernel, (B * H,), k=k, lam=lam, beta=lam if beta is None else beta,
+        dp0 = _empty(N, H, K, K, device=dev, dtype=torch.float64)
+        launch(precision_bwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, w=w, s=s, pt=pt, dg=dg, dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
-               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, T=T, H=H, K=K, BK=pow2(K),
-               HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None)
-        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0
+               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, H=H, K=K,
+               BK=pow2(K), HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
+               VARLEN=ctx.cu is not None)
+        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None
+
+
+def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu: list[int] | None):
+    """S through ``chunk_rank1`` (insert = erase key g, read key k, step 1): (o [B, T, H, d],
+    S_T [N, H, K=m, V=d] (the kernels' layout) or None); a packed row (``cu`` its offsets) one call
+    per sequence."""
+    def run(ins, params, h0, ofs):
+        return chunk_rank1(ins["g"], ins["x"], torch.ones(ins["x"].shape[:3], device=k.device, dtype=x.dtype),
+                           ins["q"], u=ins["k"], initial_state=h0, output_final_state=ofs, chunk_size=chunk_size)
+    ins = {"g": g, "x": x, "q": q, "k": k}
+    if cu is None:
+        return run(ins, None, S0, output_final_state)
+    return varlen.per_sequence(run, ins, None, S0, output_final_state, cu)
 
 
 def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, output_final_state: bool = False,
-                    chunk_size: int = CHUNK):
+                    chunk_size: int = CHUNK, cu_seqlens=None):
     """The layer of the module docstring.
 
     Args:
@@ -99,6 +125,9 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
             definite or None (= I), S0 [B, H, d, m] or None (= 0).
         output_final_state: also return (R_T, S_T) (fp32).
         chunk_size: the rank-1 part's chunk, 16, 32 or 64.
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then
+            [N, H, ...] (R0 may stay [m, m]).
     Returns:
         y [B, T, H, d] in x's dtype, (R_T, S_T) or None.
     """
@@ -107,14 +136,18 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     if dt not in IO_DTYPES:
         raise ValueError(f"precision_rank1: I/O dtype must be one of {IO_DTYPES}, got {dt}")
     R0, S0 = (None, None) if initial_state is None else initial_state
+    cu = None
+    if cu_seqlens is not None:          # R0 of [m, m] is every sequence's: only [N, H, ...] states are checked
+        cu = varlen.offsets("precision_rank1", cu_seqlens, {"k": k},
+                            tuple(t for t in (R0, S0) if t is not None and t.dim() == 4))
+    N = B if cu is None else len(cu) - 1
     R0 = torch.eye(K, device=k.device, dtype=torch.float64) if R0 is None else R0.double()
     p0 = torch.linalg.inv(R0)
-    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(B, H, K, K).contiguous()    # exactly symmetric (kernels)
+    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(N, H, K, K).contiguous()    # exactly symmetric (kernels)
     head = lambda t: None if t is None else t.contiguous()     # noqa: E731
-    g, pt = PrecisionFunction.apply(k.contiguous(), lam.contiguous(), head(beta), head(eta), p0)
-    ones = torch.ones(B, T, H, device=k.device, dtype=dt)
-    o, ht = chunk_rank1(g.to(dt), x, ones, q, u=k, initial_state=None if S0 is None else S0.transpose(-1, -2),
-                        output_final_state=output_final_state, chunk_size=chunk_size)
+    g, pt = PrecisionFunction.apply(k.contiguous(), lam.contiguous(), head(beta), head(eta), p0,
+                                    None if cu is None else cu_seqlens.to(device=k.device, dtype=torch.int32))
+    o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size, cu)
     if not output_final_state:
         return o, None
     return o, (torch.linalg.inv(pt).float(), ht.transpose(-1, -2))
@@ -221,7 +254,7 @@ def supports(ir) -> str | None:
     return None
 
 
-def _run(names, get, initial_state, output_final_state, io):
+def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``)."""
     k = get(names["k"])
     if initial_state is not None:
@@ -232,7 +265,8 @@ def _run(names, get, initial_state, output_final_state, io):
     y, fin = precision_rank1(k.to(io), get(names["x"]).to(io), get(names["q"]).to(io),
                              get(names["lam"]), beta=None if names["beta"] is None else get(names["beta"]),
                              eta=None if names["eta"] is None else get(names["eta"]),
-                             initial_state=(R0, S0), output_final_state=output_final_state, chunk_size=CHUNK)
+                             initial_state=(R0, S0), output_final_state=output_final_state, chunk_size=CHUNK,
+                             cu_seqlens=cu_seqlens)
     if fin is None:
         return y, None
     out = {names["R"]: fin[0], names["S"]: fin[1]}
@@ -253,14 +287,15 @@ def forward(obj, lay, co, output_final_state):
 
 
 def prepare(obj, lay):
-    """The runner for one call signature: the caller's inputs go to the kernels as they are."""
+    """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
+    call (``cu_seqlens=``) runs as the module docstring says."""
     names = dict(match(obj.ir), order=obj.ir.states)
     io = io_dtype(lay.out_dtype)
     out_dtype = lay.out_dtype
 
-    def run(inputs, params, initial_state, output_final_state):
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
-        y, S = _run(names, get, initial_state, output_final_state, io)
+        y, S = _run(names, get, initial_state, output_final_state, io, cu_seqlens)
         return y.to(out_dtype), S
     return run
 

@@ -25,20 +25,33 @@ def _token(k, lam, beta, eta, row, ok, o_k, m_k, K: tl.constexpr, HAS_BETA: tl.c
     return b_k, b_lam, b_beta, b_eta
 
 
+@triton.jit
+def _sequence(cu, i_b, T, VARLEN: tl.constexpr):
+    """(first row, length) of program ``i_b``'s sequence: sequence ``i_b`` of a packed row (``cu`` its
+    offsets) where VARLEN, else batch row ``i_b`` of T tokens."""
+    if VARLEN:
+        bos = tl.load(cu + i_b)
+        return bos.to(tl.int64), tl.load(cu + i_b + 1) - bos
+    else:
+        return (i_b * T).to(tl.int64), T
+
+
 @tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "STORE_WS", "STORE_PT"])
 @triton.jit(do_not_specialize=["T"])
-def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                         HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE_WS: tl.constexpr,
-                         STORE_PT: tl.constexpr):
-    """Sequential over tokens, one program per (batch, head), P [K, K] in float64 in registers:
+def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, cu, T, H: tl.constexpr, K: tl.constexpr,
+                         BK: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE_WS: tl.constexpr,
+                         STORE_PT: tl.constexpr, VARLEN: tl.constexpr):
+    """Sequential over tokens, one program per (sequence, head), P [K, K] in float64 in registers:
     w = P k, s = lam + beta k.w, g = eta w / s, P <- (P - (beta / s) w w^T) / lam. STORE_WS keeps
-    w and s (float64) for the backward, which rebuilds every P from them."""
+    w and s (float64) for the backward, which rebuilds every P from them. VARLEN: sequence ``i_b``
+    of a packed row, from its own P0 to its own final P."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
-    row = (i_b * T).to(tl.int64) * H + i_h
+    bos, T = _sequence(cu, i_b, T, VARLEN)
+    row = bos * H + i_h
     b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
     for t in range(T):
         n_k, n_lam, n_beta, n_eta = _token(k, lam, beta, eta, row + H, t + 1 < T, o_k, m_k, K, HAS_BETA, HAS_ETA)
@@ -60,13 +73,15 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, T, H: tl.constexpr,
 
 @tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "HAS_DPT"])
 @triton.jit(do_not_specialize=["T"])
-def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, deta, dp0,
+def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, deta, dp0, cu,
                          T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                         HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_DPT: tl.constexpr):
+                         HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_DPT: tl.constexpr,
+                         VARLEN: tl.constexpr):
     """Reverse over tokens from the final P: each earlier P rebuilt from the stored w and s,
     P_{t-1} = lam P_t + (beta / s) w w^T (a contraction: rounding does not grow backwards), and the
     adjoint of the forward step (float64): k's, lam's, beta's, eta's gradients, then the initial P's,
-    kept symmetric (the gradient with respect to a symmetric P; ``dpt`` must be symmetric)."""
+    kept symmetric (the gradient with respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as
+    the forward."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -76,7 +91,8 @@ def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, 
         b_dp = tl.load(dpt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     else:
         b_dp = tl.zeros([BK, BK], dtype=tl.float64)
-    row = (i_b * T + T - 1).to(tl.int64) * H + i_h
+    bos, T = _sequence(cu, i_b, T, VARLEN)
+    row = (bos + T - 1) * H + i_h
     b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
     b_w = tl.load(w + row * K + o_k, mask=m_k & (T > 0), other=0.)
     b_s = tl.load(s + row, mask=T > 0, other=1.)

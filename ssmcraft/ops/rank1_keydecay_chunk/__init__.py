@@ -5,4 +5,4 @@ from ssmcraft.ops.rank1_keydecay_chunk import chunk
 
 FAMILY = KernelFamily(name="rank1_keydecay_chunk", backend=chunk.BACKEND_NAME, module=chunk,
                       supports=chunk.supports, prepare=chunk.prepare, forward=chunk.forward,
-                      supports_inputs=chunk.supports_inputs, supports_sizes=chunk.supports_sizes)
+                      supports_inputs=chunk.supports_inputs, supports_sizes=chunk.supports_sizes, varlen=None)

@@ -60,6 +60,13 @@ Shapes (kernel level, FLA layout): v, u, oq, a [B, T, H, K]; p [B, T, H, V]; c [
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
 bfloat16 or float16; the state, g and every reduction in float32. Requires a > 0 (a <= 1 for
 the stability above).
+
+Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end;
+the parallel kernels run one program per chunk of a sequence (``rows.seq_chunk``: no
+chunk straddles two sequences, so g, A and L restart at each sequence's start), the state kernels
+one per (sequence, head) over that sequence's chunks (``rows.seq_state``), from its own initial state
+to its own final state ``[N, H, K, V]``. Chunk states are ``[B, H, NT, K, V]`` (NT: every sequence's
+chunks together in a packed row).
 """
 from __future__ import annotations
 
@@ -69,6 +76,8 @@ from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.readout import finish_laid_out
+from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_bwd_wy_kernel,
@@ -109,11 +118,12 @@ def _u_mode(u) -> int:
     return U_IS_AV.value if u is None else U_GIVEN.value
 
 
-def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
+def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT, packed=None):
+    """``packed``: the ``Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, v)
     BK = _key_block(K, dt)
     prec = dot_precision(dt)
     g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
@@ -122,36 +132,37 @@ def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT):
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
+           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u),
+           HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
+    hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
-    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     # no h0 or no final state: a flag, not a zero state filled and read or a state written unread
-    launch(rank1_keydecay_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    launch(rank1_keydecay_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, Up=Up, L=L, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi, ht=ht,
            T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, STORE_H=store_states, HAS_H0=h0 is not None,
-           STORE_HT=output_final_state, PREC=prec, **_launch_opts(V))
+           STORE_HT=output_final_state, PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V))
     return o, (ht if output_final_state else None), (g, M, L, W, hs, psi)
 
 
-def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
+def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     B, T, H, K = v.shape
     V = p.shape[-1]
     dt = p.dtype
-    NT = cdiv(T, BT)
+    N, NT, seq = sequences(B, T, BT, packed, v)
     BK = _key_block(K, dt)
     prec = dot_precision(dt)
     g, M, L, W, hs, psi = saved
     do = do.contiguous().to(dt)
     dhs = _empty_like(hs)
     dpsi = _empty_like(psi)
-    dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
+    dh0 = _empty(N, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
     has_dht = dht is not None
-    launch(rank1_keydecay_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    launch(rank1_keydecay_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs,
            dpsi=dpsi, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, **_launch_opts(V))
+           PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V))
     dv, dp, doq, dc, da = (_empty_like(t) for t in (v, p, oq, c, a))
     du = dv if u is None else _empty_like(u)       # u = a o v: its gradient is folded into dv and da
     dps = dc if ps is None else _empty_like(ps)
@@ -162,10 +173,11 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT):
     launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
            u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
            dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT),
-           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec)
+           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
     launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
            v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec)
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec,
+           **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 
@@ -174,13 +186,13 @@ class Rank1KeyDecayChunkFunction(torch.autograd.Function):
     means 1. ps that is c (KDA's beta) is one autograd input passed twice: its two gradients sum."""
 
     @staticmethod
-    def forward(ctx, v, u, p, ps, oq, c, a, h0, output_final_state, chunk_size):
+    def forward(ctx, v, u, p, ps, oq, c, a, h0, output_final_state, chunk_size, packed=None):
         train = any(ctx.needs_input_grad[:8])
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
-        o, ht, saved = _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, train, chunk_size)
+        o, ht, saved = _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, train, chunk_size, packed)
         if train:
             ctx.save_for_backward(v, u, p, ps, oq, c, a, *saved)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.packed = chunk_size, packed
         ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[7]
         return o, ht
 
@@ -189,11 +201,11 @@ class Rank1KeyDecayChunkFunction(torch.autograd.Function):
         v, u, p, ps, oq, c, a, *saved = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        return (*_bwd(v, u, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.chunk_size), None, None)
+        return (*_bwd(v, u, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.chunk_size, ctx.packed), None, None, None)
 
 
 def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, output_final_state: bool = False,
-                         chunk_size: int = 64):
+                         chunk_size: int = 64, cu_seqlens=None):
     """H_t = diag(a_t) H_{t-1} - c_t v_t (u_t^T H_{t-1}) + v_t p_t^T;  o_t = H_t^T oq_t.
 
     KDA in FLA's convention: ``chunk_rank1_keydecay(k, x, beta, q, alpha, ps=beta)``:
@@ -211,6 +223,9 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, o
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); initial and final states
+            are then [N, H, K, V], and no chunk straddles two sequences.
     Every tensor is read in p's dtype (fp32, bf16 or fp16) and its gradient returned in it.
     Returns:
         o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
@@ -224,8 +239,13 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, o
     V = p.shape[-1]
     if K > MAX_K:
         raise ValueError(f"chunk_rank1_keydecay: K = {K} > {MAX_K} (whole key rows are held in registers)")
+    packed = None
+    if cu_seqlens is not None:
+        cu = offsets("chunk_rank1_keydecay", cu_seqlens, {"v": v}, initial_state)
+        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
+    N = B if packed is None else packed.N
     if T == 0:
-        S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else p.new_zeros(N, H, K, V, dtype=torch.float32)
         return p.new_zeros(B, 0, H, V), (S if output_final_state else None)
 
     def prep(t, shape):
@@ -243,7 +263,7 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, o
     pss = None if ps is None else cc if ps is c else prep(ps, (B, T, H))    # one tensor stays one
     return Rank1KeyDecayChunkFunction.apply(vv, uu, prep(p, (B, T, H, V)), pss,
                                             prep(oq, kshape), cc, prep(a, kshape), h0,
-                                            output_final_state, chunk_size)
+                                            output_final_state, chunk_size, packed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -346,18 +366,19 @@ def prepare(obj, lay):
     ``reference.validate``): plain-input slots go to the kernels as they are (KDA: k, q, x, beta,
     alpha, with u = alpha k and beta x formed in the kernels), computed ones come from
     ``slots.CallSlots``.
-    Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T [B,H,d,m] | None)``."""
+    Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None) -> (y [B,T,H,d],
+    S_T [B,H,d,m] | None)``; with ``cu_seqlens`` a packed row (B = 1) and states [N, H, d, m]."""
     from ssmcraft.ops.common.slots import slot_runner
     B, T, H = lay.B, lay.T, lay.H
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)
     read = _read_key_kind(obj.ir)
 
-    def run(cs, initial_state, output_final_state):
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
         ps, p = cs.split("p")       # KDA's p = beta x: beta taken in the kernels (and beta is c: one tensor)
         o, ht = chunk_rank1_keydecay(cs.get("v"), p.to(io), _per_head(cs.get("c"), B, T, H, cs.device).to(io),
                                      cs.get("oq"), cs.get("a"), u=_u_arg(read, lambda: cs.get("u")), ps=ps,
                                      initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
-                                     output_final_state=output_final_state, chunk_size=CHUNK)
+                                     output_final_state=output_final_state, chunk_size=CHUNK, cu_seqlens=cu_seqlens)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
     return slot_runner(obj, lay, run, in_kernel=("u",) if read == AV else ())

@@ -6,8 +6,9 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
+from ssmcraft.ops.common.rows import seq_chunk, seq_state
 
 # the erase's read key u (U_MODE): its own tensor, or u = a o v (KDA: the erase reads the decayed
 # state), read as v e^{g} in place of u e^{gp}, so u is never formed
@@ -20,21 +21,22 @@ U_IS_AV = tl.constexpr(1)
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _gather(ptr, i_b, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, other):
-    """Rows at chunk-local times ``s [BT]`` of a ``[B, T, H, K]`` tensor, fp32: rows past T read
-    ``other`` (the flat extension of the cumulative sums, or zero keys)."""
+def _gather(ptr, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, other):
+    """Rows at chunk-local times ``s [BT]`` of a ``[B, T, H, K]`` tensor, fp32, in the sequence whose
+    first row is ``bos`` (``rows.seq_chunk``) and whose length is T: rows past T read ``other`` (the
+    flat extension of the cumulative sums, or zero keys)."""
     t = i_t * BT + s
-    rows = (i_b * T + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
+    rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
     return tl.load(ptr + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
                    other=other).to(tl.float32)
 
 
 @triton.jit
-def _gathered_g(g, a, i_b, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SHIFT: tl.constexpr):
+def _gathered_g(g, a, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SHIFT: tl.constexpr):
     """The cumulative log-decay at rows ``s``: g (SHIFT false) or gp = g - log a (SHIFT), read with
     rows clamped into [0, T-1] so that past T it stays flat, as the chunk's own sums do."""
     t = i_t * BT + s
-    rows = (i_b * T + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
+    rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
     b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
     if SHIFT:
         b_a = tl.load(a + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=1.)
@@ -50,7 +52,7 @@ def _ref(b_g, o_i, r):
 
 
 @triton.jit
-def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
                 BT: tl.constexpr, SUB: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
     for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
@@ -78,8 +80,8 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.cons
     for j in range(SUB):
         s = blk * SUB + j
         incl = s <= o_i
-        y_s = _gather(y, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
-        g_s = _gathered_g(g, g, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
+        y_s = _gather(y, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
+        g_s = _gathered_g(g, g, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
         e = y_s * tl.exp(tl.where(incl[:, None], b_gy - g_s, 0.))
         at = o_i[None, :] == s[:, None]
         L = tl.where(at & incl[:, None], tl.sum(b_q * e, axis=1)[:, None], L)
@@ -90,7 +92,7 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.cons
 
 
 @triton.jit
-def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
                BT: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Y [BT, BK] with Y_t = sum_{s<=t} D[t, s] y_s e^{gx_t - g_s} (D lower triangular, fp32): the
     row side's gradient through ``gated_lower``; the same references and exponents. ``Ds``: D in
@@ -111,14 +113,14 @@ def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, i_b, i_h, i_t, T, H, K: t
         s = blk * SUB + j
         ok = s <= o_i
         d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
-        y_s = _gather(y, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
-        g_s = _gathered_g(g, g, i_b, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
+        y_s = _gather(y, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
+        g_s = _gathered_g(g, g, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
         Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gx - g_s, 0.)), 0.)
     return Y
 
 
 @triton.jit
-def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, i_b, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
                BT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
                DT: tl.constexpr, PREC: tl.constexpr):
     """Z [BT, BK] with Z_s = sum_{t>=s} D[t, s] x_t e^{gx_t - g_s}: the column side's gradient
@@ -141,23 +143,23 @@ def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, i_b, i_h, i_t, T, H, K: tl.co
         t = blk * SUB + j
         ok = t >= o_i
         tt = i_t * BT + t
-        rows_t = (i_b * T + tl.minimum(tt, T - 1)).to(tl.int64) * H + i_h
+        rows_t = (bos + tl.minimum(tt, T - 1)).to(tl.int64) * H + i_h
         d = tl.load(Ds + rows_t * BT + o_i, mask=(tt < T) & ok, other=0.)
         if SCALE:
             d = d * tl.load(c + rows_t, mask=tt < T, other=0.).to(tl.float32)
-        x_t = _gather(x, i_b, i_h, i_t, t, T, H, K, o_k, m_k, BT, 0.)
-        gx_t = _gathered_g(g, a, i_b, i_h, i_t, t, T, H, K, o_k, m_k, BT, SHIFT)
+        x_t = _gather(x, bos, i_h, i_t, t, T, H, K, o_k, m_k, BT, 0.)
+        gx_t = _gathered_g(g, a, bos, i_h, i_t, t, T, H, K, o_k, m_k, BT, SHIFT)
         Z += tl.where(ok[:, None], d[:, None] * x_t * tl.exp(tl.where(ok[:, None], gx_t - b_gy, 0.)), 0.)
     return Z
 
 
 @triton.jit
-def _decays(g, row, m_tk, o_k, m_k, i_b, i_h, i_t, T, H, K: tl.constexpr, BT: tl.constexpr):
+def _decays(g, row, m_tk, o_k, m_k, bos, i_h, i_t, T, H, K: tl.constexpr, BT: tl.constexpr):
     """The chunk's cumulative log-decays ``g [BT, BK]`` (0 past T), their value at the chunk's last
     row ``gl [BK]`` and the factors e^{gl - g} (0 past T)."""
     b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     last = tl.minimum(T, i_t * BT + BT) - 1
-    b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.)
+    b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     return b_g, b_gl, tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
 
 
@@ -177,20 +179,21 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
       prune=warp_rule)
-@triton.jit(do_not_specialize=["T"])
-def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L,
-                                     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, ci,
+                                     T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                      SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                     PREC: tl.constexpr):
+                                     PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
-    HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed."""
-    i_t = tl.program_id(0)
+    HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed.
+    VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is then its sequence's length."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = W.dtype.element_ty
-    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -207,7 +210,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L,
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
+    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
                            U_MODE == U_IS_AV, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
@@ -229,14 +232,15 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L,
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv, w, s in ((32, 4, 2), (64, 4, 2))],
       key=["H", "K", "V", "BT", "STORE_H", "HAS_H0", "STORE_HT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht,
+def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht, cu, co,
                                           T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                           STORE_H: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                                          PREC: tl.constexpr):
-    """Sequential over chunks, one program per (value block, batch * head): Psi = Up - W H0,
+                                          PREC: tl.constexpr, VARLEN: tl.constexpr):
+    """Sequential over chunks, one program per (value block, sequence * head): Psi = Up - W H0,
     O = (OQ e^g) H0 + L Psi, H_C = e^{gl} H0 + (V e^{gl - g})^T Psi. STORE_H: keep the chunk
-    states and Psi for the backward; HAS_H0 / STORE_HT: read h0 / write the final state."""
+    states and Psi for the backward; HAS_H0 / STORE_HT: read h0 / write the final state.
+    VARLEN: sequence ``i_b`` of a packed row (``rows.seq_state``); else batch row ``i_b``."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -244,21 +248,22 @@ def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht
     DT = W.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    for i_t in range(NT):
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for i_t in range(n_t):
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tk = row[:, None] * K + o_k[None, :]
         p_tv = row[:, None] * V + o_v[None, :]
         if STORE_H:
-            tl.store(hs + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + p_kv, b_h.to(DT), mask=m_kv)
+            tl.store(hs + (cb + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
         b_hd = b_h.to(DT)
         b_psi = tl.load(Up + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_psi -= tl.dot(tl.load(W + p_tk, mask=m_tk, other=0.), b_hd, input_precision=PREC)
         if STORE_H:
             tl.store(psi + p_tv, b_psi.to(DT), mask=m_tv)
         b_psid = b_psi.to(DT)
-        b_g, b_gl, b_dec = _decays(g, row, m_tk, o_k, m_k, i_b, i_h, i_t, T, H, K, BT)
+        b_g, b_gl, b_dec = _decays(g, row, m_tk, o_k, m_k, bos, i_h, i_t, T, H, K, BT)
         b_oq = (tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32) * tl.exp(b_g)).to(DT)
         b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
         b_o += tl.dot(tl.load(L + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.), b_psid,
@@ -273,12 +278,13 @@ def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv, w, s in ((32, 4, 2), (64, 4, 2))],
       key=["H", "K", "V", "BT", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
+def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co,
                                           T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+                                          VARLEN: tl.constexpr):
     """Reverse over chunks: dH at each chunk's end (``dhs``), dPsi = L^T dO + (V e^{gl - g}) dH,
-    and dH0 = e^{gl} dH + (OQ e^g)^T dO - W^T dPsi."""
+    and dH0 = e^{gl} dH + (OQ e^g)^T dO - W^T dPsi. VARLEN as the forward."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -286,15 +292,16 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
     DT = W.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    for j in range(NT):
-        i_t = NT - 1 - j
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    for j in range(n_t):
+        i_t = n_t - 1 - j
+        o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tk = row[:, None] * K + o_k[None, :]
         p_tv = row[:, None] * V + o_v[None, :]
-        tl.store(dhs + ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
-        b_g, b_gl, b_dec = _decays(g, row, m_tk, o_k, m_k, i_b, i_h, i_t, T, H, K, BT)
+        tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
+        b_g, b_gl, b_dec = _decays(g, row, m_tk, o_k, m_k, bos, i_h, i_t, T, H, K, BT)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         b_vb = (tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32) * b_dec).to(DT)
         b_oq = (tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32) * tl.exp(b_g)).to(DT)
@@ -310,36 +317,39 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
 
 
 @triton.jit
-def _grad_program(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, NT, BT: tl.constexpr, BK: tl.constexpr):
-    """A chunk's program in the gradient kernels' grid (chunk, batch * head): (i_t, i_b, i_h, o_i,
-    m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base) with ``base`` the offset of its chunk state."""
-    i_t = tl.program_id(0)
+def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, NT, BT: tl.constexpr,
+                  BK: tl.constexpr, VARLEN: tl.constexpr):
+    """A chunk's program in the gradient kernels' grid (chunk, batch * head): (i_t, bos, T, i_h,
+    o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base) with ``bos`` and T its sequence's first row and
+    length (``rows.seq_chunk``), ``base`` the offset of its chunk state."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
-    base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
-    return i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
+    base = (cb + i_t) * K * V
+    return i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas,
+def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                        SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                       PREC: tl.constexpr):
+                                       PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
     ``rank1_keydecay_chunk_bwd_out_kernel``. The backward is split in two kernels so that fewer
     tiles are live in each."""
-    i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(H, K, V, T, NT, BT, BK)
+    i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
+                                                                                     BK, VARLEN)
     DT = M.dtype.element_ty
     lower = o_i[:, None] > o_i[None, :]
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
@@ -370,7 +380,7 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
     # flat past T, as in the forward: the sub-block references stay at or above every later row's
-    b_g = _gathered_g(g, a, i_b, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
+    b_g = _gathered_g(g, a, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
     b_gp = b_g - tl.log(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
@@ -386,18 +396,18 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     # A[t, s] = c_t sum_k u_tk v_sk e^{gp_tk - g_sk}
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dA, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
-    b_Y = gated_rows(b_dA, Ds, row, m_t, b_v, b_gx, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    b_Y = gated_rows(b_dA, Ds, row, m_t, b_v, b_gx, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
     tl.store(dc + row, b_dc.to(dc.dtype.element_ty), mask=m_t)
     if U_MODE == U_IS_AV:
-        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, v, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, v, g, a, bos, i_h, i_t, T, H, K, o_k, m_k,
                          BT, SUB, False, True, DT, PREC)
         b_dla = tl.cumsum(b_dgx - b_v * b_Z, axis=0, reverse=True)
         b_Z += b_du
     else:
-        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, u, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k,
+        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, u, g, a, bos, i_h, i_t, T, H, K, o_k, m_k,
                          BT, SUB, True, True, DT, PREC)
         # g_t = sum_{r<=t} log a_r and gp_t = sum_{r<t} log a_r within the chunk
         b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
@@ -408,13 +418,14 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da,
+def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                        SUB: tl.constexpr, PREC: tl.constexpr):
+                                        SUB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
-    i_t, i_b, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(H, K, V, T, NT, BT, BK)
+    i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
+                                                                                     BK, VARLEN)
     DT = psi.dtype.element_ty
     incl = o_i[:, None] >= o_i[None, :]
     b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
@@ -432,20 +443,20 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
         b_dL += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
         b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    b_g = _gathered_g(g, a, i_b, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
+    b_g = _gathered_g(g, a, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_doq = b_dOQ * tl.exp(b_g)
     b_dL = tl.where(incl, b_dL, 0.)
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
-    b_doq += gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    b_doq += gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
     b_dg = b_doq * b_oq
-    b_dv = gated_cols(b_dL, Ds, oq, b_oq, b_g, b_g, oq, g, a, i_b, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
+    b_dv = gated_cols(b_dL, Ds, oq, b_oq, b_g, b_g, oq, g, a, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
                       DT, PREC)
     last = tl.minimum(T, i_t * BT + BT) - 1
-    b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.)
+    b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
     b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
