@@ -159,8 +159,13 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
+    from ssmcraft.ops.rank1_chunk import chunk as R1
+    from ssmcraft.ops.rankr_chunk import chunk as RR
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
+    monkeypatch.setattr(R1, "POISON", True)         # rankr_chunk's buffers too (the same host code)
+    monkeypatch.setattr(R1, "CHUNK", 16)
+    monkeypatch.setattr(RR, "CHUNK", 32)            # 16 tokens of two terms
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -186,7 +191,26 @@ def test_native_family_packed_equals_separate(name, family, poisoned):
     assert obj.backend == f"triton-interpret:{family}+packed"
 
 
-@pytest.mark.parametrize("name", ["gla", "mamba"])
+def _composed(name):
+    from ssmcraft.bench.classes_commands import COMPOSED
+    from ssmcraft.search.compose import compose_objective
+    return ssmcraft.compile(compose_objective(COMPOSED[name]))
+
+
+@pytest.mark.parametrize("name, family", [("deltanet", "rank1-chunk"), ("gated_deltanet", "rank1-chunk"),
+                                          ("rank2_head_gated", "rankr-chunk")])
+def test_chunked_delta_family_packed_equals_separate(name, family, poisoned):
+    """The chunked WY kernels (``rank1_chunk``; ``rankr_chunk``'s two terms per token through the
+    same kernels) on a packed row vs the separate float64 reference calls: chunks of 16 tokens, lengths
+    a multiple of the chunk (16, 32), odd ones crossing it (17, 33), under it (5, 1), empty first and
+    in the middle; every gradient, initial states included, and the final states."""
+    obj = _composed(name) if name == "rank2_head_gated" else ssmcraft.compile(name)
+    errs = packed_errors(obj, [0, 17, 16, 5, 0, 1, 33, 32], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba", "gated_deltanet"])
 def test_native_family_packed_without_final_state(name, poisoned):
     """No final state asked (as a training forward calls it): the output and every input's gradient
     equal the packed reference's, and no state comes back."""

@@ -79,7 +79,7 @@ import triton.language as tl
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
 from ssmcraft.ops.common.varlen import chunks, offsets
-from ssmcraft.ops.keydecay_chunk.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
+from ssmcraft.ops.common.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
