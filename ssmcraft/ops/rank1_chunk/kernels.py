@@ -52,16 +52,16 @@ def group_rows(bos, i_h, i_t, T, H, BT: tl.constexpr, R: tl.constexpr):
     within the chunk ``o_g`` and that token's id ``vtrow`` in ``[B, T, H, *]``; the chunk's token
     rows ``o_j``, mask ``m_j`` and ids ``trow``. R = 1: tokens and term rows coincide."""
     o_i = tl.arange(0, BT)
-    m_t = i_t * BT + o_i < T * R
-    row = (bos * R + i_t * BT + o_i).to(tl.int64) * H + i_h
+    o_t = i_t * BT + o_i
+    m_t = o_t < T * R
+    row = (bos * R + o_t).to(tl.int64) * H + i_h
     if R == 1:
         return o_i, m_t, row, o_i, row, o_i, m_t, row
     else:
         o_j = tl.arange(0, BT // R)
-        o_g = o_i // R
-        first = bos + i_t * (BT // R)
-        return (o_i, m_t, row, o_g, (first + o_g).to(tl.int64) * H + i_h, o_j, i_t * (BT // R) + o_j < T,
-                (first + o_j).to(tl.int64) * H + i_h)
+        o_s = i_t * (BT // R) + o_j
+        return (o_i, m_t, row, o_i // R, (bos + i_t * (BT // R) + o_i // R).to(tl.int64) * H + i_h, o_j, o_s < T,
+                (bos + o_s).to(tl.int64) * H + i_h)
 
 
 @triton.jit
