@@ -203,9 +203,9 @@ def test_chunked_delta_family_packed_equals_separate(name, family, poisoned):
     """The chunked WY kernels (``rank1_chunk``; ``rankr_chunk``'s two terms per token through the
     same kernels) on a packed row vs the separate float64 reference calls: chunks of 16 tokens, lengths
     a multiple of the chunk (16, 32), odd ones crossing it (17, 33), under it (5, 1), empty first and
-    in the middle; every gradient, initial states included, and the final states."""
+    in the middle and last; every gradient, initial states included, and the final states."""
     obj = _composed(name) if name == "rank2_head_gated" else ssmcraft.compile(name)
-    errs = packed_errors(obj, [0, 17, 16, 5, 0, 1, 33, 32], _interpret, dtype=torch.float32, d=20, m=12)
+    errs = packed_errors(obj, [0, 17, 16, 5, 0, 1, 33, 32, 0], _interpret, dtype=torch.float32, d=20, m=12)
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
     assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")
 
