@@ -1,8 +1,9 @@
 """Packed sequences (``cu_seqlens``) on the GPU: a packed call of N sequences against the same
 sequences run separately through the float64 reference loop (output, final states, every
 gradient, initial states included), in fp32 and bf16, for the families with packed kernels
-(``keydecay_chunk``: GLA, RetNet; ``diagonal``: Mamba, diagonal Longhorn) and for one objective no
-family runs packed (exact Longhorn: the row kernel once per sequence, and ``obj.backend`` says why).
+(``keydecay_chunk``: GLA, RetNet; ``diagonal``: Mamba, diagonal Longhorn; ``rank1_chunk``: DeltaNet,
+Gated DeltaNet) and for one objective no family runs packed (exact Longhorn: the row kernel once per
+sequence, and ``obj.backend`` says why).
 Lengths are odd, shorter and longer than a chunk, and include an empty sequence. Then the time of
 one packed call against the padded batch ``[N, max_len]`` holding the same sequences (bf16,
 forward and forward+backward).
@@ -30,6 +31,7 @@ from common import bench_ms  # noqa: E402
 
 LENS = [0, 1, 37, 64, 129, 300, 511]
 CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-chunked+packed", TOL_CHUNKED),
+         ("deltanet", "rank1-chunk+packed", TOL_CHUNKED), ("gated_deltanet", "rank1-chunk+packed", TOL_CHUNKED),
          ("mamba", "diagonal-chunked+packed", TOL), ("longhorn_diag", "diagonal-chunked+packed", TOL),
          ("longhorn", "rank1-row+prologue+per-sequence (no packed kernel", TOL)]
 H, D, M = 4, 64, 16
@@ -89,7 +91,7 @@ def main() -> int:
     print(f"\ntiming, bf16, H={H} d={D} m={M}, lengths {TIMED} ({sum(TIMED)} tokens) packed vs padded "
           f"[{len(TIMED)}, {max(TIMED)}]", flush=True)
     print(f"{'call':24s} {'tokens':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>11s}  backend", flush=True)
-    for name in ("gla", "mamba"):
+    for name in ("gla", "mamba", "gated_deltanet"):
         for label, tokens, f, fb, backend in timing(name):
             print(f"{label:24s} {tokens:7d} {f:8.3f} {fb:11.3f}  {backend}", flush=True)
     print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)

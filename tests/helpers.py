@@ -8,6 +8,7 @@ a training run diverge at a chosen step; ``tiny_search`` runs a small in-process
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 
 from ssmcraft.runtime.checking import over, rel_rms  # noqa: F401 - rel_rms: the error metric every kernel test uses
@@ -187,3 +188,21 @@ def decode_all(lm, tokens):
         logits, caches = lm.step(tokens[:, t], caches)
         outs.append(logits)
     return torch.stack(outs, 1), caches
+
+
+def packed_naive(naive, ins: dict, lens: list[int]):
+    """A kernel family's plain-loop twin run on each sequence of a packed row from its own initial
+    state: ``naive(**ins)`` with token tensors ``[1, total_T, ...]`` cut along time and ``h0`` ``[N, ...]``
+    along the batch (None stays None); an empty sequence gives no output and keeps its initial
+    state. Returns (o ``[1, total_T, ...]``, final states ``[N, ...]``) and the int32 offsets."""
+    import torch
+    cu = [0, *itertools.accumulate(lens)]
+    outs, finals = [], []
+    for n in range(len(lens)):
+        s, e = cu[n], cu[n + 1]
+        seq = {k: (None if t is None else t[n:n + 1] if k == "h0" else t[:, s:e]) for k, t in ins.items()}
+        p = seq["p"]                                      # [1, T_n, H, (R,) V]
+        o, h = naive(**seq) if e > s else (p.reshape(1, 0, p.shape[2], p.shape[-1]), seq["h0"])
+        outs.append(o)
+        finals.append(h)
+    return torch.cat(outs, dim=1), torch.cat(finals, dim=0), torch.tensor(cu, dtype=torch.int32)

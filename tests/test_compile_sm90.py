@@ -47,6 +47,23 @@ def test_packed_chunked_families_compile_for_sm90():
     assert set(_kernels(out).values()) == {"ok"}
 
 
+def test_packed_chunked_delta_kernels_compile_for_sm90():
+    """The WY kernels' packed form (VARLEN: chunk indices, one sequence per sequential program) for
+    rank1_chunk (DeltaNet, Gated DeltaNet) and rankr_chunk's two terms per token; lengths with an
+    empty sequence and one that is exactly a chunk."""
+    rc, out, err = _run("deltanet", "gated_deltanet", "rank2_head_gated", "--packed", "0,17,5,64,33")
+    assert rc == 0, out + err[-2000:]
+    backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    assert backends == {"deltanet": "triton:rank1-chunk+packed", "gated_deltanet": "triton:rank1-chunk+packed",
+                        "rank2_head_gated": "triton:rankr-chunk+packed"}
+    kernels = {"rank1_chunk_prep_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_state_kernel",
+               "rank1_chunk_bwd_grad_kernel"}
+    rows = _kernels(out)
+    for label in backends:
+        assert {k for (lab, k) in rows if lab == label} == kernels
+    assert set(rows.values()) == {"ok"}
+
+
 def test_chunked_families_compile_for_sm90():
     rc, out, err = _run("kda_like", "rank2_head_gated", "minibatch_delta", "rls")
     assert rc == 0, out + err[-2000:]

@@ -10,7 +10,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.ops.rank1_chunk import chunk as R  # noqa: E402
 from ssmcraft.ops.rank1_chunk.naive import naive_recurrent_rank1  # noqa: E402
 from ssmcraft.runtime.checking import DELTA_RULE_CASES, delta_rule_case  # noqa: E402
-from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
+from helpers import assert_within, kernel_errors, packed_naive, rel_rms as rel  # noqa: E402
 
 # relative RMS error ||ours - ref|| / ||ref||, fp32 kernels vs float64 reference
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
@@ -84,6 +84,41 @@ def test_general_slots(T, K, V, chunk, general, sep_u, decay, scale, bv, monkeyp
     x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
     o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["oq"], u=x["u"], q=x["q"], a=x["a"], ps=x["ps"],
                           initial_state=x["h0"], output_final_state=True, chunk_size=chunk)
+    got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), [x[n] for n in names])
+    errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
+    errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(names, got, ref_g)})
+    check(errs)
+
+
+@pytest.mark.parametrize("K,V,general,sep_u,decay,scale,bv", [
+    (20, 40, True, True, True, True, 16),       # every slot distinct, odd K and V, 3 value blocks
+    (16, 24, False, True, False, False, None),  # u != v, merged insert (q == v), no decay
+])
+def test_packed_general_slots(K, V, general, sep_u, decay, scale, bv, monkeypatch):
+    """``chunk_rank1(..., cu_seqlens=)`` on a packed row (the slots the objectives' tests leave out:
+    u, q, c given) equals the float64 reference run on each sequence from its own initial state:
+    output, final states [N, H, K, V] and every gradient; chunks of 16, lengths empty, 1, under,
+    equal to and over a chunk."""
+    monkeypatch.setattr(R, "INTERPRET_BV", bv)
+    lens = [0, 17, 16, 5, 0, 1, 33]
+    N, T, H = len(lens), sum(lens), 2
+    g = torch.Generator().manual_seed(K + V)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    ins = {"v": nk(r(1, T, H, K)), "u": nk(r(1, T, H, K)) if sep_u else None,
+           "q": nk(r(1, T, H, K)) if general else None, "p": r(1, T, H, V), "oq": r(1, T, H, K),
+           "c": torch.rand(1, T, H, generator=g, dtype=torch.float64),
+           "a": 0.3 + 0.7 * torch.rand(1, T, H, generator=g, dtype=torch.float64) if decay else None,
+           "h0": r(N, H, K, V), "ps": torch.randn(1, T, H, generator=g, dtype=torch.float64) if scale else None}
+    names = [n for n, t in ins.items() if t is not None]
+    ref_in = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o_ref, h_ref, cu = packed_naive(naive_recurrent_rank1, ref_in, lens)
+    do, dh = r(*o_ref.shape), r(*h_ref.shape)
+    ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), [ref_in[n] for n in names])
+    x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o, ht = R.chunk_rank1(x["v"], x["p"], x["c"], x["oq"], u=x["u"], q=x["q"], a=x["a"], ps=x["ps"],
+                          initial_state=x["h0"], output_final_state=True, chunk_size=16, cu_seqlens=cu)
+    assert ht.shape == (N, H, K, V)
     got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), [x[n] for n in names])
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(names, got, ref_g)})

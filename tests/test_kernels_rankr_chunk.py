@@ -16,7 +16,7 @@ from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from ssmcraft.runtime import select  # noqa: E402
 from ssmcraft.runtime.select import validated_call  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
-from helpers import assert_within, kernel_inputs, rel_rms as rel  # noqa: E402
+from helpers import assert_within, kernel_inputs, packed_naive, rel_rms as rel  # noqa: E402
 
 # relative RMS error, fp32 kernels vs float64 reference (the Woodbury factors are quotients of
 # O(1) sums: fp32 rounding leaves ~1e-6, as in rankr_row's tests)
@@ -137,6 +137,38 @@ def test_kernel_slots(T, R, K, V, chunk, sep_u, decay, scale, per_term, bv, monk
     x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
     o, ht = RC.chunk_rankr(x["v"], x["p"], x["c"], x["oq"], u=x["u"], a=x["a"], ps=x["ps"], initial_state=x["h0"],
                            output_final_state=True, chunk_size=chunk)
+    got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), [x[n] for n in names])
+    errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
+    errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(names, got, ref_g)})
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+
+
+@pytest.mark.parametrize("R,sep_u,decay,per_term", [
+    (3, True, True, True),      # three terms run as four (a zero fourth), a read key and a step per term
+    (2, False, False, False),   # delta-rule form: u = v, one step per token, no decay
+])
+def test_packed_kernel_slots(R, sep_u, decay, per_term, monkeypatch):
+    """``chunk_rankr(..., cu_seqlens=)``: a packed row equals the float64 reference on each sequence
+    from its own initial state (output, final states [N, H, K, V], every gradient); chunks of 16
+    tokens (``R`` term rows each), sequences empty, of 1 token, under, equal to and over a chunk."""
+    lens = [0, 17, 16, 5, 0, 1, 33]
+    N, T, H, K, V = len(lens), sum(lens), 2, 16, 24
+    g = torch.Generator().manual_seed(R)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    rand = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = {"v": nk(r(1, T, H, R, K)), "u": nk(r(1, T, H, R, K)) if sep_u else None, "p": r(1, T, H, R, V),
+           "oq": r(1, T, H, K), "c": rand(1, T, H, R) if per_term else rand(1, T, H),
+           "a": 0.3 + 0.7 * rand(1, T, H) if decay else None, "h0": r(N, H, K, V), "ps": r(1, T, H)}
+    names = [n for n, t in ins.items() if t is not None]
+    ref_in = {n: (t.clone().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o_ref, h_ref, cu = packed_naive(naive_recurrent_rankr, ref_in, lens)
+    do, dh = r(*o_ref.shape), r(*h_ref.shape)
+    ref_g = torch.autograd.grad((o_ref * do).sum() + (h_ref * dh).sum(), [ref_in[n] for n in names])
+    x = {n: (t.float().requires_grad_() if t is not None else None) for n, t in ins.items()}
+    o, ht = RC.chunk_rankr(x["v"], x["p"], x["c"], x["oq"], u=x["u"], a=x["a"], ps=x["ps"], initial_state=x["h0"],
+                           output_final_state=True, chunk_size=16 * RC._group(R), cu_seqlens=cu)
+    assert ht.shape == (N, H, K, V)
     got = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dh).sum(), [x[n] for n in names])
     errs = {"y": rel(o, o_ref), "S_T": rel(ht, h_ref)}
     errs.update({f"d{n}": rel(a_, b_) for n, a_, b_ in zip(names, got, ref_g)})

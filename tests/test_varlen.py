@@ -159,11 +159,26 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
+    from ssmcraft.ops.rank1_chunk import chunk as R1
+    from ssmcraft.ops.rankr_chunk import chunk as RR
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
+    monkeypatch.setattr(R1, "POISON", True)         # rankr_chunk's buffers too (the same host code)
+    monkeypatch.setattr(R1, "CHUNK", 16)
+    monkeypatch.setattr(RR, "CHUNK", 32)            # 16 tokens of two terms
     DG.set_poison(True)
     yield
     DG.set_poison(False)
+
+
+@pytest.fixture
+def gpu_order(monkeypatch):
+    """The families in their CUDA order (``registry.order``): the chunked WY families ahead of the
+    row families for a per-head step, as a GPU dispatches them; the interpreter's order tries the
+    row families first."""
+    from ssmcraft.ops import registry
+    from ssmcraft.runtime import select
+    monkeypatch.setattr(select, "order", lambda ir, mode: registry.order(ir, "triton"))
 
 
 def _interpret(obj, ins, params, S0, cu):
@@ -186,8 +201,28 @@ def test_native_family_packed_equals_separate(name, family, poisoned):
     assert obj.backend == f"triton-interpret:{family}+packed"
 
 
-@pytest.mark.parametrize("name", ["gla", "mamba"])
-def test_native_family_packed_without_final_state(name, poisoned):
+def _composed(name):
+    from ssmcraft.bench.classes_commands import COMPOSED
+    from ssmcraft.search.compose import compose_objective
+    return ssmcraft.compile(compose_objective(COMPOSED[name]))
+
+
+@pytest.mark.parametrize("name, family", [("deltanet", "rank1-chunk"), ("gated_deltanet", "rank1-chunk"),
+                                          ("rank2_head_gated", "rankr-chunk")])
+def test_chunked_delta_family_packed_equals_separate(name, family, poisoned, gpu_order):
+    """The chunked WY kernels (``rank1_chunk``; ``rankr_chunk``'s two terms per token through the
+    same kernels) on a packed row vs the separate float64 reference calls: chunks of 16 tokens, lengths
+    a multiple of the chunk (16, 32), odd ones crossing it (17, 33), under it (5, 1), empty first and
+    in the middle and last; every gradient, initial states included, and the final states."""
+    obj = _composed(name) if name == "rank2_head_gated" else ssmcraft.compile(name)
+    errs = packed_errors(obj, [0, 17, 16, 5, 0, 1, 33, 32, 0], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")
+
+
+@pytest.mark.parametrize("name, family", [("gla", "keydecay-chunked"), ("mamba", "diagonal-chunked"),
+                                          ("gated_deltanet", "rank1-chunk")])
+def test_native_family_packed_without_final_state(name, family, poisoned, gpu_order):
     """No final state asked (as a training forward calls it): the output and every input's gradient
     equal the packed reference's, and no state comes back."""
     obj = ssmcraft.compile(name)
@@ -201,7 +236,7 @@ def test_native_family_packed_without_final_state(name, poisoned):
     y_r, _, g_r = run(lambda x: obj.reference(x, params, None, True, cu_seqlens=cu), torch.float64)
     obj.prefer = "interpret"
     y, S, g = run(lambda x: obj(x, params, None, False, cu_seqlens=cu), torch.float32)
-    assert S is None and obj.backend.endswith("+packed")
+    assert S is None and obj.backend == f"triton-interpret:{family}+packed"
     assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
 
 

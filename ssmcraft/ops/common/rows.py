@@ -1,8 +1,8 @@
-"""Where a key-decay chunked program's rows are: a batch row of ``T`` tokens, or one sequence of a
-packed row (``cu_seqlens``, ``ssmcraft.ops.common.varlen``), whose chunks never straddle two
-sequences. The kernels (``chunk.py``) index every ``[B, T, H, *]`` tensor through ``row_ids`` from
-the sequence's first row ``bos``, and every per-chunk buffer ``[B, H, NT, ...]`` from the index of the
-sequence's first chunk; Triton inlines these helpers.
+"""Where a chunked program's rows are: a batch row of ``T`` tokens, or one sequence of a packed row
+(``cu_seqlens``, ``ssmcraft.ops.common.varlen``), whose chunks never straddle two sequences. The
+chunked kernels (``keydecay_chunk``, ``rank1_chunk``) index every ``[B, T, H, *]`` tensor from the
+sequence's first row ``bos`` (``row_ids``), and every per-chunk buffer ``[B, H, NT, ...]`` from the
+index of the sequence's first chunk; Triton inlines these helpers.
 """
 from __future__ import annotations
 

@@ -31,9 +31,8 @@ g in float32 then the I/O dtype.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
 states ``[N, H, ...]``. The precision kernels run one program per (sequence, head) over that
-sequence's tokens, from its own P0 to its own final P. The memory S runs ``chunk_rank1`` once per
-sequence on its slice of the row (``varlen.per_sequence``): ``rank1_chunk``'s public function takes
-no packed row on this branch.
+sequence's tokens, from its own P0 to its own final P; the memory S is ``chunk_rank1``'s packed call
+(``cu_seqlens``).
 """
 from __future__ import annotations
 
@@ -99,17 +98,12 @@ class PrecisionFunction(torch.autograd.Function):
         return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None
 
 
-def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu: list[int] | None):
+def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu_seqlens):
     """S through ``chunk_rank1`` (insert = erase key g, read key k, step 1): (o [B, T, H, d],
-    S_T [N, H, K=m, V=d] (the kernels' layout) or None); a packed row (``cu`` its offsets) one call
-    per sequence."""
-    def run(ins, params, h0, ofs):
-        return chunk_rank1(ins["g"], ins["x"], torch.ones(ins["x"].shape[:3], device=k.device, dtype=x.dtype),
-                           ins["q"], u=ins["k"], initial_state=h0, output_final_state=ofs, chunk_size=chunk_size)
-    ins = {"g": g, "x": x, "q": q, "k": k}
-    if cu is None:
-        return run(ins, None, S0, output_final_state)
-    return varlen.per_sequence(run, ins, None, S0, output_final_state, cu)
+    S_T [N, H, K=m, V=d] (the kernels' layout) or None); ``cu_seqlens`` a packed row, run natively."""
+    ones = torch.ones(x.shape[:3], device=k.device, dtype=x.dtype)
+    return chunk_rank1(g, x, ones, q, u=k, initial_state=S0, output_final_state=output_final_state,
+                       chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
 def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, output_final_state: bool = False,
@@ -147,7 +141,8 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     head = lambda t: None if t is None else t.contiguous()     # noqa: E731
     g, pt = PrecisionFunction.apply(k.contiguous(), lam.contiguous(), head(beta), head(eta), p0,
                                     None if cu is None else cu_seqlens.to(device=k.device, dtype=torch.int32))
-    o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size, cu)
+    o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size,
+                    cu_seqlens)
     if not output_final_state:
         return o, None
     return o, (torch.linalg.inv(pt).float(), ht.transpose(-1, -2))

@@ -32,7 +32,7 @@ sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and f
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
 the reverse cumulative sum of d g). Nothing of size [B, T, K, V] is stored: the forward of a
-training step keeps the chunk states [B, NT, H, K, V] (T / BT times smaller) and Psi, so the
+training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
 Backward, per chunk with dO and dH_C (gradient at the chunk's end):
@@ -52,7 +52,9 @@ import torch
 
 from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.readout import finish_laid_out
+from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
                                           rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,
@@ -107,15 +109,17 @@ def _operands(v, u, q, ps, c, a):
             cc if a is None else a)
 
 
-def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT, R):
+def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode, BT, R, packed=None):
     """R: terms per token (``ssmcraft.ops.rankr_chunk``): v, u, p, c, ps hold ``T * R`` term rows,
-    oq and a ``T`` token rows (``kernels``' docstring); 1 for the rank-1 family."""
+    oq and a ``T`` token rows (``kernels``' docstring); 1 for the rank-1 family. ``packed``: the
+    ``Chunks`` (of ``BT / R`` tokens) of a packed row (B = 1, N sequences, states ``[N, H, K, V]``),
+    else None (N = B)."""
     B, TR, H, K = v.shape
     T = oq.shape[1]
     V = p.shape[-1]
     dt = p.dtype
     dev = p.device
-    NT = cdiv(TR, BT)
+    N, NT, seq = sequences(B, T, BT // R, packed, v)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
@@ -130,27 +134,28 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
     launch(rank1_chunk_prep_kernel, (NT, B * H),
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, M=M, W=W, Up=Up, L=L, Lq=Lq, g=g, T=T, H=H, K=K, V=V,
-           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R)
+           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R,
+           **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
-    hs = _empty(B, NT, H, K, V, device=dev, dtype=dt) if store_states else o
+    hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, TR, H, V, device=dev, dtype=dt) if store_states else o
-    ht = _empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     # no h0 or no final state: a flag, not a zero state filled and read or a state written unread
-    launch(rank1_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    launch(rank1_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, q=qq, p=p, ps=pss, oq=oq, W=W, Up=Up, L=L, Lq=Lq, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi,
            ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, R=R,
-           **_launch_opts(V))
+           **packed_args(seq, "cu", "co"), **_launch_opts(V))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
 
-def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R):
+def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, packed=None):
     B, TR, H, K = v.shape
     T = oq.shape[1]
     V = p.shape[-1]
     dt = p.dtype
-    NT = cdiv(TR, BT)
+    N, NT, seq = sequences(B, T, BT // R, packed, v)
     BK = _key_block(K, dt)
     general = q is not None
     has_a = a is not None
@@ -159,12 +164,12 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R):
     do = do.contiguous().to(dt)
     dhs = _empty_like(hs)
     dpsi = _empty_like(psi)
-    dh0 = _empty(B, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
+    dh0 = _empty(N, H, K, V, device=v.device, dtype=torch.float32) if need_dh0 else dhs
     has_dht = dht is not None
-    launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), B * H),
+    launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs, dpsi=dpsi,
            dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, R=R, **_launch_opts(V))
+           PREC=prec, R=R, **packed_args(seq, "cu", "co"), **_launch_opts(V))
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
@@ -180,7 +185,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R):
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
            do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
            V=V, BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
-           PREC=prec, R=R)
+           PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 
@@ -192,15 +197,17 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R):
 class Rank1ChunkFunction(torch.autograd.Function):
     """(v, u|None, q|None, p, ps|None, oq, c|None, a|None, h0|None) -> (o, ht|None);
     u/q None mean "= v", ps None means 1, c per ``c_mode`` (``_c_mode``); ``group``: terms per
-    token R (v, u, p, c, ps in ``T * R`` term rows; ``ssmcraft.ops.rankr_chunk``), 1 for rank-1."""
+    token R (v, u, p, c, ps in ``T * R`` term rows; ``ssmcraft.ops.rankr_chunk``), 1 for rank-1;
+    ``packed``: the ``Chunks`` of a packed row (``_fwd``) or None."""
 
     @staticmethod
-    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, c_mode, output_final_state, chunk_size, group):
+    def forward(ctx, v, u, q, p, ps, oq, c, a, h0, c_mode, output_final_state, chunk_size, group, packed=None):
         train = any(ctx.needs_input_grad[:9])
         ctx.c_mode = c_mode
         ctx.group = group
         ctx.set_materialize_grads(False)     # an unused output's gradient stays None: no zero tensor read
-        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, c_mode, chunk_size, group)
+        ctx.packed = packed
+        o, ht, saved = _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, train, c_mode, chunk_size, group, packed)
         if train:
             ctx.save_for_backward(v, u, q, p, ps, oq, c, a, *saved)
         ctx.chunk_size = chunk_size
@@ -212,8 +219,9 @@ class Rank1ChunkFunction(torch.autograd.Function):
         v, u, q, p, ps, oq, c, a, *saved = ctx.saved_tensors
         if do is None:
             do = p.new_zeros(*oq.shape[:3], p.shape[-1])
-        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size, ctx.group)
-        return (*grads, None, None, None, None)
+        grads = _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, ctx.need_dh0, ctx.c_mode, ctx.chunk_size, ctx.group,
+                     ctx.packed)
+        return (*grads, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -233,8 +241,17 @@ def as_operand(t, shape, dtype):
     return t.contiguous()
 
 
+def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int):
+    """The ``Chunks`` of a packed call (``cu_seqlens`` checked against the token tensor ``token``
+    ``[1, total_T, ...]`` and ``initial_state`` ``[N, ...]``), or None for an unpacked one."""
+    if cu_seqlens is None:
+        return None
+    cu = offsets(name, cu_seqlens, {"token": token}, initial_state)
+    return chunks(cu, cu_seqlens.to(token.device), tokens_per_chunk)
+
+
 def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=None,
-                output_final_state: bool = False, chunk_size: int = 64):
+                output_final_state: bool = False, chunk_size: int = 64, cu_seqlens=None):
     """H_t = a_t H_{t-1} - c_t v_t (u_t^T H_{t-1}) + q_t (ps_t p_t)^T;  o_t = H_t^T oq_t.
 
     Args:
@@ -253,8 +270,12 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); initial and final states
+            are then [N, H, K, V], every sequence starts from its own, and no chunk straddles two
+            sequences: the result equals N separate calls.
     Returns:
-        o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
+        o [B, T, H, V] in p's dtype, final state [B, H, K, V] ([N, H, K, V] packed) fp32 or None.
     """
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -264,9 +285,11 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     B, T, H, K = v.shape
     V = p.shape[-1]
     c_mode = _c_mode(c, a, ps)      # refused at every length; ``hc`` below is ``hps`` exactly when c is ps
+    packed = packed_chunks("chunk_rank1", cu_seqlens, v, initial_state, chunk_size)
     if T == 0:
+        N = B if packed is None else packed.N
         o = p.new_zeros(B, 0, H, V)
-        S = initial_state.float() if initial_state is not None else p.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else p.new_zeros(N, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
 
     prep = (lambda t, shape, dtype=dt: as_operand(t, shape, dtype))
@@ -277,17 +300,18 @@ def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=N
     hc = hps if c is ps else head(c)      # one tensor stays one (C_IS_PS) whatever prep does to it
     o, ht = Rank1ChunkFunction.apply(prep(v, kshape), prep(u, kshape), prep(q, kshape), prep(p, (B, T, H, V)),
                                      hps, prep(oq, kshape), hc, head(a), h0,
-                                     c_mode, output_final_state, chunk_size, 1)
+                                     c_mode, output_final_state, chunk_size, 1, packed)
     return o, ht
 
 
 def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_state: bool = False,
-               chunk_size: int = 64):
+               chunk_size: int = 64, cu_seqlens=None):
     """(Gated) DeltaNet in FLA's convention: S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t x_t^T
     (state [K, V]), o_t = S_t^T q_t.  q, k [B, T, H, K]; x [B, T, H, V]; beta, alpha [B, T, H];
-    initial_state [B, H, K, V].  Returns o [B, T, H, V], final state [B, H, K, V] fp32 or None."""
+    initial_state [B, H, K, V] ([N, H, K, V] with ``cu_seqlens``, as ``chunk_rank1``).
+    Returns o [B, T, H, V], final state [B, H, K, V] fp32 or None."""
     return chunk_rank1(k, x, beta if alpha is None else None, q, a=alpha, ps=beta, initial_state=initial_state,
-                       output_final_state=output_final_state, chunk_size=chunk_size)
+                       output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
 # ----------------------------------------------------------------------------------------
@@ -369,7 +393,7 @@ def prepare(obj, lay):
     c_is_a_ps = (c.kind == "product" and a is not None and a.kind == "leaf" and pb.kind == "scaled"
                  and {c.leaf, c.scale} == {a.leaf, pb.scale})
 
-    def run(cs, initial_state, output_final_state):
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
         v = cs.get("v")
         u = None if same["u"] else cs.get("u")
         q = None if same["q"] else cs.get("q")
@@ -378,6 +402,6 @@ def prepare(obj, lay):
                             cs.get("oq"), u=u, q=q, a=_per_head(cs.get("a", 1.0), B, T, H, cs.device, one_is_none=True),
                             ps=ps,
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
-                            output_final_state=output_final_state, chunk_size=CHUNK)
+                            output_final_state=output_final_state, chunk_size=CHUNK, cu_seqlens=cu_seqlens)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
     return slot_runner(obj, lay, run)

@@ -8,14 +8,22 @@ ps, and the chunk buffers M, W, Up, Psi), the tokens' tensors keep ``T`` rows (o
 whose rows are the chunk's tokens and its columns the chunk's term rows). A chunk is ``BT`` term
 rows, ``BT / R`` tokens. The masks become token-strict (a term sees the terms of earlier tokens
 only), the decay acts once per token and the output is read once per token, after its R terms.
-With R = 1 each branch on R compiles to the rank-1 kernel's code."""
+With R = 1 each branch on R compiles to the rank-1 kernel's code.
+
+Packed sequences (``VARLEN``, a constexpr; ``ssmcraft.ops.common.rows``): B = 1 and the row holds N
+sequences (``cu`` their token offsets); each parallel program runs chunk ``ci[i_c]`` (a sequence and
+a chunk within it: no chunk straddles two sequences), each sequential program one sequence from
+its own initial state to its own final state. A sequence's term rows start at ``R`` times its first
+token. The chunk states are ``[B, H, NT, K, V]`` (NT: every sequence's chunks, when packed). With
+VARLEN off, the branches compile away and the rows are the batch row's."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.rows import seq_chunk, seq_state
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import chunk_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -37,19 +45,23 @@ def _step(c, a, ps, row, m_t, C_MODE: tl.constexpr):
 
 
 @triton.jit
-def group_rows(i_b, i_h, i_t, T, H, BT: tl.constexpr, R: tl.constexpr):
-    """Chunk ``i_t`` of ``BT`` term rows (``R`` per token, T tokens): the term rows' local index
-    ``o_i``, mask ``m_t`` and ids ``row`` in ``[B, T*R, H, *]``; each term row's token within the
-    chunk ``o_g`` and that token's id ``vtrow`` in ``[B, T, H, *]``; the chunk's token rows ``o_j``,
-    mask ``m_j`` and ids ``trow``. R = 1: tokens and term rows coincide."""
+def group_rows(bos, i_h, i_t, T, H, BT: tl.constexpr, R: tl.constexpr):
+    """Chunk ``i_t`` of ``BT`` term rows (``R`` per token) of the sequence of T tokens whose first
+    token is row ``bos`` (``b * T`` in a batch): the term rows' local index ``o_i``, mask ``m_t``
+    (rows of the sequence) and ids ``row`` (int64) in ``[B, T*R, H, *]``; each term row's token
+    within the chunk ``o_g`` and that token's id ``vtrow`` in ``[B, T, H, *]``; the chunk's token
+    rows ``o_j``, mask ``m_j`` and ids ``trow``. R = 1: tokens and term rows coincide."""
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T * R
+    row = (bos * R + o_t).to(tl.int64) * H + i_h
     if R == 1:
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T, H, BT)
         return o_i, m_t, row, o_i, row, o_i, m_t, row
     else:
-        o_i, m_t, row = chunk_rows(i_b, i_h, i_t, T * R, H, BT)
-        o_j, m_j, trow = chunk_rows(i_b, i_h, i_t, T, H, BT // R)
-        o_g = o_i // R
-        return o_i, m_t, row, o_g, (i_b * T + i_t * (BT // R) + o_g).to(tl.int64) * H + i_h, o_j, m_j, trow
+        o_j = tl.arange(0, BT // R)
+        o_s = i_t * (BT // R) + o_j
+        return (o_i, m_t, row, o_i // R, (bos + i_t * (BT // R) + o_i // R).to(tl.int64) * H + i_h, o_j, o_s < T,
+                (bos + o_s).to(tl.int64) * H + i_h)
 
 
 @triton.jit
@@ -62,32 +74,32 @@ def _per_token(x, o_g, o_j, R: tl.constexpr):
 
 
 @triton.jit
-def _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H: tl.constexpr, BTT: tl.constexpr):
+def _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H: tl.constexpr, BTT: tl.constexpr):
     """The within-chunk log-decay sums ``g`` at the chunk's term rows (their tokens' ``vtrow``) and
     at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end)."""
     b_g = tl.load(g + vtrow, mask=m_t, other=0.)
     last = tl.minimum(T, i_t * BTT + BTT) - 1
-    b_gl = tl.load(g + (i_b * T + last).to(tl.int64) * H + i_h)
+    b_gl = tl.load(g + (bos + last).to(tl.int64) * H + i_h)
     return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE", "R"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "C_MODE", "R", "VARLEN"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T"])
-def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
+def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g, cu, ci,
                  T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
-                 C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
+                 C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1, VARLEN: tl.constexpr = False):
     """Per chunk: M = (I + A)^{-1} [BT per term row], W [K], Up [V], L (and Lq) [BT per token], g
     (per token). C_MODE (``C_GIVEN``, ``C_IS_PS``, ``C_IS_A_PS``): where the step c comes from.
     R: terms per token (``C_IS_A_PS`` and GENERAL with R = 1 only)."""
-    i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, 0, H, VARLEN)
     DT = W.dtype.element_ty
-    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
+    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
@@ -160,31 +172,32 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g,
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT", "R"])
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT", "R", "VARLEN"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht,
+def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht, cu, co,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_A: tl.constexpr, GENERAL: tl.constexpr, HAS_PS: tl.constexpr,
                       WRITE_O: tl.constexpr, STORE_H: tl.constexpr, HAS_H0: tl.constexpr,
-                      STORE_HT: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
-    """Sequential over chunks, one program per (value block, batch, head). HAS_H0: start from
+                      STORE_HT: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1,
+                      VARLEN: tl.constexpr = False):
+    """Sequential over chunks, one program per (value block, sequence, head). HAS_H0: start from
     ``h0`` (else from zero, ``h0`` unread); STORE_HT: write the final state to ``ht``."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT // R, VARLEN)
     DT = W.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
 
-    for i_t in range(NT):
-        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
+    for i_t in range(n_t):
+        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         if STORE_H:
-            base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
-            tl.store(hs + base + p_kv, b_h.to(DT), mask=m_kv)
+            tl.store(hs + (cb + i_t) * K * V + p_kv, b_h.to(DT), mask=m_kv)
         b_hd = b_h.to(DT)
         b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_psi = tl.load(Up + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
@@ -193,7 +206,7 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
             tl.store(psi + row[:, None] * V + o_v[None, :], b_psi.to(DT), mask=m_tv)
         b_psid = b_psi.to(DT)
         if HAS_A:
-            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BT // R)
+            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BT // R)
         if WRITE_O:
             b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
             b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
@@ -233,13 +246,13 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
         for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0", "R"])
+       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0", "R", "VARLEN"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
+def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_A: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                      PREC: tl.constexpr, R: tl.constexpr = 1):
+                      PREC: tl.constexpr, R: tl.constexpr = 1, VARLEN: tl.constexpr = False):
     """Reverse over chunks: dH at each chunk's end, dPsi = L^T dO + Vbar dH, and
     dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi. HAS_DHT: start from ``dht`` (else from zero,
     ``dht`` unread); STORE_DH0: write dH0 to ``dh0``."""
@@ -250,21 +263,21 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
     DT = W.dtype.element_ty
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
+    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT // R, VARLEN)
 
-    for j in range(NT):
-        i_t = NT - 1 - j
-        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
+    for j in range(n_t):
+        i_t = n_t - 1 - j
+        o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
-        tl.store(dhs + base + p_kv, b_dh.to(DT), mask=m_kv)
+        tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
         b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
         b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
         b_vk = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
         b_w = tl.load(W + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         if HAS_A:
-            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BT // R)
+            b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BT // R)
             b_vk = (b_vk.to(tl.float32) * b_dec[:, None]).to(DT)
             if R == 1:
                 b_gt = b_g
@@ -285,25 +298,26 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0,
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R", "VARLEN"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
-                 du, dv, dq, dp, dps, doq, dc, da,
+                 du, dv, dq, dp, dps, doq, dc, da, cu, ci,
                  T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
-                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1):
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1,
+                 VARLEN: tl.constexpr = False):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
     or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
-    i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
     DT = M.dtype.element_ty
-    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(i_b, i_h, i_t, T, H, BT, R)
+    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
     BTT: tl.constexpr = BT // R
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -311,12 +325,12 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     m_jk = m_j[:, None] & m_k[None, :]
     lower = o_g[:, None] > o_g[None, :]
     incl = o_j[:, None] >= o_g[None, :]
-    base = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * K * V
+    base = (cb + i_t) * K * V
 
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, i_b, i_h, i_t, T, H, BTT)
+        b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BTT)
         b_a = tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32)
         b_gp = b_g - tl.log(b_a)
         b_ch = b_c * tl.exp(b_gp)

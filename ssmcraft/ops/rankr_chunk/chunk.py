@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype
-from ssmcraft.ops.rank1_chunk.chunk import (C_GIVEN, C_IS_PS, Rank1ChunkFunction, _per_head, as_operand)
+from ssmcraft.ops.rank1_chunk.chunk import (C_GIVEN, C_IS_PS, Rank1ChunkFunction, _per_head, as_operand,
+                                            packed_chunks)
 
 CHUNK = 64                          # chunk size (term rows) used by the family
 BACKEND_NAME = "rankr-chunk"
@@ -69,7 +70,7 @@ def _head_rows(x, B, T, H, R):
 
 
 def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, output_final_state: bool = False,
-                chunk_size: int = 64):
+                chunk_size: int = 64, cu_seqlens=None):
     """H_t = a_t H_{t-1} - sum_i c_ti v_ti (u_ti^T H_{t-1}) + sum_i v_ti (ps_ti p_ti)^T;  o_t = H_t^T oq_t.
 
     The terms go to the kernels as ``T * R`` term rows (``[B, T, H, R, n] -> [B, T * R, H, n]``, one copy;
@@ -89,8 +90,11 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64 term rows, at least 16 tokens: ``chunk_size / R >= 16`` (R = 3 counts 4).
+        cu_seqlens: int32/int64 token offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, as ``chunk_rank1``'s); initial and final states are then [N, H, K, V], and
+            no chunk straddles two sequences: the result equals N separate calls.
     Returns:
-        o [B, T, H, V] in p's dtype, final state [B, H, K, V] fp32 or None.
+        o [B, T, H, V] in p's dtype, final state [B, H, K, V] ([N, H, K, V] packed) fp32 or None.
     """
     seq = isinstance(v, (list, tuple))
     dt = (p[0] if seq else p).dtype
@@ -104,9 +108,11 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
                          f"least 16 tokens, got chunk_size {chunk_size}")
     if c is None:
         raise ValueError("chunk_rankr: the step c is required (1 where the keys carry it)")
+    packed = packed_chunks("chunk_rankr", cu_seqlens, oq, initial_state, chunk_size // _group(R))
     if T == 0:
+        N = B if packed is None else packed.N
         o = oq.new_zeros(B, 0, H, V, dtype=dt)
-        S = initial_state.float() if initial_state is not None else oq.new_zeros(B, H, K, V, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else oq.new_zeros(N, H, K, V, dtype=torch.float32)
         return o, (S if output_final_state else None)
     hps = _head_rows(ps, B, T, H, R)
     hc = hps if c is ps else _head_rows(c, B, T, H, R)      # one tensor stays one (C_IS_PS)
@@ -115,7 +121,7 @@ def chunk_rankr(v, p, c, oq, *, u=None, a=None, ps=None, initial_state=None, out
     a = None if a is None else as_operand(a, (B, T, H), io_dtype(a.dtype))
     rows = (lambda x, n: None if x is None else _term_rows(x, B, T, H, R, n, dt))
     return Rank1ChunkFunction.apply(rows(v, K), rows(u, K), None, rows(p, V), hps, as_operand(oq, (B, T, H, K), dt),
-                                    hc, a, h0, c_mode, output_final_state, chunk_size, _group(R))
+                                    hc, a, h0, c_mode, output_final_state, chunk_size, _group(R), packed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -212,11 +218,11 @@ def prepare(obj, lay):
     out_dtype = lay.out_dtype
     io = io_dtype(out_dtype)
 
-    def run(cs, initial_state, output_final_state):
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
         v, p, c, oq, u, a, ps = _layout_args(obj.ir, binds, cs.get, cs.split, B, T, H, d, m, cs.device, io)
         o, ht = chunk_rankr(v, p, c, oq, u=u, a=a, ps=ps,
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
-                            output_final_state=output_final_state, chunk_size=CHUNK)
+                            output_final_state=output_final_state, chunk_size=CHUNK, cu_seqlens=cu_seqlens)
         return cs.finish(o).to(out_dtype), (None if ht is None else ht.transpose(-1, -2))
     return slot_runner(obj, lay, run)
 
