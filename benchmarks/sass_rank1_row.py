@@ -53,7 +53,7 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
 
 def rank1_consts(case: str, BV: int, which: str) -> dict:
     modes, consts, groups = RANK1[case]
-    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups)
+    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
     if which == "fwd":
         absent = {n: None for n, m in zip(("A", "C", "P", "OC", "OH"), modes) if m == 0}
         return dict(common, MODES=modes, CONSTS=consts, S0=None, **absent)

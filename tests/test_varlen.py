@@ -159,8 +159,11 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
+    from ssmcraft.ops.rank1_row import recurrent as R1
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
+    monkeypatch.setattr(R1, "POISON", True)
+    monkeypatch.setattr(R1, "CHUNK", 8)          # the backward's checkpoint interval
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -205,12 +208,25 @@ def test_native_family_packed_without_final_state(name, poisoned):
     assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
 
 
-def test_family_without_packed_kernels_runs_each_sequence_and_says_why():
-    """Exact Longhorn (``rank1_row``, no packed kernels) under the interpreter: each sequence runs the
-    row kernel on its own, equal to the separate reference calls, and the backend names both."""
+@pytest.mark.parametrize("name", ["longhorn", "gated_longhorn", "wd_longhorn"])
+def test_sequential_family_packed_equals_separate(name, poisoned):
+    """The per-row sequential kernels (``rank1_row``: exact Longhorn, a per-row decay, weight decay)
+    on a packed row, one program row per sequence: lengths over the backward's checkpoint interval
+    (8 here), odd, 0 and 1, an empty sequence first, in the middle and last."""
+    obj = ssmcraft.compile(name)
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33, 0], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend.startswith("triton-interpret:rank1-row") and obj.backend.endswith("+packed")
+
+
+def test_family_without_packed_kernels_runs_each_sequence_and_says_why(monkeypatch):
+    """Exact Longhorn with ``rank1_row`` declared without packed kernels, under the interpreter: each
+    sequence runs the row kernel on its own, equal to the separate reference calls, and the backend
+    names both."""
     from ssmcraft.ops.registry import family
     assert family("keydecay_chunk").varlen is None and family("diagonal").varlen is None
-    assert family("rank1_row").varlen is not None
+    assert family("rank1_row").varlen is None
+    monkeypatch.setattr(family("rank1_row"), "varlen", "no packed-sequence (cu_seqlens) kernels")
     obj = ssmcraft.compile("longhorn")
     errs = packed_errors(obj, [0, 5, 1, 3], _interpret, dtype=torch.float32)
     assert_within(errs, {"y": 1e-5, "grad": 2e-5})
