@@ -159,11 +159,13 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
+    from ssmcraft.ops.general import recurrent as GE
     from ssmcraft.ops.rank1_row import recurrent as R1
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
-    monkeypatch.setattr(R1, "POISON", True)
-    monkeypatch.setattr(R1, "CHUNK", 8)          # the backward's checkpoint interval
+    for mod in (R1, GE):
+        monkeypatch.setattr(mod, "POISON", True)
+        monkeypatch.setattr(mod, "CHUNK", 8)     # the backward's checkpoint interval
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -208,15 +210,21 @@ def test_native_family_packed_without_final_state(name, poisoned):
     assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
 
 
-@pytest.mark.parametrize("name", ["longhorn", "gated_longhorn", "wd_longhorn"])
-def test_sequential_family_packed_equals_separate(name, poisoned):
-    """The per-row sequential kernels (``rank1_row``: exact Longhorn, a per-row decay, weight decay)
-    on a packed row, one program row per sequence: lengths over the backward's checkpoint interval
-    (8 here), odd, 0 and 1, an empty sequence first, in the middle and last."""
+@pytest.mark.parametrize("name, family", [
+    ("longhorn", "rank1-row"), ("gated_longhorn", "rank1-row"), ("wd_longhorn", "rank1-row"),
+    ("cauchy_delta", "general"),                  # the rows summed in the step: one row block
+    ("huber_longhorn", "general"),                # nonlinear, row-tiled
+    ("momentum_longhorn", "general"),             # two states
+])
+def test_sequential_family_packed_equals_separate(name, family, poisoned):
+    """The sequential kernels (``rank1_row``: exact Longhorn, a per-row decay, weight decay; the
+    generated ``general`` ones) on a packed row, one program row per sequence: lengths over the
+    backward's checkpoint interval (8 here), odd, 0 and 1, an empty sequence first, in the middle
+    and last."""
     obj = ssmcraft.compile(name)
     errs = packed_errors(obj, [0, 17, 5, 0, 1, 33, 0], _interpret, dtype=torch.float32, d=20, m=12)
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
-    assert obj.backend.startswith("triton-interpret:rank1-row") and obj.backend.endswith("+packed")
+    assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")
 
 
 def test_family_without_packed_kernels_runs_each_sequence_and_says_why(monkeypatch):
