@@ -161,11 +161,14 @@ def poisoned(monkeypatch):
     from ssmcraft.ops.keydecay_chunk import chunk as KD
     from ssmcraft.ops.general import recurrent as GE
     from ssmcraft.ops.rank1_row import recurrent as R1
+    from ssmcraft.ops.rankr_row import recurrent as RR
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
-    for mod in (R1, GE):
+    for mod in (R1, GE, RR):
         monkeypatch.setattr(mod, "POISON", True)
         monkeypatch.setattr(mod, "CHUNK", 8)     # the backward's checkpoint interval
+    monkeypatch.setattr(RR, "ROW_BLOCK", 8)      # several row blocks (d = 20: the last one partial)
+    monkeypatch.setitem(GE.CONFIG, "rows", 8)
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -215,13 +218,16 @@ def test_native_family_packed_without_final_state(name, poisoned):
     ("cauchy_delta", "general"),                  # the rows summed in the step: one row block
     ("huber_longhorn", "general"),                # nonlinear, row-tiled
     ("momentum_longhorn", "general"),             # two states
+    ("longhorn_2key", "rankr-row"),               # the family's own kernels (no decay)
+    ("rr_explicit_head", "rankr-row"),            # a decay: the generated kernels, row-tiled
 ])
 def test_sequential_family_packed_equals_separate(name, family, poisoned):
     """The sequential kernels (``rank1_row``: exact Longhorn, a per-row decay, weight decay; the
-    generated ``general`` ones) on a packed row, one program row per sequence: lengths over the
-    backward's checkpoint interval (8 here), odd, 0 and 1, an empty sequence first, in the middle
-    and last."""
-    obj = ssmcraft.compile(name)
+    generated ``general`` ones; ``rankr_row``'s own and generated) on a packed row, one program row
+    per sequence, in row blocks of 8 where the rows are independent: lengths over the backward's
+    checkpoint interval (8 here), odd, 0 and 1, an empty sequence first, in the middle and last."""
+    from test_kernels_rankr_row import SPECS
+    obj = ssmcraft.compile(SPECS.get(name, name))
     errs = packed_errors(obj, [0, 17, 5, 0, 1, 33, 0], _interpret, dtype=torch.float32, d=20, m=12)
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
     assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")

@@ -148,13 +148,20 @@ def _exact_inverse(a) -> bool:
     return mode == 0 and const == 1.0
 
 
-def _sequences(B, T, packed):
+def sequences(B, T, chunk, packed):
     """(program rows N, checkpoints NC per row (unpacked) or of the whole packed row, the kernels'
-    packing arguments): ``packed`` the ``varlen.Chunks`` of a packed row at chunk size ``CHUNK``
-    (each sequence's checkpoints are its chunks' start states), or None."""
+    ``VARLEN`` flag, their (CU, CO) pointers): ``packed`` the ``varlen.Chunks`` of a packed row at
+    the checkpoint interval ``chunk`` (each sequence's checkpoints are its chunks' start states;
+    ``packing``), or None."""
     if packed is None:
-        return B, max(1, cdiv(T, CHUNK)), dict(VARLEN=False), (None, None)
+        return B, max(1, cdiv(T, chunk)), dict(VARLEN=False), (None, None)
     return packed.N, packed.NT, dict(VARLEN=True), (packed.cu, packed.co)
+
+
+def checkpoints(B, H, NC, K, V, packed, dev):
+    """The checkpoint buffer ([B, H, NC, K, V]; a packed row's [H, NC, K, V], every sequence's
+    checkpoints together) of ``sequences``' NC."""
+    return _new((B, H, NC, K, V) if packed is None else (H, max(1, NC), K, V), dev)
 
 
 def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training, packed=None):
@@ -164,13 +171,13 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     N sequences): S0 and S_T are [N, ...] and the checkpoints [H, NC, K, V]."""
     B, T, H, K = u.shape
     dev = u.device
-    N, NC, flag, seq = _sequences(B, T, packed)
+    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
     BV, nw = _config("fwd", N * H, V, K)
     modes, consts, rows = _modes((a, c, p, oc, oh))
     y = _new((B, T, H, V), dev, out_dtype)
     ST = _new((N, H, K, V), dev) if (want_state or training) else None
     Z = _new((B, T, H, V), dev) if training else None
-    CK = _new((B, H, NC, K, V) if packed is None else (H, max(1, NC), K, V), dev) if training else None
+    CK = checkpoints(B, H, NC, K, V, packed, dev) if training else None
     if S0 is not None:
         S0 = S0.transpose(-1, -2).contiguous()     # [N, H, K, V], like every state tile
     s0_strides = (H * K * V, K * V, 0, V, 1) if S0 is not None else (0,) * 5
@@ -188,7 +195,7 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     (u, v, q, oq, a, c, p, oc, Z, CK, ST, V) = saved
     B, T, H, K = u.shape
     dev = u.device
-    N, NC, flag, seq = _sequences(B, T, packed)
+    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
     BV, nw = _config("bwd", N * H, V, K)
     BK = next_pow2(K)
     NV = cdiv(V, BV)
@@ -446,14 +453,15 @@ def prepare(obj, lay):
         u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
         a, c, p, oc, oh = _dedup_contig(rows)
-        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state)
+        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, CHUNK)
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
                                         output_final_state, packed)
         return y.to(lay.out_dtype), ST
     return slot_runner(obj, lay, run)
 
 
-def packing(name: str, cu_seqlens, inputs: dict, initial_state):
-    """A packed call's ``Chunks`` at the checkpoint interval (its offsets checked and read once)."""
+def packing(name: str, cu_seqlens, inputs: dict, initial_state, chunk: int):
+    """A packed call's ``Chunks`` at the checkpoint interval ``chunk`` (its offsets checked and read
+    once)."""
     cu = varlen.offsets(name, cu_seqlens, inputs, initial_state)
-    return varlen.chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), CHUNK)
+    return varlen.chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), chunk)
