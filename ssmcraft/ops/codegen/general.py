@@ -56,6 +56,11 @@ give ``ir.state_update``.
 Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpoint, scratch
 block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host, row
 tiled as one state is (scratch blocks ordered ``[B*H, NV, n]``).
+
+Packed sequences (``VARLEN``, ``ssmcraft.ops.common.varlen``): program row ``b`` is sequence ``b``
+of one packed row, its first row, length and first checkpoint loaded from ``CU``/``CO``
+(``_sequence``); its states are row ``b`` of ``[N, H, ...]`` and the checkpoints of every sequence
+lie together, ``[H, (n,) NC, K, V]``. Without it the kernels compile as they would without the flag.
 """
 from __future__ import annotations
 
@@ -491,6 +496,14 @@ def _sequence(indent: str) -> list[str]:
             f"{indent}    NC = tl.cdiv(T, CHUNK)"]
 
 
+def _partials_stride(indent: str) -> list[str]:
+    """``NBT``, the token rows times the heads (B*T*H; a packed row's cu[N]*H): the stride of a row
+    block's partial gradients of the leaves shared by the rows."""
+    return [f"{indent}NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
+            f"{indent}if VARLEN:     # one packed row of cu[N] token rows",
+            f"{indent}    NBT = tl.load(CU + tl.num_programs(0) // H).to(tl.int64) * H"]
+
+
 def _scr_block(i: int, ns: int) -> str:
     """The scratch block of state i of ns in program (batch*head, row block): blocks of
     ``CHUNK * BK * BV`` ordered [B*H, NV, ns]."""
@@ -690,9 +703,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "    if HAS_DHT:",
         *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
-        "    NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
-        "    if VARLEN:     # one packed row of cu[N] token rows",
-        "        NBT = tl.load(CU + tl.num_programs(0) // H).to(tl.int64) * H",
+        *_partials_stride("    "),
         *_sequence("    "),
         *[f"    scr{x} = SCR + {_scr_block(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
           for i, x in states],

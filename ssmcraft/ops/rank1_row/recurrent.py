@@ -36,6 +36,11 @@ Kernels: ``rank1_row_fwd`` (the forward, the time-chunked forward's phases, the 
 backward shares) and ``rank1_row_bwd``; this module is their host side, autograd function and
 the family interface.
 
+Packed sequences (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): the grid's batch rows are the
+sequences, each program taking its sequence's first row and length from the offsets and its
+checkpoints at its first chunk's index (``fwd.seq_rows``, under the ``VARLEN`` constexpr: the
+unpacked kernels compile as before); states are ``[N, H, ...]``.
+
 Reductions over rows (gradients of ``u, v, q, oq`` and of per-head coefficients) are
 written per row block and summed on the host. Inputs that are the same tensor (Longhorn's
 ``u = v = q = k``) are loaded once and their gradients accumulated in one buffer.
