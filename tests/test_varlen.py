@@ -194,7 +194,7 @@ def test_native_family_packed_equals_separate(name, family, poisoned):
     assert obj.backend == f"triton-interpret:{family}+packed"
 
 
-@pytest.mark.parametrize("name", ["gla", "mamba"])
+@pytest.mark.parametrize("name", ["gla", "mamba", "longhorn", "huber_longhorn", "longhorn_2key"])
 def test_native_family_packed_without_final_state(name, poisoned):
     """No final state asked (as a training forward calls it): the output and every input's gradient
     equal the packed reference's, and no state comes back."""
