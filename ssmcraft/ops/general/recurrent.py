@@ -10,7 +10,6 @@ import torch
 from ssmcraft.compiler import cache
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.ops.codegen.general import Step, build_step, kernel_source
-from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
@@ -119,7 +118,8 @@ def _sequences(B, T, chunk, packed, ref):
     states) or None (``ref`` stands in for the unread pointers)."""
     if packed is None:
         return B, max(1, cdiv(T, chunk)), dict(CU=ref, CO=ref, VARLEN=False)
-    ch = varlen.chunks(packed[0], packed[1].to(ref.device), chunk)
+    from ssmcraft.ops.common.varlen import chunks     # packed calls are ssmcraft's, not the export's
+    ch = chunks(packed[0], packed[1].to(ref.device), chunk)
     return ch.N, ch.NT, dict(CU=ch.cu, CO=ch.co, VARLEN=True)
 
 
@@ -288,7 +288,8 @@ def runner(obj, ir, lay, row_block=None):
         leaves = [cs.leaf(n).contiguous() for n in names]
         packed = None
         if cu_seqlens is not None:
-            packed = (varlen.offsets(obj.name, cu_seqlens, inputs, initial_state), cu_seqlens)
+            from ssmcraft.ops.common.varlen import offsets
+            packed = (offsets(obj.name, cu_seqlens, inputs, initial_state), cu_seqlens)
         y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state, packed,
                                       _stack_states(ir, initial_state), *leaves)
         return y.to(lay.out_dtype), _unstack_states(ir, S)

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate_kernel, rank1_row_segment_kernel
@@ -468,5 +467,6 @@ def prepare(obj, lay):
 def packing(name: str, cu_seqlens, inputs: dict, initial_state, chunk: int):
     """A packed call's ``Chunks`` at the checkpoint interval ``chunk`` (its offsets checked and read
     once)."""
-    cu = varlen.offsets(name, cu_seqlens, inputs, initial_state)
-    return varlen.chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), chunk)
+    from ssmcraft.ops.common.varlen import chunks, offsets     # packed calls are ssmcraft's, not the export's
+    cu = offsets(name, cu_seqlens, inputs, initial_state)
+    return chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), chunk)

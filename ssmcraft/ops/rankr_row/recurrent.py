@@ -33,7 +33,7 @@ import torch
 from ssmcraft.ops.general import recurrent as general
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.rank1_row.recurrent import (_config, _dedup_contig, _prefetch_distance, _row_mode, checkpoints,
-                                              packing, sequences)
+                                              sequences)
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
@@ -258,6 +258,7 @@ def prepare(obj, lay):
     if own_kernel_reason(ir) is not None:
         return general.runner(obj, ir, lay, row_block=row_block(lay.d, lay.m))
     from ssmcraft.ops.common.slots import slot_runner
+    from ssmcraft.ops.rank1_row.recurrent import packing
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
