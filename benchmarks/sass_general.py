@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         path.write_text(src)
         mod = import_file(path, f"sass_general_{args.objective}", src)
     known = dict(BV=args.rows, BK=args.BK, CHUNK=args.chunk, PF=16, EVEN=not args.uneven, HAS_S0=True, STORE_ST=True,
-                 STORE_CK=True, HAS_DHT=True, STORE_DS0=True)
+                 STORE_CK=True, HAS_DHT=True, STORE_DS0=True, VARLEN=False)
     for kernel in ("general_fwd_kernel", "general_bwd_kernel"):
         fn = getattr(mod, kernel)
         consts = {k: v for k, v in known.items() if k in fn.arg_names}

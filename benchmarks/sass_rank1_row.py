@@ -53,7 +53,7 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
 
 def rank1_consts(case: str, BV: int, which: str) -> dict:
     modes, consts, groups = RANK1[case]
-    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups)
+    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
     if which == "fwd":
         absent = {n: None for n, m in zip(("A", "C", "P", "OC", "OH"), modes) if m == 0}
         return dict(common, MODES=modes, CONSTS=consts, S0=None, **absent)
@@ -69,7 +69,8 @@ def rank1_consts(case: str, BV: int, which: str) -> dict:
 def rankr_cases(BV: int):
     """longhorn_2key's binding: kv = (k, k2, q), per-row c_rl and p_r, oc = 1, no oh."""
     common = dict(BV=BV, BK=64, CHUNK=64, PF=16, NKV=3, L=2, R=2, UI=(0, 1), VI=(0, 1), OQI=2, CM=(2,) * 4,
-                  CC=(0.,) * 4, PM=(2, 2), PC=(0., 0.), OC=None, OM=(0, 0), OCC=(1.0, 0.))
+                  CC=(0.,) * 4, PM=(2, 2), PC=(0., 0.), OC=None, OM=(0, 0), OCC=(1.0, 0.), CU=None, CO=None,
+                  VARLEN=False)
     kv, f4, f2 = ("*bf16",) * 3, ("*fp32",) * 4, ("*fp32",) * 2
     yield "fwd", rankr_row_fwd_kernel, dict(common, OH=None, S0=None), {"kv": kv, "cs": f4, "ps": f2, "Y": "*bf16"}
     yield "bwd", rankr_row_bwd_kernel, dict(common, DHT=None, DOC=None), \

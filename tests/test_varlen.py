@@ -159,13 +159,21 @@ def poisoned(monkeypatch):
     several chunks, and a chunk boundary falls inside some sequences and not others."""
     from ssmcraft.ops.diagonal import chunk as DG
     from ssmcraft.ops.keydecay_chunk import chunk as KD
-    from ssmcraft.ops.rank1_chunk import chunk as R1
-    from ssmcraft.ops.rankr_chunk import chunk as RR
+    from ssmcraft.ops.general import recurrent as GE
+    from ssmcraft.ops.rank1_chunk import chunk as R1C
+    from ssmcraft.ops.rank1_row import recurrent as R1W
+    from ssmcraft.ops.rankr_chunk import chunk as RRC
+    from ssmcraft.ops.rankr_row import recurrent as RRW
     monkeypatch.setattr(KD, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
-    monkeypatch.setattr(R1, "POISON", True)         # rankr_chunk's buffers too (the same host code)
-    monkeypatch.setattr(R1, "CHUNK", 16)
-    monkeypatch.setattr(RR, "CHUNK", 32)            # 16 tokens of two terms
+    monkeypatch.setattr(R1C, "POISON", True)        # rankr_chunk's buffers too (the same host code)
+    monkeypatch.setattr(R1C, "CHUNK", 16)
+    monkeypatch.setattr(RRC, "CHUNK", 32)           # 16 tokens of two terms
+    for mod in (R1W, GE, RRW):
+        monkeypatch.setattr(mod, "POISON", True)
+        monkeypatch.setattr(mod, "CHUNK", 8)     # the backward's checkpoint interval
+    monkeypatch.setattr(RRW, "ROW_BLOCK", 8)     # several row blocks (d = 20: the last one partial)
+    monkeypatch.setitem(GE.CONFIG, "rows", 8)
     DG.set_poison(True)
     yield
     DG.set_poison(False)
@@ -221,7 +229,8 @@ def test_chunked_delta_family_packed_equals_separate(name, family, poisoned, gpu
 
 
 @pytest.mark.parametrize("name, family", [("gla", "keydecay-chunked"), ("mamba", "diagonal-chunked"),
-                                          ("gated_deltanet", "rank1-chunk")])
+                                          ("gated_deltanet", "rank1-chunk"), ("longhorn", "rank1-row+prologue"),
+                                          ("huber_longhorn", "general"), ("longhorn_2key", "rankr-row+prologue")])
 def test_native_family_packed_without_final_state(name, family, poisoned, gpu_order):
     """No final state asked (as a training forward calls it): the output and every input's gradient
     equal the packed reference's, and no state comes back."""
@@ -240,12 +249,34 @@ def test_native_family_packed_without_final_state(name, family, poisoned, gpu_or
     assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
 
 
-def test_family_without_packed_kernels_runs_each_sequence_and_says_why():
-    """Exact Longhorn (``rank1_row``, no packed kernels) under the interpreter: each sequence runs the
-    row kernel on its own, equal to the separate reference calls, and the backend names both."""
+@pytest.mark.parametrize("name, family", [
+    ("longhorn", "rank1-row"), ("gated_longhorn", "rank1-row"), ("wd_longhorn", "rank1-row"),
+    ("cauchy_delta", "general"),                  # the rows summed in the step: one row block
+    ("huber_longhorn", "general"),                # nonlinear, row-tiled
+    ("momentum_longhorn", "general"),             # two states
+    ("longhorn_2key", "rankr-row"),               # the family's own kernels (no decay)
+    ("rr_explicit_head", "rankr-row"),            # a decay: the generated kernels, row-tiled
+])
+def test_sequential_family_packed_equals_separate(name, family, poisoned):
+    """The sequential kernels (``rank1_row``: exact Longhorn, a per-row decay, weight decay; the
+    generated ``general`` ones; ``rankr_row``'s own and generated) on a packed row, one program row
+    per sequence, in row blocks of 8 where the rows are independent: lengths over the backward's
+    checkpoint interval (8 here), odd, 0 and 1, an empty sequence first, in the middle and last."""
+    from test_kernels_rankr_row import SPECS
+    obj = ssmcraft.compile(SPECS.get(name, name))
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33, 0], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend.startswith(f"triton-interpret:{family}") and obj.backend.endswith("+packed")
+
+
+def test_family_without_packed_kernels_runs_each_sequence_and_says_why(monkeypatch):
+    """Exact Longhorn with ``rank1_row`` declared without packed kernels, under the interpreter: each
+    sequence runs the row kernel on its own, equal to the separate reference calls, and the backend
+    names both."""
     from ssmcraft.ops.registry import family
     assert family("keydecay_chunk").varlen is None and family("diagonal").varlen is None
-    assert family("rank1_row").varlen is not None
+    assert family("rank1_row").varlen is None
+    monkeypatch.setattr(family("rank1_row"), "varlen", "no packed-sequence (cu_seqlens) kernels")
     obj = ssmcraft.compile("longhorn")
     errs = packed_errors(obj, [0, 5, 1, 3], _interpret, dtype=torch.float32)
     assert_within(errs, {"y": 1e-5, "grad": 2e-5})

@@ -5,7 +5,7 @@ Where Triton runs (``ssmcraft.runtime.dispatch.triton_mode``), the first kernel 
 the packed row natively, chunks never straddling a boundary; its backend name ends in ``+packed``
 (``triton:keydecay-chunked+packed``). Where no family does, each sequence runs as an unpacked call
 of its own (the family kernel that runs it, as ``obj()`` would pick it), and the backend says so and
-why: ``triton:rank1-row+per-sequence (no packed kernel: rank1_row: no packed-sequence (cu_seqlens)
+why: ``triton:<family>+per-sequence (no packed kernel: <family>: no packed-sequence (cu_seqlens)
 kernels; ...)``. On CPU tensors outside the interpreter the PyTorch path runs the sequences as one
 padded batch whose padded steps leave each state as it was (``torch-vectorised+padded``; a
 mini-batch update runs per sequence, ``torch-vectorised+per-sequence``); ``prefer="reference"``

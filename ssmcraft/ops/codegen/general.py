@@ -56,6 +56,11 @@ give ``ir.state_update``.
 Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpoint, scratch
 block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host, row
 tiled as one state is (scratch blocks ordered ``[B*H, NV, n]``).
+
+Packed sequences (``VARLEN``, ``ssmcraft.ops.common.varlen``): program row ``b`` is sequence ``b``
+of one packed row, its first row, length and first checkpoint loaded from ``CU``/``CO``
+(``_sequence``); its states are row ``b`` of ``[N, H, ...]`` and the checkpoints of every sequence
+lie together, ``[H, (n,) NC, K, V]``. Without it the kernels compile as they would without the flag.
 """
 from __future__ import annotations
 
@@ -467,6 +472,38 @@ def _sbase(i: int, ns: int) -> str:
     return "i_bh.to(tl.int64)" if ns == 1 else f"(i_bh.to(tl.int64) * {ns} + {i})"
 
 
+def _ckbase(i: int, ns: int) -> str:
+    """The index of state i's first checkpoint (``_sequence``'s ``ck_row``, ``c0``): checkpoints laid
+    out [B, H, ns, NC, K, V], a packed row's [H, ns, NC, K, V] with every sequence's together."""
+    return f"((ck_row * {ns} + {i}) * NCS + c0)" if ns > 1 else "(ck_row * NCS + c0)"
+
+
+def _sequence(indent: str) -> list[str]:
+    """The lines that give program row ``b`` its time steps: ``bos`` its first token row, ``T`` its
+    length, ``NC`` its checkpoint count and (``ck_row``, ``NCS``, ``c0``) where its checkpoints start
+    (``_ckbase``). VARLEN: sequence ``b`` of a packed row (``CU`` its offsets, ``CO`` each sequence's
+    first checkpoint, NC every sequence's checkpoints together; an empty sequence has none, and its
+    first row is clamped into the row: its loads are never used); else batch row ``b``."""
+    return [f"{indent}bos = b.to(tl.int64) * T",
+            f"{indent}ck_row = i_bh.to(tl.int64)",
+            f"{indent}c0 = 0",
+            f"{indent}NCS = NC",
+            f"{indent}if VARLEN:",
+            f"{indent}    bos = tl.minimum(tl.load(CU + b), T - 1).to(tl.int64)",
+            f"{indent}    T = tl.load(CU + b + 1) - tl.load(CU + b)",
+            f"{indent}    ck_row = h.to(tl.int64)",
+            f"{indent}    c0 = tl.load(CO + b)",
+            f"{indent}    NC = tl.cdiv(T, CHUNK)"]
+
+
+def _partials_stride(indent: str) -> list[str]:
+    """``NBT``, the token rows times the heads (B*T*H; a packed row's cu[N]*H): the stride of a row
+    block's partial gradients of the leaves shared by the rows."""
+    return [f"{indent}NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
+            f"{indent}if VARLEN:     # one packed row of cu[N] token rows",
+            f"{indent}    NBT = tl.load(CU + tl.num_programs(0) // H).to(tl.int64) * H"]
+
+
 def _scr_block(i: int, ns: int) -> str:
     """The scratch block of state i of ns in program (batch*head, row block): blocks of
     ``CHUNK * BK * BV`` ordered [B*H, NV, ns]."""
@@ -576,26 +613,29 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
     pr_ro = pr.reductions([step.readout], I2)
     return [
         "@triton.jit",
-        f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, T, H, V, K, NC,",
+        f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,",
-        "               EVEN: tl.constexpr):",
+        "               EVEN: tl.constexpr, VARLEN: tl.constexpr):",
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
-        + ', transposed [BK, BV], in registers."""',
+        + ', transposed [BK, BV], in registers.',
+        '    VARLEN: program row b is sequence b of a packed row."""',
         *_PREAMBLE,
+        *_sequence("    "),
         *[f"    sp{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_S0:",
         *[f"        sp{x} += tl.load(S0 + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
         "    if STORE_CK:",
-        *[f"        tl.store(CK + {_sbase(i, ns)} * NC * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
-        *_first_loads(step, "    ", "b.to(tl.int64) * T * H + h"),
+        "        if (NC > 0) | (not VARLEN):     # an empty packed sequence has no checkpoint",
+        *[f"            tl.store(CK + {_ckbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
+        *_first_loads(step, "    ", "bos * H + h"),
         "    for t in range(0, T):",
-        "        row = (b.to(tl.int64) * T + t) * H + h",
-        "        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h",
+        "        row = (bos + t) * H + h",
+        "        row_n = (bos + tl.minimum(t + 1, T - 1)) * H + h",
         *_loads_ahead(step, I1, "row_n"),
         "        if PF > 0:",
-        "            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h",
+        "            row_p = (bos + tl.minimum(t + PF, T - 1)) * H + h",
         *_prefetches(step, I2, "row_p"),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
         *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
@@ -606,7 +646,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "        if STORE_CK:",
         "            if (t + 1) % CHUNK == 0:",
         "                if (t + 1) // CHUNK < NC:",
-        *[f"                    tl.store(CK + ({_sbase(i, ns)} * NC + (t + 1) // CHUNK) * K * V + tile, sp{x}, mask=MASK)"
+        *[f"                    tl.store(CK + ({_ckbase(i, ns)} + (t + 1) // CHUNK) * K * V + tile, sp{x}, mask=MASK)"
           for i, x in states],
         "    if STORE_ST:",
         *[f"        tl.store(ST + {_sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
@@ -652,28 +692,31 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
                         *(f"            g{x} = gn{x}" for _, x in states)]
     return [
         "@triton.jit",
-        f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,",
+        f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
-        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):",
-        '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""',
+        "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,",
+        "               VARLEN: tl.constexpr):",
+        '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.',
+        '    VARLEN: program row b is sequence b of a packed row."""',
         *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_DHT:",
         *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
-        "    NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
+        *_partials_stride("    "),
+        *_sequence("    "),
         *[f"    scr{x} = SCR + {_scr_block(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
           for i, x in states],
         "    for jc in range(0, NC):",
         "        ci = NC - 1 - jc",
         "        t0 = ci * CHUNK",
         "        t1 = tl.minimum(t0 + CHUNK, T)",
-        *[f"        sp{x} = tl.load(CK + ({_sbase(i, ns)} * NC + ci) * K * V + tile, mask=MASK, other=0.)"
+        *[f"        sp{x} = tl.load(CK + ({_ckbase(i, ns)} + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
-        *_first_loads(step, I1, "(b.to(tl.int64) * T + t0) * H + h"),
+        *_first_loads(step, I1, "(bos + t0) * H + h"),
         "        for t in range(t0, t1):",
-        "            row = (b.to(tl.int64) * T + t) * H + h",
-        "            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h",
+        "            row = (bos + t) * H + h",
+        "            row_n = (bos + tl.minimum(t + 1, t1 - 1)) * H + h",
         *_loads_ahead(step, I2, "row_n"),
         "            if PF > 0:     # the reverse sweep below reads DY at this step",
         f"{_I3}prefetch_l2(DY + row * V + offs_v)",
@@ -681,20 +724,20 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         *rec_red,
         *recompute,
         "        tl.debug_barrier()",
-        *_first_loads(step, I1, "(b.to(tl.int64) * T + t1 - 1) * H + h"),
+        *_first_loads(step, I1, "(bos + t1 - 1) * H + h"),
         _dy_load(I1, "n_dy", "row_n"),
         *[f"        n_sp{x} = tl.load(scr{x} + (t1 - 1 - t0) * BK * BV)" for _, x in states],
         "        for jt in range(0, t1 - t0):",
         "            t = t1 - 1 - jt",
-        "            row = (b.to(tl.int64) * T + t) * H + h",
-        "            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h",
+        "            row = (bos + t) * H + h",
+        "            row_n = (bos + tl.maximum(t - 1, t0)) * H + h",
         *_loads_ahead(step, I2, "row_n"),
         "            dy = n_dy",
         _dy_load(I2, "n_dy", "row_n"),
         *[f"            sp{x} = n_sp{x}" for _, x in states],
         *[f"            n_sp{x} = tl.load(scr{x} + (tl.maximum(t - 1, t0) - t0) * BK * BV)" for _, x in states],
         "            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next",
-        "                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h",
+        "                row_p = (bos + tl.maximum(t - CHUNK, 0)) * H + h",
         *_prefetches(step, _I3, "row_p", dy=True),
         *b_fwd,
         *b_shared,

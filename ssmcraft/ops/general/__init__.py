@@ -5,4 +5,4 @@ from ssmcraft.ops.general import recurrent
 
 FAMILY = KernelFamily(name="general", backend="general", module=recurrent, supports=recurrent.supports,
                       prepare=recurrent.prepare, forward=recurrent.forward,
-                      generated_source=recurrent.generated_source)
+                      generated_source=recurrent.generated_source, varlen=None)

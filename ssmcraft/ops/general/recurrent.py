@@ -111,32 +111,50 @@ def _unstack_states(ir, S):
     return tuple(S.unbind(2)) if (S is not None and ir.states) else S
 
 
+def _sequences(B, T, chunk, packed, ref):
+    """(program rows N, checkpoints NC per row (unpacked) or of the whole packed row, the kernels'
+    packing arguments ``CU, CO, VARLEN``): ``packed`` (offsets as ints, their device tensor) of a
+    packed row (``ssmcraft.ops.common.varlen``; each sequence's checkpoints are its chunks' start
+    states) or None (``ref`` stands in for the unread pointers)."""
+    if packed is None:
+        return B, max(1, cdiv(T, chunk)), dict(CU=ref, CO=ref, VARLEN=False)
+    from ssmcraft.ops.common.varlen import chunks     # packed calls are ssmcraft's, not the export's
+    ch = chunks(packed[0], packed[1].to(ref.device), chunk)
+    return ch.N, ch.NT, dict(CU=ch.cu, CO=ch.co, VARLEN=True)
+
+
+def _checkpoints(B, H, ns, NC, K, V, packed, dev):
+    """The checkpoint buffer: [B, H, (n,) NC, K, V]; a packed row's [H, (n,) NC, K, V]."""
+    return _new((B, H, *ns, NC, K, V) if packed is None else (H, *ns, max(1, NC), K, V), dev)
+
+
 class _GeneralFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ir, shape, out_dtype, output_final_state, S0, *leaves):
-        """shape: (B, T, H, K, V, BV), BV the rows per program (``next_power_of_2(V)``: one block)."""
+    def forward(ctx, ir, shape, out_dtype, output_final_state, packed, S0, *leaves):
+        """shape: (B, T, H, K, V, BV), BV the rows per program (``next_power_of_2(V)``: one block);
+        ``packed``: (offsets, cu_seqlens) of a packed row (B = 1; S0 and S_T [N, ...]) or None."""
         step, mod, _ = _module(ir)
         B, T, H, K, V, BV = shape
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
         chunk = CONFIG.get("chunk", CHUNK)
-        NC = max(1, cdiv(T, chunk))
+        d = torch.empty(1, device=dev)
+        N, NC, seq = _sequences(B, T, chunk, packed, d)
         ns = _stacked(ir)                  # () for one state, (n,) for n states stacked after [B, H]
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
-        ST = _new((B, H, *ns, K, V), dev)
-        CK = _new((B, H, *ns, NC, K, V), dev) if training else None
-        d = torch.empty(1, device=dev)
-        S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [B, H, K, V]
+        ST = _new((N, H, *ns, K, V), dev)
+        CK = _checkpoints(B, H, ns, NC, K, V, packed, dev) if training else None
+        S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [N, H, K, V]
         if T > 0:
-            launch(mod.general_fwd_kernel, (B * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
-                   CK if CK is not None else d, T, H, V, K, NC, BV=BV, BK=BK, CHUNK=chunk, HAS_S0=S0c is not None,
-                   STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
-                   num_warps=_warps(BK, BV, V))
+            launch(mod.general_fwd_kernel, (N * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
+                   CK if CK is not None else d, seq["CU"], seq["CO"], T, H, V, K, NC, BV=BV, BK=BK, CHUNK=chunk,
+                   HAS_S0=S0c is not None, STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(),
+                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
-        ctx.ir, ctx.shape, ctx.has_s0, ctx.chunk = ir, shape, S0 is not None, chunk
+        ctx.ir, ctx.shape, ctx.has_s0, ctx.chunk, ctx.packed = ir, shape, S0 is not None, chunk, packed
         ctx.s0_dtype = S0.dtype if S0 is not None else None
         return y, (ST.transpose(-1, -2) if output_final_state else None)
 
@@ -148,27 +166,27 @@ class _GeneralFunction(torch.autograd.Function):
         dev = leaves[0].device
         BK, NV = next_pow2(K), cdiv(V, BV)
         chunk = ctx.chunk
-        NC = max(1, cdiv(T, chunk))
+        d = torch.empty(1, device=dev)
+        N, NC, seq = _sequences(B, T, chunk, ctx.packed, d)
         d_dim = ctx.ir.dims[0]
         shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
-        DS0 = _new((B, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(B * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
-        d = torch.empty(1, device=dev)
+        DS0 = _new((N, H, *ns, K, V), dev) if ctx.has_s0 else None
+        SCR = torch.empty(N * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
         if T > 0:
-            launch(mod.general_bwd_kernel, (B * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
-                   dht if dht is not None else d, DS0 if DS0 is not None else d, T, H, V, K, NC, BV=BV, BK=BK,
-                   CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(), EVEN=K == BK and V % BV == 0,
-                   num_warps=_warps(BK, BV, V))
+            launch(mod.general_bwd_kernel, (N * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
+                   dht if dht is not None else d, DS0 if DS0 is not None else d, seq["CU"], seq["CO"], T, H, V, K, NC,
+                   BV=BV, BK=BK, CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(),
+                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
         grads = [(g.sum(0) if NV > 1 else g[0]) if sh else g for sh, g in zip(shared, grads)]
-        return (None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
+        return (None, None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,7 +234,7 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
     out_dtype = io_dtype(first.dtype)
     BV = rows_per_program(ir, V, K) or next_pow2(V)
     y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), out_dtype, output_final_state,
-                                  S0, *leaves)
+                                  None, S0, *leaves)
     return y, _unstack_states(ir, S.transpose(-1, -2) if S is not None else None)
 
 
@@ -256,17 +274,23 @@ def runner(obj, ir, lay, row_block=None):
     the fused kernel of ``ir`` (``obj.ir``, or its element form for decode): the leaves go to the
     kernel as the caller's tensors, in their own dtype (params broadcast to ``[B, T, H, *]``), with no
     per-call validation or layout. ``row_block``: rows per program (None: all rows in one).
-    Returns ``fn(inputs, params, initial_state, output_final_state) -> (y [B,T,H,d], S_T)``."""
+    Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None) -> (y [B,T,H,d],
+    S_T)``: with ``cu_seqlens`` a packed row (``ssmcraft.ops.common.varlen``), one program row per
+    sequence, each from its own initial state."""
     from ssmcraft.ops.common.slots import CallSlots, NO_COMPUTED
     names = [*ir.inputs, *ir.params]
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
     BV = row_block or next_pow2(d)
     out_dtype = io_dtype(lay.out_dtype)
 
-    def fn(inputs, params, initial_state, output_final_state):
+    def fn(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         cs = CallSlots(obj, {}, inputs, params, B, T, H, d, m, NO_COMPUTED)
         leaves = [cs.leaf(n).contiguous() for n in names]
-        y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state,
+        packed = None
+        if cu_seqlens is not None:
+            from ssmcraft.ops.common.varlen import offsets
+            packed = (offsets(obj.name, cu_seqlens, inputs, initial_state), cu_seqlens)
+        y, S = _GeneralFunction.apply(ir, (B, T, H, m, d, BV), out_dtype, output_final_state, packed,
                                       _stack_states(ir, initial_state), *leaves)
         return y.to(lay.out_dtype), _unstack_states(ir, S)
     return fn
@@ -297,5 +321,5 @@ def forward(obj, lay, co, output_final_state, row_block=None):
         leaves.append(t.contiguous())
     BV = row_block or rows_per_program(ir, V, K) or next_pow2(V)
     S0 = _stack_states(ir, lay.S0)
-    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, S0, *leaves)
+    y, S = _GeneralFunction.apply(ir, (B, T, H, K, V, BV), torch.float32, output_final_state, None, S0, *leaves)
     return y.to(lay.dtype), _unstack_states(ir, S)

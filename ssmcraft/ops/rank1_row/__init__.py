@@ -4,4 +4,5 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.rank1_row import recurrent
 
 FAMILY = KernelFamily(name="rank1_row", backend="rank1-row", module=recurrent, supports=recurrent.supports,
-                      prepare=recurrent.prepare, forward=recurrent.forward)
+                      prepare=recurrent.prepare, forward=recurrent.forward, varlen=None,
+                      export_exclude=frozenset({"prepare", "packing"}))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.rank1_row.fwd import (IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots,
-                                            row_tile, transition)
+                                            row_tile, seq_rows, transition)
 
 
 @triton.jit
@@ -179,14 +179,17 @@ def rank1_row_bwd_kernel(
     U, Vv, Q, OQ, A, C, P, OC,                # slots (A .. OC None where a constant)
     Z, CK, SCR, ST, DY, DHT,                  # z, checkpoints, scratch (None: a == 1), S_T, dy, dS_T (or None)
     DA, DC, DP, DOC, DM, DS0,                 # gradients (None where not wanted); DM [NV, NG, B, T, H, K]
+    CU, CO,                                   # VARLEN: offsets [N+1], each sequence's first checkpoint [N]
     T, H, V, K, NC, NV, NB, NG,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr,
     INDEX: tl.constexpr,                      # for v, q, oq: the DM group index of its tensor
+    VARLEN: tl.constexpr = False,
 ):
     """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV].
     Four steps per iteration with a 4-step register prefetch of the slots, as in the forward;
-    ``s_{t-1}`` as the module docstring says."""
+    ``s_{t-1}`` as the module docstring says. VARLEN: program row ``b`` is sequence ``b`` of a packed
+    row (``seq_rows``)."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -196,7 +199,7 @@ def rank1_row_bwd_kernel(
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, None)
     grads = (DA, DC, DP, DOC)
-    base = b.to(tl.int64) * T
+    base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     REBUILT: tl.constexpr = SCR is not None
 
     ds = tl.zeros([BK, BV], dtype=tl.float32)
@@ -205,7 +208,7 @@ def rank1_row_bwd_kernel(
     st = tl.zeros([BK, BV], dtype=tl.float32)
     if T > 0:
         st += tl.load(ST + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.)
-    ckp = CK + i_bh.to(tl.int64) * NC * K * V
+    ckp = CK + cb * K * V
     scr = SCR
     if REBUILT:
         scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2)) * BK * BV \

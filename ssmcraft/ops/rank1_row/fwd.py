@@ -115,6 +115,22 @@ def store_checkpoint(CKP, stride, s, t, valid, NC, tile, mask_s, CHUNK: tl.const
 
 
 @triton.jit
+def seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
+    """Program row ``b``'s time steps: (its first token row (int64), its length, the int64 index of its
+    first checkpoint, its checkpoint count). VARLEN: sequence ``b`` of a packed row (``CU`` its
+    offsets, ``CO`` each sequence's first checkpoint in ``[H, NC, K, V]``, NC every sequence's
+    checkpoints together, T the packed row's length: an empty sequence has no checkpoint, and its
+    first row is clamped into the row, as its loads are never used);
+    else batch row ``b`` of ``T`` steps, checkpoints ``[B, H, NC, K, V]``."""
+    if VARLEN:
+        bos = tl.load(CU + b).to(tl.int64)
+        T_s = tl.load(CU + b + 1) - tl.load(CU + b)
+        return tl.minimum(bos, T - 1), T_s, h.to(tl.int64) * NC + tl.load(CO + b), tl.cdiv(T_s, CHUNK)
+    else:
+        return b.to(tl.int64) * T, T, i_bh.to(tl.int64) * NC, NC
+
+
+@triton.jit
 def transition(s, a, c, z, v, q, p):
     """s_t = a s_{t-1} - (c z) v + p q on a [BK, BV] tile, given z = s_{t-1} . u."""
     return a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
@@ -142,11 +158,13 @@ def rank1_row_fwd_kernel(
     U, Vv, Q, OQ, A, C, P, OC, OH,            # slots ([B,T,H,K] / [B,T,H,V] / [B,T,H]; None: a constant)
     S0, s0_sb, s0_sh, s0_sg, s0_sk, s0_sv,    # initial state(s) [B,H,(NSEG),K,V] via strides, or None
     Y, ST, Z, CK,                             # y [B,T,H,V]; S_T [B,H,K,V]; z [B,T,H,V]; ckpt [B,H,NC,K,V] (or None)
+    CU, CO,                                   # VARLEN: offsets [N+1], each sequence's first checkpoint [N]
     T, H, V, K, SEG, NC,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
-    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """One program: rows [iv*BV, iv*BV+BV) of head (b, h), steps [seg*SEG, seg*SEG+SEG).
+    VARLEN: program row ``b`` is sequence ``b`` of a packed row (``seq_rows``), SEG >= its length.
 
     The state tile is held transposed, [BK, BV], so that each row's K values sit in few
     threads (reductions over K in registers). The loop runs 4 steps per iteration with a
@@ -162,10 +180,12 @@ def rank1_row_fwd_kernel(
     offs_k, offs_v = ix[0], ix[2]
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, OH)
+    base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     t_begin = i_s * SEG
     t_end = tl.minimum(t_begin + SEG, T)
     t_last = t_end - 1
-    base = b.to(tl.int64) * T
+    if VARLEN:
+        t_last = tl.maximum(t_last, 0)     # an empty sequence's loads read row base, never used
 
     s = tl.zeros([BK, BV], dtype=tl.float32)
     if S0 is not None:
@@ -173,9 +193,10 @@ def rank1_row_fwd_kernel(
         s += tl.load(p_s0, mask=mask_s, other=0.).to(tl.float32)
     CKP = CK
     if CK is not None:
-        CKP = CK + i_bh.to(tl.int64) * NC * K * V
+        CKP = CK + cb * K * V
         if i_s == 0:
-            tl.store(CKP + tile, s, mask=mask_s)      # checkpoint 0 is the initial state
+            if (NC > 0) | (not VARLEN):               # an empty sequence has no checkpoint
+                tl.store(CKP + tile, s, mask=mask_s)  # checkpoint 0 is the initial state
 
     s0_ = load_slots(vecs, rows, (base + tl.minimum(t_begin + 0, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     s1_ = load_slots(vecs, rows, (base + tl.minimum(t_begin + 1, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)

@@ -36,6 +36,11 @@ Kernels: ``rank1_row_fwd`` (the forward, the time-chunked forward's phases, the 
 backward shares) and ``rank1_row_bwd``; this module is their host side, autograd function and
 the family interface.
 
+Packed sequences (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): the grid's batch rows are the
+sequences, each program taking its sequence's first row and length from the offsets and its
+checkpoints at its first chunk's index (``fwd.seq_rows``, under the ``VARLEN`` constexpr: the
+unpacked kernels compile as before); states are ``[N, H, ...]``.
+
 Reductions over rows (gradients of ``u, v, q, oq`` and of per-head coefficients) are
 written per row block and summed on the host. Inputs that are the same tensor (Longhorn's
 ``u = v = q = k``) are loaded once and their gradients accumulated in one buffer.
@@ -147,40 +152,57 @@ def _exact_inverse(a) -> bool:
     return mode == 0 and const == 1.0
 
 
-def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training):
+def sequences(B, T, chunk, packed):
+    """(program rows N, checkpoints NC per row (unpacked) or of the whole packed row, the kernels'
+    ``VARLEN`` flag, their (CU, CO) pointers): ``packed`` the ``varlen.Chunks`` of a packed row at
+    the checkpoint interval ``chunk`` (each sequence's checkpoints are its chunks' start states;
+    ``packing``), or None."""
+    if packed is None:
+        return B, max(1, cdiv(T, chunk)), dict(VARLEN=False), (None, None)
+    return packed.N, packed.NT, dict(VARLEN=True), (packed.cu, packed.co)
+
+
+def checkpoints(B, H, NC, K, V, packed, dev):
+    """The checkpoint buffer ([B, H, NC, K, V]; a packed row's [H, NC, K, V], every sequence's
+    checkpoints together) of ``sequences``' NC."""
+    return _new((B, H, NC, K, V) if packed is None else (H, max(1, NC), K, V), dev)
+
+
+def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training, packed=None):
     """S0: [B, H, V, K] (math layout, any strides) or None. Returns y [B,T,H,V], S_T [B,H,K,V]
     fp32 (with ``want_state`` or ``training``), and when ``training`` z [B,T,H,V] fp32 and the
-    checkpoints [B,H,NC,K,V] fp32."""
+    checkpoints [B,H,NC,K,V] fp32. ``packed``: a packed row's ``Chunks`` (``_sequences``; B = 1,
+    N sequences): S0 and S_T are [N, ...] and the checkpoints [H, NC, K, V]."""
     B, T, H, K = u.shape
     dev = u.device
-    BV, nw = _config("fwd", B * H, V, K)
-    NC = max(1, cdiv(T, CHUNK))
+    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
+    BV, nw = _config("fwd", N * H, V, K)
     modes, consts, rows = _modes((a, c, p, oc, oh))
     y = _new((B, T, H, V), dev, out_dtype)
-    ST = _new((B, H, K, V), dev) if (want_state or training) else None
+    ST = _new((N, H, K, V), dev) if (want_state or training) else None
     Z = _new((B, T, H, V), dev) if training else None
-    CK = _new((B, H, NC, K, V), dev) if training else None
+    CK = checkpoints(B, H, NC, K, V, packed, dev) if training else None
     if S0 is not None:
-        S0 = S0.transpose(-1, -2).contiguous()     # [B, H, K, V], like every state tile
+        S0 = S0.transpose(-1, -2).contiguous()     # [N, H, K, V], like every state tile
     s0_strides = (H * K * V, K * V, 0, V, 1) if S0 is not None else (0,) * 5
     if T > 0:
-        launch(rank1_row_fwd_kernel, (B * H, cdiv(V, BV), 1),
-               u, v, q, oq, *rows, S0, *s0_strides, y, ST, Z, CK, T, H, V, K, T, NC,
+        launch(rank1_row_fwd_kernel, (N * H, cdiv(V, BV), 1),
+               u, v, q, oq, *rows, S0, *s0_strides, y, ST, Z, CK, *seq, T, H, V, K, T, NC,
                BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(),
-               MODES=modes, CONSTS=consts, GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw)
+               MODES=modes, CONSTS=consts, GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw, **flag)
     elif ST is not None:
         ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
     return y, ST, Z, CK
 
 
-def _backward(saved, groups, dy, dht, needs_ds0):
+def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     (u, v, q, oq, a, c, p, oc, Z, CK, ST, V) = saved
     B, T, H, K = u.shape
     dev = u.device
-    BV, nw = _config("bwd", B * H, V, K)
+    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
+    BV, nw = _config("bwd", N * H, V, K)
     BK = next_pow2(K)
     NV = cdiv(V, BV)
-    NC = max(1, cdiv(T, CHUNK))
     distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
     index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
     NG = len(distinct)
@@ -195,19 +217,19 @@ def _backward(saved, groups, dy, dht, needs_ds0):
 
     bufs = [row_buf(m) for m in modes]
     DM = _new((NV, NG, B, T, H, K), dev)
-    DS0 = _new((B, H, K, V), dev) if needs_ds0 else None
+    DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
     # the decay path's kept states: one per reverse pair of steps of a chunk, per program
-    SCR = None if _exact_inverse(a) else torch.empty(B * H * NV * cdiv(CHUNK, 2) * BK * BV, device=dev,
+    SCR = None if _exact_inverse(a) else torch.empty(N * H * NV * cdiv(CHUNK, 2) * BK * BV, device=dev,
                                                      dtype=torch.float32)
     if dht is not None:
         # [B, H, V, K] -> contiguous [B, H, K, V]: the same layout as every other state tile
         dht = dht.transpose(-1, -2).contiguous()
     if T > 0 or DS0 is not None:
-        launch(rank1_row_bwd_kernel, (B * H, NV),
-               u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0,
+        launch(rank1_row_bwd_kernel, (N * H, NV),
+               u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0, *seq,
                T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
                BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
-               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw)
+               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw, **flag)
     dm = DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
     row_grads = [buf.sum(0) if buf is not None and m == 1 else buf for buf, m in zip(bufs, modes)]
@@ -220,10 +242,11 @@ def _backward(saved, groups, dy, dht, needs_ds0):
 
 class _Rank1RowFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, output_final_state):
+    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, output_final_state, packed=None):
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (u, v, q, oq, a, c, p, oc, oh, S0))
         y, ST, Z, CK = _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype,
-                                want_state=output_final_state, training=training)
+                                want_state=output_final_state, training=training, packed=packed)
+        ctx.packed = packed
         ctx.groups = _groups((u, v, q, oq))
         ctx.s0_dtype = S0.dtype if S0 is not None else None
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (a, c, p, oc)]
@@ -241,7 +264,7 @@ class _Rank1RowFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros(u.shape[0], u.shape[1], u.shape[2], ctx.V, device=u.device, dtype=torch.float32)
         vec, row, dS0 = _backward((u, v, q, oq, a, c, p, oc, Z, CK, ST, ctx.V), ctx.groups, dy, dST,
-                                  needs_ds0=ctx.has_s0 and ctx.needs_input_grad[9])
+                                  needs_ds0=ctx.has_s0 and ctx.needs_input_grad[9], packed=ctx.packed)
         if dS0 is not None:
             dS0 = dS0.to(ctx.s0_dtype)
         doh = None
@@ -251,7 +274,7 @@ class _Rank1RowFunction(torch.autograd.Function):
             doh = dy.float().sum(-1)
         cast = [g.to(x.dtype) if g is not None and isinstance(x, torch.Tensor) else None
                 for g, x in zip(vec + row, (u, v, q, oq, a, c, p, oc))]
-        return (*cast, doh, dS0, None, None, None)
+        return (*cast, doh, dS0, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -326,7 +349,7 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
     y = _new((B, T, H, V), dev, u.dtype)
     # phase 3: every segment from its start state
     launch(rank1_row_fwd_kernel, (B * H, NV, NSEG),
-           u, v, q, oq, *rows, SS, H * NSEG * K * V, NSEG * K * V, K * V, V, 1, y, None, None, None,
+           u, v, q, oq, *rows, SS, H * NSEG * K * V, NSEG * K * V, K * V, V, 1, y, None, None, None, None, None,
            T, H, V, K, segment, 1, BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(),
            MODES=modes, CONSTS=consts, GROUPS=groups, num_warps=nw)
     # the final state: the last segment's start state through the last segment
@@ -425,15 +448,25 @@ def prepare(obj, lay):
     ``u = v = q = k`` is read once); the row coefficients that are expressions (Longhorn's
     ``c = beta / (1 + beta k.k)``, ``p = c x``) are computed from only the leaves they need, in fp32
     (``slots.computed_path``: one fused prologue kernel).
-    Returns ``fn(inputs, params, initial_state, output_final_state)``."""
+    Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None)``: with
+    ``cu_seqlens`` a packed row (``ssmcraft.ops.common.varlen``), one program row per sequence."""
     from ssmcraft.ops.common.slots import slot_runner
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
-    def run(cs, initial_state, output_final_state):
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
         u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
         a, c, p, oc, oh = _dedup_contig(rows)
+        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, CHUNK)
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
-                                        output_final_state)
+                                        output_final_state, packed)
         return y.to(lay.out_dtype), ST
     return slot_runner(obj, lay, run)
+
+
+def packing(name: str, cu_seqlens, inputs: dict, initial_state, chunk: int):
+    """A packed call's ``Chunks`` at the checkpoint interval ``chunk`` (its offsets checked and read
+    once)."""
+    from ssmcraft.ops.common.varlen import chunks, offsets     # packed calls are ssmcraft's, not the export's
+    cu = offsets(name, cu_seqlens, inputs, initial_state)
+    return chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), chunk)

@@ -5,4 +5,4 @@ from ssmcraft.ops.rankr_row import recurrent
 
 FAMILY = KernelFamily(name="rankr_row", backend=recurrent.BACKEND_NAME, module=recurrent,
                       supports=recurrent.supports, prepare=recurrent.prepare, forward=recurrent.forward,
-                      generated_source=recurrent.generated_source)
+                      generated_source=recurrent.generated_source, varlen=None)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.rank1_row.bwd import store_row_grad
-from ssmcraft.ops.rank1_row.fwd import load_coef, prefetch_l2, row_tile, store_checkpoint
+from ssmcraft.ops.rank1_row.fwd import load_coef, prefetch_l2, row_tile, seq_rows, store_checkpoint
 
 
 @triton.jit
@@ -110,29 +110,34 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
 
 @triton.jit
 def rankr_row_fwd_kernel(
-    kv, cs, ps, OC, OH, S0, Y, ST, Z, CK,
+    kv, cs, ps, OC, OH, S0, Y, ST, Z, CK, CU, CO,
     T, H, V, K, NC, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """One program: rows [iv*BV, iv*BV+BV) of head (b, h), the state tile [BK, BV] in registers;
     two steps per iteration with a 2-step register prefetch (at K = 64 the K-vectors of a step
     take many registers) and an L2 prefetch PF steps ahead. S0, ST [B,H,K,V], Z [L,B,T,H,V]
-    (``ZS`` = B*T*H*V), CK [B,H,NC,K,V]; None where not wanted."""
+    (``ZS`` = B*T*H*V), CK [B,H,NC,K,V]; None where not wanted. VARLEN: program row ``b`` is
+    sequence ``b`` of a packed row (``rank1_row``'s ``seq_rows``)."""
     i_bh = tl.program_id(0)
     b = i_bh // H
     h = i_bh % H
     ix, mask_s, tile = row_tile(V, K, BV, BK)
-    base = b.to(tl.int64) * T
+    base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     t_last = T - 1
+    if VARLEN:
+        t_last = tl.maximum(t_last, 0)     # an empty sequence's loads read row base, never used
     s = tl.zeros([BK, BV], dtype=tl.float32)
     if S0 is not None:
         s += tl.load(S0 + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
     CKP = CK
     if CK is not None:
-        CKP = CK + i_bh.to(tl.int64) * NC * K * V
-        tl.store(CKP + tile, s, mask=mask_s)           # checkpoint 0 is the initial state
+        CKP = CK + cb * K * V
+        if (NC > 0) | (not VARLEN):                    # an empty sequence has no checkpoint
+            tl.store(CKP + tile, s, mask=mask_s)       # checkpoint 0 is the initial state
     a0 = load_step(kv, cs, ps, OC, OH, base * H + h, K, V, ix, NKV, L, R, CM, CC, PM, PC, OM, OCC, BV)
     a1 = load_step(kv, cs, ps, OC, OH, (base + tl.minimum(1, t_last)) * H + h, K, V, ix, NKV, L, R, CM, CC, PM, PC,
                    OM, OCC, BV)
@@ -217,29 +222,30 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
 
 @triton.jit
 def rankr_row_bwd_kernel(
-    kv, cs, ps, OC, Z, CK, ST, DY, DHT, dcs, dps, DOC, DM, DS0,
+    kv, cs, ps, OC, Z, CK, ST, DY, DHT, dcs, dps, DOC, DM, DS0, CU, CO,
     T, H, V, K, NC, NV, NB, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """Reverse-time sweep for rows [iv*BV, iv*BV+BV) of head (b, h): s_{t-1} rebuilt exactly from
     the stored z, reset to the checkpoint at every chunk start; two steps per iteration with a
-    2-step register prefetch."""
+    2-step register prefetch. VARLEN: program row ``b`` is sequence ``b`` of a packed row."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
     h = i_bh % H
     ix, mask_s, tile = row_tile(V, K, BV, BK)
     offs_v = ix[2]
-    base = b.to(tl.int64) * T
+    base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     ds = tl.zeros([BK, BV], dtype=tl.float32)
     if DHT is not None:
         ds += tl.load(DHT + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
     st = tl.zeros([BK, BV], dtype=tl.float32)
     if T > 0:
         st += tl.load(ST + i_bh.to(tl.int64) * K * V + tile, mask=mask_s, other=0.)
-    ckp = CK + i_bh.to(tl.int64) * NC * K * V
+    ckp = CK + cb * K * V
     for jc in range(0, NC):
         ci = NC - 1 - jc
         t0 = ci * CHUNK

@@ -32,7 +32,8 @@ import torch
 
 from ssmcraft.ops.general import recurrent as general
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.rank1_row.recurrent import _config, _dedup_contig, _prefetch_distance, _row_mode
+from ssmcraft.ops.rank1_row.recurrent import (_config, _dedup_contig, _prefetch_distance, _row_mode, checkpoints,
+                                              sequences)
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
@@ -113,10 +114,12 @@ def _distinct(vecs):
 
 class _RankRRowFunction(torch.autograd.Function):
     """``items``: u_0..u_{L-1}, v_0..v_{R-1}, oq ([B,T,H,K] tensors), c_00..c_{R-1,L-1} (row-major),
-    p_0..p_{R-1}, oc, oh (each [B,T,H,V], [B,T,H] or a number), then S0 ([B,H,V,K] or None)."""
+    p_0..p_{R-1}, oc, oh (each [B,T,H,V], [B,T,H] or a number), then S0 ([B,H,V,K] or None).
+    ``packed``: the ``varlen.Chunks`` of a packed row at ``CHUNK`` (``rank1_row``'s ``packing``;
+    B = 1, S0 and S_T [N, ...]) or None."""
 
     @staticmethod
-    def forward(ctx, L, R, V, out_dtype, output_final_state, *items):
+    def forward(ctx, L, R, V, out_dtype, output_final_state, packed, *items):
         vecs, c, p = items[:L + R + 1], items[L + R + 1:L + R + 1 + R * L], items[L + R + 1 + R * L:L + R + 1 + R * L + R]
         oc, oh, S0 = items[-3:]
         kv, index = _distinct(vecs)
@@ -124,21 +127,21 @@ class _RankRRowFunction(torch.autograd.Function):
         dev = kv[0].device
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in items)
         BV, nw = _block(V, K, "fwd")
-        NC = max(1, cdiv(T, CHUNK))
+        N, NC, flag, seq = sequences(B, T, CHUNK, packed)
         cm, cc, ct = _modes_of(c)
         pm, pc, pt = _modes_of(p)
         om, occ, ot = _modes_of((oc, oh))
         y = _new((B, T, H, V), dev, out_dtype)
-        ST = _new((B, H, K, V), dev) if (output_final_state or training) else None
+        ST = _new((N, H, K, V), dev) if (output_final_state or training) else None
         Z = _new((L, B, T, H, V), dev) if training else None
-        CK = _new((B, H, NC, K, V), dev) if training else None
-        s0 = S0.transpose(-1, -2).contiguous() if S0 is not None else None      # [B, H, K, V]
+        CK = checkpoints(B, H, NC, K, V, packed, dev) if training else None
+        s0 = S0.transpose(-1, -2).contiguous() if S0 is not None else None      # [N, H, K, V]
         if T > 0:
-            launch(rankr_row_fwd_kernel, (B * H, cdiv(V, BV)), tuple(kv), tuple(ct), tuple(pt), ot[0], ot[1], s0,
-                   y, ST, Z, CK, T, H, V, K, NC, B * T * H * V,
+            launch(rankr_row_fwd_kernel, (N * H, cdiv(V, BV)), tuple(kv), tuple(ct), tuple(pt), ot[0], ot[1], s0,
+                   y, ST, Z, CK, *seq, T, H, V, K, NC, B * T * H * V,
                    BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(), NKV=len(kv), L=L, R=R,
                    UI=tuple(index[:L]), VI=tuple(index[L:L + R]), OQI=index[L + R], CM=cm, CC=cc, PM=pm, PC=pc,
-                   OM=om, OCC=occ, num_warps=nw)
+                   OM=om, OCC=occ, num_warps=nw, **flag)
         elif ST is not None:
             ST.copy_(s0 if s0 is not None else torch.zeros_like(ST))
         consts = [None if isinstance(x, torch.Tensor) else x for x in (*c, *p, oc)]
@@ -146,6 +149,7 @@ class _RankRRowFunction(torch.autograd.Function):
         ctx.meta = (L, R, V, index, consts, oh_dim, S0 is not None, S0.dtype if S0 is not None else None,
                     [x.dtype if isinstance(x, torch.Tensor) else None for x in items])
         ctx.save_for_backward(*kv, *[x if isinstance(x, torch.Tensor) else None for x in (*c, *p, oc)], Z, CK, ST)
+        ctx.packed = packed
         return y, (ST.transpose(-1, -2) if output_final_state else None)
 
     @staticmethod
@@ -161,7 +165,7 @@ class _RankRRowFunction(torch.autograd.Function):
         dev = kv[0].device
         BV, nw = _block(V, K, "bwd")
         NV = cdiv(V, BV)
-        NC = max(1, cdiv(T, CHUNK))
+        N, NC, flag, seq = sequences(B, T, CHUNK, ctx.packed)
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
         cm, cc, ct = _modes_of(c)
@@ -174,15 +178,15 @@ class _RankRRowFunction(torch.autograd.Function):
         dcs, dps, doc = [row_buf(m) for m in cm], [row_buf(m) for m in pm], row_buf(om[0])
         DM = _new((NV, nkv, B, T, H, K), dev)
         needs_ds0 = has_s0 and ctx.needs_input_grad[-1]
-        DS0 = _new((B, H, K, V), dev) if needs_ds0 else None
+        DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if T > 0 or DS0 is not None:
-            launch(rankr_row_bwd_kernel, (B * H, NV), tuple(kv), tuple(ct), tuple(pt), ot[0], Z, CK, ST,
-                   dy.contiguous(), dht, tuple(dcs), tuple(dps), doc, DM, DS0, T, H, V, K, NC if T > 0 else 0, NV,
-                   B * T, B * T * H * V,
+            launch(rankr_row_bwd_kernel, (N * H, NV), tuple(kv), tuple(ct), tuple(pt), ot[0], Z, CK, ST,
+                   dy.contiguous(), dht, tuple(dcs), tuple(dps), doc, DM, DS0, *seq, T, H, V, K, NC if T > 0 else 0,
+                   NV, B * T, B * T * H * V,
                    BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(), NKV=nkv, L=L, R=R,
                    UI=tuple(index[:L]), VI=tuple(index[L:L + R]), OQI=index[L + R], CM=cm, CC=cc, PM=pm, PC=pc,
-                   OM=om, OCC=occ, num_warps=nw)
+                   OM=om, OCC=occ, num_warps=nw, **flag)
         dm = DM.sum(0)
         seen, vec_grads = set(), []
         for j in index:
@@ -193,7 +197,7 @@ class _RankRRowFunction(torch.autograd.Function):
         ds0 = DS0.transpose(-1, -2).to(s0_dtype) if DS0 is not None else None
         grads = [g.to(dt) if g is not None and dt is not None else None for g, dt in zip(vec_grads + row + [doh],
                                                                                           dtypes[:-1])]
-        return (None, None, None, None, None, *grads, ds0)
+        return (None, None, None, None, None, None, *grads, ds0)
 
 
 def _modes_of(xs):
@@ -211,9 +215,9 @@ def _own_slots(ir, get):
     return (*_dedup_contig(vecs), *_dedup_contig(rows + [get("oc", 1.0), get("oh", None)]))
 
 
-def _run_own(ir, items, S0, V, out_dtype, output_final_state):
+def _run_own(ir, items, S0, V, out_dtype, output_final_state, packed=None):
     L, R = ir.ranks()
-    return _RankRRowFunction.apply(L, R, V, out_dtype, output_final_state, *items, S0)
+    return _RankRRowFunction.apply(L, R, V, out_dtype, output_final_state, packed, *items, S0)
 
 
 def forward(obj, lay, co, output_final_state):
@@ -248,14 +252,17 @@ def forward(obj, lay, co, output_final_state):
 def prepare(obj, lay):
     """The family's runner for one call signature: the own kernels on the slots (computed ones by
     ``slots.computed_path``: one fused prologue kernel), or ``general.runner`` row-tiled
-    (``row_block``) where ``own_kernel_reason`` says why not."""
+    (``row_block``) where ``own_kernel_reason`` says why not. Either takes ``cu_seqlens=`` (a packed
+    row, one program row per sequence)."""
     ir = obj.ir
     if own_kernel_reason(ir) is not None:
         return general.runner(obj, ir, lay, row_block=row_block(lay.d, lay.m))
     from ssmcraft.ops.common.slots import slot_runner
+    from ssmcraft.ops.rank1_row.recurrent import packing
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
-    def run(cs, initial_state, output_final_state):
-        y, ST = _run_own(ir, _own_slots(ir, cs.get), initial_state, d, out_dtype, output_final_state)
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
+        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, CHUNK)
+        y, ST = _run_own(ir, _own_slots(ir, cs.get), initial_state, d, out_dtype, output_final_state, packed)
         return y.to(lay.out_dtype), ST
     return slot_runner(obj, lay, run)

@@ -24,11 +24,12 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V, K, NC,
+def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, CU, CO, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
                HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,
-               EVEN: tl.constexpr):
-    """One program per (batch*head, block of BV rows): the state tile, transposed [BK, BV], in registers."""
+               EVEN: tl.constexpr, VARLEN: tl.constexpr):
+    """One program per (batch*head, block of BV rows): the state tile, transposed [BK, BV], in registers.
+    VARLEN: program row b is sequence b of a packed row."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -45,12 +46,23 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
     ZC = tl.zeros([BK, 1], dtype=tl.float32)
     Z2 = tl.zeros([BK, BV], dtype=tl.float32)
     Z11 = tl.zeros([1, 1], dtype=tl.float32)
+    bos = b.to(tl.int64) * T
+    ck_row = i_bh.to(tl.int64)
+    c0 = 0
+    NCS = NC
+    if VARLEN:
+        bos = tl.minimum(tl.load(CU + b), T - 1).to(tl.int64)
+        T = tl.load(CU + b + 1) - tl.load(CU + b)
+        ck_row = h.to(tl.int64)
+        c0 = tl.load(CO + b)
+        NC = tl.cdiv(T, CHUNK)
     sp = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_S0:
         sp += tl.load(S0 + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)
     if STORE_CK:
-        tl.store(CK + i_bh.to(tl.int64) * NC * K * V + tile, sp, mask=MASK)
-    row_n = b.to(tl.int64) * T * H + h
+        if (NC > 0) | (not VARLEN):     # an empty packed sequence has no checkpoint
+            tl.store(CK + (ck_row * NCS + c0) * K * V + tile, sp, mask=MASK)
+    row_n = bos * H + h
     n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
     n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
     n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
@@ -58,8 +70,8 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
     n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
     n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
     for t in range(0, T):
-        row = (b.to(tl.int64) * T + t) * H + h
-        row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, T - 1)) * H + h
+        row = (bos + t) * H + h
+        row_n = (bos + tl.minimum(t + 1, T - 1)) * H + h
         l_x = n_x
         l_x2 = n_x2
         l_k = n_k
@@ -73,7 +85,7 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
         n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
         n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         if PF > 0:
-            row_p = (b.to(tl.int64) * T + tl.minimum(t + PF, T - 1)) * H + h
+            row_p = (bos + tl.minimum(t + PF, T - 1)) * H + h
             prefetch_l2(P_x + row_p * V + offs_v)
             prefetch_l2(P_x2 + row_p * V + offs_v)
             prefetch_l2(P_k + row_p * K + offs_k)
@@ -93,16 +105,18 @@ def general_fwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, S0, Y, ST, CK, T, H, V
         if STORE_CK:
             if (t + 1) % CHUNK == 0:
                 if (t + 1) // CHUNK < NC:
-                    tl.store(CK + (i_bh.to(tl.int64) * NC + (t + 1) // CHUNK) * K * V + tile, sp, mask=MASK)
+                    tl.store(CK + ((ck_row * NCS + c0) + (t + 1) // CHUNK) * K * V + tile, sp, mask=MASK)
     if STORE_ST:
         tl.store(ST + i_bh.to(tl.int64) * K * V + tile, sp, mask=MASK)
 
 
 @triton.jit
-def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, D_q, D_beta, CK, SCR, DY, DHT, DS0, T, H, V, K, NC,
+def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, D_q, D_beta, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
-               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr):
-    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back."""
+               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,
+               VARLEN: tl.constexpr):
+    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.
+    VARLEN: program row b is sequence b of a packed row."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -123,13 +137,25 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
     if HAS_DHT:
         g += tl.load(DHT + i_bh.to(tl.int64) * K * V + tile, mask=MASK, other=0.).to(tl.float32)
     NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients
+    if VARLEN:     # one packed row of cu[N] token rows
+        NBT = tl.load(CU + tl.num_programs(0) // H).to(tl.int64) * H
+    bos = b.to(tl.int64) * T
+    ck_row = i_bh.to(tl.int64)
+    c0 = 0
+    NCS = NC
+    if VARLEN:
+        bos = tl.minimum(tl.load(CU + b), T - 1).to(tl.int64)
+        T = tl.load(CU + b + 1) - tl.load(CU + b)
+        ck_row = h.to(tl.int64)
+        c0 = tl.load(CO + b)
+        NC = tl.cdiv(T, CHUNK)
     scr = SCR + (i_bh.to(tl.int64) * tl.num_programs(1) + i_v) * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
     for jc in range(0, NC):
         ci = NC - 1 - jc
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
-        sp = tl.load(CK + (i_bh.to(tl.int64) * NC + ci) * K * V + tile, mask=MASK, other=0.)
-        row_n = (b.to(tl.int64) * T + t0) * H + h
+        sp = tl.load(CK + ((ck_row * NCS + c0) + ci) * K * V + tile, mask=MASK, other=0.)
+        row_n = (bos + t0) * H + h
         n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
@@ -137,8 +163,8 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
         n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
         n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         for t in range(t0, t1):
-            row = (b.to(tl.int64) * T + t) * H + h
-            row_n = (b.to(tl.int64) * T + tl.minimum(t + 1, t1 - 1)) * H + h
+            row = (bos + t) * H + h
+            row_n = (bos + tl.minimum(t + 1, t1 - 1)) * H + h
             l_x = n_x
             l_x2 = n_x2
             l_k = n_k
@@ -161,7 +187,7 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
             sp = tl.where(MASK, sp + l_k*(l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + Z2, 0.0)
         tl.debug_barrier()
-        row_n = (b.to(tl.int64) * T + t1 - 1) * H + h
+        row_n = (bos + t1 - 1) * H + h
         n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         n_x2 = tl.load(P_x2 + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
         n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
@@ -172,8 +198,8 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
         n_sp = tl.load(scr + (t1 - 1 - t0) * BK * BV)
         for jt in range(0, t1 - t0):
             t = t1 - 1 - jt
-            row = (b.to(tl.int64) * T + t) * H + h
-            row_n = (b.to(tl.int64) * T + tl.maximum(t - 1, t0)) * H + h
+            row = (bos + t) * H + h
+            row_n = (bos + tl.maximum(t - 1, t0)) * H + h
             l_x = n_x
             l_x2 = n_x2
             l_k = n_k
@@ -191,7 +217,7 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             sp = n_sp
             n_sp = tl.load(scr + (tl.maximum(t - 1, t0) - t0) * BK * BV)
             if PF > 0:     # the previous chunk's steps: its recompute pass reads them next
-                row_p = (b.to(tl.int64) * T + tl.maximum(t - CHUNK, 0)) * H + h
+                row_p = (bos + tl.maximum(t - CHUNK, 0)) * H + h
                 prefetch_l2(P_x + row_p * V + offs_v)
                 prefetch_l2(P_x2 + row_p * V + offs_v)
                 prefetch_l2(P_k + row_p * K + offs_k)
