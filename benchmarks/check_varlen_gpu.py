@@ -1,9 +1,9 @@
 """Packed sequences (``cu_seqlens``) on the GPU: a packed call of N sequences against the same
 sequences run separately through the float64 reference loop (output, final states, every
 gradient, initial states included), in fp32 and bf16, for the families with packed kernels
-(``keydecay_chunk``: GLA, RetNet; ``diagonal``: Mamba, diagonal Longhorn; ``rank1_chunk``: DeltaNet,
-Gated DeltaNet) and for one objective no family runs packed (exact Longhorn: the row kernel once per
-sequence, and ``obj.backend`` says why).
+(every family but the one-token decode: GLA, RetNet, Mamba, diagonal Longhorn, DeltaNet, Gated
+DeltaNet, exact / gated Longhorn, longhorn_2key, the generated nonlinear and two-state kernels, and
+``bench --classes``' composed KDA-like, rank-2 per head, mini-batch classes and RLS).
 Lengths are odd, shorter and longer than a chunk, and include an empty sequence. Then the time of
 one packed call against the padded batch ``[N, max_len]`` holding the same sequences (bf16,
 forward and forward+backward).
@@ -26,14 +26,20 @@ import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.runtime.checking import compare, packed_reference  # noqa: E402
 
+from check_library_gpu import initial_states  # noqa: E402
 from checks import TOL, TOL_CHUNKED, dtype_name  # noqa: E402
+from ssmcraft.bench.classes_commands import class_specs  # noqa: E402
 from common import bench_ms  # noqa: E402
 
 LENS = [0, 1, 37, 64, 129, 300, 511]
 CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-chunked+packed", TOL_CHUNKED),
          ("deltanet", "rank1-chunk+packed", TOL_CHUNKED), ("gated_deltanet", "rank1-chunk+packed", TOL_CHUNKED),
          ("mamba", "diagonal-chunked+packed", TOL), ("longhorn_diag", "diagonal-chunked+packed", TOL),
-         ("longhorn", "rank1-row+prologue+per-sequence (no packed kernel", TOL)]
+         ("longhorn", "rank1-row+prologue+packed", TOL), ("gated_longhorn", "rank1-row+prologue+packed", TOL),
+         ("longhorn_2key", "rankr-row+prologue+packed", TOL), ("huber_longhorn", "general+packed", TOL),
+         ("cauchy_delta", "general+packed", TOL), ("momentum_longhorn", "general+packed", TOL),
+         ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
+         ("minibatch_delta", "minibatch-chunk+packed", TOL_CHUNKED), ("rls", "precision-fp64+rank1-chunk+packed", TOL_CHUNKED)]
 H, D, M = 4, 64, 16
 TIMED = [2048, 1500, 900, 700, 400, 300, 150, 100]     # the padded batch is [8, 2048]
 
@@ -43,10 +49,10 @@ def offsets(lens, device):
 
 
 def check(name: str, want: str, tol: dict) -> bool:
-    obj = ssmcraft.compile(name)
-    ins, params = random_inputs(obj, 1, sum(LENS), H, D, M, torch.float64, "cuda", seed=1)
-    g = torch.Generator().manual_seed(2)
-    S0 = (0.1 * torch.randn(len(LENS), H, D, M, generator=g, dtype=torch.float64)).to("cuda")
+    obj = ssmcraft.compile(dict(class_specs((name,)))[name])
+    ins, params = random_inputs(obj, 1, sum(LENS), H, D, M, torch.float64, "cuda", seed=1, unit_keys=True)
+    S0 = initial_states(obj, len(LENS), H, D, M, torch.Generator().manual_seed(2))
+    S0 = tuple(s.to("cuda") for s in S0) if isinstance(S0, tuple) else S0.to("cuda")
     cu = offsets(LENS, "cuda")
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
