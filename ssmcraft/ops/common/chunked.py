@@ -1,5 +1,6 @@
-"""Host-side helpers of the chunked tensor-core families (``rank1_chunk``, ``rank1_keydecay_chunk``):
-the padded key block of their 16-bit products, and per-head slots as their kernels take them.
+"""Host-side helpers of the chunked tensor-core families (``rank1_chunk``, ``rank1_keydecay_chunk``,
+``keydecay_chunk``): the padded key block of their 16-bit products, per-head slots as their kernels
+take them, and the refusal of a key dimension too large for their register tiles.
 A module of its own so that an exported bundle, which pastes a family's modules into one
 namespace, imports these once (under the names the families call them by: a renamed import
 cannot be bundled)."""
@@ -43,3 +44,18 @@ def _per_head(x, B, T, H, device, one_is_none=False):
     if isinstance(x, torch.Tensor):
         return x if x.dim() == 3 else x.expand(B, T, H, 1, 1).reshape(B, T, H)
     return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
+
+
+def key_size_reason(ir, sizes: dict, max_k: int) -> str | None:
+    """Why a key dimension (``ir.dims[1]`` in ``sizes``) is too large for kernels that hold whole
+    key rows in registers, or None."""
+    K = sizes.get(ir.dims[1])
+    if K is not None and K > max_k:
+        return f"K = {K} > {max_k} (whole key rows are held in registers)"
+    return None
+
+
+def key_sizes(ir, inputs) -> dict:
+    """``{key dim: size}`` read off the inputs that vary over the key dimension."""
+    m = ir.dims[1]
+    return {m: inputs[n].shape[-1] for n, dims in ir.inputs.items() if tuple(dims) == (m,) and n in inputs}

@@ -76,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
 from ssmcraft.ops.common.varlen import chunks, offsets
@@ -717,17 +718,12 @@ def supports(ir) -> str | None:
 
 def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
     """Refuse a key dimension too large for the parallel kernels' register tiles."""
-    K = sizes.get(ir.dims[1])
-    if K is not None and K > MAX_K:
-        return f"K = {K} > {MAX_K} (whole key rows are held in registers)"
-    return None
+    return key_size_reason(ir, sizes, MAX_K)
 
 
 def supports_inputs(ir, inputs, mode) -> str | None:
     """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
-    m = ir.dims[1]
-    sizes = {m: inputs[n].shape[-1] for n, dims in ir.inputs.items() if tuple(dims) == (m,) and n in inputs}
-    return supports_sizes(ir, sizes, mode)
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def _tok(x, B, T, H, n, ref):

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
+from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.readout import finish_laid_out
@@ -301,17 +301,12 @@ def supports(ir) -> str | None:
 
 def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
     """Refuse a key dimension too large for the parallel kernels' register tiles."""
-    K = sizes.get(ir.dims[1])
-    if K is not None and K > MAX_K:
-        return f"K = {K} > {MAX_K} (whole key rows are held in registers)"
-    return None
+    return key_size_reason(ir, sizes, MAX_K)
 
 
 def supports_inputs(ir, inputs, mode) -> str | None:
     """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
-    m = ir.dims[1]
-    sizes = {m: inputs[n].shape[-1] for n, dims in ir.inputs.items() if tuple(dims) == (m,) and n in inputs}
-    return supports_sizes(ir, sizes, mode)
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def _text(ir, slot: str) -> str:
