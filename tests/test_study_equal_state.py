@@ -83,6 +83,12 @@ def test_beats_all_agrees_disagrees_and_is_inconclusive():
     v = V.beats_all("claim", _pairs(rls={"longhorn": (lo5, hi5), "deltanet": (hi5, lo5)},
                                     ttt={"longhorn": (mid5, mid5), "deltanet": (mid5, hi5)}), "accuracy")
     assert v["verdict"] == "disagrees" and v["confidence"] == "high"
+    none = [None] * 5                                                      # every run diverged
+    v = V.beats_all("claim", _pairs(rls={"longhorn": (lo5, hi5), "deltanet": (hi5, lo5)},
+                                    ttt={"longhorn": (none, mid5), "deltanet": (none, lo5)}), "accuracy")
+    assert v["verdict"] == "disagrees" and "ttt: no finished run to pair, left out" in v["evidence"]
+    v = V.beats_all("claim", _pairs(ttt={"longhorn": (none, mid5)}), "accuracy")
+    assert v["verdict"] == "inconclusive"
     v = V.beats_all("claim", _pairs(rls={"longhorn": (hi5, lo5), "deltanet": (mid5, mid5)}), "accuracy")
     assert v["verdict"] == "inconclusive" and v["confidence"] == "low"
     assert "rls vs longhorn: accuracy advantage +0.4" in v["evidence"]

@@ -342,16 +342,20 @@ def _sign_confidence(p: float, n: int) -> tuple[str, str]:
 
 def beats_all(claim: str, pairs: dict[str, dict[str, dict]], metric: str) -> dict:
     """``pairs[challenger][baseline]``: ``paired`` comparisons. Agrees when some challenger is
-    better than every baseline; disagrees when every challenger is worse than at least one
-    baseline; else inconclusive. Confidence: the sign test of the comparisons that decide it (the
-    weakest of them: the largest p)."""
+    better than every baseline; disagrees when every challenger that has paired seeds is worse
+    than at least one baseline (a challenger none of whose runs finished, e.g. every one diverged,
+    is named in the evidence and left out: it can neither win nor lose); else inconclusive.
+    Confidence: the sign test of the comparisons that decide it (the weakest of them: the largest p)."""
     def show(c, b, r):
         if r["mean_diff"] is None:
             return f"{c} vs {b}: no paired seeds"
         return (f"{c} vs {b}: {metric} advantage {r['mean_diff']:+.4g} (95% bootstrap {r['ci_low']:+.3g}..{r['ci_high']:+.3g}), "
                 f"{r['wins']}/{r['n']} seeds better, {r['outcome']}")
 
-    ev = "; ".join(show(c, b, r) for c, rows in pairs.items() for b, r in rows.items())
+    untrained = [c for c, rows in pairs.items() if not any(r["n"] for r in rows.values())]
+    pairs = {c: rows for c, rows in pairs.items() if c not in untrained}
+    ev = "; ".join([show(c, b, r) for c, rows in pairs.items() for b, r in rows.items()]
+                   + [f"{c}: no finished run to pair, left out" for c in untrained])
     winners = [c for c, rows in pairs.items() if rows and all(r["outcome"] == "better" for r in rows.values())]
     if winners:
         best = min(winners, key=lambda c: max(r["p_better"] for r in pairs[c].values()))
