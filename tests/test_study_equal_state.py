@@ -108,6 +108,9 @@ def _expect(raw: dict, key: str, problem: str):
     ("smoke", {"challengers": ["deltanet"]}, "smoke.baselines[1]", "also a challenger"),
     ("smoke", {"baselines": ["attention"]}, "smoke.baselines[0]", "attention has no fixed state"),
     ("full", {"state_elements": {"mqar": 512}}, "full.state_elements.text", "missing"),
+    ("smoke", {"overrides": {"mamba": {}}}, "smoke.overrides.mamba", "not one of this study's objectives"),
+    ("smoke", {"overrides": {"rls": {"model": {"mixer": {"input_bias": {"beta": 1.0}}}}}},
+     "smoke.overrides.rls.model.mixer.input_bias", "unknown input(s) ['beta']"),
     ("full", {"state_elements": {"mqar": 40, "text": 2048}}, "full.state_elements.mqar", "more than state_elements = 40"),
 ])
 def test_bad_second_order_specs_name_the_key(where, change, key, problem):
@@ -132,3 +135,6 @@ def test_second_order_study_runs_at_smoke_scale(tmp_path):
         ["on MQAR accuracy", "on byte-level validation loss (nats/byte)"]
     assert all(v["verdict"] in ("agrees", "disagrees", "inconclusive") for v in results["verdicts"])
     assert (tmp_path / "equal_state.png").stat().st_size > 1000
+    for task in ("mqar", "text"):                   # the spec's per-objective override reaches that objective only
+        mixer = lambda o: json.loads((tmp_path / "runs" / task / o / "s0" / "config.json").read_text())["model"]["mixer"]
+        assert mixer("rls")["input_bias"] == {"lam": 4.0} and "input_bias" not in mixer("deltanet")

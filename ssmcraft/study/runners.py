@@ -717,18 +717,19 @@ EQUAL_STATE_TASKS = {"mqar": ("accuracy", True, "acc_tol"), "text": ("val_loss",
 def run_equal_state(p: dict, th: dict, ctx: Context) -> dict:
     """Every challenger and baseline on MQAR and on bytes, each at the largest ``m`` whose model
     carries at most ``state_elements[task]`` numbers of state (``iso_state_size``: every state
-    counted), ``seeds`` seeds each at the experiment's own learning rate. Each challenger is
+    counted), ``seeds`` seeds each at the experiment's own learning rate (``overrides[label]`` merged
+    over both tasks' experiments for that objective). Each challenger is
     compared with each baseline paired by seed (``verdict.paired``); the claim per task is that
     some challenger beats every baseline (``verdict.beats_all``)."""
-    from ssmcraft.study.spec import objective_label, objective_value
+    from ssmcraft.study.spec import experiment_for, objective_label, objective_value
 
     roles = [("challenger", o) for o in p["challengers"]] + [("baseline", o) for o in p["baselines"]]
     rows, raw, pair_rows, verdicts, all_metrics = [], [], [], [], []
     values: dict[str, dict[str, dict[int, float | None]]] = {}
     for task, (metric, higher, tol_key) in EQUAL_STATE_TASKS.items():
-        exp = p[task]
         for role, entry in roles:
             label, obj = objective_label(entry), objective_value(entry)
+            exp = experiment_for(p[task], p["overrides"], label)
             m = iso_state_size(exp["model"], obj, p["state_elements"][task])
             got = values.setdefault(task, {}).setdefault(label, {})
             runs = []

@@ -272,13 +272,21 @@ def _check_equal_state(c: Checker, params: dict) -> None:
     for i, o in enumerate(params["baselines"]):
         if objective_label(o) in labels:
             c.fail(f"baselines[{i}]", f"{objective_label(o)!r} is also a challenger")
+    for obj in params["overrides"]:
+        if obj not in labels + [objective_label(o) for o in params["baselines"]]:
+            c.fail(f"overrides.{obj}", "is not one of this study's objectives (a name, or a composition's name)")
     for task in ("mqar", "text"):
         for role in ("challengers", "baselines"):
             for i, o in enumerate(params[role]):
                 if o == "attention":
                     c.fail(f"{role}[{i}]", "attention has no fixed state (its cache grows with the context)")
+                label = objective_label(o)
+                model = experiment_for(params[task], params["overrides"], label)["model"]
                 try:
-                    iso_state_size(params[task]["model"], objective_value(o), params["state_elements"][task])
+                    iso_state_size(model, objective_value(o), params["state_elements"][task])
+                except SpecError as e:          # the mixer refused the model (e.g. an input_bias its objective lacks)
+                    where = f"overrides.{label}" if label in params["overrides"] else task
+                    c.fail(f"{where}.model.{e.key}", e.problem)
                 except SsmcraftError as e:
                     c.fail(f"state_elements.{task}", f"{objective_label(o)}: {e}")
 
@@ -355,7 +363,7 @@ KINDS: dict[str, dict[str, Field]] = {
         "mqar": _experiment_of("mqar"), "text": _experiment_of("text"),
         "challengers": _field(_study_objectives), "baselines": _field(_study_objectives),
         "state_elements": _field(_state_elements), "seeds": _field(_seeds, [0, 1, 2]),
-        "resamples": _field(_pos_int, 2000)},
+        "resamples": _field(_pos_int, 2000), "overrides": _field(_overrides, {})},
 }
 
 
@@ -421,6 +429,7 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
         if kind == "equal_state":
             _check_equal_state(sc, params)
         for obj, part in (params.get("overrides") or {}).items():      # each objective's own experiment
-            _check_as_training(sc, f"overrides.{obj}", experiment_for(params["experiment"], params["overrides"], obj))
+            for section in [k for k in ("experiment", "mqar", "text") if k in params]:
+                _check_as_training(sc, f"overrides.{obj}", experiment_for(params[section], params["overrides"], obj))
         scales[scale] = params
     return StudySpec(name, kind, source, base, claim, thresholds, scales, raw)
