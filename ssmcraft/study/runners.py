@@ -18,6 +18,7 @@ from typing import Callable
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.fileio import write_text
 from ssmcraft.study import verdict as V
+from ssmcraft.study.iso_state import iso_state_size
 from ssmcraft.study.rediscovery import census_rows, fingerprint_of, rediscoveries, row_fingerprint, space_census
 
 log = logging.getLogger("ssmcraft.study")
@@ -670,42 +671,6 @@ def run_mad(p: dict, th: dict, ctx: Context) -> dict:
                         "columns": ["objective", "task", "level", "lr", "seed", "status", "accuracy"]}],
             "plots": plots, "verdicts": [], "notes": notes, "device": _device_of(all_metrics),
             "data": {"scores": score_rows, "levels": level_rows}}
-
-
-def iso_state_size(model: dict, objective: str | dict, elements: int) -> int | None:
-    """The largest state size ``m`` at which ``model`` with ``objective`` carries at most ``elements``
-    numbers of state per sequence (``LM.state_elements``, every state counted: ``[d, m]`` ones grow
-    linearly in ``m``, a square ``[m, m]`` one or an MLP memory's ``[2m, m]`` quadratically, so ``m``
-    is searched, not solved for); None for attention (its cache grows with the context).
-    ``SsmcraftError`` when even ``m = 1`` carries more."""
-    from ssmcraft.layers import LM, LMConfig
-
-    if objective == "attention":
-        return None
-
-    def count(m: int) -> int:
-        mixer = {**model.get("mixer", {}), "kind": "objective", "objective": objective, "state_size": m}
-        n = LM(LMConfig.from_dict({**model, "vocab_size": 2, "mixer": mixer})).state_elements()
-        if n is None:
-            raise SsmcraftError(f"iso-state: the model with {_named(objective)} has a layer whose cache grows with "
-                                "the context (full attention); state_elements cannot be matched")
-        return n
-
-    one = count(1)
-    if one > elements:
-        raise SsmcraftError(f"iso-state: {_named(objective)} carries {one} numbers of state at m = 1, more than "
-                            f"state_elements = {elements}")
-    lo, hi = 1, 2                       # count(lo) fits; grow hi until it does not, then bisect
-    while count(hi) <= elements:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if count(mid) <= elements else (lo, mid)
-    return lo
-
-
-def _named(objective: str | dict) -> str:
-    return objective if isinstance(objective, str) else str(objective.get("name", "the objective"))
 
 
 # ------------------------------------------------------------------ challengers against baselines at equal state

@@ -266,7 +266,7 @@ def _state_elements(c: Checker, key: str, v: Any) -> dict[str, int]:
 
 def _check_equal_state(c: Checker, params: dict) -> None:
     """Challengers and baselines are different objectives, and each fits the state budget at some m."""
-    from ssmcraft.study.runners import iso_state_size
+    from ssmcraft.study.iso_state import iso_state_size
 
     labels = [objective_label(o) for o in params["challengers"]]
     for i, o in enumerate(params["baselines"]):
