@@ -64,6 +64,8 @@ def test_paired_pairs_by_seed_and_drops_missing_runs():
     assert r["p_better"] == pytest.approx(1 / 8)
     loss = V.paired({0: 2.0, 1: 2.1}, {0: 1.9, 1: 2.0}, tol=0.005, higher_is_better=False)
     assert loss["outcome"] == "worse" and loss["losses"] == 2 and loss["mean_diff"] == pytest.approx(-0.1)
+    one = V.paired({0: 0.9, 1: None}, {0: 0.1, 1: 0.2}, tol=0.01, higher_is_better=True)
+    assert one["n"] == 1 and one["mean_diff"] == pytest.approx(0.8) and one["outcome"] == "tie"
     mixed = V.paired({0: 0.9, 1: 0.1}, {0: 0.5, 1: 0.5}, tol=0.01, higher_is_better=True)
     assert mixed["outcome"] == "tie" and mixed["wins"] == 1 and mixed["losses"] == 1
 

@@ -309,9 +309,9 @@ def bootstrap_ci(diffs: Sequence[float], resamples: int = 2000, level: float = 0
 def paired(a: dict[int, float | None], b: dict[int, float | None], tol: float, higher_is_better: bool,
            resamples: int = 2000) -> dict:
     """``a`` against ``b``, each seed -> metric, paired by seed over the seeds where both are finite.
-    ``diff`` is a's advantage per seed (positive: a is better). ``outcome``: "better" when the mean
-    advantage exceeds ``tol`` and the bootstrap interval lies above 0, "worse" when the mirror holds,
-    else "tie"; ``p_better`` / ``p_worse``: one-sided sign tests of the wins and losses (seeds whose
+    ``diff`` is a's advantage per seed (positive: a is better). ``outcome``: "better" when at least
+    two seeds pair, the mean advantage exceeds ``tol`` and the bootstrap interval lies above 0,
+    "worse" when the mirror holds, else "tie"; ``p_better`` / ``p_worse``: one-sided sign tests of the wins and losses (seeds whose
     advantage is within ``tol`` count as ties and are dropped)."""
     seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None
                    and math.isfinite(a[s]) and math.isfinite(b[s]))
@@ -319,10 +319,10 @@ def paired(a: dict[int, float | None], b: dict[int, float | None], tol: float, h
     wins, losses = sum(d > tol for d in diffs), sum(d < -tol for d in diffs)
     ci = bootstrap_ci(diffs, resamples)
     mean = statistics.fmean(diffs) if diffs else None
-    outcome = "tie"
-    if mean is not None and mean > tol and ci[0] > 0:
+    outcome = "tie"                 # one seed has no interval to speak of: it decides nothing
+    if len(diffs) >= 2 and mean > tol and ci[0] > 0:
         outcome = "better"
-    elif mean is not None and mean < -tol and ci[1] < 0:
+    elif len(diffs) >= 2 and mean < -tol and ci[1] < 0:
         outcome = "worse"
     return {"n": len(diffs), "mean_diff": mean, "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
             "wins": wins, "losses": losses, "p_better": sign_test_p(wins, wins + losses),
