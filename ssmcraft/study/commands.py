@@ -88,6 +88,9 @@ def plan(spec, scale: str) -> tuple[int, float | None]:
         runs = [(p["experiment"], len(p["objectives"]) * len(p["seeds"]))]
     elif k == "state_capacity":
         runs = [(p["experiment"], len(p["state_sizes"]) * len(p["train_lengths"]) * len(p["seeds"]))]
+    elif k == "equal_state":
+        n = (len(p["challengers"]) + len(p["baselines"])) * len(p["seeds"])
+        runs = [(p["mqar"], n), (p["text"], n)]
     elif k == "mad":
         from ssmcraft.study.spec import mad_cells
 

@@ -18,6 +18,7 @@ from typing import Callable
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.fileio import write_text
 from ssmcraft.study import verdict as V
+from ssmcraft.study.iso_state import iso_state_size
 from ssmcraft.study.rediscovery import census_rows, fingerprint_of, rediscoveries, row_fingerprint, space_census
 
 log = logging.getLogger("ssmcraft.study")
@@ -672,30 +673,96 @@ def run_mad(p: dict, th: dict, ctx: Context) -> dict:
             "data": {"scores": score_rows, "levels": level_rows}}
 
 
-def iso_state_size(model: dict, objective: str, elements: int) -> int | None:
-    """The largest state size ``m`` at which ``model`` with ``objective`` carries at most ``elements``
-    numbers of state per sequence (``LM.state_elements``: linear in ``m``); None for attention (its
-    cache grows with the context). ``SsmcraftError`` when even ``m = 1`` carries more."""
-    from ssmcraft.layers import LM, LMConfig
+# ------------------------------------------------------------------ challengers against baselines at equal state
 
-    if objective == "attention":
-        return None
+# the two tasks of an ``equal_state`` study: (metric, higher is better, threshold)
+EQUAL_STATE_TASKS = {"mqar": ("accuracy", True, "acc_tol"), "text": ("val_loss", False, "loss_tol")}
 
-    def count(m: int) -> int:
-        mixer = {**model.get("mixer", {}), "kind": "objective", "objective": objective, "state_size": m}
-        n = LM(LMConfig.from_dict({**model, "vocab_size": 2, "mixer": mixer})).state_elements()
-        if n is None:
-            raise SsmcraftError(f"iso-state: the model with {objective} has a layer whose cache grows with the "
-                                "context (full attention); state_elements cannot be matched")
-        return n
 
-    one, per = count(1), count(2) - count(1)
-    if one > elements:
-        raise SsmcraftError(f"iso-state: {objective} carries {one} numbers of state at m = 1, more than "
-                            f"state_elements = {elements}")
-    return 1 + (elements - one) // per
+def run_equal_state(p: dict, th: dict, ctx: Context) -> dict:
+    """Every challenger and baseline on MQAR and on bytes, each at the largest ``m`` whose model
+    carries at most ``state_elements[task]`` numbers of state (``iso_state_size``: every state
+    counted), ``seeds`` seeds each at the experiment's own learning rate (``overrides[label]`` merged
+    over both tasks' experiments for that objective). Each challenger is
+    compared with each baseline paired by seed (``verdict.paired``); the claim per task is that
+    some challenger beats every baseline (``verdict.beats_all``)."""
+    from ssmcraft.study.spec import experiment_for, objective_label, objective_value
+
+    roles = [("challenger", o) for o in p["challengers"]] + [("baseline", o) for o in p["baselines"]]
+    rows, raw, pair_rows, verdicts, all_metrics = [], [], [], [], []
+    values: dict[str, dict[str, dict[int, float | None]]] = {}
+    for task, (metric, higher, tol_key) in EQUAL_STATE_TASKS.items():
+        for role, entry in roles:
+            label, obj = objective_label(entry), objective_value(entry)
+            exp = experiment_for(p[task], p["overrides"], label)
+            m = iso_state_size(exp["model"], obj, p["state_elements"][task])
+            got = values.setdefault(task, {}).setdefault(label, {})
+            runs = []
+            for seed in p["seeds"]:
+                metrics, _ = train_cell(ctx, exp, f"{task}/{label}/s{seed}", objective=obj, seed=seed, m=m)
+                all_metrics.append(metrics)
+                runs.append(metrics)
+                got[seed] = metrics.get(metric)
+                raw.append({"task": task, "objective": label, "seed": seed, "m": m, "status": metrics.get("status"),
+                            metric: metrics.get(metric), "tokens_per_s": metrics.get("tokens_per_s"),
+                            "reason": metrics.get("reason")})
+            mean, std, n = V.mean_std(list(got.values()))
+            first = next((r for r in runs if r.get("state_bytes")), {})
+            rows.append({"task": task, "objective": label, "role": role, "m": m,
+                         "state_bytes": first.get("state_bytes"), "metric": metric, "mean": mean, "std": std,
+                         "seeds": n, "solved": _solved(got.values()) if task == "mqar" else None,
+                         "tokens_per_s": V.mean_std([r.get("tokens_per_s") for r in runs])[0]})
+        pairs = {}
+        for c in p["challengers"]:
+            cl = objective_label(c)
+            for b in p["baselines"]:
+                bl = objective_label(b)
+                r = V.paired(values[task][cl], values[task][bl], th[tol_key], higher, p["resamples"])
+                pairs.setdefault(cl, {})[bl] = r
+                pair_rows.append({"task": task, "challenger": cl, "baseline": bl, **r})
+        names = ", ".join(objective_label(b) for b in p["baselines"])
+        what = "MQAR accuracy" if task == "mqar" else "byte-level validation loss (nats/byte)"
+        verdicts.append(V.beats_all(f"on {what} at equal state (every state counted), a second-order or "
+                                    f"mini-batch learner beats every baseline ({names})", pairs, metric))
+    plots = [_equal_state_plot(ctx, values, rows)]
+    notes = [f"iso-state: on each task every objective runs at the largest m whose model carries at most "
+             f"state_elements = {p['state_elements']} numbers of state per sequence (every state counted, "
+             "square and MLP states included); state_bytes is that state in fp32",
+             "paired: seed s of a challenger against seed s of a baseline (same data order and initialisation "
+             f"seed); a comparison is better/worse when the mean advantage passes the threshold and its 95% "
+             f"percentile bootstrap interval ({p['resamples']} resamples) excludes 0; the confidence is the one-sided "
+             "sign test of the deciding comparisons (high: p <= 0.05, medium: p <= 0.2)"]
+    return {"tables": [{"title": "Mean ± sample std over seeds at equal state", "rows": rows,
+                        "columns": ["task", "objective", "role", "m", "state_bytes", "metric", "mean", "std",
+                                    "solved", "seeds", "tokens_per_s"]},
+                       {"title": "Paired comparisons (advantage of the challenger; positive is better)",
+                        "rows": pair_rows, "columns": ["task", "challenger", "baseline", "n", "mean_diff", "ci_low",
+                                                       "ci_high", "wins", "losses", "p_better", "p_worse", "outcome"]},
+                       {"title": "Every run", "rows": raw,
+                        "columns": ["task", "objective", "seed", "m", "status", "accuracy", "val_loss",
+                                    "tokens_per_s", "reason"]}],
+            "plots": plots, "verdicts": verdicts, "notes": notes, "device": _device_of(all_metrics),
+            "data": {"values": {t: {o: {str(s): v for s, v in by.items()} for o, by in objs.items()}
+                                for t, objs in values.items()}, "pairs": pair_rows, "runs": raw}}
+
+
+def _equal_state_plot(ctx: Context, values: dict, rows: list[dict]) -> str:
+    """Per task, every seed's number per objective (dots) and the mean (bar)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(values), figsize=(5 * len(values), 3.6))
+    for ax, (task, objs) in zip(list(axes) if len(values) > 1 else [axes], values.items()):
+        names = list(objs)
+        for i, name in enumerate(names):
+            xs = [v for v in objs[name].values() if v is not None]
+            role = next(r["role"] for r in rows if r["task"] == task and r["objective"] == name)
+            ax.bar(i, V.mean_std(xs)[0] or 0, color="tab:orange" if role == "challenger" else "tab:blue", alpha=0.6)
+            ax.plot([i] * len(xs), xs, "k.", ms=4)
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"{task}: {EQUAL_STATE_TASKS[task][0]} (orange: challengers)", fontsize=9)
+    return _save(fig, ctx.out / "equal_state.png")
 
 
 RUNNERS = {"mqar_state_size": run_mqar_state_size, "exact_vs_diagonal": run_exact_vs_diagonal,
            "extrapolation": run_extrapolation, "state_capacity": run_state_capacity,
-           "composed_search": run_composed_search, "mad": run_mad}
+           "composed_search": run_composed_search, "mad": run_mad,
+           "equal_state": run_equal_state}

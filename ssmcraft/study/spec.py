@@ -35,6 +35,7 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "state_capacity": {"min_points": 3, "min_r2": 0.8},
     "composed_search": {},
     "mad": {},
+    "equal_state": {"acc_tol": 0.01, "loss_tol": 0.005},
 }
 
 
@@ -217,6 +218,79 @@ def _check_mad(c: Checker, params: dict) -> None:
                                          "train": params["train"]})
 
 
+def _study_objective(c: Checker, key: str, v: Any) -> str | dict:
+    """An objective of an ``equal_state`` study: what ``_objective`` takes, or ``{compose: {term:
+    choice}}``, a composition of the search's compose space (``search.compose``), kept as its
+    completed choices."""
+    from ssmcraft.search.compose import check_choices
+
+    if not isinstance(v, Mapping):
+        return _objective(c, key, v)
+    entry = c.mapping(key, v, ("compose",))
+    if "compose" not in entry:
+        c.fail(key, "expected an objective name or {compose: {term: choice}}")
+    return {"compose": check_choices(entry["compose"], c.source, c.key(f"{key}.compose"))}
+
+
+def objective_label(entry: str | dict) -> str:
+    """The name an ``equal_state`` objective goes by in run folders and tables."""
+    from ssmcraft.search.compose import composed_name
+
+    return composed_name(entry["compose"]) if isinstance(entry, Mapping) else Path(entry).stem
+
+
+def objective_value(entry: str | dict) -> str | dict:
+    """What ``train_cell`` trains for an ``equal_state`` objective: the name, or the composed spec."""
+    from ssmcraft.search.compose import compose_objective
+
+    return compose_objective(entry["compose"]) if isinstance(entry, Mapping) else entry
+
+
+def _study_objectives(c: Checker, key: str, v: Any) -> list:
+    out = c.seq(key, v, lambda k, x: _study_objective(c, k, x))
+    labels = [objective_label(o) for o in out]
+    if len(set(labels)) != len(labels):
+        c.fail(key, f"lists an objective twice: {labels}")
+    return out
+
+
+def _state_elements(c: Checker, key: str, v: Any) -> dict[str, int]:
+    """``{mqar: N, text: N}``: numbers of state per sequence (all layers, every state) each task's
+    models may carry."""
+    given = c.mapping(key, v, ("mqar", "text"))
+    for task in ("mqar", "text"):
+        if task not in given:
+            c.fail(f"{key}.{task}", "missing (required: the state budget of this task's models)")
+    return {t: c.positive(f"{key}.{t}", n, integer=True) for t, n in given.items()}
+
+
+def _check_equal_state(c: Checker, params: dict) -> None:
+    """Challengers and baselines are different objectives, and each fits the state budget at some m."""
+    from ssmcraft.study.iso_state import iso_state_size
+
+    labels = [objective_label(o) for o in params["challengers"]]
+    for i, o in enumerate(params["baselines"]):
+        if objective_label(o) in labels:
+            c.fail(f"baselines[{i}]", f"{objective_label(o)!r} is also a challenger")
+    for obj in params["overrides"]:
+        if obj not in labels + [objective_label(o) for o in params["baselines"]]:
+            c.fail(f"overrides.{obj}", "is not one of this study's objectives (a name, or a composition's name)")
+    for task in ("mqar", "text"):
+        for role in ("challengers", "baselines"):
+            for i, o in enumerate(params[role]):
+                if o == "attention":
+                    c.fail(f"{role}[{i}]", "attention has no fixed state (its cache grows with the context)")
+                label = objective_label(o)
+                model = experiment_for(params[task], params["overrides"], label)["model"]
+                try:
+                    iso_state_size(model, objective_value(o), params["state_elements"][task])
+                except SpecError as e:          # the mixer refused the model (e.g. an input_bias its objective lacks)
+                    where = f"overrides.{label}" if label in params["overrides"] else task
+                    c.fail(f"{where}.model.{e.key}", e.problem)
+                except SsmcraftError as e:
+                    c.fail(f"state_elements.{task}", f"{objective_label(o)}: {e}")
+
+
 def _exact_and_diagonal(c: Checker, key: str, v: Any) -> list[str]:
     if not isinstance(v, list) or len(v) != 2:
         c.fail(key, f"expected [exact, diagonal], got {v!r}")
@@ -285,6 +359,11 @@ KINDS: dict[str, dict[str, Field]] = {
         "task_overrides": _field(_task_overrides, {}),
         "lrs": _field(_floats, [1e-4, 5e-4, 1e-3]), "seeds": _SEEDS,
         "state_size": _field(_pos_int, None), "state_elements": _field(_pos_int, None)},
+    "equal_state": {
+        "mqar": _experiment_of("mqar"), "text": _experiment_of("text"),
+        "challengers": _field(_study_objectives), "baselines": _field(_study_objectives),
+        "state_elements": _field(_state_elements), "seeds": _field(_seeds, [0, 1, 2]),
+        "resamples": _field(_pos_int, 2000), "overrides": _field(_overrides, {})},
 }
 
 
@@ -347,7 +426,10 @@ def load_study_spec(spec: str | Path | Mapping, source: str | None = None) -> St
             _check_leave_out(sc, params)
         if kind == "mad":
             _check_mad(sc, params)
+        if kind == "equal_state":
+            _check_equal_state(sc, params)
         for obj, part in (params.get("overrides") or {}).items():      # each objective's own experiment
-            _check_as_training(sc, f"overrides.{obj}", experiment_for(params["experiment"], params["overrides"], obj))
+            for section in [k for k in ("experiment", "mqar", "text") if k in params]:
+                _check_as_training(sc, f"overrides.{obj}", experiment_for(params[section], params["overrides"], obj))
         scales[scale] = params
     return StudySpec(name, kind, source, base, claim, thresholds, scales, raw)

@@ -280,3 +280,93 @@ def rediscovery(rows: list[dict]) -> dict:
     if any(not r["variants_in_space"] for r in rows):
         return _v(claim, INCONCLUSIVE, "; ".join(parts), conf)
     return _v(claim, AGREES if all(r["rediscovered"] for r in rows) else DISAGREES, "; ".join(parts), conf)
+
+
+# ------------------------------------------------------------------ paired comparisons over seeds
+
+def sign_test_p(wins: int, n: int) -> float:
+    """One-sided sign test: the chance of at least ``wins`` wins in ``n`` fair coin flips (ties
+    dropped before counting ``n``); 1.0 when ``n`` is 0."""
+    return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n if n else 1.0
+
+
+def bootstrap_ci(diffs: Sequence[float], resamples: int = 2000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean of ``diffs`` (deterministic: a seeded generator);
+    None for no values. With a handful of seeds it is as coarse as the seeds: read it with the
+    sign test."""
+    import random
+
+    xs = [float(d) for d in diffs]
+    if not xs:
+        return None
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]
+
+
+def paired(a: dict[int, float | None], b: dict[int, float | None], tol: float, higher_is_better: bool,
+           resamples: int = 2000) -> dict:
+    """``a`` against ``b``, each seed -> metric, paired by seed over the seeds where both are finite.
+    ``diff`` is a's advantage per seed (positive: a is better). ``outcome``: "better" when at least
+    two seeds pair, the mean advantage exceeds ``tol`` and the bootstrap interval lies above 0,
+    "worse" when the mirror holds, else "tie"; ``p_better`` / ``p_worse``: one-sided sign tests of the wins and losses (seeds whose
+    advantage is within ``tol`` count as ties and are dropped)."""
+    seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None
+                   and math.isfinite(a[s]) and math.isfinite(b[s]))
+    diffs = [(a[s] - b[s]) if higher_is_better else (b[s] - a[s]) for s in seeds]
+    wins, losses = sum(d > tol for d in diffs), sum(d < -tol for d in diffs)
+    ci = bootstrap_ci(diffs, resamples)
+    mean = statistics.fmean(diffs) if diffs else None
+    outcome = "tie"                 # one seed has no interval to speak of: it decides nothing
+    if len(diffs) >= 2 and mean > tol and ci[0] > 0:
+        outcome = "better"
+    elif len(diffs) >= 2 and mean < -tol and ci[1] < 0:
+        outcome = "worse"
+    return {"n": len(diffs), "mean_diff": mean, "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
+            "wins": wins, "losses": losses, "p_better": sign_test_p(wins, wins + losses),
+            "p_worse": sign_test_p(losses, wins + losses), "outcome": outcome}
+
+
+def _sign_confidence(p: float, n: int) -> tuple[str, str]:
+    """high when the one-sided sign test gives p <= 0.05 (at least 5 seeds, all one way), medium
+    when p <= 0.2 (3 seeds all one way), else low."""
+    why = f"sign test p = {p:.3g} over {n} paired seed(s)"
+    if p <= 0.05:
+        return "high", why + " (p <= 0.05)"
+    if p <= 0.2:
+        return "medium", why + " (p <= 0.2)"
+    return "low", why + " (p > 0.2: too few seeds, or they disagree)"
+
+
+def beats_all(claim: str, pairs: dict[str, dict[str, dict]], metric: str) -> dict:
+    """``pairs[challenger][baseline]``: ``paired`` comparisons. Agrees when some challenger is
+    better than every baseline; disagrees when every challenger that has paired seeds is worse
+    than at least one baseline (a challenger none of whose runs finished, e.g. every one diverged,
+    is named in the evidence and left out: it can neither win nor lose); else inconclusive.
+    Confidence: the sign test of the comparisons that decide it (the weakest of them: the largest p)."""
+    def show(c, b, r):
+        if r["mean_diff"] is None:
+            return f"{c} vs {b}: no paired seeds"
+        return (f"{c} vs {b}: {metric} advantage {r['mean_diff']:+.4g} (95% bootstrap {r['ci_low']:+.3g}..{r['ci_high']:+.3g}), "
+                f"{r['wins']}/{r['n']} seeds better, {r['outcome']}")
+
+    untrained = [c for c, rows in pairs.items() if not any(r["n"] for r in rows.values())]
+    pairs = {c: rows for c, rows in pairs.items() if c not in untrained}
+    ev = "; ".join([show(c, b, r) for c, rows in pairs.items() for b, r in rows.items()]
+                   + [f"{c}: no finished run to pair, left out" for c in untrained])
+    winners = [c for c, rows in pairs.items() if rows and all(r["outcome"] == "better" for r in rows.values())]
+    if winners:
+        best = min(winners, key=lambda c: max(r["p_better"] for r in pairs[c].values()))
+        deciding = pairs[best].values()
+        p = max(r["p_better"] for r in deciding)
+        return _v(claim, AGREES, ev, _sign_confidence(p, min(r["n"] for r in deciding)))
+    beaten = {c: [r for r in rows.values() if r["outcome"] == "worse"] for c, rows in pairs.items()}
+    if pairs and all(beaten.values()):
+        # each challenger's clearest defeat; the verdict is as sure as the least clear of those
+        deciding = [min(rs, key=lambda r: r["p_worse"]) for rs in beaten.values()]
+        p = max(r["p_worse"] for r in deciding)
+        return _v(claim, DISAGREES, ev, _sign_confidence(p, min(r["n"] for r in deciding)))
+    return _v(claim, INCONCLUSIVE, ev or "no comparisons",
+              ("low", "no challenger is better than every baseline, and not every challenger is worse than one"))
