@@ -235,8 +235,18 @@ def test_native_family_packed_without_final_state(name, family, poisoned, gpu_or
     """No final state asked (as a training forward calls it): the output and every input's gradient
     equal the packed reference's, and no state comes back."""
     obj = ssmcraft.compile(name)
-    ins, params, _, cu, g = packed_inputs(obj, [0, 19, 4], d=20, m=12)
-    dy = torch.randn(1, 23, 2, 20, generator=g, dtype=torch.float64)
+    errs, S = packed_without_states(obj, [0, 19, 4], d=20, m=12)
+    assert S is None and obj.backend == f"triton-interpret:{family}+packed"
+    assert_within(errs, {"y": 1e-5, "grad": 2e-5})
+
+
+def packed_without_states(obj, lens, d, m):
+    """A packed call under the interpreter with no initial state (each sequence starts from the
+    objective's own start) and no final state asked, as a training forward calls it: (relative
+    errors of the output and every input's gradient against the packed float64 reference, the
+    state that came back)."""
+    ins, params, _, cu, g = packed_inputs(obj, lens, d=d, m=m)
+    dy = torch.randn(1, sum(lens), 2, d, generator=g, dtype=torch.float64)
 
     def run(call, dtype):
         x = {k: v.to(dtype).requires_grad_() for k, v in ins.items()}
@@ -245,8 +255,7 @@ def test_native_family_packed_without_final_state(name, family, poisoned, gpu_or
     y_r, _, g_r = run(lambda x: obj.reference(x, params, None, True, cu_seqlens=cu), torch.float64)
     obj.prefer = "interpret"
     y, S, g = run(lambda x: obj(x, params, None, False, cu_seqlens=cu), torch.float32)
-    assert S is None and obj.backend == f"triton-interpret:{family}+packed"
-    assert_within({"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, {"y": 1e-5, "grad": 2e-5})
+    return {"y": rel(y, y_r), **{f"d{k}": rel(a, b) for k, a, b in zip(ins, g, g_r)}}, S
 
 
 @pytest.mark.parametrize("name, family", [
