@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--only", help="comma-separated parts: obj, train, decode (default: all)")
     args = ap.parse_args()
     parts = set(args.only.split(",")) if args.only else {"obj", "train", "decode"}
-    rep = Report("bench_graphs (issue 12, host overhead)")
+    rep = Report("bench_graphs (host overhead)")
     cuda = torch.cuda.is_available()
     B, T = (2, 256) if args.tiny else (8, 2048)
     if not cuda:

@@ -340,7 +340,7 @@ def main():
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of obj() fwd+bwd")
     ap.add_argument("--no-anchors", action="store_true", help="time ours only (FLA and mamba not loaded)")
     args = ap.parse_args()
-    rep = Report("bench_public_path (issue 12)")
+    rep = Report("bench_public_path")
     rep.set("copy_bandwidth_GBps", copy_bandwidth(torch.device(DEV)) / 1e9)
     fla, ssc = (None, None) if args.no_anchors else (load_fla(), load_mamba(args.mamba))
     only = set(args.only.split(",")) if args.only else None

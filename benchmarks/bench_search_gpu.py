@@ -1,4 +1,4 @@
-"""Search throughput and GPU utilisation, before and after issue 13, in one command.
+"""Search throughput and GPU utilisation, with and without the busy-GPU trial settings, in one command.
 
 Runs the search spec once per mode, each for a fixed wall time (``budget.total_seconds``:
 no new trial after it; trials in flight finish), while ``nvidia-smi`` samples the GPU in

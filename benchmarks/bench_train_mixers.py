@@ -117,7 +117,7 @@ def main():
                     help="run the backward on the calling thread (train.autograd_threads: false)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    rep = Report("bench_train_mixers (issue 12)")
+    rep = Report("bench_train_mixers")
     for name in (args.only.split(",") if args.only else MIXERS):
         torch.manual_seed(0)
         lm = build(name)

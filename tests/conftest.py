@@ -1,6 +1,6 @@
 """Shared test setup.
 
-Compiler fixtures (issue 2): an isolated cache directory for generated code, a memoised
+Compiler fixtures: an isolated cache directory for generated code, a memoised
 ``compile`` of library objectives, and a generator of random inputs that respect each
 input's declared constraints (positive / bounded / normalize) and each param's sign.
 """

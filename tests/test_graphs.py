@@ -1,4 +1,4 @@
-"""CUDA graphs (issue 12) on CPU: the refusals (CPU tensors, another call signature, graphed
+"""CUDA graphs on CPU: the refusals (CPU tensors, another call signature, graphed
 decoding of a growing cache), ``train.cuda_graphs``' decision and its record, and the parts of
 the captured work that run without a graph: the decode step over static buffers
 (``StaticDecodeState``, what ``GraphedDecoder`` captures) against eager ``LM.step``, and the

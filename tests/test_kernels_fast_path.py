@@ -1,4 +1,4 @@
-"""The public fast path ``obj(...)`` (issue 12), under TRITON_INTERPRET=1:
+"""The public fast path ``obj(...)``, under TRITON_INTERPRET=1:
 
 - the path is chosen once per call signature: a repeated call does no sympy work, no family
   probing and no validation (the families' ``supports`` are not called again);

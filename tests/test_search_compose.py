@@ -1,4 +1,4 @@
-"""The compose space (issue 14): the spec text each new term writes, that the space expresses the
+"""The compose space: the spec text each new term writes, that the space expresses the
 library's layers exactly (same derived update), and that what derives today is the update its
 terms promise, checked numerically in float64 with the independent evaluator of
 test_compiler_derivation (autograd, no compiler machinery).
