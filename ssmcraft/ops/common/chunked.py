@@ -1,6 +1,7 @@
 """Host-side helpers of the chunked tensor-core families (``rank1_chunk``, ``rank1_keydecay_chunk``,
 ``keydecay_chunk``): the padded key block of their 16-bit products, per-head slots as their kernels
-take them, and the refusal of a key dimension too large for their register tiles.
+take them, the structure checks the chunked rank-1 families share, and the refusal of a key dimension
+too large for their register tiles.
 A module of its own so that an exported bundle, which pastes a family's modules into one
 namespace, imports these once (under the names the families call them by: a renamed import
 cannot be bundled)."""
@@ -59,3 +60,36 @@ def key_sizes(ir, inputs) -> dict:
     """``{key dim: size}`` read off the inputs that vary over the key dimension."""
     m = ir.dims[1]
     return {m: inputs[n].shape[-1] for n, dims in ir.inputs.items() if tuple(dims) == (m,) and n in inputs}
+
+
+def slot_dims(ir, slot: str) -> tuple | None:
+    """The dimensions a slot's coefficient varies over (None: the slot is absent)."""
+    co = ir.coefficient(slot)
+    return None if co is None else tuple(co.dims)
+
+
+def rank1_chunk_reason(ir, decays: tuple, decay_words: str) -> str | None:
+    """Why a chunked rank-1 family does not run ``ir``, or None: a ``rank1`` IR with no
+    element-wise readout, a per-head step ``c``, a decay ``a`` whose dims are one of ``decays``
+    (``decay_words`` says which, for the message),
+    the keys ``u, v, q, oq`` over the key dimension, an input term ``p q^T`` with ``p`` per head or
+    per row, and a readout scale / offset per head or per row."""
+    name, (d, m) = ir.spec_name, ir.dims
+    if ir.kind != "rank1":
+        return f"{name}: structure {ir.kind!r}, not rank1"
+    if ir.readout is not None:
+        return f"{name}: element-wise readout"
+    if slot_dims(ir, "c") != ():
+        return f"{name}: step c has dims {slot_dims(ir, 'c')}, not per head ()"
+    if slot_dims(ir, "a") not in decays:
+        return f"{name}: decay a has dims {slot_dims(ir, 'a')}, not {decay_words}"
+    for s in ("u", "v", "q", "oq"):
+        if slot_dims(ir, s) != (m,):
+            return f"{name}: slot {s} has dims {slot_dims(ir, s)}, not ({m},)"
+    if "p" not in ir.slots or slot_dims(ir, "p") not in ((), (d,)):
+        return f"{name}: input term is not p q^T with p of dims ({d},)"
+    if slot_dims(ir, "oc") not in (None, (), (d,)):
+        return f"{name}: readout scale oc has dims {slot_dims(ir, 'oc')}"
+    if "oh" in ir.slots and slot_dims(ir, "oh") not in ((), (d,)):
+        return f"{name}: readout offset oh has dims {slot_dims(ir, 'oh')}"
+    return None

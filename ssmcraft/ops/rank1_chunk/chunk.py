@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p
+from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.readout import finish_laid_out
@@ -319,29 +319,8 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if this family runs ``ir``, else the reason it does not."""
-    if ir.kind != "rank1":
-        return f"{ir.spec_name}: structure {ir.kind!r}, not rank1"
-    if ir.readout is not None:
-        return f"{ir.spec_name}: element-wise readout"
-
-    def dims(slot):
-        co = ir.coefficient(slot)
-        return None if co is None else tuple(co.dims)
-    if dims("c") != ():
-        return f"{ir.spec_name}: step c has dims {dims('c')}, not per head ()"
-    if dims("a") not in (None, ()):
-        return f"{ir.spec_name}: decay a has dims {dims('a')}, not per head ()"
-    for s in ("u", "v", "q", "oq"):
-        if dims(s) != ("m",):
-            return f"{ir.spec_name}: slot {s} has dims {dims(s)}, not (m,)"
-    if "p" not in ir.slots or dims("p") not in ((), ("d",)):
-        return f"{ir.spec_name}: input term is not p q^T with p of dims (d,)"
-    if dims("oc") not in (None, (), ("d",)):
-        return f"{ir.spec_name}: readout scale oc has dims {dims('oc')}"
-    if "oh" in ir.slots and dims("oh") not in ((), ("d",)):
-        return f"{ir.spec_name}: readout offset oh has dims {dims('oh')}"
-    return None
+    """None if this family runs ``ir``, else the reason it does not (a decay per head, or none)."""
+    return rank1_chunk_reason(ir, (None, ()), "per head ()")
 
 
 def forward(obj, lay, co, output_final_state):

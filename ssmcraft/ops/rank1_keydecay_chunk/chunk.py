@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, key_size_reason, key_sizes
+from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, key_size_reason, key_sizes, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.readout import finish_laid_out
@@ -271,32 +271,12 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, o
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if this family runs ``ir``, else the reason it does not."""
-    if ir.kind != "rank1":
-        return f"{ir.spec_name}: structure {ir.kind!r}, not rank1"
-    if ir.readout is not None:
-        return f"{ir.spec_name}: element-wise readout"
-
-    def dims(slot):
-        co = ir.coefficient(slot)
-        return None if co is None else tuple(co.dims)
-    m = (ir.dims[1],)
-    if dims("a") != m:
-        return f"{ir.spec_name}: decay a has dims {dims('a')}, not per key ({ir.dims[1]},)"
-    if dims("c") != ():
-        return f"{ir.spec_name}: step c has dims {dims('c')}, not per head ()"
-    for s in ("u", "v", "q", "oq"):
-        if dims(s) != m:
-            return f"{ir.spec_name}: slot {s} has dims {dims(s)}, not ({ir.dims[1]},)"
-    if _text(ir, "q") != _text(ir, "v"):
+    """None if this family runs ``ir``, else the reason it does not (a decay per key, and the insert
+    key q the erase key v)."""
+    why = rank1_chunk_reason(ir, ((ir.dims[1],),), f"per key ({ir.dims[1]},)")
+    if why is None and _text(ir, "q") != _text(ir, "v"):
         return f"{ir.spec_name}: insert key q differs from the erase key v (only q = v is chunked here)"
-    if "p" not in ir.slots or dims("p") not in ((), (ir.dims[0],)):
-        return f"{ir.spec_name}: input term is not p q^T with p of dims ({ir.dims[0]},)"
-    if dims("oc") not in (None, (), (ir.dims[0],)):
-        return f"{ir.spec_name}: readout scale oc has dims {dims('oc')}"
-    if "oh" in ir.slots and dims("oh") not in ((), (ir.dims[0],)):
-        return f"{ir.spec_name}: readout offset oh has dims {dims('oh')}"
-    return None
+    return why
 
 
 def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
