@@ -16,6 +16,7 @@ import argparse
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="")
     ap.add_argument("--device", default="cuda", help="cpu checks the PyTorch paths (a smoke test of this script)")
     ap.add_argument("--one", default="", help="NAME:DTYPE: run one check in this process (what each child runs)")
+    ap.add_argument("--jobs", type=int, default=1, help="checks run at once (each in its own process); printed in order")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("check_library_gpu: needs a CUDA device", file=sys.stderr)
@@ -98,9 +100,11 @@ def main(argv=None) -> int:
     names = [n for n in args.only.split(",") if n] or [*library_names(), *COMPOSED]
     failed = []
     print(f"{'objective':<20} {'dtype':<9} {'backend':<34} result")
-    for name in names:
-        for dtype in (torch.float32, torch.bfloat16):
-            backend, text, ok = child(name, dtype, args)
+    cases = [(name, dtype) for name in names for dtype in (torch.float32, torch.bfloat16)]
+    # children are independent processes: several at once share the GPU while others compile
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = pool.map(lambda c: child(*c, args), cases)
+        for (name, dtype), (backend, text, ok) in zip(cases, results):
             print(f"{name:<20} {dtype_name(dtype):<9} {backend:<34} {text}", flush=True)
             if not ok:
                 failed.append(f"{name}/{dtype_name(dtype)}")

@@ -8,12 +8,13 @@ Lengths are odd, shorter and longer than a chunk, and include an empty sequence.
 one packed call against the padded batch ``[N, max_len]`` holding the same sequences (bf16,
 forward and forward+backward).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/check_varlen_gpu.py
+    PYTHONUNBUFFERED=1 python3 benchmarks/check_varlen_gpu.py [--only gla,rls] [--no-time]
 
 Prints one line per check and a timing table; exit status 1 when a check fails.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -91,9 +92,17 @@ def timing(name: str) -> list:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated objectives of the checks (default: all)")
+    ap.add_argument("--no-time", action="store_true", help="checks only")
+    args = ap.parse_args(argv)
+    only = [n for n in args.only.split(",") if n]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    ok = all([check(*case) for case in CASES])
+    ok = all([check(*case) for case in CASES if not only or case[0] in only])
+    if args.no_time:
+        print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)
+        return 0 if ok else 1
     print(f"\ntiming, bf16, H={H} d={D} m={M}, lengths {TIMED} ({sum(TIMED)} tokens) packed vs padded "
           f"[{len(TIMED)}, {max(TIMED)}]", flush=True)
     print(f"{'call':24s} {'tokens':>7s} {'fwd ms':>8s} {'fwd+bwd ms':>11s}  backend", flush=True)

@@ -1,16 +1,19 @@
 """Diagnose rank1_chunk at small key dims on the GPU (the bf16 fault that ``rank1_chunk._key_block``,
 the key block padded to 64 for 16-bit I/O, works around; BENCHMARKS.md, "Small key dims in bf16").
 
-    python3 benchmarks/diag_rank1_smallk.py [K ...]      (checks; each case with CUDA_LAUNCH_BLOCKING=1)
+    python3 benchmarks/diag_rank1_smallk.py [K | KxV ...] [--gated] [--bf16] [--bv-floor N]
+                                                         (checks; each case with CUDA_LAUNCH_BLOCKING=1)
     python3 benchmarks/diag_rank1_smallk.py --time       (fwd+bwd at the 20M byte LM's shape)
 
 Each case runs in its own process (an illegal memory access poisons the CUDA context): DeltaNet
-on ``rank1_chunk`` at B2 T300 H2 V64, fp32 and bf16, against the float64 reference on the same leaves
+(``--gated``: Gated DeltaNet) on ``rank1_chunk`` at B2 T300 H2 (V = 64 unless given as KxV), fp32 and bf16, against the float64 reference on the same leaves
 (``ssmcraft.runtime.checking``: output, final state, dx, dq, dk, dbeta, dS0), outputs NaN-poisoned first
-(an unwritten output shows as nan).
+(an unwritten output shows as nan). ``--bv-floor N`` runs the family with its value block of the
+non-autotuned kernels at least N (``rank1_chunk._bv``), to tell a value-block fault from a key-block one.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -19,7 +22,7 @@ import sys
 import torch
 
 
-def case(K: int, dtype: str) -> dict:
+def case(K: int, V: int, dtype: str, objective: str = "deltanet", bv_floor: int = 0) -> dict:
     """Errors of the DeltaNet objective on ``rank1_chunk`` (its own ``prepare``, whatever the backend
     would pick) against the float64 reference on the same (``dtype``-rounded) leaves."""
     import ssmcraft
@@ -27,13 +30,18 @@ def case(K: int, dtype: str) -> dict:
     from ssmcraft.runtime.checking import reference_errors
     from ssmcraft.runtime.select import validated_call
     R.POISON = True
+    if bv_floor:
+        bv = R._bv
+        R._bv = lambda v, *a: max(bv(v, *a), bv_floor)
     dt = getattr(torch, dtype)
-    obj = ssmcraft.compile("deltanet")
+    obj = ssmcraft.compile(objective)
     g = torch.Generator().manual_seed(0)
-    B, T, H, V = 2, 300, 2, 64
+    B, T, H = 2, 300, 2
     ins = {"x": torch.randn(B, T, H, V, generator=g), "q": torch.randn(B, T, H, K, generator=g),
            "k": torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1),
            "beta": torch.rand(B, T, H, generator=g)}
+    if objective == "gated_deltanet":
+        ins["alpha"] = 0.9 + 0.1 * torch.rand(B, T, H, generator=g)
     ins = {n: t.to(dt).to("cuda", torch.float64) for n, t in ins.items()}      # the kernel's values, exactly
     S0 = torch.randn(B, H, V, K, generator=g, dtype=torch.float64).cuda()
     cmp = reference_errors(obj, lambda i, p, s: validated_call(R.prepare, obj, i, p, s, True), ins, {}, S0, g, dt)
@@ -77,19 +85,30 @@ def main():
         timing()
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--case":
-        print(json.dumps(case(int(sys.argv[2]), sys.argv[3])))
+        K, V, dtype, objective, floor = sys.argv[2:7]
+        print(json.dumps(case(int(K), int(V), dtype, objective, int(floor))))
         return
-    Ks = [int(a) for a in sys.argv[1:]] or [16, 32, 64]
-    for K in Ks:
-        for dtype in ("float32", "bfloat16"):
-            r = subprocess.run([sys.executable, __file__, "--case", str(K), dtype], capture_output=True, text=True,
-                               env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sizes", nargs="*", default=["16", "32", "64"], help="K or KxV (V = 64 unless given)")
+    ap.add_argument("--gated", action="store_true")
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--bv-floor", default="0")
+    args = ap.parse_args()
+    objective = "gated_deltanet" if args.gated else "deltanet"
+    dtypes = ("bfloat16",) if args.bf16 else ("float32", "bfloat16")
+    floor, sizes = args.bv_floor, args.sizes
+    for size in sizes:
+        K, V = (size.split("x") + ["64"])[:2]
+        for dtype in dtypes:
+            r = subprocess.run([sys.executable, __file__, "--case", K, V, dtype, objective, floor],
+                               capture_output=True, text=True, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+            label = f"{objective} K={K:>3} V={V:>3} bv>={floor} {dtype:9s}"
             if r.returncode == 0:
                 res = json.loads(r.stdout.strip().splitlines()[-1])
-                print(f"K={K:3d} {dtype:9s} " + " ".join(f"{n} {v:.1e}" for n, v in res.items()))
+                print(f"{label} " + " ".join(f"{n} {v:.1e}" for n, v in res.items()))
             else:
                 err = [ln for ln in r.stderr.splitlines() if "File" in ln and "ssmcraft" in ln or "Error" in ln][-8:]
-                print(f"K={K:3d} {dtype:9s} FAILED rc={r.returncode}:\n    " + "\n    ".join(err))
+                print(f"{label} FAILED rc={r.returncode}:\n    " + "\n    ".join(err))
 
 
 if __name__ == "__main__":

@@ -138,13 +138,15 @@ def test_no_grad_path_and_empty():
     assert o0.shape == (1, 0, 1, 16) and float(h0.abs().sum()) == 0.0
 
 
-def test_half_precision_pads_small_key_blocks():
-    """16-bit I/O at K = 16 runs with the key block padded to 64 (the GPU fails below 64 in bf16;
-    ``_key_block``): masked loads keep the padding out of every output and gradient. The per-head
+def test_half_precision_pads_small_key_and_value_blocks():
+    """16-bit I/O at K = 16, V = 24 runs with the key and value blocks padded to 64 (the GPU fails
+    below 64 in bf16; ``common.chunked._block_floor``): masked loads keep the padding out of every
+    output and gradient. The per-head
     step goes in as fp16 too (read and differentiated in its own dtype). Run in fp16:
     the interpreter's products on bf16 tiles are wrong (1e10 off, ENV.md), fp16 takes the same path."""
     assert R._key_block(16, torch.bfloat16) == 64 and R._key_block(16, torch.float16) == 64
     assert R._key_block(16, torch.float32) == 16 and R._key_block(80, torch.bfloat16) == 128
+    assert R._bv(24, torch.float16) == 64 and R._bv(32, torch.bfloat16) == 64 and R._bv(24, torch.float32) == 32
     g = torch.Generator().manual_seed(3)
     B, T, H, K, V = 1, 37, 2, 16, 24
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731

@@ -9,19 +9,33 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.tuning import pow2
+from ssmcraft.ops.common.tuning import INTERPRET, pow2
+
+
+def _block_floor(dtype) -> int:
+    """The least key or value block of a 16-bit tensor-core product. bf16 products with a block below
+    64 fail on Hopper (sm_90) with Triton 3.6, while fp32 (tf32x3) is right at every size
+    (``benchmarks/diag_rank1_smallk.py``, which runs both): a key block of 32 gave an illegal memory
+    access in rank1_chunk's backward and 16 NaN outputs; a value block of 32 (V = 32) gave wrong
+    outputs in the forward (relative error ~1 for Gated DeltaNet) and the same illegal access in the
+    backward. There the block is padded to 64: the loads are masked, so the extra columns are zeros.
+    fp16 is padded too, by analogy with bf16 (the same 16-bit dot path; not measured)."""
+    return 16 if dtype == torch.float32 else 64
 
 
 def _key_block(K: int, dtype) -> int:
-    """The padded key block. bf16 products with a key block below 64 fail on Hopper (sm_90) with
-    Triton 3.6: an illegal memory access in rank1_chunk's backward kernel at K = 32 and NaN outputs at K = 16,
-    while fp32 (tf32x3) is right at every K (``benchmarks/diag_rank1_smallk.py``, which runs fp32
-    and bf16). There the key block is padded to 64: the loads are masked, so the extra key columns
-    are zeros. fp16 is padded too, by analogy with bf16 (the same 16-bit dot path; not measured).
-    The rule is the same under the interpreter, so the CPU tests run the padded kernels."""
-    if dtype == torch.float32:
-        return pow2(K)
-    return pow2(K, lo=64)
+    """The padded key block (``_block_floor``). The rule is the same under the interpreter, so the
+    CPU tests run the padded kernels."""
+    return pow2(K, lo=_block_floor(dtype))
+
+
+def _value_block(V: int, dtype, interpret_bv: int | None = None) -> int:
+    """The value block of the parallel kernels, at most 64 and padded as ``_block_floor`` says; under
+    the interpreter ``interpret_bv`` where given (the tests' way to run several value tiles)."""
+    if INTERPRET and interpret_bv:
+        return interpret_bv
+    bv = pow2(V, lo=_block_floor(dtype))
+    return bv if INTERPRET else min(bv, 64)
 
 
 def _split_p(ir):

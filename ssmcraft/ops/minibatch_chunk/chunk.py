@@ -38,6 +38,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from ssmcraft.ops.common.chunked import _key_block
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
@@ -58,12 +59,6 @@ def _empty(*shape, device, dtype):
 def _seq_opts(V: int) -> dict:
     """The sequential kernels' value block under the interpreter (autotuned on a GPU)."""
     return {"BV": INTERPRET_BV or pow2(V)} if INTERPRET else {}
-
-
-def _key_block(K: int, dtype) -> int:
-    """The padded key block: at least 64 for 16-bit I/O, as ``rank1_chunk._key_block`` explains
-    (bf16 products with smaller key blocks fail on sm_90 with Triton 3.6)."""
-    return pow2(K) if dtype == torch.float32 else pow2(K, lo=64)
 
 
 def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT, packed=None):

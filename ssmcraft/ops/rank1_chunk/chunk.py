@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, rank1_chunk_reason
+from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, sequences
-from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
                                           rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,
                                           rank1_chunk_prep_kernel)
@@ -70,18 +70,14 @@ BACKEND_NAME = "rank1-chunk"
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _launch_opts(V: int) -> dict:
-    """Config chosen by rule under the interpreter (multi-config autotune fails there)."""
-    if not INTERPRET:
-        return {}
-    return {"BV": _bv(V)}
-
-
-def _bv(V: int) -> int:
+def _bv(V: int, dtype) -> int:
     """Value block of the parallel kernels (and of the sequential ones under the interpreter)."""
-    if INTERPRET:
-        return INTERPRET_BV or pow2(V)
-    return min(pow2(V), 64)
+    return _value_block(V, dtype, INTERPRET_BV)
+
+
+def _launch_opts(V: int, dtype) -> dict:
+    """Config chosen by rule under the interpreter (multi-config autotune fails there)."""
+    return {"BV": _bv(V, dtype)} if INTERPRET else {}
 
 
 def _empty(*shape, device, dtype):
@@ -134,7 +130,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
     launch(rank1_chunk_prep_kernel, (NT, B * H),
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, M=M, W=W, Up=Up, L=L, Lq=Lq, g=g, T=T, H=H, K=K, V=V,
-           BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R,
+           BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R,
            **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
@@ -145,7 +141,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
            v=v, q=qq, p=p, ps=pss, oq=oq, W=W, Up=Up, L=L, Lq=Lq, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi,
            ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, R=R,
-           **packed_args(seq, "cu", "co"), **_launch_opts(V))
+           **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
@@ -169,7 +165,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs, dpsi=dpsi,
            dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, R=R, **packed_args(seq, "cu", "co"), **_launch_opts(V))
+           PREC=prec, R=R, **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
@@ -184,7 +180,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H),
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
            do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
-           V=V, BT=BT, BK=BK, BV=_bv(V), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
+           V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
            PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)

@@ -72,9 +72,9 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _per_head, _split_p, key_size_reason, key_sizes, rank1_chunk_reason
+from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, key_size_reason, key_sizes, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.rows import packed_args, sequences
@@ -93,16 +93,14 @@ BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
 
 
-def _bv(V: int) -> int:
+def _bv(V: int, dtype) -> int:
     """Value block of the parallel kernels (and of the sequential ones under the interpreter)."""
-    if INTERPRET:
-        return INTERPRET_BV or pow2(V)
-    return min(pow2(V), 64)
+    return _value_block(V, dtype, INTERPRET_BV)
 
 
-def _launch_opts(V: int) -> dict:
+def _launch_opts(V: int, dtype) -> dict:
     """Config chosen by rule under the interpreter (multi-config autotune fails there)."""
-    return {"BV": _bv(V)} if INTERPRET else {}
+    return {"BV": _bv(V, dtype)} if INTERPRET else {}
 
 
 def _empty(*shape, device, dtype):
@@ -132,7 +130,7 @@ def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT, packed
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u),
+           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT), U_MODE=_u_mode(u),
            HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
@@ -142,7 +140,7 @@ def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT, packed
     launch(rank1_keydecay_chunk_fwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, Up=Up, L=L, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi, ht=ht,
            T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, STORE_H=store_states, HAS_H0=h0 is not None,
-           STORE_HT=output_final_state, PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V))
+           STORE_HT=output_final_state, PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
     return o, (ht if output_final_state else None), (g, M, L, W, hs, psi)
 
 
@@ -162,7 +160,7 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     launch(rank1_keydecay_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs,
            dpsi=dpsi, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V))
+           PREC=prec, **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
     dv, dp, doq, dc, da = (_empty_like(t) for t in (v, p, oq, c, a))
     du = dv if u is None else _empty_like(u)       # u = a o v: its gradient is folded into dv and da
     dps = dc if ps is None else _empty_like(ps)
@@ -172,11 +170,11 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     uu, pss = (v if u is None else u), (c if ps is None else ps)
     launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
            u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
-           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT),
+           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT),
            U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
     launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
            v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT), PREC=prec,
            **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
