@@ -12,7 +12,9 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
 2. Timings at ``--shape`` (bf16, one process): ssmcraft DeltaNet and the KDA-like layer through
    ``obj()`` as ``bench_classes.py`` times them (``timing.obj_calls`` / ``time_calls``), then FLA's
    ``chunk_kda`` fwd and fwd+bwd (``timing.bench_ms``; log-space decay, unit keys, scale 1), each
-   with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes for minutes.
+   with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes, bounded by
+   ``--fla-configs`` (configs kept per FLA kernel, ``bound_fla_autotune``) to fit a short run.
+   ``--profile``: the GPU kernels of one fwd+bwd of the KDA-like layer and of FLA's.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.runtime import timing  # noqa: E402
-from bench_classes import measure  # noqa: E402
+from ssmcraft.bench.classes_commands import kernel_profile, measure  # noqa: E402
 from checks import TOL_CHUNKED, compare, dtype_name, reference, summary  # noqa: E402
 
 # the composed specs as files (``compose_objective`` needs ``ssmcraft.search``, whose optuna a
@@ -54,9 +56,32 @@ def check(path: str) -> bool:
     return ok
 
 
-def fla_kda(shape, ref_ms):
+def bound_fla_autotune(keep: int) -> int:
+    """Cut every FLA autotuner to at most ``keep`` configs, so that its first call compiles a few
+    configs per kernel rather than every one (minutes at this shape). Kept: 4 or 8 warps and 2 or 3
+    stages where the list has them (FLA's own choices at this shape are among those), 4 warps and
+    2 stages first. Returns the number of autotuners cut."""
+    from triton.runtime.autotuner import Autotuner
+    cut = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if not isinstance(obj, Autotuner) or len(obj.configs) <= keep:
+                continue
+            pref = [c for c in obj.configs if c.num_warps in (4, 8) and c.num_stages in (2, 3)] or obj.configs
+            pref.sort(key=lambda c: (c.num_warps != 4, c.num_stages != 2))
+            obj.configs = pref[:keep]
+            cut += 1
+    return cut
+
+
+def fla_kda(shape, ref_ms, profile: bool, keep: int):
     """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or the reason it failed)."""
     from fla.ops.kda import chunk_kda
+    if keep:
+        print(f"FLA autotune bounded to {keep} configs per kernel ({bound_fla_autotune(keep)} autotuners cut)",
+              flush=True)
     B, T, H, d, m = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
@@ -79,6 +104,10 @@ def fla_kda(shape, ref_ms):
     try:
         fb = timing.bench_ms(fwd_bwd)
         print(f"{fb:.3f} | {fb / ref_ms:.2f} |", flush=True)
+        if profile:
+            print("-- FLA chunk_kda: GPU kernels of one fwd+bwd")
+            for k, c, us in kernel_profile(fwd_bwd)[:16]:
+                print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     except Exception as e:  # noqa: BLE001 - the refusal is the row's content
         print(f"backward failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} | - |", flush=True)
         fb = None
@@ -90,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--fla-configs", type=int, default=4,
+                    help="autotune configs kept per FLA kernel (0: all; its first call then takes minutes)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of the KDA-like layer")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -100,7 +131,8 @@ def main(argv=None) -> int:
     ok = True
     if not args.no_check:
         ok = check(kda) and check(held_out)
-    rows = [measure("deltanet", shape, torch.bfloat16, False), measure(kda, shape, torch.bfloat16, args.profile)]
+    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False),
+            measure("kda_like", kda, shape, torch.bfloat16, args.profile)]
     ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
           "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
@@ -114,7 +146,7 @@ def main(argv=None) -> int:
             print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
-            f, fb = fla_kda(shape, ref)
+            f, fb = fla_kda(shape, ref, args.profile, args.fla_configs)
             if fb:
                 print(f"KDA-like ours / FLA chunk_kda: fwd {rows[1]['fwd_ms'] / f:.2f}x, "
                       f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
