@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -76,8 +77,9 @@ def bound_fla_autotune(keep: int) -> int:
     return cut
 
 
-def fla_kda(shape, ref_ms, profile: bool, keep: int):
-    """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or the reason it failed)."""
+def fla_calls(shape, keep: int):
+    """FLA's chunk_kda at ``shape`` in bf16 (log-space decay, unit keys, scale 1): (fwd, fwd_bwd)
+    callables; its autotuners cut to ``keep`` configs first (``bound_fla_autotune``; 0: all)."""
     from fla.ops.kda import chunk_kda
     if keep:
         print(f"FLA autotune bounded to {keep} configs per kernel ({bound_fla_autotune(keep)} autotuners cut)",
@@ -98,6 +100,12 @@ def fla_kda(shape, ref_ms, profile: bool, keep: int):
 
     def fwd_bwd():
         return torch.autograd.grad(chunk_kda(*leaves, scale=1.0)[0], leaves, do)
+    return fwd, fwd_bwd
+
+
+def fla_kda(shape, ref_ms, profile: bool, keep: int):
+    """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or None where it failed)."""
+    fwd, fwd_bwd = fla_calls(shape, keep)
     with torch.no_grad():
         f = timing.bench_ms(fwd)
     print(f"| FLA chunk_kda | {f:.3f} | ", end="", flush=True)
@@ -122,15 +130,34 @@ def main(argv=None) -> int:
     ap.add_argument("--fla-configs", type=int, default=4,
                     help="autotune configs kept per FLA kernel (0: all; its first call then takes minutes)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of the KDA-like layer")
+    ap.add_argument("--only-check", action="store_true", help="the correctness checks alone (exit status 1 if one fails)")
+    ap.add_argument("--fla-warmup", action="store_true",
+                    help="one FLA fwd and fwd+bwd, untimed, then exit: compiles and autotunes FLA's kernels into "
+                         "Triton's disk cache in a process of its own, run beside the checks")
+    ap.add_argument("--diag-tile", type=int, default=None,
+                    help="entries per step of the family's diagonal sub-block sums (rank1_keydecay_chunk.chunk.DIAG_TILE)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
+    t0 = time.time()
+    if args.fla_warmup:
+        for fn in fla_calls(shape, args.fla_configs):
+            fn()
+        torch.cuda.synchronize()
+        print(f"FLA chunk_kda compiled and autotuned in {time.time() - t0:.0f} s", flush=True)
+        return 0
+    if args.diag_tile:
+        from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
+        family.DIAG_TILE = args.diag_tile
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:
-        ok = check(kda) and check(held_out)
+        ok = all([check(kda), check(held_out)])
+        print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
+    if args.only_check:
+        return 0 if ok else 1
     rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False),
             measure("kda_like", kda, shape, torch.bfloat16, args.profile)]
     ref = rows[0]["fwd_bwd_ms"]
@@ -140,6 +167,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['spec'] if r['spec'] == 'deltanet' else 'KDA-like (composed)'} [{r['backend']}] | "
               f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
+    print(f"[timed in {time.time() - t0:.0f} s]", flush=True)
     if args.profile:
         print("-- KDA-like layer: GPU kernels of one fwd+bwd")
         for k, c, us in rows[1]["kernels"][:16]:
@@ -152,6 +180,7 @@ def main(argv=None) -> int:
                       f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"FLA chunk_kda failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    print(f"[done in {time.time() - t0:.0f} s]", flush=True)
     return 0 if ok else 1
 
 
