@@ -29,8 +29,8 @@ KERNELS = {   # name -> (kernel, its constexprs besides SHAPE)
     "prep": (KK.rank1_keydecay_chunk_prep_kernel, dict(BV=64, SUB=16, KC=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
     "fwd_state": (KK.rank1_keydecay_chunk_fwd_state_kernel, dict(BV=64, STORE_H=True, HAS_H0=False, STORE_HT=False)),
     "bwd_state": (KK.rank1_keydecay_chunk_bwd_state_kernel, dict(BV=64, HAS_DHT=False, STORE_DH0=False)),
-    "bwd_wy": (KK.rank1_keydecay_chunk_bwd_wy_kernel, dict(BV=64, SUB=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
-    "bwd_out": (KK.rank1_keydecay_chunk_bwd_out_kernel, dict(BV=64, SUB=16)),
+    "bwd_wy": (KK.rank1_keydecay_chunk_bwd_wy_kernel, dict(BV=64, SUB=16, UNROLL=4, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
+    "bwd_out": (KK.rank1_keydecay_chunk_bwd_out_kernel, dict(BV=64, SUB=16, UNROLL=4)),
 }
 
 

@@ -90,7 +90,8 @@ INTERPRET_BV: int | None = None     # value-block size under the interpreter (te
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32)
 SUB = 16                            # sub-block of the intra-chunk matrices
-DIAG_TILE = 16384                   # entries of one step's 4-d tile in the diagonal sub-blocks' sums
+DIAG_TILE = 16384                   # entries of one step's 4-d tile in the forward's diagonal sub-block sums
+DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal sub-block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
@@ -182,11 +183,12 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
            u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
            dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT),
-           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
+           UNROLL=min(DIAG_UNROLL, SUB, BT), U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec,
+           **packed_args(seq, "cu", "ci"))
     launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
            v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), PREC=prec,
-           **packed_args(seq, "cu", "ci"))
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), UNROLL=min(DIAG_UNROLL, SUB, BT),
+           PREC=prec, **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 

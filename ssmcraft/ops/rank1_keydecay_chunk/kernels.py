@@ -125,8 +125,9 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, x, q, y, g, a, bos, i_h, i_t, T, H, K
 
 @triton.jit
 def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h, i_t, T, H,
-                K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr,
-                SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, UNROLL: tl.constexpr,
+                SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
     """The two gradients through a ``gated_lower`` product with a lower triangular D [BT, BT] (fp32;
     strictly lower when STRICT), both [BT, BK]:
 
@@ -138,8 +139,7 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
     Off-diagonal sub-blocks are tensor-core products with the forward's references: R_I = g at row
     SUB I - 1 for the row side's row block I, g at J's last row for the column side's column block
     J (every exponent <= 0). The diagonal sub-blocks are summed elementwise with the exact
-    exponents, one in-block offset j at a time for both sides in the same step (two independent
-    chains): D's entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``),
+    exponents, UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``),
     times ``c`` at row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a``
     when SHIFT, else ``g``) read again at the step's rows."""
     o_i = tl.arange(0, BT)
@@ -166,26 +166,27 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
         Z += tl.where(cols[:, None], part * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
     ok_k = o_k[None, :]
     mk = m_k[None, :]
-    for j in range(SUB):
-        s = blk * SUB + j                   # the step's in-block time, per row of the tile
-        # row side: column s of every row t
-        ok = (s < o_i) if STRICT else (s <= o_i)
-        d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
-        g_s = _g_at(g, a, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, False)
-        y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
-        Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gxr - g_s, 0.)), 0.)
-        # column side: row s of every column (o_i indexes the columns here)
-        ok = (s > o_i) if STRICT else (s >= o_i)
-        ts = i_t * BT + s
-        rows_s = (bos + tl.minimum(ts, T - 1)).to(tl.int64) * H + i_h
-        d = tl.load(Ds + rows_s * BT + o_i, mask=(ts < T) & ok, other=0.)
-        if SCALE:
-            d = d * tl.load(c + rows_s, mask=ts < T, other=0.).to(tl.float32)
-        if SHIFT:
-            g_s = g_s - tl.log(tl.load(a + rows_s[:, None] * K + ok_k, mask=(ts < T)[:, None] & mk, other=1.)
-                               .to(tl.float32))
-        x_s = _rows_at(x, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
-        Z += tl.where(ok[:, None], d[:, None] * x_s * tl.exp(tl.where(ok[:, None], g_s - b_gy, 0.)), 0.)
+    for j0 in range(0, SUB, UNROLL):
+        for jj in tl.static_range(UNROLL):
+            s = blk * SUB + j0 + jj         # the step's in-block time, per row of the tile
+            # row side: column s of every row t
+            ok = (s < o_i) if STRICT else (s <= o_i)
+            d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
+            g_s = _g_at(g, a, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, False)
+            y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
+            Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gxr - g_s, 0.)), 0.)
+            # column side: row s of every column (o_i indexes the columns here)
+            ok = (s > o_i) if STRICT else (s >= o_i)
+            ts = i_t * BT + s
+            rows_s = (bos + tl.minimum(ts, T - 1)).to(tl.int64) * H + i_h
+            d = tl.load(Ds + rows_s * BT + o_i, mask=(ts < T) & ok, other=0.)
+            if SCALE:
+                d = d * tl.load(c + rows_s, mask=ts < T, other=0.).to(tl.float32)
+            if SHIFT:
+                g_s = g_s - tl.log(tl.load(a + rows_s[:, None] * K + ok_k, mask=(ts < T)[:, None] & mk, other=1.)
+                                   .to(tl.float32))
+            x_s = _rows_at(x, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
+            Z += tl.where(ok[:, None], d[:, None] * x_s * tl.exp(tl.where(ok[:, None], g_s - b_gy, 0.)), 0.)
     return Y, Z
 
 
@@ -377,7 +378,7 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                       SUB: tl.constexpr, U_MODE: tl.constexpr,
+                                       SUB: tl.constexpr, UNROLL: tl.constexpr, U_MODE: tl.constexpr,
                                        HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
@@ -434,10 +435,10 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
     if U_MODE == U_IS_AV:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, v, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, UNROLL, False, True, True, DT, PREC)
     else:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, u, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, True, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, UNROLL, True, True, True, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
@@ -458,7 +459,8 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                        SUB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        SUB: tl.constexpr, UNROLL: tl.constexpr, PREC: tl.constexpr,
+                                        VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
@@ -488,7 +490,7 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
     b_Yl, b_dv = gated_grads(b_dL, m_t, Ds, oq, b_v, b_g, b_oq, b_g, b_g, v, oq, g, a, row, m_t, bos, i_h, i_t, T, H, K,
-                             o_k, m_k, BT, SUB, False, False, False, DT, PREC)
+                             o_k, m_k, BT, SUB, UNROLL, False, False, False, DT, PREC)
     b_doq += b_Yl
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
     b_dg = b_doq * b_oq
