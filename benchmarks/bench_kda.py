@@ -134,8 +134,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fla-warmup", action="store_true",
                     help="one FLA fwd and fwd+bwd, untimed, then exit: compiles and autotunes FLA's kernels into "
                          "Triton's disk cache in a process of its own, run beside the checks")
-    ap.add_argument("--diag-tile", type=int, default=None,
-                    help="entries per step of the forward's diagonal sub-block sums (rank1_keydecay_chunk.chunk.DIAG_TILE)")
     ap.add_argument("--diag-unroll", type=int, default=None,
                     help="in-block offsets per step of the backward's diagonal sub-block sums (chunk.DIAG_UNROLL)")
     args = ap.parse_args(argv)
@@ -151,7 +149,6 @@ def main(argv=None) -> int:
         print(f"FLA chunk_kda compiled and autotuned in {time.time() - t0:.0f} s", flush=True)
         return 0
     from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
-    family.DIAG_TILE = args.diag_tile or family.DIAG_TILE
     family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True

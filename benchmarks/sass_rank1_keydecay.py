@@ -26,7 +26,7 @@ FP32 = {"g", "Ds", "h0", "ht", "dht", "dh0", "dvs", "dlas"}
 INTS = {"T", "NT"}
 SHAPE = dict(H=16, K=64, V=64, BT=64, BK=64, PREC="tf32", VARLEN=False)
 KERNELS = {   # name -> (kernel, its constexprs besides SHAPE)
-    "prep": (KK.rank1_keydecay_chunk_prep_kernel, dict(BV=64, SUB=16, KC=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
+    "prep": (KK.rank1_keydecay_chunk_prep_kernel, dict(BV=64, SUB=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
     "fwd_state": (KK.rank1_keydecay_chunk_fwd_state_kernel, dict(BV=64, STORE_H=True, HAS_H0=False, STORE_HT=False)),
     "bwd_state": (KK.rank1_keydecay_chunk_bwd_state_kernel, dict(BV=64, HAS_DHT=False, STORE_DH0=False)),
     "bwd_wy": (KK.rank1_keydecay_chunk_bwd_wy_kernel, dict(BV=64, SUB=16, UNROLL=4, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),

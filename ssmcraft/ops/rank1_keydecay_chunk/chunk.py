@@ -29,11 +29,10 @@ and e^{g_t - g_s} with s <= t (s < t for A) has an exponent <= 0. A and L are ne
 (x e^{g}) (y e^{-g})^T, whose second factor overflows: their sub-blocks of SUB = 16 rows
 (``kernels.gated_lower``) take, for row block I and the columns before it, the reference
 R_I = g at row SUB I - 1, ``(x e^{gx - R_I}) (y e^{R_I - g})^T`` (both exponents <= 0, a
-tensor-core product), and the diagonal sub-blocks are summed elementwise with the exact
-exponent, all of the chunk's at once as a 4-d tile (block, row, column, key), a few keys per step. The
-backward's products against dA and dL (``gated_grads``) use the same references (the row side)
-or g at the column block's last row (the column side); their diagonal sub-blocks are summed one
-in-block offset at a time, row side and column side in the same step. Exponents
+tensor-core product), and the diagonal sub-blocks are summed column by column with the exact
+exponent. The backward's products against dA and dL (``gated_grads``) use the same references
+(the row side) or g at the column block's last row (the column side); their diagonal sub-blocks
+are summed ``DIAG_UNROLL`` in-block offsets per step, row and column side together. Exponents
 are differences of chunk-long cumulative sums: a factor's relative error is about the fp32 ulp
 of |g| (3e-5 at |g| ~ 300), far below the bf16 I/O's.
 
@@ -90,7 +89,6 @@ INTERPRET_BV: int | None = None     # value-block size under the interpreter (te
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32)
 SUB = 16                            # sub-block of the intra-chunk matrices
-DIAG_TILE = 16384                   # entries of one step's 4-d tile in the forward's diagonal sub-block sums
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal sub-block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
@@ -102,12 +100,6 @@ def _bv(V: int) -> int:
     if INTERPRET:
         return INTERPRET_BV or pow2(V)
     return min(pow2(V), 64)
-
-
-def _diag_keys(BT: int, BK: int) -> int:
-    """Keys per step of ``kernels.gated_lower``'s diagonal sub-blocks: each step's 4-d tile
-    (block, row, column, key) holds about ``DIAG_TILE`` entries."""
-    return min(BK, max(1, DIAG_TILE // (BT * min(SUB, BT))))
 
 
 def _launch_opts(V: int) -> dict:
@@ -142,8 +134,8 @@ def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT, packed
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), KC=_diag_keys(BT, BK),
-           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
+           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V), SUB=min(SUB, BT), U_MODE=_u_mode(u),
+           HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o

@@ -52,44 +52,17 @@ def _ref(b_g, o_i, r):
 
 
 @triton.jit
-def _diag_axes(BT: tl.constexpr, SUB: tl.constexpr):
-    """The diagonal sub-blocks as 4-d tiles (block, row, column, key): the chunk-local time of
-    (block b, row i) ``[NB, SUB, 1, 1]``, the in-block column index ``[1, 1, SUB, 1]``, and the
-    block starts ``[NB, 1, 1, 1]``. Each block's entries are summed elementwise with their exact
-    exponent (<= 0), all blocks at once, with no serial loop over columns."""
-    NB: tl.constexpr = BT // SUB
-    o_s = tl.arange(0, SUB)
-    b0 = (tl.arange(0, NB) * SUB)[:, None, None, None]
-    return b0 + o_s[None, :, None, None], o_s[None, None, :, None], b0
-
-
-@triton.jit
-def _embed_diag(X, Dd, BT: tl.constexpr, SUB: tl.constexpr, INCL: tl.constexpr):
-    """X [BT, BT] with its diagonal sub-blocks' lower part (s <= t when INCL, else s < t) taken from
-    ``Dd [BT // SUB, SUB, SUB]`` (block, row, column)."""
-    o_i = tl.arange(0, BT)
-    row = o_i[:, None]
-    col = o_i[None, :]
-    low = (row >= col) if INCL else (row > col)
-    Dr = tl.reshape(Dd, (BT, SUB))
-    return tl.where(low & ((row // SUB) == (col // SUB)),
-                    tl.gather(Dr, tl.broadcast_to(col % SUB, (BT, BT)), axis=1), X)
-
-
-@triton.jit
-def gated_lower(b_x, b_gx, b_q, b_y, b_gy, x, q, y, g, a, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-                BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, KC: tl.constexpr, SAME_G: tl.constexpr,
-                DT: tl.constexpr, PREC: tl.constexpr):
+def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+                BT: tl.constexpr, SUB: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
     for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
 
     ``b_x, b_gx`` and ``b_q`` the row sides (gx <= g at the same row: ``gp``, or ``g`` itself when
     SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
-    rows; ``x``, ``q``, ``y`` and ``g`` (with ``a`` for gp) the same in memory, read again for the
-    diagonal sub-blocks. Off-diagonal sub-blocks (row block I, columns before it) are tensor-core
-    products against the reference R_I = g at row SUB I - 1, both exponents <= 0; diagonal
-    sub-blocks are summed elementwise with the exact e^{gx_t - g_s}, s <= t (exponent <= 0), KC
-    keys at a time."""
+    rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
+    sub-blocks (row block I, columns before it) are tensor-core products against the reference
+    R_I = g at row SUB I - 1, both exponents <= 0; diagonal sub-blocks are summed column by column
+    with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -104,23 +77,18 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, x, q, y, g, a, bos, i_h, i_t, T, H, K
         if not SAME_G:
             e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
         A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
-    t4, j4, b0 = _diag_axes(BT, SUB)
-    s4 = b0 + j4                                          # the columns' times [NB, 1, SUB, 1]
-    incl = t4 >= s4
-    strict = t4 > s4
-    Ld = tl.zeros([BT // SUB, SUB, SUB], dtype=tl.float32)
-    Ad = tl.zeros([BT // SUB, SUB, SUB], dtype=tl.float32)
-    for kc in range(0, BK, KC):
-        ok = (kc + tl.arange(0, KC))[None, None, None, :]
-        mk = ok < K
-        y_s = _rows_at(y, bos, i_h, i_t, s4, T, H, K, ok, mk, BT, 0.)
-        g_s = _g_at(g, a, bos, i_h, i_t, s4, T, H, K, ok, mk, BT, False)
-        ed = tl.exp(tl.where(incl, _g_at(g, a, bos, i_h, i_t, t4, T, H, K, ok, mk, BT, False) - g_s, 0.))
-        Ld += tl.sum(tl.where(incl, _rows_at(q, bos, i_h, i_t, t4, T, H, K, ok, mk, BT, 0.) * y_s * ed, 0.), axis=3)
+    for j in range(SUB):
+        s = blk * SUB + j
+        incl = s <= o_i
+        y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, 0.)
+        g_s = _g_at(g, g, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
+        e = y_s * tl.exp(tl.where(incl[:, None], b_gy - g_s, 0.))
+        at = o_i[None, :] == s[:, None]
+        L = tl.where(at & incl[:, None], tl.sum(b_q * e, axis=1)[:, None], L)
         if not SAME_G:
-            ed = tl.exp(tl.where(strict, _g_at(g, a, bos, i_h, i_t, t4, T, H, K, ok, mk, BT, True) - g_s, 0.))
-        Ad += tl.sum(tl.where(strict, _rows_at(x, bos, i_h, i_t, t4, T, H, K, ok, mk, BT, 0.) * y_s * ed, 0.), axis=3)
-    return _embed_diag(A, Ad, BT, SUB, False), _embed_diag(L, Ld, BT, SUB, True)
+            e = y_s * tl.exp(tl.where(incl[:, None], b_gx - g_s, 0.))
+        A = tl.where(at & (s < o_i)[:, None], tl.sum(b_x * e, axis=1)[:, None], A)
+    return A, L
 
 
 @triton.jit
@@ -132,16 +100,17 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
     strictly lower when STRICT), both [BT, BK]:
 
         Y_t = sum_{s<=t} D[t, s] y_s e^{gxr_t - g_s}     (its row side)
-        Z_s = sum_{t>=s} Dc[t, s] x_t e^{gxc_t - g_s}    (its column side; Dc = diag(c) D when SCALE, else D)
+        Z_s = sum_{t>=s} Dc[t, s] x_t e^{gxc_t - g_s}    (its column side)
 
-    (``b_c [BT]``: c at the chunk's rows, read when SCALE)
+    with Dc = diag(c) D when SCALE (``b_c [BT]``: c at the chunk's rows), else D (``b_c`` unread).
 
     Off-diagonal sub-blocks are tensor-core products with the forward's references: R_I = g at row
     SUB I - 1 for the row side's row block I, g at J's last row for the column side's column block
     J (every exponent <= 0). The diagonal sub-blocks are summed elementwise with the exact
-    exponents, UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``),
-    times ``c`` at row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a``
-    when SHIFT, else ``g``) read again at the step's rows."""
+    exponents, UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's
+    entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``), times ``c`` at
+    row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a`` when SHIFT, else
+    ``g``) read again at the step's rows."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     Y = tl.zeros(b_y.shape, dtype=tl.float32)
@@ -220,8 +189,8 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, ci,
                                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, KC: tl.constexpr, U_MODE: tl.constexpr,
-                                     HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                     SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
+                                     PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
     HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed.
     VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is then its sequence's length."""
@@ -247,8 +216,8 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v if U_MODE == U_IS_AV else u, oq, v, g, a, bos, i_h, i_t, T,
-                           H, K, o_k, m_k, BT, BK, SUB, KC, U_MODE == U_IS_AV, DT, PREC)
+    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
+                           U_MODE == U_IS_AV, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
     tl.store(M + row[:, None] * BT + o_i[None, :], b_M.to(DT), mask=m_tt)
