@@ -135,7 +135,9 @@ def main(argv=None) -> int:
                     help="one FLA fwd and fwd+bwd, untimed, then exit: compiles and autotunes FLA's kernels into "
                          "Triton's disk cache in a process of its own, run beside the checks")
     ap.add_argument("--diag-unroll", type=int, default=None,
-                    help="in-block offsets per step of the backward's diagonal sub-block sums (chunk.DIAG_UNROLL)")
+                    help="in-block offsets per step of the backward's diagonal block sums (chunk.DIAG_UNROLL)")
+    ap.add_argument("--leaf", type=int, default=None,
+                    help="rows of the diagonal blocks summed elementwise; SUB is halved down to it (chunk.LEAF)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
         return 0
     from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
     family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
+    family.LEAF = args.leaf or family.LEAF
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:

@@ -52,8 +52,23 @@ def _ref(b_g, o_i, r):
 
 
 @triton.jit
+def _halves(g, bos, i_h, i_t, o_i, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, P: tl.constexpr):
+    """Level P of the split inside the sub-blocks: the pairs (t, s) in one block of P rows with t in
+    its second half and s in its first (``pair [BT, BT]``), the halves' row masks ``hi`` and ``lo``
+    [BT], and the reference ``Rg [BT, BK]``: g at each block's row P/2 - 1, between the halves, so
+    that e^{g_t - Rg} (t in hi, and gp_t = g_{t-1} too) and e^{Rg - g_s} (s in lo) have exponents <= 0."""
+    hi = (o_i % P) >= P // 2
+    lo = (o_i % P) < P // 2
+    pair = ((o_i[:, None] // P) == (o_i[None, :] // P)) & hi[:, None] & lo[None, :]
+    Rg = _g_at(g, g, bos, i_h, i_t, ((o_i // P) * P + P // 2 - 1)[:, None], T, H, K, o_k[None, :], m_k[None, :], BT,
+               False)
+    return pair, hi, lo, Rg
+
+
+@triton.jit
 def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-                BT: tl.constexpr, SUB: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
     """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
     for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
 
@@ -61,8 +76,10 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
     SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
     rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
     sub-blocks (row block I, columns before it) are tensor-core products against the reference
-    R_I = g at row SUB I - 1, both exponents <= 0; diagonal sub-blocks are summed column by column
-    with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
+    R_I = g at row SUB I - 1, both exponents <= 0. Inside the sub-blocks, LEVELS halvings
+    (``_halves``: blocks of SUB, SUB/2, ... rows, second half against first half) are tensor-core
+    products the same way, and the diagonal blocks of SUB / 2^LEVELS rows left are summed column by
+    column with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -77,8 +94,17 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
         if not SAME_G:
             e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
         A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
-    for j in range(SUB):
-        s = blk * SUB + j
+    for lv in tl.static_range(LEVELS):
+        pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
+        ys = tl.where(lo[:, None], b_y * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.).to(DT)
+        e = tl.where(hi[:, None], tl.exp(tl.where(hi[:, None], b_gy - Rg, 0.)), 0.)
+        L = tl.where(pair, tl.dot((b_q * e).to(DT), tl.trans(ys), input_precision=PREC), L)
+        if not SAME_G:
+            e = tl.where(hi[:, None], tl.exp(tl.where(hi[:, None], b_gx - Rg, 0.)), 0.)
+        A = tl.where(pair, tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC), A)
+    LEAF: tl.constexpr = SUB >> LEVELS
+    for j in range(LEAF):
+        s = (o_i // LEAF) * LEAF + j
         incl = s <= o_i
         y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, 0.)
         g_s = _g_at(g, g, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
@@ -93,8 +119,8 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
 
 @triton.jit
 def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h, i_t, T, H,
-                K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, UNROLL: tl.constexpr,
-                SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr,
+                K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr,
+                UNROLL: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr,
                 PREC: tl.constexpr):
     """The two gradients through a ``gated_lower`` product with a lower triangular D [BT, BT] (fp32;
     strictly lower when STRICT), both [BT, BK]:
@@ -106,8 +132,9 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
 
     Off-diagonal sub-blocks are tensor-core products with the forward's references: R_I = g at row
     SUB I - 1 for the row side's row block I, g at J's last row for the column side's column block
-    J (every exponent <= 0). The diagonal sub-blocks are summed elementwise with the exact
-    exponents, UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's
+    J (every exponent <= 0); inside the sub-blocks, LEVELS halvings (``_halves``) likewise. The
+    diagonal blocks of SUB / 2^LEVELS rows left are summed elementwise with the exact exponents,
+    UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's
     entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``), times ``c`` at
     row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a`` when SHIFT, else
     ``g``) read again at the step's rows."""
@@ -133,11 +160,23 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
             Dm = Dm * b_c[:, None]
         part = tl.dot(tl.trans(Dm.to(DT)), xs.to(DT), input_precision=PREC)
         Z += tl.where(cols[:, None], part * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
+    for lv in tl.static_range(LEVELS):
+        pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
+        Dm = tl.where(pair, D, 0.)
+        ys = tl.where(lo[:, None], b_y * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.)
+        part = tl.dot(Dm.to(DT), ys.to(DT), input_precision=PREC)
+        Y += tl.where(hi[:, None], part * tl.exp(tl.where(hi[:, None], b_gxr - Rg, 0.)), 0.)
+        if SCALE:
+            Dm = Dm * b_c[:, None]
+        xs = tl.where(hi[:, None], b_x * tl.exp(tl.where(hi[:, None], b_gxc - Rg, 0.)), 0.)
+        part = tl.dot(tl.trans(Dm.to(DT)), xs.to(DT), input_precision=PREC)
+        Z += tl.where(lo[:, None], part * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.)
+    LEAF: tl.constexpr = SUB >> LEVELS
     ok_k = o_k[None, :]
     mk = m_k[None, :]
-    for j0 in range(0, SUB, UNROLL):
+    for j0 in range(0, LEAF, UNROLL):
         for jj in tl.static_range(UNROLL):
-            s = blk * SUB + j0 + jj         # the step's in-block time, per row of the tile
+            s = (o_i // LEAF) * LEAF + j0 + jj      # the step's in-block time, per row of the tile
             # row side: column s of every row t
             ok = (s < o_i) if STRICT else (s <= o_i)
             d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
@@ -189,8 +228,8 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, ci,
                                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                     PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                     SUB: tl.constexpr, LEVELS: tl.constexpr, U_MODE: tl.constexpr,
+                                     HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
     HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed.
     VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is then its sequence's length."""
@@ -216,7 +255,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
+    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS,
                            U_MODE == U_IS_AV, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
@@ -347,8 +386,9 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                       SUB: tl.constexpr, UNROLL: tl.constexpr, U_MODE: tl.constexpr,
-                                       HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                       SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
+                                       VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
@@ -404,10 +444,10 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
     if U_MODE == U_IS_AV:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, v, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, UNROLL, False, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, False, True, True, DT, PREC)
     else:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, u, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, UNROLL, True, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, True, True, True, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
@@ -428,8 +468,8 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                        SUB: tl.constexpr, UNROLL: tl.constexpr, PREC: tl.constexpr,
-                                        VARLEN: tl.constexpr):
+                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
@@ -459,7 +499,7 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
     b_Yl, b_dv = gated_grads(b_dL, m_t, Ds, oq, b_v, b_g, b_oq, b_g, b_g, v, oq, g, a, row, m_t, bos, i_h, i_t, T, H, K,
-                             o_k, m_k, BT, SUB, UNROLL, False, False, False, DT, PREC)
+                             o_k, m_k, BT, SUB, LEVELS, UNROLL, False, False, False, DT, PREC)
     b_doq += b_Yl
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
     b_dg = b_doq * b_oq
