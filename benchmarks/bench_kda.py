@@ -15,6 +15,15 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
    with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes, bounded by
    ``--fla-configs`` (configs kept per FLA kernel, ``bound_fla_autotune``) to fit a short run.
    ``--profile``: the GPU kernels of one fwd+bwd of the KDA-like layer and of FLA's.
+
+``--leaf 16,4`` checks and times the family at each ``LEAF`` in one process (an A/B of the
+sub-block halving). FLA's backward autotune outlasts a 4-minute call even at 2 configs per
+kernel: compile it in a process of its own beside the checks (``--fla-warmup``, Triton's disk
+cache keeps the chosen configs), then time:
+
+    python3 benchmarks/bench_kda.py --fla-warmup --fla-configs 2 &
+    python3 benchmarks/bench_kda.py --only-check --leaf 16,4; wait
+    python3 benchmarks/bench_kda.py --no-check --profile --fla-configs 2 --leaf 16,4
 """
 from __future__ import annotations
 
@@ -136,8 +145,9 @@ def main(argv=None) -> int:
                          "Triton's disk cache in a process of its own, run beside the checks")
     ap.add_argument("--diag-unroll", type=int, default=None,
                     help="in-block offsets per step of the backward's diagonal block sums (chunk.DIAG_UNROLL)")
-    ap.add_argument("--leaf", type=int, default=None,
-                    help="rows of the diagonal blocks summed elementwise; SUB is halved down to it (chunk.LEAF)")
+    ap.add_argument("--leaf", default=None,
+                    help="rows of the diagonal blocks summed elementwise, SUB halved down to it (chunk.LEAF); "
+                         "a comma list checks and times the layer at each, in this process")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
@@ -152,34 +162,38 @@ def main(argv=None) -> int:
         return 0
     from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
     family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
-    family.LEAF = args.leaf or family.LEAF
+    leaves = [int(x) for x in args.leaf.split(",")] if args.leaf else [family.LEAF]
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:
-        ok = all([check(kda), check(held_out)])
+        for leaf in leaves:
+            family.LEAF = leaf
+            ok = all([check(kda), check(held_out)]) and ok
         print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
     if args.only_check:
         return 0 if ok else 1
-    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False),
-            measure("kda_like", kda, shape, torch.bfloat16, args.profile)]
+    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False)]
+    for leaf in leaves:
+        family.LEAF = leaf
+        rows.append(measure(f"KDA-like (composed), LEAF {leaf}", kda, shape, torch.bfloat16, args.profile))
     ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
           "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
     print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['spec'] if r['spec'] == 'deltanet' else 'KDA-like (composed)'} [{r['backend']}] | "
+        print(f"| {r['spec']} [{r['backend']}] | "
               f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
     print(f"[timed in {time.time() - t0:.0f} s]", flush=True)
-    if args.profile:
-        print("-- KDA-like layer: GPU kernels of one fwd+bwd")
-        for k, c, us in rows[1]["kernels"][:16]:
+    for r in rows[1:] if args.profile else []:
+        print(f"-- {r['spec']}: GPU kernels of one fwd+bwd")
+        for k, c, us in r["kernels"][:16]:
             print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
             f, fb = fla_kda(shape, ref, args.profile, args.fla_configs)
-            if fb:
-                print(f"KDA-like ours / FLA chunk_kda: fwd {rows[1]['fwd_ms'] / f:.2f}x, "
-                      f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
+            for r in rows[1:] if fb else []:
+                print(f"{r['spec']} / FLA chunk_kda: fwd {r['fwd_ms'] / f:.2f}x, "
+                      f"fwd+bwd {r['fwd_bwd_ms'] / fb:.2f}x", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"FLA chunk_kda failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     print(f"[done in {time.time() - t0:.0f} s]", flush=True)
