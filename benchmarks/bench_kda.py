@@ -18,8 +18,9 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
 
 ``--leaf 16,4`` checks and times the family at each ``LEAF`` in one process (an A/B of the
 sub-block halving). FLA's backward autotune outlasts a 4-minute call even at 2 configs per
-kernel: compile it in a process of its own beside the checks (``--fla-warmup``, Triton's disk
-cache keeps the chosen configs), then time:
+kernel: compile it in a process of its own beside the checks (``--fla-warmup``; the compiled
+kernels stay in Triton's disk cache, and FLA asks Triton to cache its autotune choices there too,
+``FLA_CACHE_RESULTS``, not yet seen to work on the device), then time:
 
     python3 benchmarks/bench_kda.py --fla-warmup --fla-configs 2 &
     python3 benchmarks/bench_kda.py --only-check --leaf 16,4; wait
