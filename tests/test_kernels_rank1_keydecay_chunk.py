@@ -133,6 +133,20 @@ def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkey
     assert_within(errs, TOL)
 
 
+def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
+    """Halved sub-blocks in a packed row: the references between halves are read within each
+    sequence (odd lengths, empty ones, chunks of 16), and the packed call equals N separate
+    float64 reference calls on the output, final states and every gradient."""
+    from test_varlen import _interpret, packed_errors
+    monkeypatch.setattr(R, "LEAF", 4)
+    monkeypatch.setattr(R, "INTERPRET_BV", 8)
+    monkeypatch.setattr(R, "CHUNK", 16)
+    obj = _composed(tmp_path)
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend == "triton-interpret:rank1-keydecay-chunk+packed"
+
+
 @pytest.mark.parametrize("strong,leaf", [(8.0, 16), (30.0, 16), (30.0, 4)])
 def test_strong_decays_stay_finite_and_accurate(strong, leaf, monkeypatch):
     """Decays down to ~1e-10 within a chunk (log a ~ -23 per step, cumulative sums of hundreds):
