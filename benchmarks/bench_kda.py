@@ -12,13 +12,26 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
 2. Timings at ``--shape`` (bf16, one process): ssmcraft DeltaNet and the KDA-like layer through
    ``obj()`` as ``bench_classes.py`` times them (``timing.obj_calls`` / ``time_calls``), then FLA's
    ``chunk_kda`` fwd and fwd+bwd (``timing.bench_ms``; log-space decay, unit keys, scale 1), each
-   with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes for minutes.
+   with its ratio to DeltaNet's fwd+bwd. FLA runs last: its first call autotunes, bounded by
+   ``--fla-configs`` (configs kept per FLA kernel, ``bound_fla_autotune``) to fit a short run.
+   ``--profile``: the GPU kernels of one fwd+bwd of the KDA-like layer and of FLA's.
+
+``--leaf 16,4`` checks and times the family at each ``LEAF`` in one process (an A/B of the
+sub-block halving). FLA's backward autotune outlasts a 4-minute call even at 2 configs per
+kernel: compile it in a process of its own beside the checks (``--fla-warmup``; the compiled
+kernels stay in Triton's disk cache, and FLA asks Triton to cache its autotune choices there too,
+``FLA_CACHE_RESULTS``, not yet seen to work on the device), then time:
+
+    python3 benchmarks/bench_kda.py --fla-warmup --fla-configs 2 &
+    python3 benchmarks/bench_kda.py --only-check --leaf 16,4; wait
+    python3 benchmarks/bench_kda.py --no-check --profile --fla-configs 2 --leaf 16,4
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -28,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.runtime import timing  # noqa: E402
-from bench_classes import measure  # noqa: E402
+from ssmcraft.bench.classes_commands import kernel_profile, measure  # noqa: E402
 from checks import TOL_CHUNKED, compare, dtype_name, reference, summary  # noqa: E402
 
 # the composed specs as files (``compose_objective`` needs ``ssmcraft.search``, whose optuna a
@@ -54,9 +67,33 @@ def check(path: str) -> bool:
     return ok
 
 
-def fla_kda(shape, ref_ms):
-    """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or the reason it failed)."""
+def bound_fla_autotune(keep: int) -> int:
+    """Cut every FLA autotuner to at most ``keep`` configs, so that its first call compiles a few
+    configs per kernel rather than every one (minutes at this shape). Kept: 4 or 8 warps and 2 or 3
+    stages where the list has them (FLA's own choices at this shape are among those), 4 warps and
+    2 stages first. Returns the number of autotuners cut."""
+    from triton.runtime.autotuner import Autotuner
+    cut = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if not isinstance(obj, Autotuner) or len(obj.configs) <= keep:
+                continue
+            pref = [c for c in obj.configs if c.num_warps in (4, 8) and c.num_stages in (2, 3)] or obj.configs
+            pref.sort(key=lambda c: (c.num_warps != 4, c.num_stages != 2))
+            obj.configs = pref[:keep]
+            cut += 1
+    return cut
+
+
+def fla_calls(shape, keep: int):
+    """FLA's chunk_kda at ``shape`` in bf16 (log-space decay, unit keys, scale 1): (fwd, fwd_bwd)
+    callables; its autotuners cut to ``keep`` configs first (``bound_fla_autotune``; 0: all)."""
     from fla.ops.kda import chunk_kda
+    if keep:
+        print(f"FLA autotune bounded to {keep} configs per kernel ({bound_fla_autotune(keep)} autotuners cut)",
+              flush=True)
     B, T, H, d, m = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
@@ -73,12 +110,22 @@ def fla_kda(shape, ref_ms):
 
     def fwd_bwd():
         return torch.autograd.grad(chunk_kda(*leaves, scale=1.0)[0], leaves, do)
+    return fwd, fwd_bwd
+
+
+def fla_kda(shape, ref_ms, profile: bool, keep: int):
+    """FLA's chunk_kda at ``shape`` in bf16: (fwd ms, fwd+bwd ms or None where it failed)."""
+    fwd, fwd_bwd = fla_calls(shape, keep)
     with torch.no_grad():
         f = timing.bench_ms(fwd)
     print(f"| FLA chunk_kda | {f:.3f} | ", end="", flush=True)
     try:
         fb = timing.bench_ms(fwd_bwd)
         print(f"{fb:.3f} | {fb / ref_ms:.2f} |", flush=True)
+        if profile:
+            print("-- FLA chunk_kda: GPU kernels of one fwd+bwd")
+            for k, c, us in kernel_profile(fwd_bwd)[:16]:
+                print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     except Exception as e:  # noqa: BLE001 - the refusal is the row's content
         print(f"backward failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} | - |", flush=True)
         fb = None
@@ -90,36 +137,67 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--fla-configs", type=int, default=4,
+                    help="autotune configs kept per FLA kernel (0: all; its first call then takes minutes)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of the KDA-like layer")
+    ap.add_argument("--only-check", action="store_true", help="the correctness checks alone (exit status 1 if one fails)")
+    ap.add_argument("--fla-warmup", action="store_true",
+                    help="one FLA fwd and fwd+bwd, untimed, then exit: compiles and autotunes FLA's kernels into "
+                         "Triton's disk cache in a process of its own, run beside the checks")
+    ap.add_argument("--diag-unroll", type=int, default=None,
+                    help="in-block offsets per step of the backward's diagonal block sums (chunk.DIAG_UNROLL)")
+    ap.add_argument("--leaf", default=None,
+                    help="rows of the diagonal blocks summed elementwise, SUB halved down to it (chunk.LEAF); "
+                         "a comma list checks and times the layer at each, in this process")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
+    t0 = time.time()
+    if args.fla_warmup:
+        for fn in fla_calls(shape, args.fla_configs):
+            fn()
+        torch.cuda.synchronize()
+        print(f"FLA chunk_kda compiled and autotuned in {time.time() - t0:.0f} s", flush=True)
+        return 0
+    from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
+    family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
+    leaves = [int(x) for x in args.leaf.split(",")] if args.leaf else [family.LEAF]
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:
-        ok = check(kda) and check(held_out)
-    rows = [measure("deltanet", shape, torch.bfloat16, False), measure(kda, shape, torch.bfloat16, args.profile)]
+        for leaf in leaves:
+            family.LEAF = leaf
+            ok = all([check(kda), check(held_out)]) and ok
+        print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
+    if args.only_check:
+        return 0 if ok else 1
+    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False)]
+    for leaf in leaves:
+        family.LEAF = leaf
+        rows.append(measure(f"KDA-like (composed), LEAF {leaf}", kda, shape, torch.bfloat16, args.profile))
     ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
           "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
     print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['spec'] if r['spec'] == 'deltanet' else 'KDA-like (composed)'} [{r['backend']}] | "
+        print(f"| {r['spec']} [{r['backend']}] | "
               f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
-    if args.profile:
-        print("-- KDA-like layer: GPU kernels of one fwd+bwd")
-        for k, c, us in rows[1]["kernels"][:16]:
+    print(f"[timed in {time.time() - t0:.0f} s]", flush=True)
+    for r in rows[1:] if args.profile else []:
+        print(f"-- {r['spec']}: GPU kernels of one fwd+bwd")
+        for k, c, us in r["kernels"][:16]:
             print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
-            f, fb = fla_kda(shape, ref)
-            if fb:
-                print(f"KDA-like ours / FLA chunk_kda: fwd {rows[1]['fwd_ms'] / f:.2f}x, "
-                      f"fwd+bwd {rows[1]['fwd_bwd_ms'] / fb:.2f}x", flush=True)
+            f, fb = fla_kda(shape, ref, args.profile, args.fla_configs)
+            for r in rows[1:] if fb else []:
+                print(f"{r['spec']} / FLA chunk_kda: fwd {r['fwd_ms'] / f:.2f}x, "
+                      f"fwd+bwd {r['fwd_bwd_ms'] / fb:.2f}x", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"FLA chunk_kda failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    print(f"[done in {time.time() - t0:.0f} s]", flush=True)
     return 0 if ok else 1
 
 

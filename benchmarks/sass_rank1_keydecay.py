@@ -4,7 +4,7 @@ launches it (bf16 I/O, K = V = 64, chunk 64, u = a o v, p's scale fused; fp32 g,
 scratch) at 4 and 8 warps, and printed: registers, spilled bytes (stack) and the counts of the
 opcodes that say most about these kernels (local memory = spills, barriers, shuffles, MUFU = exp/log).
 
-    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out]
+    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out] [--leaf 4]
 
 A change to these kernels can be weighed here (spills above all) before any device time.
 """
@@ -19,18 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.pop("TRITON_INTERPRET", None)       # compiled kernels only (see sass_count.py)
 
 from sass_count import sm90  # noqa: E402
-from ssmcraft.ops.rank1_keydecay_chunk import kernels as KK  # noqa: E402
+from ssmcraft.ops.rank1_keydecay_chunk import chunk as R, kernels as KK  # noqa: E402
 
 OPS = ("LDL", "STL", "LDG", "STG", "BAR", "SHFL", "MUFU")
 FP32 = {"g", "Ds", "h0", "ht", "dht", "dh0", "dvs", "dlas"}
 INTS = {"T", "NT"}
-SHAPE = dict(H=16, K=64, V=64, BT=64, BK=64, PREC="tf32")
-KERNELS = {   # name -> (kernel, its constexprs besides SHAPE)
-    "prep": (KK.rank1_keydecay_chunk_prep_kernel, dict(BV=64, SUB=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
+SHAPE = dict(H=16, K=64, V=64, BT=64, BK=64, PREC="tf32", VARLEN=False)
+KERNELS = {   # name -> (kernel, its constexprs besides SHAPE and the family's sub-block ones, ``chunk._diag``)
+    "prep": (KK.rank1_keydecay_chunk_prep_kernel, dict(BV=64, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
     "fwd_state": (KK.rank1_keydecay_chunk_fwd_state_kernel, dict(BV=64, STORE_H=True, HAS_H0=False, STORE_HT=False)),
     "bwd_state": (KK.rank1_keydecay_chunk_bwd_state_kernel, dict(BV=64, HAS_DHT=False, STORE_DH0=False)),
-    "bwd_wy": (KK.rank1_keydecay_chunk_bwd_wy_kernel, dict(BV=64, SUB=16, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
-    "bwd_out": (KK.rank1_keydecay_chunk_bwd_out_kernel, dict(BV=64, SUB=16)),
+    "bwd_wy": (KK.rank1_keydecay_chunk_bwd_wy_kernel, dict(BV=64, U_MODE=KK.U_IS_AV.value, HAS_PS=True)),
+    "bwd_out": (KK.rank1_keydecay_chunk_bwd_out_kernel, dict(BV=64)),
 }
 
 
@@ -54,9 +54,12 @@ def count(kernel, consts: dict, warps: int) -> tuple[int, int, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--leaf", type=int, default=None, help="rows of the elementwise diagonal blocks (chunk.LEAF)")
     args = ap.parse_args(argv)
+    R.LEAF = args.leaf or R.LEAF
     for name in args.kernels.split(","):
         kernel, consts = KERNELS[name]
+        consts = {**R._diag(SHAPE["BT"], name.startswith("bwd")), **consts}
         for warps in (4, 8):
             regs, stack, ops = count(kernel, consts, warps)
             print(f"{name:10s} {warps} warps: {regs} registers, {stack} bytes spilled; "

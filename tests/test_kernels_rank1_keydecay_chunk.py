@@ -117,13 +117,47 @@ def test_kernel_matches_naive(T, K, V, chunk, read, scale, bv, monkeypatch):
     assert_within(errs, TOL)
 
 
-def test_strong_decays_stay_finite_and_accurate():
+@pytest.mark.parametrize("T,K,V,chunk,read,scale,leaf", [
+    (67, 20, 40, 64, "own", False, 4),  # every sub-block halved twice; u its own tensor, a partial chunk
+    (50, 20, 24, 32, "av", True, 8),    # halved once; u = a o v, p's scale fused
+    (21, 16, 16, 16, "v", False, 4),    # the chunk is one sub-block
+])
+def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkeypatch):
+    """``LEAF`` below SUB: the sub-blocks' second halves against their first halves as
+    tensor-core products, elementwise sums only on the LEAF x LEAF diagonal blocks."""
+    monkeypatch.setattr(R, "LEAF", leaf)
+    monkeypatch.setattr(R, "INTERPRET_BV", 16)
+    ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K + leaf, scale=scale)
+    errs, grads, _, _ = _run_both(ins, g, chunk)
+    errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items()})
+    assert_within(errs, TOL)
+
+
+def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
+    """Halved sub-blocks in a packed row: the references between halves are read within each
+    sequence (odd lengths, empty ones, chunks of 16), and the packed call equals N separate
+    float64 reference calls on the output, final states and every gradient."""
+    from test_varlen import _interpret, packed_errors
+    monkeypatch.setattr(R, "LEAF", 4)
+    monkeypatch.setattr(R, "INTERPRET_BV", 8)
+    monkeypatch.setattr(R, "CHUNK", 16)
+    obj = _composed(tmp_path)
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=20, m=12)
+    assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5})
+    assert obj.backend == "triton-interpret:rank1-keydecay-chunk+packed"
+
+
+@pytest.mark.parametrize("strong,leaf", [(8.0, 16), (30.0, 16), (30.0, 4)])
+def test_strong_decays_stay_finite_and_accurate(strong, leaf, monkeypatch):
     """Decays down to ~1e-10 within a chunk (log a ~ -23 per step, cumulative sums of hundreds):
     the sub-block references keep every exponent <= 0, so nothing overflows. The decay's
     gradient is checked in log space (a * da = d log a), which is what the kernels form: dividing
     by a tiny a magnifies its fp32 rounding, and any parametrisation of a in (0, 1) multiplies
-    that back by a factor of order a."""
-    ins, g = _kernel_case(45, 16, 24, "own", 8.0, seed=5)
+    that back by a factor of order a. ``strong`` 30: log a down to ~ -100 per step, sums of a few
+    steps far past fp32's exponent range, so a reference on the wrong side of a row overflows (NaN);
+    with halved sub-blocks (``LEAF`` 4) every reference sits between the rows it serves."""
+    monkeypatch.setattr(R, "LEAF", leaf)
+    ins, g = _kernel_case(45, 16, 24, "own", strong, seed=5)
     assert ins["a"].min() < 1e-8
     errs, grads, ours, ref = _run_both(ins, g, 32)
     errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items() if n != "a"})

@@ -30,8 +30,12 @@ and e^{g_t - g_s} with s <= t (s < t for A) has an exponent <= 0. A and L are ne
 (``kernels.gated_lower``) take, for row block I and the columns before it, the reference
 R_I = g at row SUB I - 1, ``(x e^{gx - R_I}) (y e^{R_I - g})^T`` (both exponents <= 0, a
 tensor-core product), and the diagonal sub-blocks are summed column by column with the exact
-exponent. The backward's products against dA and dL (``gated_rows``, ``gated_cols``) use the
-same references (the row side) or g at the column block's last row (the column side). Exponents
+exponent. With ``LEAF`` below SUB, each sub-block is halved down to blocks of LEAF rows first: the
+second half against the first is a tensor-core product against g at the row between the halves
+(both exponents <= 0 again), and only the LEAF x LEAF diagonal blocks are summed elementwise
+(fewer exponentials and serial steps, a few more products). The backward's products against dA and dL (``gated_grads``) use the same references
+(the row side) or g at the column block's last row (the column side); their diagonal sub-blocks
+are summed ``DIAG_UNROLL`` in-block offsets per step, row and column side together. Exponents
 are differences of chunk-long cumulative sums: a factor's relative error is about the fp32 ulp
 of |g| (3e-5 at |g| ~ 300), far below the bf16 I/O's.
 
@@ -88,6 +92,8 @@ INTERPRET_BV: int | None = None     # value-block size under the interpreter (te
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32)
 SUB = 16                            # sub-block of the intra-chunk matrices
+LEAF = 16                           # rows of the diagonal blocks summed elementwise (SUB halved down to it)
+DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
@@ -96,6 +102,15 @@ AV = "av"                           # ``u=AV``: the erase's read key is u = a o 
 def _bv(V: int, dtype) -> int:
     """Value block of the parallel kernels (and of the sequential ones under the interpreter)."""
     return _value_block(V, dtype, INTERPRET_BV)
+
+
+def _diag(BT: int, backward: bool) -> dict:
+    """The sub-block constexprs of the parallel kernels: SUB, the halvings inside a sub-block
+    (LEVELS, down to blocks of ``LEAF`` rows) and, in the backward, UNROLL."""
+    sub = min(SUB, BT)
+    leaf = min(LEAF, sub)
+    opts = {"SUB": sub, "LEVELS": (sub // leaf).bit_length() - 1}
+    return {**opts, "UNROLL": min(DIAG_UNROLL, leaf)} if backward else opts
 
 
 def _launch_opts(V: int, dtype) -> dict:
@@ -130,8 +145,8 @@ def _fwd(v, u, p, ps, oq, c, a, h0, output_final_state, store_states, BT, packed
     W = _empty(B, T, H, K, device=dev, dtype=dt)
     Up = _empty(B, T, H, V, device=dev, dtype=dt)
     launch(rank1_keydecay_chunk_prep_kernel, (NT, B * H), u=v if u is None else u, v=v, p=p, ps=c if ps is None else ps, oq=oq, c=c, a=a, g=g, M=M, W=W, Up=Up,
-           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT), U_MODE=_u_mode(u),
-           HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
+           L=L, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u), HAS_PS=ps is not None,
+           **_diag(BT, False), PREC=prec, **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
     psi = _empty(B, T, H, V, device=dev, dtype=dt) if store_states else o
@@ -170,11 +185,11 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     uu, pss = (v if u is None else u), (c if ps is None else ps)
     launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
            u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
-           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT),
-           U_MODE=_u_mode(u), HAS_PS=ps is not None, PREC=prec, **packed_args(seq, "cu", "ci"))
+           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
+           HAS_PS=ps is not None, PREC=prec, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
     launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
            v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), SUB=min(SUB, BT), PREC=prec,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, **_diag(BT, True),
            **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 

@@ -21,25 +21,25 @@ U_IS_AV = tl.constexpr(1)
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _gather(ptr, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, other):
-    """Rows at chunk-local times ``s [BT]`` of a ``[B, T, H, K]`` tensor, fp32, in the sequence whose
-    first row is ``bos`` (``rows.seq_chunk``) and whose length is T: rows past T read ``other`` (the
-    flat extension of the cumulative sums, or zero keys)."""
+def _rows_at(ptr, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, other):
+    """Entries (s, o_k) of a ``[B, T, H, K]`` tensor, fp32, at chunk-local times ``s`` of the
+    sequence whose first row is ``bos`` (``rows.seq_chunk``) and whose length is T; ``s``, ``o_k`` and
+    ``m_k`` broadcast against each other (a tile of any rank). Rows past T read ``other``."""
     t = i_t * BT + s
     rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
-    return tl.load(ptr + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
-                   other=other).to(tl.float32)
+    return tl.load(ptr + rows * K + o_k, mask=(t < T) & m_k, other=other).to(tl.float32)
 
 
 @triton.jit
-def _gathered_g(g, a, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SHIFT: tl.constexpr):
-    """The cumulative log-decay at rows ``s``: g (SHIFT false) or gp = g - log a (SHIFT), read with
-    rows clamped into [0, T-1] so that past T it stays flat, as the chunk's own sums do."""
+def _g_at(g, a, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SHIFT: tl.constexpr):
+    """The cumulative log-decay at chunk-local times ``s`` (``_rows_at``'s broadcasting): g (SHIFT
+    false) or gp = g - log a (SHIFT), read with rows clamped into [0, T-1] so that past T it stays
+    flat, as the chunk's own sums do."""
     t = i_t * BT + s
     rows = (bos + tl.minimum(t, T - 1)).to(tl.int64) * H + i_h
-    b_g = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_g = tl.load(g + rows * K + o_k, mask=m_k, other=0.)
     if SHIFT:
-        b_a = tl.load(a + rows[:, None] * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=1.)
+        b_a = tl.load(a + rows * K + o_k, mask=(t < T) & m_k, other=1.)
         b_g = b_g - tl.log(b_a.to(tl.float32))
     return b_g
 
@@ -52,8 +52,23 @@ def _ref(b_g, o_i, r):
 
 
 @triton.jit
+def _halves(g, bos, i_h, i_t, o_i, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, P: tl.constexpr):
+    """Level P of the split inside the sub-blocks: the pairs (t, s) in one block of P rows with t in
+    its second half and s in its first (``pair [BT, BT]``), the halves' row masks ``hi`` and ``lo``
+    [BT], and the reference ``Rg [BT, BK]``: g at each block's row P/2 - 1, between the halves, so
+    that e^{g_t - Rg} (t in hi, and gp_t = g_{t-1} too) and e^{Rg - g_s} (s in lo) have exponents <= 0."""
+    hi = (o_i % P) >= P // 2
+    lo = (o_i % P) < P // 2
+    pair = ((o_i[:, None] // P) == (o_i[None, :] // P)) & hi[:, None] & lo[None, :]
+    Rg = _g_at(g, g, bos, i_h, i_t, ((o_i // P) * P + P // 2 - 1)[:, None], T, H, K, o_k[None, :], m_k[None, :], BT,
+               False)
+    return pair, hi, lo, Rg
+
+
+@triton.jit
 def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-                BT: tl.constexpr, SUB: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
     """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
     for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
 
@@ -61,8 +76,10 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
     SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
     rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
     sub-blocks (row block I, columns before it) are tensor-core products against the reference
-    R_I = g at row SUB I - 1, both exponents <= 0; diagonal sub-blocks are summed column by column
-    with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
+    R_I = g at row SUB I - 1, both exponents <= 0. Inside the sub-blocks, LEVELS halvings
+    (``_halves``: blocks of SUB, SUB/2, ... rows, second half against first half) are tensor-core
+    products the same way, and the diagonal blocks of SUB / 2^LEVELS rows left are summed column by
+    column with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -77,11 +94,20 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
         if not SAME_G:
             e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
         A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
-    for j in range(SUB):
-        s = blk * SUB + j
+    for lv in tl.static_range(LEVELS):
+        pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
+        ys = tl.where(lo[:, None], b_y * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.).to(DT)
+        e = tl.where(hi[:, None], tl.exp(tl.where(hi[:, None], b_gy - Rg, 0.)), 0.)
+        L = tl.where(pair, tl.dot((b_q * e).to(DT), tl.trans(ys), input_precision=PREC), L)
+        if not SAME_G:
+            e = tl.where(hi[:, None], tl.exp(tl.where(hi[:, None], b_gx - Rg, 0.)), 0.)
+        A = tl.where(pair, tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC), A)
+    LEAF: tl.constexpr = SUB >> LEVELS
+    for j in range(LEAF):
+        s = (o_i // LEAF) * LEAF + j
         incl = s <= o_i
-        y_s = _gather(y, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
-        g_s = _gathered_g(g, g, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
+        y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, 0.)
+        g_s = _g_at(g, g, bos, i_h, i_t, s[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
         e = y_s * tl.exp(tl.where(incl[:, None], b_gy - g_s, 0.))
         at = o_i[None, :] == s[:, None]
         L = tl.where(at & incl[:, None], tl.sum(b_q * e, axis=1)[:, None], L)
@@ -92,15 +118,30 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
 
 
 @triton.jit
-def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-               BT: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """Y [BT, BK] with Y_t = sum_{s<=t} D[t, s] y_s e^{gx_t - g_s} (D lower triangular, fp32): the
-    row side's gradient through ``gated_lower``; the same references and exponents. ``Ds``: D in
-    memory (``[B, T, H, BT]``, this chunk's rows ``row`` written), whose entries the diagonal
-    sub-blocks read one column at a time (a gather, not a reduction over a [BT, BT] tile)."""
+def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h, i_t, T, H,
+                K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr,
+                UNROLL: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
+    """The two gradients through a ``gated_lower`` product with a lower triangular D [BT, BT] (fp32;
+    strictly lower when STRICT), both [BT, BK]:
+
+        Y_t = sum_{s<=t} D[t, s] y_s e^{gxr_t - g_s}     (its row side)
+        Z_s = sum_{t>=s} Dc[t, s] x_t e^{gxc_t - g_s}    (its column side)
+
+    with Dc = diag(c) D when SCALE (``b_c [BT]``: c at the chunk's rows), else D (``b_c`` unread).
+
+    Off-diagonal sub-blocks are tensor-core products with the forward's references: R_I = g at row
+    SUB I - 1 for the row side's row block I, g at J's last row for the column side's column block
+    J (every exponent <= 0); inside the sub-blocks, LEVELS halvings (``_halves``) likewise. The
+    diagonal blocks of SUB / 2^LEVELS rows left are summed elementwise with the exact exponents,
+    UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's
+    entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``), times ``c`` at
+    row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a`` when SHIFT, else
+    ``g``) read again at the step's rows."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     Y = tl.zeros(b_y.shape, dtype=tl.float32)
+    Z = tl.zeros(b_x.shape, dtype=tl.float32)
     for I in tl.static_range(1, BT // SUB):
         R = _ref(b_gy, o_i, I * SUB - 1)
         rows = blk == I
@@ -108,49 +149,53 @@ def gated_rows(D, Ds, row, m_t, b_y, b_gx, b_gy, y, g, bos, i_h, i_t, T, H, K: t
         ys = tl.where(cols[:, None], b_y * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
         Dm = tl.where(rows[:, None] & cols[None, :], D, 0.)
         part = tl.dot(Dm.to(DT), ys.to(DT), input_precision=PREC)
-        Y += tl.where(rows[:, None], part * tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
-    for j in range(SUB):
-        s = blk * SUB + j
-        ok = s <= o_i
-        d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
-        y_s = _gather(y, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, 0.)
-        g_s = _gathered_g(g, g, bos, i_h, i_t, s, T, H, K, o_k, m_k, BT, False)
-        Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gx - g_s, 0.)), 0.)
-    return Y
-
-
-@triton.jit
-def gated_cols(D, Ds, c, b_x, b_gx, b_gy, x, g, a, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-               BT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr,
-               DT: tl.constexpr, PREC: tl.constexpr):
-    """Z [BT, BK] with Z_s = sum_{t>=s} D[t, s] x_t e^{gx_t - g_s}: the column side's gradient
-    through ``gated_lower``. Off-diagonal blocks (column block J, later rows) use the reference
-    at J's last row; ``x`` and ``gx`` (``g``, or ``gp`` when SHIFT, from ``g`` and ``a``) are read
-    again for the diagonal sub-blocks, with D's entries from ``Ds`` (as ``gated_rows``), times
-    ``c`` at row t when SCALE (D = diag(c) Ds)."""
-    o_i = tl.arange(0, BT)
-    blk = o_i // SUB
-    Z = tl.zeros(b_x.shape, dtype=tl.float32)
+        Y += tl.where(rows[:, None], part * tl.exp(tl.where(rows[:, None], b_gxr - R[None, :], 0.)), 0.)
     for J in tl.static_range(0, BT // SUB - 1):
         R = _ref(b_gy, o_i, J * SUB + SUB - 1)
         rows = o_i >= (J + 1) * SUB
         cols = blk == J
-        xs = tl.where(rows[:, None], b_x * tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
+        xs = tl.where(rows[:, None], b_x * tl.exp(tl.where(rows[:, None], b_gxc - R[None, :], 0.)), 0.)
         Dm = tl.where(rows[:, None] & cols[None, :], D, 0.)
+        if SCALE:
+            Dm = Dm * b_c[:, None]
         part = tl.dot(tl.trans(Dm.to(DT)), xs.to(DT), input_precision=PREC)
         Z += tl.where(cols[:, None], part * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
-    for j in range(SUB):
-        t = blk * SUB + j
-        ok = t >= o_i
-        tt = i_t * BT + t
-        rows_t = (bos + tl.minimum(tt, T - 1)).to(tl.int64) * H + i_h
-        d = tl.load(Ds + rows_t * BT + o_i, mask=(tt < T) & ok, other=0.)
+    for lv in tl.static_range(LEVELS):
+        pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
+        Dm = tl.where(pair, D, 0.)
+        ys = tl.where(lo[:, None], b_y * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.)
+        part = tl.dot(Dm.to(DT), ys.to(DT), input_precision=PREC)
+        Y += tl.where(hi[:, None], part * tl.exp(tl.where(hi[:, None], b_gxr - Rg, 0.)), 0.)
         if SCALE:
-            d = d * tl.load(c + rows_t, mask=tt < T, other=0.).to(tl.float32)
-        x_t = _gather(x, bos, i_h, i_t, t, T, H, K, o_k, m_k, BT, 0.)
-        gx_t = _gathered_g(g, a, bos, i_h, i_t, t, T, H, K, o_k, m_k, BT, SHIFT)
-        Z += tl.where(ok[:, None], d[:, None] * x_t * tl.exp(tl.where(ok[:, None], gx_t - b_gy, 0.)), 0.)
-    return Z
+            Dm = Dm * b_c[:, None]
+        xs = tl.where(hi[:, None], b_x * tl.exp(tl.where(hi[:, None], b_gxc - Rg, 0.)), 0.)
+        part = tl.dot(tl.trans(Dm.to(DT)), xs.to(DT), input_precision=PREC)
+        Z += tl.where(lo[:, None], part * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.)
+    LEAF: tl.constexpr = SUB >> LEVELS
+    ok_k = o_k[None, :]
+    mk = m_k[None, :]
+    for j0 in range(0, LEAF, UNROLL):
+        for jj in tl.static_range(UNROLL):
+            s = (o_i // LEAF) * LEAF + j0 + jj      # the step's in-block time, per row of the tile
+            # row side: column s of every row t
+            ok = (s < o_i) if STRICT else (s <= o_i)
+            d = tl.load(Ds + row * BT + s, mask=m_t & ok, other=0.)
+            g_s = _g_at(g, a, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, False)
+            y_s = _rows_at(y, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
+            Y += tl.where(ok[:, None], d[:, None] * y_s * tl.exp(tl.where(ok[:, None], b_gxr - g_s, 0.)), 0.)
+            # column side: row s of every column (o_i indexes the columns here)
+            ok = (s > o_i) if STRICT else (s >= o_i)
+            ts = i_t * BT + s
+            rows_s = (bos + tl.minimum(ts, T - 1)).to(tl.int64) * H + i_h
+            d = tl.load(Ds + rows_s * BT + o_i, mask=(ts < T) & ok, other=0.)
+            if SCALE:
+                d = d * tl.load(c + rows_s, mask=ts < T, other=0.).to(tl.float32)
+            if SHIFT:
+                g_s = g_s - tl.log(tl.load(a + rows_s[:, None] * K + ok_k, mask=(ts < T)[:, None] & mk, other=1.)
+                                   .to(tl.float32))
+            x_s = _rows_at(x, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
+            Z += tl.where(ok[:, None], d[:, None] * x_s * tl.exp(tl.where(ok[:, None], g_s - b_gy, 0.)), 0.)
+    return Y, Z
 
 
 @triton.jit
@@ -183,8 +228,8 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, ci,
                                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                     PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                     SUB: tl.constexpr, LEVELS: tl.constexpr, U_MODE: tl.constexpr,
+                                     HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
     HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed.
     VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is then its sequence's length."""
@@ -210,7 +255,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB,
+    b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS,
                            U_MODE == U_IS_AV, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
@@ -341,8 +386,9 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                       SUB: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
-                                       PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                       SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
+                                       VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
@@ -380,7 +426,7 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
     # flat past T, as in the forward: the sub-block references stay at or above every later row's
-    b_g = _gathered_g(g, a, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
+    b_g = _g_at(g, a, bos, i_h, i_t, o_i[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
     b_gp = b_g - tl.log(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
@@ -396,19 +442,20 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     # A[t, s] = c_t sum_k u_tk v_sk e^{gp_tk - g_sk}
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dA, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
-    b_Y = gated_rows(b_dA, Ds, row, m_t, b_v, b_gx, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    if U_MODE == U_IS_AV:
+        b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, v, g, a, row, m_t, bos,
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, False, True, True, DT, PREC)
+    else:
+        b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, u, g, a, row, m_t, bos,
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, True, True, True, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
     tl.store(dc + row, b_dc.to(dc.dtype.element_ty), mask=m_t)
     if U_MODE == U_IS_AV:
-        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, v, g, a, bos, i_h, i_t, T, H, K, o_k, m_k,
-                         BT, SUB, False, True, DT, PREC)
         b_dla = tl.cumsum(b_dgx - b_v * b_Z, axis=0, reverse=True)
         b_Z += b_du
     else:
-        b_Z = gated_cols(b_dA * b_c[:, None], Ds, c, b_x, b_gx, b_g, u, g, a, bos, i_h, i_t, T, H, K, o_k, m_k,
-                         BT, SUB, True, True, DT, PREC)
         # g_t = sum_{r<=t} log a_r and gp_t = sum_{r<t} log a_r within the chunk
         b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
         tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
@@ -421,7 +468,8 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                        SUB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
@@ -443,18 +491,18 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
         b_dL += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
         b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    b_g = _gathered_g(g, a, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, False)
+    b_g = _g_at(g, a, bos, i_h, i_t, o_i[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_doq = b_dOQ * tl.exp(b_g)
     b_dL = tl.where(incl, b_dL, 0.)
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
-    b_doq += gated_rows(b_dL, Ds, row, m_t, b_v, b_g, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, DT, PREC)
+    b_Yl, b_dv = gated_grads(b_dL, m_t, Ds, oq, b_v, b_g, b_oq, b_g, b_g, v, oq, g, a, row, m_t, bos, i_h, i_t, T, H, K,
+                             o_k, m_k, BT, SUB, LEVELS, UNROLL, False, False, False, DT, PREC)
+    b_doq += b_Yl
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
     b_dg = b_doq * b_oq
-    b_dv = gated_cols(b_dL, Ds, oq, b_oq, b_g, b_g, oq, g, a, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, False, False,
-                      DT, PREC)
     last = tl.minimum(T, i_t * BT + BT) - 1
     b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
