@@ -8,8 +8,11 @@ import triton.language as tl
 from ssmcraft.ops.common.tiles import state_block
 from ssmcraft.ops.common.tuning import tune
 
-# float64 [K, K] tiles (P and, backward, its gradient): more warps keep them in registers
-_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8)]
+# float64 [K, K] tiles (P and, backward, its gradient): more warps keep them in registers. ptxas gives
+# the backward at 8 or 16 warps only 64 registers a thread unless told it may use more (then it spills
+# 10 KB a thread instead of 2.4 KB, sm_90, K = 64)
+_WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8, maxnreg=255),
+          triton.Config({}, num_warps=16, maxnreg=128)]
 
 
 @triton.jit
@@ -53,23 +56,34 @@ def _pick(x, o_c, j):
 
 @triton.jit
 def _cholesky(a, o_c, BC: tl.constexpr):
-    """The lower Cholesky factor of a symmetric positive definite ``a [BC, BC]`` (float64), column by
-    column (right-looking: each column's outer product leaves the trailing Schur complement)."""
-    b_l = tl.zeros([BC, BC], dtype=tl.float64)
+    """The lower Cholesky factor L of a symmetric positive definite ``a [BC, BC]`` (float64) and L^T,
+    column by column (right-looking: each column's outer product leaves the trailing Schur complement).
+    ``a`` is symmetrised first and each column read twice, as a column and as a row (equal, ``a``
+    staying exactly symmetric): the outer product needs it along both axes, and a second reduction
+    within a warp is cheaper than moving the vector between the two layouts."""
+    a = _sym(a)
+    b_l = a * 0.
+    b_lt = a * 0.
     for j in range(BC):
         col = tl.sum(tl.where(o_c[None, :] == j, a, 0.), axis=1)
-        b_col = tl.where(o_c >= j, col / tl.sqrt(_pick(col, o_c, j)), 0.)
-        b_l = tl.where(o_c[None, :] == j, b_col[:, None], b_l)
-        a = a - b_col[:, None] * b_col[None, :]
-    return b_l
+        row = tl.sum(tl.where(o_c[:, None] == j, a, 0.), axis=0)
+        s = tl.sqrt(_pick(col, o_c, j))
+        l_r = tl.where(o_c >= j, col / s, 0.)
+        l_c = tl.where(o_c >= j, row / s, 0.)
+        b_l = tl.where(o_c[None, :] == j, l_r[:, None], b_l)
+        b_lt = tl.where(o_c[:, None] == j, l_c[None, :], b_lt)
+        a = a - l_r[:, None] * l_c[None, :]
+    return b_l, b_lt
 
 
 @triton.jit
-def _tril_inverse(b_l, o_c, BC: tl.constexpr):
-    """The inverse of a lower-triangular ``b_l [BC, BC]`` (float64) by forward substitution, row by row."""
-    b_x = tl.zeros([BC, BC], dtype=tl.float64)
+def _tril_inverse(b_l, b_lt, o_c, BC: tl.constexpr):
+    """The inverse of a lower-triangular ``b_l [BC, BC]`` (float64; ``b_lt`` its transpose) by forward
+    substitution, row by row; in ``b_l``'s layout (the Cholesky's: a tile each warp holds whole, so
+    that the reductions stay within a warp)."""
+    b_x = b_l * 0.
     for j in range(BC):
-        r = tl.sum(tl.where(o_c[:, None] == j, b_l, 0.), axis=0)
+        r = tl.sum(tl.where(o_c[None, :] == j, b_lt, 0.), axis=1)
         x = (tl.where(o_c == j, 1., 0.) - tl.sum(r[:, None] * b_x, axis=0)) / _pick(r, o_c, j)
         b_x = tl.where(o_c[:, None] == j, x[None, :], b_x)
     return b_x
@@ -117,8 +131,8 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
         b_gam = tl.cumprod(b_lam, 0)
         b_u = tl.dot(b_k, b_p)
         b_a = tl.dot(b_u, tl.trans(b_k)) + tl.where(eye, (b_gam / b_beta)[:, None], 0.)
-        b_l = _cholesky(b_a, o_c, BC)
-        b_li = _tril_inverse(b_l, o_c, BC)
+        b_l, b_lt = _cholesky(b_a, o_c, BC)
+        b_li = _tril_inverse(b_l, b_lt, o_c, BC)
         b_v = tl.dot(b_li, b_u)
         b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
         m_tk = m_t[:, None] & m_k[None, :]
@@ -176,8 +190,9 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
         b_li = tl.where(pad, 1., tl.load(li + row[:, None] * BC + o_c[None, :], mask=m_t[:, None], other=0.))
         b_gam = tl.cumprod(b_lam, 0)
         gam_c = _pick(b_gam, o_c, BC - 1)
-        b_pn = b_p
-        b_p = gam_c * b_pn + _sym(tl.dot(tl.trans(b_v), b_v))
+        # Gamma_C divides P_next: its gradient, before P_next is replaced (in place) by P = Gamma_C P_next + V^T V
+        dgam_c = -tl.sum(tl.sum(b_dp * b_p, axis=1), axis=0) / gam_c
+        b_p = tl.dot(tl.trans(b_v), b_v, gam_c * b_p, out_dtype=tl.float64)
         b_u = tl.dot(b_l, b_v)
         b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
         b_h = b_eta / (b_beta * b_c)
@@ -197,12 +212,17 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
         b_dkk = tl.dot(b_du, b_p) + 2. * tl.dot(b_da, b_u)
         tl.store(dk + row[:, None] * K + o_k[None, :], b_dkk.to(dk.dtype.element_ty), mask=m_tk)
         # Gamma_t = prod_{s <= t} lam_s; Gamma_C also divides P_next
-        b_dgam = b_dad / b_beta + tl.where(o_c == BC - 1, -tl.sum(tl.sum(b_dp * b_pn, axis=1), axis=0) / gam_c, 0.)
+        b_dgam = b_dad / b_beta + tl.where(o_c == BC - 1, dgam_c, 0.)
         b_dlam = tl.cumsum(b_dgam * b_gam, 0, reverse=True) / b_lam
         tl.store(dlam + row, b_dlam.to(dlam.dtype.element_ty), mask=m_t)
         if HAS_BETA:
             tl.store(dbeta + row, (b_dbeta - b_dad * b_gam / (b_beta * b_beta)).to(dbeta.dtype.element_ty), mask=m_t)
         if HAS_ETA:
             tl.store(deta + row, b_deta.to(deta.dtype.element_ty), mask=m_t)
-        b_dp = _sym(b_dp / gam_c + tl.dot(tl.dot(tl.trans(b_k), b_da), b_k) + tl.dot(tl.trans(b_k), b_du))
+        # dP / Gamma_C + K^T dA K + (K^T dU + dU^T K) / 2, accumulated in place, then symmetrised: its
+        # antisymmetric rounding would grow as 1 / Gamma per chunk, unlike the symmetric part, which the
+        # next chunks' updates contract
+        b_y = 0.5 * b_du
+        b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
+        b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
