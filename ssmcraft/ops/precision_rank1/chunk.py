@@ -72,6 +72,13 @@ def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
 
 
+def _starts(rows: int, cols: int, device) -> torch.Tensor:
+    """The forward's record of its chunks (int32 ``[N * H, T + 2]``), poisoned with -1 as ``POISON`` asks."""
+    if POISON:
+        return torch.full((rows, cols), -1, device=device, dtype=torch.int32)
+    return torch.empty(rows, cols, device=device, dtype=torch.int32)
+
+
 class PrecisionFunction(torch.autograd.Function):
     """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [N, H, K, K]
     float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B)) -> (g [B, T, H, K]
@@ -86,7 +93,7 @@ class PrecisionFunction(torch.autograd.Function):
         g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
         v, lc, li, starts = ((_empty(B, T, H, K, device=dev, dtype=torch.float64),
                               *(_empty(B, T, H, PCHUNK, device=dev, dtype=torch.float64) for _ in range(2)),
-                              torch.empty(N * H, T + 2, device=dev, dtype=torch.int32)) if train else (g, g, g, g))
+                              _starts(N * H, T + 2, dev)) if train else (g, g, g, g))
         pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
         launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, p0=p0, g=g, v=v, lc=lc, li=li, starts=starts, pt=pt,
