@@ -55,38 +55,37 @@ def _pick(x, o_c, j):
 
 
 @triton.jit
-def _cholesky(a, o_c, BC: tl.constexpr):
-    """The lower Cholesky factor L of a symmetric positive definite ``a [BC, BC]`` (float64) and L^T,
-    column by column (right-looking: each column's outer product leaves the trailing Schur complement).
-    ``a`` is symmetrised first and each column read twice, as a column and as a row (equal, ``a``
-    staying exactly symmetric): the outer product needs it along both axes, and a second reduction
-    within a warp is cheaper than moving the vector between the two layouts."""
+def _cholesky_inverse(a, o_c, BC: tl.constexpr):
+    """The lower Cholesky factor L of a symmetric positive definite ``a [BC, BC]`` (float64) and L^-1.
+
+    L column by column (right-looking: each column's outer product leaves the trailing Schur
+    complement), ``a`` symmetrised first and each column read twice, as a column and as a row (equal,
+    ``a`` staying exactly symmetric): the outer product needs it along both axes, and a second
+    reduction within a warp is cheaper than moving the vector between the two layouts. L^-1 row by row
+    (forward substitution), one row behind: row j - 1 of L is complete after column j - 1, and the two
+    independent chains of reductions share each iteration. Every tile stays in ``a``'s layout (the
+    dot's: a tile each warp holds whole, so that the reductions stay within a warp)."""
     a = _sym(a)
     b_l = a * 0.
     b_lt = a * 0.
-    for j in range(BC):
+    b_x = a * 0.
+    b_d = tl.sum(b_l, axis=1)                  # 1 / L_jj, filled as the columns come
+    for j in range(BC + 1):
+        # column j of L (none when j = BC: every row masked)
         col = tl.sum(tl.where(o_c[None, :] == j, a, 0.), axis=1)
         row = tl.sum(tl.where(o_c[:, None] == j, a, 0.), axis=0)
-        s = tl.sqrt(_pick(col, o_c, j))
-        l_r = tl.where(o_c >= j, col / s, 0.)
-        l_c = tl.where(o_c >= j, row / s, 0.)
+        inv = 1. / tl.sqrt(_pick(col, o_c, j))
+        l_r = tl.where(o_c >= j, col * inv, 0.)
+        l_c = tl.where(o_c >= j, row * inv, 0.)
+        # row j - 1 of L^-1 (none when j = 0), from row j - 1 of L (column j - 1 of L^T)
+        r = tl.sum(tl.where(o_c[None, :] == j - 1, b_lt, 0.), axis=1)
+        x = (tl.where(o_c == j - 1, 1., 0.) - tl.sum(r[:, None] * b_x, axis=0)) * _pick(b_d, o_c, j - 1)
+        b_x = tl.where(o_c[:, None] == j - 1, x[None, :], b_x)
         b_l = tl.where(o_c[None, :] == j, l_r[:, None], b_l)
         b_lt = tl.where(o_c[:, None] == j, l_c[None, :], b_lt)
+        b_d = tl.where(o_c == j, inv, b_d)
         a = a - l_r[:, None] * l_c[None, :]
-    return b_l, b_lt
-
-
-@triton.jit
-def _tril_inverse(b_l, b_lt, o_c, BC: tl.constexpr):
-    """The inverse of a lower-triangular ``b_l [BC, BC]`` (float64; ``b_lt`` its transpose) by forward
-    substitution, row by row; in ``b_l``'s layout (the Cholesky's: a tile each warp holds whole, so
-    that the reductions stay within a warp)."""
-    b_x = b_l * 0.
-    for j in range(BC):
-        r = tl.sum(tl.where(o_c[None, :] == j, b_lt, 0.), axis=1)
-        x = (tl.where(o_c == j, 1., 0.) - tl.sum(r[:, None] * b_x, axis=0)) / _pick(r, o_c, j)
-        b_x = tl.where(o_c[:, None] == j, x[None, :], b_x)
-    return b_x
+    return b_l, b_x
 
 
 @triton.jit
@@ -131,8 +130,7 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
         b_gam = tl.cumprod(b_lam, 0)
         b_u = tl.dot(b_k, b_p)
         b_a = tl.dot(b_u, tl.trans(b_k)) + tl.where(eye, (b_gam / b_beta)[:, None], 0.)
-        b_l, b_lt = _cholesky(b_a, o_c, BC)
-        b_li = _tril_inverse(b_l, b_lt, o_c, BC)
+        b_l, b_li = _cholesky_inverse(b_a, o_c, BC)
         b_v = tl.dot(b_li, b_u)
         b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
         m_tk = m_t[:, None] & m_k[None, :]
