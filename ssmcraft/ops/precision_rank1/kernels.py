@@ -74,7 +74,7 @@ def _cholesky_inverse(a, o_c, BC: tl.constexpr):
         # column j of L (none when j = BC: every row masked)
         col = tl.sum(tl.where(o_c[None, :] == j, a, 0.), axis=1)
         row = tl.sum(tl.where(o_c[:, None] == j, a, 0.), axis=0)
-        inv = 1. / tl.sqrt(_pick(col, o_c, j))
+        inv = 1. / tl.sqrt(tl.where(j < BC, _pick(col, o_c, j), 1.))
         l_r = tl.where(o_c >= j, col * inv, 0.)
         l_c = tl.where(o_c >= j, row * inv, 0.)
         # row j - 1 of L^-1 (none when j = 0), from row j - 1 of L (column j - 1 of L^T)
