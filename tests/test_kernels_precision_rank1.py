@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.precision_rank1 import chunk as P  # noqa: E402
-from ssmcraft.ops.precision_rank1.naive import naive_precision_rank1  # noqa: E402
+from ssmcraft.ops.precision_rank1.naive import chunked_precision, naive_precision_rank1  # noqa: E402
 from ssmcraft.ops.rank1_chunk import chunk as R1  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
@@ -70,6 +70,36 @@ def test_layer_matches_its_covariance_twin(T, beta, eta, chunk, lo):
     for i, a, w in zip(idx, got, want):
         a, w = (sym(a), sym(w)) if names[i] == "R0" else (a, w)
         assert rel(a, w) < TOL["grad"], names[i]
+
+
+# (lam's lower end, m, tolerance): R's condition number reaches ~1e2, ~2e7 and ~3e8, where the
+# token-by-token Sherman-Morrison recurrence is off by ~1e-13, ~2e-7 and ~4e-10
+@pytest.mark.parametrize("lo,m,tol", [(0.6, 8, 1e-11), (0.3, 16, 1e-6), (0.5, 64, 1e-8)])
+def test_the_chunked_algebra_equals_the_token_by_token_solve(lo, m, tol):
+    """The kernels' chunk step (``naive.chunked_precision``: Cholesky of diag(Gamma / beta) + K P K^T,
+    a rank-C Woodbury step of P, chunks cut where Gamma < 0.01) against the covariance loop (a solve
+    per token) in float64: every gain and the final precision, unit keys, a length no chunk divides,
+    lam in [lo, lo + 0.35]; as accurate as the token-by-token recurrence of the precision."""
+    g = torch.Generator().manual_seed(int(100 * lo) + m)
+    B, T, H = 2, 45, 2
+    k = torch.randn(B, T, H, m, generator=g, dtype=F64)
+    k = k / k.norm(dim=-1, keepdim=True)
+    lam = lo + 0.35 * torch.rand(B, T, H, generator=g, dtype=F64)
+    beta, eta = (0.2 + 0.6 * torch.rand(B, T, H, generator=g, dtype=F64) for _ in range(2))
+    R0 = _spd(B, H, m, g)
+    Rs = _covariances(k, lam, beta, R0)
+    want = torch.stack([eta[:, t, :, None] * torch.linalg.solve(R, k[:, t]) for t, R in enumerate(Rs)], 1)
+    got, PT = chunked_precision(k, lam, beta, eta, torch.linalg.inv(R0), P.PCHUNK, P.GAMMA_MIN)
+    assert rel(got, want) < tol and rel(PT, torch.linalg.inv(Rs[-1])) < tol
+
+
+def _covariances(k, lam, beta, R):
+    """R_t = lam_t R_{t-1} + beta_t k_t k_t^T for every t (the list of [B, H, m, m])."""
+    out = []
+    for t in range(k.shape[1]):
+        R = lam[:, t, :, None, None] * R + beta[:, t, :, None, None] * k[:, t, :, :, None] * k[:, t, :, None, :]
+        out.append(R)
+    return out
 
 
 def test_no_initial_state_starts_at_the_identity():
