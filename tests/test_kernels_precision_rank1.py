@@ -167,5 +167,13 @@ def test_refusals_say_why(choices, why):
     assert why in P.supports(ssmcraft.compile(compose_objective(choices)).ir)
 
 
+def test_key_dimensions_past_64_are_refused_by_name():
+    obj = ssmcraft.compile("rls")
+    assert P.supports_sizes(obj.ir, {"m": 64}, "triton") is None
+    assert "K = 128 > 64" in P.supports_sizes(obj.ir, {"m": 128}, "triton")
+    ins, _, _, _ = kernel_inputs(obj, 1, 3, 1, 4, 128, seed=0)
+    assert "K = 128 > 64" in P.supports_inputs(obj.ir, ins, "triton")
+
+
 def test_other_structures_are_refused():
     assert "no square state" in P.supports(ssmcraft.compile("deltanet").ir)

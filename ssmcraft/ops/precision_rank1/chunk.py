@@ -56,6 +56,7 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common import varlen
+from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
@@ -66,6 +67,7 @@ BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
 PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
 GAMMA_MIN = 0.01                    # a precision chunk ends before its forgetting Gamma falls below this
+MAX_K = 64                          # the largest key dimension (``supports_sizes``)
 
 
 def _empty(*shape, device, dtype):
@@ -277,6 +279,17 @@ def supports(ir) -> str | None:
     except ValueError as e:
         return f"{ir.spec_name}: {e}"
     return None
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """Refuse a key dimension past ``MAX_K``: at K = 128 the backward's float64 [K, K] tiles need
+    291 KB of shared memory (sm_90, ptxas), more than an H100 or H200 SM has (228 KB)."""
+    return key_size_reason(ir, sizes, MAX_K)
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
