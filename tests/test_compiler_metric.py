@@ -314,3 +314,45 @@ def test_state_bytes_count_every_state(tmp_path, objective, per_head):
              "mixer": {"kind": "objective", "objective": objective, "heads": 2, "state_size": 4, "expand": 1}}
     (tmp_path / "config.json").write_text(json.dumps({"task": {"name": "mqar"}, "model": model}))
     assert state_bytes(tmp_path) == 4 * 2 * 2 * per_head
+
+
+@pytest.mark.parametrize("case", ["rls", "rls_2key"])
+def test_the_carried_inverse_stays_exactly_symmetric(case):
+    """The generated step updates the inverse as ``P - W^T M W`` symmetrised (Sherman-Morrison for one
+    term, Woodbury for two): after many float32 steps P equals its transpose bit for bit (an asymmetric
+    rounding error would grow as 1 / lam per token)."""
+    obj = ssmcraft.compile(CASES[case])
+    g = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g)    # noqa: E731
+    P = torch.linalg.inv(torch.eye(m) + 0.1 * (lambda A: A @ A.transpose(-1, -2))(r(B, H, m, m)))
+    prev = (0.5 * (P + P.transpose(-1, -2)), r(B, H, d, m))
+    for _ in range(40):
+        env = {"x": r(B, H, d, 1), "x2": r(B, H, d, 1), "k": r(B, H, 1, m) / 2, "k2": r(B, H, 1, m) / 2,
+               "q": r(B, H, 1, m), "lam": 0.5 + 0.4 * torch.rand(B, H, 1, 1, generator=g),
+               "beta": torch.rand(B, H, 1, 1, generator=g)}
+        prev = obj.module.step(prev, {n: env[n] for n in obj.spec.inputs}, {}, d, m)
+    assert torch.isfinite(prev[0]).all() and torch.equal(prev[0], prev[0].transpose(-1, -2))
+
+
+@pytest.mark.parametrize("name", ["rls", "precond_delta"])
+def test_pytorch_path_is_float32_accurate_at_64(name):
+    """The GPU check's case (``benchmarks/check_library_gpu.py --shape 2,67,2,64,64``: forgetting
+    factors down to ~0.3, unit keys, R's condition number ~3e6) on the PyTorch path with float32
+    inputs: the inverse carried in float64, the step's inputs cast once, keep the output, both final
+    states and every gradient (lam's included) within 1e-4 of the float64 reference. In float32 the
+    inverse drifted by 2e-2 and lam's gradient by 2e-2 (RLS) to 4e-2 (the preconditioned delta rule)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from check_library_gpu import initial_states
+    from helpers import assert_within
+
+    from ssmcraft.bench.run import random_inputs
+    from ssmcraft.runtime.checking import reference_errors
+    obj = ssmcraft.compile(name)
+    ins, params = random_inputs(obj, 2, 67, 2, 64, 64, F64, "cpu", seed=1, unit_keys=True)
+    g = torch.Generator().manual_seed(2)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, initial_states(obj, 2, 2, 64, 64, g),
+                           g)
+    assert obj.backend == "torch-vectorised"
+    assert_within(cmp.errors, 1e-4)

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.precision_rank1 import chunk as P  # noqa: E402
-from ssmcraft.ops.precision_rank1.naive import naive_precision_rank1  # noqa: E402
+from ssmcraft.ops.precision_rank1.naive import chunked_precision, naive_precision_rank1  # noqa: E402
 from ssmcraft.ops.rank1_chunk import chunk as R1  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
@@ -34,16 +34,19 @@ def _spd(B, H, m, g):
     return torch.eye(m, dtype=F64) + 0.1 * A @ A.transpose(-1, -2)
 
 
-@pytest.mark.parametrize("T,beta,eta,chunk", [(1, False, False, 16), (37, False, False, 16), (37, True, True, 32),
-                                              (70, False, True, 64)])
-def test_layer_matches_its_covariance_twin(T, beta, eta, chunk):
+# lam in [lo, lo + 0.35]: T = 48 is three whole precision chunks under strong forgetting (Gamma down to
+# ~1e-22 within a chunk, R's condition number far past float32's reach)
+@pytest.mark.parametrize("T,beta,eta,chunk,lo", [(1, False, False, 16, 0.6), (37, False, False, 16, 0.6),
+                                                 (37, True, True, 32, 0.6), (70, False, True, 64, 0.6),
+                                                 (48, True, True, 16, 0.05)])
+def test_layer_matches_its_covariance_twin(T, beta, eta, chunk, lo):
     g = torch.Generator().manual_seed(T)
     B, H, d, m = 2, 2, 12, 8
     r = lambda *s: torch.randn(*s, generator=g, dtype=F64)      # noqa: E731
     u = lambda: 0.2 + 0.6 * torch.rand(B, T, H, generator=g, dtype=F64)    # noqa: E731
     b = u() if beta else None
     e = (b if beta else u()) if eta else None
-    vals = [r(B, T, H, m) / 3, r(B, T, H, d), r(B, T, H, m), 0.6 + 0.35 * torch.rand(B, T, H, generator=g, dtype=F64),
+    vals = [r(B, T, H, m) / 3, r(B, T, H, d), r(B, T, H, m), lo + 0.35 * torch.rand(B, T, H, generator=g, dtype=F64),
             b, e, _spd(B, H, m, g), r(B, H, d, m)]
     leaves = [None if t is None else t.clone().requires_grad_() for t in vals]
     if beta and eta:
@@ -67,6 +70,36 @@ def test_layer_matches_its_covariance_twin(T, beta, eta, chunk):
     for i, a, w in zip(idx, got, want):
         a, w = (sym(a), sym(w)) if names[i] == "R0" else (a, w)
         assert rel(a, w) < TOL["grad"], names[i]
+
+
+# (lam's lower end, m, tolerance): R's condition number reaches ~1e2, ~2e7 and ~3e8, where the
+# token-by-token Sherman-Morrison recurrence is off by ~1e-13, ~2e-7 and ~4e-10
+@pytest.mark.parametrize("lo,m,tol", [(0.6, 8, 1e-11), (0.3, 16, 1e-6), (0.5, 64, 1e-8)])
+def test_the_chunked_algebra_equals_the_token_by_token_solve(lo, m, tol):
+    """The kernels' chunk step (``naive.chunked_precision``: Cholesky of diag(Gamma / beta) + K P K^T,
+    a rank-C Woodbury step of P, chunks cut where Gamma < 0.01) against the covariance loop (a solve
+    per token) in float64: every gain and the final precision, unit keys, a length no chunk divides,
+    lam in [lo, lo + 0.35]; as accurate as the token-by-token recurrence of the precision."""
+    g = torch.Generator().manual_seed(int(100 * lo) + m)
+    B, T, H = 2, 45, 2
+    k = torch.randn(B, T, H, m, generator=g, dtype=F64)
+    k = k / k.norm(dim=-1, keepdim=True)
+    lam = lo + 0.35 * torch.rand(B, T, H, generator=g, dtype=F64)
+    beta, eta = (0.2 + 0.6 * torch.rand(B, T, H, generator=g, dtype=F64) for _ in range(2))
+    R0 = _spd(B, H, m, g)
+    Rs = _covariances(k, lam, beta, R0)
+    want = torch.stack([eta[:, t, :, None] * torch.linalg.solve(R, k[:, t]) for t, R in enumerate(Rs)], 1)
+    got, PT = chunked_precision(k, lam, beta, eta, torch.linalg.inv(R0), P.PCHUNK, P.GAMMA_MIN)
+    assert rel(got, want) < tol and rel(PT, torch.linalg.inv(Rs[-1])) < tol
+
+
+def _covariances(k, lam, beta, R):
+    """R_t = lam_t R_{t-1} + beta_t k_t k_t^T for every t (the list of [B, H, m, m])."""
+    out = []
+    for t in range(k.shape[1]):
+        R = lam[:, t, :, None, None] * R + beta[:, t, :, None, None] * k[:, t, :, :, None] * k[:, t, :, None, :]
+        out.append(R)
+    return out
 
 
 def test_no_initial_state_starts_at_the_identity():
@@ -132,6 +165,14 @@ def test_dispatch_runs_the_family_and_says_so():
 ])
 def test_refusals_say_why(choices, why):
     assert why in P.supports(ssmcraft.compile(compose_objective(choices)).ir)
+
+
+def test_key_dimensions_past_64_are_refused_by_name():
+    obj = ssmcraft.compile("rls")
+    assert P.supports_sizes(obj.ir, {"m": 64}, "triton") is None
+    assert "K = 128 > 64" in P.supports_sizes(obj.ir, {"m": 128}, "triton")
+    ins, _, _, _ = kernel_inputs(obj, 1, 3, 1, 4, 128, seed=0)
+    assert "K = 128 > 64" in P.supports_inputs(obj.ir, ins, "triton")
 
 
 def test_other_structures_are_refused():

@@ -113,21 +113,28 @@ def _inverse_lines(ir: UpdateIR) -> tuple[list[str], set]:
 
 
 def _woodbury_lines(X: str, x: str, a, terms) -> list[str]:
-    """Statements of ``X = (X_prev - X_prev U (a I + V^T X_prev U)^-1 V^T X_prev) / a``, the inverse
-    of ``a x_prev + sum_r c_r u_r v_r^T`` (Woodbury; Sherman-Morrison for one term), ``U = [c_r u_r]``
-    ``[..., m, r]``, ``V = [v_r]`` ``[..., r, m]``. Inline (no helper function: an export wraps the
-    module in a class namespace)."""
+    """Statements of ``X = (X_prev - W^T M W) / a``, the inverse of ``a x_prev + sum_r c_r v_r v_r^T``
+    (Woodbury; Sherman-Morrison for one term; ``ssmcraft.compiler.metric`` shows every term has this
+    form with ``c_r >= 0``, ``a > 0``): ``V = [v_r]`` ``[..., r, m]``, ``W = V X_prev``,
+    ``M = C (a I + W V^T C)^-1`` with ``C = diag(c_r)``, symmetric in exact arithmetic. ``X_prev``,
+    ``M`` and ``W^T M W`` are each symmetrised: an asymmetric rounding error of the inverse grows as
+    1 / a per token (so would the antisymmetric part of its gradient), a symmetric one does not.
+    Inline (no helper function: an export wraps the module in a class namespace)."""
     row, shape = f"{X}_prev[..., :1, :]", f"{X}_prev[..., :1, :].shape"
-    U = ", ".join(f"torch.broadcast_to(({torch_code(c)}) * ({torch_code(u)}) + 0 * {row}, {shape})" for c, u, _ in terms)
     V = ", ".join(f"torch.broadcast_to(({torch_code(v)}) + 0 * {row}, {shape})" for _, _, v in terms)
-    return [f"    # {x}_t = a {x}_prev + sum_r c_r u_r v_r^T, carried by its inverse {X} (Woodbury)",
-            f"    {X}_U = torch.cat([{U}], -2).transpose(-1, -2)",
+    C = ", ".join(f"torch.broadcast_to(({torch_code(c)}) + 0 * {row}[..., :1], {row}[..., :1].shape)"
+                  for c, _, _ in terms)
+    eye = f"torch.eye({len(terms)}, dtype={X}_prev.dtype, device={X}_prev.device)"
+    return [f"    # {x}_t = a {x}_prev + sum_r c_r v_r v_r^T, carried by its inverse {X} (Woodbury, symmetric)",
+            f"    {X}_sym = 0.5 * ({X}_prev + {X}_prev.transpose(-1, -2))",
             f"    {X}_V = torch.cat([{V}], -2)",
+            f"    {X}_C = torch.cat([{C}], -1) * {eye}",
             f"    {X}_a = ({torch_code(a)}) + 0 * {row}[..., :1]",
-            f"    {X}_VP = {X}_V @ {X}_prev",
-            f"    {X}_small = {X}_a * torch.eye({len(terms)}, dtype={X}_prev.dtype, device={X}_prev.device) + {X}_VP @ {X}_U",
-            f"    {X} = ({X}_prev - ({X}_prev @ {X}_U) @ torch.linalg.solve({X}_small, {X}_VP)) / {X}_a"]
-
+            f"    {X}_W = {X}_V @ {X}_sym",
+            f"    {X}_M = torch.linalg.solve({X}_a * {eye} + {X}_W @ {X}_V.transpose(-1, -2) @ {X}_C, {X}_C, left=False)",
+            f"    {X}_M = 0.5 * ({X}_M + {X}_M.transpose(-1, -2))",
+            f"    {X}_D = {X}_W.transpose(-1, -2) @ {X}_M @ {X}_W",
+            f"    {X} = ({X}_sym - 0.5 * ({X}_D + {X}_D.transpose(-1, -2))) / {X}_a"]
 
 
 def _unpack(names) -> list[str]:
@@ -207,7 +214,9 @@ def _square_step(ir: UpdateIR, names) -> list[str]:
             f"def step(prev, env, co, {d}, {m}):",
             f'    """One step: the previous states ({shapes}; the square ones as their inverses) -> the new ones."""',
             f"    {', '.join(prevs)}, = prev",
-            *_unpack(names),
+            # the step in the inverses' dtype (float64: ``reference._initial``), its inputs cast once so
+            # that their gradients sum there too (the update's terms cancel at the covariance's scale)
+            *[f"{line}.to({prevs[0]}.dtype)" for line in _unpack(names)],
             *inverse,
             *[_reduction_code(r, ir.axes()) for r in ir.state_reductions if r.name not in first],
             f"    return ({news},)"]

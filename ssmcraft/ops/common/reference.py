@@ -285,10 +285,12 @@ def at(value, t: int):
 
 def _initial(lay: Layout, device, count: int = 1, module=None):
     """The initial state, or a tuple of ``count`` states when the module has several; with square
-    states (``module.INVERTED``) as the step carries them: their inverses."""
+    states (``module.INVERTED``) as the step carries them: their inverses, in float64 and exactly
+    symmetric (the inverse of an ill-conditioned covariance drifts in float32, as its Triton kernels
+    in ``ssmcraft.ops.precision_rank1`` say)."""
     inverted = getattr(module, "INVERTED", ())
     if inverted:
-        return tuple(torch.linalg.inv(S) if x in inverted else S
+        return tuple(_symmetric(torch.linalg.inv(S.double())) if x in inverted else S
                      for x, S in zip(module.STATES, declared_initial(module, lay, device)))
     if lay.hidden:
         return tuple(_to_axes(module, lay, x, S) for x, S in zip(module.STATES, declared_initial(module, lay, device)))
@@ -315,15 +317,21 @@ def declared_initial(module, lay: Layout, device) -> tuple:
     return tuple(out)
 
 
+def _symmetric(P):
+    return 0.5 * (P + P.transpose(-1, -2))
+
+
 def declared(module, S, lay: Layout | None = None):
-    """The final states as declared: a square state's carried inverse inverted back, a state over
+    """The final states as declared: a square state's carried inverse inverted back (the step of a
+    module with square states runs in float64: every state back in the layout's dtype), a state over
     hidden dimensions laid out [B, H, r, c] again."""
     if lay is not None and lay.hidden:
         return tuple(_from_axes(module, lay, x, t) for x, t in zip(module.STATES, S))
     inverted = getattr(module, "INVERTED", ())
     if not inverted:
         return S
-    return tuple(torch.linalg.inv(x) if name in inverted else x for name, x in zip(module.STATES, S))
+    return tuple((torch.linalg.inv(x) if name in inverted else x).to(x.dtype if lay is None else lay.dtype)
+                 for name, x in zip(module.STATES, S))
 
 
 def _device(lay: Layout):

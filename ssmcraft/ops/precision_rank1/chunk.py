@@ -10,24 +10,41 @@ The family, with per-head ``lam`` (forgetting), ``beta`` (the covariance's weigh
 
 R (and so g) never reads S, so the layer splits in two:
 
-1. the gains g: ``precision_fwd_kernel``, one program per (batch, head), sequential over tokens, P
-   in float64 in registers (Sherman-Morrison: w = P k, s = lam + beta k.w, g = eta w / s,
-   P <- (P - (beta / s) w w^T) / lam); ``precision_bwd_kernel`` runs the adjoint in reverse,
-   rebuilding every P from the final one and the stored w, s (P_{t-1} = lam P_t + (beta / s) w w^T);
+1. the gains g, chunked (``precision_fwd_kernel``, one program per (batch, head), sequential over
+   chunks of at most ``PCHUNK`` tokens, P = R^-1 [m, m] in float64 in registers). Within a chunk from P_c,
+   with Gamma_t = prod_{s <= t} lam_s (s from the chunk's first token), R_t = Gamma_t (R_c +
+   sum_{tau <= t} (beta_tau / Gamma_tau) k_tau k_tau^T): the chunk's C rank-1 updates are one
+   C x C system
+
+       A = diag(Gamma / beta) + K P_c K^T = L L^T  (Cholesky),   V = L^-1 K P_c,
+
+   whose row t is the sequential recurrence's w_t = P_{t-1} k_t rescaled (L_tt^2 = Gamma_{t-1} s_t
+   / beta_t: the pivots are the Sherman-Morrison denominators), so that
+
+       G = diag(eta / (beta diag(L))) V,    P_{c+1} = (P_c - V^T V) / Gamma_C   (Woodbury, rank C).
+
+   ``precision_bwd_kernel`` runs the adjoint in reverse, rebuilding every P_c from the next one and
+   the stored V (P_c = Gamma_C P_{c+1} + V^T V), the Cholesky factor's through L^-T Phi(L^T dL) L^-1
+   (Phi: the lower triangle, the diagonal halved);
 2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
    tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
    erase key).
 
 Why float64 for P: with forgetting (lam < 1) the directions of R that recent keys do not fill
 decay towards 0, so R's condition number reaches ~1e6 at m = 64 within tens of tokens, and the
-Sherman-Morrison recurrence amplifies each step's rounding by it: float32 P drifts by ~1e-2
-relative (lam's gradient by up to 1e-1), although the layer itself is well conditioned (the
-float64 reference moves by ~1e-8 when its inputs are rounded to float32). In float64 the drift is
-~1e-10. The cost is small: the recurrence is O(m^2) per token, one [m, m] tile per head.
+inverse's update amplifies each step's rounding by it: float32 P drifts by ~1e-2 relative (lam's
+gradient by up to 1e-1), although the layer itself is well conditioned (the float64 reference moves
+by ~1e-8 when its inputs are rounded to float32). In float64 the drift is ~1e-10. The chunk keeps
+every product in float64 (Hopper's fp64 tensor cores). A chunk's rounding is at P_c's scale and
+P_{c+1} divides it by Gamma_C, so a chunk ends before its Gamma falls below ``GAMMA_MIN`` (0.01; a
+token alone is a chunk when its lam is below that): under strong forgetting the chunks shorten
+towards the token-by-token recurrence, whose accuracy they keep (within ~5x on keys that refill R
+every few tokens, where chunks of 16 regardless lose 3-5 more digits or meet a negative pivot).
+With lam = sigmoid(N(2, 1)) a chunk holds ~16 tokens.
 
 Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [B, H, m, m], S
-[B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16; P, w, s in float64,
-g in float32 then the I/O dtype.
+[B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16 (the precision reads
+fp32 copies of k, lam, beta, eta); P, V, L, L^-1 in float64, g in float32 then the I/O dtype.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
 states ``[N, H, ...]``. The precision kernels run one program per (sequence, head) over that
@@ -39,6 +56,7 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common import varlen
+from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
@@ -47,10 +65,20 @@ from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
+PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
+GAMMA_MIN = 0.01                    # a precision chunk ends before its forgetting Gamma falls below this
+MAX_K = 64                          # the largest key dimension (``supports_sizes``)
 
 
 def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
+
+
+def _starts(rows: int, cols: int, device) -> torch.Tensor:
+    """The forward's record of its chunks (int32 ``[N * H, T + 2]``), poisoned with -1 as ``POISON`` asks."""
+    if POISON:
+        return torch.full((rows, cols), -1, device=device, dtype=torch.int32)
+    return torch.empty(rows, cols, device=device, dtype=torch.int32)
 
 
 class PrecisionFunction(torch.autograd.Function):
@@ -65,22 +93,23 @@ class PrecisionFunction(torch.autograd.Function):
         dev = k.device
         train = any(ctx.needs_input_grad[:5])
         g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
-        w = _empty(B, T, H, K, device=dev, dtype=torch.float64) if train else g
-        s = _empty(B, T, H, device=dev, dtype=torch.float64) if train else g
+        v, lc, li, starts = ((_empty(B, T, H, K, device=dev, dtype=torch.float64),
+                              *(_empty(B, T, H, PCHUNK, device=dev, dtype=torch.float64) for _ in range(2)),
+                              _starts(N * H, T + 2, dev)) if train else (g, g, g, g))
         pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
         launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
-               eta=lam if eta is None else eta, p0=p0, g=g, w=w, s=s, pt=pt, cu=g if cu is None else cu, T=T, H=H,
-               K=K, BK=pow2(K), HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE_WS=train, STORE_PT=True,
-               VARLEN=cu is not None)
+               eta=lam if eta is None else eta, p0=p0, g=g, v=v, lc=lc, li=li, starts=starts, pt=pt,
+               cu=g if cu is None else cu, T=T, TS=T + 2, H=H, K=K, BK=pow2(K), BC=PCHUNK, TAU=GAMMA_MIN,
+               HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE=train, VARLEN=cu is not None)
         ctx.set_materialize_grads(False)
         ctx.cu = cu
         if train:
-            ctx.save_for_backward(k, lam, beta, eta, w, s, pt)
+            ctx.save_for_backward(k, lam, beta, eta, v, lc, li, starts, pt)
         return g, pt
 
     @staticmethod
     def backward(ctx, dg, dpt):
-        k, lam, beta, eta, w, s, pt = ctx.saved_tensors
+        k, lam, beta, eta, v, lc, li, starts, pt = ctx.saved_tensors
         B, T, H, K = k.shape
         N = pt.shape[0]
         dev = k.device
@@ -91,9 +120,10 @@ class PrecisionFunction(torch.autograd.Function):
         deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else dlam
         dp0 = _empty(N, H, K, K, device=dev, dtype=torch.float64)
         launch(precision_bwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
-               eta=lam if eta is None else eta, w=w, s=s, pt=pt, dg=dg, dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
-               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, H=H, K=K,
-               BK=pow2(K), HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
+               eta=lam if eta is None else eta, v=v, lc=lc, li=li, starts=starts, pt=pt, dg=dg,
+               dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
+               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, TS=T + 2, H=H, K=K,
+               BK=pow2(K), BC=PCHUNK, HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
                VARLEN=ctx.cu is not None)
         return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None
 
@@ -138,8 +168,10 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     R0 = torch.eye(K, device=k.device, dtype=torch.float64) if R0 is None else R0.double()
     p0 = torch.linalg.inv(R0)
     p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(N, H, K, K).contiguous()    # exactly symmetric (kernels)
-    head = lambda t: None if t is None else t.contiguous()     # noqa: E731
-    g, pt = PrecisionFunction.apply(k.contiguous(), lam.contiguous(), head(beta), head(eta), p0,
+    # every input in fp32: Triton 3.6 gives an fp64 product that reads a value converted from 16 bits
+    # a packed operand layout that its fp64 tensor-core lowering rejects ("fp64 don't support largeK MMA")
+    head = lambda t: None if t is None else t.float().contiguous()     # noqa: E731
+    g, pt = PrecisionFunction.apply(head(k), head(lam), head(beta), head(eta), p0,
                                     None if cu is None else cu_seqlens.to(device=k.device, dtype=torch.int32))
     o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size,
                     cu_seqlens)
@@ -247,6 +279,17 @@ def supports(ir) -> str | None:
     except ValueError as e:
         return f"{ir.spec_name}: {e}"
     return None
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """Refuse a key dimension past ``MAX_K``: at K = 128 the backward's float64 [K, K] tiles need
+    291 KB of shared memory (sm_90, ptxas), more than an H100 or H200 SM has (228 KB)."""
+    return key_size_reason(ir, sizes, MAX_K)
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):

@@ -1,5 +1,5 @@
-"""The Triton kernels of the precision family: the precision recurrence in float64, forward and
-backward; the algorithm, shapes and host code are in ``ssmcraft.ops.precision_rank1.chunk``."""
+"""The Triton kernels of the precision family: the chunked precision recurrence in float64, forward
+and backward; the algebra, shapes and host code are in ``ssmcraft.ops.precision_rank1.chunk``."""
 from __future__ import annotations
 
 import triton
@@ -8,21 +8,11 @@ import triton.language as tl
 from ssmcraft.ops.common.tiles import state_block
 from ssmcraft.ops.common.tuning import tune
 
-# float64 [K, K] tiles: more warps keep them in registers (K = 64: 32 doubles a thread at 4 warps)
-_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
-
-
-@triton.jit
-def _token(k, lam, beta, eta, row, ok, o_k, m_k, K: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr):
-    """One token's k [BK], lam, beta, eta in float64 (``ok`` False: zeros and ones, nothing read).
-    The kernels load the next token's while the current one's step runs: the step's chain of
-    reductions then never waits on memory."""
-    b_k = tl.load(k + row * K + o_k, mask=m_k & ok, other=0.).to(tl.float64)
-    b_lam = tl.load(lam + row, mask=ok, other=1.).to(tl.float64)
-    one = tl.full([], 1., tl.float64)      # a tensor, not a constant: the kernels carry it through their loop
-    b_beta = tl.load(beta + row, mask=ok, other=1.).to(tl.float64) if HAS_BETA else one
-    b_eta = tl.load(eta + row, mask=ok, other=1.).to(tl.float64) if HAS_ETA else one
-    return b_k, b_lam, b_beta, b_eta
+# float64 [K, K] tiles (P and, backward, its gradient): more warps keep them in registers. ptxas gives
+# the backward at 8 or 16 warps only 64 registers a thread unless told it may use more (then it spills
+# 10 KB a thread instead of 2.4 KB, sm_90, K = 64)
+_WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8, maxnreg=255),
+          triton.Config({}, num_warps=16, maxnreg=128)]
 
 
 @triton.jit
@@ -36,91 +26,201 @@ def _sequence(cu, i_b, T, VARLEN: tl.constexpr):
         return (i_b * T).to(tl.int64), T
 
 
-@tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "STORE_WS", "STORE_PT"])
-@triton.jit(do_not_specialize=["T"])
-def precision_fwd_kernel(k, lam, beta, eta, p0, g, w, s, pt, cu, T, H: tl.constexpr, K: tl.constexpr,
-                         BK: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE_WS: tl.constexpr,
-                         STORE_PT: tl.constexpr, VARLEN: tl.constexpr):
-    """Sequential over tokens, one program per (sequence, head), P [K, K] in float64 in registers:
-    w = P k, s = lam + beta k.w, g = eta w / s, P <- (P - (beta / s) w w^T) / lam. STORE_WS keeps
-    w and s (float64) for the backward, which rebuilds every P from them. VARLEN: sequence ``i_b``
-    of a packed row, from its own P0 to its own final P."""
+@triton.jit
+def _chunk(k, lam, beta, eta, bos, i_h, s0, n, H: tl.constexpr, K: tl.constexpr, o_k, m_k,
+           BC: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr):
+    """The n (<= BC) tokens from token s0: their rows (``row [BC]``, int64, and mask ``m_t``) and k
+    [BC, BK], lam, beta, eta [BC] in float64. Rows past n read as k = 0, lam = beta = 1, eta = 0: a
+    token that changes nothing (its pivot is its Gamma, its gain and its share of every product zero)."""
+    o_c = tl.arange(0, BC)
+    m_t = o_c < n
+    row = (bos + s0 + o_c).to(tl.int64) * H + i_h
+    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float64)
+    b_lam = tl.load(lam + row, mask=m_t, other=1.).to(tl.float64)
+    if HAS_BETA:
+        b_beta = tl.load(beta + row, mask=m_t, other=1.).to(tl.float64)
+    else:
+        b_beta = tl.full([BC], 1., tl.float64)
+    if HAS_ETA:
+        b_eta = tl.load(eta + row, mask=m_t, other=0.).to(tl.float64)
+    else:
+        b_eta = tl.where(m_t, 1., 0.).to(tl.float64)
+    return row, m_t, b_k, b_lam, b_beta, b_eta
+
+
+@triton.jit
+def _pick(x, o_c, j):
+    """Entry ``j`` of a vector ``x [BC]`` (a masked sum: registers cannot be indexed)."""
+    return tl.sum(tl.where(o_c == j, x, 0.), axis=0)
+
+
+@triton.jit
+def _cholesky_inverse(a, o_c, BC: tl.constexpr):
+    """The lower Cholesky factor L of a symmetric positive definite ``a [BC, BC]`` (float64) and L^-1.
+
+    L column by column (right-looking: each column's outer product leaves the trailing Schur
+    complement), ``a`` symmetrised first and each column read twice, as a column and as a row (equal,
+    ``a`` staying exactly symmetric): the outer product needs it along both axes, and a second
+    reduction within a warp is cheaper than moving the vector between the two layouts. L^-1 row by row
+    (forward substitution), one row behind: row j - 1 of L is complete after column j - 1, and the two
+    independent chains of reductions share each iteration. Every tile stays in ``a``'s layout (the
+    dot's: a tile each warp holds whole, so that the reductions stay within a warp)."""
+    a = _sym(a)
+    b_l = a * 0.
+    b_lt = a * 0.
+    b_x = a * 0.
+    b_d = tl.sum(b_l, axis=1)                  # 1 / L_jj, filled as the columns come
+    for j in range(BC + 1):
+        # column j of L (none when j = BC: every row masked)
+        col = tl.sum(tl.where(o_c[None, :] == j, a, 0.), axis=1)
+        row = tl.sum(tl.where(o_c[:, None] == j, a, 0.), axis=0)
+        inv = 1. / tl.sqrt(tl.where(j < BC, _pick(col, o_c, j), 1.))
+        l_r = tl.where(o_c >= j, col * inv, 0.)
+        l_c = tl.where(o_c >= j, row * inv, 0.)
+        # row j - 1 of L^-1 (none when j = 0), from row j - 1 of L (column j - 1 of L^T)
+        r = tl.sum(tl.where(o_c[None, :] == j - 1, b_lt, 0.), axis=1)
+        x = (tl.where(o_c == j - 1, 1., 0.) - tl.sum(r[:, None] * b_x, axis=0)) * _pick(b_d, o_c, j - 1)
+        b_x = tl.where(o_c[:, None] == j - 1, x[None, :], b_x)
+        b_l = tl.where(o_c[None, :] == j, l_r[:, None], b_l)
+        b_lt = tl.where(o_c[:, None] == j, l_c[None, :], b_lt)
+        b_d = tl.where(o_c == j, inv, b_d)
+        a = a - l_r[:, None] * l_c[None, :]
+    return b_l, b_x
+
+
+@triton.jit
+def _sym(x):
+    return 0.5 * (x + tl.trans(x))
+
+
+@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "STORE", "VARLEN"])
+@triton.jit(do_not_specialize=["T", "TS"])
+def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T, TS, H: tl.constexpr,
+                         K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAU: tl.constexpr,
+                         HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr):
+    """One program per (sequence, head), sequential over chunks, P [K, K] in float64 in registers.
+    A chunk is the longest run of at most BC tokens whose forgetting Gamma (the product of its lam)
+    stays >= TAU (at least one token). Per chunk (``chunk.py``'s algebra): A = diag(Gamma / beta) +
+    K P K^T, its Cholesky factor L, V = L^-1 K P, gains G = diag(eta / (beta diag(L))) V,
+    P <- (P - V^T V) / Gamma_C. STORE keeps V, L and L^-1 (float64) and the chunks' first tokens
+    (``starts [N * H, TS]``: the chunks' starts, then the sequence's length) for the backward, which
+    rebuilds every P from them."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
+    o_c = tl.arange(0, BC)
+    eye = o_c[:, None] == o_c[None, :]
     b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     bos, T = _sequence(cu, i_b, T, VARLEN)
-    row = bos * H + i_h
-    b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
-    for t in range(T):
-        n_k, n_lam, n_beta, n_eta = _token(k, lam, beta, eta, row + H, t + 1 < T, o_k, m_k, K, HAS_BETA, HAS_ETA)
-        b_w = tl.sum(b_p * b_k[None, :], axis=1)
-        b_s = b_lam + b_beta * tl.sum(b_k * b_w, axis=0)
-        tl.store(g + row * K + o_k, (b_eta * b_w / b_s).to(g.dtype.element_ty), mask=m_k)
-        if STORE_WS:
-            tl.store(w + row * K + o_k, b_w, mask=m_k)
-            tl.store(s + row, b_s)
-        # v v^T with v = sqrt(beta / s) w is exactly symmetric (w_i c w_j is not): an asymmetric
-        # rounding error grows as 1 / lam per token in this recurrence, a symmetric one does not
-        b_v = b_w * tl.sqrt(b_beta / b_s)
-        b_p = (b_p - b_v[:, None] * b_v[None, :]) / b_lam
-        row += H
-        b_k, b_lam, b_beta, b_eta = n_k, n_lam, n_beta, n_eta
-    if STORE_PT:
-        tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
+    p_st = starts + i_bh.to(tl.int64) * TS
+    s0 = T * 0
+    n_ch = T * 0
+    while s0 < T:
+        row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, T - s0, H, K, o_k, m_k, BC,
+                                                      HAS_BETA, HAS_ETA)
+        # the cut: where Gamma would fall below TAU, the chunk's rounding (at P's scale at its start,
+        # divided by Gamma at its end) would outgrow the token-by-token recurrence's
+        n = tl.maximum(tl.min(tl.where(tl.cumprod(b_lam, 0) < TAU, o_c, BC), axis=0), 1)
+        m_t = m_t & (o_c < n)
+        b_k = tl.where(m_t[:, None], b_k, 0.)
+        b_lam = tl.where(m_t, b_lam, 1.)
+        b_beta = tl.where(m_t, b_beta, 1.)
+        b_eta = tl.where(m_t, b_eta, 0.)
+        b_gam = tl.cumprod(b_lam, 0)
+        b_u = tl.dot(b_k, b_p)
+        b_a = tl.dot(b_u, tl.trans(b_k)) + tl.where(eye, (b_gam / b_beta)[:, None], 0.)
+        b_l, b_li = _cholesky_inverse(b_a, o_c, BC)
+        b_v = tl.dot(b_li, b_u)
+        b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
+        m_tk = m_t[:, None] & m_k[None, :]
+        tl.store(g + row[:, None] * K + o_k[None, :], ((b_eta / (b_beta * b_c))[:, None] * b_v).to(g.dtype.element_ty),
+                 mask=m_tk)
+        if STORE:
+            tl.store(v + row[:, None] * K + o_k[None, :], b_v, mask=m_tk)
+            tl.store(lc + row[:, None] * BC + o_c[None, :], b_l, mask=m_t[:, None])
+            tl.store(li + row[:, None] * BC + o_c[None, :], b_li, mask=m_t[:, None])
+            tl.store(p_st + n_ch, s0)
+        # V^T V symmetrised: an asymmetric rounding error would grow as 1 / Gamma per chunk
+        b_p = (b_p - _sym(tl.dot(tl.trans(b_v), b_v))) / _pick(b_gam, o_c, BC - 1)
+        s0 += tl.minimum(n, T - s0)
+        n_ch += 1
+    if STORE:
+        tl.store(p_st + n_ch, T)
+        tl.store(p_st + TS - 1, n_ch)
+    tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
 
 
-@tune(_WARPS, key=["H", "K", "HAS_BETA", "HAS_ETA", "HAS_DPT"])
-@triton.jit(do_not_specialize=["T"])
-def precision_bwd_kernel(k, lam, beta, eta, w, s, pt, dg, dpt, dk, dlam, dbeta, deta, dp0, cu,
-                         T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN"])
+@triton.jit(do_not_specialize=["T", "TS"])
+def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, dlam, dbeta, deta, dp0, cu,
+                         T, TS, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                          HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_DPT: tl.constexpr,
                          VARLEN: tl.constexpr):
-    """Reverse over tokens from the final P: each earlier P rebuilt from the stored w and s,
-    P_{t-1} = lam P_t + (beta / s) w w^T (a contraction: rounding does not grow backwards), and the
-    adjoint of the forward step (float64): k's, lam's, beta's, eta's gradients, then the initial P's,
-    kept symmetric (the gradient with respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as
-    the forward."""
+    """Reverse over the forward's chunks (``starts``) from the final P: each chunk's P rebuilt from the next one and the stored
+    V, P = Gamma_C P_next + V^T V (a contraction: rounding does not grow backwards), then the adjoint
+    of the forward's chunk step (float64; the Cholesky factor's through L^-T Phi(L^T dL) L^-1):
+    k's, lam's, beta's, eta's gradients, then the initial P's, kept symmetric (the gradient with
+    respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
+    o_c = tl.arange(0, BC)
+    eye = o_c[:, None] == o_c[None, :]
     b_p = tl.load(pt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     if HAS_DPT:
         b_dp = tl.load(dpt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     else:
         b_dp = tl.zeros([BK, BK], dtype=tl.float64)
     bos, T = _sequence(cu, i_b, T, VARLEN)
-    row = (bos + T - 1) * H + i_h
-    b_k, b_lam, b_beta, b_eta = _token(k, lam, beta, eta, row, T > 0, o_k, m_k, K, HAS_BETA, HAS_ETA)
-    b_w = tl.load(w + row * K + o_k, mask=m_k & (T > 0), other=0.)
-    b_s = tl.load(s + row, mask=T > 0, other=1.)
-    b_dg = tl.load(dg + row * K + o_k, mask=m_k & (T > 0), other=0.).to(tl.float64)
-    for j in range(T):
-        nxt = j + 1 < T
-        n_k, n_lam, n_beta, n_eta = _token(k, lam, beta, eta, row - H, nxt, o_k, m_k, K, HAS_BETA, HAS_ETA)
-        n_w = tl.load(w + (row - H) * K + o_k, mask=m_k & nxt, other=0.)
-        n_s = tl.load(s + row - H, mask=nxt, other=1.)
-        n_dg = tl.load(dg + (row - H) * K + o_k, mask=m_k & nxt, other=0.).to(tl.float64)
-        b_c = b_beta / b_s
-        b_a = tl.sum(b_w * b_dg, axis=0)
-        b_v1 = tl.sum(b_dp * b_w[None, :], axis=1)          # dP w (dP symmetric)
-        b_dc = -tl.sum(b_w * b_v1, axis=0) / b_lam
-        b_ds = -(b_eta * b_a + b_beta * b_dc) / (b_s * b_s)
-        tl.store(dlam + row, (-tl.sum(tl.sum(b_p * b_dp, axis=1), axis=0) / b_lam + b_ds).to(dlam.dtype.element_ty))
+    p_st = starts + i_bh.to(tl.int64) * TS
+    n_ch = tl.load(p_st + TS - 1)
+    for j in range(n_ch):
+        s0 = tl.load(p_st + n_ch - 1 - j)
+        row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, tl.load(p_st + n_ch - j) - s0,
+                                                      H, K, o_k, m_k, BC, HAS_BETA, HAS_ETA)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_dg = tl.load(dg + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float64)
+        pad = eye & ~m_t[:, None]        # rows past the sequence: a unit diagonal (their factor's value is never read)
+        b_l = tl.where(pad, 1., tl.load(lc + row[:, None] * BC + o_c[None, :], mask=m_t[:, None], other=0.))
+        b_li = tl.where(pad, 1., tl.load(li + row[:, None] * BC + o_c[None, :], mask=m_t[:, None], other=0.))
+        b_gam = tl.cumprod(b_lam, 0)
+        gam_c = _pick(b_gam, o_c, BC - 1)
+        # Gamma_C divides P_next: its gradient, before P_next is replaced (in place) by P = Gamma_C P_next + V^T V
+        dgam_c = -tl.sum(tl.sum(b_dp * b_p, axis=1), axis=0) / gam_c
+        b_p = tl.dot(tl.trans(b_v), b_v, gam_c * b_p, out_dtype=tl.float64)
+        b_u = tl.dot(b_l, b_v)
+        b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
+        b_h = b_eta / (b_beta * b_c)
+        # G = diag(h) V, P_next = (P - V^T V) / Gamma_C
+        b_dv = (-2. / gam_c) * tl.dot(b_v, b_dp) + b_h[:, None] * b_dg
+        b_hb = tl.sum(b_dg * b_v, axis=1)
+        b_deta = b_hb / (b_beta * b_c)
+        b_dbeta = -b_hb * b_h / b_beta
+        # V = L^-1 U (U = K P), L = chol(A), A = diag(Gamma / beta) + U K^T
+        b_du = tl.dot(tl.trans(b_li), b_dv)
+        b_dl = tl.where(o_c[:, None] >= o_c[None, :], -tl.dot(b_du, tl.trans(b_v)), 0.)
+        b_dl += tl.where(eye, (-b_hb * b_h / b_c)[:, None], 0.)
+        b_x = tl.dot(tl.trans(b_l), b_dl)
+        b_phi = tl.where(o_c[:, None] > o_c[None, :], b_x, tl.where(eye, 0.5 * b_x, 0.))
+        b_da = _sym(tl.dot(tl.dot(tl.trans(b_li), b_phi), b_li))
+        b_dad = tl.sum(tl.where(eye, b_da, 0.), axis=1)
+        b_dkk = tl.dot(b_du, b_p) + 2. * tl.dot(b_da, b_u)
+        tl.store(dk + row[:, None] * K + o_k[None, :], b_dkk.to(dk.dtype.element_ty), mask=m_tk)
+        # Gamma_t = prod_{s <= t} lam_s; Gamma_C also divides P_next
+        b_dgam = b_dad / b_beta + tl.where(o_c == BC - 1, dgam_c, 0.)
+        b_dlam = tl.cumsum(b_dgam * b_gam, 0, reverse=True) / b_lam
+        tl.store(dlam + row, b_dlam.to(dlam.dtype.element_ty), mask=m_t)
         if HAS_BETA:
-            tl.store(dbeta + row, (b_dc / b_s + b_ds * tl.sum(b_k * b_w, axis=0)).to(dbeta.dtype.element_ty))
+            tl.store(dbeta + row, (b_dbeta - b_dad * b_gam / (b_beta * b_beta)).to(dbeta.dtype.element_ty), mask=m_t)
         if HAS_ETA:
-            tl.store(deta + row, (b_a / b_s).to(deta.dtype.element_ty))
-        b_v = b_w * tl.sqrt(b_c)
-        b_p = b_lam * b_p + b_v[:, None] * b_v[None, :]
-        b_dw = -(2. * b_c / b_lam) * b_v1 + (b_eta / b_s) * b_dg + (b_ds * b_beta) * b_k
-        b_dk = tl.sum(b_p * b_dw[:, None], axis=0) + (b_ds * b_beta) * b_w
-        tl.store(dk + row * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
-        # the symmetric part of dw k^T: P is symmetric, so only dP's symmetric part reaches k, lam and
-        # beta; its antisymmetric part would grow as 1 / lam per token and its rounding with it
-        b_dp = b_dp / b_lam + 0.5 * (b_dw[:, None] * b_k[None, :] + b_k[:, None] * b_dw[None, :])
-        row -= H
-        b_k, b_lam, b_beta, b_eta, b_w, b_s, b_dg = n_k, n_lam, n_beta, n_eta, n_w, n_s, n_dg
+            tl.store(deta + row, b_deta.to(deta.dtype.element_ty), mask=m_t)
+        # dP / Gamma_C + K^T dA K + (K^T dU + dU^T K) / 2, accumulated in place, then symmetrised: its
+        # antisymmetric rounding would grow as 1 / Gamma per chunk, unlike the symmetric part, which the
+        # next chunks' updates contract
+        b_y = 0.5 * b_du
+        b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
+        b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)

@@ -1,6 +1,7 @@
 """The precision family's layer as a plain loop over the covariance itself (a solve per token, no
 Sherman-Morrison): the readable twin of its kernels, which its tests and its ``supports`` probe
-compare against in float64."""
+compare against in float64; and the kernels' chunked algebra of the precision in plain PyTorch
+(``chunked_precision``), which its tests check against that loop."""
 from __future__ import annotations
 
 import torch
@@ -21,3 +22,30 @@ def naive_precision_rank1(k, x, q, lam, beta, eta, R0, S0):
         S = S - r[..., :, None] * g[..., None, :]
         ys.append(torch.einsum("bhdm,bhm->bhd", S, q[:, t]))
     return torch.stack(ys, 1), R, S
+
+
+def chunked_precision(k, lam, beta, eta, P0, chunk: int, gamma_min: float):
+    """The kernels' chunked algebra in plain PyTorch (one sequence and head at a time, float64 in,
+    float64 out): chunks of at most ``chunk`` tokens, each ending before its Gamma (the product of
+    its lam) falls below ``gamma_min``; per chunk A = diag(Gamma / beta) + K P K^T = L L^T,
+    V = L^-1 K P, gains diag(eta / (beta diag(L))) V, P <- (P - V^T V) / Gamma_C.
+    k [B, T, H, m]; lam, beta, eta [B, T, H] (beta, eta None = 1); P0 [B, H, m, m]. Returns
+    (g [B, T, H, m], P_T [B, H, m, m])."""
+    B, T, H, _ = k.shape
+    one = torch.ones_like(lam)
+    beta, eta = (one if beta is None else beta), (one if eta is None else eta)
+    g, PT = torch.zeros_like(k), torch.empty_like(P0)
+    for b in range(B):
+        for h in range(H):
+            P, s = P0[b, h], 0
+            while s < T:
+                gam = torch.cumprod(lam[b, s:s + chunk, h], 0)
+                n = max(1, int((gam >= gamma_min).cumprod(0).sum()))
+                K, gam, bt = k[b, s:s + n, h], gam[:n], beta[b, s:s + n, h]
+                L = torch.linalg.cholesky(torch.diag(gam / bt) + K @ P @ K.T)
+                V = torch.linalg.solve_triangular(L, K @ P, upper=False)
+                g[b, s:s + n, h] = (eta[b, s:s + n, h] / (bt * torch.diagonal(L)))[:, None] * V
+                P = (P - V.T @ V) / gam[-1]
+                s += n
+            PT[b, h] = P
+    return g, PT

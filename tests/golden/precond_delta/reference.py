@@ -47,18 +47,21 @@ HIDDEN = {}  # hidden dimension -> (factor, base): size factor * size(base)
 def step(prev, env, co, d, m):
     """One step: the previous states (_inv_R_prev [..., m, m], S_prev [..., d, m]; the square ones as their inverses) -> the new ones."""
     _inv_R_prev, S_prev, = prev
-    x = env['x']
-    k = env['k']
-    q = env['q']
-    beta = env['beta']
-    lam = env['lam']
-    # R_t = a R_prev + sum_r c_r u_r v_r^T, carried by its inverse _inv_R (Woodbury)
-    _inv_R_U = torch.cat([torch.broadcast_to((beta) * (k) + 0 * _inv_R_prev[..., :1, :], _inv_R_prev[..., :1, :].shape)], -2).transpose(-1, -2)
+    x = env['x'].to(_inv_R_prev.dtype)
+    k = env['k'].to(_inv_R_prev.dtype)
+    q = env['q'].to(_inv_R_prev.dtype)
+    beta = env['beta'].to(_inv_R_prev.dtype)
+    lam = env['lam'].to(_inv_R_prev.dtype)
+    # R_t = a R_prev + sum_r c_r v_r v_r^T, carried by its inverse _inv_R (Woodbury, symmetric)
+    _inv_R_sym = 0.5 * (_inv_R_prev + _inv_R_prev.transpose(-1, -2))
     _inv_R_V = torch.cat([torch.broadcast_to((k) + 0 * _inv_R_prev[..., :1, :], _inv_R_prev[..., :1, :].shape)], -2)
+    _inv_R_C = torch.cat([torch.broadcast_to((beta) + 0 * _inv_R_prev[..., :1, :][..., :1], _inv_R_prev[..., :1, :][..., :1].shape)], -1) * torch.eye(1, dtype=_inv_R_prev.dtype, device=_inv_R_prev.device)
     _inv_R_a = (lam) + 0 * _inv_R_prev[..., :1, :][..., :1]
-    _inv_R_VP = _inv_R_V @ _inv_R_prev
-    _inv_R_small = _inv_R_a * torch.eye(1, dtype=_inv_R_prev.dtype, device=_inv_R_prev.device) + _inv_R_VP @ _inv_R_U
-    _inv_R = (_inv_R_prev - (_inv_R_prev @ _inv_R_U) @ torch.linalg.solve(_inv_R_small, _inv_R_VP)) / _inv_R_a
+    _inv_R_W = _inv_R_V @ _inv_R_sym
+    _inv_R_M = torch.linalg.solve(_inv_R_a * torch.eye(1, dtype=_inv_R_prev.dtype, device=_inv_R_prev.device) + _inv_R_W @ _inv_R_V.transpose(-1, -2) @ _inv_R_C, _inv_R_C, left=False)
+    _inv_R_M = 0.5 * (_inv_R_M + _inv_R_M.transpose(-1, -2))
+    _inv_R_D = _inv_R_W.transpose(-1, -2) @ _inv_R_M @ _inv_R_W
+    _inv_R = (_inv_R_sym - 0.5 * (_inv_R_D + _inv_R_D.transpose(-1, -2))) / _inv_R_a
     _r0 = (S_prev*k).sum(-1, keepdim=True)
     _r1 = torch.matmul((k) + torch.zeros_like(_inv_R[..., :1, :]), _inv_R)
     return (_inv_R, (S_prev - _r0*_r1*beta + _r1*beta*x) + 0 * S_prev,)
