@@ -1,0 +1,345 @@
+"""Triton kernels of the block rank-1 family: two states updated by one rank-1 step of an
+extrapolated state (``ssmcraft.compiler.blockrank1``), row-tiled. Row ``i`` of each state, in the
+kernels' transposed tiles ``[BK, BV]``::
+
+    U    = e0 x0 + e1 x1,          z = U . u             (one reduction over K per row)
+    R    = p q - c z v                                  (the innovation, rank 1)
+    x0'  = a00 x0 + a01 x1 + w0 R,  x1' = a10 x0 + a11 x1 + w1 R
+    o    = x_RO' . oq                                   (the readout's ``S oq``; oc, oh on the host)
+
+Backward (reverse time; ``g0, g1`` the adjoints of ``x0', x1'``)::
+
+    g_RO += oq dy;   gR = w0 g0 + w1 g1;   e = gR . v;   gz = -c e
+    dc = -z e,  dp = gR . q,  dA_ab = g_a . x_b,  dw_a = g_a . R,  de_b = gz (x_b . u)
+    du += gz U,  dv -= c z gR,  dq += p gR,  doq += dy x_RO'          (summed over the rows)
+    g0 <- a00 g0 + a10 g1 + e0 gz u,    g1 <- a01 g0 + a11 g1 + e1 gz u
+
+The backward needs the states before every step. The forward stores ``z`` (one scalar per row
+and step) and both states every ``CHUNK`` steps; per chunk the backward rebuilds the states from
+the checkpoint with the stored ``z`` (a few multiply-adds, no reduction), keeps the one before
+every second step in the per-program scratch ``SCR [prog, CHUNK/2, 2, BK, BV]`` (L2-resident) and
+rebuilds the other in registers. Inverting the transition instead would divide by the momentum
+(``x1_prev = (x1 - R) / mu`` for Longhorn with momentum) and amplify rounding by ``1/mu`` per step.
+
+Row coefficients come as ``rows = (A00, A01, A10, A11, E0, E1, W0, W1, C, P)`` with the
+compile-time ``MODES`` (0 the constant of ``CONSTS``, 1 per head ``[B, T, H]``, 2 per row
+``[B, T, H, V]``); a constant 0 or 1 costs nothing (``scaled``, ``combine``). The K-vector slots
+``(U, Vv, Q, OQ)`` share loads and gradient buffers by ``GROUPS`` as in ``ssmcraft.ops.rank1_row``,
+whose loads and gradient stores this module reuses.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.rank1_row.bwd import store_row_grad
+from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, row_tile
+
+# positions in ``rows``, ``MODES`` and ``CONSTS``
+A00, A01, A10, A11, E0, E1, W0, W1, IC, IP = (tl.constexpr(i) for i in range(10))
+
+
+@triton.jit
+def scaled(x, c, MODE: tl.constexpr, CONST: tl.constexpr):
+    """``c x`` on a [BK, BV] tile: ``c`` a [BV] row coefficient, or the constant CONST (MODE 0)."""
+    if MODE == 0:
+        if CONST == 1.0:
+            r = x
+        else:
+            r = x * CONST
+    else:
+        r = x * c[None, :]
+    return r
+
+
+@triton.jit
+def combine(x0, x1, c0, c1, M0: tl.constexpr, K0: tl.constexpr, M1: tl.constexpr, K1: tl.constexpr):
+    """``c0 x0 + c1 x1``, a term whose coefficient is the constant 0 left out."""
+    if (M0 == 0) and (K0 == 0.0):
+        r = scaled(x1, c1, M1, K1)
+    elif (M1 == 0) and (K1 == 0.0):
+        r = scaled(x0, c0, M0, K0)
+    else:
+        r = scaled(x0, c0, M0, K0) + scaled(x1, c1, M1, K1)
+    return r
+
+
+@triton.jit
+def load_rows(rows, row, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr, BV: tl.constexpr):
+    """The ten row coefficients at one step, [BV] fp32 each (a constant's is never read)."""
+    return (load_coef(rows[0], row, V, ix[2], ix[3], MODES[0], CONSTS[0], BV),
+            load_coef(rows[1], row, V, ix[2], ix[3], MODES[1], CONSTS[1], BV),
+            load_coef(rows[2], row, V, ix[2], ix[3], MODES[2], CONSTS[2], BV),
+            load_coef(rows[3], row, V, ix[2], ix[3], MODES[3], CONSTS[3], BV),
+            load_coef(rows[4], row, V, ix[2], ix[3], MODES[4], CONSTS[4], BV),
+            load_coef(rows[5], row, V, ix[2], ix[3], MODES[5], CONSTS[5], BV),
+            load_coef(rows[6], row, V, ix[2], ix[3], MODES[6], CONSTS[6], BV),
+            load_coef(rows[7], row, V, ix[2], ix[3], MODES[7], CONSTS[7], BV),
+            load_coef(rows[8], row, V, ix[2], ix[3], MODES[8], CONSTS[8], BV),
+            load_coef(rows[9], row, V, ix[2], ix[3], MODES[9], CONSTS[9], BV))
+
+
+@triton.jit
+def load_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr,
+              GROUPS: tl.constexpr, BV: tl.constexpr):
+    """Everything one step reads: ((u, v, q, oq), rows, z, dy); ``Z`` / ``DY`` None: zeros."""
+    vs = load_vecs(vecs, row * K, ix[0], ix[1], GROUPS)
+    cf = load_rows(rows, row, V, ix, MODES, CONSTS, BV)
+    z = tl.zeros([BV], dtype=tl.float32)
+    if Z is not None:
+        z += tl.load(Z + row * V + ix[2], mask=ix[3], other=0.)
+    dy = tl.zeros([BV], dtype=tl.float32)
+    if DY is not None:
+        dy += tl.load(DY + row * V + ix[2], mask=ix[3], other=0.).to(tl.float32)
+    return vs, cf, z, dy
+
+
+@triton.jit
+def prefetch_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, GROUPS: tl.constexpr):
+    """L2 prefetch of one (future) step's tensors."""
+    prefetch_l2(vecs[0] + row * K + ix[0])
+    if GROUPS[0] == 1:
+        prefetch_l2(vecs[1] + row * K + ix[0])
+    if GROUPS[1] == 2:
+        prefetch_l2(vecs[2] + row * K + ix[0])
+    if GROUPS[2] == 3:
+        prefetch_l2(vecs[3] + row * K + ix[0])
+    for i in tl.static_range(10):
+        if MODES[i] == 2:
+            prefetch_l2(rows[i] + row * V + ix[2])
+    if Z is not None:
+        prefetch_l2(Z + row * V + ix[2])
+    if DY is not None:
+        prefetch_l2(DY + row * V + ix[2])
+
+
+@triton.jit
+def extrapolated(x0, x1, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
+    """U = e0 x0 + e1 x1."""
+    return combine(x0, x1, cf[E0], cf[E1], MODES[E0], CONSTS[E0], MODES[E1], CONSTS[E1])
+
+
+@triton.jit
+def innovation(vs, cf, z):
+    """R = p q - (c z) v on a [BK, BV] tile."""
+    u, v, q, oq = vs
+    return q[:, None] * cf[IP][None, :] - v[:, None] * (cf[IC] * z)[None, :]
+
+
+@triton.jit
+def advance(x0, x1, R, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
+    """(x0', x1') = A (x0, x1) + w R."""
+    n0 = combine(x0, x1, cf[A00], cf[A01], MODES[A00], CONSTS[A00], MODES[A01], CONSTS[A01]) \
+        + scaled(R, cf[W0], MODES[W0], CONSTS[W0])
+    n1 = combine(x0, x1, cf[A10], cf[A11], MODES[A10], CONSTS[A10], MODES[A11], CONSTS[A11]) \
+        + scaled(R, cf[W1], MODES[W1], CONSTS[W1])
+    return n0, n1
+
+
+@triton.jit
+def block_fwd_kernel(
+    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP,   # slots (None: a constant)
+    S0, Y, ST, Z, CK,        # S0 / S_T [B, H, 2, K, V] (or None); o [B, T, H, V]; z [B, T, H, V]; ckpt [B, H, NC, 2, K, V]
+    T, H, V, K, NC,
+    BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, RO: tl.constexpr,
+):
+    """One program: rows [iv*BV, iv*BV+BV) of head (b, h), both state tiles in registers; the
+    next step's slots are loaded one step ahead, and on the GPU L2 is asked PF steps ahead."""
+    i_bh = tl.program_id(0)
+    b = i_bh // H
+    h = i_bh % H
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    vecs = (U, Vv, Q, OQ)
+    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP)
+    base = b.to(tl.int64) * T
+    x0 = tl.zeros([BK, BV], dtype=tl.float32)
+    x1 = tl.zeros([BK, BV], dtype=tl.float32)
+    if S0 is not None:
+        x0 += tl.load(S0 + (i_bh.to(tl.int64) * 2) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
+        x1 += tl.load(S0 + (i_bh.to(tl.int64) * 2 + 1) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
+    ckp = CK
+    if CK is not None:
+        ckp = CK + i_bh.to(tl.int64) * NC * 2 * K * V
+        tl.store(ckp + tile, x0, mask=mask_s)
+        tl.store(ckp + K * V + tile, x1, mask=mask_s)
+    nxt = load_step(vecs, rows, None, None, base * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    for t in range(0, T):
+        row = (base + t) * H + h
+        vs, cf, _z, _dy = nxt
+        nxt = load_step(vecs, rows, None, None, (base + tl.minimum(t + 1, T - 1)) * H + h, K, V, ix,
+                        MODES, CONSTS, GROUPS, BV)
+        if PF > 0:
+            prefetch_step(vecs, rows, None, None, (base + tl.minimum(t + PF, T - 1)) * H + h, K, V, ix, MODES, GROUPS)
+        u, v, q, oq = vs
+        z = tl.sum(extrapolated(x0, x1, cf, MODES, CONSTS) * u[:, None], axis=0)
+        x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
+        if RO == 0:
+            o = tl.sum(x0 * oq[:, None], axis=0)
+        else:
+            o = tl.sum(x1 * oq[:, None], axis=0)
+        tl.store(Y + row * V + ix[2], o.to(Y.dtype.element_ty), mask=ix[3])
+        if Z is not None:
+            tl.store(Z + row * V + ix[2], z, mask=ix[3])
+        if CK is not None:
+            if (t + 1) % CHUNK == 0:
+                if (t + 1) // CHUNK < NC:
+                    c_at = ckp + ((t + 1) // CHUNK) * 2 * K * V
+                    tl.store(c_at + tile, x0, mask=mask_s)
+                    tl.store(c_at + K * V + tile, x1, mask=mask_s)
+    if ST is not None:
+        tl.store(ST + (i_bh.to(tl.int64) * 2) * K * V + tile, x0, mask=mask_s)
+        tl.store(ST + (i_bh.to(tl.int64) * 2 + 1) * K * V + tile, x1, mask=mask_s)
+
+
+@triton.jit
+def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
+             MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
+             RO: tl.constexpr):
+    """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``g0, g1`` the
+    adjoints of the states after it; stores step t's gradients, returns the adjoints before it."""
+    vs, cf, z, dy = sl
+    u, v, q, oq = vs
+    offs_k, mask_k, offs_v, mask_v = ix
+    valid = t < t_hi
+    R = innovation(vs, cf, z)
+    n0, n1 = advance(x0, x1, R, cf, MODES, CONSTS)
+    if RO == 0:
+        nr = n0
+        h0 = g0 + oq[:, None] * dy[None, :]
+        h1 = g1
+    else:
+        nr = n1
+        h0 = g0
+        h1 = g1 + oq[:, None] * dy[None, :]
+    gR = combine(h0, h1, cf[W0], cf[W1], MODES[W0], CONSTS[W0], MODES[W1], CONSTS[W1])
+    e = tl.sum(gR * v[:, None], axis=0)
+    gz = -(cf[IC] * e)
+    part = i_v * NB * H + row                   # [NV, B, T, H] partials of per-head coefficients
+    if MODES[IC] != 0:
+        store_row_grad(grads[IC], row, V, part, offs_v, mask_v, valid, -z * e, MODES[IC])
+    if MODES[IP] != 0:
+        store_row_grad(grads[IP], row, V, part, offs_v, mask_v, valid, tl.sum(gR * q[:, None], axis=0), MODES[IP])
+    if MODES[A00] != 0:
+        store_row_grad(grads[A00], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * x0, axis=0), MODES[A00])
+    if MODES[A01] != 0:
+        store_row_grad(grads[A01], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * x1, axis=0), MODES[A01])
+    if MODES[A10] != 0:
+        store_row_grad(grads[A10], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * x0, axis=0), MODES[A10])
+    if MODES[A11] != 0:
+        store_row_grad(grads[A11], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * x1, axis=0), MODES[A11])
+    if MODES[W0] != 0:
+        store_row_grad(grads[W0], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * R, axis=0), MODES[W0])
+    if MODES[W1] != 0:
+        store_row_grad(grads[W1], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * R, axis=0), MODES[W1])
+    if MODES[E0] != 0:
+        store_row_grad(grads[E0], row, V, part, offs_v, mask_v, valid, gz * tl.sum(x0 * u[:, None], axis=0),
+                       MODES[E0])
+    if MODES[E1] != 0:
+        store_row_grad(grads[E1], row, V, part, offs_v, mask_v, valid, gz * tl.sum(x1 * u[:, None], axis=0),
+                       MODES[E1])
+    # K-vector gradients (summed over the rows), one buffer per distinct input tensor
+    cu = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
+    cv = gR * (-(cf[IC] * z))[None, :]
+    cq = gR * cf[IP][None, :]
+    co = nr * dy[None, :]
+    mk = mask_k & valid
+    dm = DM + (i_v * NG * NB * H + row) * K + offs_k
+    gstride = NB * H * K
+    acc = cu
+    if GROUPS[0] == 0:
+        acc += cv
+    if GROUPS[1] == 0:
+        acc += cq
+    if GROUPS[2] == 0:
+        acc += co
+    tl.store(dm, tl.sum(acc, axis=1), mask=mk)
+    if GROUPS[0] == 1:
+        acc1 = cv
+        if GROUPS[1] == 1:
+            acc1 += cq
+        if GROUPS[2] == 1:
+            acc1 += co
+        tl.store(dm + INDEX[0] * gstride, tl.sum(acc1, axis=1), mask=mk)
+    if GROUPS[1] == 2:
+        acc2 = cq
+        if GROUPS[2] == 2:
+            acc2 += co
+        tl.store(dm + INDEX[1] * gstride, tl.sum(acc2, axis=1), mask=mk)
+    if GROUPS[2] == 3:
+        tl.store(dm + INDEX[2] * gstride, tl.sum(co, axis=1), mask=mk)
+    # adjoints of the states before the step
+    gU = u[:, None] * gz[None, :]
+    p0 = combine(h0, h1, cf[A00], cf[A10], MODES[A00], CONSTS[A00], MODES[A10], CONSTS[A10]) \
+        + scaled(gU, cf[E0], MODES[E0], CONSTS[E0])
+    p1 = combine(h0, h1, cf[A01], cf[A11], MODES[A01], CONSTS[A01], MODES[A11], CONSTS[A11]) \
+        + scaled(gU, cf[E1], MODES[E1], CONSTS[E1])
+    return tl.where(valid, p0, g0), tl.where(valid, p1, g1)
+
+
+@triton.jit
+def block_bwd_kernel(
+    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP,   # slots (None: a constant)
+    Z, CK, SCR, DY, DHT,     # z; checkpoints [B, H, NC, 2, K, V]; scratch; do [B, T, H, V]; dS_T [B, H, 2, K, V] or None
+    GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP,   # row gradients (None where constant)
+    DM, DS0,                 # K-vector gradients [NV, NG, B, T, H, K]; dS0 [B, H, 2, K, V] or None
+    T, H, V, K, NC, NB, NG,
+    BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, RO: tl.constexpr,
+):
+    """Reverse sweep of rows [iv*BV, iv*BV+BV) of head (b, h), chunk by chunk from the last: the
+    chunk's states rebuilt from its checkpoint (every second one kept in SCR), then its steps in
+    reverse, two per iteration (the kept state and the one rebuilt from it)."""
+    i_bh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    b = i_bh // H
+    h = i_bh % H
+    ix, mask_s, tile = row_tile(V, K, BV, BK)
+    offs_k = ix[0]
+    vecs = (U, Vv, Q, OQ)
+    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP)
+    grads = (GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP)
+    base = b.to(tl.int64) * T
+    NP: tl.constexpr = (CHUNK + 1) // 2
+    scr = SCR + ((i_bh.to(tl.int64) * tl.num_programs(1) + i_v) * NP * 2) * BK * BV \
+        + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
+    g0 = tl.zeros([BK, BV], dtype=tl.float32)
+    g1 = tl.zeros([BK, BV], dtype=tl.float32)
+    if DHT is not None:
+        g0 += tl.load(DHT + (i_bh.to(tl.int64) * 2) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
+        g1 += tl.load(DHT + (i_bh.to(tl.int64) * 2 + 1) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
+    ckp = CK + i_bh.to(tl.int64) * NC * 2 * K * V
+    for jc in range(0, NC):
+        ci = NC - 1 - jc
+        t0 = ci * CHUNK
+        t1 = tl.minimum(t0 + CHUNK, T)
+        # rebuild: keep the state before every second step of the chunk
+        x0 = tl.load(ckp + ci * 2 * K * V + tile, mask=mask_s, other=0.)
+        x1 = tl.load(ckp + ci * 2 * K * V + K * V + tile, mask=mask_s, other=0.)
+        for t in range(t0, t1):
+            row = (base + t) * H + h
+            if PF > 0:
+                prefetch_step(vecs, rows, Z, DY, (base + tl.maximum(t - CHUNK, 0)) * H + h, K, V, ix, MODES, GROUPS)
+            if (t - t0) % 2 == 0:
+                tl.store(scr + ((t - t0) // 2) * 2 * BK * BV, x0)
+                tl.store(scr + ((t - t0) // 2) * 2 * BK * BV + BK * BV, x1)
+            vs, cf, z, _dy = load_step(vecs, rows, Z, None, row, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
+        tl.debug_barrier()
+        for jp in range(0, (t1 - t0 + 1) // 2):
+            te = t0 + 2 * ((t1 - t0 + 1) // 2 - 1 - jp)      # the pair's even step; te + 1 may be past t1
+            to = te + 1
+            y0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
+            y1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
+            se = load_step(vecs, rows, Z, DY, (base + te) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            so = load_step(vecs, rows, Z, DY, (base + tl.minimum(to, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                           GROUPS, BV)
+            w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
+            g0, g1 = bwd_step(g0, g1, w0, w1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
+                              MODES, CONSTS, GROUPS, INDEX, RO)
+            g0, g1 = bwd_step(g0, g1, y0, y1, se, te, t1, (base + te) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
+                              MODES, CONSTS, GROUPS, INDEX, RO)
+        tl.debug_barrier()
+    if DS0 is not None:
+        tl.store(DS0 + (i_bh.to(tl.int64) * 2) * K * V + tile, g0, mask=mask_s)
+        tl.store(DS0 + (i_bh.to(tl.int64) * 2 + 1) * K * V + tile, g1, mask=mask_s)
