@@ -61,6 +61,21 @@ def _simplify(e):
     return simplify(e)
 
 
+def _common_factor(xs) -> sympy.Expr:
+    """The product of the factors (powers of a base, of one sign) that every one of ``xs`` has,
+    each at its smallest power: ``eps mu`` and ``eps g`` give ``eps``."""
+    dicts = [sympy.factor(x).as_powers_dict() for x in xs]
+    out = sympy.Integer(1)
+    for base, exp in dicts[0].items():
+        if base.is_number:
+            continue
+        exps = [d.get(base) for d in dicts]
+        if any(x is None for x in exps) or not (all(x > 0 for x in exps) or all(x < 0 for x in exps)):
+            continue
+        out *= base ** (min(exps) if exps[0] > 0 else max(exps))
+    return out
+
+
 def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
     """The IR with the block form's slots, from the symbolic objective ``so`` of ``ir`` and its
     composed updates ``((name, F), ...)`` over ``so``'s symbols (``updates.derive_updates``; derived
@@ -119,12 +134,12 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
             return "the erase writes along more than one key (not rank 1)"
         C[a][b] = C[a][b] + split[0] * r
     C = [[_simplify(x) for x in line] for line in C]
-    # C = w c e^T: e from the first state's row with an erase, normalised by its simplest entry
+    # C = w c e^T: c the factors common to the first erasing state's row, e that row over c
     a0 = next(a for a in range(n) if any(x != 0 for x in C[a]))
-    b1 = min((b for b in range(n) if C[a0][b] != 0), key=lambda b: sympy.count_ops(C[a0][b]))
-    c = C[a0][b1]
+    c = _common_factor([x for x in C[a0] if x != 0])
     e = [_simplify(C[a0][b] / c) for b in range(n)]
-    wv = [_simplify(C[a][b1] / c) for a in range(n)]
+    b1 = min((b for b in range(n) if e[b] != 0), key=lambda b: sympy.count_ops(e[b]))
+    wv = [_simplify(C[a][b1] / (c * e[b1])) for a in range(n)]
     for a in range(n):
         for b in range(n):
             if _simplify(C[a][b] - wv[a] * c * e[b]) != 0:
