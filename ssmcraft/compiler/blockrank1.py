@@ -87,17 +87,32 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
     if updates is None:
         from ssmcraft.compiler.updates import derive_updates
         updates = derive_updates(so)
-    from ssmcraft.compiler.structure import _Builder, _reduction_irs, renumber, split_dims
-    row, col = ir.dims
     alg = so.algebra
-    n = len(ir.states)
     prevs = [so.lowering.state_of(x)[1] for x in ir.states]
     news = [so.lowering.state_of(x)[0] for x in ir.states]
+    parts = _decompose(alg, ir, [F for _, F in updates], prevs)
+    if isinstance(parts, str):
+        return parts
+    A, erase, gammas = parts
+    form = _rank1(alg, ir.dims, len(prevs), erase, gammas)
+    if isinstance(form, str):
+        return form
+    readout = _readout(alg, so.output, news, *ir.dims)
+    if isinstance(readout, str):
+        return readout
+    return _with_slots(alg, ir, A, form, readout, (*prevs, *news))
+
+
+def _decompose(alg, ir, Fs, prevs):
+    """(A, erase, gammas) of the updates ``Fs``: ``X_a,t = sum_b A_ab X_b,prev + sum beta (X_b,prev w)
+    + gamma_a`` with ``erase`` the ``(a, b, beta, w)``, or why they are not of that form."""
+    row, col = ir.dims
+    n = len(prevs)
     A = [[0] * n for _ in range(n)]
-    erase: list = []                        # (a, b, beta, w): beta_ab (X_b,prev w) in X_a,t
+    erase: list = []
     gammas = []
     try:
-        for a, (_, F) in enumerate(updates):
+        for a, F in enumerate(Fs):
             rest = sympy.sympify(F)
             for b, P in enumerate(prevs):
                 parts = affine(alg, rest, P)
@@ -115,6 +130,14 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
         return "an input term depends on the states"
     if not erase:
         return "no erase term (a decay: the diagonal families run it)"
+    return A, erase, gammas
+
+
+def _rank1(alg, dims, n, erase, gammas):
+    """(u, v, c, e, w, p, q) of erase terms that are ``w_a c e_b (X_b,prev u) v^T`` and inputs
+    ``w_a p q^T``, or why they are not."""
+    from ssmcraft.compiler.structure import split_dims
+    row, col = dims
     # one functional u and one write direction v for every (a, b)
     u, v = min((w for *_, w in erase), key=sympy.count_ops), None
     C = [[sympy.Integer(0)] * n for _ in range(n)]
@@ -139,14 +162,11 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
     c = _common_factor([x for x in C[a0] if x != 0])
     e = [_simplify(C[a0][b] / c) for b in range(n)]
     b1 = min((b for b in range(n) if e[b] != 0), key=lambda b: sympy.count_ops(e[b]))
-    wv = [_simplify(C[a][b1] / (c * e[b1])) for a in range(n)]
-    for a in range(n):
-        for b in range(n):
-            if _simplify(C[a][b] - wv[a] * c * e[b]) != 0:
-                return "the erase coefficients over the states are not of rank 1 (no single extrapolated state)"
-    for x in (*e, *wv):
-        if col in alg.dims_of(x):
-            return f"a state weight varies over {col}"
+    w = [_simplify(C[a][b1] / (c * e[b1])) for a in range(n)]
+    if any(_simplify(C[a][b] - w[a] * c * e[b]) != 0 for a in range(n) for b in range(n)):
+        return "the erase coefficients over the states are not of rank 1 (no single extrapolated state)"
+    if any(col in alg.dims_of(x) for x in (*e, *w)):
+        return f"a state weight varies over {col}"
     # the input term: w_a p q^T
     p = q = None
     g0 = _simplify(gammas[a0])
@@ -155,14 +175,17 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
         if pq is None:
             return "the input term does not factor as p q^T"
         p, q = pq
-    for a in range(n):
-        if _simplify(gammas[a] - wv[a] * g0) != 0:
-            return "the states receive different input terms (not one innovation)"
-    readout = _readout(alg, so.output, news, row, col)
-    if isinstance(readout, str):
-        return readout
+    if any(_simplify(gammas[a] - w[a] * g0) != 0 for a in range(n)):
+        return "the states receive different input terms (not one innovation)"
+    return u, v, c, e, w, p, q
+
+
+def _with_slots(alg, ir, A, form, readout, states):
+    """The IR with the form's coefficients and slots, named and CSE'd as every structured IR's."""
+    from ssmcraft.compiler.structure import _Builder, _reduction_irs, renumber
+    u, v, c, e, w, p, q = form
     r_state, oc, oq, oh = readout
-    # the slots, named and CSE'd as every structured IR's
+    n = len(e)
     bld = _Builder(alg, ir.dims, factor=False)
     for a in range(n):
         for b in range(n):
@@ -170,7 +193,7 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
     for b in range(n):
         bld.add(f"e{b}", e[b], reuse=False)
     for a in range(n):
-        bld.add(f"w{a}", wv[a], reuse=False)
+        bld.add(f"w{a}", w[a], reuse=False)
     bld.add("c", c)
     bld.add("u", u, reuse=False)
     bld.add("v", v, reuse=False)
@@ -182,7 +205,7 @@ def find(so, ir: UpdateIR, updates=None) -> UpdateIR | str:
     if oh != 0:
         bld.add("oh", oh)
     coefficients, reductions = bld.build()
-    if any(alg.depends_on(red.body, P) for red in reductions for P in (*prevs, *news)):
+    if any(alg.depends_on(red.body, X) for red in reductions for X in states):
         return "a coefficient reads the state"
     return renumber(replace(ir, coefficients=tuple(coefficients), slots=dict(bld.slots),
                             reductions=_reduction_irs(reductions, ir.dims), block=ir.states[r_state]))
