@@ -145,7 +145,7 @@ def block_fwd_kernel(
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, RO: tl.constexpr,
 ):
     """One program: rows [iv*BV, iv*BV+BV) of head (b, h), both state tiles in registers; the
-    next step's slots are loaded one step ahead, and on the GPU L2 is asked PF steps ahead."""
+    slots are loaded two steps ahead, and on the GPU L2 is asked PF steps ahead."""
     i_bh = tl.program_id(0)
     b = i_bh // H
     h = i_bh % H
@@ -163,11 +163,14 @@ def block_fwd_kernel(
         ckp = CK + i_bh.to(tl.int64) * NC * 2 * K * V
         tl.store(ckp + tile, x0, mask=mask_s)
         tl.store(ckp + K * V + tile, x1, mask=mask_s)
-    nxt = load_step(vecs, rows, None, None, base * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    # slots two steps ahead in registers
+    nx1 = load_step(vecs, rows, None, None, base * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    nx2 = load_step(vecs, rows, None, None, (base + tl.minimum(1, T - 1)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     for t in range(0, T):
         row = (base + t) * H + h
-        vs, cf, _z, _dy = nxt
-        nxt = load_step(vecs, rows, None, None, (base + tl.minimum(t + 1, T - 1)) * H + h, K, V, ix,
+        vs, cf, _z, _dy = nx1
+        nx1 = nx2
+        nx2 = load_step(vecs, rows, None, None, (base + tl.minimum(t + 2, T - 1)) * H + h, K, V, ix,
                         MODES, CONSTS, GROUPS, BV)
         if PF > 0:
             prefetch_step(vecs, rows, None, None, (base + tl.minimum(t + PF, T - 1)) * H + h, K, V, ix, MODES, GROUPS)
@@ -193,9 +196,19 @@ def block_fwd_kernel(
 
 
 @triton.jit
+def group_sum(gs, i: tl.constexpr, ROWG: tl.constexpr):
+    """The gradient of row slot ``i``'s tensor: the sum over the slots that are that tensor."""
+    acc = gs[i]
+    for j in tl.static_range(i + 1, 10):
+        if ROWG[j] == i:
+            acc += gs[j]
+    return acc
+
+
+@triton.jit
 def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
              MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
-             RO: tl.constexpr):
+             RO: tl.constexpr, ROWG: tl.constexpr):
     """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``g0, g1`` the
     adjoints of the states after it; stores step t's gradients, returns the adjoints before it."""
     vs, cf, z, dy = sl
@@ -215,29 +228,19 @@ def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, 
     gR = combine(h0, h1, cf[W0], cf[W1], MODES[W0], CONSTS[W0], MODES[W1], CONSTS[W1])
     e = tl.sum(gR * v[:, None], axis=0)
     gz = -(cf[IC] * e)
+    if GROUPS[1] == GROUPS[0]:
+        dp = e                                  # q is v: one reduction
+    else:
+        dp = tl.sum(gR * q[:, None], axis=0)
+    # per-slot gradients (a constant slot's is never computed), then one store per distinct tensor
+    gs = (tl.sum(h0 * x0, axis=0), tl.sum(h0 * x1, axis=0), tl.sum(h1 * x0, axis=0), tl.sum(h1 * x1, axis=0),
+          gz * tl.sum(x0 * u[:, None], axis=0), gz * tl.sum(x1 * u[:, None], axis=0),
+          tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp)
     part = i_v * NB * H + row                   # [NV, B, T, H] partials of per-head coefficients
-    if MODES[IC] != 0:
-        store_row_grad(grads[IC], row, V, part, offs_v, mask_v, valid, -z * e, MODES[IC])
-    if MODES[IP] != 0:
-        store_row_grad(grads[IP], row, V, part, offs_v, mask_v, valid, tl.sum(gR * q[:, None], axis=0), MODES[IP])
-    if MODES[A00] != 0:
-        store_row_grad(grads[A00], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * x0, axis=0), MODES[A00])
-    if MODES[A01] != 0:
-        store_row_grad(grads[A01], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * x1, axis=0), MODES[A01])
-    if MODES[A10] != 0:
-        store_row_grad(grads[A10], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * x0, axis=0), MODES[A10])
-    if MODES[A11] != 0:
-        store_row_grad(grads[A11], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * x1, axis=0), MODES[A11])
-    if MODES[W0] != 0:
-        store_row_grad(grads[W0], row, V, part, offs_v, mask_v, valid, tl.sum(h0 * R, axis=0), MODES[W0])
-    if MODES[W1] != 0:
-        store_row_grad(grads[W1], row, V, part, offs_v, mask_v, valid, tl.sum(h1 * R, axis=0), MODES[W1])
-    if MODES[E0] != 0:
-        store_row_grad(grads[E0], row, V, part, offs_v, mask_v, valid, gz * tl.sum(x0 * u[:, None], axis=0),
-                       MODES[E0])
-    if MODES[E1] != 0:
-        store_row_grad(grads[E1], row, V, part, offs_v, mask_v, valid, gz * tl.sum(x1 * u[:, None], axis=0),
-                       MODES[E1])
+    for i in tl.static_range(10):
+        if MODES[i] != 0:
+            if ROWG[i] == i:
+                store_row_grad(grads[i], row, V, part, offs_v, mask_v, valid, group_sum(gs, i, ROWG), MODES[i])
     # K-vector gradients (summed over the rows), one buffer per distinct input tensor
     cu = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
     cv = gR * (-(cf[IC] * z))[None, :]
@@ -286,10 +289,12 @@ def block_bwd_kernel(
     T, H, V, K, NC, NB, NG,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, RO: tl.constexpr,
+    ROWG: tl.constexpr,      # per row slot: the first slot that is the same tensor (its gradient buffer)
 ):
     """Reverse sweep of rows [iv*BV, iv*BV+BV) of head (b, h), chunk by chunk from the last: the
     chunk's states rebuilt from its checkpoint (every second one kept in SCR), then its steps in
-    reverse, two per iteration (the kept state and the one rebuilt from it)."""
+    reverse, two per iteration (the kept state and the one rebuilt from it); slots are loaded two
+    steps (one pair) ahead, and on the GPU L2 is asked for the previous chunk's."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -316,29 +321,44 @@ def block_bwd_kernel(
         # rebuild: keep the state before every second step of the chunk
         x0 = tl.load(ckp + ci * 2 * K * V + tile, mask=mask_s, other=0.)
         x1 = tl.load(ckp + ci * 2 * K * V + K * V + tile, mask=mask_s, other=0.)
+        nx1 = load_step(vecs, rows, Z, None, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t0 + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                        GROUPS, BV)
         for t in range(t0, t1):
-            row = (base + t) * H + h
             if PF > 0:
                 prefetch_step(vecs, rows, Z, DY, (base + tl.maximum(t - CHUNK, 0)) * H + h, K, V, ix, MODES, GROUPS)
             if (t - t0) % 2 == 0:
                 tl.store(scr + ((t - t0) // 2) * 2 * BK * BV, x0)
                 tl.store(scr + ((t - t0) // 2) * 2 * BK * BV + BK * BV, x1)
-            vs, cf, z, _dy = load_step(vecs, rows, Z, None, row, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            vs, cf, z, _dy = nx1
+            nx1 = nx2
+            nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t + 2, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                            GROUPS, BV)
             x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
         tl.debug_barrier()
-        for jp in range(0, (t1 - t0 + 1) // 2):
-            te = t0 + 2 * ((t1 - t0 + 1) // 2 - 1 - jp)      # the pair's even step; te + 1 may be past t1
+        # reverse, a pair of steps (te, te + 1) per iteration, the next pair's loads issued ahead
+        npair = (t1 - t0 + 1) // 2
+        te = t0 + 2 * (npair - 1)
+        ne = load_step(vecs, rows, Z, DY, (base + te) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        no = load_step(vecs, rows, Z, DY, (base + tl.minimum(te + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                       GROUPS, BV)
+        n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
+        n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
+        for jp in range(0, npair):
+            te = t0 + 2 * (npair - 1 - jp)              # the pair's even step; te + 1 may be past t1
             to = te + 1
-            y0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
-            y1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
-            se = load_step(vecs, rows, Z, DY, (base + te) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-            so = load_step(vecs, rows, Z, DY, (base + tl.minimum(to, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+            se, so, y0, y1 = ne, no, n0, n1
+            tn = tl.maximum(te - 2, t0)
+            ne = load_step(vecs, rows, Z, DY, (base + tn) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+            no = load_step(vecs, rows, Z, DY, (base + tl.minimum(tn + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
                            GROUPS, BV)
+            n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
+            n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
             w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
             g0, g1 = bwd_step(g0, g1, w0, w1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
-                              MODES, CONSTS, GROUPS, INDEX, RO)
+                              MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
             g0, g1 = bwd_step(g0, g1, y0, y1, se, te, t1, (base + te) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
-                              MODES, CONSTS, GROUPS, INDEX, RO)
+                              MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
         tl.debug_barrier()
     if DS0 is not None:
         tl.store(DS0 + (i_bh.to(tl.int64) * 2) * K * V + tile, g0, mask=mask_s)

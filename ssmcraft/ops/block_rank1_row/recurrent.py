@@ -43,6 +43,12 @@ def _config(V: int, K: int) -> tuple[int, int]:
     return CONFIG.get("rows", bv), CONFIG.get("warps", 1)
 
 
+def _row_groups(tens) -> tuple:
+    """Per row slot, the first slot holding the same tensor (itself for a number)."""
+    return tuple(next(j for j in range(i + 1) if t is not None and tens[j] is t) if t is not None else i
+                 for i, t in enumerate(tens))
+
+
 def _mode(x):
     """(mode, const, tensor): 0 a number, 1 per head [B, T, H], 2 per row [B, T, H, V]."""
     if not isinstance(x, torch.Tensor):
@@ -74,13 +80,13 @@ class _BlockFunction(torch.autograd.Function):
         elif ST is not None:
             ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
         ctx.save_for_backward(S0, u, v, q, oq, Z, CK, *tens)
-        ctx.meta = (RO, V, modes, consts, chunk, S0 is not None)
+        ctx.meta = (RO, V, modes, consts, chunk, S0 is not None, _row_groups(tens))
         return o, (ST if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dST):
         S0, u, v, q, oq, Z, CK, *tens = ctx.saved_tensors
-        RO, V, modes, consts, chunk, has_s0 = ctx.meta
+        RO, V, modes, consts, chunk, has_s0, rowg = ctx.meta
         B, T, H, K = u.shape
         dev = u.device
         BV, nw = _config(V, K)
@@ -90,7 +96,9 @@ class _BlockFunction(torch.autograd.Function):
         distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
         index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
         NG = len(distinct)
-        gbufs = [_new((B, T, H, V), dev) if m == 2 else _new((NV, B, T, H), dev) if m == 1 else None for m in modes]
+        # one gradient buffer per distinct row tensor (Longhorn with momentum: mu is a00, a10 and e0)
+        gbufs = [None if m == 0 or g != i else _new((B, T, H, V), dev) if m == 2 else _new((NV, B, T, H), dev)
+                 for i, (m, g) in enumerate(zip(modes, rowg))]
         DM = _new((NV, NG, B, T, H, K), dev)
         DS0 = _new((B, H, 2, K, V), dev) if has_s0 and ctx.needs_input_grad[4] else None
         if T > 0:
@@ -99,7 +107,7 @@ class _BlockFunction(torch.autograd.Function):
                    do.contiguous() if do is not None else None, dST.contiguous() if dST is not None else None,
                    *gbufs, DM, DS0, T, H, V, K, NC, B * T, NG,
                    BV=BV, BK=BK, CHUNK=chunk, PF=0 if INTERPRET else PREFETCH, MODES=modes, CONSTS=consts,
-                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), RO=RO, num_warps=nw)
+                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), RO=RO, ROWG=rowg, num_warps=nw)
         elif DS0 is not None:
             DS0.copy_(dST if dST is not None else torch.zeros_like(DS0))
         dm = DM.sum(0) if NV > 1 else DM[0]
