@@ -32,7 +32,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.rank1_row.bwd import store_row_grad
 from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, row_tile
 
 # positions in ``rows``, ``MODES`` and ``CONSTS``
@@ -206,23 +205,21 @@ def group_sum(gs, i: tl.constexpr, ROWG: tl.constexpr):
 
 
 @triton.jit
-def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
+def bwd_step(g0, g1, x0, x1, nr, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
              MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
              RO: tl.constexpr, ROWG: tl.constexpr):
-    """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``g0, g1`` the
-    adjoints of the states after it; stores step t's gradients, returns the adjoints before it."""
+    """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``nr`` the read
+    state after it, ``g0, g1`` the adjoints of the states after it; stores step t's gradients,
+    returns the adjoints before it."""
     vs, cf, z, dy = sl
     u, v, q, oq = vs
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t < t_hi
-    R = innovation(vs, cf, z)
-    n0, n1 = advance(x0, x1, R, cf, MODES, CONSTS)
+    R = innovation(vs, cf, z)                   # read only by the gradients of non-constant w
     if RO == 0:
-        nr = n0
         h0 = g0 + oq[:, None] * dy[None, :]
         h1 = g1
     else:
-        nr = n1
         h0 = g0
         h1 = g1 + oq[:, None] * dy[None, :]
     gR = combine(h0, h1, cf[W0], cf[W1], MODES[W0], CONSTS[W0], MODES[W1], CONSTS[W1])
@@ -236,18 +233,22 @@ def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, 
     gs = (tl.sum(h0 * x0, axis=0), tl.sum(h0 * x1, axis=0), tl.sum(h1 * x0, axis=0), tl.sum(h1 * x1, axis=0),
           gz * tl.sum(x0 * u[:, None], axis=0), gz * tl.sum(x1 * u[:, None], axis=0),
           tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp)
-    part = i_v * NB * H + row                   # [NV, B, T, H] partials of per-head coefficients
     for i in tl.static_range(10):
         if MODES[i] != 0:
             if ROWG[i] == i:
-                store_row_grad(grads[i], row, V, part, offs_v, mask_v, valid, group_sum(gs, i, ROWG), MODES[i])
+                g = group_sum(gs, i, ROWG)
+                if MODES[i] == 2:
+                    tl.store(grads[i] + row * V + offs_v, g, mask=mask_v & valid)
+                else:                           # per head: the row blocks add into one [B, T, H]
+                    tl.atomic_add(grads[i] + row, tl.sum(tl.where(mask_v, g, 0.), axis=0), mask=valid,
+                                  sem="relaxed")
     # K-vector gradients (summed over the rows), one buffer per distinct input tensor
     cu = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
     cv = gR * (-(cf[IC] * z))[None, :]
     cq = gR * cf[IP][None, :]
     co = nr * dy[None, :]
     mk = mask_k & valid
-    dm = DM + (i_v * NG * NB * H + row) * K + offs_k
+    dm = DM + row * K + offs_k                  # [NG, B, T, H, K]: the row blocks add into it
     gstride = NB * H * K
     acc = cu
     if GROUPS[0] == 0:
@@ -256,21 +257,21 @@ def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, 
         acc += cq
     if GROUPS[2] == 0:
         acc += co
-    tl.store(dm, tl.sum(acc, axis=1), mask=mk)
+    tl.atomic_add(dm, tl.sum(acc, axis=1), mask=mk, sem="relaxed")
     if GROUPS[0] == 1:
         acc1 = cv
         if GROUPS[1] == 1:
             acc1 += cq
         if GROUPS[2] == 1:
             acc1 += co
-        tl.store(dm + INDEX[0] * gstride, tl.sum(acc1, axis=1), mask=mk)
+        tl.atomic_add(dm + INDEX[0] * gstride, tl.sum(acc1, axis=1), mask=mk, sem="relaxed")
     if GROUPS[1] == 2:
         acc2 = cq
         if GROUPS[2] == 2:
             acc2 += co
-        tl.store(dm + INDEX[1] * gstride, tl.sum(acc2, axis=1), mask=mk)
+        tl.atomic_add(dm + INDEX[1] * gstride, tl.sum(acc2, axis=1), mask=mk, sem="relaxed")
     if GROUPS[2] == 3:
-        tl.store(dm + INDEX[2] * gstride, tl.sum(co, axis=1), mask=mk)
+        tl.atomic_add(dm + INDEX[2] * gstride, tl.sum(co, axis=1), mask=mk, sem="relaxed")
     # adjoints of the states before the step
     gU = u[:, None] * gz[None, :]
     p0 = combine(h0, h1, cf[A00], cf[A10], MODES[A00], CONSTS[A00], MODES[A10], CONSTS[A10]) \
@@ -284,8 +285,8 @@ def bwd_step(g0, g1, x0, x1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, 
 def block_bwd_kernel(
     U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP,   # slots (None: a constant)
     Z, CK, SCR, DY, DHT,     # z; checkpoints [B, H, NC, 2, K, V]; scratch; do [B, T, H, V]; dS_T [B, H, 2, K, V] or None
-    GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP,   # row gradients (None where constant)
-    DM, DS0,                 # K-vector gradients [NV, NG, B, T, H, K]; dS0 [B, H, 2, K, V] or None
+    GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP,   # row gradients (None where constant; per head: zeros, added into)
+    DM, DS0,                 # K-vector gradients [NG, B, T, H, K] (zeros: added into); dS0 [B, H, 2, K, V] or None
     T, H, V, K, NC, NB, NG,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, RO: tl.constexpr,
@@ -344,6 +345,7 @@ def block_bwd_kernel(
                        GROUPS, BV)
         n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
         n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
+        after = x0 if RO == 0 else x1                 # the read state after the pair's odd step
         for jp in range(0, npair):
             te = t0 + 2 * (npair - 1 - jp)              # the pair's even step; te + 1 may be past t1
             to = te + 1
@@ -355,10 +357,11 @@ def block_bwd_kernel(
             n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
             n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
             w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
-            g0, g1 = bwd_step(g0, g1, w0, w1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
-                              MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
-            g0, g1 = bwd_step(g0, g1, y0, y1, se, te, t1, (base + te) * H + h, K, V, ix, grads, DM, i_v, NB, H, NG,
-                              MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
+            g0, g1 = bwd_step(g0, g1, w0, w1, after, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB,
+                              H, NG, MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
+            g0, g1 = bwd_step(g0, g1, y0, y1, w0 if RO == 0 else w1, se, te, t1, (base + te) * H + h, K, V, ix, grads,
+                              DM, i_v, NB, H, NG, MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
+            after = y0 if RO == 0 else y1
         tl.debug_barrier()
     if DS0 is not None:
         tl.store(DS0 + (i_bh.to(tl.int64) * 2) * K * V + tile, g0, mask=mask_s)

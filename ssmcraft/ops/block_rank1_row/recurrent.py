@@ -34,12 +34,14 @@ def _new(shape, device, dtype=torch.float32):
 
 
 def _config(V: int, K: int) -> tuple[int, int]:
-    """(BV, num_warps): interpreter one large tile; GPU the per-row rank-1 family's rule (small row
-    blocks on one warp, so that B*H*V/BV programs fill the chip and a step has no cross-warp sync)."""
+    """(BV, num_warps): interpreter one large tile; GPU small row blocks on one warp, as the per-row
+    rank-1 family (B*H*V/BV programs fill the chip, a step has no cross-warp sync), with a tile of
+    256 elements (BK * BV) per state: the backward holds eight state tiles live (two states, their
+    adjoints, a kept pair and the pair rebuilt from it), and at 512 (K = 64, 8 rows) it spills
+    (sm_90, offline: 255 registers and 296 stack bytes, against 251 and none at 4 rows)."""
     if INTERPRET:
         return min(next_pow2(V), 64), 1
-    BK = next_pow2(K)
-    bv = 16 if BK <= 32 else 8
+    bv = max(2, 256 // next_pow2(K))
     return CONFIG.get("rows", bv), CONFIG.get("warps", 1)
 
 
@@ -97,9 +99,10 @@ class _BlockFunction(torch.autograd.Function):
         index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
         NG = len(distinct)
         # one gradient buffer per distinct row tensor (Longhorn with momentum: mu is a00, a10 and e0)
-        gbufs = [None if m == 0 or g != i else _new((B, T, H, V), dev) if m == 2 else _new((NV, B, T, H), dev)
+        # (per-head ones and the K-vector ones are sums over the row blocks, added into zeros by the kernel)
+        gbufs = [None if m == 0 or g != i else _new((B, T, H, V), dev) if m == 2 else torch.zeros(B, T, H, device=dev)
                  for i, (m, g) in enumerate(zip(modes, rowg))]
-        DM = _new((NV, NG, B, T, H, K), dev)
+        DM = torch.zeros(NG, B, T, H, K, device=dev)
         DS0 = _new((B, H, 2, K, V), dev) if has_s0 and ctx.needs_input_grad[4] else None
         if T > 0:
             SCR = torch.empty(B * H * NV * ((chunk + 1) // 2) * 2 * BK * BV, device=dev, dtype=torch.float32)
@@ -110,13 +113,11 @@ class _BlockFunction(torch.autograd.Function):
                    GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), RO=RO, ROWG=rowg, num_warps=nw)
         elif DS0 is not None:
             DS0.copy_(dST if dST is not None else torch.zeros_like(DS0))
-        dm = DM.sum(0) if NV > 1 else DM[0]
-        vec = [dm[index[0]]] + [dm[index[s]] if g == s else None for s, g in zip((1, 2, 3), groups)]
+        vec = [DM[index[0]]] + [DM[index[s]] if g == s else None for s, g in zip((1, 2, 3), groups)]
         vec = [g.to(x.dtype) if g is not None else None for g, x in zip(vec, (u, v, q, oq))]
         row = []
-        for buf, m, t in zip(gbufs, modes, tens):
-            g = None if buf is None else (buf.sum(0) if m == 1 else buf)
-            row.append(g.to(t.dtype) if g is not None else None)
+        for buf, t in zip(gbufs, tens):
+            row.append(buf.to(t.dtype) if buf is not None else None)
         return (None, None, None, None, DS0, *vec, *row)
 
 
