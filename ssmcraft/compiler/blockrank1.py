@@ -6,9 +6,9 @@ expression in the previous ones. This stage recognises the block form, row by ro
     U      = sum_b e_b X_b,prev                         (the extrapolated state)
     z      = U u                                        (one functional per row)
     X_a,t  = sum_b A_ab X_b,prev + w_a (p q^T - c z v^T)
-    y      = oc (X_r,t oq) + oh                          (the readout reads one state r)
+    y      = oc ((sum_a r_a X_a,t) oq) + oh             (one query over the states)
 
-with ``A_ab, e_b, w_a, c, p, oc, oh`` per row or per head and ``u, v, q, oq`` over the columns:
+with ``A_ab, e_b, w_a, r_a, c, p, oc, oh`` per row or per head and ``u, v, q, oq`` over the columns:
 the erase coefficients of ``X_b,prev`` in ``X_a,t`` form a rank-1 matrix ``C_ab = w_a c e_b``
 over the states, all along one ``u`` and one ``v``, and every state receives the same innovation
 ``p q^T - c z v^T`` scaled by ``w_a``. Longhorn with momentum (``objectives/momentum_longhorn.yaml``)
@@ -16,9 +16,8 @@ is ``U = S_prev + mu D_prev``, ``S = U - eps (U k - x) k^T``, ``D = S - S_prev``
 per row and step however many states, which the row-tiled kernels of
 ``ssmcraft/ops/block_rank1_row/`` run (the element form of the same update nests two).
 
-``attach(so, ir)`` returns the IR with the form's coefficients and slots (``a{a}{b} e{b} w{a} c
-u v p q oc oq oh``, state indices in declaration order) and ``UpdateIR.block`` naming the readout's
-state; the kind, the element updates and the readout stay, so every other consumer of the IR sees
+``attach(so, ir)`` returns the IR with the form's coefficients and slots (``a{a}{b} e{b} w{a} ro{a}
+c u v p q oc oq oh``, state indices in declaration order) and ``UpdateIR.block`` set; the kind, the element updates and the readout stay, so every other consumer of the IR sees
 it as before. ``find`` says why an update has no such form; ``block_rank1(ir)`` reads the form
 back.
 """
@@ -35,7 +34,6 @@ from ssmcraft.compiler.ir import UpdateIR
 @dataclass(frozen=True)
 class BlockRank1:
     ir: UpdateIR             # the IR, carrying the form's coefficients and slots
-    readout: int             # index of the state the readout reads
 
     @property
     def n_states(self) -> int:
@@ -53,7 +51,7 @@ def block_rank1(ir: UpdateIR) -> BlockRank1 | str:
     """The block form an IR carries (``attach``), or why it carries none."""
     if not ir.block:
         return "no block rank-1 form (not several states updated by one rank-1 step of an extrapolated state)"
-    return BlockRank1(ir, ir.states.index(ir.block))
+    return BlockRank1(ir)
 
 
 def _simplify(e):
@@ -184,7 +182,7 @@ def _with_slots(alg, ir, A, form, readout, states):
     """The IR with the form's coefficients and slots, named and CSE'd as every structured IR's."""
     from ssmcraft.compiler.structure import _Builder, _reduction_irs, renumber
     u, v, c, e, w, p, q = form
-    r_state, oc, oq, oh = readout
+    r, oc, oq, oh = readout
     n = len(e)
     bld = _Builder(alg, ir.dims, factor=False)
     for a in range(n):
@@ -194,6 +192,8 @@ def _with_slots(alg, ir, A, form, readout, states):
         bld.add(f"e{b}", e[b], reuse=False)
     for a in range(n):
         bld.add(f"w{a}", w[a], reuse=False)
+    for a in range(n):
+        bld.add(f"ro{a}", r[a], reuse=False)
     bld.add("c", c)
     bld.add("u", u, reuse=False)
     bld.add("v", v, reuse=False)
@@ -208,30 +208,39 @@ def _with_slots(alg, ir, A, form, readout, states):
     if any(alg.depends_on(red.body, X) for red in reductions for X in states):
         return "a coefficient reads the state"
     return renumber(replace(ir, coefficients=tuple(coefficients), slots=dict(bld.slots),
-                            reductions=_reduction_irs(reductions, ir.dims), block=ir.states[r_state]))
+                            reductions=_reduction_irs(reductions, ir.dims), block=True))
 
 
 def _readout(alg, output, news, row, col):
-    """(state index, oc, oq, oh) of a readout ``oc (X_r oq) + oh``, or why it has not that form."""
+    """(r, oc, oq, oh) of a readout ``oc ((sum_a r_a X_a,t) oq) + oh`` (one query over the states),
+    or why it has not that form."""
     from ssmcraft.compiler.structure import split_dims
-    y = sympy.sympify(output)
-    found = None
+    rest = sympy.sympify(output)
+    ocs, oq = [], None
     try:
-        for i, X in enumerate(news):
-            if not alg.depends_on(y, X):
+        for X in news:
+            if not alg.depends_on(rest, X):
+                ocs.append(sympy.Integer(0))
                 continue
-            if found is not None:
-                return "the readout reads more than one state"
-            parts = affine(alg, y, X)
+            parts = affine(alg, rest, X)
             split = split_dims(alg, parts.terms[0][0], row, col) if len(parts.terms) == 1 else None
             if parts.alpha != 0 or split is None or split[1] != 1 or row in alg.dims_of(parts.terms[0][1]):
                 return "the readout is not of the form oc (X oq) + oh"
-            found = (i, split[0], parts.terms[0][1], parts.gamma)
+            w = parts.terms[0][1]
+            oq = w if oq is None else oq
+            ratio = _simplify(w / oq)
+            if col in alg.dims_of(ratio):
+                return "the readout reads the states along more than one query"
+            ocs.append(_simplify(split[0] * ratio))
+            rest = parts.gamma
     except (NotAffine, NotRowSeparable):
-        return "the readout is not linear in the state"
-    if found is None:
+        return "the readout is not linear in the states"
+    if oq is None:
         return "the readout reads no state"
-    return found
+    if any(alg.depends_on(rest, X) for X in news):
+        return "the readout is not of the form oc (X oq) + oh"
+    oc = _common_factor([x for x in ocs if x != 0])
+    return [_simplify(x / oc) for x in ocs], oc, oq, rest
 
 
 def describe(ir: UpdateIR, why: str | None = None) -> list[str]:
@@ -256,5 +265,6 @@ def describe(ir: UpdateIR, why: str | None = None) -> list[str]:
         lin = " + ".join(f"({s(f'a{a}{b}')})*{names[b]}_prev" for b in range(n) if s(f"a{a}{b}") != "0")
         lines.append(f"  {names[a]}_t = {lin or '0'} + ({s(f'w{a}')})*R")
     oh = f" + {s('oh')}" if "oh" in ir.slots else ""
-    lines.append(f"  y = ({s('oc')})*sum_m {names[form.readout]}*({s('oq')}){oh}")
+    read = " + ".join(f"({s(f'ro{a}')})*{names[a]}" for a in range(n) if s(f"ro{a}") != "0")
+    lines.append(f"  y = ({s('oc')})*sum_m ({read})*({s('oq')}){oh}")
     return lines

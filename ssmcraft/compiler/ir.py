@@ -85,9 +85,8 @@ class UpdateIR:
     # ``sum_over body = expr``), for display; the coefficients read only the smaller ones
     factored: tuple = ()
     # several states whose joint update is one rank-1 step of an extrapolated state
-    # (``ssmcraft.compiler.blockrank1``): the readout's state, and ``coefficients``/``slots`` hold the
-    # form's; "" without
-    block: str = ""
+    # (``ssmcraft.compiler.blockrank1``): ``coefficients`` and ``slots`` hold the form's
+    block: bool = False
 
     @property
     def state_names(self) -> tuple:
@@ -142,7 +141,7 @@ class UpdateIR:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
         if self.block:
-            out["block_readout"] = self.block
+            out["block_rank1"] = True
         if self.factored:
             out["factored"] = [{"over": f.over, "body": sympy.sstr(f.body), "as": sympy.sstr(f.expr)}
                                for f in self.factored]

@@ -5,13 +5,13 @@ kernels' transposed tiles ``[BK, BV]``::
     U    = e0 x0 + e1 x1,          z = U . u             (one reduction over K per row)
     R    = p q - c z v                                  (the innovation, rank 1)
     x0'  = a00 x0 + a01 x1 + w0 R,  x1' = a10 x0 + a11 x1 + w1 R
-    o    = x_RO' . oq                                   (the readout's ``S oq``; oc, oh on the host)
+    o    = (r0 x0' + r1 x1') . oq                       (the readout's ``S oq``; oc, oh on the host)
 
 Backward (reverse time; ``g0, g1`` the adjoints of ``x0', x1'``)::
 
-    g_RO += oq dy;   gR = w0 g0 + w1 g1;   e = gR . v;   gz = -c e
-    dc = -z e,  dp = gR . q,  dA_ab = g_a . x_b,  dw_a = g_a . R,  de_b = gz (x_b . u)
-    du += gz U,  dv -= c z gR,  dq += p gR,  doq += dy x_RO'          (summed over the rows)
+    g_a += r_a oq dy;   gR = w0 g0 + w1 g1;   e = gR . v;   gz = -c e
+    dc = -z e,  dp = gR . q,  dA_ab = g_a . x_b,  dw_a = g_a . R,  de_b = gz (x_b . u),  dr_a = dy (x_a' . oq)
+    du += gz U,  dv -= c z gR,  dq += p gR,  doq += dy (r0 x0' + r1 x1')   (summed over the rows)
     g0 <- a00 g0 + a10 g1 + e0 gz u,    g1 <- a01 g0 + a11 g1 + e1 gz u
 
 The backward needs the states before every step. The forward stores ``z`` (one scalar per row
@@ -21,7 +21,7 @@ every second step in the per-program scratch ``SCR [prog, CHUNK/2, 2, BK, BV]`` 
 rebuilds the other in registers. Inverting the transition instead would divide by the momentum
 (``x1_prev = (x1 - R) / mu`` for Longhorn with momentum) and amplify rounding by ``1/mu`` per step.
 
-Row coefficients come as ``rows = (A00, A01, A10, A11, E0, E1, W0, W1, C, P)`` with the
+Row coefficients come as ``rows = (A00, A01, A10, A11, E0, E1, W0, W1, C, P, R0, R1)`` with the
 compile-time ``MODES`` (0 the constant of ``CONSTS``, 1 per head ``[B, T, H]``, 2 per row
 ``[B, T, H, V]``); a constant 0 or 1 costs nothing (``scaled``, ``combine``). The K-vector slots
 ``(U, Vv, Q, OQ)`` share loads and gradient buffers by ``GROUPS`` as in ``ssmcraft.ops.rank1_row``,
@@ -35,7 +35,7 @@ import triton.language as tl
 from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, row_tile
 
 # positions in ``rows``, ``MODES`` and ``CONSTS``
-A00, A01, A10, A11, E0, E1, W0, W1, IC, IP = (tl.constexpr(i) for i in range(10))
+A00, A01, A10, A11, E0, E1, W0, W1, IC, IP, R0, R1 = (tl.constexpr(i) for i in range(12))
 
 
 @triton.jit
@@ -48,6 +48,16 @@ def scaled(x, c, MODE: tl.constexpr, CONST: tl.constexpr):
             r = x * CONST
     else:
         r = x * c[None, :]
+    return r
+
+
+@triton.jit
+def plus_scaled(g, x, c, MODE: tl.constexpr, CONST: tl.constexpr):
+    """``g + c x``, nothing added where ``c`` is the constant 0."""
+    if (MODE == 0) and (CONST == 0.0):
+        r = g
+    else:
+        r = g + scaled(x, c, MODE, CONST)
     return r
 
 
@@ -65,7 +75,7 @@ def combine(x0, x1, c0, c1, M0: tl.constexpr, K0: tl.constexpr, M1: tl.constexpr
 
 @triton.jit
 def load_rows(rows, row, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr, BV: tl.constexpr):
-    """The ten row coefficients at one step, [BV] fp32 each (a constant's is never read)."""
+    """The twelve row coefficients at one step, [BV] fp32 each (a constant's is never read)."""
     return (load_coef(rows[0], row, V, ix[2], ix[3], MODES[0], CONSTS[0], BV),
             load_coef(rows[1], row, V, ix[2], ix[3], MODES[1], CONSTS[1], BV),
             load_coef(rows[2], row, V, ix[2], ix[3], MODES[2], CONSTS[2], BV),
@@ -75,7 +85,9 @@ def load_rows(rows, row, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr, BV: t
             load_coef(rows[6], row, V, ix[2], ix[3], MODES[6], CONSTS[6], BV),
             load_coef(rows[7], row, V, ix[2], ix[3], MODES[7], CONSTS[7], BV),
             load_coef(rows[8], row, V, ix[2], ix[3], MODES[8], CONSTS[8], BV),
-            load_coef(rows[9], row, V, ix[2], ix[3], MODES[9], CONSTS[9], BV))
+            load_coef(rows[9], row, V, ix[2], ix[3], MODES[9], CONSTS[9], BV),
+            load_coef(rows[10], row, V, ix[2], ix[3], MODES[10], CONSTS[10], BV),
+            load_coef(rows[11], row, V, ix[2], ix[3], MODES[11], CONSTS[11], BV))
 
 
 @triton.jit
@@ -103,7 +115,7 @@ def prefetch_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, GROUPS:
         prefetch_l2(vecs[2] + row * K + ix[0])
     if GROUPS[2] == 3:
         prefetch_l2(vecs[3] + row * K + ix[0])
-    for i in tl.static_range(10):
+    for i in tl.static_range(12):
         if MODES[i] == 2:
             prefetch_l2(rows[i] + row * V + ix[2])
     if Z is not None:
@@ -116,6 +128,12 @@ def prefetch_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, GROUPS:
 def extrapolated(x0, x1, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
     """U = e0 x0 + e1 x1."""
     return combine(x0, x1, cf[E0], cf[E1], MODES[E0], CONSTS[E0], MODES[E1], CONSTS[E1])
+
+
+@triton.jit
+def read(x0, x1, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
+    """r0 x0 + r1 x1: what the readout reads with oq."""
+    return combine(x0, x1, cf[R0], cf[R1], MODES[R0], CONSTS[R0], MODES[R1], CONSTS[R1])
 
 
 @triton.jit
@@ -137,11 +155,11 @@ def advance(x0, x1, R, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
 
 @triton.jit
 def block_fwd_kernel(
-    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP,   # slots (None: a constant)
+    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP, RR0, RR1,   # slots (None: a constant)
     S0, Y, ST, Z, CK,        # S0 / S_T [B, H, 2, K, V] (or None); o [B, T, H, V]; z [B, T, H, V]; ckpt [B, H, NC, 2, K, V]
     T, H, V, K, NC,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
-    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, RO: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr,
 ):
     """One program: rows [iv*BV, iv*BV+BV) of head (b, h), both state tiles in registers; the
     slots are loaded two steps ahead, and on the GPU L2 is asked PF steps ahead."""
@@ -150,7 +168,7 @@ def block_fwd_kernel(
     h = i_bh % H
     ix, mask_s, tile = row_tile(V, K, BV, BK)
     vecs = (U, Vv, Q, OQ)
-    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP)
+    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP, RR0, RR1)
     base = b.to(tl.int64) * T
     x0 = tl.zeros([BK, BV], dtype=tl.float32)
     x1 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -176,10 +194,7 @@ def block_fwd_kernel(
         u, v, q, oq = vs
         z = tl.sum(extrapolated(x0, x1, cf, MODES, CONSTS) * u[:, None], axis=0)
         x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
-        if RO == 0:
-            o = tl.sum(x0 * oq[:, None], axis=0)
-        else:
-            o = tl.sum(x1 * oq[:, None], axis=0)
+        o = tl.sum(read(x0, x1, cf, MODES, CONSTS) * oq[:, None], axis=0)
         tl.store(Y + row * V + ix[2], o.to(Y.dtype.element_ty), mask=ix[3])
         if Z is not None:
             tl.store(Z + row * V + ix[2], z, mask=ix[3])
@@ -198,30 +213,27 @@ def block_fwd_kernel(
 def group_sum(gs, i: tl.constexpr, ROWG: tl.constexpr):
     """The gradient of row slot ``i``'s tensor: the sum over the slots that are that tensor."""
     acc = gs[i]
-    for j in tl.static_range(i + 1, 10):
+    for j in tl.static_range(i + 1, 12):
         if ROWG[j] == i:
             acc += gs[j]
     return acc
 
 
 @triton.jit
-def bwd_step(g0, g1, x0, x1, nr, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
+def bwd_step(g0, g1, x0, x1, n0, n1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
              MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
-             RO: tl.constexpr, ROWG: tl.constexpr):
-    """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``nr`` the read
-    state after it, ``g0, g1`` the adjoints of the states after it; stores step t's gradients,
-    returns the adjoints before it."""
+             ROWG: tl.constexpr):
+    """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``n0, n1`` after
+    it (the readout's only: a state it does not read is never loaded), ``g0, g1`` the adjoints of
+    the states after it; stores step t's gradients, returns the adjoints before it."""
     vs, cf, z, dy = sl
     u, v, q, oq = vs
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t < t_hi
     R = innovation(vs, cf, z)                   # read only by the gradients of non-constant w
-    if RO == 0:
-        h0 = g0 + oq[:, None] * dy[None, :]
-        h1 = g1
-    else:
-        h0 = g0
-        h1 = g1 + oq[:, None] * dy[None, :]
+    ody = oq[:, None] * dy[None, :]
+    h0 = plus_scaled(g0, ody, cf[R0], MODES[R0], CONSTS[R0])
+    h1 = plus_scaled(g1, ody, cf[R1], MODES[R1], CONSTS[R1])
     gR = combine(h0, h1, cf[W0], cf[W1], MODES[W0], CONSTS[W0], MODES[W1], CONSTS[W1])
     e = tl.sum(gR * v[:, None], axis=0)
     gz = -(cf[IC] * e)
@@ -232,8 +244,9 @@ def bwd_step(g0, g1, x0, x1, nr, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB,
     # per-slot gradients (a constant slot's is never computed), then one store per distinct tensor
     gs = (tl.sum(h0 * x0, axis=0), tl.sum(h0 * x1, axis=0), tl.sum(h1 * x0, axis=0), tl.sum(h1 * x1, axis=0),
           gz * tl.sum(x0 * u[:, None], axis=0), gz * tl.sum(x1 * u[:, None], axis=0),
-          tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp)
-    for i in tl.static_range(10):
+          tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp,
+          dy * tl.sum(n0 * oq[:, None], axis=0), dy * tl.sum(n1 * oq[:, None], axis=0))
+    for i in tl.static_range(12):
         if MODES[i] != 0:
             if ROWG[i] == i:
                 g = group_sum(gs, i, ROWG)
@@ -246,7 +259,7 @@ def bwd_step(g0, g1, x0, x1, nr, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB,
     cu = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
     cv = gR * (-(cf[IC] * z))[None, :]
     cq = gR * cf[IP][None, :]
-    co = nr * dy[None, :]
+    co = read(n0, n1, cf, MODES, CONSTS) * dy[None, :]
     mk = mask_k & valid
     dm = DM + row * K + offs_k                  # [NG, B, T, H, K]: the row blocks add into it
     gstride = NB * H * K
@@ -283,13 +296,13 @@ def bwd_step(g0, g1, x0, x1, nr, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB,
 
 @triton.jit
 def block_bwd_kernel(
-    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP,   # slots (None: a constant)
+    U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP, RR0, RR1,   # slots (None: a constant)
     Z, CK, SCR, DY, DHT,     # z; checkpoints [B, H, NC, 2, K, V]; scratch; do [B, T, H, V]; dS_T [B, H, 2, K, V] or None
-    GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP,   # row gradients (None where constant; per head: zeros, added into)
+    GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP, GR0, GR1,   # row gradients (None where constant; per head: zeros, added into)
     DM, DS0,                 # K-vector gradients [NG, B, T, H, K] (zeros: added into); dS0 [B, H, 2, K, V] or None
     T, H, V, K, NC, NB, NG,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
-    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, RO: tl.constexpr,
+    MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
     ROWG: tl.constexpr,      # per row slot: the first slot that is the same tensor (its gradient buffer)
 ):
     """Reverse sweep of rows [iv*BV, iv*BV+BV) of head (b, h), chunk by chunk from the last: the
@@ -303,8 +316,8 @@ def block_bwd_kernel(
     ix, mask_s, tile = row_tile(V, K, BV, BK)
     offs_k = ix[0]
     vecs = (U, Vv, Q, OQ)
-    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP)
-    grads = (GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP)
+    rows = (RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP, RR0, RR1)
+    grads = (GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP, GR0, GR1)
     base = b.to(tl.int64) * T
     NP: tl.constexpr = (CHUNK + 1) // 2
     scr = SCR + ((i_bh.to(tl.int64) * tl.num_programs(1) + i_v) * NP * 2) * BK * BV \
@@ -345,7 +358,7 @@ def block_bwd_kernel(
                        GROUPS, BV)
         n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
         n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
-        after = x0 if RO == 0 else x1                 # the read state after the pair's odd step
+        a0, a1 = x0, x1                                # the states after the pair's odd step
         for jp in range(0, npair):
             te = t0 + 2 * (npair - 1 - jp)              # the pair's even step; te + 1 may be past t1
             to = te + 1
@@ -357,11 +370,11 @@ def block_bwd_kernel(
             n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
             n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
             w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
-            g0, g1 = bwd_step(g0, g1, w0, w1, after, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB,
-                              H, NG, MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
-            g0, g1 = bwd_step(g0, g1, y0, y1, w0 if RO == 0 else w1, se, te, t1, (base + te) * H + h, K, V, ix, grads,
-                              DM, i_v, NB, H, NG, MODES, CONSTS, GROUPS, INDEX, RO, ROWG)
-            after = y0 if RO == 0 else y1
+            g0, g1 = bwd_step(g0, g1, w0, w1, a0, a1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB,
+                              H, NG, MODES, CONSTS, GROUPS, INDEX, ROWG)
+            g0, g1 = bwd_step(g0, g1, y0, y1, w0, w1, se, te, t1, (base + te) * H + h, K, V, ix, grads,
+                              DM, i_v, NB, H, NG, MODES, CONSTS, GROUPS, INDEX, ROWG)
+            a0, a1 = y0, y1
         tl.debug_barrier()
     if DS0 is not None:
         tl.store(DS0 + (i_bh.to(tl.int64) * 2) * K * V + tile, g0, mask=mask_s)

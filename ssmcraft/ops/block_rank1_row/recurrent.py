@@ -25,7 +25,7 @@ POISON = False        # tests: fill outputs with NaN before the kernels run (unw
 PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always off when interpreting)
 CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK} over the rules below
 
-ROW_SLOTS = ("a00", "a01", "a10", "a11", "e0", "e1", "w0", "w1", "c", "p")
+ROW_SLOTS = ("a00", "a01", "a10", "a11", "e0", "e1", "w0", "w1", "c", "p", "ro0", "ro1")
 VEC_SLOTS = ("u", "v", "q", "oq")
 
 
@@ -60,9 +60,9 @@ def _mode(x):
 
 class _BlockFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, RO, V, out_dtype, output_final_state, S0, u, v, q, oq, *rows):
-        """S0: [B, H, 2, K, V] fp32 or None; rows: the ten ``ROW_SLOTS`` (tensor or number).
-        Returns o [B, T, H, V] (``S_RO oq``) and S_T [B, H, 2, K, V] fp32 (or None)."""
+    def forward(ctx, V, out_dtype, output_final_state, S0, u, v, q, oq, *rows):
+        """S0: [B, H, 2, K, V] fp32 or None; rows: the twelve ``ROW_SLOTS`` (tensor or number).
+        Returns o [B, T, H, V] (``(r0 S0 + r1 S1) oq``) and S_T [B, H, 2, K, V] fp32 (or None)."""
         B, T, H, K = u.shape
         dev = u.device
         BV, nw = _config(V, K)
@@ -78,17 +78,17 @@ class _BlockFunction(torch.autograd.Function):
         if T > 0:
             launch(block_fwd_kernel, (B * H, cdiv(V, BV)), u, v, q, oq, *tens, S0, o, ST, Z, CK, T, H, V, K, NC,
                    BV=BV, BK=next_pow2(K), CHUNK=chunk, PF=0 if INTERPRET else PREFETCH, MODES=modes, CONSTS=consts,
-                   GROUPS=tuple(_groups((u, v, q, oq))), RO=RO, num_warps=nw)
+                   GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw)
         elif ST is not None:
             ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
         ctx.save_for_backward(S0, u, v, q, oq, Z, CK, *tens)
-        ctx.meta = (RO, V, modes, consts, chunk, S0 is not None, _row_groups(tens))
+        ctx.meta = (V, modes, consts, chunk, S0 is not None, _row_groups(tens))
         return o, (ST if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dST):
         S0, u, v, q, oq, Z, CK, *tens = ctx.saved_tensors
-        RO, V, modes, consts, chunk, has_s0, rowg = ctx.meta
+        V, modes, consts, chunk, has_s0, rowg = ctx.meta
         B, T, H, K = u.shape
         dev = u.device
         BV, nw = _config(V, K)
@@ -103,14 +103,14 @@ class _BlockFunction(torch.autograd.Function):
         gbufs = [None if m == 0 or g != i else _new((B, T, H, V), dev) if m == 2 else torch.zeros(B, T, H, device=dev)
                  for i, (m, g) in enumerate(zip(modes, rowg))]
         DM = torch.zeros(NG, B, T, H, K, device=dev)
-        DS0 = _new((B, H, 2, K, V), dev) if has_s0 and ctx.needs_input_grad[4] else None
+        DS0 = _new((B, H, 2, K, V), dev) if has_s0 and ctx.needs_input_grad[3] else None
         if T > 0:
             SCR = torch.empty(B * H * NV * ((chunk + 1) // 2) * 2 * BK * BV, device=dev, dtype=torch.float32)
             launch(block_bwd_kernel, (B * H, NV), u, v, q, oq, *tens, Z, CK, SCR,
                    do.contiguous() if do is not None else None, dST.contiguous() if dST is not None else None,
                    *gbufs, DM, DS0, T, H, V, K, NC, B * T, NG,
                    BV=BV, BK=BK, CHUNK=chunk, PF=0 if INTERPRET else PREFETCH, MODES=modes, CONSTS=consts,
-                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), RO=RO, ROWG=rowg, num_warps=nw)
+                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), ROWG=rowg, num_warps=nw)
         elif DS0 is not None:
             DS0.copy_(dST if dST is not None else torch.zeros_like(DS0))
         vec = [DM[index[0]]] + [DM[index[s]] if g == s else None for s, g in zip((1, 2, 3), groups)]
@@ -118,27 +118,28 @@ class _BlockFunction(torch.autograd.Function):
         row = []
         for buf, t in zip(gbufs, tens):
             row.append(buf.to(t.dtype) if buf is not None else None)
-        return (None, None, None, None, DS0, *vec, *row)
+        return (None, None, None, DS0, *vec, *row)
 
 
-def block_recurrence(u, v, q, oq, rows: dict, initial_state=None, output_final_state=False, readout=1):
+def block_recurrence(u, v, q, oq, rows: dict, initial_state=None, output_final_state=False):
     """Two states, row ``i`` of each (FLA layout: the states are ``[B, H, K, V]``)::
 
-        U = e0 x0 + e1 x1,  z = U . u,  R = p q - c z v,  x_a' = a_a0 x0 + a_a1 x1 + w_a R,  o = x_readout' . oq
+        U = e0 x0 + e1 x1,  z = U . u,  R = p q - c z v,  x_a' = a_a0 x0 + a_a1 x1 + w_a R,  o = (r0 x0' + r1 x1') . oq
 
     Args:
         u, v, q, oq: ``[B, T, H, K]`` (the same tensor for equal slots is read once).
         rows: slot -> ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a number, for the slots
-            ``a00 a01 a10 a11 e0 e1 w0 w1 c p`` (absent: ``a`` the identity, ``e0`` 0, ``e1`` 1, ``w`` 1).
+            ``a00 a01 a10 a11 e0 e1 w0 w1 c p ro0 ro1`` (absent: ``a`` the identity, ``e0`` 0, ``e1`` 1, ``w`` 1,
+            ``ro0`` 0, ``ro1`` 1).
         initial_state: a pair of ``[B, H, K, V]`` or None.
-        readout: which state the output reads (0 or 1).
     Returns ``o [B, T, H, V]`` (dtype of ``u``) and the final pair (fp32) or None."""
-    default = {"a00": 1.0, "a01": 0.0, "a10": 0.0, "a11": 1.0, "e0": 0.0, "e1": 1.0, "w0": 1.0, "w1": 1.0}
+    default = {"a00": 1.0, "a01": 0.0, "a10": 0.0, "a11": 1.0, "e0": 0.0, "e1": 1.0, "w0": 1.0, "w1": 1.0, "ro0": 0.0,
+               "ro1": 1.0}
     vals = _dedup_contig([rows.get(s, default.get(s)) for s in ROW_SLOTS])
     u, v, q, oq = _dedup_contig((u, v, q, oq))
     S0 = None if initial_state is None else torch.stack(tuple(initial_state), 2).float().contiguous()
     V = next(x.shape[3] for x in vals if isinstance(x, torch.Tensor) and x.dim() == 4) if S0 is None else S0.shape[-1]
-    o, ST = _BlockFunction.apply(readout, V, io_dtype(u.dtype), output_final_state, S0, u, v, q, oq, *vals)
+    o, ST = _BlockFunction.apply(V, io_dtype(u.dtype), output_final_state, S0, u, v, q, oq, *vals)
     return o, (None if ST is None else tuple(ST.unbind(2)))
 
 
@@ -173,7 +174,6 @@ def prepare(obj, lay):
     (``slots.slot_runner``). Returns ``fn(inputs, params, initial_state, output_final_state)``,
     states a tuple of ``[B, H, d, m]`` per state (declaration order)."""
     from ssmcraft.ops.common.slots import slot_runner
-    RO = block_rank1(obj.ir).readout
     out_dtype = io_dtype(lay.out_dtype)
     d = lay.d
 
@@ -183,7 +183,7 @@ def prepare(obj, lay):
         S0 = None
         if initial_state is not None:
             S0 = torch.stack(tuple(initial_state), 2).transpose(-1, -2).float().contiguous()
-        o, ST = _BlockFunction.apply(RO, d, out_dtype, output_final_state, S0, u, v, q, oq, *rows)
+        o, ST = _BlockFunction.apply(d, out_dtype, output_final_state, S0, u, v, q, oq, *rows)
         y = cs.finish(o).to(lay.out_dtype)
         return y, (None if ST is None else tuple(ST.transpose(-1, -2).unbind(2)))
     return slot_runner(obj, lay, run)
