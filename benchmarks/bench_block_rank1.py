@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_classes import measure  # noqa: E402
+from ssmcraft.bench.classes_commands import measure  # noqa: E402
 from ssmcraft.ops import block_rank1_row  # noqa: E402
 from ssmcraft.ops.block_rank1_row import recurrent as R  # noqa: E402
 

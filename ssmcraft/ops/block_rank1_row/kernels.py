@@ -210,13 +210,41 @@ def block_fwd_kernel(
 
 
 @triton.jit
-def group_sum(gs, i: tl.constexpr, ROWG: tl.constexpr):
-    """The gradient of row slot ``i``'s tensor: the sum over the slots that are that tensor."""
-    acc = gs[i]
-    for j in tl.static_range(i + 1, 12):
-        if ROWG[j] == i:
-            acc += gs[j]
-    return acc
+def tile_if(acc, x, FIRST: tl.constexpr, COND: tl.constexpr):
+    """``acc + x`` where COND (``x`` alone where FIRST: nothing added yet), else ``acc``."""
+    if COND:
+        if FIRST:
+            r = x
+        else:
+            r = acc + x
+    else:
+        r = acc
+    return r
+
+
+@triton.jit
+def linear_grad(h0, h1, gU, x0, x1, i: tl.constexpr, ROWG: tl.constexpr):
+    """The gradient of the tensor of row slot ``i`` (< 6) through the slots a_ab (``h_a . x_b``) and
+    e_b (``gU . x_b``) that hold it: the left tiles summed per ``x_b``, then one reduction."""
+    M0: tl.constexpr = ROWG[0] == i
+    M2: tl.constexpr = ROWG[2] == i
+    M4: tl.constexpr = ROWG[4] == i
+    M1: tl.constexpr = ROWG[1] == i
+    M3: tl.constexpr = ROWG[3] == i
+    M5: tl.constexpr = ROWG[5] == i
+    L0 = tile_if(h0, h0, True, M0)
+    L0 = tile_if(L0, h1, not M0, M2)
+    L0 = tile_if(L0, gU, not (M0 or M2), M4)
+    L1 = tile_if(h0, h0, True, M1)
+    L1 = tile_if(L1, h1, not M1, M3)
+    L1 = tile_if(L1, gU, not (M1 or M3), M5)
+    if (M0 or M2 or M4) and (M1 or M3 or M5):
+        g = tl.sum(L0 * x0 + L1 * x1, axis=0)
+    elif M0 or M2 or M4:
+        g = tl.sum(L0 * x0, axis=0)
+    else:
+        g = tl.sum(L1 * x1, axis=0)
+    return g
 
 
 @triton.jit
@@ -241,52 +269,60 @@ def bwd_step(g0, g1, x0, x1, n0, n1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v,
         dp = e                                  # q is v: one reduction
     else:
         dp = tl.sum(gR * q[:, None], axis=0)
-    # per-slot gradients (a constant slot's is never computed), then one store per distinct tensor
-    gs = (tl.sum(h0 * x0, axis=0), tl.sum(h0 * x1, axis=0), tl.sum(h1 * x0, axis=0), tl.sum(h1 * x1, axis=0),
-          gz * tl.sum(x0 * u[:, None], axis=0), gz * tl.sum(x1 * u[:, None], axis=0),
-          tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp,
+    # row-slot gradients, one store per distinct tensor (a constant slot's is never computed); those
+    # of a_ab (h_a . x_b) and e_b (gU . x_b) of one tensor are summed as tiles first: one reduction
+    gU = u[:, None] * gz[None, :]
+    gs = (tl.sum(h0 * R, axis=0), tl.sum(h1 * R, axis=0), -z * e, dp,
           dy * tl.sum(n0 * oq[:, None], axis=0), dy * tl.sum(n1 * oq[:, None], axis=0))
     for i in tl.static_range(12):
         if MODES[i] != 0:
             if ROWG[i] == i:
-                g = group_sum(gs, i, ROWG)
+                if i < 6:
+                    g = linear_grad(h0, h1, gU, x0, x1, i, ROWG)
+                else:
+                    g = gs[i - 6]
+                for j in tl.static_range(max(i + 1, 6), 12):
+                    if ROWG[j] == i:
+                        g += gs[j - 6]
                 if MODES[i] == 2:
                     tl.store(grads[i] + row * V + offs_v, g, mask=mask_v & valid)
                 else:                           # per head: the row blocks add into one [B, T, H]
                     tl.atomic_add(grads[i] + row, tl.sum(tl.where(mask_v, g, 0.), axis=0), mask=valid,
                                   sem="relaxed")
-    # K-vector gradients (summed over the rows), one buffer per distinct input tensor
-    cu = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
-    cv = gR * (-(cf[IC] * z))[None, :]
-    cq = gR * cf[IP][None, :]
+    # K-vector gradients (summed over the rows), one buffer per distinct input tensor: u's is gz U,
+    # v's -c z gR, q's p gR, oq's dy (read state); v and q of one tensor share a product with gR
+    wv = -(cf[IC] * z)
+    wq = cf[IP]
     co = read(n0, n1, cf, MODES, CONSTS) * dy[None, :]
     mk = mask_k & valid
     dm = DM + row * K + offs_k                  # [NG, B, T, H, K]: the row blocks add into it
     gstride = NB * H * K
-    acc = cu
-    if GROUPS[0] == 0:
-        acc += cv
-    if GROUPS[1] == 0:
-        acc += cq
+    acc = extrapolated(x0, x1, cf, MODES, CONSTS) * gz[None, :]
+    if (GROUPS[0] == 0) and (GROUPS[1] == 0):
+        acc += gR * (wv + wq)[None, :]
+    elif GROUPS[0] == 0:
+        acc += gR * wv[None, :]
+    elif GROUPS[1] == 0:
+        acc += gR * wq[None, :]
     if GROUPS[2] == 0:
         acc += co
     tl.atomic_add(dm, tl.sum(acc, axis=1), mask=mk, sem="relaxed")
     if GROUPS[0] == 1:
-        acc1 = cv
         if GROUPS[1] == 1:
-            acc1 += cq
+            acc1 = gR * (wv + wq)[None, :]
+        else:
+            acc1 = gR * wv[None, :]
         if GROUPS[2] == 1:
             acc1 += co
         tl.atomic_add(dm + INDEX[0] * gstride, tl.sum(acc1, axis=1), mask=mk, sem="relaxed")
     if GROUPS[1] == 2:
-        acc2 = cq
+        acc2 = gR * wq[None, :]
         if GROUPS[2] == 2:
             acc2 += co
         tl.atomic_add(dm + INDEX[1] * gstride, tl.sum(acc2, axis=1), mask=mk, sem="relaxed")
     if GROUPS[2] == 3:
         tl.atomic_add(dm + INDEX[2] * gstride, tl.sum(co, axis=1), mask=mk, sem="relaxed")
     # adjoints of the states before the step
-    gU = u[:, None] * gz[None, :]
     p0 = combine(h0, h1, cf[A00], cf[A10], MODES[A00], CONSTS[A00], MODES[A10], CONSTS[A10]) \
         + scaled(gU, cf[E0], MODES[E0], CONSTS[E0])
     p1 = combine(h0, h1, cf[A01], cf[A11], MODES[A01], CONSTS[A01], MODES[A11], CONSTS[A11]) \
