@@ -23,7 +23,8 @@ from ssmcraft.ops.rank1_row.recurrent import _dedup_contig, _groups
 CHUNK = 16            # checkpoint interval of the backward (steps); its scratch keeps CHUNK/2 states of two tiles
 POISON = False        # tests: fill outputs with NaN before the kernels run (unwritten -> NaN)
 PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always off when interpreting)
-CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK} over the rules below
+CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK, "fwd_rows": the forward's BV}
+                      # over the rules below (the kernels share no tile: z and the checkpoints are per row)
 
 ROW_SLOTS = ("a00", "a01", "a10", "a11", "e0", "e1", "w0", "w1", "c", "p", "ro0", "ro1")
 VEC_SLOTS = ("u", "v", "q", "oq")
@@ -33,16 +34,15 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-def _config(V: int, K: int) -> tuple[int, int]:
-    """(BV, num_warps): interpreter one large tile; GPU small row blocks on one warp, as the per-row
+def _config(V: int, K: int, which: str = "bwd") -> tuple[int, int]:
+    """(BV, num_warps) of the forward or backward (``which``): interpreter one large tile (``CONFIG``
+    still forces one); GPU small row blocks on one warp, as the per-row
     rank-1 family (B*H*V/BV programs fill the chip, a step has no cross-warp sync), with a tile of
     256 elements (BK * BV) per state: the backward holds eight state tiles live (two states, their
     adjoints, a kept pair and the pair rebuilt from it), and at 512 (K = 64, 8 rows) it spills
     (sm_90, offline: 255 registers and 296 stack bytes, against 251 and none at 4 rows)."""
-    if INTERPRET:
-        return min(next_pow2(V), 64), 1
-    bv = max(2, 256 // next_pow2(K))
-    return CONFIG.get("rows", bv), CONFIG.get("warps", 1)
+    bv = CONFIG.get("rows", min(next_pow2(V), 64) if INTERPRET else max(2, 256 // next_pow2(K)))
+    return (CONFIG.get("fwd_rows", bv) if which == "fwd" else bv), CONFIG.get("warps", 1)
 
 
 def _row_groups(tens) -> tuple:
@@ -65,7 +65,7 @@ class _BlockFunction(torch.autograd.Function):
         Returns o [B, T, H, V] (``(r0 S0 + r1 S1) oq``) and S_T [B, H, 2, K, V] fp32 (or None)."""
         B, T, H, K = u.shape
         dev = u.device
-        BV, nw = _config(V, K)
+        BV, nw = _config(V, K, "fwd")
         chunk = CONFIG.get("chunk", CHUNK)
         NC = max(1, cdiv(T, chunk))
         ms = [_mode(x) for x in rows]
