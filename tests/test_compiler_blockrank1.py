@@ -115,7 +115,7 @@ def test_other_irs_are_unchanged():
     assert blockrank1.attach(so, ir).content_hash() != ir.content_hash() and not ir.block
 
 
-def test_derive_prints_the_form(tmp_path):
+def test_derive_prints_the_form():
     out = subprocess.run([sys.executable, "-m", "ssmcraft.cli", "derive", "momentum_longhorn"],
                          capture_output=True, text=True, check=True).stdout
     assert "block rank-1 form" in out

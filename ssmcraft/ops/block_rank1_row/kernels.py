@@ -248,7 +248,7 @@ def linear_grad(h0, h1, gU, x0, x1, i: tl.constexpr, ROWG: tl.constexpr):
 
 
 @triton.jit
-def bwd_step(g0, g1, x0, x1, n0, n1, sl, t, t_hi, row, K, V, ix, grads, DM, i_v, NB, H, NG,
+def bwd_step(g0, g1, x0, x1, n0, n1, sl, t, t_hi, row, K, V, ix, grads, DM, NB, H,
              MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
              ROWG: tl.constexpr):
     """Reverse step t (a no-op when t >= t_hi): ``x0, x1`` the states before it, ``n0, n1`` after
@@ -406,10 +406,10 @@ def block_bwd_kernel(
             n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
             n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
             w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
-            g0, g1 = bwd_step(g0, g1, w0, w1, a0, a1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, i_v, NB,
-                              H, NG, MODES, CONSTS, GROUPS, INDEX, ROWG)
+            g0, g1 = bwd_step(g0, g1, w0, w1, a0, a1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, NB,
+                              H, MODES, CONSTS, GROUPS, INDEX, ROWG)
             g0, g1 = bwd_step(g0, g1, y0, y1, w0, w1, se, te, t1, (base + te) * H + h, K, V, ix, grads,
-                              DM, i_v, NB, H, NG, MODES, CONSTS, GROUPS, INDEX, ROWG)
+                              DM, NB, H, MODES, CONSTS, GROUPS, INDEX, ROWG)
             a0, a1 = y0, y1
         tl.debug_barrier()
     if DS0 is not None:
