@@ -6,7 +6,7 @@ on the generated ``general`` family (the block family switched off) and the refe
 Run on a CUDA machine:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1.py [--shape 8,2048,16,64,64] [--dtype bf16]
-        [--only deltanet,longhorn] [--spec momentum_longhorn] [--sweep 8:1:16,2:1:16,4:1:32,4:1:16:8] [--general]
+        [--only deltanet,longhorn] [--spec momentum_longhorn] [--sweep 8:1:16,2:1:16,4:1:32,4:1:16:8,8:1:16:8:0] [--general]
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--only", default="deltanet,longhorn", help="references, comma-separated, timed by the rules")
     ap.add_argument("--spec", default="momentum_longhorn", help="the objective of the block family")
-    ap.add_argument("--sweep", default="", help="comma-separated ROWS:WARPS:CHUNK[:FWD_ROWS], each timed with that "
-                    "config forced (FWD_ROWS: the forward's rows per program, ROWS otherwise)")
+    ap.add_argument("--sweep", default="", help="comma-separated ROWS:WARPS:CHUNK[:FWD_ROWS[:KEEP_AHEAD]], each timed "
+                    "with that config forced (FWD_ROWS: the forward's rows per program, ROWS otherwise; KEEP_AHEAD 0: "
+                    "the backward loads its kept states when it uses them, not a pair ahead)")
     ap.add_argument("--general", action="store_true", help="also time the objective on the general family")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     for name, label, cfg in runs:
         R.CONFIG.clear()
         if cfg is not None:
-            R.CONFIG.update(zip(("rows", "warps", "chunk", "fwd_rows"), cfg))
+            R.CONFIG.update(zip(("rows", "warps", "chunk", "fwd_rows", "keep_ahead"), cfg))
         if label == "general":
             block_rank1_row.FAMILY.supports = lambda ir: "switched off (bench_block_rank1.py --general)"
         try:
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     ref = {r["spec"]: r["fwd_bwd_ms"] for r in rows if r.get("config") == "rule" and "fwd_bwd_ms" in r}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
-    print("| objective | backend | config (rows:warps:chunk[:fwd rows]) | fwd ms | fwd+bwd ms | x DeltaNet | x Longhorn |")
+    print("| objective | backend | config (rows:warps:chunk[:fwd rows[:keep ahead]]) | fwd ms | fwd+bwd ms | x DeltaNet | "
+          "x Longhorn |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -53,11 +53,12 @@ def test_matches_reference(name, T, chunk, monkeypatch):
     assert_within(cmp.errors, TOL)
 
 
-@pytest.mark.parametrize("rows,fwd_rows", [(4, 8), (8, 2)])
-def test_row_blocks(rows, fwd_rows, monkeypatch):
+@pytest.mark.parametrize("rows,fwd_rows,ahead", [(4, 8, True), (8, 2, False)])
+def test_row_blocks(rows, fwd_rows, ahead, monkeypatch):
     """Several row blocks per head, the last one partly past the rows (d = 12), and a forward on
-    other blocks than the backward: the K-vector and per-head gradients are sums over the blocks."""
-    monkeypatch.setattr(R, "CONFIG", {"rows": rows, "fwd_rows": fwd_rows, "chunk": 4})
+    other blocks than the backward: the K-vector and per-head gradients are sums over the blocks;
+    ``ahead``: the backward's kept states loaded a pair ahead or when used."""
+    monkeypatch.setattr(R, "CONFIG", {"rows": rows, "fwd_rows": fwd_rows, "chunk": 4, "keep_ahead": ahead})
     obj, ins, params, S0, g = _case("momentum_decay", 7, seed=11)
     cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
     assert_within(cmp.errors, TOL)

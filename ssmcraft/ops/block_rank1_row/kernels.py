@@ -340,6 +340,7 @@ def block_bwd_kernel(
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
     ROWG: tl.constexpr,      # per row slot: the first slot that is the same tensor (its gradient buffer)
+    KEEP_AHEAD: tl.constexpr = True,    # the next pair's kept states loaded a pair ahead (two more live tiles)
 ):
     """Reverse sweep of rows [iv*BV, iv*BV+BV) of head (b, h), chunk by chunk from the last: the
     chunk's states rebuilt from its checkpoint (every second one kept in SCR), then its steps in
@@ -392,19 +393,25 @@ def block_bwd_kernel(
         ne = load_step(vecs, rows, Z, DY, (base + te) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         no = load_step(vecs, rows, Z, DY, (base + tl.minimum(te + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
                        GROUPS, BV)
-        n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
-        n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
+        n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV, mask=KEEP_AHEAD, other=0.)
+        n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV, mask=KEEP_AHEAD, other=0.)
         a0, a1 = x0, x1                                # the states after the pair's odd step
         for jp in range(0, npair):
             te = t0 + 2 * (npair - 1 - jp)              # the pair's even step; te + 1 may be past t1
             to = te + 1
-            se, so, y0, y1 = ne, no, n0, n1
+            se, so = ne, no
+            if KEEP_AHEAD:
+                y0, y1 = n0, n1
+            else:
+                y0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
+                y1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
             tn = tl.maximum(te - 2, t0)
             ne = load_step(vecs, rows, Z, DY, (base + tn) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
             no = load_step(vecs, rows, Z, DY, (base + tl.minimum(tn + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
                            GROUPS, BV)
-            n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
-            n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
+            if KEEP_AHEAD:
+                n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
+                n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
             w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
             g0, g1 = bwd_step(g0, g1, w0, w1, a0, a1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, NB,
                               H, MODES, CONSTS, GROUPS, INDEX, ROWG)

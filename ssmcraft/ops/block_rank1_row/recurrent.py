@@ -23,8 +23,9 @@ from ssmcraft.ops.rank1_row.recurrent import _dedup_contig, _groups
 CHUNK = 16            # checkpoint interval of the backward (steps); its scratch keeps CHUNK/2 states of two tiles
 POISON = False        # tests: fill outputs with NaN before the kernels run (unwritten -> NaN)
 PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always off when interpreting)
-CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK, "fwd_rows": the forward's BV}
-                      # over the rules below (the kernels share no tile: z and the checkpoints are per row)
+CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK, "fwd_rows": the forward's BV,
+                      # "keep_ahead": the backward's kept states a pair ahead} over the rules below (the kernels
+                      # share no tile: z and the checkpoints are per row)
 
 ROW_SLOTS = ("a00", "a01", "a10", "a11", "e0", "e1", "w0", "w1", "c", "p", "ro0", "ro1")
 VEC_SLOTS = ("u", "v", "q", "oq")
@@ -110,7 +111,8 @@ class _BlockFunction(torch.autograd.Function):
                    do.contiguous() if do is not None else None, dST.contiguous() if dST is not None else None,
                    *gbufs, DM, DS0, T, H, V, K, NC, B * T, NG,
                    BV=BV, BK=BK, CHUNK=chunk, PF=0 if INTERPRET else PREFETCH, MODES=modes, CONSTS=consts,
-                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), ROWG=rowg, num_warps=nw)
+                   GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), ROWG=rowg,
+                   KEEP_AHEAD=bool(CONFIG.get("keep_ahead", True)), num_warps=nw)
         elif DS0 is not None:
             DS0.copy_(dST if dST is not None else torch.zeros_like(DS0))
         vec = [DM[index[0]]] + [DM[index[s]] if g == s else None for s, g in zip((1, 2, 3), groups)]
