@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, row_tile
+from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, prefetch_slots, row_tile
 
 # positions in ``rows``, ``MODES`` and ``CONSTS``
 A00, A01, A10, A11, E0, E1, W0, W1, IC, IP, R0, R1 = (tl.constexpr(i) for i in range(12))
@@ -107,14 +107,8 @@ def load_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, CONSTS: tl.
 
 @triton.jit
 def prefetch_step(vecs, rows, Z, DY, row, K, V, ix, MODES: tl.constexpr, GROUPS: tl.constexpr):
-    """L2 prefetch of one (future) step's tensors."""
-    prefetch_l2(vecs[0] + row * K + ix[0])
-    if GROUPS[0] == 1:
-        prefetch_l2(vecs[1] + row * K + ix[0])
-    if GROUPS[1] == 2:
-        prefetch_l2(vecs[2] + row * K + ix[0])
-    if GROUPS[2] == 3:
-        prefetch_l2(vecs[3] + row * K + ix[0])
+    """L2 prefetch of one (future) step's tensors (the K vectors as the per-row rank-1 family's)."""
+    prefetch_slots(vecs, (None, None, None), row, K, V, ix, (0, 0, 0), GROUPS)
     for i in tl.static_range(12):
         if MODES[i] == 2:
             prefetch_l2(rows[i] + row * V + ix[2])
