@@ -68,7 +68,8 @@ def test_why_not_names_every_family():
     inputs, _ = _inputs(obj)
     obj.prefer = "interpret"
     reasons = dict(TB.families(obj, inputs, "interpret"))
-    assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "general",
+    assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "block_rank1_row",
+                             "general",
                              "rank1_chunk", "rankr_chunk", "minibatch_chunk", "precision_rank1",
                              "rank1_keydecay_chunk"]
     assert "rank-r" in reasons["rankr_row"]

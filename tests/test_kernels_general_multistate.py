@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from helpers import assert_within, kernel_errors, random_inputs, rel_rms as rel  # noqa: E402
-from test_compiler_multistate import SECOND_MOMENT  # noqa: E402
+from test_compiler_multistate import GRID, SECOND_MOMENT  # noqa: E402
 
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 5e-5}
 
@@ -46,9 +46,11 @@ def test_matches_reference(which, T, chunk, rows, monkeypatch):
 
 
 def test_dispatch_and_fla_layout():
-    """obj(...) picks the general kernel under the interpreter; general_scan takes a tuple of
-    [B, H, K, V] states and returns one."""
-    obj = ssmcraft.compile("momentum_longhorn")
+    """obj(...) picks the general kernel under the interpreter for a two-state update that is not
+    one rank-1 step of an extrapolated state (it reads the states along two keys: momentum_longhorn
+    itself runs on the block rank-1 family); general_scan takes a tuple of [B, H, K, V] states and
+    returns one."""
+    obj = ssmcraft.compile(GRID["grid10"])
     B, T, H, d, m = 1, 5, 1, 12, 8
     ins, _ = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": d, "m": m}, seed=5)
     S0 = tuple(torch.randn(B, H, d, m, dtype=torch.float64) for _ in range(2))

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import sympy
 
-from ssmcraft.compiler import cache
+from ssmcraft.compiler import blockrank1, cache
 from ssmcraft.compiler.codegen import reference_source
 from ssmcraft.compiler.ir import Coefficient, UpdateIR
 from ssmcraft.compiler.spec import Spec, load_spec
@@ -55,7 +55,7 @@ def derive(spec: str | Path | Mapping | Spec) -> Derivation:
     """Derive an objective spec (a path, a library name, YAML text, a mapping or a ``Spec``)."""
     s = spec if isinstance(spec, Spec) else load_spec(spec)
     so = symbolic_objective(s)
-    return from_ir(s, build_ir(so), so)
+    return from_ir(s, blockrank1.attach(so, build_ir(so)), so)
 
 
 def mitigate(ir: UpdateIR, retention: float, insertion: float) -> UpdateIR:

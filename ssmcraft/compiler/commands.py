@@ -18,7 +18,9 @@ def add_arguments(p):
 
 def stages(spec_arg) -> dict:
     """Run the pure stages one by one and return their printable results."""
+    from ssmcraft.compiler import blockrank1
     from ssmcraft.compiler.api import generate_reference
+    from ssmcraft.compiler.ir import UpdateIR
     from ssmcraft.compiler.codegen import coefficient_lines, update_formula
     from ssmcraft.compiler.updates import compose_stages, derive_stages, derive_update
     from ssmcraft.compiler.metric import show
@@ -30,10 +32,13 @@ def stages(spec_arg) -> dict:
     spec = load_spec(spec_arg)
     so = symbolic_objective(spec)
     per_state = {}
+    block = None
     if spec.states:     # several states: each stage's own update, then composed (previous states only)
         own = derive_stages(so)
         composed = compose_stages(so, own)
         ir = classify_states(so, composed)
+        block = blockrank1.find(so, ir, composed)
+        ir = block if isinstance(block, UpdateIR) else ir
         F = tuple(e for _, e in composed)
         per_state = {x: (show(so.algebra, L), show(so.algebra, e)) for (x, L), (_, e) in zip(so.losses, own)}
     else:
@@ -49,7 +54,8 @@ def stages(spec_arg) -> dict:
     return {"spec": spec, "symbolic": so, "update": F, "ir": ir, "source": source, "seconds": seconds,
             "objective_sum": sympy.sstr(alg.expand(so.loss)), "per_state": per_state,
             "update_sum": sympy.sstr(alg.expand(F)) if not spec.states else None,
-            "formula": update_formula(ir), "coefficients": coefficient_lines(ir)}
+            "formula": update_formula(ir), "coefficients": coefficient_lines(ir),
+            "block": None if block is None else blockrank1.describe(ir, block if isinstance(block, str) else None)}
 
 
 def run(args) -> int:
@@ -119,6 +125,8 @@ def run(args) -> int:
     print("  where")
     for line in st["coefficients"]:
         print(f"    {line}")
+    for line in st["block"] or ():
+        print(f"  {line}")
     if ir.factored:
         print("  reductions factored (a sum over one dimension of a body that also varies over the other, "
               "split over the body's terms):")

@@ -84,6 +84,9 @@ class UpdateIR:
     # reductions the structure stage split into smaller ones (``ssmcraft.compiler.factor.Factoring``:
     # ``sum_over body = expr``), for display; the coefficients read only the smaller ones
     factored: tuple = ()
+    # several states whose joint update is one rank-1 step of an extrapolated state
+    # (``ssmcraft.compiler.blockrank1``): ``coefficients`` and ``slots`` hold the form's
+    block: bool = False
 
     @property
     def state_names(self) -> tuple:
@@ -137,6 +140,8 @@ class UpdateIR:
         if self.states:
             out["states"] = list(self.states)
             out["state_updates"] = {x: sympy.sstr(e) for x, e in zip(self.states, self.state_updates)}
+        if self.block:
+            out["block_rank1"] = True
         if self.factored:
             out["factored"] = [{"over": f.over, "body": sympy.sstr(f.body), "as": sympy.sstr(f.expr)}
                                for f in self.factored]

@@ -4,7 +4,8 @@
 Order: ``decode`` (one-token calls only), ``keydecay_chunk`` (decays scalar or over the key
 dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on tensor cores),
 ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``), ``rank1_row``,
-``rankr_row`` (several keys), ``general`` (anything else the generator prints), then
+``rankr_row`` (several keys), ``block_rank1_row`` (two states updated by one rank-1 step of an
+extrapolated state: Longhorn with momentum), ``general`` (anything else the generator prints), then
 ``rank1_chunk``, which declares itself ahead of ``rank1_row`` on CUDA for a per-head step
 (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``, ahead of ``rankr_row`` likewise, ``minibatch_chunk``
 (mini-batch regression steps), ``precision_rank1`` (recursive least squares, the preconditioned
@@ -14,6 +15,7 @@ layer; chunked, on tensor cores), which no other family runs. A family that does
 """
 from __future__ import annotations
 
+from ssmcraft.ops.block_rank1_row import FAMILY as BLOCK_RANK1_ROW
 from ssmcraft.ops.decode import FAMILY as DECODE
 from ssmcraft.ops.diagonal import FAMILY as DIAGONAL
 from ssmcraft.ops.family import KernelFamily
@@ -27,8 +29,8 @@ from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
 from ssmcraft.ops.rankr_chunk import FAMILY as RANKR_CHUNK
 from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
-FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, GENERAL, RANK1_CHUNK,
-                                      RANKR_CHUNK, MINIBATCH_CHUNK, PRECISION_RANK1, RANK1_KEYDECAY_CHUNK)
+FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW, GENERAL,
+                                      RANK1_CHUNK, RANKR_CHUNK, MINIBATCH_CHUNK, PRECISION_RANK1, RANK1_KEYDECAY_CHUNK)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 

@@ -1,0 +1,81 @@
+"""The block rank-1 family (``ssmcraft/ops/block_rank1_row/``: Longhorn with momentum and its class)
+through ``obj()`` at one shape, in one process: fwd and fwd+bwd ms as ``bench_classes.py`` measures
+them, for each forced (rows per program, num_warps, checkpoint interval), beside the same objective
+on the generated ``general`` family (the block family switched off) and the references.
+
+Run on a CUDA machine:
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1.py [--shape 8,2048,16,64,64] [--dtype bf16]
+        [--only deltanet,longhorn] [--spec momentum_longhorn] [--sweep 8:1:16,2:1:16,4:1:32,4:1:16:8,8:1:16:8:0] [--general]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ssmcraft.bench.classes_commands import measure  # noqa: E402
+from ssmcraft.ops import block_rank1_row  # noqa: E402
+from ssmcraft.ops.block_rank1_row import recurrent as R  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--only", default="deltanet,longhorn", help="references, comma-separated, timed by the rules")
+    ap.add_argument("--spec", default="momentum_longhorn", help="the objective of the block family")
+    ap.add_argument("--sweep", default="", help="comma-separated ROWS:WARPS:CHUNK[:FWD_ROWS[:KEEP_AHEAD]], each timed "
+                    "with that config forced (FWD_ROWS: the forward's rows per program, ROWS otherwise; KEEP_AHEAD 0: "
+                    "the backward loads its kept states when it uses them, not a pair ahead)")
+    ap.add_argument("--general", action="store_true", help="also time the objective on the general family")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_block_rank1.py needs a CUDA device")
+        return 2
+    shape = tuple(int(x) for x in args.shape.split(","))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    runs = [(n, "rule", None) for n in args.only.split(",") if n] + [(args.spec, "rule", None)]
+    runs += [(args.spec, s, tuple(int(x) for x in s.split(":"))) for s in args.sweep.split(",") if s]
+    if args.general:
+        runs.append((args.spec, "general", None))
+    rows = []
+    supports = block_rank1_row.FAMILY.supports
+    for name, label, cfg in runs:
+        R.CONFIG.clear()
+        if cfg is not None:
+            R.CONFIG.update(zip(("rows", "warps", "chunk", "fwd_rows", "keep_ahead"), cfg))
+        if label == "general":
+            block_rank1_row.FAMILY.supports = lambda ir: "switched off (bench_block_rank1.py --general)"
+        try:
+            row = measure(name, name, shape, dtype, False) | {"config": label}
+        except Exception as e:  # noqa: BLE001: one failure is a row of the table
+            row = {"spec": name, "config": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        finally:
+            block_rank1_row.FAMILY.supports = supports
+            R.CONFIG.clear()
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+    ref = {r["spec"]: r["fwd_bwd_ms"] for r in rows if r.get("config") == "rule" and "fwd_bwd_ms" in r}
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
+    print("| objective | backend | config (rows:warps:chunk[:fwd rows[:keep ahead]]) | fwd ms | fwd+bwd ms | x DeltaNet | "
+          "x Longhorn |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['spec']} | - | {r['config']} | {r['error'][:80]} | - | - | - |")
+            continue
+        ratio = [f"{r['fwd_bwd_ms'] / ref[n]:.2f}" if n in ref else "-" for n in ("deltanet", "longhorn")]
+        print(f"| {r['spec']} | {r['backend']} | {r['config']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+              f"{ratio[0]} | {ratio[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The block rank-1 family (``ssmcraft/ops/block_rank1_row/``: two states updated by one rank-1 step
+of an extrapolated state) under the Triton interpreter, through ``obj()``, against the float64
+reference of the derived update: the output, both final states and every gradient (inputs, params,
+both initial states, under cotangents of the output and of both final states), outputs poisoned
+with NaN, odd lengths, lengths that end inside a checkpoint interval and inside a pair of the
+reverse sweep; Longhorn with momentum and held-out objectives of the class (a per-row decay
+read through the other state; an explicit per-head step with a per-row momentum; an explicit
+step whose readout reads both states). Tolerances as
+the general family's multistate tests (fp32 kernel vs float64 reference, relative RMS)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.ops.block_rank1_row import recurrent as R  # noqa: E402
+from ssmcraft.ops.block_rank1_row.naive import naive_block_rank1  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors  # noqa: E402
+from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
+from test_compiler_blockrank1 import HELD_OUT  # noqa: E402
+from test_compiler_multistate import ALL  # noqa: E402
+
+TOL = {"y": 1e-5, "D_T": 1e-5, "S_T": 1e-5, "grad": 5e-5}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(R, "POISON", True)
+
+
+def _case(name, T, seed, B=2, H=2, d=12, m=8):
+    obj = ssmcraft.compile(HELD_OUT.get(name) or ALL.get(name) or name)
+    ins, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": d, "m": m}, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    S0 = tuple(0.5 * torch.randn(B, H, d, m, generator=g, dtype=torch.float64) for _ in obj.spec.states)
+    obj.prefer = "interpret"
+    return obj, ins, params, S0, g
+
+
+@pytest.mark.parametrize("name,T,chunk", [("momentum_longhorn", 1, 16), ("momentum_longhorn", 9, 4),
+                                          ("momentum_longhorn", 12, 4), ("momentum_longhorn", 11, 5),
+                                          ("momentum_decay", 9, 4), ("momentum_delta", 7, 3),
+                                          ("explicit_step", 8, 4)])
+def test_matches_reference(name, T, chunk, monkeypatch):
+    """chunk: the checkpoint interval (T = 9 at 4: a last chunk of one step; 11 at 5: odd chunks,
+    whose reverse sweep ends on a pair's single step)."""
+    monkeypatch.setattr(R, "CHUNK", chunk)
+    obj, ins, params, S0, g = _case(name, T, seed=T)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
+    assert obj.backend.startswith("triton-interpret:block-rank1-row")
+    assert [k for k in cmp.errors if k.endswith("_T")] == ["D_T", "S_T"]
+    assert {"dD0", "dS0", "dmu", "dbeta", "dk", "dx", "dq"} <= set(cmp.errors)
+    assert_within(cmp.errors, TOL)
+
+
+@pytest.mark.parametrize("rows,fwd_rows,ahead", [(4, 8, True), (8, 2, False)])
+def test_row_blocks(rows, fwd_rows, ahead, monkeypatch):
+    """Several row blocks per head, the last one partly past the rows (d = 12), and a forward on
+    other blocks than the backward: the K-vector and per-head gradients are sums over the blocks;
+    ``ahead``: the backward's kept states loaded a pair ahead or when used."""
+    monkeypatch.setattr(R, "CONFIG", {"rows": rows, "fwd_rows": fwd_rows, "chunk": 4, "keep_ahead": ahead})
+    obj, ins, params, S0, g = _case("momentum_decay", 7, seed=11)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
+    assert_within(cmp.errors, TOL)
+
+
+def test_without_states():
+    """No initial state and no final state: the backward runs with the output's cotangent only."""
+    obj, ins, params, _, g = _case("momentum_longhorn", 6, seed=2)
+    cmp = reference_errors(obj, lambda i, p, s: (obj(i, p, None, False)[0], None), ins, params, None, g,
+                           final_state=False)
+    assert obj.backend.startswith("triton-interpret:block-rank1-row")
+    assert_within(cmp.errors, TOL)
+
+
+def test_public_function_matches_the_naive_loop():
+    """``block_recurrence`` in FLA's layout, per-row and per-head row slots and a constant, against
+    the readable loop (``naive.py``) in float64."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 2, 7, 2, 8, 12
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    q = torch.randn(B, T, H, K, generator=g)
+    mu = 0.2 + 0.6 * torch.rand(B, T, H, generator=g)
+    c = torch.rand(B, T, H, V, generator=g)
+    p = torch.randn(B, T, H, V, generator=g)
+    gam = 0.5 + 0.5 * torch.rand(B, T, H, V, generator=g)
+    S0 = tuple(torch.randn(B, H, K, V, generator=g) for _ in range(2))
+    rows = {"a00": mu, "a01": 0.0, "a10": mu, "a11": gam, "e0": mu, "e1": gam, "w0": 1.0, "w1": 0.5, "c": c, "p": p,
+            "ro0": 0.5, "ro1": gam}
+    y, S = R.block_recurrence(k, k, k, q, rows, initial_state=S0, output_final_state=True)
+    row = lambda x: x.double()[..., None] if x.dim() == 4 else x.double()[..., None, None]  # noqa: E731
+    co = {s: row(x) if isinstance(x, torch.Tensor) else x for s, x in rows.items()}
+    co.update({"u": k.double()[..., None, :], "v": k.double()[..., None, :], "q": k.double()[..., None, :],
+               "oq": q.double()[..., None, :], "oc": 1.0})
+    y_ref, S_ref = naive_block_rank1(co, 2, tuple(s.double().transpose(-1, -2) for s in S0))
+    assert rel_rms(y, y_ref) < 1e-6
+    assert all(rel_rms(a.transpose(-1, -2), b) < 1e-6 for a, b in zip(S, S_ref))
+
+
+def test_refuses_by_name():
+    """An update without the form goes to the general family, with this family's reason."""
+    from ssmcraft.runtime import select
+    obj = ssmcraft.compile("longhorn")
+    assert "several states" in R.supports(obj.ir)
+    obj = ssmcraft.compile(ALL["grid10"])
+    reasons = dict(select.families(obj, None, "interpret"))
+    assert "block rank-1" in reasons["block_rank1_row"] and reasons["general"] is None
