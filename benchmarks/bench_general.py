@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_classes import measure  # noqa: E402
+from ssmcraft.bench.classes_commands import measure  # noqa: E402
 from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from ssmcraft.runtime import timing  # noqa: E402
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         if cfg is not None:
             G.CONFIG.update(zip(("rows", "warps", "chunk"), cfg))
         try:
-            row = measure(name, shape, dtype, False)
+            row = measure(name, name, shape, dtype, False)
             row["config"] = "rule" if cfg is None else ", ".join(f"{k} {v}" for k, v in zip(("rows", "warps", "chunk"), cfg))
         except Exception as e:  # noqa: BLE001: one failure is a row of the table
             row = {"spec": name, "config": str(cfg), "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
