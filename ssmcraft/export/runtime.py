@@ -103,6 +103,19 @@ class IRView:
         c = self.coefficient("c")
         return c is not None and not c.dims
 
+    def ranks(self) -> tuple[int, int]:
+        """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors (as ``UpdateIR.ranks``)."""
+        return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
+                sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
+
+    def input_slots(self) -> list[str]:
+        """``rankr``: the slots ``p{r}`` present, in order (as ``UpdateIR.input_slots``)."""
+        return [s for s in self.slots if len(s) == 2 and s[0] == "p" and s[1].isdigit()]
+
+    def erase_slots(self) -> list[str]:
+        """``rankr``: the slots ``c{r}{l}`` present, in order (as ``UpdateIR.erase_slots``)."""
+        return [s for s in self.slots if len(s) == 3 and s[0] == "c" and s[1:].isdigit()]
+
     def content_hash(self) -> str | None:
         return self._hash
 
