@@ -1,10 +1,10 @@
 """Export of the families whose kernels an exported module could not carry before: ``rankr_chunk``
 (a two-key Woodbury update with a per-head step), ``minibatch_chunk`` (a composed mini-batch DeltaNet
-with a decay) and ``precision_rank1`` (``rls``). For each, a tiny LM exports with that family's kernels
-inline; in a fresh process where ssmcraft, sympy and yaml cannot be imported, the module loads, its
-kernels run under the interpreter and reproduce the original model's logits, and the hashes it
-recorded are checked: a config naming another IR is refused, and so is another IR by the roles the
-family read off the IR at export (``ssmcraft.ops.family.recorded_match``)."""
+with a decay), ``precision_rank1`` (``rls``) and ``mlp_memory`` (``ttt_mlp``). For each, a tiny LM
+exports with that family's kernels inline; in a fresh process where ssmcraft, sympy and yaml cannot be
+imported, the module loads, its kernels run under the interpreter and reproduce the original model's
+logits, and the hashes it recorded are checked: a config naming another IR is refused, and so is
+another IR by the roles the family read off the IR at export (``ssmcraft.ops.family.recorded_match``)."""
 from __future__ import annotations
 
 import json
@@ -28,9 +28,10 @@ SPECS = {
     "minibatch_chunk": compose_objective({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay",
                                           "step": "scalar", "normalize": True}),
     "precision_rank1": "rls",
+    "mlp_memory": "ttt_mlp",
 }
 BACKENDS = {"rankr_chunk": "rankr-chunk", "minibatch_chunk": "minibatch-chunk",
-            "precision_rank1": "precision-fp64+rank1-chunk"}
+            "precision_rank1": "precision-fp64+rank1-chunk", "mlp_memory": "mlp-memory"}
 T = 37          # two mini-batches and a partial one; rankr's 32-token chunks, one and a part
 
 FRESH = textwrap.dedent(r'''
@@ -103,6 +104,6 @@ def test_exported_module_runs_the_family_without_ssmcraft(family, tmp_path):
         assert "other_ir" not in res
         return
     from ssmcraft.ops import registry
-    assert res["other_ir"] == f"the {'mini-batch' if family == 'minibatch_chunk' else 'precision'} kernels were " \
-        f"exported for IR {digest}, not {'0' * 16}", res["other_ir"]
+    what = {"minibatch_chunk": "mini-batch", "precision_rank1": "precision", "mlp_memory": "MLP memory"}[family]
+    assert res["other_ir"] == f"the {what} kernels were exported for IR {digest}, not {'0' * 16}", res["other_ir"]
     assert res["own_ir"] == json.loads(json.dumps(registry.family(family).module.match(obj.ir)))

@@ -1,0 +1,180 @@
+"""The Triton kernels of the MLP memory: the sequential forward and the backward that walks each
+chunk back from its end state; the algorithm, shapes and host code are in
+``ssmcraft.ops.mlp_memory.recurrent``.
+
+Tiles, one program per (batch, head), fp32 in registers: ``W1 [BH, BM]`` as declared (``[h, m]``) and
+``W2`` transposed, ``W2T [BH, BD]``, so both have the hidden width on their rows: every vector over
+h is a row vector of both and no layout conversion sits in the step's chain. Padded rows and
+columns stay zero (the activation of a padded hidden unit is masked: ``sigmoid(0)`` is not 0).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.common.tuning import tune
+
+# ``ACT``: the activation (``recurrent.ACTIVATIONS`` names them; the host passes ``.value``)
+SILU, TANH, SIGMOID = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr):
+    """(act(z), act'(z), act''(z)) elementwise."""
+    if ACT == SILU:
+        s = tl.sigmoid(z)
+        ds = s * (1. - s)
+        return z * s, s + z * ds, ds * (2. + z * (1. - 2. * s))
+    elif ACT == TANH:
+        a = 2. * tl.sigmoid(2. * z) - 1.
+        da = 1. - a * a
+        return a, da, -2. * a * da
+    else:
+        s = tl.sigmoid(z)
+        ds = s * (1. - s)
+        return s, ds, ds * (1. - 2. * s)
+
+
+@triton.jit
+def _vec(ptr, row, o, m, N):
+    """Row ``row`` of a ``[B, T, H, N]`` tensor as fp32 ``[BN]`` (0 past N)."""
+    return tl.load(ptr + row * N + o, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _blocks(D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
+    """Offsets and masks: ``o_d, m_d [BD]``, ``o_m, m_m [BM]``, ``o_h, m_h [BH]``; ``p1, m1`` of a
+    ``W1 [h, m]`` state as the ``[BH, BM]`` tile, ``p2, m2`` of a ``W2 [d, h]`` state as ``W2T [BH, BD]``."""
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    o_h = tl.arange(0, BH)
+    m_d, m_m, m_h = o_d < D, o_m < M, o_h < HID
+    return (o_d, m_d, o_m, m_m, o_h, m_h, o_h[:, None] * M + o_m[None, :], m_h[:, None] & m_m[None, :],
+            o_d[None, :] * HID + o_h[:, None], m_h[:, None] & m_d[None, :])
+
+
+@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "STORE", "STORE_T"])
+@triton.jit(do_not_specialize=["T"])
+def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, T, H: tl.constexpr,
+                          D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                          BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, HAS_ETA: tl.constexpr,
+                          STORE: tl.constexpr, STORE_T: tl.constexpr):
+    """Sequential over tokens. Per token, with W1, W2 the previous weights:
+    z = W1 k, a = act(z), r = W2 a - x, e = W2^T r; W1 -= eta (e . act'(z)) k^T, W2 -= eta r a^T;
+    y = W2 act(W1 q) with the new weights. STORE (training): z, r, e per token and the weights
+    after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, d, h]``), which the
+    backward starts each chunk from."""
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _blocks(D, M, HID, BD, BM, BH)
+    s1 = i_bh.to(tl.int64) * HID * M
+    s2 = i_bh.to(tl.int64) * D * HID
+    b_w1 = tl.load(w1 + s1 + p1, mask=m1, other=0.).to(tl.float32)
+    b_w2 = tl.load(w2 + s2 + p2, mask=m2, other=0.).to(tl.float32)
+    NT = tl.cdiv(T, CHUNK)
+    row = (i_b * T).to(tl.int64) * H + i_h
+    for t in range(T):
+        b_k = _vec(k, row, o_m, m_m, M)
+        b_x = _vec(x, row, o_d, m_d, D)
+        b_q = _vec(q, row, o_m, m_m, M)
+        b_eta = tl.load(eta + row).to(tl.float32) if HAS_ETA else 1.
+        b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
+        b_a, b_a1, _ = _act(b_z, ACT)
+        b_a = tl.where(m_h, b_a, 0.)
+        b_r = tl.sum(b_w2 * b_a[:, None], axis=0) - b_x
+        b_e = tl.sum(b_w2 * b_r[None, :], axis=1)
+        b_w1 -= (b_eta * b_e * b_a1)[:, None] * b_k[None, :]
+        b_w2 -= (b_eta * b_a)[:, None] * b_r[None, :]
+        b_aq, _, _ = _act(tl.sum(b_w1 * b_q[None, :], axis=1), ACT)
+        b_aq = tl.where(m_h, b_aq, 0.)
+        tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
+        if STORE:
+            tl.store(cz + row * HID + o_h, b_z, mask=m_h)
+            tl.store(cr + row * D + o_d, b_r, mask=m_d)
+            tl.store(ce + row * HID + o_h, b_e, mask=m_h)
+            if ((t + 1) % CHUNK == 0) | (t + 1 == T):
+                c = (i_bh * NT + t // CHUNK).to(tl.int64)
+                tl.store(ck1 + c * HID * M + p1, b_w1, mask=m1)
+                tl.store(ck2 + c * D * HID + p2, b_w2, mask=m2)
+        row += H
+    if STORE_T:
+        tl.store(w1t + s1 + p1, b_w1, mask=m1)
+        tl.store(w2t + s2 + p2, b_w2, mask=m2)
+
+
+@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_DHT", "STORE_DH0"])
+@triton.jit(do_not_specialize=["T"])
+def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, dw1, dw2, T,
+                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
+                          BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
+                          HAS_ETA: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+    """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
+    by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
+    k^T and W2_{t-1} = W2_t + eta r a^T from the stored z, r, e, then the step's adjoint at W_{t-1}
+    (G1, G2 the adjoints of the weights; dgz = -eta G1 k, de = dgz . act'(z),
+    dr = -eta G2 a + W2 de, da = -eta G2^T r + W2^T dr, dz = dgz . e . act''(z) + da . act'(z)):
+    G1 += dz k^T, G2 += r de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
+    every chunk restarts from its stored end state."""
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _blocks(D, M, HID, BD, BM, BH)
+    s1 = i_bh.to(tl.int64) * HID * M
+    s2 = i_bh.to(tl.int64) * D * HID
+    if HAS_DHT:
+        b_g1 = tl.load(dw1t + s1 + p1, mask=m1, other=0.).to(tl.float32)
+        b_g2 = tl.load(dw2t + s2 + p2, mask=m2, other=0.).to(tl.float32)
+    else:
+        b_g1 = tl.zeros([BH, BM], dtype=tl.float32)
+        b_g2 = tl.zeros([BH, BD], dtype=tl.float32)
+    NT = tl.cdiv(T, CHUNK)
+    for i in range(NT):
+        i_c = NT - 1 - i
+        c = (i_bh * NT + i_c).to(tl.int64)
+        b_w1 = tl.load(ck1 + c * HID * M + p1, mask=m1, other=0.)
+        b_w2 = tl.load(ck2 + c * D * HID + p2, mask=m2, other=0.)
+        end = tl.minimum(T, (i_c + 1) * CHUNK)
+        for j in range(end - i_c * CHUNK):
+            t = end - 1 - j
+            row = (i_b * T + t).to(tl.int64) * H + i_h
+            b_q = _vec(q, row, o_m, m_m, M)
+            b_dy = _vec(dy, row, o_d, m_d, D)
+            # the readout y = W2 act(W1 q) at the weights after token t
+            b_aq, b_aq1, _ = _act(tl.sum(b_w1 * b_q[None, :], axis=1), ACT)
+            b_aq = tl.where(m_h, b_aq, 0.)
+            b_dzq = tl.sum(b_w2 * b_dy[None, :], axis=1) * b_aq1
+            tl.store(dq + row * M + o_m, tl.sum(b_w1 * b_dzq[:, None], axis=0).to(dq.dtype.element_ty), mask=m_m)
+            b_g1 += b_dzq[:, None] * b_q[None, :]
+            b_g2 += b_aq[:, None] * b_dy[None, :]
+            # back to the weights before token t
+            b_k = _vec(k, row, o_m, m_m, M)
+            b_z = _vec(cz, row, o_h, m_h, HID)
+            b_r = _vec(cr, row, o_d, m_d, D)
+            b_e = _vec(ce, row, o_h, m_h, HID)
+            b_eta = tl.load(eta + row).to(tl.float32) if HAS_ETA else 1.
+            b_a, b_a1, b_a2 = _act(b_z, ACT)
+            b_a = tl.where(m_h, b_a, 0.)
+            b_gz = b_e * b_a1
+            b_w1 += (b_eta * b_gz)[:, None] * b_k[None, :]
+            b_w2 += (b_eta * b_a)[:, None] * b_r[None, :]
+            # the step's adjoint at the weights before token t
+            b_gk = tl.sum(b_g1 * b_k[None, :], axis=1)
+            b_dgz = -b_eta * b_gk
+            b_de = b_dgz * b_a1
+            b_ga = tl.sum(b_g2 * b_a[:, None], axis=0)
+            b_dr = -b_eta * b_ga + tl.sum(b_w2 * b_de[:, None], axis=0)
+            b_da = -b_eta * tl.sum(b_g2 * b_r[None, :], axis=1) + tl.sum(b_w2 * b_dr[None, :], axis=1)
+            b_dz = b_dgz * b_e * b_a2 + b_da * b_a1
+            b_dk = -b_eta * tl.sum(b_g1 * b_gz[:, None], axis=0) + tl.sum(b_w1 * b_dz[:, None], axis=0)
+            tl.store(dk + row * M + o_m, b_dk.to(dk.dtype.element_ty), mask=m_m)
+            tl.store(dx + row * D + o_d, (-b_dr).to(dx.dtype.element_ty), mask=m_d)
+            if HAS_ETA:
+                tl.store(deta + row, (-(tl.sum(b_gz * b_gk, axis=0) + tl.sum(b_r * b_ga, axis=0))).to(deta.dtype.element_ty))
+            b_g1 += b_dz[:, None] * b_k[None, :]
+            b_g2 += b_de[:, None] * b_r[None, :] + b_a[:, None] * b_dr[None, :]
+    if STORE_DH0:
+        tl.store(dw1 + s1 + p1, b_g1, mask=m1)
+        tl.store(dw2 + s2 + p2, b_g2, mask=m2)
