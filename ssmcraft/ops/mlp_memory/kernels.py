@@ -39,8 +39,17 @@ def _act(z, ACT: tl.constexpr):
 
 @triton.jit
 def _vec(ptr, row, o, m, N):
-    """Row ``row`` of a ``[B, T, H, N]`` tensor as fp32 ``[BN]`` (0 past N)."""
+    """Row ``row`` of a ``[B, T, H, N]`` tensor as fp32 ``[BN]`` (0 past N, or where ``m`` is False)."""
     return tl.load(ptr + row * N + o, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _step_of(eta, row, ok, HAS_ETA: tl.constexpr):
+    """Token ``row``'s step as fp32 (1 without one; nothing read where ``ok`` is False)."""
+    if HAS_ETA:
+        return tl.load(eta + row, mask=ok, other=1.).to(tl.float32)
+    else:
+        return tl.full([], 1., tl.float32)      # a tensor: the kernels carry it through their loops
 
 
 @triton.jit
@@ -76,11 +85,15 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
     b_w2 = tl.load(w2 + s2 + p2, mask=m2, other=0.).to(tl.float32)
     NT = tl.cdiv(T, CHUNK)
     row = (i_b * T).to(tl.int64) * H + i_h
+    # each token's inputs are loaded while the previous token's step runs: the step's chain of
+    # reductions then never waits on memory
+    ok = T > 0
+    b_k, b_x = _vec(k, row, o_m, m_m & ok, M), _vec(x, row, o_d, m_d & ok, D)
+    b_q, b_eta = _vec(q, row, o_m, m_m & ok, M), _step_of(eta, row, ok, HAS_ETA)
     for t in range(T):
-        b_k = _vec(k, row, o_m, m_m, M)
-        b_x = _vec(x, row, o_d, m_d, D)
-        b_q = _vec(q, row, o_m, m_m, M)
-        b_eta = tl.load(eta + row).to(tl.float32) if HAS_ETA else 1.
+        ok = t + 1 < T
+        n_k, n_x = _vec(k, row + H, o_m, m_m & ok, M), _vec(x, row + H, o_d, m_d & ok, D)
+        n_q, n_eta = _vec(q, row + H, o_m, m_m & ok, M), _step_of(eta, row + H, ok, HAS_ETA)
         b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
         b_a, b_a1, _ = _act(b_z, ACT)
         b_a = tl.where(m_h, b_a, 0.)
@@ -100,6 +113,7 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
                 tl.store(ck1 + c * HID * M + p1, b_w1, mask=m1)
                 tl.store(ck2 + c * D * HID + p2, b_w2, mask=m2)
         row += H
+        b_k, b_x, b_q, b_eta = n_k, n_x, n_q, n_eta
     if STORE_T:
         tl.store(w1t + s1 + p1, b_w1, mask=m1)
         tl.store(w2t + s2 + p2, b_w2, mask=m2)
@@ -131,6 +145,12 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
         b_g1 = tl.zeros([BH, BM], dtype=tl.float32)
         b_g2 = tl.zeros([BH, BD], dtype=tl.float32)
     NT = tl.cdiv(T, CHUNK)
+    # token t - 1's inputs and stored vectors are loaded while token t's adjoint runs (as the forward)
+    row = (i_b * T + T - 1).to(tl.int64) * H + i_h
+    ok = T > 0
+    b_q, b_dy, b_k = _vec(q, row, o_m, m_m & ok, M), _vec(dy, row, o_d, m_d & ok, D), _vec(k, row, o_m, m_m & ok, M)
+    b_z, b_r, b_e = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D), _vec(ce, row, o_h, m_h & ok, HID)
+    b_eta = _step_of(eta, row, ok, HAS_ETA)
     for i in range(NT):
         i_c = NT - 1 - i
         c = (i_bh * NT + i_c).to(tl.int64)
@@ -139,9 +159,11 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
         end = tl.minimum(T, (i_c + 1) * CHUNK)
         for j in range(end - i_c * CHUNK):
             t = end - 1 - j
-            row = (i_b * T + t).to(tl.int64) * H + i_h
-            b_q = _vec(q, row, o_m, m_m, M)
-            b_dy = _vec(dy, row, o_d, m_d, D)
+            ok = t > 0
+            n_q, n_dy = _vec(q, row - H, o_m, m_m & ok, M), _vec(dy, row - H, o_d, m_d & ok, D)
+            n_k, n_z = _vec(k, row - H, o_m, m_m & ok, M), _vec(cz, row - H, o_h, m_h & ok, HID)
+            n_r, n_e = _vec(cr, row - H, o_d, m_d & ok, D), _vec(ce, row - H, o_h, m_h & ok, HID)
+            n_eta = _step_of(eta, row - H, ok, HAS_ETA)
             # the readout y = W2 act(W1 q) at the weights after token t
             b_aq, b_aq1, _ = _act(tl.sum(b_w1 * b_q[None, :], axis=1), ACT)
             b_aq = tl.where(m_h, b_aq, 0.)
@@ -150,11 +172,6 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
             b_g1 += b_dzq[:, None] * b_q[None, :]
             b_g2 += b_aq[:, None] * b_dy[None, :]
             # back to the weights before token t
-            b_k = _vec(k, row, o_m, m_m, M)
-            b_z = _vec(cz, row, o_h, m_h, HID)
-            b_r = _vec(cr, row, o_d, m_d, D)
-            b_e = _vec(ce, row, o_h, m_h, HID)
-            b_eta = tl.load(eta + row).to(tl.float32) if HAS_ETA else 1.
             b_a, b_a1, b_a2 = _act(b_z, ACT)
             b_a = tl.where(m_h, b_a, 0.)
             b_gz = b_e * b_a1
@@ -175,6 +192,8 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
                 tl.store(deta + row, (-(tl.sum(b_gz * b_gk, axis=0) + tl.sum(b_r * b_ga, axis=0))).to(deta.dtype.element_ty))
             b_g1 += b_dz[:, None] * b_k[None, :]
             b_g2 += b_de[:, None] * b_r[None, :] + b_a[:, None] * b_dr[None, :]
+            row -= H
+            b_q, b_dy, b_k, b_z, b_r, b_e, b_eta = n_q, n_dy, n_k, n_z, n_r, n_e, n_eta
     if STORE_DH0:
         tl.store(dw1 + s1 + p1, b_g1, mask=m1)
         tl.store(dw2 + s2 + p2, b_g2, mask=m2)
