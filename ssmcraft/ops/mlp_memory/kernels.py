@@ -65,8 +65,8 @@ def _blocks(D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "STORE", "STORE_T"])
-@triton.jit(do_not_specialize=["T"])
-def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, T, H: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, T, H,
                           D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                           BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, HAS_ETA: tl.constexpr,
                           STORE: tl.constexpr, STORE_T: tl.constexpr):
@@ -95,13 +95,16 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
         n_k, n_x = _vec(k, row + H, o_m, m_m & ok, M), _vec(x, row + H, o_d, m_d & ok, D)
         n_q, n_eta = _vec(q, row + H, o_m, m_m & ok, M), _step_of(eta, row + H, ok, HAS_ETA)
         b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
+        # the readout's W1 q off the step's chain: (W1 - eta gz k^T) q = W1 q - eta gz (k . q)
+        b_zq = tl.sum(b_w1 * b_q[None, :], axis=1)
         b_a, b_a1, _ = _act(b_z, ACT)
         b_a = tl.where(m_h, b_a, 0.)
         b_r = tl.sum(b_w2 * b_a[:, None], axis=0) - b_x
         b_e = tl.sum(b_w2 * b_r[None, :], axis=1)
-        b_w1 -= (b_eta * b_e * b_a1)[:, None] * b_k[None, :]
+        b_gz = b_eta * b_e * b_a1
+        b_w1 -= b_gz[:, None] * b_k[None, :]
         b_w2 -= (b_eta * b_a)[:, None] * b_r[None, :]
-        b_aq, _, _ = _act(tl.sum(b_w1 * b_q[None, :], axis=1), ACT)
+        b_aq, _, _ = _act(b_zq - b_gz * tl.sum(b_k * b_q, axis=0), ACT)
         b_aq = tl.where(m_h, b_aq, 0.)
         tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
         if STORE:
@@ -120,15 +123,15 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_DHT", "STORE_DH0"])
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, dw1, dw2, T,
-                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
+                          H, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
                           BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
                           HAS_ETA: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta r a^T from the stored z, r, e, then the step's adjoint at W_{t-1}
-    (G1, G2 the adjoints of the weights; dgz = -eta G1 k, de = dgz . act'(z),
+    (G1, G2 the adjoints of the weights, G2 kept transposed as W2; dgz = -eta G1 k, de = dgz . act'(z),
     dr = -eta G2 a + W2 de, da = -eta G2^T r + W2^T dr, dz = dgz . e . act''(z) + da . act'(z)):
     G1 += dz k^T, G2 += r de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
     every chunk restarts from its stored end state."""
@@ -178,18 +181,19 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
             b_w1 += (b_eta * b_gz)[:, None] * b_k[None, :]
             b_w2 += (b_eta * b_a)[:, None] * b_r[None, :]
             # the step's adjoint at the weights before token t
+            # (sums over one axis of two tiles taken as one: the step's chain of reductions is its latency)
             b_gk = tl.sum(b_g1 * b_k[None, :], axis=1)
+            b_g2r = tl.sum(b_g2 * b_r[None, :], axis=1)
             b_dgz = -b_eta * b_gk
             b_de = b_dgz * b_a1
-            b_ga = tl.sum(b_g2 * b_a[:, None], axis=0)
-            b_dr = -b_eta * b_ga + tl.sum(b_w2 * b_de[:, None], axis=0)
-            b_da = -b_eta * tl.sum(b_g2 * b_r[None, :], axis=1) + tl.sum(b_w2 * b_dr[None, :], axis=1)
+            b_dr = tl.sum(b_w2 * b_de[:, None] - b_eta * b_g2 * b_a[:, None], axis=0)
+            b_da = -b_eta * b_g2r + tl.sum(b_w2 * b_dr[None, :], axis=1)
             b_dz = b_dgz * b_e * b_a2 + b_da * b_a1
-            b_dk = -b_eta * tl.sum(b_g1 * b_gz[:, None], axis=0) + tl.sum(b_w1 * b_dz[:, None], axis=0)
+            b_dk = tl.sum(b_w1 * b_dz[:, None] - b_eta * b_g1 * b_gz[:, None], axis=0)
             tl.store(dk + row * M + o_m, b_dk.to(dk.dtype.element_ty), mask=m_m)
             tl.store(dx + row * D + o_d, (-b_dr).to(dx.dtype.element_ty), mask=m_d)
-            if HAS_ETA:
-                tl.store(deta + row, (-(tl.sum(b_gz * b_gk, axis=0) + tl.sum(b_r * b_ga, axis=0))).to(deta.dtype.element_ty))
+            if HAS_ETA:     # d eta = -(gz . G1 k + r . G2 a) = -(gz . G1 k + a . G2^T r)
+                tl.store(deta + row, (-tl.sum(b_gz * b_gk + b_a * b_g2r, axis=0)).to(deta.dtype.element_ty))
             b_g1 += b_dz[:, None] * b_k[None, :]
             b_g2 += b_de[:, None] * b_r[None, :] + b_a[:, None] * b_dr[None, :]
             row -= H
