@@ -131,3 +131,18 @@ def test_dispatch_runs_the_family_and_says_so():
 ])
 def test_refusals_say_why(spec, why):
     assert why in R.supports(ssmcraft.compile(spec).ir)
+
+
+@pytest.mark.parametrize("which", ["ttt_mlp", "sigmoid"])     # tanh has a step of 1: unstable at these draws
+def test_packed_equals_separate(which):
+    """A packed row (``cu_seqlens``: odd lengths, empty ones first and in the middle, some under a
+    chunk of 16 and some over) against N separate float64 reference calls: output, both final weights
+    of every sequence and every gradient; and without any state, as a training forward calls it."""
+    from test_varlen import _interpret, packed_errors, packed_without_states
+    obj = ssmcraft.compile(OBJECTIVES[which])
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=6, m=4)
+    assert_within(errs, TOL)
+    assert obj.backend == "triton-interpret:mlp-memory+packed"
+    errs, S = packed_without_states(obj, [0, 19, 4, 1], d=6, m=4)
+    assert S is None and obj.backend == "triton-interpret:mlp-memory+packed"
+    assert_within(errs, TOL)

@@ -9,4 +9,4 @@ from ssmcraft.ops.mlp_memory import recurrent
 FAMILY = KernelFamily(name="mlp_memory", backend=recurrent.BACKEND_NAME, module=recurrent,
                       supports=recurrent.supports, prepare=recurrent.prepare, forward=recurrent.forward,
                       export_exclude=frozenset({"prepare", "supports", "match", "_structure", "_probe"}),
-                      export_tail=recorded_match(recurrent.match, "the MLP memory kernels"))
+                      export_tail=recorded_match(recurrent.match, "the MLP memory kernels"), varlen=None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.rows import seq_state
 from ssmcraft.ops.common.tuning import tune
 
 # ``ACT``: the activation (``recurrent.ACTIVATIONS`` names them; the host passes ``.value``)
@@ -65,16 +66,17 @@ def _blocks(D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "STORE", "STORE_T"])
-@triton.jit(do_not_specialize=["T", "H"])
-def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, T, H,
+@triton.jit(do_not_specialize=["T", "NT"])
+def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, cu, co, T, NT, H: tl.constexpr,
                           D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                           BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, HAS_ETA: tl.constexpr,
-                          STORE: tl.constexpr, STORE_T: tl.constexpr):
+                          STORE: tl.constexpr, STORE_T: tl.constexpr, VARLEN: tl.constexpr):
     """Sequential over tokens. Per token, with W1, W2 the previous weights:
     z = W1 k, a = act(z), r = W2 a - x, e = W2^T r; W1 -= eta (e . act'(z)) k^T, W2 -= eta r a^T;
     y = W2 act(W1 q) with the new weights. STORE (training): z, r, e per token and the weights
     after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, d, h]``), which the
-    backward starts each chunk from."""
+    backward starts each chunk from. VARLEN: program ``i_b`` runs sequence ``i_b`` of a packed row
+    (``cu`` its offsets, ``co`` each sequence's first chunk; ``ssmcraft.ops.common.rows.seq_state``)."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -83,8 +85,8 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
     s2 = i_bh.to(tl.int64) * D * HID
     b_w1 = tl.load(w1 + s1 + p1, mask=m1, other=0.).to(tl.float32)
     b_w2 = tl.load(w2 + s2 + p2, mask=m2, other=0.).to(tl.float32)
-    NT = tl.cdiv(T, CHUNK)
-    row = (i_b * T).to(tl.int64) * H + i_h
+    bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
+    row = bos.to(tl.int64) * H + i_h
     # each token's inputs are loaded while the previous token's step runs: the step's chain of
     # reductions then never waits on memory
     ok = T > 0
@@ -112,7 +114,7 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
             tl.store(cr + row * D + o_d, b_r, mask=m_d)
             tl.store(ce + row * HID + o_h, b_e, mask=m_h)
             if ((t + 1) % CHUNK == 0) | (t + 1 == T):
-                c = (i_bh * NT + t // CHUNK).to(tl.int64)
+                c = c0 + t // CHUNK
                 tl.store(ck1 + c * HID * M + p1, b_w1, mask=m1)
                 tl.store(ck2 + c * D * HID + p2, b_w2, mask=m2)
         row += H
@@ -123,18 +125,19 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_DHT", "STORE_DH0"])
-@triton.jit(do_not_specialize=["T", "H"])
-def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, dw1, dw2, T,
-                          H, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT"])
+def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, dw1, dw2, cu, co, T,
+                          NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
                           BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
-                          HAS_ETA: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+                          HAS_ETA: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                          VARLEN: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta r a^T from the stored z, r, e, then the step's adjoint at W_{t-1}
     (G1, G2 the adjoints of the weights, G2 kept transposed as W2; dgz = -eta G1 k, de = dgz . act'(z),
     dr = -eta G2 a + W2 de, da = -eta G2^T r + W2^T dr, dz = dgz . e . act''(z) + da . act'(z)):
     G1 += dz k^T, G2 += r de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
-    every chunk restarts from its stored end state."""
+    every chunk restarts from its stored end state. VARLEN: as the forward."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -147,16 +150,16 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
     else:
         b_g1 = tl.zeros([BH, BM], dtype=tl.float32)
         b_g2 = tl.zeros([BH, BD], dtype=tl.float32)
-    NT = tl.cdiv(T, CHUNK)
+    bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
     # token t - 1's inputs and stored vectors are loaded while token t's adjoint runs (as the forward)
-    row = (i_b * T + T - 1).to(tl.int64) * H + i_h
+    row = (bos + T - 1).to(tl.int64) * H + i_h
     ok = T > 0
     b_q, b_dy, b_k = _vec(q, row, o_m, m_m & ok, M), _vec(dy, row, o_d, m_d & ok, D), _vec(k, row, o_m, m_m & ok, M)
     b_z, b_r, b_e = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D), _vec(ce, row, o_h, m_h & ok, HID)
     b_eta = _step_of(eta, row, ok, HAS_ETA)
     for i in range(NT):
         i_c = NT - 1 - i
-        c = (i_bh * NT + i_c).to(tl.int64)
+        c = c0 + i_c
         b_w1 = tl.load(ck1 + c * HID * M + p1, mask=m1, other=0.)
         b_w2 = tl.load(ck2 + c * D * HID + p2, mask=m2, other=0.)
         end = tl.minimum(T, (i_c + 1) * CHUNK)

@@ -30,6 +30,10 @@ and the step's adjoint.
 
 Shapes: x [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H]; states (W1 [B, H, h, m], W2 [B, H, d, h]) as
 the API carries them, fp32 in the kernels. I/O in float32, bfloat16 or float16.
+
+Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
+states ``[N, H, ...]``; one program per (sequence, head), its chunks counted from the sequence's first
+token (``common.rows.seq_state``), so a packed call is N separate calls.
 """
 from __future__ import annotations
 
@@ -37,7 +41,9 @@ import torch
 
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.reference import initial_states
-from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, cdiv, io_dtype, pow2
+from ssmcraft.ops.common.rows import packed_args, sequences
+from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
+from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.mlp_memory.kernels import SIGMOID, SILU, TANH, mlp_memory_bwd_kernel, mlp_memory_fwd_kernel
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -51,29 +57,30 @@ def _empty(*shape, device, dtype):
 
 
 class MLPMemoryFunction(torch.autograd.Function):
-    """(x, k, q, eta | None, W1_0 [B, H, h, m] fp32, W2_0 [B, H, d, h] fp32) -> (y, W1_T | None, W2_T | None)."""
+    """(x, k, q, eta | None, W1_0 [N, H, h, m] fp32, W2_0 [N, H, d, h] fp32) -> (y, W1_T | None, W2_T | None);
+    ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B)."""
 
     @staticmethod
-    def forward(ctx, x, k, q, eta, w1, w2, act, output_final_state, chunk):
+    def forward(ctx, x, k, q, eta, w1, w2, act, output_final_state, chunk, packed=None):
         B, T, H, D = x.shape
         M, HID = k.shape[-1], w1.shape[-2]
         dev = x.device
         train = any(ctx.needs_input_grad[:6])
-        NT = cdiv(T, chunk)
+        N, NT, seq = sequences(B, T, chunk, packed, x)
         y = _empty(B, T, H, D, device=dev, dtype=x.dtype)
         cz = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
         cr = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train else y
         ce = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
         ck1 = _empty(B, H, NT, HID, M, device=dev, dtype=torch.float32) if train else y
         ck2 = _empty(B, H, NT, D, HID, device=dev, dtype=torch.float32) if train else y
-        w1t = _empty(B, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
-        w2t = _empty(B, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
-        launch(mlp_memory_fwd_kernel, (B * H,), x=x, k=k, q=q, eta=y if eta is None else eta, w1=w1, w2=w2, y=y,
-               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, T=T, H=H, D=D, M=M, HID=HID, BD=pow2(D),
-               BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None, STORE=train,
-               STORE_T=output_final_state)
+        w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
+        w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
+        launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta, w1=w1, w2=w2, y=y,
+               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
+               BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None, STORE=train,
+               STORE_T=output_final_state, **packed_args(seq, "cu", "co"))
         ctx.set_materialize_grads(False)
-        ctx.act, ctx.chunk = act, chunk
+        ctx.act, ctx.chunk, ctx.packed = act, chunk, packed
         if train:
             ctx.save_for_backward(x, k, q, eta, cz, cr, ce, ck1, ck2)
         return y, (w1t if output_final_state else None), (w2t if output_final_state else None)
@@ -84,27 +91,28 @@ class MLPMemoryFunction(torch.autograd.Function):
         B, T, H, D = x.shape
         M, HID = k.shape[-1], cz.shape[-1]
         dev = x.device
+        N, NT, seq = sequences(B, T, ctx.chunk, ctx.packed, x)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
         has_dht = dw1t is not None or dw2t is not None
         if has_dht:
-            dw1t = torch.zeros(B, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
-            dw2t = torch.zeros(B, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
+            dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
+            dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
         need_dh0 = ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
         deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else None
-        dw1 = _empty(B, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
-        dw2 = _empty(B, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
-        launch(mlp_memory_bwd_kernel, (B * H,), k=k, q=q, eta=dx if eta is None else eta, dy=dy, cz=cz, cr=cr, ce=ce,
+        dw1 = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
+        dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
+        launch(mlp_memory_bwd_kernel, (N * H,), k=k, q=q, eta=dx if eta is None else eta, dy=dy, cz=cz, cr=cr, ce=ce,
                ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx, dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq,
-               deta=dx if deta is None else deta, dw1=dw1, dw2=dw2, T=T, H=H, D=D, M=M, HID=HID, BD=pow2(D),
+               deta=dx if deta is None else deta, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H, D=D, M=M, HID=HID, BD=pow2(D),
                BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, HAS_ETA=eta is not None, HAS_DHT=has_dht,
-               STORE_DH0=need_dh0)
-        return (dx, dk, dq, deta, dw1 if need_dh0 else None, dw2 if need_dh0 else None, None, None, None)
+               STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+        return (dx, dk, dq, deta, dw1 if need_dh0 else None, dw2 if need_dh0 else None, None, None, None, None)
 
 
 def mlp_memory(x, k, q, eta=None, *, act: str = "silu", initial_state=None, output_final_state: bool = False,
-               chunk_size: int | None = None):
+               chunk_size: int | None = None, cu_seqlens=None):
     """The layer of the module docstring.
 
     Args:
@@ -114,6 +122,9 @@ def mlp_memory(x, k, q, eta=None, *, act: str = "silu", initial_state=None, outp
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
         chunk_size: tokens between the backward's restart states (default ``CHUNK``).
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then [N, H, ...]
+            and every sequence starts from its own: the result equals N separate calls.
     Returns:
         y [B, T, H, d] in x's dtype, (W1_T, W2_T) or None.
     """
@@ -122,12 +133,16 @@ def mlp_memory(x, k, q, eta=None, *, act: str = "silu", initial_state=None, outp
     if x.dtype not in IO_DTYPES:
         raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
     W1, W2 = initial_state
+    chunk = chunk_size or CHUNK
+    packed = None
+    if cu_seqlens is not None:
+        packed = chunks(offsets("mlp_memory", cu_seqlens, {"x": x}, initial_state), cu_seqlens.to(x.device), chunk)
     if x.shape[1] == 0:
         return x.new_zeros(x.shape), ((W1.float(), W2.float()) if output_final_state else None)
     head = (lambda t: t if t is None else t.contiguous())       # noqa: E731
     y, w1t, w2t = MLPMemoryFunction.apply(x.contiguous(), k.to(x.dtype).contiguous(), q.to(x.dtype).contiguous(),
                                           head(eta), W1.float().contiguous(), W2.float().contiguous(),
-                                          ACTIVATIONS[act], output_final_state, chunk_size or CHUNK)
+                                          ACTIVATIONS[act], output_final_state, chunk, packed)
     return y, ((w1t, w2t) if output_final_state else None)
 
 
@@ -214,17 +229,18 @@ def supports(ir) -> str | None:
     return None
 
 
-def _run(names, get, initial_state, output_final_state, io):
+def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``),
-    the declared initial ones (``names["initial"](B, H, d, m)``) when the call gives none."""
+    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none."""
     x = get(names["x"])
     B, T, H, D = x.shape
     M = get(names["k"]).shape[-1]
-    S0 = initial_state if initial_state is not None else names["initial"](B, H, D, M, x.device)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    S0 = initial_state if initial_state is not None else names["initial"](N, H, D, M, x.device)
     st = dict(zip(names["order"], S0))
     y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), None if names["eta"] is None else get(names["eta"]),
                         act=names["act"], initial_state=(st[names["W1"]], st[names["W2"]]),
-                        output_final_state=output_final_state)
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if fin is None:
         return y, None
     out = {names["W1"]: fin[0], names["W2"]: fin[1]}
@@ -249,13 +265,14 @@ def forward(obj, lay, co, output_final_state):
 
 
 def prepare(obj, lay):
-    """The runner for one call signature: the caller's inputs go to the kernels as they are."""
+    """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
+    call (``cu_seqlens=``) runs one program per sequence and head."""
     names = _names(obj.ir)
     io = io_dtype(lay.out_dtype)
     out_dtype = lay.out_dtype
 
-    def run(inputs, params, initial_state, output_final_state):
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
-        y, S = _run(names, get, initial_state, output_final_state, io)
+        y, S = _run(names, get, initial_state, output_final_state, io, cu_seqlens)
         return y.to(out_dtype), S
     return run
