@@ -138,19 +138,30 @@ def _umask() -> int:
     return mask
 
 
-INTERPRETED = textwrap.dedent(r'''
+# the head of a script run in a fresh process, where ssmcraft and the compiler's packages cannot be
+# imported: ``load(folder)`` imports the exported module of an export folder from its file
+FRESH_PROCESS = textwrap.dedent(r'''
     import importlib.util, json, os, sys
     for blocked in ("ssmcraft", "yaml", "sympy", "optuna"):
         sys.modules[blocked] = None
     import torch
     torch.set_grad_enabled(False)
-    out = {}
-    for folder in sys.argv[1:]:
+
+
+    def load(folder):
         [name] = [f[:-3] for f in os.listdir(folder) if f.endswith(".py")]
         spec = importlib.util.spec_from_file_location(name, os.path.join(folder, name + ".py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
+        return mod
+''')
+
+INTERPRETED = FRESH_PROCESS + textwrap.dedent(r'''
+    out = {}
+    for folder in sys.argv[1:]:
+        mod = load(folder)
+        name = mod.__name__
         model = mod.from_pretrained(folder)
         ids = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
         ref = model(ids)
@@ -284,10 +295,12 @@ def test_standalone_module_brings_what_it_reaches_of_another_family(tmp_path, mo
     assert text.count("\ndef forward(") == 1 and "def prepare(" not in text and "def supports(" not in text
     assert text.count("BACKEND_NAME =") == 1 and "def delta_rule(" not in text
     assert text.count("\nPOISON = False") == 1 and text.count("def _empty(") == 1
-    assert "def chunk_rank1(" in text and "class Rank1ChunkFunction" in text and "def rank1_chunk_fwd_state_kernel(" in text
+    assert "def chunk_rank1(" in text and "class Rank1ChunkFunction" in text
+    assert "def rank1_chunk_fwd_state_kernel(" in text
     ns: dict = {}
     exec(compile(text, "fam_on_rank1_bundled", "exec"), ns)   # noqa: S102 - our own bundle
-    assert ns["BACKEND_NAME"] == "on-rank1" and ns["forward"](None, None, None, False) == (ns["chunk_rank1"], ns["_empty"])
+    assert ns["BACKEND_NAME"] == "on-rank1"
+    assert ns["forward"](None, None, None, False) == (ns["chunk_rank1"], ns["_empty"])
 
 
 def test_inline_kernel_text_is_the_family_without_prepare(compiled):

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
-from test_export_bundle import source  # noqa: E402
+from test_export_bundle import FRESH_PROCESS, source  # noqa: E402
 
 SPECS = {
     "rankr_chunk": compose_objective({"data": "regression", "keys": 2, "step": "scalar", "normalize": True,
@@ -34,18 +34,9 @@ BACKENDS = {"rankr_chunk": "rankr-chunk", "minibatch_chunk": "minibatch-chunk",
             "precision_rank1": "precision-fp64+rank1-chunk", "mlp_memory": "mlp-memory"}
 T = 37          # two mini-batches and a partial one; rankr's 32-token chunks, one and a part
 
-FRESH = textwrap.dedent(r'''
-    import importlib.util, json, os, sys
-    for blocked in ("ssmcraft", "yaml", "sympy", "optuna"):
-        sys.modules[blocked] = None
-    import torch
-    torch.set_grad_enabled(False)
+FRESH = FRESH_PROCESS + textwrap.dedent(r'''
     folder, T = sys.argv[1], int(sys.argv[2])
-    [name] = [f[:-3] for f in os.listdir(folder) if f.endswith(".py")]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    mod = load(folder)
     model = mod.from_pretrained(folder)
     ids = torch.randint(0, model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     mod.OBJECTIVE.prefer = "interpret"

@@ -316,8 +316,9 @@ def standalone_module(module_name: str, header: str, *, exclude: set[str] = froz
     def kept(name: str, roots: set[str]) -> list[ast.stmt]:
         tree, _ = parse(name)
         if name == module_name:
+            defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
             return [n for n in tree.body if not isinstance(n, (ast.Import, ast.ImportFrom))
-                    and not (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name in exclude)]
+                    and not (isinstance(n, defs) and n.name in exclude)]
         return _reached(tree, roots)
 
     def imports_of(name: str, nodes: list[ast.stmt], roots: set[str]) -> dict[str, set[str]]:

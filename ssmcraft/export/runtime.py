@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from ssmcraft.compiler.slot_names import SlotNames
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.fileio import write_bytes, write_text
 from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, state_shapes,
@@ -66,11 +67,11 @@ class IRRecord:
         return f"IRRecord({self.__dict__!r})"
 
 
-class IRView:
+class IRView(SlotNames):
     """The derived update's IR as data (``UpdateIR.to_json()``), read through the attribute
     names and views of ``ssmcraft.compiler.ir.UpdateIR`` that the runtime and the kernel
     families use (``kind``, ``dims``, ``inputs``, ``params``, ``slots``, ``spec_name``,
-    ``readout``, ``coefficient(slot)``, ...). Expressions are text."""
+    ``readout``, ``coefficient(slot)``, the rank-r slot views of ``SlotNames``, ...). Expressions are text."""
 
     def __init__(self, data: dict, content_hash: str | None = None):
         self.data = dict(data)
@@ -102,19 +103,6 @@ class IRView:
     def is_per_head_step(self) -> bool:
         c = self.coefficient("c")
         return c is not None and not c.dims
-
-    def ranks(self) -> tuple[int, int]:
-        """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors (as ``UpdateIR.ranks``)."""
-        return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
-                sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
-
-    def input_slots(self) -> list[str]:
-        """``rankr``: the slots ``p{r}`` present, in order (as ``UpdateIR.input_slots``)."""
-        return [s for s in self.slots if len(s) == 2 and s[0] == "p" and s[1].isdigit()]
-
-    def erase_slots(self) -> list[str]:
-        """``rankr``: the slots ``c{r}{l}`` present, in order (as ``UpdateIR.erase_slots``)."""
-        return [s for s in self.slots if len(s) == 3 and s[0] == "c" and s[1:].isdigit()]
 
     def content_hash(self) -> str | None:
         return self._hash

@@ -95,6 +95,16 @@ class KernelFamily:
             return f"supports_sizes() failed: {e}"
 
 
+def match_reason(ir, match: Callable[..., dict]) -> Reason:
+    """A family's ``supports`` where ``match(ir)`` reads its roles off the IR: None where it does, else
+    the ValueError's reason, named by the objective."""
+    try:
+        match(ir)
+    except ValueError as e:
+        return f"{ir.spec_name}: {e}"
+    return None
+
+
 def recorded_match(match: Callable[..., dict], what: str) -> Callable[..., tuple[str, str]]:
     """An ``export_tail`` for a family whose ``forward`` calls ``match(ir) -> dict`` (plain data: which
     input fills which role, read off the IR with sympy, which an exported module does not carry):

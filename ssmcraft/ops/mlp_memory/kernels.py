@@ -54,15 +54,36 @@ def _step_of(eta, row, ok, HAS_ETA: tl.constexpr):
 
 
 @triton.jit
-def _blocks(D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
-    """Offsets and masks: ``o_d, m_d [BD]``, ``o_m, m_m [BM]``, ``o_h, m_h [BH]``; ``p1, m1`` of a
-    ``W1 [h, m]`` state as the ``[BH, BM]`` tile, ``p2, m2`` of a ``W2 [d, h]`` state as ``W2T [BH, BD]``."""
+def _program(H, D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
+    """This program's index ``i_bh`` (int64) and (batch or sequence, head) ``i_b, i_h``; offsets and
+    masks ``o_d, m_d [BD]``, ``o_m, m_m [BM]``, ``o_h, m_h [BH]``; and those of a pair of weights:
+    ``p1, m1`` of ``W1 [h, m]`` as the ``[BH, BM]`` tile, ``p2, m2`` of ``W2 [d, h]`` as ``W2T [BH, BD]``."""
+    i_bh = tl.program_id(0)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     o_h = tl.arange(0, BH)
     m_d, m_m, m_h = o_d < D, o_m < M, o_h < HID
-    return (o_d, m_d, o_m, m_m, o_h, m_h, o_h[:, None] * M + o_m[None, :], m_h[:, None] & m_m[None, :],
-            o_d[None, :] * HID + o_h[:, None], m_h[:, None] & m_d[None, :])
+    return (i_bh.to(tl.int64), i_bh // H, i_bh % H, o_d, m_d, o_m, m_m, o_h, m_h, o_h[:, None] * M + o_m[None, :],
+            m_h[:, None] & m_m[None, :], o_d[None, :] * HID + o_h[:, None], m_h[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _weights(w1, w2, i, p1, m1, p2, m2, D, M, HID, HAS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+             BH: tl.constexpr):
+    """Pair ``i`` of weights ``w1 [*, h, m]``, ``w2 [*, d, h]`` as fp32 tiles ``W1 [BH, BM]``, ``W2T [BH, BD]``
+    when ``HAS``, else zeros (nothing read): initial weights, chunk end states, final weights' gradients."""
+    if HAS:
+        return (tl.load(w1 + i * HID * M + p1, mask=m1, other=0.).to(tl.float32),
+                tl.load(w2 + i * D * HID + p2, mask=m2, other=0.).to(tl.float32))
+    else:
+        return tl.zeros([BH, BM], dtype=tl.float32), tl.zeros([BH, BD], dtype=tl.float32)
+
+
+@triton.jit
+def _put(w1, w2, i, b_w1, b_w2, p1, m1, p2, m2, D, M, HID):
+    """Store the tiles ``W1``, ``W2T`` as pair ``i`` of ``w1 [*, h, m]``, ``w2 [*, d, h]`` (``_weights``' inverse)."""
+    tl.store(w1 + i * HID * M + p1, b_w1, mask=m1)
+    tl.store(w2 + i * D * HID + p2, b_w2, mask=m2)
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "STORE", "STORE_T"])
@@ -77,14 +98,8 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
     after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, d, h]``), which the
     backward starts each chunk from. VARLEN: program ``i_b`` runs sequence ``i_b`` of a packed row
     (``cu`` its offsets, ``co`` each sequence's first chunk; ``ssmcraft.ops.common.rows.seq_state``)."""
-    i_bh = tl.program_id(0)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _blocks(D, M, HID, BD, BM, BH)
-    s1 = i_bh.to(tl.int64) * HID * M
-    s2 = i_bh.to(tl.int64) * D * HID
-    b_w1 = tl.load(w1 + s1 + p1, mask=m1, other=0.).to(tl.float32)
-    b_w2 = tl.load(w2 + s2 + p2, mask=m2, other=0.).to(tl.float32)
+    i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
+    b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
     row = bos.to(tl.int64) * H + i_h
     # each token's inputs are loaded while the previous token's step runs: the step's chain of
@@ -114,14 +129,11 @@ def mlp_memory_fwd_kernel(x, k, q, eta, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck
             tl.store(cr + row * D + o_d, b_r, mask=m_d)
             tl.store(ce + row * HID + o_h, b_e, mask=m_h)
             if ((t + 1) % CHUNK == 0) | (t + 1 == T):
-                c = c0 + t // CHUNK
-                tl.store(ck1 + c * HID * M + p1, b_w1, mask=m1)
-                tl.store(ck2 + c * D * HID + p2, b_w2, mask=m2)
+                _put(ck1, ck2, c0 + t // CHUNK, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
         row += H
         b_k, b_x, b_q, b_eta = n_k, n_x, n_q, n_eta
     if STORE_T:
-        tl.store(w1t + s1 + p1, b_w1, mask=m1)
-        tl.store(w2t + s2 + p2, b_w2, mask=m2)
+        _put(w1t, w2t, i_bh, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_DHT", "STORE_DH0"])
@@ -138,30 +150,19 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
     dr = -eta G2 a + W2 de, da = -eta G2^T r + W2^T dr, dz = dgz . e . act''(z) + da . act'(z)):
     G1 += dz k^T, G2 += r de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
     every chunk restarts from its stored end state. VARLEN: as the forward."""
-    i_bh = tl.program_id(0)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _blocks(D, M, HID, BD, BM, BH)
-    s1 = i_bh.to(tl.int64) * HID * M
-    s2 = i_bh.to(tl.int64) * D * HID
-    if HAS_DHT:
-        b_g1 = tl.load(dw1t + s1 + p1, mask=m1, other=0.).to(tl.float32)
-        b_g2 = tl.load(dw2t + s2 + p2, mask=m2, other=0.).to(tl.float32)
-    else:
-        b_g1 = tl.zeros([BH, BM], dtype=tl.float32)
-        b_g2 = tl.zeros([BH, BD], dtype=tl.float32)
+    i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
+    b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
     # token t - 1's inputs and stored vectors are loaded while token t's adjoint runs (as the forward)
     row = (bos + T - 1).to(tl.int64) * H + i_h
     ok = T > 0
     b_q, b_dy, b_k = _vec(q, row, o_m, m_m & ok, M), _vec(dy, row, o_d, m_d & ok, D), _vec(k, row, o_m, m_m & ok, M)
-    b_z, b_r, b_e = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D), _vec(ce, row, o_h, m_h & ok, HID)
+    b_z, b_r = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D)
+    b_e = _vec(ce, row, o_h, m_h & ok, HID)
     b_eta = _step_of(eta, row, ok, HAS_ETA)
     for i in range(NT):
         i_c = NT - 1 - i
-        c = c0 + i_c
-        b_w1 = tl.load(ck1 + c * HID * M + p1, mask=m1, other=0.)
-        b_w2 = tl.load(ck2 + c * D * HID + p2, mask=m2, other=0.)
+        b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
         end = tl.minimum(T, (i_c + 1) * CHUNK)
         for j in range(end - i_c * CHUNK):
             t = end - 1 - j
@@ -202,5 +203,4 @@ def mlp_memory_bwd_kernel(k, q, eta, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, d
             row -= H
             b_q, b_dy, b_k, b_z, b_r, b_e, b_eta = n_q, n_dy, n_k, n_z, n_r, n_e, n_eta
     if STORE_DH0:
-        tl.store(dw1 + s1 + p1, b_g1, mask=m1)
-        tl.store(dw2 + s2 + p2, b_g2, mask=m2)
+        _put(dw1, dw2, i_bh, b_g1, b_g2, p1, m1, p2, m2, D, M, HID)

@@ -40,10 +40,12 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.leaves import call_inputs, laid_out_inputs
 from ssmcraft.ops.common.reference import initial_states
 from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.family import match_reason
 from ssmcraft.ops.mlp_memory.kernels import SIGMOID, SILU, TANH, mlp_memory_bwd_kernel, mlp_memory_fwd_kernel
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -222,11 +224,7 @@ def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not."""
     if not getattr(ir, "hidden", None):
         return f"{ir.spec_name}: no hidden dimension (not a deep memory)"
-    try:
-        match(ir)
-    except ValueError as e:
-        return f"{ir.spec_name}: {e}"
-    return None
+    return match_reason(ir, match)
 
 
 def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
@@ -254,13 +252,7 @@ def _names(ir) -> dict:
 
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    names = _names(obj.ir)
-    B, T, H = lay.B, lay.T, lay.H
-
-    def get(n):
-        t = lay.env[n]
-        return t.reshape(B, T, H) if not obj.ir.inputs[n] else t.reshape(B, T, H, -1)
-    y, S = _run(names, get, lay.S0, output_final_state, io_dtype(lay.out_dtype))
+    y, S = _run(_names(obj.ir), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
     return y.to(lay.dtype), S
 
 
@@ -272,7 +264,6 @@ def prepare(obj, lay):
     out_dtype = lay.out_dtype
 
     def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
-        y, S = _run(names, get, initial_state, output_final_state, io, cu_seqlens)
+        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens)
         return y.to(out_dtype), S
     return run
