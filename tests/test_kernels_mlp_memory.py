@@ -15,6 +15,7 @@ from ssmcraft.ops import registry  # noqa: E402
 from ssmcraft.ops.common.reference import hidden_sizes, layout  # noqa: E402
 from ssmcraft.ops.mlp_memory import recurrent as R  # noqa: E402
 from ssmcraft.ops.mlp_memory.naive import naive_mlp_memory  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
 
 # relative RMS error, fp32 kernels vs float64 reference; the walk back through a chunk adds a few
@@ -35,8 +36,11 @@ TANH = {"name": "mlp_tanh", "hidden": {"h": 3},
         "objective": {"W1": "sq(W2_prev*(2*sigmoid(2*W1*k) - 1) - x)/2",
                       "W2": "sq(W2*(2*sigmoid(2*W1_prev*k) - 1) - x)/2"},
         "update": "explicit", "output": "W2*(2*sigmoid(2*W1*q) - 1)"}
-OBJECTIVES = {"ttt_mlp": "ttt_mlp", "sigmoid": SIGMOID, "tanh": TANH}
-ROLES = {"ttt_mlp": ("k", "q", "eta", "silu"), "sigmoid": ("k", "q", "lr", "sigmoid"), "tanh": ("k", "q", None, "tanh")}
+# the search's composed MLP memory with a per-channel step (beta over d: a weight per output row)
+ROW_STEP = compose_objective({"memory": "mlp", "update": "explicit"})
+OBJECTIVES = {"ttt_mlp": "ttt_mlp", "sigmoid": SIGMOID, "tanh": TANH, "row_step": ROW_STEP}
+ROLES = {"ttt_mlp": ("k", "q", "eta", None, "silu"), "sigmoid": ("k", "q", "lr", None, "sigmoid"),
+         "tanh": ("k", "q", None, None, "tanh"), "row_step": ("k", "q", None, "beta", "silu")}
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +56,9 @@ def _case(obj, B, T, H, d, m, seed, initial=True, scale=1.0):
     [hid] = hidden_sizes(obj.ir, dict(zip(obj.ir.dims, (d, m)))).values()
     ins = {}
     for n, dims in obj.ir.inputs.items():
-        if tuple(dims) == ():
-            ins[n] = 0.2 + 0.6 * torch.rand(B, T, H, generator=g, dtype=F64)
+        decl = obj.spec.inputs[n]
+        if tuple(dims) == () or decl.positive or decl.bounded:      # steps, a per-channel one too
+            ins[n] = 0.2 + 0.6 * torch.rand(B, T, H, *([d] if dims else []), generator=g, dtype=F64)
         elif tuple(dims) == (obj.ir.dims[1],):
             ins[n] = torch.nn.functional.normalize(torch.randn(B, T, H, m, generator=g, dtype=F64), dim=-1)
         else:
@@ -63,9 +68,9 @@ def _case(obj, B, T, H, d, m, seed, initial=True, scale=1.0):
 
 
 def test_supports_reads_the_roles():
-    for which, (k, q, eta, act) in ROLES.items():
+    for which, (k, q, eta, w, act) in ROLES.items():
         found = R.match(ssmcraft.compile(OBJECTIVES[which]).ir)
-        assert (found["k"], found["q"], found["eta"], found["act"]) == (k, q, eta, act), which
+        assert (found["k"], found["q"], found["eta"], found["w"], found["act"]) == (k, q, eta, w, act), which
     ir = ssmcraft.compile("ttt_mlp").ir
     assert [f.name for f in registry.FAMILIES if f.reason(ir) is None] == ["mlp_memory"]
     assert "several shapes" in registry.family("general").reason(ir)
@@ -73,7 +78,7 @@ def test_supports_reads_the_roles():
 
 @pytest.mark.parametrize("which,T,B,d,m,scale", [
     ("ttt_mlp", 1, 2, 6, 4, 1.0), ("ttt_mlp", 37, 1, 6, 4, 1.0), ("ttt_mlp", 70, 1, 5, 8, 1.0),
-    ("sigmoid", 37, 1, 6, 4, 1.0),
+    ("sigmoid", 37, 1, 6, 4, 1.0), ("row_step", 37, 1, 6, 4, 1.0),
     ("tanh", 41, 2, 4, 6, 0.5),     # a step of 1: at scale 1 the weights grow, and fp32 itself drifts by 5e-4
 ])
 def test_matches_the_reference(which, T, B, d, m, scale):
