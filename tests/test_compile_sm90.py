@@ -82,6 +82,16 @@ def test_packed_sequential_kernels_compile_for_sm90():
     assert set(rows.values()) == {"ok"}
 
 
+def test_mlp_memory_compiles_for_sm90():
+    """The MLP memory's two kernels (``mlp_memory``, ttt_mlp), unpacked and packed (one program per
+    sequence and head, its chunk end states counted from the sequence's first token)."""
+    for packed in ((), ("--packed", "0,17,5,33")):
+        rc, out, err = _run("ttt_mlp", *packed)
+        assert rc == 0, out + err[-2000:]
+        assert {line.split()[1] for line in out.splitlines()} == {"triton:mlp-memory" + ("+packed" if packed else "")}
+        assert _kernels(out) == {("ttt_mlp", "mlp_memory_fwd_kernel"): "ok", ("ttt_mlp", "mlp_memory_bwd_kernel"): "ok"}
+
+
 def test_chunked_families_compile_for_sm90():
     rc, out, err = _run("kda_like", "rank2_head_gated", "minibatch_delta", "rls")
     assert rc == 0, out + err[-2000:]

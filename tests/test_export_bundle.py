@@ -138,19 +138,30 @@ def _umask() -> int:
     return mask
 
 
-INTERPRETED = textwrap.dedent(r'''
+# the head of a script run in a fresh process, where ssmcraft and the compiler's packages cannot be
+# imported: ``load(folder)`` imports the exported module of an export folder from its file
+FRESH_PROCESS = textwrap.dedent(r'''
     import importlib.util, json, os, sys
     for blocked in ("ssmcraft", "yaml", "sympy", "optuna"):
         sys.modules[blocked] = None
     import torch
     torch.set_grad_enabled(False)
-    out = {}
-    for folder in sys.argv[1:]:
+
+
+    def load(folder):
         [name] = [f[:-3] for f in os.listdir(folder) if f.endswith(".py")]
         spec = importlib.util.spec_from_file_location(name, os.path.join(folder, name + ".py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
+        return mod
+''')
+
+INTERPRETED = FRESH_PROCESS + textwrap.dedent(r'''
+    out = {}
+    for folder in sys.argv[1:]:
+        mod = load(folder)
+        name = mod.__name__
         model = mod.from_pretrained(folder)
         ids = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
         ref = model(ids)
@@ -223,15 +234,23 @@ def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(t
     assert text.startswith("# head\n") and "\nfrom __future__ import annotations\n" in text
     assert "prepare" not in text.replace("(without prepare)", "") and "lru_cache" not in text
     assert "import functools" not in text and "import os" in text and "CallSlots" not in text
-    assert "# ssmcraft/ops/common/launch.py\n" in text and "def launch(" in text and "from ssmcraft" not in text
+    assert "# ssmcraft/ops/common/launch.py (" in text and "def launch(" in text and "from ssmcraft" not in text
     ns: dict = {}
     exec(compile(text, "fam_like_bundled", "exec"), ns)   # noqa: S102 - our own bundle
     assert ns["forward"](None, None, None, False) == (ns["launch"], os.sep)
     with pytest.raises(ExportError, match="ops/common/launch.py imports triton at run time"):
         standalone_module("fam_like", "", exclude={"prepare"})
-    (tmp_path / "fam_sympy.py").write_text(FAMILY_LIKE.replace("import os\n", "import os\n\nimport sympy\n"))
+    with_sympy = FAMILY_LIKE.replace("import os\n", "import os\n\nimport sympy\n")
+    (tmp_path / "fam_sympy.py").write_text(with_sympy.replace("return launch, os.sep", "return launch, sympy"))
     with pytest.raises(ExportError, match="fam_sympy.py imports sympy at run time"):
         standalone_module("fam_sympy", "", exclude={"prepare"}, allowed=("torch", "triton"))
+    # an import only an excluded definition uses is not in the bundle, so it is no problem
+    (tmp_path / "fam_prepare_only.py").write_text(with_sympy.replace("return CallSlots, functools",
+                                                                      "return CallSlots, sympy"))
+    text = standalone_module("fam_prepare_only", "", exclude={"prepare"}, allowed=("torch", "triton"))
+    assert "import sympy" not in text
+    with pytest.raises(ExportError, match="fam_prepare_only.py imports sympy at run time"):
+        standalone_module("fam_prepare_only", "", exclude=set(), allowed=("torch", "triton"))
     assert import_problem("def f():\n    import yaml\n", "x.py") == "x.py imports yaml at run time"
     # generated text after the module (diagonal's kernels and contract) stands in for what was left out...
     after = text_section("stand-in", "def prepare(obj, lay):\n    return 'generated'\n")
@@ -242,6 +261,46 @@ def test_standalone_module_bundles_imports_and_leaves_out_excluded_definitions(t
     with pytest.raises(ExportError, match="'prepare' is defined by both"):   # ...never silently over a kept one
         standalone_module("fam_like", "", exclude=set(), allowed=("torch", "triton"), after=after)
     assert import_problem("import torch\nfrom ssmcraft.x import y\n", "x.py", ssmcraft=True) is None
+
+
+FAMILY_ON_RANK1 = '''"""A family built on another family's host code."""
+from __future__ import annotations
+
+from ssmcraft.ops.common.tuning import buffer
+from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
+
+POISON = False      # the same statement as rank1_chunk's, comment aside
+BACKEND_NAME = "on-rank1"
+
+
+def _empty(*shape, device, dtype):
+    return buffer(shape, device, dtype, POISON)
+
+
+def forward(obj, lay, co, output_final_state):
+    return chunk_rank1, _empty
+'''
+
+
+def test_standalone_module_brings_what_it_reaches_of_another_family(tmp_path, monkeypatch):
+    """A family module that imports another family's host code (``precision_rank1`` and ``rankr_chunk``
+    run ``rank1_chunk``'s function) brings what that code reaches, not the other family's contract
+    (its ``forward``, ``prepare``, ``BACKEND_NAME``), which would clash; a statement both modules
+    define alike is laid out once."""
+    from ssmcraft.export.assemble import standalone_module
+
+    (tmp_path / "fam_on_rank1.py").write_text(FAMILY_ON_RANK1)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = standalone_module("fam_on_rank1", "", exclude={"prepare"}, allowed=("torch", "triton"))
+    assert text.count("\ndef forward(") == 1 and "def prepare(" not in text and "def supports(" not in text
+    assert text.count("BACKEND_NAME =") == 1 and "def delta_rule(" not in text
+    assert text.count("\nPOISON = False") == 1 and text.count("def _empty(") == 1
+    assert "def chunk_rank1(" in text and "class Rank1ChunkFunction" in text
+    assert "def rank1_chunk_fwd_state_kernel(" in text
+    ns: dict = {}
+    exec(compile(text, "fam_on_rank1_bundled", "exec"), ns)   # noqa: S102 - our own bundle
+    assert ns["BACKEND_NAME"] == "on-rank1"
+    assert ns["forward"](None, None, None, False) == (ns["chunk_rank1"], ns["_empty"])
 
 
 def test_inline_kernel_text_is_the_family_without_prepare(compiled):

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from ssmcraft.compiler.slot_names import SlotNames
+
 KINDS = ("scalar_decay", "diagonal_decay", "rank1", "rankr", "general", "nonlinear")
 
 
@@ -48,7 +50,7 @@ class ReductionIR:
 
 
 @dataclass(frozen=True)
-class UpdateIR:
+class UpdateIR(SlotNames):
     spec_name: str
     source: str
     dims: tuple[str, str]
@@ -103,19 +105,6 @@ class UpdateIR:
             cs = [self.coefficient(slot) for slot in self.erase_slots()]
             return bool(cs) and all(not c.dims for c in cs)
         return c is not None and not c.dims
-
-    def ranks(self) -> tuple[int, int]:
-        """``rankr``: (L, R), the numbers of ``u`` and ``v`` vectors."""
-        return (sum(1 for s in self.slots if s[0] == "u" and s[1:].isdigit()),
-                sum(1 for s in self.slots if s[0] == "v" and s[1:].isdigit()))
-
-    def input_slots(self) -> list[str]:
-        """``rankr``: the slots ``p{r}`` of ``B = sum_r p_r v_r^T`` present, in order."""
-        return [s for s in self.slots if len(s) == 2 and s[0] == "p" and s[1].isdigit()]
-
-    def erase_slots(self) -> list[str]:
-        """``rankr``: the slots ``c{r}{l}`` present (nonzero row factors), in order."""
-        return [s for s in self.slots if len(s) == 3 and s[0] == "c" and s[1:].isdigit()]
 
     def to_json(self) -> dict:
         """A JSON-serialisable form of the IR (``ssmcraft derive --json``)."""

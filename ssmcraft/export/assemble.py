@@ -228,7 +228,7 @@ def module_section(module_name: str, imports: Imports, *, only: list[str] | None
         if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module):
             if any(a.asname and a.asname != a.name for a in node.names):
                 raise ExportError(f"{where}:{node.lineno}: renamed ssmcraft import cannot be bundled")
-            needs |= {a.name for a in node.names}
+            needs |= {a.name for a in node.names if not filtered or a.name in used}
         else:
             imports.add(node, f"{where}:{node.lineno}")
     if only is not None:
@@ -246,7 +246,12 @@ def import_problem(source: str, where: str, allowed: tuple[str, ...] = ALLOWED_T
     """Why ``source`` cannot run outside ssmcraft: an import, at any depth, of something other
     than the standard library and ``allowed`` (and ssmcraft, with ``ssmcraft=True``: the bundle
     resolves those); None when there is none."""
-    for node in ast.walk(ast.parse(source)):
+    return _import_problem(ast.parse(source).body, where, allowed, ssmcraft)
+
+
+def _import_problem(nodes: list, where: str, allowed: tuple[str, ...], ssmcraft: bool) -> str | None:
+    """``import_problem`` of the statements ``nodes``."""
+    for node in (n for k in nodes for n in ast.walk(k)):
         mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         for mod in mods:
@@ -261,37 +266,129 @@ def text_section(title: str, text: str) -> Section:
     return Section(title, text, set().union(*(_top_level_names(n) for n in ast.parse(text).body)))
 
 
+def _names_used(nodes: list) -> set[str]:
+    return {n.id for k in nodes for n in ast.walk(k) if isinstance(n, ast.Name)}
+
+
+def _reached(tree: ast.Module, roots: set[str]) -> list[ast.stmt]:
+    """The top-level statements of ``tree`` (imports aside) that define ``roots`` and, in turn, the
+    names of the module that those use, in source order."""
+    defs: dict[str, list[ast.stmt]] = {}
+    for node in tree.body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name in _top_level_names(node):
+                defs.setdefault(name, []).append(node)
+    keep: dict[int, ast.stmt] = {}
+    seen: set[str] = set()
+    todo = [n for n in roots if n in defs]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in defs[name]:
+            keep[id(node)] = node
+            todo += [n for n in _names_used([node]) if n in defs and n not in seen]
+    return [n for n in tree.body if id(n) in keep]
+
+
 def standalone_module(module_name: str, header: str, *, exclude: set[str] = frozenset(),
                       allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY, after: Section | None = None) -> str:
-    """One ssmcraft module as a module of its own: the ssmcraft modules it imports from at the
-    top level, and the ones they import (each after the modules it imports, otherwise in import
-    order), then the module itself less ``exclude``, then
+    """One ssmcraft module as a module of its own: the module less ``exclude``, after the
+    definitions it reaches in the ssmcraft modules it imports from at the top level (and those
+    reach in theirs; each module after the modules it imports, otherwise in import order), then
     ``after`` (generated text, e.g. what stands in for the excluded definitions), laid end to end
     by ``bundle`` with the same checks (so a name that only a further ssmcraft module defines, a
     name defined twice, a renamed ssmcraft import or an import outside ``allowed`` is an
-    ``ExportError`` naming it)."""
-    def check_imports(name: str) -> str:
-        module = importlib.import_module(name)
-        source = inspect.getsource(module)
-        problem = import_problem(source, _relpath(module), allowed, ssmcraft=True)
+    ``ExportError`` naming it). Of an imported module only what is reached comes along: a kernel
+    family's module imported for another family's host code brings that code, not its own family
+    contract (``prepare``, ``forward``, its constants), which would clash with the module's. Only
+    the statements that come along are checked for imports (an excluded definition may import
+    what the bundle cannot carry: it is not in the bundle)."""
+    parsed: dict[str, tuple[ast.Module, str]] = {}
+
+    def parse(name: str) -> tuple[ast.Module, str]:
+        if name not in parsed:
+            module = importlib.import_module(name)
+            parsed[name] = (ast.parse(inspect.getsource(module)), _relpath(module))
+        return parsed[name]
+
+    def kept(name: str, roots: set[str]) -> list[ast.stmt]:
+        tree, _ = parse(name)
+        if name == module_name:
+            defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            return [n for n in tree.body if not isinstance(n, (ast.Import, ast.ImportFrom))
+                    and not (isinstance(n, defs) and n.name in exclude)]
+        return _reached(tree, roots)
+
+    def imports_of(name: str, nodes: list[ast.stmt], roots: set[str]) -> dict[str, set[str]]:
+        """The ssmcraft modules ``nodes`` import from at the top level -> the names they use (and
+        the names of ``roots`` the module imports: another module imports them from this one); the
+        other top-level imports they use, and their nested imports, checked."""
+        tree, where = parse(name)
+        used = _names_used(nodes) | roots
+        out: dict[str, set[str]] = {}
+        imports = []
+        for node in tree.body:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            bound = {(a.asname or a.name.split(".")[0]): a.name for a in node.names}
+            if not used & set(bound):
+                continue
+            if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module):
+                if hasattr(importlib.import_module(node.module), "__path__"):
+                    raise ExportError(f"{where}:{node.lineno}: imports from the package {node.module}; only names "
+                                      "defined in a module can be bundled")
+                out.setdefault(node.module, set()).update(a for b, a in bound.items() if b in used)
+            imports.append(node)
+        problem = _import_problem(imports + nodes, where, allowed, ssmcraft=True)
         if problem is not None:
             raise ExportError(problem)
-        return source
+        return out
 
-    deps: list[str] = []
+    # the module: every definition but ``exclude``, and what ``after`` uses of the names it imports
+    wanted: dict[str, set[str]] = {module_name: set() if after is None else _names_used(ast.parse(after.body).body)}
+    edges: dict[str, dict[str, set[str]]] = {}
+    changed = True
+    while changed:          # a module may be reached from several others: until no new name is wanted
+        changed = False
+        for name in list(wanted):
+            edges[name] = imports_of(name, kept(name, wanted[name]), wanted[name])
+            for dep, names in edges[name].items():
+                if not names <= wanted.setdefault(dep, set()):
+                    wanted[dep] |= names
+                    changed = True
+    order: list[str] = []
 
     def visit(name: str) -> None:
-        """``name``'s ssmcraft imports, theirs first (a module lands after every module it imports)."""
-        for node in ast.parse(check_imports(name)).body:
-            if isinstance(node, ast.ImportFrom) and _is_ssmcraft(node.module) and node.module not in deps:
-                if hasattr(importlib.import_module(node.module), "__path__"):
-                    raise ExportError(f"{_relpath(importlib.import_module(name))}:{node.lineno}: imports from "
-                                      f"the package {node.module}; only names defined in a module can be bundled")
-                visit(node.module)
-                deps.append(node.module)
+        """``name``'s ssmcraft modules, theirs first (a module lands after every module it imports)."""
+        for dep in edges[name]:
+            if dep not in order and dep != module_name:
+                visit(dep)
+                order.append(dep)
 
     visit(module_name)
-    plan = [("module", dep) for dep in deps] + [("module", module_name, {"exclude": set(exclude)})]
+    laid_out: dict[str, str] = {}      # name -> its statement (``ast.dump``), in bundle order
+
+    def repeated(nodes: list[ast.stmt]) -> set[str]:
+        """The names of ``nodes`` that an earlier module defines by the same statement (two families'
+        ``POISON = False`` and the ``_empty`` reading it): laid out once, the bundle being one namespace."""
+        out = set()
+        for node in nodes:
+            names, text = _top_level_names(node), ast.dump(node)
+            if names and all(laid_out.get(n) == text for n in names):
+                out |= names
+            for n in names:
+                laid_out.setdefault(n, text)
+        return out
+
+    plan = []
+    for dep in order:
+        nodes = kept(dep, wanted[dep])
+        again = repeated(nodes)
+        plan.append(("module", dep, {"only": sorted(set().union(*(_top_level_names(n) for n in nodes)) - again)}))
+    again = repeated(kept(module_name, set()))
+    plan.append(("module", module_name, {"exclude": set(exclude) | again, "drop": again}))
     generated = {} if after is None else {"after": after}
     return bundle(header, plan + [("generated", k) for k in generated], generated, allowed)
 
@@ -411,8 +508,9 @@ def bundle(header: str, plan: list, generated: dict[str, Section],
            allowed: tuple[str, ...] = ALLOWED_THIRD_PARTY) -> str:
     """Lay the sections of ``plan`` end to end; returns the module text.
 
-    ``plan`` items: ``("module", name, {"only": [...], "exclude": {...}})`` for an ssmcraft
-    module, or ``("generated", key)`` for ``generated[key]``. Generated sections may reassign
+    ``plan`` items: ``("module", name, {"only": [...], "exclude": {...}, "drop": {...}})`` for an
+    ssmcraft module (``module_section``'s arguments), or ``("generated", key)`` for ``generated[key]``.
+    Generated sections may reassign
     names a runtime module declares as placeholders (those placeholder lines are dropped).
     ``allowed``: the third-party packages the module may import at the top level.
     """
@@ -427,7 +525,7 @@ def bundle(header: str, plan: list, generated: dict[str, Section],
             sections.append(generated[item[1]])
             continue
         _, name, opts = item if len(item) == 3 else (*item, {})
-        drop = generated_names if name.startswith("ssmcraft.export.") else frozenset()
+        drop = set(opts.get("drop", ())) | (generated_names if name.startswith("ssmcraft.export.") else set())
         section, need = module_section(name, imports, only=opts.get("only"), drop=drop,
                                        exclude=set(opts.get("exclude", ())))
         sections.append(section)

@@ -52,6 +52,7 @@ LAYER_PLAN = [
     ("module", "ssmcraft.fileio"),
     ("module", "ssmcraft.config_check"),
     ("module", "ssmcraft.compiler.spec", {"only": ["InputDecl", "ParamDecl", "Spec"]}),
+    ("module", "ssmcraft.compiler.slot_names"),
     ("generated", "objective"),
     ("module", "ssmcraft.ops.common.reference"),
     ("module", "ssmcraft.runtime.dispatch"),

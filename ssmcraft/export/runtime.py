@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from ssmcraft.compiler.slot_names import SlotNames
 from ssmcraft.errors import SsmcraftError
 from ssmcraft.fileio import write_bytes, write_text
 from ssmcraft.ops.common.reference import (empty_trace, layout, reference_loop, sliding_window, state_shapes,
@@ -66,11 +67,11 @@ class IRRecord:
         return f"IRRecord({self.__dict__!r})"
 
 
-class IRView:
+class IRView(SlotNames):
     """The derived update's IR as data (``UpdateIR.to_json()``), read through the attribute
     names and views of ``ssmcraft.compiler.ir.UpdateIR`` that the runtime and the kernel
     families use (``kind``, ``dims``, ``inputs``, ``params``, ``slots``, ``spec_name``,
-    ``readout``, ``coefficient(slot)``, ...). Expressions are text."""
+    ``readout``, ``coefficient(slot)``, the rank-r slot views of ``SlotNames``, ...). Expressions are text."""
 
     def __init__(self, data: dict, content_hash: str | None = None):
         self.data = dict(data)

@@ -23,6 +23,8 @@ layout (``ssmcraft.ops.common.reference.validate``) and ``mode`` ``"triton"`` (C
   generates its kernels per objective gives ``generated_source(ir) -> str`` (what ``ssmcraft
   derive --kernel`` prints) and ``export_tail(obj, sizes) -> (title, text)``, the generated
   kernels and what stands in for the excluded definitions, pasted after the module;
+  a family whose ``forward`` reads the roles of the inputs off the IR's sympy expressions (a ``match(ir)``
+  of plain data) records them at export instead (``recorded_match``);
 - its name in ``obj.backend``: ``"triton:<backend>"`` (``"triton-interpret:<backend>"`` under
   the interpreter);
 - ``module``: the module holding its kernels, whose ``POISON`` flag (where it has one) makes
@@ -37,6 +39,7 @@ layout (``ssmcraft.ops.common.reference.validate``) and ``mode`` ``"triton"`` (C
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Optional
@@ -90,3 +93,38 @@ class KernelFamily:
             return self.supports_sizes(ir, sizes, mode)
         except Exception as e:  # noqa: BLE001 - as reason()
             return f"supports_sizes() failed: {e}"
+
+
+def match_reason(ir, match: Callable[..., dict]) -> Reason:
+    """A family's ``supports`` where ``match(ir)`` reads its roles off the IR: None where it does, else
+    the ValueError's reason, named by the objective."""
+    try:
+        match(ir)
+    except ValueError as e:
+        return f"{ir.spec_name}: {e}"
+    return None
+
+
+def recorded_match(match: Callable[..., dict], what: str) -> Callable[..., tuple[str, str]]:
+    """An ``export_tail`` for a family whose ``forward`` calls ``match(ir) -> dict`` (plain data: which
+    input fills which role, read off the IR with sympy, which an exported module does not carry):
+    the tail defines ``match`` returning what ``match`` gave for the exported objective's IR,
+    recorded with that IR's content hash; an IR of another hash is refused (ValueError, as
+    ``match`` refuses an IR it does not fit). The family's ``export_exclude`` leaves out ``match``
+    and everything that reads sympy."""
+    def export_tail(obj, sizes: dict) -> tuple[str, str]:
+        found, digest = match(obj.ir), obj.ir.content_hash()
+        text = repr(found)
+        if ast.literal_eval(text) != found:
+            raise ValueError(f"{obj.ir.spec_name}: {what}: match() gave {text}, not plain data")
+        tail = f'''_MATCHED = {text}
+_MATCHED_IR = {digest!r}
+
+
+def match(ir) -> dict:
+    if ir.content_hash() != _MATCHED_IR:
+        raise ValueError(f"{what} were exported for IR {{_MATCHED_IR}}, not {{ir.content_hash()}}")
+    return dict(_MATCHED)
+'''
+        return f"the roles {what} read off the IR of {obj.ir.spec_name!r} (IR {digest}), recorded at export", tail
+    return export_tail

@@ -40,6 +40,7 @@ import torch
 
 from ssmcraft.ops.common.chunked import _key_block
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.leaves import call_inputs, laid_out_inputs
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.common.rows import packed_args, sequences
@@ -256,12 +257,8 @@ def forward(obj, lay, co, output_final_state):
     in lay.dtype, S_T [B, H, d, m] fp32 or None); autograd reaches every input and lay.S0."""
     names = match(obj.ir)
     io = io_dtype(lay.out_dtype)
-    B, T, H = lay.B, lay.T, lay.H
-
-    def get(n):
-        t = lay.env[n].to(io)
-        return t.reshape(B, T, H) if not obj.ir.inputs[n] else t.reshape(B, T, H, -1)
-    o, S = _run(names, get, obj.ir.minibatch, lay.S0, output_final_state, io)
+    get = laid_out_inputs(obj.ir, lay)
+    o, S = _run(names, lambda n: get(n).to(io), obj.ir.minibatch, lay.S0, output_final_state, io)
     return o.to(lay.dtype), S
 
 
@@ -273,7 +270,6 @@ def prepare(obj, lay):
     out_dtype = lay.out_dtype
 
     def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
-        o, S = _run(names, get, obj.ir.minibatch, initial_state, output_final_state, io, cu_seqlens)
+        o, S = _run(names, call_inputs(inputs), obj.ir.minibatch, initial_state, output_final_state, io, cu_seqlens)
         return o.to(out_dtype), S
     return run

@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common import varlen
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
+from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
@@ -162,8 +162,8 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     R0, S0 = (None, None) if initial_state is None else initial_state
     cu = None
     if cu_seqlens is not None:          # R0 of [m, m] is every sequence's: only [N, H, ...] states are checked
-        cu = varlen.offsets("precision_rank1", cu_seqlens, {"k": k},
-                            tuple(t for t in (R0, S0) if t is not None and t.dim() == 4))
+        cu = offsets("precision_rank1", cu_seqlens, {"k": k},
+                     tuple(t for t in (R0, S0) if t is not None and t.dim() == 4))
     N = B if cu is None else len(cu) - 1
     R0 = torch.eye(K, device=k.device, dtype=torch.float64) if R0 is None else R0.double()
     p0 = torch.linalg.inv(R0)

@@ -5,4 +5,5 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.rankr_chunk import chunk
 
 FAMILY = KernelFamily(name="rankr_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
-                      prepare=chunk.prepare, ahead_on_gpu=("rankr_row", chunk.per_head_step), varlen=None)
+                      prepare=chunk.prepare, forward=chunk.forward, ahead_on_gpu=("rankr_row", chunk.per_head_step),
+                      varlen=None)

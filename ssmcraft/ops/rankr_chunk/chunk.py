@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype
 from ssmcraft.ops.rank1_chunk.chunk import (C_GIVEN, C_IS_PS, Rank1ChunkFunction, _per_head, as_operand,
                                             packed_chunks)
@@ -169,17 +170,18 @@ def _diagonal(ir) -> bool:
     return L == R and all(s[1] == s[2] for s in ir.erase_slots())
 
 
-def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
+def _layout_args(ir, binds, get, split, same, B, T, H, d, m, dev, io):
     """``chunk_rankr``'s (v, p, c, oq, u, a, ps) from slot values: ``get(slot, default)`` gives a
     tensor in FLA layout (``[B, T, H, n]``, ``[B, T, H]``) or a number, ``split(slot)`` a ``p{r}`` as
-    (per-head scale or None, vector)."""
+    (per-head scale or None, vector), ``same(slot, slot)`` whether two slots hold one value.
+    ``binds``: the slots' ``Binding``s, which tell where a per-head scale is fused in the kernels, or
+    None (laid-out coefficients, an exported module's ``forward``: nothing is fused)."""
     L, R = ir.ranks()
 
     v = [get(f"v{r}") for r in range(R)]
     # p_r = ps x_r with one per-head scale for every term: the scale is fused in the kernels
     parts = [split(s) for s in (f"p{r}" for r in range(R))] if len(ir.input_slots()) == R else None
-    scales = {binds[f"p{r}"].scale for r in range(R)} if parts else set()
-    if parts and all(b is not None for b, _ in parts) and len(scales) == 1:
+    if parts and all(b is not None for b, _ in parts) and len({binds[f"p{r}"].scale for r in range(R)}) == 1:
         ps, xs = parts[0][0], [x for _, x in parts]
     else:
         ps, xs = None, [get(f"p{r}", 0.0) for r in range(R)]
@@ -190,14 +192,14 @@ def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
     def head(slot, default):
         return _per_head(get(slot, default), B, T, H, dev)
     if _diagonal(ir):
-        cs = [binds[f"c{r}{r}"] for r in range(R)]
-        if ps is not None and all(b.kind == "leaf" and b.leaf == binds["p0"].scale for b in cs):
+        cs = [f"c{r}{r}" for r in range(R)]
+        if ps is not None and all(binds[s].kind == "leaf" and binds[s].leaf == binds["p0"].scale for s in cs):
             c = ps                                             # the delta rule's beta: C_IS_PS
-        elif all(b == cs[0] for b in cs):
+        elif all(same(s, cs[0]) for s in cs):
             c = head("c00", 0.0)
         else:
-            c = [head(f"c{r}{r}", 0.0) for r in range(R)]
-        u = None if all(binds[f"u{r}"] == binds[f"v{r}"] for r in range(R)) else [get(f"u{r}") for r in range(R)]
+            c = [head(s, 0.0) for s in cs]
+        u = None if all(same(f"u{r}", f"v{r}") for r in range(R)) else [get(f"u{r}") for r in range(R)]
     else:   # fold the row factors into the read keys: u'_r = sum_l c_rl u_l, c = 1
         us = torch.stack([get(f"u{l}").float().expand(B, T, H, m) for l in range(L)], dim=3)     # [B, T, H, L, m]
         cf = torch.stack([torch.stack([head(f"c{r}{l}", 0.0).float() for l in range(L)], dim=-1)
@@ -206,6 +208,31 @@ def _layout_args(ir, binds, get, split, B, T, H, d, m, dev, io):
         c = torch.ones((), device=dev).expand(B, T, H)
     a = _per_head(get("a", 1.0), B, T, H, dev, one_is_none=True)
     return v, [x.to(io) for x in p], c, get("oq"), u, a, ps
+
+
+def forward(obj, lay, co, output_final_state):
+    """Run the family on laid-out coefficients (``ssmcraft.ops.common.reference.layout``; an exported
+    module's path): ``co`` slot -> tensor ``[B|1, T|1, H|1, r, c]`` or number. Returns (y [B, T, H, d]
+    in lay.dtype, S_T [B, H, d, m] fp32 or None); autograd reaches every slot tensor and lay.S0."""
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    io = io_dtype(lay.out_dtype)
+    dev = next(t for t in co.values() if isinstance(t, torch.Tensor)).device
+
+    def get(slot, default=None):
+        x = co.get(slot, default)
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.shape[-2:] == (1, 1):                       # per head
+            return x.expand(B, T, H, 1, 1).reshape(B, T, H)
+        n = x.shape[-2] * x.shape[-1]                    # a vector over d ([.., d, 1]) or m ([.., 1, m])
+        return x.expand(B, T, H, *x.shape[-2:]).reshape(B, T, H, n)
+    v, p, c, oq, u, a, ps = _layout_args(obj.ir, None, get, lambda s: (None, get(s)), lambda s, t: co[s] is co[t],
+                                         B, T, H, d, m, dev, io)
+    h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
+    o, ht = chunk_rankr(v, p, c, oq, u=u, a=a, ps=ps, initial_state=h0,
+                        output_final_state=output_final_state, chunk_size=CHUNK)
+    S = None if ht is None else ht.transpose(-1, -2)
+    return finish_laid_out(o.to(lay.dtype), co, B, T, H), S
 
 
 def prepare(obj, lay):
@@ -219,7 +246,8 @@ def prepare(obj, lay):
     io = io_dtype(out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
-        v, p, c, oq, u, a, ps = _layout_args(obj.ir, binds, cs.get, cs.split, B, T, H, d, m, cs.device, io)
+        v, p, c, oq, u, a, ps = _layout_args(obj.ir, binds, cs.get, cs.split, lambda s, t: binds[s] == binds[t],
+                                             B, T, H, d, m, cs.device, io)
         o, ht = chunk_rankr(v, p, c, oq, u=u, a=a, ps=ps,
                             initial_state=None if initial_state is None else initial_state.transpose(-1, -2),
                             output_final_state=output_final_state, chunk_size=CHUNK, cu_seqlens=cu_seqlens)

@@ -1,0 +1,281 @@
+"""A memory that is a two-layer MLP (``objectives/ttt_mlp.yaml``: TTT-MLP / Titans style), as one
+fused sequential Triton kernel per direction.
+
+The family: two weight states of different shapes, ``W1 [h, m]`` and ``W2 [d, h]`` (h a hidden width),
+one joint gradient step per token of ``eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2`` at the previous
+weights, read out as ``y = W2 act(W1 q)`` at the new ones::
+
+    z = W1 k,  a = act(z),  r = W2 a - x,  s = w . r,  e = W2^T s
+    W1 <- W1 - eta (e . act'(z)) k^T,     W2 <- W2 - eta s a^T,     y = W2 act(W1 q)
+
+with ``act`` one of ``silu``, ``tanh``, ``sigmoid``, ``eta`` one number per head and token (or 1) and
+``w`` a weight per output row and token (a per-channel step; or 1).
+
+The general family's generated kernels keep every state on one ``[d, m]`` tile, so they cannot run
+states of different shapes; this family is written for this one structure, and its ``supports``
+checks exactly that: two states of shapes ``(h, m)`` and ``(d, h)`` over a hidden dimension, a
+target over ``d`` (and at most one more input over ``d``, the row weight), two inputs over ``m`` (the
+key and the query that the readout reads), at most per-head inputs besides, no params; then the
+objective's generated reference loop must equal the naive twin (``naive.py``) on a small float64 case
+for one activation, one choice of target and row weight, of key and query and of step (``_probe``).
+Anything else is refused with the reason.
+
+Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
+forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
+[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens;
+[B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
+state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
+rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
+h = 2m = 128 the two weights are 16k floats a program). Work per token: the forward's three
+matrix-vector products and two rank-1 updates; the backward's readout adjoint, the rank-1 walk back
+and the step's adjoint.
+
+Shapes: x, w [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H]; states (W1 [B, H, h, m], W2 [B, H, d, h]) as
+the API carries them, fp32 in the kernels. I/O in float32, bfloat16 or float16.
+
+Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
+states ``[N, H, ...]``; one program per (sequence, head), its chunks counted from the sequence's first
+token (``common.rows.seq_state``), so a packed call is N separate calls.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.leaves import call_inputs, laid_out_inputs
+from ssmcraft.ops.common.reference import initial_states
+from ssmcraft.ops.common.rows import packed_args, sequences
+from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
+from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.family import match_reason
+from ssmcraft.ops.mlp_memory.kernels import SIGMOID, SILU, TANH, mlp_memory_bwd_kernel, mlp_memory_fwd_kernel
+
+POISON = False                      # tests: fill every buffer with NaN before the kernels write it
+BACKEND_NAME = "mlp-memory"
+CHUNK = 64                          # tokens between the backward's restart states
+ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
+
+
+def _empty(*shape, device, dtype):
+    return buffer(shape, device, dtype, POISON)
+
+
+class MLPMemoryFunction(torch.autograd.Function):
+    """(x, k, q, eta | None, w | None, W1_0 [N, H, h, m] fp32, W2_0 [N, H, d, h] fp32) -> (y, W1_T | None,
+    W2_T | None);
+    ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B)."""
+
+    @staticmethod
+    def forward(ctx, x, k, q, eta, rw, w1, w2, act, output_final_state, chunk, packed=None):
+        B, T, H, D = x.shape
+        M, HID = k.shape[-1], w1.shape[-2]
+        dev = x.device
+        train = any(ctx.needs_input_grad[:7])
+        N, NT, seq = sequences(B, T, chunk, packed, x)
+        y = _empty(B, T, H, D, device=dev, dtype=x.dtype)
+        cz = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
+        cr = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train else y
+        ce = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
+        ck1 = _empty(B, H, NT, HID, M, device=dev, dtype=torch.float32) if train else y
+        ck2 = _empty(B, H, NT, D, HID, device=dev, dtype=torch.float32) if train else y
+        w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
+        w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
+        launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta,
+               rw=y if rw is None else rw, w1=w1, w2=w2, y=y,
+               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
+               BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None,
+               HAS_RW=rw is not None, STORE=train, STORE_T=output_final_state, **packed_args(seq, "cu", "co"))
+        ctx.set_materialize_grads(False)
+        ctx.act, ctx.chunk, ctx.packed = act, chunk, packed
+        if train:
+            ctx.save_for_backward(x, k, q, eta, rw, cz, cr, ce, ck1, ck2)
+        return y, (w1t if output_final_state else None), (w2t if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, dy, dw1t, dw2t):
+        x, k, q, eta, rw, cz, cr, ce, ck1, ck2 = ctx.saved_tensors
+        B, T, H, D = x.shape
+        M, HID = k.shape[-1], cz.shape[-1]
+        dev = x.device
+        N, NT, seq = sequences(B, T, ctx.chunk, ctx.packed, x)
+        dy = torch.zeros_like(x) if dy is None else dy.contiguous()
+        has_dht = dw1t is not None or dw2t is not None
+        if has_dht:
+            dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
+            dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
+        need_dh0 = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
+        dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
+            _empty(*q.shape, device=dev, dtype=q.dtype)
+        deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else None
+        drw = _empty(*rw.shape, device=dev, dtype=rw.dtype) if rw is not None else None
+        dw1 = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
+        dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
+        launch(mlp_memory_bwd_kernel, (N * H,), k=k, q=q, eta=dx if eta is None else eta, rw=dx if rw is None else rw,
+               dy=dy, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
+               dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=dx if deta is None else deta,
+               drw=dx if drw is None else drw, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H, D=D, M=M, HID=HID, BD=pow2(D),
+               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, HAS_ETA=eta is not None,
+               HAS_RW=rw is not None, HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+        return (dx, dk, dq, deta, drw, dw1 if need_dh0 else None, dw2 if need_dh0 else None, None, None, None, None)
+
+
+def mlp_memory(x, k, q, eta=None, *, w=None, act: str = "silu", initial_state=None, output_final_state: bool = False,
+               chunk_size: int | None = None, cu_seqlens=None):
+    """The layer of the module docstring.
+
+    Args:
+        x: target [B, T, H, d]; k: key [B, T, H, m]; q: query [B, T, H, m].
+        eta: step [B, T, H] or None (= 1).
+        w: the loss's weight of each output row [B, T, H, d] (a per-channel step) or None (= 1).
+        act: ``silu``, ``tanh`` or ``sigmoid``.
+        initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
+        output_final_state: also return (W1_T, W2_T) (fp32).
+        chunk_size: tokens between the backward's restart states (default ``CHUNK``).
+        cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
+            convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then [N, H, ...]
+            and every sequence starts from its own: the result equals N separate calls.
+    Returns:
+        y [B, T, H, d] in x's dtype, (W1_T, W2_T) or None.
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"mlp_memory: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
+    if x.dtype not in IO_DTYPES:
+        raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
+    W1, W2 = initial_state
+    chunk = chunk_size or CHUNK
+    packed = None
+    if cu_seqlens is not None:
+        packed = chunks(offsets("mlp_memory", cu_seqlens, {"x": x}, initial_state), cu_seqlens.to(x.device), chunk)
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape), ((W1.float(), W2.float()) if output_final_state else None)
+    head = (lambda t: t if t is None else t.contiguous())       # noqa: E731
+    y, w1t, w2t = MLPMemoryFunction.apply(x.contiguous(), k.to(x.dtype).contiguous(), q.to(x.dtype).contiguous(),
+                                          head(eta), head(w), W1.float().contiguous(), W2.float().contiguous(),
+                                          ACTIVATIONS[act], output_final_state, chunk, packed)
+    return y, ((w1t, w2t) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------
+# family interface (ssmcraft.runtime.select)
+# ----------------------------------------------------------------------------------------
+
+def _structure(ir) -> dict:
+    """The roles the IR's declarations allow: state names ``W1`` (``(h, m)``) and ``W2`` (``(d, h)``),
+    the target ``x``, the candidates for the key and query (the inputs over m) and for the step (the
+    per-head inputs); ValueError says what does not fit. The update itself is checked by ``_probe``."""
+    d, m = ir.dims
+    hidden = tuple(getattr(ir, "hidden", None) or ())
+    if len(ir.states) != 2 or len(hidden) != 1 or ir.params or ir.minibatch:
+        raise ValueError("not two weight states over one hidden dimension, without params or mini-batches")
+    h = hidden[0]
+    shapes = {tuple(ir.shape_of(s)): s for s in ir.states}
+    if set(shapes) != {(h, m), (d, h)}:
+        raise ValueError(f"states {', '.join(f'{s} {tuple(ir.shape_of(s))}' for s in ir.states)}, not "
+                         f"({h}, {m}) and ({d}, {h})")
+    rows = [n for n, dims in ir.inputs.items() if tuple(dims) == (d,)]
+    keys = [n for n, dims in ir.inputs.items() if tuple(dims) == (m,)]
+    heads = [n for n, dims in ir.inputs.items() if tuple(dims) == ()]
+    if len(rows) not in (1, 2) or len(keys) != 2 or len(rows) + len(keys) + len(heads) != len(ir.inputs):
+        raise ValueError(f"inputs are not a target (and a row weight) over {d}, a key and a query over {m} and "
+                         "per-head factors")
+    return {"W1": shapes[(h, m)], "W2": shapes[(d, h)], "rows": rows, "keys": keys, "heads": heads, "h": h}
+
+
+def _probe(ir, found) -> dict | str:
+    """The IR's reference loop against the naive twin on a small float64 case (random weights, every
+    role filled), for each activation, key / query order, target / row weight order and step (1, or one
+    per-head input): the roles that agree, or why none does."""
+    from ssmcraft.compiler.api import generate_reference
+    from ssmcraft.ops.common.reference import Layout, reference_loop
+    from ssmcraft.ops.mlp_memory.naive import naive_mlp_memory
+    d, m = ir.dims
+    B, T, H, D, M, HID = 1, 4, 1, 2, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)     # noqa: E731
+    val = {**{n: 0.2 + 0.6 * torch.rand(B, T, H, generator=gen, dtype=torch.float64) for n in found["heads"]},
+           **{n: r(B, T, H, M) for n in found["keys"]},
+           **{n: 0.5 + r(B, T, H, D).abs() for n in found["rows"]}}     # positive: either may be the row weight
+    W = {found["W1"]: 0.5 * r(B, H, HID, M), found["W2"]: 0.5 * r(B, H, D, HID)}
+    axes = (d, m, found["h"])
+    sizes = {d: D, m: M, found["h"]: HID}
+    env = {n: t.reshape(B, T, H, *(sizes[a] if a in ir.inputs[n] else 1 for a in axes)) for n, t in val.items()}
+    module, _ = generate_reference(ir)
+    y, ST, _ = reference_loop(module, Layout(env, B, T, H, D, M, torch.float64, torch.float64,
+                                             tuple(W[s] for s in ir.states), {found["h"]: HID}))
+    got = dict(zip(ir.states, ST))
+    rows = found["rows"]
+    for act, (k, q), (x, w), eta in itertools.product(ACTIVATIONS, (found["keys"], found["keys"][::-1]),
+                                                      [(rows[0], None)] if len(rows) == 1 else [rows, rows[::-1]],
+                                                      (None, *found["heads"])):
+        yn, W1, W2 = naive_mlp_memory(val[x], val[k], val[q], val.get(eta), W[found["W1"]], W[found["W2"]], act,
+                                      val.get(w))
+        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+               for a, b in ((y, yn), (got[found["W1"]], W1), (got[found["W2"]], W2))):
+            return {"W1": found["W1"], "W2": found["W2"], "x": x, "w": w, "k": k, "q": q, "eta": eta, "act": act}
+    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 read out as "
+            f"W2 act(W1 q), with act one of {', '.join(ACTIVATIONS)}, eta 1 or a per-head input and w 1 or an input")
+
+
+def match(ir) -> dict:
+    """``_structure`` and ``_probe`` (once per IR); ValueError says why the family does not run it."""
+    def check():
+        try:
+            return _probe(ir, _structure(ir))
+        except ValueError as e:
+            return str(e)
+    out = ir.memo("mlp_memory", check)
+    if isinstance(out, str):
+        raise ValueError(out)
+    return dict(out)
+
+
+def supports(ir) -> str | None:
+    """None if this family runs ``ir``, else the reason it does not."""
+    if not getattr(ir, "hidden", None):
+        return f"{ir.spec_name}: no hidden dimension (not a deep memory)"
+    return match_reason(ir, match)
+
+
+def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
+    """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``),
+    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none."""
+    x = get(names["x"])
+    B, T, H, D = x.shape
+    M = get(names["k"]).shape[-1]
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    S0 = initial_state if initial_state is not None else names["initial"](N, H, D, M, x.device)
+    st = dict(zip(names["order"], S0))
+    opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
+    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), act=names["act"],
+                        initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
+                        cu_seqlens=cu_seqlens)
+    if fin is None:
+        return y, None
+    out = {names["W1"]: fin[0], names["W2"]: fin[1]}
+    return y, tuple(out[s] for s in names["order"])
+
+
+def _names(ir) -> dict:
+    return dict(match(ir), order=ir.states,
+                initial=lambda B, H, D, M, dev: initial_states(ir, B, H, D, M, device=dev, dtype=torch.float32))
+
+
+def forward(obj, lay, co, output_final_state):
+    """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
+    y, S = _run(_names(obj.ir), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
+    return y.to(lay.dtype), S
+
+
+def prepare(obj, lay):
+    """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
+    call (``cu_seqlens=``) runs one program per sequence and head."""
+    names = _names(obj.ir)
+    io = io_dtype(lay.out_dtype)
+    out_dtype = lay.out_dtype
+
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
+        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens)
+        return y.to(out_dtype), S
+    return run

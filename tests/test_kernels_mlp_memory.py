@@ -1,0 +1,153 @@
+"""The MLP memory family (``objectives/ttt_mlp.yaml``: two weight states of different shapes, a joint
+gradient step per token) under the Triton interpreter, against the objective's float64 reference:
+output, both final weights and every gradient (inputs, both initial weights; with a gradient on the
+final weights), on lengths that are not a multiple of the backward's chunk, with every output buffer
+poisoned with NaN. Held out of the library: a sigmoid memory of hidden width m with its step under
+another name, and a tanh memory (written as ``2 sigmoid(2 z) - 1``) of a fixed hidden width 3 with no
+step; and what the family refuses, with the reason."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.ops import registry  # noqa: E402
+from ssmcraft.ops.common.reference import hidden_sizes, layout  # noqa: E402
+from ssmcraft.ops.mlp_memory import recurrent as R  # noqa: E402
+from ssmcraft.ops.mlp_memory.naive import naive_mlp_memory  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
+from helpers import assert_within, kernel_errors, rel_rms as rel  # noqa: E402
+
+# relative RMS error, fp32 kernels vs float64 reference; the walk back through a chunk adds a few
+# roundings per token to the gradients
+TOL = {"y": 1e-5, "W1_T": 1e-5, "W2_T": 1e-5, "grad": 2e-5}
+F64 = torch.float64
+
+SIGMOID = {"name": "mlp_sigmoid", "hidden": {"h": "1*m"},
+           "state": {"W1": {"shape": ["h", "m"], "init": {"identity": 1.0}}, "W2": {"shape": ["d", "h"]}},
+           "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True},
+                      "q": {"shape": ["m"], "normalize": True}, "lr": {"shape": [], "bounded": True}},
+           "objective": {"W1": "lr*sq(W2_prev*sigmoid(W1*k) - x)/2", "W2": "lr*sq(W2*sigmoid(W1_prev*k) - x)/2"},
+           "update": "explicit", "output": "W2*sigmoid(W1*q)"}
+TANH = {"name": "mlp_tanh", "hidden": {"h": 3},
+        "state": {"W1": {"shape": ["h", "m"]}, "W2": {"shape": ["d", "h"]}},
+        "inputs": {"x": {"shape": ["d"]}, "q": {"shape": ["m"], "normalize": True},
+                   "k": {"shape": ["m"], "normalize": True}},
+        "objective": {"W1": "sq(W2_prev*(2*sigmoid(2*W1*k) - 1) - x)/2",
+                      "W2": "sq(W2*(2*sigmoid(2*W1_prev*k) - 1) - x)/2"},
+        "update": "explicit", "output": "W2*(2*sigmoid(2*W1*q) - 1)"}
+# the search's composed MLP memory with a per-channel step (beta over d: a weight per output row)
+ROW_STEP = compose_objective({"memory": "mlp", "update": "explicit"})
+OBJECTIVES = {"ttt_mlp": "ttt_mlp", "sigmoid": SIGMOID, "tanh": TANH, "row_step": ROW_STEP}
+ROLES = {"ttt_mlp": ("k", "q", "eta", None, "silu"), "sigmoid": ("k", "q", "lr", None, "sigmoid"),
+         "tanh": ("k", "q", None, None, "tanh"), "row_step": ("k", "q", None, "beta", "silu")}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(R, "POISON", True)
+    monkeypatch.setattr(R, "CHUNK", 16)
+
+
+def _case(obj, B, T, H, d, m, seed, initial=True, scale=1.0):
+    """Float64 inputs in the stable region (unit keys, targets of norm about ``scale``, steps in
+    (0.2, 0.8)) and random initial weights of entries about ``0.4 scale`` (or None: the declared ones)."""
+    g = torch.Generator().manual_seed(seed)
+    [hid] = hidden_sizes(obj.ir, dict(zip(obj.ir.dims, (d, m)))).values()
+    ins = {}
+    for n, dims in obj.ir.inputs.items():
+        decl = obj.spec.inputs[n]
+        if tuple(dims) == () or decl.positive or decl.bounded:      # steps, a per-channel one too
+            ins[n] = 0.2 + 0.6 * torch.rand(B, T, H, *([d] if dims else []), generator=g, dtype=F64)
+        elif tuple(dims) == (obj.ir.dims[1],):
+            ins[n] = torch.nn.functional.normalize(torch.randn(B, T, H, m, generator=g, dtype=F64), dim=-1)
+        else:
+            ins[n] = scale * torch.randn(B, T, H, d, generator=g, dtype=F64) / d ** 0.5
+    S0 = tuple(0.4 * scale * torch.randn(B, H, *shape, generator=g, dtype=F64) for shape in ((hid, m), (d, hid)))
+    return ins, (S0 if initial else None), g
+
+
+def test_supports_reads_the_roles():
+    for which, (k, q, eta, w, act) in ROLES.items():
+        found = R.match(ssmcraft.compile(OBJECTIVES[which]).ir)
+        assert (found["k"], found["q"], found["eta"], found["w"], found["act"]) == (k, q, eta, w, act), which
+    ir = ssmcraft.compile("ttt_mlp").ir
+    assert [f.name for f in registry.FAMILIES if f.reason(ir) is None] == ["mlp_memory"]
+    assert "several shapes" in registry.family("general").reason(ir)
+
+
+@pytest.mark.parametrize("which,T,B,d,m,scale", [
+    ("ttt_mlp", 1, 2, 6, 4, 1.0), ("ttt_mlp", 37, 1, 6, 4, 1.0), ("ttt_mlp", 70, 1, 5, 8, 1.0),
+    ("sigmoid", 37, 1, 6, 4, 1.0), ("row_step", 37, 1, 6, 4, 1.0),
+    ("tanh", 41, 2, 4, 6, 0.5),     # a step of 1: at scale 1 the weights grow, and fp32 itself drifts by 5e-4
+])
+def test_matches_the_reference(which, T, B, d, m, scale):
+    obj = ssmcraft.compile(OBJECTIVES[which])
+    ins, S0, g = _case(obj, B, T, 2, d, m, seed=T + d, scale=scale)
+    errs = kernel_errors(obj, lambda o, lay: R.forward(o, lay, None, True), ins, None, S0, g)
+    assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
+    assert_within(errs, TOL)
+
+
+def test_declared_initial_weights_and_no_final_gradient():
+    """No initial state: the declared rectangular identities; only the output has a cotangent."""
+    obj = ssmcraft.compile("ttt_mlp")
+    ins, _, g = _case(obj, 1, 23, 2, 6, 4, seed=3, initial=False)
+    leaves = {n: t.float().requires_grad_() for n, t in ins.items()}
+    y, S = obj.reference(ins, None, None, True)
+    dy = torch.randn(y.shape, generator=g, dtype=F64)
+    want = torch.autograd.grad((obj.reference({n: t.requires_grad_() for n, t in ins.items()})[0] * dy).sum(),
+                               list(ins.values()))
+    y2, S2 = R.forward(obj, layout(obj.ir, obj.spec, leaves, None, None), None, True)
+    got = torch.autograd.grad((y2 * dy.float()).sum(), list(leaves.values()))
+    assert rel(y2, y) < TOL["y"] and rel(S2[0], S[0]) < TOL["W1_T"] and rel(S2[1], S[1]) < TOL["W2_T"]
+    for n, a, b in zip(ins, got, want):
+        assert rel(a, b) < TOL["grad"], n
+
+
+def test_the_naive_twin_is_the_reference():
+    """The twin the probe compares against is the objective's own reference (float64)."""
+    obj = ssmcraft.compile("ttt_mlp")
+    ins, S0, _ = _case(obj, 2, 9, 2, 5, 3, seed=7)
+    y, (W1, W2) = obj.reference(ins, None, S0, True)
+    yn, W1n, W2n = naive_mlp_memory(ins["x"], ins["k"], ins["q"], ins["eta"], *S0, "silu")
+    assert rel(yn, y) < 1e-12 and rel(W1n, W1) < 1e-12 and rel(W2n, W2) < 1e-12
+
+
+def test_dispatch_runs_the_family_and_says_so():
+    obj = ssmcraft.compile("ttt_mlp")
+    obj.prefer = "interpret"
+    ins, S0, _ = _case(obj, 1, 19, 2, 4, 4, seed=1)
+    y, (W1, W2) = obj({n: t.float() for n, t in ins.items()}, None, tuple(s.float() for s in S0), True)
+    assert obj.backend == "triton-interpret:mlp-memory"
+    yr, (W1r, W2r) = obj.reference(ins, None, S0, True)
+    assert rel(y, yr) < 1e-5 and rel(W1, W1r) < 1e-5 and rel(W2, W2r) < 1e-5
+
+
+@pytest.mark.parametrize("spec,why", [
+    (dict(SIGMOID, name="mlp_softplus", output="W2*softplus(W1*q)",
+          objective={"W1": "lr*sq(W2_prev*softplus(W1*k) - x)/2", "W2": "lr*sq(W2*softplus(W1_prev*k) - x)/2"}),
+     "the update is not one joint gradient step"),
+    (dict(SIGMOID, name="mlp_double", objective={"W1": "lr*sq(W2_prev*sigmoid(W1*k) - x)",
+                                                 "W2": "lr*sq(W2*sigmoid(W1_prev*k) - x)/2"}),
+     "the update is not one joint gradient step"),
+    ("deltanet", "no hidden dimension"),
+    ("rls", "no hidden dimension"),
+])
+def test_refusals_say_why(spec, why):
+    assert why in R.supports(ssmcraft.compile(spec).ir)
+
+
+@pytest.mark.parametrize("which", ["ttt_mlp", "sigmoid"])     # tanh has a step of 1: unstable at these draws
+def test_packed_equals_separate(which):
+    """A packed row (``cu_seqlens``: odd lengths, empty ones first and in the middle, some under a
+    chunk of 16 and some over) against N separate float64 reference calls: output, both final weights
+    of every sequence and every gradient; and without any state, as a training forward calls it."""
+    from test_varlen import _interpret, packed_errors, packed_without_states
+    obj = ssmcraft.compile(OBJECTIVES[which])
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=6, m=4)
+    assert_within(errs, TOL)
+    assert obj.backend == "triton-interpret:mlp-memory+packed"
+    errs, S = packed_without_states(obj, [0, 19, 4, 1], d=6, m=4)
+    assert S is None and obj.backend == "triton-interpret:mlp-memory+packed"
+    assert_within(errs, TOL)
