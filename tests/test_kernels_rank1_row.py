@@ -20,6 +20,7 @@ TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
 def _poison(monkeypatch):
     monkeypatch.setattr(R, "POISON", True)
     monkeypatch.setattr(R, "CHUNK", 64)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 64)
     R.set_config()
 
 
@@ -70,6 +71,7 @@ CASES = [
 @pytest.mark.parametrize("name,T,chunk", CASES)
 def test_objective_matches_reference(name, T, chunk, monkeypatch):
     monkeypatch.setattr(R, "CHUNK", chunk)
+    monkeypatch.setattr(R, "DECAY_CHUNK", chunk)
     obj = ssmcraft.compile(HELD_OUT.get(name, name))
     assert obj.ir.kind == "rank1" and R.supports(obj.ir) is None
     B, H, d, m = (1 if T > 32 else 2), 1, 20, 8
@@ -83,6 +85,7 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
 def test_general_slots_fla_layout(monkeypatch):
     """Distinct u, v, q, oq; per-head a and c; per-row p, oc, oh; initial state in FLA layout."""
     monkeypatch.setattr(R, "CHUNK", 4)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 4)
     B, T, H, K, V = 2, 6, 2, 8, 12
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
