@@ -28,7 +28,7 @@ OPS = ("LDL", "STL", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA")
 # rank-1 cases: (MODES of a, c, p, oc, oh; CONSTS; GROUPS of v, q, oq), as the objectives bind them
 RANK1 = {"longhorn": ((0, 2, 2, 0, 0), (1.0, 0., 0., 1.0, 0.), (0, 0, 3)),
          "wd": ((2, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3)),
-         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (1, 1, 3))}
+         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3))}   # u = alpha k: alpha moved into c
 INTS = {"T", "H", "V", "K", "SEG", "NC", "NV", "NB", "NG", "ZS", "s0_sb", "s0_sh", "s0_sg", "s0_sk", "s0_sv"}
 BF16 = {"U", "Vv", "Q", "OQ", "Y", "DY"}
 

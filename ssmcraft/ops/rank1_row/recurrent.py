@@ -465,8 +465,18 @@ def prepare(obj, lay):
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
-        u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
+        keys = [cs.get(s) for s in VEC_SLOTS[1:]]
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
+        scale, u = cs.split("u")
+        if scale is not None and not any(u is x for x in keys):
+            scale, u = None, cs.get("u")
+        if scale is not None:
+            # u = s k with k another key slot and s per head (Gated Longhorn's u = alpha k): c (s_{t-1} . s k)
+            # = (s c)(s_{t-1} . k), so the kernel reads k once and sums one gradient less over the rows
+            c = rows[1]
+            rows[1] = c * (scale.float().unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() == 4
+                           else scale.float())
+        u, v, q, oq = _dedup_contig((u, *keys))
         a, c, p, oc, oh = _dedup_contig(rows)
         packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, chunk_of(a))
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
