@@ -265,7 +265,9 @@ def rank1_row_bwd_kernel(
             ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT, QV), s3_, t - 3, t0, row - 3 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        # the exact state at the chunk start (the reconstruction's rounding does not accumulate)
-        st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
+        if not REBUILT:
+            # the exact state at the chunk start (the reconstruction's rounding does not accumulate);
+            # a rebuilt chunk ends on its kept first state, the checkpoint itself
+            st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
     if DS0 is not None:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, ds, mask=mask_s)
