@@ -23,10 +23,10 @@ SRC = open(rank1_row_bwd.__file__).read()
 VARIANTS = {
     "as is": [],
     "no keep pass": [("            keep_states(ckp", "            pass  # keep_states(ckp"),
-                     ("                        MODES, CONSTS, GROUPS, BV, PF)\n", "")],
-    "no kept-state loads": [("                x1 = tl.load(scr + (jt // 2) * K * V + tile, mask=mask_s, other=0.)",
+                     ("                        MODES, CONSTS, GROUPS, BV, BK, PF)\n", "")],
+    "no kept-state loads": [("                x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))",
                              "                x1 = st"),
-                            ("                x3 = tl.load(scr + (jt // 2 + 1) * K * V + tile, mask=mask_s, other=0.)",
+                            ("                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))",
                              "                x3 = st")],
 }
 

@@ -22,6 +22,7 @@ os.environ.pop("TRITON_INTERPRET", None)       # compiled kernels only (see sass
 from sass_count import loops, sm90  # noqa: E402
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel  # noqa: E402
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel  # noqa: E402
 
 OPS = ("LDL", "STL", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA")
@@ -53,7 +54,8 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
 
 def rank1_consts(case: str, BV: int, which: str) -> dict:
     modes, consts, groups = RANK1[case]
-    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
+    chunk = R.CHUNK if case == "longhorn" else R.DECAY_CHUNK      # the intervals the host passes
+    common = dict(BV=BV, BK=64, CHUNK=chunk, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
     if which == "fwd":
         absent = {n: None for n, m in zip(("A", "C", "P", "OC", "OH"), modes) if m == 0}
         return dict(common, MODES=modes, CONSTS=consts, S0=None, **absent)

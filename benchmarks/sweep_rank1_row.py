@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--configs", default="16x2,8x1,16x1,16x4,32x4,8x2")
-    ap.add_argument("--chunks", default="16",
+    ap.add_argument("--chunks", default=str(R.DECAY_CHUNK),
                     help="checkpoint intervals of a decay's backward (rank1_row.DECAY_CHUNK) to sweep")
     ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd at each objective's best")
     args = ap.parse_args(argv)

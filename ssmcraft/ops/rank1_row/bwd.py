@@ -8,10 +8,10 @@ scalar per row and step), the state every ``CHUNK`` steps and the final state. T
   the stored ``z``, reset to the stored checkpoint at every chunk start;
 - otherwise (a decay): per chunk, the states are rebuilt from its checkpoint with the stored
   ``z`` (``s_t = a s_{t-1} - c z v + p q``: no reduction, so each step is a few multiply-adds on
-  loads issued four steps at a time) and every second one is kept in the scratch
-  ``SCR [N, H, CHUNK/2 + 1, K, V]`` (a row block its own columns, so that kept states have the
-  checkpoints' layout and no tile changes layout on its way through; the host picks CHUNK so that
-  the scratch stays in L2). The reverse loop reads a pair's first state back
+  loads issued four steps at a time) and every second one is kept in the per-program scratch
+  ``SCR [prog, CHUNK/2 + 1, BK, BV]`` (each tile contiguous: whole cache lines; in the [K, V]
+  layout of the checkpoints a tile is 64 separate 32-byte pieces, and the backward measured
+  slower). The reverse loop reads a pair's first state back
   and rebuilds the second in registers from the slots it has loaded for the step anyway (keeping
   every fourth state instead held four state tiles live and spilled registers at K = 64).
   Dividing by ``a`` instead would amplify rounding by ``1/a`` per step, so a decay always takes
@@ -145,7 +145,7 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
 @triton.jit
 def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
                 MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr,
-                PF: tl.constexpr):
+                BK: tl.constexpr, PF: tl.constexpr):
     """Rebuild the states of steps [t0, t1) from the checkpoint ``ckp`` with the stored z and keep
     the state before the lower step of each reverse pair (steps t1-2j-2, t1-2j-1; the last pair
     cut at t0) in scratch slot j."""
@@ -162,22 +162,30 @@ def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mas
             rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
             prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
             prefetch_l2(Z + rowf * V + ix[2])
-        sp = keep_step(sp, l0, tb, t0, t1, scr, K * V, tile, mask_s, QV)
+        sp = keep_step(sp, l0, tb, t0, t1, scr, QV, BK, BV)
         l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, K * V, tile, mask_s, QV)
+        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, QV, BK, BV)
         l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, K * V, tile, mask_s, QV)
+        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, QV, BK, BV)
         l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, K * V, tile, mask_s, QV)
+        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, QV, BK, BV)
         l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
 
 
 @triton.jit
-def keep_step(sp, lt, t, t0, t1, scr, slot, tile, mask_s, QV: tl.constexpr):
+def kept_tile(BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets of a kept state in its scratch slot (a contiguous [BK, BV] tile; outside the state's
+    mask it holds the zeros the masked loads gave the tile)."""
+    return tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+
+
+@triton.jit
+def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """``keep_states``' step t: keep s_{t-1} if t starts a reverse pair, then apply step t."""
     a, c, z, v, q, p = lt
     valid = t < t1
-    tl.store(scr + ((t1 - 1 - t) // 2) * slot + tile, sp, mask=mask_s & valid & (((t1 - t) % 2 == 0) | (t == t0)))
+    tl.store(scr + ((t1 - 1 - t) // 2) * BK * BV + kept_tile(BK, BV), sp,
+             mask=valid & (((t1 - t) % 2 == 0) | (t == t0)))
     a, c, p = identity_unless(valid, a, c, p)
     return transition(sp, a, c, z, v, q, p, QV)
 
@@ -221,7 +229,7 @@ def rank1_row_bwd_kernel(
     scr = SCR
     if REBUILT:
         # CHUNK/2 + 1 slots: a group's second pair past a chunk's start reads a slot it does not use
-        scr = SCR + i_bh.to(tl.int64) * ((CHUNK + 1) // 2 + 1) * K * V
+        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2 + 1)) * BK * BV
 
     for jc in range(0, NC):
         ci = NC - 1 - jc
@@ -231,7 +239,7 @@ def rank1_row_bwd_kernel(
             prefetch_l2(ckp + tl.maximum(ci - 1, 0) * K * V + tile)     # the next chunk's checkpoint
         if REBUILT:
             keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
-                        MODES, CONSTS, GROUPS, BV, PF)
+                        MODES, CONSTS, GROUPS, BV, BK, PF)
             tl.debug_barrier()
         s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + t1 - 1) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 2, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
@@ -246,7 +254,7 @@ def rank1_row_bwd_kernel(
                 prefetch_l2(Z + rowf * V + offs_v)
             x0, x1, x2, x3 = st, st, st, st
             if REBUILT:
-                x1 = tl.load(scr + (jt // 2) * K * V + tile, mask=mask_s, other=0.)
+                x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))
                 x0 = rebuild(x1, s1_, t - 1 >= t0, QV)
             row = (base + t) * H + h
             ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT, QV), s0_, t, t0, row, K, V, ix, grads, DM,
@@ -257,7 +265,7 @@ def rank1_row_bwd_kernel(
             s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
             if REBUILT:
                 # past the chunk's start (t - 2 < t0) the slot is stale: read, never used
-                x3 = tl.load(scr + (jt // 2 + 1) * K * V + tile, mask=mask_s, other=0.)
+                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))
                 x2 = rebuild(x3, s3_, t - 3 >= t0, QV)
             ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT, QV), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)

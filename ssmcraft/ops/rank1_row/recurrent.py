@@ -65,9 +65,11 @@ from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_p
 
 CHUNK = 64            # checkpoint interval of the backward (steps), a == 1
 # with a decay the backward keeps every second state of a chunk in a scratch of CHUNK/2 state tiles
-# per program; at 16 steps the scratch of every program of the issue-27 shape (B=8, H=16, d=m=64:
-# 1024 programs) is 17 MB, inside the L2 cache, where 64 steps (67 MB) spilled it to HBM
-DECAY_CHUNK = 16
+# per program, which shorter chunks keep in L2 (8 steps: 8 MB for the 1024 programs of B=8, H=16,
+# d=m=64; 64 steps: 67 MB) at the price of more checkpoints (K V floats per head every 8 steps) and
+# of a restart per chunk; wd_longhorn's fwd+bwd at that shape, H200: 6.49 / 6.28 / 6.06 ms at
+# 64 / 16 / 8 steps (BENCHMARKS.md)
+DECAY_CHUNK = 8
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -229,9 +231,8 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     bufs = [row_buf(m) for m in modes]
     DM = _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
-    # the decay path's kept states: one per reverse pair of steps of a chunk, per (sequence, head), in
-    # the state tiles' own layout ([N, H, chunk/2, K, V]: each row block its own columns)
-    SCR = None if _exact_inverse(a) else _new((N * H * (cdiv(chunk, 2) + 1) * K * V,), dev)
+    # the decay path's kept states: one per reverse pair of steps of a chunk, per program
+    SCR = None if _exact_inverse(a) else _new((N * H * NV * (cdiv(chunk, 2) + 1) * BK * BV,), dev)
     if dht is not None:
         # [B, H, V, K] -> contiguous [B, H, K, V]: the same layout as every other state tile
         dht = dht.transpose(-1, -2).contiguous()
