@@ -9,11 +9,11 @@ scalar per row and step), the state every ``CHUNK`` steps and the final state. T
 - otherwise (a decay): per chunk, the states are rebuilt from its checkpoint with the stored
   ``z`` (``s_t = a s_{t-1} - c z v + p q``: no reduction, so each step is a few multiply-adds on
   loads issued four steps at a time) and every second one is kept in the per-program scratch
-  ``SCR [prog, CHUNK/2 + 1, BK, BV]`` (each tile contiguous: whole cache lines; in the [K, V]
-  layout of the checkpoints a tile is 64 separate 32-byte pieces, and the backward measured
-  slower). The reverse loop reads a pair's first state back
-  and rebuilds the second in registers from the slots it has loaded for the step anyway (keeping
-  every fourth state instead held four state tiles live and spilled registers at K = 64).
+  ``SCR [prog, CHUNK/2 + 1, BK, BV]`` (each tile contiguous, whole cache lines; in the checkpoints'
+  [K, V] layout a tile is BK separate pieces of BV floats, and the backward measured slower). The
+  reverse loop reads a pair's first state back and rebuilds the second in registers from the
+  slots it has loaded for the step anyway (keeping every fourth state instead held four state
+  tiles live and spilled registers at K = 64).
   Dividing by ``a`` instead would amplify rounding by ``1/a`` per step, so a decay always takes
   this path.
 """
