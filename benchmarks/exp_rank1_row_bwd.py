@@ -24,8 +24,9 @@ VARIANTS = {
     "as is": [],
     "no keep pass": [("            keep_states(ckp", "            pass  # keep_states(ckp"),
                      ("                        MODES, CONSTS, GROUPS, BV, BK, PF)\n", "")],
-    "no kept-state loads": [("                x1 = tl.load(scr + (jt // 2) * BK * BV)", "                x1 = st"),
-                            ("                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV, mask=t - 2 >= t0, other=0.)",
+    "no kept-state loads": [("                x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))",
+                             "                x1 = st"),
+                            ("                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))",
                              "                x3 = st")],
 }
 

@@ -22,13 +22,14 @@ os.environ.pop("TRITON_INTERPRET", None)       # compiled kernels only (see sass
 from sass_count import loops, sm90  # noqa: E402
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel  # noqa: E402
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel  # noqa: E402
 
 OPS = ("LDL", "STL", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA")
 # rank-1 cases: (MODES of a, c, p, oc, oh; CONSTS; GROUPS of v, q, oq), as the objectives bind them
 RANK1 = {"longhorn": ((0, 2, 2, 0, 0), (1.0, 0., 0., 1.0, 0.), (0, 0, 3)),
          "wd": ((2, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3)),
-         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (1, 1, 3))}
+         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3))}   # u = alpha k: alpha moved into c
 INTS = {"T", "H", "V", "K", "SEG", "NC", "NV", "NB", "NG", "ZS", "s0_sb", "s0_sh", "s0_sg", "s0_sk", "s0_sv"}
 BF16 = {"U", "Vv", "Q", "OQ", "Y", "DY"}
 
@@ -53,7 +54,8 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
 
 def rank1_consts(case: str, BV: int, which: str) -> dict:
     modes, consts, groups = RANK1[case]
-    common = dict(BV=BV, BK=64, CHUNK=64, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
+    chunk = R.CHUNK if case == "longhorn" else R.DECAY_CHUNK      # the intervals the host passes
+    common = dict(BV=BV, BK=64, CHUNK=chunk, PF=16, GROUPS=groups, CU=None, CO=None, VARLEN=False)
     if which == "fwd":
         absent = {n: None for n, m in zip(("A", "C", "P", "OC", "OH"), modes) if m == 0}
         return dict(common, MODES=modes, CONSTS=consts, S0=None, **absent)

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--configs", default="16x2,8x1,16x1,16x4,32x4,8x2")
-    ap.add_argument("--chunks", default="64", help="checkpoint intervals (rank1_row.CHUNK) to sweep")
+    ap.add_argument("--chunks", default=str(R.DECAY_CHUNK),
+                    help="checkpoint intervals of a decay's backward (rank1_row.DECAY_CHUNK) to sweep")
     ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd at each objective's best")
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -64,10 +65,11 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()} shape {args.shape} bf16; deltanet fwd+bwd {ref:.3f} ms")
     rows = []
     chunks = [int(x) for x in args.chunks.split(",")]
+    default_chunk = R.DECAY_CHUNK
     for name in FAMILY:
         obj, c = calls(name, shape)
-        for chunk in chunks:
-            R.CHUNK = chunk
+        for chunk in (chunks if name != "longhorn" else [R.CHUNK]):    # Longhorn: a == 1, no kept states
+            R.DECAY_CHUNK = chunk
             for cf in cfgs:
                 R.set_config(fwd=cf, bwd=cf)
                 f, fb = timed(c)
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
                 print(f"  {name:15s} BV={cf[0]:3d} warps={cf[1]} chunk={chunk}: fwd {f:.3f} fwd+bwd {fb:.3f} ms",
                       flush=True)
         R.set_config()
-        R.CHUNK = 64
+        R.DECAY_CHUNK = default_chunk
     best = {}
     for name, cf, f, fb in rows:
         bf = best.setdefault(name, {"f": (1e9, None), "fb": (1e9, None)})
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
         for name, bf in best.items():
             cf = bf["fb"][1]
             R.set_config(fwd=cf[:2], bwd=cf[:2])
-            R.CHUNK = cf[2]
+            R.DECAY_CHUNK = cf[2]
             print(f"-- {name} at {cf}: GPU kernels of one fwd+bwd")
             for k, n, us in kernel_profile(calls(name, shape)[1]["fwd_bwd"])[:8]:
                 print(f"   {us:9.1f} us x{n} {k[:90]}")

@@ -20,6 +20,7 @@ TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
 def _poison(monkeypatch):
     monkeypatch.setattr(R, "POISON", True)
     monkeypatch.setattr(R, "CHUNK", 64)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 64)
     R.set_config()
 
 
@@ -70,6 +71,7 @@ CASES = [
 @pytest.mark.parametrize("name,T,chunk", CASES)
 def test_objective_matches_reference(name, T, chunk, monkeypatch):
     monkeypatch.setattr(R, "CHUNK", chunk)
+    monkeypatch.setattr(R, "DECAY_CHUNK", chunk)
     obj = ssmcraft.compile(HELD_OUT.get(name, name))
     assert obj.ir.kind == "rank1" and R.supports(obj.ir) is None
     B, H, d, m = (1 if T > 32 else 2), 1, 20, 8
@@ -83,6 +85,7 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
 def test_general_slots_fla_layout(monkeypatch):
     """Distinct u, v, q, oq; per-head a and c; per-row p, oc, oh; initial state in FLA layout."""
     monkeypatch.setattr(R, "CHUNK", 4)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 4)
     B, T, H, K, V = 2, 6, 2, 8, 12
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -135,3 +138,27 @@ def test_chunked_forward_matches_sequential():
     y1, S1 = R.rank1_row_recurrence(k, k, k, q, c, p, initial_state=h0, output_final_state=True, state_layout="math")
     y2, S2 = R.chunked_forward(k, k, k, q, c, p, initial_state=h0, segment=4)
     check({"y": rel(y2, y1), "S_T": rel(S2, S1)})
+
+
+@pytest.mark.parametrize("name", ["gated_longhorn", "gated_wd_longhorn"])
+def test_per_head_key_scale_moves_into_the_erase_step(name, monkeypatch):
+    """Gated Longhorn's ``u = alpha k`` (a per-head scale of another key slot) through ``obj()`` on
+    this family: the kernel gets ``u`` as the same tensor as ``v`` (``k`` read once, one gradient sum
+    over the rows less) with ``alpha`` in ``c``; output, final state and every gradient against the
+    float64 reference, outputs NaN-poisoned, over two checkpoint chunks."""
+    from ssmcraft.ops import registry
+    from ssmcraft.runtime import select as TB
+    from ssmcraft.runtime.checking import reference_errors
+    monkeypatch.setattr(TB, "order", lambda ir, mode: [registry.family("rank1_row")])
+    monkeypatch.setattr(R, "DECAY_CHUNK", 8)
+    obj = ssmcraft.compile(HELD_OUT.get(name, name))
+    obj.prefer = "interpret"
+    calls, real = [], R._Rank1RowFunction.apply
+    monkeypatch.setattr(R._Rank1RowFunction, "apply", lambda *a: calls.append(a) or real(*a))
+    ins, params = random_inputs(obj.spec, B=2, T=13, H=2, sizes={obj.spec.dims[0]: 20, obj.spec.dims[1]: 8})
+    S0 = torch.randn(2, 2, 20, 8, dtype=torch.float64)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, torch.Generator().manual_seed(5))
+    u, v = calls[0][:2]
+    assert u is v and obj.backend == "triton-interpret:rank1-row+prologue"
+    assert cmp.written, cmp.errors
+    check(cmp.errors)

@@ -9,9 +9,11 @@ scalar per row and step), the state every ``CHUNK`` steps and the final state. T
 - otherwise (a decay): per chunk, the states are rebuilt from its checkpoint with the stored
   ``z`` (``s_t = a s_{t-1} - c z v + p q``: no reduction, so each step is a few multiply-adds on
   loads issued four steps at a time) and every second one is kept in the per-program scratch
-  ``SCR [prog, CHUNK/2, BK, BV]`` (L2-resident). The reverse loop reads a pair's first state back
-  and rebuilds the second in registers from the slots it has loaded for the step anyway (keeping
-  every fourth state instead held four state tiles live and spilled registers at K = 64).
+  ``SCR [prog, CHUNK/2 + 1, BK, BV]`` (each tile contiguous, whole cache lines; in the checkpoints'
+  [K, V] layout a tile is BK separate pieces of BV floats, and the backward measured slower). The
+  reverse loop reads a pair's first state back and rebuilds the second in registers from the
+  slots it has loaded for the step anyway (keeping every fourth state instead held four state
+  tiles live and spilled registers at K = 64).
   Dividing by ``a`` instead would amplify rounding by ``1/a`` per step, so a decay always takes
   this path.
 """
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.rank1_row.fwd import (IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots,
-                                            row_tile, seq_rows, transition)
+                                            identity_unless, row_tile, seq_rows, transition)
 
 
 @triton.jit
@@ -51,20 +53,24 @@ def load_transition(vecs, rows, Z, row, K, V, ix, MODES: tl.constexpr, CONSTS: t
 
 
 @triton.jit
-def rebuild(s, sl, valid):
+def rebuild(s, sl, valid, QV: tl.constexpr):
     """The state after the step of slot set ``sl`` (a reverse set), or ``s`` where not ``valid``."""
     u, v, q, oq, a, c, p, oc, dy, z = sl
-    return tl.where(valid, transition(s, a, c, z, v, q, p), s)
+    a, c, p = identity_unless(valid, a, c, p)
+    return transition(s, a, c, z, v, q, p, QV)
 
 
 @triton.jit
-def state_before(st, sl, rebuilt, REBUILT: tl.constexpr):
-    """s_{t-1}: ``rebuilt`` (decay path), else s_t + c z v - p q (``a == 1``)."""
+def state_before(st, sl, rebuilt, REBUILT: tl.constexpr, QV: tl.constexpr):
+    """s_{t-1}: ``rebuilt`` (decay path), else s_t + c z v - p q (``a == 1``; ``QV``: q is v)."""
     if REBUILT:
         sp = rebuilt
     else:
         u, v, q, oq, a, c, p, oc, dy, z = sl
-        sp = st + v[:, None] * (c * z)[None, :] - q[:, None] * p[None, :]
+        if QV:
+            sp = st + v[:, None] * (c * z - p)[None, :]
+        else:
+            sp = st + v[:, None] * (c * z)[None, :] - q[:, None] * p[None, :]
     return sp
 
 
@@ -144,6 +150,7 @@ def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mas
     the state before the lower step of each reverse pair (steps t1-2j-2, t1-2j-1; the last pair
     cut at t0) in scratch slot j."""
     sp = tl.load(ckp + tile, mask=mask_s, other=0.)
+    QV: tl.constexpr = GROUPS[1] == GROUPS[0]
     t_hi = t1 - 1
     # four steps per iteration, the next iteration's loads issued before this one's updates
     l0 = load_transition(vecs, rows, Z, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
@@ -155,23 +162,32 @@ def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mas
             rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
             prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
             prefetch_l2(Z + rowf * V + ix[2])
-        sp = keep_step(sp, l0, tb, t0, t1, scr, BK, BV)
+        sp = keep_step(sp, l0, tb, t0, t1, scr, QV, BK, BV)
         l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, BK, BV)
+        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, QV, BK, BV)
         l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, BK, BV)
+        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, QV, BK, BV)
         l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, BK, BV)
+        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, QV, BK, BV)
         l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
 
 
 @triton.jit
-def keep_step(sp, lt, t, t0, t1, scr, BK: tl.constexpr, BV: tl.constexpr):
+def kept_tile(BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets of a kept state in its scratch slot (a contiguous [BK, BV] tile; outside the state's
+    mask it holds the zeros the masked loads gave the tile)."""
+    return tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
+
+
+@triton.jit
+def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """``keep_states``' step t: keep s_{t-1} if t starts a reverse pair, then apply step t."""
     a, c, z, v, q, p = lt
     valid = t < t1
-    tl.store(scr + ((t1 - 1 - t) // 2) * BK * BV, sp, mask=valid & (((t1 - t) % 2 == 0) | (t == t0)))
-    return tl.where(valid, transition(sp, a, c, z, v, q, p), sp)
+    tl.store(scr + ((t1 - 1 - t) // 2) * BK * BV + kept_tile(BK, BV), sp,
+             mask=valid & (((t1 - t) % 2 == 0) | (t == t0)))
+    a, c, p = identity_unless(valid, a, c, p)
+    return transition(sp, a, c, z, v, q, p, QV)
 
 
 @triton.jit
@@ -201,6 +217,7 @@ def rank1_row_bwd_kernel(
     grads = (DA, DC, DP, DOC)
     base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     REBUILT: tl.constexpr = SCR is not None
+    QV: tl.constexpr = GROUPS[1] == GROUPS[0]
 
     ds = tl.zeros([BK, BV], dtype=tl.float32)
     if DHT is not None:
@@ -211,13 +228,15 @@ def rank1_row_bwd_kernel(
     ckp = CK + cb * K * V
     scr = SCR
     if REBUILT:
-        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2)) * BK * BV \
-            + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
+        # CHUNK/2 + 1 slots: a group's second pair past a chunk's start reads a slot it does not use
+        scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2 + 1)) * BK * BV
 
     for jc in range(0, NC):
         ci = NC - 1 - jc
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
+        if PF > 0:
+            prefetch_l2(ckp + tl.maximum(ci - 1, 0) * K * V + tile)     # the next chunk's checkpoint
         if REBUILT:
             keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
                         MODES, CONSTS, GROUPS, BV, BK, PF)
@@ -235,25 +254,28 @@ def rank1_row_bwd_kernel(
                 prefetch_l2(Z + rowf * V + offs_v)
             x0, x1, x2, x3 = st, st, st, st
             if REBUILT:
-                x1 = tl.load(scr + (jt // 2) * BK * BV)
-                x0 = rebuild(x1, s1_, t - 1 >= t0)
+                x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))
+                x0 = rebuild(x1, s1_, t - 1 >= t0, QV)
             row = (base + t) * H + h
-            ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT), s0_, t, t0, row, K, V, ix, grads, DM,
+            ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT, QV), s0_, t, t0, row, K, V, ix, grads, DM,
                               i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-            ds, st = bwd_step(ds, st, state_before(st, s1_, x1, REBUILT), s1_, t - 1, t0, row - H, K, V, ix, grads,
+            ds, st = bwd_step(ds, st, state_before(st, s1_, x1, REBUILT, QV), s1_, t - 1, t0, row - H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
             if REBUILT:
-                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV, mask=t - 2 >= t0, other=0.)
-                x2 = rebuild(x3, s3_, t - 3 >= t0)
-            ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
+                # past the chunk's start (t - 2 < t0) the slot is stale: read, never used
+                x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))
+                x2 = rebuild(x3, s3_, t - 3 >= t0, QV)
+            ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT, QV), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 6, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-            ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT), s3_, t - 3, t0, row - 3 * H, K, V, ix, grads,
+            ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT, QV), s3_, t - 3, t0, row - 3 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        # the exact state at the chunk start (the reconstruction's rounding does not accumulate)
-        st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
+        if not REBUILT:
+            # the exact state at the chunk start (the reconstruction's rounding does not accumulate);
+            # a rebuilt chunk ends on its kept first state, the checkpoint itself
+            st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
     if DS0 is not None:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, ds, mask=mask_s)

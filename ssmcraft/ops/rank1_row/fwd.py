@@ -131,20 +131,32 @@ def seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK: tl.constexpr, VARLEN: tl.constexp
 
 
 @triton.jit
-def transition(s, a, c, z, v, q, p):
-    """s_t = a s_{t-1} - (c z) v + p q on a [BK, BV] tile, given z = s_{t-1} . u."""
+def transition(s, a, c, z, v, q, p, QV: tl.constexpr):
+    """s_t = a s_{t-1} - (c z) v + p q on a [BK, BV] tile, given z = s_{t-1} . u; ``QV``: q is v
+    (Longhorn's keys), one product per element: a s + (p - c z) v."""
+    if QV:
+        return a[None, :] * s + v[:, None] * (p - c * z)[None, :]
     return a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
 
 
 @triton.jit
-def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, CKP, ck_index, NC, tile, mask_s, CHUNK: tl.constexpr):
+def identity_unless(valid, a, c, p):
+    """(a, c, p) of a step, or of the identity step (1, 0, 0) where not ``valid``: a skipped step
+    selects on row vectors instead of on the state tile."""
+    return tl.where(valid, a, 1.), tl.where(valid, c, 0.), tl.where(valid, p, 0.)
+
+
+@triton.jit
+def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, CKP, ck_index, NC, tile, mask_s, CHUNK: tl.constexpr,
+             QV: tl.constexpr):
     """One step (a no-op when t >= t_end) on the slot set ``sl``: update s, store y (and z, and
     the checkpoint ``CKP + ck_index * K * V`` every CHUNK steps)."""
     u, v, q, oq, a, c, p, oc, oh = sl
     offs_v, mask_v = ix[2], ix[3]
     valid = t < t_end
     z = tl.sum(s * u[:, None], axis=0)
-    s = tl.where(valid, transition(s, a, c, z, v, q, p), s)
+    a, c, p = identity_unless(valid, a, c, p)
+    s = transition(s, a, c, z, v, q, p, QV)
     y = oc * tl.sum(s * oq[:, None], axis=0) + oh
     tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
     if Z is not None:
@@ -180,6 +192,7 @@ def rank1_row_fwd_kernel(
     offs_k, offs_v = ix[0], ix[2]
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, OH)
+    QV: tl.constexpr = GROUPS[1] == GROUPS[0]
     base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     t_begin = i_s * SEG
     t_end = tl.minimum(t_begin + SEG, T)
@@ -207,13 +220,13 @@ def rank1_row_fwd_kernel(
             prefetch_slots(vecs, rows, (base + tl.minimum(tb + PF, t_last)) * H + h, K, V, ix, MODES, GROUPS)
             prefetch_slots(vecs, rows, (base + tl.minimum(tb + PF + 2, t_last)) * H + h, K, V, ix, MODES, GROUPS)
         row = (base + tb) * H + h
-        s = fwd_step(s, s0_, tb + 0, t_end, row, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK)
+        s = fwd_step(s, s0_, tb + 0, t_end, row, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
         s0_ = load_slots(vecs, rows, (base + tl.minimum(tb + 4, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s1_, tb + 1, t_end, row + H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK)
+        s = fwd_step(s, s1_, tb + 1, t_end, row + H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
         s1_ = load_slots(vecs, rows, (base + tl.minimum(tb + 5, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s2_, tb + 2, t_end, row + 2 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK)
+        s = fwd_step(s, s2_, tb + 2, t_end, row + 2 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
         s2_ = load_slots(vecs, rows, (base + tl.minimum(tb + 6, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s3_, tb + 3, t_end, row + 3 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK)
+        s = fwd_step(s, s3_, tb + 3, t_end, row + 3 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
         s3_ = load_slots(vecs, rows, (base + tl.minimum(tb + 7, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     if ST is not None:
         tl.store(ST + i_bh.to(tl.int64) * K * V + tile, s, mask=mask_s)
@@ -246,7 +259,7 @@ def rank1_row_segment_kernel(
         u, v, q, oq, a, c, p, oc, oh = load_slots(vecs, rows, (b.to(tl.int64) * T + t) * H + h, K, V, ix,
                                                   MODES, CONSTS, GROUPS, BV)
         z = tl.sum(s * u[:, None], axis=0)
-        s = transition(s, a, c, z, v, q, p)
+        s = transition(s, a, c, z, v, q, p, GROUPS[1] == GROUPS[0])
         pu = tl.sum(pm * u[None, :, None], axis=1)                         # [BK(r), BV]
         pm = a[None, None, :] * pm - (pu * c[None, :])[:, None, :] * v[None, :, None]
     base = (i_bh.to(tl.int64) * NSEG + i_s) * K

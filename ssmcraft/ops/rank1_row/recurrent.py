@@ -27,10 +27,10 @@ Backward (reverse time; ``ds`` the adjoint of ``s_t,i``)::
     ds     = a_i ds - c_i e_i u          (adjoint of s_{t-1,i})
 
 The backward needs ``s_{t-1}`` at every step without storing ``[B, T, V, K]``: the forward
-stores ``z`` (one scalar per row and step), the state every ``CHUNK`` steps and the final
-state, and the backward rebuilds ``s_{t-1}`` exactly from the stored ``z`` (``a == 1``:
-``s_{t-1} = s_t + c z v - p q``; with a decay: forward from the chunk's checkpoint, keeping
-every fourth state in an L2-resident scratch; ``rank1_row_bwd`` says how).
+stores ``z`` (one scalar per row and step), the state every ``CHUNK`` steps (``DECAY_CHUNK`` with
+a decay) and the final state, and the backward rebuilds ``s_{t-1}`` exactly from the stored ``z``
+(``a == 1``: ``s_{t-1} = s_t + c z v - p q``; with a decay: forward from the chunk's checkpoint,
+keeping every second state in an L2-resident scratch; ``rank1_row_bwd`` says how).
 
 Kernels: ``rank1_row_fwd`` (the forward, the time-chunked forward's phases, the loads the
 backward shares) and ``rank1_row_bwd``; this module is their host side, autograd function and
@@ -63,7 +63,13 @@ from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate_kernel, rank1_row_segment_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
 
-CHUNK = 64            # checkpoint interval of the backward (steps)
+CHUNK = 64            # checkpoint interval of the backward (steps), a == 1
+# with a decay the backward keeps every second state of a chunk in a scratch of CHUNK/2 state tiles
+# per program, which shorter chunks keep in L2 (8 steps: 8 MB for the 1024 programs of B=8, H=16,
+# d=m=64; 64 steps: 67 MB) at the price of more checkpoints (K V floats per head every 8 steps) and
+# of a restart per chunk; wd_longhorn's fwd+bwd at that shape, H200: 6.49 / 6.28 / 6.06 ms at
+# 64 / 16 / 8 steps (BENCHMARKS.md)
+DECAY_CHUNK = 8
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -152,6 +158,11 @@ def _exact_inverse(a) -> bool:
     return mode == 0 and const == 1.0
 
 
+def chunk_of(a) -> int:
+    """The backward's checkpoint interval for the decay ``a`` (``CHUNK`` or ``DECAY_CHUNK``)."""
+    return CHUNK if _exact_inverse(a) else DECAY_CHUNK
+
+
 def sequences(B, T, chunk, packed):
     """(program rows N, checkpoints NC per row (unpacked) or of the whole packed row, the kernels'
     ``VARLEN`` flag, their (CU, CO) pointers): ``packed`` the ``varlen.Chunks`` of a packed row at
@@ -175,7 +186,8 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     N sequences): S0 and S_T are [N, ...] and the checkpoints [H, NC, K, V]."""
     B, T, H, K = u.shape
     dev = u.device
-    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
+    chunk = chunk_of(a)
+    N, NC, flag, seq = sequences(B, T, chunk, packed)
     BV, nw = _config("fwd", N * H, V, K)
     modes, consts, rows = _modes((a, c, p, oc, oh))
     y = _new((B, T, H, V), dev, out_dtype)
@@ -188,7 +200,7 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     if T > 0:
         launch(rank1_row_fwd_kernel, (N * H, cdiv(V, BV), 1),
                u, v, q, oq, *rows, S0, *s0_strides, y, ST, Z, CK, *seq, T, H, V, K, T, NC,
-               BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(),
+               BV=BV, BK=next_pow2(K), CHUNK=chunk, PF=_prefetch_distance(),
                MODES=modes, CONSTS=consts, GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw, **flag)
     elif ST is not None:
         ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
@@ -199,7 +211,8 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     (u, v, q, oq, a, c, p, oc, Z, CK, ST, V) = saved
     B, T, H, K = u.shape
     dev = u.device
-    N, NC, flag, seq = sequences(B, T, CHUNK, packed)
+    chunk = chunk_of(a)
+    N, NC, flag, seq = sequences(B, T, chunk, packed)
     BV, nw = _config("bwd", N * H, V, K)
     BK = next_pow2(K)
     NV = cdiv(V, BV)
@@ -219,8 +232,7 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     DM = _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
     # the decay path's kept states: one per reverse pair of steps of a chunk, per program
-    SCR = None if _exact_inverse(a) else torch.empty(N * H * NV * cdiv(CHUNK, 2) * BK * BV, device=dev,
-                                                     dtype=torch.float32)
+    SCR = None if _exact_inverse(a) else _new((N * H * NV * (cdiv(chunk, 2) + 1) * BK * BV,), dev)
     if dht is not None:
         # [B, H, V, K] -> contiguous [B, H, K, V]: the same layout as every other state tile
         dht = dht.transpose(-1, -2).contiguous()
@@ -228,7 +240,7 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
         launch(rank1_row_bwd_kernel, (N * H, NV),
                u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0, *seq,
                T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
-               BV=BV, BK=BK, CHUNK=CHUNK, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
+               BV=BV, BK=BK, CHUNK=chunk, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
                GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw, **flag)
     dm = DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
@@ -454,10 +466,20 @@ def prepare(obj, lay):
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
-        u, v, q, oq = _dedup_contig(tuple(cs.get(s) for s in VEC_SLOTS))
+        keys = [cs.get(s) for s in VEC_SLOTS[1:]]
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
+        scale, u = cs.split("u")
+        if scale is not None and not any(u is x for x in keys):
+            scale, u = None, cs.get("u")
+        if scale is not None:
+            # u = s k with k another key slot and s per head (Gated Longhorn's u = alpha k): c (s_{t-1} . s k)
+            # = (s c)(s_{t-1} . k), so the kernel reads k once and sums one gradient less over the rows
+            c = rows[1]
+            rows[1] = c * (scale.float().unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() == 4
+                           else scale.float())
+        u, v, q, oq = _dedup_contig((u, *keys))
         a, c, p, oc, oh = _dedup_contig(rows)
-        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, CHUNK)
+        packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, chunk_of(a))
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
                                         output_final_state, packed)
         return y.to(lay.out_dtype), ST
