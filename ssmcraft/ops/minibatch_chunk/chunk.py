@@ -62,85 +62,89 @@ def _seq_opts(V: int) -> dict:
     return {"BV": INTERPRET_BV or pow2(V)} if INTERPRET else {}
 
 
-def _fwd(u, v, p, c, oq, a, h0, output_final_state, store_states, BT, packed=None):
+def _fwd(u, v, p, c, oq, a, lam, h0, output_final_state, store_states, BT, packed=None):
     """``packed``: the ``Chunks`` of a packed row (B = 1, N sequences), else None (N = B)."""
-    B, T, H, K = u.shape
+    B, T, H, K = v.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
-    N, NT, seq = sequences(B, T, BT, packed, u)
+    N, NT, seq = sequences(B, T, BT, packed, v)
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=torch.float32) if store_states else o
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else o
     launch(minibatch_fwd_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
-           u=u, v=v, p=p, c=c, oq=oq, a=o if a is None else a, h0=o if h0 is None else h0, o=o, hs=hs, ht=ht,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt), HAS_G=a is not None, C_ROW=c.dim() == 4,
+           u=o if u is None else u, v=v, p=p, c=c, oq=oq, a=o if a is None else a, lam=o if lam is None else lam,
+           h0=o if h0 is None else h0, o=o, hs=hs, ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=_key_block(K, dt),
+           HAS_G=a is not None, HAS_L=lam is not None, HAS_U=u is not None, C_ROW=c.dim() == 4,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(dt),
            **packed_args(seq, "cu", "co"), **_seq_opts(V))
     return o, (ht if output_final_state else None), hs
 
 
-def _bwd(u, v, p, c, oq, a, hs, do, dht, need_dh0, BT, packed=None):
-    B, T, H, K = u.shape
+def _bwd(u, v, p, c, oq, a, lam, hs, do, dht, need_dh0, BT, packed=None):
+    B, T, H, K = v.shape
     V = p.shape[-1]
     dt, dev = p.dtype, p.device
-    N, NT, seq = sequences(B, T, BT, packed, u)
+    N, NT, seq = sequences(B, T, BT, packed, v)
     BK = _key_block(K, dt)
     prec = dot_precision(dt)
     do = do.contiguous().to(dt)
     dhs = _empty(B, H, NT, K, V, device=dev, dtype=torch.float32)
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else dhs
-    has_g, c_row = a is not None, c.dim() == 4
-    launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
-           u=u, v=v, c=c, oq=oq, a=do if a is None else a, do=do,
+    flags = dict(HAS_G=a is not None, HAS_L=lam is not None, HAS_U=u is not None, C_ROW=c.dim() == 4)
+    ins = dict(u=do if u is None else u, v=v, c=c, oq=oq, a=do if a is None else a, lam=do if lam is None else lam)
+    launch(minibatch_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H), **ins, do=do,
            dht=do if dht is None else dht.contiguous().float(), dhs=dhs, dh0=dh0, T=T, NT=NT, H=H, K=K, V=V,
-           BT=BT, BK=BK, HAS_G=has_g, C_ROW=c_row, HAS_DHT=dht is not None, STORE_DH0=need_dh0, PREC=prec,
+           BT=BT, BK=BK, **flags, HAS_DHT=dht is not None, STORE_DH0=need_dh0, PREC=prec,
            **packed_args(seq, "cu", "co"), **_seq_opts(V))
-    du, dv, doq = (_empty(*u.shape, device=dev, dtype=u.dtype) for _ in range(3))
+    dv, doq = (_empty(*v.shape, device=dev, dtype=v.dtype) for _ in range(2))
+    du, da, dlam = (None if x is None else _empty(*x.shape, device=dev, dtype=x.dtype) for x in (u, a, lam))
     dp = _empty(*p.shape, device=dev, dtype=p.dtype)
     dc = _empty(*c.shape, device=dev, dtype=c.dtype)
-    da = _empty(*a.shape, device=dev, dtype=a.dtype) if has_g else None
-    launch(minibatch_bwd_grad_kernel, (NT, B * H),
-           u=u, v=v, p=p, c=c, oq=oq, a=do if a is None else a, hs=hs, dhs=dhs, do=do, du=du, dv=dv, dp=dp, dc=dc,
-           doq=doq, da=dc if da is None else da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V),
-           HAS_G=has_g, C_ROW=c_row, PREC=prec, **packed_args(seq, "cu", "ci"))
-    return du, dv, dp, dc, doq, da, (dh0 if need_dh0 else None)
+    launch(minibatch_bwd_grad_kernel, (NT, B * H), **ins, p=p, hs=hs, dhs=dhs, do=do, du=dv if du is None else du,
+           dv=dv, dp=dp, dc=dc, doq=doq, da=dc if da is None else da, dlam=dc if dlam is None else dlam,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=pow2(V), **flags, PREC=prec,
+           **packed_args(seq, "cu", "ci"))
+    return du, dv, dp, dc, doq, da, dlam, (dh0 if need_dh0 else None)
 
 
 class MinibatchChunkFunction(torch.autograd.Function):
-    """(u, v, p, c, oq, a|None, h0|None) -> (o, ht|None)."""
+    """(u|None, v, p, c, oq, a|None, lam|None, h0|None) -> (o, ht|None)."""
 
     @staticmethod
-    def forward(ctx, u, v, p, c, oq, a, h0, output_final_state, chunk_size, packed=None):
-        train = any(ctx.needs_input_grad[:7])
+    def forward(ctx, u, v, p, c, oq, a, lam, h0, output_final_state, chunk_size, packed=None):
+        train = any(ctx.needs_input_grad[:8])
         ctx.set_materialize_grads(False)
-        o, ht, hs = _fwd(u, v, p, c, oq, a, h0, output_final_state, train, chunk_size, packed)
+        o, ht, hs = _fwd(u, v, p, c, oq, a, lam, h0, output_final_state, train, chunk_size, packed)
         if train:
-            ctx.save_for_backward(u, v, p, c, oq, a, hs)
+            ctx.save_for_backward(u, v, p, c, oq, a, lam, hs)
         ctx.chunk_size, ctx.packed = chunk_size, packed
-        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[6]
+        ctx.need_dh0 = h0 is not None and ctx.needs_input_grad[7]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        u, v, p, c, oq, a, hs = ctx.saved_tensors
+        u, v, p, c, oq, a, lam, hs = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(p)
-        du, dv, dp, dc, doq, da, dh0 = _bwd(u, v, p, c, oq, a, hs, do, dht, ctx.need_dh0, ctx.chunk_size, ctx.packed)
-        return du, dv, dp, dc, doq, da, dh0, None, None, None
+        grads = _bwd(u, v, p, c, oq, a, lam, hs, do, dht, ctx.need_dh0, ctx.chunk_size, ctx.packed)
+        return (*grads, None, None, None)
 
 
-def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_state: bool = False,
+def chunk_minibatch(u, v, p, c, oq, *, a=None, lam=None, initial_state=None, output_final_state: bool = False,
                     chunk_size: int = 64, cu_seqlens=None):
-    """H_t = a_t H_{t-1} - v_t (c_t . (H_c^T u_t - p_t))^T with H_c the state before t's chunk of
-    ``chunk_size`` tokens;  o_t = H_t^T oq_t.
+    """H_t = a_t H_{t-1} - v_t (c_t . (H_c^T u_t - p_t))^T - lam_t H_c with H_c the state before t's
+    chunk of ``chunk_size`` tokens;  o_t = H_t^T oq_t.
 
     Args:
-        u:  read key [B, T, H, K] (the prediction ``H_c^T u``).
+        u:  read key [B, T, H, K] (the prediction ``H_c^T u``), or None: no prediction (the step
+            inserts ``c . p`` along v, a linear data term).
         v:  erase key [B, T, H, K].
         p:  target [B, T, H, V].
         c:  step, per head [B, T, H] or per row [B, T, H, V].
         oq: readout key [B, T, H, K].
         a:  per-head decay [B, T, H], > 0, or None (= 1).
+        lam: per-head decay of the chunk's start state [B, T, H] (weight decay's gradient ``lam H_c``,
+            taken at H_c as every gradient of the chunk), or None (= 0).
         initial_state: [B, H, K, V] (any float dtype; kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: the mini-batch, 16, 32 or 64.
@@ -156,20 +160,21 @@ def chunk_minibatch(u, v, p, c, oq, *, a=None, initial_state=None, output_final_
     dt = p.dtype
     if dt not in IO_DTYPES:
         raise ValueError(f"chunk_minibatch: I/O dtype must be one of {IO_DTYPES}, got {dt}")
-    B, T, H, K = u.shape
+    B, T, H, K = v.shape
     V = p.shape[-1]
     packed = None
     if cu_seqlens is not None:
-        cu = offsets("chunk_minibatch", cu_seqlens, {"u": u}, initial_state)
-        packed = chunks(cu, cu_seqlens.to(u.device), chunk_size)
+        cu = offsets("chunk_minibatch", cu_seqlens, {"v": v}, initial_state)
+        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
     N = B if packed is None else packed.N
     if T == 0:
         S = initial_state.float() if initial_state is not None else p.new_zeros(N, H, K, V, dtype=torch.float32)
         return p.new_zeros(B, 0, H, V), (S if output_final_state else None)
     key = lambda t: t.to(dt).contiguous()       # noqa: E731
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    return MinibatchChunkFunction.apply(key(u), key(v), key(p), c.contiguous(), key(oq),
-                                        None if a is None else a.contiguous(), h0,
+    opt = lambda t: None if t is None else t.contiguous()      # noqa: E731
+    return MinibatchChunkFunction.apply(None if u is None else key(u), key(v), key(p), c.contiguous(), key(oq),
+                                        opt(a), opt(lam), h0,
                                         output_final_state, chunk_size, packed)
 
 
