@@ -91,6 +91,19 @@ COMPOSED = [
     ({"update": "explicit", "minibatch": 32, "step": "scalar", "normalize": True}, 70),
     ({"update": "explicit", "minibatch": 16, "proximity": "scalar_decay", "step": "scalar"}, 33),
     ({"update": "explicit", "minibatch": 64, "proximity": "scalar_decay", "normalize": True}, 67),
+    # a linear data term (no prediction: S_t = S_c + sum beta x k^T)
+    ({"update": "explicit", "minibatch": 16, "data": "linear", "step": "scalar", "normalize": True}, 37),
+    ({"update": "explicit", "minibatch": 32, "data": "linear", "proximity": "scalar_decay"}, 21),   # held out, T < C
+    # weight decay, its gradient lam S_c taken at the chunk's start as the data term's
+    ({"update": "explicit", "minibatch": 16, "proximity": "weight_decay", "step": "scalar"}, 33),
+    ({"update": "explicit", "minibatch": 32, "proximity": "weight_decay", "normalize": True}, 45),  # held out
+    ({"update": "explicit", "minibatch": 16, "proximity": "weight_decay", "data": "linear"}, 9),    # both, T < C
+]
+
+# a library-free composed objective of each class these kernels run, through ``obj()`` packed
+PACKED = [
+    {"update": "explicit", "minibatch": 16, "data": "linear", "step": "scalar"},
+    {"update": "explicit", "minibatch": 16, "proximity": "weight_decay"},
 ]
 
 
@@ -115,10 +128,22 @@ def test_dispatch_runs_the_family_and_says_so():
     assert registry.family("minibatch_chunk").reason(obj.ir) is None
 
 
+@pytest.mark.parametrize("choices", PACKED)
+def test_packed_equals_separate(choices):
+    """A packed row through ``obj()`` (odd lengths, empty ones, some under a mini-batch of 16 and some
+    over) against each sequence's own float64 reference: output, final states, every gradient."""
+    from test_varlen import _interpret, packed_errors
+    obj = ssmcraft.compile(compose_objective(choices))
+    errs = packed_errors(obj, [0, 17, 5, 0, 1, 33], _interpret, dtype=torch.float32, d=6, m=16)
+    assert obj.backend == "triton-interpret:minibatch-chunk+packed"
+    assert_within(errs, TOL)
+
+
 @pytest.mark.parametrize("choices,why", [
     ({"update": "explicit", "minibatch": 8}, "mini-batch of 8"),
     ({"update": "explicit", "minibatch": 16, "data": "huber"}, "not a one-state mini-batch update"),
     ({"update": "explicit", "minibatch": 16, "proximity": "channel_decay"}, "decay alpha has dims ('d',)"),
+    ({"update": "explicit", "minibatch": 16, "proximity": "diagonal_decay"}, "decay alpha has dims ('m',)"),
     ({"update": "explicit"}, "not a one-state mini-batch update"),
 ])
 def test_refusals_say_why(choices, why):

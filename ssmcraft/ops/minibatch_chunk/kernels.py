@@ -55,18 +55,6 @@ def _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G: tl.constexpr, 
 
 
 @triton.jit
-def _residuals(u, p, row, o_k, o_v, m_tk, m_tv, b_hd, K: tl.constexpr, V: tl.constexpr,
-               HAS_U: tl.constexpr, PREC: tl.constexpr):
-    """The chunk's unscaled residuals ``U H0 - P`` [BT, BV] (``-P`` without a prediction)."""
-    b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
-    if HAS_U:
-        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        return tl.dot(b_u, b_hd, input_precision=PREC) - b_p
-    else:
-        return -b_p
-
-
-@triton.jit
 def _step(c, row, o_v, m_tv, m_t, V: tl.constexpr, C_ROW: tl.constexpr):
     """The step of the chunk's rows as a [BT, BV] (per row) or [BT, 1] (per head) fp32 block."""
     if C_ROW:
@@ -105,10 +93,15 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, lam, h0, o, hs, ht, cu, co,
         if STORE_H:
             tl.store(hs + (cb + i_t) * K * V + p_kv, b_h, mask=m_kv)
         b_hd = b_h.to(DT)
+        if HAS_U:
+            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_rc = _residuals(u, p, row, o_k, o_v, m_tk, m_tv, b_hd, K, V, HAS_U, PREC) \
-            * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
+        b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        if HAS_U:
+            b_rc = (tl.dot(b_u, b_hd, input_precision=PREC) - b_p) * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
+        else:
+            b_rc = -b_p * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
         b_rcd = b_rc.to(DT)
         b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
         b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
@@ -116,10 +109,11 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, lam, h0, o, hs, ht, cu, co,
         if HAS_G or HAS_L:
             b_w, b_wl, b_lam = _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G, HAS_L)
             b_o = b_o * b_w[:, None]
-            b_h *= b_wl
         b_o -= tl.dot(b_a, b_rcd, input_precision=PREC)
         tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(DT), mask=m_tv)
         b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
+        if HAS_G or HAS_L:
+            b_h *= b_wl
         b_h -= tl.dot(tl.trans(b_vbar), b_rcd, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
@@ -152,24 +146,26 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, lam, do, dht, dhs, dh0, cu, co,
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh, mask=m_kv)
+        if HAS_U:
+            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
         b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
-        if HAS_U:
-            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-            b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
-            b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
-            b_drc = -tl.dot(tl.trans(b_a), b_do, input_precision=PREC) \
-                - tl.dot(b_vbar, b_dh.to(DT), input_precision=PREC)
-            b_dr = (b_drc * _step(c, row, o_v, m_tv, m_t, V, C_ROW)).to(DT)
+        b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
+        b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
+        b_drc = -tl.dot(tl.trans(b_a), b_do, input_precision=PREC) - tl.dot(b_vbar, b_dh.to(DT), input_precision=PREC)
+        b_dr = (b_drc * _step(c, row, o_v, m_tv, m_t, V, C_ROW)).to(DT)
         if HAS_G or HAS_L:
             b_w, b_wl, b_lam = _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G, HAS_L)
             b_dh *= b_wl
             b_oq = (b_oq.to(tl.float32) * b_w[:, None]).to(DT)
-        b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC)
         if HAS_U:
-            b_dh += tl.dot(tl.trans(b_u), b_dr, input_precision=PREC)
+            b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC) \
+                + tl.dot(tl.trans(b_u), b_dr, input_precision=PREC)
+        else:
+            # no prediction: the chunk's residuals do not read H0
+            b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
@@ -200,11 +196,17 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, lam, hs, dhs, do, du, dv, dp, d
     b_h0 = tl.load(hs + base + p_kv, mask=m_kv, other=0.)
     b_dh1 = tl.load(dhs + base + p_kv, mask=m_kv, other=0.)
     b_h0d = b_h0.to(DT)
+    if HAS_U:
+        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
     b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
     b_c = _step(c, row, o_v, m_tv, m_t, V, C_ROW)
-    b_r = _residuals(u, p, row, o_k, o_v, m_tk, m_tv, b_h0d, K, V, HAS_U, PREC)
+    if HAS_U:
+        b_r = tl.dot(b_u, b_h0d, input_precision=PREC) - b_p
+    else:
+        b_r = -b_p
     b_rc = b_r * b_c
     b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
     b_araw = tl.dot(b_oq, tl.trans(b_v), input_precision=PREC)
