@@ -94,6 +94,8 @@ COMPOSED = [
     # a linear data term (no prediction: S_t = S_c + sum beta x k^T)
     ({"update": "explicit", "minibatch": 16, "data": "linear", "step": "scalar", "normalize": True}, 37),
     ({"update": "explicit", "minibatch": 32, "data": "linear", "proximity": "scalar_decay"}, 21),   # held out, T < C
+    # a Newton step on a linear loss (no curvature: the explicit step), held out
+    ({"update": "newton", "minibatch": 64, "data": "linear", "proximity": "scalar_decay", "step": "scalar"}, 70),
     # weight decay, its gradient lam S_c taken at the chunk's start as the data term's
     ({"update": "explicit", "minibatch": 16, "proximity": "weight_decay", "step": "scalar"}, 33),
     ({"update": "explicit", "minibatch": 32, "proximity": "weight_decay", "normalize": True}, 45),  # held out
