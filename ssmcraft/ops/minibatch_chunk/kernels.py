@@ -33,6 +33,28 @@ def _decays(a, row, m_t, o_i, BT: tl.constexpr, HAS_G: tl.constexpr):
 
 
 @triton.jit
+def _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G: tl.constexpr, HAS_L: tl.constexpr):
+    """The weight of the chunk's start state in each row's state, ``w_t = e^{g_t} - sum_{s<=t} Gam[t, s]
+    lam_s`` [BT] (``lam``: the per-head anchor decay ``- lam_t S_c``, 0 without HAS_L), the last row's
+    ``wl`` and the chunk's ``lam`` [BT] (0 past T)."""
+    if HAS_G:
+        b_eg = tl.exp(b_g)
+        b_el = tl.exp(b_gl)
+    else:
+        b_eg = tl.full(b_g.shape, 1., tl.float32)
+        b_el = 1.
+    if HAS_L:
+        b_lam = tl.load(lam + row, mask=m_t, other=0.).to(tl.float32)
+        b_w = b_eg - tl.sum(b_gam * b_lam[None, :], axis=1)
+        b_wl = b_el - tl.sum(b_dec * b_lam, axis=0)
+    else:
+        b_lam = tl.zeros(b_g.shape, dtype=tl.float32)
+        b_w = b_eg
+        b_wl = b_el
+    return b_w, b_wl, b_lam
+
+
+@triton.jit
 def _step(c, row, o_v, m_tv, m_t, V: tl.constexpr, C_ROW: tl.constexpr):
     """The step of the chunk's rows as a [BT, BV] (per row) or [BT, 1] (per head) fp32 block."""
     if C_ROW:
@@ -43,16 +65,17 @@ def _step(c, row, o_v, m_tv, m_t, V: tl.constexpr, C_ROW: tl.constexpr):
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
-      key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "STORE_H", "HAS_H0", "STORE_HT"])
+      key=["H", "K", "V", "BT", "HAS_G", "HAS_L", "HAS_U", "C_ROW", "STORE_H", "HAS_H0", "STORE_HT"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht, cu, co,
+def minibatch_fwd_kernel(u, v, p, c, oq, a, lam, h0, o, hs, ht, cu, co,
                          T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         HAS_G: tl.constexpr, C_ROW: tl.constexpr, STORE_H: tl.constexpr,
+                         HAS_G: tl.constexpr, HAS_L: tl.constexpr, HAS_U: tl.constexpr,
+                         C_ROW: tl.constexpr, STORE_H: tl.constexpr,
                          HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
                          VARLEN: tl.constexpr):
     """Sequential over chunks, one program per (value block, sequence, head): per chunk from its start
-    state H0, Rc = c . (U H0 - P), O = e^g . (OQ H0) - (OQ V^T . Gam) Rc, H = e^{gl} H0 - Vbar^T Rc.
+    state H0, Rc = c . (U H0 - P), O = w . (OQ H0) - (OQ V^T . Gam) Rc, H = wl H0 - Vbar^T Rc.
     STORE_H keeps every chunk's start state (fp32) for the backward. VARLEN: sequence ``i_b`` of a
     packed row (``rows.seq_state``: its mini-batches start at its first token); else batch row ``i_b``."""
     i_v = tl.program_id(0)
@@ -70,22 +93,27 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht, cu, co,
         if STORE_H:
             tl.store(hs + (cb + i_t) * K * V + p_kv, b_h, mask=m_kv)
         b_hd = b_h.to(DT)
-        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        if HAS_U:
+            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
-        b_rc = (tl.dot(b_u, b_hd, input_precision=PREC) - b_p) * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
+        if HAS_U:
+            b_rc = (tl.dot(b_u, b_hd, input_precision=PREC) - b_p) * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
+        else:
+            b_rc = -b_p * _step(c, row, o_v, m_tv, m_t, V, C_ROW)
         b_rcd = b_rc.to(DT)
         b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
         b_a = (tl.dot(b_oq, tl.trans(b_v), input_precision=PREC) * b_gam).to(DT)
         b_o = tl.dot(b_oq, b_hd, input_precision=PREC)
-        if HAS_G:
-            b_o = b_o * tl.exp(b_g)[:, None]
+        if HAS_G or HAS_L:
+            b_w, b_wl, b_lam = _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G, HAS_L)
+            b_o = b_o * b_w[:, None]
         b_o -= tl.dot(b_a, b_rcd, input_precision=PREC)
         tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(DT), mask=m_tv)
         b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
-        if HAS_G:
-            b_h *= tl.exp(b_gl)
+        if HAS_G or HAS_L:
+            b_h *= b_wl
         b_h -= tl.dot(tl.trans(b_vbar), b_rcd, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
@@ -93,15 +121,16 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, h0, o, hs, ht, cu, co,
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 2, 2))],
-      key=["H", "K", "V", "BT", "HAS_G", "C_ROW", "HAS_DHT", "STORE_DH0"])
+      key=["H", "K", "V", "BT", "HAS_G", "HAS_L", "HAS_U", "C_ROW", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0, cu, co,
+def minibatch_bwd_state_kernel(u, v, c, oq, a, lam, do, dht, dhs, dh0, cu, co,
                                T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                               HAS_G: tl.constexpr, C_ROW: tl.constexpr, HAS_DHT: tl.constexpr,
+                               HAS_G: tl.constexpr, HAS_L: tl.constexpr, HAS_U: tl.constexpr,
+                               C_ROW: tl.constexpr, HAS_DHT: tl.constexpr,
                                STORE_DH0: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Reverse over chunks: the gradient dH1 at each chunk's end (kept in ``dhs``), then the one at
-    its start, dH0 = e^{gl} dH1 + (e^g OQ)^T dO + U^T (c . dRc) with dRc = -(OQ V^T . Gam)^T dO - Vbar dH1
+    its start, dH0 = wl dH1 + (w OQ)^T dO + U^T (c . dRc) with dRc = -(OQ V^T . Gam)^T dO - Vbar dH1
     (no forward state is read: the chunk's map from H0 is affine with a state-free linear part)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -117,7 +146,8 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0, cu, co,
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(dhs + (cb + i_t) * K * V + p_kv, b_dh, mask=m_kv)
-        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        if HAS_U:
+            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
         b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
@@ -126,24 +156,32 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, do, dht, dhs, dh0, cu, co,
         b_vbar = (b_v.to(tl.float32) * b_dec[:, None]).to(DT)
         b_drc = -tl.dot(tl.trans(b_a), b_do, input_precision=PREC) - tl.dot(b_vbar, b_dh.to(DT), input_precision=PREC)
         b_dr = (b_drc * _step(c, row, o_v, m_tv, m_t, V, C_ROW)).to(DT)
-        if HAS_G:
-            b_dh *= tl.exp(b_gl)
-            b_oq = (b_oq.to(tl.float32) * tl.exp(b_g)[:, None]).to(DT)
-        b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC) + tl.dot(tl.trans(b_u), b_dr, input_precision=PREC)
+        if HAS_G or HAS_L:
+            b_w, b_wl, b_lam = _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G, HAS_L)
+            b_dh *= b_wl
+            b_oq = (b_oq.to(tl.float32) * b_w[:, None]).to(DT)
+        if HAS_U:
+            b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC) \
+                + tl.dot(tl.trans(b_u), b_dr, input_precision=PREC)
+        else:
+            # no prediction: the chunk's residuals do not read H0
+            b_dh += tl.dot(tl.trans(b_oq), b_do, input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-      key=["H", "K", "V", "BT", "HAS_G", "C_ROW"], prune=warp_rule)
+      key=["H", "K", "V", "BT", "HAS_G", "HAS_L", "HAS_U", "C_ROW"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
-def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, doq, da, cu, ci,
+def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, lam, hs, dhs, do, du, dv, dp, dc, doq, da, dlam, cu, ci,
                               T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                              HAS_G: tl.constexpr, C_ROW: tl.constexpr, PREC: tl.constexpr,
+                              HAS_G: tl.constexpr, HAS_L: tl.constexpr, HAS_U: tl.constexpr,
+                              C_ROW: tl.constexpr, PREC: tl.constexpr,
                               VARLEN: tl.constexpr):
     """Parallel over chunks (whole key and value blocks): every input's gradient from the chunk's
-    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``); the decay's through g.
+    start state H0 (``hs``) and the gradient at its end dH1 (``dhs``); the decays' through the start
+    weights w (and g).
     VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is its sequence's length."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -158,13 +196,17 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, do
     b_h0 = tl.load(hs + base + p_kv, mask=m_kv, other=0.)
     b_dh1 = tl.load(dhs + base + p_kv, mask=m_kv, other=0.)
     b_h0d = b_h0.to(DT)
-    b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    if HAS_U:
+        b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     b_oq = tl.load(oq + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
     b_p = tl.load(p + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
     b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
     b_c = _step(c, row, o_v, m_tv, m_t, V, C_ROW)
-    b_r = tl.dot(b_u, b_h0d, input_precision=PREC) - b_p
+    if HAS_U:
+        b_r = tl.dot(b_u, b_h0d, input_precision=PREC) - b_p
+    else:
+        b_r = -b_p
     b_rc = b_r * b_c
     b_g, b_gl, b_gam, b_dec = _decays(a, row, m_t, o_i, BT, HAS_G)
     b_araw = tl.dot(b_oq, tl.trans(b_v), input_precision=PREC)
@@ -179,13 +221,14 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, do
     else:
         tl.store(dc + row, tl.sum(b_r * b_drc, axis=1).to(dc.dtype.element_ty), mask=m_t)
     tl.store(dp + row[:, None] * V + o_v[None, :], (-b_dr).to(dp.dtype.element_ty), mask=m_tv)
-    b_du = tl.dot(b_dr.to(DT), tl.trans(b_h0d), input_precision=PREC)
-    tl.store(du + row[:, None] * K + o_k[None, :], b_du.to(du.dtype.element_ty), mask=m_tk)
-    # O = e^g (OQ H0) - A Rc:  OQ's gradient, and A's (to OQ and V)
+    if HAS_U:
+        b_du = tl.dot(b_dr.to(DT), tl.trans(b_h0d), input_precision=PREC)
+        tl.store(du + row[:, None] * K + o_k[None, :], b_du.to(du.dtype.element_ty), mask=m_tk)
+    # O = w (OQ H0) - A Rc:  OQ's gradient, and A's (to OQ and V)
     b_dof = b_do.to(tl.float32)
-    if HAS_G:
-        b_eg = tl.exp(b_g)
-        b_dof = b_dof * b_eg[:, None]
+    if HAS_G or HAS_L:
+        b_w, b_wl, b_lam = _start_weights(lam, row, m_t, b_g, b_gl, b_gam, b_dec, HAS_G, HAS_L)
+        b_dof = b_dof * b_w[:, None]
     b_doq = tl.dot(b_dof.to(DT), tl.trans(b_h0d), input_precision=PREC)
     b_da = -tl.dot(b_do, tl.trans(b_rc.to(DT)), input_precision=PREC)       # [BT, BT]
     b_daraw = (b_da * b_gam).to(DT)
@@ -196,15 +239,23 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, hs, dhs, do, du, dv, dp, dc, do
     b_dv += b_dvbar * b_dec[:, None]
     tl.store(doq + row[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_tk)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tk)
-    if HAS_G:
-        # through e^g (the readout of H0), Gam (g_t - g_s), Vbar (gl - g_s) and e^{gl} H0
-        b_oh = tl.dot(b_oq, b_h0d, input_precision=PREC)
-        b_dgam = b_da * b_a
-        b_w = tl.sum(b_dvbar * b_vbar, axis=1)
-        b_dg = tl.sum(b_oh * b_dof, axis=1) + tl.sum(b_dgam, axis=1) - tl.sum(b_dgam, axis=0) - b_w
-        b_dgl = tl.sum(b_w, axis=0) + tl.exp(b_gl) * tl.sum(tl.sum(b_h0 * b_dh1, axis=1), axis=0)
+    if HAS_G or HAS_L:
+        # the start weights w_t (of H0 in the readout) and wl = w_last (in H1 = wl H0 - ...)
         last = tl.minimum(T, i_t * BT + BT) - 1 - i_t * BT
-        b_dg = tl.where(m_t, b_dg + tl.where(o_i == last, b_dgl, 0.), 0.)
+        b_oh = tl.dot(b_oq, b_h0d, input_precision=PREC)
+        b_dw = tl.sum(b_oh * b_do.to(tl.float32), axis=1)
+        b_dw += tl.where(o_i == last, tl.sum(tl.sum(b_h0 * b_dh1, axis=1), axis=0), 0.)
+        b_dw = tl.where(m_t, b_dw, 0.)
+        # w_t = e^{g_t} - sum_{s<=t} Gam[t, s] lam_s: lam_s's gradient is -(Gam^T dw)_s
+        b_gdw = tl.sum(b_gam * b_dw[:, None], axis=0)
+    if HAS_L:
+        tl.store(dlam + row, (-b_gdw).to(dlam.dtype.element_ty), mask=m_t)
+    if HAS_G:
+        # through w (dw_t/dg_t = w_t, dw_t/dg_s = Gam[t, s] lam_s), Gam (g_t - g_s) and Vbar (gl - g_s)
+        b_dgam = b_da * b_a
+        b_wv = tl.sum(b_dvbar * b_vbar, axis=1)
+        b_dg = b_dw * b_w + b_lam * b_gdw + tl.sum(b_dgam, axis=1) - tl.sum(b_dgam, axis=0) - b_wv
+        b_dg = tl.where(m_t, b_dg + tl.where(o_i == last, tl.sum(b_wv, axis=0), 0.), 0.)
         # g_t = sum_{r<=t} log a_r: d log a_r = sum_{t>=r} dg_t, then d a = d log a / a
         b_dla = tl.sum(b_dg, axis=0) - tl.cumsum(b_dg, axis=0) + b_dg
         b_at = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
