@@ -25,7 +25,7 @@ from ssmcraft.runtime.checking import compare, reference  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 
 # every library objective with a computed slot (checked against the library below)
-COMPUTED = ["gated_longhorn", "hgrn", "longhorn", "longhorn_2key", "longhorn_diag", "mamba",
+COMPUTED = ["gated_longhorn", "hgrn", "longhorn", "longhorn_2key", "longhorn_diag", "mamba", "momentum_longhorn",
             "wd_longhorn"]
 SIZES = dict(B=2, T=5, H=3)
 # the slots are fp32 arithmetic on exactly upcast leaves; a bf16 gradient is converted once when
