@@ -115,3 +115,18 @@ def test_key_decay_packed_equals_separate(name):
     errs = packed_errors(obj, [0, 17, 5, 0, 1, 11], _interpret, dtype=torch.float32, d=20, m=8)
     assert_within(errs, TOL)
     assert obj.backend == "triton-interpret:rank1-row+prologue+packed"
+
+
+def test_key_decay_compiles_for_sm90(tmp_path):
+    """The GPU form (``benchmarks/compile_sm90.py``: the per-key branches are constexpr-only, which
+    the interpreter does not check) of a composed spec file, unpacked and packed."""
+    import yaml
+    from test_compile_sm90 import _kernels, _run
+    spec = tmp_path / "keydecay_row.yaml"
+    spec.write_text(yaml.safe_dump(_composed("decay_explicit")))
+    for packed in ((), ("--packed", "0,17,5,33")):
+        rc, out, err = _run(str(spec), *packed)
+        assert rc == 0, out + err[-2000:]
+        assert {line.split()[1] for line in out.splitlines()} == {"triton:rank1-row+prologue" + ("+packed" if packed else "")}
+        assert {k for (_, k) in _kernels(out)} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel"}
+        assert set(_kernels(out).values()) == {"ok"}

@@ -148,8 +148,10 @@ def seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK: tl.constexpr, VARLEN: tl.constexp
 def decayed(a, s, KD: tl.constexpr):
     """a s on a [BK, BV] tile: ``a`` per row ([BV]), or per key ([BK], ``KD``)."""
     if KD:
-        return a[:, None] * s
-    return a[None, :] * s
+        x = a[:, None] * s
+    else:
+        x = a[None, :] * s
+    return x
 
 
 @triton.jit
