@@ -53,6 +53,9 @@ def test_supports_key_decay():
         assert ir.coefficient("a").dims == (ir.dims[1],) and R.supports(ir) is None, name
         assert R.is_key_decay(ir), name
     assert not R.is_key_decay(ssmcraft.compile("wd_longhorn").ir)
+    # with a per-head step the KDA-like layer stays on its chunked family
+    from ssmcraft.bench.classes_commands import COMPOSED
+    assert "per-head step" in R.supports(ssmcraft.compile(compose_objective(COMPOSED["kda_like"])).ir)
 
 
 # odd lengths: under the 4-step unroll, within a chunk of 5 and across several (13: the last chunk cut

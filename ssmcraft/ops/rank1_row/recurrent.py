@@ -419,6 +419,10 @@ def supports(ir) -> str | None:
             return f"slot {slot!r} is missing"
         if tuple(co.dims) not in dims_ok:
             return f"slot {slot!r} varies over {co.dims}; this kernel takes {' or '.join(map(str, dims_ok))}"
+    if is_key_decay(ir) and tuple(ir.coefficient("c").dims) != (d,):
+        # the KDA-like form: chunked on tensor cores by rank1_keydecay_chunk, which this family would
+        # shadow (it comes first in the registry's order)
+        return "a decay per key runs here with a per-row step only (a per-head step: rank1_keydecay_chunk)"
     return None
 
 
