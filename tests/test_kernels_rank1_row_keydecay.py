@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
+from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms as rel  # noqa: E402
@@ -78,7 +79,7 @@ def test_key_decay_through_obj_matches_reference(name, T):
 
 def test_key_decay_slot_form_against_naive():
     """The public function with ``key_decay``: distinct u, v, q, oq, per-row c, p, oc, oh, K != V,
-    against a float64 loop."""
+    against the naive loop (float64)."""
     B, T, H, K, V = 2, 7, 2, 8, 12
     g = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -86,7 +87,7 @@ def test_key_decay_slot_form_against_naive():
                                                 r(B, T, H, V), r(B, T, H, V), r(B, T, H, V), r(B, H, K, V)]
     ref = [x.requires_grad_() for x in ref]
     ours = [x.detach().float().requires_grad_() for x in ref]
-    y_ref, S_ref = _naive_key_decay(*ref)
+    y_ref, S_ref = naive_recurrent_rank1_row(*ref, key_decay=True)
     dy, dS = torch.randn_like(y_ref), torch.randn_like(S_ref)
     ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), ref)
     u, v, q, oq, a, c, p, oc, oh, S0 = ours
@@ -96,18 +97,6 @@ def test_key_decay_slot_form_against_naive():
     errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
     errs.update({f"grad {n}": rel(x_, y_) for n, x_, y_ in zip("u v q oq a c p oc oh S0".split(), got, ref_g)})
     assert_within(errs, TOL)
-
-
-def _naive_key_decay(u, v, q, oq, a, c, p, oc, oh, S0):
-    """``s_t,i = a o s_{t-1,i} - c_i (s_{t-1,i} . u) v + p_i q``, ``y_t,i = oc_i (s_t,i . oq) + oh_i`` as a
-    plain loop on the FLA-layout state ``[B, H, K, V]``."""
-    S, ys = S0, []
-    for t in range(u.shape[1]):
-        z = torch.einsum("bhkv,bhk->bhv", S, u[:, t])
-        S = (a[:, t, :, :, None] * S - torch.einsum("bhv,bhk->bhkv", c[:, t] * z, v[:, t])
-             + torch.einsum("bhv,bhk->bhkv", p[:, t], q[:, t]))
-        ys.append(oc[:, t] * torch.einsum("bhkv,bhk->bhv", S, oq[:, t]) + oh[:, t])
-    return torch.stack(ys, 1), S
 
 
 @pytest.mark.parametrize("name", ["explicit", "decay_explicit"])
