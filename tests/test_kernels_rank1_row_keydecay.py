@@ -21,9 +21,9 @@ from test_varlen import _interpret, packed_errors  # noqa: E402
 TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
 
 
-def _composed(update):
+def _composed(update, normalize=True):
     return compose_objective({"proximity": "diagonal_decay", "data": "regression", "step": "per_channel",
-                              "update": update, "normalize": True})
+                              "update": update, "normalize": normalize})
 
 
 # held out (neither the library nor the compose space): a per-key decay times a per-head gate, a
@@ -49,8 +49,12 @@ def _poison(monkeypatch):
 
 
 def test_supports_key_decay():
-    for name, spec in SPECS.items():
-        ir = ssmcraft.compile(spec()).ir
+    """Every rank-1 composition of a per-key decay and a per-channel step (``newton`` derives a rank-2
+    update), keys normalised or not, and the held-out objective."""
+    specs = [_composed(u, n) for u in ("implicit", "explicit", "decay_explicit") for n in (False, True)]
+    for spec in specs + [GATED_KEYDECAY]:
+        name = spec["name"]
+        ir = ssmcraft.compile(spec).ir
         assert ir.coefficient("a").dims == (ir.dims[1],) and R.supports(ir) is None, name
         assert R.is_key_decay(ir), name
     assert not R.is_key_decay(ssmcraft.compile("wd_longhorn").ir)
