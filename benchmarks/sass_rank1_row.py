@@ -4,7 +4,7 @@ launches it (bf16 key vectors, outputs and dy; fp32 row factors, K = V = 64), an
 registers, spilled bytes (stack), and per loop its instruction count with the opcodes that say
 most about a latency-bound loop (global/local/shared memory, barriers, shuffles, FMAs).
 
-    python3 benchmarks/sass_rank1_row.py [--bv 8] [--warps 1] [--cases longhorn,wd,gated,rankr]
+    python3 benchmarks/sass_rank1_row.py [--bv 8] [--warps 1] [--cases longhorn,wd,gated,keydecay,rankr]
 
 A change to these kernels can be weighed here (spills, barriers per step) before any device time.
 """
@@ -29,7 +29,9 @@ OPS = ("LDL", "STL", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA")
 # rank-1 cases: (MODES of a, c, p, oc, oh; CONSTS; GROUPS of v, q, oq), as the objectives bind them
 RANK1 = {"longhorn": ((0, 2, 2, 0, 0), (1.0, 0., 0., 1.0, 0.), (0, 0, 3)),
          "wd": ((2, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3)),
-         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3))}   # u = alpha k: alpha moved into c
+         "gated": ((1, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (0, 0, 3)),   # u = alpha k: alpha moved into c
+         # a decay per key (mode 3), decay-then-explicit: u = alpha o k its own tensor, v = q = k
+         "keydecay": ((3, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (1, 1, 3))}
 INTS = {"T", "H", "V", "K", "SEG", "NC", "NV", "NB", "NG", "ZS", "s0_sb", "s0_sh", "s0_sg", "s0_sk", "s0_sv"}
 BF16 = {"U", "Vv", "Q", "OQ", "Y", "DY"}
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.rank1_row.fwd import (IA, IC, IOC, IP, load_coef, load_slots, prefetch_l2, prefetch_slots,
-                                            identity_unless, row_tile, seq_rows, transition)
+from ssmcraft.ops.rank1_row.fwd import (IA, IC, IOC, IP, decayed, load_coef, load_decay, load_slots, prefetch_l2,
+                                            prefetch_slots, identity_unless, row_tile, seq_rows, transition)
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def load_transition(vecs, rows, Z, row, K, V, ix, MODES: tl.constexpr, CONSTS: t
         q = v
     else:
         q = tl.load(vecs[GROUPS[1]] + row * K + ix[0], mask=ix[1], other=0.).to(tl.float32)
-    a = load_coef(rows[IA], row, V, ix[2], ix[3], MODES[IA], CONSTS[IA], BV)
+    a = load_decay(rows[IA], row, K, V, ix, MODES[IA], CONSTS[IA], BV)
     c = load_coef(rows[IC], row, V, ix[2], ix[3], MODES[IC], CONSTS[IC], BV)
     p = load_coef(rows[IP], row, V, ix[2], ix[3], MODES[IP], CONSTS[IP], BV)
     z = tl.load(Z + row * V + ix[2], mask=ix[3], other=0.)
@@ -53,11 +53,11 @@ def load_transition(vecs, rows, Z, row, K, V, ix, MODES: tl.constexpr, CONSTS: t
 
 
 @triton.jit
-def rebuild(s, sl, valid, QV: tl.constexpr):
+def rebuild(s, sl, valid, QV: tl.constexpr, KD: tl.constexpr = False):
     """The state after the step of slot set ``sl`` (a reverse set), or ``s`` where not ``valid``."""
     u, v, q, oq, a, c, p, oc, dy, z = sl
     a, c, p = identity_unless(valid, a, c, p)
-    return transition(s, a, c, z, v, q, p, QV)
+    return transition(s, a, c, z, v, q, p, QV, KD)
 
 
 @triton.jit
@@ -104,7 +104,10 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
     if MODES[IOC] != 0:
         store_row_grad(grads[IOC], row, V, part, offs_v, mask_v, valid, dy * tl.sum(st * oq[:, None], axis=0),
                        MODES[IOC])
-    if MODES[IA] != 0:
+    if MODES[IA] == 3:
+        # per key: this row block's partial of sum_i ds_i * s_{t-1,i}, [NV, B, T, H, K]
+        tl.store(grads[IA] + (i_v * NB * H + row) * K + offs_k, tl.sum(ds * sp, axis=1), mask=mask_k & valid)
+    elif MODES[IA] != 0:
         store_row_grad(grads[IA], row, V, part, offs_v, mask_v, valid, tl.sum(ds * sp, axis=0), MODES[IA])
     # K-vector gradients, one row-reduction per distinct input tensor
     wu = -(c * e)          # coefficient of s_{t-1} in du
@@ -137,7 +140,7 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
     if GROUPS[2] == 3:
         tl.store(dm + INDEX[2] * gstride, tl.sum(st * wo[None, :], axis=1), mask=mk)
     # adjoint of s_{t-1}
-    ds = tl.where(valid, a[None, :] * ds - u[:, None] * (c * e)[None, :], ds_in)
+    ds = tl.where(valid, decayed(a, ds, MODES[IA] == 3) - u[:, None] * (c * e)[None, :], ds_in)
     st = tl.where(valid, sp, st)
     return ds, st
 
@@ -151,6 +154,7 @@ def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mas
     cut at t0) in scratch slot j."""
     sp = tl.load(ckp + tile, mask=mask_s, other=0.)
     QV: tl.constexpr = GROUPS[1] == GROUPS[0]
+    KD: tl.constexpr = MODES[IA] == 3
     t_hi = t1 - 1
     # four steps per iteration, the next iteration's loads issued before this one's updates
     l0 = load_transition(vecs, rows, Z, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
@@ -162,13 +166,13 @@ def keep_states(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mas
             rowf = (base + tl.minimum(tb + PF, t_hi)) * H + h
             prefetch_slots(vecs, rows, rowf, K, V, ix, MODES, GROUPS)
             prefetch_l2(Z + rowf * V + ix[2])
-        sp = keep_step(sp, l0, tb, t0, t1, scr, QV, BK, BV)
+        sp = keep_step(sp, l0, tb, t0, t1, scr, QV, BK, BV, KD)
         l0 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 4, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, QV, BK, BV)
+        sp = keep_step(sp, l1, tb + 1, t0, t1, scr, QV, BK, BV, KD)
         l1 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 5, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, QV, BK, BV)
+        sp = keep_step(sp, l2, tb + 2, t0, t1, scr, QV, BK, BV, KD)
         l2 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 6, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, QV, BK, BV)
+        sp = keep_step(sp, l3, tb + 3, t0, t1, scr, QV, BK, BV, KD)
         l3 = load_transition(vecs, rows, Z, (base + tl.minimum(tb + 7, t_hi)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
 
 
@@ -180,14 +184,15 @@ def kept_tile(BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              KD: tl.constexpr = False):
     """``keep_states``' step t: keep s_{t-1} if t starts a reverse pair, then apply step t."""
     a, c, z, v, q, p = lt
     valid = t < t1
     tl.store(scr + ((t1 - 1 - t) // 2) * BK * BV + kept_tile(BK, BV), sp,
              mask=valid & (((t1 - t) % 2 == 0) | (t == t0)))
     a, c, p = identity_unless(valid, a, c, p)
-    return transition(sp, a, c, z, v, q, p, QV)
+    return transition(sp, a, c, z, v, q, p, QV, KD)
 
 
 @triton.jit
@@ -218,6 +223,7 @@ def rank1_row_bwd_kernel(
     base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     REBUILT: tl.constexpr = SCR is not None
     QV: tl.constexpr = GROUPS[1] == GROUPS[0]
+    KD: tl.constexpr = MODES[IA] == 3
 
     ds = tl.zeros([BK, BV], dtype=tl.float32)
     if DHT is not None:
@@ -255,7 +261,7 @@ def rank1_row_bwd_kernel(
             x0, x1, x2, x3 = st, st, st, st
             if REBUILT:
                 x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))
-                x0 = rebuild(x1, s1_, t - 1 >= t0, QV)
+                x0 = rebuild(x1, s1_, t - 1 >= t0, QV, KD)
             row = (base + t) * H + h
             ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT, QV), s0_, t, t0, row, K, V, ix, grads, DM,
                               i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
@@ -266,7 +272,7 @@ def rank1_row_bwd_kernel(
             if REBUILT:
                 # past the chunk's start (t - 2 < t0) the slot is stale: read, never used
                 x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))
-                x2 = rebuild(x3, s3_, t - 3 >= t0, QV)
+                x2 = rebuild(x3, s3_, t - 3 >= t0, QV, KD)
             ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT, QV), s2_, t - 2, t0, row - 2 * H, K, V, ix, grads,
                               DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
             s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 6, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)

@@ -4,7 +4,8 @@ recurrence, the host side and the reasons behind the layout), and the loads its 
 Arguments are grouped so that a helper takes a handful of them: ``vecs = (U, Vv, Q, OQ)`` the
 K-vector slots, ``rows = (A, C, P, OC, OH)`` the row coefficients (``None`` where the slot is a
 constant), ``ix = (offs_k, mask_k, offs_v, mask_v)`` a program's tile indices; the compile-time
-``MODES`` (per row coefficient: 0 the constant of ``CONSTS``, 1 per head, 2 per row) and
+``MODES`` (per row coefficient: 0 the constant of ``CONSTS``, 1 per head, 2 per row; the decay
+``a`` also 3: per key, a ``[B,T,H,K]`` vector that scales the state's columns) and
 ``GROUPS`` (for v, q, oq: the index of the first of u, v, q, oq that is the same tensor, so a
 shared key is loaded once). A pointer passed as ``None`` is a compile-time absence (no initial
 state, no side output), not a flag plus a stand-in tensor.
@@ -27,6 +28,17 @@ def load_coef(ptr, row, V, offs_v, mask_v, MODE: tl.constexpr, CONST: tl.constex
         x = tl.zeros([BV], dtype=tl.float32) + tl.load(ptr + row).to(tl.float32)
     else:
         x = tl.zeros([BV], dtype=tl.float32) + CONST
+    return x
+
+
+@triton.jit
+def load_decay(ptr, row, K, V, ix, MODE: tl.constexpr, CONST: tl.constexpr, BV: tl.constexpr):
+    """The decay ``a`` at one step: a [BV] fp32 row vector (``load_coef``), or per key
+    (``MODE`` 3) a [BK] fp32 key vector."""
+    if MODE == 3:
+        x = tl.load(ptr + row * K + ix[0], mask=ix[1], other=0.).to(tl.float32)
+    else:
+        x = load_coef(ptr, row, V, ix[2], ix[3], MODE, CONST, BV)
     return x
 
 
@@ -60,7 +72,7 @@ def load_slots(vecs, rows, row, K, V, ix, MODES: tl.constexpr, CONSTS: tl.conste
                BV: tl.constexpr):
     """Every slot at one step: (u, v, q, oq, a, c, p, oc, oh)."""
     u, v, q, oq = load_vecs(vecs, row * K, ix[0], ix[1], GROUPS)
-    a = load_coef(rows[IA], row, V, ix[2], ix[3], MODES[IA], CONSTS[IA], BV)
+    a = load_decay(rows[IA], row, K, V, ix, MODES[IA], CONSTS[IA], BV)
     c = load_coef(rows[IC], row, V, ix[2], ix[3], MODES[IC], CONSTS[IC], BV)
     p = load_coef(rows[IP], row, V, ix[2], ix[3], MODES[IP], CONSTS[IP], BV)
     oc = load_coef(rows[IOC], row, V, ix[2], ix[3], MODES[IOC], CONSTS[IOC], BV)
@@ -87,6 +99,8 @@ def prefetch_slots(vecs, rows, row, K, V, ix, MODES: tl.constexpr, GROUPS: tl.co
         prefetch_l2(vecs[3] + row * K + ix[0])
     if MODES[IA] == 2:
         prefetch_l2(rows[IA] + row * V + ix[2])
+    if MODES[IA] == 3:
+        prefetch_l2(rows[IA] + row * K + ix[0])
     if MODES[IC] == 2:
         prefetch_l2(rows[IC] + row * V + ix[2])
     if MODES[IP] == 2:
@@ -131,12 +145,22 @@ def seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK: tl.constexpr, VARLEN: tl.constexp
 
 
 @triton.jit
-def transition(s, a, c, z, v, q, p, QV: tl.constexpr):
+def decayed(a, s, KD: tl.constexpr):
+    """a s on a [BK, BV] tile: ``a`` per row ([BV]), or per key ([BK], ``KD``)."""
+    if KD:
+        x = a[:, None] * s
+    else:
+        x = a[None, :] * s
+    return x
+
+
+@triton.jit
+def transition(s, a, c, z, v, q, p, QV: tl.constexpr, KD: tl.constexpr = False):
     """s_t = a s_{t-1} - (c z) v + p q on a [BK, BV] tile, given z = s_{t-1} . u; ``QV``: q is v
-    (Longhorn's keys), one product per element: a s + (p - c z) v."""
+    (Longhorn's keys), one product per element: a s + (p - c z) v. ``KD``: ``a`` per key."""
     if QV:
-        return a[None, :] * s + v[:, None] * (p - c * z)[None, :]
-    return a[None, :] * s - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
+        return decayed(a, s, KD) + v[:, None] * (p - c * z)[None, :]
+    return decayed(a, s, KD) - v[:, None] * (c * z)[None, :] + q[:, None] * p[None, :]
 
 
 @triton.jit
@@ -148,7 +172,7 @@ def identity_unless(valid, a, c, p):
 
 @triton.jit
 def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, CKP, ck_index, NC, tile, mask_s, CHUNK: tl.constexpr,
-             QV: tl.constexpr):
+             QV: tl.constexpr, KD: tl.constexpr = False):
     """One step (a no-op when t >= t_end) on the slot set ``sl``: update s, store y (and z, and
     the checkpoint ``CKP + ck_index * K * V`` every CHUNK steps)."""
     u, v, q, oq, a, c, p, oc, oh = sl
@@ -156,7 +180,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, CKP, ck_index, NC, tile, mask_s,
     valid = t < t_end
     z = tl.sum(s * u[:, None], axis=0)
     a, c, p = identity_unless(valid, a, c, p)
-    s = transition(s, a, c, z, v, q, p, QV)
+    s = transition(s, a, c, z, v, q, p, QV, KD)
     y = oc * tl.sum(s * oq[:, None], axis=0) + oh
     tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
     if Z is not None:
@@ -193,6 +217,7 @@ def rank1_row_fwd_kernel(
     vecs = (U, Vv, Q, OQ)
     rows = (A, C, P, OC, OH)
     QV: tl.constexpr = GROUPS[1] == GROUPS[0]
+    KD: tl.constexpr = MODES[IA] == 3
     base, T, cb, NC = seq_rows(CU, CO, i_bh, b, h, T, NC, CHUNK, VARLEN)
     t_begin = i_s * SEG
     t_end = tl.minimum(t_begin + SEG, T)
@@ -220,13 +245,13 @@ def rank1_row_fwd_kernel(
             prefetch_slots(vecs, rows, (base + tl.minimum(tb + PF, t_last)) * H + h, K, V, ix, MODES, GROUPS)
             prefetch_slots(vecs, rows, (base + tl.minimum(tb + PF + 2, t_last)) * H + h, K, V, ix, MODES, GROUPS)
         row = (base + tb) * H + h
-        s = fwd_step(s, s0_, tb + 0, t_end, row, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
+        s = fwd_step(s, s0_, tb + 0, t_end, row, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV, KD)
         s0_ = load_slots(vecs, rows, (base + tl.minimum(tb + 4, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s1_, tb + 1, t_end, row + H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
+        s = fwd_step(s, s1_, tb + 1, t_end, row + H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV, KD)
         s1_ = load_slots(vecs, rows, (base + tl.minimum(tb + 5, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s2_, tb + 2, t_end, row + 2 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
+        s = fwd_step(s, s2_, tb + 2, t_end, row + 2 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV, KD)
         s2_ = load_slots(vecs, rows, (base + tl.minimum(tb + 6, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        s = fwd_step(s, s3_, tb + 3, t_end, row + 3 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV)
+        s = fwd_step(s, s3_, tb + 3, t_end, row + 3 * H, V, ix, Y, Z, CKP, K * V, NC, tile, mask_s, CHUNK, QV, KD)
         s3_ = load_slots(vecs, rows, (base + tl.minimum(tb + 7, t_last)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     if ST is not None:
         tl.store(ST + i_bh.to(tl.int64) * K * V + tile, s, mask=mask_s)

@@ -8,7 +8,9 @@ Family ``rank1`` of the IR (``ssmcraft/compiler/ir.py``). Row ``i`` of the state
     y_t,i = oc_i (s_t,i . oq_t) + oh_i
 
 with ``u, v, q, oq`` vectors over K shared by the rows of a head and ``a, c, p, oc, oh``
-per row (``[B, T, H, V]``), per head (``[B, T, H]``) or constants. Longhorn exact is
+per row (``[B, T, H, V]``), per head (``[B, T, H]``) or constants; the decay ``a`` may also be
+per key (``[B, T, H, K]``, ``key_decay``: ``s_t,i = a o s_{t-1,i} - ...``, one vector
+broadcast over the rows of a head: a GLA-style decay with a per-row step). Longhorn exact is
 ``a = 1, c = beta / (1 + beta k.k), u = v = q = k, p = c x, oq = q``; DeltaNet and Gated
 DeltaNet are the per-head special cases. Each row costs O(K) per step, the same as the
 diagonal scan, and rows are independent: the kernels run one program per
@@ -22,9 +24,10 @@ Backward (reverse time; ``ds`` the adjoint of ``s_t,i``)::
 
     ds    += oc_i dy_i oq                         (readout)
     e_i    = ds . v,   dc_i = -z_i e_i,   dp_i = ds . q,   da_i = ds . s_{t-1,i}
+                                                  (per key: da += sum_i ds_i o s_{t-1,i})
     du    -= sum_i c_i e_i s_{t-1,i},   dv -= sum_i c_i z_i ds_i,   dq += sum_i p_i ds_i
     doq   += sum_i oc_i dy_i s_t,i,     doc_i = dy_i (s_t,i . oq)
-    ds     = a_i ds - c_i e_i u          (adjoint of s_{t-1,i})
+    ds     = a_i ds - c_i e_i u          (adjoint of s_{t-1,i}; per key a o ds)
 
 The backward needs ``s_{t-1}`` at every step without storing ``[B, T, V, K]``: the forward
 stores ``z`` (one scalar per row and step), the state every ``CHUNK`` steps (``DECAY_CHUNK`` with
@@ -146,9 +149,15 @@ def _contig(x):
     return x if x is None or not isinstance(x, torch.Tensor) else x.contiguous()
 
 
-def _modes(xs):
-    """(MODES, CONSTS, tensors) of row coefficients for the kernels (``_row_mode`` of each)."""
+KEY_DECAY = 3          # the decay's mode when it is per key ([B, T, H, K])
+
+
+def _modes(xs, key_decay=False):
+    """(MODES, CONSTS, tensors) of row coefficients for the kernels (``_row_mode`` of each; the
+    first, the decay, ``KEY_DECAY`` when ``key_decay``)."""
     ms = [_row_mode(x) for x in xs]
+    if key_decay:
+        ms[0] = (KEY_DECAY, 0.0, xs[0])
     return tuple(m[0] for m in ms), tuple(m[1] for m in ms), [m[2] for m in ms]
 
 
@@ -179,17 +188,19 @@ def checkpoints(B, H, NC, K, V, packed, dev):
     return _new((B, H, NC, K, V) if packed is None else (H, max(1, NC), K, V), dev)
 
 
-def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training, packed=None):
+def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, training, packed=None,
+             key_decay=False):
     """S0: [B, H, V, K] (math layout, any strides) or None. Returns y [B,T,H,V], S_T [B,H,K,V]
     fp32 (with ``want_state`` or ``training``), and when ``training`` z [B,T,H,V] fp32 and the
     checkpoints [B,H,NC,K,V] fp32. ``packed``: a packed row's ``Chunks`` (``_sequences``; B = 1,
-    N sequences): S0 and S_T are [N, ...] and the checkpoints [H, NC, K, V]."""
+    N sequences): S0 and S_T are [N, ...] and the checkpoints [H, NC, K, V]. ``key_decay``: ``a`` is
+    [B, T, H, K], a decay per key."""
     B, T, H, K = u.shape
     dev = u.device
     chunk = chunk_of(a)
     N, NC, flag, seq = sequences(B, T, chunk, packed)
     BV, nw = _config("fwd", N * H, V, K)
-    modes, consts, rows = _modes((a, c, p, oc, oh))
+    modes, consts, rows = _modes((a, c, p, oc, oh), key_decay)
     y = _new((B, T, H, V), dev, out_dtype)
     ST = _new((N, H, K, V), dev) if (want_state or training) else None
     Z = _new((B, T, H, V), dev) if training else None
@@ -207,7 +218,7 @@ def _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, *, want_state, trai
     return y, ST, Z, CK
 
 
-def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
+def _backward(saved, groups, dy, dht, needs_ds0, packed=None, key_decay=False):
     (u, v, q, oq, a, c, p, oc, Z, CK, ST, V) = saved
     B, T, H, K = u.shape
     dev = u.device
@@ -219,9 +230,11 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
     distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
     index = {slot: distinct.index(slot) if slot in distinct else 0 for slot in range(4)}
     NG = len(distinct)
-    modes, consts, rows = _modes((a, c, p, oc))
+    modes, consts, rows = _modes((a, c, p, oc), key_decay)
 
     def row_buf(mode):
+        if mode == KEY_DECAY:
+            return _new((NV, B, T, H, K), dev)
         if mode == 2:
             return _new((B, T, H, V), dev)
         if mode == 1:
@@ -244,7 +257,7 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
                GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw, **flag)
     dm = DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
-    row_grads = [buf.sum(0) if buf is not None and m == 1 else buf for buf, m in zip(bufs, modes)]
+    row_grads = [buf.sum(0) if buf is not None and m in (1, KEY_DECAY) else buf for buf, m in zip(bufs, modes)]
     return vec_grads, row_grads, (DS0.transpose(-1, -2) if DS0 is not None else None)
 
 
@@ -254,11 +267,13 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None):
 
 class _Rank1RowFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, output_final_state, packed=None):
+    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype, output_final_state, packed=None,
+                key_decay=False):
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (u, v, q, oq, a, c, p, oc, oh, S0))
         y, ST, Z, CK = _forward(u, v, q, oq, a, c, p, oc, oh, S0, V, out_dtype,
-                                want_state=output_final_state, training=training, packed=packed)
+                                want_state=output_final_state, training=training, packed=packed, key_decay=key_decay)
         ctx.packed = packed
+        ctx.key_decay = key_decay
         ctx.groups = _groups((u, v, q, oq))
         ctx.s0_dtype = S0.dtype if S0 is not None else None
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (a, c, p, oc)]
@@ -276,7 +291,8 @@ class _Rank1RowFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros(u.shape[0], u.shape[1], u.shape[2], ctx.V, device=u.device, dtype=torch.float32)
         vec, row, dS0 = _backward((u, v, q, oq, a, c, p, oc, Z, CK, ST, ctx.V), ctx.groups, dy, dST,
-                                  needs_ds0=ctx.has_s0 and ctx.needs_input_grad[9], packed=ctx.packed)
+                                  needs_ds0=ctx.has_s0 and ctx.needs_input_grad[9], packed=ctx.packed,
+                                  key_decay=ctx.key_decay)
         if dS0 is not None:
             dS0 = dS0.to(ctx.s0_dtype)
         doh = None
@@ -286,7 +302,7 @@ class _Rank1RowFunction(torch.autograd.Function):
             doh = dy.float().sum(-1)
         cast = [g.to(x.dtype) if g is not None and isinstance(x, torch.Tensor) else None
                 for g, x in zip(vec + row, (u, v, q, oq, a, c, p, oc))]
-        return (*cast, doh, dS0, None, None, None, None)
+        return (*cast, doh, dS0, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -294,7 +310,7 @@ class _Rank1RowFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------
 
 def rank1_row_recurrence(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=None,
-                         output_final_state=False, state_layout="fla"):
+                         output_final_state=False, state_layout="fla", key_decay=False):
     """Identity-minus-rank-1 recurrence, per row ``i`` of the state::
 
         s_t,i = a_i s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t,   y_t,i = oc_i (s_t,i . oq_t) + oh_i
@@ -305,6 +321,7 @@ def rank1_row_recurrence(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_stat
         c, p, a, oc, oh: ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a float
             (``oh`` may be None).
         initial_state: ``[B, H, K, V]`` (``state_layout="fla"``) or ``[B, H, V, K]`` ("math").
+        key_decay: ``a`` is ``[B, T, H, K]``, a decay per key (``s_t,i = a o s_{t-1,i} - ...``).
         output_final_state: also return the final state (fp32, same layout).
     Returns:
         ``y [B, T, H, V]`` (dtype of ``u``), final state or None.
@@ -315,9 +332,11 @@ def rank1_row_recurrence(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_stat
         S0 = S0.transpose(-1, -2)
     u, v, q, oq = _dedup_contig((u, v, q, oq))
     a, c, p, oc, oh = _dedup_contig((a, c, p, oc, oh))
-    V = next(x.shape[3] for x in (p, c, a, oc, oh) if isinstance(x, torch.Tensor) and x.dim() == 4) \
+    rows = (p, c, oc, oh) if key_decay else (p, c, a, oc, oh)
+    V = next(x.shape[3] for x in rows if isinstance(x, torch.Tensor) and x.dim() == 4) \
         if S0 is None else S0.shape[2]
-    y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, S0, V, u.dtype, output_final_state)
+    y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, S0, V, u.dtype, output_final_state, None,
+                                    key_decay)
     if ST is not None and state_layout == "fla":
         ST = ST.transpose(-1, -2)
     return y, ST
@@ -373,6 +392,12 @@ def chunked_forward(u, v, q, oq, c, p, a=1.0, oc=1.0, oh=None, initial_state=Non
 # family interface (ssmcraft.runtime.select)
 # ----------------------------------------------------------------------------------------
 
+def is_key_decay(ir) -> bool:
+    """Whether ``ir``'s decay ``a`` varies over the key dimension (the kernels' ``KEY_DECAY``)."""
+    co = ir.coefficient("a")
+    return co is not None and tuple(co.dims) == (ir.dims[1],)
+
+
 def supports(ir) -> str | None:
     """None if ``ir`` runs on this family's kernels, else the reason."""
     if ir.kind != "rank1":
@@ -382,7 +407,7 @@ def supports(ir) -> str | None:
     if "B" in ir.slots or "p" not in ir.slots:
         return "the input term does not factor as p q^T"
     d, m = ir.dims
-    allowed = {"a": ((), (d,)), "c": ((), (d,)), "p": ((), (d,)), "oc": ((), (d,)), "oh": ((), (d,)),
+    allowed = {"a": ((), (d,), (m,)), "c": ((), (d,)), "p": ((), (d,)), "oc": ((), (d,)), "oh": ((), (d,)),
                "u": ((), (m,)), "v": ((), (m,)), "q": ((), (m,)), "oq": ((), (m,))}
     for slot, dims_ok in allowed.items():
         co = ir.coefficient(slot)
@@ -394,6 +419,10 @@ def supports(ir) -> str | None:
             return f"slot {slot!r} is missing"
         if tuple(co.dims) not in dims_ok:
             return f"slot {slot!r} varies over {co.dims}; this kernel takes {' or '.join(map(str, dims_ok))}"
+    if is_key_decay(ir) and tuple(ir.coefficient("c").dims) != (d,):
+        # the KDA-like form: chunked on tensor cores by rank1_keydecay_chunk, which this family would
+        # shadow (it comes first in the registry's order)
+        return "a decay per key runs here with a per-row step only (a per-head step: rank1_keydecay_chunk)"
     return None
 
 
@@ -433,6 +462,7 @@ def forward(obj, lay, co, output_final_state):
     def vec(x):
         return _as_vec(x, B, T, H, m, ref).contiguous()
 
+    key_decay = is_key_decay(ir)
     row_fns = {}
     for slot in ROW_SLOTS:
         cf = ir.coefficient(slot)
@@ -447,10 +477,10 @@ def forward(obj, lay, co, output_final_state):
         if slot not in co:
             vals[slot] = 1.0 if slot in ("a", "oc") else None
         else:
-            vals[slot] = prep(slot, row_fns[slot])
+            vals[slot] = prep(slot, vec if slot == "a" and key_decay else row_fns[slot])
     compute = torch.float32
     y, ST = _Rank1RowFunction.apply(u, v, q, oq, vals["a"], vals["c"], vals["p"], vals["oc"], vals["oh"],
-                                    lay.S0, d, compute, output_final_state)
+                                    lay.S0, d, compute, output_final_state, None, key_decay)
     return y.to(lay.dtype), ST
 
 
@@ -464,6 +494,7 @@ def prepare(obj, lay):
     ``cu_seqlens`` a packed row (``ssmcraft.ops.common.varlen``), one program row per sequence."""
     from ssmcraft.ops.common.slots import slot_runner
     d, out_dtype = lay.d, io_dtype(lay.out_dtype)
+    key_decay = is_key_decay(obj.ir)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
         keys = [cs.get(s) for s in VEC_SLOTS[1:]]
@@ -481,7 +512,7 @@ def prepare(obj, lay):
         a, c, p, oc, oh = _dedup_contig(rows)
         packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, chunk_of(a))
         y, ST = _Rank1RowFunction.apply(u, v, q, oq, a, c, p, oc, oh, initial_state, d, out_dtype,
-                                        output_final_state, packed)
+                                        output_final_state, packed, key_decay)
         return y.to(lay.out_dtype), ST
     return slot_runner(obj, lay, run)
 
