@@ -96,18 +96,39 @@ def _put(w1, w2, i, b_w1, b_w2, p1, m1, p2, m2, D, M, HID):
     tl.store(w2 + i * D * HID + p2, b_w2, mask=m2)
 
 
-@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_RW", "STORE", "STORE_T"])
+@triton.jit
+def _step(b_w1, b_w2, b_k, b_x, b_eta, b_rw, b_c, m_h, ACT: tl.constexpr, HAS_DEC: tl.constexpr):
+    """One token's step from the previous weights: z = W1 k, a = act(z), r = W2 a - x, s = w . r,
+    e = W2^T s, gz = eta (e . act'(z)); W1 <- c W1 - gz k^T, W2 <- c W2 - eta s a^T (c: the decay,
+    HAS_DEC). Returns (W1, W2T, z, r, e, gz)."""
+    b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
+    b_a, b_a1, _ = _act(b_z, ACT)
+    b_a = tl.where(m_h, b_a, 0.)
+    b_r = tl.sum(b_w2 * b_a[:, None], axis=0) - b_x
+    b_s = b_r * b_rw
+    b_e = tl.sum(b_w2 * b_s[None, :], axis=1)
+    b_gz = b_eta * b_e * b_a1
+    if HAS_DEC:
+        b_w1 = b_c * b_w1
+        b_w2 = b_c * b_w2
+    b_w1 -= b_gz[:, None] * b_k[None, :]
+    b_w2 -= (b_eta * b_a)[:, None] * b_s[None, :]
+    return b_w1, b_w2, b_z, b_r, b_e, b_gz
+
+
+@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_RW", "HAS_DEC", "STORE", "STORE_T"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def mlp_memory_fwd_kernel(x, k, q, eta, rw, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, cu, co, T, NT, H: tl.constexpr,
-                          D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                          BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, HAS_ETA: tl.constexpr,
-                          HAS_RW: tl.constexpr, STORE: tl.constexpr, STORE_T: tl.constexpr, VARLEN: tl.constexpr):
-    """Sequential over tokens. Per token, with W1, W2 the previous weights:
-    z = W1 k, a = act(z), r = W2 a - x, s = w . r, e = W2^T s; W1 -= eta (e . act'(z)) k^T,
-    W2 -= eta s a^T; y = W2 act(W1 q) with the new weights (w: the loss's weight of each output row,
-    HAS_RW; else 1 and s = r). STORE (training): z, r, e per token and the weights
-    after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, d, h]``), which the
-    backward starts each chunk from. VARLEN: program ``i_b`` runs sequence ``i_b`` of a packed row
+def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, w1, w2, y, w1t, w2t, cz, cr, ce, ck1, ck2, cu, co, T, NT,
+                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
+                          BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, HAS_ETA: tl.constexpr,
+                          HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr, STORE: tl.constexpr, STORE_T: tl.constexpr,
+                          VARLEN: tl.constexpr):
+    """Sequential over tokens. Per token, with W1, W2 the previous weights, ``_step``:
+    z = W1 k, a = act(z), r = W2 a - x, s = w . r, e = W2^T s; W1 <- c W1 - eta (e . act'(z)) k^T,
+    W2 <- c W2 - eta s a^T; y = W2 act(W1 q) with the new weights (w: the loss's weight of each output
+    row, HAS_RW; else 1 and s = r; c: the per-head decay, HAS_DEC; else 1). STORE (training): z, r, e
+    per token and the weights after every chunk's last token (``ck1 [B*H, NT, h, m]``,
+    ``ck2 [B*H, NT, d, h]``), which the backward starts each chunk from. VARLEN: program ``i_b`` runs sequence ``i_b`` of a packed row
     (``cu`` its offsets, ``co`` each sequence's first chunk; ``ssmcraft.ops.common.rows.seq_state``)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
@@ -118,23 +139,17 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, w1, w2, y, w1t, w2t, cz, cr, ce, ck1
     ok = T > 0
     b_k, b_x = _vec(k, row, o_m, m_m & ok, M), _vec(x, row, o_d, m_d & ok, D)
     b_q, b_eta = _vec(q, row, o_m, m_m & ok, M), _step_of(eta, row, ok, HAS_ETA)
-    b_rw = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW)
+    b_rw, b_c = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row, ok, HAS_DEC)
     for t in range(T):
         ok = t + 1 < T
         n_k, n_x = _vec(k, row + H, o_m, m_m & ok, M), _vec(x, row + H, o_d, m_d & ok, D)
         n_q, n_eta = _vec(q, row + H, o_m, m_m & ok, M), _step_of(eta, row + H, ok, HAS_ETA)
-        n_rw = _row_weight(rw, row + H, o_d, m_d & ok, D, HAS_RW)
-        b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
-        # the readout's W1 q off the step's chain: (W1 - eta gz k^T) q = W1 q - eta gz (k . q)
+        n_rw, n_c = _row_weight(rw, row + H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row + H, ok, HAS_DEC)
+        # the readout's W1 q off the step's chain: (c W1 - eta gz k^T) q = c W1 q - eta gz (k . q)
         b_zq = tl.sum(b_w1 * b_q[None, :], axis=1)
-        b_a, b_a1, _ = _act(b_z, ACT)
-        b_a = tl.where(m_h, b_a, 0.)
-        b_r = tl.sum(b_w2 * b_a[:, None], axis=0) - b_x
-        b_s = b_r * b_rw
-        b_e = tl.sum(b_w2 * b_s[None, :], axis=1)
-        b_gz = b_eta * b_e * b_a1
-        b_w1 -= b_gz[:, None] * b_k[None, :]
-        b_w2 -= (b_eta * b_a)[:, None] * b_s[None, :]
+        if HAS_DEC:
+            b_zq *= b_c
+        b_w1, b_w2, b_z, b_r, b_e, b_gz = _step(b_w1, b_w2, b_k, b_x, b_eta, b_rw, b_c, m_h, ACT, HAS_DEC)
         b_aq, _, _ = _act(b_zq - b_gz * tl.sum(b_k * b_q, axis=0), ACT)
         b_aq = tl.where(m_h, b_aq, 0.)
         tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
@@ -145,25 +160,29 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, w1, w2, y, w1t, w2t, cz, cr, ce, ck1
             if ((t + 1) % CHUNK == 0) | (t + 1 == T):
                 _put(ck1, ck2, c0 + t // CHUNK, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
         row += H
-        b_k, b_x, b_q, b_eta, b_rw = n_k, n_x, n_q, n_eta, n_rw
+        b_k, b_x, b_q, b_eta, b_rw, b_c = n_k, n_x, n_q, n_eta, n_rw, n_c
     if STORE_T:
         _put(w1t, w2t, i_bh, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
 
 
-@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_RW", "HAS_DHT", "STORE_DH0"])
+@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_RW", "HAS_DEC", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
-def mlp_memory_bwd_kernel(k, q, eta, rw, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, drw, dw1, dw2, cu, co, T,
-                          NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr,
-                          BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
-                          HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DHT: tl.constexpr,
-                          STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
+def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, w1, w2, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, drw,
+                          ddec, dw1, dw2, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                          HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
+                          ACT: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
+                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . r), then the step's adjoint
     at W_{t-1} (G1, G2 the adjoints of the weights, G2 kept transposed as W2; dgz = -eta G1 k,
     de = dgz . act'(z), ds = -eta G2 a + W2 de, dr = w . ds, dw = r . ds, da = -eta G2^T s + W2^T dr,
     dz = dgz . e . act''(z) + da . act'(z)): G1 += dz k^T, G2 += s de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
-    every chunk restarts from its stored end state. VARLEN: as the forward."""
+    every chunk restarts from its stored end state. With a decay c (HAS_DEC) the walk back would divide
+    by c, amplifying rounding by 1/c a token, so the weights before token t are instead replayed
+    forward (``_step``) from the chunk's start (the previous chunk's end state, or the initial
+    weights ``w1, w2``): O(CHUNK) steps a token; the adjoint then scales G1, G2 by c and
+    dc = <G1, W1_{t-1}> + <G2, W2_{t-1}>. VARLEN: as the forward."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
@@ -174,7 +193,8 @@ def mlp_memory_bwd_kernel(k, q, eta, rw, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, d
     b_z, b_r = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D)
     b_e = _vec(ce, row, o_h, m_h & ok, HID)
     b_eta = _step_of(eta, row, ok, HAS_ETA)
-    b_rw = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW)
+    b_rw, b_c = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row, ok, HAS_DEC)
+    first = (bos.to(tl.int64) * H + i_h)
     for i in range(NT):
         i_c = NT - 1 - i
         b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
@@ -186,7 +206,7 @@ def mlp_memory_bwd_kernel(k, q, eta, rw, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, d
             n_k, n_z = _vec(k, row - H, o_m, m_m & ok, M), _vec(cz, row - H, o_h, m_h & ok, HID)
             n_r, n_e = _vec(cr, row - H, o_d, m_d & ok, D), _vec(ce, row - H, o_h, m_h & ok, HID)
             n_eta = _step_of(eta, row - H, ok, HAS_ETA)
-            n_rw = _row_weight(rw, row - H, o_d, m_d & ok, D, HAS_RW)
+            n_rw, n_c = _row_weight(rw, row - H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row - H, ok, HAS_DEC)
             # the readout y = W2 act(W1 q) at the weights after token t
             b_aq, b_aq1, _ = _act(tl.sum(b_w1 * b_q[None, :], axis=1), ACT)
             b_aq = tl.where(m_h, b_aq, 0.)
@@ -199,8 +219,22 @@ def mlp_memory_bwd_kernel(k, q, eta, rw, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, d
             b_a = tl.where(m_h, b_a, 0.)
             b_gz = b_e * b_a1
             b_s = b_r * b_rw
-            b_w1 += (b_eta * b_gz)[:, None] * b_k[None, :]
-            b_w2 += (b_eta * b_a)[:, None] * b_s[None, :]
+            if HAS_DEC:
+                if i_c == 0:
+                    b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
+                else:
+                    b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c - 1, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
+                for u in range(i_c * CHUNK, t):
+                    r_u = first + u * H
+                    b_w1, b_w2, _, _, _, _ = _step(b_w1, b_w2, _vec(k, r_u, o_m, m_m, M), _vec(x, r_u, o_d, m_d, D),
+                                                   _step_of(eta, r_u, True, HAS_ETA),
+                                                   _row_weight(rw, r_u, o_d, m_d, D, HAS_RW),
+                                                   _step_of(dec, r_u, True, HAS_DEC), m_h, ACT, HAS_DEC)
+                tl.store(ddec + row, (tl.sum(tl.sum(b_g1 * b_w1, axis=1), axis=0)
+                                      + tl.sum(tl.sum(b_g2 * b_w2, axis=1), axis=0)).to(ddec.dtype.element_ty))
+            else:
+                b_w1 += (b_eta * b_gz)[:, None] * b_k[None, :]
+                b_w2 += (b_eta * b_a)[:, None] * b_s[None, :]
             # the step's adjoint at the weights before token t
             # (sums over one axis of two tiles taken as one: the step's chain of reductions is its latency)
             b_gk = tl.sum(b_g1 * b_k[None, :], axis=1)
@@ -218,9 +252,12 @@ def mlp_memory_bwd_kernel(k, q, eta, rw, dy, cz, cr, ce, ck1, ck2, dw1t, dw2t, d
                 tl.store(deta + row, (-tl.sum(b_gz * b_gk + b_a * b_g2s, axis=0)).to(deta.dtype.element_ty))
             if HAS_RW:
                 tl.store(drw + row * D + o_d, (b_ds * b_r).to(drw.dtype.element_ty), mask=m_d)
+            if HAS_DEC:
+                b_g1 = b_c * b_g1
+                b_g2 = b_c * b_g2
             b_g1 += b_dz[:, None] * b_k[None, :]
             b_g2 += b_de[:, None] * b_s[None, :] + b_a[:, None] * b_dr[None, :]
             row -= H
-            b_q, b_dy, b_k, b_z, b_r, b_e, b_eta, b_rw = n_q, n_dy, n_k, n_z, n_r, n_e, n_eta, n_rw
+            b_q, b_dy, b_k, b_z, b_r, b_e, b_eta, b_rw, b_c = n_q, n_dy, n_k, n_z, n_r, n_e, n_eta, n_rw, n_c
     if STORE_DH0:
         _put(dw1, dw2, i_bh, b_g1, b_g2, p1, m1, p2, m2, D, M, HID)

@@ -7,10 +7,11 @@ import torch
 ACTIVATIONS = {"silu": torch.nn.functional.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 
 
-def naive_mlp_memory(x, k, q, eta, W1, W2, act: str, w=None):
+def naive_mlp_memory(x, k, q, eta, W1, W2, act: str, w=None, decay=None):
     """One joint gradient step per token of ``eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2`` in (W1, W2), both
-    at their previous values; ``y_t = W2_t act(W1_t q_t)``.
-    x [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H] or None (= 1); w [B, T, H, d] or None (= 1);
+    at their previous values, from the previous weights scaled by ``decay`` (a scalar decay ``alpha``,
+    or ``1 - lam`` for weight decay); ``y_t = W2_t act(W1_t q_t)``.
+    x [B, T, H, d]; k, q [B, T, H, m]; eta, decay [B, T, H] or None (= 1); w [B, T, H, d] or None (= 1);
     W1 [B, H, h, m]; W2 [B, H, d, h].
     Returns (y [B, T, H, d], W1_T, W2_T)."""
     f = ACTIVATIONS[act]
@@ -23,6 +24,7 @@ def naive_mlp_memory(x, k, q, eta, W1, W2, act: str, w=None):
     for t in range(k.shape[1]):
         gA, gC = step(W1, W2, k[:, t], x[:, t], 1.0 if w is None else w[:, t])
         e = 1.0 if eta is None else eta[:, t, :, None, None]
-        W1, W2 = W1 - e * gA, W2 - e * gC
+        c = 1.0 if decay is None else decay[:, t, :, None, None]
+        W1, W2 = c * W1 - e * gA, c * W2 - e * gC
         ys.append(torch.einsum("bhda,bha->bhd", W2, f(torch.einsum("bham,bhm->bha", W1, q[:, t]))))
     return torch.stack(ys, 1), W1, W2

@@ -6,10 +6,12 @@ one joint gradient step per token of ``eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2`` 
 weights, read out as ``y = W2 act(W1 q)`` at the new ones::
 
     z = W1 k,  a = act(z),  r = W2 a - x,  s = w . r,  e = W2^T s
-    W1 <- W1 - eta (e . act'(z)) k^T,     W2 <- W2 - eta s a^T,     y = W2 act(W1 q)
+    W1 <- c W1 - eta (e . act'(z)) k^T,     W2 <- c W2 - eta s a^T,     y = W2 act(W1 q)
 
-with ``act`` one of ``silu``, ``tanh``, ``sigmoid``, ``eta`` one number per head and token (or 1) and
-``w`` a weight per output row and token (a per-channel step; or 1).
+with ``act`` one of ``silu``, ``tanh``, ``sigmoid``, ``eta`` one number per head and token (or 1),
+``w`` a weight per output row and token (a per-channel step; or 1) and ``c`` the decay of the previous
+weights, per head and token: 1, a scalar decay ``alpha`` (the proximity ``sq(W - alpha W_prev)/2``)
+or ``1 - lam`` (weight decay, ``lam sq(W)/2``).
 
 The general family's generated kernels keep every state on one ``[d, m]`` tile, so they cannot run
 states of different shapes; this family is written for this one structure, and its ``supports``
@@ -17,7 +19,8 @@ checks exactly that: two states of shapes ``(h, m)`` and ``(d, h)`` over a hidde
 target over ``d`` (and at most one more input over ``d``, the row weight), two inputs over ``m`` (the
 key and the query that the readout reads), at most per-head inputs besides, no params; then the
 objective's generated reference loop must equal the naive twin (``naive.py``) on a small float64 case
-for one activation, one choice of target and row weight, of key and query and of step (``_probe``).
+for one activation, one choice of target and row weight, of key and query, of step and of decay
+(``_probe``).
 Anything else is refused with the reason.
 
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
@@ -56,6 +59,9 @@ POISON = False                      # tests: fill every buffer with NaN before t
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
+# a per-head input as the factor c of the previous weights: ``decay`` (alpha, ``sq(W - alpha W_prev)/2``)
+# or ``weight_decay`` (lam, ``lam sq(W)/2``: c = 1 - lam); ``mlp_memory``'s keyword of each
+DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
 
 
 def _empty(*shape, device, dtype):
@@ -63,16 +69,16 @@ def _empty(*shape, device, dtype):
 
 
 class MLPMemoryFunction(torch.autograd.Function):
-    """(x, k, q, eta | None, w | None, W1_0 [N, H, h, m] fp32, W2_0 [N, H, d, h] fp32) -> (y, W1_T | None,
-    W2_T | None);
+    """(x, k, q, eta | None, w | None, decay | None, W1_0 [N, H, h, m] fp32, W2_0 [N, H, d, h] fp32) -> (y,
+    W1_T | None, W2_T | None);
     ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B)."""
 
     @staticmethod
-    def forward(ctx, x, k, q, eta, rw, w1, w2, act, output_final_state, chunk, packed=None):
+    def forward(ctx, x, k, q, eta, rw, dec, w1, w2, act, output_final_state, chunk, packed=None):
         B, T, H, D = x.shape
         M, HID = k.shape[-1], w1.shape[-2]
         dev = x.device
-        train = any(ctx.needs_input_grad[:7])
+        train = any(ctx.needs_input_grad[:8])
         N, NT, seq = sequences(B, T, chunk, packed, x)
         y = _empty(B, T, H, D, device=dev, dtype=x.dtype)
         cz = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
@@ -83,19 +89,22 @@ class MLPMemoryFunction(torch.autograd.Function):
         w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
         w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
         launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta,
-               rw=y if rw is None else rw, w1=w1, w2=w2, y=y,
+               rw=y if rw is None else rw, dec=y if dec is None else dec, w1=w1, w2=w2, y=y,
                w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
                BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, STORE=train, STORE_T=output_final_state, **packed_args(seq, "cu", "co"))
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, STORE=train, STORE_T=output_final_state,
+               **packed_args(seq, "cu", "co"))
         ctx.set_materialize_grads(False)
         ctx.act, ctx.chunk, ctx.packed = act, chunk, packed
         if train:
-            ctx.save_for_backward(x, k, q, eta, rw, cz, cr, ce, ck1, ck2)
+            # the initial weights: a decay's backward replays each chunk from its start
+            ctx.save_for_backward(x, k, q, eta, rw, dec, *((w1, w2) if dec is not None else (None, None)),
+                                  cz, cr, ce, ck1, ck2)
         return y, (w1t if output_final_state else None), (w2t if output_final_state else None)
 
     @staticmethod
     def backward(ctx, dy, dw1t, dw2t):
-        x, k, q, eta, rw, cz, cr, ce, ck1, ck2 = ctx.saved_tensors
+        x, k, q, eta, rw, dec, w1, w2, cz, cr, ce, ck1, ck2 = ctx.saved_tensors
         B, T, H, D = x.shape
         M, HID = k.shape[-1], cz.shape[-1]
         dev = x.device
@@ -105,30 +114,39 @@ class MLPMemoryFunction(torch.autograd.Function):
         if has_dht:
             dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
             dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
-        need_dh0 = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
+        need_dh0 = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
         deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else None
         drw = _empty(*rw.shape, device=dev, dtype=rw.dtype) if rw is not None else None
+        ddec = _empty(*dec.shape, device=dev, dtype=dec.dtype) if dec is not None else None
         dw1 = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
         dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
-        launch(mlp_memory_bwd_kernel, (N * H,), k=k, q=q, eta=dx if eta is None else eta, rw=dx if rw is None else rw,
-               dy=dy, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
+        launch(mlp_memory_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=dx if eta is None else eta,
+               rw=dx if rw is None else rw, dec=dx if dec is None else dec, w1=dx if w1 is None else w1,
+               w2=dx if w2 is None else w2, dy=dy, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=dx if deta is None else deta,
-               drw=dx if drw is None else drw, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H, D=D, M=M, HID=HID, BD=pow2(D),
+               drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H,
+               D=D, M=M, HID=HID, BD=pow2(D),
                BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
-        return (dx, dk, dq, deta, drw, dw1 if need_dh0 else None, dw2 if need_dh0 else None, None, None, None, None)
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, HAS_DHT=has_dht, STORE_DH0=need_dh0,
+               **packed_args(seq, "cu", "co"))
+        return (dx, dk, dq, deta, drw, ddec, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
+                None, None, None, None)
 
 
-def mlp_memory(x, k, q, eta=None, *, w=None, act: str = "silu", initial_state=None, output_final_state: bool = False,
-               chunk_size: int | None = None, cu_seqlens=None):
+def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, act: str = "silu", initial_state=None,
+               output_final_state: bool = False, chunk_size: int | None = None, cu_seqlens=None):
     """The layer of the module docstring.
 
     Args:
         x: target [B, T, H, d]; k: key [B, T, H, m]; q: query [B, T, H, m].
         eta: step [B, T, H] or None (= 1).
         w: the loss's weight of each output row [B, T, H, d] (a per-channel step) or None (= 1).
+        decay: a per-head decay alpha [B, T, H]: each step starts from alpha W_prev (the proximity
+            ``sq(W - alpha W_prev)/2``); or None.
+        weight_decay: a per-head lam [B, T, H]: each step includes lam W_prev (``lam sq(W)/2``), i.e. the
+            decay 1 - lam; or None. At most one of the two.
         act: ``silu``, ``tanh`` or ``sigmoid``.
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
@@ -143,6 +161,10 @@ def mlp_memory(x, k, q, eta=None, *, w=None, act: str = "silu", initial_state=No
         raise ValueError(f"mlp_memory: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
     if x.dtype not in IO_DTYPES:
         raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
+    if decay is not None and weight_decay is not None:
+        raise ValueError("mlp_memory: give decay or weight_decay, not both")
+    if weight_decay is not None:
+        decay = DECAYS["weight_decay"](weight_decay)        # autograd carries lam's gradient through
     W1, W2 = initial_state
     chunk = chunk_size or CHUNK
     packed = None
@@ -152,7 +174,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, act: str = "silu", initial_state=No
         return x.new_zeros(x.shape), ((W1.float(), W2.float()) if output_final_state else None)
     head = (lambda t: t if t is None else t.contiguous())       # noqa: E731
     y, w1t, w2t = MLPMemoryFunction.apply(x.contiguous(), k.to(x.dtype).contiguous(), q.to(x.dtype).contiguous(),
-                                          head(eta), head(w), W1.float().contiguous(), W2.float().contiguous(),
+                                          head(eta), head(w), head(decay), W1.float().contiguous(),
+                                          W2.float().contiguous(),
                                           ACTIVATIONS[act], output_final_state, chunk, packed)
     return y, ((w1t, w2t) if output_final_state else None)
 
@@ -185,8 +208,9 @@ def _structure(ir) -> dict:
 
 def _probe(ir, found) -> dict | str:
     """The IR's reference loop against the naive twin on a small float64 case (random weights, every
-    role filled), for each activation, key / query order, target / row weight order and step (1, or one
-    per-head input): the roles that agree, or why none does."""
+    role filled), for each activation, key / query order, target / row weight order, step (1, or one
+    per-head input) and decay (none, or another per-head input as alpha or as weight decay's lam):
+    the roles that agree, or why none does."""
     from ssmcraft.compiler.api import generate_reference
     from ssmcraft.ops.common.reference import Layout, reference_loop
     from ssmcraft.ops.mlp_memory.naive import naive_mlp_memory
@@ -205,17 +229,22 @@ def _probe(ir, found) -> dict | str:
     y, ST, _ = reference_loop(module, Layout(env, B, T, H, D, M, torch.float64, torch.float64,
                                              tuple(W[s] for s in ir.states), {found["h"]: HID}))
     got = dict(zip(ir.states, ST))
-    rows = found["rows"]
-    for act, (k, q), (x, w), eta in itertools.product(ACTIVATIONS, (found["keys"], found["keys"][::-1]),
-                                                      [(rows[0], None)] if len(rows) == 1 else [rows, rows[::-1]],
-                                                      (None, *found["heads"])):
+    rows, heads = found["rows"], found["heads"]
+    decays = [(None, None), *((n, kind) for kind in DECAYS for n in heads)]
+    for act, (k, q), (x, w), eta, (dec, kind) in itertools.product(
+            ACTIVATIONS, (found["keys"], found["keys"][::-1]),
+            [(rows[0], None)] if len(rows) == 1 else [rows, rows[::-1]], (None, *heads), decays):
+        if dec is not None and dec == eta:
+            continue
         yn, W1, W2 = naive_mlp_memory(val[x], val[k], val[q], val.get(eta), W[found["W1"]], W[found["W2"]], act,
-                                      val.get(w))
+                                      val.get(w), None if dec is None else DECAYS[kind](val[dec]))
         if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9)
                for a, b in ((y, yn), (got[found["W1"]], W1), (got[found["W2"]], W2))):
-            return {"W1": found["W1"], "W2": found["W2"], "x": x, "w": w, "k": k, "q": q, "eta": eta, "act": act}
-    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 read out as "
-            f"W2 act(W1 q), with act one of {', '.join(ACTIVATIONS)}, eta 1 or a per-head input and w 1 or an input")
+            return {"W1": found["W1"], "W2": found["W2"], "x": x, "w": w, "k": k, "q": q, "eta": eta, "act": act,
+                    "decay": dec, "decay_kind": kind}
+    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 from c W_prev, "
+            f"read out as W2 act(W1 q), with act one of {', '.join(ACTIVATIONS)}, eta 1 or a per-head input, w 1 or "
+            "an input and c 1, a per-head alpha or 1 - lam")
 
 
 def match(ir) -> dict:
@@ -248,7 +277,8 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     S0 = initial_state if initial_state is not None else names["initial"](N, H, D, M, x.device)
     st = dict(zip(names["order"], S0))
     opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
-    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), act=names["act"],
+    dec = {} if names["decay"] is None else {names["decay_kind"]: get(names["decay"])}
+    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, act=names["act"],
                         initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens)
     if fin is None:
