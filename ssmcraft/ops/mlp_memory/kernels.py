@@ -177,8 +177,8 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, w1, w2, dy, cz, cr, ce, ck1, ck
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . r), then the step's adjoint
     at W_{t-1} (G1, G2 the adjoints of the weights, G2 kept transposed as W2; dgz = -eta G1 k,
     de = dgz . act'(z), ds = -eta G2 a + W2 de, dr = w . ds, dw = r . ds, da = -eta G2^T s + W2^T dr,
-    dz = dgz . e . act''(z) + da . act'(z)): G1 += dz k^T, G2 += s de^T + dr a^T. Rounding drift of the walk back is bounded by one chunk:
-    every chunk restarts from its stored end state. With a decay c (HAS_DEC) the walk back would divide
+    dz = dgz . e . act''(z) + da . act'(z)): G1 += dz k^T, G2 += s de^T + dr a^T. Rounding drift of the
+    walk back is bounded by one chunk: every chunk restarts from its stored end state. With a decay c (HAS_DEC) the walk back would divide
     by c, amplifying rounding by 1/c a token, so the weights before token t are instead replayed
     forward (``_step``) from the chunk's start (the previous chunk's end state, or the initial
     weights ``w1, w2``): O(CHUNK) steps a token; the adjoint then scales G1, G2 by c and
