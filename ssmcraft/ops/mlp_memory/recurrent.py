@@ -69,42 +69,47 @@ def _empty(*shape, device, dtype):
 
 
 class MLPMemoryFunction(torch.autograd.Function):
-    """(x, k, q, eta | None, w | None, decay | None, W1_0 [N, H, h, m] fp32, W2_0 [N, H, d, h] fp32) -> (y,
-    W1_T | None, W2_T | None);
+    """(x, k, q, eta | None, w | None, decay | None, k2 | None, x2 | None, W1_0 [N, H, h, m] fp32,
+    W2_0 [N, H, d, h] fp32) -> (y, W1_T | None, W2_T | None);
     ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B)."""
 
     @staticmethod
-    def forward(ctx, x, k, q, eta, rw, dec, w1, w2, act, output_final_state, chunk, packed=None):
+    def forward(ctx, x, k, q, eta, rw, dec, k2, x2, w1, w2, act, output_final_state, chunk, packed=None):
         B, T, H, D = x.shape
         M, HID = k.shape[-1], w1.shape[-2]
         dev = x.device
-        train = any(ctx.needs_input_grad[:8])
+        train = any(ctx.needs_input_grad[:10])
+        two = k2 is not None
         N, NT, seq = sequences(B, T, chunk, packed, x)
         y = _empty(B, T, H, D, device=dev, dtype=x.dtype)
         cz = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
         cr = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train else y
         ce = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
+        cz2 = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train and two else y
+        cr2 = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train and two else y
+        ce2 = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train and two else y
         ck1 = _empty(B, H, NT, HID, M, device=dev, dtype=torch.float32) if train else y
         ck2 = _empty(B, H, NT, D, HID, device=dev, dtype=torch.float32) if train else y
         w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
         w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
         launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta,
-               rw=y if rw is None else rw, dec=y if dec is None else dec, w1=w1, w2=w2, y=y,
-               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
+               rw=y if rw is None else rw, dec=y if dec is None else dec, k2=k2 if two else y, x2=x2 if two else y, w1=w1, w2=w2, y=y,
+               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, cz2=cz2, cr2=cr2, ce2=ce2, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
                BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, STORE=train, STORE_T=output_final_state,
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, STORE=train, STORE_T=output_final_state,
                **packed_args(seq, "cu", "co"))
         ctx.set_materialize_grads(False)
         ctx.act, ctx.chunk, ctx.packed = act, chunk, packed
         if train:
             # the initial weights: a decay's backward replays each chunk from its start
-            ctx.save_for_backward(x, k, q, eta, rw, dec, *((w1, w2) if dec is not None else (None, None)),
-                                  cz, cr, ce, ck1, ck2)
+            ctx.save_for_backward(x, k, q, eta, rw, dec, k2, x2, *((w1, w2) if dec is not None else (None, None)),
+                                  cz, cr, ce, *((cz2, cr2, ce2) if two else (None, None, None)), ck1, ck2)
         return y, (w1t if output_final_state else None), (w2t if output_final_state else None)
 
     @staticmethod
     def backward(ctx, dy, dw1t, dw2t):
-        x, k, q, eta, rw, dec, w1, w2, cz, cr, ce, ck1, ck2 = ctx.saved_tensors
+        x, k, q, eta, rw, dec, k2, x2, w1, w2, cz, cr, ce, cz2, cr2, ce2, ck1, ck2 = ctx.saved_tensors
+        two = k2 is not None
         B, T, H, D = x.shape
         M, HID = k.shape[-1], cz.shape[-1]
         dev = x.device
@@ -114,29 +119,33 @@ class MLPMemoryFunction(torch.autograd.Function):
         if has_dht:
             dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
             dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
-        need_dh0 = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
+        need_dh0 = ctx.needs_input_grad[8] or ctx.needs_input_grad[9]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
         deta = _empty(*eta.shape, device=dev, dtype=eta.dtype) if eta is not None else None
         drw = _empty(*rw.shape, device=dev, dtype=rw.dtype) if rw is not None else None
         ddec = _empty(*dec.shape, device=dev, dtype=dec.dtype) if dec is not None else None
+        dk2 = _empty(*k2.shape, device=dev, dtype=k2.dtype) if two else None
+        dx2 = _empty(*x2.shape, device=dev, dtype=x2.dtype) if two else None
         dw1 = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
         dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
         launch(mlp_memory_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=dx if eta is None else eta,
                rw=dx if rw is None else rw, dec=dx if dec is None else dec, w1=dx if w1 is None else w1,
-               w2=dx if w2 is None else w2, dy=dy, cz=cz, cr=cr, ce=ce, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
+               w2=dx if w2 is None else w2, k2=k2 if two else dx, x2=x2 if two else dx, dy=dy, cz=cz, cr=cr, ce=ce, cz2=cz2 if two else dx, cr2=cr2 if two else dx,
+               ce2=ce2 if two else dx, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=dx if deta is None else deta,
-               drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H,
+               drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec,
+               dk2=dk2 if two else dx, dx2=dx2 if two else dx, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H,
                D=D, M=M, HID=HID, BD=pow2(D),
                BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, HAS_DHT=has_dht, STORE_DH0=need_dh0,
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, HAS_DHT=has_dht, STORE_DH0=need_dh0,
                **packed_args(seq, "cu", "co"))
-        return (dx, dk, dq, deta, drw, ddec, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
+        return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
                 None, None, None, None)
 
 
-def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, act: str = "silu", initial_state=None,
-               output_final_state: bool = False, chunk_size: int | None = None, cu_seqlens=None):
+def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=None, x2=None, act: str = "silu",
+               initial_state=None, output_final_state: bool = False, chunk_size: int | None = None, cu_seqlens=None):
     """The layer of the module docstring.
 
     Args:
@@ -147,6 +156,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, act:
             ``sq(W - alpha W_prev)/2``); or None.
         weight_decay: a per-head lam [B, T, H]: each step includes lam W_prev (``lam sq(W)/2``), i.e. the
             decay 1 - lam; or None. At most one of the two.
+        k2, x2: a second key [B, T, H, m] and target [B, T, H, d] (both or neither): the step takes the
+            gradient of both pairs' losses (the same eta and w) at the previous weights.
         act: ``silu``, ``tanh`` or ``sigmoid``.
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
@@ -163,6 +174,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, act:
         raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
     if decay is not None and weight_decay is not None:
         raise ValueError("mlp_memory: give decay or weight_decay, not both")
+    if (k2 is None) != (x2 is None):
+        raise ValueError("mlp_memory: give both k2 and x2, or neither")
     if weight_decay is not None:
         decay = DECAYS["weight_decay"](weight_decay)        # autograd carries lam's gradient through
     W1, W2 = initial_state
@@ -174,7 +187,9 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, act:
         return x.new_zeros(x.shape), ((W1.float(), W2.float()) if output_final_state else None)
     head = (lambda t: t if t is None else t.contiguous())       # noqa: E731
     y, w1t, w2t = MLPMemoryFunction.apply(x.contiguous(), k.to(x.dtype).contiguous(), q.to(x.dtype).contiguous(),
-                                          head(eta), head(w), head(decay), W1.float().contiguous(),
+                                          head(eta), head(w), head(decay),
+                                          None if k2 is None else k2.to(x.dtype).contiguous(),
+                                          None if x2 is None else x2.to(x.dtype).contiguous(), W1.float().contiguous(),
                                           W2.float().contiguous(),
                                           ACTIVATIONS[act], output_final_state, chunk, packed)
     return y, ((w1t, w2t) if output_final_state else None)
@@ -200,15 +215,16 @@ def _structure(ir) -> dict:
     rows = [n for n, dims in ir.inputs.items() if tuple(dims) == (d,)]
     keys = [n for n, dims in ir.inputs.items() if tuple(dims) == (m,)]
     heads = [n for n, dims in ir.inputs.items() if tuple(dims) == ()]
-    if len(rows) not in (1, 2) or len(keys) != 2 or len(rows) + len(keys) + len(heads) != len(ir.inputs):
-        raise ValueError(f"inputs are not a target (and a row weight) over {d}, a key and a query over {m} and "
-                         "per-head factors")
+    pairs = len(keys) - 1
+    if pairs not in (1, 2) or len(rows) not in (pairs, pairs + 1) or len(rows) + len(keys) + len(heads) != len(ir.inputs):
+        raise ValueError(f"inputs are not one or two targets (and a row weight) over {d}, as many keys and a query "
+                         f"over {m} and per-head factors")
     return {"W1": shapes[(h, m)], "W2": shapes[(d, h)], "rows": rows, "keys": keys, "heads": heads, "h": h}
 
 
 def _probe(ir, found) -> dict | str:
     """The IR's reference loop against the naive twin on a small float64 case (random weights, every
-    role filled), for each activation, key / query order, target / row weight order, step (1, or one
+    role filled), for each activation, order of the keys and query, of the targets and row weight, step (1, or one
     per-head input) and decay (none, or another per-head input as alpha or as weight decay's lam):
     the roles that agree, or why none does."""
     from ssmcraft.compiler.api import generate_reference
@@ -229,20 +245,25 @@ def _probe(ir, found) -> dict | str:
     y, ST, _ = reference_loop(module, Layout(env, B, T, H, D, M, torch.float64, torch.float64,
                                              tuple(W[s] for s in ir.states), {found["h"]: HID}))
     got = dict(zip(ir.states, ST))
-    rows, heads = found["rows"], found["heads"]
+    rows, heads, keys = found["rows"], found["heads"], found["keys"]
     decays = [(None, None), *((n, kind) for kind in DECAYS for n in heads)]
-    for act, (k, q), (x, w), eta, (dec, kind) in itertools.product(
-            ACTIVATIONS, (found["keys"], found["keys"][::-1]),
-            [(rows[0], None)] if len(rows) == 1 else [rows, rows[::-1]], (None, *heads), decays):
+    # (k, k2, q) and (x, x2, w): the second pair and the row weight None where there is none
+    key_roles = [(p[0], p[1] if len(p) == 3 else None, p[-1]) for p in itertools.permutations(keys)]
+    row_roles = [(p[0], p[1] if len(keys) == 3 else None, p[-1] if len(p) == len(keys) else None)
+                 for p in itertools.permutations(rows)]
+    for act, (k, k2, q), (x, x2, w), eta, (dec, kind) in itertools.product(ACTIVATIONS, key_roles, row_roles,
+                                                                           (None, *heads), decays):
         if dec is not None and dec == eta:
             continue
         yn, W1, W2 = naive_mlp_memory(val[x], val[k], val[q], val.get(eta), W[found["W1"]], W[found["W2"]], act,
-                                      val.get(w), None if dec is None else DECAYS[kind](val[dec]))
+                                      val.get(w), None if dec is None else DECAYS[kind](val[dec]), val.get(k2),
+                                      val.get(x2))
         if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9)
                for a, b in ((y, yn), (got[found["W1"]], W1), (got[found["W2"]], W2))):
             return {"W1": found["W1"], "W2": found["W2"], "x": x, "w": w, "k": k, "q": q, "eta": eta, "act": act,
-                    "decay": dec, "decay_kind": kind}
-    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 from c W_prev, "
+                    "decay": dec, "decay_kind": kind, "k2": k2, "x2": x2}
+    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 (plus one such "
+            f"term of a second key and target) from c W_prev, "
             f"read out as W2 act(W1 q), with act one of {', '.join(ACTIVATIONS)}, eta 1 or a per-head input, w 1 or "
             "an input and c 1, a per-head alpha or 1 - lam")
 
@@ -278,7 +299,8 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     st = dict(zip(names["order"], S0))
     opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
     dec = {} if names["decay"] is None else {names["decay_kind"]: get(names["decay"])}
-    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, act=names["act"],
+    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
+                        x2=opt("x2"), act=names["act"],
                         initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens)
     if fin is None:
