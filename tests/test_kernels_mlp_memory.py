@@ -3,9 +3,10 @@ gradient step per token) under the Triton interpreter, against the objective's f
 output, both final weights and every gradient (inputs, both initial weights; with a gradient on the
 final weights), on lengths that are not a multiple of the backward's chunk, with every output buffer
 poisoned with NaN; the search's composed memories with a scalar decay or weight decay (a per-head or
-per-channel step), and with a second key and target, too. Held out of the library: a sigmoid memory of hidden width m with its step
-under another name, a tanh memory (written as ``2 sigmoid(2 z) - 1``) of a fixed hidden width 3 with
-no step, and two hand-written decayed ones; and what the family refuses, with the reason."""
+per-channel step), and with a second key and target, too. Held out of the library: a sigmoid memory
+of hidden width m with its step under another name, a tanh memory (written as
+``2 sigmoid(2 z) - 1``) of a fixed hidden width 3 with no step, two hand-written decayed ones and a
+hand-written two-key one; and what the family refuses, with the reason."""
 import pytest
 import torch
 

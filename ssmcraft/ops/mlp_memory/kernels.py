@@ -229,18 +229,19 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "HAS_ETA", "HAS_RW", "HAS_DEC", "TWO", "HAS_DHT", "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce, cz2, cr2, ce2, ck1, ck2, dw1t, dw2t,
-                          dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                          dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr,
+                          D: tl.constexpr, M: tl.constexpr,
                           HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
                           ACT: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
                           TWO: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . r), then the step's adjoint
-    at W_{t-1} (``_adjoint``, once per key with TWO): G1 += dz k^T, G2 += s de^T + dr a^T. Rounding drift of the
-    walk back is bounded by one chunk: every chunk restarts from its stored end state. With a decay c (HAS_DEC) the walk back would divide
-    by c, amplifying rounding by 1/c a token, so the weights before token t are instead replayed
-    forward (``_step``) from the chunk's start (the previous chunk's end state, or the initial
-    weights ``w1, w2``): O(CHUNK) steps a token; the adjoint then scales G1, G2 by c and
+    at W_{t-1} (``_adjoint``, once per key with TWO): G1 += dz k^T, G2 += s de^T + dr a^T. Rounding
+    drift of the walk back is bounded by one chunk: every chunk restarts from its stored end state.
+    With a decay c (HAS_DEC) the walk back would divide by c, amplifying rounding by 1/c a token, so
+    the weights before token t are instead replayed forward (``_step``) from the chunk's start (the
+    previous chunk's end state, or the initial weights ``w1, w2``): O(CHUNK) steps a token; the adjoint then scales G1, G2 by c and
     dc = <G1, W1_{t-1}> + <G2, W2_{t-1}>. VARLEN: as the forward."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
@@ -307,8 +308,8 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
             tl.store(dx + row * D + o_d, (-b_dr).to(dx.dtype.element_ty), mask=m_d)
             b_drw = b_ds * b_r
             if TWO:
-                b_dk2, b_dr2, b_ds2, b_deta2, b_dz2, b_de2, b_s2, b_a2 = _adjoint(b_g1, b_g2, b_w1, b_w2, b_k2, b_z2, b_r2,
-                                                                                  b_e2, b_eta, b_rw, m_h, ACT)
+                b_dk2, b_dr2, b_ds2, b_deta2, b_dz2, b_de2, b_s2, b_a2 = _adjoint(
+                    b_g1, b_g2, b_w1, b_w2, b_k2, b_z2, b_r2, b_e2, b_eta, b_rw, m_h, ACT)
                 tl.store(dk2 + row * M + o_m, b_dk2.to(dk2.dtype.element_ty), mask=m_m)
                 tl.store(dx2 + row * D + o_d, (-b_dr2).to(dx2.dtype.element_ty), mask=m_d)
                 b_deta += b_deta2

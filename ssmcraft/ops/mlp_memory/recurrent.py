@@ -11,13 +11,14 @@ weights, read out as ``y = W2 act(W1 q)`` at the new ones::
 with ``act`` one of ``silu``, ``tanh``, ``sigmoid``, ``eta`` one number per head and token (or 1),
 ``w`` a weight per output row and token (a per-channel step; or 1) and ``c`` the decay of the previous
 weights, per head and token: 1, a scalar decay ``alpha`` (the proximity ``sq(W - alpha W_prev)/2``)
-or ``1 - lam`` (weight decay, ``lam sq(W)/2``).
+or ``1 - lam`` (weight decay, ``lam sq(W)/2``). With a second key and target ``(k2, x2)`` the step
+also subtracts their terms, taken at the same previous weights (the gradient of both pairs' losses).
 
 The general family's generated kernels keep every state on one ``[d, m]`` tile, so they cannot run
 states of different shapes; this family is written for this one structure, and its ``supports``
 checks exactly that: two states of shapes ``(h, m)`` and ``(d, h)`` over a hidden dimension, a
-target over ``d`` (and at most one more input over ``d``, the row weight), two inputs over ``m`` (the
-key and the query that the readout reads), at most per-head inputs besides, no params; then the
+target over ``d`` (or two, with a second key; and at most one more input over ``d``, the row weight),
+two or three inputs over ``m`` (the key or keys and the query that the readout reads), at most per-head inputs besides, no params; then the
 objective's generated reference loop must equal the naive twin (``naive.py``) on a small float64 case
 for one activation, one choice of target and row weight, of key and query, of step and of decay
 (``_probe``).
@@ -93,8 +94,9 @@ class MLPMemoryFunction(torch.autograd.Function):
         w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
         w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
         launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta,
-               rw=y if rw is None else rw, dec=y if dec is None else dec, k2=k2 if two else y, x2=x2 if two else y, w1=w1, w2=w2, y=y,
-               w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, cz2=cz2, cr2=cr2, ce2=ce2, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
+               rw=y if rw is None else rw, dec=y if dec is None else dec, k2=k2 if two else y,
+               x2=x2 if two else y, w1=w1, w2=w2, y=y, w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, cz2=cz2, cr2=cr2,
+               ce2=ce2, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
                BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None,
                HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, STORE=train, STORE_T=output_final_state,
                **packed_args(seq, "cu", "co"))
@@ -131,7 +133,8 @@ class MLPMemoryFunction(torch.autograd.Function):
         dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
         launch(mlp_memory_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=dx if eta is None else eta,
                rw=dx if rw is None else rw, dec=dx if dec is None else dec, w1=dx if w1 is None else w1,
-               w2=dx if w2 is None else w2, k2=k2 if two else dx, x2=x2 if two else dx, dy=dy, cz=cz, cr=cr, ce=ce, cz2=cz2 if two else dx, cr2=cr2 if two else dx,
+               w2=dx if w2 is None else w2, k2=k2 if two else dx, x2=x2 if two else dx, dy=dy, cz=cz, cr=cr, ce=ce,
+               cz2=cz2 if two else dx, cr2=cr2 if two else dx,
                ce2=ce2 if two else dx, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=dx if deta is None else deta,
                drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec,
@@ -216,7 +219,8 @@ def _structure(ir) -> dict:
     keys = [n for n, dims in ir.inputs.items() if tuple(dims) == (m,)]
     heads = [n for n, dims in ir.inputs.items() if tuple(dims) == ()]
     pairs = len(keys) - 1
-    if pairs not in (1, 2) or len(rows) not in (pairs, pairs + 1) or len(rows) + len(keys) + len(heads) != len(ir.inputs):
+    if (pairs not in (1, 2) or len(rows) not in (pairs, pairs + 1)
+            or len(rows) + len(keys) + len(heads) != len(ir.inputs)):
         raise ValueError(f"inputs are not one or two targets (and a row weight) over {d}, as many keys and a query "
                          f"over {m} and per-head factors")
     return {"W1": shapes[(h, m)], "W2": shapes[(d, h)], "rows": rows, "keys": keys, "heads": heads, "h": h}
