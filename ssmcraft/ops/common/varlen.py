@@ -114,3 +114,13 @@ def chunks(cu: list[int], cu_seqlens: torch.Tensor, BT: int) -> Chunks:
     ci = torch.tensor(pairs, dtype=torch.int32, device=dev).reshape(-1, 2)
     return Chunks(cu_seqlens.to(torch.int32), ci, torch.tensor(first, dtype=torch.int32, device=dev),
                   len(counts), len(pairs))
+
+
+def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int, label: str = "token"):
+    """The ``Chunks`` of a packed call of the chunked families (``cu_seqlens`` checked by ``offsets``
+    against the token tensor ``token`` ``[1, total_T, ...]``, named ``label`` in its errors, and
+    ``initial_state`` ``[N, ...]``), or None for an unpacked one."""
+    if cu_seqlens is None:
+        return None
+    cu = offsets(name, cu_seqlens, {label: token}, initial_state)
+    return chunks(cu, cu_seqlens.to(token.device), tokens_per_chunk)

@@ -79,7 +79,7 @@ import triton.language as tl
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
-from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.common.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
@@ -663,10 +663,7 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
     V = v.shape[-1]
     if K > MAX_K:
         raise ValueError(f"chunk_key_decay: K = {K} > {MAX_K} is not supported")
-    packed = None
-    if cu_seqlens is not None:
-        cu = offsets("chunk_key_decay", cu_seqlens, {"v": v}, initial_state)
-        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
+    packed = packed_chunks("chunk_key_decay", cu_seqlens, v, initial_state, chunk_size, "v")
     N = B if packed is None else packed.N
     if T == 0:
         o = v.new_zeros(B, 0, H, V)

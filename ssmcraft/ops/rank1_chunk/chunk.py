@@ -52,7 +52,7 @@ import torch
 
 from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
@@ -235,15 +235,6 @@ def as_operand(t, shape, dtype):
     if t.dtype != dtype:
         t = t.to(dtype)
     return t.contiguous()
-
-
-def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int):
-    """The ``Chunks`` of a packed call (``cu_seqlens`` checked against the token tensor ``token``
-    ``[1, total_T, ...]`` and ``initial_state`` ``[N, ...]``), or None for an unpacked one."""
-    if cu_seqlens is None:
-        return None
-    cu = offsets(name, cu_seqlens, {"token": token}, initial_state)
-    return chunks(cu, cu_seqlens.to(token.device), tokens_per_chunk)
 
 
 def chunk_rank1(v, p, c, oq, *, u=None, q=None, a=None, ps=None, initial_state=None,

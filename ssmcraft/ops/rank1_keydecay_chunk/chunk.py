@@ -80,7 +80,7 @@ from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _sp
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.common.readout import finish_laid_out
-from ssmcraft.ops.common.varlen import chunks, offsets
+from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
@@ -252,10 +252,7 @@ def chunk_rank1_keydecay(v, p, c, oq, a, *, u=AV, ps=None, initial_state=None, o
     V = p.shape[-1]
     if K > MAX_K:
         raise ValueError(f"chunk_rank1_keydecay: K = {K} > {MAX_K} (whole key rows are held in registers)")
-    packed = None
-    if cu_seqlens is not None:
-        cu = offsets("chunk_rank1_keydecay", cu_seqlens, {"v": v}, initial_state)
-        packed = chunks(cu, cu_seqlens.to(v.device), chunk_size)
+    packed = packed_chunks("chunk_rank1_keydecay", cu_seqlens, v, initial_state, chunk_size, "v")
     N = B if packed is None else packed.N
     if T == 0:
         S = initial_state.float() if initial_state is not None else p.new_zeros(N, H, K, V, dtype=torch.float32)
