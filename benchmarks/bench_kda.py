@@ -16,15 +16,16 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
    ``--fla-configs`` (configs kept per FLA kernel, ``bound_fla_autotune``) to fit a short run.
    ``--profile``: the GPU kernels of one fwd+bwd of the KDA-like layer and of FLA's.
 
-``--leaf 16,4`` checks and times the family at each ``LEAF`` in one process (an A/B of the
-sub-block halving). FLA's backward autotune outlasts a 4-minute call even at 2 configs per
-kernel: compile it in a process of its own beside the checks (``--fla-warmup``; the compiled
+``--leaf 16/16,16/4,4/4`` checks and times the family at each pair of leaf sizes (forward's prep /
+backward, ``LEAF_FWD`` / ``LEAF_BWD``) in one process (an A/B of the sub-block halving). FLA's
+kernels take minutes to compile (259 s for its forward and backward at one config per kernel on an
+H200): compile them in a process of its own beside the checks (``--fla-warmup``; the compiled
 kernels stay in Triton's disk cache, and FLA asks Triton to cache its autotune choices there too,
 ``FLA_CACHE_RESULTS``, not yet seen to work on the device), then time:
 
-    python3 benchmarks/bench_kda.py --fla-warmup --fla-configs 2 &
-    python3 benchmarks/bench_kda.py --only-check --leaf 16,4; wait
-    python3 benchmarks/bench_kda.py --no-check --profile --fla-configs 2 --leaf 16,4
+    python3 benchmarks/bench_kda.py --fla-warmup --fla-configs 1 &
+    python3 benchmarks/bench_kda.py --only-check --leaf 16/16,16/4; wait
+    python3 benchmarks/bench_kda.py --no-check --profile --fla-configs 1 --leaf 16/16,16/4
 """
 from __future__ import annotations
 
@@ -147,8 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--diag-unroll", type=int, default=None,
                     help="in-block offsets per step of the backward's diagonal block sums (chunk.DIAG_UNROLL)")
     ap.add_argument("--leaf", default=None,
-                    help="rows of the diagonal blocks summed elementwise, SUB halved down to it (chunk.LEAF); "
-                         "a comma list checks and times the layer at each, in this process")
+                    help="FWD/BWD: rows of the diagonal blocks summed elementwise in the forward's prep and in the "
+                         "backward, SUB halved down to them (chunk.LEAF_FWD, LEAF_BWD); a comma list checks and "
+                         "times the layer at each pair, in this process")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
@@ -163,20 +165,20 @@ def main(argv=None) -> int:
         return 0
     from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
     family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
-    leaves = [int(x) for x in args.leaf.split(",")] if args.leaf else [family.LEAF]
+    leaves = ([tuple(int(n) for n in pair.split("/")) for pair in args.leaf.split(",")] if args.leaf
+              else [(family.LEAF_FWD, family.LEAF_BWD)])
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:
-        for leaf in leaves:
-            family.LEAF = leaf
+        for family.LEAF_FWD, family.LEAF_BWD in leaves:
             ok = all([check(kda), check(held_out)]) and ok
         print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
     if args.only_check:
         return 0 if ok else 1
     rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False)]
-    for leaf in leaves:
-        family.LEAF = leaf
-        rows.append(measure(f"KDA-like (composed), LEAF {leaf}", kda, shape, torch.bfloat16, args.profile))
+    for family.LEAF_FWD, family.LEAF_BWD in leaves:
+        rows.append(measure(f"KDA-like (composed), leaves {family.LEAF_FWD}/{family.LEAF_BWD}", kda, shape,
+                            torch.bfloat16, args.profile))
     ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
           "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")

@@ -54,9 +54,11 @@ def count(kernel, consts: dict, warps: int) -> tuple[int, int, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
-    ap.add_argument("--leaf", type=int, default=None, help="rows of the elementwise diagonal blocks (chunk.LEAF)")
+    ap.add_argument("--leaf", type=int, default=None, help="rows of the elementwise diagonal blocks, forward and backward "
+                    "(chunk.LEAF_FWD, LEAF_BWD)")
     args = ap.parse_args(argv)
-    R.LEAF = args.leaf or R.LEAF
+    if args.leaf:
+        R.LEAF_FWD = R.LEAF_BWD = args.leaf
     for name in args.kernels.split(","):
         kernel, consts = KERNELS[name]
         consts = {**R._diag(SHAPE["BT"], name.startswith("bwd")), **consts}

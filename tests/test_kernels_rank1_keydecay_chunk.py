@@ -123,9 +123,10 @@ def test_kernel_matches_naive(T, K, V, chunk, read, scale, bv, monkeypatch):
     (21, 16, 16, 16, "v", False, 4),    # the chunk is one sub-block
 ])
 def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkeypatch):
-    """``LEAF`` below SUB: the sub-blocks' second halves against their first halves as
+    """Leaf sizes below SUB: the sub-blocks' second halves against their first halves as
     tensor-core products, elementwise sums only on the LEAF x LEAF diagonal blocks."""
-    monkeypatch.setattr(R, "LEAF", leaf)
+    monkeypatch.setattr(R, "LEAF_FWD", leaf)
+    monkeypatch.setattr(R, "LEAF_BWD", leaf)
     monkeypatch.setattr(R, "INTERPRET_BV", 16)
     ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K + leaf, scale=scale)
     errs, grads, _, _ = _run_both(ins, g, chunk)
@@ -138,7 +139,8 @@ def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
     sequence (odd lengths, empty ones, chunks of 16), and the packed call equals N separate
     float64 reference calls on the output, final states and every gradient."""
     from test_varlen import _interpret, packed_errors
-    monkeypatch.setattr(R, "LEAF", 4)
+    monkeypatch.setattr(R, "LEAF_FWD", 4)
+    monkeypatch.setattr(R, "LEAF_BWD", 4)
     monkeypatch.setattr(R, "INTERPRET_BV", 8)
     monkeypatch.setattr(R, "CHUNK", 16)
     obj = _composed(tmp_path)
@@ -155,8 +157,9 @@ def test_strong_decays_stay_finite_and_accurate(strong, leaf, monkeypatch):
     by a tiny a magnifies its fp32 rounding, and any parametrisation of a in (0, 1) multiplies
     that back by a factor of order a. ``strong`` 30: log a down to ~ -100 per step, sums of a few
     steps far past fp32's exponent range, so a reference on the wrong side of a row overflows (NaN);
-    with halved sub-blocks (``LEAF`` 4) every reference sits between the rows it serves."""
-    monkeypatch.setattr(R, "LEAF", leaf)
+    with halved sub-blocks (leaves of 4) every reference sits between the rows it serves."""
+    monkeypatch.setattr(R, "LEAF_FWD", leaf)
+    monkeypatch.setattr(R, "LEAF_BWD", leaf)
     ins, g = _kernel_case(45, 16, 24, "own", strong, seed=5)
     assert ins["a"].min() < 1e-8
     errs, grads, ours, ref = _run_both(ins, g, 32)

@@ -30,8 +30,8 @@ and e^{g_t - g_s} with s <= t (s < t for A) has an exponent <= 0. A and L are ne
 (``kernels.gated_lower``) take, for row block I and the columns before it, the reference
 R_I = g at row SUB I - 1, ``(x e^{gx - R_I}) (y e^{R_I - g})^T`` (both exponents <= 0, a
 tensor-core product), and the diagonal sub-blocks are summed column by column with the exact
-exponent. With ``LEAF`` below SUB, each sub-block is halved down to blocks of LEAF rows first: the
-second half against the first is a tensor-core product against g at the row between the halves
+exponent. With a leaf size below SUB (``LEAF_FWD``, ``LEAF_BWD``), each sub-block is halved down to
+blocks of that many rows first: the second half against the first is a tensor-core product against g at the row between the halves
 (both exponents <= 0 again), and only the LEAF x LEAF diagonal blocks are summed elementwise
 (fewer exponentials and serial steps, a few more products). The backward's products against dA and dL (``gated_grads``) use the same references
 (the row side) or g at the column block's last row (the column side); their diagonal sub-blocks
@@ -92,7 +92,11 @@ INTERPRET_BV: int | None = None     # value-block size under the interpreter (te
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32)
 SUB = 16                            # sub-block of the intra-chunk matrices
-LEAF = 16                           # rows of the diagonal blocks summed elementwise (SUB halved down to it)
+# rows of the diagonal blocks summed elementwise (SUB halved down to it), in the forward's prep and in
+# the backward: halving cuts the backward's instructions (its limit) and lengthens the prep's chain
+# (H200, bf16, B=8 T=2048 H=16 d=m=64: both at 16 fwd 0.83 / fwd+bwd 3.50 ms, both at 4 1.23 / 3.11)
+LEAF_FWD = 16
+LEAF_BWD = 4
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
@@ -106,9 +110,9 @@ def _bv(V: int, dtype) -> int:
 
 def _diag(BT: int, backward: bool) -> dict:
     """The sub-block constexprs of the parallel kernels: SUB, the halvings inside a sub-block
-    (LEVELS, down to blocks of ``LEAF`` rows) and, in the backward, UNROLL."""
+    (LEVELS, down to blocks of ``LEAF_FWD`` or ``LEAF_BWD`` rows) and, in the backward, UNROLL."""
     sub = min(SUB, BT)
-    leaf = min(LEAF, sub)
+    leaf = min(LEAF_BWD if backward else LEAF_FWD, sub)
     opts = {"SUB": sub, "LEVELS": (sub // leaf).bit_length() - 1}
     return {**opts, "UNROLL": min(DIAG_UNROLL, leaf)} if backward else opts
 
