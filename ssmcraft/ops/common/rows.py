@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.tiles import state_block, state_or_zero
 from ssmcraft.ops.common.tuning import cdiv
 
 
@@ -69,3 +70,20 @@ def sequences(B, T, BT, packed, ref):
 
 def packed_args(args, *names):
     return {n: args[n] for n in (*names, "VARLEN")}
+
+
+@triton.jit
+def state_scan(start, cu, co, T, NT, H: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               HAS_START: tl.constexpr, VARLEN: tl.constexpr):
+    """The opening of a kernel that carries one value block of a ``[K, V]`` state across a sequence's
+    chunks of ``BT`` rows, on the grid (value blocks, sequences x heads): ``i_bh`` (int64) and the head
+    ``i_h``; the block's offsets and masks ``o_k, m_k, o_v, m_v, m_kv, p_kv`` (``tiles.state_block``);
+    the fp32 block it starts from (of ``start [B*H, K, V]`` when ``HAS_START``, else zeros: an initial
+    state, or a final state's gradient for a reverse scan); and its sequence's first row, length,
+    chunk count and first chunk's index (``seq_state``)."""
+    i_bh = tl.program_id(1)
+    i_h = i_bh % H
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, tl.program_id(0), K, V, BK, BV)
+    b_h = state_or_zero(start, i_bh, p_kv, m_kv, K, V, HAS_START, BK, BV)
+    bos, T, n_t, cb = seq_state(cu, co, i_bh // H, i_h, T, NT, H, BT, VARLEN)
+    return i_bh.to(tl.int64), i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_h, bos, T, n_t, cb

@@ -5,9 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero
+from ssmcraft.ops.common.tiles import seq_rows, state_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
-from ssmcraft.ops.common.rows import seq_chunk, seq_state
+from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
 
 @triton.jit
@@ -78,14 +78,9 @@ def minibatch_fwd_kernel(u, v, p, c, oq, a, lam, h0, o, hs, ht, cu, co,
     state H0, Rc = c . (U H0 - P), O = w . (OQ H0) - (OQ V^T . Gam) Rc, H = wl H0 - Vbar^T Rc.
     STORE_H keeps every chunk's start state (fp32) for the backward. VARLEN: sequence ``i_b`` of a
     packed row (``rows.seq_state``: its mini-batches start at its first token); else batch row ``i_b``."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     DT = o.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_h, bos, T, n_t, cb = state_scan(
+        h0, cu, co, T, NT, H, K, V, BT, BK, BV, HAS_H0, VARLEN)
     for i_t in range(n_t):
         o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
@@ -132,14 +127,9 @@ def minibatch_bwd_state_kernel(u, v, c, oq, a, lam, do, dht, dhs, dh0, cu, co,
     """Reverse over chunks: the gradient dH1 at each chunk's end (kept in ``dhs``), then the one at
     its start, dH0 = wl dH1 + (w OQ)^T dO + U^T (c . dRc) with dRc = -(OQ V^T . Gam)^T dO - Vbar dH1
     (no forward state is read: the chunk's map from H0 is affine with a state-free linear part)."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     DT = do.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_dh, bos, T, n_t, cb = state_scan(
+        dht, cu, co, T, NT, H, K, V, BT, BK, BV, HAS_DHT, VARLEN)
     for j in range(n_t):
         i_t = n_t - 1 - j
         o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.rows import seq_chunk, seq_state
+from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -183,14 +183,9 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
                       VARLEN: tl.constexpr = False):
     """Sequential over chunks, one program per (value block, sequence, head). HAS_H0: start from
     ``h0`` (else from zero, ``h0`` unread); STORE_HT: write the final state to ``ht``."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT // R, VARLEN)
     DT = W.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_h, bos, T, n_t, cb = state_scan(
+        h0, cu, co, T, NT, H, K, V, BT // R, BK, BV, HAS_H0, VARLEN)
 
     for i_t in range(n_t):
         o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
@@ -256,14 +251,9 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
     """Reverse over chunks: dH at each chunk's end, dPsi = L^T dO + Vbar dH, and
     dH0 = e^{g_last} dH + (e^g OQ)^T dO - W^T dPsi. HAS_DHT: start from ``dht`` (else from zero,
     ``dht`` unread); STORE_DH0: write dH0 to ``dh0``."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT // R, VARLEN)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_dh, bos, T, n_t, cb = state_scan(
+        dht, cu, co, T, NT, H, K, V, BT // R, BK, BV, HAS_DHT, VARLEN)
 
     for j in range(n_t):
         i_t = n_t - 1 - j

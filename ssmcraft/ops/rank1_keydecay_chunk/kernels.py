@@ -6,9 +6,9 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import seq_rows, state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import seq_rows, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
-from ssmcraft.ops.common.rows import seq_chunk, seq_state
+from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
 # the erase's read key u (U_MODE): its own tensor, or u = a o v (KDA: the erase reads the decayed
 # state), read as v e^{g} in place of u e^{gp}, so u is never formed
@@ -286,14 +286,9 @@ def rank1_keydecay_chunk_fwd_state_kernel(v, oq, W, Up, L, g, h0, o, hs, psi, ht
     O = (OQ e^g) H0 + L Psi, H_C = e^{gl} H0 + (V e^{gl - g})^T Psi. STORE_H: keep the chunk
     states and Psi for the backward; HAS_H0 / STORE_HT: read h0 / write the final state.
     VARLEN: sequence ``i_b`` of a packed row (``rows.seq_state``); else batch row ``i_b``."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, BV)
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_h, bos, T, n_t, cb = state_scan(
+        h0, cu, co, T, NT, H, K, V, BT, BK, BV, HAS_H0, VARLEN)
     for i_t in range(n_t):
         o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
@@ -330,14 +325,9 @@ def rank1_keydecay_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh
                                           VARLEN: tl.constexpr):
     """Reverse over chunks: dH at each chunk's end (``dhs``), dPsi = L^T dO + (V e^{gl - g}) dH,
     and dH0 = e^{gl} dH + (OQ e^g)^T dO - W^T dPsi. VARLEN as the forward."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     DT = W.dtype.element_ty
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_v, K, V, BK, BV)
-    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, BV)
-    bos, T, n_t, cb = seq_state(cu, co, i_b, i_h, T, NT, H, BT, VARLEN)
+    i_bh, i_h, o_k, m_k, o_v, m_v, m_kv, p_kv, b_dh, bos, T, n_t, cb = state_scan(
+        dht, cu, co, T, NT, H, K, V, BT, BK, BV, HAS_DHT, VARLEN)
     for j in range(n_t):
         i_t = n_t - 1 - j
         o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
