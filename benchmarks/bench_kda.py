@@ -44,6 +44,7 @@ from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.runtime import timing  # noqa: E402
 from ssmcraft.bench.classes_commands import kernel_profile, measure  # noqa: E402
 from checks import TOL_CHUNKED, compare, dtype_name, reference, summary  # noqa: E402
+from common import bound_fla_autotune  # noqa: E402
 
 # the composed specs as files (``compose_objective`` needs ``ssmcraft.search``, whose optuna a
 # GPU image may lack); the tests check them against ``compose_objective``
@@ -68,33 +69,12 @@ def check(path: str) -> bool:
     return ok
 
 
-def bound_fla_autotune(keep: int) -> int:
-    """Cut every FLA autotuner to at most ``keep`` configs, so that its first call compiles a few
-    configs per kernel rather than every one (minutes at this shape). Kept: 4 or 8 warps and 2 or 3
-    stages where the list has them (FLA's own choices at this shape are among those), 4 warps and
-    2 stages first. Returns the number of autotuners cut."""
-    from triton.runtime.autotuner import Autotuner
-    cut = 0
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("fla.") or mod is None:
-            continue
-        for obj in list(vars(mod).values()):
-            if not isinstance(obj, Autotuner) or len(obj.configs) <= keep:
-                continue
-            pref = [c for c in obj.configs if c.num_warps in (4, 8) and c.num_stages in (2, 3)] or obj.configs
-            pref.sort(key=lambda c: (c.num_warps != 4, c.num_stages != 2))
-            obj.configs = pref[:keep]
-            cut += 1
-    return cut
-
-
 def fla_calls(shape, keep: int):
     """FLA's chunk_kda at ``shape`` in bf16 (log-space decay, unit keys, scale 1): (fwd, fwd_bwd)
     callables; its autotuners cut to ``keep`` configs first (``bound_fla_autotune``; 0: all)."""
     from fla.ops.kda import chunk_kda
     if keep:
-        print(f"FLA autotune bounded to {keep} configs per kernel ({bound_fla_autotune(keep)} autotuners cut)",
-              flush=True)
+        bound_fla_autotune(keep)
     B, T, H, d, m = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731

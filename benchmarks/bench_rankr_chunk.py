@@ -46,6 +46,7 @@ from ssmcraft.ops.rankr_chunk.naive import naive_recurrent_rankr  # noqa: E402
 from ssmcraft.runtime import select, timing  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
+from common import bound_fla_autotune  # noqa: E402
 from checks import TOL_CHUNKED, dtype_name, reference_errors, summary  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -148,9 +149,12 @@ def time_kernels_alone(shape, dtype, R=2) -> dict:
             "fwd_bwd": timing.bench_ms(lambda: torch.autograd.grad(run(), [v, p, q, beta, a], dy))}
 
 
-def time_fla_gdp(shape, dtype) -> dict:
-    """FLA's chunk_gated_delta_product, two Householder factors, at the same shape."""
+def time_fla_gdp(shape, dtype, keep: int = 0) -> dict:
+    """FLA's chunk_gated_delta_product, two Householder factors, at the same shape; its autotuners cut
+    to ``keep`` configs first (``common.bound_fla_autotune``; 0: all)."""
     from fla.ops.gated_delta_product import chunk_gated_delta_product
+    if keep:
+        bound_fla_autotune(keep)
     B, T, H, d, m = shape
     n = 2
     dev = "cuda"
@@ -206,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help=f"comma-separated composed layers to time (of {', '.join(COMPOSED)}); "
                     "DeltaNet is always timed")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA's gated DeltaProduct out")
+    ap.add_argument("--fla-configs", type=int, default=0,
+                    help="autotune configs kept per FLA kernel (0: all; its first call then takes minutes)")
     ap.add_argument("--warm", action="store_true", help="run each timed call once, untimed (compile only)")
     ap.add_argument("--profile", action="store_true", help="GPU kernels of one fwd+bwd of each composed layer")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run of the checks under the interpreter")
@@ -252,7 +258,7 @@ def main(argv=None) -> int:
         if not args.warm:
             todo.append(("kernels", lambda: time_kernels_alone(shape, bf)))
         if not args.no_fla:
-            todo.append(("fla", lambda: time_fla_gdp(shape, bf)))
+            todo.append(("fla", lambda: time_fla_gdp(shape, bf, args.fla_configs)))
         rows = []
         t0 = time.time()
         for label, fn in todo:       # each row printed as it comes: a run cut short keeps what it measured

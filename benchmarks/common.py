@@ -79,3 +79,24 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def bound_fla_autotune(keep: int) -> int:
+    """Cut every FLA autotuner to at most ``keep`` configs, so that its first call compiles a few
+    configs per kernel rather than every one (minutes at this shape). Kept: 4 or 8 warps and 2 or 3
+    stages where the list has them (FLA's own choices at this shape are among those), 4 warps and
+    2 stages first. Prints and returns the number of autotuners cut."""
+    from triton.runtime.autotuner import Autotuner
+    cut = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if not isinstance(obj, Autotuner) or len(obj.configs) <= keep:
+                continue
+            pref = [c for c in obj.configs if c.num_warps in (4, 8) and c.num_stages in (2, 3)] or obj.configs
+            pref.sort(key=lambda c: (c.num_warps != 4, c.num_stages != 2))
+            obj.configs = pref[:keep]
+            cut += 1
+    print(f"FLA autotune bounded to {keep} configs per kernel ({cut} autotuners cut)", flush=True)
+    return cut
