@@ -64,12 +64,13 @@ lie together, ``[H, (n,) NC, K, V]``. Without it the kernels compile as they wou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
 from ssmcraft.compiler import safe_source
 from ssmcraft.compiler.derive import gradient
+from ssmcraft.compiler.minibatch import anchor_name
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 
@@ -97,6 +98,8 @@ class Step:
     din_ro: dict            # leaf -> d(sum DY*y)/d leaf
     dS_prevs: list          # d(sum_X G_X*F_X)/dX_prev per state
     din_F: dict             # leaf -> d(sum_X G_X*F_X)/d leaf
+    anchors: list = field(default_factory=list)     # a mini-batch update's states before the chunk (``_X_c``)
+    dAs: list = field(default_factory=list)         # d(sum_X G_X*F_X)/d anchor per state
 
     @property
     def n_states(self) -> int:
@@ -147,6 +150,7 @@ def build_step(ir) -> Step:
     S_prevs = [sym(f"{x}_prev" if several else "S_prev", (d, m)) for x in ir.state_names]
     Ss = [sym(x, (d, m)) for x in ir.state_names]
     Gs = [sym(f"_G{i}" if several else "_G", (d, m)) for i in range(len(Ss))]
+    anchors = [sym(anchor_name(x), (d, m)) for x in ir.state_names] if ir.minibatch else []
     DY = sym("_DY", (d,))
     leaves = []
     for name, ldims in list(ir.inputs.items()) + list(ir.params.items()):
@@ -170,7 +174,8 @@ def build_step(ir) -> Step:
     dS_prevs = [gradient(alg, L_F, S_prev) for S_prev in S_prevs]
     din_ro = {n: gradient(alg, L_ro, s) for n, _, s in leaves}
     din_F = {n: gradient(alg, L_F, s) for n, _, s in leaves}
-    return Step(alg, (d, m), S_prevs, Ss, Gs, DY, leaves, Fs, readout, dS_ros, din_ro, dS_prevs, din_F)
+    dAs = [gradient(alg, L_F, A) for A in anchors]
+    return Step(alg, (d, m), S_prevs, Ss, Gs, DY, leaves, Fs, readout, dS_ros, din_ro, dS_prevs, din_F, anchors, dAs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -204,6 +209,8 @@ class TilePrinter:
         names = {d: "V_f", m: "K_f", step.DY.name: "dy"}
         for sfx, S_prev, S, G in zip(_suffixes(step), step.S_prevs, step.Ss, step.Gs):
             names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
+        for sfx, A in zip(_suffixes(step), step.anchors):
+            names[A.name] = f"ac{sfx}"
         for n, _, s in step.leaves:
             names[s.name] = f"l_{n}"
         self._setup(step.alg, step.dims, names)
@@ -401,11 +408,11 @@ def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
     factor in every term over the whole ``[BK, BV]`` tile. Reductions already computed
     (``pr.done``: those of the update) keep their printed form."""
     alg = step.alg
-    state = {*step.S_prevs, *step.Ss, *step.Gs, step.DY}
+    state = {*step.S_prevs, *step.Ss, *step.Gs, *step.anchors, step.DY}
     ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
     if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
         ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
-    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
+    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs, *step.din_F.values())
                if sympy.sympify(e) != 0]
     return shared_lines(pr, adjoint, indent, ignore)
 
@@ -447,7 +454,7 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
     out = {}
     for n in keyed:
         e = sympy.sympify(pr.rewrite.get(step.din_F[n], step.din_F[n]))
-        others = [*step.dS_prevs, *step.dS_ros, *step.din_ro.values(), step.readout,
+        others = [*step.dS_prevs, *step.dAs, *step.dS_ros, *step.din_ro.values(), step.readout,
                   *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
         elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
                                               for r in alg.reductions_in(alg.reductions[x].body)}
@@ -465,6 +472,21 @@ def _suffixes(step: Step) -> list[str]:
     """Per-state suffix of the kernel's variables: ``sp``, ``st``, ``g`` with one state,
     ``sp0``, ``sp1``, ... with several."""
     return [""] if step.n_states == 1 else [str(i) for i in range(step.n_states)]
+
+
+def _checkpointed(step: Step) -> list:
+    """(index, variable) of every tile a checkpoint holds: the states, then a mini-batch's anchors."""
+    sfx = _suffixes(step)
+    return [*enumerate(f"sp{x}" for x in sfx), *((step.n_states + i, f"ac{x}") for i, x in enumerate(sfx) if step.anchors)]
+
+
+def _n_checkpointed(step: Step) -> int:
+    return step.n_states * (2 if step.anchors else 1)
+
+
+def _anchor_reset(step: Step, indent: str) -> list[str]:
+    """A mini-batch's anchors become the running states at each MB-th step of a sequence."""
+    return [f"{indent}ac{x} = tl.where(t % MB == 0, sp{x}, ac{x})" for x in _suffixes(step) if step.anchors]
 
 
 def _sbase(i: int, ns: int) -> str:
@@ -609,6 +631,8 @@ _PREFETCH_L2 = [
 def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F_codes: list) -> list[str]:
     """The forward kernel's lines: the state tile in registers, stepped through T."""
     ns, I1, I2 = step.n_states, _I1, _I2
+    nck = _n_checkpointed(step)
+    mb = bool(step.anchors)
     fwd_red_F = pr.reductions(step.Fs, I2)
     pr_ro = pr.reductions([step.readout], I2)
     return [
@@ -616,9 +640,11 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,",
-        "               EVEN: tl.constexpr, VARLEN: tl.constexpr):",
+        "               EVEN: tl.constexpr, VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers.',
+        *(['    MB: the mini-batch; ``ac`` is the state before the current one (reset at every MB-th step of a',
+           '    sequence), checkpointed after the states.'] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
         *_PREAMBLE,
         *_sequence("    "),
@@ -626,9 +652,10 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "    if HAS_S0:",
         *[f"        sp{x} += tl.load(S0 + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
+        *[f"    ac{x} = sp{x}" for _, x in states if mb],
         "    if STORE_CK:",
         "        if (NC > 0) | (not VARLEN):     # an empty packed sequence has no checkpoint",
-        *[f"            tl.store(CK + {_ckbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
+        *[f"            tl.store(CK + {_ckbase(i, nck)} * K * V + tile, {v}, mask=MASK)" for i, v in _checkpointed(step)],
         *_first_loads(step, "    ", "bos * H + h"),
         "    for t in range(0, T):",
         "        row = (bos + t) * H + h",
@@ -637,6 +664,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "        if PF > 0:",
         "            row_p = (bos + tl.minimum(t + PF, T - 1)) * H + h",
         *_prefetches(step, I2, "row_p"),
+        *_anchor_reset(step, I1),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
         *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
@@ -646,8 +674,8 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "        if STORE_CK:",
         "            if (t + 1) % CHUNK == 0:",
         "                if (t + 1) // CHUNK < NC:",
-        *[f"                    tl.store(CK + ({_ckbase(i, ns)} + (t + 1) // CHUNK) * K * V + tile, sp{x}, mask=MASK)"
-          for i, x in states],
+        *[f"                    tl.store(CK + ({_ckbase(i, nck)} + (t + 1) // CHUNK) * K * V + tile, {v}, mask=MASK)"
+          for i, v in _checkpointed(step)],
         "    if STORE_ST:",
         *[f"        tl.store(ST + {_sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
     ]
@@ -657,6 +685,8 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
                      F_codes: list) -> list[str]:
     """The backward kernel's lines: per chunk in reverse, recompute the states, then step the adjoint back."""
     ns, I1, I2 = step.n_states, _I1, _I2
+    nck = _n_checkpointed(step)
+    mb = bool(step.anchors)
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
     pr.forget()
@@ -670,7 +700,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
     pr.forget(step.Gs)             # the adjoint takes the readout's term before these
     merged = merged_key_grads(step, pr) if pr.factor else {}
     din_F = [e for n, _, _ in step.leaves if n not in merged for e in (step.din_F[n],)]
-    b_exprs = [*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)]
+    b_exprs = [*step.dS_prevs, *step.dAs, *din_F, *(e for pair in merged.values() for e in pair)]
     if pr.factor:
         pr.plan_resums(b_exprs)
     b_b = pr.reductions(b_exprs, I2)
@@ -682,24 +712,34 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
             parts.append(f"tl.sum(tl.where(MASK, {pr.expr(body)}, 0.0), axis=1, keep_dims=True)")
             parts += [f"({pr.expr(rest)})"] if rest != 0 else []
         grads.append((n, ld, " + ".join(parts) if parts else "0.0"))
+    # a mini-batch's anchors take their adjoint first: it reads the adjoints that the step then replaces
+    anchor_back = [f"            ga{x} = ga{x} + tl.where(MASK, {pr.expr(step.dAs[i])} + Z2, 0.0)" for i, x in states if mb]
     if ns == 1:     # one state: the step's new value and adjoint replace the old ones in place
         recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
-        adjoint_back = [f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
+        adjoint_back = [*anchor_back, f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
     else:           # several: every new value (adjoint) reads every old one, so two phases
         recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states),
                      *(f"            sp{x} = st{x}" for _, x in states)]
         adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
-                        *(f"            g{x} = gn{x}" for _, x in states)]
+                        *anchor_back, *(f"            g{x} = gn{x}" for _, x in states)]
+    if mb:          # the chunk's first step read its anchor as S_prev: the anchor's adjoint joins S_prev's there
+        adjoint_back += ["            first = (t % MB) == 0",
+                         *(f"            g{x} = g{x} + tl.where(first, ga{x}, 0.0)" for _, x in states),
+                         *(f"            ga{x} = tl.where(first, 0.0, ga{x})" for _, x in states)]
     return [
         "@triton.jit",
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,",
-        "               VARLEN: tl.constexpr):",
+        "               VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.',
+        *(['    MB: the mini-batch; a step reads its anchor ``ac`` from the scratch (the state before the',
+           "    mini-batch's first step) or, for a mini-batch begun before the chunk, from the checkpoint;",
+           "    ``ga``, the anchor's adjoint, gathers over the mini-batch and joins ``g`` at its first step."] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
         *_PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
+        *[f"    ga{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states if mb],
         "    if HAS_DHT:",
         *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
@@ -711,8 +751,11 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "        ci = NC - 1 - jc",
         "        t0 = ci * CHUNK",
         "        t1 = tl.minimum(t0 + CHUNK, T)",
-        *[f"        sp{x} = tl.load(CK + ({_ckbase(i, ns)} + ci) * K * V + tile, mask=MASK, other=0.)"
+        *[f"        sp{x} = tl.load(CK + ({_ckbase(i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
+        *[f"        ack{x} = tl.load(CK + ({_ckbase(ns + i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
+          for i, x in states if mb],
+        *[f"        ac{x} = ack{x}" for _, x in states if mb],
         *_first_loads(step, I1, "(bos + t0) * H + h"),
         "        for t in range(t0, t1):",
         "            row = (bos + t) * H + h",
@@ -721,6 +764,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "            if PF > 0:     # the reverse sweep below reads DY at this step",
         f"{_I3}prefetch_l2(DY + row * V + offs_v)",
         *[f"            tl.store(scr{x} + (t - t0) * BK * BV, sp{x})" for _, x in states],
+        *_anchor_reset(step, I2),
         *rec_red,
         *recompute,
         "        tl.debug_barrier()",
@@ -739,6 +783,9 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next",
         "                row_p = (bos + tl.maximum(t - CHUNK, 0)) * H + h",
         *_prefetches(step, _I3, "row_p", dy=True),
+        *(["            jm = t - t % MB      # this mini-batch's first step",
+           *(f"            ac{x} = tl.where(jm >= t0, tl.load(scr{x} + (tl.maximum(jm, t0) - t0) * BK * BV), ack{x})"
+             for _, x in states)] if mb else []),
         *b_fwd,
         *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
