@@ -82,6 +82,15 @@ def test_packed_sequential_kernels_compile_for_sm90():
     assert set(rows.values()) == {"ok"}
 
 
+def test_minibatch_general_kernels_compile_for_sm90():
+    """The generated kernels of a mini-batch update (anchors carried, checkpointed and their adjoint
+    gathered: the ``MB`` constexpr paths), packed (mini-batches counted from each sequence's start)."""
+    rc, out, err = _run("minibatch_huber", "--packed", "0,17,5,33")
+    assert rc == 0, out + err[-2000:]
+    assert {line.split()[1] for line in out.splitlines()} == {"triton:general+packed"}
+    assert _kernels(out) == {("minibatch_huber", "general_fwd_kernel"): "ok", ("minibatch_huber", "general_bwd_kernel"): "ok"}
+
+
 def test_mlp_memory_compiles_for_sm90():
     """The MLP memory's two kernels (``mlp_memory``, ttt_mlp), unpacked and packed (one program per
     sequence and head, its chunk end states counted from the sequence's first token)."""

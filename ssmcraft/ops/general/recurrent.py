@@ -84,15 +84,17 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
     ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
     7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
-    backward spills)."""
-    if row_sums(_module(ir)[0]):
+    backward spills). A mini-batch update's anchors count as states (not measured on a GPU yet)."""
+    step = _module(ir)[0]
+    if row_sums(step):
         return None
     full = next_pow2(V)
     if "rows" in CONFIG:
         return min(CONFIG["rows"], full)
     if INTERPRET:
         return full
-    return min(full, max(8, 1024 // (next_pow2(K) * max(1, len(ir.states)))))
+    tiles = step.n_states * (2 if step.anchors else 1)     # a mini-batch's anchors are tiles of their own
+    return min(full, max(8, 1024 // (next_pow2(K) * tiles)))
 
 
 def _stacked(ir) -> tuple:
