@@ -497,7 +497,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "               EVEN: tl.constexpr, VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers.',
-        *(['    MB: the mini-batch; ``ac`` is the state before the current one (reset at every MB-th step of a',
+        *(['    MB: the mini-batch; ``ac`` is the state before the current mini-batch (reset at every MB-th step of a',
            '    sequence), checkpointed after the states.'] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
         *PREAMBLE,
