@@ -64,6 +64,28 @@ def test_matches_reference(choices, C, T, chunk, rows, monkeypatch):
     assert_within(kernel_errors(obj, lambda o, lay: G.forward(o, lay, None, True), ins, params, S0, g), TOL)
 
 
+# two states, each stepped explicitly with its data gradient at its anchor: D's data term reads the
+# other state's previous value, S's is a Cauchy loss (the update sums over the rows: one row block)
+TWO_STATES = {"name": "momentum_cauchy_mb", "state": {"D": ["d", "m"], "S": ["d", "m"]},
+              "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True}, "q": {"shape": ["m"]},
+                         "beta": {"shape": ["d"], "positive": True}, "mu": {"shape": [], "bounded": True}},
+              "objective": {"D": "sq(D - mu*D_prev)/2 + wsq((S_prev + D)*k - x, beta)/4",
+                            "S": "sq(S - S_prev - D)/2 + log(1 + sq(S*k - x))/4"},
+              "update": "explicit", "output": "S*q + D*q"}
+
+
+@pytest.mark.parametrize("C,T,chunk", [(3, 11, 4), (5, 13, 3)])
+def test_two_states_match_reference(C, T, chunk, monkeypatch):
+    """Every state's anchor carried, checkpointed and given its adjoint (``_D_c``, ``_S_c``)."""
+    monkeypatch.setattr(G, "CHUNK", chunk)
+    obj = ssmcraft.compile({**TWO_STATES, "approximation": {"minibatch": C}})
+    assert obj.ir.states == ("D", "S") and G.supports(obj.ir) is None
+    assert {"_D_c", "_S_c"} <= {s.name for r in obj.ir.state_reductions for s in r.body.free_symbols}
+    ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 6, 4, seed=T)
+    assert_within(kernel_errors(obj, lambda o, lay: G.forward(o, lay, None, True), ins, params, (S0, 0.5 * S0.flip(-1)), g),
+                  TOL)
+
+
 def test_anchor_adjoint_reaches_the_initial_state():
     """The anchor carries gradient: with C = T every step reads only the initial state through its
     data term, so dropping the anchor's adjoint would leave dS0 as the retention's product alone."""
@@ -119,3 +141,19 @@ def test_sampled_minibatch_compositions_run_on_triton():
     assert len(seen) >= 8, seen
     for choices, fam, chunk_reason in seen.values():
         assert fam == ("minibatch_chunk" if chunk_reason is None else "general"), (choices, fam)
+
+
+def test_one_token_and_longer_calls_through_obj():
+    """``obj()`` on CPU tensors under the interpreter: a one-token call runs the fused decode kernel
+    (a call's first token starts a mini-batch, as in the reference), a longer one the general family."""
+    from helpers import rel_rms as rel
+    obj = _compiled(dict(data="huber", proximity="diagonal_decay", step="per_channel", update="explicit",
+                         normalize=True), 16)
+    obj.prefer = "interpret"
+    for T, backend in ((1, "triton-interpret:decode-fused"), (5, "triton-interpret:general")):
+        ins, _, S0, _ = kernel_inputs(obj, 2, T, 2, 6, 4, seed=T)
+        ins = {k: v.float() for k, v in ins.items()}
+        y, S = obj(ins, None, S0.float(), True)
+        assert obj.backend == backend
+        yr, Sr = obj.reference(ins, None, S0.float(), True)
+        assert rel(y, yr) < TOL["y"] and rel(S, Sr) < TOL["S_T"]
