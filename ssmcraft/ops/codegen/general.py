@@ -63,9 +63,10 @@ as a tile ``ac`` of its own, set to the running state at every ``MB``-th step of
 packed row's mini-batches count from each sequence's start) and stored in every checkpoint after the
 states. The adjoint ``d(sum G F)/d anchor`` is derived as ``X_prev``'s is; the backward gathers it in
 ``ga`` over the mini-batch and adds it to ``X_prev``'s adjoint at the mini-batch's first step, where
-the anchor is ``X_prev``. A step's anchor in the reverse sweep is read from the scratch (the state
-before the mini-batch's first step) or, when the mini-batch began before the checkpoint, from the
-checkpoint: any ``MB`` against any checkpoint interval.
+the anchor is ``X_prev``. A step's anchor in the reverse sweep is read from the scratch: the state
+before the mini-batch's first step, or, when the mini-batch began before the checkpoint, the
+checkpoint's anchor, copied to a slot after the chunk's states (``scratch_slots``), so that no anchor
+tile stays in registers through the sweep; any ``MB`` against any checkpoint interval.
 
 Packed sequences (``VARLEN``, ``ssmcraft.ops.common.varlen``): program row ``b`` is sequence ``b``
 of one packed row, its first row, length and first checkpoint loaded from ``CU``/``CO``
@@ -85,7 +86,7 @@ from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
 from ssmcraft.ops.codegen.general_lines import (
     IN1, IN2, IN3, PREAMBLE, PREFETCH_L2, anchor_reset, checkpointed, ckbase, dy_load, first_loads,
-    leaf_store, loads_ahead, n_checkpointed, partials_stride, prefetches, sbase, scr_block, sequence_lines,
+    leaf_store, loads_ahead, n_checkpointed, partials_stride, prefetches, sbase, scr_block, scratch_slots, sequence_lines,
     suffixes)
 
 
@@ -602,8 +603,8 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,",
         "               VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.',
-        *(['    MB: the mini-batch; a step reads its anchor ``ac`` from the scratch (the state before the',
-           "    mini-batch's first step) or, for a mini-batch begun before the chunk, from the checkpoint;",
+        *(['    MB: the mini-batch; a step reads its anchor ``ac`` from the scratch: the state before the',
+           "    mini-batch's first step or, for a mini-batch begun before the chunk, the checkpoint's anchor;",
            "    ``ga``, the anchor's adjoint, gathers over the mini-batch and joins ``g`` at its first step."] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
         *PREAMBLE,
@@ -614,7 +615,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
           for i, x in states],
         *partials_stride("    "),
         *sequence_lines("    "),
-        *[f"    scr{x} = SCR + {scr_block(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
+        *[f"    scr{x} = SCR + {scr_block(i, ns)} * {scratch_slots(step)} * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
           for i, x in states],
         "    for jc in range(0, NC):",
         "        ci = NC - 1 - jc",
@@ -622,9 +623,9 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "        t1 = tl.minimum(t0 + CHUNK, T)",
         *[f"        sp{x} = tl.load(CK + ({ckbase(i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
-        *[f"        ack{x} = tl.load(CK + ({ckbase(ns + i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
+        *[f"        ac{x} = tl.load(CK + ({ckbase(ns + i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states if mb],
-        *[f"        ac{x} = ack{x}" for _, x in states if mb],
+        *[f"        tl.store(scr{x} + CHUNK * BK * BV, ac{x})      # the slot after the chunk's states" for _, x in states if mb],
         *first_loads(step, I1, "(bos + t0) * H + h"),
         "        for t in range(t0, t1):",
         "            row = (bos + t) * H + h",
@@ -653,8 +654,8 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "                row_p = (bos + tl.maximum(t - CHUNK, 0)) * H + h",
         *prefetches(step, IN3, "row_p", dy=True),
         *(["            jm = t - t % MB      # this mini-batch's first step",
-           *(f"            ac{x} = tl.where(jm >= t0, tl.load(scr{x} + (tl.maximum(jm, t0) - t0) * BK * BV), ack{x})"
-             for _, x in states)] if mb else []),
+           *(f"            ac{x} = tl.load(scr{x} + tl.where(jm >= t0, jm - t0, CHUNK) * BK * BV)" for _, x in states)]
+          if mb else []),
         *b_fwd,
         *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],

@@ -26,6 +26,11 @@ def anchor_reset(step, indent: str) -> list[str]:
     return [f"{indent}ac{x} = tl.where(t % MB == 0, sp{x}, ac{x})" for x in suffixes(step) if step.anchors]
 
 
+def scratch_slots(step) -> str:
+    """Tiles per scratch block: the chunk's states, and for a mini-batch one more, the checkpoint's anchor."""
+    return "(CHUNK + 1)" if step.anchors else "CHUNK"
+
+
 def sbase(i: int, ns: int) -> str:
     """The (batch*head, state) index of a state tile: state i of ns, stacked after [B, H]."""
     return "i_bh.to(tl.int64)" if ns == 1 else f"(i_bh.to(tl.int64) * {ns} + {i})"
@@ -65,7 +70,7 @@ def partials_stride(indent: str) -> list[str]:
 
 def scr_block(i: int, ns: int) -> str:
     """The scratch block of state i of ns in program (batch*head, row block): blocks of
-    ``CHUNK * BK * BV`` ordered [B*H, NV, ns]."""
+    ``scratch_slots * BK * BV`` ordered [B*H, NV, ns]."""
     blk = "(i_bh.to(tl.int64) * tl.num_programs(1) + i_v)"
     return blk if ns == 1 else f"({blk} * {ns} + {i})"
 

@@ -184,7 +184,8 @@ class _GeneralFunction(torch.autograd.Function):
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((N, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(N * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
+        slots = chunk + (1 if step.anchors else 0)       # codegen.general_lines.scratch_slots
+        SCR = torch.empty(N * H * NV * (ns[0] if ns else 1) * slots * BK * BV, device=dev, dtype=torch.float32)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
