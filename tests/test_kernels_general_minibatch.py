@@ -157,3 +157,23 @@ def test_one_token_and_longer_calls_through_obj():
         assert obj.backend == backend
         yr, Sr = obj.reference(ins, None, S0.float(), True)
         assert rel(y, yr) < TOL["y"] and rel(S, Sr) < TOL["S_T"]
+
+
+# held-out compositions the GPU check and the class table read from files (``--only FILE``)
+SPEC_FILES = {"minibatch_cauchy_keydecay.yaml": dict(proximity="diagonal_decay", data="cauchy", keys=1, step="scalar",
+                                                     update="explicit", minibatch=16, normalize=True),
+              "minibatch_newton_2key.yaml": dict(proximity="channel_decay", data="regression", keys=2, step="per_channel",
+                                                 update="newton", minibatch=16, normalize=True)}
+
+
+@pytest.mark.parametrize("file", sorted(SPEC_FILES))
+def test_benchmark_specs_are_the_compositions(file):
+    """``benchmarks/specs``' mini-batch files are what ``compose_objective`` writes, and the general
+    family is the one CUDA dispatch picks for them."""
+    from pathlib import Path
+
+    import yaml
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "specs" / file
+    spec = yaml.safe_load(path.read_text())
+    assert spec == compose_objective(check_choices(SPEC_FILES[file]))
+    assert cuda_family(ssmcraft.compile(spec).ir) == "general"
