@@ -263,7 +263,11 @@ def row_sums(step: Step) -> list[str]:
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if ``ir`` runs on this family's kernel, else the reason."""
+    """None if ``ir`` runs on this family's kernel, else the reason. It runs every general or nonlinear
+    update of ``[d, m]`` states, one or several, exact or mini-batch (``approximation: {minibatch:
+    C}``, any C: each state's anchor carried beside it); it refuses states of other shapes (an MLP
+    memory's weights, a square state carried by its inverse) and updates the Triton printer cannot
+    print."""
     if ir.kind not in ("general", "nonlinear"):
         return f"not a general/nonlinear update ({ir.kind})"
     if ir.state_shapes and not ir.inverses:
