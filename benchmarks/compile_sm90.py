@@ -9,13 +9,18 @@ choices of a GPU), and every ``ssmcraft.ops.common.launch.launch`` compiles its 
 sm_90 (Triton's bundled ptxas) instead of running it: the outputs are never written, so the
 numbers mean nothing; what is checked is that each kernel compiles, with the arguments the host
 code passes. ``--packed`` runs one packed call (``cu_seqlens``) of those sequence lengths.
-Prints one line per distinct kernel signature; exit status 1 when any fails to compile.
+Prints one line per distinct kernel signature; exit status 1 when any fails to compile. ``--regs``
+adds each kernel's registers per thread and spill bytes, from Triton's bundled ptxas (``-v``) on
+the kernel's PTX: the figures the GPU's own load would report.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -67,7 +72,24 @@ def _type(v, path: tuple, consts: dict):
     return "fp32"
 
 
-def compile_call(kernel, args, kw, seen: dict) -> None:
+def ptxas_usage(ptx: str) -> str:
+    """``regs N, spills S/L bytes`` of one kernel's PTX (``ptxas -v`` for sm_90a)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if out.returncode or not regs:
+        return f"ptxas: {text.strip().splitlines()[-1] if text.strip() else out.returncode}"
+    return f"regs {regs.group(1)}, spills {spill.group(1)}/{spill.group(2)} bytes" if spill else f"regs {regs.group(1)}"
+
+
+def compile_call(kernel, args, kw, seen: dict, regs: bool = False) -> None:
     fn, cfg, warps, stages, heur = _config(kernel)
     bound = dict(zip(fn.arg_names, args))
     bound.update(kw)
@@ -88,24 +110,24 @@ def compile_call(kernel, args, kw, seen: dict) -> None:
     if key in seen:
         return
     try:
-        triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
-        seen[key] = (fn.__name__, None)
+        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+        seen[key] = (fn.__name__, None, ptxas_usage(compiled.asm["ptx"]) if regs else "")
     except Exception as e:  # noqa: BLE001 - the failure is the finding, reported by kernel
-        seen[key] = (fn.__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+        seen[key] = (fn.__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__, "")
 
 
 @contextmanager
-def compiling(seen: dict):
+def compiling(seen: dict, regs: bool = False):
     """Every ``launch`` (in every module that imported it) compiles instead of running, and dispatch
-    takes CPU tensors in its CUDA mode."""
+    takes CPU tensors in its CUDA mode; ``regs``: with ptxas's register and spill figures."""
     from ssmcraft.ops.diagonal import chunk as diagonal
     from ssmcraft.runtime import select
     real_launch, real_mode, real_fast = L.launch, select._mode, diagonal._fast_math
     patched = [m for m in list(sys.modules.values()) if getattr(m, "launch", None) is real_launch]
 
     def fake(kernel, grid, *args, **kw):
-        compile_call(kernel, args, kw, seen)
+        compile_call(kernel, args, kw, seen, regs)
     for m in patched:
         m.launch = fake
     # the outputs are never written: host code that reads one (RLS inverts the final precision) reads
@@ -125,14 +147,14 @@ def compiling(seen: dict):
         select._mode, diagonal._fast_math = real_mode, real_fast
 
 
-def run(label: str, packed: list[int] | None, dtype, seen: dict) -> str:
+def run(label: str, packed: list[int] | None, dtype, seen: dict, regs: bool = False) -> str:
     obj = ssmcraft.compile(dict(class_specs((label,)))[label])
     B, T = (1, sum(packed)) if packed else (2, 67)
     inputs, params = random_inputs(obj, B, T, 2, 64, 64, dtype, torch.device("cpu"), requires_grad=True)
     kw = {}
     if packed:
         kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(packed).cumsum(0).tolist()], dtype=torch.int32)
-    with compiling(seen):
+    with compiling(seen, regs):
         y = obj(inputs, params, None, True, **kw)[0]
         torch.autograd.grad(y, list(inputs.values()), torch.ones_like(y), allow_unused=True)
     return obj.backend
@@ -143,16 +165,18 @@ def main(argv=None) -> int:
     ap.add_argument("objectives", nargs="+", help="library names or bench --classes labels")
     ap.add_argument("--packed", default="", help="comma-separated sequence lengths of one packed call")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--regs", action="store_true", help="print each kernel's registers and spills (ptxas -v)")
     args = ap.parse_args(argv)
     packed = [int(x) for x in args.packed.split(",") if x] or None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     failed = 0
     for label in args.objectives:
         seen: dict = {}
-        backend = run(label, packed, dtype, seen)
-        for name, err in seen.values():
+        backend = run(label, packed, dtype, seen, args.regs)
+        for name, err, usage in seen.values():
             failed += err is not None
-            print(f"{label:<16} {backend:<34} {name:<40} {'ok' if err is None else 'FAIL: ' + err}")
+            print(f"{label:<16} {backend:<34} {name:<40} {'ok' if err is None else 'FAIL: ' + err}"
+                  + (f" ({usage})" if usage else ""))
         if not seen:
             print(f"{label:<16} {backend:<34} (no Triton kernel launched)")
     return 1 if failed else 0

@@ -82,6 +82,20 @@ def test_packed_sequential_kernels_compile_for_sm90():
     assert set(rows.values()) == {"ok"}
 
 
+def test_minibatch_general_kernels_compile_for_sm90():
+    """The generated kernels of a mini-batch update (anchors carried, checkpointed and their adjoint
+    gathered: the ``MB`` constexpr paths), packed (mini-batches counted from each sequence's start).
+    With ``--regs``, each kernel's ptxas register and spill figures."""
+    import re
+    rc, out, err = _run("minibatch_huber", "--packed", "0,17,5,33", "--regs")
+    assert rc == 0, out + err[-2000:]
+    assert {line.split()[1] for line in out.splitlines()} == {"triton:general+packed"}
+    rows = _kernels(out)
+    assert set(rows) == {("minibatch_huber", "general_fwd_kernel"), ("minibatch_huber", "general_bwd_kernel")}
+    for verdict in rows.values():
+        assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+
+
 def test_mlp_memory_compiles_for_sm90():
     """The MLP memory's two kernels (``mlp_memory``, ttt_mlp), unpacked and packed (one program per
     sequence and head, its chunk end states counted from the sequence's first token)."""
@@ -112,7 +126,7 @@ def typed_int_kernel(x, n, L):
 
 seen = {}
 compile_sm90.compile_call(typed_int_kernel, (torch.zeros(1), 3, 4), {}, seen)
-((name, err),) = seen.values()
+((name, err, _),) = seen.values()
 print(name, "FAIL" if err else "ok")
 """
 

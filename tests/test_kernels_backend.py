@@ -69,8 +69,8 @@ def test_why_not_names_every_family():
     obj.prefer = "interpret"
     reasons = dict(TB.families(obj, inputs, "interpret"))
     assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "block_rank1_row",
-                             "general",
-                             "rank1_chunk", "rankr_chunk", "minibatch_chunk", "precision_rank1",
+                             "minibatch_chunk", "general",
+                             "rank1_chunk", "rankr_chunk", "precision_rank1",
                              "rank1_keydecay_chunk", "mlp_memory"]
     assert "rank-r" in reasons["rankr_row"]
     assert reasons["keydecay_chunk"] is not None

@@ -26,6 +26,8 @@ COMPOSED: dict[str, dict[str, Any]] = {
                          "update": "decay_explicit", "normalize": True},
     "minibatch_delta": {"proximity": "plain", "data": "regression", "step": "scalar", "update": "explicit",
                         "normalize": True, "minibatch": 16},
+    "minibatch_huber": {"proximity": "scalar_decay", "data": "huber", "step": "per_channel", "update": "explicit",
+                        "normalize": True, "minibatch": 16},
     "huber_channel_gated": {"proximity": "scalar_decay", "data": "huber", "step": "per_channel",
                             "update": "decay_explicit", "normalize": True},
     "cauchy_channel": {"proximity": "plain", "data": "cauchy", "step": "per_channel", "update": "explicit",

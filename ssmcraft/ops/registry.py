@@ -5,10 +5,11 @@ Order: ``decode`` (one-token calls only), ``keydecay_chunk`` (decays scalar or o
 dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on tensor cores),
 ``diagonal`` (every scalar/elementwise decay, e.g. Mamba's over ``(d, m)``), ``rank1_row``,
 ``rankr_row`` (several keys), ``block_rank1_row`` (two states updated by one rank-1 step of an
-extrapolated state: Longhorn with momentum), ``general`` (anything else the generator prints), then
-``rank1_chunk``, which declares itself ahead of ``rank1_row`` on CUDA for a per-head step
-(``KernelFamily.ahead_on_gpu``), ``rankr_chunk``, ahead of ``rankr_row`` likewise, ``minibatch_chunk``
-(mini-batch regression steps), ``precision_rank1`` (recursive least squares, the preconditioned
+extrapolated state: Longhorn with momentum), ``minibatch_chunk`` (mini-batch regression steps with a
+scalar or weight decay, on tensor cores: ahead of ``general``, which runs every other mini-batch
+update), ``general`` (anything else the generator prints), then ``rank1_chunk``, which declares itself
+ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``,
+ahead of ``rankr_row`` likewise, ``precision_rank1`` (recursive least squares, the preconditioned
 delta rule), ``rank1_keydecay_chunk`` (rank-1 with a per-key decay and a per-head step: a KDA-like
 layer; chunked, on tensor cores) and ``mlp_memory`` (a two-layer MLP memory: two weight states of
 different shapes), which no other family runs. A family that does not support an IR says why
@@ -31,9 +32,9 @@ from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
 from ssmcraft.ops.rankr_chunk import FAMILY as RANKR_CHUNK
 from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
-FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW, GENERAL,
-                                      RANK1_CHUNK, RANKR_CHUNK, MINIBATCH_CHUNK, PRECISION_RANK1, RANK1_KEYDECAY_CHUNK,
-                                      MLP_MEMORY)
+FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW,
+                                      MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
+                                      RANK1_KEYDECAY_CHUNK, MLP_MEMORY)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 

@@ -57,21 +57,37 @@ Several states (``ir.states``, ``ir.state_updates``): one register tile, checkpo
 block and adjoint per state (``sp0, sp1, ...``), stacked ``[B, H, n, K, V]`` on the host, row
 tiled as one state is (scratch blocks ordered ``[B*H, NV, n]``).
 
+Mini-batch updates (``ir.minibatch``, ``ssmcraft.compiler.minibatch``): the update reads each state's
+anchor ``_X_c`` (its value before the mini-batch) beside ``X_prev``. The forward carries the anchor
+as a tile ``ac`` of its own, set to the running state at every ``MB``-th step of a sequence (so a
+packed row's mini-batches count from each sequence's start) and stored in every checkpoint after the
+states. The adjoint ``d(sum G F)/d anchor`` is derived as ``X_prev``'s is; the backward gathers it in
+``ga`` over the mini-batch and adds it to ``X_prev``'s adjoint at the mini-batch's first step, where
+the anchor is ``X_prev``. A step's anchor in the reverse sweep is read from the scratch: the state
+before the mini-batch's first step, or, when the mini-batch began before the checkpoint, the
+checkpoint's anchor, copied to a slot after the chunk's states (``scratch_slots``), so that no anchor
+tile stays in registers through the sweep; any ``MB`` against any checkpoint interval.
+
 Packed sequences (``VARLEN``, ``ssmcraft.ops.common.varlen``): program row ``b`` is sequence ``b``
 of one packed row, its first row, length and first checkpoint loaded from ``CU``/``CO``
-(``_sequence``); its states are row ``b`` of ``[N, H, ...]`` and the checkpoints of every sequence
+(``sequence_lines``); its states are row ``b`` of ``[N, H, ...]`` and the checkpoints of every sequence
 lie together, ``[H, (n,) NC, K, V]``. Without it the kernels compile as they would without the flag.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
 from ssmcraft.compiler import safe_source
 from ssmcraft.compiler.derive import gradient
+from ssmcraft.compiler.minibatch import anchor_name
 from ssmcraft.compiler.structure import element_form
 from ssmcraft.compiler.symbolic import Algebra, Reduction
+from ssmcraft.ops.codegen.general_lines import (
+    IN1, IN2, IN3, PREAMBLE, PREFETCH_L2, anchor_reset, checkpointed, ckbase, dy_load, first_loads,
+    leaf_store, loads_ahead, n_checkpointed, partials_stride, prefetches, sbase, scr_block, scratch_slots, sequence_lines,
+    suffixes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -97,6 +113,8 @@ class Step:
     din_ro: dict            # leaf -> d(sum DY*y)/d leaf
     dS_prevs: list          # d(sum_X G_X*F_X)/dX_prev per state
     din_F: dict             # leaf -> d(sum_X G_X*F_X)/d leaf
+    anchors: list = field(default_factory=list)     # a mini-batch update's states before the chunk (``_X_c``)
+    dAs: list = field(default_factory=list)         # d(sum_X G_X*F_X)/d anchor per state
 
     @property
     def n_states(self) -> int:
@@ -147,6 +165,7 @@ def build_step(ir) -> Step:
     S_prevs = [sym(f"{x}_prev" if several else "S_prev", (d, m)) for x in ir.state_names]
     Ss = [sym(x, (d, m)) for x in ir.state_names]
     Gs = [sym(f"_G{i}" if several else "_G", (d, m)) for i in range(len(Ss))]
+    anchors = [sym(anchor_name(x), (d, m)) for x in ir.state_names] if ir.minibatch else []
     DY = sym("_DY", (d,))
     leaves = []
     for name, ldims in list(ir.inputs.items()) + list(ir.params.items()):
@@ -170,7 +189,8 @@ def build_step(ir) -> Step:
     dS_prevs = [gradient(alg, L_F, S_prev) for S_prev in S_prevs]
     din_ro = {n: gradient(alg, L_ro, s) for n, _, s in leaves}
     din_F = {n: gradient(alg, L_F, s) for n, _, s in leaves}
-    return Step(alg, (d, m), S_prevs, Ss, Gs, DY, leaves, Fs, readout, dS_ros, din_ro, dS_prevs, din_F)
+    dAs = [gradient(alg, L_F, A) for A in anchors]
+    return Step(alg, (d, m), S_prevs, Ss, Gs, DY, leaves, Fs, readout, dS_ros, din_ro, dS_prevs, din_F, anchors, dAs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -202,8 +222,10 @@ class TilePrinter:
     def __init__(self, step: Step):
         d, m = step.dims
         names = {d: "V_f", m: "K_f", step.DY.name: "dy"}
-        for sfx, S_prev, S, G in zip(_suffixes(step), step.S_prevs, step.Ss, step.Gs):
+        for sfx, S_prev, S, G in zip(suffixes(step), step.S_prevs, step.Ss, step.Gs):
             names.update({S_prev.name: f"sp{sfx}", S.name: f"st{sfx}", G.name: f"g{sfx}"})
+        for sfx, A in zip(suffixes(step), step.anchors):
+            names[A.name] = f"ac{sfx}"
         for n, _, s in step.leaves:
             names[s.name] = f"l_{n}"
         self._setup(step.alg, step.dims, names)
@@ -401,11 +423,11 @@ def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
     factor in every term over the whole ``[BK, BV]`` tile. Reductions already computed
     (``pr.done``: those of the update) keep their printed form."""
     alg = step.alg
-    state = {*step.S_prevs, *step.Ss, *step.Gs, step.DY}
+    state = {*step.S_prevs, *step.Ss, *step.Gs, *step.anchors, step.DY}
     ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
     if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
         ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
-    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.din_F.values())
+    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs, *step.din_F.values())
                if sympy.sympify(e) != 0]
     return shared_lines(pr, adjoint, indent, ignore)
 
@@ -447,7 +469,7 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
     out = {}
     for n in keyed:
         e = sympy.sympify(pr.rewrite.get(step.din_F[n], step.din_F[n]))
-        others = [*step.dS_prevs, *step.dS_ros, *step.din_ro.values(), step.readout,
+        others = [*step.dS_prevs, *step.dAs, *step.dS_ros, *step.din_ro.values(), step.readout,
                   *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
         elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
                                               for r in alg.reductions_in(alg.reductions[x].body)}
@@ -461,154 +483,11 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
     return out
 
 
-def _suffixes(step: Step) -> list[str]:
-    """Per-state suffix of the kernel's variables: ``sp``, ``st``, ``g`` with one state,
-    ``sp0``, ``sp1``, ... with several."""
-    return [""] if step.n_states == 1 else [str(i) for i in range(step.n_states)]
-
-
-def _sbase(i: int, ns: int) -> str:
-    """The (batch*head, state) index of a state tile: state i of ns, stacked after [B, H]."""
-    return "i_bh.to(tl.int64)" if ns == 1 else f"(i_bh.to(tl.int64) * {ns} + {i})"
-
-
-def _ckbase(i: int, ns: int) -> str:
-    """The index of state i's first checkpoint (``_sequence``'s ``ck_row``, ``c0``): checkpoints laid
-    out [B, H, ns, NC, K, V], a packed row's [H, ns, NC, K, V] with every sequence's together."""
-    return f"((ck_row * {ns} + {i}) * NCS + c0)" if ns > 1 else "(ck_row * NCS + c0)"
-
-
-def _sequence(indent: str) -> list[str]:
-    """The lines that give program row ``b`` its time steps: ``bos`` its first token row, ``T`` its
-    length, ``NC`` its checkpoint count and (``ck_row``, ``NCS``, ``c0``) where its checkpoints start
-    (``_ckbase``). VARLEN: sequence ``b`` of a packed row (``CU`` its offsets, ``CO`` each sequence's
-    first checkpoint, NC every sequence's checkpoints together; an empty sequence has none, and its
-    first row is clamped into the row: its loads are never used); else batch row ``b``."""
-    return [f"{indent}bos = b.to(tl.int64) * T",
-            f"{indent}ck_row = i_bh.to(tl.int64)",
-            f"{indent}c0 = 0",
-            f"{indent}NCS = NC",
-            f"{indent}if VARLEN:",
-            f"{indent}    bos = tl.minimum(tl.load(CU + b), T - 1).to(tl.int64)",
-            f"{indent}    T = tl.load(CU + b + 1) - tl.load(CU + b)",
-            f"{indent}    ck_row = h.to(tl.int64)",
-            f"{indent}    c0 = tl.load(CO + b)",
-            f"{indent}    NC = tl.cdiv(T, CHUNK)"]
-
-
-def _partials_stride(indent: str) -> list[str]:
-    """``NBT``, the token rows times the heads (B*T*H; a packed row's cu[N]*H): the stride of a row
-    block's partial gradients of the leaves shared by the rows."""
-    return [f"{indent}NBT = tl.num_programs(0).to(tl.int64) * T          # B*H*T: stride of a row block's partial gradients",
-            f"{indent}if VARLEN:     # one packed row of cu[N] token rows",
-            f"{indent}    NBT = tl.load(CU + tl.num_programs(0) // H).to(tl.int64) * H"]
-
-
-def _scr_block(i: int, ns: int) -> str:
-    """The scratch block of state i of ns in program (batch*head, row block): blocks of
-    ``CHUNK * BK * BV`` ordered [B*H, NV, ns]."""
-    blk = "(i_bh.to(tl.int64) * tl.num_programs(1) + i_v)"
-    return blk if ns == 1 else f"({blk} * {ns} + {i})"
-
-
-def _leaf_load(name, ldims, step, indent, var=None, row="row") -> str:
-    """The line loading leaf ``name`` at step ``row`` (a row index of ``[B, T, H]``) into ``var``
-    (default ``l_<name>``), as an fp32 value over the tile."""
-    d, m = step.dims
-    v = var or f"l_{name}"
-    if tuple(ldims) == (d,):
-        return f"{indent}{v} = tl.load(P_{name} + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
-    if tuple(ldims) == (m,):
-        return f"{indent}{v} = tl.load(P_{name} + {row} * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
-    if not ldims:
-        return f"{indent}{v} = tl.load(P_{name} + {row}).to(tl.float32)"
-    # [d, m] leaf laid out [B, T, H, V, K]
-    return (f"{indent}{v} = tl.load(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None], "
-            f"mask=MASK, other=0.).to(tl.float32)")
-
-
-def _leaf_prefetch(name, ldims, step, indent, row) -> list[str]:
-    """An L2 prefetch of leaf ``name`` at step ``row`` (nothing waits on it). Scalars are left
-    out: a head's scalars of several steps share one cache line."""
-    d, m = step.dims
-    if tuple(ldims) == (d,):
-        return [f"{indent}prefetch_l2(P_{name} + {row} * V + offs_v)"]
-    if tuple(ldims) == (m,):
-        return [f"{indent}prefetch_l2(P_{name} + {row} * K + offs_k)"]
-    if not ldims:
-        return []
-    return [f"{indent}prefetch_l2(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None])"]
-
-
-def _loads_ahead(step, indent, row_next) -> list[str]:
-    """Lines that take this step's leaves from the values loaded one step ahead (``n_<name>``)
-    and load the next step's (at ``row_next``): the loads' latency overlaps the step's work
-    instead of starting its dependency chain."""
-    take = [f"{indent}l_{n} = n_{n}" for n, _, _ in step.leaves]
-    return take + [_leaf_load(n, ld, step, indent, f"n_{n}", row_next) for n, ld, _ in step.leaves]
-
-
-def _first_loads(step, indent, row) -> list[str]:
-    """The loads ahead of a loop's first step (``_loads_ahead``), at ``row`` (an expression)."""
-    return [f"{indent}row_n = {row}", *(_leaf_load(n, ld, step, indent, f"n_{n}", "row_n") for n, ld, _ in step.leaves)]
-
-
-def _prefetches(step, indent, row, dy=False) -> list[str]:
-    """L2 prefetches of every leaf (and ``DY`` if ``dy``) at step ``row``."""
-    lines = [line for n, ld, _ in step.leaves for line in _leaf_prefetch(n, ld, step, indent, row)]
-    return lines + ([f"{indent}prefetch_l2(DY + {row} * V + offs_v)"] if dy else [])
-
-
-def _dy_load(indent, var, row) -> str:
-    return f"{indent}{var} = tl.load(DY + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
-
-
-def _leaf_store(name, ldims, step, value, indent) -> list[str]:
-    d, m = step.dims
-    if tuple(ldims) == (d,):
-        return [f"{indent}tl.store(D_{name} + row * V + offs_v, tl.sum({value} + ZR, axis=0), mask=mask_v)"]
-    if tuple(ldims) == (m,):       # shared by the rows: one partial sum per row block
-        return [f"{indent}tl.store(D_{name} + i_v * NBT * K + row * K + offs_k, tl.sum({value} + ZC, axis=1), mask=mask_k)"]
-    if not ldims:
-        return [f"{indent}tl.store(D_{name} + i_v * NBT + row, tl.sum(tl.sum({value} + Z11, axis=1), axis=0))"]
-    return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
-
-
-_I1, _I2, _I3 = " " * 8, " " * 12, " " * 16
-_PREAMBLE = [
-    "    i_bh = tl.program_id(0)",
-    "    i_v = tl.program_id(1)",
-    "    b = i_bh // H",
-    "    h = i_bh % H",
-    "    offs_v = i_v * BV + tl.arange(0, BV)",
-    "    offs_k = tl.arange(0, BK)",
-    "    mask_v = (offs_v < V) | EVEN      # EVEN (BK == K, BV divides V): no padding, the masks fold away",
-    "    mask_k = (offs_k < K) | EVEN",
-    "    MASK = mask_k[:, None] & mask_v[None, :]",
-    "    tile = offs_k[:, None] * V + offs_v[None, :]",
-    "    V_f = V * 1.0",
-    "    K_f = K * 1.0",
-    "    ZR = tl.zeros([1, BV], dtype=tl.float32)",
-    "    ZC = tl.zeros([BK, 1], dtype=tl.float32)",
-    "    Z2 = tl.zeros([BK, BV], dtype=tl.float32)",
-    "    Z11 = tl.zeros([1, 1], dtype=tl.float32)",
-]
-
-
-# generated code imports nothing but triton (``ssmcraft.compiler.safe_source``): its own copy of
-# the L2 prefetch (``ssmcraft.ops.rank1_row.fwd.prefetch_l2``)
-_PREFETCH_L2 = [
-    "@triton.jit",
-    "def prefetch_l2(ptrs):",
-    '    """Ask L2 for the cache lines behind ``ptrs`` (no register result is waited on)."""',
-    '    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],',
-    "                              dtype=tl.int32, is_pure=False, pack=1)",
-]
-
-
 def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F_codes: list) -> list[str]:
     """The forward kernel's lines: the state tile in registers, stepped through T."""
-    ns, I1, I2 = step.n_states, _I1, _I2
+    ns, I1, I2 = step.n_states, IN1, IN2
+    nck = n_checkpointed(step)
+    mb = bool(step.anchors)
     fwd_red_F = pr.reductions(step.Fs, I2)
     pr_ro = pr.reductions([step.readout], I2)
     return [
@@ -616,27 +495,31 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         f"def general_fwd_kernel({leaf_ptrs}, S0, Y, ST, CK, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, STORE_CK: tl.constexpr, PF: tl.constexpr,",
-        "               EVEN: tl.constexpr, VARLEN: tl.constexpr):",
+        "               EVEN: tl.constexpr, VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """One program per (batch*head, block of BV rows): the state tile' + ("" if ns == 1 else f" (each of {ns})")
         + ', transposed [BK, BV], in registers.',
+        *(['    MB: the mini-batch; ``ac`` is the state before the current mini-batch (reset at every MB-th step of a',
+           '    sequence), checkpointed after the states.'] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
-        *_PREAMBLE,
-        *_sequence("    "),
+        *PREAMBLE,
+        *sequence_lines("    "),
         *[f"    sp{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         "    if HAS_S0:",
-        *[f"        sp{x} += tl.load(S0 + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
+        *[f"        sp{x} += tl.load(S0 + {sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
+        *[f"    ac{x} = sp{x}" for _, x in states if mb],
         "    if STORE_CK:",
         "        if (NC > 0) | (not VARLEN):     # an empty packed sequence has no checkpoint",
-        *[f"            tl.store(CK + {_ckbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
-        *_first_loads(step, "    ", "bos * H + h"),
+        *[f"            tl.store(CK + {ckbase(i, nck)} * K * V + tile, {v}, mask=MASK)" for i, v in checkpointed(step)],
+        *first_loads(step, "    ", "bos * H + h"),
         "    for t in range(0, T):",
         "        row = (bos + t) * H + h",
         "        row_n = (bos + tl.minimum(t + 1, T - 1)) * H + h",
-        *_loads_ahead(step, I1, "row_n"),
+        *loads_ahead(step, I1, "row_n"),
         "        if PF > 0:",
         "            row_p = (bos + tl.minimum(t + PF, T - 1)) * H + h",
-        *_prefetches(step, I2, "row_p"),
+        *prefetches(step, I2, "row_p"),
+        *anchor_reset(step, I1),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
         *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
@@ -646,17 +529,54 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         "        if STORE_CK:",
         "            if (t + 1) % CHUNK == 0:",
         "                if (t + 1) // CHUNK < NC:",
-        *[f"                    tl.store(CK + ({_ckbase(i, ns)} + (t + 1) // CHUNK) * K * V + tile, sp{x}, mask=MASK)"
-          for i, x in states],
+        *[f"                    tl.store(CK + ({ckbase(i, nck)} + (t + 1) // CHUNK) * K * V + tile, {v}, mask=MASK)"
+          for i, v in checkpointed(step)],
         "    if STORE_ST:",
-        *[f"        tl.store(ST + {_sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
+        *[f"        tl.store(ST + {sbase(i, ns)} * K * V + tile, sp{x}, mask=MASK)" for i, x in states],
     ]
+
+
+def _leaf_grads(step: Step, pr: TilePrinter, merged: dict) -> list:
+    """(name, dims, the code of its gradient at this step) per leaf: the readout's and the
+    transition's terms (``merged_key_grads``' form where it applies)."""
+    grads = []
+    for n, ld, s in step.leaves:
+        parts = [f"({pr.expr(e)})" for e in (step.din_ro[n], step.din_F[n] if n not in merged else 0) if e != 0]
+        if n in merged:
+            body, rest = merged[n]
+            parts.append(f"tl.sum(tl.where(MASK, {pr.expr(body)}, 0.0), axis=1, keep_dims=True)")
+            parts += [f"({pr.expr(rest)})"] if rest != 0 else []
+        grads.append((n, ld, " + ".join(parts) if parts else "0.0"))
+    return grads
+
+
+def _step_back(step: Step, pr: TilePrinter, states: list, F_codes: list) -> tuple[list, list]:
+    """The backward's lines that replace the state by its next value (the recompute pass) and the
+    adjoint by its previous one (the reverse pass), a mini-batch's anchor adjoints included."""
+    mb = bool(step.anchors)
+    # a mini-batch's anchors take their adjoint first: it reads the adjoints that the step then replaces
+    anchor_back = [f"            ga{x} = ga{x} + tl.where(MASK, {pr.expr(step.dAs[i])} + Z2, 0.0)" for i, x in states if mb]
+    if step.n_states == 1:     # one state: the step's new value and adjoint replace the old ones in place
+        recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
+        adjoint_back = [*anchor_back, f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
+    else:           # several: every new value (adjoint) reads every old one, so two phases
+        recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states),
+                     *(f"            sp{x} = st{x}" for _, x in states)]
+        adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
+                        *anchor_back, *(f"            g{x} = gn{x}" for _, x in states)]
+    if mb:          # the chunk's first step read its anchor as S_prev: the anchor's adjoint joins S_prev's there
+        adjoint_back += ["            first = (t % MB) == 0",
+                         *(f"            g{x} = g{x} + tl.where(first, ga{x}, 0.0)" for _, x in states),
+                         *(f"            ga{x} = tl.where(first, 0.0, ga{x})" for _, x in states)]
+    return recompute, adjoint_back
 
 
 def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str, states: list,
                      F_codes: list) -> list[str]:
     """The backward kernel's lines: per chunk in reverse, recompute the states, then step the adjoint back."""
-    ns, I1, I2 = step.n_states, _I1, _I2
+    ns, I1, I2 = step.n_states, IN1, IN2
+    nck = n_checkpointed(step)
+    mb = bool(step.anchors)
     # backward: fresh reduction bookkeeping (each loop body computes its own)
     pr.done = set()
     pr.forget()
@@ -670,75 +590,72 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
     pr.forget(step.Gs)             # the adjoint takes the readout's term before these
     merged = merged_key_grads(step, pr) if pr.factor else {}
     din_F = [e for n, _, _ in step.leaves if n not in merged for e in (step.din_F[n],)]
-    b_exprs = [*step.dS_prevs, *din_F, *(e for pair in merged.values() for e in pair)]
+    b_exprs = [*step.dS_prevs, *step.dAs, *din_F, *(e for pair in merged.values() for e in pair)]
     if pr.factor:
         pr.plan_resums(b_exprs)
     b_b = pr.reductions(b_exprs, I2)
-    grads = []
-    for n, ld, s in step.leaves:
-        parts = [f"({pr.expr(e)})" for e in (step.din_ro[n], step.din_F[n] if n not in merged else 0) if e != 0]
-        if n in merged:
-            body, rest = merged[n]
-            parts.append(f"tl.sum(tl.where(MASK, {pr.expr(body)}, 0.0), axis=1, keep_dims=True)")
-            parts += [f"({pr.expr(rest)})"] if rest != 0 else []
-        grads.append((n, ld, " + ".join(parts) if parts else "0.0"))
-    if ns == 1:     # one state: the step's new value and adjoint replace the old ones in place
-        recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
-        adjoint_back = [f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
-    else:           # several: every new value (adjoint) reads every old one, so two phases
-        recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states),
-                     *(f"            sp{x} = st{x}" for _, x in states)]
-        adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
-                        *(f"            g{x} = gn{x}" for _, x in states)]
+    grads = _leaf_grads(step, pr, merged)
+    recompute, adjoint_back = _step_back(step, pr, states, F_codes)
     return [
         "@triton.jit",
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,",
-        "               VARLEN: tl.constexpr):",
+        "               VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.',
+        *(['    MB: the mini-batch; a step reads its anchor ``ac`` from the scratch: the state before the',
+           "    mini-batch's first step or, for a mini-batch begun before the chunk, the checkpoint's anchor;",
+           "    ``ga``, the anchor's adjoint, gathers over the mini-batch and joins ``g`` at its first step."] if mb else []),
         '    VARLEN: program row b is sequence b of a packed row."""',
-        *_PREAMBLE,
+        *PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
+        *[f"    ga{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states if mb],
         "    if HAS_DHT:",
-        *[f"        g{x} += tl.load(DHT + {_sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
+        *[f"        g{x} += tl.load(DHT + {sbase(i, ns)} * K * V + tile, mask=MASK, other=0.).to(tl.float32)"
           for i, x in states],
-        *_partials_stride("    "),
-        *_sequence("    "),
-        *[f"    scr{x} = SCR + {_scr_block(i, ns)} * CHUNK * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
+        *partials_stride("    "),
+        *sequence_lines("    "),
+        *[f"    scr{x} = SCR + {scr_block(i, ns)} * {scratch_slots(step)} * BK * BV + offs_k[:, None] * BV + tl.arange(0, BV)[None, :]"
           for i, x in states],
         "    for jc in range(0, NC):",
         "        ci = NC - 1 - jc",
         "        t0 = ci * CHUNK",
         "        t1 = tl.minimum(t0 + CHUNK, T)",
-        *[f"        sp{x} = tl.load(CK + ({_ckbase(i, ns)} + ci) * K * V + tile, mask=MASK, other=0.)"
+        *[f"        sp{x} = tl.load(CK + ({ckbase(i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
           for i, x in states],
-        *_first_loads(step, I1, "(bos + t0) * H + h"),
+        *[f"        ac{x} = tl.load(CK + ({ckbase(ns + i, nck)} + ci) * K * V + tile, mask=MASK, other=0.)"
+          for i, x in states if mb],
+        *[f"        tl.store(scr{x} + CHUNK * BK * BV, ac{x})      # the slot after the chunk's states" for _, x in states if mb],
+        *first_loads(step, I1, "(bos + t0) * H + h"),
         "        for t in range(t0, t1):",
         "            row = (bos + t) * H + h",
         "            row_n = (bos + tl.minimum(t + 1, t1 - 1)) * H + h",
-        *_loads_ahead(step, I2, "row_n"),
+        *loads_ahead(step, I2, "row_n"),
         "            if PF > 0:     # the reverse sweep below reads DY at this step",
-        f"{_I3}prefetch_l2(DY + row * V + offs_v)",
+        f"{IN3}prefetch_l2(DY + row * V + offs_v)",
         *[f"            tl.store(scr{x} + (t - t0) * BK * BV, sp{x})" for _, x in states],
+        *anchor_reset(step, I2),
         *rec_red,
         *recompute,
         "        tl.debug_barrier()",
-        *_first_loads(step, I1, "(bos + t1 - 1) * H + h"),
-        _dy_load(I1, "n_dy", "row_n"),
+        *first_loads(step, I1, "(bos + t1 - 1) * H + h"),
+        dy_load(I1, "n_dy", "row_n"),
         *[f"        n_sp{x} = tl.load(scr{x} + (t1 - 1 - t0) * BK * BV)" for _, x in states],
         "        for jt in range(0, t1 - t0):",
         "            t = t1 - 1 - jt",
         "            row = (bos + t) * H + h",
         "            row_n = (bos + tl.maximum(t - 1, t0)) * H + h",
-        *_loads_ahead(step, I2, "row_n"),
+        *loads_ahead(step, I2, "row_n"),
         "            dy = n_dy",
-        _dy_load(I2, "n_dy", "row_n"),
+        dy_load(I2, "n_dy", "row_n"),
         *[f"            sp{x} = n_sp{x}" for _, x in states],
         *[f"            n_sp{x} = tl.load(scr{x} + (tl.maximum(t - 1, t0) - t0) * BK * BV)" for _, x in states],
         "            if PF > 0:     # the previous chunk's steps: its recompute pass reads them next",
         "                row_p = (bos + tl.maximum(t - CHUNK, 0)) * H + h",
-        *_prefetches(step, _I3, "row_p", dy=True),
+        *prefetches(step, IN3, "row_p", dy=True),
+        *(["            jm = t - t % MB      # this mini-batch's first step",
+           *(f"            ac{x} = tl.load(scr{x} + tl.where(jm >= t0, jm - t0, CHUNK) * BK * BV)" for _, x in states)]
+          if mb else []),
         *b_fwd,
         *b_shared,
         *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
@@ -748,10 +665,10 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         *[f"            g{x} = g{x} + tl.where(MASK, {pr.expr(step.dS_ros[i])} + Z2, 0.0)" for i, x in states],
         "            # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev",
         *b_b,
-        *[line for n, ld, val in grads for line in _leaf_store(n, ld, step, val, I2)],
+        *[line for n, ld, val in grads for line in leaf_store(n, ld, step, val, I2)],
         *adjoint_back,
         "    if STORE_DS0:",
-        *[f"        tl.store(DS0 + {_sbase(i, ns)} * K * V + tile, g{x}, mask=MASK)" for i, x in states],
+        *[f"        tl.store(DS0 + {sbase(i, ns)} * K * V + tile, g{x}, mask=MASK)" for i, x in states],
     ]
 
 
@@ -760,7 +677,7 @@ def kernel_source(ir, step: Step, header: str) -> str:
     pr = TilePrinter(step)
     leaf_ptrs = ", ".join(f"P_{n}" for n, _, _ in step.leaves)
     grad_ptrs = ", ".join(f"D_{n}" for n, _, _ in step.leaves)
-    states = list(zip(range(step.n_states), _suffixes(step)))
+    states = list(zip(range(step.n_states), suffixes(step)))
     F_codes = [pr.expr(F) for F in step.Fs]
     fwd = _forward_kernel(step, pr, leaf_ptrs, states, F_codes)
     bwd = _backward_kernel(step, pr, leaf_ptrs, grad_ptrs, states, F_codes)
@@ -770,5 +687,5 @@ def kernel_source(ir, step: Step, header: str) -> str:
                          *(f"    {S.name}_t[i,j] = {sympy.sstr(F)}" for S, F in zip(step.Ss, step.Fs)),
                          *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}" for r in step.alg.reductions_in(sympy.Add(*step.Fs))),
                          f"    y_t[i] = {sympy.sstr(step.readout)}", ""]))])
-    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *_PREFETCH_L2, "", "", *fwd, "", "",
+    return "\n".join([doc, "import triton", "import triton.language as tl", "", "", *PREFETCH_L2, "", "", *fwd, "", "",
                       *bwd]) + "\n"

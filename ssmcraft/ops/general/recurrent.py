@@ -84,15 +84,17 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
     ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
     7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
-    backward spills)."""
-    if row_sums(_module(ir)[0]):
+    backward spills). A mini-batch update's anchors count as states (not measured on a GPU yet)."""
+    step = _module(ir)[0]
+    if row_sums(step):
         return None
     full = next_pow2(V)
     if "rows" in CONFIG:
         return min(CONFIG["rows"], full)
     if INTERPRET:
         return full
-    return min(full, max(8, 1024 // (next_pow2(K) * max(1, len(ir.states)))))
+    tiles = step.n_states * (2 if step.anchors else 1)     # a mini-batch's anchors are tiles of their own
+    return min(full, max(8, 1024 // (next_pow2(K) * tiles)))
 
 
 def _stacked(ir) -> tuple:
@@ -123,9 +125,17 @@ def _sequences(B, T, chunk, packed, ref):
     return ch.N, ch.NT, dict(CU=ch.cu, CO=ch.co, VARLEN=True)
 
 
-def _checkpoints(B, H, ns, NC, K, V, packed, dev):
-    """The checkpoint buffer: [B, H, (n,) NC, K, V]; a packed row's [H, (n,) NC, K, V]."""
+def _checkpoints(B, H, step, NC, K, V, packed, dev):
+    """The checkpoint buffer: [B, H, (n,) NC, K, V]; a packed row's [H, (n,) NC, K, V]; n counts the
+    states and a mini-batch's anchors (``codegen.general._checkpointed``), none when it is 1."""
+    n = step.n_states * (2 if step.anchors else 1)
+    ns = (n,) if n > 1 else ()
     return _new((B, H, *ns, NC, K, V) if packed is None else (H, *ns, max(1, NC), K, V), dev)
+
+
+def _minibatch(ir, step) -> dict:
+    """The kernels' mini-batch argument (``MB``, the chunk size), for an update that reads its anchors."""
+    return {"MB": ir.minibatch} if step.anchors else {}
 
 
 class _GeneralFunction(torch.autograd.Function):
@@ -144,13 +154,14 @@ class _GeneralFunction(torch.autograd.Function):
         training = any(x.requires_grad for x in leaves) or (S0 is not None and S0.requires_grad)
         y = _new((B, T, H, V), dev, out_dtype)
         ST = _new((N, H, *ns, K, V), dev)
-        CK = _checkpoints(B, H, ns, NC, K, V, packed, dev) if training else None
+        CK = _checkpoints(B, H, step, NC, K, V, packed, dev) if training else None
         S0c = S0.transpose(-1, -2).contiguous().float() if S0 is not None else None    # [N, H, K, V]
         if T > 0:
             launch(mod.general_fwd_kernel, (N * H, NV), *leaves, S0c if S0c is not None else d, y, ST,
                    CK if CK is not None else d, seq["CU"], seq["CO"], T, H, V, K, NC, BV=BV, BK=BK, CHUNK=chunk,
                    HAS_S0=S0c is not None, STORE_ST=True, STORE_CK=CK is not None, PF=_prefetch(),
-                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V))
+                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V),
+                   **_minibatch(ir, step))
         else:
             ST.copy_(S0c if S0c is not None else torch.zeros_like(ST))
         ctx.save_for_backward(CK, *leaves)
@@ -173,7 +184,8 @@ class _GeneralFunction(torch.autograd.Function):
         grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((N, H, *ns, K, V), dev) if ctx.has_s0 else None
-        SCR = torch.empty(N * H * NV * (ns[0] if ns else 1) * chunk * BK * BV, device=dev, dtype=torch.float32)
+        slots = chunk + (1 if step.anchors else 0)       # codegen.general_lines.scratch_slots
+        SCR = torch.empty(N * H * NV * (ns[0] if ns else 1) * slots * BK * BV, device=dev, dtype=torch.float32)
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev)
@@ -181,7 +193,8 @@ class _GeneralFunction(torch.autograd.Function):
             launch(mod.general_bwd_kernel, (N * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, seq["CU"], seq["CO"], T, H, V, K, NC,
                    BV=BV, BK=BK, CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(),
-                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V))
+                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V),
+                   **_minibatch(ctx.ir, step))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
@@ -241,7 +254,7 @@ def general_scan(objective, tensors: dict, initial_state=None, output_final_stat
 def row_sums(step: Step) -> list[str]:
     """The reductions over the rows (``d``) in the step, its readout and their adjoints, by name:
     with none, the rows are independent and the kernel may run row-tiled (``NV > 1``)."""
-    exprs = [*step.Fs, step.readout, *step.dS_prevs, *step.dS_ros]
+    exprs = [*step.Fs, step.readout, *step.dS_prevs, *step.dAs, *step.dS_ros]
     return sorted({r.symbol.name for e in exprs for r in step.alg.reductions_in(e) if r.over == step.dims[0]})
 
 
@@ -250,12 +263,13 @@ def row_sums(step: Step) -> list[str]:
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if ``ir`` runs on this family's kernel, else the reason."""
+    """None if ``ir`` runs on this family's kernel, else the reason. It runs every general or nonlinear
+    update of ``[d, m]`` states, one or several, exact or mini-batch (``approximation: {minibatch:
+    C}``, any C: each state's anchor carried beside it); it refuses states of other shapes (an MLP
+    memory's weights, a square state carried by its inverse) and updates the Triton printer cannot
+    print."""
     if ir.kind not in ("general", "nonlinear"):
         return f"not a general/nonlinear update ({ir.kind})"
-    if ir.minibatch:
-        return (f"a mini-batch update (chunks of {ir.minibatch}, gradients at the state before the chunk) needs the "
-                "chunk's starting state, which the kernel does not carry")
     if ir.state_shapes and not ir.inverses:
         return (f"states of several shapes ({', '.join(f'{x}: [{chr(44).join(ir.shape_of(x))}]' for x in ir.states)}) "
                 "do not fit the kernel's one [K, V] tile per state")
