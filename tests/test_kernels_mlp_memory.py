@@ -235,6 +235,32 @@ COMPOSED = {
 }
 
 
+# held out of the compose space, written by hand under their own names: a sigmoid memory decayed by
+# ``keep`` with a pseudo-Huber loss of the residual's norm in mini-batches of 5, and a silu one of hidden
+# width 3 with a linear data term whose target is weighted per row by ``g``
+HUBER_MB = dict(KEEP, name="mlp_huber_mb", approximation={"minibatch": 5},
+                objective={"W1": "sq(W1 - keep*W1_prev)/2 + lr*(sqrt(1 + sq(W2_prev*sigmoid(W1*k) - x)) - 1)",
+                           "W2": "sq(W2 - keep*W2_prev)/2 + lr*(sqrt(1 + sq(W2*sigmoid(W1_prev*k) - x)) - 1)"})
+LINEAR = dict(TANH, name="mlp_linear", output="W2*silu(W1*q)",
+              inputs={**TANH["inputs"], "g": {"shape": ["d"], "positive": True}},
+              objective={"W1": "sq(W1 - W1_prev)/2 - dot(W2_prev*silu(W1*k), had(g, x))",
+                         "W2": "sq(W2 - W2_prev)/2 - dot(W2*silu(W1_prev*k), had(g, x))"})
+
+
+@pytest.mark.parametrize("spec,T,want", [(HUBER_MB, 23, ("huber_norm", "lr", "keep", 5)),
+                                         (LINEAR, 26, ("linear", None, None, 0))])
+def test_hand_written_data_terms(spec, T, want):
+    """The matcher reads a hand-written memory's data term, step, decay and mini-batch, and the kernels
+    match its float64 reference: output, both final weights, every gradient."""
+    obj = ssmcraft.compile(spec)
+    found = R.match(obj.ir)
+    assert (found["data"], found["eta"], found["decay"], found["minibatch"]) == want
+    ins, S0, g = _case(obj, 1, T, 2, 6, 4, seed=T)
+    errs = kernel_errors(obj, lambda o, lay: R.forward(o, lay, None, True), ins, None, S0, g)
+    assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
+    assert_within(errs, TOL)
+
+
 def _composed(p, data, step, keys, mb):
     """The composition, its mini-batch set to ``mb`` (the compose space offers C in 4..64; 3 is odd)."""
     spec = compose_objective({"memory": "mlp", "update": "explicit", "proximity": p, "data": data, "step": step,
