@@ -32,8 +32,8 @@ COMPOSED: dict[str, dict[str, Any]] = {
                        "normalize": True},
     "mlp_huber_minibatch": {"memory": "mlp", "proximity": "scalar_decay", "data": "huber", "step": "per_channel",
                             "update": "explicit", "normalize": True, "minibatch": 16},
-    "mlp_cauchy_wd": {"memory": "mlp", "proximity": "weight_decay", "data": "cauchy", "step": "scalar",
-                      "update": "explicit", "normalize": True},
+    "mlp_cauchy_2key": {"memory": "mlp", "proximity": "scalar_decay", "data": "cauchy", "keys": 2, "step": "scalar",
+                        "update": "explicit", "normalize": True},
 }
 
 

@@ -311,12 +311,25 @@ def _readout_adjoint(b_g1, b_g2, b_w1, b_w2, b_q, b_dy, m_h, ACT: tl.constexpr):
 
 
 @triton.jit
-def _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_eta, b_rw, m_h, ACT: tl.constexpr, PSI: tl.constexpr):
-    """Add back one key's step terms from its stored z, r, e: W1 += eta (e . act'(z)) k^T, W2 += eta s a^T."""
+def _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta, b_rw, m_h, ACT: tl.constexpr,
+            PSI: tl.constexpr, TWO: tl.constexpr):
+    """Add back a token's step terms from each key's stored z, r, e: W1 += eta (e . act'(z)) k^T,
+    W2 += eta s a^T."""
     b_a, b_a1, _ = _act(b_z, ACT)
     b_w1 += (b_eta * b_e * b_a1)[:, None] * b_k[None, :]
     b_w2 += (b_eta * tl.where(m_h, b_a, 0.))[:, None] * _psi(b_r, b_x, b_rw, PSI)[None, :]
+    if TWO:
+        b_a, b_a1, _ = _act(b_z2, ACT)
+        b_w1 += (b_eta * b_e2 * b_a1)[:, None] * b_k2[None, :]
+        b_w2 += (b_eta * tl.where(m_h, b_a, 0.))[:, None] * _psi(b_r2, b_x2, b_rw, PSI)[None, :]
     return b_w1, b_w2
+
+
+@triton.jit
+def _store_inner(ptr, row, b_g1, b_g2, b_w1, b_w2):
+    """Store <G1, W1> + <G2, W2> (a decay's gradient) at ``ptr + row``."""
+    tl.store(ptr + row, (tl.sum(tl.sum(b_g1 * b_w1, axis=1), axis=0)
+                         + tl.sum(tl.sum(b_g2 * b_w2, axis=1), axis=0)).to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -346,6 +359,29 @@ def _token_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, 
     if HAS_RW:
         tl.store(drw + row * D + o_d, b_drw.to(drw.dtype.element_ty), mask=m_d)
     return b_h1, b_h2
+
+
+@triton.jit
+def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, o_m, m_m, m_h, D, M,
+            ACT: tl.constexpr, PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr,
+            HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr):
+    """The forward's steps of tokens lo..hi-1 (rows ``first + u H``) from the running weights before
+    token lo, each mini-batch's anchors taken every MB tokens from lo (without MB, the previous
+    weights): the weights after token hi - 1."""
+    b_p1, b_p2 = b_w1, b_w2
+    for u in range(lo, hi):
+        if MB:
+            if (u - lo) % MB == 0:
+                b_p1, b_p2 = b_w1, b_w2
+        else:
+            b_p1, b_p2 = b_w1, b_w2
+        r_u = first + u * H
+        b_w1, b_w2, _, _, _, _, _, _, _, _ = _step(
+            b_w1, b_w2, b_p1, b_p2, _vec(k, r_u, o_m, m_m, M), _vec(x, r_u, o_d, m_d, D),
+            _opt_vec(k2, r_u, o_m, m_m, M, TWO), _opt_vec(x2, r_u, o_d, m_d, D, TWO),
+            _step_of(eta, r_u, True, HAS_ETA), _row_weight(rw, r_u, o_d, m_d, D, HAS_RW),
+            _step_of(dec, r_u, True, HAS_DEC), m_h, ACT, PSI, HAS_DEC, AT_ANCHOR, TWO)
+    return b_w1, b_w2
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "TWO", "MB", "HAS_DHT",
@@ -393,24 +429,16 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                     b_p1, b_p2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
                 else:
                     b_p1, b_p2 = _weights(ck1, ck2, c0 + i_c - 1, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
-                b_a1, b_a2 = b_p1, b_p2
-                for u in range(t_lo, lo):
-                    if (u - t_lo) % MB == 0:
-                        b_p1, b_p2 = b_a1, b_a2
-                    r_u = first + u * H
-                    b_a1, b_a2, _, _, _, _, _, _, _, _ = _step(
-                        b_a1, b_a2, b_p1, b_p2, _vec(k, r_u, o_m, m_m, M), _vec(x, r_u, o_d, m_d, D),
-                        _opt_vec(k2, r_u, o_m, m_m, M, TWO), _opt_vec(x2, r_u, o_d, m_d, D, TWO),
-                        _step_of(eta, r_u, True, HAS_ETA), _row_weight(rw, r_u, o_d, m_d, D, HAS_RW),
-                        _step_of(dec, r_u, True, HAS_DEC), m_h, ACT, PSI, HAS_DEC, AT_ANCHOR, TWO)
-                b_p1, b_p2 = b_a1, b_a2
+                b_p1, b_p2 = _replay(b_p1, b_p2, t_lo, lo, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, o_m, m_m,
+                                     m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, HAS_DEC, AT_ANCHOR, TWO, MB)
                 b_h1 = tl.zeros([BH, BM], dtype=tl.float32)
                 b_h2 = tl.zeros([BH, BD], dtype=tl.float32)
                 for j in range(hi - lo):
                     t = hi - 1 - j
                     row = first + t * H
                     b_k, b_x = _vec(k, row, o_m, m_m, M), _vec(x, row, o_d, m_d, D)
-                    b_z, b_r, b_e = _vec(cz, row, o_h, m_h, HID), _vec(cr, row, o_d, m_d, D), _vec(ce, row, o_h, m_h, HID)
+                    b_z, b_r = _vec(cz, row, o_h, m_h, HID), _vec(cr, row, o_d, m_d, D)
+                    b_e = _vec(ce, row, o_h, m_h, HID)
                     b_k2, b_x2 = _opt_vec(k2, row, o_m, m_m, M, TWO), _opt_vec(x2, row, o_d, m_d, D, TWO)
                     b_z2, b_r2 = _opt_vec(cz2, row, o_h, m_h, HID, TWO), _opt_vec(cr2, row, o_d, m_d, D, TWO)
                     b_e2 = _opt_vec(ce2, row, o_h, m_h, HID, TWO)
@@ -421,25 +449,16 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                     tl.store(dq + row * M + o_m, b_dq.to(dq.dtype.element_ty), mask=m_m)
                     # back to the running weights before token t
                     if HAS_DEC and not AT_ANCHOR:
-                        b_w1, b_w2 = b_p1, b_p2
-                        for u in range(lo, t):
-                            r_u = first + u * H
-                            b_w1, b_w2, _, _, _, _, _, _, _, _ = _step(
-                                b_w1, b_w2, b_p1, b_p2, _vec(k, r_u, o_m, m_m, M), _vec(x, r_u, o_d, m_d, D),
-                                _opt_vec(k2, r_u, o_m, m_m, M, TWO), _opt_vec(x2, r_u, o_d, m_d, D, TWO),
-                                _step_of(eta, r_u, True, HAS_ETA), _row_weight(rw, r_u, o_d, m_d, D, HAS_RW),
-                                _step_of(dec, r_u, True, HAS_DEC), m_h, ACT, PSI, HAS_DEC, AT_ANCHOR, TWO)
-                        tl.store(ddec + row, (tl.sum(tl.sum(b_g1 * b_w1, axis=1), axis=0)
-                                              + tl.sum(tl.sum(b_g2 * b_w2, axis=1), axis=0)).to(ddec.dtype.element_ty))
+                        b_w1, b_w2 = _replay(b_p1, b_p2, lo, t, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, o_m,
+                                             m_m, m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, HAS_DEC, AT_ANCHOR, TWO, MB)
+                        _store_inner(ddec, row, b_g1, b_g2, b_w1, b_w2)
                     else:
-                        b_w1, b_w2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_eta, b_rw, m_h, ACT, PSI)
-                        if TWO:
-                            b_w1, b_w2 = _unstep(b_w1, b_w2, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta, b_rw, m_h, ACT, PSI)
+                        b_w1, b_w2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta,
+                                             b_rw, m_h, ACT, PSI, TWO)
                         if HAS_DEC:
                             b_w1 += (1. - b_c) * b_p1
                             b_w2 += (1. - b_c) * b_p2
-                            tl.store(ddec + row, (tl.sum(tl.sum(b_g1 * b_p1, axis=1), axis=0)
-                                                  + tl.sum(tl.sum(b_g2 * b_p2, axis=1), axis=0)).to(ddec.dtype.element_ty))
+                            _store_inner(ddec, row, b_g1, b_g2, b_p1, b_p2)
                     b_d1, b_d2 = _token_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2,
                                                 b_e2, b_eta, b_rw, dk, dx, dk2, dx2, deta, drw, row, o_d, m_d, o_m, m_m,
                                                 m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, TWO)
@@ -481,8 +500,10 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                 n_x = _opt_vec(x, row - H, o_d, m_d & ok, D, NX)
                 n_eta = _step_of(eta, row - H, ok, HAS_ETA)
                 n_rw, n_c = _row_weight(rw, row - H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row - H, ok, HAS_DEC)
-                n_k2, n_z2 = _opt_vec(k2, row - H, o_m, m_m & ok, M, TWO), _opt_vec(cz2, row - H, o_h, m_h & ok, HID, TWO)
-                n_r2, n_e2 = _opt_vec(cr2, row - H, o_d, m_d & ok, D, TWO), _opt_vec(ce2, row - H, o_h, m_h & ok, HID, TWO)
+                n_k2 = _opt_vec(k2, row - H, o_m, m_m & ok, M, TWO)
+                n_z2 = _opt_vec(cz2, row - H, o_h, m_h & ok, HID, TWO)
+                n_r2 = _opt_vec(cr2, row - H, o_d, m_d & ok, D, TWO)
+                n_e2 = _opt_vec(ce2, row - H, o_h, m_h & ok, HID, TWO)
                 n_x2 = _opt_vec(x2, row - H, o_d, m_d & ok, D, TWO and NX)
                 # the readout y = W2 act(W1 q) at the weights after token t
                 b_g1, b_g2, b_dq = _readout_adjoint(b_g1, b_g2, b_w1, b_w2, b_q, b_dy, m_h, ACT)
@@ -493,19 +514,12 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                         b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
                     else:
                         b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c - 1, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
-                    for u in range(i_c * CHUNK, t):
-                        r_u = first + u * H
-                        b_w1, b_w2, _, _, _, _, _, _, _, _ = _step(
-                            b_w1, b_w2, b_w1, b_w2, _vec(k, r_u, o_m, m_m, M), _vec(x, r_u, o_d, m_d, D),
-                            _opt_vec(k2, r_u, o_m, m_m, M, TWO), _opt_vec(x2, r_u, o_d, m_d, D, TWO),
-                            _step_of(eta, r_u, True, HAS_ETA), _row_weight(rw, r_u, o_d, m_d, D, HAS_RW),
-                            _step_of(dec, r_u, True, HAS_DEC), m_h, ACT, PSI, HAS_DEC, False, TWO)
-                    tl.store(ddec + row, (tl.sum(tl.sum(b_g1 * b_w1, axis=1), axis=0)
-                                          + tl.sum(tl.sum(b_g2 * b_w2, axis=1), axis=0)).to(ddec.dtype.element_ty))
+                    b_w1, b_w2 = _replay(b_w1, b_w2, i_c * CHUNK, t, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d,
+                                         o_m, m_m, m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, HAS_DEC, False, TWO, 0)
+                    _store_inner(ddec, row, b_g1, b_g2, b_w1, b_w2)
                 else:
-                    b_w1, b_w2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_eta, b_rw, m_h, ACT, PSI)
-                    if TWO:
-                        b_w1, b_w2 = _unstep(b_w1, b_w2, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta, b_rw, m_h, ACT, PSI)
+                    b_w1, b_w2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta,
+                                         b_rw, m_h, ACT, PSI, TWO)
                 # the step's adjoint at the weights before token t
                 b_d1, b_d2 = _token_adjoint(b_g1, b_g2, b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2,
                                             b_e2, b_eta, b_rw, dk, dx, dk2, dx2, deta, drw, row, o_d, m_d, o_m, m_m,

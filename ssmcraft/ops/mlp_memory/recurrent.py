@@ -212,7 +212,9 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
         raise ValueError(f"mlp_memory: minibatch must be an int >= 0, got {minibatch!r}")
     at_anchor = bool(minibatch) and weight_decay is not None
     if weight_decay is not None:
-        decay = DECAYS["weight_decay"](weight_decay)        # autograd carries lam's gradient through
+        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
+        # autograd carries lam's gradient through
+        decay = DECAYS["weight_decay"](weight_decay.float())
     W1, W2 = initial_state
     chunk = chunk_size or CHUNK
     if minibatch:
