@@ -66,16 +66,16 @@ from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.family import match_reason
-from ssmcraft.ops.mlp_memory import kernels as K
-from ssmcraft.ops.mlp_memory.kernels import SIGMOID, SILU, TANH, mlp_memory_bwd_kernel, mlp_memory_fwd_kernel
+from ssmcraft.ops.mlp_memory.kernels import (CAUCHY, CAUCHY_NORM, HUBER, HUBER_NORM, LIN, REG, SIGMOID, SILU, TANH,
+                                             mlp_memory_bwd_kernel, mlp_memory_fwd_kernel)
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
 # the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
-DATA = {"regression": K.REG.value, "linear": K.LIN.value, "huber": K.HUBER.value, "cauchy": K.CAUCHY.value,
-        "huber_norm": K.HUBER_NORM.value, "cauchy_norm": K.CAUCHY_NORM.value}
+DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
+        "huber_norm": HUBER_NORM.value, "cauchy_norm": CAUCHY_NORM.value}
 # a per-head input as the factor c of the previous weights: ``decay`` (alpha, ``sq(W - alpha W_prev)/2``)
 # or ``weight_decay`` (lam, ``lam sq(W)/2``: c = 1 - lam); ``mlp_memory``'s keyword of each
 DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
