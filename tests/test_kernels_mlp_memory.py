@@ -6,7 +6,10 @@ poisoned with NaN; the search's composed memories with a scalar decay or weight 
 per-channel step), and with a second key and target, too. Held out of the library: a sigmoid memory
 of hidden width m with its step under another name, a tanh memory (written as
 ``2 sigmoid(2 z) - 1``) of a fixed hidden width 3 with no step, two hand-written decayed ones and a
-hand-written two-key one; and what the family refuses, with the reason."""
+hand-written two-key one; and what the family refuses, with the reason. The compose space's other data
+terms (linear, pseudo-Huber, Cauchy: per output row or of the residual's norm) and its mini-batches
+(C = 3 and 16, lengths not multiples of either), with decays and two keys, packed rows too, and two
+hand-written ones; every MLP memory of the coverage sample dispatches to the family."""
 import pytest
 import torch
 
