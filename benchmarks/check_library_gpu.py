@@ -46,7 +46,8 @@ def initial_states(obj, B, H, d, m, g):
 
 # inputs drawn inside an objective's stated stable region (its spec's summary), where the default
 # draws leave it and the float64 reference itself diverges: input -> rescaling
-STABLE_REGION = {"ttt_mlp": {"x": lambda x: torch.nn.functional.normalize(x, dim=-1)}}
+_UNIT = {"x": lambda x: torch.nn.functional.normalize(x, dim=-1)}
+STABLE_REGION = {"ttt_mlp": _UNIT, "mlp_huber_minibatch": _UNIT, "mlp_cauchy_2key": {"x": _UNIT["x"], "x2": _UNIT["x"]}}
 
 
 def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:

@@ -13,7 +13,8 @@ from ssmcraft.cli import main
 # the structure each composed class must compile to (what makes it a class of its own)
 KIND = {"kda_like": "rank1", "rank2_head": "rankr", "rank2_head_gated": "rankr", "minibatch_delta": "general",
         "minibatch_huber": "nonlinear",
-        "huber_channel_gated": "nonlinear", "cauchy_channel": "nonlinear"}
+        "huber_channel_gated": "nonlinear", "cauchy_channel": "nonlinear", "mlp_huber_minibatch": "nonlinear",
+        "mlp_cauchy_2key": "nonlinear"}
 
 
 def test_every_composed_class_is_listed_with_its_structure():

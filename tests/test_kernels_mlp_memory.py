@@ -6,7 +6,10 @@ poisoned with NaN; the search's composed memories with a scalar decay or weight 
 per-channel step), and with a second key and target, too. Held out of the library: a sigmoid memory
 of hidden width m with its step under another name, a tanh memory (written as
 ``2 sigmoid(2 z) - 1``) of a fixed hidden width 3 with no step, two hand-written decayed ones and a
-hand-written two-key one; and what the family refuses, with the reason."""
+hand-written two-key one; and what the family refuses, with the reason. The compose space's other data
+terms (linear, pseudo-Huber, Cauchy: per output row or of the residual's norm) and its mini-batches
+(C = 3 and 16, lengths not multiples of either), with decays and two keys, packed rows too, and two
+hand-written ones; every MLP memory of the coverage sample dispatches to the family."""
 import pytest
 import torch
 
@@ -201,9 +204,14 @@ def test_packed_two_keys_equals_separate(which):
     """Two keys on a packed row (odd lengths, empty ones first and in the middle) against N separate
     float64 reference calls, on ``_case``'s draws: at ``test_varlen``'s (targets of norm about 2.4,
     steps up to 1 for each of the two keys) the float64 reference itself diverges."""
+    _check_packed(ssmcraft.compile(OBJECTIVES[which]))
+
+
+def _check_packed(obj):
+    """A packed row (odd lengths, empty ones first and in the middle) on ``_case``'s draws against N
+    separate float64 reference calls: output, final weights and every gradient."""
     from ssmcraft.runtime.checking import compare, packed_reference
     from test_varlen import _interpret
-    obj = ssmcraft.compile(OBJECTIVES[which])
     lens = [0, 17, 5, 0, 1, 33]
     ins, _, g = _case(obj, 1, sum(lens), 2, 6, 4, seed=5)
     _, S0, _ = _case(obj, len(lens), 1, 2, 6, 4, seed=6)
@@ -212,3 +220,122 @@ def test_packed_two_keys_equals_separate(which):
     assert set(errs) >= {"y", "dW10", "dW20", *(f"d{n}" for n in ins)}, sorted(errs)
     assert_within(errs, TOL)
     assert obj.backend == "triton-interpret:mlp-memory+packed"
+
+
+# the compose space's other data terms (linear, pseudo-Huber, Cauchy: with a scalar step a loss of the
+# residual's norm, with a per-channel step one per output row) and its mini-batches (``minibatch: C``,
+# the gradient and weight decay at the weights before each chunk of C, a scalar decay at the running
+# weights), with decays and two keys: (proximity, data, step, keys, minibatch) -> (data role, w role)
+COMPOSED = {
+    ("plain", "linear", "scalar", 1, 0): ("linear", None),
+    ("scalar_decay", "linear", "per_channel", 1, 0): ("linear", "beta"),
+    ("weight_decay", "huber", "scalar", 2, 0): ("huber_norm", None),
+    ("plain", "huber", "per_channel", 1, 0): ("huber", "beta"),
+    ("scalar_decay", "cauchy", "scalar", 1, 0): ("cauchy_norm", None),
+    ("weight_decay", "cauchy", "per_channel", 2, 0): ("cauchy", "beta"),
+    ("plain", "regression", "scalar", 1, 3): ("regression", None),
+    ("scalar_decay", "regression", "per_channel", 2, 3): ("regression", "beta"),
+    ("scalar_decay", "huber", "per_channel", 1, 16): ("huber", "beta"),
+    ("weight_decay", "cauchy", "scalar", 2, 3): ("cauchy_norm", None),
+    ("weight_decay", "linear", "per_channel", 1, 16): ("linear", "beta"),
+    ("plain", "cauchy", "per_channel", 1, 16): ("cauchy", "beta"),
+    ("weight_decay", "regression", "scalar", 1, 3): ("regression", None),
+}
+
+
+# held out of the compose space, written by hand under their own names: a sigmoid memory decayed by
+# ``keep`` with a pseudo-Huber loss of the residual's norm in mini-batches of 5, and a silu one of hidden
+# width 3 with a linear data term whose target is weighted per row by ``g``
+HUBER_MB = dict(KEEP, name="mlp_huber_mb", approximation={"minibatch": 5},
+                objective={"W1": "sq(W1 - keep*W1_prev)/2 + lr*(sqrt(1 + sq(W2_prev*sigmoid(W1*k) - x)) - 1)",
+                           "W2": "sq(W2 - keep*W2_prev)/2 + lr*(sqrt(1 + sq(W2*sigmoid(W1_prev*k) - x)) - 1)"})
+LINEAR = dict(TANH, name="mlp_linear", output="W2*silu(W1*q)",
+              inputs={**TANH["inputs"], "g": {"shape": ["d"], "positive": True}},
+              objective={"W1": "sq(W1 - W1_prev)/2 - dot(W2_prev*silu(W1*k), had(g, x))",
+                         "W2": "sq(W2 - W2_prev)/2 - dot(W2*silu(W1_prev*k), had(g, x))"})
+
+
+@pytest.mark.parametrize("spec,T,want", [(HUBER_MB, 23, ("huber_norm", "lr", "keep", 5)),
+                                         (LINEAR, 26, ("linear", None, None, 0))])
+def test_hand_written_data_terms(spec, T, want):
+    """The matcher reads a hand-written memory's data term, step, decay and mini-batch, and the kernels
+    match its float64 reference: output, both final weights, every gradient."""
+    obj = ssmcraft.compile(spec)
+    found = R.match(obj.ir)
+    assert (found["data"], found["eta"], found["decay"], found["minibatch"]) == want
+    ins, S0, g = _case(obj, 1, T, 2, 6, 4, seed=T)
+    errs = kernel_errors(obj, lambda o, lay: R.forward(o, lay, None, True), ins, None, S0, g)
+    assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
+    assert_within(errs, TOL)
+
+
+def _composed(p, data, step, keys, mb):
+    """The composition, its mini-batch set to ``mb`` (the compose space offers C in 4..64; 3 is odd)."""
+    spec = compose_objective({"memory": "mlp", "update": "explicit", "proximity": p, "data": data, "step": step,
+                              "keys": keys, "minibatch": 16 if mb else 0})
+    return dict(spec, name=f"{spec['name']}_c{mb}", approximation={"minibatch": mb}) if mb else spec
+
+
+def test_composed_roles():
+    """The matcher reads each composition's data term, row weight, decay and mini-batch."""
+    for (p, data, step, keys, mb), (psi, w) in COMPOSED.items():
+        found = R.match(ssmcraft.compile(_composed(p, data, step, keys, mb)).ir)
+        want_dec = {"plain": None, "scalar_decay": "alpha", "weight_decay": "lam"}[p]
+        got = (found["data"], found["w"], found["decay"], found["minibatch"], found["k2"])
+        assert got == (psi, w, want_dec, mb, "k2" if keys == 2 else None), (p, data, step, keys, mb)
+
+
+@pytest.mark.parametrize("key,T,B,d,m", [
+    (("plain", "linear", "scalar", 1, 0), 37, 1, 6, 4), (("scalar_decay", "linear", "per_channel", 1, 0), 35, 2, 5, 4),
+    (("weight_decay", "huber", "scalar", 2, 0), 33, 1, 6, 5), (("plain", "huber", "per_channel", 1, 0), 37, 1, 6, 4),
+    (("scalar_decay", "cauchy", "scalar", 1, 0), 36, 1, 6, 4),
+    (("weight_decay", "cauchy", "per_channel", 2, 0), 35, 2, 5, 4),
+    (("plain", "regression", "scalar", 1, 3), 37, 1, 6, 4),
+    (("scalar_decay", "regression", "per_channel", 2, 3), 20, 2, 5, 4),
+    (("scalar_decay", "huber", "per_channel", 1, 16), 37, 1, 6, 4),
+    (("weight_decay", "cauchy", "scalar", 2, 3), 35, 1, 6, 5),
+    (("weight_decay", "linear", "per_channel", 1, 16), 41, 1, 6, 4),
+    (("plain", "cauchy", "per_channel", 1, 16), 2, 2, 6, 4),
+    (("weight_decay", "regression", "scalar", 1, 3), 1, 2, 6, 4),
+])
+def test_composed_matches_the_reference(key, T, B, d, m):
+    """Output, both final weights and every gradient (both initial weights included), buffers poisoned,
+    on lengths that are not multiples of the mini-batch nor of the backward's chunk (16; 15 with C = 3)."""
+    obj = ssmcraft.compile(_composed(*key))
+    ins, S0, g = _case(obj, B, T, 2, d, m, seed=T + d)
+    errs = kernel_errors(obj, lambda o, lay: R.forward(o, lay, None, True), ins, None, S0, g)
+    assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
+    assert_within(errs, TOL)
+
+
+@pytest.mark.parametrize("key", [("scalar_decay", "huber", "per_channel", 1, 3),
+                                 ("weight_decay", "cauchy", "scalar", 2, 16), ("plain", "linear", "scalar", 1, 3)])
+def test_packed_composed_equals_separate(key):
+    """A packed row of mini-batch memories (odd lengths, empty ones first and in the middle): each
+    sequence's chunks of C from its own start, as N separate float64 reference calls."""
+    _check_packed(ssmcraft.compile(_composed(*key)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_mlp_compositions_dispatch_to_the_family(seed):
+    """The MLP memories of ``benchmarks/family_coverage.py``'s sample (every data term, mini-batch or
+    not), under a few seeds: CUDA dispatch picks ``mlp_memory`` for each."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "family_coverage.py"
+    spec = importlib.util.spec_from_file_location("family_coverage", path)
+    cov = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cov)
+    from ssmcraft.errors import SsmcraftError
+    irs = []
+    for c in cov.sample(0, seed):
+        if c["memory"] != "mlp" or len(irs) == 6:
+            continue
+        try:        # compositions the compiler refuses are not counted, as the coverage script skips them
+            irs.append((c, ssmcraft.compile(compose_objective(c)).ir))
+        except SsmcraftError:
+            continue
+    assert len(irs) == 6 and 16 in {c["minibatch"] for c, _ in irs}, [c for c, _ in irs]
+    for c, ir in irs:
+        family, why = cov.family_of(ir)
+        assert family == "mlp_memory", (c, why)

@@ -32,6 +32,10 @@ COMPOSED: dict[str, dict[str, Any]] = {
                             "update": "decay_explicit", "normalize": True},
     "cauchy_channel": {"proximity": "plain", "data": "cauchy", "step": "per_channel", "update": "explicit",
                        "normalize": True},
+    "mlp_huber_minibatch": {"memory": "mlp", "proximity": "scalar_decay", "data": "huber", "step": "per_channel",
+                            "update": "explicit", "normalize": True, "minibatch": 16},
+    "mlp_cauchy_2key": {"memory": "mlp", "proximity": "scalar_decay", "data": "cauchy", "keys": 2, "step": "scalar",
+                        "update": "explicit", "normalize": True},
 }
 
 

@@ -2,11 +2,20 @@
 fused sequential Triton kernel per direction.
 
 The family: two weight states of different shapes, ``W1 [h, m]`` and ``W2 [d, h]`` (h a hidden width),
-one joint gradient step per token of ``eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2`` at the previous
+one joint gradient step per token of a data term ``eta l(W2 act(W1 k), x, w)`` at the previous
 weights, read out as ``y = W2 act(W1 q)`` at the new ones::
 
-    z = W1 k,  a = act(z),  r = W2 a - x,  s = w . r,  e = W2^T s
+    z = W1 k,  a = act(z),  r = W2 a - x,  s = w . psi(r),  e = W2^T s
     W1 <- c W1 - eta (e . act'(z)) k^T,     W2 <- c W2 - eta s a^T,     y = W2 act(W1 q)
+
+with ``psi`` the data term's derivative at the prediction (``DATA``; ``naive.DATA`` writes each loss):
+regression ``r``; linear ``-x`` (its gradient does not read the prediction); pseudo-Huber
+``r / sqrt(1 + u)`` and Cauchy ``r / (1 + u)`` with ``u = r_i^2`` per output row, or with
+``u = sum_i w_i r_i^2`` for a loss of the residual's norm (which couples the rows: one program holds
+them all). A mini-batch (``approximation: {minibatch: C}``, ``ssmcraft.compiler.minibatch``) takes
+the data gradient (and weight decay, a term that does not read the previous weights) at the anchors
+``P``, the weights before the token's chunk of C (counted from each sequence's start), and a scalar
+decay at the running weights: ``W <- c W - (1 - c') P - eta grad l(P)``.
 
 with ``act`` one of ``silu``, ``tanh``, ``sigmoid``, ``eta`` one number per head and token (or 1),
 ``w`` a weight per output row and token (a per-channel step; or 1) and ``c`` the decay of the previous
@@ -18,10 +27,10 @@ The general family's generated kernels keep every state on one ``[d, m]`` tile, 
 states of different shapes; this family is written for this one structure, and its ``supports``
 checks exactly that: two states of shapes ``(h, m)`` and ``(d, h)`` over a hidden dimension, a
 target over ``d`` (or two, with a second key; and at most one more input over ``d``, the row weight),
-two or three inputs over ``m`` (the key or keys and the query that the readout reads), at most per-head inputs besides, no params; then the
-objective's generated reference loop must equal the naive twin (``naive.py``) on a small float64 case
-for one activation, one choice of target and row weight, of key and query, of step and of decay
-(``_probe``).
+two or three inputs over ``m`` (the key or keys and the query that the readout reads), at most per-head
+inputs besides, no params; then the objective's generated reference loop must equal the naive twin
+(``naive.py``) on a small float64 case for one activation, one choice of target and row weight, of key
+and query, of step, of decay and of data term, with the IR's mini-batch (``_probe``).
 Anything else is refused with the reason.
 
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
@@ -32,7 +41,10 @@ state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse o
 rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
 h = 2m = 128 the two weights are 16k floats a program). Work per token: the forward's three
 matrix-vector products and two rank-1 updates; the backward's readout adjoint, the rank-1 walk back
-and the step's adjoint.
+and the step's adjoint. A mini-batch carries the anchors beside the running weights (two more tiles
+forward; backward, their adjoint too, handed to the running weights' at the chunk's first token);
+its backward chunk is a multiple of C, and each mini-batch replays its anchors from the chunk's
+start (about CHUNK / (2 C) more steps a token).
 
 Shapes: x, w [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H]; states (W1 [B, H, h, m], W2 [B, H, d, h]) as
 the API carries them, fp32 in the kernels. I/O in float32, bfloat16 or float16.
@@ -54,12 +66,16 @@ from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.family import match_reason
-from ssmcraft.ops.mlp_memory.kernels import SIGMOID, SILU, TANH, mlp_memory_bwd_kernel, mlp_memory_fwd_kernel
+from ssmcraft.ops.mlp_memory.kernels import (CAUCHY, CAUCHY_NORM, HUBER, HUBER_NORM, LIN, REG, SIGMOID, SILU, TANH,
+                                             mlp_memory_bwd_kernel, mlp_memory_fwd_kernel)
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
+# the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
+DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
+        "huber_norm": HUBER_NORM.value, "cauchy_norm": CAUCHY_NORM.value}
 # a per-head input as the factor c of the previous weights: ``decay`` (alpha, ``sq(W - alpha W_prev)/2``)
 # or ``weight_decay`` (lam, ``lam sq(W)/2``: c = 1 - lam); ``mlp_memory``'s keyword of each
 DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
@@ -72,10 +88,13 @@ def _empty(*shape, device, dtype):
 class MLPMemoryFunction(torch.autograd.Function):
     """(x, k, q, eta | None, w | None, decay | None, k2 | None, x2 | None, W1_0 [N, H, h, m] fp32,
     W2_0 [N, H, d, h] fp32) -> (y, W1_T | None, W2_T | None);
-    ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B)."""
+    ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B);
+    ``mb``: the mini-batch (0: none; ``chunk`` is then a multiple of it), ``at_anchor``: the decay is
+    weight decay's, taken at the mini-batch's anchors."""
 
     @staticmethod
-    def forward(ctx, x, k, q, eta, rw, dec, k2, x2, w1, w2, act, output_final_state, chunk, packed=None):
+    def forward(ctx, x, k, q, eta, rw, dec, k2, x2, w1, w2, act, psi, mb, at_anchor, output_final_state, chunk,
+                packed=None):
         B, T, H, D = x.shape
         M, HID = k.shape[-1], w1.shape[-2]
         dev = x.device
@@ -97,14 +116,15 @@ class MLPMemoryFunction(torch.autograd.Function):
                rw=y if rw is None else rw, dec=y if dec is None else dec, k2=k2 if two else y,
                x2=x2 if two else y, w1=w1, w2=w2, y=y, w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, cz2=cz2, cr2=cr2,
                ce2=ce2, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
-               BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, STORE=train, STORE_T=output_final_state,
-               **packed_args(seq, "cu", "co"))
+               BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, PSI=psi, HAS_ETA=eta is not None,
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=mb, AT_ANCHOR=at_anchor, STORE=train,
+               STORE_T=output_final_state, **packed_args(seq, "cu", "co"))
         ctx.set_materialize_grads(False)
-        ctx.act, ctx.chunk, ctx.packed = act, chunk, packed
+        ctx.act, ctx.psi, ctx.mb, ctx.at_anchor, ctx.chunk, ctx.packed = act, psi, mb, at_anchor, chunk, packed
         if train:
-            # the initial weights: a decay's backward replays each chunk from its start
-            ctx.save_for_backward(x, k, q, eta, rw, dec, k2, x2, *((w1, w2) if dec is not None else (None, None)),
+            # the initial weights: a decay's backward, and a mini-batch's, replay each chunk from its start
+            ctx.save_for_backward(x, k, q, eta, rw, dec, k2, x2,
+                                  *((w1, w2) if dec is not None or mb else (None, None)),
                                   cz, cr, ce, *((cz2, cr2, ce2) if two else (None, None, None)), ck1, ck2)
         return y, (w1t if output_final_state else None), (w2t if output_final_state else None)
 
@@ -140,15 +160,16 @@ class MLPMemoryFunction(torch.autograd.Function):
                drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec,
                dk2=dk2 if two else dx, dx2=dx2 if two else dx, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H,
                D=D, M=M, HID=HID, BD=pow2(D),
-               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-               **packed_args(seq, "cu", "co"))
+               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, PSI=ctx.psi, HAS_ETA=eta is not None,
+               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb, AT_ANCHOR=ctx.at_anchor,
+               HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
         return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
-                None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=None, x2=None, act: str = "silu",
-               initial_state=None, output_final_state: bool = False, chunk_size: int | None = None, cu_seqlens=None):
+               data: str = "regression", minibatch: int = 0, initial_state=None, output_final_state: bool = False,
+               chunk_size: int | None = None, cu_seqlens=None):
     """The layer of the module docstring.
 
     Args:
@@ -162,9 +183,15 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
         k2, x2: a second key [B, T, H, m] and target [B, T, H, d] (both or neither): the step takes the
             gradient of both pairs' losses (the same eta and w) at the previous weights.
         act: ``silu``, ``tanh`` or ``sigmoid``.
+        data: the data term (``naive.DATA`` writes each): ``regression``, ``linear`` (``-sum_i w_i p_i x_i``
+            of the prediction p), ``huber`` / ``cauchy`` (per output row, each weighted by w) or
+            ``huber_norm`` / ``cauchy_norm`` (of the residual's w-weighted norm).
+        minibatch: C > 0: the gradient (and weight decay) at the weights before each chunk of C tokens
+            (counted from each sequence's start), a decay at the running weights; 0: at the previous weights.
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
-        chunk_size: tokens between the backward's restart states (default ``CHUNK``).
+        chunk_size: tokens between the backward's restart states (default ``CHUNK``; with a mini-batch
+            rounded down to a multiple of it, at least one mini-batch).
         cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
             convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then [N, H, ...]
             and every sequence starts from its own: the result equals N separate calls.
@@ -179,10 +206,19 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
         raise ValueError("mlp_memory: give decay or weight_decay, not both")
     if (k2 is None) != (x2 is None):
         raise ValueError("mlp_memory: give both k2 and x2, or neither")
+    if data not in DATA:
+        raise ValueError(f"mlp_memory: data must be one of {', '.join(DATA)}, got {data!r}")
+    if not isinstance(minibatch, int) or minibatch < 0:
+        raise ValueError(f"mlp_memory: minibatch must be an int >= 0, got {minibatch!r}")
+    at_anchor = bool(minibatch) and weight_decay is not None
     if weight_decay is not None:
-        decay = DECAYS["weight_decay"](weight_decay)        # autograd carries lam's gradient through
+        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
+        # autograd carries lam's gradient through
+        decay = DECAYS["weight_decay"](weight_decay.float())
     W1, W2 = initial_state
     chunk = chunk_size or CHUNK
+    if minibatch:
+        chunk = minibatch * max(1, chunk // minibatch)
     packed = None
     if cu_seqlens is not None:
         packed = chunks(offsets("mlp_memory", cu_seqlens, {"x": x}, initial_state), cu_seqlens.to(x.device), chunk)
@@ -194,7 +230,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
                                           None if k2 is None else k2.to(x.dtype).contiguous(),
                                           None if x2 is None else x2.to(x.dtype).contiguous(), W1.float().contiguous(),
                                           W2.float().contiguous(),
-                                          ACTIVATIONS[act], output_final_state, chunk, packed)
+                                          ACTIVATIONS[act], DATA[data], minibatch, at_anchor, output_final_state,
+                                          chunk, packed)
     return y, ((w1t, w2t) if output_final_state else None)
 
 
@@ -208,8 +245,8 @@ def _structure(ir) -> dict:
     per-head inputs); ValueError says what does not fit. The update itself is checked by ``_probe``."""
     d, m = ir.dims
     hidden = tuple(getattr(ir, "hidden", None) or ())
-    if len(ir.states) != 2 or len(hidden) != 1 or ir.params or ir.minibatch:
-        raise ValueError("not two weight states over one hidden dimension, without params or mini-batches")
+    if len(ir.states) != 2 or len(hidden) != 1 or ir.params:
+        raise ValueError("not two weight states over one hidden dimension, without params")
     h = hidden[0]
     shapes = {tuple(ir.shape_of(s)): s for s in ir.states}
     if set(shapes) != {(h, m), (d, h)}:
@@ -229,8 +266,8 @@ def _structure(ir) -> dict:
 def _probe(ir, found) -> dict | str:
     """The IR's reference loop against the naive twin on a small float64 case (random weights, every
     role filled), for each activation, order of the keys and query, of the targets and row weight, step (1, or one
-    per-head input) and decay (none, or another per-head input as alpha or as weight decay's lam):
-    the roles that agree, or why none does."""
+    per-head input), decay (none, or another per-head input as alpha or as weight decay's lam) and data
+    term, with the IR's mini-batch: the roles that agree, or why none does."""
     from ssmcraft.compiler.api import generate_reference
     from ssmcraft.ops.common.reference import Layout, reference_loop
     from ssmcraft.ops.mlp_memory.naive import naive_mlp_memory
@@ -255,21 +292,32 @@ def _probe(ir, found) -> dict | str:
     key_roles = [(p[0], p[1] if len(p) == 3 else None, p[-1]) for p in itertools.permutations(keys)]
     row_roles = [(p[0], p[1] if len(keys) == 3 else None, p[-1] if len(p) == len(keys) else None)
                  for p in itertools.permutations(rows)]
-    for act, (k, k2, q), (x, x2, w), eta, (dec, kind) in itertools.product(ACTIVATIONS, key_roles, row_roles,
-                                                                           (None, *heads), decays):
+    def twin(n, act, k, k2, q, x, x2, w, eta, dec, kind, data):
+        """The naive twin on the first n tokens."""
+        v = {name: t[:, :n] for name, t in val.items()}
+        return naive_mlp_memory(v[x], v[k], v[q], v.get(eta), W[found["W1"]], W[found["W2"]], act, v.get(w),
+                                v[dec] if kind == "decay" else None, v.get(k2), v.get(x2),
+                                weight_decay=v[dec] if kind == "weight_decay" else None, data=data,
+                                minibatch=ir.minibatch)
+
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-9, atol=1e-9)     # noqa: E731
+    for act, (k, k2, q), (x, x2, w), eta, (dec, kind), data in itertools.product(
+            ACTIVATIONS, key_roles, row_roles, (None, *heads), decays, DATA):
         if dec is not None and dec == eta:
             continue
-        yn, W1, W2 = naive_mlp_memory(val[x], val[k], val[q], val.get(eta), W[found["W1"]], W[found["W2"]], act,
-                                      val.get(w), None if dec is None else DECAYS[kind](val[dec]), val.get(k2),
-                                      val.get(x2))
-        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9)
-               for a, b in ((y, yn), (got[found["W1"]], W1), (got[found["W2"]], W2))):
+        roles = (act, k, k2, q, x, x2, w, eta, dec, kind, data)
+        # the first token's output first: a quarter of the work, and it tells most choices apart
+        if not close(twin(1, *roles)[0], y[:, :1]):
+            continue
+        yn, W1, W2 = twin(T, *roles)
+        if all(close(a, b) for a, b in ((y, yn), (got[found["W1"]], W1), (got[found["W2"]], W2))):
             return {"W1": found["W1"], "W2": found["W2"], "x": x, "w": w, "k": k, "q": q, "eta": eta, "act": act,
-                    "decay": dec, "decay_kind": kind, "k2": k2, "x2": x2}
-    return (f"the update is not one joint gradient step of eta/2 sum_i w_i (W2 act(W1 k) - x)_i^2 (plus one such "
-            f"term of a second key and target) from c W_prev, "
+                    "decay": dec, "decay_kind": kind, "k2": k2, "x2": x2, "data": data, "minibatch": ir.minibatch}
+    return (f"the update is not one joint gradient step of eta l(W2 act(W1 k), x, w) (l one of {', '.join(DATA)}; "
+            f"plus one such term of a second key and target) from c W_prev - lam W_c, "
             f"read out as W2 act(W1 q), with act one of {', '.join(ACTIVATIONS)}, eta 1 or a per-head input, w 1 or "
-            "an input and c 1, a per-head alpha or 1 - lam")
+            "an input, c 1 or a per-head alpha, lam 0 or a per-head input, and the gradient at W_c: the previous "
+            "weights, or a mini-batch's anchors")
 
 
 def match(ir) -> dict:
@@ -304,7 +352,7 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
     dec = {} if names["decay"] is None else {names["decay_kind"]: get(names["decay"])}
     y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
-                        x2=opt("x2"), act=names["act"],
+                        x2=opt("x2"), act=names["act"], data=names["data"], minibatch=names["minibatch"],
                         initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens)
     if fin is None:
