@@ -41,7 +41,8 @@ CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-c
          ("cauchy_delta", "general+packed", TOL), ("momentum_longhorn", "general+packed", TOL),
          ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
          ("minibatch_delta", "minibatch-chunk+packed", TOL_CHUNKED), ("rls", "precision-fp64+rank1-chunk+packed", TOL_CHUNKED),
-         ("ttt_mlp", "mlp-memory+packed", TOL)]
+         ("ttt_mlp", "mlp-memory+packed", TOL), ("mlp_huber_minibatch", "mlp-memory+packed", TOL),
+         ("minibatch_huber", "general+packed", TOL)]
 H, D, M = 4, 64, 16
 TIMED = [2048, 1500, 900, 700, 400, 300, 150, 100]     # the padded batch is [8, 2048]
 
