@@ -263,8 +263,10 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
         n_rw, n_c = _row_weight(rw, row + H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row + H, ok, HAS_DEC)
         n_k2, n_x2 = _opt_vec(k2, row + H, o_m, m_m & ok, M, TWO), _opt_vec(x2, row + H, o_d, m_d & ok, D, TWO)
         if MB:
-            if t % MB == 0:
-                b_p1, b_p2 = b_w1, b_w2
+            # a select, not a branch: the anchors are loop-carried tiles (a branch that reassigns them
+            # gave wrong final weights on an H100 with Triton 3.6, while the interpreter agreed)
+            fresh = t % MB == 0
+            b_p1, b_p2 = tl.where(fresh, b_w1, b_p1), tl.where(fresh, b_w2, b_p2)
         else:
             b_p1, b_p2 = b_w1, b_w2
         # the readout's W1 q off the step's chain: (c W1 - eta gz k^T) q = c W1 q - eta gz (k . q)
@@ -371,8 +373,8 @@ def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, 
     b_p1, b_p2 = b_w1, b_w2
     for u in range(lo, hi):
         if MB:
-            if (u - lo) % MB == 0:
-                b_p1, b_p2 = b_w1, b_w2
+            fresh = (u - lo) % MB == 0          # a select, as in the forward
+            b_p1, b_p2 = tl.where(fresh, b_w1, b_p1), tl.where(fresh, b_w2, b_p2)
         else:
             b_p1, b_p2 = b_w1, b_w2
         r_u = first + u * H
