@@ -1,0 +1,339 @@
+"""Second-order learners whose memory step is not ``precision_rank1``'s rank-1 delta rule: the metric
+compositions (``proximity: metric``) with two keys, a linear, Huber or Cauchy data term, an implicit
+update or a per-channel step.
+
+Every one of them keeps R's update free of S (``R_t = lam_t R_{t-1} + sum_i c_i k_i k_i^T``, one or
+two keys, carried as P = R^-1), so the layer splits as ``precision_rank1`` splits RLS:
+
+1. the gains, by ``precision_rank1``'s float64 precision kernels (``PrecisionFunction``). Two keys
+   run as two tokens per step (two rank-1 Woodbury steps): ``(k1, lam, c1)`` then ``(k2, 1, c2)``,
+   whose gains are ``h1 = R'^-1 k1`` (R' = lam R_{t-1} + c1 k1 k1^T) and ``h2 = R_t^-1 k2``;
+   Sherman-Morrison turns them into what the step reads (``_gains``, float64):
+
+       R_t^-1 k1 = h1 - c2 h2 (k2 . h1),        R_t^-1 k2 = h2,
+       Q1 = (lam R_{t-1})^-1 k1 = h1 / (1 - c1 k1 . h1),
+       Q2 = (lam R_{t-1})^-1 k2 = h2 / (1 - c2 k2 . h2) + c1 Q1 (h1 . k2);
+
+2. S by a step that reads those gains as inputs, ``S_t = S_{t-1} - sum_i phi_i g_i^T``: an objective
+   written here (``aux_spec``), derived by the compiler and run by the ``general`` family's generated
+   sequential kernel (forward and backward; the gains' gradients flow back into the precision
+   kernels). The forms (``FORMS``), checked against the IR's own reference loop (``_probe``):
+
+   - ``step`` (decay_explicit: the data term's gradient at S_{t-1}, preconditioned by the new R):
+     ``phi_i = grad_i l(S_{t-1} k_i - x_i)``, ``g_i = R_t^-1 k_i``, for every data term l;
+   - ``implicit_linear`` (``lam wsq(S - S_prev, R_prev)/2 - beta <S k_i, x_i>``, minimised):
+     ``phi_i = -beta x_i``, ``g_i = Q_i``;
+   - ``implicit_regression`` (``... + beta |S k_i - x_i|^2/2``, minimised): per row (beta per row or
+     per head) ``M = beta (I + beta W)^-1``, W = K^T Q (n x n), and the step
+     ``S_t = S_{t-1} - sum_ab M_ab (S_{t-1} k_a - x_a) Q_b^T``.
+
+Why the general kernel for S and not a chunked one: it is the one kernel that runs every form
+(nonlinear data terms, per-row steps, two keys) from one generated objective; the forms linear in S
+could chunk as ``precision_rank1`` does, at the cost of a kernel per form.
+
+Shapes as the API carries them: inputs [B, T, H, n], states (R [B, H, m, m], S [B, H, d, m]).
+"""
+from __future__ import annotations
+
+import itertools
+
+import sympy
+import torch
+
+from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype, next_pow2
+from ssmcraft.ops.general import recurrent as G
+from ssmcraft.ops.precision_rank1 import chunk as P
+
+BACKEND_NAME = "precision-fp64+general"
+FORMS = ("step", "implicit_linear", "implicit_regression")
+DATA = ("regression", "linear", "huber", "cauchy")
+
+# (data, per channel) -> the step's term for one gain: <S, phi g^T> with phi from coefficient c, residual r
+_TERMS = {
+    ("regression", False): "{c}*dot(S*{g}, {r})",
+    ("regression", True): "dot(S*{g}, had({c}, {r}))",
+    ("linear", False): "- {c}*dot(S*{g}, {x})",
+    ("linear", True): "- dot(S*{g}, had({c}, {x}))",
+    ("huber", False): "{c}*dot(S*{g}, {r})/sqrt(1 + sq({r}))",
+    ("huber", True): "dot(S*{g}, had({c}, {r})/sqrt(ones(d) + had({r}, {r})))",
+    ("cauchy", False): "{c}*dot(S*{g}, {r})/(1 + sq({r}))",
+    ("cauchy", True): "dot(S*{g}, had({c}, {r})/(ones(d) + had({r}, {r})))",
+}
+
+
+def aux_spec(form: str, data: str, n: int, channel: bool) -> dict:
+    """The memory's step as an objective over the gains ``g1..gn`` (inputs): ``S_t = S_prev - sum
+    phi_i g_i^T`` written as the minimiser of ``sq(S - S_prev)/2 + <S, sum phi_i g_i^T>``. Its
+    coefficients: ``beta`` (``step``, ``implicit_linear``) or ``a11, a12, a22`` (M of
+    ``implicit_regression``), per row when ``channel``."""
+    step = {"shape": ["d"] if channel else []}
+    inputs = {"q": {"shape": ["m"]}}
+    for i in range(1, n + 1):
+        inputs.update({f"k{i}": {"shape": ["m"]}, f"x{i}": {"shape": ["d"]}, f"g{i}": {"shape": ["m"]}})
+    if form == "implicit_regression":
+        coef = lambda a, b: f"a{min(a, b)}{max(a, b)}"       # noqa: E731  (M is symmetric)
+        terms = [(coef(a, b), f"g{b}", a) for a in range(1, n + 1) for b in range(1, n + 1)]
+        data = "regression"
+    else:
+        terms = [("beta", f"g{i}", i) for i in range(1, n + 1)]
+    for c, _, _ in terms:
+        inputs[c] = dict(step)
+    used = sorted({i for _, _, i in terms}) if data != "linear" else []
+    text = " + ".join(_TERMS[(data, channel)].format(c=c, g=g, r=f"r{i}", x=f"x{i}") for c, g, i in terms)
+    return {"name": f"metric_{form}_{data}{n}{'_c' if channel else ''}"[:32],
+            "summary": "the memory step of a metric composition, over its precision's gains",
+            "state": {"S": ["d", "m"]}, "inputs": inputs,
+            **({"let": {f"r{i}": f"S_prev*k{i} - x{i}" for i in used}} if used else {}),
+            "objective": "sq(S - S_prev)/2 + " + text.replace("+ -", "-"), "update": "implicit", "output": "S*q"}
+
+
+_AUX: dict = {}
+
+
+def aux(form: str, data: str, n: int, channel: bool):
+    """The derivation of ``aux_spec`` (once per process)."""
+    key = (form, data, n, channel)
+    if key not in _AUX:
+        from ssmcraft.compiler.api import derive
+        _AUX[key] = derive(aux_spec(*key))
+    return _AUX[key]
+
+
+# ----------------------------------------------------------------------------------------
+# the gains
+# ----------------------------------------------------------------------------------------
+
+def _dot(a, b):
+    return (a * b).sum(-1, keepdim=True)
+
+
+def _gains(form, ks, cs, hs, beta):
+    """(gains [g_1..g_n] [B, T, H, m], coefficients {aux name: tensor}) of the step from the precision's
+    gains ``hs`` (module docstring), float64. ``cs``: R's weights [B, T, H, 1] (1 where None);
+    ``beta`` [B, T, H] or [B, T, H, d]."""
+    n = len(ks)
+    if form == "step":
+        gs = [hs[0]] if n == 1 else [hs[0] - cs[1] * hs[1] * _dot(ks[1], hs[0]), hs[1]]
+        return gs, {"beta": beta}
+    Q = [hs[0] / (1 - cs[0] * _dot(ks[0], hs[0]))]
+    if n == 2:
+        Q.append(hs[1] / (1 - cs[1] * _dot(ks[1], hs[1])) + cs[0] * Q[0] * _dot(hs[0], ks[1]))
+    if form == "implicit_linear":
+        return Q, {"beta": beta}
+    b = beta if beta.dim() == 4 else beta[..., None]                   # [B, T, H, 1 | d]
+    W = [[_dot(ks[a], Q[c]) for c in range(n)] for a in range(n)]       # [B, T, H, 1] each
+    if n == 1:
+        M = {"a11": b / (1 + b * W[0][0])}
+    else:        # b (I + b W)^-1 by its adjugate; W is symmetric (k_a . Q_c = k_a^T (lam R)^-1 k_c)
+        det = (1 + b * W[0][0]) * (1 + b * W[1][1]) - b * b * W[0][1] * W[1][0]
+        M = {"a11": b * (1 + b * W[1][1]) / det, "a12": -b * b * W[0][1] / det, "a22": b * (1 + b * W[0][0]) / det}
+    return Q, {k: (v if beta.dim() == 4 else v[..., 0]) for k, v in M.items()}
+
+
+def _interleaved(ks, lam, cs):
+    """The precision's token sequence: one token per key and step (module docstring), [B, n T, H, ...]."""
+    if len(ks) == 1:
+        return ks[0], lam, cs[0]
+    B, T, H, m = ks[0].shape
+    one = torch.ones_like(lam)
+    c = [one if x is None else x for x in cs] if any(x is not None for x in cs) else None
+    inter = lambda a, b: torch.stack([a, b], 2).reshape(B, 2 * T, H, *a.shape[3:])    # noqa: E731
+    return inter(*ks), inter(lam, one), None if c is None else inter(*c)
+
+
+def naive_precision(ks, lam, cs, R0):
+    """The precision's gains by a solve per token (float64, the probe's): ([h_i] [B, T, H, m], R_T)."""
+    R, hs = R0, [[] for _ in ks]
+    for t in range(lam.shape[1]):
+        for i, k in enumerate(ks):
+            kt = k[:, t]
+            c = 1.0 if cs[i] is None else cs[i][:, t, :, None]
+            R = (lam[:, t, :, None, None] if i == 0 else 1.0) * R + (c * kt)[..., :, None] * kt[..., None, :]
+            hs[i].append(torch.linalg.solve(R, kt))
+    return [torch.stack(h, 1) for h in hs], R
+
+
+def kernel_precision(ks, lam, cs, R0):
+    """The precision's gains by ``precision_rank1``'s float64 kernels: ([h_i] [B, T, H, m] float32, R_T float32)."""
+    B, T, H, m = ks[0].shape
+    k, la, c = _interleaved([x.float() for x in ks], lam.float(), [None if x is None else x.float() for x in cs])
+    p0 = torch.linalg.inv(R0.double())
+    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(B, H, m, m).contiguous()
+    g, pt = P.PrecisionFunction.apply(k.contiguous(), la.contiguous(), None if c is None else c.contiguous(), None,
+                                      p0, None)
+    hs = [g] if len(ks) == 1 else list(g.reshape(B, T, 2, H, m).unbind(2))
+    return hs, torch.linalg.inv(pt)
+
+
+# ----------------------------------------------------------------------------------------
+# matching
+# ----------------------------------------------------------------------------------------
+
+def _structure(ir) -> dict:
+    """R, S, the keys and R's weights, lam, q, and the candidate roles of the other inputs, read off
+    the IR's structure; ValueError says what does not fit."""
+    d, m = ir.dims
+    if len(ir.states) != 2 or len(ir.inverses) != 1 or ir.params or ir.minibatch or ir.hidden:
+        raise ValueError("not one square state carried by its inverse plus one memory")
+    R, alpha, terms = ir.inverses[0]
+    S = next(x for x in ir.states if x != R)
+    if tuple(ir.shape_of(R)) != (m, m) or tuple(ir.shape_of(S)) != (d, m):
+        raise ValueError(f"states {R} {ir.shape_of(R)}, {S} {ir.shape_of(S)}")
+    if R not in ir.inits:
+        raise ValueError(f"{R} does not start at a multiple of the identity")
+    if not 1 <= len(terms) <= 2 or any(u != v for _, u, v in terms):
+        raise ValueError(f"{R} is not updated by one or two k k^T terms")
+    ks = [P._leaf(ir, sympy.sympify(u), (m,)) for _, u, _ in terms]
+    cs = [None if sympy.sympify(c) == 1 else P._leaf(ir, sympy.sympify(c), ()) for c, _, _ in terms]
+    lam = P._leaf(ir, sympy.sympify(alpha), ())
+    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
+        raise ValueError("the readout is not S q")
+    q = P._leaf(ir, sympy.cancel(ir.readout_reductions[0].body / sympy.Symbol(S, real=True)), (m,))
+    rest = [x for x in ir.inputs if x not in {*ks, *[c for c in cs if c], lam, q}]
+    if any(tuple(ir.inputs[x]) not in ((d,), ()) for x in rest) or len(rest) != len(ks) + 1:
+        raise ValueError(f"inputs besides {len(ks)} key(s), a query, the forgetting factor and R's weights are "
+                         f"not {len(ks)} target(s) over {d} and one step")
+    return {"R": R, "S": S, "ks": ks, "cs": cs, "lam": lam, "q": q, "rest": rest, "r0": float(ir.inits[R])}
+
+
+def _roles(ir, names):
+    """Every assignment of the other inputs to the targets x_1..x_n (over d) and the step beta."""
+    d = ir.dims[0]
+    n = len(names["ks"])
+    for xs in itertools.permutations(names["rest"], n):
+        if all(tuple(ir.inputs[x]) == (d,) for x in xs):
+            yield list(xs), next(x for x in names["rest"] if x not in xs)
+
+
+def run(roles, get, R0, S0, output_final_state, precision, step):
+    """The layer on tensors ``get(name)`` (API layout): ``precision(ks, lam, cs, R0) -> (hs, R_T)``,
+    ``step(aux derivation, {aux input: tensor}, S0, output_final_state) -> (y, S_T)``. Returns
+    (y, R_T, S_T)."""
+    ks = [get(k) for k in roles["ks"]]
+    cs = [None if c is None else get(c) for c in roles["cs"]]
+    lam = get(roles["lam"])
+    hs, RT = precision(ks, lam, cs, R0)
+    f64 = lambda t: t.double()          # noqa: E731  (Sherman-Morrison's 1 - c k.h cancels in float32)
+    gs, coef = _gains(roles["form"], [f64(k) for k in ks], [1.0 if c is None else f64(c)[..., None] for c in cs],
+                      [f64(h) for h in hs], f64(get(roles["beta"])))
+    ins = {"q": get(roles["q"])}
+    for i, (k, x, g) in enumerate(zip(roles["ks"], roles["xs"], gs), 1):
+        ins.update({f"k{i}": get(k), f"x{i}": get(x), f"g{i}": g})
+    io = torch.float64 if ins["q"].dtype == torch.float64 else torch.float32
+    ins.update({n: v.to(io) for n, v in coef.items()})
+    ins.update({n: ins[n].to(io) for n in ins if n.startswith("g")})
+    y, ST = step(aux(roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state)
+    return y, RT, ST
+
+
+def _reference_step(der, ins, S0, output_final_state):
+    from ssmcraft.ops.common.reference import Layout, reference_loop
+    d, m = der.ir.dims
+    B, T, H = ins["q"].shape[:3]
+    D, M = ins["x1"].shape[-1], ins["q"].shape[-1]
+    env = {n: t.reshape(B, T, H, *((D, 1) if tuple(der.ir.inputs[n]) == (d,) else (1, M)
+                                    if tuple(der.ir.inputs[n]) == (m,) else (1, 1))) for n, t in ins.items()}
+    y, ST, _ = reference_loop(der.module, Layout(env, B, T, H, D, M, torch.float64, torch.float64, S0))
+    return y, ST
+
+
+def _probe(ir, names) -> dict | str:
+    """The IR's reference loop against ``run`` with a solve per token for the gains and the step's
+    own reference loop, on a small float64 case, for every form, data term and assignment of roles:
+    the first that agrees, or why none does."""
+    from ssmcraft.compiler.api import generate_reference
+    from ssmcraft.ops.common.reference import Layout, reference_loop
+    d, m = ir.dims
+    B, T, H, D, M = 1, 5, 1, 3, 3
+    gen = torch.Generator().manual_seed(0)
+    val = {}
+    for n, dims in ir.inputs.items():
+        shape = (B, T, H, *(D if x == d else M for x in dims))
+        val[n] = (torch.randn(*shape, generator=gen, dtype=torch.float64) if dims else
+                  0.3 + 0.6 * torch.rand(*shape, generator=gen, dtype=torch.float64))
+    A = torch.randn(B, H, M, M, generator=gen, dtype=torch.float64)
+    R0, S0 = torch.eye(M, dtype=torch.float64) + 0.1 * A @ A.transpose(-1, -2), torch.randn(B, H, D, M, generator=gen,
+                                                                                           dtype=torch.float64)
+    env = {n: t.reshape(B, T, H, *((D, 1) if tuple(ir.inputs[n]) == (d,) else (1, M) if tuple(ir.inputs[n]) == (m,)
+                                   else (1, 1))) for n, t in val.items()}
+    module, _ = generate_reference(ir)
+    y, ST, _ = reference_loop(module, Layout(env, B, T, H, D, M, torch.float64, torch.float64,
+                                             tuple(R0 if x == names["R"] else S0 for x in ir.states)))
+    want = dict(zip(ir.states, ST))
+    for (xs, beta), form, data in itertools.product(_roles(ir, names), FORMS, DATA):
+        if form != "step" and data in ("huber", "cauchy") or form == "implicit_linear" and data != "linear" or \
+                form == "implicit_regression" and data != "regression":
+            continue
+        roles = {**names, "xs": xs, "beta": beta, "form": form, "data": data, "channel": bool(ir.inputs[beta])}
+        yn, Rn, Sn = run(roles, val.__getitem__, R0, S0, True, naive_precision, _reference_step)
+        if all(torch.allclose(a, b, rtol=1e-9, atol=1e-9) for a, b in ((y, yn), (want[names["R"]], Rn),
+                                                                       (want[names["S"]], Sn))):
+            return {n: v for n, v in roles.items() if n != "rest"}
+    return ("the memory's update is none of S_t = S - sum phi_i g_i^T with g_i = R_t^-1 k_i (a gradient step of a "
+            "regression, linear, Huber or Cauchy data term) or the implicit regression / linear minimiser")
+
+
+def match(ir) -> dict:
+    """``_structure`` and ``_probe`` (once per IR); ValueError says why the family does not run it."""
+    def check():
+        try:
+            names = _structure(ir)
+        except ValueError as e:
+            return str(e)
+        return _probe(ir, names)
+    out = ir.memo("precision_general", check)
+    if isinstance(out, str):
+        raise ValueError(out)
+    return dict(out)
+
+
+def supports(ir) -> str | None:
+    """None if this family runs ``ir``, else the reason it does not."""
+    if not ir.states or not ir.inverses:
+        return f"{ir.spec_name}: no square state carried by its inverse"
+    try:
+        match(ir)
+    except ValueError as e:
+        return f"{ir.spec_name}: {e}"
+    return None
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``precision_rank1``'s limit on the key dimension (its float64 tiles)."""
+    return P.supports_inputs(ir, inputs, mode)
+
+
+def _kernel_step(der, ins, S0, output_final_state):
+    """The step on the ``general`` family's generated kernel: (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
+    ir = der.ir                 # one state: the kernels' state is S itself (no stacking)
+    B, T, H, V = ins["x1"].shape
+    K = ins["q"].shape[-1]
+    leaves = [(ins[n] if ins[n].dtype in IO_DTYPES else ins[n].float()).contiguous() for n in ir.inputs]
+    BV = G.rows_per_program(ir, V, K) or next_pow2(V)
+    y, ST = G._GeneralFunction.apply(ir, (B, T, H, K, V, BV), io_dtype(ins["x1"].dtype), output_final_state, None,
+                                     S0, *leaves)
+    return y, ST
+
+
+def prepare(obj, lay):
+    """The runner for one call signature: (y [B, T, H, d] in the call's output dtype, (states in the
+    IR's order: R [B, H, m, m], S [B, H, d, m], fp32) or None)."""
+    roles = match(obj.ir)
+    order = obj.ir.states
+    out_dtype = lay.out_dtype
+
+    def fn(inputs, params, initial_state, output_final_state):
+        get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
+        m = inputs[roles["ks"][0]].shape[-1]
+        dev = inputs[roles["ks"][0]].device
+        if initial_state is not None:
+            st = dict(zip(order, initial_state))
+            R0, S0 = st[roles["R"]], st[roles["S"]].float()
+        else:           # R starts at r0 I (``init: {identity: r0}``), S at zero
+            R0, S0 = roles["r0"] * torch.eye(m, device=dev, dtype=torch.float64), None
+        y, RT, ST = run(roles, get, R0, S0, output_final_state, kernel_precision, _kernel_step)
+        if not output_final_state:
+            return y.to(out_dtype), None
+        out = {roles["R"]: RT.float(), roles["S"]: ST}
+        return y.to(out_dtype), tuple(out[x] for x in order)
+    return fn
