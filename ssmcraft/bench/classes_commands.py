@@ -30,6 +30,13 @@ COMPOSED: dict[str, dict[str, Any]] = {
                             "update": "decay_explicit", "normalize": True},
     "cauchy_channel": {"proximity": "plain", "data": "cauchy", "step": "per_channel", "update": "explicit",
                        "normalize": True},
+    # second-order learners (the key covariance as the metric) beyond RLS and the preconditioned delta rule
+    "metric_rank2": {"proximity": "metric", "data": "regression", "keys": 2, "step": "scalar",
+                     "update": "decay_explicit", "normalize": True},
+    "metric_huber": {"proximity": "metric", "data": "huber", "step": "scalar", "update": "decay_explicit",
+                     "normalize": True},
+    "metric_implicit_channel": {"proximity": "metric", "data": "regression", "step": "per_channel",
+                                "update": "implicit", "normalize": True},
 }
 
 
