@@ -16,6 +16,7 @@ from ssmcraft.errors import SsmcraftError  # noqa: E402
 from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from ssmcraft.ops.precision_general import step as PG  # noqa: E402
 from ssmcraft.ops.precision_rank1 import chunk as P  # noqa: E402
+from ssmcraft.ops.rank1_chunk import chunk as R1  # noqa: E402
 from ssmcraft.ops.registry import order  # noqa: E402
 from ssmcraft.runtime.select import validated_call  # noqa: E402
 from ssmcraft.search.compose import TERMS, compose_objective  # noqa: E402
@@ -29,6 +30,7 @@ F64 = torch.float64
 def _poison(monkeypatch):
     monkeypatch.setattr(P, "POISON", True)
     monkeypatch.setattr(G, "POISON", True)
+    monkeypatch.setattr(R1, "POISON", True)
 
 
 def _spd(B, H, m, g):
@@ -45,7 +47,9 @@ def _metric(data, keys, step, update):
 CASES = [("regression", 2, "scalar", "decay_explicit"), ("linear", 1, "per_channel", "decay_explicit"),
          ("huber", 1, "scalar", "decay_explicit"), ("cauchy", 2, "per_channel", "decay_explicit"),
          ("regression", 1, "per_channel", "implicit"), ("regression", 2, "scalar", "implicit"),
-         ("linear", 2, "per_channel", "implicit"), ("linear", 1, "scalar", "implicit")]
+         ("linear", 2, "per_channel", "implicit"), ("linear", 1, "scalar", "implicit"),
+         # one key, a per-head step, linear in S: the memory on rank1_chunk
+         ("regression", 1, "scalar", "implicit"), ("linear", 1, "scalar", "decay_explicit")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -103,6 +107,16 @@ def test_dispatch_runs_the_family_and_says_so():
     assert (y.double() - yr).norm() / yr.norm() < 1e-5
     for a, b in zip(fin, finr):
         assert (a.double() - b).norm() / b.norm() < 1e-5
+
+
+def test_the_per_head_steps_linear_in_s_run_chunked():
+    obj = ssmcraft.compile(_metric("regression", 1, "scalar", "implicit"))
+    obj.prefer = "interpret"
+    ins, _, S0, g = kernel_inputs(obj, 1, 21, 2, 8, 8, seed=2)
+    y, _ = obj({k: v.float() for k, v in ins.items()}, None, None, False)
+    assert obj.backend == "triton-interpret:precision-fp64+rank1-chunk"
+    yr, _ = obj.reference(ins, None, None, False)
+    assert (y.double() - yr).norm() / yr.norm() < 1e-5
 
 
 def test_other_structures_are_refused():

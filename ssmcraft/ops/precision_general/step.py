@@ -15,9 +15,12 @@ two keys, carried as P = R^-1), so the layer splits as ``precision_rank1`` split
        Q2 = (lam R_{t-1})^-1 k2 = h2 / (1 - c2 k2 . h2) + c1 Q1 (h1 . k2);
 
 2. S by a step that reads those gains as inputs, ``S_t = S_{t-1} - sum_i phi_i g_i^T``: an objective
-   written here (``aux_spec``), derived by the compiler and run by the ``general`` family's generated
-   sequential kernel (forward and backward; the gains' gradients flow back into the precision
-   kernels). The forms (``FORMS``), checked against the IR's own reference loop (``_probe``):
+   written here (``aux_spec``), derived by the compiler. With one key, a per-head coefficient and a
+   step linear in S it runs on ``rank1_chunk``'s chunked tensor-core kernels, as ``precision_rank1``'s
+   memory does (``chunked``); every other form (a nonlinear data term, a per-row step, two keys) on
+   the ``general`` family's generated sequential kernel of that objective. Either way the gains'
+   gradients flow back into the precision kernels. The forms (``FORMS``), checked against the IR's
+   own reference loop (``_probe``):
 
    - ``step`` (decay_explicit: the data term's gradient at S_{t-1}, preconditioned by the new R):
      ``phi_i = grad_i l(S_{t-1} k_i - x_i)``, ``g_i = R_t^-1 k_i``, for every data term l;
@@ -27,9 +30,14 @@ two keys, carried as P = R^-1), so the layer splits as ``precision_rank1`` split
      per head) ``M = beta (I + beta W)^-1``, W = K^T Q (n x n), and the step
      ``S_t = S_{t-1} - sum_ab M_ab (S_{t-1} k_a - x_a) Q_b^T``.
 
-Why the general kernel for S and not a chunked one: it is the one kernel that runs every form
-(nonlinear data terms, per-row steps, two keys) from one generated objective; the forms linear in S
-could chunk as ``precision_rank1`` does, at the cost of a kernel per form.
+Why the general kernel for the other forms: it is the one kernel that runs all of them (nonlinear
+data terms, per-row steps, two keys) from one generated objective; a chunked kernel per form would
+be faster for the ones linear in S (a rank-2 chunk for two keys, ``rank1_row`` for a per-row step).
+
+Numerics: the implicit forms' gains ``Q = h / (1 - c k . h)`` scale the float32 rounding of the
+precision's gains by 1 / (1 - c k^T R_t^-1 k) = 1 + c k^T (lam R_{t-1})^-1 k, large where R has
+forgotten k's direction; the implicit regression's step ``M Q`` cancels it (``b h / (1 - c u + b u)``),
+the implicit linear step ``beta x Q^T`` keeps it (its update is that large, in float64 too).
 
 Shapes as the API carries them: inputs [B, T, H, n], states (R [B, H, m, m], S [B, H, d, m]).
 """
@@ -43,8 +51,9 @@ import torch
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype, next_pow2
 from ssmcraft.ops.general import recurrent as G
 from ssmcraft.ops.precision_rank1 import chunk as P
+from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
-BACKEND_NAME = "precision-fp64+general"
+BACKEND_NAME = "precision-fp64"         # the runner adds the step's kernels: "+rank1-chunk" or "+general"
 FORMS = ("step", "implicit_linear", "implicit_regression")
 DATA = ("regression", "linear", "huber", "cauchy")
 
@@ -207,7 +216,8 @@ def _roles(ir, names):
 
 def run(roles, get, R0, S0, output_final_state, precision, step):
     """The layer on tensors ``get(name)`` (API layout): ``precision(ks, lam, cs, R0) -> (hs, R_T)``,
-    ``step(aux derivation, {aux input: tensor}, S0, output_final_state) -> (y, S_T)``. Returns
+    ``step(aux key, {aux input: tensor}, S0, output_final_state) -> (y, S_T)`` (``aux(*key)``'s
+    update). Returns
     (y, R_T, S_T)."""
     ks = [get(k) for k in roles["ks"]]
     cs = [None if c is None else get(c) for c in roles["cs"]]
@@ -222,12 +232,13 @@ def run(roles, get, R0, S0, output_final_state, precision, step):
     io = torch.float64 if ins["q"].dtype == torch.float64 else torch.float32
     ins.update({n: v.to(io) for n, v in coef.items()})
     ins.update({n: ins[n].to(io) for n in ins if n.startswith("g")})
-    y, ST = step(aux(roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state)
+    y, ST = step((roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state)
     return y, RT, ST
 
 
-def _reference_step(der, ins, S0, output_final_state):
+def _reference_step(key, ins, S0, output_final_state):
     from ssmcraft.ops.common.reference import Layout, reference_loop
+    der = aux(*key)
     d, m = der.ir.dims
     B, T, H = ins["q"].shape[:3]
     D, M = ins["x1"].shape[-1], ins["q"].shape[-1]
@@ -303,16 +314,31 @@ def supports_inputs(ir, inputs, mode) -> str | None:
     return P.supports_inputs(ir, inputs, mode)
 
 
-def _kernel_step(der, ins, S0, output_final_state):
-    """The step on the ``general`` family's generated kernel: (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
-    ir = der.ir                 # one state: the kernels' state is S itself (no stacking)
-    B, T, H, V = ins["x1"].shape
+def chunked(key) -> bool:
+    """Whether the step of ``aux(*key)`` runs on ``rank1_chunk``'s chunked kernels: one key, a per-head
+    coefficient and a step linear in S (``S_t = S - a (S k - x) g^T`` or ``S + a x g^T``)."""
+    form, data, n, channel = key
+    return n == 1 and not channel and data in ("regression", "linear")
+
+
+def _kernel_step(key, ins, S0, output_final_state):
+    """The step on Triton: ``rank1_chunk``'s chunked kernels where ``chunked(key)`` (insert = erase key
+    ``a g``, read key k, step 1; 0 for a linear data term, which erases nothing), else the ``general``
+    family's generated kernel of ``aux(*key)``. (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
+    x = ins["x1"]
+    if chunked(key):
+        v = ins["a11" if key[0] == "implicit_regression" else "beta"][..., None] * ins["g1"]
+        c = (torch.zeros_like if key[1] == "linear" else torch.ones_like)(x[..., 0])
+        o, ht = chunk_rank1(v.to(x.dtype), x, c, ins["q"], u=ins["k1"], initial_state=None if S0 is None else
+                            S0.transpose(-1, -2), output_final_state=output_final_state, chunk_size=P.CHUNK)
+        return o, None if ht is None else ht.transpose(-1, -2)
+    ir = aux(*key).ir           # one state: the kernels' state is S itself (no stacking)
+    B, T, H, V = x.shape
     K = ins["q"].shape[-1]
     leaves = [(ins[n] if ins[n].dtype in IO_DTYPES else ins[n].float()).contiguous() for n in ir.inputs]
     BV = G.rows_per_program(ir, V, K) or next_pow2(V)
-    y, ST = G._GeneralFunction.apply(ir, (B, T, H, K, V, BV), io_dtype(ins["x1"].dtype), output_final_state, None,
-                                     S0, *leaves)
-    return y, ST
+    return G._GeneralFunction.apply(ir, (B, T, H, K, V, BV), io_dtype(x.dtype), output_final_state, None,
+                                    S0, *leaves)
 
 
 def prepare(obj, lay):
@@ -336,4 +362,7 @@ def prepare(obj, lay):
             return y.to(out_dtype), None
         out = {roles["R"]: RT.float(), roles["S"]: ST}
         return y.to(out_dtype), tuple(out[x] for x in order)
+    # what the backend name adds to the family's (``select._runner``): the kernels of the step
+    fn.slots_path = "rank1-chunk" if chunked((roles["form"], roles["data"], len(roles["ks"]), roles["channel"])) \
+        else "general"
     return fn
