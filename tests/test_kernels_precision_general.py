@@ -22,7 +22,7 @@ from ssmcraft.runtime.select import validated_call  # noqa: E402
 from ssmcraft.search.compose import TERMS, compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs  # noqa: E402
 
-TOL = {"y": 1e-5, "R": 1e-5, "S": 1e-5, "grad": 2e-5}
+TOL = {"y": 1e-5, "R_T": 1e-5, "S_T": 1e-5, "grad": 2e-5}
 F64 = torch.float64
 
 
@@ -121,3 +121,37 @@ def test_the_per_head_steps_linear_in_s_run_chunked():
 
 def test_other_structures_are_refused():
     assert "no square state" in PG.supports(ssmcraft.compile("deltanet").ir)
+
+
+# odd lengths; empty first and in the middle; 5 and 1 under a chunk of 16; 17 and 33 end with a partial one
+LENS = [0, 17, 5, 0, 1, 33]
+
+
+@pytest.mark.parametrize("case, step", [(("huber", 2, "per_channel", "decay_explicit"), "general"),
+                                        (("regression", 2, "scalar", "implicit"), "general"),
+                                        (("regression", 1, "scalar", "implicit"), "rank1-chunk")],
+                         ids=["huber2-channel", "implicit2", "implicit1-chunked"])
+def test_packed_equals_separate(case, step, monkeypatch):
+    """A packed row (``cu_seqlens``) against N separate float64 reference calls: both final states and
+    the gradients of both initial states per sequence, R0 symmetric positive definite; the precision
+    (two keys: two tokens per step) and the step run the row natively (``+packed``)."""
+    from ssmcraft.runtime.checking import compare, packed_reference
+    from test_varlen import _interpret, packed_inputs
+    monkeypatch.setattr(P, "CHUNK", 16)
+    obj = ssmcraft.compile(_metric(*case))
+    ins, params, S0, cu, g = packed_inputs(obj, LENS, d=12, m=8)
+    S0 = tuple(_spd(len(LENS), 2, 8, g) if x == "R" else s for x, s in zip(obj.ir.states, S0))
+    ref = packed_reference(obj, ins, params, S0, cu, g)
+    errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
+    assert_within(errs, TOL)
+    assert obj.backend == f"triton-interpret:precision-fp64+{step}+packed"
+
+
+def test_packed_without_initial_or_final_state():
+    """As a training forward calls it: each sequence from the objective's own start (R = I, S = 0), no
+    final state asked."""
+    from test_varlen import packed_without_states
+    obj = ssmcraft.compile(_metric("cauchy", 1, "scalar", "decay_explicit"))
+    errs, S = packed_without_states(obj, [0, 19, 4, 1], d=12, m=8)
+    assert S is None and obj.backend == "triton-interpret:precision-fp64+general+packed"
+    assert_within(errs, {"y": 1e-5, "grad": 2e-5})

@@ -6,4 +6,5 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.precision_general import step
 
 FAMILY = KernelFamily(name="precision_general", backend=step.BACKEND_NAME, module=step, supports=step.supports,
-                      prepare=step.prepare, supports_inputs=step.supports_inputs, forward=None)
+                      prepare=step.prepare, supports_inputs=step.supports_inputs, forward=None,
+                      varlen=None)

@@ -40,6 +40,8 @@ forgotten k's direction; the implicit regression's step ``M Q`` cancels it (``b 
 the implicit linear step ``beta x Q^T`` keeps it (its update is that large, in float64 too).
 
 Shapes as the API carries them: inputs [B, T, H, n], states (R [B, H, m, m], S [B, H, d, m]).
+Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1, states [N, H, ...]; the precision
+and either step kernel run each sequence from its own initial state (two keys: the offsets doubled).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ import sympy
 import torch
 
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype, next_pow2
+from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.general import recurrent as G
 from ssmcraft.ops.precision_rank1 import chunk as P
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
@@ -162,15 +165,18 @@ def naive_precision(ks, lam, cs, R0):
     return [torch.stack(h, 1) for h in hs], R
 
 
-def kernel_precision(ks, lam, cs, R0):
-    """The precision's gains by ``precision_rank1``'s float64 kernels: ([h_i] [B, T, H, m] float32, R_T float32)."""
+def kernel_precision(ks, lam, cs, R0, cu=None):
+    """The precision's gains by ``precision_rank1``'s float64 kernels: ([h_i] [B, T, H, m] float32, R_T
+    float64); ``cu`` a packed row's offsets (ints, int32 tensor) (B = 1; R0 and R_T [N, H, m, m]) or None."""
     B, T, H, m = ks[0].shape
+    n = len(ks)
+    N = B if cu is None else len(cu[0]) - 1
     k, la, c = _interleaved([x.float() for x in ks], lam.float(), [None if x is None else x.float() for x in cs])
     p0 = torch.linalg.inv(R0.double())
-    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(B, H, m, m).contiguous()
+    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(N, H, m, m).contiguous()
     g, pt = P.PrecisionFunction.apply(k.contiguous(), la.contiguous(), None if c is None else c.contiguous(), None,
-                                      p0, None)
-    hs = [g] if len(ks) == 1 else list(g.reshape(B, T, 2, H, m).unbind(2))
+                                      p0, None if cu is None else n * cu[1])
+    hs = [g] if n == 1 else list(g.reshape(B, T, 2, H, m).unbind(2))
     return hs, torch.linalg.inv(pt)
 
 
@@ -214,15 +220,14 @@ def _roles(ir, names):
             yield list(xs), next(x for x in names["rest"] if x not in xs)
 
 
-def run(roles, get, R0, S0, output_final_state, precision, step):
+def run(roles, get, R0, S0, output_final_state, precision, step, **packed):
     """The layer on tensors ``get(name)`` (API layout): ``precision(ks, lam, cs, R0) -> (hs, R_T)``,
     ``step(aux key, {aux input: tensor}, S0, output_final_state) -> (y, S_T)`` (``aux(*key)``'s
-    update). Returns
-    (y, R_T, S_T)."""
+    update); ``packed``: ``cu=`` offsets of a packed row, passed to both. Returns (y, R_T, S_T)."""
     ks = [get(k) for k in roles["ks"]]
     cs = [None if c is None else get(c) for c in roles["cs"]]
     lam = get(roles["lam"])
-    hs, RT = precision(ks, lam, cs, R0)
+    hs, RT = precision(ks, lam, cs, R0, **packed)
     f64 = lambda t: t.double()          # noqa: E731  (Sherman-Morrison's 1 - c k.h cancels in float32)
     gs, coef = _gains(roles["form"], [f64(k) for k in ks], [1.0 if c is None else f64(c)[..., None] for c in cs],
                       [f64(h) for h in hs], f64(get(roles["beta"])))
@@ -232,7 +237,7 @@ def run(roles, get, R0, S0, output_final_state, precision, step):
     io = torch.float64 if ins["q"].dtype == torch.float64 else torch.float32
     ins.update({n: v.to(io) for n, v in coef.items()})
     ins.update({n: ins[n].to(io) for n in ins if n.startswith("g")})
-    y, ST = step((roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state)
+    y, ST = step((roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state, **packed)
     return y, RT, ST
 
 
@@ -321,23 +326,26 @@ def chunked(key) -> bool:
     return n == 1 and not channel and data in ("regression", "linear")
 
 
-def _kernel_step(key, ins, S0, output_final_state):
+def _kernel_step(key, ins, S0, output_final_state, cu=None):
     """The step on Triton: ``rank1_chunk``'s chunked kernels where ``chunked(key)`` (insert = erase key
     ``a g``, read key k, step 1; 0 for a linear data term, which erases nothing), else the ``general``
-    family's generated kernel of ``aux(*key)``. (y [B, T, H, d], S_T [B, H, d, m] fp32 or None)."""
+    family's generated kernel of ``aux(*key)``; ``cu`` (a packed row's offsets: ints, int32 tensor)
+    runs both natively.
+    (y [B, T, H, d], S_T [B, H, d, m] ([N, ...] packed) fp32 or None)."""
     x = ins["x1"]
     if chunked(key):
         v = ins["a11" if key[0] == "implicit_regression" else "beta"][..., None] * ins["g1"]
         c = (torch.zeros_like if key[1] == "linear" else torch.ones_like)(x[..., 0])
         o, ht = chunk_rank1(v.to(x.dtype), x, c, ins["q"], u=ins["k1"], initial_state=None if S0 is None else
-                            S0.transpose(-1, -2), output_final_state=output_final_state, chunk_size=P.CHUNK)
+                            S0.transpose(-1, -2), output_final_state=output_final_state, chunk_size=P.CHUNK,
+                            cu_seqlens=None if cu is None else cu[1])
         return o, None if ht is None else ht.transpose(-1, -2)
     ir = aux(*key).ir           # one state: the kernels' state is S itself (no stacking)
     B, T, H, V = x.shape
     K = ins["q"].shape[-1]
     leaves = [(ins[n] if ins[n].dtype in IO_DTYPES else ins[n].float()).contiguous() for n in ir.inputs]
     BV = G.rows_per_program(ir, V, K) or next_pow2(V)
-    return G._GeneralFunction.apply(ir, (B, T, H, K, V, BV), io_dtype(x.dtype), output_final_state, None,
+    return G._GeneralFunction.apply(ir, (B, T, H, K, V, BV), io_dtype(x.dtype), output_final_state, cu,
                                     S0, *leaves)
 
 
@@ -348,16 +356,20 @@ def prepare(obj, lay):
     order = obj.ir.states
     out_dtype = lay.out_dtype
 
-    def fn(inputs, params, initial_state, output_final_state):
+    def fn(inputs, params, initial_state, output_final_state, cu_seqlens=None):
         get = lambda n: inputs[n] if inputs[n].dtype in IO_DTYPES else inputs[n].float()    # noqa: E731
         m = inputs[roles["ks"][0]].shape[-1]
         dev = inputs[roles["ks"][0]].device
+        packed = {}
+        if cu_seqlens is not None:      # checked against the inputs and the states ([N, ...]; R0 may be [m, m])
+            ints = offsets(obj.name, cu_seqlens, inputs, tuple(t for t in initial_state or () if t.dim() == 4))
+            packed["cu"] = (ints, cu_seqlens.to(device=dev, dtype=torch.int32))
         if initial_state is not None:
             st = dict(zip(order, initial_state))
             R0, S0 = st[roles["R"]], st[roles["S"]].float()
         else:           # R starts at r0 I (``init: {identity: r0}``), S at zero
             R0, S0 = roles["r0"] * torch.eye(m, device=dev, dtype=torch.float64), None
-        y, RT, ST = run(roles, get, R0, S0, output_final_state, kernel_precision, _kernel_step)
+        y, RT, ST = run(roles, get, R0, S0, output_final_state, kernel_precision, _kernel_step, **packed)
         if not output_final_state:
             return y.to(out_dtype), None
         out = {roles["R"]: RT.float(), roles["S"]: ST}
