@@ -21,9 +21,9 @@ from ssmcraft.ops.registry import order  # noqa: E402
 from ssmcraft.runtime.select import validated_call  # noqa: E402
 from ssmcraft.search.compose import TERMS, compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs  # noqa: E402
+from test_kernels_precision_rank1 import _spd  # noqa: E402
 
 TOL = {"y": 1e-5, "R_T": 1e-5, "S_T": 1e-5, "grad": 2e-5}
-F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
@@ -31,11 +31,6 @@ def _poison(monkeypatch):
     monkeypatch.setattr(P, "POISON", True)
     monkeypatch.setattr(G, "POISON", True)
     monkeypatch.setattr(R1, "POISON", True)
-
-
-def _spd(B, H, m, g):
-    A = torch.randn(B, H, m, m, generator=g, dtype=F64)
-    return torch.eye(m, dtype=F64) + 0.1 * A @ A.transpose(-1, -2)
 
 
 def _metric(data, keys, step, update):

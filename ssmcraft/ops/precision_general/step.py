@@ -52,6 +52,7 @@ import torch
 
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype, next_pow2
 from ssmcraft.ops.common.varlen import offsets
+from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.general import recurrent as G
 from ssmcraft.ops.precision_rank1 import chunk as P
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
@@ -188,22 +189,11 @@ def _structure(ir) -> dict:
     """R, S, the keys and R's weights, lam, q, and the candidate roles of the other inputs, read off
     the IR's structure; ValueError says what does not fit."""
     d, m = ir.dims
-    if len(ir.states) != 2 or len(ir.inverses) != 1 or ir.params or ir.minibatch or ir.hidden:
-        raise ValueError("not one square state carried by its inverse plus one memory")
-    R, alpha, terms = ir.inverses[0]
-    S = next(x for x in ir.states if x != R)
-    if tuple(ir.shape_of(R)) != (m, m) or tuple(ir.shape_of(S)) != (d, m):
-        raise ValueError(f"states {R} {ir.shape_of(R)}, {S} {ir.shape_of(S)}")
-    if R not in ir.inits:
-        raise ValueError(f"{R} does not start at a multiple of the identity")
+    R, _, terms, S, lam, q = P.covariance_and_memory(ir)
     if not 1 <= len(terms) <= 2 or any(u != v for _, u, v in terms):
         raise ValueError(f"{R} is not updated by one or two k k^T terms")
     ks = [P._leaf(ir, sympy.sympify(u), (m,)) for _, u, _ in terms]
     cs = [None if sympy.sympify(c) == 1 else P._leaf(ir, sympy.sympify(c), ()) for c, _, _ in terms]
-    lam = P._leaf(ir, sympy.sympify(alpha), ())
-    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
-        raise ValueError("the readout is not S q")
-    q = P._leaf(ir, sympy.cancel(ir.readout_reductions[0].body / sympy.Symbol(S, real=True)), (m,))
     rest = [x for x in ir.inputs if x not in {*ks, *[c for c in cs if c], lam, q}]
     if any(tuple(ir.inputs[x]) not in ((d,), ()) for x in rest) or len(rest) != len(ks) + 1:
         raise ValueError(f"inputs besides {len(ks)} key(s), a query, the forgetting factor and R's weights are "
@@ -291,27 +281,14 @@ def _probe(ir, names) -> dict | str:
 
 def match(ir) -> dict:
     """``_structure`` and ``_probe`` (once per IR); ValueError says why the family does not run it."""
-    def check():
-        try:
-            names = _structure(ir)
-        except ValueError as e:
-            return str(e)
-        return _probe(ir, names)
-    out = ir.memo("precision_general", check)
-    if isinstance(out, str):
-        raise ValueError(out)
-    return dict(out)
+    return probed_match(ir, "precision_general", _structure, _probe)
 
 
 def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not."""
     if not ir.states or not ir.inverses:
         return f"{ir.spec_name}: no square state carried by its inverse"
-    try:
-        match(ir)
-    except ValueError as e:
-        return f"{ir.spec_name}: {e}"
-    return None
+    return match_reason(ir, match)
 
 
 def supports_inputs(ir, inputs, mode) -> str | None:
