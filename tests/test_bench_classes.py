@@ -13,7 +13,7 @@ from ssmcraft.cli import main
 # the structure each composed class must compile to (what makes it a class of its own)
 KIND = {"kda_like": "rank1", "rank2_head": "rankr", "rank2_head_gated": "rankr", "minibatch_delta": "general",
         "huber_channel_gated": "nonlinear", "cauchy_channel": "nonlinear", "metric_rank2": "nonlinear",
-        "metric_huber": "nonlinear", "metric_implicit_channel": "nonlinear"}
+        "metric_huber": "nonlinear", "metric_implicit": "nonlinear", "metric_implicit_channel": "nonlinear"}
 
 
 def test_every_composed_class_is_listed_with_its_structure():

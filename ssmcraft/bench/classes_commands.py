@@ -35,6 +35,8 @@ COMPOSED: dict[str, dict[str, Any]] = {
                      "update": "decay_explicit", "normalize": True},
     "metric_huber": {"proximity": "metric", "data": "huber", "step": "scalar", "update": "decay_explicit",
                      "normalize": True},
+    "metric_implicit": {"proximity": "metric", "data": "regression", "step": "scalar", "update": "implicit",
+                        "normalize": True},
     "metric_implicit_channel": {"proximity": "metric", "data": "regression", "step": "per_channel",
                                 "update": "implicit", "normalize": True},
 }
