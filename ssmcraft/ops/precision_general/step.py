@@ -155,7 +155,8 @@ def _interleaved(ks, lam, cs):
 
 
 def naive_precision(ks, lam, cs, R0):
-    """The precision's gains by a solve per token (float64, the probe's): ([h_i] [B, T, H, m], R_T)."""
+    """The precision's gains by a solve per token (float64, the probe's): ([h_i] [B, T, H, m], R_T)
+    (``R_T`` a callable, as ``kernel_precision``'s)."""
     R, hs = R0, [[] for _ in ks]
     for t in range(lam.shape[1]):
         for i, k in enumerate(ks):
@@ -163,12 +164,12 @@ def naive_precision(ks, lam, cs, R0):
             c = 1.0 if cs[i] is None else cs[i][:, t, :, None]
             R = (lam[:, t, :, None, None] if i == 0 else 1.0) * R + (c * kt)[..., :, None] * kt[..., None, :]
             hs[i].append(torch.linalg.solve(R, kt))
-    return [torch.stack(h, 1) for h in hs], R
+    return [torch.stack(h, 1) for h in hs], lambda: R
 
 
 def kernel_precision(ks, lam, cs, R0, cu=None):
     """The precision's gains by ``precision_rank1``'s float64 kernels: ([h_i] [B, T, H, m] float32, R_T
-    float64); ``cu`` a packed row's offsets (ints, int32 tensor) (B = 1; R0 and R_T [N, H, m, m]) or None."""
+    float64, a callable: the final precision inverted only where the final state is asked); ``cu`` a packed row's offsets (ints, int32 tensor) (B = 1; R0 and R_T [N, H, m, m]) or None."""
     B, T, H, m = ks[0].shape
     n = len(ks)
     N = B if cu is None else len(cu[0]) - 1
@@ -178,7 +179,7 @@ def kernel_precision(ks, lam, cs, R0, cu=None):
     g, pt = P.PrecisionFunction.apply(k.contiguous(), la.contiguous(), None if c is None else c.contiguous(), None,
                                       p0, None if cu is None else n * cu[1])
     hs = [g] if n == 1 else list(g.reshape(B, T, 2, H, m).unbind(2))
-    return hs, torch.linalg.inv(pt)
+    return hs, lambda: torch.linalg.inv(pt)
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def run(roles, get, R0, S0, output_final_state, precision, step, **packed):
     ins.update({n: v.to(io) for n, v in coef.items()})
     ins.update({n: ins[n].to(io) for n in ins if n.startswith("g")})
     y, ST = step((roles["form"], roles["data"], len(ks), roles["channel"]), ins, S0, output_final_state, **packed)
-    return y, RT, ST
+    return y, (RT() if output_final_state else None), ST
 
 
 def _reference_step(key, ins, S0, output_final_state):
