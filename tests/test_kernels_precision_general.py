@@ -150,3 +150,13 @@ def test_packed_without_initial_or_final_state():
     errs, S = packed_without_states(obj, [0, 19, 4, 1], d=12, m=8)
     assert S is None and obj.backend == "triton-interpret:precision-fp64+general+packed"
     assert_within(errs, {"y": 1e-5, "grad": 2e-5})
+
+
+def test_a_step_of_no_known_form_is_refused_by_name():
+    """A metric proximity whose data step reads the precision through the query, not the key: R's
+    structure fits, no form of the step does, and the family says so."""
+    spec = _metric("regression", 1, "scalar", "decay_explicit")
+    spec["objective"]["S"] = spec["objective"]["S"].replace("dot(S*k, residual)", "dot(S*q, residual)")
+    obj = ssmcraft.compile(spec)
+    assert "the memory's update is none of" in PG.supports(obj.ir)
+    assert P.supports(obj.ir) is not None
