@@ -30,7 +30,7 @@ TOL = {"y": 1e-5, "R_T": 1e-5, "S_T": 1e-5, "grad": 2e-5}
 def _poison(monkeypatch):
     monkeypatch.setattr(P, "POISON", True)
     monkeypatch.setattr(G, "POISON", True)
-    monkeypatch.setattr(R1, "POISON", True)
+    monkeypatch.setattr(R1, "POISON", True)          # rankr_chunk runs rank1_chunk's kernels
 
 
 def _metric(data, keys, step, update):
@@ -43,8 +43,9 @@ CASES = [("regression", 2, "scalar", "decay_explicit"), ("linear", 1, "per_chann
          ("huber", 1, "scalar", "decay_explicit"), ("cauchy", 2, "per_channel", "decay_explicit"),
          ("regression", 1, "per_channel", "implicit"), ("regression", 2, "scalar", "implicit"),
          ("linear", 2, "per_channel", "implicit"), ("linear", 1, "scalar", "implicit"),
-         # one key, a per-head step, linear in S: the memory on rank1_chunk
-         ("regression", 1, "scalar", "implicit"), ("linear", 1, "scalar", "decay_explicit")]
+         # a per-head step, linear in S: the memory on rank1_chunk (one key), rankr_chunk (two)
+         ("regression", 1, "scalar", "implicit"), ("linear", 1, "scalar", "decay_explicit"),
+         ("linear", 2, "scalar", "decay_explicit"), ("huber", 2, "scalar", "decay_explicit")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -104,12 +105,13 @@ def test_dispatch_runs_the_family_and_says_so():
         assert (a.double() - b).norm() / b.norm() < 1e-5
 
 
-def test_the_per_head_steps_linear_in_s_run_chunked():
-    obj = ssmcraft.compile(_metric("regression", 1, "scalar", "implicit"))
+@pytest.mark.parametrize("keys, step", [(1, "rank1-chunk"), (2, "rankr-chunk")])
+def test_the_per_head_steps_linear_in_s_run_chunked(keys, step):
+    obj = ssmcraft.compile(_metric("regression", keys, "scalar", "implicit"))
     obj.prefer = "interpret"
     ins, _, S0, g = kernel_inputs(obj, 1, 21, 2, 8, 8, seed=2)
     y, _ = obj({k: v.float() for k, v in ins.items()}, None, None, False)
-    assert obj.backend == "triton-interpret:precision-fp64+rank1-chunk"
+    assert obj.backend == f"triton-interpret:precision-fp64+{step}"
     yr, _ = obj.reference(ins, None, None, False)
     assert (y.double() - yr).norm() / yr.norm() < 1e-5
 
@@ -123,7 +125,7 @@ LENS = [0, 17, 5, 0, 1, 33]
 
 
 @pytest.mark.parametrize("case, step", [(("huber", 2, "per_channel", "decay_explicit"), "general"),
-                                        (("regression", 2, "scalar", "implicit"), "general"),
+                                        (("regression", 2, "scalar", "implicit"), "rankr-chunk"),
                                         (("regression", 1, "scalar", "implicit"), "rank1-chunk")],
                          ids=["huber2-channel", "implicit2", "implicit1-chunked"])
 def test_packed_equals_separate(case, step, monkeypatch):

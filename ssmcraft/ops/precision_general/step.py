@@ -15,10 +15,11 @@ two keys, carried as P = R^-1), so the layer splits as ``precision_rank1`` split
        Q2 = (lam R_{t-1})^-1 k2 = h2 / (1 - c2 k2 . h2) + c1 Q1 (h1 . k2);
 
 2. S by a step that reads those gains as inputs, ``S_t = S_{t-1} - sum_i phi_i g_i^T``: an objective
-   written here (``aux_spec``), derived by the compiler. With one key, a per-head coefficient and a
-   step linear in S it runs on ``rank1_chunk``'s chunked tensor-core kernels, as ``precision_rank1``'s
-   memory does (``chunked``); every other form (a nonlinear data term, a per-row step, two keys) on
-   the ``general`` family's generated sequential kernel of that objective. Either way the gains'
+   written here (``aux_spec``), derived by the compiler. With a per-head coefficient and a step
+   linear in S it runs on ``rank1_chunk``'s chunked tensor-core kernels, as ``precision_rank1``'s
+   memory does, or ``rankr_chunk``'s for two keys (its terms read the same S_{t-1}, as these do)
+   (``chunked``); every other form (a nonlinear data term, a per-row step) on the ``general``
+   family's generated sequential kernel of that objective. Either way the gains'
    gradients flow back into the precision kernels. The forms (``FORMS``), checked against the IR's
    own reference loop (``_probe``):
 
@@ -31,8 +32,8 @@ two keys, carried as P = R^-1), so the layer splits as ``precision_rank1`` split
      ``S_t = S_{t-1} - sum_ab M_ab (S_{t-1} k_a - x_a) Q_b^T``.
 
 Why the general kernel for the other forms: it is the one kernel that runs all of them (nonlinear
-data terms, per-row steps, two keys) from one generated objective; a chunked kernel per form would
-be faster for the ones linear in S (a rank-2 chunk for two keys, ``rank1_row`` for a per-row step).
+data terms, per-row steps) from one generated objective; the per-row steps linear in S could run
+row-tiled (``rank1_row``, ``rankr_row``) at the cost of matching each.
 
 Numerics: the implicit forms' gains ``Q = h / (1 - c k . h)`` scale the float32 rounding of the
 precision's gains by 1 / (1 - c k^T R_t^-1 k) = 1 + c k^T (lam R_{t-1})^-1 k, large where R has
@@ -56,6 +57,7 @@ from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.general import recurrent as G
 from ssmcraft.ops.precision_rank1 import chunk as P
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
+from ssmcraft.ops.rankr_chunk.chunk import CHUNK as RANKR_CHUNK, chunk_rankr
 
 BACKEND_NAME = "precision-fp64"         # the runner adds the step's kernels: "+rank1-chunk" or "+general"
 FORMS = ("step", "implicit_linear", "implicit_regression")
@@ -297,26 +299,46 @@ def supports_inputs(ir, inputs, mode) -> str | None:
     return P.supports_inputs(ir, inputs, mode)
 
 
-def chunked(key) -> bool:
-    """Whether the step of ``aux(*key)`` runs on ``rank1_chunk``'s chunked kernels: one key, a per-head
-    coefficient and a step linear in S (``S_t = S - a (S k - x) g^T`` or ``S + a x g^T``)."""
+def chunked(key) -> str | None:
+    """The chunked family that runs the step of ``aux(*key)`` (``"rank1-chunk"``: one key,
+    ``"rankr-chunk"``: two), or None (the general kernel): a per-head coefficient and a step linear in
+    S, ``S_t = S - sum_i (S k_i - x_i) w_i^T`` or ``S + sum_i x_i w_i^T``."""
     form, data, n, channel = key
-    return n == 1 and not channel and data in ("regression", "linear")
+    if channel or data not in ("regression", "linear"):
+        return None
+    return "rank1-chunk" if n == 1 else "rankr-chunk"
+
+
+def _writes(key, ins) -> list:
+    """The write keys w_i of a chunked step (``chunked``): ``sum_b M_ib Q_b`` (implicit regression), else
+    ``beta g_i``; [B, T, H, m] each."""
+    form, _, n, _ = key
+    if form == "implicit_regression":
+        coef = lambda a, b: ins[f"a{min(a, b)}{max(a, b)}"][..., None]      # noqa: E731
+        return [sum(coef(a, b) * ins[f"g{b}"] for b in range(1, n + 1)) for a in range(1, n + 1)]
+    return [ins["beta"][..., None] * ins[f"g{a}"] for a in range(1, n + 1)]
 
 
 def _kernel_step(key, ins, S0, output_final_state, cu=None):
-    """The step on Triton: ``rank1_chunk``'s chunked kernels where ``chunked(key)`` (insert = erase key
-    ``a g``, read key k, step 1; 0 for a linear data term, which erases nothing), else the ``general``
-    family's generated kernel of ``aux(*key)``; ``cu`` (a packed row's offsets: ints, int32 tensor)
-    runs both natively.
-    (y [B, T, H, d], S_T [B, H, d, m] ([N, ...] packed) fp32 or None)."""
+    """The step on Triton: ``rank1_chunk`` / ``rankr_chunk``'s chunked kernels where ``chunked(key)``
+    (insert = erase keys w_i, read keys k_i, step 1; 0 for a linear data term, which erases nothing),
+    else the ``general`` family's generated kernel of ``aux(*key)``; ``cu`` (a packed row's offsets:
+    ints, int32 tensor) runs either natively. (y [B, T, H, d], S_T [B, H, d, m] ([N, ...] packed)
+    fp32 or None)."""
     x = ins["x1"]
     if chunked(key):
-        v = ins["a11" if key[0] == "implicit_regression" else "beta"][..., None] * ins["g1"]
+        n = key[2]
+        w = [t.to(x.dtype) for t in _writes(key, ins)]
+        q, ks = ins["q"].to(x.dtype), [ins[f"k{i}"].to(x.dtype) for i in range(1, n + 1)]
         c = (torch.zeros_like if key[1] == "linear" else torch.ones_like)(x[..., 0])
-        o, ht = chunk_rank1(v.to(x.dtype), x, c, ins["q"], u=ins["k1"], initial_state=None if S0 is None else
-                            S0.transpose(-1, -2), output_final_state=output_final_state, chunk_size=P.CHUNK,
-                            cu_seqlens=None if cu is None else cu[1])
+        h0 = None if S0 is None else S0.transpose(-1, -2)
+        packed = None if cu is None else cu[1]
+        if n == 1:
+            o, ht = chunk_rank1(w[0], x, c, q, u=ks[0], initial_state=h0,
+                                output_final_state=output_final_state, chunk_size=P.CHUNK, cu_seqlens=packed)
+        else:
+            o, ht = chunk_rankr(w, [ins[f"x{i}"] for i in range(1, n + 1)], c, q, u=ks, initial_state=h0,
+                                output_final_state=output_final_state, chunk_size=RANKR_CHUNK, cu_seqlens=packed)
         return o, None if ht is None else ht.transpose(-1, -2)
     ir = aux(*key).ir           # one state: the kernels' state is S itself (no stacking)
     B, T, H, V = x.shape
@@ -353,6 +375,5 @@ def prepare(obj, lay):
         out = {roles["R"]: RT.float(), roles["S"]: ST}
         return y.to(out_dtype), tuple(out[x] for x in order)
     # what the backend name adds to the family's (``select._runner``): the kernels of the step
-    fn.slots_path = "rank1-chunk" if chunked((roles["form"], roles["data"], len(roles["ks"]), roles["channel"])) \
-        else "general"
+    fn.slots_path = chunked((roles["form"], roles["data"], len(roles["ks"]), roles["channel"])) or "general"
     return fn
