@@ -10,8 +10,8 @@ extrapolated state: Longhorn with momentum), ``general`` (anything else the gene
 (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``, ahead of ``rankr_row`` likewise, ``minibatch_chunk``
 (mini-batch regression steps), ``precision_rank1`` (recursive least squares, the preconditioned
 delta rule), ``precision_general`` (the other metric compositions: the precision's gains, then the
-memory on the general family's kernel), ``rank1_keydecay_chunk`` (rank-1 with a per-key decay and a per-head step: a KDA-like
-layer; chunked, on tensor cores) and ``mlp_memory`` (a two-layer MLP memory: two weight states of
+memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a
+per-key decay and a per-head step: a KDA-like layer; chunked, on tensor cores) and ``mlp_memory`` (a two-layer MLP memory: two weight states of
 different shapes), which no other family runs. A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
