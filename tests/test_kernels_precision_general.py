@@ -42,6 +42,7 @@ def _metric(data, keys, step, update):
 CASES = [("regression", 2, "scalar", "decay_explicit"), ("linear", 1, "per_channel", "decay_explicit"),
          ("huber", 1, "scalar", "decay_explicit"), ("cauchy", 2, "per_channel", "decay_explicit"),
          ("regression", 1, "per_channel", "implicit"), ("regression", 2, "scalar", "implicit"),
+         ("regression", 2, "per_channel", "implicit"),
          ("linear", 2, "per_channel", "implicit"), ("linear", 1, "scalar", "implicit"),
          # a per-head step, linear in S: the memory on rank1_chunk (one key), rankr_chunk (two)
          ("regression", 1, "scalar", "implicit"), ("linear", 1, "scalar", "decay_explicit"),
