@@ -151,7 +151,8 @@ def _gains(form, ks, cs, hs, beta):
         det = (1 + b * W[0][0]) * (1 + b * W[1][1]) - b * b * W[0][1] * W[1][0]
         inv = [[(1 + b * W[1][1]) / det, -b * W[0][1] / det], [-b * W[1][0] / det, (1 + b * W[0][0]) / det]]
         IWC = [[(a == c) + W[a][c] * cs[c] for c in range(2)] for a in range(2)]
-        N = {f"a{a + 1}{c + 1}": b * (inv[a][0] * IWC[0][c] + inv[a][1] * IWC[1][c]) for a in range(2) for c in range(2)}
+        N = {f"a{a + 1}{c + 1}": b * (inv[a][0] * IWC[0][c] + inv[a][1] * IWC[1][c])
+             for a in range(2) for c in range(2)}
     return G, {k: (v if beta.dim() == 4 else v[..., 0]) for k, v in N.items()}
 
 
