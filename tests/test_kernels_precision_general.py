@@ -163,3 +163,30 @@ def test_a_step_of_no_known_form_is_refused_by_name():
     obj = ssmcraft.compile(spec)
     assert "the memory's update is none of" in PG.supports(obj.ir)
     assert P.supports(obj.ir) is not None
+
+
+def _precond2(update):
+    """Held out of the composer: the preconditioned delta rule with two keys, beta both the covariance's
+    weight of each key and the step (R's weights not 1), as a gradient step or the implicit minimiser."""
+    S = ("wsq(S - S_prev, R)/2 + beta*dot(S*k, r1) + beta*dot(S*k2, r2)" if update == "step" else
+         "lam*wsq(S - S_prev, R_prev)/2 + beta*sq(S*k - x)/2 + beta*sq(S*k2 - x2)/2")
+    return {"name": f"precond2_{update}",
+            "state": {"R": {"shape": ["m", "m"], "init": {"identity": 1.0}}, "S": ["d", "m"]},
+            "inputs": {"x": {"shape": ["d"]}, "k": {"shape": ["m"], "normalize": True}, "q": {"shape": ["m"]},
+                       "beta": {"shape": [], "bounded": True}, "lam": {"shape": [], "bounded": True},
+                       "k2": {"shape": ["m"], "normalize": True}, "x2": {"shape": ["d"]}},
+            **({"let": {"r1": "S_prev*k - x", "r2": "S_prev*k2 - x2"}} if update == "step" else {}),
+            "objective": {"R": "sq(R - lam*R_prev - beta*outer(k, k) - beta*outer(k2, k2))/2", "S": S},
+            "update": "implicit", "output": "S*q"}
+
+
+@pytest.mark.parametrize("update", ["step", "implicit"])
+def test_weighted_keys_match_the_reference(update):
+    obj = ssmcraft.compile(_precond2(update))
+    assert PG.match(obj.ir)["cs"] == ["beta", "beta"]
+    ins, params, S0, g = kernel_inputs(obj, 2, 37, 2, 12, 8, seed=5)
+    S0s = tuple(_spd(2, 2, 8, g) if x == "R" else S0 for x in obj.ir.states)
+    errs = kernel_errors(obj, lambda o, lay: validated_call(PG.prepare, o, lay_inputs(o, lay), None,
+                                                            tuple(s.float() for s in lay.S0), True),
+                         ins, params, S0s, g)
+    assert_within(errs, TOL)

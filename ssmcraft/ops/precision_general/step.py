@@ -209,20 +209,26 @@ def _structure(ir) -> dict:
         raise ValueError(f"{R} is not updated by one or two k k^T terms")
     ks = [P._leaf(ir, sympy.sympify(u), (m,)) for _, u, _ in terms]
     cs = [None if sympy.sympify(c) == 1 else P._leaf(ir, sympy.sympify(c), ()) for c, _, _ in terms]
-    rest = [x for x in ir.inputs if x not in {*ks, *[c for c in cs if c], lam, q}]
-    if any(tuple(ir.inputs[x]) not in ((d,), ()) for x in rest) or len(rest) != len(ks) + 1:
+    rest = [x for x in ir.inputs if x not in {*ks, lam, q}]
+    weights = {c for c in cs if c}
+    if any(tuple(ir.inputs[x]) not in ((d,), ()) for x in rest) or \
+            len([x for x in rest if x not in weights]) not in (len(ks), len(ks) + 1):
         raise ValueError(f"inputs besides {len(ks)} key(s), a query, the forgetting factor and R's weights are "
                          f"not {len(ks)} target(s) over {d} and one step")
     return {"R": R, "S": S, "ks": ks, "cs": cs, "lam": lam, "q": q, "rest": rest, "r0": float(ir.inits[R])}
 
 
 def _roles(ir, names):
-    """Every assignment of the other inputs to the targets x_1..x_n (over d) and the step beta."""
+    """Every assignment of the other inputs to the targets x_1..x_n (over d) and the step beta (an input
+    of its own, or one of R's weights, as the preconditioned delta rule's beta is both)."""
     d = ir.dims[0]
     n = len(names["ks"])
-    for xs in itertools.permutations(names["rest"], n):
+    weights = {c for c in names["cs"] if c}
+    for xs in itertools.permutations([x for x in names["rest"] if x not in weights], n):
         if all(tuple(ir.inputs[x]) == (d,) for x in xs):
-            yield list(xs), next(x for x in names["rest"] if x not in xs)
+            left = [x for x in names["rest"] if x not in xs and x not in weights]
+            for beta in left or sorted(weights):
+                yield list(xs), beta
 
 
 def run(roles, get, R0, S0, output_final_state, precision, step, **packed):
