@@ -14,7 +14,8 @@ from ssmcraft.cli import main
 KIND = {"kda_like": "rank1", "rank2_head": "rankr", "rank2_head_gated": "rankr", "minibatch_delta": "general",
         "minibatch_huber": "nonlinear",
         "huber_channel_gated": "nonlinear", "cauchy_channel": "nonlinear", "mlp_huber_minibatch": "nonlinear",
-        "mlp_cauchy_2key": "nonlinear"}
+        "mlp_cauchy_2key": "nonlinear", "metric_rank2": "nonlinear",
+        "metric_huber": "nonlinear", "metric_implicit": "nonlinear", "metric_implicit_channel": "nonlinear"}
 
 
 def test_every_composed_class_is_listed_with_its_structure():

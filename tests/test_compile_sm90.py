@@ -115,6 +115,28 @@ def test_chunked_families_compile_for_sm90():
     assert set(_kernels(out).values()) == {"ok"}
 
 
+def test_metric_compositions_compile_for_sm90():
+    """The metric compositions ``precision_rank1`` does not run (``precision_general``): the precision's
+    float64 kernels, then the step on rank1_chunk / rankr_chunk (one / two keys, a per-head step, linear
+    in S) or on the general family's kernels generated for it (a per-row step; Huber), unpacked and
+    packed."""
+    for packed in ((), ("--packed", "0,17,5,33")):
+        rc, out, err = _run("metric_rank2", "metric_huber", "metric_implicit", "metric_implicit_channel", *packed)
+        assert rc == 0, out + err[-2000:]
+        tail = "+packed" if packed else ""
+        backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+        assert backends == {"metric_rank2": "triton:precision-fp64+rankr-chunk" + tail,
+                            "metric_huber": "triton:precision-fp64+general" + tail,
+                            "metric_implicit": "triton:precision-fp64+rank1-chunk" + tail,
+                            "metric_implicit_channel": "triton:precision-fp64+general" + tail}
+        rows = _kernels(out)
+        assert {k for (label, k) in rows if label == "metric_implicit"} >= {
+            "precision_fwd_kernel", "precision_bwd_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_grad_kernel"}
+        assert {k for (label, k) in rows if label == "metric_huber"} == {
+            "precision_fwd_kernel", "precision_bwd_kernel", "general_fwd_kernel", "general_bwd_kernel"}
+        assert set(rows.values()) == {"ok"}
+
+
 FAILING = """
 import torch, triton, triton.language as tl
 import compile_sm90

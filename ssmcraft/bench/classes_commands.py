@@ -36,6 +36,15 @@ COMPOSED: dict[str, dict[str, Any]] = {
                             "update": "explicit", "normalize": True, "minibatch": 16},
     "mlp_cauchy_2key": {"memory": "mlp", "proximity": "scalar_decay", "data": "cauchy", "keys": 2, "step": "scalar",
                         "update": "explicit", "normalize": True},
+    # second-order learners (the key covariance as the metric) beyond RLS and the preconditioned delta rule
+    "metric_rank2": {"proximity": "metric", "data": "regression", "keys": 2, "step": "scalar",
+                     "update": "decay_explicit", "normalize": True},
+    "metric_huber": {"proximity": "metric", "data": "huber", "step": "scalar", "update": "decay_explicit",
+                     "normalize": True},
+    "metric_implicit": {"proximity": "metric", "data": "regression", "step": "scalar", "update": "implicit",
+                        "normalize": True},
+    "metric_implicit_channel": {"proximity": "metric", "data": "regression", "step": "per_channel",
+                                "update": "implicit", "normalize": True},
 }
 
 

@@ -105,6 +105,21 @@ def match_reason(ir, match: Callable[..., dict]) -> Reason:
     return None
 
 
+def probed_match(ir, key: str, structure: Callable[..., dict], probe: Callable[..., dict | str]) -> dict:
+    """A family's ``match``: ``structure(ir)`` (the roles read off the IR, ValueError saying what does not
+    fit), then ``probe(ir, roles)`` (the roles its numerical check confirms, or why none does), once per
+    IR (``ir.memo(key)``). Returns the roles; ValueError says why the family does not run ``ir``."""
+    def check():
+        try:
+            return probe(ir, structure(ir))
+        except ValueError as e:
+            return str(e)
+    out = ir.memo(key, check)
+    if isinstance(out, str):
+        raise ValueError(out)
+    return dict(out)
+
+
 def recorded_match(match: Callable[..., dict], what: str) -> Callable[..., tuple[str, str]]:
     """An ``export_tail`` for a family whose ``forward`` calls ``match(ir) -> dict`` (plain data: which
     input fills which role, read off the IR with sympy, which an exported module does not carry):

@@ -10,9 +10,10 @@ scalar or weight decay, on tensor cores: ahead of ``general``, which runs every 
 update), ``general`` (anything else the generator prints), then ``rank1_chunk``, which declares itself
 ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``,
 ahead of ``rankr_row`` likewise, ``precision_rank1`` (recursive least squares, the preconditioned
-delta rule), ``rank1_keydecay_chunk`` (rank-1 with a per-key decay and a per-head step: a KDA-like
-layer; chunked, on tensor cores) and ``mlp_memory`` (a two-layer MLP memory: two weight states of
-different shapes), which no other family runs. A family that does not support an IR says why
+delta rule), ``precision_general`` (the other metric compositions: the precision's gains, then the
+memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a
+per-key decay and a per-head step: a KDA-like layer; chunked, on tensor cores) and ``mlp_memory`` (a
+two-layer MLP memory: two weight states of different shapes), which no other family runs. A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ssmcraft.ops.general import FAMILY as GENERAL
 from ssmcraft.ops.keydecay_chunk import FAMILY as KEYDECAY_CHUNK
 from ssmcraft.ops.minibatch_chunk import FAMILY as MINIBATCH_CHUNK
 from ssmcraft.ops.mlp_memory import FAMILY as MLP_MEMORY
+from ssmcraft.ops.precision_general import FAMILY as PRECISION_GENERAL
 from ssmcraft.ops.precision_rank1 import FAMILY as PRECISION_RANK1
 from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
 from ssmcraft.ops.rank1_keydecay_chunk import FAMILY as RANK1_KEYDECAY_CHUNK
@@ -34,7 +36,7 @@ from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
 FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW,
                                       MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
-                                      RANK1_KEYDECAY_CHUNK, MLP_MEMORY)
+                                      PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MEMORY)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 

@@ -10,5 +10,5 @@ FAMILY = KernelFamily(name="precision_rank1", backend=chunk.BACKEND_NAME, module
                       prepare=chunk.prepare, forward=chunk.forward, supports_inputs=chunk.supports_inputs,
                       supports_sizes=chunk.supports_sizes, varlen=None,
                       export_exclude=frozenset({"prepare", "supports", "supports_inputs", "supports_sizes", "match",
-                                                "_leaf", "_structure", "_probe"}),
+                                                "_leaf", "_structure", "_probe", "covariance_and_memory"}),
                       export_tail=recorded_match(chunk.match, "the precision kernels"))

@@ -56,6 +56,7 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
+from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
@@ -191,10 +192,11 @@ def _leaf(ir, e, dims):
     raise ValueError(f"{e} is not an input of dims {dims}")
 
 
-def _structure(ir) -> dict:
-    """Input names (k, x, q, lam, beta | None), state names, R's initial scale and the candidates
-    for the memory's step ``eta`` (None = 1, or a per-head input), read off the IR's structure;
-    ValueError says what does not fit. The S update itself is checked by ``_probe``."""
+def covariance_and_memory(ir) -> tuple:
+    """(R, its forgetting factor's expression alpha, its terms ((c, u, v): + c u v^T), S, the forgetting
+    factor's input lam, the readout's query q) of a layer with one square state R [m, m] carried by its
+    inverse from a multiple of the identity, and one memory S [d, m] read out as S q; ValueError says
+    what does not fit."""
     import sympy
     d, m = ir.dims
     if len(ir.states) != 2 or len(ir.inverses) != 1 or ir.params or ir.minibatch or ir.hidden:
@@ -205,15 +207,25 @@ def _structure(ir) -> dict:
         raise ValueError(f"states {R} {ir.shape_of(R)}, {S} {ir.shape_of(S)}")
     if R not in ir.inits:
         raise ValueError(f"{R} does not start at a multiple of the identity")
+    lam = _leaf(ir, sympy.sympify(alpha), ())
+    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
+        raise ValueError("the readout is not S q")
+    q = _leaf(ir, sympy.cancel(ir.readout_reductions[0].body / sympy.Symbol(S, real=True)), (m,))
+    return R, alpha, terms, S, lam, q
+
+
+def _structure(ir) -> dict:
+    """Input names (k, x, q, lam, beta | None), state names, R's initial scale and the candidates
+    for the memory's step ``eta`` (None = 1, or a per-head input), read off the IR's structure;
+    ValueError says what does not fit. The S update itself is checked by ``_probe``."""
+    import sympy
+    d, m = ir.dims
+    R, alpha, terms, S, lam, q = covariance_and_memory(ir)
     if len(terms) != 1 or terms[0][1] != terms[0][2]:
         raise ValueError(f"{R} is not updated by one k k^T term")
     c, key, _ = terms[0]
     k = _leaf(ir, sympy.sympify(key), (m,))
-    lam = _leaf(ir, sympy.sympify(alpha), ())
     beta = None if sympy.sympify(c) == 1 else _leaf(ir, sympy.sympify(c), ())
-    if len(ir.readout_reductions) != 1 or ir.readout != sympy.Symbol(ir.readout_reductions[0].name, real=True):
-        raise ValueError("the readout is not S q")
-    q = _leaf(ir, sympy.cancel(ir.readout_reductions[0].body / sympy.Symbol(S, real=True)), (m,))
     xs = [n for n, dims in ir.inputs.items() if tuple(dims) == (d,)]
     if len(xs) != 1:
         raise ValueError(f"not one target over {d}")
@@ -258,27 +270,14 @@ def _probe(ir, names) -> dict | str:
 
 def match(ir) -> dict:
     """``_structure`` and ``_probe`` (once per IR); ValueError says why the family does not run it."""
-    def check():
-        try:
-            names = _structure(ir)
-        except ValueError as e:
-            return str(e)
-        return _probe(ir, names)
-    out = ir.memo("precision_rank1", check)
-    if isinstance(out, str):
-        raise ValueError(out)
-    return dict(out)
+    return probed_match(ir, "precision_rank1", _structure, _probe)
 
 
 def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not."""
     if not ir.states or not ir.inverses:
         return f"{ir.spec_name}: no square state carried by its inverse"
-    try:
-        match(ir)
-    except ValueError as e:
-        return f"{ir.spec_name}: {e}"
-    return None
+    return match_reason(ir, match)
 
 
 def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
