@@ -25,7 +25,14 @@ R (and so g) never reads S, so the layer splits in two:
 
    ``precision_bwd_kernel`` runs the adjoint in reverse, rebuilding every P_c from the next one and
    the stored V (P_c = Gamma_C P_{c+1} + V^T V), the Cholesky factor's through L^-T Phi(L^T dL) L^-1
-   (Phi: the lower triangle, the diagonal halved);
+   (Phi: the lower triangle, the diagonal halved).
+   That walk is the sequential form (``PARALLEL = False``). The default, parallel form
+   (``parallel.py``) cuts each sequence into segments of ``SEGMENT`` tokens, takes every segment's
+   first covariance R_j from one weighted sum of the segments' k k^T terms (R is linear across
+   segments), inverts each (Cholesky, float64), and runs the same two kernels on the segments as the
+   sequences of a packed row, each from its own P_j = R_j^-1: every (segment, head) a program. It is
+   also the more accurate at long lengths (``parallel.py`` has the figures): a precision chained over
+   a whole sequence accumulates every chunk's rounding, an inverse per segment does not;
 2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
    tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
    erase key).
@@ -64,7 +71,8 @@ from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
-PARALLEL = True                     # the chunk-parallel form (``parallel.py``); False: one program walks the chunks
+PARALLEL = True                     # the parallel form (``parallel.py``); False: one program walks the chunks
+SEGMENT = 32                        # the parallel form's segment (tokens): one inverse, then chained chunks
 BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
 PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
@@ -133,7 +141,7 @@ class PrecisionFunction(torch.autograd.Function):
 
 def form() -> str:
     """Which form of the precision runs (``PARALLEL``), for a benchmark's table."""
-    return f"chunk-parallel ({PCHUNK}-token grid)" if PARALLEL else "sequential"
+    return f"parallel (segments of {SEGMENT} tokens)" if PARALLEL else "sequential"
 
 
 def _precision(k, lam, beta, eta, R0, cu, N):
@@ -149,14 +157,14 @@ def _precision(k, lam, beta, eta, R0, cu, N):
                                         torch.tensor(cu, device=k.device, dtype=torch.int32))
         return g, torch.linalg.inv(pt)
     cu = list(range(0, B * T + 1, T)) if cu is None else cu
-    idx, starts, real = parallel.grid(cu, PCHUNK, k.device)
+    idx, starts, real = parallel.grid(cu, SEGMENT, k.device)
     flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
     R = parallel.boundary_covariances(flat(k).double(), flat(lam).double(),
                                       None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
-    p0 = parallel.precisions(R[:, :, :-1].transpose(1, 2)[real])                # [n_chunks, H, K, K]
+    p0 = parallel.precisions(R[:, :, :-1].transpose(1, 2)[real])                # [n_segments, H, K, K]
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
     g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), p0,
-                                   torch.tensor(starts, device=k.device, dtype=torch.int32), PCHUNK)
+                                   torch.tensor(starts, device=k.device, dtype=torch.int32), SEGMENT)
     return g.view(B, T, H, K), R[:, :, -1]
 
 
