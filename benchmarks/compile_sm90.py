@@ -9,7 +9,8 @@ choices of a GPU), and every ``ssmcraft.ops.common.launch.launch`` compiles its 
 sm_90 (Triton's bundled ptxas) instead of running it: the outputs are never written, so the
 numbers mean nothing; what is checked is that each kernel compiles, with the arguments the host
 code passes. ``--packed`` runs one packed call (``cu_seqlens``) of those sequence lengths.
-Prints one line per distinct kernel signature; exit status 1 when any fails to compile.
+Prints one line per distinct kernel signature (``--usage``: then its warps, registers and stack
+(spilled) bytes per thread at the first autotune config); exit status 1 when any fails to compile.
 """
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
 from ssmcraft.bench.classes_commands import class_specs  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.ops.common import launch as L  # noqa: E402
+from sass_count import resource_usage  # noqa: E402
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
           torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
@@ -88,11 +91,12 @@ def compile_call(kernel, args, kw, seen: dict) -> None:
     if key in seen:
         return
     try:
-        triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
-        seen[key] = (fn.__name__, None)
+        k = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages))
+        regs, stack = resource_usage(k.asm["cubin"])
+        seen[key] = (fn.__name__, None, f"{warps} warps, {regs} registers, {stack} B stack")
     except Exception as e:  # noqa: BLE001 - the failure is the finding, reported by kernel
-        seen[key] = (fn.__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+        seen[key] = (fn.__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__, "")
 
 
 @contextmanager
@@ -143,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("objectives", nargs="+", help="library names or bench --classes labels")
     ap.add_argument("--packed", default="", help="comma-separated sequence lengths of one packed call")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--usage", action="store_true", help="each kernel's warps, registers and stack bytes")
     args = ap.parse_args(argv)
     packed = [int(x) for x in args.packed.split(",") if x] or None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -150,9 +155,10 @@ def main(argv=None) -> int:
     for label in args.objectives:
         seen: dict = {}
         backend = run(label, packed, dtype, seen)
-        for name, err in seen.values():
+        for name, err, usage in seen.values():
             failed += err is not None
-            print(f"{label:<16} {backend:<34} {name:<40} {'ok' if err is None else 'FAIL: ' + err}")
+            print(f"{label:<16} {backend:<34} {name:<40} {'ok' if err is None else 'FAIL: ' + err}"
+                  + (f"  {usage}" if args.usage and usage else ""))
         if not seen:
             print(f"{label:<16} {backend:<34} (no Triton kernel launched)")
     return 1 if failed else 0

@@ -66,7 +66,7 @@ from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
-from ssmcraft.ops.precision_rank1 import parallel
+from ssmcraft.ops.precision_rank1.parallel import boundary_covariances, grid, precisions
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
@@ -156,16 +156,17 @@ def _precision(k, lam, beta, eta, R0, cu, N):
         g, pt = PrecisionFunction.apply(k, lam, beta, eta, p0, None if cu is None else
                                         torch.tensor(cu, device=k.device, dtype=torch.int32))
         return g, torch.linalg.inv(pt)
-    cu = list(range(0, B * T + 1, T)) if cu is None else cu
-    idx, starts, real = parallel.grid(cu, SEGMENT, k.device)
+    cu = [i * T for i in range(B + 1)] if cu is None else cu
+    idx, starts, real = grid(cu, SEGMENT, k.device)
     flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
-    R = parallel.boundary_covariances(flat(k).double(), flat(lam).double(),
-                                      None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
-    p0 = parallel.precisions(R[:, :, :-1].transpose(1, 2)[real])                # [n_segments, H, K, K]
+    R = boundary_covariances(flat(k).double(), flat(lam).double(),
+                             None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
+    p0 = precisions(R[:, :, :-1].transpose(1, 2)[real])                # [n_segments, H, K, K]
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
     g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), p0,
                                    torch.tensor(starts, device=k.device, dtype=torch.int32), SEGMENT)
-    return g.view(B, T, H, K), R[:, :, -1]
+    RT = R[:, :, -1]
+    return g.view(B, T, H, K), 0.5 * (RT + RT.transpose(-1, -2))
 
 
 def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu_seqlens):

@@ -52,7 +52,7 @@ def boundary_covariances(k, lam, beta, R0, idx) -> torch.Tensor:
     """R at every grid segment's first token and after the last (the module docstring's sum).
     k [T, H, K], lam [T, H], beta [T, H] | None (= 1), all float64; R0 [N, H, K, K] float64;
     ``idx`` from ``grid``. Returns R [N, H, J + 1, K, K] (padding segments change nothing: R_J is every
-    sequence's final covariance)."""
+    sequence's final covariance), symmetric up to rounding: its Cholesky factor reads the lower triangle."""
     H, K = k.shape[1:]
     pad = lambda t, v: torch.cat([t, torch.full((1, *t.shape[1:]), v, dtype=t.dtype, device=t.device)])  # noqa: E731
     kg = pad(k, 0.)[idx]                                         # [N, J, C, H, K]
@@ -65,8 +65,7 @@ def boundary_covariances(k, lam, beta, R0, idx) -> torch.Tensor:
     E = torch.cat([lg.new_zeros(N, H, 1), torch.cumsum(torch.log(lg).sum(2).transpose(1, 2), -1)], -1)  # [N, H, J + 1]
     later = torch.arange(J + 1, device=k.device)[:, None] > torch.arange(J, device=k.device)[None, :]
     weights = torch.exp((E[..., :, None] - E[..., None, 1:]).masked_fill(~later, float("-inf")))  # [N, H, J + 1, J]
-    R = (weights @ term.reshape(N, H, J, K * K)).view(N, H, J + 1, K, K) + torch.exp(E)[..., None, None] * R0[:, :, None]
-    return 0.5 * (R + R.transpose(-1, -2))
+    return (weights @ term.reshape(N, H, J, K * K)).view(N, H, J + 1, K, K) + torch.exp(E)[..., None, None] * R0[:, :, None]
 
 
 class _Inverse(torch.autograd.Function):
@@ -92,5 +91,5 @@ class _Inverse(torch.autograd.Function):
 
 
 def precisions(R: torch.Tensor) -> torch.Tensor:
-    """``_Inverse`` of R [..., K, K] (float64, symmetric)."""
+    """``_Inverse`` of R [..., K, K] (float64, symmetric: its lower triangle is read)."""
     return _Inverse.apply(R)
