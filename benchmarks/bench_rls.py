@@ -4,7 +4,7 @@ every chunk) checked against the float64 reference loop on the GPU, then timed b
 in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_rls.py [--shape 8,2048,16,64,64] [--dtype bf16]
-        [--check-shape 2,1029,2,64,64] [--segments 16,32,64] [--only rls,precond_delta] [--profile]
+        [--check-shape 2,1029,2,64,64] [--segments 32,64] [--only rls,precond_delta] [--profile]
     python3 benchmarks/bench_rls.py --smoke     # CPU dry run of the fp32 checks under the interpreter, tiny sizes
 
 1. Correctness: each objective in each form (sequential, then parallel at each segment length),
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m of the timings")
     ap.add_argument("--check-shape", default="2,1029,2,64,64", help="B,T,H,d,m of the checks")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--segments", default="16,32,64", help="the parallel form's segment lengths to run")
+    ap.add_argument("--segments", default="32,64", help="the parallel form's segment lengths to run")
     ap.add_argument("--only", default="rls,precond_delta", help="the objectives (the precision family's)")
     ap.add_argument("--profile", action="store_true", help="the largest kernels of each timed row")
     ap.add_argument("--no-check", action="store_true")

@@ -54,9 +54,10 @@ Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [
 fp32 copies of k, lam, beta, eta); P, V, L, L^-1 in float64, g in float32 then the I/O dtype.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
-states ``[N, H, ...]``. The precision kernels run one program per (sequence, head) over that
-sequence's tokens, from its own P0 to its own final P; the memory S is ``chunk_rank1``'s packed call
-(``cu_seqlens``).
+states ``[N, H, ...]``. The sequential form runs one program per (sequence, head) over that
+sequence's tokens, from its own P0 to its own final P; the parallel form cuts each sequence into its
+own segments (the first at its first token, R from its own R0); the memory S is ``chunk_rank1``'s
+packed call (``cu_seqlens``).
 """
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ def _precision(k, lam, beta, eta, R0, cu, N):
     flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
     R = boundary_covariances(flat(k).double(), flat(lam).double(),
                              None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
-    p0 = precisions(R[:, :, :-1].transpose(1, 2)[real])                # [n_segments, H, K, K]
+    Rs = R[:, :, :-1].transpose(1, 2).reshape(-1, H, K, K)                    # [N J, H, K, K]
+    p0 = precisions(Rs if real is None else Rs[torch.tensor(real, device=k.device)])    # [n_segments, H, K, K]
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
     g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), p0,
                                    torch.tensor(starts, device=k.device, dtype=torch.int32), SEGMENT)

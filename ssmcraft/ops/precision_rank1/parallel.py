@@ -32,19 +32,20 @@ from __future__ import annotations
 import torch
 
 
-def grid(cu: list[int], C: int, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def grid(cu: list[int], C: int, device) -> tuple[torch.Tensor, list[int], list[int] | None]:
     """The fixed segment grid of a packed row whose sequences lie at offsets ``cu`` ([N + 1] ints):
     (token index [N, J, C] (int64, ``cu[-1]`` past a sequence's end: a padding row), the segments'
-    offsets in the row ([n_segments + 1] ints, sequence by sequence), which grid segments are real
-    [N, J] bool). J = the longest sequence's number of segments."""
+    offsets in the row ([n_segments + 1] ints, sequence by sequence), the flat grid positions n J + j
+    of the real segments in that order, or None when every grid segment is real). J = the longest
+    sequence's number of segments."""
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    J = max(1, *((n + C - 1) // C for n in lengths))
+    counts = [(n + C - 1) // C for n in lengths]
+    J = max(1, *counts)
     pos = torch.arange(J * C, device=device).view(1, J, C)
     bos = torch.tensor(cu[:-1], device=device).view(-1, 1, 1)
-    n = torch.tensor(lengths, device=device).view(-1, 1, 1)
-    idx = torch.where(pos < n, bos + pos, cu[-1])
+    idx = torch.where(pos < torch.tensor(lengths, device=device).view(-1, 1, 1), bos + pos, cu[-1])
     starts = [a + j for a, b in zip(cu[:-1], cu[1:]) for j in range(0, b - a, C)]
-    real = (torch.arange(J, device=device).view(1, J) * C) < n.view(-1, 1)
+    real = None if all(c == J for c in counts) else [n * J + j for n, c in enumerate(counts) for j in range(c)]
     return idx, [*starts, cu[-1]], real
 
 
