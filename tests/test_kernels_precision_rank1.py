@@ -153,6 +153,17 @@ def test_no_initial_state_starts_at_the_identity():
     assert rel(y, yr) < TOL["y"] and rel(fin[0], Rr) < TOL["R_T"] and rel(fin[1], Sr) < TOL["S_T"]
 
 
+def test_no_tokens_return_the_initial_states():
+    """T = 0 (a batch, and a packed row of one empty sequence): an empty output, R_T = R0, S_T = S0."""
+    g = torch.Generator().manual_seed(5)
+    R0, S0 = _spd(2, 2, 8, g).float(), torch.randn(2, 2, 4, 8, generator=g)
+    for B, cu in ((2, None), (1, torch.tensor([0, 0, 0], dtype=torch.int32))):
+        e = lambda *s: torch.randn(B, 0, 2, *s, generator=g)       # noqa: E731
+        y, (RT, ST) = P.precision_rank1(e(8), e(4), e(8), torch.rand(B, 0, 2, generator=g), initial_state=(R0, S0),
+                                        output_final_state=True, cu_seqlens=cu)
+        assert y.shape == (B, 0, 2, 4) and rel(RT, R0) < 1e-7 and torch.equal(ST, S0)
+
+
 def _objectives():
     return ["rls", "precond_delta",
             # held out of the library: the composed preconditioned step with a scalar step on a unit key

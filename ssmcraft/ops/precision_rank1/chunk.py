@@ -162,13 +162,16 @@ def _precision(k, lam, beta, eta, R0, cu, N):
     flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
     R = boundary_covariances(flat(k).double(), flat(lam).double(),
                              None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
+    RT = R[:, :, -1]
+    RT = 0.5 * (RT + RT.transpose(-1, -2))
+    if len(starts) == 1:                # no token at all: no segment, nothing to launch
+        return k.new_zeros(B, T, H, K), RT
     Rs = R[:, :, :-1].transpose(1, 2).reshape(-1, H, K, K)                    # [N J, H, K, K]
-    p0 = precisions(Rs if real is None else Rs[torch.tensor(real, device=k.device)])    # [n_segments, H, K, K]
+    p0 = precisions(Rs if real is None else Rs[torch.tensor(real, device=k.device, dtype=torch.long)])
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
     g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), p0,
                                    torch.tensor(starts, device=k.device, dtype=torch.int32), SEGMENT)
-    RT = R[:, :, -1]
-    return g.view(B, T, H, K), 0.5 * (RT + RT.transpose(-1, -2))
+    return g.view(B, T, H, K), RT
 
 
 def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu_seqlens):
