@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.precision_rank1 import chunk as P  # noqa: E402
-from ssmcraft.ops.precision_rank1.naive import chunked_precision, naive_precision_rank1  # noqa: E402
+from ssmcraft.ops.precision_rank1.naive import chunked_precision, naive_precision_rank1, segment_covariances  # noqa: E402
+from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, segments  # noqa: E402
 from ssmcraft.ops.rank1_chunk import chunk as R1  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
@@ -133,6 +134,39 @@ def test_a_long_sequence_under_strong_forgetting(_poison):
                                       torch.zeros(1, 1, d, m, dtype=F64))
     y2, (RT2, ST2) = P.precision_rank1(k.float(), x.float(), q.float(), lam.float(), output_final_state=True)
     assert rel(y2, y) < 1e-4 and rel(ST2, ST) < 1e-4 and rel(RT2, RT) < 1e-6
+
+
+@pytest.mark.parametrize("with_beta", [False, True])
+def test_the_covariance_scan_matches_its_token_by_token_twin(with_beta, _poison):
+    """The parallel form's scan (``CovarianceFunction``: one product per segment of 8 tokens) against
+    ``naive.segment_covariances`` (R_t = lam_t R + beta_t k k^T token by token, float64) on a packed
+    row with empty sequences and a partial last segment: R at every segment's first token, R_T, and
+    the gradients of k, lam, beta and R0 under random cotangents on both."""
+    if not _poison:
+        pytest.skip("the scan is the parallel form's")
+    g = torch.Generator().manual_seed(7)
+    cu, H, m, C = [0, 0, 19, 27, 27, 28], 2, 8, 8
+    T, N = cu[-1], len(cu) - 1
+    k = torch.randn(T, H, m, generator=g, dtype=F64)
+    lam = 0.3 + 0.7 * torch.rand(T, H, generator=g, dtype=F64)
+    beta = 0.2 + 0.6 * torch.rand(T, H, generator=g, dtype=F64) if with_beta else None
+    R0 = _spd(N, H, m, g)
+    leaves = [t for t in (k, lam, beta, R0) if t is not None]
+    mine = [t.float().requires_grad_() if t is not R0 else t.clone().requires_grad_() for t in leaves]
+    want = [t.clone().requires_grad_() for t in leaves]
+    args = lambda ts: (ts[0], ts[1], ts[2] if with_beta else None, ts[-1])      # noqa: E731
+    Rs, RT = segment_covariances(*args(want), cu, C)
+    starts, first = segments(cu, C)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)      # noqa: E731
+    Rs2, RT2 = CovarianceFunction.apply(*args(mine), i32(cu), i32(first), len(starts) - 1, C, True)
+    assert Rs2.shape == Rs.shape == (len(starts) - 1, H, m, m)
+    assert rel(Rs2, Rs) < 1e-6 and rel(RT2, RT) < 1e-6
+    dR, dT = torch.randn(Rs.shape, generator=g, dtype=F64), torch.randn(RT.shape, generator=g, dtype=F64)
+    dR, dT = dR + dR.transpose(-1, -2), dT + dT.transpose(-1, -2)
+    gw = torch.autograd.grad((Rs * dR).sum() + (RT * dT).sum(), want)
+    gm = torch.autograd.grad((Rs2 * dR).sum() + (RT2 * dT).sum(), mine)
+    for a, w, name in zip(gm, gw, ["k", "lam", "beta", "R0"] if with_beta else ["k", "lam", "R0"]):
+        assert rel(a, w) < 1e-6, name
 
 
 def _covariances(k, lam, beta, R):

@@ -67,7 +67,7 @@ from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
-from ssmcraft.ops.precision_rank1.parallel import boundary_covariances, grid, precisions
+from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, precisions, segments
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
@@ -158,19 +158,16 @@ def _precision(k, lam, beta, eta, R0, cu, N):
                                         torch.tensor(cu, device=k.device, dtype=torch.int32))
         return g, torch.linalg.inv(pt)
     cu = [i * T for i in range(B + 1)] if cu is None else cu
-    idx, starts, real = grid(cu, SEGMENT, k.device)
+    starts, first = segments(cu, SEGMENT)
     flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
-    R = boundary_covariances(flat(k).double(), flat(lam).double(),
-                             None if beta is None else flat(beta).double(), R0.expand(N, H, K, K), idx)
-    RT = R[:, :, -1]
+    i32 = lambda v: torch.tensor(v, device=k.device, dtype=torch.int32)          # noqa: E731
+    Rs, RT = CovarianceFunction.apply(flat(k), flat(lam), flat(beta), R0.expand(N, H, K, K).contiguous(), i32(cu),
+                                      i32(first), len(starts) - 1, SEGMENT, POISON)
     RT = 0.5 * (RT + RT.transpose(-1, -2))
     if len(starts) == 1:                # no token at all: no segment, nothing to launch
         return k.new_zeros(B, T, H, K), RT
-    Rs = R[:, :, :-1].transpose(1, 2).reshape(-1, H, K, K)                    # [N J, H, K, K]
-    p0 = precisions(Rs if real is None else Rs[torch.tensor(real, device=k.device, dtype=torch.long)])
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
-    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), p0,
-                                   torch.tensor(starts, device=k.device, dtype=torch.int32), SEGMENT)
+    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), precisions(Rs), i32(starts), SEGMENT)
     return g.view(B, T, H, K), RT
 
 

@@ -57,3 +57,20 @@ def chunked_precision(k, lam, beta, eta, P0, chunk: int, gamma_min: float, segme
                 s += n
             PT[b, h] = P
     return g, PT
+
+
+def segment_covariances(k, lam, beta, R0, cu: list[int], C: int):
+    """The parallel form's covariance scan token by token: R_t = lam_t R_{t-1} + beta_t k_t k_t^T from
+    each sequence's R0, recorded at every segment's first token (segments of C tokens from each
+    sequence's first). k [T, H, m], lam, beta [T, H] (beta None = 1), R0 [N, H, m, m], ``cu`` the
+    sequences' offsets ([N + 1] ints). Returns (R [n_segments, H, m, m], R_T [N, H, m, m])."""
+    seg, fin = [], []
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        R = R0[n]
+        for t in range(a, b):
+            if (t - a) % C == 0:
+                seg.append(R)
+            bt = 1.0 if beta is None else beta[t, :, None, None]
+            R = lam[t, :, None, None] * R + bt * k[t, :, :, None] * k[t, :, None, :]
+        fin.append(R)
+    return (torch.stack(seg) if seg else R0.new_zeros(0, *R0.shape[1:])), torch.stack(fin)

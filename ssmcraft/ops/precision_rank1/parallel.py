@@ -1,72 +1,90 @@
 """The precision's parallel form: every segment's first precision from the key covariance, which
 is linear across segments, instead of from the previous chunk's precision.
 
-The sequence is cut into a fixed grid of segments of ``C`` tokens (per sequence of a packed row; a
-segment holds one or a few of the kernels' chunks). With Gamma_j the product of segment j's lam and
-W_j = diag(beta_t prod_{s > t in j} lam_s),
+Each sequence (of a packed row, or each batch row) is cut into segments of ``C`` tokens from its
+first token; a segment holds one or a few of the kernels' chunks. With Gamma_j the product of
+segment j's lam and W_j = diag(beta_t prod_{s > t in j} lam_s),
 
-    R_{j+1} = Gamma_j R_j + K_j^T W_j K_j,   so   R_j = e^{E_j} R_0 + sum_{i < j} e^{E_j - E_{i+1}} K_i^T W_i K_i
+    R_{j+1} = Gamma_j R_j + K_j^T W_j K_j
 
-(E_j = sum_{l < j} log Gamma_l): one batched product of a [J + 1, J] weight matrix with the
-segments' [K, K] terms, all in float64, no recurrence. Each segment's precision P_j = R_j^-1
-(Cholesky) then seeds that segment's chunked float64 steps (``kernels.precision_fwd_kernel``, the
-segments as the sequences of a packed row: every (segment, head) its own program); R_J is the final
-covariance. The backward is the kernels' adjoint per segment in parallel, then the inverse's
-(dR = -P dP P) and the product's (the reverse scan: the weight matrix transposed), by autograd.
+is one float64 product per segment: ``CovarianceFunction`` (``kernels.covariance_fwd_kernel``, one
+program per (sequence, head)) stores R_j at every segment's first token and the final covariance.
+Each segment's precision P_j = R_j^-1 (``precisions``: batched Cholesky) then seeds that segment's
+chunked float64 steps (``kernels.precision_fwd_kernel``, the segments as the sequences of a packed
+row: every (segment, head) its own program). The backward is the precision kernels' adjoint per
+segment in parallel, the inverse's (dR = -P dP P), then the scan's in reverse
+(``covariance_bwd_kernel``).
 
 Why the inverse and not the precision chained across the whole sequence: a chained precision
-carries every chunk's rounding forward, divided by each later Gamma, and the covariance does not.
-Float64, m = 64, T = 2048, unit keys, R_0 = I, every gain against the per-token solve:
+carries every chunk's rounding forward, divided by each later Gamma; the covariance's scan only adds
+positive semidefinite terms. Float64 algebra of the kernels (``naive.chunked_precision``), m = 64,
+T = 2048, unit keys, R_0 = I, every gain against the per-token solve:
 
     lam in        chained     segments of 16    32         64       (R_j's largest condition number)
-    [0.9, 1]      1.3e-5      1.1e-15           1.1e-15    1.2e-15  (2e1)
-    [0.6, 0.95]   NaN         6.7e-9            6.7e-9     1.6e-8   (5e9)
-    [0.5, 0.85]   NaN         6.5e-5            6.5e-5     2.3e-4   (7e13)
+    [0.9, 1]      1.4e-15     1.1e-15           1.1e-15    1.2e-15  (2e1)
+    [0.6, 0.95]   2.6e-7      6.7e-9            6.7e-9     1.5e-8   (5e9)
+    [0.5, 0.85]   3.4e-3      6.5e-5            6.5e-5     1.9e-4   (7e13)
 
-(NaN: a negative pivot.) An inverse is as accurate as R_j's condition number lets a float64 solve
-be, the float64 reference's included; within a segment a chunk still ends where its Gamma falls
-below ``GAMMA_MIN`` and the kernel chains the segment's chunks as the sequential form does.
+Through the layer (fp32 I/O, T = 1024, lam in [0.5, 0.85]): y off by 5e-3 chained, 5e-5 with
+segments of 16 or 32, 1.3e-4 with 64, 2.3e-3 with 128. An inverse is as accurate as R_j's condition
+number lets a float64 solve be, the float64 reference's included; within a segment a chunk still
+ends where its Gamma falls below ``GAMMA_MIN`` and the kernel chains the segment's chunks as the
+sequential form does.
 """
 from __future__ import annotations
 
 import torch
 
-
-def grid(cu: list[int], C: int, device) -> tuple[torch.Tensor, list[int], list[int] | None]:
-    """The fixed segment grid of a packed row whose sequences lie at offsets ``cu`` ([N + 1] ints):
-    (token index [N, J, C] (int64, ``cu[-1]`` past a sequence's end: a padding row), the segments'
-    offsets in the row ([n_segments + 1] ints, sequence by sequence), the flat grid positions n J + j
-    of the real segments in that order, or None when every grid segment is real). J = the longest
-    sequence's number of segments."""
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    counts = [(n + C - 1) // C for n in lengths]
-    J = max(1, *counts)
-    pos = torch.arange(J * C, device=device).view(1, J, C)
-    bos = torch.tensor(cu[:-1], device=device).view(-1, 1, 1)
-    idx = torch.where(pos < torch.tensor(lengths, device=device).view(-1, 1, 1), bos + pos, cu[-1])
-    starts = [a + j for a, b in zip(cu[:-1], cu[1:]) for j in range(0, b - a, C)]
-    real = None if all(c == J for c in counts) else [n * J + j for n, c in enumerate(counts) for j in range(c)]
-    return idx, [*starts, cu[-1]], real
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import buffer, pow2
+from ssmcraft.ops.precision_rank1.kernels import covariance_bwd_kernel, covariance_fwd_kernel
 
 
-def boundary_covariances(k, lam, beta, R0, idx) -> torch.Tensor:
-    """R at every grid segment's first token and after the last (the module docstring's sum).
-    k [T, H, K], lam [T, H], beta [T, H] | None (= 1), all float64; R0 [N, H, K, K] float64;
-    ``idx`` from ``grid``. Returns R [N, H, J + 1, K, K] (padding segments change nothing: R_J is every
-    sequence's final covariance), symmetric up to rounding: its Cholesky factor reads the lower triangle."""
-    H, K = k.shape[1:]
-    pad = lambda t, v: torch.cat([t, torch.full((1, *t.shape[1:]), v, dtype=t.dtype, device=t.device)])  # noqa: E731
-    kg = pad(k, 0.)[idx]                                         # [N, J, C, H, K]
-    lg = pad(lam, 1.)[idx]                                       # [N, J, C, H]
-    w = lg.new_ones(()) if beta is None else pad(beta, 0.)[idx]
-    inc = torch.cumprod(lg.flip(2), 2).flip(2)                   # prod_{s >= t} lam_s within the segment
-    w = w * torch.cat([inc[:, :, 1:], torch.ones_like(inc[:, :, :1])], 2)
-    term = torch.einsum("njchk,njch,njchl->nhjkl", kg, w, kg)     # [N, H, J, K, K]
-    N, _, J = term.shape[:3]
-    E = torch.cat([lg.new_zeros(N, H, 1), torch.cumsum(torch.log(lg).sum(2).transpose(1, 2), -1)], -1)  # [N, H, J + 1]
-    later = torch.arange(J + 1, device=k.device)[:, None] > torch.arange(J, device=k.device)[None, :]
-    weights = torch.exp((E[..., :, None] - E[..., None, 1:]).masked_fill(~later, float("-inf")))  # [N, H, J + 1, J]
-    return (weights @ term.reshape(N, H, J, K * K)).view(N, H, J + 1, K, K) + torch.exp(E)[..., None, None] * R0[:, :, None]
+def segments(cu: list[int], C: int) -> tuple[list[int], list[int]]:
+    """The segments of C tokens of a packed row whose sequences lie at offsets ``cu`` ([N + 1] ints),
+    each sequence's first at its first token: (their offsets in the row, [n_segments + 1], sequence by
+    sequence; the index of each sequence's first segment, [N + 1])."""
+    starts, first = [], [0]
+    for a, b in zip(cu[:-1], cu[1:]):
+        starts += range(a, b, C)
+        first.append(len(starts))
+    return [*starts, cu[-1]], first
+
+
+class CovarianceFunction(torch.autograd.Function):
+    """(k [T, H, K] fp32, lam [T, H] fp32, beta [T, H] fp32 | None, R0 [N, H, K, K] float64, cu int32
+    [N + 1] offsets of the sequences, first int32 [N + 1] (``segments``), the number of segments, C,
+    poison) -> (R at every segment's first token [n_segments, H, K, K], R_T [N, H, K, K]), float64:
+    ``kernels.covariance_fwd_kernel``, backward ``covariance_bwd_kernel``. ``poison``: every buffer
+    starts as NaN (tests)."""
+
+    @staticmethod
+    def forward(ctx, k, lam, beta, r0, cu, first, n_seg: int, C: int, poison: bool):
+        T, H, K = k.shape
+        N = r0.shape[0]
+        r = buffer((n_seg, H, K, K), k.device, torch.float64, poison)
+        rt = buffer((N, H, K, K), k.device, torch.float64, poison)
+        launch(covariance_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta, r0=r0, r=r, rt=rt,
+               cu=cu, so=first, H=H, K=K, BK=pow2(K), C=C, HAS_BETA=beta is not None)
+        ctx.save_for_backward(k, lam, beta, r, cu, first)
+        ctx.C, ctx.N, ctx.poison = C, N, poison
+        ctx.set_materialize_grads(False)
+        return r, rt
+
+    @staticmethod
+    def backward(ctx, dr, drt):
+        k, lam, beta, r, cu, first = ctx.saved_tensors
+        T, H, K = k.shape
+        dev, poison = k.device, ctx.poison
+        dk = buffer(k.shape, dev, k.dtype, poison)
+        dlam = buffer(lam.shape, dev, lam.dtype, poison)
+        dbeta = buffer(beta.shape, dev, beta.dtype, poison) if beta is not None else dlam
+        dr0 = buffer((ctx.N, H, K, K), dev, torch.float64, poison)
+        dr = torch.zeros_like(r) if dr is None else dr.contiguous()
+        launch(covariance_bwd_kernel, (ctx.N * H,), k=k, lam=lam, beta=lam if beta is None else beta, r=r, dr=dr,
+               drt=dr if drt is None else drt.contiguous(), dk=dk, dlam=dlam, dbeta=dbeta, dr0=dr0, cu=cu, so=first,
+               H=H, K=K, BK=pow2(K), C=ctx.C, HAS_BETA=beta is not None, HAS_DRT=drt is not None)
+        return dk, dlam, (dbeta if beta is not None else None), dr0, None, None, None, None, None
 
 
 class _Inverse(torch.autograd.Function):
