@@ -99,7 +99,7 @@ class _Inverse(torch.autograd.Function):
         eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R)
         Li = torch.linalg.solve_triangular(L, eye, upper=False)
         P = Li.transpose(-1, -2) @ Li
-        P = torch.where((info > 0)[..., None, None], float("nan"), 0.5 * (P + P.transpose(-1, -2)))
+        P = (P + P.transpose(-1, -2)).mul_(0.5).masked_fill_((info > 0)[..., None, None], float("nan"))
         ctx.save_for_backward(P)
         return P
 
