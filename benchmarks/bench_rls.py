@@ -69,7 +69,7 @@ def check(names, shape, segments, device: str) -> bool:
                 cmp = compare(ref, lambda i, p, s: obj(i, p, s), dtype)
                 good = cmp.within(TOL_CHUNKED[dtype])
                 ok &= good
-                print(f"check {name:14s} {form:28s} {dtype_name(dtype):9s} {obj.backend}: "
+                print(f"check {name:14s} {form:33s} {dtype_name(dtype):9s} {obj.backend}: "
                       f"{summary(cmp, TOL_CHUNKED[dtype])}", flush=True)
     return ok
 
