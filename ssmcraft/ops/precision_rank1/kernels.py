@@ -111,7 +111,8 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     o_c = tl.arange(0, BC)
     eye = o_c[:, None] == o_c[None, :]
-    b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    # symmetrised: the parallel form's P0 (a batched inverse) is symmetric up to rounding only
+    b_p = _sym(tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64))
     bos, T = _sequence(cu, i_b, T, VARLEN)
     p_st = starts + i_bh.to(tl.int64) * TS
     s0 = T * 0
