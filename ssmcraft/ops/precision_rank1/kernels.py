@@ -227,29 +227,23 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
 
 
-# the parallel form's covariance scan: one [K, K] float64 tile a program, one product per segment
-_SCAN_WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
+# the parallel form's covariance scan: one [K, K] float64 tile a program, one product per segment.
+# 8 warps first (sm_90, K = 64: the backward keeps its tiles in 255 registers with ~0.1 KB of stack;
+# at 4 warps ptxas spills 1.3-3.3 KB a thread)
+_SCAN_WARPS = [triton.Config({}, num_warps=8), triton.Config({}, num_warps=4)]
 
 
 @triton.jit
 def _segment(k, lam, beta, bos, i_h, s0, n, H: tl.constexpr, K: tl.constexpr, o_k, m_k, C: tl.constexpr,
              HAS_BETA: tl.constexpr):
-    """The n (<= C) tokens of a segment from row ``bos + s0``: rows, mask, k [C, BK] and lam [C] in
-    float64, the weights w_t = beta_t prod_{s > t} lam_s of its k k^T terms, their suffix products and
-    the segment's Gamma. Rows past n: k = 0, lam = 1, beta = 0 (no term, no forgetting)."""
-    o_c = tl.arange(0, C)
-    m_t = o_c < n
-    row = (bos + s0 + o_c).to(tl.int64) * H + i_h
-    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float64)
-    b_lam = tl.load(lam + row, mask=m_t, other=1.).to(tl.float64)
-    if HAS_BETA:
-        b_beta = tl.load(beta + row, mask=m_t, other=0.).to(tl.float64)
-    else:
-        b_beta = tl.where(m_t, 1., 0.).to(tl.float64)
+    """``_chunk``'s n (<= C) tokens from token s0 (no eta), plus the weights' suffix products
+    prod_{s > t} lam_s [C] and the segment's Gamma: w_t = beta_t prod_{s > t} lam_s weighs k_t k_t^T
+    (rows past n: k = 0, no term)."""
+    row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, beta, bos, i_h, s0, n, H, K, o_k, m_k, C, HAS_BETA,
+                                                 False)
     inc = tl.cumprod(b_lam, 0, reverse=True)           # prod_{s >= t} lam_s
-    suf = inc / b_lam                                   # prod_{s > t} lam_s
-    gam = tl.sum(tl.where(o_c == 0, inc, 0.), axis=0)
-    return row, m_t, b_k, b_lam, b_beta, suf, gam
+    gam = tl.sum(tl.where(tl.arange(0, C) == 0, inc, 0.), axis=0)
+    return row, m_t, b_k, b_lam, b_beta, inc / b_lam, gam
 
 
 @tune(_SCAN_WARPS, key=["H", "K", "C", "HAS_BETA"])
