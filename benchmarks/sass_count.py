@@ -93,16 +93,24 @@ def sm90(fn, sig: dict, consts: dict, attrs: dict, warps: int) -> tuple[int, int
     cuobjdump and nvdisasm; no GPU needed)."""
     k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps))
+    return (*resource_usage(k.asm["cubin"]), _cubin_tool("nvdisasm", k.asm["cubin"], "-c"))
+
+
+def _cubin_tool(tool: str, cubin: bytes, *flags: str) -> str:
+    """The text ``tool`` (Triton's bundled ``cuobjdump`` or ``nvdisasm``) prints for ``cubin``."""
     bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
     with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
-                              capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([os.path.join(bindir, tool), *flags, path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread: the spills) of a compiled kernel's cubin."""
+    usage = _cubin_tool("cuobjdump", cubin, "--dump-resource-usage")
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def compile_count(loaded, kernel: str, BV: int = 32, warps: int = 1, io: str = "bf16",

@@ -51,10 +51,14 @@ def test_composed_family_packed_equals_separate(choices, family, poisoned):
     assert obj.backend == f"triton-interpret:{family}+packed"
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("name", ["rls", "precond_delta"])
-def test_precision_family_packed_equals_separate(name, poisoned):
-    """RLS and the preconditioned delta rule: both final states (R, S) and the gradients of both
+def test_precision_family_packed_equals_separate(name, parallel, poisoned, monkeypatch):
+    """RLS and the preconditioned delta rule, in both forms of the precision (``PARALLEL``: the
+    segments restart at each sequence's start): both final states (R, S) and the gradients of both
     initial states per sequence; each R0 symmetric positive definite (the precision is its inverse)."""
+    from ssmcraft.ops.precision_rank1 import chunk as PR
+    monkeypatch.setattr(PR, "PARALLEL", parallel)
     obj = ssmcraft.compile(name)
     ins, params, S0, cu, g = packed_inputs(obj, LENS, d=12, m=8)
     A = torch.randn(len(LENS), 2, 8, 8, generator=g, dtype=torch.float64)

@@ -25,7 +25,14 @@ R (and so g) never reads S, so the layer splits in two:
 
    ``precision_bwd_kernel`` runs the adjoint in reverse, rebuilding every P_c from the next one and
    the stored V (P_c = Gamma_C P_{c+1} + V^T V), the Cholesky factor's through L^-T Phi(L^T dL) L^-1
-   (Phi: the lower triangle, the diagonal halved);
+   (Phi: the lower triangle, the diagonal halved).
+   That walk is the sequential form (``PARALLEL = False``). The default, parallel form
+   (``parallel.py``) cuts each sequence into segments of ``SEGMENT`` tokens, takes every segment's
+   first covariance R_j from one weighted sum of the segments' k k^T terms (R is linear across
+   segments), inverts each (Cholesky, float64), and runs the same two kernels on the segments as the
+   sequences of a packed row, each from its own P_j = R_j^-1: every (segment, head) a program. It is
+   also the more accurate at long lengths (``parallel.py`` has the figures): a precision chained over
+   a whole sequence accumulates every chunk's rounding, an inverse per segment does not;
 2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
    tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
    erase key).
@@ -47,9 +54,10 @@ Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [
 fp32 copies of k, lam, beta, eta); P, V, L, L^-1 in float64, g in float32 then the I/O dtype.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
-states ``[N, H, ...]``. The precision kernels run one program per (sequence, head) over that
-sequence's tokens, from its own P0 to its own final P; the memory S is ``chunk_rank1``'s packed call
-(``cu_seqlens``).
+states ``[N, H, ...]``. The sequential form runs one program per (sequence, head) over that
+sequence's tokens, from its own P0 to its own final P; the parallel form cuts each sequence into its
+own segments (the first at its first token, R from its own R0); the memory S is ``chunk_rank1``'s
+packed call (``cu_seqlens``).
 """
 from __future__ import annotations
 
@@ -60,10 +68,13 @@ from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
+from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, precisions, segments
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
+PARALLEL = True                     # the parallel form (``parallel.py``); False: one program walks the chunks
+SEGMENT = 32                        # the parallel form's segment (tokens): one inverse, then chained chunks
 BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
 PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
@@ -84,26 +95,27 @@ def _starts(rows: int, cols: int, device) -> torch.Tensor:
 
 class PrecisionFunction(torch.autograd.Function):
     """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [N, H, K, K]
-    float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B)) -> (g [B, T, H, K]
-    float32, P_T [N, H, K, K] float64)."""
+    float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B), the longest sequence's
+    length | None (= T)) -> (g [B, T, H, K] float32, P_T [N, H, K, K] float64)."""
 
     @staticmethod
-    def forward(ctx, k, lam, beta, eta, p0, cu=None):
+    def forward(ctx, k, lam, beta, eta, p0, cu=None, longest=None):
         B, T, H, K = k.shape
         N = p0.shape[0]
         dev = k.device
+        TS = (T if longest is None else longest) + 2        # a program's chunk starts, its length, its count
         train = any(ctx.needs_input_grad[:5])
         g = _empty(B, T, H, K, device=dev, dtype=torch.float32)
         v, lc, li, starts = ((_empty(B, T, H, K, device=dev, dtype=torch.float64),
                               *(_empty(B, T, H, PCHUNK, device=dev, dtype=torch.float64) for _ in range(2)),
-                              _starts(N * H, T + 2, dev)) if train else (g, g, g, g))
+                              _starts(N * H, TS, dev)) if train else (g, g, g, g))
         pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
         launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, p0=p0, g=g, v=v, lc=lc, li=li, starts=starts, pt=pt,
-               cu=g if cu is None else cu, T=T, TS=T + 2, H=H, K=K, BK=pow2(K), BC=PCHUNK, TAU=GAMMA_MIN,
+               cu=g if cu is None else cu, T=T, TS=TS, H=H, K=K, BK=pow2(K), BC=PCHUNK, TAU=GAMMA_MIN,
                HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE=train, VARLEN=cu is not None)
         ctx.set_materialize_grads(False)
-        ctx.cu = cu
+        ctx.cu, ctx.ts = cu, TS
         if train:
             ctx.save_for_backward(k, lam, beta, eta, v, lc, li, starts, pt)
         return g, pt
@@ -123,10 +135,41 @@ class PrecisionFunction(torch.autograd.Function):
         launch(precision_bwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, v=v, lc=lc, li=li, starts=starts, pt=pt, dg=dg,
                dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
-               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, TS=T + 2, H=H, K=K,
+               dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, TS=ctx.ts, H=H, K=K,
                BK=pow2(K), BC=PCHUNK, HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
                VARLEN=ctx.cu is not None)
-        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None
+        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None, None
+
+
+def form() -> str:
+    """Which form of the precision runs (``PARALLEL``), for a benchmark's table."""
+    return f"parallel (segments of {SEGMENT} tokens)" if PARALLEL else "sequential"
+
+
+def _precision(k, lam, beta, eta, R0, cu, N):
+    """The gains and the final covariance: (g [B, T, H, K] float32, R_T [N, H, K, K] float64) from
+    fp32 k, lam, beta, eta and R0 (float64, [K, K] or [N, H, K, K]); ``cu`` the packed row's offsets
+    (Python ints) or None. ``PARALLEL`` picks the form."""
+    B, T, H, K = k.shape
+    R0 = 0.5 * (R0 + R0.transpose(-1, -2))
+    if not PARALLEL:
+        p0 = torch.linalg.inv(R0)
+        p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(N, H, K, K).contiguous()    # exactly symmetric (kernels)
+        g, pt = PrecisionFunction.apply(k, lam, beta, eta, p0, None if cu is None else
+                                        torch.tensor(cu, device=k.device, dtype=torch.int32))
+        return g, torch.linalg.inv(pt)
+    cu = [i * T for i in range(B + 1)] if cu is None else cu
+    starts, first = segments(cu, SEGMENT)
+    flat = lambda t: None if t is None else t.reshape(B * T, *t.shape[2:])        # noqa: E731
+    i32 = lambda v: torch.tensor(v, device=k.device, dtype=torch.int32)          # noqa: E731
+    Rs, RT = CovarianceFunction.apply(flat(k), flat(lam), flat(beta), R0.expand(N, H, K, K).contiguous(), i32(cu),
+                                      i32(first), len(starts) - 1, SEGMENT, POISON)
+    RT = 0.5 * (RT + RT.transpose(-1, -2))
+    if len(starts) == 1:                # no token at all: no segment, nothing to launch
+        return k.new_zeros(B, T, H, K), RT
+    row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
+    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), precisions(Rs), i32(starts), SEGMENT)
+    return g.view(B, T, H, K), RT
 
 
 def _memory(g, x, q, k, S0, output_final_state: bool, chunk_size: int, cu_seqlens):
@@ -167,18 +210,15 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
                      tuple(t for t in (R0, S0) if t is not None and t.dim() == 4))
     N = B if cu is None else len(cu) - 1
     R0 = torch.eye(K, device=k.device, dtype=torch.float64) if R0 is None else R0.double()
-    p0 = torch.linalg.inv(R0)
-    p0 = (0.5 * (p0 + p0.transpose(-1, -2))).expand(N, H, K, K).contiguous()    # exactly symmetric (kernels)
     # every input in fp32: Triton 3.6 gives an fp64 product that reads a value converted from 16 bits
     # a packed operand layout that its fp64 tensor-core lowering rejects ("fp64 don't support largeK MMA")
     head = lambda t: None if t is None else t.float().contiguous()     # noqa: E731
-    g, pt = PrecisionFunction.apply(head(k), head(lam), head(beta), head(eta), p0,
-                                    None if cu is None else cu_seqlens.to(device=k.device, dtype=torch.int32))
+    g, RT = _precision(head(k), head(lam), head(beta), head(eta), R0, cu, N)
     o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size,
                     cu_seqlens)
     if not output_final_state:
         return o, None
-    return o, (torch.linalg.inv(pt).float(), ht.transpose(-1, -2))
+    return o, (RT.float(), ht.transpose(-1, -2))
 
 
 # ----------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     o_c = tl.arange(0, BC)
     eye = o_c[:, None] == o_c[None, :]
-    b_p = tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    # symmetrised: the parallel form's P0 (a batched inverse) is symmetric up to rounding only
+    b_p = _sym(tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64))
     bos, T = _sequence(cu, i_b, T, VARLEN)
     p_st = starts + i_bh.to(tl.int64) * TS
     s0 = T * 0
@@ -224,3 +225,89 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
         b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
         b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
+
+
+# the parallel form's covariance scan: one [K, K] float64 tile a program, one product per segment.
+# 8 warps first (sm_90, K = 64: the backward keeps its tiles in 255 registers with ~0.1 KB of stack;
+# at 4 warps ptxas spills 1.3-3.3 KB a thread)
+_SCAN_WARPS = [triton.Config({}, num_warps=8), triton.Config({}, num_warps=4)]
+
+
+@triton.jit
+def _segment(k, lam, beta, bos, i_h, s0, n, H: tl.constexpr, K: tl.constexpr, o_k, m_k, C: tl.constexpr,
+             HAS_BETA: tl.constexpr):
+    """``_chunk``'s n (<= C) tokens from token s0 (no eta), plus the weights' suffix products
+    prod_{s > t} lam_s [C] and the segment's Gamma: w_t = beta_t prod_{s > t} lam_s weighs k_t k_t^T
+    (rows past n: k = 0, no term)."""
+    row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, beta, bos, i_h, s0, n, H, K, o_k, m_k, C, HAS_BETA,
+                                                 False)
+    inc = tl.cumprod(b_lam, 0, reverse=True)           # prod_{s >= t} lam_s
+    gam = tl.sum(tl.where(tl.arange(0, C) == 0, inc, 0.), axis=0)
+    return row, m_t, b_k, b_lam, b_beta, inc / b_lam, gam
+
+
+@tune(_SCAN_WARPS, key=["H", "K", "C", "HAS_BETA"])
+@triton.jit
+def covariance_fwd_kernel(k, lam, beta, r0, r, rt, cu, so, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                          C: tl.constexpr, HAS_BETA: tl.constexpr):
+    """One program per (sequence, head) of a packed row (``cu`` its offsets, ``so`` each sequence's
+    first segment), over its segments of C tokens in order: R [K, K] (float64, from R0) is stored at
+    each segment's first token (``r [n_segments, H, K, K]``), then R <- Gamma R + K^T diag(w) K; the
+    last R is the final covariance (``rt``)."""
+    i_nh = tl.program_id(0)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
+    b_r = tl.load(r0 + i_nh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    T = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    first = tl.load(so + i_n).to(tl.int64)
+    for j in range(tl.cdiv(T, C)):
+        row, m_t, b_k, b_lam, b_beta, suf, gam = _segment(k, lam, beta, bos, i_h, j * C, T - j * C, H, K, o_k, m_k,
+                                                          C, HAS_BETA)
+        tl.store(r + ((first + j) * H + i_h) * K * K + p_kk, b_r, mask=m_kk)
+        b_r = tl.dot(tl.trans(b_k * (b_beta * suf)[:, None]), b_k, gam * b_r, out_dtype=tl.float64)
+    tl.store(rt + i_nh.to(tl.int64) * K * K + p_kk, b_r, mask=m_kk)
+
+
+@tune(_SCAN_WARPS, key=["H", "K", "C", "HAS_BETA", "HAS_DRT"])
+@triton.jit
+def covariance_bwd_kernel(k, lam, beta, r, dr, drt, dk, dlam, dbeta, dr0, cu, so, H: tl.constexpr, K: tl.constexpr,
+                          BK: tl.constexpr, C: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DRT: tl.constexpr):
+    """The adjoint of ``covariance_fwd_kernel``, its segments in reverse: A = dL/dR after the segment
+    (from the final covariance's gradient), then k's, lam's and beta's gradients through
+    Gamma R + K^T diag(w) K (R read back from ``r``), and A <- Gamma A + (the gradient of the R the
+    forward stored there, ``dr``); the last A is R0's gradient."""
+    i_nh = tl.program_id(0)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
+    if HAS_DRT:
+        b_a = tl.load(drt + i_nh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    else:
+        b_a = tl.zeros([BK, BK], dtype=tl.float64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    T = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    first = tl.load(so + i_n).to(tl.int64)
+    n_seg = tl.cdiv(T, C)
+    for jj in range(n_seg):
+        j = n_seg - 1 - jj
+        row, m_t, b_k, b_lam, b_beta, suf, gam = _segment(k, lam, beta, bos, i_h, j * C, T - j * C, H, K, o_k, m_k,
+                                                          C, HAS_BETA)
+        p_seg = ((first + j) * H + i_h) * K * K + p_kk
+        b_r = tl.load(r + p_seg, mask=m_kk, other=0.)
+        # R' = Gamma R + K^T diag(w) K: dK = diag(w) K (A + A^T), dw_t = k_t^T A k_t, dGamma = <A, R>
+        b_ka = tl.dot(b_k, b_a + tl.trans(b_a), out_dtype=tl.float64)
+        b_w = b_beta * suf
+        b_dw = 0.5 * tl.sum(b_ka * b_k, axis=1)
+        dgam = tl.sum(tl.sum(b_a * b_r, axis=1), axis=0)
+        tl.store(dk + row[:, None] * K + o_k[None, :], (b_w[:, None] * b_ka).to(dk.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
+        # w_t = beta_t prod_{s > t} lam_s, Gamma = prod_s lam_s: lam_s's share of both over lam_s
+        b_x = b_dw * b_w
+        b_dlam = (tl.cumsum(b_x, 0) - b_x + dgam * gam) / b_lam
+        tl.store(dlam + row, b_dlam.to(dlam.dtype.element_ty), mask=m_t)
+        if HAS_BETA:
+            tl.store(dbeta + row, (b_dw * suf).to(dbeta.dtype.element_ty), mask=m_t)
+        b_a = gam * b_a + tl.load(dr + p_seg, mask=m_kk, other=0.)
+    tl.store(dr0 + i_nh.to(tl.int64) * K * K + p_kk, b_a, mask=m_kk)

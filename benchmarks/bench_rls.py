@@ -1,0 +1,121 @@
+"""The precision family's two forms (``ssmcraft.ops.precision_rank1.chunk.PARALLEL``: one inverse of
+the covariance per segment of ``SEGMENT`` tokens, the segments in parallel; or one program walking
+every chunk) checked against the float64 reference loop on the GPU, then timed beside DeltaNet, all
+in one process:
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_rls.py [--shape 8,2048,16,64,64] [--dtype bf16]
+        [--check-shape 2,1029,2,64,64] [--segments 32,64] [--only rls,precond_delta] [--profile]
+    python3 benchmarks/bench_rls.py --smoke     # CPU dry run of the fp32 checks under the interpreter, tiny sizes
+
+1. Correctness: each objective in each form (sequential, then parallel at each segment length),
+   fp32 and bf16, through ``obj()`` on the check shape (an odd length, many segments): output, both
+   final states and every gradient (both initial states included) against one float64 reference per
+   objective (``checks.TOL_CHUNKED``); a failed check is printed and the script exits 1 after timing.
+2. Timings (``classes_commands.measure``: fwd and fwd+bwd through ``obj()``, median), DeltaNet first,
+   then each objective in each form, one table with the ratio to DeltaNet's fwd+bwd; ``--profile``
+   adds the largest kernels of each row.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ssmcraft  # noqa: E402
+from ssmcraft.bench.classes_commands import REFERENCE, measure  # noqa: E402
+from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.ops.precision_rank1 import chunk as PR  # noqa: E402
+from check_library_gpu import initial_states  # noqa: E402
+from checks import TOL_CHUNKED, compare, dtype_name, reference, summary  # noqa: E402
+
+
+def forms(segments: list[int]):
+    """(PARALLEL, SEGMENT) of every form to run, the sequential one first."""
+    return [(False, PR.SEGMENT)] + [(True, s) for s in segments]
+
+
+def set_form(parallel: bool, segment: int) -> str:
+    PR.PARALLEL, PR.SEGMENT = parallel, segment
+    return PR.form()
+
+
+def check(names, shape, segments, device: str) -> bool:
+    B, T, H, d, m = shape
+    ok = True
+    for name in names:
+        obj = ssmcraft.compile(name)
+        if SMOKE:
+            obj.prefer = "interpret"
+        ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, "cpu", seed=1, unit_keys=True)
+        g = torch.Generator().manual_seed(2)
+        S0 = initial_states(obj, B, H, d, m, g)
+        ins = {k: v.to(device) for k, v in ins.items()}
+        params = {k: v.to(device) for k, v in (params or {}).items()}
+        S0 = tuple(s.to(device) for s in S0)
+        ref = reference(obj, ins, params, S0, g)
+        for parallel, segment in forms(segments):
+            form = set_form(parallel, segment)
+            # the interpreter's bf16 products are not the GPU's: the smoke run checks fp32 only
+            for dtype in (torch.float32,) if SMOKE else (torch.float32, torch.bfloat16):
+                cmp = compare(ref, lambda i, p, s: obj(i, p, s), dtype)
+                good = cmp.within(TOL_CHUNKED[dtype])
+                ok &= good
+                print(f"check {name:14s} {form:33s} {dtype_name(dtype):9s} {obj.backend}: "
+                      f"{summary(cmp, TOL_CHUNKED[dtype])}", flush=True)
+    return ok
+
+
+def timings(names, shape, dtype, segments, profile: bool) -> list[str]:
+    rows = [("-", measure(REFERENCE, REFERENCE, shape, dtype, profile))]
+    for name in names:
+        for parallel, segment in forms(segments):
+            form = set_form(parallel, segment)
+            rows.append((form, measure(name, name, shape, dtype, profile)))
+            torch.cuda.empty_cache()
+    ref = rows[0][1]["fwd_bwd_ms"]
+    lines = [f"| objective | precision form | backend | fwd ms | fwd+bwd ms | x {REFERENCE} |", "|---|---|---|---|---|---|"]
+    for form, r in rows:
+        lines.append(f"| {r['spec']} | {form} | {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+                     f"{r['fwd_bwd_ms'] / ref:.2f} |")
+        for k, c, us in r.get("kernels", [])[:8]:
+            print(f"   {r['spec']} [{form}]: {us:10.1f} us  x{c:<3d} {k[:100]}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m of the timings")
+    ap.add_argument("--check-shape", default="2,1029,2,64,64", help="B,T,H,d,m of the checks")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--segments", default="32,64", help="the parallel form's segment lengths to run")
+    ap.add_argument("--only", default="rls,precond_delta", help="the objectives (the precision family's)")
+    ap.add_argument("--profile", action="store_true", help="the largest kernels of each timed row")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, the checks only at 1,37,1,4,8")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        ok = check(args.only.split(","), (1, 37, 1, 4, 8), [int(x) for x in args.segments.split(",")], "cpu")
+        print("checks: " + ("all ok" if ok else "FAILED"))
+        return 0 if ok else 1
+    shape = tuple(int(x) for x in args.shape.split(","))
+    names = args.only.split(",")
+    segments = [int(x) for x in args.segments.split(",")]
+    print(f"# {torch.cuda.get_device_name()}  timings {shape} {args.dtype}  checks {args.check_shape}", flush=True)
+    ok = True if args.no_check else check(names, tuple(int(x) for x in args.check_shape.split(",")), segments, "cuda")
+    lines = timings(names, shape, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], segments, args.profile)
+    print("\n".join(lines))
+    print("checks: " + ("skipped" if args.no_check else "all ok" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
