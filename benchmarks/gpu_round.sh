@@ -4,7 +4,8 @@
 #                                         # FLA's anchors compile beside them; then the KDA-like layer against
 #                                         # FLA's chunk_kda and rank-2 per head against its gated DeltaProduct
 #   bash benchmarks/gpu_round.sh table    # the structure-class table (ssmcraft bench --classes), then $EXTRA
-# Environment: CHECK_ONLY / VARLEN_ONLY limit the checks (comma lists), JOBS the checks run at once,
+# Environment: CHECK_ONLY / VARLEN_ONLY limit the checks and TABLE_ONLY the table (comma lists; TABLE_S its
+# time limit), JOBS the checks run at once,
 # EXTRA a command run last in the table phase. Logs go to $OUT (the device tool's folder); a summary is
 # printed. FLA 0.6.0 wheels in .whl/ (optional) are installed to /tmp/site for the anchors.
 set -u
@@ -45,7 +46,8 @@ checks)
     grep "^|\|/ FLA" "$OUT/kda.txt"; grep "^|" "$OUT/gdp.txt"
     ;;
 table)
-    timeout 330 python3 benchmarks/bench_classes.py --classes --out "$OUT/classes.json" > "$OUT/classes.txt" 2>&1
+    timeout "${TABLE_S:-330}" python3 benchmarks/bench_classes.py --classes ${TABLE_ONLY:+--only "$TABLE_ONLY"} \
+        --out "$OUT/classes.json" > "$OUT/classes.txt" 2>&1
     mark classes $?
     if [ -n "${EXTRA:-}" ]; then
         timeout "$(left 540)" bash -c "$EXTRA" > "$OUT/extra.txt" 2>&1
