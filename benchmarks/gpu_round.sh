@@ -5,7 +5,7 @@
 #                                         # FLA's chunk_kda and rank-2 per head against its gated DeltaProduct
 #   bash benchmarks/gpu_round.sh table    # the structure-class table (ssmcraft bench --classes), then $EXTRA
 # Environment: CHECK_ONLY / VARLEN_ONLY limit the checks and TABLE_ONLY the table (comma lists; TABLE_S its
-# time limit), JOBS the checks run at once,
+# time limit), JOBS the checks run at once, PHASE_S the seconds the table phase may take,
 # EXTRA a command run last in the table phase. Logs go to $OUT (the device tool's folder); a summary is
 # printed. FLA 0.6.0 wheels in .whl/ (optional) are installed to /tmp/site for the anchors.
 set -u
@@ -50,7 +50,7 @@ table)
         --out "$OUT/classes.json" > "$OUT/classes.txt" 2>&1
     mark classes $?
     if [ -n "${EXTRA:-}" ]; then
-        timeout "$(left 540)" bash -c "$EXTRA" > "$OUT/extra.txt" 2>&1
+        timeout "$(left "${PHASE_S:-540}")" bash -c "$EXTRA" > "$OUT/extra.txt" 2>&1
         mark extra $?
         tail -40 "$OUT/extra.txt"
     fi
