@@ -112,8 +112,9 @@ def table(rows: list[Mapping[str, Any]]) -> list[str]:
 
 def run_classes(shape, dtype_name: str, only: tuple[str, ...] = (), composed: bool = True,
                 profile: bool = False, echo=print) -> list[dict]:
-    """Every row of the table, measured one after another in this process; ``echo`` prints
-    each row's kernel profile as it comes."""
+    """Every row of the table, measured one after another in this process; ``echo`` prints each
+    row (its table line, without the ratio) and its kernel profile as it comes, so that a run cut
+    short keeps what it measured."""
     import torch
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     rows = []
@@ -123,6 +124,7 @@ def run_classes(shape, dtype_name: str, only: tuple[str, ...] = (), composed: bo
         except Exception as e:  # noqa: BLE001: one objective's failure is a row of the table, not the end of it
             row = {"spec": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         rows.append(row)
+        echo(f"measured {table([row])[-1]}", flush=True)
         for k, c, us in row.get("kernels", [])[:12]:
             echo(f"   {label}: {us:10.1f} us  x{c:<3d} {k[:110]}")
         torch.cuda.empty_cache()
