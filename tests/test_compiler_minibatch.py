@@ -143,14 +143,15 @@ def test_gradients_reach_the_inputs_and_the_initial_state(case):
     assert torch.autograd.gradcheck(f, (S0, *leaves.values()), eps=1e-6, atol=1e-7)
 
 
-def test_triton_refuses_and_recurrent_steps_equal_parallel_mode():
-    """The mixer's one-token steps carry the chunk's starting state and its inputs so far (ChunkCache)
-    and equal parallel mode, chunks aligned to the first token; T = 11 with C = 4."""
+def test_general_runs_it_and_recurrent_steps_equal_parallel_mode():
+    """The generated general kernels run a nonlinear mini-batch update (they carry the anchor); the
+    mixer's one-token steps carry the chunk's starting state and its inputs so far (ChunkCache) and
+    equal parallel mode, chunks aligned to the first token; T = 11 with C = 4."""
     from ssmcraft.ops.general import recurrent as general
     from ssmcraft.layers import ObjectiveMixer, ObjectiveMixerConfig
     from ssmcraft.layers.mixer import ChunkCache
     obj = ssmcraft.compile(spec_of("cauchy", 4))
-    assert "mini-batch update (chunks of 4" in general.supports(obj.ir)
+    assert obj.ir.minibatch == 4 and general.supports(obj.ir) is None
     torch.manual_seed(0)
     mixer = ObjectiveMixer(ObjectiveMixerConfig(objective=spec_of("cauchy", 4), heads=2, state_size=4), 16, obj).double()
     h = torch.randn(2, 11, 16, dtype=F64)
