@@ -3,7 +3,8 @@ sequences run separately through the float64 reference loop (output, final state
 gradient, initial states included), in fp32 and bf16, for the families with packed kernels
 (every family but the one-token decode: GLA, RetNet, Mamba, diagonal Longhorn, DeltaNet, Gated
 DeltaNet, exact / gated Longhorn, longhorn_2key, the generated nonlinear and two-state kernels, and
-``bench --classes``' composed KDA-like, rank-2 per head, mini-batch classes, RLS and the MLP memory).
+``bench --classes``' composed KDA-like, rank-2 per head, mini-batch classes, RLS, the MLP memory and
+the metric compositions).
 Lengths are odd, shorter and longer than a chunk, and include an empty sequence. Then the time of
 one packed call against the padded batch ``[N, max_len]`` holding the same sequences (bf16,
 forward and forward+backward).
@@ -42,7 +43,8 @@ CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-c
          ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
          ("minibatch_delta", "minibatch-chunk+packed", TOL_CHUNKED), ("rls", "precision-fp64+rank1-chunk+packed", TOL_CHUNKED),
          ("ttt_mlp", "mlp-memory+packed", TOL), ("mlp_huber_minibatch", "mlp-memory+packed", TOL),
-         ("minibatch_huber", "general+packed", TOL)]
+         ("minibatch_huber", "general+packed", TOL), ("metric_rank2", "precision-fp64+rankr-chunk+packed", TOL_CHUNKED),
+         ("metric_huber", "precision-fp64+general+packed", TOL_CHUNKED)]
 H, D, M = 4, 64, 16
 TIMED = [2048, 1500, 900, 700, 400, 300, 150, 100]     # the padded batch is [8, 2048]
 
