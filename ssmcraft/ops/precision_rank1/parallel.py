@@ -89,26 +89,22 @@ class CovarianceFunction(torch.autograd.Function):
 
 class _Inverse(torch.autograd.Function):
     """R^-1 of a batch of symmetric positive definite float64 matrices [n, H, K, K] by Cholesky (a
-    batched factorization, a batched triangular solve, a product): symmetric up to rounding (the
-    precision kernel symmetrises it as it loads it); NaN where the factorization fails (R not
-    positive definite in float64), as the sequential form's chunk step turns a negative pivot into
-    NaN. Backward: dR = -P dP P."""
+    batched factorization, then ``cholesky_inverse``): symmetric up to rounding (the precision
+    kernel symmetrises it as it loads it); NaN where the factorization fails (R not positive
+    definite in float64), as the sequential form's chunk step turns a negative pivot into NaN.
+    Backward: dR = -P dP P."""
 
     @staticmethod
     def forward(ctx, R):
         L, info = torch.linalg.cholesky_ex(R)
-        eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R)
-        Li = torch.linalg.solve_triangular(L, eye.masked_fill((info > 0)[..., None, None], float("nan")), upper=False)
-        P = Li.transpose(-1, -2) @ Li
+        P = torch.cholesky_inverse(L).masked_fill((info > 0)[..., None, None], float("nan"))
         ctx.save_for_backward(P)
         return P
 
     @staticmethod
     def backward(ctx, dP):
         P, = ctx.saved_tensors
-        K = P.shape[-1]
-        X = (P @ dP).reshape(-1, K, K)
-        return torch.baddbmm(X, X, P.reshape(-1, K, K), beta=0., alpha=-1.).view(P.shape)
+        return -(P @ dP @ P)
 
 
 def precisions(R: torch.Tensor) -> torch.Tensor:
