@@ -37,7 +37,7 @@ def study(path: Path, rows: list[dict]) -> str:
 
 def test_groups_by_family_with_ratios_to_longhorn_and_the_spread(tmp_path):
     rows = [row("longhorn", 100.0, pareto=True, same_as="longhorn"), row("longhorn", 300.0, same_as="longhorn"),
-            row("deltanet", 50.0, same_as="deltanet"), row("mamba", 400.0, pareto=True, structure="diagonal_decay")  # no same_as: as if composed,
+            row("deltanet", 50.0, same_as="deltanet"), row("mamba", 400.0, pareto=True, structure="diagonal_decay"),  # no same_as: as if composed
             row("mamba", 1e9, status="failed")]
     s = cmp.summarise(cmp.trials(study(tmp_path / "a.json", rows))[1], {})
     fam = s["by"]["family"]["groups"]
