@@ -310,3 +310,16 @@ def test_inline_kernel_text_is_the_family_without_prepare(compiled):
     assert phrase == "inline (rank1_row)", phrase
     assert "def prepare(" not in text and "def forward(" in text and "def launch(" in text
     assert "from ssmcraft" not in text and text.rstrip().endswith("FAMILY = 'rank1_row'")
+
+
+def test_no_inline_kernel_names_the_chaining_family_that_runs_it():
+    import ssmcraft
+    from ssmcraft.export.exporter import triton_kernel_source
+    from ssmcraft.search.compose import compose_objective
+
+    obj = ssmcraft.compile(compose_objective({"proximity": "metric", "data": "huber", "keys": 2, "step": "per_channel",
+                                              "update": "decay_explicit", "normalize": True}))
+    text, phrase = triton_kernel_source(obj, {"d": 8, "m": 4})
+    assert text is None
+    assert phrase.startswith("none (precision_general runs it, but chains several families' kernels"), phrase
+    assert "no Triton kernel family of this ssmcraft runs" not in phrase

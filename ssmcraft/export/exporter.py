@@ -210,9 +210,15 @@ def triton_kernel_source(obj, sizes: dict | None = None) -> tuple[str | None, st
 
     reasons, first = [], None
     for fam in registry.order(obj.ir, "triton"):
-        if fam.forward is None:
-            continue
         name = fam.name
+        if fam.forward is None:
+            # a family that chains other families' kernels (through its own host code) has no one
+            # module to inline: name it, so the phrase says why ssmcraft's kernel is not in the export
+            if not fam.one_token and fam.reason(obj.ir) is None:
+                first = first or name
+                reasons.append(f"{name} runs it, but chains several families' kernels and has no single "
+                               "kernel module to inline")
+            continue
         why = fam.reason(obj.ir)
         if why is None and sizes:     # known faults at some sizes on CUDA
             why = fam.size_reason(obj.ir, {obj.ir.dims[0]: sizes.get("d"), obj.ir.dims[1]: sizes.get("m")}, "triton")
