@@ -40,7 +40,9 @@ def seq_chunk(cu, ci, i_c, i_b, i_h, T, NT, H: tl.constexpr, VARLEN: tl.constexp
     """The parallel kernels' chunk ``i_c`` (grid index): (its sequence's first row ``bos`` and
     length, the chunk's index within the sequence, the int64 index of the sequence's first chunk in
     the per-chunk buffers). VARLEN: ``ci [NT, 2]`` holds each chunk's (sequence, index within it),
-    so that no chunk straddles two sequences; else chunk ``i_c`` of batch row ``i_b``."""
+    so that no chunk straddles two sequences; else chunk ``i_c`` of batch row ``i_b``. A grid sized by
+    a bound on the chunk count (``varlen.device_chunks``) marks the chunks past the last with the
+    index ``-1`` within the sequence: the kernel returns at once where ``i_t < 0``."""
     if VARLEN:
         n = tl.load(ci + 2 * i_c)
         i_t = tl.load(ci + 2 * i_c + 1)

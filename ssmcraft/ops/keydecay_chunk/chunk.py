@@ -225,6 +225,8 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K
     i_h = i_bh % H
     I = i_c % NC
     bos, T, i_t, _ = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     t0 = i_t * BT
     DT = A.dtype.element_ty
     o_c = tl.arange(0, BC)
@@ -271,6 +273,8 @@ def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, cu, ci, T, NT,
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     DT = x.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
@@ -348,6 +352,8 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     DT = do.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
@@ -401,6 +407,8 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     I = i_c % NC
     DT = q.dtype.element_ty
     t0 = i_t * BT
@@ -476,6 +484,8 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     o_i = tl.arange(0, BT)
     m_t = (i_t * BT + o_i) < T
     row = row_ids(bos, i_h, i_t * BT + o_i, T, H)

@@ -237,6 +237,8 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     DT = W.dtype.element_ty
     o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
@@ -361,6 +363,8 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (varlen.device_chunks)
+        return
     o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
