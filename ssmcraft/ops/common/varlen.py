@@ -161,25 +161,17 @@ def chunks(cu: list[int], cu_seqlens: torch.Tensor, BT: int) -> Chunks:
 
 
 def device_chunks(cu_seqlens: torch.Tensor, T: int, BT: int, device) -> Chunks:
-    """``Chunks`` at chunk size ``BT`` built on ``device`` by tensor ops, no offset read: ``NT`` is the
-    bound ``T // BT + N`` (each sequence has at most one partial chunk), and the entries of ``ci`` past
-    the last chunk are ``(0, -1)``: a kernel on a grid of ``NT`` chunks returns at once where the index
-    within the sequence is negative. The offsets are clamped into ``[0, T]`` and made non-decreasing
-    first (a no-op on checked ones; an unchecked bad one cannot reach outside the inputs)."""
+    """``Chunks`` at chunk size ``BT`` built on ``device`` by one kernel launch, no offset read
+    (``rows.chunk_tables``): ``NT`` is the bound ``T // BT + N`` (each sequence has at most one partial
+    chunk), and the entries of ``ci`` past the last chunk are ``(0, -1)``: a kernel on a grid of ``NT``
+    chunks returns at once where the index within the sequence is negative. The offsets are clamped
+    into ``[0, T]`` and made non-decreasing first (a no-op on checked ones; an unchecked bad one
+    cannot reach outside the inputs)."""
+    from ssmcraft.ops.common.rows import chunk_tables      # Triton: only the kernel families build these
     N = cu_seqlens.numel() - 1
     NT = T // BT + N
-    cu = torch.cummax(cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True).clamp(0, T), 0).values
-    cu[0] = 0
-    cu[-1] = T
-    counts = (cu[1:] - cu[:-1] + BT - 1) // BT
-    ends = torch.cumsum(counts, 0)
-    c = torch.arange(NT, device=device)
-    n = torch.searchsorted(ends, c, right=True)              # each chunk's sequence (N: past the last)
-    live = n < N
-    n = torch.where(live, n, 0)
-    j = torch.where(live, c - (ends - counts)[n], -1)
-    i32 = torch.int32
-    return Chunks(cu.to(i32), torch.stack([n, j], 1).to(i32), (ends - counts).to(i32), N, NT)
+    cu, ci, co = chunk_tables(cu_seqlens, T, BT, NT, device)
+    return Chunks(cu, ci, co, N, NT)
 
 
 def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int, label: str = "token"):
