@@ -1,5 +1,5 @@
 """Packed calls whose host code reads no offset: the chunk and group tables built on the device
-(``varlen.device_chunks``), the diagonal family's packed scan split into time groups that never
+(``rows.device_chunks``), the diagonal family's packed scan split into time groups that never
 straddle two sequences, the offsets' checks (``varlen.CHECK``), and a packed forward+backward that
 brings no tensor value to the host (counted by ``benchmarks/count_packed_host.py``'s mode)."""
 import sys
@@ -12,7 +12,7 @@ import torch
 import ssmcraft
 from ssmcraft.bench.run import random_inputs
 from ssmcraft.errors import SsmcraftError
-from ssmcraft.ops.common import varlen
+from ssmcraft.ops.common import rows, varlen
 from helpers import assert_within
 from test_varlen import _composed, _interpret, gpu_order, packed_errors, poisoned  # noqa: F401 - fixtures
 
@@ -36,7 +36,7 @@ def test_device_chunks_match_the_host_tables(lens, BT, dtype):
     sequence's first chunk is the same."""
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype)
     host = varlen.chunks(cu.tolist(), cu, BT)
-    dev = varlen.device_chunks(cu, int(cu[-1]), BT, cu.device)
+    dev = rows.device_chunks(cu, int(cu[-1]), BT, cu.device)
     assert dev.N == host.N and dev.NT == int(cu[-1]) // BT + len(lens)
     assert torch.equal(dev.ci[:host.NT], host.ci)
     assert torch.equal(dev.ci[host.NT:], torch.tensor([[0, -1]] * (dev.NT - host.NT), dtype=torch.int32).reshape(-1, 2))
@@ -47,7 +47,7 @@ def test_unchecked_bad_offsets_stay_inside_the_row():
     """Offsets left unchecked (on a GPU, ``CHECK`` auto) that break the layout are clamped into the
     row before the tables are built: every chunk lies inside ``[0, total_T)``."""
     cu = torch.tensor([3, 50, 20, 9], dtype=torch.int32)       # starts late, runs past 30, decreases
-    ch = varlen.device_chunks(cu, 30, 8, cu.device)
+    ch = rows.device_chunks(cu, 30, 8, cu.device)
     assert ch.cu.tolist() == [0, 30, 30, 30]
     live = ch.ci[:, 1] >= 0
     assert ch.ci[live].tolist() == [[0, 0], [0, 1], [0, 2], [0, 3]]
@@ -73,6 +73,14 @@ def test_which_offsets_are_checked(monkeypatch, mode, on_gpu, raises):
         varlen.check("gla", cu.float(), {"k": x}, None)
     with pytest.raises(SsmcraftError, match=r"initial_state has 3 rows, but cu_seqlens holds N = 2"):
         varlen.check("gla", cu, {"k": x}, torch.zeros(3, 2, 3, 3))
+
+
+def test_an_unknown_check_mode_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(varlen, "CHECK", "sometimes")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(SsmcraftError, match=r"^gla: SSMCRAFT_CHECK_OFFSETS must be one of auto, always, never, "
+                                            r"got 'sometimes'$"):
+        varlen.check("gla", cu, {"k": torch.zeros(1, 10, 2, 3)}, None)
 
 
 def test_bad_cpu_offsets_are_one_clear_error_from_the_objective(compiled):

@@ -354,7 +354,7 @@ class _Gen:
         sequence, and the row ``i_sh`` of the sequence's states (h0, ht, dh0). VARLEN: a packed row
         (B = 1, program rows the heads) whose groups never straddle two sequences: ``gi [NG, 2]``
         holds each group's (sequence, index within it), ``-1`` past the last group (the program returns),
-        ``cu`` the offsets and ``co`` each sequence's first chunk (``varlen.device_chunks``); else
+        ``cu`` the offsets and ``co`` each sequence's first chunk (``rows.device_chunks``); else
         group ``i_g`` of batch row ``i_b``."""
         return [f"{ind}cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint",
                 f"{ind}i_gs = i_g",

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero
+from ssmcraft.ops.common.varlen import Chunks, check
 from ssmcraft.ops.common.tuning import cdiv
 
 
@@ -43,7 +44,7 @@ def seq_chunk(cu, ci, i_c, i_b, i_h, T, NT, H: tl.constexpr, VARLEN: tl.constexp
     length, the chunk's index within the sequence, the int64 index of the sequence's first chunk in
     the per-chunk buffers). VARLEN: ``ci [NT, 2]`` holds each chunk's (sequence, index within it),
     so that no chunk straddles two sequences; else chunk ``i_c`` of batch row ``i_b``. A grid sized by
-    a bound on the chunk count (``varlen.device_chunks``) marks the chunks past the last with the
+    a bound on the chunk count (``rows.device_chunks``) marks the chunks past the last with the
     index ``-1`` within the sequence: the kernel returns at once where ``i_t < 0``."""
     if VARLEN:
         n = tl.load(ci + 2 * i_c)
@@ -151,3 +152,27 @@ def chunk_tables(cu_seqlens: torch.Tensor, T: int, BT: int, NT: int, device):
     ci = torch.empty(NT, 2, dtype=torch.int32, device=device)
     launch(chunk_tables_kernel, (1,), src, cu, co, ci, N, T, NT, BT, N.bit_length() + 1, BLOCK=256, num_warps=4)
     return cu, ci, co[:N]
+
+
+def device_chunks(cu_seqlens: torch.Tensor, T: int, BT: int, device) -> Chunks:
+    """``Chunks`` at chunk size ``BT`` built on ``device`` by one kernel launch, no offset read
+    (``chunk_tables``): ``NT`` is the bound ``T // BT + N`` (each sequence has at most one partial
+    chunk), and the entries of ``ci`` past the last chunk are ``(0, -1)``: a kernel on a grid of ``NT``
+    chunks returns at once where the index within the sequence is negative. The offsets are clamped
+    into ``[0, T]`` and made non-decreasing first (a no-op on checked ones; an unchecked bad one
+    cannot reach outside the inputs)."""
+    N = cu_seqlens.numel() - 1
+    NT = T // BT + N
+    cu, ci, co = chunk_tables(cu_seqlens, T, BT, NT, device)
+    return Chunks(cu, ci, co, N, NT)
+
+
+def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int, label: str = "token"):
+    """The ``Chunks`` of a packed call of the chunked families (``cu_seqlens`` checked by ``varlen.check``
+    against the token tensor ``token`` ``[1, total_T, ...]``, named ``label`` in its errors, and
+    ``initial_state`` ``[N, ...]``), built on the token's device (``device_chunks``), or None for an
+    unpacked one."""
+    if cu_seqlens is None:
+        return None
+    check(name, cu_seqlens, {label: token}, initial_state)
+    return device_chunks(cu_seqlens, token.shape[1], tokens_per_chunk, token.device)

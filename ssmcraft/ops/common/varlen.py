@@ -10,18 +10,20 @@ tokens. The result equals N separate calls, one per sequence, concatenated along
 
 How much of a call is checked, and when: ``layout`` checks what needs no offset value (a tensor of
 int32 or int64 offsets, ``[N + 1]``, B = 1, N rows in every initial state) on every call. The values
-(start at 0, never decrease, end at ``total_T``) are checked on the host (``values``) where reading
+(start at 0, never decrease, end at ``total_T``) are checked on the host (``read_offsets``) where reading
 them costs no wait for the accelerator, or where the caller asks (``CHECK``, from the environment
 variable ``SSMCRAFT_CHECK_OFFSETS``): ``auto`` (the default) checks offsets that live on the CPU and
-leaves offsets on a GPU unread, so that a packed call of the chunked families queues its kernels
-without waiting for the GPU (and a CUDA graph can capture it); ``always`` checks them wherever they
+leaves offsets on a GPU unread, so that a packed call of the families that build their tables on the
+device (``diagonal``, ``keydecay_chunk``, ``rank1_chunk``, ``rankr_chunk``, ``rank1_keydecay_chunk``)
+queues its kernels without waiting for the GPU (and a CUDA graph can capture it; the other families
+read the offsets: ``offsets``); ``always`` checks them wherever they
 are (one read per call); ``never`` checks none. Offsets on a GPU that break the layout give wrong
-results, never an access out of bounds: ``device_chunks`` clamps them into ``[0, total_T]`` and makes
+results, never an access out of bounds: ``rows.device_chunks`` clamps them into ``[0, total_T]`` and makes
 them non-decreasing before building the tables.
 
 ``offsets`` checks a call and reads the offsets to the host, for the families whose host code needs
-them there (one read per call); ``device_chunks`` builds the chunk tables of the chunked kernels on
-the offsets' device from sizes known without reading them; ``per_sequence`` runs any unpacked path
+them there (one read per call); ``rows.device_chunks`` builds the chunk tables of those kernels on the
+device in one launch, sized from what is known without reading the offsets; ``per_sequence`` runs any unpacked path
 once per sequence, which is how the reference loop (and every family without packed kernels) runs a
 packed call.
 """
@@ -40,9 +42,7 @@ OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
 CHECK_MODES = ("auto", "always", "never")
-CHECK = os.environ.get("SSMCRAFT_CHECK_OFFSETS", "auto")
-if CHECK not in CHECK_MODES:
-    raise SsmcraftError(f"SSMCRAFT_CHECK_OFFSETS: must be one of {', '.join(CHECK_MODES)}, got {CHECK!r}")
+CHECK = os.environ.get("SSMCRAFT_CHECK_OFFSETS", "auto")     # read once, at import
 
 
 def _fail(name: str, problem: str):
@@ -74,7 +74,7 @@ def layout(name: str, cu_seqlens, inputs: dict, initial_state) -> tuple[int, int
     return N, T
 
 
-def values(name: str, cu_seqlens: torch.Tensor, T: int) -> list[int]:
+def read_offsets(name: str, cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """The offsets as Python ints (one read), checked: from 0, never decreasing, to ``T``."""
     cu = [int(x) for x in cu_seqlens.tolist()]
     if cu[0] != 0:
@@ -91,14 +91,16 @@ def offsets(name: str, cu_seqlens, inputs: dict, initial_state) -> list[int]:
     """The offsets ``[N + 1]`` of a packed call as Python ints, after checking them against the
     inputs (B = 1, total_T) and ``initial_state`` (N rows). ``SsmcraftError`` names the problem."""
     _, T = layout(name, cu_seqlens, inputs, initial_state)
-    return values(name, cu_seqlens, T)
+    return read_offsets(name, cu_seqlens, T)
 
 
 def check(name: str, cu_seqlens, inputs: dict, initial_state) -> int:
-    """N, after ``layout``'s checks and, as ``CHECK`` says (the module docstring), ``values``'."""
+    """N, after ``layout``'s checks and, as ``CHECK`` says (the module docstring), ``read_offsets``'."""
     N, T = layout(name, cu_seqlens, inputs, initial_state)
+    if CHECK not in CHECK_MODES:
+        raise SsmcraftError(f"{name}: SSMCRAFT_CHECK_OFFSETS must be one of {', '.join(CHECK_MODES)}, got {CHECK!r}")
     if CHECK == "always" or (CHECK == "auto" and cu_seqlens.device.type == "cpu"):
-        values(name, cu_seqlens, T)
+        read_offsets(name, cu_seqlens, T)
     return N
 
 
@@ -139,7 +141,7 @@ class Chunks:
     chunked kernels (device tensors, int32): ``cu`` the offsets ``[N + 1]``; ``ci [NT, 2]`` each chunk's
     (sequence, index within the sequence), sequence by sequence; ``co [N]`` each sequence's first
     chunk in that list. A zero-length sequence has no chunk. ``NT`` is the chunk count (``chunks``) or
-    a bound on it (``device_chunks``, whose entries past the last chunk are ``(0, -1)``); the
+    a bound on it (``rows.device_chunks``, whose entries past the last chunk are ``(0, -1)``); the
     per-chunk buffers have ``NT`` slots either way."""
     cu: torch.Tensor
     ci: torch.Tensor
@@ -158,28 +160,3 @@ def chunks(cu: list[int], cu_seqlens: torch.Tensor, BT: int) -> Chunks:
     ci = torch.tensor(pairs, dtype=torch.int32, device=dev).reshape(-1, 2)
     return Chunks(cu_seqlens.to(torch.int32), ci, torch.tensor(first, dtype=torch.int32, device=dev),
                   len(counts), len(pairs))
-
-
-def device_chunks(cu_seqlens: torch.Tensor, T: int, BT: int, device) -> Chunks:
-    """``Chunks`` at chunk size ``BT`` built on ``device`` by one kernel launch, no offset read
-    (``rows.chunk_tables``): ``NT`` is the bound ``T // BT + N`` (each sequence has at most one partial
-    chunk), and the entries of ``ci`` past the last chunk are ``(0, -1)``: a kernel on a grid of ``NT``
-    chunks returns at once where the index within the sequence is negative. The offsets are clamped
-    into ``[0, T]`` and made non-decreasing first (a no-op on checked ones; an unchecked bad one
-    cannot reach outside the inputs)."""
-    from ssmcraft.ops.common.rows import chunk_tables      # Triton: only the kernel families build these
-    N = cu_seqlens.numel() - 1
-    NT = T // BT + N
-    cu, ci, co = chunk_tables(cu_seqlens, T, BT, NT, device)
-    return Chunks(cu, ci, co, N, NT)
-
-
-def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int, label: str = "token"):
-    """The ``Chunks`` of a packed call of the chunked families (``cu_seqlens`` checked by ``check``
-    against the token tensor ``token`` ``[1, total_T, ...]``, named ``label`` in its errors, and
-    ``initial_state`` ``[N, ...]``), built on the token's device (``device_chunks``), or None for an
-    unpacked one."""
-    if cu_seqlens is None:
-        return None
-    check(name, cu_seqlens, {label: token}, initial_state)
-    return device_chunks(cu_seqlens, token.shape[1], tokens_per_chunk, token.device)

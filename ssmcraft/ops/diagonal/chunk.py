@@ -625,7 +625,8 @@ def packing(name: str, cu_seqlens, inputs: dict, initial_state):
     """A packed call's ``packed(L) -> Chunks`` for ``diagonal_scan`` (its offsets checked by
     ``varlen.check``, the chunks built on the inputs' device once per chunk length, no offset read);
     ``packed.N``: the sequences."""
-    from ssmcraft.ops.common.varlen import check, device_chunks
+    from ssmcraft.ops.common.rows import device_chunks
+    from ssmcraft.ops.common.varlen import check
     N = check(name, cu_seqlens, inputs, initial_state)
     x = next(iter(inputs.values()))
     made = {}
