@@ -7,7 +7,8 @@ DeltaNet, exact / gated Longhorn, longhorn_2key, the generated nonlinear and two
 the metric compositions).
 Lengths are odd, shorter and longer than a chunk, and include an empty sequence. Then the time of
 one packed call against the padded batch ``[N, max_len]`` holding the same sequences (bf16,
-forward and forward+backward).
+forward and forward+backward); ``packed+read`` is the packed call with its offsets read and checked
+on the host every call (``SSMCRAFT_CHECK_OFFSETS=always``), which waits for the GPU.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/check_varlen_gpu.py [--only gla,rls] [--no-time]
 
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
+from ssmcraft.ops.common import varlen  # noqa: E402
 from ssmcraft.runtime.checking import compare, packed_reference  # noqa: E402
 
 from check_library_gpu import STABLE_REGION, initial_states  # noqa: E402
@@ -82,7 +84,9 @@ def timing(name: str) -> list:
     packed = {k: torch.cat([v[i, :n] for i, n in enumerate(TIMED)])[None].contiguous() for k, v in ins.items()}
     cu = offsets(TIMED, "cuda")
     rows = []
-    for label, x, kw in (("packed", packed, {"cu_seqlens": cu}), ("padded", ins, {})):
+    for label, x, kw in (("packed", packed, {"cu_seqlens": cu}), ("packed+read", packed, {"cu_seqlens": cu}),
+                         ("padded", ins, {})):
+        varlen.CHECK = "always" if label == "packed+read" else "auto"   # +read: the offsets checked on the host
         leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
 
         def fwd():
@@ -92,8 +96,9 @@ def timing(name: str) -> list:
         def fwd_bwd():
             y, _ = obj(leaves, params, None, False, **kw)
             y.float().sum().backward()
-        rows.append((f"{name} {label}", sum(TIMED) if label == "packed" else len(TIMED) * T,
+        rows.append((f"{name} {label}", sum(TIMED) if label.startswith("packed") else len(TIMED) * T,
                      bench_ms(fwd), bench_ms(fwd_bwd), obj.backend))
+    varlen.CHECK = "auto"
     return rows
 
 

@@ -11,8 +11,10 @@ padded batch whose padded steps leave each state as it was (``torch-vectorised+p
 mini-batch update runs per sequence, ``torch-vectorised+per-sequence``); ``prefer="reference"``
 runs the reference loop per sequence (``reference-loop+per-sequence``).
 
-The choice is kept per call signature (``dispatch.signature``), as for unpacked calls; the offsets
-are checked on every call (they are data, read to the host once: ``varlen.offsets``).
+The choice is kept per call signature (``dispatch.signature``), as for unpacked calls. The offsets
+are checked on every call: the native path checks them as ``varlen.check`` says (no read of offsets
+on a GPU by default: the chunked families build their tables on the device); every other path needs
+them on the host and reads them once (``varlen.offsets``).
 """
 from __future__ import annotations
 
@@ -25,13 +27,13 @@ from ssmcraft.runtime import dispatch
 
 def run_packed(obj, inputs, params, initial_state, output_final_state, cu_seqlens):
     """One packed call: (y [1, total_T, H, d], S_T [N, H, d, m] or None, backend name)."""
-    cu = varlen.offsets(obj.name, cu_seqlens, inputs, initial_state)
     sig = ("packed", dispatch.signature(obj, inputs, params, initial_state))
     path = obj._paths.get(sig)
     if path is None:
+        varlen.check(obj.name, cu_seqlens, inputs, initial_state)       # a clear error before any choice
         path = _choose(obj, inputs, params, initial_state)
         obj._paths[sig] = path
-    return path(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu)
+    return path(obj, inputs, params, initial_state, output_final_state, cu_seqlens)
 
 
 def reference(obj, inputs, params, initial_state, output_final_state, cu_seqlens):
@@ -43,22 +45,31 @@ def reference(obj, inputs, params, initial_state, output_final_state, cu_seqlens
 def _choose(obj, inputs, params, initial_state):
     lay = validate(obj.ir, obj.spec, inputs, params, varlen.first_rows(initial_state))   # raises a clear error
     if obj.prefer == "reference":
-        return _split(dispatch._reference_path, "reference-loop+per-sequence")
+        return _host(_split(dispatch._reference_path, "reference-loop+per-sequence"))
     native, why = _native(obj, inputs)
     if native is not None:
         fn = native(obj, lay)
         name = f"{fn.backend}+packed"
 
-        def packed(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu):
+        def packed(obj, inputs, params, initial_state, output_final_state, cu_seqlens):     # the family checks
             y, S, _ = fn(obj, inputs, params, initial_state, output_final_state, cu_seqlens=cu_seqlens)
             return y, S, name
         return packed
     mode, _ = _mode(obj, inputs)
     if mode is None:
         if getattr(obj.module, "MINIBATCH", 0):         # its chunks are laid out from each sequence's start
-            return _split(dispatch._torch_path, "torch-vectorised+per-sequence")
-        return _padded
-    return _each(f" (no packed kernel: {why})")
+            return _host(_split(dispatch._torch_path, "torch-vectorised+per-sequence"))
+        return _host(_padded)
+    return _host(_each(f" (no packed kernel: {why})"))
+
+
+def _host(path):
+    """A path that needs the offsets on the host: ``path(..., cu_seqlens, cu)`` with ``cu`` read and
+    checked once per call (``varlen.offsets``)."""
+    def run(obj, inputs, params, initial_state, output_final_state, cu_seqlens):
+        cu = varlen.offsets(obj.name, cu_seqlens, inputs, initial_state)
+        return path(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu)
+    return run
 
 
 def _padded(obj, inputs, params, initial_state, output_final_state, cu_seqlens, cu):

@@ -304,14 +304,15 @@ class _Gen:
         need = self.need_for(("a", "p", "q", "B"))
         i = " " * 4
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-               f"def diagonal_fwd_summary_kernel({self.leaf_args()}, A_out, S_out, T, H, K, V, NC, NG, CPG, L,",
-               "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
+               f"def diagonal_fwd_summary_kernel({self.leaf_args()}, A_out, S_out, cu, co, gi, T, H, K, V, NC, NG, CPG, L,",
+               "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr, VARLEN: tl.constexpr):",
                '    """Per group g < NG-1: A_g = prod_t a_t and S_g = the group\'s end state from a zero start."""',
                *self.prologue(i),
+               *self.packed_sequence(i),
                *self.param_loads(i, need),
                f"{i}S = tl.zeros([BK, BV], dtype=tl.float32)",
                f"{i}A = tl.full([BK, BV], 1.0, dtype=tl.float32)",
-               f"{i}t0 = i_g * CPG * L",
+               f"{i}t0 = i_gs * CPG * L",
                f"{i}t1 = tl.minimum(t0 + CPG * L, T)",
                f"{i}for t in range(t0, t1):",
                *self.coefficients(i * 2, "t", ("a", "p", "q", "B")),
@@ -325,14 +326,21 @@ class _Gen:
     @staticmethod
     def fwd_propagate() -> list[str]:
         return ['@triton.jit(do_not_specialize=["NG"])',
-                "def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
-                "                  HAS_H0: tl.constexpr):",
-                '    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""',
+                "def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, gi, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "                  HAS_H0: tl.constexpr, VARLEN: tl.constexpr):",
+                '    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0). VARLEN: the',
+                '    groups of every sequence of a packed row (``gi``), each sequence\'s first from its own h0."""',
                 *_PROPAGATE_HEAD,
                 "    S = tl.zeros([BK, BV], dtype=tl.float32)",
                 "    if HAS_H0:",
                 "        S = tl.load(h0 + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
                 "    for g in range(0, NG):",
+                "        if VARLEN:",
+                "            n = tl.load(gi + 2 * g)",
+                "            S0 = tl.zeros([BK, BV], dtype=tl.float32)",
+                "            if HAS_H0:",
+                "                S0 = tl.load(h0 + (n * H + i_bh).to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
+                "            S = tl.where(tl.load(gi + 2 * g + 1) == 0, S0, S)      # a sequence's first group",
                 "        off = (i_bh * NG + g).to(tl.int64) * K * V + st",
                 "        tl.store(h_start + off, S, mask=mkv)",
                 "        if g < NG - 1:",
@@ -340,22 +348,33 @@ class _Gen:
 
     @staticmethod
     def packed_sequence(ind: str) -> list[str]:
-        """The main kernels' lines that make program row ``i_b`` sequence ``i_b`` of a packed row
-        (VARLEN; one group): its first row, its length, its chunk count and its first chunk among the
-        checkpoints ``[H, NC, K, V]`` (NC: every sequence's chunks together, ``co`` each sequence's
-        first); else batch row ``i_b`` with NC chunks."""
+        """The group kernels' lines that place program (row ``i_bh``, group ``i_g``): its first row
+        ``bos``, its sequence's length ``T`` and chunk count ``NC``, the index ``cb`` of the sequence's
+        first chunk among the checkpoints ``[rows, NC, K, V]``, the group's index ``i_gs`` within its
+        sequence, and the row ``i_sh`` of the sequence's states (h0, ht, dh0). VARLEN: a packed row
+        (B = 1, program rows the heads) whose groups never straddle two sequences: ``gi [NG, 2]``
+        holds each group's (sequence, index within it), ``-1`` past the last group (the program returns),
+        ``cu`` the offsets and ``co`` each sequence's first chunk (``rows.device_chunks``); else
+        group ``i_g`` of batch row ``i_b``."""
         return [f"{ind}cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint",
+                f"{ind}i_gs = i_g",
+                f"{ind}i_sh = i_bh",
                 f"{ind}if VARLEN:",
-                f"{ind}    bos = tl.load(cu + i_b).to(tl.int64)",
-                f"{ind}    T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)",
-                f"{ind}    cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)",
-                f"{ind}    NC = tl.cdiv(T, L)"]
+                f"{ind}    n = tl.load(gi + 2 * i_g)",
+                f"{ind}    i_gs = tl.load(gi + 2 * i_g + 1)",
+                f"{ind}    bos = tl.load(cu + n).to(tl.int64)",
+                f"{ind}    T = tl.load(cu + n + 1) - tl.load(cu + n)",
+                f"{ind}    cb = i_h.to(tl.int64) * NC + tl.load(co + n)",
+                f"{ind}    NC = tl.cdiv(T, L)",
+                f"{ind}    i_sh = n * H + i_h",
+                f"{ind}if i_gs < 0:      # a group past the packed row's last",
+                f"{ind}    return"]
 
     def fwd_main(self) -> list[str]:
         need = self.need_for(("a", "p", "q", "B", "oc", "oq", "oh"))
         i = " " * 4
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def diagonal_fwd_main_kernel({self.leaf_args()}, h_start, y, ckpt, ht, cu, co, T, H, K, V, NC, NG, CPG, L,",
+                f"def diagonal_fwd_main_kernel({self.leaf_args()}, h_start, y, ckpt, ht, cu, co, gi, T, H, K, V, NC, NG, CPG, L,",
                 "             BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,",
                 "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr, VARLEN: tl.constexpr):",
                 '    """Per group: from its start state, every step\'s state and output; chunk-start states',
@@ -366,7 +385,7 @@ class _Gen:
                 *self.packed_sequence(i),
                 *self.param_loads(i, need),
                 f"{i}S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)",
-                f"{i}c0 = i_g * CPG",
+                f"{i}c0 = i_gs * CPG",
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
                 f"{i}if PREFETCH:   # {PREFETCH_DEPTH}-deep register prefetch: set j holds step tb + j, refilled with tb + j + {PREFETCH_DEPTH}",
                 *self._prefetched_steps(i * 2, need),
@@ -378,7 +397,7 @@ class _Gen:
                 f"{i}{i}{i}{i}o = {self.readout('S')}",
                 f"{i}{i}{i}{i}tl.store(y + tok * V + ov, o, mask=mv)",
                 f"{i}if STORE_FINAL:",
-                f"{i}{i}tl.store(ht + i_bh.to(tl.int64) * K * V + st, S, mask=mkv & (i_g == NG - 1))"]
+                f"{i}{i}tl.store(ht + i_sh.to(tl.int64) * K * V + st, S, mask=mkv & (c1 >= NC))   # the sequence's last group"]
 
     @staticmethod
     def _chunk_head(ind: str) -> list[str]:
@@ -420,15 +439,16 @@ class _Gen:
         i = " " * 4
         a = self.slot("a")
         return ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])',
-                f"def diagonal_bwd_summary_kernel({self.leaf_args()}, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,",
-                "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):",
+                f"def diagonal_bwd_summary_kernel({self.leaf_args()}, dy, A_out, E_out, cu, co, gi, T, H, K, V, NC, NG, CPG, L,",
+                "                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr, VARLEN: tl.constexpr):",
                 '    """Per group g >= 1: A_g = prod_t a_t and E_g = a_s . dS_s at its first step s from a zero',
                 '    adjoint carried in at its end."""',
                 *self.prologue(i, group_offset=1),
+                *self.packed_sequence(i),
                 *self.param_loads(i, need),
                 f"{i}E = tl.zeros([BK, BV], dtype=tl.float32)",
                 f"{i}A = tl.full([BK, BV], 1.0, dtype=tl.float32)",
-                f"{i}t0 = i_g * CPG * L",
+                f"{i}t0 = i_gs * CPG * L",
                 f"{i}t1 = tl.minimum(t0 + CPG * L, T)",
                 f"{i}for tt in range(0, t1 - t0):",
                 f"{i}{i}t = t1 - 1 - tt",
@@ -445,15 +465,23 @@ class _Gen:
     @staticmethod
     def bwd_propagate() -> list[str]:
         return ['@triton.jit(do_not_specialize=["NG"])',
-                "def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
-                "                  HAS_DHT: tl.constexpr):",
-                '    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""',
+                "def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, gi, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,",
+                "                  HAS_DHT: tl.constexpr, VARLEN: tl.constexpr):",
+                '    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end. VARLEN:',
+                '    the groups of every sequence of a packed row (``gi``), each sequence\'s last from its own dht."""',
                 *_PROPAGATE_HEAD,
                 "    E = tl.zeros([BK, BV], dtype=tl.float32)",
                 "    if HAS_DHT:",
                 "        E = tl.load(dht + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
                 "    for gg in range(0, NG):",
                 "        g = NG - 1 - gg",
+                "        if VARLEN:",
+                "            n = tl.load(gi + 2 * g)",
+                "            E0 = tl.zeros([BK, BV], dtype=tl.float32)",
+                "            if HAS_DHT:",
+                "                E0 = tl.load(dht + (n * H + i_bh).to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)",
+                "            after = tl.load(gi + 2 * tl.minimum(g + 1, NG - 1) + 1)     # the next group's index in its sequence",
+                "            E = tl.where((g == NG - 1) | (after <= 0), E0, E)           # a sequence's last group",
                 "        off = (i_bh * NG + g).to(tl.int64) * K * V + st",
                 "        tl.store(e_end + off, E, mask=mkv)",
                 "        if g > 0:",
@@ -610,7 +638,7 @@ class _Gen:
         i = " " * 4
         ls = self.ls
         out = ['@triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])',
-               f"def diagonal_bwd_main_kernel({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, cu, co, T, H, K, V, NC, NG, CPG, L,",
+               f"def diagonal_bwd_main_kernel({self.leaf_args(grads=True)}, dy, ckpt, e_end, dh0, scratch, cu, co, gi, T, H, K, V, NC, NG, CPG, L,",
                "             NTOK, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr,",
                "             DOTRED: tl.constexpr, HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr,",
                "             EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, VARLEN: tl.constexpr):",
@@ -633,7 +661,7 @@ class _Gen:
                 f"{i}pid = (i_g * tl.num_programs(1) + i_bh) * tl.num_programs(0) + i_v",
                 f"{i}scr = scratch + pid.to(tl.int64) * (NSUB * BK * BV)",
                 f"{i}sc = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]",
-                f"{i}c0 = i_g * CPG",
+                f"{i}c0 = i_gs * CPG",
                 f"{i}c1 = tl.minimum(c0 + CPG, NC)",
                 f"{i}for cc in range(0, c1 - c0):",
                 f"{i}{i}c = c1 - 1 - cc",
@@ -646,7 +674,7 @@ class _Gen:
                 f"{i}{i}{i}j = NSUB - 1 - jj",
                 *self._subchunk(i * 3)]
         out += [f"{i}if NEED_DH0:",
-                f"{i}{i}tl.store(dh0 + i_bh.to(tl.int64) * K * V + st, E, mask=mkv & (i_g == 0))"]
+                f"{i}{i}tl.store(dh0 + i_sh.to(tl.int64) * K * V + st, E, mask=mkv & (i_gs == 0))"]
         for lf in p.param_leaves:
             if lf.name not in [n for n in p.leaves]:
                 continue

@@ -8,14 +8,29 @@ final state is its initial state. ``initial_state`` and the final state are ``[N
 of them with several states): every sequence starts from its own state and none sees another's
 tokens. The result equals N separate calls, one per sequence, concatenated along time.
 
-``offsets`` checks a call and reads the offsets to the host (one read per call: the kernels' chunk
-indices and the per-sequence split both need them there); ``per_sequence`` runs any unpacked path
+How much of a call is checked, and when: ``layout`` checks what needs no offset value (a tensor of
+int32 or int64 offsets, ``[N + 1]``, B = 1, N rows in every initial state) on every call. The values
+(start at 0, never decrease, end at ``total_T``) are checked on the host (``read_offsets``) where reading
+them costs no wait for the accelerator, or where the caller asks (``CHECK``, from the environment
+variable ``SSMCRAFT_CHECK_OFFSETS``): ``auto`` (the default) checks offsets that live on the CPU and
+leaves offsets on a GPU unread, so that a packed call of the families that build their tables on the
+device (``diagonal``, ``keydecay_chunk``, ``rank1_chunk``, ``rankr_chunk``, ``rank1_keydecay_chunk``)
+queues its kernels without waiting for the GPU (and a CUDA graph can capture it; the other families
+read the offsets: ``offsets``); ``always`` checks them wherever they
+are (one read per call); ``never`` checks none. Offsets on a GPU that break the layout give wrong
+results, never an access out of bounds: ``rows.device_chunks`` clamps them into ``[0, total_T]`` and makes
+them non-decreasing before building the tables.
+
+``offsets`` checks a call and reads the offsets to the host, for the families whose host code needs
+them there (one read per call); ``rows.device_chunks`` builds the chunk tables of those kernels on the
+device in one launch, sized from what is known without reading the offsets; ``per_sequence`` runs any unpacked path
 once per sequence, which is how the reference loop (and every family without packed kernels) runs a
 packed call.
 """
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,38 +41,67 @@ from ssmcraft.ops.common.reference import like, states
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
-def offsets(name: str, cu_seqlens, inputs: dict, initial_state) -> list[int]:
-    """The offsets ``[N + 1]`` of a packed call as Python ints, after checking them against the
-    inputs (B = 1, total_T) and ``initial_state`` (N rows). ``SsmcraftError`` names the problem."""
-    def fail(problem: str):
-        raise SsmcraftError(f"{name}: cu_seqlens: {problem}")
+CHECK_MODES = ("auto", "always", "never")
+CHECK = os.environ.get("SSMCRAFT_CHECK_OFFSETS", "auto")     # read once, at import
+
+
+def _fail(name: str, problem: str):
+    raise SsmcraftError(f"{name}: cu_seqlens: {problem}")
+
+
+def layout(name: str, cu_seqlens, inputs: dict, initial_state) -> tuple[int, int]:
+    """(N, total_T) of a packed call, after the checks that read no offset: a tensor of int32 or int64
+    offsets ``[N + 1]``, inputs with B = 1, ``initial_state`` with N rows. ``SsmcraftError`` names the
+    problem."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        fail(f"must be a tensor of offsets (int32 or int64), got {type(cu_seqlens).__name__}")
+        _fail(name, f"must be a tensor of offsets (int32 or int64), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in OFFSET_DTYPES:
-        fail(f"must be int32 or int64, got {cu_seqlens.dtype}")
+        _fail(name, f"must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        fail(f"must be 1-D with N + 1 >= 2 offsets, got shape {list(cu_seqlens.shape)}")
+        _fail(name, f"must be 1-D with N + 1 >= 2 offsets, got shape {list(cu_seqlens.shape)}")
     tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)] if isinstance(inputs, dict) else []
     if not tensors or tensors[0].dim() < 3:
-        fail("a packed call needs input tensors [1, total_T, H, ...]")
+        _fail(name, "a packed call needs input tensors [1, total_T, H, ...]")
     B, T = tensors[0].shape[:2]
     if B != 1:
-        fail(f"packed inputs must have B = 1 (sequences laid end to end), got B = {B}")
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    if cu[0] != 0:
-        fail(f"must start at 0, got {cu[0]}")
-    if cu[-1] != T:
-        fail(f"must end at total_T = {T} (the inputs' length), got {cu[-1]}")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            fail(f"must not decrease, got {cu[i - 1]} then {cu[i]} at index {i}")
-    N = len(cu) - 1
+        _fail(name, f"packed inputs must have B = 1 (sequences laid end to end), got B = {B}")
+    N = cu_seqlens.numel() - 1
     for i, S0 in enumerate(states(initial_state)):
         if isinstance(S0, torch.Tensor) and S0.dim() >= 1 and S0.shape[0] != N:
             what = "initial_state" if not isinstance(initial_state, (tuple, list)) else f"initial_state[{i}]"
-            fail(f"{what} has {S0.shape[0]} rows, but cu_seqlens holds N = {N} sequences "
-                 f"(a packed call's states are [N, H, ...])")
+            _fail(name, f"{what} has {S0.shape[0]} rows, but cu_seqlens holds N = {N} sequences "
+                  f"(a packed call's states are [N, H, ...])")
+    return N, T
+
+
+def read_offsets(name: str, cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """The offsets as Python ints (one read), checked: from 0, never decreasing, to ``T``."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0:
+        _fail(name, f"must start at 0, got {cu[0]}")
+    if cu[-1] != T:
+        _fail(name, f"must end at total_T = {T} (the inputs' length), got {cu[-1]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            _fail(name, f"must not decrease, got {cu[i - 1]} then {cu[i]} at index {i}")
     return cu
+
+
+def offsets(name: str, cu_seqlens, inputs: dict, initial_state) -> list[int]:
+    """The offsets ``[N + 1]`` of a packed call as Python ints, after checking them against the
+    inputs (B = 1, total_T) and ``initial_state`` (N rows). ``SsmcraftError`` names the problem."""
+    _, T = layout(name, cu_seqlens, inputs, initial_state)
+    return read_offsets(name, cu_seqlens, T)
+
+
+def check(name: str, cu_seqlens, inputs: dict, initial_state) -> int:
+    """N, after ``layout``'s checks and, as ``CHECK`` says (the module docstring), ``read_offsets``'."""
+    N, T = layout(name, cu_seqlens, inputs, initial_state)
+    if CHECK not in CHECK_MODES:
+        raise SsmcraftError(f"{name}: SSMCRAFT_CHECK_OFFSETS must be one of {', '.join(CHECK_MODES)}, got {CHECK!r}")
+    if CHECK == "always" or (CHECK == "auto" and cu_seqlens.device.type == "cpu"):
+        read_offsets(name, cu_seqlens, T)
+    return N
 
 
 def first_rows(initial_state):
@@ -96,7 +140,9 @@ class Chunks:
     """A packed row cut into chunks of ``BT`` tokens that never straddle two sequences, for the
     chunked kernels (device tensors, int32): ``cu`` the offsets ``[N + 1]``; ``ci [NT, 2]`` each chunk's
     (sequence, index within the sequence), sequence by sequence; ``co [N]`` each sequence's first
-    chunk in that list. A zero-length sequence has no chunk."""
+    chunk in that list. A zero-length sequence has no chunk. ``NT`` is the chunk count (``chunks``) or
+    a bound on it (``rows.device_chunks``, whose entries past the last chunk are ``(0, -1)``); the
+    per-chunk buffers have ``NT`` slots either way."""
     cu: torch.Tensor
     ci: torch.Tensor
     co: torch.Tensor
@@ -114,13 +160,3 @@ def chunks(cu: list[int], cu_seqlens: torch.Tensor, BT: int) -> Chunks:
     ci = torch.tensor(pairs, dtype=torch.int32, device=dev).reshape(-1, 2)
     return Chunks(cu_seqlens.to(torch.int32), ci, torch.tensor(first, dtype=torch.int32, device=dev),
                   len(counts), len(pairs))
-
-
-def packed_chunks(name: str, cu_seqlens, token, initial_state, tokens_per_chunk: int, label: str = "token"):
-    """The ``Chunks`` of a packed call of the chunked families (``cu_seqlens`` checked by ``offsets``
-    against the token tensor ``token`` ``[1, total_T, ...]``, named ``label`` in its errors, and
-    ``initial_state`` ``[N, ...]``), or None for an unpacked one."""
-    if cu_seqlens is None:
-        return None
-    cu = offsets(name, cu_seqlens, {label: token}, initial_state)
-    return chunks(cu, cu_seqlens.to(token.device), tokens_per_chunk)

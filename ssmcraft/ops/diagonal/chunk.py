@@ -193,26 +193,39 @@ def _leaf_args(plan, leaves, H, grads=None):
 def _geometry(shape, cfg: Config, mod, packed=None):
     """(L, NC, NG, CPG, NV, kw, flags) of one launch configuration: chunk length, chunks, groups,
     chunks per group, value blocks, the block-size keywords every kernel takes, the compile-time flags.
-    ``packed``: ``packed(L) -> Chunks`` of a packed row (``ssmcraft.ops.common.varlen``): one group,
-    NC every sequence's chunks together, no time mask dropped, no prefetch (a sequence may be empty)."""
+    ``packed``: ``packed(L) -> Chunks`` of a packed row (``ssmcraft.ops.common.varlen``): the row's
+    ``cfg.NG`` groups of CPG chunks cut again at every sequence's end, so that no group straddles two
+    sequences; NC and NG are then bounds on the chunks and groups of every sequence together (from
+    the row's length and N, no offset read); no time mask dropped, no prefetch (a sequence may be
+    empty or end inside a prefetch set)."""
     B, T, H, K, V = shape
     L = mod.LS * cfg.NSUB
     kw = dict(BK=next_pow2(K), BV=cfg.BV, num_warps=cfg.num_warps)
     f = flags(cfg, K, T, V, mod.LS)
-    if packed is not None:
-        NC = max(1, packed(L).NT)
-        return L, NC, 1, NC, cdiv(V, cfg.BV), kw, {**f, "EVEN_T": False, "PREFETCH": False}
     NC = cdiv(T, L)
     NG, CPG = _groups(NC, cfg.NG)
+    if packed is not None:
+        return (L, max(1, packed(L).NT), max(1, packed(L * CPG).NT), CPG, cdiv(V, cfg.BV), kw,
+                {**f, "EVEN_T": False, "PREFETCH": False})
     return L, NC, NG, CPG, cdiv(V, cfg.BV), kw, f
 
 
-def _rows(B, H, packed, L, ref):
-    """(sequences x heads, the main kernels' packing arguments ``cu``, ``co``, ``VARLEN``)."""
+def _rows(B, H, packed, L, CPG, ref):
+    """(program rows, state rows, the group kernels' packing arguments ``cu``, ``co``, ``gi``,
+    ``VARLEN``): batch x heads for both, or for a packed row the heads (its groups along the third
+    grid axis) and sequences x heads."""
     if packed is None:
-        return B * H, dict(cu=ref, co=ref, VARLEN=False)
+        return B * H, B * H, dict(cu=ref, co=ref, gi=ref, VARLEN=False)
     ch = packed(L)
-    return ch.N * H, dict(cu=ch.cu, co=ch.co, VARLEN=True)
+    return H, packed.N * H, dict(cu=ch.cu, co=ch.co, gi=packed(L * CPG).ci, VARLEN=True)
+
+
+def _states(S, rows, K, V, dev):
+    """The state buffer ``[rows, K, V]`` fp32 a packed row's group kernels write: a copy of ``S``
+    (``[rows, 1, K, V]``) or zeros, so that an empty sequence, which has no group, keeps it."""
+    if S is None:
+        return torch.zeros(rows, K, V, dtype=torch.float32, device=dev)
+    return S.reshape(rows, K, V).clone()
 
 
 def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, mod, packed=None):
@@ -220,23 +233,25 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
     L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod, packed)
     dev = next(iter(leaves.values())).device
     largs = _leaf_args(plan, leaves, H)
-    if NG > 1:
-        gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
-        gS = torch.empty_like(gA)
-        _launch(mod, "diagonal_fwd_summary_kernel", (NV, B * H, NG - 1), *largs, gA, gS, T, H, K, V, NC, NG, CPG, L, **kw,
-                **_pick_flags(f, "EVEN_V"))
-        h_start = torch.empty_like(gA)
-        _launch(mod, "diagonal_fwd_propagate_kernel", (NV, B * H), h0 if h0 is not None else gA, gA, gS, h_start, H, K, V, NG,
-                                       HAS_H0=h0 is not None, **kw)
-    else:
-        NH = _rows(B, H, packed, L, None)[0]
-        h_start = h0 if h0 is not None else torch.zeros(NH, 1, K, V, dtype=torch.float32, device=dev)
     y = _alloc((B, T, H, V), out_dtype, dev)
-    NH, seq = _rows(B, H, packed, L, y)
-    ckpt = _alloc((B * H, NC, K, V), torch.float32, dev) if save else y
-    ht = _alloc((NH, K, V), torch.float32, dev) if want_final else y
-    _launch(mod, "diagonal_fwd_main_kernel", (NV, NH, NG), *largs, h_start, y, ckpt, ht, seq["cu"], seq["co"], T, H, K, V,
-            NC, NG, CPG, L, SAVE=save, STORE_FINAL=want_final, VARLEN=seq["VARLEN"], **kw,
+    NH, NS, seq = _rows(B, H, packed, L, CPG, y)
+    if NG > 1:
+        gA = torch.empty(NH, NG, K, V, dtype=torch.float32, device=dev)
+        gS = torch.empty_like(gA)
+        _launch(mod, "diagonal_fwd_summary_kernel", (NV, NH, NG - 1), *largs, gA, gS, seq["cu"], seq["co"], seq["gi"],
+                T, H, K, V, NC, NG, CPG, L, VARLEN=seq["VARLEN"], **kw, **_pick_flags(f, "EVEN_V"))
+        h_start = torch.empty_like(gA)
+        _launch(mod, "diagonal_fwd_propagate_kernel", (NV, NH), h0 if h0 is not None else gA, gA, gS, h_start, seq["gi"],
+                H, K, V, NG, HAS_H0=h0 is not None, VARLEN=seq["VARLEN"], **kw)
+    else:
+        h_start = h0 if h0 is not None else torch.zeros(NS, 1, K, V, dtype=torch.float32, device=dev)
+    ckpt = _alloc((NH, NC, K, V), torch.float32, dev) if save else y
+    if not want_final:
+        ht = y
+    else:
+        ht = _states(h0, NS, K, V, dev) if packed is not None else _alloc((NS, K, V), torch.float32, dev)
+    _launch(mod, "diagonal_fwd_main_kernel", (NV, NH, NG), *largs, h_start, y, ckpt, ht, seq["cu"], seq["co"], seq["gi"],
+            T, H, K, V, NC, NG, CPG, L, SAVE=save, STORE_FINAL=want_final, VARLEN=seq["VARLEN"], **kw,
             **_pick_flags(f, "EVEN_V", "EVEN_T", "PREFETCH"))
     return y, (ht if want_final else None), (ckpt if save else None)
 
@@ -244,27 +259,29 @@ def _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg: Config, 
 def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, needs, packed=None):
     B, T, H, K, V = shape
     L, NC, NG, CPG, NV, kw, f = _geometry(shape, cfg, mod, packed)
-    NH, seq = _rows(B, H, packed, L, dy)
+    NH, NS, seq = _rows(B, H, packed, L, CPG, dy)
     dev = dy.device
     largs = _leaf_args(plan, leaves, H)
     if NG > 1:
-        gA = torch.empty(B * H, NG, K, V, dtype=torch.float32, device=dev)
+        gA = torch.empty(NH, NG, K, V, dtype=torch.float32, device=dev)
         gE = torch.empty_like(gA)
-        _launch(mod, "diagonal_bwd_summary_kernel", (NV, B * H, NG - 1), *largs, dy, gA, gE, T, H, K, V, NC, NG, CPG, L, **kw,
-                **_pick_flags(f, "EVEN_V"))
+        _launch(mod, "diagonal_bwd_summary_kernel", (NV, NH, NG - 1), *largs, dy, gA, gE, seq["cu"], seq["co"], seq["gi"],
+                T, H, K, V, NC, NG, CPG, L, VARLEN=seq["VARLEN"], **kw, **_pick_flags(f, "EVEN_V"))
         e_end = torch.empty_like(gA)
-        _launch(mod, "diagonal_bwd_propagate_kernel", (NV, B * H), dht if dht is not None else gA, gA, gE, e_end, H, K, V, NG,
-                                       HAS_DHT=dht is not None, **kw)
+        _launch(mod, "diagonal_bwd_propagate_kernel", (NV, NH), dht if dht is not None else gA, gA, gE, e_end, seq["gi"],
+                H, K, V, NG, HAS_DHT=dht is not None, VARLEN=seq["VARLEN"], **kw)
     else:
-        e_end = dht if dht is not None else torch.zeros(NH, 1, K, V, dtype=torch.float32, device=dev)
+        e_end = dht if dht is not None else torch.zeros(NS, 1, K, V, dtype=torch.float32, device=dev)
     NTOK = B * T * H
     raw = {}
     scratch = torch.empty(1, dtype=torch.float32, device=dev)
     gargs = []
     for lf in plan.leaves.values():
         n = {frozenset({"d", "m"}): V * K, frozenset({"d"}): V, frozenset({"m"}): K, frozenset(): 1}[lf.dims]
-        if lf.kind == "param":       # small: always written (zero where unused)
-            raw[lf.name] = _alloc((NG, 1 if "d" in lf.dims else NV, NH // H, H, n), torch.float32, dev)
+        if lf.kind == "param":       # small: always written (zero where unused; a packed row's groups past its last write nothing)
+            pshape = (NG, 1 if "d" in lf.dims else NV, NH // H, H, n)
+            raw[lf.name] = (_alloc(pshape, torch.float32, dev) if packed is None
+                            else torch.zeros(pshape, dtype=torch.float32, device=dev))
         elif lf.name in mod.GRAD_LEAVES:
             # value-indexed: written once, in the leaf's own dtype; key-indexed: fp32 partial sums per
             # value block (summed below; those leaves are fp32, see diagonal_scan). A gradient nobody
@@ -276,10 +293,13 @@ def _backward(plan, leaves, dy, dht, ckpt, need_dh0, shape, cfg: Config, mod, ne
                 gargs.append(torch.empty(gshape, dtype=dtype, device=dev))
                 continue
         gargs.append(raw.get(lf.name, scratch))
-    dh0 = _alloc((NH, K, V), torch.float32, dev) if need_dh0 else scratch
+    if not need_dh0:
+        dh0 = scratch
+    else:       # an empty sequence of a packed row has no group: its dh0 is its dht
+        dh0 = _states(dht, NS, K, V, dev) if packed is not None else _alloc((NS, K, V), torch.float32, dev)
     scratch = torch.empty(NV * NH * NG * cfg.NSUB * kw["BK"] * cfg.BV, dtype=torch.float32, device=dev)
     _launch(mod, "diagonal_bwd_main_kernel", (NV, NH, NG), *largs, *gargs, dy, ckpt, e_end, dh0, scratch, seq["cu"],
-            seq["co"], T, H, K, V, NC, NG, CPG, L, NTOK, NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED,
+            seq["co"], seq["gi"], T, H, K, V, NC, NG, CPG, L, NTOK, NSUB=cfg.NSUB, NEED_DH0=need_dh0, DOTRED=cfg.DOTRED,
             VARLEN=seq["VARLEN"], **kw, **_pick_flags(f, "HSUM", "LOG_BK", "LOG_BV", "EVEN_V", "EVEN_T"))
     out = {}
     for lf in plan.leaves.values():
@@ -425,13 +445,13 @@ class _DiagonalScan(torch.autograd.Function):
         B, T, H, K, V = shape
         mod = _module(plan, next_pow2(K), K)
         save = bool(any(ctx.needs_input_grad))
-        if packed is not None and config is None:       # one group: the rule's blocks, no timing
-            config = replace(_rule_config(K, V, B, H, T), NG=1, PREFETCH=False)
+        if packed is not None and config is None:       # the rule's blocks and groups, no timing
+            config = replace(_rule_config(K, V, B, H, T), PREFETCH=False)
         cfg = config or _fwd_config(plan, leaves, h0, shape, out_dtype, want_final, save, mod)
         y, ht, ckpt = _forward(plan, leaves, h0, shape, out_dtype, want_final, save, cfg, mod, packed)
         ctx.plan, ctx.names, ctx.shape, ctx.config, ctx.has_h0 = plan, names, shape, config, h0 is not None
         ctx.packed = packed
-        N = B if packed is None else packed(1).N
+        N = B if packed is None else packed.N
         if save:
             ctx.save_for_backward(ckpt, *tensors)
         if ht is not None:
@@ -509,8 +529,8 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
       per-head scalars, in fp32 or bf16; and params of their declared shape or ``[H, *shape]``
       (a ``[d, m]`` param is ``[V, K]``). Params left out take their constant init.
     initial_state: ``[B, H, K, V]`` (fp32 preferred) or None.
-    packed: a packed row of N sequences (B = 1; ``ssmcraft.ops.common.varlen``): ``packed(L)`` gives
-      its ``Chunks`` at chunk length L; each sequence runs from its own state, which is then
+    packed: a packed row of N sequences (B = 1; ``ssmcraft.ops.common.varlen``): ``packed.N`` is N,
+      ``packed(L)`` gives its ``Chunks`` at chunk length L; each sequence runs from its own state, which is then
       ``[N, H, K, V]`` in and out.
     Returns ``(o [B, T, H, V]`` in the first input's dtype, ``final_state [B, H, K, V]`` fp32 or None).
     Differentiable in every tensor and the initial state (gradient on the final state too).
@@ -550,7 +570,7 @@ def diagonal_scan(objective, tensors: dict, initial_state=None, output_final_sta
             t = t.float()
         leaves[lf.name] = t.contiguous()
     if T == 0:
-        N = B if packed is None else packed(1).N
+        N = B if packed is None else packed.N
         y = x0.new_zeros(B, 0, H, V, dtype=out_dtype)
         S = initial_state.float() if initial_state is not None else x0.new_zeros(N, H, K, V, dtype=torch.float32)
         return y, (S if output_final_state else None)
@@ -602,16 +622,20 @@ def prepare(obj, lay):
 
 
 def packing(name: str, cu_seqlens, inputs: dict, initial_state):
-    """A packed call's ``packed(L) -> Chunks`` for ``diagonal_scan`` (its offsets checked and read
-    once; the chunks built once per chunk length)."""
-    from ssmcraft.ops.common.varlen import chunks, offsets
-    cu = offsets(name, cu_seqlens, inputs, initial_state)
+    """A packed call's ``packed(L) -> Chunks`` for ``diagonal_scan`` (its offsets checked by
+    ``varlen.check``, the chunks built on the inputs' device once per chunk length, no offset read);
+    ``packed.N``: the sequences."""
+    from ssmcraft.ops.common.rows import device_chunks
+    from ssmcraft.ops.common.varlen import check
+    N = check(name, cu_seqlens, inputs, initial_state)
+    x = next(iter(inputs.values()))
     made = {}
 
     def packed(L: int):
         if L not in made:
-            made[L] = chunks(cu, cu_seqlens.to(next(iter(inputs.values())).device), L)
+            made[L] = device_chunks(cu_seqlens, x.shape[1], L, x.device)
         return made[L]
+    packed.N = N
     return packed
 
 

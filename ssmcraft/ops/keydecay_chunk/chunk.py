@@ -1,5 +1,4 @@
-"""Chunked recurrences with a decay over the key dimension (GLA, RetNet, HGRN): Triton kernels
-on tensor cores.
+"""Chunked recurrences with a decay over the key dimension (GLA, RetNet, HGRN): Triton kernels on tensor cores.
 
 The family (``scalar_decay`` / ``diagonal_decay`` IR whose decay varies over ``m`` at most)::
 
@@ -62,9 +61,8 @@ gradient at each chunk's end, and dh0), ``keydecay_chunk_apply_kernel`` again (d
 ``keydecay_chunk_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
 ``keydecay_chunk_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
 [BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``keydecay_chunk_bwd_dg_kernel`` (per
-(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg).
-Saved for the backward: the inputs, g, ``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``;
-no ``[B, T, d, m]`` tensor is formed.
+(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg). Saved for the backward: the inputs, g,
+``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``; no ``[B, T, d, m]`` tensor is formed.
 
 Shapes (kernel level, FLA layout): q, k, g [B, T, H, K]; v [B, T, H, V]; initial / final state
 [B, H, K, V] fp32; output [B, T, H, V] in v's dtype. I/O fp32, bf16 or fp16; state, cumulative
@@ -79,8 +77,7 @@ import triton.language as tl
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
-from ssmcraft.ops.common.varlen import packed_chunks
-from ssmcraft.ops.common.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
+from ssmcraft.ops.common.rows import packed_args, packed_chunks, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
@@ -225,6 +222,8 @@ def keydecay_chunk_intra_a_kernel(q, k, gc, A, cu, ci, T, NT, H: tl.constexpr, K
     i_h = i_bh % H
     I = i_c % NC
     bos, T, i_t, _ = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
     t0 = i_t * BT
     DT = A.dtype.element_ty
     o_c = tl.arange(0, BC)
@@ -271,6 +270,8 @@ def keydecay_chunk_apply_kernel(key, x, gc, st, A, out, cu, ci, T, NT,
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
     DT = x.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
@@ -348,6 +349,8 @@ def keydecay_chunk_bwd_inter_kernel(q, k, v, gc, hs, dhs, do, dA, dqi, dki, dbl,
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
     DT = do.dtype.element_ty
     o_i = tl.arange(0, BT)
     t0 = i_t * BT
@@ -401,6 +404,8 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, i_c // NC, i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
     I = i_c % NC
     DT = q.dtype.element_ty
     t0 = i_t * BT
@@ -476,6 +481,8 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
     o_i = tl.arange(0, BT)
     m_t = (i_t * BT + o_i) < T
     row = row_ids(bos, i_h, i_t * BT + o_i, T, H)

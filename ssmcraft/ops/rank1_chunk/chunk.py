@@ -52,9 +52,8 @@ import torch
 
 from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, rank1_chunk_reason
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.common.readout import finish_laid_out
-from ssmcraft.ops.common.rows import packed_args, sequences
+from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
                                           rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,

@@ -98,6 +98,8 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g, cu, ci
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, 0, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
     DT = W.dtype.element_ty
     o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
     o_k = tl.arange(0, BK)
@@ -306,6 +308,8 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
     DT = M.dtype.element_ty
     o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
     BTT: tl.constexpr = BT // R

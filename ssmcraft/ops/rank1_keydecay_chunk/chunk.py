@@ -80,8 +80,7 @@ from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _sp
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.common.readout import finish_laid_out
-from ssmcraft.ops.common.varlen import packed_chunks
-from ssmcraft.ops.common.rows import packed_args, sequences
+from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
 from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_bwd_wy_kernel,

@@ -237,6 +237,8 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     i_b = i_bh // H
     i_h = i_bh % H
     bos, T, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_b, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
     DT = W.dtype.element_ty
     o_i, m_t, row = seq_rows(bos, i_h, i_t, T, H, BT)
     o_k = tl.arange(0, BK)
@@ -356,7 +358,8 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
                   BK: tl.constexpr, VARLEN: tl.constexpr):
     """A chunk's program in the gradient kernels' grid (chunk, batch * head): (i_t, bos, T, i_h,
     o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base) with ``bos`` and T its sequence's first row and
-    length (``rows.seq_chunk``), ``base`` the offset of its chunk state."""
+    length (``rows.seq_chunk``), ``base`` the offset of its chunk state. ``i_t < 0``: a chunk past the
+    packed row's last (``rows.device_chunks``), where the caller returns."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -386,6 +389,8 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     tiles are live in each."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
                                                                                      BK, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
     DT = M.dtype.element_ty
     lower = o_i[:, None] > o_i[None, :]
     b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
@@ -464,6 +469,8 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
                                                                                      BK, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
     DT = psi.dtype.element_ty
     incl = o_i[:, None] >= o_i[None, :]
     b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)

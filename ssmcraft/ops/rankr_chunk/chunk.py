@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.readout import finish_laid_out
+from ssmcraft.ops.common.rows import packed_chunks
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype
-from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.rank1_chunk.chunk import C_GIVEN, C_IS_PS, Rank1ChunkFunction, _per_head, as_operand
 
 CHUNK = 64                          # chunk size (term rows) used by the family

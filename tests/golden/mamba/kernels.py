@@ -52,8 +52,8 @@ GRAD_LEAVES = ['x', 'k', 'q', 'delta', 'A']  # leaves whose gradient diagonal_bw
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out, T, H, K, V, NC, NG, CPG, L,
-                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):
+def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out, cu, co, gi, T, H, K, V, NC, NG, CPG, L,
+                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr, VARLEN: tl.constexpr):
     """Per group g < NG-1: A_g = prod_t a_t and S_g = the group's end state from a zero start."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -68,10 +68,23 @@ def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out,
     mkv = mk & mv
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
+    cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    i_gs = i_g
+    i_sh = i_bh
+    if VARLEN:
+        n = tl.load(gi + 2 * i_g)
+        i_gs = tl.load(gi + 2 * i_g + 1)
+        bos = tl.load(cu + n).to(tl.int64)
+        T = tl.load(cu + n + 1) - tl.load(cu + n)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + n)
+        NC = tl.cdiv(T, L)
+        i_sh = n * H + i_h
+    if i_gs < 0:      # a group past the packed row's last
+        return
     L_A = tl.load(p_A + i_h * hs_A + (ov * K + ok), mask=mv, other=0.0).to(tl.float32)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     A = tl.full([BK, BV], 1.0, dtype=tl.float32)
-    t0 = i_g * CPG * L
+    t0 = i_gs * CPG * L
     t1 = tl.minimum(t0 + CPG * L, T)
     for t in range(t0, t1):
         tok = (bos + t) * H + i_h
@@ -89,9 +102,10 @@ def diagonal_fwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, A_out, S_out,
 
 
 @triton.jit(do_not_specialize=["NG"])
-def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
-                  HAS_H0: tl.constexpr):
-    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0)."""
+def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, gi, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
+                  HAS_H0: tl.constexpr, VARLEN: tl.constexpr):
+    """Sequential over groups: h_start[g] = state before group g (h_start[0] = h0). VARLEN: the
+    groups of every sequence of a packed row (``gi``), each sequence's first from its own h0."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     ok = tl.arange(0, BK)[:, None]
@@ -102,6 +116,12 @@ def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.c
     if HAS_H0:
         S = tl.load(h0 + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)
     for g in range(0, NG):
+        if VARLEN:
+            n = tl.load(gi + 2 * g)
+            S0 = tl.zeros([BK, BV], dtype=tl.float32)
+            if HAS_H0:
+                S0 = tl.load(h0 + (n * H + i_bh).to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)
+            S = tl.where(tl.load(gi + 2 * g + 1) == 0, S0, S)      # a sequence's first group
         off = (i_bh * NG + g).to(tl.int64) * K * V + st
         tl.store(h_start + off, S, mask=mkv)
         if g < NG - 1:
@@ -109,7 +129,7 @@ def diagonal_fwd_propagate_kernel(h0, A_in, S_in, h_start, H, K, V, NG, BK: tl.c
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt, ht, cu, co, T, H, K, V, NC, NG, CPG, L,
+def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt, ht, cu, co, gi, T, H, K, V, NC, NG, CPG, L,
              BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr, STORE_FINAL: tl.constexpr,
              EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, PREFETCH: tl.constexpr, VARLEN: tl.constexpr):
     """Per group: from its start state, every step's state and output; chunk-start states
@@ -130,14 +150,21 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
     cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    i_gs = i_g
+    i_sh = i_bh
     if VARLEN:
-        bos = tl.load(cu + i_b).to(tl.int64)
-        T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)
-        cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)
+        n = tl.load(gi + 2 * i_g)
+        i_gs = tl.load(gi + 2 * i_g + 1)
+        bos = tl.load(cu + n).to(tl.int64)
+        T = tl.load(cu + n + 1) - tl.load(cu + n)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + n)
         NC = tl.cdiv(T, L)
+        i_sh = n * H + i_h
+    if i_gs < 0:      # a group past the packed row's last
+        return
     L_A = tl.load(p_A + i_h * hs_A + (ov * K + ok), mask=mv, other=0.0).to(tl.float32)
     S = tl.load(h_start + (i_bh * NG + i_g).to(tl.int64) * K * V + st, mask=mkv, other=0.0)
-    c0 = i_g * CPG
+    c0 = i_gs * CPG
     c1 = tl.minimum(c0 + CPG, NC)
     if PREFETCH:   # 4-deep register prefetch: set j holds step tb + j, refilled with tb + j + 4
         t_last = T - 1
@@ -243,12 +270,12 @@ def diagonal_fwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, h_start, y, ckpt
                 o = tl.sum(S * N_oq, axis=0, keep_dims=True)
                 tl.store(y + tok * V + ov, o, mask=mv)
     if STORE_FINAL:
-        tl.store(ht + i_bh.to(tl.int64) * K * V + st, S, mask=mkv & (i_g == NG - 1))
+        tl.store(ht + i_sh.to(tl.int64) * K * V + st, S, mask=mkv & (c1 >= NC))   # the sequence's last group
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG"])
-def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_out, T, H, K, V, NC, NG, CPG, L,
-                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr):
+def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_out, cu, co, gi, T, H, K, V, NC, NG, CPG, L,
+                BK: tl.constexpr, BV: tl.constexpr, EVEN_V: tl.constexpr, VARLEN: tl.constexpr):
     """Per group g >= 1: A_g = prod_t a_t and E_g = a_s . dS_s at its first step s from a zero
     adjoint carried in at its end."""
     i_v = tl.program_id(0)
@@ -264,10 +291,23 @@ def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_
     mkv = mk & mv
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
+    cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    i_gs = i_g
+    i_sh = i_bh
+    if VARLEN:
+        n = tl.load(gi + 2 * i_g)
+        i_gs = tl.load(gi + 2 * i_g + 1)
+        bos = tl.load(cu + n).to(tl.int64)
+        T = tl.load(cu + n + 1) - tl.load(cu + n)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + n)
+        NC = tl.cdiv(T, L)
+        i_sh = n * H + i_h
+    if i_gs < 0:      # a group past the packed row's last
+        return
     L_A = tl.load(p_A + i_h * hs_A + (ov * K + ok), mask=mv, other=0.0).to(tl.float32)
     E = tl.zeros([BK, BV], dtype=tl.float32)
     A = tl.full([BK, BV], 1.0, dtype=tl.float32)
-    t0 = i_g * CPG * L
+    t0 = i_gs * CPG * L
     t1 = tl.minimum(t0 + CPG * L, T)
     for tt in range(0, t1 - t0):
         t = t1 - 1 - tt
@@ -287,9 +327,10 @@ def diagonal_bwd_summary_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, dy, A_out, E_
 
 
 @triton.jit(do_not_specialize=["NG"])
-def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
-                  HAS_DHT: tl.constexpr):
-    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end."""
+def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, gi, H, K, V, NG, BK: tl.constexpr, BV: tl.constexpr,
+                  HAS_DHT: tl.constexpr, VARLEN: tl.constexpr):
+    """Sequential over groups in reverse: e_end[g] = adjoint carried into group g at its end. VARLEN:
+    the groups of every sequence of a packed row (``gi``), each sequence's last from its own dht."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     ok = tl.arange(0, BK)[:, None]
@@ -301,6 +342,13 @@ def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.co
         E = tl.load(dht + i_bh.to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)
     for gg in range(0, NG):
         g = NG - 1 - gg
+        if VARLEN:
+            n = tl.load(gi + 2 * g)
+            E0 = tl.zeros([BK, BV], dtype=tl.float32)
+            if HAS_DHT:
+                E0 = tl.load(dht + (n * H + i_bh).to(tl.int64) * K * V + st, mask=mkv, other=0.0).to(tl.float32)
+            after = tl.load(gi + 2 * tl.minimum(g + 1, NG - 1) + 1)     # the next group's index in its sequence
+            E = tl.where((g == NG - 1) | (after <= 0), E0, E)           # a sequence's last group
         off = (i_bh * NG + g).to(tl.int64) * K * V + st
         tl.store(e_end + off, E, mask=mkv)
         if g > 0:
@@ -308,7 +356,7 @@ def diagonal_bwd_propagate_kernel(dht, A_in, E_in, e_end, H, K, V, NG, BK: tl.co
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NG", "CPG", "NTOK"])
-def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g_delta, g_A, dy, ckpt, e_end, dh0, scratch, cu, co, T, H, K, V, NC, NG, CPG, L,
+def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g_delta, g_A, dy, ckpt, e_end, dh0, scratch, cu, co, gi, T, H, K, V, NC, NG, CPG, L,
              NTOK, BK: tl.constexpr, BV: tl.constexpr, NSUB: tl.constexpr, NEED_DH0: tl.constexpr,
              DOTRED: tl.constexpr, HSUM: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr,
              EVEN_V: tl.constexpr, EVEN_T: tl.constexpr, VARLEN: tl.constexpr):
@@ -329,11 +377,18 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g
     nvv = tl.minimum(V - i_v * BV, BV).to(tl.float32)
     st = ok * V + ov                            # offsets inside one [K, V] state
     cb = i_bh.to(tl.int64) * NC                 # the sequence's first checkpoint
+    i_gs = i_g
+    i_sh = i_bh
     if VARLEN:
-        bos = tl.load(cu + i_b).to(tl.int64)
-        T = tl.load(cu + i_b + 1) - tl.load(cu + i_b)
-        cb = i_h.to(tl.int64) * NC + tl.load(co + i_b)
+        n = tl.load(gi + 2 * i_g)
+        i_gs = tl.load(gi + 2 * i_g + 1)
+        bos = tl.load(cu + n).to(tl.int64)
+        T = tl.load(cu + n + 1) - tl.load(cu + n)
+        cb = i_h.to(tl.int64) * NC + tl.load(co + n)
         NC = tl.cdiv(T, L)
+        i_sh = n * H + i_h
+    if i_gs < 0:      # a group past the packed row's last
+        return
     L_A = tl.load(p_A + i_h * hs_A + (ov * K + ok), mask=mv, other=0.0).to(tl.float32)
     zero11 = tl.zeros([1, 1], dtype=tl.int64)
     if HSUM:   # the key whose value-axis sum lane j of _hsum holds, and the lanes that store it
@@ -345,7 +400,7 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g
     pid = (i_g * tl.num_programs(1) + i_bh) * tl.num_programs(0) + i_v
     scr = scratch + pid.to(tl.int64) * (NSUB * BK * BV)
     sc = tl.arange(0, BK)[:, None] * BV + tl.arange(0, BV)[None, :]
-    c0 = i_g * CPG
+    c0 = i_gs * CPG
     c1 = tl.minimum(c0 + CPG, NC)
     for cc in range(0, c1 - c0):
         c = c1 - 1 - cc
@@ -586,6 +641,6 @@ def diagonal_bwd_main_kernel(p_x, p_k, p_q, p_delta, p_A, hs_A, g_x, g_k, g_q, g
                 tl.store(g_q + i_v.to(tl.int64) * NTOK * K + tok0 * K + ok, gl_q_0, mask=v0)
             tl.store(g_delta + tok0 * V + ov, gl_delta_0, mask=mv & v0)
     if NEED_DH0:
-        tl.store(dh0 + i_bh.to(tl.int64) * K * V + st, E, mask=mkv & (i_g == 0))
+        tl.store(dh0 + i_sh.to(tl.int64) * K * V + st, E, mask=mkv & (i_gs == 0))
     off_A = ((i_g * 1 + 0) * (tl.num_programs(1)) + i_bh).to(tl.int64) * V * K
     tl.store(g_A + off_A + (ov * K + ok), acc_A, mask=mv)
