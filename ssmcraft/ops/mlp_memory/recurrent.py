@@ -167,6 +167,28 @@ class MLPMemoryFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+def checked_args(name, x, act, data, decay, weight_decay, k2, x2, minibatch):
+    """``mlp_memory``'s arguments checked (ValueError, named by ``name``): (the decay c the kernels read,
+    whether it is weight decay's, taken at a mini-batch's anchors)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{name}: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
+    if x.dtype not in IO_DTYPES:
+        raise ValueError(f"{name}: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
+    if decay is not None and weight_decay is not None:
+        raise ValueError(f"{name}: give decay or weight_decay, not both")
+    if (k2 is None) != (x2 is None):
+        raise ValueError(f"{name}: give both k2 and x2, or neither")
+    if data not in DATA:
+        raise ValueError(f"{name}: data must be one of {', '.join(DATA)}, got {data!r}")
+    if not isinstance(minibatch, int) or minibatch < 0:
+        raise ValueError(f"{name}: minibatch must be an int >= 0, got {minibatch!r}")
+    if weight_decay is not None:
+        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
+        # autograd carries lam's gradient through
+        decay = DECAYS["weight_decay"](weight_decay.float())
+    return decay, bool(minibatch) and weight_decay is not None
+
+
 def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=None, x2=None, act: str = "silu",
                data: str = "regression", minibatch: int = 0, initial_state=None, output_final_state: bool = False,
                chunk_size: int | None = None, cu_seqlens=None):
@@ -198,23 +220,7 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
     Returns:
         y [B, T, H, d] in x's dtype, (W1_T, W2_T) or None.
     """
-    if act not in ACTIVATIONS:
-        raise ValueError(f"mlp_memory: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
-    if x.dtype not in IO_DTYPES:
-        raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
-    if decay is not None and weight_decay is not None:
-        raise ValueError("mlp_memory: give decay or weight_decay, not both")
-    if (k2 is None) != (x2 is None):
-        raise ValueError("mlp_memory: give both k2 and x2, or neither")
-    if data not in DATA:
-        raise ValueError(f"mlp_memory: data must be one of {', '.join(DATA)}, got {data!r}")
-    if not isinstance(minibatch, int) or minibatch < 0:
-        raise ValueError(f"mlp_memory: minibatch must be an int >= 0, got {minibatch!r}")
-    at_anchor = bool(minibatch) and weight_decay is not None
-    if weight_decay is not None:
-        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
-        # autograd carries lam's gradient through
-        decay = DECAYS["weight_decay"](weight_decay.float())
+    decay, at_anchor = checked_args("mlp_memory", x, act, data, decay, weight_decay, k2, x2, minibatch)
     W1, W2 = initial_state
     chunk = chunk_size or CHUNK
     if minibatch:
@@ -340,9 +346,10 @@ def supports(ir) -> str | None:
     return match_reason(ir, match)
 
 
-def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
+def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None, call=None):
     """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``),
-    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none."""
+    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none;
+    ``call``: ``mlp_memory`` (None) or a function of its signature (the mini-batch chunk form's)."""
     x = get(names["x"])
     B, T, H, D = x.shape
     M = get(names["k"]).shape[-1]
@@ -351,7 +358,7 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     st = dict(zip(names["order"], S0))
     opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
     dec = {} if names["decay"] is None else {names["decay_kind"]: get(names["decay"])}
-    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
+    y, fin = (call or mlp_memory)(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
                         x2=opt("x2"), act=names["act"], data=names["data"], minibatch=names["minibatch"],
                         initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens)
@@ -361,8 +368,9 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     return y, tuple(out[s] for s in names["order"])
 
 
-def _names(ir) -> dict:
-    return dict(match(ir), order=ir.states,
+def _names(ir, found: dict | None = None) -> dict:
+    """The roles (``found``, else ``match(ir)``), the states' order and their declared initial values."""
+    return dict(match(ir) if found is None else found, order=ir.states,
                 initial=lambda B, H, D, M, dev: initial_states(ir, B, H, D, M, device=dev, dtype=torch.float32))
 
 
