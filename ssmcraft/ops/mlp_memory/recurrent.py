@@ -368,22 +368,22 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None, cal
     return y, tuple(out[s] for s in names["order"])
 
 
-def _names(ir, found: dict | None = None) -> dict:
-    """The roles (``found``, else ``match(ir)``), the states' order and their declared initial values."""
-    return dict(match(ir) if found is None else found, order=ir.states,
+def _names(ir, found: dict) -> dict:
+    """The roles ``found`` (a ``match``), the states' order and their declared initial values."""
+    return dict(found, order=ir.states,
                 initial=lambda B, H, D, M, dev: initial_states(ir, B, H, D, M, device=dev, dtype=torch.float32))
 
 
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    y, S = _run(_names(obj.ir), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
+    y, S = _run(_names(obj.ir, match(obj.ir)), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
     return y.to(lay.dtype), S
 
 
 def prepare(obj, lay):
     """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
     call (``cu_seqlens=``) runs one program per sequence and head."""
-    names = _names(obj.ir)
+    names = _names(obj.ir, match(obj.ir))
     io = io_dtype(lay.out_dtype)
     out_dtype = lay.out_dtype
 

@@ -38,7 +38,8 @@ from ssmcraft.ops.common.rows import packed_args, sequences
 from ssmcraft.ops.common.tuning import buffer, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.family import match_reason
-from ssmcraft.ops.mlp_memory import recurrent
+from ssmcraft.ops.mlp_memory.recurrent import ACTIVATIONS, DATA, _names, _run, checked_args
+from ssmcraft.ops.mlp_memory.recurrent import match as sequential_match
 from ssmcraft.ops.mlp_minibatch_chunk.kernels import mlp_chunk_bwd_kernel, mlp_chunk_fwd_kernel
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
@@ -123,7 +124,7 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
     """``ssmcraft.ops.mlp_memory.recurrent.mlp_memory`` with ``minibatch`` C in [MIN_C, MAX_C] (same
     arguments, shapes and result; no ``chunk_size``: the chunk is the mini-batch), in the module
     docstring's chunk-parallel form. A decay must be > 0."""
-    decay, at_anchor = recurrent.checked_args("mlp_minibatch_chunk", x, act, data, decay, weight_decay, k2, x2,
+    decay, at_anchor = checked_args("mlp_minibatch_chunk", x, act, data, decay, weight_decay, k2, x2,
                                               minibatch)
     if not MIN_C <= minibatch <= MAX_C:
         raise ValueError(f"mlp_minibatch_chunk: minibatch must be in [{MIN_C}, {MAX_C}], got {minibatch}")
@@ -138,7 +139,7 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
     key = (lambda t: t if t is None else t.to(x.dtype).contiguous())     # noqa: E731
     y, w1t, w2t = MLPChunkFunction.apply(x.contiguous(), key(k), key(q), head(eta), head(w), head(decay), key(k2),
                                          key(x2), W1.float().contiguous(), W2.float().contiguous(),
-                                         recurrent.ACTIVATIONS[act], recurrent.DATA[data], minibatch, at_anchor,
+                                         ACTIVATIONS[act], DATA[data], minibatch, at_anchor,
                                          output_final_state, packed)
     return y, ((w1t, w2t) if output_final_state else None)
 
@@ -148,9 +149,9 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
 # ----------------------------------------------------------------------------------------
 
 def match(ir) -> dict:
-    """The sequential family's roles (``recurrent.match``) of an IR with a mini-batch this family runs;
+    """The sequential family's roles (``ssmcraft.ops.mlp_memory.recurrent.match``) of an IR with a mini-batch this family runs;
     ValueError says why it does not."""
-    found = recurrent.match(ir)
+    found = sequential_match(ir)
     C = found["minibatch"]
     if not C:
         raise ValueError("no mini-batch (approximation: {minibatch: C}): the sequential family runs it")
@@ -170,8 +171,8 @@ def supports(ir) -> str | None:
 
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    names = recurrent._names(obj.ir, match(obj.ir))
-    y, S = recurrent._run(names, laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype),
+    names = _names(obj.ir, match(obj.ir))
+    y, S = _run(names, laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype),
                           call=mlp_minibatch_chunk)
     return y.to(lay.dtype), S
 
@@ -179,12 +180,12 @@ def forward(obj, lay, co, output_final_state):
 def prepare(obj, lay):
     """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
     call (``cu_seqlens=``) runs one program per sequence and head."""
-    names = recurrent._names(obj.ir, match(obj.ir))
+    names = _names(obj.ir, match(obj.ir))
     io = io_dtype(lay.out_dtype)
     out_dtype = lay.out_dtype
 
     def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        y, S = recurrent._run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens,
+        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens,
                               call=mlp_minibatch_chunk)
         return y.to(out_dtype), S
     return run

@@ -18,11 +18,11 @@ from ssmcraft.ops.common.rows import seq_state
 from ssmcraft.ops.common.tuning import tune
 from ssmcraft.ops.mlp_memory.kernels import _act, _program, _psi, _psi_adjoint, _put, _weights
 
-_KEY = ["H", "D", "M", "HID", "C", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "AT_ANCHOR", "TWO"]
-_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8)]
+_CHUNK_KEY = ["H", "D", "M", "HID", "C", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "AT_ANCHOR", "TWO"]
+_CHUNK_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8)]
 
 
-def _warp_rule(configs, nargs=None, **kw):
+def _chunk_warp_rule(configs, nargs=None, **kw):
     """8 warps split the N dimension of each product over two warpgroups: kept only where every block
     is >= 32 (Triton 3.6 on Hopper miscompiles products whose N is 16 with 8 warps; BENCHMARKS.md,
     "Key-decay chunked")."""
@@ -107,7 +107,7 @@ def _chunk_rows(bos, i_h, i_c, T, H, C: tl.constexpr, BC: tl.constexpr):
     return o_c, (bos + t).to(tl.int64) * H + i_h, ok
 
 
-@tune(_WARPS, key=_KEY + ["STORE", "STORE_T"], prune=_warp_rule)
+@tune(_CHUNK_WARPS, key=_CHUNK_KEY + ["STORE", "STORE_T"], prune=_chunk_warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_chunk_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, ck1, ck2, cu, co, T, NT,
                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, C: tl.constexpr,
@@ -201,7 +201,7 @@ def _key_adjoint(b_g1, b_g2, b_h1, b_h2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dL
     return b_h1, b_h2, b_dk, b_dx, b_dw, b_deta, b_ddl
 
 
-@tune(_WARPS, key=_KEY + ["HAS_DHT", "STORE_DH0"], prune=_warp_rule)
+@tune(_CHUNK_WARPS, key=_CHUNK_KEY + ["HAS_DHT", "STORE_DH0"], prune=_chunk_warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, drw, ddec, dk2,
                          dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
