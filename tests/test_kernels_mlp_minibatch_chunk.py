@@ -113,3 +113,18 @@ def test_bad_mini_batch_is_refused_by_name():
         CH.mlp_minibatch_chunk(x, k, k, minibatch=8, initial_state=S0)
     with pytest.raises(ValueError, match="mlp_minibatch_chunk: give decay or weight_decay, not both"):
         CH.mlp_minibatch_chunk(x, k, k, decay=x[..., 0], weight_decay=x[..., 0], minibatch=16, initial_state=S0)
+
+
+def test_config_rule():
+    """The GPU's configs: the chunk's block is the mini-batch's power of two; 8 warps with fp32 I/O only
+    where no product has an N of 16 (a chunk of 16 then runs in a block of 32)."""
+    from ssmcraft.ops.mlp_minibatch_chunk.kernels import _CHUNK_CONFIGS, _chunk_rule
+
+    def kept(C, prec, BD=64):
+        return [(c.kwargs["BC"], c.num_warps) for c in _chunk_rule(_CHUNK_CONFIGS, None, C=C, PREC=prec, BD=BD,
+                                                                     BM=64, BH=128)]
+    assert kept(16, "tf32") == [(16, 4), (16, 8)]
+    assert kept(16, "tf32x3") == [(16, 4), (32, 8)]
+    assert kept(16, "tf32x3", BD=16) == [(16, 4)]
+    assert kept(20, "tf32") == [(32, 4), (32, 8)]
+    assert kept(64, "tf32x3") == [(64, 4), (64, 8)]

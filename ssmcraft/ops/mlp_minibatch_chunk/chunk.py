@@ -35,7 +35,7 @@ import torch
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.leaves import call_inputs, laid_out_inputs
 from ssmcraft.ops.common.rows import packed_args, sequences
-from ssmcraft.ops.common.tuning import buffer, dot_precision, io_dtype, pow2
+from ssmcraft.ops.common.tuning import INTERPRET, buffer, dot_precision, io_dtype, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.family import match_reason
 from ssmcraft.ops.mlp_memory.recurrent import ACTIVATIONS, DATA, _names, _run, checked_args
@@ -113,7 +113,8 @@ class MLPChunkFunction(torch.autograd.Function):
 def _consts(ctx, H, D, M, HID, C, act, psi, eta, rw, dec, at_anchor, two, dtype) -> dict:
     """Both kernels' sizes, blocks and modes (kept on ``ctx`` for the backward)."""
     ctx.act, ctx.psi, ctx.at_anchor = act, psi, at_anchor
-    return dict(H=H, D=D, M=M, HID=HID, C=C, BC=pow2(C), BD=pow2(D), BM=pow2(M), BH=pow2(HID), ACT=act, PSI=psi,
+    # the chunk's block: autotuned on a GPU (``kernels._chunk_rule``), the mini-batch's power of two here
+    return dict(H=H, D=D, M=M, HID=HID, C=C, **({"BC": pow2(C)} if INTERPRET else {}), BD=pow2(D), BM=pow2(M), BH=pow2(HID), ACT=act, PSI=psi,
                 HAS_ETA=eta is not None, HAS_RW=rw is not None, HAS_DEC=dec is not None, AT_ANCHOR=at_anchor,
                 TWO=two, PREC=dot_precision(dtype))
 

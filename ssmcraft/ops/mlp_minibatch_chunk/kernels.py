@@ -15,19 +15,33 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_state
-from ssmcraft.ops.common.tuning import tune
+from ssmcraft.ops.common.tuning import pow2, tune
 from ssmcraft.ops.mlp_memory.kernels import _act, _program, _psi, _psi_adjoint, _put, _weights
 
 _CHUNK_KEY = ["H", "D", "M", "HID", "C", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "AT_ANCHOR", "TWO"]
-_CHUNK_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8)]
+# (chunk block BC, warps): 8 warps halve each thread's share of the big tiles (the anchors and, in the
+# backward, their adjoints: [h, m]-sized fp32 tiles, 64 registers a thread each at 4 warps, h = 2m = 128)
+_CHUNK_CONFIGS = [triton.Config({"BC": bc}, num_warps=w)
+                  for bc, w in ((16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8))]
 
 
-def _chunk_warp_rule(configs, nargs=None, **kw):
-    """8 warps split the N dimension of each product over two warpgroups: kept only where every block
-    is >= 32 (Triton 3.6 on Hopper miscompiles products whose N is 16 with 8 warps; BENCHMARKS.md,
-    "Key-decay chunked")."""
-    small = min(kw["BC"], kw["BD"], kw["BM"], kw["BH"]) < 32
-    return [c for c in configs if not (small and c.num_warps > 4)]
+def _chunk_rule(configs, nargs=None, **kw):
+    """``early_config_prune``: the block of the chunk's rows is the mini-batch's power of two. 8 warps split
+    the N dimension of each product over two warpgroups; Triton 3.6 on Hopper miscompiles products whose
+    N is 16 at 8 warps with fp32 I/O (three-pass tf32; BENCHMARKS.md, "Key-decay chunked"), so there a
+    chunk of 16 runs in a block of 32 at 8 warps, and 8 warps need blocks of >= 32 over d, m and h."""
+    bc = pow2(kw["C"])
+    fp32 = kw["PREC"] == "tf32x3"
+    out = []
+    for c in configs:
+        b, w = c.kwargs["BC"], c.num_warps
+        if w == 4 and b == bc:
+            out.append(c)
+        elif w == 8 and not fp32 and b == bc:
+            out.append(c)
+        elif w == 8 and fp32 and b == max(bc, 32) and min(kw["BD"], kw["BM"], kw["BH"]) >= 32:
+            out.append(c)
+    return out
 
 
 @triton.jit
@@ -101,13 +115,14 @@ def _inputs(x, k, rw, k2, x2, rows, ok, o_d, m_d, o_m, m_m, D, M, HAS_RW: tl.con
 @triton.jit
 def _chunk_rows(bos, i_h, i_c, T, H, C: tl.constexpr, BC: tl.constexpr):
     """Chunk ``i_c``'s token offsets ``[BC]``, row ids (int64) and which rows are tokens of it."""
+    tl.static_assert(BC >= C, "the chunk's block must hold its C tokens")
     o_c = tl.arange(0, BC)
     t = i_c * C + o_c
     ok = (o_c < C) & (t < T)
     return o_c, (bos + t).to(tl.int64) * H + i_h, ok
 
 
-@tune(_CHUNK_WARPS, key=_CHUNK_KEY + ["STORE", "STORE_T"], prune=_chunk_warp_rule)
+@tune(_CHUNK_CONFIGS, key=_CHUNK_KEY + ["STORE", "STORE_T"], prune=_chunk_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_chunk_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, ck1, ck2, cu, co, T, NT,
                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, C: tl.constexpr,
@@ -156,52 +171,56 @@ def mlp_chunk_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, ck1
 
 
 @triton.jit
-def _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm, b_dq, b_dd, PREC: tl.constexpr):
+def _end_key(b_g1, b_g2, b_k, b_a, b_gz, b_se, b_dL, PREC: tl.constexpr):
+    """One key's share of the end weights' adjoint (G1, G2 those of the weights after the chunk) through
+    their terms -GZ^T diag(dL) K and -A^T diag(dL) SE: (dK, dGZ, dA, dSE: this key's, started; d dL)."""
+    b_kg = tl.dot(b_k, tl.trans(b_g1), input_precision=PREC)
+    b_ag = tl.dot(b_a, b_g2, input_precision=PREC)
+    b_ddl = -tl.sum(b_gz * b_kg, axis=1) - tl.sum(b_se * b_ag, axis=1)
+    return (-b_dL[:, None] * tl.dot(b_gz, b_g1, input_precision=PREC), -b_dL[:, None] * b_kg,
+            -b_dL[:, None] * tl.dot(b_se, tl.trans(b_g2), input_precision=PREC), -b_dL[:, None] * b_ag, b_ddl)
+
+
+@triton.jit
+def _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm, b_dq, b_dd, b_dk, b_dgz, b_da, b_dse,
+                 PREC: tl.constexpr):
     """One key's share of the readout's adjoint (the terms -(Dm . Q K^T) GZ of Zq and -(Dm . Aq A^T) SE
-    of Y, with AA = Aq A^T and its adjoint dMa = -dY SE^T), with dZq known: returns (dQ, dD: dQ and Dm's
-    adjoint with its share added; dK, dGZ, dA, dSE: this key's, started)."""
+    of Y, with AA = Aq A^T and its adjoint dMa = -dY SE^T), with dZq known, added to (dQ, dD: Dm's
+    adjoint; dK, dGZ, dA, dSE: this key's)."""
     b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     b_dmq = -tl.dot(b_dzq, tl.trans(b_gz), input_precision=PREC)
-    b_dgz = -tl.dot(tl.trans(b_dm * b_qk), b_dzq, input_precision=PREC)
+    b_dgz -= tl.dot(tl.trans(b_dm * b_qk), b_dzq, input_precision=PREC)
     b_dq += tl.dot(b_dmq * b_dm, b_k, input_precision=PREC)
-    b_dk = tl.dot(tl.trans(b_dmq * b_dm), b_q, input_precision=PREC)
-    b_dse = -tl.dot(tl.trans(b_dm * b_aa), b_dy, input_precision=PREC)
-    b_da = tl.dot(tl.trans(b_dma * b_dm), b_aq, input_precision=PREC)
+    b_dk += tl.dot(tl.trans(b_dmq * b_dm), b_q, input_precision=PREC)
+    b_dse -= tl.dot(tl.trans(b_dm * b_aa), b_dy, input_precision=PREC)
+    b_da += tl.dot(tl.trans(b_dma * b_dm), b_aq, input_precision=PREC)
     b_dd += b_dmq * b_qk + b_dma * b_aa
     return b_dq, b_dd, b_dk, b_dgz, b_da, b_dse
 
 
 @triton.jit
-def _key_adjoint(b_g1, b_g2, b_h1, b_h2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dL, b_dk, b_dgz, b_da, b_dse, m_h,
-                 ACT: tl.constexpr, PSI: tl.constexpr, PREC: tl.constexpr):
-    """The rest of one key's adjoint: the end weights' terms -GZ^T diag(dL) K and -A^T diag(dL) SE (G1,
-    G2 the adjoints of the weights after the chunk), then ``_terms``' adjoint at the anchors. Adds the
-    anchors' share to ``H1, H2``; returns (H1, H2, dK, dX, dw, d eta, d dL)."""
+def _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dk, b_dgz, b_da, b_dse, m_h, ACT: tl.constexpr,
+                 PSI: tl.constexpr, PREC: tl.constexpr):
+    """The rest of one key's adjoint: ``_terms``' at the anchors, from the adjoints of its GZ, SE and A.
+    Adds the anchors' share to ``G1, G2``; returns (G1, G2, dK, dX, dw, d eta)."""
     b_z, b_a, b_a1, b_a2, b_r, b_s, b_e, b_gz, b_se = _terms(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI, PREC)
-    b_kg = tl.dot(b_k, tl.trans(b_g1), input_precision=PREC)
-    b_ag = tl.dot(b_a, b_g2, input_precision=PREC)
-    b_dgz -= b_dL[:, None] * b_kg
-    b_dk -= b_dL[:, None] * tl.dot(b_gz, b_g1, input_precision=PREC)
-    b_dse -= b_dL[:, None] * b_ag
-    b_da -= b_dL[:, None] * tl.dot(b_se, tl.trans(b_g2), input_precision=PREC)
-    b_ddl = -tl.sum(b_gz * b_kg, axis=1) - tl.sum(b_se * b_ag, axis=1)
     # GZ = eta (E . act'(Z)), SE = eta S, E = S P2
     b_deta = tl.sum(b_dse * b_s, axis=1) + tl.sum(b_dgz * b_e * b_a1, axis=1)
     b_de = b_dgz * b_eta[:, None] * b_a1
     b_dz = b_dgz * b_eta[:, None] * b_e * b_a2
     b_ds = b_eta[:, None] * b_dse + tl.dot(b_de, b_p2, input_precision=PREC)
-    b_h2 += tl.dot(tl.trans(b_de), b_s, input_precision=PREC)
+    b_g2 += tl.dot(tl.trans(b_de), b_s, input_precision=PREC)
     # S = w . psi(R), R = A P2^T - X, A = act(Z), Z = K P1^T
     b_dr, b_dx, b_dw = _psi_adjoint(b_ds, b_r, b_x, b_rw, PSI)
     b_da += tl.dot(b_dr, tl.trans(b_p2), input_precision=PREC)
-    b_h2 += tl.dot(tl.trans(b_a), b_dr, input_precision=PREC)
+    b_g2 += tl.dot(tl.trans(b_a), b_dr, input_precision=PREC)
     b_dz = tl.where(m_h[None, :], b_dz + b_da * b_a1, 0.)
     b_dk += tl.dot(b_dz, b_p1, input_precision=PREC)
-    b_h1 += tl.dot(tl.trans(b_dz), b_k, input_precision=PREC)
-    return b_h1, b_h2, b_dk, b_dx, b_dw, b_deta, b_ddl
+    b_g1 += tl.dot(tl.trans(b_dz), b_k, input_precision=PREC)
+    return b_g1, b_g2, b_dk, b_dx, b_dw, b_deta
 
 
-@tune(_CHUNK_WARPS, key=_CHUNK_KEY + ["HAS_DHT", "STORE_DH0"], prune=_chunk_warp_rule)
+@tune(_CHUNK_CONFIGS, key=_CHUNK_KEY + ["HAS_DHT", "STORE_DH0"], prune=_chunk_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, drw, ddec, dk2,
                          dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
@@ -210,10 +229,12 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
                          HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr, TWO: tl.constexpr,
                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The chunks in reverse, each from its stored anchors (no replay): the chunk's forward again, then
-    its adjoint. G1, G2: the adjoints of the weights after the chunk (the final weights' for the last);
-    the chunk's adjoint of its anchors, H1, H2, becomes the previous chunk's G1, G2, and the first
-    chunk's is the initial weights' gradient. The decay's gradient: through g (``_coefs``: d log c is
-    the reverse cumulative sum of dg, dc = d log c / c); weight decay's, through al = 1 - cumsum(1 - c)."""
+    its adjoint. G1, G2: the adjoints of the weights after the chunk (the final weights' for the last),
+    read first where the end weights aL P - ... reach the chunk's terms (``_end_key``), then turned in
+    place into the adjoints of its anchors, which are the previous chunk's end weights: the first
+    chunk's is the initial weights' gradient (two [h, m]-sized tiles carried, not four). The decay's
+    gradient: through g (``_coefs``: d log c is the reverse cumulative sum of dg, dc = d log c / c);
+    weight decay's, through al = 1 - cumsum(1 - c)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, C, VARLEN)
@@ -227,19 +248,26 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
         b_eta = _per_token(eta, rows, ok, 0., HAS_ETA)
         b_c = _per_token(dec, rows, ok, 1., HAS_DEC)
         b_g, b_al, b_dm, b_aL, b_dL = _coefs(b_c, o_c, BC, HAS_DEC, AT_ANCHOR)
-        # the forward's readout again
+        # the forward's terms again, and the end weights' adjoint through them
         _, b_a, _, _, _, _, _, b_gz, b_se = _terms(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI, PREC)
+        b_dk, b_dgz, b_da, b_dse, b_ddl = _end_key(b_g1, b_g2, b_k, b_a, b_gz, b_se, b_dL, PREC)
+        if TWO:
+            _, b_a_2, _, _, _, _, _, b_gz2, b_se2 = _terms(b_p1, b_p2, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI, PREC)
+            b_dk2, b_dgz2, b_da2, b_dse2, b_ddl2 = _end_key(b_g1, b_g2, b_k2, b_a_2, b_gz2, b_se2, b_dL, PREC)
+            b_ddl += b_ddl2
+        b_dal_last = tl.sum(tl.sum(b_g1 * b_p1, axis=1), axis=0) + tl.sum(tl.sum(b_g2 * b_p2, axis=1), axis=0)
+        b_g1 = b_aL * b_g1
+        b_g2 = b_aL * b_g2
+        # the readout: Y = al . Aq P2^T - (Dm . Aq A^T) SE, Zq = al . Q P1^T - (Dm . Q K^T) GZ
         b_qp = tl.dot(b_q, tl.trans(b_p1), input_precision=PREC)
         b_zq = b_al[:, None] * b_qp - tl.dot(b_dm * tl.dot(b_q, tl.trans(b_k), input_precision=PREC), b_gz,
                                              input_precision=PREC)
         if TWO:
-            _, b_a_2, _, _, _, _, _, b_gz2, b_se2 = _terms(b_p1, b_p2, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI, PREC)
             b_zq -= tl.dot(b_dm * tl.dot(b_q, tl.trans(b_k2), input_precision=PREC), b_gz2, input_precision=PREC)
         b_aq, b_aq1, _ = _act(b_zq, ACT)
         b_aq = tl.where(m_h[None, :], b_aq, 0.)
-        # the readout's adjoint: Y = al . Aq P2^T - ..., Zq = al . Q P1^T - ...
         b_dal = tl.sum(b_dy * tl.dot(b_aq, b_p2, input_precision=PREC), axis=1)
-        b_h2 = tl.dot(tl.trans(b_aq), b_al[:, None] * b_dy, input_precision=PREC)
+        b_g2 += tl.dot(tl.trans(b_aq), b_al[:, None] * b_dy, input_precision=PREC)
         b_daq = b_al[:, None] * tl.dot(b_dy, tl.trans(b_p2), input_precision=PREC)
         b_dd = tl.zeros([BC, BC], dtype=tl.float32)
         b_aa = tl.dot(b_aq, tl.trans(b_a), input_precision=PREC)
@@ -250,39 +278,35 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
             b_dma2 = -tl.dot(b_dy, tl.trans(b_se2), input_precision=PREC)
             b_daq += tl.dot(b_dma2 * b_dm, b_a_2, input_precision=PREC)
         b_dzq = tl.where(m_h[None, :], b_daq * b_aq1, 0.)
-        b_h1 = tl.dot(tl.trans(b_al[:, None] * b_dzq), b_q, input_precision=PREC)
+        b_g1 += tl.dot(tl.trans(b_al[:, None] * b_dzq), b_q, input_precision=PREC)
         b_dq = b_al[:, None] * tl.dot(b_dzq, b_p1, input_precision=PREC)
         b_dal += tl.sum(b_dzq * b_qp, axis=1)
         b_dq, b_dd, b_dk, b_dgz, b_da, b_dse = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm,
-                                                            b_dq, b_dd, PREC)
-        b_h1, b_h2, b_dk, b_dx, b_dw, b_deta, b_ddl = _key_adjoint(b_g1, b_g2, b_h1, b_h2, b_p1, b_p2, b_k, b_x, b_rw,
-                                                                   b_eta, b_dL, b_dk, b_dgz, b_da, b_dse, m_h, ACT,
-                                                                   PSI, PREC)
+                                                            b_dq, b_dd, b_dk, b_dgz, b_da, b_dse, PREC)
+        if TWO:
+            b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2 = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k2, b_gz2, b_aa2, b_dma2,
+                                                                    b_dm, b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2,
+                                                                    PREC)
+        tl.store(dq + rows[:, None] * M + o_m[None, :], b_dq.to(dq.dtype.element_ty), mask=ok[:, None] & m_m[None, :])
+        # the gradient terms at the anchors
+        b_g1, b_g2, b_dk, b_dx, b_dw, b_deta = _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dk, b_dgz,
+                                                            b_da, b_dse, m_h, ACT, PSI, PREC)
         tl.store(dk + rows[:, None] * M + o_m[None, :], b_dk.to(dk.dtype.element_ty), mask=ok[:, None] & m_m[None, :])
         tl.store(dx + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=ok[:, None] & m_d[None, :])
         if TWO:
-            b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2 = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k2, b_gz2, b_aa2, b_dma2,
-                                                                    b_dm, b_dq, b_dd, PREC)
-            b_h1, b_h2, b_dk2, b_dx2, b_dw2, b_deta2, b_ddl2 = _key_adjoint(
-                b_g1, b_g2, b_h1, b_h2, b_p1, b_p2, b_k2, b_x2, b_rw, b_eta, b_dL, b_dk2, b_dgz2, b_da2, b_dse2, m_h,
-                ACT, PSI, PREC)
+            b_g1, b_g2, b_dk2, b_dx2, b_dw2, b_deta2 = _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k2, b_x2, b_rw, b_eta,
+                                                                    b_dk2, b_dgz2, b_da2, b_dse2, m_h, ACT, PSI, PREC)
             tl.store(dk2 + rows[:, None] * M + o_m[None, :], b_dk2.to(dk2.dtype.element_ty),
                      mask=ok[:, None] & m_m[None, :])
             tl.store(dx2 + rows[:, None] * D + o_d[None, :], b_dx2.to(dx2.dtype.element_ty),
                      mask=ok[:, None] & m_d[None, :])
             b_dw += b_dw2
             b_deta += b_deta2
-            b_ddl += b_ddl2
-        tl.store(dq + rows[:, None] * M + o_m[None, :], b_dq.to(dq.dtype.element_ty), mask=ok[:, None] & m_m[None, :])
         if HAS_ETA:
             tl.store(deta + rows, b_deta.to(deta.dtype.element_ty), mask=ok)
         if HAS_RW:
             tl.store(drw + rows[:, None] * D + o_d[None, :], b_dw.to(drw.dtype.element_ty),
                      mask=ok[:, None] & m_d[None, :])
-        # the end weights aL P - ...: their adjoint reaches the anchors and aL
-        b_dal_last = tl.sum(tl.sum(b_g1 * b_p1, axis=1), axis=0) + tl.sum(tl.sum(b_g2 * b_p2, axis=1), axis=0)
-        b_h1 += b_aL * b_g1
-        b_h2 += b_aL * b_g2
         if HAS_DEC:
             last = o_c == BC - 1
             if AT_ANCHOR:
@@ -295,6 +319,5 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
                 b_dg += tl.where(last, b_dal_last * b_aL + tl.sum(b_ddl * b_dL, axis=0), 0.)
                 b_dc = tl.cumsum(b_dg, axis=0, reverse=True) / b_c
             tl.store(ddec + rows, b_dc.to(ddec.dtype.element_ty), mask=ok)
-        b_g1, b_g2 = b_h1, b_h2
     if STORE_DH0:
         _put(dw1, dw2, i_bh, b_g1, b_g2, p1, m1, p2, m2, D, M, HID)
