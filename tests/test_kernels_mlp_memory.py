@@ -86,6 +86,7 @@ ROLES = {"ttt_mlp": ("k", "q", "eta", None, "silu", None, None),
 def _poison(monkeypatch):
     monkeypatch.setattr(R, "POISON", True)
     monkeypatch.setattr(R, "CHUNK", 16)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 16)
 
 
 def _case(obj, B, T, H, d, m, seed, initial=True, scale=1.0):

@@ -35,7 +35,7 @@ Anything else is refused with the reason.
 
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
 forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
-[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens;
+[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens, ``DECAY_CHUNK`` with a decay;
 [B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
 state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
 rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
@@ -72,6 +72,9 @@ from ssmcraft.ops.mlp_memory.kernels import (CAUCHY, CAUCHY_NORM, HUBER, HUBER_N
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
+# with a decay of the running weights the backward replays each token's weights from its chunk's start
+# (about DECAY_CHUNK / 2 steps a token, the most of its work): shorter chunks, at 4x the stored states
+DECAY_CHUNK = 16
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
 # the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
 DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
@@ -212,7 +215,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
             (counted from each sequence's start), a decay at the running weights; 0: at the previous weights.
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
-        chunk_size: tokens between the backward's restart states (default ``CHUNK``; with a mini-batch
+        chunk_size: tokens between the backward's restart states (default ``CHUNK``, ``DECAY_CHUNK`` with a
+            decay of the running weights, which the backward replays from the chunk's start; with a mini-batch
             rounded down to a multiple of it, at least one mini-batch).
         cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
             convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then [N, H, ...]
@@ -222,7 +226,7 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
     """
     decay, at_anchor = checked_args("mlp_memory", x, act, data, decay, weight_decay, k2, x2, minibatch)
     W1, W2 = initial_state
-    chunk = chunk_size or CHUNK
+    chunk = chunk_size or (DECAY_CHUNK if decay is not None and not at_anchor else CHUNK)
     if minibatch:
         chunk = minibatch * max(1, chunk // minibatch)
     packed = None
