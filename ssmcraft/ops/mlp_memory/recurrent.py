@@ -35,8 +35,8 @@ Anything else is refused with the reason.
 
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
 forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
-[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens, ``DECAY_CHUNK`` with a decay;
-[B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
+[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens,
+``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
 state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
 rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
 h = 2m = 128 the two weights are 16k floats a program). Work per token: the forward's three
@@ -86,6 +86,15 @@ DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
 
 def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
+
+
+def final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev):
+    """A backward's cotangents of the final weights: (whether there are any, both fp32 and contiguous,
+    ``[N, H, h, m]`` and ``[N, H, d, h]``, zeros for a missing one; or None, None)."""
+    if dw1t is None and dw2t is None:
+        return False, None, None
+    return (True, torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous(),
+            torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous())
 
 
 class MLPMemoryFunction(torch.autograd.Function):
@@ -140,10 +149,7 @@ class MLPMemoryFunction(torch.autograd.Function):
         dev = x.device
         N, NT, seq = sequences(B, T, ctx.chunk, ctx.packed, x)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        has_dht = dw1t is not None or dw2t is not None
-        if has_dht:
-            dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
-            dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
+        has_dht, dw1t, dw2t = final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev)
         need_dh0 = ctx.needs_input_grad[8] or ctx.needs_input_grad[9]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
@@ -378,20 +384,31 @@ def _names(ir, found: dict) -> dict:
                 initial=lambda B, H, D, M, dev: initial_states(ir, B, H, D, M, device=dev, dtype=torch.float32))
 
 
+def run_forward(found: dict, obj, lay, output_final_state, call=None):
+    """``forward`` with the roles ``found`` and ``call`` (``_run``'s)."""
+    y, S = _run(_names(obj.ir, found), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state,
+                io_dtype(lay.out_dtype), call=call)
+    return y.to(lay.dtype), S
+
+
+def runner(found: dict, obj, lay, call=None):
+    """``prepare`` with the roles ``found`` and ``call`` (``_run``'s)."""
+    names = _names(obj.ir, found)
+    io = io_dtype(lay.out_dtype)
+    out_dtype = lay.out_dtype
+
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
+        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens, call=call)
+        return y.to(out_dtype), S
+    return run
+
+
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    y, S = _run(_names(obj.ir, match(obj.ir)), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
-    return y.to(lay.dtype), S
+    return run_forward(match(obj.ir), obj, lay, output_final_state)
 
 
 def prepare(obj, lay):
     """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
     call (``cu_seqlens=``) runs one program per sequence and head."""
-    names = _names(obj.ir, match(obj.ir))
-    io = io_dtype(lay.out_dtype)
-    out_dtype = lay.out_dtype
-
-    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens)
-        return y.to(out_dtype), S
-    return run
+    return runner(match(obj.ir), obj, lay)

@@ -33,12 +33,12 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.leaves import call_inputs, laid_out_inputs
 from ssmcraft.ops.common.rows import packed_args, sequences
-from ssmcraft.ops.common.tuning import INTERPRET, buffer, dot_precision, io_dtype, pow2
+from ssmcraft.ops.common.tuning import INTERPRET, buffer, dot_precision, pow2
 from ssmcraft.ops.common.varlen import chunks, offsets
 from ssmcraft.ops.family import match_reason
-from ssmcraft.ops.mlp_memory.recurrent import ACTIVATIONS, DATA, _names, _run, checked_args
+from ssmcraft.ops.mlp_memory.recurrent import (ACTIVATIONS, DATA, checked_args, final_cotangents, run_forward,
+                                               runner)
 from ssmcraft.ops.mlp_memory.recurrent import match as sequential_match
 from ssmcraft.ops.mlp_minibatch_chunk.kernels import mlp_chunk_bwd_kernel, mlp_chunk_fwd_kernel
 
@@ -89,10 +89,7 @@ class MLPChunkFunction(torch.autograd.Function):
         dev = x.device
         N, NT, seq = sequences(B, T, ctx.C, ctx.packed, x)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        has_dht = dw1t is not None or dw2t is not None
-        if has_dht:
-            dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
-            dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
+        has_dht, dw1t, dw2t = final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev)
         need_dh0 = ctx.needs_input_grad[8] or ctx.needs_input_grad[9]
         grad = lambda t: None if t is None else _empty(*t.shape, device=dev, dtype=t.dtype)     # noqa: E731
         dx, dk, dq, deta, drw, ddec, dk2, dx2 = (grad(t) for t in (x, k, q, eta, rw, dec, k2, x2))
@@ -114,7 +111,8 @@ def _consts(ctx, H, D, M, HID, C, act, psi, eta, rw, dec, at_anchor, two, dtype)
     """Both kernels' sizes, blocks and modes (kept on ``ctx`` for the backward)."""
     ctx.act, ctx.psi, ctx.at_anchor = act, psi, at_anchor
     # the chunk's block: autotuned on a GPU (``kernels._chunk_rule``), the mini-batch's power of two here
-    return dict(H=H, D=D, M=M, HID=HID, C=C, **({"BC": pow2(C)} if INTERPRET else {}), BD=pow2(D), BM=pow2(M), BH=pow2(HID), ACT=act, PSI=psi,
+    return dict(H=H, D=D, M=M, HID=HID, C=C, **({"BC": pow2(C)} if INTERPRET else {}), BD=pow2(D), BM=pow2(M),
+                BH=pow2(HID), ACT=act, PSI=psi,
                 HAS_ETA=eta is not None, HAS_RW=rw is not None, HAS_DEC=dec is not None, AT_ANCHOR=at_anchor,
                 TWO=two, PREC=dot_precision(dtype))
 
@@ -150,8 +148,8 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
 # ----------------------------------------------------------------------------------------
 
 def match(ir) -> dict:
-    """The sequential family's roles (``ssmcraft.ops.mlp_memory.recurrent.match``) of an IR with a mini-batch this family runs;
-    ValueError says why it does not."""
+    """The sequential family's roles (``ssmcraft.ops.mlp_memory.recurrent.match``) of an IR with a
+    mini-batch this family runs; ValueError says why it does not."""
     found = sequential_match(ir)
     C = found["minibatch"]
     if not C:
@@ -172,21 +170,10 @@ def supports(ir) -> str | None:
 
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    names = _names(obj.ir, match(obj.ir))
-    y, S = _run(names, laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype),
-                          call=mlp_minibatch_chunk)
-    return y.to(lay.dtype), S
+    return run_forward(match(obj.ir), obj, lay, output_final_state, call=mlp_minibatch_chunk)
 
 
 def prepare(obj, lay):
     """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
     call (``cu_seqlens=``) runs one program per sequence and head."""
-    names = _names(obj.ir, match(obj.ir))
-    io = io_dtype(lay.out_dtype)
-    out_dtype = lay.out_dtype
-
-    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens,
-                              call=mlp_minibatch_chunk)
-        return y.to(out_dtype), S
-    return run
+    return runner(match(obj.ir), obj, lay, call=mlp_minibatch_chunk)

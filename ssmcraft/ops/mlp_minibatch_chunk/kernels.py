@@ -182,12 +182,11 @@ def _end_key(b_g1, b_g2, b_k, b_a, b_gz, b_se, b_dL, PREC: tl.constexpr):
 
 
 @triton.jit
-def _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm, b_dq, b_dd, b_dk, b_dgz, b_da, b_dse,
+def _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_qk, b_aa, b_dma, b_dm, b_dq, b_dd, b_dk, b_dgz, b_da, b_dse,
                  PREC: tl.constexpr):
-    """One key's share of the readout's adjoint (the terms -(Dm . Q K^T) GZ of Zq and -(Dm . Aq A^T) SE
-    of Y, with AA = Aq A^T and its adjoint dMa = -dY SE^T), with dZq known, added to (dQ, dD: Dm's
-    adjoint; dK, dGZ, dA, dSE: this key's)."""
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    """One key's share of the readout's adjoint (the terms -(Dm . QK) GZ of Zq and -(Dm . AA) SE of Y,
+    QK = Q K^T, AA = Aq A^T, with dMa = -dY SE^T), with dZq known, added to (dQ, dD: Dm's adjoint; dK,
+    dGZ, dA, dSE: this key's)."""
     b_dmq = -tl.dot(b_dzq, tl.trans(b_gz), input_precision=PREC)
     b_dgz -= tl.dot(tl.trans(b_dm * b_qk), b_dzq, input_precision=PREC)
     b_dq += tl.dot(b_dmq * b_dm, b_k, input_precision=PREC)
@@ -199,11 +198,14 @@ def _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm, b_dq, b_d
 
 
 @triton.jit
-def _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dk, b_dgz, b_da, b_dse, m_h, ACT: tl.constexpr,
-                 PSI: tl.constexpr, PREC: tl.constexpr):
-    """The rest of one key's adjoint: ``_terms``' at the anchors, from the adjoints of its GZ, SE and A.
-    Adds the anchors' share to ``G1, G2``; returns (G1, G2, dK, dX, dw, d eta)."""
-    b_z, b_a, b_a1, b_a2, b_r, b_s, b_e, b_gz, b_se = _terms(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI, PREC)
+def _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_z, b_r, b_e, b_dk, b_dgz, b_da, b_dse, m_h,
+                 ACT: tl.constexpr, PSI: tl.constexpr, PREC: tl.constexpr):
+    """The rest of one key's adjoint: ``_terms``' at the anchors (its Z, R, E kept: the rest is
+    elementwise), from the adjoints of its GZ, SE and A. Adds the anchors' share to ``G1, G2``; returns
+    (G1, G2, dK, dX, dw, d eta)."""
+    b_a, b_a1, b_a2 = _act(b_z, ACT)
+    b_a = tl.where(m_h[None, :], b_a, 0.)
+    b_s = _psi(b_r, b_x, b_rw, PSI)
     # GZ = eta (E . act'(Z)), SE = eta S, E = S P2
     b_deta = tl.sum(b_dse * b_s, axis=1) + tl.sum(b_dgz * b_e * b_a1, axis=1)
     b_de = b_dgz * b_eta[:, None] * b_a1
@@ -249,10 +251,11 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
         b_c = _per_token(dec, rows, ok, 1., HAS_DEC)
         b_g, b_al, b_dm, b_aL, b_dL = _coefs(b_c, o_c, BC, HAS_DEC, AT_ANCHOR)
         # the forward's terms again, and the end weights' adjoint through them
-        _, b_a, _, _, _, _, _, b_gz, b_se = _terms(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI, PREC)
+        b_z, b_a, _, _, b_r, _, b_e, b_gz, b_se = _terms(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI, PREC)
         b_dk, b_dgz, b_da, b_dse, b_ddl = _end_key(b_g1, b_g2, b_k, b_a, b_gz, b_se, b_dL, PREC)
         if TWO:
-            _, b_a_2, _, _, _, _, _, b_gz2, b_se2 = _terms(b_p1, b_p2, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI, PREC)
+            b_z2, b_a_2, _, _, b_r2, _, b_e2, b_gz2, b_se2 = _terms(b_p1, b_p2, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI,
+                                                                    PREC)
             b_dk2, b_dgz2, b_da2, b_dse2, b_ddl2 = _end_key(b_g1, b_g2, b_k2, b_a_2, b_gz2, b_se2, b_dL, PREC)
             b_ddl += b_ddl2
         b_dal_last = tl.sum(tl.sum(b_g1 * b_p1, axis=1), axis=0) + tl.sum(tl.sum(b_g2 * b_p2, axis=1), axis=0)
@@ -260,10 +263,11 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
         b_g2 = b_aL * b_g2
         # the readout: Y = al . Aq P2^T - (Dm . Aq A^T) SE, Zq = al . Q P1^T - (Dm . Q K^T) GZ
         b_qp = tl.dot(b_q, tl.trans(b_p1), input_precision=PREC)
-        b_zq = b_al[:, None] * b_qp - tl.dot(b_dm * tl.dot(b_q, tl.trans(b_k), input_precision=PREC), b_gz,
-                                             input_precision=PREC)
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_zq = b_al[:, None] * b_qp - tl.dot(b_dm * b_qk, b_gz, input_precision=PREC)
         if TWO:
-            b_zq -= tl.dot(b_dm * tl.dot(b_q, tl.trans(b_k2), input_precision=PREC), b_gz2, input_precision=PREC)
+            b_qk2 = tl.dot(b_q, tl.trans(b_k2), input_precision=PREC)
+            b_zq -= tl.dot(b_dm * b_qk2, b_gz2, input_precision=PREC)
         b_aq, b_aq1, _ = _act(b_zq, ACT)
         b_aq = tl.where(m_h[None, :], b_aq, 0.)
         b_dal = tl.sum(b_dy * tl.dot(b_aq, b_p2, input_precision=PREC), axis=1)
@@ -281,21 +285,22 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
         b_g1 += tl.dot(tl.trans(b_al[:, None] * b_dzq), b_q, input_precision=PREC)
         b_dq = b_al[:, None] * tl.dot(b_dzq, b_p1, input_precision=PREC)
         b_dal += tl.sum(b_dzq * b_qp, axis=1)
-        b_dq, b_dd, b_dk, b_dgz, b_da, b_dse = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_aa, b_dma, b_dm,
-                                                            b_dq, b_dd, b_dk, b_dgz, b_da, b_dse, PREC)
+        b_dq, b_dd, b_dk, b_dgz, b_da, b_dse = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k, b_gz, b_qk, b_aa, b_dma,
+                                                            b_dm, b_dq, b_dd, b_dk, b_dgz, b_da, b_dse, PREC)
         if TWO:
-            b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2 = _readout_key(b_dy, b_dzq, b_q, b_aq, b_k2, b_gz2, b_aa2, b_dma2,
-                                                                    b_dm, b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2,
-                                                                    PREC)
+            b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2 = _readout_key(
+                b_dy, b_dzq, b_q, b_aq, b_k2, b_gz2, b_qk2, b_aa2, b_dma2, b_dm, b_dq, b_dd, b_dk2, b_dgz2, b_da2, b_dse2,
+                PREC)
         tl.store(dq + rows[:, None] * M + o_m[None, :], b_dq.to(dq.dtype.element_ty), mask=ok[:, None] & m_m[None, :])
         # the gradient terms at the anchors
-        b_g1, b_g2, b_dk, b_dx, b_dw, b_deta = _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_dk, b_dgz,
-                                                            b_da, b_dse, m_h, ACT, PSI, PREC)
+        b_g1, b_g2, b_dk, b_dx, b_dw, b_deta = _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_z, b_r,
+                                                            b_e, b_dk, b_dgz, b_da, b_dse, m_h, ACT, PSI, PREC)
         tl.store(dk + rows[:, None] * M + o_m[None, :], b_dk.to(dk.dtype.element_ty), mask=ok[:, None] & m_m[None, :])
         tl.store(dx + rows[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=ok[:, None] & m_d[None, :])
         if TWO:
             b_g1, b_g2, b_dk2, b_dx2, b_dw2, b_deta2 = _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k2, b_x2, b_rw, b_eta,
-                                                                    b_dk2, b_dgz2, b_da2, b_dse2, m_h, ACT, PSI, PREC)
+                                                                    b_z2, b_r2, b_e2, b_dk2, b_dgz2, b_da2, b_dse2,
+                                                                    m_h, ACT, PSI, PREC)
             tl.store(dk2 + rows[:, None] * M + o_m[None, :], b_dk2.to(dk2.dtype.element_ty),
                      mask=ok[:, None] & m_m[None, :])
             tl.store(dx2 + rows[:, None] * D + o_d[None, :], b_dx2.to(dx2.dtype.element_ty),
