@@ -44,7 +44,7 @@ CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-c
          ("cauchy_delta", "general+packed", TOL), ("momentum_longhorn", "general+packed", TOL),
          ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
          ("minibatch_delta", "minibatch-chunk+packed", TOL_CHUNKED), ("rls", "precision-fp64+rank1-chunk+packed", TOL_CHUNKED),
-         ("ttt_mlp", "mlp-memory+packed", TOL), ("mlp_huber_minibatch", "mlp-memory+packed", TOL),
+         ("ttt_mlp", "mlp-memory+packed", TOL), ("mlp_huber_minibatch", "mlp-minibatch-chunk+packed", TOL_CHUNKED),
          ("minibatch_huber", "general+packed", TOL), ("metric_rank2", "precision-fp64+rankr-chunk+packed", TOL_CHUNKED),
          ("metric_huber", "precision-fp64+general+packed", TOL_CHUNKED)]
 H, D, M = 4, 64, 16

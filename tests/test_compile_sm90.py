@@ -106,6 +106,22 @@ def test_mlp_memory_compiles_for_sm90():
         assert _kernels(out) == {("ttt_mlp", "mlp_memory_fwd_kernel"): "ok", ("ttt_mlp", "mlp_memory_bwd_kernel"): "ok"}
 
 
+def test_mlp_minibatch_chunk_compiles_for_sm90():
+    """The MLP memory's chunk-parallel mini-batch kernels (``mlp_minibatch_chunk``: a pseudo-Huber memory
+    with a decay and a per-channel step in mini-batches of 16), unpacked and packed, with their registers."""
+    import re
+    for packed in ((), ("--packed", "0,17,5,33")):
+        rc, out, err = _run("mlp_huber_minibatch", *packed, "--regs")
+        assert rc == 0, out + err[-2000:]
+        assert {line.split()[1] for line in out.splitlines()} == \
+            {"triton:mlp-minibatch-chunk" + ("+packed" if packed else "")}
+        rows = _kernels(out)
+        assert set(rows) == {("mlp_huber_minibatch", "mlp_chunk_fwd_kernel"),
+                             ("mlp_huber_minibatch", "mlp_chunk_bwd_kernel")}
+        for verdict in rows.values():
+            assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+
+
 def test_chunked_families_compile_for_sm90():
     rc, out, err = _run("kda_like", "rank2_head_gated", "minibatch_delta", "rls")
     assert rc == 0, out + err[-2000:]

@@ -1,6 +1,7 @@
 """Export of the families whose kernels an exported module could not carry before: ``rankr_chunk``
 (a two-key Woodbury update with a per-head step), ``minibatch_chunk`` (a composed mini-batch DeltaNet
-with a decay), ``precision_rank1`` (``rls``) and ``mlp_memory`` (``ttt_mlp``). For each, a tiny LM
+with a decay), ``precision_rank1`` (``rls``), ``mlp_memory`` (``ttt_mlp``) and ``mlp_minibatch_chunk`` (a composed
+MLP memory in mini-batches of 16 with a decay). For each, a tiny LM
 exports with that family's kernels inline; in a fresh process where ssmcraft, sympy and yaml cannot be
 imported, the module loads, its kernels run under the interpreter and reproduce the original model's
 logits, and the hashes it recorded are checked: a config naming another IR is refused, and so is
@@ -29,9 +30,13 @@ SPECS = {
                                           "step": "scalar", "normalize": True}),
     "precision_rank1": "rls",
     "mlp_memory": "ttt_mlp",
+    "mlp_minibatch_chunk": compose_objective({"memory": "mlp", "update": "explicit", "minibatch": 16,
+                                              "proximity": "scalar_decay", "data": "huber", "step": "per_channel",
+                                              "normalize": True}),
 }
 BACKENDS = {"rankr_chunk": "rankr-chunk", "minibatch_chunk": "minibatch-chunk",
-            "precision_rank1": "precision-fp64+rank1-chunk", "mlp_memory": "mlp-memory"}
+            "precision_rank1": "precision-fp64+rank1-chunk", "mlp_memory": "mlp-memory",
+            "mlp_minibatch_chunk": "mlp-minibatch-chunk"}
 T = 37          # two mini-batches and a partial one; rankr's 32-token chunks, one and a part
 
 FRESH = FRESH_PROCESS + textwrap.dedent(r'''
@@ -95,6 +100,7 @@ def test_exported_module_runs_the_family_without_ssmcraft(family, tmp_path):
         assert "other_ir" not in res
         return
     from ssmcraft.ops import registry
-    what = {"minibatch_chunk": "mini-batch", "precision_rank1": "precision", "mlp_memory": "MLP memory"}[family]
+    what = {"minibatch_chunk": "mini-batch", "precision_rank1": "precision", "mlp_memory": "MLP memory",
+            "mlp_minibatch_chunk": "MLP memory's mini-batch"}[family]
     assert res["other_ir"] == f"the {what} kernels were exported for IR {digest}, not {'0' * 16}", res["other_ir"]
     assert res["own_ir"] == json.loads(json.dumps(registry.family(family).module.match(obj.ir)))

@@ -86,6 +86,7 @@ ROLES = {"ttt_mlp": ("k", "q", "eta", None, "silu", None, None),
 def _poison(monkeypatch):
     monkeypatch.setattr(R, "POISON", True)
     monkeypatch.setattr(R, "CHUNK", 16)
+    monkeypatch.setattr(R, "DECAY_CHUNK", 16)
 
 
 def _case(obj, B, T, H, d, m, seed, initial=True, scale=1.0):
@@ -207,9 +208,9 @@ def test_packed_two_keys_equals_separate(which):
     _check_packed(ssmcraft.compile(OBJECTIVES[which]))
 
 
-def _check_packed(obj):
+def _check_packed(obj, backend="mlp-memory"):
     """A packed row (odd lengths, empty ones first and in the middle) on ``_case``'s draws against N
-    separate float64 reference calls: output, final weights and every gradient."""
+    separate float64 reference calls: output, final weights and every gradient; ``backend`` ran it."""
     from ssmcraft.runtime.checking import compare, packed_reference
     from test_varlen import _interpret
     lens = [0, 17, 5, 0, 1, 33]
@@ -219,7 +220,7 @@ def _check_packed(obj):
     errs = compare(packed_reference(obj, ins, None, S0, cu, g), lambda i, p, s: _interpret(obj, i, p, s, cu)).errors
     assert set(errs) >= {"y", "dW10", "dW20", *(f"d{n}" for n in ins)}, sorted(errs)
     assert_within(errs, TOL)
-    assert obj.backend == "triton-interpret:mlp-memory+packed"
+    assert obj.backend == f"triton-interpret:{backend}+packed"
 
 
 # the compose space's other data terms (linear, pseudo-Huber, Cauchy: with a scalar step a loss of the
@@ -309,17 +310,19 @@ def test_composed_matches_the_reference(key, T, B, d, m):
 
 
 @pytest.mark.parametrize("key", [("scalar_decay", "huber", "per_channel", 1, 3),
-                                 ("weight_decay", "cauchy", "scalar", 2, 16), ("plain", "linear", "scalar", 1, 3)])
+                                 ("weight_decay", "cauchy", "scalar", 2, 3), ("plain", "linear", "scalar", 1, 3)])
 def test_packed_composed_equals_separate(key):
     """A packed row of mini-batch memories (odd lengths, empty ones first and in the middle): each
-    sequence's chunks of C from its own start, as N separate float64 reference calls."""
+    sequence's chunks of C from its own start, as N separate float64 reference calls (mini-batches of
+    16 and more dispatch to the chunk-parallel family: ``test_kernels_mlp_minibatch_chunk.py``)."""
     _check_packed(ssmcraft.compile(_composed(*key)))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sampled_mlp_compositions_dispatch_to_the_family(seed):
     """The MLP memories of ``benchmarks/family_coverage.py``'s sample (every data term, mini-batch or
-    not), under a few seeds: CUDA dispatch picks ``mlp_memory`` for each."""
+    not), under a few seeds: CUDA dispatch picks ``mlp_minibatch_chunk`` for a mini-batch of 16 or more
+    tokens and ``mlp_memory`` for each other."""
     import importlib.util
     import pathlib
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "family_coverage.py"
@@ -338,4 +341,5 @@ def test_sampled_mlp_compositions_dispatch_to_the_family(seed):
     assert len(irs) == 6 and 16 in {c["minibatch"] for c, _ in irs}, [c for c, _ in irs]
     for c, ir in irs:
         family, why = cov.family_of(ir)
-        assert family == "mlp_memory", (c, why)
+        want = "mlp_minibatch_chunk" if c["minibatch"] >= 16 else "mlp_memory"
+        assert family == want, (c, why)

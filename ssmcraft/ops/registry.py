@@ -12,8 +12,9 @@ ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu`
 ahead of ``rankr_row`` likewise, ``precision_rank1`` (recursive least squares, the preconditioned
 delta rule), ``precision_general`` (the other metric compositions: the precision's gains, then the
 memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a
-per-key decay and a per-head step: a KDA-like layer; chunked, on tensor cores) and ``mlp_memory`` (a
-two-layer MLP memory: two weight states of different shapes), which no other family runs. A family that does not support an IR says why
+per-key decay and a per-head step: a KDA-like layer; chunked, on tensor cores), ``mlp_minibatch_chunk``
+(the MLP memory with mini-batches of 16 to 64 tokens, chunk-parallel on tensor cores) and ``mlp_memory``
+(a two-layer MLP memory: two weight states of different shapes, sequential), which no other family runs. A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ssmcraft.ops.general import FAMILY as GENERAL
 from ssmcraft.ops.keydecay_chunk import FAMILY as KEYDECAY_CHUNK
 from ssmcraft.ops.minibatch_chunk import FAMILY as MINIBATCH_CHUNK
 from ssmcraft.ops.mlp_memory import FAMILY as MLP_MEMORY
+from ssmcraft.ops.mlp_minibatch_chunk import FAMILY as MLP_MINIBATCH_CHUNK
 from ssmcraft.ops.precision_general import FAMILY as PRECISION_GENERAL
 from ssmcraft.ops.precision_rank1 import FAMILY as PRECISION_RANK1
 from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
@@ -36,7 +38,7 @@ from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
 FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW,
                                       MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
-                                      PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MEMORY)
+                                      PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MINIBATCH_CHUNK, MLP_MEMORY)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 

@@ -132,8 +132,8 @@ def _psi(b_r, b_x, b_rw, PSI: tl.constexpr):
     elif (PSI == HUBER) or (PSI == CAUCHY):
         f, _ = _robust(b_r * b_r, PSI)
         return b_rw * b_r * f
-    else:       # the norm couples the rows: one program holds them all
-        f, _ = _robust(tl.sum(b_rw * b_r * b_r, axis=0), PSI)
+    else:       # the norm couples the rows: one program holds them all (the last axis: a token's, or each row's
+        f, _ = _robust(tl.sum(b_rw * b_r * b_r, axis=-1, keep_dims=True), PSI)     # of a [tokens, d] tile)
         return b_rw * b_r * f
 
 
@@ -151,8 +151,8 @@ def _psi_adjoint(b_ds, b_r, b_x, b_rw, PSI: tl.constexpr):
         b_dr = b_ds * b_rw * (f + 2. * b_r * b_r * f1)
         return b_dr, -b_dr, b_ds * b_r * f
     else:
-        f, f1 = _robust(tl.sum(b_rw * b_r * b_r, axis=0), PSI)
-        g = tl.sum(b_ds * b_rw * b_r, axis=0) * f1
+        f, f1 = _robust(tl.sum(b_rw * b_r * b_r, axis=-1, keep_dims=True), PSI)
+        g = tl.sum(b_ds * b_rw * b_r, axis=-1, keep_dims=True) * f1
         b_dr = b_ds * b_rw * f + 2. * g * b_rw * b_r
         return b_dr, -b_dr, b_ds * b_r * f + g * b_r * b_r
 

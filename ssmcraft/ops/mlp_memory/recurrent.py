@@ -35,8 +35,8 @@ Anything else is refused with the reason.
 
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
 forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
-[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens;
-[B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
+[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens,
+``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
 state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
 rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
 h = 2m = 128 the two weights are 16k floats a program). Work per token: the forward's three
@@ -72,6 +72,9 @@ from ssmcraft.ops.mlp_memory.kernels import (CAUCHY, CAUCHY_NORM, HUBER, HUBER_N
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
+# with a decay of the running weights the backward replays each token's weights from its chunk's start
+# (about DECAY_CHUNK / 2 steps a token, the most of its work): shorter chunks, at 4x the stored states
+DECAY_CHUNK = 16
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
 # the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
 DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
@@ -83,6 +86,15 @@ DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
 
 def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
+
+
+def final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev):
+    """A backward's cotangents of the final weights: (whether there are any, both fp32 and contiguous,
+    ``[N, H, h, m]`` and ``[N, H, d, h]``, zeros for a missing one; or None, None)."""
+    if dw1t is None and dw2t is None:
+        return False, None, None
+    return (True, torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous(),
+            torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous())
 
 
 class MLPMemoryFunction(torch.autograd.Function):
@@ -137,10 +149,7 @@ class MLPMemoryFunction(torch.autograd.Function):
         dev = x.device
         N, NT, seq = sequences(B, T, ctx.chunk, ctx.packed, x)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        has_dht = dw1t is not None or dw2t is not None
-        if has_dht:
-            dw1t = torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous()
-            dw2t = torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous()
+        has_dht, dw1t, dw2t = final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev)
         need_dh0 = ctx.needs_input_grad[8] or ctx.needs_input_grad[9]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
@@ -167,6 +176,28 @@ class MLPMemoryFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+def checked_args(name, x, act, data, decay, weight_decay, k2, x2, minibatch):
+    """``mlp_memory``'s arguments checked (ValueError, named by ``name``): (the decay c the kernels read,
+    whether it is weight decay's, taken at a mini-batch's anchors)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{name}: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
+    if x.dtype not in IO_DTYPES:
+        raise ValueError(f"{name}: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
+    if decay is not None and weight_decay is not None:
+        raise ValueError(f"{name}: give decay or weight_decay, not both")
+    if (k2 is None) != (x2 is None):
+        raise ValueError(f"{name}: give both k2 and x2, or neither")
+    if data not in DATA:
+        raise ValueError(f"{name}: data must be one of {', '.join(DATA)}, got {data!r}")
+    if not isinstance(minibatch, int) or minibatch < 0:
+        raise ValueError(f"{name}: minibatch must be an int >= 0, got {minibatch!r}")
+    if weight_decay is not None:
+        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
+        # autograd carries lam's gradient through
+        decay = DECAYS["weight_decay"](weight_decay.float())
+    return decay, bool(minibatch) and weight_decay is not None
+
+
 def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=None, x2=None, act: str = "silu",
                data: str = "regression", minibatch: int = 0, initial_state=None, output_final_state: bool = False,
                chunk_size: int | None = None, cu_seqlens=None):
@@ -190,7 +221,8 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
             (counted from each sequence's start), a decay at the running weights; 0: at the previous weights.
         initial_state: (W1 [B, H, h, m], W2 [B, H, d, h]); required (it sets the hidden width h).
         output_final_state: also return (W1_T, W2_T) (fp32).
-        chunk_size: tokens between the backward's restart states (default ``CHUNK``; with a mini-batch
+        chunk_size: tokens between the backward's restart states (default ``CHUNK``, ``DECAY_CHUNK`` with a
+            decay of the running weights, which the backward replays from the chunk's start; with a mini-batch
             rounded down to a multiple of it, at least one mini-batch).
         cu_seqlens: int32/int64 offsets [N + 1] of N sequences packed in one row (B = 1, FLA's
             convention, checked by ``ssmcraft.ops.common.varlen.offsets``); states are then [N, H, ...]
@@ -198,25 +230,9 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
     Returns:
         y [B, T, H, d] in x's dtype, (W1_T, W2_T) or None.
     """
-    if act not in ACTIVATIONS:
-        raise ValueError(f"mlp_memory: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
-    if x.dtype not in IO_DTYPES:
-        raise ValueError(f"mlp_memory: I/O dtype must be one of {IO_DTYPES}, got {x.dtype}")
-    if decay is not None and weight_decay is not None:
-        raise ValueError("mlp_memory: give decay or weight_decay, not both")
-    if (k2 is None) != (x2 is None):
-        raise ValueError("mlp_memory: give both k2 and x2, or neither")
-    if data not in DATA:
-        raise ValueError(f"mlp_memory: data must be one of {', '.join(DATA)}, got {data!r}")
-    if not isinstance(minibatch, int) or minibatch < 0:
-        raise ValueError(f"mlp_memory: minibatch must be an int >= 0, got {minibatch!r}")
-    at_anchor = bool(minibatch) and weight_decay is not None
-    if weight_decay is not None:
-        # in fp32: 1 - lam rounded to bf16 would compound over the tokens (the kernels read c in fp32);
-        # autograd carries lam's gradient through
-        decay = DECAYS["weight_decay"](weight_decay.float())
+    decay, at_anchor = checked_args("mlp_memory", x, act, data, decay, weight_decay, k2, x2, minibatch)
     W1, W2 = initial_state
-    chunk = chunk_size or CHUNK
+    chunk = chunk_size or (DECAY_CHUNK if decay is not None and not at_anchor else CHUNK)
     if minibatch:
         chunk = minibatch * max(1, chunk // minibatch)
     packed = None
@@ -340,9 +356,10 @@ def supports(ir) -> str | None:
     return match_reason(ir, match)
 
 
-def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
+def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None, call=None):
     """The family on tensors ``get(name)`` in the API layout; states in the IR's order (``names["order"]``),
-    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none."""
+    the declared initial ones (``names["initial"](N, H, d, m)``, N sequences) when the call gives none;
+    ``call``: ``mlp_memory`` (None) or a function of its signature (the mini-batch chunk form's)."""
     x = get(names["x"])
     B, T, H, D = x.shape
     M = get(names["k"]).shape[-1]
@@ -351,7 +368,7 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     st = dict(zip(names["order"], S0))
     opt = (lambda role: None if names[role] is None else get(names[role]))     # noqa: E731
     dec = {} if names["decay"] is None else {names["decay_kind"]: get(names["decay"])}
-    y, fin = mlp_memory(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
+    y, fin = (call or mlp_memory)(x.to(io), get(names["k"]), get(names["q"]), opt("eta"), w=opt("w"), **dec, k2=opt("k2"),
                         x2=opt("x2"), act=names["act"], data=names["data"], minibatch=names["minibatch"],
                         initial_state=(st[names["W1"]], st[names["W2"]]), output_final_state=output_final_state,
                         cu_seqlens=cu_seqlens)
@@ -361,25 +378,37 @@ def _run(names, get, initial_state, output_final_state, io, cu_seqlens=None):
     return y, tuple(out[s] for s in names["order"])
 
 
-def _names(ir) -> dict:
-    return dict(match(ir), order=ir.states,
+def _names(ir, found: dict) -> dict:
+    """The roles ``found`` (a ``match``), the states' order and their declared initial values."""
+    return dict(found, order=ir.states,
                 initial=lambda B, H, D, M, dev: initial_states(ir, B, H, D, M, device=dev, dtype=torch.float32))
+
+
+def run_forward(found: dict, obj, lay, output_final_state, call=None):
+    """``forward`` with the roles ``found`` and ``call`` (``_run``'s)."""
+    y, S = _run(_names(obj.ir, found), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state,
+                io_dtype(lay.out_dtype), call=call)
+    return y.to(lay.dtype), S
+
+
+def runner(found: dict, obj, lay, call=None):
+    """``prepare`` with the roles ``found`` and ``call`` (``_run``'s)."""
+    names = _names(obj.ir, found)
+    io = io_dtype(lay.out_dtype)
+    out_dtype = lay.out_dtype
+
+    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
+        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens, call=call)
+        return y.to(out_dtype), S
+    return run
 
 
 def forward(obj, lay, co, output_final_state):
     """Run the family on a reference layout: (y [B, T, H, d] in lay.dtype, (states) fp32 or None)."""
-    y, S = _run(_names(obj.ir), laid_out_inputs(obj.ir, lay), lay.S0, output_final_state, io_dtype(lay.out_dtype))
-    return y.to(lay.dtype), S
+    return run_forward(match(obj.ir), obj, lay, output_final_state)
 
 
 def prepare(obj, lay):
     """The runner for one call signature: the caller's inputs go to the kernels as they are; a packed
     call (``cu_seqlens=``) runs one program per sequence and head."""
-    names = _names(obj.ir)
-    io = io_dtype(lay.out_dtype)
-    out_dtype = lay.out_dtype
-
-    def run(inputs, params, initial_state, output_final_state, cu_seqlens=None):
-        y, S = _run(names, call_inputs(inputs), initial_state, output_final_state, io, cu_seqlens)
-        return y.to(out_dtype), S
-    return run
+    return runner(match(obj.ir), obj, lay)
