@@ -35,7 +35,13 @@ R (and so g) never reads S, so the layer splits in two:
    a whole sequence accumulates every chunk's rounding, an inverse per segment does not;
 2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
    tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
-   erase key).
+   erase key), in fp32 whatever the I/O dtype (``MEMORY_FP32``). Unlike DeltaNet's step (I - beta k
+   k^T, a contraction), I - k g^T contracts only in R's norm: |g| = |R^-1 k| is 3-10 for unit keys
+   under lam ~ 0.88, and a chunk's inverse M = (I + strict_lower(K G^T))^-1 and W = M K, which the
+   chunked function stores in its I/O dtype, amplify bf16 rounding. At T = 1029, d = m = 64 (PyTorch
+   float64 with the bf16 kernels' roundings replayed) y is off by 1.0e-2 with only the inputs
+   rounded, still 1.0e-2 with g rounded too, 2.3e-2 with M, 1.6e-2 with W, 2.9e-2 with every stored
+   tile (gradients up to 7.3e-2 on the GPU, dk). In fp32 only the inputs' rounding remains.
 
 Why float64 for P: with forgetting (lam < 1) the directions of R that recent keys do not fill
 decay towards 0, so R's condition number reaches ~1e6 at m = 64 within tens of tokens, and the
@@ -51,7 +57,8 @@ With lam = sigmoid(N(2, 1)) a chunk holds ~16 tokens.
 
 Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [B, H, m, m], S
 [B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16 (the precision reads
-fp32 copies of k, lam, beta, eta); P, V, L, L^-1 in float64, g in float32 then the I/O dtype.
+fp32 copies of k, lam, beta, eta, the memory's step fp32 copies of g, x, q, k); P, V, L, L^-1 in
+float64, g in float32.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
 states ``[N, H, ...]``. The sequential form runs one program per (sequence, head) over that
@@ -75,6 +82,7 @@ from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 PARALLEL = True                     # the parallel form (``parallel.py``); False: one program walks the chunks
 SEGMENT = 32                        # the parallel form's segment (tokens): one inverse, then chained chunks
+MEMORY_FP32 = True                  # the memory's chunked step in fp32 whatever the I/O dtype (``_memory``)
 BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
 PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
@@ -214,8 +222,10 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     # a packed operand layout that its fp64 tensor-core lowering rejects ("fp64 don't support largeK MMA")
     head = lambda t: None if t is None else t.float().contiguous()     # noqa: E731
     g, RT = _precision(head(k), head(lam), head(beta), head(eta), R0, cu, N)
-    o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size,
-                    cu_seqlens)
+    mem = torch.float32 if MEMORY_FP32 else dt
+    o, ht = _memory(g.to(mem), x.to(mem), q.to(mem), k.to(mem), None if S0 is None else S0.transpose(-1, -2),
+                    output_final_state, chunk_size, cu_seqlens)
+    o = o.to(dt)
     if not output_final_state:
         return o, None
     return o, (RT.float(), ht.transpose(-1, -2))
