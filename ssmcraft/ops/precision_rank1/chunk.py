@@ -75,7 +75,7 @@ from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
-from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, precisions, segments
+from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, inverse, segments
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
@@ -104,10 +104,12 @@ def _starts(rows: int, cols: int, device) -> torch.Tensor:
 class PrecisionFunction(torch.autograd.Function):
     """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [N, H, K, K]
     float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B), the longest sequence's
-    length | None (= T)) -> (g [B, T, H, K] float32, P_T [N, H, K, K] float64)."""
+    length | None (= T), from_r) -> (g [B, T, H, K] float32, P_T [N, H, K, K] float64). ``from_r``:
+    the fifth input is the initial covariance R0 instead, inverted here (``parallel.inverse``), and
+    its gradient is R0's (the backward kernel's ``DR``)."""
 
     @staticmethod
-    def forward(ctx, k, lam, beta, eta, p0, cu=None, longest=None):
+    def forward(ctx, k, lam, beta, eta, p0, cu=None, longest=None, from_r=False):
         B, T, H, K = k.shape
         N = p0.shape[0]
         dev = k.device
@@ -118,12 +120,14 @@ class PrecisionFunction(torch.autograd.Function):
                               *(_empty(B, T, H, PCHUNK, device=dev, dtype=torch.float64) for _ in range(2)),
                               _starts(N * H, TS, dev)) if train else (g, g, g, g))
         pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
+        if from_r:
+            p0 = inverse(p0)
         launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, p0=p0, g=g, v=v, lc=lc, li=li, starts=starts, pt=pt,
                cu=g if cu is None else cu, T=T, TS=TS, H=H, K=K, BK=pow2(K), BC=PCHUNK, TAU=GAMMA_MIN,
                HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE=train, VARLEN=cu is not None)
         ctx.set_materialize_grads(False)
-        ctx.cu, ctx.ts = cu, TS
+        ctx.cu, ctx.ts, ctx.from_r = cu, TS, from_r
         if train:
             ctx.save_for_backward(k, lam, beta, eta, v, lc, li, starts, pt)
         return g, pt
@@ -145,8 +149,9 @@ class PrecisionFunction(torch.autograd.Function):
                dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
                dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, TS=ctx.ts, H=H, K=K,
                BK=pow2(K), BC=PCHUNK, HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
-               VARLEN=ctx.cu is not None)
-        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None, None
+               VARLEN=ctx.cu is not None, DR=ctx.from_r)
+        return (dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None, None,
+                None)
 
 
 def form() -> str:
@@ -176,7 +181,7 @@ def _precision(k, lam, beta, eta, R0, cu, N):
     if len(starts) == 1:                # no token at all: no segment, nothing to launch
         return k.new_zeros(B, T, H, K), RT
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
-    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), precisions(Rs), i32(starts), SEGMENT)
+    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), Rs, i32(starts), SEGMENT, True)
     return g.view(B, T, H, K), RT
 
 

@@ -156,17 +156,19 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
     tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
 
 
-@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN"])
+@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN", "DR"])
 @triton.jit(do_not_specialize=["T", "TS"])
 def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, dlam, dbeta, deta, dp0, cu,
                          T, TS, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                          HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_DPT: tl.constexpr,
-                         VARLEN: tl.constexpr):
+                         VARLEN: tl.constexpr, DR: tl.constexpr):
     """Reverse over the forward's chunks (``starts``) from the final P: each chunk's P rebuilt from the next one and the stored
     V, P = Gamma_C P_next + V^T V (a contraction: rounding does not grow backwards), then the adjoint
     of the forward's chunk step (float64; the Cholesky factor's through L^-T Phi(L^T dL) L^-1):
     k's, lam's, beta's, eta's gradients, then the initial P's, kept symmetric (the gradient with
-    respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward."""
+    respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward. DR: the initial P
+    was the inverse of a covariance R (the parallel form's segments): store R's gradient instead,
+    -P dP P, with P as rebuilt here (in registers, where a pass in PyTorch reads both from memory)."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -228,6 +230,8 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
         b_y = 0.5 * b_du
         b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
         b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
+    if DR:
+        b_dp = -tl.dot(tl.dot(b_p, b_dp, out_dtype=tl.float64), b_p, out_dtype=tl.float64)
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
 
 
