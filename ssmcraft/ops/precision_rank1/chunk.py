@@ -226,10 +226,11 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     # every input in fp32: Triton 3.6 gives an fp64 product that reads a value converted from 16 bits
     # a packed operand layout that its fp64 tensor-core lowering rejects ("fp64 don't support largeK MMA")
     head = lambda t: None if t is None else t.float().contiguous()     # noqa: E731
-    g, RT = _precision(head(k), head(lam), head(beta), head(eta), R0, cu, N)
+    kf = head(k)
+    g, RT = _precision(kf, head(lam), head(beta), head(eta), R0, cu, N)
     mem = torch.float32 if MEMORY_FP32 else dt
-    o, ht = _memory(g.to(mem), x.to(mem), q.to(mem), k.to(mem), None if S0 is None else S0.transpose(-1, -2),
-                    output_final_state, chunk_size, cu_seqlens)
+    o, ht = _memory(g.to(mem), x.to(mem), q.to(mem), kf if MEMORY_FP32 else k, None if S0 is None else
+                    S0.transpose(-1, -2), output_final_state, chunk_size, cu_seqlens)
     o = o.to(dt)
     if not output_final_state:
         return o, None
