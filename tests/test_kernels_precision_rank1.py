@@ -233,6 +233,34 @@ def test_the_gpu_checks_case_at_64_is_within_the_fp32_tolerance():
     assert_within(cmp.errors, 1e-4)
 
 
+def test_bf16_at_a_long_length_is_within_the_gpu_checks_tolerance(monkeypatch):
+    """``benchmarks/bench_rls.py``'s bf16 check case at one (batch, head) (T = 1029, d = m = 64, unit
+    keys, lam = sigmoid(N(2, 1))) against the float64 reference on the unrounded values, within the
+    GPU checks' bf16 tolerance (``checks.TOL_CHUNKED``), and the memory's chunked step run on fp32
+    operands: with its tiles in bf16 its chunk's inverse and W are off by up to 7.3e-2 on the GPU
+    (``chunk.py``'s docstring). The interpreter computes no bf16 product as the GPU does, so on the
+    CPU the dtypes are what this test can see of that path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from check_library_gpu import initial_states
+    from checks import TOL_CHUNKED
+    from ssmcraft.bench.run import random_inputs
+    from ssmcraft.runtime.checking import reference_errors
+    seen = []
+
+    def spy(v, p, c, oq, **kw):
+        seen.append({v.dtype, p.dtype, oq.dtype, kw["u"].dtype})
+        return R1.chunk_rank1(v, p, c, oq, **kw)
+    monkeypatch.setattr(P, "chunk_rank1", spy)
+    obj = ssmcraft.compile("rls")
+    obj.prefer = "interpret"
+    ins, params = random_inputs(obj, 1, 1029, 1, 64, 64, F64, "cpu", seed=1, unit_keys=True)
+    g = torch.Generator().manual_seed(2)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params,
+                           initial_states(obj, 1, 1, 64, 64, g), g, torch.bfloat16)
+    assert seen == [{torch.float32}]
+    assert_within(cmp.errors, TOL_CHUNKED[torch.bfloat16])
+
+
 def test_dispatch_runs_the_family_and_says_so():
     obj = ssmcraft.compile("precond_delta")
     obj.prefer = "interpret"

@@ -35,7 +35,13 @@ R (and so g) never reads S, so the layer splits in two:
    a whole sequence accumulates every chunk's rounding, an inverse per segment does not;
 2. S: a rank-1 update with read key k and erase/insert key g, through ``rank1_chunk``'s chunked
    tensor-core function (``chunk_rank1(v=g, p=x, c=1, oq=q, u=k)``, the merged form: insert key =
-   erase key).
+   erase key), in fp32 whatever the I/O dtype (``MEMORY_FP32``). Unlike DeltaNet's step (I - beta k
+   k^T, a contraction), I - k g^T contracts only in R's norm: |g| = |R^-1 k| is 3-10 for unit keys
+   under lam ~ 0.88, and a chunk's inverse M = (I + strict_lower(K G^T))^-1 and W = M K, which the
+   chunked function stores in its I/O dtype, amplify bf16 rounding. At T = 1029, d = m = 64 (PyTorch
+   float64 with the bf16 kernels' roundings replayed) y is off by 1.0e-2 with only the inputs
+   rounded, still 1.0e-2 with g rounded too, 2.3e-2 with M, 1.6e-2 with W, 2.9e-2 with every stored
+   tile (gradients up to 7.3e-2 on the GPU, dk). In fp32 only the inputs' rounding remains.
 
 Why float64 for P: with forgetting (lam < 1) the directions of R that recent keys do not fill
 decay towards 0, so R's condition number reaches ~1e6 at m = 64 within tens of tokens, and the
@@ -51,7 +57,8 @@ With lam = sigmoid(N(2, 1)) a chunk holds ~16 tokens.
 
 Shapes: k, q [B, T, H, m]; x [B, T, H, d]; lam, beta, eta [B, T, H]; states (R [B, H, m, m], S
 [B, H, d, m]) as the API carries them. I/O in float32, bfloat16 or float16 (the precision reads
-fp32 copies of k, lam, beta, eta); P, V, L, L^-1 in float64, g in float32 then the I/O dtype.
+fp32 copies of k, lam, beta, eta, the memory's step fp32 copies of g, x, q, k); P, V, L, L^-1 in
+float64, g in float32.
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end,
 states ``[N, H, ...]``. The sequential form runs one program per (sequence, head) over that
@@ -68,13 +75,14 @@ from ssmcraft.ops.family import match_reason, probed_match
 from ssmcraft.ops.common.varlen import offsets
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import IO_DTYPES, buffer, io_dtype, pow2
-from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, precisions, segments
+from ssmcraft.ops.precision_rank1.parallel import CovarianceFunction, inverse, segments
 from ssmcraft.ops.precision_rank1.kernels import precision_bwd_kernel, precision_fwd_kernel
 from ssmcraft.ops.rank1_chunk.chunk import chunk_rank1
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 PARALLEL = True                     # the parallel form (``parallel.py``); False: one program walks the chunks
 SEGMENT = 32                        # the parallel form's segment (tokens): one inverse, then chained chunks
+MEMORY_FP32 = True                  # the memory's chunked step in fp32 whatever the I/O dtype (``_memory``)
 BACKEND_NAME = "precision-fp64+rank1-chunk"
 CHUNK = 64                          # chunk size of the rank-1 part
 PCHUNK = 16                         # the precision's longest chunk (its Cholesky runs column by column)
@@ -96,10 +104,12 @@ def _starts(rows: int, cols: int, device) -> torch.Tensor:
 class PrecisionFunction(torch.autograd.Function):
     """(k [B, T, H, K], lam [B, T, H], beta [B, T, H] | None, eta [B, T, H] | None, P0 [N, H, K, K]
     float64, cu int32 [N + 1] offsets of a packed row (B = 1) | None (N = B), the longest sequence's
-    length | None (= T)) -> (g [B, T, H, K] float32, P_T [N, H, K, K] float64)."""
+    length | None (= T), from_r) -> (g [B, T, H, K] float32, P_T [N, H, K, K] float64). ``from_r``:
+    the fifth input is the initial covariance R0 instead, inverted here (``parallel.inverse``), and
+    its gradient is R0's (the backward kernel's ``DR``)."""
 
     @staticmethod
-    def forward(ctx, k, lam, beta, eta, p0, cu=None, longest=None):
+    def forward(ctx, k, lam, beta, eta, p0, cu=None, longest=None, from_r=False):
         B, T, H, K = k.shape
         N = p0.shape[0]
         dev = k.device
@@ -110,12 +120,14 @@ class PrecisionFunction(torch.autograd.Function):
                               *(_empty(B, T, H, PCHUNK, device=dev, dtype=torch.float64) for _ in range(2)),
                               _starts(N * H, TS, dev)) if train else (g, g, g, g))
         pt = _empty(N, H, K, K, device=dev, dtype=torch.float64)
+        if from_r:
+            p0 = inverse(p0)
         launch(precision_fwd_kernel, (N * H,), k=k, lam=lam, beta=lam if beta is None else beta,
                eta=lam if eta is None else eta, p0=p0, g=g, v=v, lc=lc, li=li, starts=starts, pt=pt,
                cu=g if cu is None else cu, T=T, TS=TS, H=H, K=K, BK=pow2(K), BC=PCHUNK, TAU=GAMMA_MIN,
                HAS_BETA=beta is not None, HAS_ETA=eta is not None, STORE=train, VARLEN=cu is not None)
         ctx.set_materialize_grads(False)
-        ctx.cu, ctx.ts = cu, TS
+        ctx.cu, ctx.ts, ctx.from_r = cu, TS, from_r
         if train:
             ctx.save_for_backward(k, lam, beta, eta, v, lc, li, starts, pt)
         return g, pt
@@ -137,8 +149,9 @@ class PrecisionFunction(torch.autograd.Function):
                dpt=dg if dpt is None else (0.5 * (dpt + dpt.transpose(-1, -2))).contiguous(),
                dk=dk, dlam=dlam, dbeta=dbeta, deta=deta, dp0=dp0, cu=dk if ctx.cu is None else ctx.cu, T=T, TS=ctx.ts, H=H, K=K,
                BK=pow2(K), BC=PCHUNK, HAS_BETA=beta is not None, HAS_ETA=eta is not None, HAS_DPT=dpt is not None,
-               VARLEN=ctx.cu is not None)
-        return dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None, None
+               VARLEN=ctx.cu is not None, DR=ctx.from_r)
+        return (dk, dlam, (dbeta if beta is not None else None), (deta if eta is not None else None), dp0, None, None,
+                None)
 
 
 def form() -> str:
@@ -168,7 +181,7 @@ def _precision(k, lam, beta, eta, R0, cu, N):
     if len(starts) == 1:                # no token at all: no segment, nothing to launch
         return k.new_zeros(B, T, H, K), RT
     row = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])      # noqa: E731
-    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), precisions(Rs), i32(starts), SEGMENT)
+    g, _ = PrecisionFunction.apply(row(k), row(lam), row(beta), row(eta), Rs, i32(starts), SEGMENT, True)
     return g.view(B, T, H, K), RT
 
 
@@ -213,9 +226,12 @@ def precision_rank1(k, x, q, lam, *, beta=None, eta=None, initial_state=None, ou
     # every input in fp32: Triton 3.6 gives an fp64 product that reads a value converted from 16 bits
     # a packed operand layout that its fp64 tensor-core lowering rejects ("fp64 don't support largeK MMA")
     head = lambda t: None if t is None else t.float().contiguous()     # noqa: E731
-    g, RT = _precision(head(k), head(lam), head(beta), head(eta), R0, cu, N)
-    o, ht = _memory(g.to(dt), x, q, k, None if S0 is None else S0.transpose(-1, -2), output_final_state, chunk_size,
-                    cu_seqlens)
+    kf = head(k)
+    g, RT = _precision(kf, head(lam), head(beta), head(eta), R0, cu, N)
+    mem = torch.float32 if MEMORY_FP32 else dt
+    o, ht = _memory(g.to(mem), x.to(mem), q.to(mem), kf if MEMORY_FP32 else k, None if S0 is None else
+                    S0.transpose(-1, -2), output_final_state, chunk_size, cu_seqlens)
+    o = o.to(dt)
     if not output_final_state:
         return o, None
     return o, (RT.float(), ht.transpose(-1, -2))

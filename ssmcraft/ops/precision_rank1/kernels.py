@@ -58,32 +58,36 @@ def _pick(x, o_c, j):
 def _cholesky_inverse(a, o_c, BC: tl.constexpr):
     """The lower Cholesky factor L of a symmetric positive definite ``a [BC, BC]`` (float64) and L^-1.
 
-    L column by column (right-looking: each column's outer product leaves the trailing Schur
-    complement), ``a`` symmetrised first and each column read twice, as a column and as a row (equal,
-    ``a`` staying exactly symmetric): the outer product needs it along both axes, and a second
-    reduction within a warp is cheaper than moving the vector between the two layouts. L^-1 row by row
-    (forward substitution), one row behind: row j - 1 of L is complete after column j - 1, and the two
-    independent chains of reductions share each iteration. Every tile stays in ``a``'s layout (the
-    dot's: a tile each warp holds whole, so that the reductions stay within a warp)."""
+    Both right-looking, column j of L and row j of L^-1 in the same iteration: column j of L is
+    column j of the trailing Schur complement over the square root of its pivot, then the outer
+    product leaves the next complement; row j of L^-1 is row j of Y (the identity less the rows of
+    L^-1 found so far, each times its column of L) over that pivot's root, then Y loses column j of
+    L times it. The pivots come from a vector of the complement's diagonal, updated alongside, so
+    that the four reductions of an iteration (column and row j of ``a``, the pivot, row j of Y) are
+    independent and the iteration's dependent chain is one reduction, a square root and a division
+    (IEEE: ``tl.math.rsqrt`` is ``rsqrt.approx.f64`` on sm_90). ``a`` is symmetrised first and each
+    column read twice, as a column and as a row (equal, ``a`` staying exactly symmetric): the outer
+    product needs it along both axes, and a second reduction within a warp is cheaper than moving the
+    vector between the two layouts. Every tile stays in ``a``'s layout (the dot's: a tile each warp
+    holds whole, so that the reductions stay within a warp)."""
     a = _sym(a)
+    eye = o_c[:, None] == o_c[None, :]
     b_l = a * 0.
-    b_lt = a * 0.
-    b_x = a * 0.
-    b_d = tl.sum(b_l, axis=1)                  # 1 / L_jj, filled as the columns come
-    for j in range(BC + 1):
-        # column j of L (none when j = BC: every row masked)
+    b_y = tl.where(eye, 1., b_l)
+    b_x = b_l
+    b_dg = tl.sum(tl.where(eye, a, 0.), axis=1)          # the trailing complement's diagonal
+    for j in range(BC):
         col = tl.sum(tl.where(o_c[None, :] == j, a, 0.), axis=1)
         row = tl.sum(tl.where(o_c[:, None] == j, a, 0.), axis=0)
-        inv = 1. / tl.sqrt(tl.where(j < BC, _pick(col, o_c, j), 1.))
+        y = tl.sum(tl.where(o_c[:, None] == j, b_y, 0.), axis=0)
+        inv = 1. / tl.sqrt(_pick(b_dg, o_c, j))
         l_r = tl.where(o_c >= j, col * inv, 0.)
         l_c = tl.where(o_c >= j, row * inv, 0.)
-        # row j - 1 of L^-1 (none when j = 0), from row j - 1 of L (column j - 1 of L^T)
-        r = tl.sum(tl.where(o_c[None, :] == j - 1, b_lt, 0.), axis=1)
-        x = (tl.where(o_c == j - 1, 1., 0.) - tl.sum(r[:, None] * b_x, axis=0)) * _pick(b_d, o_c, j - 1)
-        b_x = tl.where(o_c[:, None] == j - 1, x[None, :], b_x)
+        x = y * inv
         b_l = tl.where(o_c[None, :] == j, l_r[:, None], b_l)
-        b_lt = tl.where(o_c[:, None] == j, l_c[None, :], b_lt)
-        b_d = tl.where(o_c == j, inv, b_d)
+        b_x = tl.where(o_c[:, None] == j, x[None, :], b_x)
+        b_y = b_y - tl.where(o_c[:, None] > j, l_r[:, None] * x[None, :], 0.)
+        b_dg = b_dg - l_r * l_r
         a = a - l_r[:, None] * l_c[None, :]
     return b_l, b_x
 
@@ -152,17 +156,19 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
     tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
 
 
-@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN"])
+@tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN", "DR"])
 @triton.jit(do_not_specialize=["T", "TS"])
 def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, dlam, dbeta, deta, dp0, cu,
                          T, TS, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                          HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_DPT: tl.constexpr,
-                         VARLEN: tl.constexpr):
+                         VARLEN: tl.constexpr, DR: tl.constexpr):
     """Reverse over the forward's chunks (``starts``) from the final P: each chunk's P rebuilt from the next one and the stored
     V, P = Gamma_C P_next + V^T V (a contraction: rounding does not grow backwards), then the adjoint
     of the forward's chunk step (float64; the Cholesky factor's through L^-T Phi(L^T dL) L^-1):
     k's, lam's, beta's, eta's gradients, then the initial P's, kept symmetric (the gradient with
-    respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward."""
+    respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward. DR: the initial P
+    was the inverse of a covariance R (the parallel form's segments): store R's gradient instead,
+    -P dP P, with P as rebuilt here (in registers, where a pass in PyTorch reads both from memory)."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -224,6 +230,8 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
         b_y = 0.5 * b_du
         b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
         b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
+    if DR:
+        b_dp = -tl.dot(tl.dot(b_p, b_dp, out_dtype=tl.float64), b_p, out_dtype=tl.float64)
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
 
 

@@ -9,11 +9,11 @@ segment j's lam and W_j = diag(beta_t prod_{s > t in j} lam_s),
 
 is one float64 product per segment: ``CovarianceFunction`` (``kernels.covariance_fwd_kernel``, one
 program per (sequence, head)) stores R_j at every segment's first token and the final covariance.
-Each segment's precision P_j = R_j^-1 (``precisions``: batched Cholesky) then seeds that segment's
+Each segment's precision P_j = R_j^-1 (``inverse``: batched Cholesky) then seeds that segment's
 chunked float64 steps (``kernels.precision_fwd_kernel``, the segments as the sequences of a packed
 row: every (segment, head) its own program). The backward is the precision kernels' adjoint per
-segment in parallel, the inverse's (dR = -P dP P), then the scan's in reverse
-(``covariance_bwd_kernel``).
+segment in parallel, ending with the inverse's (dR = -P dP P, in the same program), then the scan's
+in reverse (``covariance_bwd_kernel``).
 
 Why the inverse and not the precision chained across the whole sequence: a chained precision
 carries every chunk's rounding forward, divided by each later Gamma; the covariance's scan only adds
@@ -87,26 +87,12 @@ class CovarianceFunction(torch.autograd.Function):
         return dk, dlam, (dbeta if beta is not None else None), dr0, None, None, None, None, None
 
 
-class _Inverse(torch.autograd.Function):
-    """R^-1 of a batch of symmetric positive definite float64 matrices [n, H, K, K] by Cholesky (a
-    batched factorization, then ``cholesky_inverse``): symmetric up to rounding (the precision
-    kernel symmetrises it as it loads it); NaN where the factorization fails (R not positive
-    definite in float64), as the sequential form's chunk step turns a negative pivot into NaN.
-    Backward: dR = -P dP P."""
-
-    @staticmethod
-    def forward(ctx, R):
-        L, info = torch.linalg.cholesky_ex(R)
-        P = torch.cholesky_inverse(L).masked_fill((info > 0)[..., None, None], float("nan"))
-        ctx.save_for_backward(P)
-        return P
-
-    @staticmethod
-    def backward(ctx, dP):
-        P, = ctx.saved_tensors
-        return -(P @ dP @ P)
-
-
-def precisions(R: torch.Tensor) -> torch.Tensor:
-    """``_Inverse`` of R [n, H, K, K] (float64, symmetric: its lower triangle is read)."""
-    return _Inverse.apply(R)
+def inverse(R: torch.Tensor) -> torch.Tensor:
+    """R^-1 of a batch of symmetric positive definite float64 matrices [n, H, K, K] (the lower
+    triangle is read) by Cholesky (a batched factorization, then ``cholesky_inverse``): symmetric up
+    to rounding (the precision kernel symmetrises it as it loads it); NaN where the factorization
+    fails (R not positive definite in float64), as the sequential form's chunk step turns a negative
+    pivot into NaN. Its gradient, dR = -P dP P, is taken in the precision kernels' backward
+    (``chunk.PrecisionFunction`` with ``from_r``), where P is in registers."""
+    L, info = torch.linalg.cholesky_ex(R)
+    return torch.cholesky_inverse(L).masked_fill((info > 0)[..., None, None], float("nan"))
