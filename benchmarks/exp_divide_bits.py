@@ -5,7 +5,8 @@ per-head decay of fixed gain per chunk (``-log2 prod a`` over the chunk = the bi
 lose), under the Triton interpreter (CPU) or on a GPU. Prints the worst relative RMS error over
 y, S_T and every gradient (inputs, decay, initial state) per gain. ``--time SHAPE`` (GPU) instead
 times wd/gated Longhorn through ``obj()`` (bf16, the bench's draws) with every chunk rebuilt, the
-default bound and every chunk walked, beside DeltaNet and Longhorn, in one process.
+default bound and every chunk walked, with one reverse loop for both ways and with a loop per way
+(``recurrent.ONE_LOOP``), beside DeltaNet and Longhorn, in one process.
 
     TRITON_INTERPRET=1 python3 benchmarks/exp_divide_bits.py [--T 96] [--chunk 8] [--K 16] [--V 16]
     python3 benchmarks/exp_divide_bits.py --time 8,2048,16,64,64
@@ -63,15 +64,15 @@ def errors(bits, args, seed):
 def timings(shape):
     """fwd / fwd+bwd ms per (objective, bound) through ``obj()``, bf16, one process."""
     from ssmcraft.bench.classes_commands import measure
-    default = R.DIVIDE_BITS
-    rows = [("deltanet", None), ("longhorn", None)] + [(n, b) for n in ("wd_longhorn", "gated_longhorn")
-                                                        for b in (-1.0, default, math.inf)]
-    for name, bits in rows:
-        R.DIVIDE_BITS = default if bits is None else bits
+    default, one = R.DIVIDE_BITS, R.ONE_LOOP
+    rows = [("deltanet", None, one), ("longhorn", None, one)] + [
+        (n, b, o) for n in ("wd_longhorn", "gated_longhorn") for o in (True, False) for b in (-1.0, default, math.inf)]
+    for name, bits, loop in rows:
+        R.DIVIDE_BITS, R.ONE_LOOP = (default if bits is None else bits), loop
         r = measure(name, name, shape, torch.bfloat16)
-        print(f"{name:16s} bits {'-' if bits is None else bits!s:5s} {r['backend']:28s} fwd {r['fwd_ms']:.3f} ms  "
-              f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)
-    R.DIVIDE_BITS = default
+        print(f"{name:16s} bits {'-' if bits is None else bits!s:5s} {'one loop' if loop else 'loop per way':12s} "
+              f"{r['backend']:28s} fwd {r['fwd_ms']:.3f} ms  fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)
+    R.DIVIDE_BITS, R.ONE_LOOP = default, one
 
 
 def main():

@@ -69,7 +69,7 @@ def rank1_consts(case: str, BV: int, which: str) -> dict:
     distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
     index = tuple(distinct.index(s) if s in distinct else 0 for s in (1, 2, 3))
     return dict(common, MODES=modes[:4] + (0,), CONSTS=consts[:4] + (0.,), INDEX=index, DHT=None,
-                CP=R.next_pow2(chunk), **absent)
+                CP=R.next_pow2(chunk), ONE_LOOP=bool(R.ONE_LOOP), **absent)
 
 
 def rankr_cases(BV: int):

@@ -184,8 +184,9 @@ def _decays(shape, g, mixed_at):
 
 
 def _decayed_run(mode, bits, monkeypatch, seed=7):
-    """(errors against the float64 loop, our gradient of the decay: it reads the states): Longhorn's step, a decay per head, per row or
-    per key (``mode``), distinct read key, initial state, gradients on y and S_T; outputs poisoned."""
+    """(errors against the float64 loop, our gradient of the decay: it reads the states): Longhorn's
+    step, a decay per head, per row or per key (``mode``), distinct read key, initial state, gradients
+    on y and S_T; outputs poisoned."""
     monkeypatch.setattr(R, "DECAY_CHUNK", 4)
     monkeypatch.setattr(R, "DIVIDE_BITS", bits)
     R.set_config(fwd=(8, 1), bwd=(8, 1))          # three row blocks at V = 20: the decision is per program
@@ -215,13 +216,15 @@ def _decayed_run(mode, bits, monkeypatch, seed=7):
     return errs, got[2]
 
 
-@pytest.mark.parametrize("mode", ["head", "row", "key"])
-def test_decayed_chunks_walked_where_mild_and_rebuilt_where_strong(mode, monkeypatch):
+@pytest.mark.parametrize("mode,one_loop", [("head", True), ("row", True), ("key", True), ("row", False)])
+def test_decayed_chunks_walked_where_mild_and_rebuilt_where_strong(mode, one_loop, monkeypatch):
     """Both ways in one sequence against the float64 loop (output, final state, every gradient: keys,
     read key, the decay, the step, the input, the output bias, the initial state), and which way each
     chunk took: the mild chunks at the end (the reverse sweep's first) give bit for bit the gradients
     of a run that walks every chunk and not those of one that rebuilds every chunk; walking every
-    chunk loses the strong chunks' gradients, so the default run rebuilt them."""
+    chunk loses the strong chunks' gradients, so the default run rebuilt them. Both kernel forms: one
+    reverse loop selecting the way per state, and a loop per way."""
+    monkeypatch.setattr(R, "ONE_LOOP", one_loop)
     errs, da = _decayed_run(mode, R.DIVIDE_BITS, monkeypatch)
     check(errs)
     errs_walk, da_walk = _decayed_run(mode, float("inf"), monkeypatch)

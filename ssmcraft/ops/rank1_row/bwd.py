@@ -23,7 +23,12 @@ scalar per row and step), the state every ``CHUNK`` steps and the final state. T
     slots it has loaded for the step anyway (keeping every fourth state instead held four state
     tiles live and spilled registers at K = 64).
   The bound is a product of the decays of the chunk's steps, which the kernel loads (one tile per
-  chunk, a chunk ahead) and reduces while the previous chunk runs.
+  chunk, a chunk ahead) and reduces while the previous chunk runs. ``ONE_LOOP`` (the default,
+  ``recurrent.ONE_LOOP``): both ways run one reverse loop, which computes the quotient and the
+  rebuilt state and selects one (``state_before``); else a reverse loop per way, each running no
+  step in a chunk of the other way. With a loop per way, a launch whose chunks mixed the ways ran
+  slower on the GPU than with every chunk on either way (gated Longhorn, 1.7% of its chunks
+  rebuilt: 5.69 ms fwd+bwd against 4.40 all walked and 6.17 all rebuilt; BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -69,22 +74,24 @@ def rebuild(s, sl, valid, QV: tl.constexpr, KD: tl.constexpr = False):
 
 
 @triton.jit
-def state_before(st, sl, rebuilt, REBUILT: tl.constexpr, QV: tl.constexpr, DIVIDE: tl.constexpr = False,
+def state_before(st, sl, rebuilt, walk, KEPT: tl.constexpr, QV: tl.constexpr, DIVIDE: tl.constexpr = False,
                  KD: tl.constexpr = False):
-    """s_{t-1}: ``rebuilt`` (``REBUILT``), else s_t + c z v - p q (``QV``: q is v), divided by ``a``
-    where ``DIVIDE`` (per key where ``KD``)."""
-    if REBUILT:
+    """s_{t-1}: s_t + c z v - p q (``QV``: q is v), divided by ``a`` where ``DIVIDE`` (per key where
+    ``KD``); ``KEPT``: ``rebuilt`` instead, or (``DIVIDE`` too) that where not ``walk``."""
+    u, v, q, oq, a, c, p, oc, dy, z = sl
+    if KEPT and not DIVIDE:
         sp = rebuilt
     else:
-        u, v, q, oq, a, c, p, oc, dy, z = sl
         if QV:
             sp = st + v[:, None] * (c * z - p)[None, :]
         else:
             sp = st + v[:, None] * (c * z)[None, :] - q[:, None] * p[None, :]
         if DIVIDE:
-            # masked rows and keys load a = 0 and hold a zero state: divided by 1 there (not inf * 0);
-            # a valid step's a is never 0 here (a chunk with one has an unbounded gain: rebuilt)
+            # masked rows and keys load a = 0 and hold a zero state: divided by 1 there (not inf * 0); a
+            # chunk with a valid a of 0 is rebuilt (an unbounded gain), its quotient never selected
             sp = decayed(1. / tl.where(a == 0., 1., a), sp, KD)
+        if KEPT:
+            sp = tl.where(walk, sp, rebuilt)
     return sp
 
 
@@ -238,32 +245,21 @@ def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl
 
 
 @triton.jit
-def reverse_slots(vecs, rows, DY, Z, t0, t1, base, H, h, K, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr,
-                  GROUPS: tl.constexpr, BV: tl.constexpr):
-    """The slots of the chunk [t0, t1)'s last four steps (clamped to the chunk), latest first."""
-    return (load_bwd_slots(vecs, rows, DY, Z, (base + t1 - 1) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV),
-            load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 2, t0)) * H + h, K, V, ix, MODES, CONSTS,
-                           GROUPS, BV),
-            load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 3, t0)) * H + h, K, V, ix, MODES, CONSTS,
-                           GROUPS, BV),
-            load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 4, t0)) * H + h, K, V, ix, MODES, CONSTS,
-                           GROUPS, BV))
-
-
-@triton.jit
-def reverse_steps(ds, st, slots, scr, n, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z, grads, DM, i_v, NB, NG,
+def reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z, grads, DM, i_v, NB, NG,
                   MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
-                  BV: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, REBUILT: tl.constexpr,
-                  DIVIDE: tl.constexpr):
-    """The chunk [t0, t1)'s steps in reverse, ``s_{t-1}`` read from the kept states (``REBUILT``) or
-    walked back from ``st`` (divided by the decay where ``DIVIDE``); ``n`` (t1 - t0 or 0) is the
-    loop's trip count, ``slots`` the first four steps' (``reverse_slots``). Four steps per iteration
-    with a 4-step register prefetch of the slots, as in the forward. Returns (adjoint, state) before
-    the chunk and the slots (as given where ``n`` is 0)."""
+                  BV: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, KEPT: tl.constexpr, DIVIDE: tl.constexpr):
+    """The chunk [t0, t1)'s steps in reverse, ``s_{t-1}`` as ``state_before`` says (``KEPT``: the kept
+    states are read, where not ``walk`` if ``DIVIDE`` too); ``n`` (t1 - t0 or 0) is the loop's trip
+    count. Four steps per iteration with a 4-step register prefetch of the slots, as in the forward.
+    Returns (adjoint, state) before the chunk."""
     QV: tl.constexpr = GROUPS[1] == GROUPS[0]
     KD: tl.constexpr = MODES[IA] == 3
     offs_v = ix[2]
-    s0_, s1_, s2_, s3_ = slots
+    kept = kept_tile(BK, BV)
+    s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + t1 - 1) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 2, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 3, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t1 - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     for jt in range(0, n, 4):
         t = t1 - 1 - jt
         if PF > 0:
@@ -272,27 +268,29 @@ def reverse_steps(ds, st, slots, scr, n, t0, t1, base, H, h, K, V, ix, vecs, row
             prefetch_l2(DY + rowf * V + offs_v)
             prefetch_l2(Z + rowf * V + offs_v)
         x0, x1, x2, x3 = st, st, st, st
-        if REBUILT:
-            x1 = tl.load(scr + (jt // 2) * BK * BV + kept_tile(BK, BV))
+        if KEPT:
+            # a walked chunk has kept nothing: no load issued (masked), the rebuilt state not selected
+            x1 = tl.load(scr + (jt // 2) * BK * BV + kept, mask=(kept >= 0) & ((walk == 0) | (not DIVIDE)), other=0.)
             x0 = rebuild(x1, s1_, t - 1 >= t0, QV, KD)
         row = (base + t) * H + h
-        ds, st = bwd_step(ds, st, state_before(st, s0_, x0, REBUILT, QV, DIVIDE, KD), s0_, t, t0, row, K, V, ix,
-                          grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
-        s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        ds, st = bwd_step(ds, st, state_before(st, s1_, x1, REBUILT, QV, DIVIDE, KD), s1_, t - 1, t0, row - H, K, V,
+        ds, st = bwd_step(ds, st, state_before(st, s0_, x0, walk, KEPT, QV, DIVIDE, KD), s0_, t, t0, row, K, V,
                           ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+        s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        ds, st = bwd_step(ds, st, state_before(st, s1_, x1, walk, KEPT, QV, DIVIDE, KD), s1_, t - 1, t0, row - H,
+                          K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
         s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        if REBUILT:
+        if KEPT:
             # past the chunk's start (t - 2 < t0) the slot is stale: read, never used
-            x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept_tile(BK, BV))
+            x3 = tl.load(scr + (jt // 2 + 1) * BK * BV + kept, mask=(kept >= 0) & ((walk == 0) | (not DIVIDE)),
+                         other=0.)
             x2 = rebuild(x3, s3_, t - 3 >= t0, QV, KD)
-        ds, st = bwd_step(ds, st, state_before(st, s2_, x2, REBUILT, QV, DIVIDE, KD), s2_, t - 2, t0, row - 2 * H,
-                          K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+        ds, st = bwd_step(ds, st, state_before(st, s2_, x2, walk, KEPT, QV, DIVIDE, KD), s2_, t - 2, t0,
+                          row - 2 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
         s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 6, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        ds, st = bwd_step(ds, st, state_before(st, s3_, x3, REBUILT, QV, DIVIDE, KD), s3_, t - 3, t0, row - 3 * H,
-                          K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+        ds, st = bwd_step(ds, st, state_before(st, s3_, x3, walk, KEPT, QV, DIVIDE, KD), s3_, t - 3, t0,
+                          row - 3 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
         s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-    return ds, st, (s0_, s1_, s2_, s3_)
+    return ds, st
 
 
 @triton.jit
@@ -308,6 +306,7 @@ def rank1_row_bwd_kernel(
     VARLEN: tl.constexpr = False,
     BITS=0.,                                  # a decay: the most bits a chunk's walk divided by it may lose
     CP: tl.constexpr = 1,                     # a decay: CHUNK rounded up to a power of 2
+    ONE_LOOP: tl.constexpr = True,            # a decay: one reverse loop for both ways (else one per way)
 ):
     """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV];
     ``s_{t-1}`` as the module docstring says. VARLEN: program row ``b`` is sequence ``b`` of a packed
@@ -334,8 +333,8 @@ def rank1_row_bwd_kernel(
     if REBUILT:
         # CHUNK/2 + 1 slots: a group's second pair past a chunk's start reads a slot it does not use
         scr = SCR + ((i_bh.to(tl.int64) * NV + i_v) * ((CHUNK + 1) // 2 + 1)) * BK * BV
-        walk = lost_bits(decay_tile(A, base, (NC - 1) * CHUNK, T, H, h, K, V, ix, MODES[IA], CONSTS[IA], CHUNK,
-                                    CP)) <= BITS
+        walk_next = lost_bits(decay_tile(A, base, (NC - 1) * CHUNK, T, H, h, K, V, ix, MODES[IA], CONSTS[IA],
+                                         CHUNK, CP)) <= BITS
 
     for jc in range(0, NC):
         ci = NC - 1 - jc
@@ -343,26 +342,28 @@ def rank1_row_bwd_kernel(
         t1 = tl.minimum(t0 + CHUNK, T)
         if PF > 0:
             prefetch_l2(ckp + tl.maximum(ci - 1, 0) * K * V + tile)     # the next chunk's checkpoint
-        n_walk = t1 - t0
-        slots = reverse_slots(vecs, rows, DY, Z, t0, t1, base, H, h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+        walk = True
+        n = t1 - t0
         if REBUILT:
-            # the chunk's way is chosen by trip counts (the loop of the other way runs no step, and hands
-            # the slots it was given to the other), not by a branch: a branch reassigning loop-carried
-            # tiles inside a loop has compiled wrong on the GPU
-            n_walk = tl.where(walk, t1 - t0, 0)
+            walk = walk_next
             # the previous chunk's decays: loaded now, reduced once this chunk's steps are done
             dec = decay_tile(A, base, tl.maximum(ci - 1, 0) * CHUNK, T, H, h, K, V, ix, MODES[IA], CONSTS[IA],
                              CHUNK, CP)
-            keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, t1 - t0 - n_walk, base, H, h, K, V, ix,
-                        tile, mask_s, MODES, CONSTS, GROUPS, BV, BK, PF)
+            # the chunk's way is a trip count (the rebuild's loops run no step in a walked chunk) and, in
+            # ONE_LOOP, a select per state, not a branch: a branch reassigning loop-carried tiles inside a
+            # loop has compiled wrong on the GPU
+            n_kept = tl.where(walk, 0, t1 - t0)
+            keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, n_kept, base, H, h, K, V, ix, tile, mask_s,
+                        MODES, CONSTS, GROUPS, BV, BK, PF)
             tl.debug_barrier()
-            ds, st, slots = reverse_steps(ds, st, slots, scr, t1 - t0 - n_walk, t0, t1, base, H, h, K, V, ix, vecs,
-                                          rows, DY, Z, grads, DM, i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK,
-                                          PF, True, False)
-        ds, st, slots = reverse_steps(ds, st, slots, scr, n_walk, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z,
-                                      grads, DM, i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, False, REBUILT)
+            if not ONE_LOOP:
+                ds, st = reverse_steps(ds, st, scr, walk, n_kept, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z,
+                                       grads, DM, i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, True, False)
+                n = t1 - t0 - n_kept
+        ds, st = reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z, grads, DM,
+                               i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, REBUILT and ONE_LOOP, REBUILT)
         if REBUILT:
-            walk = lost_bits(dec) <= BITS
+            walk_next = lost_bits(dec) <= BITS
         # the exact state at the chunk start: a walk's rounding does not carry into the next chunk (a
         # rebuilt chunk ends on its first kept state, this checkpoint itself)
         st = tl.load(ckp + ci * K * V + tile, mask=mask_s, other=0.)
