@@ -55,7 +55,7 @@ def errors(bits, args, seed):
         ko, qo, ao, co, po, So = ours
         y, S = R.rank1_row_recurrence(ko, ko, ko, qo, co, po, a=ao, initial_state=So, output_final_state=True)
         got = torch.autograd.grad((y.double() * dy.to(dev)).sum() + (S.double() * dS.to(dev)).sum(), ours)
-        rel = lambda x, y_: float((x.double().cpu() - y_).norm() / y_.norm())  # noqa: E731
+        rel = lambda x, y_: float((x.detach().double().cpu() - y_).norm() / y_.norm())  # noqa: E731
         errs = [rel(y, y_ref), rel(S, S_ref)] + [rel(x, y_) for x, y_ in zip(got, ref_g)]
         out.append(max(errs))
     return out
