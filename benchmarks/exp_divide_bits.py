@@ -5,7 +5,7 @@ per-head decay of fixed gain per chunk (``-log2 prod a`` over the chunk = the bi
 lose), under the Triton interpreter (CPU) or on a GPU. Prints the worst relative RMS error over
 y, S_T and every gradient (inputs, decay, initial state) per gain. ``--time SHAPE`` (GPU) instead
 times wd/gated Longhorn through ``obj()`` (bf16, the bench's draws) with every chunk rebuilt, the
-default bound and every chunk walked, with one reverse loop for both ways and with a loop per way
+default bound, 6 bits and every chunk walked, with one reverse loop for both ways and with a loop per way
 (``recurrent.ONE_LOOP``), beside DeltaNet and Longhorn, in one process.
 
     TRITON_INTERPRET=1 python3 benchmarks/exp_divide_bits.py [--T 96] [--chunk 8] [--K 16] [--V 16]
@@ -66,7 +66,8 @@ def timings(shape):
     from ssmcraft.bench.classes_commands import measure
     default, one = R.DIVIDE_BITS, R.ONE_LOOP
     rows = [("deltanet", None, one), ("longhorn", None, one)] + [
-        (n, b, o) for n in ("wd_longhorn", "gated_longhorn") for o in (True, False) for b in (-1.0, default, math.inf)]
+        (n, b, o) for n in ("wd_longhorn", "gated_longhorn") for o in (True, False)
+        for b in sorted({-1.0, default, 6.0, math.inf})]
     for name, bits, loop in rows:
         R.DIVIDE_BITS, R.ONE_LOOP = (default if bits is None else bits), loop
         r = measure(name, name, shape, torch.bfloat16)
