@@ -34,6 +34,7 @@ RANK1 = {"longhorn": ((0, 2, 2, 0, 0), (1.0, 0., 0., 1.0, 0.), (0, 0, 3)),
          "keydecay": ((3, 2, 2, 0, 0), (0., 0., 0., 1.0, 0.), (1, 1, 3))}
 INTS = {"T", "H", "V", "K", "SEG", "NC", "NV", "NB", "NG", "ZS", "s0_sb", "s0_sh", "s0_sg", "s0_sk", "s0_sv"}
 BF16 = {"U", "Vv", "Q", "OQ", "Y", "DY"}
+FLOATS = {"BITS"}
 
 
 def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
@@ -44,7 +45,7 @@ def compile_count(fn, consts: dict, warps: int, sig: dict | None = None):
             sig[a] = "constexpr"
             continue
         if a not in sig:
-            sig[a] = "i32" if a in INTS else ("*bf16" if a in BF16 else "*fp32")
+            sig[a] = "i32" if a in INTS else "fp32" if a in FLOATS else ("*bf16" if a in BF16 else "*fp32")
         # what Triton specialises at launch: 16-byte aligned pointers, K and V divisible by 16
         if isinstance(sig[a], tuple):
             attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(sig[a]))})
@@ -67,7 +68,8 @@ def rank1_consts(case: str, BV: int, which: str) -> dict:
         absent["SCR"] = None                      # a == 1: exact reconstruction, no kept states
     distinct = [0] + [i for i, g in zip((1, 2, 3), groups) if g == i]
     index = tuple(distinct.index(s) if s in distinct else 0 for s in (1, 2, 3))
-    return dict(common, MODES=modes[:4] + (0,), CONSTS=consts[:4] + (0.,), INDEX=index, DHT=None, **absent)
+    return dict(common, MODES=modes[:4] + (0,), CONSTS=consts[:4] + (0.,), INDEX=index, DHT=None,
+                CP=R.next_pow2(chunk), ONE_LOOP=bool(R.ONE_LOOP), **absent)
 
 
 def rankr_cases(BV: int):

@@ -162,3 +162,100 @@ def test_per_head_key_scale_moves_into_the_erase_step(name, monkeypatch):
     assert u is v and obj.backend == "triton-interpret:rank1-row+prologue"
     assert cmp.written, cmp.errors
     check(cmp.errors)
+
+
+# A decayed chunk is walked back dividing by the decay where the decays lose few bits over it, else
+# rebuilt from its checkpoint (``bwd``'s docstring). T = 27 in chunks of 4 (the last cut at 3):
+# steps 0-11 and 16-19 strong (a in [0.02, 0.05]: some 20 bits per chunk, walked they would lose the
+# fp32 result), 12-15 mild except one row (key) of the first row block, 20-26 mild (a in [0.97, 1]).
+STRONG = [(0, 12), (16, 20)]
+MILD_FROM = 20
+
+
+def _decays(shape, g, mixed_at):
+    """``shape`` [B, T, H(, n)] decays as laid out above; ``mixed_at`` (a row or key index, or None
+    per head) the one strong row of steps 12-15."""
+    a = 0.97 + 0.03 * torch.rand(shape, generator=g, dtype=torch.float64)
+    for s, e in STRONG:
+        a[:, s:e] = 0.02 + 0.03 * torch.rand(a[:, s:e].shape, generator=g, dtype=torch.float64)
+    if mixed_at is not None:
+        a[:, 12:16, :, mixed_at] = 0.03
+    return a
+
+
+def _decayed_run(mode, bits, monkeypatch, seed=7):
+    """(errors against the float64 loop, our gradient of the decay: it reads the states): Longhorn's
+    step, a decay per head, per row or per key (``mode``), distinct read key, initial state, gradients
+    on y and S_T; outputs poisoned."""
+    monkeypatch.setattr(R, "DECAY_CHUNK", 4)
+    monkeypatch.setattr(R, "DIVIDE_BITS", bits)
+    R.set_config(fwd=(8, 1), bwd=(8, 1))          # three row blocks at V = 20: the decision is per program
+    B, T, H, K, V = 2, 27, 2, 8, 20
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    shape = {"head": (B, T, H), "row": (B, T, H, V), "key": (B, T, H, K)}[mode]
+    a = _decays(shape, g, None if mode == "head" else 2)
+    beta = torch.sigmoid(r(B, T, H, V))
+    c = beta / (1 + beta)
+    leaves = [k, r(B, T, H, K), a, c, c * r(B, T, H, V), r(B, T, H, V), r(B, H, K, V)]
+    ref = [x.clone().requires_grad_() for x in leaves]
+    kr, qr, ar, cr, pr, ohr, Sr = ref
+    y_ref, S_ref = naive_recurrent_rank1_row(kr, kr, kr, qr, ar, cr, pr, torch.ones(B, T, H, dtype=torch.float64),
+                                             ohr, Sr, key_decay=mode == "key")
+    dy, dS = r(*y_ref.shape), r(*S_ref.shape)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), ref)
+    ours = [x.detach().float().requires_grad_() for x in leaves]
+    ko, qo, ao, co, po, oho, So = ours
+    y, S = R.rank1_row_recurrence(ko, ko, ko, qo, co, po, a=ao, oh=oho, initial_state=So, output_final_state=True,
+                                  key_decay=mode == "key")
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), ours)
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{n}": rel(x_, y_) for n, x_, y_ in zip(("k", "q", "a", "c", "p", "oh", "S0"), got, ref_g)})
+    R.set_config()
+    return errs, got[2]
+
+
+@pytest.mark.parametrize("mode,one_loop", [("head", True), ("row", True), ("key", True), ("row", False)])
+def test_decayed_chunks_walked_where_mild_and_rebuilt_where_strong(mode, one_loop, monkeypatch):
+    """Both ways in one sequence against the float64 loop (output, final state, every gradient: keys,
+    read key, the decay, the step, the input, the output bias, the initial state), and which way each
+    chunk took: the mild chunks at the end (the reverse sweep's first) give bit for bit the gradients
+    of a run that walks every chunk and not those of one that rebuilds every chunk; walking every
+    chunk loses the strong chunks' gradients, so the default run rebuilt them. Both kernel forms: one
+    reverse loop selecting the way per state, and a loop per way."""
+    monkeypatch.setattr(R, "ONE_LOOP", one_loop)
+    errs, da = _decayed_run(mode, R.DIVIDE_BITS, monkeypatch)
+    check(errs)
+    errs_walk, da_walk = _decayed_run(mode, float("inf"), monkeypatch)
+    errs_rebuild, da_rebuild = _decayed_run(mode, -1.0, monkeypatch)
+    check(errs_rebuild)
+    assert max(v for n, v in errs_walk.items() if n.startswith("d")) > 1e-3, errs_walk
+    assert torch.equal(da[:, MILD_FROM:], da_walk[:, MILD_FROM:])
+    assert not torch.equal(da[:, MILD_FROM:], da_rebuild[:, MILD_FROM:])
+
+
+@pytest.mark.parametrize("name,decay", [("gated_longhorn", "alpha"), ("wd_longhorn", "lam")])
+def test_packed_mixed_decays_equal_separate(name, decay, monkeypatch):
+    """A packed row through ``obj()`` whose sequences' chunks (of 4) walk and rebuild: decays near 1
+    (alpha in [0.97, 1], lam in [0, 0.03]) except steps 4-7 of every sequence (alpha 0.05, lam 20),
+    lengths under, at and across chunks, an empty sequence first and in the middle; equal to the
+    separate float64 reference calls (output, final states, every gradient incl. the decay's and the
+    initial states'), outputs poisoned."""
+    from ssmcraft.runtime.checking import compare, packed_reference
+    from test_varlen import _interpret, packed_inputs
+    monkeypatch.setattr(R, "DECAY_CHUNK", 4)
+    R.set_config(fwd=(8, 1), bwd=(8, 1))
+    obj = ssmcraft.compile(name)
+    lens = [0, 17, 5, 0, 3, 11]
+    ins, params, S0, cu, g = packed_inputs(obj, lens, d=20, m=8)
+    x = torch.rand(ins[decay].shape, generator=g, dtype=torch.float64)
+    mild, strong = (0.97 + 0.03 * x, 0.05) if decay == "alpha" else (0.03 * x, 20.0)
+    steps = torch.cat([torch.arange(n) for n in lens])
+    ins[decay] = torch.where(((steps >= 4) & (steps < 8)).view(1, -1, *[1] * (x.dim() - 2)), strong, mild)
+    ref = packed_reference(obj, ins, params, S0, cu, g)
+    errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
+    R.set_config()
+    assert obj.backend == "triton-interpret:rank1-row+prologue+packed"
+    assert {f"d{decay}", "dS0", "dk", "S_T"} <= set(errs), errs
+    check(errs)

@@ -73,6 +73,11 @@ CHUNK = 64            # checkpoint interval of the backward (steps), a == 1
 # of a restart per chunk; wd_longhorn's fwd+bwd at that shape, H200: 6.49 / 6.28 / 6.06 ms at
 # 64 / 16 / 8 steps (BENCHMARKS.md)
 DECAY_CHUNK = 8
+# with a decay, a chunk whose reversal divided by the decays amplifies rounding by at most 2^DIVIDE_BITS
+# (the product of 1/|a| over its steps) walks back from its end state as a == 1 does, without the
+# rebuild; the others are rebuilt (``bwd``'s docstring)
+DIVIDE_BITS = 4.0
+ONE_LOOP = True       # benchmarks: False runs a reverse loop per way (``bwd``'s docstring)
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -254,7 +259,8 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None, key_decay=False):
                u, v, q, oq, *rows, Z, CK, SCR, ST, dy.contiguous(), dht, *bufs, DM, DS0, *seq,
                T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
                BV=BV, BK=BK, CHUNK=chunk, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
-               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), num_warps=nw, **flag)
+               GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), BITS=float(DIVIDE_BITS),
+               CP=next_pow2(chunk), ONE_LOOP=bool(ONE_LOOP), num_warps=nw, **flag)
     dm = DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
     row_grads = [buf.sum(0) if buf is not None and m in (1, KEY_DECAY) else buf for buf, m in zip(bufs, modes)]
