@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_ratios, log_decay, pair_decay_grad, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -76,10 +76,13 @@ def _per_token(x, o_g, o_j, R: tl.constexpr):
 @triton.jit
 def _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H: tl.constexpr, BTT: tl.constexpr):
     """The within-chunk log-decay sums ``g`` at the chunk's term rows (their tokens' ``vtrow``) and
-    at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end)."""
-    b_g = tl.load(g + vtrow, mask=m_t, other=0.)
+    at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end).
+    Rows past the end take ``gl`` (no decay there, as the forward's sums have it): with 0 there, a
+    factor e^{g_t - g_s} from such a row overflows once the sums pass -88, and inf times its zero
+    cotangent is NaN."""
     last = tl.minimum(T, i_t * BTT + BTT) - 1
     b_gl = tl.load(g + (bos + last).to(tl.int64) * H + i_h)
+    b_g = tl.where(m_t, tl.load(g + vtrow, mask=m_t, other=0.), b_gl)
     return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
 
 
@@ -108,13 +111,13 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g, cu, ci
 
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_la = tl.log(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
+        b_la = log_decay(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
         if R == 1:
             b_g = tl.cumsum(b_la, axis=0)
             b_gt = b_g
         else:   # the decay once per token: counted at its first term row
             b_g = tl.cumsum(tl.where(o_i % R == 0, b_la, 0.), axis=0)
-            b_gt = tl.cumsum(tl.log(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0)
+            b_gt = tl.cumsum(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0)
         b_gp = b_g - b_la
         tl.store(g + trow, b_gt, mask=m_j)
         b_ch = b_c * tl.exp(b_gp)
@@ -209,7 +212,7 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
                 if R == 1:
                     b_gt = b_g
                 else:
-                    b_gt = tl.load(g + trow, mask=m_j, other=0.)
+                    b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
                 b_o = b_o * tl.exp(b_gt)[:, None]
             b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
             b_o += tl.dot(b_L, b_psid, input_precision=PREC)
@@ -272,7 +275,7 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
             if R == 1:
                 b_gt = b_g
             else:
-                b_gt = tl.load(g + trow, mask=m_j, other=0.)
+                b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
             b_oq = (b_oq.to(tl.float32) * tl.exp(b_gt)[:, None]).to(DT)
         b_dpsi = tl.dot(tl.trans(b_L), b_do, input_precision=PREC)
         b_dpsi += tl.dot(b_vk, b_dh.to(DT), input_precision=PREC)
@@ -322,10 +325,19 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     if HAS_A:
         b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BTT)
         b_a = tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32)
-        b_gp = b_g - tl.log(b_a)
+        b_gp = b_g - log_decay(b_a)
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
         b_dgp = tl.zeros([BT], dtype=tl.float32)
+        # the tokens' g and gp, and whether d a is taken term by term (``LOG_EXACT_DA``)
+        if R == 1:
+            b_gt = b_g
+            b_gpt = b_gp
+        else:
+            b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
+            b_gpt = b_gt - log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32))
+        exact = tl.min(b_gt - b_gpt, axis=0) < LOG_EXACT_DA
+        b_dae = tl.zeros([BTT], dtype=tl.float32)
     else:
         b_ch = b_c
 
@@ -412,6 +424,12 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         X = b_dAc * b_Anc
         b_dgp += tl.sum(X, axis=1)
         b_dgv -= tl.sum(X, axis=0)
+        if exact:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
+            b_XP = b_dAc * tl.where(lower, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
+            if GENERAL:
+                b_XP += b_dB * b_c[:, None] * tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            E, Fg, Fgp = decay_ratios(b_g, b_gp, b_gt, b_gpt, o_g, o_j)
+            b_dae += pair_decay_grad(b_XP, b_dch * b_c, Fgp, E, b_gpt, PREC)
         b_dAc = b_dAc * Gp
     b_dAcd = b_dAc.to(DT)
     b_duu += tl.dot(b_dAcd, b_v, input_precision=PREC)
@@ -466,10 +484,17 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        if R == 1:
-            b_gt = b_g
-        else:
-            b_gt = tl.load(g + trow, mask=m_j, other=0.)
+        if exact:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
+            b_XG = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
+            if GENERAL:
+                b_XG += b_dLq * tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            E, Fg, Fgp = decay_ratios(b_g, b_gp, b_gt, b_gpt, o_g, o_j)
+            b_dae += pair_decay_grad(b_XG, tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1), Fg, E, b_gpt, PREC)
+            # Vbar's factors e^{g_last - g_s} and the state's e^{g_last}, undecayed: v . dVb, h . dh
+            b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
+            if GENERAL:
+                b_x7 += tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
+            b_dae += tl.exp(b_gl - b_gt) * (tl.sum(E * b_x7[:, None], axis=0) + tl.exp(b_gpt) * tl.sum(b_hdh, axis=0))
         b_dOQ = b_dOQ * tl.exp(b_gt)[:, None]
         b_dgt = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)     # d g at the chunk's tokens
         b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.).to(tl.float32)
@@ -511,7 +536,9 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
         b_dgp = _per_token(b_dgp, o_g, o_j, R)
         b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        if R == 1:
+        if exact:
+            b_da = b_dae
+        elif R == 1:
             b_da = b_dla / b_a
         else:
             b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
