@@ -78,7 +78,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, key_decay_grad, log_decay, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.varlen import packed_chunks
 from ssmcraft.ops.common.rows import packed_args, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
@@ -141,7 +141,7 @@ def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, cu, co, T, NT,
 def _log_decay(ptr, mask, LOG_G: tl.constexpr):
     """The log-decay tile at ``ptr`` in fp32 (0 where masked); LOG_G: the memory holds a, take log."""
     if LOG_G:
-        return tl.log(tl.load(ptr, mask=mask, other=1.).to(tl.float32))
+        return log_decay(tl.load(ptr, mask=mask, other=1.).to(tl.float32))
     return tl.load(ptr, mask=mask, other=0.).to(tl.float32)
 
 
@@ -469,7 +469,8 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
     later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
     chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)
-    LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a."""
+    LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a (``keydecay_chunk_bwd_da_kernel``
+    then rewrites the chunks where that has lost its digits)."""
     NC: tl.constexpr = BT // BC
     i_k = tl.program_id(0)
     i_bh = tl.program_id(2)
@@ -493,6 +494,63 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     if LOG_G:
         b_dg = b_dg / tl.load(g + p, mask=m, other=1.).to(tl.float32)
     tl.store(dg + p, b_dg, mask=m)
+
+
+@tune(INTRA_CONFIGS, key=["H", "K", "V", "BT"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT", "V_run"])
+def keydecay_chunk_bwd_da_kernel(da, a, q, k, v, do, dA, hs, dhs, cu, ci, T, NT, V_run, H: tl.constexpr,
+                                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                                 BV: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+    """Per (key block, chunk) holding a decay below e^LOG_EXACT_DA (others return at once): dL/da
+    rewritten term by term (``_exact_decay_grad``), where dg / a has lost its digits (and is NaN at a =
+    0). A kernel of its own, launched after ``keydecay_chunk_bwd_dg_kernel``, so that the common case's
+    kernel keeps its registers (with this branch inside, ptxas spilled 9 kB there)."""
+    i_k = tl.program_id(0)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    o_i = tl.arange(0, BT)
+    m_t = (i_t * BT + o_i) < T
+    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    p = row[:, None] * K + o_k[None, :]
+    m = m_t[:, None] & m_k[None, :]
+    b_la = log_decay(tl.load(a + p, mask=m, other=1.).to(tl.float32))
+    if tl.min(tl.min(b_la, axis=1), axis=0) < LOG_EXACT_DA:
+        b_da = _exact_decay_grad(q, k, v, do, dA, hs, dhs, b_la, row, m_t, o_i, o_k, m_k, (cb + i_t) * K * V,
+                                 V_run, K, V, BT, BK, BV, PREC)
+        tl.store(da + p, b_da, mask=m)
+
+
+@triton.jit
+def _exact_decay_grad(q, k, v, do, dA, hs, dhs, b_la, row, m_t, o_i, o_k, m_k, base, V_run, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """dL/da [BT, BK] of one chunk and key block, term by term: da_tk = sum_v dh_t[k, v] h_{t-1}[k, v],
+    with h_{t-1} = e^{gp_t} h0 + sum_{j<t} e^{gp_t - b_j} k_j v_j^T and dh_t = e^{bl - b_t} dH +
+    sum_{i>=t} e^{b_i - b_t} q_i dO_i^T written out (per key: ``tiles.pair_decay_grad``), so that every
+    product of decays leaves a_t out: finite and exact at a_t = 0, where dg / a is not. One key at a
+    time: the factors differ per key."""
+    b_Q = tl.zeros([BT, BK], dtype=tl.float32)      # dO h0^T
+    b_P = tl.zeros([BT, BK], dtype=tl.float32)      # V dH^T
+    b_hd = tl.zeros([BK], dtype=tl.float32)         # sum_v h0 dH
+    for i_v in range(tl.cdiv(V_run, BV)):
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(tl.float32)
+        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        b_Q += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_P += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
+        b_hd += tl.sum(b_h * b_dh, axis=1)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_DV = tl.load(dA + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_b = tl.cumsum(b_la, axis=0)                   # rows past T: log 1 = 0, the sums stay flat
+    b_bl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_b, 0.), axis=0)
+    return key_decay_grad(b_DV, b_q, b_k, b_q * b_Q, b_k * b_P, b_hd, b_b, b_b - b_la, b_bl, o_i, False, BK, PREC)
 
 
 # ----------------------------------------------------------------------------------------
@@ -600,6 +658,10 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
     launch(keydecay_chunk_bwd_dg_kernel, grid,
            dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g,
            **packed_args(seq, "cu", "ci"), **_intra_opts(K))
+    if log_g:   # the decay itself: dL/da rewritten where dg / a has lost its digits
+        launch(keydecay_chunk_bwd_da_kernel, grid,
+               da=dg, a=g, q=q, k=k, v=v, do=do, dA=dA, hs=hs, dhs=dhs, T=T, NT=NT, V_run=V, H=H, K=K, V=V, BT=BT,
+               BV=min(pow2(V), 64), PREC=prec, **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
@@ -642,8 +704,10 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         k: insert key [B, T, H, K].
         v: inserted value [B, T, H, V]; its dtype (fp32, bf16 or fp16) is the I/O dtype.
         g: log decay [B, T, H, K] (any float dtype; used in fp32). g <= 0 is the stable regime.
-            With ``log_space=False`` it is the decay a > 0 itself: the kernels take its log as they
-            load it and return dL/da (no log-space copy is made).
+            With ``log_space=False`` it is the decay a >= 0 itself: the kernels take its log as they
+            load it (floored at -80, ``common.tiles.log_decay``) and return dL/da (no log-space copy is
+            made), term by term in a chunk holding a decay below e^-3 (``_exact_decay_grad``): exact at
+            tiny decays and at a = 0. ``forward`` (the objectives' path) passes the decay this way.
         initial_state: [B, H, K, V] (kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
@@ -740,17 +804,19 @@ def forward(obj, lay, co, output_final_state):
     io = io_dtype(lay.out_dtype)
     ref = next(t for t in list(co.values()) + list(lay.env.values()) if isinstance(t, torch.Tensor))
     a = co["a"]
+    # the decay itself (``log_space=False``): the kernels take its log, floored (``tiles.log_decay``), and
+    # return dL/da, exact at tiny and zero decays
     if isinstance(a, torch.Tensor):
-        g = torch.log(a.float())
+        g = a.float()
     else:
-        g = torch.full((), float(a), device=ref.device).log()     # no host-to-device copy (CUDA graphs)
+        g = torch.full((), float(a), device=ref.device)     # no host-to-device copy (CUDA graphs)
     g = _tok(g, B, T, H, m, ref.float())
     k = _tok(co["q"], B, T, H, m, ref).to(io)
     q = _tok(co["oq"], B, T, H, m, ref).to(io)
     v = _tok(co["p"], B, T, H, d, ref).to(io)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_key_decay(q, k, v, g, initial_state=h0, output_final_state=output_final_state,
-                            chunk_size=CHUNK)
+                            chunk_size=CHUNK, log_space=False)
     y = o.to(lay.dtype)
     oc = co.get("oc", 1)
     if isinstance(oc, torch.Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_ratios, log_decay, pair_decay_grad, seq_rows, state_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, seq_rows, state_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
@@ -256,7 +256,8 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, lam, hs, dhs, do, du, dv, dp, d
         b_la = log_decay(b_at)
         if tl.min(b_la, axis=0) < LOG_EXACT_DA:
             b_gp = b_g - b_la
-            E, Fg, Fgp = decay_ratios(b_g, b_gp, b_g, b_gp, o_i, o_i)
+            E = decay_before(b_g, b_gp, o_i, o_i)
+            Fg = decay_after(b_g, b_g, o_i[:, None] >= o_i[None, :], o_i[:, None] == o_i[None, :])
             b_dae = pair_decay_grad(b_da * b_araw - b_dw[:, None] * b_lam[None, :], b_dw, Fg, E, b_gp, PREC)
             b_dae += tl.exp(b_gl - b_g) * tl.sum(E * tl.sum(b_dvbar * b_v.to(tl.float32), axis=1)[:, None], axis=0)
         else:

@@ -43,7 +43,11 @@ Backward, per chunk with dO and dH_C (gradient at the chunk's end):
 
 Shapes (kernel level, FLA layout): v, u, q, oq [B, T, H, K]; p [B, T, H, V]; c, a [B, T, H];
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
-bfloat16 or float16; the state and every reduction in float32. Requires a > 0.
+bfloat16 or float16; the state and every reduction in float32. Takes a >= 0: log a is floored at -80
+(``common.tiles.log_decay``: log 0 = -inf made every within-chunk sum NaN), and in a chunk holding a
+decay below e^-3 the decay's gradient is taken term by term, each factor's coefficient times the
+product of the other decays in its span (``tiles.pair_decay_grad``), not as d log a / a, which has
+lost its digits there and is NaN at a = 0.
 Measured figures: BENCHMARKS.md, "Rank-1 per head (chunked)".
 """
 from __future__ import annotations

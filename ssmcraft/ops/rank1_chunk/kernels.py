@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_ratios, log_decay, pair_decay_grad, value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -329,15 +329,14 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
         b_dgp = tl.zeros([BT], dtype=tl.float32)
-        # the tokens' g and gp, and whether d a is taken term by term (``LOG_EXACT_DA``)
+        # the tokens' g and gp, and whether d a is taken term by term (the smallest log a below ``LOG_EXACT_DA``)
         if R == 1:
             b_gt = b_g
             b_gpt = b_gp
         else:
             b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
             b_gpt = b_gt - log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32))
-        exact = tl.min(b_gt - b_gpt, axis=0) < LOG_EXACT_DA
-        b_dae = tl.zeros([BTT], dtype=tl.float32)
+        la_min = tl.min(b_gt - b_gpt, axis=0)
     else:
         b_ch = b_c
 
@@ -413,10 +412,11 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dcc = b_dch
     b_T1 = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
     b_dA = tl.where(lower, -tl.dot(b_T1.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
-    b_Anc = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    b_Araw = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    b_Anc = b_Araw
     if HAS_A:
         Gp = tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
-        b_Anc = b_Anc * Gp
+        b_Anc = b_Araw * Gp
     b_Anc = tl.where(lower, b_Anc, 0.)
     b_dcc += tl.sum(b_dA * b_Anc, axis=1)
     b_dAc = b_dA * b_c[:, None]
@@ -424,12 +424,17 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         X = b_dAc * b_Anc
         b_dgp += tl.sum(X, axis=1)
         b_dgv -= tl.sum(X, axis=0)
-        if exact:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
-            b_XP = b_dAc * tl.where(lower, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
+        if la_min < LOG_EXACT_DA:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
+            b_XP = b_dAc * tl.where(lower, b_Araw, 0.)
             if GENERAL:
                 b_XP += b_dB * b_c[:, None] * tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-            E, Fg, Fgp = decay_ratios(b_g, b_gp, b_gt, b_gpt, o_g, o_j)
-            b_dae += pair_decay_grad(b_XP, b_dch * b_c, Fgp, E, b_gpt, PREC)
+            # E transposed (tokens on the rows): ``decay_before``'s [BT, BTT] tile here fails sm_90's
+            # layout pass (Triton 3.6) when R > 1
+            Et = decay_after(b_gpt, b_g, o_j[:, None] > o_g[None, :], o_j[:, None] == o_g[None, :] + 1)
+            Fgp = decay_after(b_gp, b_gt, o_g[:, None] > o_j[None, :], o_g[:, None] == o_j[None, :] + 1)
+            Y = tl.dot(b_XP, tl.trans(Et), input_precision=PREC) + (b_dch * b_c)[:, None] * tl.exp(b_gpt)[None, :]
+            # a partial sum, in ``da`` (this program's own rows): finished in phase 3
+            tl.store(da + trow, tl.sum(Fgp * Y, axis=0).to(da.dtype.element_ty), mask=m_j)
         b_dAc = b_dAc * Gp
     b_dAcd = b_dAc.to(DT)
     b_duu += tl.dot(b_dAcd, b_v, input_precision=PREC)
@@ -484,17 +489,23 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        if exact:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
+        if la_min < LOG_EXACT_DA:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
             b_XG = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
             if GENERAL:
                 b_XG += b_dLq * tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
-            E, Fg, Fgp = decay_ratios(b_g, b_gp, b_gt, b_gpt, o_g, o_j)
-            b_dae += pair_decay_grad(b_XG, tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1), Fg, E, b_gpt, PREC)
+            E = decay_before(b_g, b_gpt, o_g, o_j)
+            Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
+            b_dae = pair_decay_grad(b_XG, tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1), Fg, E, b_gpt, PREC)
             # Vbar's factors e^{g_last - g_s} and the state's e^{g_last}, undecayed: v . dVb, h . dh
             b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
             if GENERAL:
                 b_x7 += tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
             b_dae += tl.exp(b_gl - b_gt) * (tl.sum(E * b_x7[:, None], axis=0) + tl.exp(b_gpt) * tl.sum(b_hdh, axis=0))
+            if C_MODE == C_IS_A_PS:
+                b_dae += b_dac
+            tl.debug_barrier()      # phase 2's partial, written across the program's threads
+            b_dae += tl.load(da + trow, mask=m_j, other=0.).to(tl.float32)
+            tl.store(da + trow, b_dae.to(da.dtype.element_ty), mask=m_j)
         b_dOQ = b_dOQ * tl.exp(b_gt)[:, None]
         b_dgt = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)     # d g at the chunk's tokens
         b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.).to(tl.float32)
@@ -536,14 +547,13 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
         b_dgp = _per_token(b_dgp, o_g, o_j, R)
         b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        if exact:
-            b_da = b_dae
-        elif R == 1:
-            b_da = b_dla / b_a
-        else:
-            b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
-        if C_MODE == C_IS_A_PS:
-            b_da += b_dac
-        tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
+        if la_min >= LOG_EXACT_DA:      # else phase 3 has stored d a
+            if R == 1:
+                b_da = b_dla / b_a
+            else:
+                b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
+            if C_MODE == C_IS_A_PS:
+                b_da += b_dac
+            tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
     tl.store(doq + trow[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_jk)
