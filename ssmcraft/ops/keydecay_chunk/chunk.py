@@ -462,6 +462,23 @@ def keydecay_chunk_bwd_intra_kernel(q, k, gc, dA, dqi, dki, dq, dk, dgl, dbt, cu
     tl.store(dbt + ((cb + i_t) * NC + I) * K + o_k, tl.sum(b_db, axis=0), mask=m_k)
 
 
+@triton.jit
+def _key_block_chunk(cu, ci, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     VARLEN: tl.constexpr):
+    """The program (key block, chunk, batch x head) of the per-key-block backward kernels: the chunk's
+    index and its sequence's first chunk (``rows.seq_chunk``), its rows (``o_i``, mask ``m_t``, ids
+    ``row``), the key block's keys (``o_k``, ``m_k``) and the [BT, BK] tile's offsets ``p`` and mask ``m``
+    in a ``[B, T, H, K]`` tensor."""
+    i_bh = tl.program_id(2)
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_bh // H, i_bh % H, T, NT, H, VARLEN)
+    o_i = tl.arange(0, BT)
+    m_t = (i_t * BT + o_i) < T
+    row = row_ids(bos, i_bh % H, i_t * BT + o_i, T, H)
+    o_k = tl.program_id(0) * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    return i_t, cb, o_i, m_t, row, o_k, m_k, row[:, None] * K + o_k[None, :], m_t[:, None] & m_k[None, :]
+
+
 @tune(INTRA_CONFIGS, key=["H", "K", "BT", "BC"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
@@ -472,24 +489,13 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a (``keydecay_chunk_bwd_da_kernel``
     then rewrites the chunks where that has lost its digits)."""
     NC: tl.constexpr = BT // BC
-    i_k = tl.program_id(0)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
-    o_i = tl.arange(0, BT)
-    m_t = (i_t * BT + o_i) < T
-    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    i_t, cb, o_i, m_t, row, o_k, m_k, p, m = _key_block_chunk(cu, ci, T, NT, H, K, BT, BK, VARLEN)
     base = (cb + i_t) * K
     b_off = tl.zeros([BT, BK], dtype=tl.float32) + tl.load(dbl + base + o_k, mask=m_k, other=0.)[None, :]
     blk = (o_i // BC)[:, None]
     for M in tl.static_range(1, NC):
         b_t = tl.load(dbt + (base * NC + M * K) + o_k, mask=m_k, other=0.)
         b_off += tl.where(blk < M, b_t[None, :], 0.)
-    p = row[:, None] * K + o_k[None, :]
-    m = m_t[:, None] & m_k[None, :]
     b_dg = tl.load(dgl + p, mask=m, other=0.) + b_off
     if LOG_G:
         b_dg = b_dg / tl.load(g + p, mask=m, other=1.).to(tl.float32)
@@ -505,18 +511,7 @@ def keydecay_chunk_bwd_da_kernel(da, a, q, k, v, do, dA, hs, dhs, cu, ci, T, NT,
     rewritten term by term (``_exact_decay_grad``), where dg / a has lost its digits (and is NaN at a =
     0). A kernel of its own, launched after ``keydecay_chunk_bwd_dg_kernel``, so that the common case's
     kernel keeps its registers (with this branch inside, ptxas spilled 9 kB there)."""
-    i_k = tl.program_id(0)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
-    o_i = tl.arange(0, BT)
-    m_t = (i_t * BT + o_i) < T
-    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    p = row[:, None] * K + o_k[None, :]
-    m = m_t[:, None] & m_k[None, :]
+    i_t, cb, o_i, m_t, row, o_k, m_k, p, m = _key_block_chunk(cu, ci, T, NT, H, K, BT, BK, VARLEN)
     b_la = log_decay(tl.load(a + p, mask=m, other=1.).to(tl.float32))
     if tl.min(tl.min(b_la, axis=1), axis=0) < LOG_EXACT_DA:
         b_da = _exact_decay_grad(q, k, v, do, dA, hs, dhs, b_la, row, m_t, o_i, o_k, m_k, (cb + i_t) * K * V,
