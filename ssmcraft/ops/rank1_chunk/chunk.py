@@ -181,11 +181,13 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     da = _empty_like(a) if has_a else None
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
-    launch(rank1_chunk_bwd_grad_kernel, (NT, B * H),
-           u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
-           do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
-           V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
-           PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
+    args = dict(u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi,
+                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT,
+                H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
+                HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
+    launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
+    if has_a:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)
+        launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args, EXACT=True)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 

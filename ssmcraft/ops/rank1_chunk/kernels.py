@@ -291,7 +291,8 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R", "VARLEN"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R", "VARLEN", "EXACT"],
+       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
                  du, dv, dq, dp, dps, doq, dc, da, cu, ci,
@@ -299,12 +300,38 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
                  HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1,
-                 VARLEN: tl.constexpr = False):
+                 VARLEN: tl.constexpr = False, EXACT: tl.constexpr = False):
+    """Per chunk: ``_bwd_grad``. EXACT: the second launch of a call with a decay, in which only the chunks
+    holding a decay below e^LOG_EXACT_DA run (the others return at once): all of ``_bwd_grad`` again,
+    with d a taken term by term, where the first launch's d log a / a has lost its digits. Two launches
+    rather than one kernel with both: with the term-by-term code in it, ptxas spilled twice as much
+    in every chunk."""
+    if EXACT:
+        i_bh = tl.program_id(1)
+        bos, T_s, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_bh // H, i_bh % H, T, NT, H, VARLEN)
+        _, _, _, _, _, _, m_j, trow = group_rows(bos, i_bh % H, i_t, T_s, H, BT, R)
+        if tl.min(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0) < LOG_EXACT_DA:
+            _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da, cu, ci,
+                        T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, True)
+    else:
+        _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da, cu, ci,
+                        T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, False)
+
+
+@triton.jit
+def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
+                 du, dv, dq, dp, dps, doq, dc, da, cu, ci,
+                 T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr,
+                 VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
-    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten).
+    EXACT: d a term by term (``tiles.pair_decay_grad``), else d log a / a."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -329,14 +356,13 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
         b_dgp = tl.zeros([BT], dtype=tl.float32)
-        # the tokens' g and gp, and whether d a is taken term by term (the smallest log a below ``LOG_EXACT_DA``)
+        # the tokens' g and gp
         if R == 1:
             b_gt = b_g
             b_gpt = b_gp
         else:
             b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
             b_gpt = b_gt - log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32))
-        la_min = tl.min(b_gt - b_gpt, axis=0)
     else:
         b_ch = b_c
 
@@ -424,7 +450,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         X = b_dAc * b_Anc
         b_dgp += tl.sum(X, axis=1)
         b_dgv -= tl.sum(X, axis=0)
-        if la_min < LOG_EXACT_DA:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
+        if EXACT:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
             b_XP = b_dAc * tl.where(lower, b_Araw, 0.)
             if GENERAL:
                 b_XP += b_dB * b_c[:, None] * tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
@@ -489,7 +515,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        if la_min < LOG_EXACT_DA:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
+        if EXACT:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
             b_XG = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
             if GENERAL:
                 b_XG += b_dLq * tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
@@ -547,7 +573,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
         b_dgp = _per_token(b_dgp, o_g, o_j, R)
         b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        if la_min >= LOG_EXACT_DA:      # else phase 3 has stored d a
+        if not EXACT:       # else phase 3 has stored d a
             if R == 1:
                 b_da = b_dla / b_a
             else:

@@ -190,14 +190,16 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     dvs = _empty(B, T, H, K, device=v.device, dtype=torch.float32)       # the WY half's dv and d log a
     dlas = _empty(B, T, H, K, device=v.device, dtype=torch.float32)
     uu, pss = (v if u is None else u), (c if ps is None else ps)
-    launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
-           u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
-           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
-           HAS_PS=ps is not None, PREC=prec, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
-    launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
-           v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, **_diag(BT, True),
-           **packed_args(seq, "cu", "ci"))
+    # twice: then the chunks holding a tiny decay again, with d a taken term by term (``kernels._tiny_chunk``)
+    for exact in (False, True):
+        launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
+               u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
+               dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
+               HAS_PS=ps is not None, PREC=prec, EXACT=exact, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
+        launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
+               v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
+               T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, EXACT=exact, **_diag(BT, True),
+               **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 

@@ -370,7 +370,17 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     return i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
+@triton.jit
+def _tiny_chunk(a, p_tk, m_tk):
+    """Whether the chunk holds a decay below e^LOG_EXACT_DA: the chunks the backward's second launch
+    (EXACT) runs again with d a taken term by term, where the first launch's d log a / a has lost
+    its digits (and is NaN at a = 0). Two launches rather than one kernel with both: with the
+    term-by-term code inside, ptxas spilled 30 to 60 % more in every chunk."""
+    return tl.min(tl.min(log_decay(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)), axis=1), axis=0) < \
+        LOG_EXACT_DA
+
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS", "EXACT"],
       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
@@ -378,7 +388,26 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
                                        U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
-                                       VARLEN: tl.constexpr):
+                                       VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
+    """``_bwd_wy``; EXACT: the second launch, in which only the chunks holding a decay below
+    e^LOG_EXACT_DA run it (``_tiny_chunk``), with this half's share of d a itself."""
+    if EXACT:
+        _, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
+        if _tiny_chunk(a, p_tk, m_tk):
+            _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT,
+                    BK, BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, True)
+    else:
+        _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT, BK,
+                BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, False)
+
+
+@triton.jit
+def _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
+                                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                       SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
+                                       VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
@@ -450,23 +479,41 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
         b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
         tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
     tl.store(dvs + p_tk, b_Z, mask=m_tk)
-    if tl.min(tl.min(b_g - b_gp, axis=1), axis=0) < LOG_EXACT_DA:
+    if EXACT:
         # d a itself, term by term (d log a / a has lost its digits): A's pairs dA c x v and W's
-        # start factors T1 c x, their row exponent gx (g where u = a o v, else gp); ``bwd_out`` adds its
-        # share. Same test, same chunk, there.
+        # start factors T1 c x, their row exponent gx (g where u = a o v, else gp); ``_bwd_out`` adds its
+        # share
         b_gl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_g, 0.), axis=0)      # flat past T: g's last row
         b_dla = key_decay_grad(b_dA, b_x * b_c[:, None], b_v, b_T1 * b_c[:, None] * b_x, tl.zeros_like(b_v),
                                tl.zeros([BK], dtype=tl.float32), b_g, b_gp, b_gl, o_i, U_MODE == U_GIVEN, BK, PREC)
     tl.store(dlas + p_tk, b_dla, mask=m_tk)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "EXACT"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                         SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
+    """``_bwd_out``; EXACT: the second launch, in which only the chunks holding a decay below
+    e^LOG_EXACT_DA run it (``_tiny_chunk``), with d a itself, term by term."""
+    if EXACT:
+        _, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
+        if _tiny_chunk(a, p_tk, m_tk):
+            _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV,
+                     SUB, LEVELS, UNROLL, PREC, VARLEN, True)
+    else:
+        _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV, SUB,
+                 LEVELS, UNROLL, PREC, VARLEN, False)
+
+
+@triton.jit
+def _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
+                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
@@ -503,18 +550,15 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     last = tl.minimum(T, i_t * BT + BT) - 1
     b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
-    b_la = log_decay(b_a)
-    exact = tl.min(tl.min(b_la, axis=1), axis=0) < LOG_EXACT_DA
-    b_dae = tl.zeros([BT, BK], dtype=tl.float32)
-    if exact:   # d a term by term: O's start factors dOQ oq, L's pairs dL oq v, Vbar's dVb v, the state's h0 dH
-        b_dae += key_decay_grad(b_dL, b_oq, b_v, b_dOQ * b_oq, b_dVb * b_v, b_hdh, b_g, b_g - b_la, b_gl, o_i, False,
-                               BK, PREC)
+    if EXACT:   # d a term by term: O's start factors dOQ oq, L's pairs dL oq v, Vbar's dVb v, the state's h0 dH
+        b_dae = key_decay_grad(b_dL, b_oq, b_v, b_dOQ * b_oq, b_dVb * b_v, b_hdh, b_g, b_g - log_decay(b_a), b_gl,
+                               o_i, False, BK, PREC)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
     b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
     b_dgl = tl.sum(b_dVb * b_v, axis=0) + tl.exp(b_gl) * b_hdh
     # g_t = sum_{r<=t} log a_r, gl = sum_r log a_r over the chunk's rows
-    if exact:   # ``dlas`` holds the WY kernel's share of d a itself
+    if EXACT:   # ``dlas`` holds the WY kernel's share of d a itself
         b_dae += tl.load(dlas + p_tk, mask=m_tk, other=0.)
     else:
         b_dae = (tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)) / b_a
