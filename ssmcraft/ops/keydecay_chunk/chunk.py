@@ -62,7 +62,9 @@ gradient at each chunk's end, and dh0), ``keydecay_chunk_apply_kernel`` again (d
 ``keydecay_chunk_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
 ``keydecay_chunk_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
 [BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``keydecay_chunk_bwd_dg_kernel`` (per
-(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg).
+(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg); with the decay itself as input
+(``log_space=False``), ``keydecay_chunk_bwd_da_kernel`` then rewrites dL/da term by term in the chunks
+holding a decay below e^-3.
 Saved for the backward: the inputs, g, ``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``;
 no ``[B, T, d, m]`` tensor is formed.
 

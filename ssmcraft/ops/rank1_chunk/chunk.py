@@ -31,7 +31,8 @@ Kernels, top to bottom: ``rank1_chunk_prep_kernel`` (parallel over chunks: A, M,
 sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and for training the chunk
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
-the reverse cumulative sum of d g). Nothing of size [B, T, K, V] is stored: the forward of a
+the reverse cumulative sum of d g; launched a second time with ``EXACT`` where there is a decay,
+running only the chunks that hold one below e^-3, d a term by term). Nothing of size [B, T, K, V] is stored: the forward of a
 training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
