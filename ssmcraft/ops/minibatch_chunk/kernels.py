@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, seq_rows, state_block
+from ssmcraft.ops.common.tiles import (LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, seq_rows,
+                                       state_block)
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 

@@ -32,8 +32,8 @@ sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and f
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
 the reverse cumulative sum of d g; launched a second time with ``EXACT`` where there is a decay,
-running only the chunks that hold one below e^-3, d a term by term). Nothing of size [B, T, K, V] is stored: the forward of a
-training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
+running only the chunks that hold one below e^-3, d a term by term). Nothing of size [B, T, K, V]
+is stored: the forward of a training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
 Backward, per chunk with dO and dH_C (gradient at the chunk's end):
@@ -183,8 +183,8 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
     args = dict(u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi,
-                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT,
-                H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
+                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T,
+                NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
                 HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
     if has_a:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)

@@ -311,11 +311,11 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         bos, T_s, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_bh // H, i_bh % H, T, NT, H, VARLEN)
         _, _, _, _, _, _, m_j, trow = group_rows(bos, i_bh % H, i_t, T_s, H, BT, R)
         if tl.min(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0) < LOG_EXACT_DA:
-            _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da, cu, ci,
-                        T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, True)
+            _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
+                      cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, True)
     else:
-        _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da, cu, ci,
-                        T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, False)
+        _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
+                  cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, False)
 
 
 @triton.jit

@@ -561,7 +561,8 @@ def _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
     if EXACT:   # ``dlas`` holds the WY kernel's share of d a itself
         b_dae += tl.load(dlas + p_tk, mask=m_tk, other=0.)
     else:
-        b_dae = (tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)) / b_a
+        b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
+        b_dae = b_dla / b_a
     tl.store(da + p_tk, b_dae.to(da.dtype.element_ty), mask=m_tk)
     b_dv += tl.load(dvs + p_tk, mask=m_tk, other=0.)
     tl.store(dv + p_tk, b_dv.to(dv.dtype.element_ty), mask=m_tk)
