@@ -5,6 +5,11 @@ bf16, at an odd length, with the family that ran named. The GPU check of the ker
 they are laid out and dispatched (``ssmcraft.ops.registry``).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/check_library_gpu.py [--shape 2,67,2,32,32] [--only a,b]
+    python3 benchmarks/check_library_gpu.py --tiny-decays mixed --only gated_deltanet,gla,kda_like
+
+``--tiny-decays tiny`` (or ``mixed``) redraws every decay where a sigmoid gate reaches in training,
+below 1e-6 with exact zeros (mixed: half of them ordinary, in the same chunks):
+``ssmcraft.runtime.checking.tiny_decays``, what ``tests/test_kernels_tiny_decays.py`` runs on the CPU.
 
 Each check runs in a process of its own, so that a kernel fault (an illegal memory access
 poisons the CUDA context) fails that check alone. Exit status 1 when any check fails; objectives
@@ -26,7 +31,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.bench.classes_commands import COMPOSED, class_specs  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
-from ssmcraft.runtime.checking import reference_errors  # noqa: E402
+from ssmcraft.runtime.checking import reference_errors, tiny_decays  # noqa: E402
 
 from checks import TOL_CHUNKED, dtype_name  # noqa: E402
 
@@ -50,12 +55,14 @@ _UNIT = {"x": lambda x: torch.nn.functional.normalize(x, dim=-1)}
 STABLE_REGION = {"ttt_mlp": _UNIT, "mlp_huber_minibatch": _UNIT, "mlp_cauchy_2key": {"x": _UNIT["x"], "x2": _UNIT["x"]}}
 
 
-def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
+def check(name: str, shape, dtype, device: str, decays: str = "") -> tuple[str, str, bool]:
     B, T, H, d, m = shape
     obj = ssmcraft.compile(dict(class_specs((name,)))[name])
     ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, "cpu", seed=1, unit_keys=True)
     ins.update({n: f(ins[n]) for n, f in STABLE_REGION.get(name, {}).items()})
     g = torch.Generator().manual_seed(2)
+    if decays:
+        ins, params = tiny_decays(obj, ins, params, g, decays == "mixed")
     S0 = initial_states(obj, B, H, d, m, g)
     ins = {k: v.to(device) for k, v in ins.items()}
     params = {k: v.to(device) for k, v in params.items()}
@@ -71,7 +78,7 @@ def check(name: str, shape, dtype, device: str) -> tuple[str, str, bool]:
 def child(name: str, dtype, args) -> tuple[str, str, bool]:
     """One check in a fresh process: (backend, result, ok); a crash is a failed check with its last line."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{name}:{dtype_name(dtype)}", "--shape", args.shape,
-           "--device", args.device]
+           "--device", args.device, *(["--tiny-decays", args.tiny_decays] if args.tiny_decays else [])]
     run = subprocess.run(cmd, capture_output=True, text=True)
     last = (run.stdout.strip().splitlines() or [""])[-1]
     if "\t" in last:
@@ -88,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu checks the PyTorch paths (a smoke test of this script)")
     ap.add_argument("--one", default="", help="NAME:DTYPE: run one check in this process (what each child runs)")
     ap.add_argument("--jobs", type=int, default=1, help="checks run at once (each in its own process); printed in order")
+    ap.add_argument("--tiny-decays", default="", choices=("", "tiny", "mixed"),
+                    help="decays below 1e-6 with exact zeros (mixed: with ordinary ones in the same chunks)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("check_library_gpu: needs a CUDA device", file=sys.stderr)
@@ -95,7 +104,7 @@ def main(argv=None) -> int:
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.one:
         name, dt = args.one.split(":")
-        backend, text, ok = check(name, shape, getattr(torch, dt), args.device)
+        backend, text, ok = check(name, shape, getattr(torch, dt), args.device, args.tiny_decays)
         print(f"{backend}\t{text}")
         return 0 if ok else 1
     names = [n for n in args.only.split(",") if n] or [*library_names(), *COMPOSED]

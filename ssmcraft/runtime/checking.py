@@ -274,3 +274,34 @@ def delta_rule_case(delta_rule, B, T, H, K, V, h0_kind: str, final: bool, gated:
     errors.update({f"d{n}": rel_rms(a.cpu(), b) for n, a, b in zip(names, got, want)})
     dtypes = {n: a.dtype == t.dtype for n, a, t in zip(names, got, [*x.values(), hx])}
     return errors, dtypes, (ht is not None) == final
+
+
+# the decays of the library's and the composer's objectives, by input or param name
+DECAY_NAMES = ("alpha", "f", "gamma")
+
+
+def tiny_decays(obj, ins: dict, params: dict, g: torch.Generator, mix: bool) -> tuple[dict, dict]:
+    """``(ins, params)`` with every decay redrawn where a sigmoid gate reaches in training: in (e^-64,
+    e^-14) (below 1e-6), 15 % exact zeros, and with ``mix`` half of them ordinary (0.3 to 1) at random
+    among them, in each chunk (a param, constant in time: every other entry ordinary, from the first
+    tiny); Mamba's ``delta`` in (20, 220), so that exp(delta A) with A < -0.5 is as
+    small (and underflows to 0 in fp32), with ``mix`` half of it in (0, 0.1). Float64, on each tensor's
+    device; draws from the CPU generator ``g``; everything else as given."""
+    def decay(t, param=False):
+        s = t.shape
+        a = torch.exp(-14 - 50 * torch.rand(s, generator=g, dtype=torch.float64))
+        a = torch.where(torch.rand(s, generator=g) < 0.15, torch.zeros_like(a), a)
+        if mix:
+            ordinary = (torch.arange(t.numel()).reshape(s) % 2 == 1) if param else torch.rand(s, generator=g) < 0.5
+            a = torch.where(ordinary, 0.3 + 0.7 * torch.rand(s, generator=g, dtype=torch.float64), a)
+        return a.to(t.device)
+
+    def delta(t):
+        s = t.shape
+        x = 20 + 200 * torch.rand(s, generator=g, dtype=torch.float64)
+        if mix:
+            x = torch.where(torch.rand(s, generator=g) < 0.5, 0.1 * torch.rand(s, generator=g, dtype=torch.float64), x)
+        return x.to(t.device)
+    ins = {n: decay(t) if n in DECAY_NAMES else delta(t) if n == "delta" and "A" in obj.spec.params else t
+           for n, t in ins.items()}
+    return ins, {n: decay(t, True) if n in DECAY_NAMES else t for n, t in params.items()}

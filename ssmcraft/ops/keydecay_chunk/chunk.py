@@ -61,8 +61,10 @@ gradient at each chunk's end, and dh0), ``keydecay_chunk_apply_kernel`` again (d
 ``keydecay_chunk_bwd_inter_kernel`` (per chunk, over value blocks: dA, the state terms of dq and dk, dL/dbl) and
 ``keydecay_chunk_bwd_intra_kernel`` (per (key block, chunk x sub-block): the intra-chunk terms of dq and dk on
 [BC, BK] tiles, and dg's reverse cumulative sum within the sub-block) and ``keydecay_chunk_bwd_dg_kernel`` (per
-(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg). Saved for the backward: the inputs, g,
-``gc`` (the size of g), ``hs`` and A ``[B, T, H, BT]``; no ``[B, T, d, m]`` tensor is formed.
+(key block, chunk): adds the later sub-blocks' totals and dL/dbl to dg); with the decay itself as input
+(``log_space=False``), ``keydecay_chunk_bwd_da_kernel`` then rewrites dL/da term by term in the chunks
+holding a decay below e^-3. Saved for the backward: the inputs, g, ``gc`` (the size of g), ``hs`` and A
+``[B, T, H, BT]``; no ``[B, T, d, m]`` tensor is formed.
 
 Shapes (kernel level, FLA layout): q, k, g [B, T, H, K]; v [B, T, H, V]; initial / final state
 [B, H, K, V] fp32; output [B, T, H, V] in v's dtype. I/O fp32, bf16 or fp16; state, cumulative
@@ -76,9 +78,10 @@ import triton.language as tl
 
 from ssmcraft.ops.common.chunked import key_size_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.tiles import state_block, state_or_zero, value_block
+from ssmcraft.ops.common.tiles import log_decay, state_block, state_or_zero, value_block
 from ssmcraft.ops.common.rows import packed_args, packed_chunks, row_ids, seq_chunk, seq_state, sequences, state_program
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype, pow2, tune, warp_rule
+from ssmcraft.ops.keydecay_chunk.decay_grad import key_block_chunk, keydecay_chunk_bwd_da_kernel
 
 INTERPRET_BV: int | None = None     # value block under the interpreter (tests set it small)
 INTERPRET_BK: int | None = None     # key block of the sequential kernels under the interpreter
@@ -138,7 +141,7 @@ def keydecay_chunk_fwd_state_kernel(k, v, g, h0, gc, hs, ht, cu, co, T, NT,
 def _log_decay(ptr, mask, LOG_G: tl.constexpr):
     """The log-decay tile at ``ptr`` in fp32 (0 where masked); LOG_G: the memory holds a, take log."""
     if LOG_G:
-        return tl.log(tl.load(ptr, mask=mask, other=1.).to(tl.float32))
+        return log_decay(tl.load(ptr, mask=mask, other=1.).to(tl.float32))
     return tl.load(ptr, mask=mask, other=0.).to(tl.float32)
 
 
@@ -474,28 +477,18 @@ def keydecay_chunk_bwd_dg_kernel(dgl, dbt, dbl, dg, g, cu, ci, T, NT, H: tl.cons
     """Per (key block, chunk): dg_r = dgl_r (the sum within r's sub-block) + the totals of db over the
     later sub-blocks + dL/dbl, that is dg_r = sum_{i >= r} (q_i dq_i - k_i dk_i) + dL/dbl within the
     chunk. (A separate output, not dg += ...: the autotuner launches a kernel many times.)
-    LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a."""
+    LOG_G: g holds the decay a, and the gradient stored is dL/da = dg / a (``keydecay_chunk_bwd_da_kernel``
+    then rewrites the chunks where that has lost its digits)."""
     NC: tl.constexpr = BT // BC
-    i_k = tl.program_id(0)
-    i_bh = tl.program_id(2)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(1), i_b, i_h, T, NT, H, VARLEN)
+    i_t, cb, o_i, m_t, row, o_k, m_k, p, m = key_block_chunk(cu, ci, T, NT, H, K, BT, BK, VARLEN)
     if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
         return
-    o_i = tl.arange(0, BT)
-    m_t = (i_t * BT + o_i) < T
-    row = row_ids(bos, i_h, i_t * BT + o_i, T, H)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
     base = (cb + i_t) * K
     b_off = tl.zeros([BT, BK], dtype=tl.float32) + tl.load(dbl + base + o_k, mask=m_k, other=0.)[None, :]
     blk = (o_i // BC)[:, None]
     for M in tl.static_range(1, NC):
         b_t = tl.load(dbt + (base * NC + M * K) + o_k, mask=m_k, other=0.)
         b_off += tl.where(blk < M, b_t[None, :], 0.)
-    p = row[:, None] * K + o_k[None, :]
-    m = m_t[:, None] & m_k[None, :]
     b_dg = tl.load(dgl + p, mask=m, other=0.) + b_off
     if LOG_G:
         b_dg = b_dg / tl.load(g + p, mask=m, other=1.).to(tl.float32)
@@ -607,6 +600,10 @@ def _bwd(q, k, v, g, gc, hs, A, do, dht, BT, log_g=False, packed=None):
     launch(keydecay_chunk_bwd_dg_kernel, grid,
            dgl=dgl, dbt=dbt, dbl=dbl, dg=dg, g=g, T=T, NT=NT, H=H, K=K, BT=BT, BC=BC, LOG_G=log_g,
            **packed_args(seq, "cu", "ci"), **_intra_opts(K))
+    if log_g:   # the decay itself: dL/da rewritten where dg / a has lost its digits
+        launch(keydecay_chunk_bwd_da_kernel, grid,
+               da=dg, a=g, q=q, k=k, v=v, do=do, dA=dA, hs=hs, dhs=dhs, T=T, NT=NT, V_run=V, H=H, K=K, V=V, BT=BT,
+               BV=min(pow2(V), 64), PREC=prec, **packed_args(seq, "cu", "ci"), **_intra_opts(K))
     return dq, dk, dv, dg, dh0
 
 
@@ -649,8 +646,10 @@ def chunk_key_decay(q, k, v, g, *, initial_state=None, output_final_state: bool 
         k: insert key [B, T, H, K].
         v: inserted value [B, T, H, V]; its dtype (fp32, bf16 or fp16) is the I/O dtype.
         g: log decay [B, T, H, K] (any float dtype; used in fp32). g <= 0 is the stable regime.
-            With ``log_space=False`` it is the decay a > 0 itself: the kernels take its log as they
-            load it and return dL/da (no log-space copy is made).
+            With ``log_space=False`` it is the decay a >= 0 itself: the kernels take its log as they
+            load it (floored at -80, ``common.tiles.log_decay``) and return dL/da (no log-space copy is
+            made), term by term in a chunk holding a decay below e^-3 (``_exact_decay_grad``): exact at
+            tiny decays and at a = 0. ``forward`` (the objectives' path) passes the decay this way.
         initial_state: [B, H, K, V] (kept fp32) or None.
         output_final_state: also return the state [B, H, K, V] (fp32).
         chunk_size: 16, 32 or 64.
@@ -747,17 +746,19 @@ def forward(obj, lay, co, output_final_state):
     io = io_dtype(lay.out_dtype)
     ref = next(t for t in list(co.values()) + list(lay.env.values()) if isinstance(t, torch.Tensor))
     a = co["a"]
+    # the decay itself (``log_space=False``): the kernels take its log, floored (``tiles.log_decay``), and
+    # return dL/da, exact at tiny and zero decays
     if isinstance(a, torch.Tensor):
-        g = torch.log(a.float())
+        g = a.float()
     else:
-        g = torch.full((), float(a), device=ref.device).log()     # no host-to-device copy (CUDA graphs)
+        g = torch.full((), float(a), device=ref.device)     # no host-to-device copy (CUDA graphs)
     g = _tok(g, B, T, H, m, ref.float())
     k = _tok(co["q"], B, T, H, m, ref).to(io)
     q = _tok(co["oq"], B, T, H, m, ref).to(io)
     v = _tok(co["p"], B, T, H, d, ref).to(io)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     o, ht = chunk_key_decay(q, k, v, g, initial_state=h0, output_final_state=output_final_state,
-                            chunk_size=CHUNK)
+                            chunk_size=CHUNK, log_space=False)
     y = o.to(lay.dtype)
     oc = co.get("oc", 1)
     if isinstance(oc, torch.Tensor):

@@ -25,10 +25,12 @@ chunk start states for training, the final state), ``minibatch_bwd_state_kernel`
 chunks: the state gradient at every chunk's end, and the initial state's) and
 ``minibatch_bwd_grad_kernel`` (parallel over chunks: every input's gradient). Each kernel forms g
 from a by a cumulative sum over the chunk's rows; the decay's gradient is the reverse cumulative sum
-of g's, divided by a, and lam's is -(Gam^T dw): no PyTorch op runs around the kernels.
+of g's, divided by a (term by term in a chunk holding a decay below e^-3,
+``common.tiles.pair_decay_grad``; log a floored at -80, ``tiles.log_decay``), and lam's is
+-(Gam^T dw): no PyTorch op runs around the kernels.
 
 Shapes (kernel level, FLA layout): u, v, oq [B, T, H, K]; p [B, T, H, V]; c [B, T, H] or
-[B, T, H, V]; a [B, T, H] (> 0); lam [B, T, H]; initial / final state [B, H, K, V] fp32; output [B, T, H, V]. I/O
+[B, T, H, V]; a [B, T, H] (>= 0); lam [B, T, H]; initial / final state [B, H, K, V] fp32; output [B, T, H, V]. I/O
 in float32, bfloat16 or float16; states, residuals and reductions in float32.
 
 Packed rows (``cu_seqlens``): B = 1 and N sequences laid end to end; every sequence's mini-batches

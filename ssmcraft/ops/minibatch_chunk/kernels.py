@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import seq_rows, state_block
+from ssmcraft.ops.common.tiles import (LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, seq_rows,
+                                       state_block)
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
@@ -18,9 +19,11 @@ def _decays(a, row, m_t, o_i, BT: tl.constexpr, HAS_G: tl.constexpr):
     triangle, ones."""
     incl = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     if HAS_G:
-        b_la = tl.log(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
+        b_la = log_decay(tl.load(a + row, mask=m_t, other=1.).to(tl.float32))
         b_g = tl.cumsum(b_la, axis=0)
-        b_gl = tl.sum(b_la, axis=0)
+        # gl is the cumulative sum's own last entry (rows past T add 0), not a sum in another order:
+        # e^{gl - g_last} is then exactly 1 however large the sums grow (tiny decays: hundreds)
+        b_gl = tl.sum(tl.where(o_i == BT - 1, b_g, 0.), axis=0)
         # the exponent is masked before exp: past T or above the diagonal it could overflow
         b_gam = tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], float("-inf")))
         b_dec = tl.exp(tl.where(m_t, b_gl - b_g, float("-inf")))
@@ -246,7 +249,18 @@ def minibatch_bwd_grad_kernel(u, v, p, c, oq, a, lam, hs, dhs, do, du, dv, dp, d
         b_wv = tl.sum(b_dvbar * b_vbar, axis=1)
         b_dg = b_dw * b_w + b_lam * b_gdw + tl.sum(b_dgam, axis=1) - tl.sum(b_dgam, axis=0) - b_wv
         b_dg = tl.where(m_t, b_dg + tl.where(o_i == last, tl.sum(b_wv, axis=0), 0.), 0.)
-        # g_t = sum_{r<=t} log a_r: d log a_r = sum_{t>=r} dg_t, then d a = d log a / a
+        # g_t = sum_{r<=t} log a_r: d log a_r = sum_{t>=r} dg_t, then d a = d log a / a; or, with a decay
+        # under e^LOG_EXACT_DA in the chunk, d a term by term: Gam's pairs (A's dA A_raw and w's
+        # -dw_t lam_s), w's e^{g_t} (dw) and Vbar's e^{gl - g_s} (dVbar . v), each without a_r
         b_dla = tl.sum(b_dg, axis=0) - tl.cumsum(b_dg, axis=0) + b_dg
         b_at = tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
-        tl.store(da + row, (b_dla / b_at).to(da.dtype.element_ty), mask=m_t)
+        b_la = log_decay(b_at)
+        if tl.min(b_la, axis=0) < LOG_EXACT_DA:
+            b_gp = b_g - b_la
+            E = decay_before(b_g, b_gp, o_i, o_i)
+            Fg = decay_after(b_g, b_g, o_i[:, None] >= o_i[None, :], o_i[:, None] == o_i[None, :])
+            b_dae = pair_decay_grad(b_da * b_araw - b_dw[:, None] * b_lam[None, :], b_dw, Fg, E, b_gp, PREC)
+            b_dae += tl.exp(b_gl - b_g) * tl.sum(E * tl.sum(b_dvbar * b_v.to(tl.float32), axis=1)[:, None], axis=0)
+        else:
+            b_dae = b_dla / b_at
+        tl.store(da + row, b_dae.to(da.dtype.element_ty), mask=m_t)

@@ -31,8 +31,9 @@ Kernels, top to bottom: ``rank1_chunk_prep_kernel`` (parallel over chunks: A, M,
 sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and for training the chunk
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
-the reverse cumulative sum of d g). Nothing of size [B, T, K, V] is stored: the forward of a
-training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
+the reverse cumulative sum of d g; launched a second time with ``EXACT`` where there is a decay,
+running only the chunks that hold one below e^-3, d a term by term). Nothing of size [B, T, K, V]
+is stored: the forward of a training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
 Backward, per chunk with dO and dH_C (gradient at the chunk's end):
@@ -43,7 +44,11 @@ Backward, per chunk with dO and dH_C (gradient at the chunk's end):
 
 Shapes (kernel level, FLA layout): v, u, q, oq [B, T, H, K]; p [B, T, H, V]; c, a [B, T, H];
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
-bfloat16 or float16; the state and every reduction in float32. Requires a > 0.
+bfloat16 or float16; the state and every reduction in float32. Takes a >= 0: log a is floored at -80
+(``common.tiles.log_decay``: log 0 = -inf made every within-chunk sum NaN), and in a chunk holding a
+decay below e^-3 the decay's gradient is taken term by term, each factor's coefficient times the
+product of the other decays in its span (``tiles.pair_decay_grad``), not as d log a / a, which has
+lost its digits there and is NaN at a = 0.
 Measured figures: BENCHMARKS.md, "Rank-1 per head (chunked)".
 """
 from __future__ import annotations
@@ -176,11 +181,13 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     da = _empty_like(a) if has_a else None
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
-    launch(rank1_chunk_bwd_grad_kernel, (NT, B * H),
-           u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi,
-           do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T, NT=NT, H=H, K=K,
-           V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode,
-           PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
+    args = dict(u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi,
+                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T,
+                NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
+                HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
+    launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
+    if has_a:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)
+        launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args, EXACT=True)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -76,10 +76,13 @@ def _per_token(x, o_g, o_j, R: tl.constexpr):
 @triton.jit
 def _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H: tl.constexpr, BTT: tl.constexpr):
     """The within-chunk log-decay sums ``g`` at the chunk's term rows (their tokens' ``vtrow``) and
-    at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end)."""
-    b_g = tl.load(g + vtrow, mask=m_t, other=0.)
+    at its last token (``gl``; ``BTT`` tokens per chunk), and the factors ``e^{gl - g}`` (0 past the end).
+    Rows past the end take ``gl`` (no decay there, as the forward's sums have it): with 0 there, a
+    factor e^{g_t - g_s} from such a row overflows once the sums pass -88, and inf times its zero
+    cotangent is NaN."""
     last = tl.minimum(T, i_t * BTT + BTT) - 1
     b_gl = tl.load(g + (bos + last).to(tl.int64) * H + i_h)
+    b_g = tl.where(m_t, tl.load(g + vtrow, mask=m_t, other=0.), b_gl)
     return b_g, b_gl, tl.where(m_t, tl.exp(b_gl - b_g), 0.)
 
 
@@ -110,13 +113,13 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g, cu, ci
 
     b_c = _step(c, a, ps, row, m_t, C_MODE)
     if HAS_A:
-        b_la = tl.log(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
+        b_la = log_decay(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
         if R == 1:
             b_g = tl.cumsum(b_la, axis=0)
             b_gt = b_g
         else:   # the decay once per token: counted at its first term row
             b_g = tl.cumsum(tl.where(o_i % R == 0, b_la, 0.), axis=0)
-            b_gt = tl.cumsum(tl.log(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0)
+            b_gt = tl.cumsum(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0)
         b_gp = b_g - b_la
         tl.store(g + trow, b_gt, mask=m_j)
         b_ch = b_c * tl.exp(b_gp)
@@ -211,7 +214,7 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
                 if R == 1:
                     b_gt = b_g
                 else:
-                    b_gt = tl.load(g + trow, mask=m_j, other=0.)
+                    b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
                 b_o = b_o * tl.exp(b_gt)[:, None]
             b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.)
             b_o += tl.dot(b_L, b_psid, input_precision=PREC)
@@ -274,7 +277,7 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
             if R == 1:
                 b_gt = b_g
             else:
-                b_gt = tl.load(g + trow, mask=m_j, other=0.)
+                b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
             b_oq = (b_oq.to(tl.float32) * tl.exp(b_gt)[:, None]).to(DT)
         b_dpsi = tl.dot(tl.trans(b_L), b_do, input_precision=PREC)
         b_dpsi += tl.dot(b_vk, b_dh.to(DT), input_precision=PREC)
@@ -290,7 +293,8 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
 
 
 @tune([triton.Config({}, num_warps=w) for w in (4, 8)],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R", "VARLEN"], prune=warp_rule)
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "U_IS_V", "HAS_PS", "C_MODE", "R", "VARLEN", "EXACT"],
+       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
                  du, dv, dq, dp, dps, doq, dc, da, cu, ci,
@@ -298,12 +302,39 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
                  HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1,
-                 VARLEN: tl.constexpr = False):
+                 VARLEN: tl.constexpr = False, EXACT: tl.constexpr = False):
+    """Per chunk: ``_bwd_grad``. EXACT: the second launch of a call with a decay, in which only the chunks
+    holding a decay below e^LOG_EXACT_DA run (the others return at once): all of ``_bwd_grad`` again,
+    with d a taken term by term, where the first launch's d log a / a has lost its digits. Two launches
+    rather than one kernel with both: with the term-by-term code in it, ptxas spilled twice as much
+    in every chunk."""
+    if EXACT:
+        i_bh = tl.program_id(1)
+        bos, T_s, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_bh // H, i_bh % H, T, NT, H, VARLEN)
+        i_t = tl.maximum(i_t, 0)   # a chunk past the packed row's last reads chunk 0's decays; _bwd_grad returns
+        _, _, _, _, _, _, m_j, trow = group_rows(bos, i_bh % H, i_t, T_s, H, BT, R)
+        if tl.min(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0) < LOG_EXACT_DA:
+            _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
+                      cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, True)
+    else:
+        _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
+                  cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, False)
+
+
+@triton.jit
+def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
+                 du, dv, dq, dp, dps, doq, dc, da, cu, ci,
+                 T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
+                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr,
+                 VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
-    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten)."""
+    or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten).
+    EXACT: d a term by term (``tiles.pair_decay_grad``), else d log a / a."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -326,10 +357,17 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
     if HAS_A:
         b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BTT)
         b_a = tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32)
-        b_gp = b_g - tl.log(b_a)
+        b_gp = b_g - log_decay(b_a)
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
         b_dgp = tl.zeros([BT], dtype=tl.float32)
+        # the tokens' g and gp
+        if R == 1:
+            b_gt = b_g
+            b_gpt = b_gp
+        else:
+            b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
+            b_gpt = b_gt - log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32))
     else:
         b_ch = b_c
 
@@ -405,10 +443,11 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dcc = b_dch
     b_T1 = tl.dot(tl.trans(b_M), b_dM.to(DT), input_precision=PREC)
     b_dA = tl.where(lower, -tl.dot(b_T1.to(DT), tl.trans(b_M), input_precision=PREC), 0.)
-    b_Anc = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    b_Araw = tl.dot(b_u, tl.trans(b_v), input_precision=PREC)
+    b_Anc = b_Araw
     if HAS_A:
         Gp = tl.exp(tl.where(lower, b_gp[:, None] - b_g[None, :], 0.))
-        b_Anc = b_Anc * Gp
+        b_Anc = b_Araw * Gp
     b_Anc = tl.where(lower, b_Anc, 0.)
     b_dcc += tl.sum(b_dA * b_Anc, axis=1)
     b_dAc = b_dA * b_c[:, None]
@@ -416,6 +455,17 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         X = b_dAc * b_Anc
         b_dgp += tl.sum(X, axis=1)
         b_dgv -= tl.sum(X, axis=0)
+        if EXACT:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
+            b_XP = b_dAc * tl.where(lower, b_Araw, 0.)
+            if GENERAL:
+                b_XP += b_dB * b_c[:, None] * tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            # E transposed (tokens on the rows): ``decay_before``'s [BT, BTT] tile here fails sm_90's
+            # layout pass (Triton 3.6) when R > 1
+            Et = decay_after(b_gpt, b_g, o_j[:, None] > o_g[None, :], o_j[:, None] == o_g[None, :] + 1)
+            Fgp = decay_after(b_gp, b_gt, o_g[:, None] > o_j[None, :], o_g[:, None] == o_j[None, :] + 1)
+            Y = tl.dot(b_XP, tl.trans(Et), input_precision=PREC) + (b_dch * b_c)[:, None] * tl.exp(b_gpt)[None, :]
+            # a partial sum, in ``da`` (this program's own rows): finished in phase 3
+            tl.store(da + trow, tl.sum(Fgp * Y, axis=0).to(da.dtype.element_ty), mask=m_j)
         b_dAc = b_dAc * Gp
     b_dAcd = b_dAc.to(DT)
     b_duu += tl.dot(b_dAcd, b_v, input_precision=PREC)
@@ -470,10 +520,23 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        if R == 1:
-            b_gt = b_g
-        else:
-            b_gt = tl.load(g + trow, mask=m_j, other=0.)
+        if EXACT:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
+            b_XG = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
+            if GENERAL:
+                b_XG += b_dLq * tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            E = decay_before(b_g, b_gpt, o_g, o_j)
+            Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
+            b_dae = pair_decay_grad(b_XG, tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1), Fg, E, b_gpt, PREC)
+            # Vbar's factors e^{g_last - g_s} and the state's e^{g_last}, undecayed: v . dVb, h . dh
+            b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
+            if GENERAL:
+                b_x7 += tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
+            b_dae += tl.exp(b_gl - b_gt) * (tl.sum(E * b_x7[:, None], axis=0) + tl.exp(b_gpt) * tl.sum(b_hdh, axis=0))
+            if C_MODE == C_IS_A_PS:
+                b_dae += b_dac
+            tl.debug_barrier()      # phase 2's partial, written across the program's threads
+            b_dae += tl.load(da + trow, mask=m_j, other=0.).to(tl.float32)
+            tl.store(da + trow, b_dae.to(da.dtype.element_ty), mask=m_j)
         b_dOQ = b_dOQ * tl.exp(b_gt)[:, None]
         b_dgt = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)     # d g at the chunk's tokens
         b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.).to(tl.float32)
@@ -515,12 +578,13 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
         b_dgp = _per_token(b_dgp, o_g, o_j, R)
         b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        if R == 1:
-            b_da = b_dla / b_a
-        else:
-            b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
-        if C_MODE == C_IS_A_PS:
-            b_da += b_dac
-        tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
+        if not EXACT:       # else phase 3 has stored d a
+            if R == 1:
+                b_da = b_dla / b_a
+            else:
+                b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
+            if C_MODE == C_IS_A_PS:
+                b_da += b_dac
+            tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
     tl.store(doq + trow[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_jk)

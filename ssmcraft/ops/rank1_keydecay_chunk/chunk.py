@@ -48,7 +48,10 @@ Backward, per chunk with dO and dH_C (gradient at the chunk's end):
 Operands formed in the kernels: u = a o v (KDA: the erase reads the decayed state) is read as
 u e^{gp} = v e^{g}, so no u tensor exists and A shares L's exponentials; p = ps x with a per-head
 ps (KDA's beta x) is scaled where it is read. The decay's gradient is formed as d log a, then
-divided by a: where a is tiny (say 1e-8) its absolute error is that of d log a over a, while any
+divided by a, except in a chunk holding a decay below e^-3, where d a is taken term by term, per key
+(``common.tiles.key_decay_grad``: each factor's coefficient times the other decays in its span), so
+that it stays exact at tiny decays and at a = 0, where d log a / a is not (log a is floored at -80,
+``tiles.log_decay``). Elsewhere the absolute error of d log a / a is that of d log a over a, while any
 parametrisation of a in (0, 1) (sigmoid, exp) multiplies it back by a factor of order a.
 
 Kernels: ``rank1_keydecay_chunk_prep_kernel`` (parallel over chunks: g, A, M, W, Up, L), the
@@ -62,7 +65,7 @@ Nothing of size [B, T, K, V] is stored.
 
 Shapes (kernel level, FLA layout): v, u, oq, a [B, T, H, K]; p [B, T, H, V]; c [B, T, H];
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
-bfloat16 or float16; the state, g and every reduction in float32. Requires a > 0 (a <= 1 for
+bfloat16 or float16; the state, g and every reduction in float32. Takes a >= 0 (a <= 1 for
 the stability above).
 
 Packed rows (``cu_seqlens``, ``ssmcraft.ops.common.varlen``): B = 1 and N sequences laid end to end;
@@ -186,14 +189,16 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     dvs = _empty(B, T, H, K, device=v.device, dtype=torch.float32)       # the WY half's dv and d log a
     dlas = _empty(B, T, H, K, device=v.device, dtype=torch.float32)
     uu, pss = (v if u is None else u), (c if ps is None else ps)
-    launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
-           u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
-           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
-           HAS_PS=ps is not None, PREC=prec, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
-    launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
-           v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, **_diag(BT, True),
-           **packed_args(seq, "cu", "ci"))
+    # twice: then the chunks holding a tiny decay again, with d a taken term by term (``kernels._tiny_chunk``)
+    for exact in (False, True):
+        launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
+               u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
+               dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
+               HAS_PS=ps is not None, PREC=prec, EXACT=exact, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
+        launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
+               v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
+               T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, EXACT=exact, **_diag(BT, True),
+               **packed_args(seq, "cu", "ci"))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 

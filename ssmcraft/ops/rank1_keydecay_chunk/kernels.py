@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import seq_rows, value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, key_decay_grad, log_decay, seq_rows, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
@@ -40,7 +40,7 @@ def _g_at(g, a, bos, i_h, i_t, s, T, H, K: tl.constexpr, o_k, m_k, BT: tl.conste
     b_g = tl.load(g + rows * K + o_k, mask=m_k, other=0.)
     if SHIFT:
         b_a = tl.load(a + rows * K + o_k, mask=(t < T) & m_k, other=1.)
-        b_g = b_g - tl.log(b_a.to(tl.float32))
+        b_g = b_g - log_decay(b_a.to(tl.float32))
     return b_g
 
 
@@ -191,7 +191,7 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
             if SCALE:
                 d = d * tl.load(c + rows_s, mask=ts < T, other=0.).to(tl.float32)
             if SHIFT:
-                g_s = g_s - tl.log(tl.load(a + rows_s[:, None] * K + ok_k, mask=(ts < T)[:, None] & mk, other=1.)
+                g_s = g_s - log_decay(tl.load(a + rows_s[:, None] * K + ok_k, mask=(ts < T)[:, None] & mk, other=1.)
                                    .to(tl.float32))
             x_s = _rows_at(x, bos, i_h, i_t, s[:, None], T, H, K, ok_k, mk, BT, 0.)
             Z += tl.where(ok[:, None], d[:, None] * x_s * tl.exp(tl.where(ok[:, None], g_s - b_gy, 0.)), 0.)
@@ -247,7 +247,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     m_tt = m_t[:, None] & (o_i < BT)[None, :]
     p_tk = row[:, None] * K + o_k[None, :]
 
-    b_la = tl.log(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
+    b_la = log_decay(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
     b_g = tl.cumsum(b_la, axis=0)
     tl.store(g + p_tk, b_g, mask=m_tk)
     b_gp = b_g - b_la
@@ -373,7 +373,17 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     return i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
+@triton.jit
+def _tiny_chunk(a, p_tk, m_tk):
+    """Whether the chunk holds a decay below e^LOG_EXACT_DA: the chunks the backward's second launch
+    (EXACT) runs again with d a taken term by term, where the first launch's d log a / a has lost
+    its digits (and is NaN at a = 0). Two launches rather than one kernel with both: with the
+    term-by-term code inside, ptxas spilled 30 to 60 % more in every chunk."""
+    return tl.min(tl.min(log_decay(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)), axis=1), axis=0) < \
+        LOG_EXACT_DA
+
+
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS", "EXACT"],
       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
@@ -381,7 +391,26 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
                                        U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
-                                       VARLEN: tl.constexpr):
+                                       VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
+    """``_bwd_wy``; EXACT: the second launch, in which only the chunks holding a decay below
+    e^LOG_EXACT_DA run it (``_tiny_chunk``), with this half's share of d a itself."""
+    if EXACT:
+        i_t, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
+        if (i_t >= 0) & _tiny_chunk(a, p_tk, m_tk & (i_t >= 0)):   # i_t < 0: past the packed row's last chunk
+            _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT,
+                    BK, BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, True)
+    else:
+        _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT, BK,
+                BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, False)
+
+
+@triton.jit
+def _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
+                                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                       SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
+                                       VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
@@ -422,7 +451,7 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     b_c = tl.load(c + row, mask=m_t, other=0.).to(tl.float32)
     # flat past T, as in the forward: the sub-block references stay at or above every later row's
     b_g = _g_at(g, a, bos, i_h, i_t, o_i[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
-    b_gp = b_g - tl.log(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
+    b_gp = b_g - log_decay(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32))
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_ug = b_x * tl.exp(b_gx)
@@ -455,16 +484,41 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
         b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
         tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
     tl.store(dvs + p_tk, b_Z, mask=m_tk)
+    if EXACT:
+        # d a itself, term by term (d log a / a has lost its digits): A's pairs dA c x v and W's
+        # start factors T1 c x, their row exponent gx (g where u = a o v, else gp); ``_bwd_out`` adds its
+        # share
+        b_gl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_g, 0.), axis=0)      # flat past T: g's last row
+        b_dla = key_decay_grad(b_dA, b_x * b_c[:, None], b_v, b_T1 * b_c[:, None] * b_x, tl.zeros_like(b_v),
+                               tl.zeros([BK], dtype=tl.float32), b_g, b_gp, b_gl, o_i, U_MODE == U_GIVEN, BK, PREC)
     tl.store(dlas + p_tk, b_dla, mask=m_tk)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "EXACT"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                         SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
+    """``_bwd_out``; EXACT: the second launch, in which only the chunks holding a decay below
+    e^LOG_EXACT_DA run it (``_tiny_chunk``), with d a itself, term by term."""
+    if EXACT:
+        i_t, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
+        if (i_t >= 0) & _tiny_chunk(a, p_tk, m_tk & (i_t >= 0)):   # i_t < 0: past the packed row's last chunk
+            _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV,
+                     SUB, LEVELS, UNROLL, PREC, VARLEN, True)
+    else:
+        _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV, SUB,
+                 LEVELS, UNROLL, PREC, VARLEN, False)
+
+
+@triton.jit
+def _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
+                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
@@ -502,13 +556,20 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     b_dg = b_doq * b_oq
     last = tl.minimum(T, i_t * BT + BT) - 1
     b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
+    b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
+    if EXACT:   # d a term by term: O's start factors dOQ oq, L's pairs dL oq v, Vbar's dVb v, the state's h0 dH
+        b_dae = key_decay_grad(b_dL, b_oq, b_v, b_dOQ * b_oq, b_dVb * b_v, b_hdh, b_g, b_g - log_decay(b_a), b_gl,
+                               o_i, False, BK, PREC)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
     b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
     b_dgl = tl.sum(b_dVb * b_v, axis=0) + tl.exp(b_gl) * b_hdh
     # g_t = sum_{r<=t} log a_r, gl = sum_r log a_r over the chunk's rows
-    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
-    b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
-    tl.store(da + p_tk, (b_dla / b_a).to(da.dtype.element_ty), mask=m_tk)
+    if EXACT:   # ``dlas`` holds the WY kernel's share of d a itself
+        b_dae += tl.load(dlas + p_tk, mask=m_tk, other=0.)
+    else:
+        b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
+        b_dae = b_dla / b_a
+    tl.store(da + p_tk, b_dae.to(da.dtype.element_ty), mask=m_tk)
     b_dv += tl.load(dvs + p_tk, mask=m_tk, other=0.)
     tl.store(dv + p_tk, b_dv.to(dv.dtype.element_ty), mask=m_tk)
