@@ -349,8 +349,12 @@ def _kernel_step(key, ins, S0, output_final_state, cu=None):
     x = ins["x1"]
     if chunked(key):
         n = key[2]
-        w = [t.to(x.dtype) for t in _writes(key, ins)]
-        q, ks = ins["q"].to(x.dtype), [ins[f"k{i}"].to(x.dtype) for i in range(1, n + 1)]
+        # the step I - k w^T does not contract as DeltaNet's does (|w| of a few units for unit keys), so
+        # its chunk tiles stored in 16 bits lose more than bf16 I/O does at long lengths: fp32 as for RLS
+        mem = torch.float32 if P.MEMORY_FP32 else x.dtype
+        x = x.to(mem)
+        w = [t.to(mem) for t in _writes(key, ins)]
+        q, ks = ins["q"].to(mem), [ins[f"k{i}"].to(mem) for i in range(1, n + 1)]
         c = (torch.zeros_like if key[1] == "linear" else torch.ones_like)(x[..., 0])
         h0 = None if S0 is None else S0.transpose(-1, -2)
         packed = None if cu is None else cu[1]
@@ -358,7 +362,7 @@ def _kernel_step(key, ins, S0, output_final_state, cu=None):
             o, ht = chunk_rank1(w[0], x, c, q, u=ks[0], initial_state=h0,
                                 output_final_state=output_final_state, chunk_size=P.CHUNK, cu_seqlens=packed)
         else:
-            o, ht = chunk_rankr(w, [ins[f"x{i}"] for i in range(1, n + 1)], c, q, u=ks, initial_state=h0,
+            o, ht = chunk_rankr(w, [ins[f"x{i}"].to(mem) for i in range(1, n + 1)], c, q, u=ks, initial_state=h0,
                                 output_final_state=output_final_state, chunk_size=RANKR_CHUNK, cu_seqlens=packed)
         return o, None if ht is None else ht.transpose(-1, -2)
     ir = aux(*key).ir           # one state: the kernels' state is S itself (no stacking)
