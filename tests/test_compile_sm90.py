@@ -31,7 +31,10 @@ def test_packed_kernels_compile_for_sm90():
     rows = _kernels(out)
     assert "+packed" in out
     assert {k for (label, k) in rows if label == "gla"} >= {"keydecay_chunk_fwd_state_kernel", "keydecay_chunk_bwd_intra_kernel"}
-    assert {k for (label, k) in rows if label == "mamba"} == {"diagonal_fwd_main_kernel", "diagonal_bwd_main_kernel"}
+    # packed, the scan splits into time groups as padded (summaries, propagation), from a device chunk table
+    assert {k for (label, k) in rows if label == "mamba"} == {
+        "diagonal_fwd_main_kernel", "diagonal_bwd_main_kernel", "diagonal_fwd_summary_kernel", "diagonal_bwd_summary_kernel",
+        "diagonal_fwd_propagate_kernel", "diagonal_bwd_propagate_kernel", "chunk_tables_kernel"}
     assert set(rows.values()) == {"ok"}
 
 
@@ -57,7 +60,7 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
     assert backends == {"deltanet": "triton:rank1-chunk+packed", "gated_deltanet": "triton:rank1-chunk+packed",
                         "rank2_head_gated": "triton:rankr-chunk+packed"}
     kernels = {"rank1_chunk_prep_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_state_kernel",
-               "rank1_chunk_bwd_grad_kernel"}
+               "rank1_chunk_bwd_grad_kernel", "chunk_tables_kernel"}     # the packed chunk table, built on the device
     rows = _kernels(out)
     for label in backends:
         assert {k for (lab, k) in rows if lab == label} == kernels

@@ -68,6 +68,9 @@ INTERPRET_BV: int | None = None     # value-block size under the interpreter (te
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward``
 BACKEND_NAME = "rank1-chunk"
+# benchmarks: False skips the backward's second launch for the chunks holding a tiny decay (its cost
+# where none is; wrong gradients where one is)
+EXACT_DECAY_GRAD = True
 
 
 # ----------------------------------------------------------------------------------------
@@ -186,7 +189,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
                 NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
                 HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
-    if has_a:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)
+    if has_a and EXACT_DECAY_GRAD:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)
         launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args, EXACT=True)
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)

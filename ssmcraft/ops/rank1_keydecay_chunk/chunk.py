@@ -99,6 +99,9 @@ SUB = 16                            # sub-block of the intra-chunk matrices
 # (H200, bf16, B=8 T=2048 H=16 d=m=64: both at 16 fwd 0.83 / fwd+bwd 3.50 ms, both at 4 1.23 / 3.11)
 LEAF_FWD = 16
 LEAF_BWD = 4
+# benchmarks: False skips the backward's second launches for the chunks holding a tiny decay (their cost
+# where none is; wrong gradients where one is)
+EXACT_DECAY_GRAD = True
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
@@ -190,7 +193,7 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     dlas = _empty(B, T, H, K, device=v.device, dtype=torch.float32)
     uu, pss = (v if u is None else u), (c if ps is None else ps)
     # twice: then the chunks holding a tiny decay again, with d a taken term by term (``kernels._tiny_chunk``)
-    for exact in (False, True):
+    for exact in (False, True)[:1 + EXACT_DECAY_GRAD]:
         launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
                u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
                dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),

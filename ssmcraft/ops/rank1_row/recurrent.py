@@ -75,8 +75,10 @@ CHUNK = 64            # checkpoint interval of the backward (steps), a == 1
 DECAY_CHUNK = 8
 # with a decay, a chunk whose reversal divided by the decays amplifies rounding by at most 2^DIVIDE_BITS
 # (the product of 1/|a| over its steps) walks back from its end state as a == 1 does, without the
-# rebuild; the others are rebuilt (``bwd``'s docstring)
-DIVIDE_BITS = 4.0
+# rebuild; the others are rebuilt (``bwd``'s docstring). 6 bits: the walk's fp32 error is ~6x the
+# rebuild's (~1e-6, far below what bf16 I/O rounds away) and it walks ~99% of wd_longhorn's chunks, where 4 bits
+# walked too few to pay for the selection (BENCHMARKS.md, `benchmarks/exp_divide_bits.py`)
+DIVIDE_BITS = 6.0
 ONE_LOOP = True       # benchmarks: False runs a reverse loop per way (``bwd``'s docstring)
 
 # ----------------------------------------------------------------------------------------
