@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_state
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad
 from ssmcraft.ops.common.tuning import pow2, tune
 from ssmcraft.ops.mlp_memory.kernels import _act, _program, _psi, _psi_adjoint, _put, _weights
 
@@ -61,25 +62,55 @@ def _per_token(ptr, rows, ok, other, HAS: tl.constexpr):
 
 
 @triton.jit
+def _two_sum(a_hi, a_lo, b_hi, b_lo):
+    """A scan's step of a sum carried with its rounding error: (hi, lo) with hi + lo the exact sum of
+    a_hi + b_hi (Knuth's two-sum) plus the operands' errors."""
+    s = a_hi + b_hi
+    bb = s - a_hi
+    return s, a_lo + b_lo + ((a_hi - (s - bb)) + (b_hi - bb))
+
+
+@triton.jit
 def _coefs(c, o_c, BC: tl.constexpr, HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr):
     """The chunk's weights of its anchors from each token's decay ``c [BC]`` (1 past the chunk): the
     running weights W_t = al_t P - sum_{s<=t} Dm[t, s] eta_s G_s, G_s the gradient at P of token s.
-    A decay of the running weights (HAS_DEC): g = cumsum(log c), al = e^g, Dm[t, s] = e^(g_t - g_s);
+    A decay of the running weights (HAS_DEC): g = cumsum(log c) (log c clamped: ``tiles.log_decay``; every
+    exponent a later sum minus an earlier one, <= 0), al = e^g, Dm[t, s] = e^(g_t - g_s);
     weight decay at the anchors (AT_ANCHOR, W_t = W_{t-1} - (1 - c_t) P - ...): al = 1 - cumsum(1 - c),
     Dm = 1; none: al = 1, Dm = 1; Dm is 0 above its diagonal. Returns (g, al, Dm, the weights after the
     chunk's last token: aL = al_{BC-1}, dL = Dm[BC-1, :])."""
     tri = o_c[:, None] >= o_c[None, :]
     last = o_c == BC - 1
     if HAS_DEC and not AT_ANCHOR:
-        g = tl.cumsum(tl.log(c), axis=0)
-        gl = tl.sum(tl.where(last, g, 0.), axis=0)
-        return g, tl.exp(g), tl.exp(tl.where(tri, g[:, None] - g[None, :], float("-inf"))), tl.exp(gl), tl.exp(gl - g)
+        # g as a rounded sum and its rounding error (hi + lo): tiny decays make |g| hundreds, and a
+        # difference of two rounded sums over ordinary decays after them would carry their rounding
+        # (ulp(300) ~ 3e-5) as every factor's error; hi_t - hi_s is exact where the sums are close
+        hi, lo = tl.associative_scan((log_decay(c), tl.zeros_like(c)), 0, _two_sum)
+        hl = tl.sum(tl.where(last, hi, 0.), axis=0)
+        ll = tl.sum(tl.where(last, lo, 0.), axis=0)
+        b_d = tl.where(tri, (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :]), float("-inf"))
+        g = hi + lo
+        return g, tl.exp(g), tl.exp(b_d), tl.exp(hl + ll), tl.exp((hl - hi) + (ll - lo))
     elif HAS_DEC:
         al = 1. - tl.cumsum(1. - c, axis=0)
         return (c, al, tl.where(tri, 1., 0.), tl.sum(tl.where(last, al, 0.), axis=0), tl.full(c.shape, 1., tl.float32))
     else:
         one = tl.full(c.shape, 1., tl.float32)
         return c, one, tl.where(tri, 1., 0.), tl.sum(tl.where(last, one, 0.), axis=0), one
+
+
+@triton.jit
+def _exact_dc(b_c, b_g, b_dd, b_dal, b_ddl, b_dal_last, o_c, BC: tl.constexpr, PREC: tl.constexpr):
+    """dc [BC] term by term, for a chunk holding a decay below e^LOG_EXACT_DA (there d log c / c loses its
+    digits, and is NaN at c = 0): each factor's coefficient times the product of the other decays in its
+    span, c_r left out (``tiles.pair_decay_grad``). The factors: Dm[t, s] (coefficients dD), with the end
+    weights' dL = Dm[last, :] (d dL) on the last row; al_t = e^(g_t) (d al), with aL = al_last (d aL)."""
+    last = o_c == BC - 1
+    b_gp = b_g - log_decay(b_c)
+    E = decay_before(b_g, b_gp, o_c, o_c)
+    F = decay_after(b_g, b_g, o_c[:, None] >= o_c[None, :], o_c[:, None] == o_c[None, :])
+    X = b_dd + tl.where(last[:, None], b_ddl[None, :], 0.)
+    return pair_decay_grad(X, b_dal + tl.where(last, b_dal_last, 0.), F, E, b_gp, PREC)
 
 
 @triton.jit
@@ -235,7 +266,8 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
     read first where the end weights aL P - ... reach the chunk's terms (``_end_key``), then turned in
     place into the adjoints of its anchors, which are the previous chunk's end weights: the first
     chunk's is the initial weights' gradient (two [h, m]-sized tiles carried, not four). The decay's
-    gradient: through g (``_coefs``: d log c is the reverse cumulative sum of dg, dc = d log c / c);
+    gradient: through g (``_coefs``: d log c is the reverse cumulative sum of dg, dc = d log c / c; term
+    by term in a chunk holding a tiny or zero decay, ``_exact_dc``);
     weight decay's, through al = 1 - cumsum(1 - c)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
@@ -318,11 +350,15 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
                 # al = 1 - cumsum(lam), lam = 1 - c: d lam = -revcumsum(d al), dc = -d lam
                 b_dc = tl.cumsum(b_dal + tl.where(last, b_dal_last, 0.), axis=0, reverse=True)
             else:
-                # al = e^g, Dm = e^(g_t - g_s), dL = e^(gL - g): dg, then d log c = revcumsum(dg)
-                b_ddm = b_dd * b_dm
-                b_dg = b_dal * b_al + tl.sum(b_ddm, axis=1) - tl.sum(b_ddm, axis=0) - b_ddl * b_dL
-                b_dg += tl.where(last, b_dal_last * b_aL + tl.sum(b_ddl * b_dL, axis=0), 0.)
-                b_dc = tl.cumsum(b_dg, axis=0, reverse=True) / b_c
+                # al = e^g, Dm = e^(g_t - g_s), dL = e^(gL - g): dg, then d log c = revcumsum(dg) and
+                # dc = d log c / c; with a decay under e^LOG_EXACT_DA in the chunk, term by term
+                if tl.min(log_decay(b_c), axis=0) < LOG_EXACT_DA:
+                    b_dc = _exact_dc(b_c, b_g, b_dd, b_dal, b_ddl, b_dal_last, o_c, BC, PREC)
+                else:
+                    b_ddm = b_dd * b_dm
+                    b_dg = b_dal * b_al + tl.sum(b_ddm, axis=1) - tl.sum(b_ddm, axis=0) - b_ddl * b_dL
+                    b_dg += tl.where(last, b_dal_last * b_aL + tl.sum(b_ddl * b_dL, axis=0), 0.)
+                    b_dc = tl.cumsum(b_dg, axis=0, reverse=True) / b_c
             tl.store(ddec + rows, b_dc.to(ddec.dtype.element_ty), mask=ok)
     if STORE_DH0:
         _put(dw1, dw2, i_bh, b_g1, b_g2, p1, m1, p2, m2, D, M, HID)

@@ -1,0 +1,47 @@
+"""The MLP memory's families on decays a sigmoid gate reaches in training (``checking.tiny_decays``:
+in (e^-64, e^-14) with exact zeros among them, alone or mixed with ordinary decays in one chunk),
+under the Triton interpreter against the float64 reference: output, both final weights and every
+gradient (the decay's and both initial weights' included), every buffer poisoned with NaN, on an odd
+length. The mini-batch form (``mlp_minibatch_chunk``, C of 16 and 32) forms log-decays: log 0 = -inf
+made its outputs NaN, and its decay's gradient d log c / c was NaN at c = 0 and lost its digits below
+c ~ 1e-3; the sequential family (``mlp_memory``) multiplies by the decay directly. The other inputs
+are drawn in the stable region, as ``test_kernels_mlp_memory`` draws them. A sibling of
+``test_kernels_tiny_decays`` (whose draws have no hidden dimension)."""
+import pytest
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.bench.classes_commands import COMPOSED  # noqa: E402
+from ssmcraft.ops.mlp_memory import recurrent as R  # noqa: E402
+from ssmcraft.ops.mlp_minibatch_chunk import chunk as CH  # noqa: E402
+from ssmcraft.runtime.checking import tiny_decays  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
+from helpers import assert_within, kernel_errors  # noqa: E402
+from test_kernels_mlp_memory import TOL, _case  # noqa: E402
+
+FAMILIES = {"mlp_minibatch_chunk": CH, "mlp_memory": R}
+
+
+def _objective(mb, keys):
+    """``mlp_huber_minibatch`` (a scalar decay of the running weights) with a mini-batch of ``mb``
+    and ``keys`` keys."""
+    return compose_objective(dict(COMPOSED["mlp_huber_minibatch"], minibatch=mb, keys=keys))
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["tiny", "mixed"])
+@pytest.mark.parametrize("family,mb,keys,T", [
+    ("mlp_minibatch_chunk", 16, 1, 37), ("mlp_minibatch_chunk", 32, 1, 45), ("mlp_minibatch_chunk", 16, 2, 35),
+    ("mlp_memory", 16, 1, 37), ("mlp_memory", 0, 1, 37), ("mlp_memory", 0, 2, 35),
+])
+def test_tiny_and_zero_decays_match_the_reference(family, mb, keys, T, mix, monkeypatch):
+    mod = FAMILIES[family]
+    obj = ssmcraft.compile(_objective(mb, keys))
+    assert mod.supports(obj.ir) is None, f"{family} does not run it"
+    monkeypatch.setattr(mod, "POISON", True)
+    ins, S0, g = _case(obj, 1, T, 2, 6, 4, seed=2 * T + mix)
+    ins, _ = tiny_decays(obj, ins, {}, g, mix)
+    assert (ins["alpha"] == 0).any() and (ins["alpha"] < 1e-6).float().mean() > 0.4
+    errs = kernel_errors(obj, lambda o, lay: mod.forward(o, lay, None, True), ins, None, S0, g)
+    assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
+    assert_within(errs, TOL)
