@@ -8,6 +8,7 @@ c ~ 1e-3; the sequential family (``mlp_memory``) multiplies by the decay directl
 are drawn in the stable region, as ``test_kernels_mlp_memory`` draws them. A sibling of
 ``test_kernels_tiny_decays`` (whose draws have no hidden dimension)."""
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -45,3 +46,23 @@ def test_tiny_and_zero_decays_match_the_reference(family, mb, keys, T, mix, monk
     errs = kernel_errors(obj, lambda o, lay: mod.forward(o, lay, None, True), ins, None, S0, g)
     assert set(errs) >= {"y", "W1_T", "W2_T", "dW10", "dW20", *(f"d{n}" for n in ins)}, errs
     assert_within(errs, TOL)
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["tiny", "mixed"])
+def test_packed_tiny_decays_match_separate_calls(mix, monkeypatch):
+    """A packed row (odd lengths, empty ones first and in the middle) on tiny and zero decays against N
+    separate float64 reference calls: the second launch's chunks are each sequence's own."""
+    from ssmcraft.runtime.checking import compare, packed_reference
+    from test_varlen import _interpret
+    monkeypatch.setattr(CH, "POISON", True)
+    obj = ssmcraft.compile(_objective(16, 1))
+    lens = [0, 17, 5, 0, 1, 33]
+    ins, _, g = _case(obj, 1, sum(lens), 2, 6, 4, seed=5)
+    _, S0, _ = _case(obj, len(lens), 1, 2, 6, 4, seed=6)
+    ins, _ = tiny_decays(obj, ins, {}, g, mix)
+    assert (ins["alpha"] == 0).any()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    errs = compare(packed_reference(obj, ins, None, S0, cu, g), lambda i, p, s: _interpret(obj, i, p, s, cu)).errors
+    assert set(errs) >= {"y", "dW10", "dW20", *(f"d{n}" for n in ins)}, sorted(errs)
+    assert_within(errs, TOL)
+    assert obj.backend == "triton-interpret:mlp-minibatch-chunk+packed"

@@ -20,7 +20,11 @@ without either al = Dm = 1 (Dm lower triangular). The readout ``y_t = W2_t act(W
 and a second key and target add their own GZ2, SE2 terms to each sum. The backward runs the chunks in
 reverse from the anchors the forward stored (``[B, H, NT, h, m]`` and ``[B, H, NT, d, h]`` fp32: one pair
 per chunk; no replay), recomputing the chunk's products and taking their adjoint; the decay's
-gradient goes through g (so a decay must be > 0: its log is taken). Kernels: ``kernels.py``.
+gradient goes through g. A decay may be 0 or tiny (a sigmoid gate's, e.g. 1e-9 at -20): log c is clamped
+(``ssmcraft.ops.common.tiles.log_decay``), every exponent is a later sum minus an earlier one, the sums
+are carried with their rounding error, and a chunk holding a decay below e^LOG_EXACT_DA takes its dc
+term by term in a second launch (``kernels.mlp_chunk_exact_dc_kernel``), not as d log c / c. Kernels:
+``kernels.py``.
 
 Chunks are counted from each sequence's start: packed rows (``cu_seqlens``) run one program per
 (sequence, head), as N separate calls. Mini-batches of ``MIN_C`` to ``MAX_C`` tokens run here (tiles of
@@ -40,7 +44,8 @@ from ssmcraft.ops.family import match_reason
 from ssmcraft.ops.mlp_memory.recurrent import (ACTIVATIONS, DATA, checked_args, final_cotangents, run_forward,
                                                runner)
 from ssmcraft.ops.mlp_memory.recurrent import match as sequential_match
-from ssmcraft.ops.mlp_minibatch_chunk.kernels import mlp_chunk_bwd_kernel, mlp_chunk_exact_dc_kernel, mlp_chunk_fwd_kernel
+from ssmcraft.ops.mlp_minibatch_chunk.kernels import (mlp_chunk_bwd_kernel, mlp_chunk_exact_dc_kernel,
+                                                  mlp_chunk_fwd_kernel)
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-minibatch-chunk"
@@ -130,7 +135,7 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
                         output_final_state: bool = False, cu_seqlens=None):
     """``ssmcraft.ops.mlp_memory.recurrent.mlp_memory`` with ``minibatch`` C in [MIN_C, MAX_C] (same
     arguments, shapes and result; no ``chunk_size``: the chunk is the mini-batch), in the module
-    docstring's chunk-parallel form. A decay must be > 0."""
+    docstring's chunk-parallel form. A decay is in [0, 1]."""
     decay, at_anchor = checked_args("mlp_minibatch_chunk", x, act, data, decay, weight_decay, k2, x2,
                                               minibatch)
     if not MIN_C <= minibatch <= MAX_C:

@@ -7,7 +7,9 @@ sequential kernels hold the weights (``ssmcraft.ops.mlp_memory.kernels``): ``P1 
 (``[h, m]``) and ``W2`` transposed, ``P2T [BH, BD]``; a chunk's tokens are the rows of ``[BC, *]`` tiles
 (keys ``[BC, BM]``, targets ``[BC, BD]``, hidden ``[BC, BH]``), rows past the chunk or the sequence
 masked to zero with a step of 0, so that they add nothing. The activation, the data term and its
-adjoint are the sequential kernels' own (``_act``, ``_psi``, ``_psi_adjoint``).
+adjoint are the sequential kernels' own (``_act``, ``_psi``, ``_psi_adjoint``). A third kernel,
+``mlp_chunk_exact_dc_kernel``, takes the decay's gradient term by term in the chunks that hold a tiny or
+zero decay.
 """
 from __future__ import annotations
 
