@@ -106,7 +106,7 @@ class MLPChunkFunction(torch.autograd.Function):
         exact = dec is not None and not ctx.at_anchor
         C = ctx.C
         xs = _empty(B * H * NT, C, C, device=dev, dtype=torch.float32) if exact else dx
-        xs0 = _empty(B * H * NT, C, device=dev, dtype=torch.float32) if exact else dx
+        xs0 = _empty(B * H * NT, 2, C, device=dev, dtype=torch.float32) if exact else dx
         launch(mlp_chunk_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=or_dx(eta), rw=or_dx(rw), dec=or_dx(dec),
                k2=or_dx(k2), x2=or_dx(x2), dy=dy, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=or_dx(deta), drw=or_dx(drw),

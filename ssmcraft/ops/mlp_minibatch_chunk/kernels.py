@@ -361,14 +361,13 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
 @triton.jit
 def _keep_coefs(xs, xs0, i_n, b_c, b_dd, b_dal, b_ddl, b_dal_last, o_c, C: tl.constexpr):
     """Where the chunk holds a decay below e^LOG_EXACT_DA, its decay factors' coefficients for
-    ``mlp_chunk_exact_dc_kernel``, chunk ``i_n`` of ``xs [*, C, C]`` (dD, with the end weights' d dL on
-    the row of token C - 1, whose sum is the chunk's last: dL = Dm[last, :]) and ``xs0 [*, C]`` (d al,
-    with d aL on that row); a masked store, so that the common chunk's code is as without it."""
+    ``mlp_chunk_exact_dc_kernel``, chunk ``i_n`` of ``xs [*, C, C]`` (dD) and ``xs0 [*, 2, C]`` (d al,
+    with d aL on the row of token C - 1, whose sum is the chunk's last; the end weights' d dL); masked
+    stores of tiles the backward holds anyway, so that the common chunk's code is as without them."""
     keep = tl.where(o_c < C, tl.min(log_decay(b_c), axis=0), 0.) < LOG_EXACT_DA    # the rows of its C tokens
-    end = o_c == C - 1
-    X = b_dd + tl.where(end[:, None], b_ddl[None, :], 0.)
-    tl.store(xs + (i_n * C + o_c[:, None]) * C + o_c[None, :], X, mask=keep[:, None] & (o_c < C)[None, :])
-    tl.store(xs0 + i_n * C + o_c, b_dal + tl.where(end, b_dal_last, 0.), mask=keep)
+    tl.store(xs + (i_n * C + o_c[:, None]) * C + o_c[None, :], b_dd, mask=keep[:, None] & (o_c < C)[None, :])
+    tl.store(xs0 + i_n * 2 * C + o_c, b_dal + tl.where(o_c == C - 1, b_dal_last, 0.), mask=keep)
+    tl.store(xs0 + (i_n * 2 + 1) * C + o_c, b_ddl, mask=keep)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -390,7 +389,10 @@ def mlp_chunk_exact_dc_kernel(dec, xs, xs0, ddec, cu, co, T, NT, H: tl.constexpr
             i_n = c0 + i_c
             m_c = o_c < C
             X = tl.load(xs + (i_n * C + o_c[:, None]) * C + o_c[None, :], mask=m_c[:, None] & m_c[None, :], other=0.)
-            x0 = tl.load(xs0 + i_n * C + o_c, mask=m_c, other=0.)
+            # the end weights' dL = Dm[last, :]: their coefficients join the row of token C - 1
+            X += tl.where((o_c == C - 1)[:, None], tl.load(xs0 + (i_n * 2 + 1) * C + o_c, mask=m_c, other=0.)[None, :],
+                          0.)
+            x0 = tl.load(xs0 + i_n * 2 * C + o_c, mask=m_c, other=0.)
             hi, lo = _log_sums(b_c)
             b_g = hi + lo
             b_gp = b_g - b_la
