@@ -25,14 +25,16 @@ FAMILIES = {"mlp_minibatch_chunk": CH, "mlp_memory": R}
 
 
 def _objective(mb, keys):
-    """``mlp_huber_minibatch`` (a scalar decay of the running weights) with a mini-batch of ``mb``
-    and ``keys`` keys."""
-    return compose_objective(dict(COMPOSED["mlp_huber_minibatch"], minibatch=mb, keys=keys))
+    """``mlp_huber_minibatch`` (a scalar decay of the running weights) with a mini-batch of ``mb`` (20,
+    out of the compose space, set on its spec: tiles of 32 rows, those past 20 masked) and ``keys`` keys."""
+    spec = compose_objective(dict(COMPOSED["mlp_huber_minibatch"], minibatch=16 if mb == 20 else mb, keys=keys))
+    return dict(spec, name="mlp_huber_mb20", approximation={"minibatch": 20}) if mb == 20 else spec
 
 
 @pytest.mark.parametrize("mix", [False, True], ids=["tiny", "mixed"])
 @pytest.mark.parametrize("family,mb,keys,T", [
     ("mlp_minibatch_chunk", 16, 1, 37), ("mlp_minibatch_chunk", 32, 1, 45), ("mlp_minibatch_chunk", 16, 2, 35),
+    ("mlp_minibatch_chunk", 20, 1, 47),
     ("mlp_memory", 16, 1, 37), ("mlp_memory", 0, 1, 37), ("mlp_memory", 0, 2, 35),
 ])
 def test_tiny_and_zero_decays_match_the_reference(family, mb, keys, T, mix, monkeypatch):
