@@ -2,10 +2,11 @@
 in (e^-64, e^-14) with exact zeros among them, alone or mixed with ordinary decays in one chunk),
 under the Triton interpreter against the float64 reference: output, both final weights and every
 gradient (the decay's and both initial weights' included), every buffer poisoned with NaN, on an odd
-length. The mini-batch form (``mlp_minibatch_chunk``, C of 16 and 32) forms log-decays: log 0 = -inf
-made its outputs NaN, and its decay's gradient d log c / c was NaN at c = 0 and lost its digits below
-c ~ 1e-3; the sequential family (``mlp_memory``) multiplies by the decay directly. The other inputs
-are drawn in the stable region, as ``test_kernels_mlp_memory`` draws them. A sibling of
+length, and a packed row against separate calls. The mini-batch form (``mlp_minibatch_chunk``, C of
+16, 20 and 32) forms log-decays: unclamped, log 0 = -inf makes every output NaN, a difference of two
+rounded sums of hundreds carries ~3e-5 into every factor, and d log c / c is NaN at c = 0 and loses its
+digits below c ~ 1e-3; the sequential family (``mlp_memory``) multiplies by the decay directly. The
+other inputs are drawn in the stable region, as ``test_kernels_mlp_memory`` draws them. A sibling of
 ``test_kernels_tiny_decays`` (whose draws have no hidden dimension)."""
 import pytest
 import torch
