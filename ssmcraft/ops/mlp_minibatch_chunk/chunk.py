@@ -20,7 +20,11 @@ without either al = Dm = 1 (Dm lower triangular). The readout ``y_t = W2_t act(W
 and a second key and target add their own GZ2, SE2 terms to each sum. The backward runs the chunks in
 reverse from the anchors the forward stored (``[B, H, NT, h, m]`` and ``[B, H, NT, d, h]`` fp32: one pair
 per chunk; no replay), recomputing the chunk's products and taking their adjoint; the decay's
-gradient goes through g (so a decay must be > 0: its log is taken). Kernels: ``kernels.py``.
+gradient goes through g. A decay may be 0 or tiny (a sigmoid gate's, e.g. 1e-9 at -20): log c is clamped
+(``ssmcraft.ops.common.tiles.log_decay``), every exponent is a later sum minus an earlier one, the sums
+are carried with their rounding error, and a chunk holding a decay below e^LOG_EXACT_DA takes its dc
+term by term in a second launch (``kernels.mlp_chunk_exact_dc_kernel``), not as d log c / c. Kernels:
+``kernels.py``.
 
 Chunks are counted from each sequence's start: packed rows (``cu_seqlens``) run one program per
 (sequence, head), as N separate calls. Mini-batches of ``MIN_C`` to ``MAX_C`` tokens run here (tiles of
@@ -40,7 +44,8 @@ from ssmcraft.ops.family import match_reason
 from ssmcraft.ops.mlp_memory.recurrent import (ACTIVATIONS, DATA, checked_args, final_cotangents, run_forward,
                                                runner)
 from ssmcraft.ops.mlp_memory.recurrent import match as sequential_match
-from ssmcraft.ops.mlp_minibatch_chunk.kernels import mlp_chunk_bwd_kernel, mlp_chunk_fwd_kernel
+from ssmcraft.ops.mlp_minibatch_chunk.kernels import (mlp_chunk_bwd_kernel, mlp_chunk_exact_dc_kernel,
+                                                  mlp_chunk_fwd_kernel)
 
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-minibatch-chunk"
@@ -97,12 +102,20 @@ class MLPChunkFunction(torch.autograd.Function):
         dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
         two = k2 is not None
         or_dx = lambda t: dx if t is None else t        # noqa: E731  (an unread pointer)
+        # a decay of the running weights: the coefficients of its chunks that hold a tiny decay
+        exact = dec is not None and not ctx.at_anchor
+        C = ctx.C
+        xs = _empty(B * H * NT, C, C, device=dev, dtype=torch.float32) if exact else dx
+        xs0 = _empty(B * H * NT, 2, C, device=dev, dtype=torch.float32) if exact else dx
         launch(mlp_chunk_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=or_dx(eta), rw=or_dx(rw), dec=or_dx(dec),
                k2=or_dx(k2), x2=or_dx(x2), dy=dy, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=or_dx(deta), drw=or_dx(drw),
-               ddec=or_dx(ddec), dk2=or_dx(dk2), dx2=or_dx(dx2), dw1=dw1, dw2=dw2, T=T, NT=NT,
-               **_consts(ctx, H, D, M, HID, ctx.C, ctx.act, ctx.psi, eta, rw, dec, ctx.at_anchor, two, x.dtype),
+               ddec=or_dx(ddec), dk2=or_dx(dk2), dx2=or_dx(dx2), dw1=dw1, dw2=dw2, xs=xs, xs0=xs0, T=T, NT=NT,
+               **_consts(ctx, H, D, M, HID, C, ctx.act, ctx.psi, eta, rw, dec, ctx.at_anchor, two, x.dtype),
                HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+        if exact:   # the chunks holding a tiny decay rewrite dc term by term
+            launch(mlp_chunk_exact_dc_kernel, (N * H,), dec=dec, xs=xs, xs0=xs0, ddec=ddec, T=T, NT=NT, H=H, C=C,
+                   BC=pow2(C), PREC=dot_precision(x.dtype), **packed_args(seq, "cu", "co"))
         return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
                 None, None, None, None, None, None)
 
@@ -122,7 +135,7 @@ def mlp_minibatch_chunk(x, k, q, eta=None, *, w=None, decay=None, weight_decay=N
                         output_final_state: bool = False, cu_seqlens=None):
     """``ssmcraft.ops.mlp_memory.recurrent.mlp_memory`` with ``minibatch`` C in [MIN_C, MAX_C] (same
     arguments, shapes and result; no ``chunk_size``: the chunk is the mini-batch), in the module
-    docstring's chunk-parallel form. A decay must be > 0."""
+    docstring's chunk-parallel form. A decay is in [0, 1]."""
     decay, at_anchor = checked_args("mlp_minibatch_chunk", x, act, data, decay, weight_decay, k2, x2,
                                               minibatch)
     if not MIN_C <= minibatch <= MAX_C:

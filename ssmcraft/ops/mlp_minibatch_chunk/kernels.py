@@ -7,7 +7,9 @@ sequential kernels hold the weights (``ssmcraft.ops.mlp_memory.kernels``): ``P1 
 (``[h, m]``) and ``W2`` transposed, ``P2T [BH, BD]``; a chunk's tokens are the rows of ``[BC, *]`` tiles
 (keys ``[BC, BM]``, targets ``[BC, BD]``, hidden ``[BC, BH]``), rows past the chunk or the sequence
 masked to zero with a step of 0, so that they add nothing. The activation, the data term and its
-adjoint are the sequential kernels' own (``_act``, ``_psi``, ``_psi_adjoint``).
+adjoint are the sequential kernels' own (``_act``, ``_psi``, ``_psi_adjoint``). A third kernel,
+``mlp_chunk_exact_dc_kernel``, takes the decay's gradient term by term in the chunks that hold a tiny or
+zero decay.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_state
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad
 from ssmcraft.ops.common.tuning import pow2, tune
 from ssmcraft.ops.mlp_memory.kernels import _act, _program, _psi, _psi_adjoint, _put, _weights
 
@@ -61,19 +64,42 @@ def _per_token(ptr, rows, ok, other, HAS: tl.constexpr):
 
 
 @triton.jit
+def _two_sum(a_hi, a_lo, b_hi, b_lo):
+    """A scan's step of a sum carried with its rounding error: (hi, lo) with hi + lo the exact sum of
+    a_hi + b_hi (Knuth's two-sum) plus the operands' errors."""
+    s = a_hi + b_hi
+    bb = s - a_hi
+    return s, a_lo + b_lo + ((a_hi - (s - bb)) + (b_hi - bb))
+
+
+@triton.jit
+def _log_sums(c):
+    """g = cumsum(log c) over the chunk (log c clamped, ``tiles.log_decay``) as (rounded sums, their
+    rounding errors): ``_coefs``' comment says why."""
+    return tl.associative_scan((log_decay(c), tl.zeros_like(c)), 0, _two_sum)
+
+
+@triton.jit
 def _coefs(c, o_c, BC: tl.constexpr, HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr):
     """The chunk's weights of its anchors from each token's decay ``c [BC]`` (1 past the chunk): the
     running weights W_t = al_t P - sum_{s<=t} Dm[t, s] eta_s G_s, G_s the gradient at P of token s.
-    A decay of the running weights (HAS_DEC): g = cumsum(log c), al = e^g, Dm[t, s] = e^(g_t - g_s);
+    A decay of the running weights (HAS_DEC): g = cumsum(log c) (log c clamped: ``tiles.log_decay``; every
+    exponent a later sum minus an earlier one, <= 0), al = e^g, Dm[t, s] = e^(g_t - g_s);
     weight decay at the anchors (AT_ANCHOR, W_t = W_{t-1} - (1 - c_t) P - ...): al = 1 - cumsum(1 - c),
     Dm = 1; none: al = 1, Dm = 1; Dm is 0 above its diagonal. Returns (g, al, Dm, the weights after the
     chunk's last token: aL = al_{BC-1}, dL = Dm[BC-1, :])."""
     tri = o_c[:, None] >= o_c[None, :]
     last = o_c == BC - 1
     if HAS_DEC and not AT_ANCHOR:
-        g = tl.cumsum(tl.log(c), axis=0)
-        gl = tl.sum(tl.where(last, g, 0.), axis=0)
-        return g, tl.exp(g), tl.exp(tl.where(tri, g[:, None] - g[None, :], float("-inf"))), tl.exp(gl), tl.exp(gl - g)
+        # g as a rounded sum and its rounding error (hi + lo): tiny decays make |g| hundreds, and a
+        # difference of two rounded sums over ordinary decays after them would carry their rounding
+        # (ulp(300) ~ 3e-5) as every factor's error; hi_t - hi_s is exact where the sums are close
+        hi, lo = _log_sums(c)
+        hl = tl.sum(tl.where(last, hi, 0.), axis=0)
+        ll = tl.sum(tl.where(last, lo, 0.), axis=0)
+        b_d = tl.where(tri, (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :]), float("-inf"))
+        g = hi + lo
+        return g, tl.exp(g), tl.exp(b_d), tl.exp(hl + ll), tl.exp((hl - hi) + (ll - lo))
     elif HAS_DEC:
         al = 1. - tl.cumsum(1. - c, axis=0)
         return (c, al, tl.where(tri, 1., 0.), tl.sum(tl.where(last, al, 0.), axis=0), tl.full(c.shape, 1., tl.float32))
@@ -225,7 +251,7 @@ def _key_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_rw, b_eta, b_z, b_r, b_e, b
 @tune(_CHUNK_CONFIGS, key=_CHUNK_KEY + ["HAS_DHT", "STORE_DH0"], prune=_chunk_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t, dx, dk, dq, deta, drw, ddec, dk2,
-                         dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                         dx2, dw1, dw2, xs, xs0, cu, co, T, NT, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                          HID: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                          BH: tl.constexpr, ACT: tl.constexpr, PSI: tl.constexpr, HAS_ETA: tl.constexpr,
                          HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr, TWO: tl.constexpr,
@@ -235,7 +261,8 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
     read first where the end weights aL P - ... reach the chunk's terms (``_end_key``), then turned in
     place into the adjoints of its anchors, which are the previous chunk's end weights: the first
     chunk's is the initial weights' gradient (two [h, m]-sized tiles carried, not four). The decay's
-    gradient: through g (``_coefs``: d log c is the reverse cumulative sum of dg, dc = d log c / c);
+    gradient: through g (``_coefs``: d log c is the reverse cumulative sum of dg, dc = d log c / c;
+    a chunk holding a tiny or zero decay keeps its coefficients in ``xs, xs0`` for ``mlp_chunk_exact_dc_kernel``);
     weight decay's, through al = 1 - cumsum(1 - c)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
@@ -318,11 +345,58 @@ def mlp_chunk_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, dy, ck1, ck2, dw1t, dw2t
                 # al = 1 - cumsum(lam), lam = 1 - c: d lam = -revcumsum(d al), dc = -d lam
                 b_dc = tl.cumsum(b_dal + tl.where(last, b_dal_last, 0.), axis=0, reverse=True)
             else:
-                # al = e^g, Dm = e^(g_t - g_s), dL = e^(gL - g): dg, then d log c = revcumsum(dg)
+                # al = e^g, Dm = e^(g_t - g_s), dL = e^(gL - g): dg, then d log c = revcumsum(dg) and
+                # dc = d log c / c. A chunk holding a decay under e^LOG_EXACT_DA keeps the factors'
+                # coefficients (``_exact_dc``): the second launch takes its dc term by term
                 b_ddm = b_dd * b_dm
                 b_dg = b_dal * b_al + tl.sum(b_ddm, axis=1) - tl.sum(b_ddm, axis=0) - b_ddl * b_dL
                 b_dg += tl.where(last, b_dal_last * b_aL + tl.sum(b_ddl * b_dL, axis=0), 0.)
                 b_dc = tl.cumsum(b_dg, axis=0, reverse=True) / b_c
+                _keep_coefs(xs, xs0, c0 + i_c, b_c, b_dd, b_dal, b_ddl, b_dal_last, o_c, C)
             tl.store(ddec + rows, b_dc.to(ddec.dtype.element_ty), mask=ok)
     if STORE_DH0:
         _put(dw1, dw2, i_bh, b_g1, b_g2, p1, m1, p2, m2, D, M, HID)
+
+
+@triton.jit
+def _keep_coefs(xs, xs0, i_n, b_c, b_dd, b_dal, b_ddl, b_dal_last, o_c, C: tl.constexpr):
+    """Where the chunk holds a decay below e^LOG_EXACT_DA, its decay factors' coefficients for
+    ``mlp_chunk_exact_dc_kernel``, chunk ``i_n`` of ``xs [*, C, C]`` (dD) and ``xs0 [*, 2, C]`` (d al,
+    with d aL on the row of token C - 1, whose sum is the chunk's last; the end weights' d dL); masked
+    stores of tiles the backward holds anyway, so that the common chunk's code is as without them."""
+    keep = tl.where(o_c < C, tl.min(log_decay(b_c), axis=0), 0.) < LOG_EXACT_DA    # the rows of its C tokens
+    tl.store(xs + (i_n * C + o_c[:, None]) * C + o_c[None, :], b_dd, mask=keep[:, None] & (o_c < C)[None, :])
+    tl.store(xs0 + i_n * 2 * C + o_c, b_dal + tl.where(o_c == C - 1, b_dal_last, 0.), mask=keep)
+    tl.store(xs0 + (i_n * 2 + 1) * C + o_c, b_ddl, mask=keep)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def mlp_chunk_exact_dc_kernel(dec, xs, xs0, ddec, cu, co, T, NT, H: tl.constexpr, C: tl.constexpr,
+                              BC: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+    """The second launch of a decay's gradient: the chunks holding a decay below e^LOG_EXACT_DA (the
+    others only read their decays) rewrite dc term by term, where the backward's d log c / c has lost
+    its digits (and is NaN at c = 0): each factor's coefficient (``_keep_coefs``) times the product of
+    the other decays in its span, c_r left out (``tiles.pair_decay_grad``; Dm's, and al's from the
+    chunk's start). A kernel apart: in the backward, this code made ptxas spill more in every chunk."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, C, VARLEN)
+    for i_c in range(NT):
+        o_c, rows, ok = _chunk_rows(bos, i_h, i_c, T, H, C, BC)
+        b_c = tl.load(dec + rows, mask=ok, other=1.).to(tl.float32)
+        b_la = log_decay(b_c)
+        if tl.min(b_la, axis=0) < LOG_EXACT_DA:
+            i_n = c0 + i_c
+            m_c = o_c < C
+            X = tl.load(xs + (i_n * C + o_c[:, None]) * C + o_c[None, :], mask=m_c[:, None] & m_c[None, :], other=0.)
+            # the end weights' dL = Dm[last, :]: their coefficients join the row of token C - 1
+            X += tl.where((o_c == C - 1)[:, None], tl.load(xs0 + (i_n * 2 + 1) * C + o_c, mask=m_c, other=0.)[None, :],
+                          0.)
+            x0 = tl.load(xs0 + i_n * 2 * C + o_c, mask=m_c, other=0.)
+            hi, lo = _log_sums(b_c)
+            b_g = hi + lo
+            b_gp = b_g - b_la
+            E = decay_before(b_g, b_gp, o_c, o_c)
+            F = decay_after(b_g, b_g, o_c[:, None] >= o_c[None, :], o_c[:, None] == o_c[None, :])
+            b_dc = pair_decay_grad(X, x0, F, E, b_gp, PREC)
+            tl.store(ddec + rows, b_dc.to(ddec.dtype.element_ty), mask=ok)
