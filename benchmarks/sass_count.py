@@ -63,7 +63,7 @@ def _signature(fn, plan_leaves: dict, io: str, consts: dict) -> tuple[dict, dict
         if a in consts:
             sig[a] = "constexpr"
             continue
-        if a in ("cu", "co"):       # packed sequences' offsets (unread unless VARLEN)
+        if a in ("cu", "co", "gi"):  # packed sequences' offsets and time-group table (unread unless VARLEN)
             sig[a] = "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
             continue

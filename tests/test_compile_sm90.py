@@ -120,7 +120,8 @@ def test_mlp_minibatch_chunk_compiles_for_sm90():
             {"triton:mlp-minibatch-chunk" + ("+packed" if packed else "")}
         rows = _kernels(out)
         assert set(rows) == {("mlp_huber_minibatch", "mlp_chunk_fwd_kernel"),
-                             ("mlp_huber_minibatch", "mlp_chunk_bwd_kernel")}
+                             ("mlp_huber_minibatch", "mlp_chunk_bwd_kernel"),
+                             ("mlp_huber_minibatch", "mlp_chunk_exact_dc_kernel")}   # the decay's exact gradient
         for verdict in rows.values():
             assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
 
