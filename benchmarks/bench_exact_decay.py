@@ -1,12 +1,14 @@
 """What the chunked kernels' exact decay gradient costs where no decay is tiny: each objective timed
-through ``obj()`` with the backward's second launch (``EXACT_DECAY_GRAD``, the chunks holding a decay
-below e^LOG_EXACT_DA run again with d a term by term) and without it, beside DeltaNet, in one process:
+through ``obj()`` with it (``EXACT_DECAY_GRAD``: the family's ``*_bwd_da_kernel`` after the gradient
+kernels, rewriting d a term by term in the chunks holding a decay below e^LOG_EXACT_DA, and in
+``rank1_chunk`` the coefficients its gradient kernel stores in those chunks) and without it, beside
+DeltaNet, in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_exact_decay.py [--shape 8,2048,16,64,64]
         [--only gated_deltanet,kda_like,rank2_head_gated] [--profile]
 
-Without the second launch a tiny or zero decay gives wrong gradients: the switch exists for this
-measurement only. The draws are the benchmark's own (no tiny decays), so both rows compute the same.
+Without it a tiny or zero decay gives wrong gradients: the switch exists for this measurement only.
+The draws are the benchmark's own (no tiny decays), so both rows compute the same.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     for name, spec in class_specs(tuple(args.only.split(",")))[1:]:      # [0]: the reference, timed above
         for exact in (True, False):
             R1.EXACT_DECAY_GRAD = RK.EXACT_DECAY_GRAD = exact
-            rows.append(("second launch" if exact else "none", measure(name, spec, shape, dt, args.profile)))
+            rows.append(("da kernel" if exact else "none", measure(name, spec, shape, dt, args.profile)))
             print(f"row {name} [{rows[-1][0]}]: fwd {rows[-1][1]['fwd_ms']:.3f} ms, "
                   f"fwd+bwd {rows[-1][1]['fwd_bwd_ms']:.3f} ms", flush=True)
             for k, c, us in rows[-1][1].get("kernels", [])[:6]:

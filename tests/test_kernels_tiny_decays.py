@@ -8,7 +8,9 @@ Library layers (Gated DeltaNet, GLA, HGRN, RetNet, Mamba) and composed objective
 family that runs it on CUDA (``KernelFamily.reason`` in mode "triton"), the row families beside the
 chunked ones. The chunked families form log-decays: log 0 = -inf and a cumulative sum through it
 made every output NaN; a decay's gradient formed as d log a / a was NaN at a = 0 and, below a ~ 1e-3,
-rounding of d log a blown up by 1 / a."""
+rounding of d log a blown up by 1 / a. The chunked families with a kernel of their own for the exact
+decay gradient (``*_bwd_da_kernel``) also run packed rows, and that kernel is shown to change the
+decay's gradient alone, in the chunks holding a tiny decay alone."""
 import pytest
 import torch
 
@@ -85,3 +87,100 @@ def test_tiny_and_zero_decays_match_the_reference(name, family, mix, objectives,
     decay_grads = {f"d{n}" for n in DECAY_NAMES} | {"ddelta", "dA"}
     assert set(cmp.errors) & decay_grads, "no decay gradient compared"
     assert_within(cmp.errors, TOL)
+
+
+# the chunked families whose backward rewrites d a term by term in a kernel of its own (``*_bwd_da_kernel``),
+# with an objective each, the module holding its ``EXACT_DECAY_GRAD`` switch and the decay input's name
+EXACT_KERNELS = [("gated_deltanet", "rank1_chunk", "rank1_chunk"), ("kda_like", "rank1_keydecay_chunk", "rank1_keydecay_chunk"),
+                 ("two_keys_decay_explicit", "rankr_chunk", "rank1_chunk")]
+
+
+def _chunked(name, family, objectives, monkeypatch):
+    """(obj, family): ``name`` compiled, every family's buffers poisoned, chunks of 16 tokens."""
+    if name not in objectives:
+        objectives[name] = ssmcraft.compile(OBJECTIVES[name])
+    for f in FAMILIES:
+        if f.poison is not None:
+            monkeypatch.setattr(f.module, "POISON", True)
+    fam = BY_NAME[family]
+    monkeypatch.setattr(fam.module, "CHUNK", 32 if family == "rankr_chunk" else 16)
+    return objectives[name], fam
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["tiny", "mixed"])
+@pytest.mark.parametrize("name,family,switch", EXACT_KERNELS)
+def test_packed_tiny_decays_match_the_reference(name, family, switch, mix, objectives, monkeypatch):
+    """A packed row (lengths over, at and under the chunk of 16 tokens, empty ones first and in the
+    middle) on tiny and zero decays against the separate float64 reference calls: the exact kernel's
+    chunks are each sequence's own, its decay sums restart at each sequence's start."""
+    from ssmcraft.ops import registry
+    from ssmcraft.runtime import select
+    from ssmcraft.runtime.checking import packed_reference
+    obj, _ = _chunked(name, family, objectives, monkeypatch)
+    monkeypatch.setattr(select, "order", lambda ir, mode: registry.order(ir, "triton"))     # the CUDA order
+    lens = [0, 17, 16, 5, 0, 1, 33]
+    ins, params, _, g = kernel_inputs(obj, 1, sum(lens), H, D, M, seed=len(name) + 7 * mix)
+    S0 = kernel_inputs(obj, len(lens), 1, H, D, M, seed=3)[2]
+    ins, params = tiny_decays(obj, ins, params, g, mix)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    obj.prefer = "interpret"
+    try:
+        cmp = compare(packed_reference(obj, ins, params, S0, cu, g), lambda i, p, s: obj(i, p, s, True, cu_seqlens=cu))
+    finally:
+        obj.prefer = "auto"
+    assert obj.backend == f"triton-interpret:{family.replace('_', '-')}+packed"
+    assert set(cmp.errors) >= {"y", "S_T", "dS0", *(f"d{n}" for n in ins)}, sorted(cmp.errors)
+    assert_within(cmp.errors, TOL)
+
+
+@pytest.mark.parametrize("name,family,switch", EXACT_KERNELS)
+def test_the_exact_kernel_writes_only_the_decay_gradient(name, family, switch, objectives, monkeypatch):
+    """Three chunks of 16 tokens, the middle one holding tiny and zero decays among ordinary ones, the
+    others ordinary only: with the exact decay gradient's kernel and without it (``EXACT_DECAY_GRAD``),
+    the output, the final state and every gradient but the decay's are equal bit for bit, and so is the
+    decay's in the ordinary chunks; in the middle one the kernel's differs, and is finite (its values:
+    ``test_tiny_and_zero_decays_match_the_reference``). The kernel runs once per backward (not at all
+    with the switch off), and of the tensors it is passed it changes ``da`` alone."""
+    import importlib
+    obj, fam = _chunked(name, family, objectives, monkeypatch)
+    mod = importlib.import_module(f"ssmcraft.ops.{switch}.chunk")
+    da_kernel = getattr(importlib.import_module(f"ssmcraft.ops.{switch}.kernels"), f"{switch}_bwd_da_kernel")
+    changed = []
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is not da_kernel:
+            return launch(kernel, grid, *args, **kw)
+        before = {k: t.clone() for k, t in kw.items() if isinstance(t, torch.Tensor)}
+        launch(kernel, grid, *args, **kw)
+        changed.append({k for k, t in before.items() if not torch.equal(t.nan_to_num(7.), kw[k].nan_to_num(7.))})
+    launch = mod.launch
+    monkeypatch.setattr(mod, "launch", spy)
+    ins, params, S0, g = kernel_inputs(obj, B, 48, H, D, M, seed=11)
+    tiny, _ = tiny_decays(obj, ins, params, g, True)
+    (dname,) = [n for n in ins if n in DECAY_NAMES]
+    a = 0.3 + 0.7 * torch.rand(ins[dname].shape, generator=g, dtype=torch.float64)
+    a[:, 16:32] = tiny[dname][:, 16:32]
+    ins[dname] = a
+    assert (a[:, 16:32] == 0).any() and not (a[:, :16] < 0.3).any() and not (a[:, 32:] < 0.3).any()
+    dy = torch.randn(B, 48, H, D, generator=g, dtype=torch.float64).float()
+    dS = torch.randn(B, H, D, M, generator=g, dtype=torch.float64).float()
+
+    def run(exact):
+        monkeypatch.setattr(mod, "EXACT_DECAY_GRAD", exact)
+        x = {k: v.float().requires_grad_() for k, v in ins.items()}
+        s0 = S0.float().requires_grad_()
+        y, S = validated_call(fam.prepare, obj, x, {k: v.float() for k, v in params.items()}, s0, True)
+        grads = torch.autograd.grad((y * dy).sum() + (S * dS).sum(), [*x.values(), s0])
+        return {"y": y, "S_T": S, **{f"d{k}": gr for k, gr in zip([*x, "S0"], grads)}}
+    on = run(True)
+    assert changed == [{"da"}], changed
+    off = run(False)
+    assert len(changed) == 1
+    da = f"d{dname}"
+    for k in on:
+        if k != da:
+            assert torch.equal(on[k], off[k]), k
+    for rows in (slice(0, 16), slice(32, 48)):
+        assert torch.equal(on[da][:, rows], off[da][:, rows])
+    assert torch.isfinite(on[da]).all()
+    assert not torch.equal(on[da][:, 16:32], off[da][:, 16:32])

@@ -31,8 +31,9 @@ Kernels, top to bottom: ``rank1_chunk_prep_kernel`` (parallel over chunks: A, M,
 sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and for training the chunk
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
-the reverse cumulative sum of d g; launched a second time with ``EXACT`` where there is a decay,
-running only the chunks that hold one below e^-3, d a term by term). Nothing of size [B, T, K, V]
+the reverse cumulative sum of d g; with a decay, in the chunks holding one below e^-3, also the
+coefficients of its decay factors) and ``rank1_chunk_bwd_da_kernel`` (in those chunks only, d a
+rewritten term by term from the coefficients). Nothing of size [B, T, K, V]
 is stored: the forward of a training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
@@ -60,16 +61,16 @@ from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
-from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_grad_kernel,
-                                          rank1_chunk_bwd_state_kernel, rank1_chunk_fwd_state_kernel,
-                                          rank1_chunk_prep_kernel)
+from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1_chunk_bwd_da_kernel,
+                                              rank1_chunk_bwd_grad_kernel, rank1_chunk_bwd_state_kernel,
+                                              rank1_chunk_fwd_state_kernel, rank1_chunk_prep_kernel)
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward``
 BACKEND_NAME = "rank1-chunk"
-# benchmarks: False skips the backward's second launch for the chunks holding a tiny decay (its cost
-# where none is; wrong gradients where one is)
+# benchmarks: False skips the exact decay gradient (the coefficients' stores in the chunks holding a tiny
+# decay and ``rank1_chunk_bwd_da_kernel``: their cost; wrong gradients where a decay is tiny)
 EXACT_DECAY_GRAD = True
 
 
@@ -184,13 +185,21 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     da = _empty_like(a) if has_a else None
     dc = _empty_like(c) if c is not None else da       # c = a ps: no dc (never written)
     dps = _empty_like(ps) if want_dps else dc
+    exact = has_a and EXACT_DECAY_GRAD
+    # what the exact decay gradient takes from the WY backward, written in the chunks holding a tiny decay
+    f32 = dict(device=v.device, dtype=torch.float32)
+    xp, xw = (_empty(B, TR, H, BT, **f32), _empty(B, TR, H, 3, **f32)) if exact else (dv, dv)
+    xb, xq = (_empty(B, TR, H, BT, **f32), _empty(B, T, H, BT, **f32)) if exact and general else (dv, dv)
     args = dict(u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi,
-                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, T=T,
-                NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, U_IS_V=u is None,
-                HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
+                dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, xp=xp,
+                xb=xb, xq=xq, xw=xw, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a,
+                GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, EXACT=exact,
+                **packed_args(seq, "cu", "ci"))
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
-    if has_a and EXACT_DECAY_GRAD:   # the chunks holding a tiny decay again, d a term by term (the kernel's EXACT)
-        launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args, EXACT=True)
+    if exact:   # d a rewritten term by term in the chunks holding a tiny decay
+        launch(rank1_chunk_bwd_da_kernel, (NT, B * H), u=uu, v=v, q=qq, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi,
+               do=do, xp=xp, xb=xb, xq=xq, xw=xw, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt),
+               GENERAL=general, U_IS_V=u is None, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
 

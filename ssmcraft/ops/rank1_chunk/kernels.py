@@ -297,44 +297,24 @@ def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co
        prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
-                 du, dv, dq, dp, dps, doq, dc, da, cu, ci,
+                 du, dv, dq, dp, dps, doq, dc, da, xp, xb, xq, xw, cu, ci,
                  T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
                  HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr = 1,
                  VARLEN: tl.constexpr = False, EXACT: tl.constexpr = False):
-    """Per chunk: ``_bwd_grad``. EXACT: the second launch of a call with a decay, in which only the chunks
-    holding a decay below e^LOG_EXACT_DA run (the others return at once): all of ``_bwd_grad`` again,
-    with d a taken term by term, where the first launch's d log a / a has lost its digits. Two launches
-    rather than one kernel with both: with the term-by-term code in it, ptxas spilled twice as much
-    in every chunk."""
-    if EXACT:
-        i_bh = tl.program_id(1)
-        bos, T_s, i_t, _ = seq_chunk(cu, ci, tl.program_id(0), i_bh // H, i_bh % H, T, NT, H, VARLEN)
-        i_t = tl.maximum(i_t, 0)   # a chunk past the packed row's last reads chunk 0's decays; _bwd_grad returns
-        _, _, _, _, _, _, m_j, trow = group_rows(bos, i_bh % H, i_t, T_s, H, BT, R)
-        if tl.min(log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)), axis=0) < LOG_EXACT_DA:
-            _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
-                      cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, True)
-    else:
-        _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do, du, dv, dq, dp, dps, doq, dc, da,
-                  cu, ci, T, NT, H, K, V, BT, BK, BV, HAS_A, GENERAL, U_IS_V, HAS_PS, C_MODE, PREC, R, VARLEN, False)
-
-
-@triton.jit
-def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
-                 du, dv, dq, dp, dps, doq, dc, da, cu, ci,
-                 T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 HAS_A: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr,
-                 HAS_PS: tl.constexpr, C_MODE: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr,
-                 VARLEN: tl.constexpr, EXACT: tl.constexpr):
     """Per chunk: gradients of u, v, q, p, oq, c, a from the chunk states h, their
     gradients dh (at the chunk's end), Psi and dPsi. Three phases keep few tiles live:
     (1) dW, dM-part and dp over value blocks, (2) the WY backward, (3) readout/state terms.
     C_MODE: c given (``dc`` written), c = ps (DeltaNet's beta: its two gradients summed into ``dc``)
     or c = a ps (Gated DeltaNet's alpha beta: dc goes to ``da`` and ``dps``, ``dc`` unwritten).
-    EXACT: d a term by term (``tiles.pair_decay_grad``), else d log a / a."""
+    d a is written as d log a / a; EXACT: a chunk holding a decay below e^LOG_EXACT_DA (``_tiny_chunk``)
+    also stores what the coefficients of its decay factors are formed from that only the WY backward
+    has, fp32 and without their decays: per term row ``xp`` dA c and ``xb`` dB c [BT], ``xw`` [3] (W's
+    dch c, Qbar's q . dQb, dc ps); per token ``xq`` dLq [BT]; ``rank1_chunk_bwd_da_kernel`` then
+    rewrites d a term by term. Only stores of tiles live here anyway branch on the chunk: with the
+    term-by-term sums inside, ptxas spilled twice as much in every chunk (and with phase 3's
+    coefficients stored too, 40 % more)."""
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -358,16 +338,16 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BTT)
         b_a = tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32)
         b_gp = b_g - log_decay(b_a)
+        if EXACT:
+            b_tiny = _tiny_chunk(b_a)
         b_ch = b_c * tl.exp(b_gp)
         b_dgv = tl.zeros([BT], dtype=tl.float32)
         b_dgp = tl.zeros([BT], dtype=tl.float32)
-        # the tokens' g and gp
+        # the tokens' g
         if R == 1:
             b_gt = b_g
-            b_gpt = b_gp
         else:
             b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
-            b_gpt = b_gt - log_decay(tl.load(a + trow, mask=m_j, other=1.).to(tl.float32))
     else:
         b_ch = b_c
 
@@ -418,6 +398,11 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         tl.store(dp + row[:, None] * V + o_v[None, :], b_dp.to(dp.dtype.element_ty), mask=m_tv)
     if HAS_PS and C_MODE != C_IS_PS:   # c = a ps: a partial sum, finished in phase 2
         tl.store(dps + row, b_dps, mask=m_t)
+    if GENERAL:
+        if EXACT:
+            if b_tiny:  # Lq's factors e^{g_t - g_s}: dLq (times oq . q), Qbar's e^{g_last - g_s}: q . dQb
+                tl.store(xq + trow[:, None] * BT + o_i[None, :], b_dLq, mask=m_j[:, None])
+                tl.store(xw + row * 3 + 1, tl.sum(b_q.to(tl.float32) * b_dQb, axis=1), mask=m_t)
 
     # ---- phase 2: WY backward: W = M diag(ch) U, Up = M P (or -M B P), M = (I + A)^{-1}
     if not GENERAL:
@@ -455,17 +440,10 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         X = b_dAc * b_Anc
         b_dgp += tl.sum(X, axis=1)
         b_dgv -= tl.sum(X, axis=0)
-        if EXACT:   # A's factors e^{gp_t - g_s} and W's e^{gp_t} (c e^{gp}), undecayed: dA c (u . v), dch c
-            b_XP = b_dAc * tl.where(lower, b_Araw, 0.)
-            if GENERAL:
-                b_XP += b_dB * b_c[:, None] * tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-            # E transposed (tokens on the rows): ``decay_before``'s [BT, BTT] tile here fails sm_90's
-            # layout pass (Triton 3.6) when R > 1
-            Et = decay_after(b_gpt, b_g, o_j[:, None] > o_g[None, :], o_j[:, None] == o_g[None, :] + 1)
-            Fgp = decay_after(b_gp, b_gt, o_g[:, None] > o_j[None, :], o_g[:, None] == o_j[None, :] + 1)
-            Y = tl.dot(b_XP, tl.trans(Et), input_precision=PREC) + (b_dch * b_c)[:, None] * tl.exp(b_gpt)[None, :]
-            # a partial sum, in ``da`` (this program's own rows): finished in phase 3
-            tl.store(da + trow, tl.sum(Fgp * Y, axis=0).to(da.dtype.element_ty), mask=m_j)
+        if EXACT:
+            if b_tiny:  # A's factors e^{gp_t - g_s}: dA c (times u . v), W's e^{gp_t} (c e^{gp}): dch c
+                tl.store(xp + row[:, None] * BT + o_i[None, :], b_dAc, mask=m_t[:, None])
+                tl.store(xw + row * 3, b_dch * b_c, mask=m_t)
         b_dAc = b_dAc * Gp
     b_dAcd = b_dAc.to(DT)
     b_duu += tl.dot(b_dAcd, b_v, input_precision=PREC)
@@ -474,6 +452,9 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_dcc += tl.sum(b_dB * b_Bnc, axis=1)
         b_dBc = b_dB * b_c[:, None]
         if HAS_A:
+            if EXACT:
+                if b_tiny:  # B's factors e^{gp_t - g_s}: dB c (times u . q)
+                    tl.store(xb + row[:, None] * BT + o_i[None, :], b_dBc, mask=m_t[:, None])
             X = b_dBc * b_Bnc
             b_dgp += tl.sum(X, axis=1)
             b_dgv -= tl.sum(X, axis=0)
@@ -498,45 +479,18 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_dps += b_dcc * tl.load(a + row, mask=m_t, other=1.).to(tl.float32)
         tl.store(dps + row, b_dps.to(dps.dtype.element_ty), mask=m_t)
         b_dac = b_dcc * tl.load(ps + row, mask=m_t, other=0.).to(tl.float32)
+        if EXACT:
+            if b_tiny:  # dc ps, no decay factor: added as it is
+                tl.store(xw + row * 3 + 2, b_dac, mask=m_t)
     else:
         tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
 
     # ---- phase 3: readout (O = e^g OQ h + L Psi) and state (Vbar^T Psi) terms ---------
-    b_dOQ = tl.zeros([BTT, BK], dtype=tl.float32)
-    b_dLv = tl.zeros([BTT, BT], dtype=tl.float32)
-    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
-        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
-        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-        b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
-        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
-        if HAS_A:
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A, BT,
+                                                BTT, BK, BV, PREC)
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
     if HAS_A:
-        if EXACT:   # O's factors e^{g_t} and L's e^{g_t - g_s}, undecayed: dO h^T . oq, dL (oq . v)
-            b_XG = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
-            if GENERAL:
-                b_XG += b_dLq * tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
-            E = decay_before(b_g, b_gpt, o_g, o_j)
-            Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
-            b_dae = pair_decay_grad(b_XG, tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1), Fg, E, b_gpt, PREC)
-            # Vbar's factors e^{g_last - g_s} and the state's e^{g_last}, undecayed: v . dVb, h . dh
-            b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
-            if GENERAL:
-                b_x7 += tl.sum(b_q.to(tl.float32) * b_dQb, axis=1)
-            b_dae += tl.exp(b_gl - b_gt) * (tl.sum(E * b_x7[:, None], axis=0) + tl.exp(b_gpt) * tl.sum(b_hdh, axis=0))
-            if C_MODE == C_IS_A_PS:
-                b_dae += b_dac
-            tl.debug_barrier()      # phase 2's partial, written across the program's threads
-            b_dae += tl.load(da + trow, mask=m_j, other=0.).to(tl.float32)
-            tl.store(da + trow, b_dae.to(da.dtype.element_ty), mask=m_j)
         b_dOQ = b_dOQ * tl.exp(b_gt)[:, None]
         b_dgt = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1)     # d g at the chunk's tokens
         b_L = tl.load(L + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.).to(tl.float32)
@@ -578,13 +532,116 @@ def _bwd_grad(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, psi, dpsi, do,
         b_dgt += tl.where(i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1, b_dgl, 0.)   # at the last token
         b_dgp = _per_token(b_dgp, o_g, o_j, R)
         b_dla = tl.cumsum(b_dgt, axis=0, reverse=True) + tl.cumsum(b_dgp, axis=0, reverse=True) - b_dgp
-        if not EXACT:       # else phase 3 has stored d a
-            if R == 1:
-                b_da = b_dla / b_a
-            else:
-                b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
-            if C_MODE == C_IS_A_PS:
-                b_da += b_dac
-            tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
+        if R == 1:
+            b_da = b_dla / b_a
+        else:
+            b_da = b_dla / tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
+        if C_MODE == C_IS_A_PS:
+            b_da += b_dac
+        tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
     tl.store(dv + row[:, None] * K + o_k[None, :], b_dvv.to(dv.dtype.element_ty), mask=m_tk)
     tl.store(doq + trow[:, None] * K + o_k[None, :], b_doq.to(doq.dtype.element_ty), mask=m_jk)
+
+
+@triton.jit
+def _tiny_chunk(b_a):
+    """Whether a chunk's decays ``b_a`` (its rows', 1 past its end) hold one below e^LOG_EXACT_DA, where d log
+    a / a has lost its digits (and is NaN at a = 0): the chunks whose d a ``rank1_chunk_bwd_da_kernel``
+    rewrites. One test for both kernels, so that the second reads what the first stored."""
+    return tl.min(log_decay(b_a.to(tl.float32)), axis=0) < LOG_EXACT_DA
+
+
+@triton.jit
+def _readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A: tl.constexpr, BT: tl.constexpr,
+                   BTT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's products over value blocks for the gradients through the readout and the state:
+    dO h^T [BTT, BK], dO Psi^T [BTT, BT], Psi dH^T [BT, BK] and, with a decay, sum_v h dH [BK]."""
+    b_dOQ = tl.zeros([BTT, BK], dtype=tl.float32)
+    b_dLv = tl.zeros([BTT, BT], dtype=tl.float32)
+    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
+        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
+        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
+        if HAS_A:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    return b_dOQ, b_dLv, b_dVb, b_hdh
+
+
+@tune([triton.Config({}, num_warps=w) for w in (8, 4)],
+      key=["H", "K", "V", "BT", "GENERAL", "U_IS_V", "C_MODE", "R", "VARLEN"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_chunk_bwd_da_kernel(u, v, q, oq, a, g, hs, dhs, psi, do, xp, xb, xq, xw, da, cu, ci, T, NT,
+                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                              BV: tl.constexpr, GENERAL: tl.constexpr, U_IS_V: tl.constexpr, C_MODE: tl.constexpr,
+                              PREC: tl.constexpr, R: tl.constexpr = 1, VARLEN: tl.constexpr = False):
+    """Per chunk holding a decay below e^LOG_EXACT_DA (others return at once): d a rewritten term by term,
+    each decay factor's coefficient times the product of the other decays in its span
+    (``tiles.pair_decay_grad``): A's and B's e^{gp_t - g_s} and W's e^{gp_t} (rows: term rows; their
+    coefficients from what ``rank1_chunk_bwd_grad_kernel`` stored with EXACT), L's and Lq's
+    e^{g_t - g_s} and O's e^{g_t} (rows: tokens; dO Psi^T, dO h^T taken again over value blocks,
+    ``_readout_grads``), Vbar's and Qbar's e^{g_last - g_s} as L's at the last token and the state's
+    e^{g_last} as O's there; plus dc ps where c = a ps. Launched after the gradient kernel, it writes
+    nothing but ``da``."""
+    i_bh = tl.program_id(1)
+    i_h = i_bh % H
+    bos, T, i_t, cb = seq_chunk(cu, ci, tl.program_id(0), i_bh // H, i_h, T, NT, H, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
+        return
+    o_i, m_t, row, o_g, vtrow, o_j, m_j, trow = group_rows(bos, i_h, i_t, T, H, BT, R)
+    b_at = tl.load(a + trow, mask=m_j, other=1.).to(tl.float32)
+    if _tiny_chunk(b_at):
+        BTT: tl.constexpr = BT // R
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_g, b_gl, b_dec = _chunk_decay(g, vtrow, m_t, bos, i_h, i_t, T, H, BTT)
+        b_gp = b_g - log_decay(tl.load(a + vtrow, mask=m_t, other=1.).to(tl.float32))
+        if R == 1:
+            b_gt = b_g
+            b_gpt = b_gp
+        else:
+            b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
+            b_gpt = b_gt - log_decay(b_at)
+        # the tokens' factors: L's (and Lq's) pairs with Vbar's (and Qbar's) at the last token, O's from the
+        # chunk's start with the state's at the last token
+        b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, (cb + i_t) * K * V, row, trow, m_t, m_j, o_k,
+                                                    m_k, V, True, BT, BTT, BK, BV, PREC)
+        incl = o_j[:, None] >= o_g[None, :]
+        at_last = i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1
+        b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
+        b_x0 = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1) + tl.where(at_last, tl.sum(b_hdh, axis=0), 0.)
+        b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
+        b_X = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
+        if GENERAL:
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_X += tl.load(xq + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.) * \
+                tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            b_x7 += tl.load(xw + row * 3 + 1, mask=m_t, other=0.)
+        b_X = tl.where(at_last[:, None], b_X + b_x7[None, :], b_X)
+        E = decay_before(b_g, b_gpt, o_g, o_j)
+        Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
+        b_da = pair_decay_grad(b_X, b_x0, Fg, E, b_gpt, PREC)
+        # the term rows' factors: A's (and B's) pairs, W's from the chunk's start
+        if U_IS_V:
+            b_u = b_v
+        else:
+            b_u = tl.load(u + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        lower = o_g[:, None] > o_g[None, :]
+        b_X = tl.load(xp + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.) * \
+            tl.where(lower, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
+        if GENERAL:
+            b_X += tl.load(xb + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.) * \
+                tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+        Fgp = decay_after(b_gp, b_gt, o_g[:, None] > o_j[None, :], o_g[:, None] == o_j[None, :] + 1)
+        b_da += pair_decay_grad(b_X, tl.load(xw + row * 3, mask=m_t, other=0.), Fgp, E, b_gpt, PREC)
+        if C_MODE == C_IS_A_PS:     # R = 1: the term rows are the tokens
+            b_da += tl.load(xw + row * 3 + 2, mask=m_t, other=0.)
+        tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)

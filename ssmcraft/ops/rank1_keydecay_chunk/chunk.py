@@ -60,8 +60,10 @@ training the chunk states and Psi), ``rank1_keydecay_chunk_bwd_state_kernel`` (r
 recurrence of dH, dPsi), then, parallel over chunks, ``rank1_keydecay_chunk_bwd_wy_kernel``
 (the gradients through M, W and Up: dp, dc, du, a share of dv and d log a) and
 ``rank1_keydecay_chunk_bwd_out_kernel`` (through O and H_C: doq, the rest of dv and da); two
-kernels keep fewer tiles live in each (the shares pass through fp32 buffers the size of v).
-Nothing of size [B, T, K, V] is stored.
+kernels keep fewer tiles live in each (the shares pass through fp32 buffers the size of v). Last,
+``rank1_keydecay_chunk_bwd_da_kernel`` (per key block and chunk) rewrites da in the chunks holding a
+decay below e^-3, from dA and dL (the two kernels' [BT]-per-row fp32 buffers) and the chunk states
+and their gradients. Nothing of size [B, T, K, V] is stored.
 
 Shapes (kernel level, FLA layout): v, u, oq, a [B, T, H, K]; p [B, T, H, V]; c [B, T, H];
 initial_state / final state [B, H, K, V] (fp32); output [B, T, H, V]. I/O in float32,
@@ -84,7 +86,8 @@ from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, IO_DTYPES, buffer, cdiv, dot_precision, io_dtype
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
-from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_out_kernel,
+from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_keydecay_chunk_bwd_da_kernel,
+                                                       rank1_keydecay_chunk_bwd_out_kernel,
                                                        rank1_keydecay_chunk_bwd_state_kernel,
                                                        rank1_keydecay_chunk_bwd_wy_kernel,
                                                        rank1_keydecay_chunk_fwd_state_kernel,
@@ -99,8 +102,8 @@ SUB = 16                            # sub-block of the intra-chunk matrices
 # (H200, bf16, B=8 T=2048 H=16 d=m=64: both at 16 fwd 0.83 / fwd+bwd 3.50 ms, both at 4 1.23 / 3.11)
 LEAF_FWD = 16
 LEAF_BWD = 4
-# benchmarks: False skips the backward's second launches for the chunks holding a tiny decay (their cost
-# where none is; wrong gradients where one is)
+# benchmarks: False skips ``rank1_keydecay_chunk_bwd_da_kernel``, the exact decay gradient in the chunks
+# holding a tiny decay (its cost where none is; wrong gradients where one is)
 EXACT_DECAY_GRAD = True
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
@@ -192,16 +195,21 @@ def _bwd(v, u, p, ps, oq, c, a, saved, do, dht, need_dh0, BT, packed=None):
     dvs = _empty(B, T, H, K, device=v.device, dtype=torch.float32)       # the WY half's dv and d log a
     dlas = _empty(B, T, H, K, device=v.device, dtype=torch.float32)
     uu, pss = (v if u is None else u), (c if ps is None else ps)
-    # twice: then the chunks holding a tiny decay again, with d a taken term by term (``kernels._tiny_chunk``)
-    for exact in (False, True)[:1 + EXACT_DECAY_GRAD]:
-        launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
-               u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
-               dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
-               HAS_PS=ps is not None, PREC=prec, EXACT=exact, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
-        launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
-               v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Ds, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
-               T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, EXACT=exact, **_diag(BT, True),
-               **packed_args(seq, "cu", "ci"))
+    # the exact decay gradient reads dA and dL both: dL in a buffer of its own
+    Dl = _empty_like(Ds) if EXACT_DECAY_GRAD else Ds
+    launch(rank1_keydecay_chunk_bwd_wy_kernel, (NT, B * H),
+           u=uu, v=v, p=p, ps=pss, c=c, a=a, g=g, M=M, hs=hs, dpsi=dpsi, Ds=Ds, du=du, dp=dp, dps=dps, dc=dc,
+           dvs=dvs, dlas=dlas, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), U_MODE=_u_mode(u),
+           HAS_PS=ps is not None, PREC=prec, **_diag(BT, True), **packed_args(seq, "cu", "ci"))
+    launch(rank1_keydecay_chunk_bwd_out_kernel, (NT, B * H),
+           v=v, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi, do=do, Ds=Dl, dvs=dvs, dlas=dlas, dv=dv, doq=doq, da=da,
+           T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), PREC=prec, **_diag(BT, True),
+           **packed_args(seq, "cu", "ci"))
+    if EXACT_DECAY_GRAD:    # d a rewritten term by term in the chunks holding a tiny decay
+        launch(rank1_keydecay_chunk_bwd_da_kernel, lambda meta: (cdiv(K, meta["BK"]), NT, B * H),
+               da=da, a=a, u=uu, v=v, c=c, oq=oq, M=M, hs=hs, dhs=dhs, psi=psi, dpsi=dpsi, do=do, Ds=Ds, Dl=Dl, T=T,
+               NT=NT, H=H, K=K, V=V, BT=BT, BV=_bv(V, dt), U_MODE=_u_mode(u), PREC=prec,
+               **packed_args(seq, "cu", "ci"), **({"BK": BK} if INTERPRET else {}))
     return dv, (None if u is None else du), dp, (None if ps is None else dps), doq, dc, da, (dh0 if need_dh0 else None)
 
 

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
+from ssmcraft.ops.keydecay_chunk.decay_grad import DA_CONFIGS, key_block_chunk
 from ssmcraft.ops.common.tiles import LOG_EXACT_DA, key_decay_grad, log_decay, seq_rows, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
@@ -373,17 +374,7 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     return i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
 
-@triton.jit
-def _tiny_chunk(a, p_tk, m_tk):
-    """Whether the chunk holds a decay below e^LOG_EXACT_DA: the chunks the backward's second launch
-    (EXACT) runs again with d a taken term by term, where the first launch's d log a / a has lost
-    its digits (and is NaN at a = 0). Two launches rather than one kernel with both: with the
-    term-by-term code inside, ptxas spilled 30 to 60 % more in every chunk."""
-    return tl.min(tl.min(log_decay(tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)), axis=1), axis=0) < \
-        LOG_EXACT_DA
-
-
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS", "EXACT"],
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
       prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
@@ -391,31 +382,12 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
                                        U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
-                                       VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
-    """``_bwd_wy``; EXACT: the second launch, in which only the chunks holding a decay below
-    e^LOG_EXACT_DA run it (``_tiny_chunk``), with this half's share of d a itself."""
-    if EXACT:
-        i_t, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
-        if (i_t >= 0) & _tiny_chunk(a, p_tk, m_tk & (i_t >= 0)):   # i_t < 0: past the packed row's last chunk
-            _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT,
-                    BK, BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, True)
-    else:
-        _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci, T, NT, H, K, V, BT, BK,
-                BV, SUB, LEVELS, UNROLL, U_MODE, HAS_PS, PREC, VARLEN, False)
-
-
-@triton.jit
-def _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
-                                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                       SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
-                                       VARLEN: tl.constexpr, EXACT: tl.constexpr):
+                                       VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
     ``rank1_keydecay_chunk_bwd_out_kernel``. The backward is split in two kernels so that fewer
-    tiles are live in each."""
+    tiles are live in each. dA stays in ``Ds`` (per chunk row, fp32)."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
                                                                                      BK, VARLEN)
     if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
@@ -484,43 +456,20 @@ def _bwd_wy(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, c
         b_dla = tl.cumsum(-b_v * b_Z, axis=0, reverse=True) + tl.cumsum(b_dgx, axis=0, reverse=True) - b_dgx
         tl.store(du + p_tk, b_du.to(du.dtype.element_ty), mask=m_tk)
     tl.store(dvs + p_tk, b_Z, mask=m_tk)
-    if EXACT:
-        # d a itself, term by term (d log a / a has lost its digits): A's pairs dA c x v and W's
-        # start factors T1 c x, their row exponent gx (g where u = a o v, else gp); ``_bwd_out`` adds its
-        # share
-        b_gl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_g, 0.), axis=0)      # flat past T: g's last row
-        b_dla = key_decay_grad(b_dA, b_x * b_c[:, None], b_v, b_T1 * b_c[:, None] * b_x, tl.zeros_like(b_v),
-                               tl.zeros([BK], dtype=tl.float32), b_g, b_gp, b_gl, o_i, U_MODE == U_GIVEN, BK, PREC)
     tl.store(dlas + p_tk, b_dla, mask=m_tk)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "EXACT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                         SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr = False):
-    """``_bwd_out``; EXACT: the second launch, in which only the chunks holding a decay below
-    e^LOG_EXACT_DA run it (``_tiny_chunk``), with d a itself, term by term."""
-    if EXACT:
-        i_t, _, _, _, _, _, _, _, _, m_tk, p_tk, _, _ = _grad_program(cu, ci, H, K, V, T, NT, BT, BK, VARLEN)
-        if (i_t >= 0) & _tiny_chunk(a, p_tk, m_tk & (i_t >= 0)):   # i_t < 0: past the packed row's last chunk
-            _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV,
-                     SUB, LEVELS, UNROLL, PREC, VARLEN, True)
-    else:
-        _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci, T, NT, H, K, V, BT, BK, BV, SUB,
-                 LEVELS, UNROLL, PREC, VARLEN, False)
-
-
-@triton.jit
-def _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
-                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr, EXACT: tl.constexpr):
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
-    (V e^{gl - g})^T Psi: doq, and dv and da with the WY half's shares (``dvs``, ``dlas``) added."""
+    (V e^{gl - g})^T Psi: doq, and dv and da (as d log a / a) with the WY half's shares (``dvs``, ``dlas``)
+    added. dL goes to ``Ds`` (per chunk row, fp32: the host passes a buffer other than the WY kernel's
+    where ``rank1_keydecay_chunk_bwd_da_kernel`` reads both)."""
     i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, p_tk, m_tt, base = _grad_program(cu, ci, H, K, V, T, NT, BT,
                                                                                      BK, VARLEN)
     if i_t < 0:      # a chunk past the packed row's last (rows.device_chunks)
@@ -557,19 +506,68 @@ def _bwd_out(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
     last = tl.minimum(T, i_t * BT + BT) - 1
     b_gl = tl.load(g + ((bos + last).to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
     b_a = tl.load(a + p_tk, mask=m_tk, other=1.).to(tl.float32)
-    if EXACT:   # d a term by term: O's start factors dOQ oq, L's pairs dL oq v, Vbar's dVb v, the state's h0 dH
-        b_dae = key_decay_grad(b_dL, b_oq, b_v, b_dOQ * b_oq, b_dVb * b_v, b_hdh, b_g, b_g - log_decay(b_a), b_gl,
-                               o_i, False, BK, PREC)
     b_dVb = b_dVb * tl.where(m_tk, tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0.)), 0.)
     b_dv += b_dVb
     b_dg -= (b_dv * b_v)          # the column side of L and the state term: -v (Zl + dVb e^{gl - g})
     b_dgl = tl.sum(b_dVb * b_v, axis=0) + tl.exp(b_gl) * b_hdh
     # g_t = sum_{r<=t} log a_r, gl = sum_r log a_r over the chunk's rows
-    if EXACT:   # ``dlas`` holds the WY kernel's share of d a itself
-        b_dae += tl.load(dlas + p_tk, mask=m_tk, other=0.)
-    else:
-        b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
-        b_dae = b_dla / b_a
-    tl.store(da + p_tk, b_dae.to(da.dtype.element_ty), mask=m_tk)
+    b_dla = tl.cumsum(b_dg, axis=0, reverse=True) + b_dgl[None, :] + tl.load(dlas + p_tk, mask=m_tk, other=0.)
+    tl.store(da + p_tk, (b_dla / b_a).to(da.dtype.element_ty), mask=m_tk)
     b_dv += tl.load(dvs + p_tk, mask=m_tk, other=0.)
     tl.store(dv + p_tk, b_dv.to(dv.dtype.element_ty), mask=m_tk)
+
+
+@tune(DA_CONFIGS, key=["H", "K", "V", "BT", "U_MODE"], prune=warp_rule)
+@triton.jit(do_not_specialize=["T", "NT"])
+def rank1_keydecay_chunk_bwd_da_kernel(da, a, u, v, c, oq, M, hs, dhs, psi, dpsi, do, Ds, Dl, cu, ci, T, NT,
+                                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                                       BK: tl.constexpr, BV: tl.constexpr, U_MODE: tl.constexpr, PREC: tl.constexpr,
+                                       VARLEN: tl.constexpr):
+    """Per (key block, chunk) holding a decay below e^LOG_EXACT_DA (others return at once): d a rewritten
+    term by term, per key (``tiles.key_decay_grad``: each factor's coefficient times the other decays in
+    its span), where d log a / a has lost its digits (and is NaN at a = 0). From what the backward kept:
+    A's pairs dA c x v (dA in ``Ds``) and W's start factors T1 c x, row exponent gx (g where u = a o v,
+    else gp); L's pairs dL oq v (dL in ``Dl``), O's start factors dOQ oq with the state's h0 . dH at the
+    last row (its e^{gl} is O's there) and Vbar's end factors dVb v: T1 = -M^T dPsi h0^T, dOQ = dO h0^T
+    and dVb = Psi dH^T taken again over value blocks, as the gradient kernels form them. A kernel of its
+    own, launched after ``rank1_keydecay_chunk_bwd_out_kernel``, that writes nothing but ``da``: with
+    the term-by-term sums inside the gradient kernels, ptxas spilled 30 to 60 % more in every chunk."""
+    i_t, cb, o_i, m_t, row, o_k, m_k, p, m = key_block_chunk(cu, ci, T, NT, H, K, BT, BK, VARLEN)
+    if i_t < 0:      # a chunk past the packed row's last (rows.seq_chunk)
+        return
+    b_la = log_decay(tl.load(a + p, mask=m, other=1.).to(tl.float32))
+    if tl.min(tl.min(b_la, axis=1), axis=0) < LOG_EXACT_DA:
+        DT = M.dtype.element_ty
+        base = (cb + i_t) * K * V
+        b_nW = tl.zeros([BT, BK], dtype=tl.float32)      # dPsi h0^T (= -dW)
+        b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)     # dO h0^T
+        b_dVb = tl.zeros([BT, BK], dtype=tl.float32)     # Psi dH^T
+        b_hdh = tl.zeros([BK], dtype=tl.float32)         # sum_v h0 dH
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+            p_tv = row[:, None] * V + o_v[None, :]
+            b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_nW += tl.dot(tl.load(dpsi + p_tv, mask=m_tv, other=0.), tl.trans(b_h), input_precision=PREC)
+            b_dOQ += tl.dot(tl.load(do + p_tv, mask=m_tv, other=0.), tl.trans(b_h), input_precision=PREC)
+            b_dVb += tl.dot(tl.load(psi + p_tv, mask=m_tv, other=0.), tl.trans(b_dh), input_precision=PREC)
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_T1 = tl.dot(tl.trans(b_M), (-b_nW).to(DT), input_precision=PREC)
+        b_g = tl.cumsum(b_la, axis=0)                   # rows past T: log 1 = 0, the sums stay flat
+        b_gp = b_g - b_la
+        b_gl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_g, 0.), axis=0)
+        b_v = tl.load(v + p, mask=m, other=0.).to(tl.float32)
+        if U_MODE == U_IS_AV:
+            b_x = b_v
+        else:
+            b_x = tl.load(u + p, mask=m, other=0.).to(tl.float32)
+        b_xc = b_x * tl.load(c + row, mask=m_t, other=0.).to(tl.float32)[:, None]
+        b_zero = tl.zeros([BK], dtype=tl.float32)
+        b_da = key_decay_grad(tl.load(Ds + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.), b_xc, b_v,
+                              b_T1 * b_xc, tl.zeros_like(b_v), b_zero, b_g, b_gp, b_gl, o_i, U_MODE == U_GIVEN, BK,
+                              PREC)
+        b_oq = tl.load(oq + p, mask=m, other=0.).to(tl.float32)
+        b_da += key_decay_grad(tl.load(Dl + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.), b_oq, b_v,
+                               b_dOQ * b_oq, b_dVb * b_v, b_hdh, b_g, b_gp, b_gl, o_i, False, BK, PREC)
+        tl.store(da + p, b_da.to(da.dtype.element_ty), mask=m)
