@@ -609,26 +609,10 @@ def rank1_chunk_bwd_da_kernel(u, v, q, oq, a, g, hs, dhs, psi, do, xp, xb, xq, x
         else:
             b_gt = tl.where(m_j, tl.load(g + trow, mask=m_j, other=0.), b_gl)
             b_gpt = b_gt - log_decay(b_at)
-        # the tokens' factors: L's (and Lq's) pairs with Vbar's (and Qbar's) at the last token, O's from the
-        # chunk's start with the state's at the last token
-        b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, (cb + i_t) * K * V, row, trow, m_t, m_j, o_k,
-                                                    m_k, V, True, BT, BTT, BK, BV, PREC)
-        incl = o_j[:, None] >= o_g[None, :]
-        at_last = i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1
+        E = decay_before(b_g, b_gpt, o_g, o_j)
         b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
-        b_x0 = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1) + tl.where(at_last, tl.sum(b_hdh, axis=0), 0.)
-        b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
-        b_X = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
         if GENERAL:
             b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-            b_X += tl.load(xq + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.) * \
-                tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
-            b_x7 += tl.load(xw + row * 3 + 1, mask=m_t, other=0.)
-        b_X = tl.where(at_last[:, None], b_X + b_x7[None, :], b_X)
-        E = decay_before(b_g, b_gpt, o_g, o_j)
-        Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
-        b_da = pair_decay_grad(b_X, b_x0, Fg, E, b_gpt, PREC)
         # the term rows' factors: A's (and B's) pairs, W's from the chunk's start
         if U_IS_V:
             b_u = b_v
@@ -641,7 +625,24 @@ def rank1_chunk_bwd_da_kernel(u, v, q, oq, a, g, hs, dhs, psi, do, xp, xb, xq, x
             b_X += tl.load(xb + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.) * \
                 tl.where(lower, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
         Fgp = decay_after(b_gp, b_gt, o_g[:, None] > o_j[None, :], o_g[:, None] == o_j[None, :] + 1)
-        b_da += pair_decay_grad(b_X, tl.load(xw + row * 3, mask=m_t, other=0.), Fgp, E, b_gpt, PREC)
+        b_da = pair_decay_grad(b_X, tl.load(xw + row * 3, mask=m_t, other=0.), Fgp, E, b_gpt, PREC)
+        # the tokens' factors: L's (and Lq's) pairs with Vbar's (and Qbar's) at the last token, O's from the
+        # chunk's start with the state's at the last token
+        b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, (cb + i_t) * K * V, row, trow, m_t, m_j, o_k,
+                                                    m_k, V, True, BT, BTT, BK, BV, PREC)
+        incl = o_j[:, None] >= o_g[None, :]
+        at_last = i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1
+        b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.)
+        b_x0 = tl.sum(b_dOQ * b_oq.to(tl.float32), axis=1) + tl.where(at_last, tl.sum(b_hdh, axis=0), 0.)
+        b_x7 = tl.sum(b_v.to(tl.float32) * b_dVb, axis=1)
+        b_X = b_dLv * tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
+        if GENERAL:
+            b_X += tl.load(xq + trow[:, None] * BT + o_i[None, :], mask=m_j[:, None], other=0.) * \
+                tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            b_x7 += tl.load(xw + row * 3 + 1, mask=m_t, other=0.)
+        b_X = tl.where(at_last[:, None], b_X + b_x7[None, :], b_X)
+        Fg = decay_after(b_gt, b_gt, o_j[:, None] >= o_j[None, :], o_j[:, None] == o_j[None, :])
+        b_da += pair_decay_grad(b_X, b_x0, Fg, E, b_gpt, PREC)
         if C_MODE == C_IS_A_PS:     # R = 1: the term rows are the tokens
             b_da += tl.load(xw + row * 3 + 2, mask=m_t, other=0.)
         tl.store(da + trow, b_da.to(da.dtype.element_ty), mask=m_j)
