@@ -59,8 +59,9 @@ def class_specs(only: tuple[str, ...] = (), composed: bool = True) -> list[tuple
     return [(n, compose_objective(COMPOSED[n]) if n in COMPOSED else n) for n in names]
 
 
-def measure(label: str, spec: Any, shape, dtype, profile: bool = False) -> dict:
-    """One row: ``spec`` compiled and timed through ``obj()`` on CUDA."""
+def measure(label: str, spec: Any, shape, dtype, profile: bool = False, redraw=None) -> dict:
+    """One row: ``spec`` compiled and timed through ``obj()`` on CUDA. ``redraw(obj, inputs, params)``:
+    the inputs and params to time instead of the drawn ones (leaves of the same dtypes)."""
     import torch
 
     import ssmcraft
@@ -69,6 +70,8 @@ def measure(label: str, spec: Any, shape, dtype, profile: bool = False) -> dict:
     B, T, H, d, m = shape
     obj = ssmcraft.compile(spec)
     inputs, params = random_inputs(obj, B, T, H, d, m, dtype, torch.device("cuda"), requires_grad=True)
+    if redraw is not None:
+        inputs, params = redraw(obj, inputs, params)
     calls = timing.obj_calls(obj, inputs, params, None, False, torch.randn_like(obj(inputs, params)[0]))
     calls.pop("onethread", None)
     t = timing.time_calls(calls)
