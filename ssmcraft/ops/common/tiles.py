@@ -2,7 +2,8 @@
 and masks of a block of a ``[K, V]`` state, of a chunk's rows and of a value block against them, and a state
 block loaded or started at zero; the floored log of a decay, and a decay's gradient taken term by
 term (each factor's coefficient times the product of the other decays in its span) where d log a / a
-would have lost its digits. Triton inlines them: a kernel compiles as if their lines were written
+would have lost its digits; the WY families' products over value blocks for the gradients through
+the readout and the state. Triton inlines them: a kernel compiles as if their lines were written
 out in it.
 """
 from __future__ import annotations
@@ -139,3 +140,29 @@ def key_decay_grad(X, xr, xc, x0, x7, hd, b_g, b_gp, b_gl, o_i, ROW_GP: tl.const
         b_d += tl.exp(tl.sum(tl.where(o_c == c, b_gl, 0.), axis=0) - g_c) * b_end
         b_da += tl.where(sel, b_d[:, None], 0.)
     return b_da
+
+
+@triton.jit
+def readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A: tl.constexpr, BT: tl.constexpr,
+                  BTT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's products over value blocks for the WY families' gradients through the readout O = L Psi +
+    (OQ h0, decayed) and the state's Vbar^T Psi: dO h0^T [BTT, BK], dO Psi^T [BTT, BT], Psi dH^T [BT, BK]
+    and, with a decay (``HAS_A``), sum_v h0 dH [BK]. ``hs`` / ``dhs`` + ``base``: the chunk's state and
+    its gradient [K, V]; Psi [BT rows ``row``], dO [BTT rows ``trow``] (the same rows where a token
+    has one term)."""
+    b_dOQ = tl.zeros([BTT, BK], dtype=tl.float32)
+    b_dLv = tl.zeros([BTT, BT], dtype=tl.float32)
+    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
+        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
+        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+        b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
+        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
+        if HAS_A:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    return b_dOQ, b_dLv, b_dVb, b_hdh

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
-from ssmcraft.ops.common.tiles import LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad, value_block
+from ssmcraft.ops.common.tiles import (LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad,
+                                       readout_grads, value_block)
 from ssmcraft.ops.common.tuning import tune, warp_rule
 
 # where the per-head step c comes from (C_MODE): its own tensor, the insert scale ps (DeltaNet's
@@ -486,7 +487,7 @@ def rank1_chunk_bwd_grad_kernel(u, v, q, p, ps, oq, c, a, g, M, L, Lq, hs, dhs, 
         tl.store(dc + row, b_dcc.to(dc.dtype.element_ty), mask=m_t)
 
     # ---- phase 3: readout (O = e^g OQ h + L Psi) and state (Vbar^T Psi) terms ---------
-    b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A, BT,
+    b_dOQ, b_dLv, b_dVb, b_hdh = readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A, BT,
                                                 BTT, BK, BV, PREC)
 
     b_oq = tl.load(oq + trow[:, None] * K + o_k[None, :], mask=m_jk, other=0.)
@@ -551,29 +552,6 @@ def _tiny_chunk(b_a):
     return tl.min(log_decay(b_a.to(tl.float32)), axis=0) < LOG_EXACT_DA
 
 
-@triton.jit
-def _readout_grads(hs, dhs, psi, do, base, row, trow, m_t, m_j, o_k, m_k, V, HAS_A: tl.constexpr, BT: tl.constexpr,
-                   BTT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """A chunk's products over value blocks for the gradients through the readout and the state:
-    dO h^T [BTT, BK], dO Psi^T [BTT, BT], Psi dH^T [BT, BK] and, with a decay, sum_v h dH [BK]."""
-    b_dOQ = tl.zeros([BTT, BK], dtype=tl.float32)
-    b_dLv = tl.zeros([BTT, BT], dtype=tl.float32)
-    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
-        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_psi = tl.load(psi + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_do = tl.load(do + trow[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
-        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-        b_dLv += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
-        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
-        if HAS_A:
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    return b_dOQ, b_dLv, b_dVb, b_hdh
-
-
 @tune([triton.Config({}, num_warps=w) for w in (8, 4)],
       key=["H", "K", "V", "BT", "GENERAL", "U_IS_V", "C_MODE", "R", "VARLEN"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -586,7 +564,7 @@ def rank1_chunk_bwd_da_kernel(u, v, q, oq, a, g, hs, dhs, psi, do, xp, xb, xq, x
     (``tiles.pair_decay_grad``): A's and B's e^{gp_t - g_s} and W's e^{gp_t} (rows: term rows; their
     coefficients from what ``rank1_chunk_bwd_grad_kernel`` stored with EXACT), L's and Lq's
     e^{g_t - g_s} and O's e^{g_t} (rows: tokens; dO Psi^T, dO h^T taken again over value blocks,
-    ``_readout_grads``), Vbar's and Qbar's e^{g_last - g_s} as L's at the last token and the state's
+    ``tiles.readout_grads``), Vbar's and Qbar's e^{g_last - g_s} as L's at the last token and the state's
     e^{g_last} as O's there; plus dc ps where c = a ps. Launched after the gradient kernel, it writes
     nothing but ``da``."""
     i_bh = tl.program_id(1)
@@ -628,7 +606,7 @@ def rank1_chunk_bwd_da_kernel(u, v, q, oq, a, g, hs, dhs, psi, do, xp, xb, xq, x
         b_da = pair_decay_grad(b_X, tl.load(xw + row * 3, mask=m_t, other=0.), Fgp, E, b_gpt, PREC)
         # the tokens' factors: L's (and Lq's) pairs with Vbar's (and Qbar's) at the last token, O's from the
         # chunk's start with the state's at the last token
-        b_dOQ, b_dLv, b_dVb, b_hdh = _readout_grads(hs, dhs, psi, do, (cb + i_t) * K * V, row, trow, m_t, m_j, o_k,
+        b_dOQ, b_dLv, b_dVb, b_hdh = readout_grads(hs, dhs, psi, do, (cb + i_t) * K * V, row, trow, m_t, m_j, o_k,
                                                     m_k, V, True, BT, BTT, BK, BV, PREC)
         incl = o_j[:, None] >= o_g[None, :]
         at_last = i_t * BTT + o_j == tl.minimum(T, i_t * BTT + BTT) - 1

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from ssmcraft.ops.common.solvers import solve_unit_lower
 from ssmcraft.ops.keydecay_chunk.decay_grad import DA_CONFIGS, key_block_chunk
-from ssmcraft.ops.common.tiles import LOG_EXACT_DA, key_decay_grad, log_decay, seq_rows, value_block
+from ssmcraft.ops.common.tiles import LOG_EXACT_DA, key_decay_grad, log_decay, readout_grads, seq_rows, value_block
 from ssmcraft.ops.common.tuning import tune, warp_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 
@@ -476,21 +476,8 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
         return
     DT = psi.dtype.element_ty
     incl = o_i[:, None] >= o_i[None, :]
-    b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dL = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dVb = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
-        p_tv = row[:, None] * V + o_v[None, :]
-        b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_psi = tl.load(psi + p_tv, mask=m_tv, other=0.)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-        b_dOQ += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-        b_dL += tl.dot(b_do, tl.trans(b_psi), input_precision=PREC)
-        b_dVb += tl.dot(b_psi, tl.trans(b_dh), input_precision=PREC)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_dOQ, b_dL, b_dVb, b_hdh = readout_grads(hs, dhs, psi, do, base, row, row, m_t, m_t, o_k, m_k, V, True, BT, BT,
+                                              BK, BV, PREC)
     b_g = _g_at(g, a, bos, i_h, i_t, o_i[:, None], T, H, K, o_k[None, :], m_k[None, :], BT, False)
     b_v = tl.load(v + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
