@@ -31,9 +31,10 @@ Kernels, top to bottom: ``rank1_chunk_prep_kernel`` (parallel over chunks: A, M,
 sequential ``rank1_chunk_fwd_state_kernel`` (state across chunks, outputs, and for training the chunk
 states and Psi), ``rank1_chunk_bwd_state_kernel`` (reverse recurrence of dH, dPsi) and ``rank1_chunk_bwd_grad_kernel``
 (parallel over chunks: every input's gradient, the WY backward, the decay's gradient through
-the reverse cumulative sum of d g; with a decay, in the chunks holding one below e^-3, also the
-coefficients of its decay factors) and ``rank1_chunk_bwd_da_kernel`` (in those chunks only, d a
-rewritten term by term from the coefficients). Nothing of size [B, T, K, V]
+the reverse cumulative sum of d g; with a decay, in the chunks holding one below e^-3, also what
+only the WY backward has of its decay factors' coefficients, in fp32 buffers of [BT] per row) and
+``rank1_chunk_bwd_da_kernel`` (in those chunks only, d a rewritten term by term from them, the
+readout's products taken again over value blocks). Nothing of size [B, T, K, V]
 is stored: the forward of a training step keeps the chunk states [B, H, NT, K, V] (T / BT times smaller) and Psi, so the
 backward does not rerun the sequential forward (FLA recomputes both).
 
