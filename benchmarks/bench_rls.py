@@ -103,6 +103,16 @@ def timings(names, shape, dtype, segments, profile: bool, memory: list[str], chu
     return lines
 
 
+def tuned() -> list[str]:
+    """The config the autotuner chose for each of the precision family's kernels, per tuning key."""
+    from ssmcraft.ops.precision_rank1 import kernels
+    out = []
+    for name in ("precision_fwd_kernel", "precision_bwd_kernel", "covariance_fwd_kernel", "covariance_bwd_kernel"):
+        for key, cfg in getattr(getattr(kernels, name), "cache", {}).items():
+            out.append(f"tuned {name} {key}: {cfg}")
+    return out
+
+
 def _measured(form: str, row: dict) -> tuple[str, dict]:
     """``row`` printed as it comes (a run cut short keeps what it measured), its largest kernels with it."""
     print(f"row {row['spec']} [{form}]: fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms", flush=True)
@@ -147,6 +157,7 @@ def main(argv=None) -> int:
     lines = timings(names, shape, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], segments, args.profile,
                     memory, chunks)
     print("\n".join(lines))
+    print("\n".join(tuned()))
     print("checks: " + ("skipped" if args.no_check else "all ok" if ok else "FAILED"))
     return 0 if ok else 1
 
