@@ -10,10 +10,11 @@ from ssmcraft.ops.common.tuning import tune
 
 # float64 [K, K] tiles (P and, backward, its gradient): more warps keep them in registers. ptxas gives
 # the backward at 8 or 16 warps only 64 registers a thread unless told it may use more (then it spills
-# 10 KB a thread instead of 2.4 KB, sm_90, K = 64). 4 warps at 168 registers: three programs an SM
-# instead of two, for the chunk's latency-bound pivots (the forward then spills ~0.3 KB a thread)
-_WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=4, maxnreg=168),
-          triton.Config({}, num_warps=8, maxnreg=255), triton.Config({}, num_warps=16, maxnreg=128)]
+# 10 KB a thread instead of 2.4 KB, sm_90, K = 64). A fourth config, 4 warps capped at 168 registers
+# (three programs an SM, the forward spilling ~0.3 KB a thread), won at no key on an H200: 4 warps
+# uncapped did (B=8 T=2048 H=16 and the checks' H=2, both forms)
+_WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8, maxnreg=255),
+          triton.Config({}, num_warps=16, maxnreg=128)]
 
 
 @triton.jit
