@@ -13,8 +13,9 @@ in one process:
    final states and every gradient (both initial states included) against one float64 reference per
    objective (``checks.TOL_CHUNKED``); a failed check is printed and the script exits 1 after timing.
 2. Timings (``classes_commands.measure``: fwd and fwd+bwd through ``obj()``, median), DeltaNet first,
-   then each objective in each form, one table with the ratio to DeltaNet's fwd+bwd; ``--profile``
-   adds the largest kernels of each row. ``--memory fp32,io`` also times each form with the memory's
+   then each objective in each form, one table with the ratio to DeltaNet's fwd+bwd, then the config
+   the autotuner chose for each precision and covariance kernel; ``--profile`` adds the largest
+   kernels of each row. ``--memory fp32,io`` also times each form with the memory's
    chunked step in the I/O dtype (``chunk.MEMORY_FP32 = False``: what the fp32 step costs; the
    checks run the default), ``--memory-chunks 64,32,16`` at each of those chunk sizes (``chunk.CHUNK``:
    in fp32 at 64 the chunked step's kernels spill up to 6 KB a thread, at 16 next to nothing).
