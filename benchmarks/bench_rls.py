@@ -13,8 +13,9 @@ in one process:
    final states and every gradient (both initial states included) against one float64 reference per
    objective (``checks.TOL_CHUNKED``); a failed check is printed and the script exits 1 after timing.
 2. Timings (``classes_commands.measure``: fwd and fwd+bwd through ``obj()``, median), DeltaNet first,
-   then each objective in each form, one table with the ratio to DeltaNet's fwd+bwd; ``--profile``
-   adds the largest kernels of each row. ``--memory fp32,io`` also times each form with the memory's
+   then each objective in each form, one table with the ratio to DeltaNet's fwd+bwd, then the config
+   the autotuner chose for each precision and covariance kernel; ``--profile`` adds the largest
+   kernels of each row. ``--memory fp32,io`` also times each form with the memory's
    chunked step in the I/O dtype (``chunk.MEMORY_FP32 = False``: what the fp32 step costs; the
    checks run the default), ``--memory-chunks 64,32,16`` at each of those chunk sizes (``chunk.CHUNK``:
    in fp32 at 64 the chunked step's kernels spill up to 6 KB a thread, at 16 next to nothing).
@@ -103,6 +104,16 @@ def timings(names, shape, dtype, segments, profile: bool, memory: list[str], chu
     return lines
 
 
+def tuned() -> list[str]:
+    """The config the autotuner chose for each of the precision family's kernels, per tuning key."""
+    from ssmcraft.ops.precision_rank1 import kernels
+    out = []
+    for name in ("precision_fwd_kernel", "precision_bwd_kernel", "covariance_fwd_kernel", "covariance_bwd_kernel"):
+        for key, cfg in getattr(getattr(kernels, name), "cache", {}).items():
+            out.append(f"tuned {name} {key}: {cfg}")
+    return out
+
+
 def _measured(form: str, row: dict) -> tuple[str, dict]:
     """``row`` printed as it comes (a run cut short keeps what it measured), its largest kernels with it."""
     print(f"row {row['spec']} [{form}]: fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms", flush=True)
@@ -147,6 +158,7 @@ def main(argv=None) -> int:
     lines = timings(names, shape, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], segments, args.profile,
                     memory, chunks)
     print("\n".join(lines))
+    print("\n".join(tuned()))
     print("checks: " + ("skipped" if args.no_check else "all ok" if ok else "FAILED"))
     return 0 if ok else 1
 

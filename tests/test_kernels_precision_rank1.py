@@ -169,6 +169,39 @@ def test_the_covariance_scan_matches_its_token_by_token_twin(with_beta, _poison)
         assert rel(a, w) < 1e-6, name
 
 
+def test_a_second_launch_on_the_same_buffers_gives_the_same_result(monkeypatch, _poison):
+    """The autotuner launches each kernel several times on the same buffers. The precision kernels
+    keep P between chunks in their own output's slot (pt forward, dP0's backward) and start it afresh
+    from P0 or P_T at every launch: with every kernel of the family launched twice, the outputs, both
+    final states and every gradient are those of one launch (bit for bit), in both forms, on a
+    sequence of several chunks."""
+    g = torch.Generator().manual_seed(11)
+    B, T, H, d, m = 1, 37, 2, 4, 8
+    vals = [torch.randn(B, T, H, m, generator=g) / 3, torch.randn(B, T, H, d, generator=g),
+            torch.randn(B, T, H, m, generator=g), 0.6 + 0.35 * torch.rand(B, T, H, generator=g),
+            _spd(B, H, m, g).float(), torch.randn(B, H, d, m, generator=g)]
+    cot = [torch.randn(B, T, H, d, generator=g), torch.randn(B, H, m, m, generator=g),
+           torch.randn(B, H, d, m, generator=g)]
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in vals]
+        k, x, q, lam, R0, S0 = leaves
+        y, (RT, ST) = P.precision_rank1(k, x, q, lam, initial_state=(R0, S0), output_final_state=True)
+        grads = torch.autograd.grad(sum((a * b).sum() for a, b in zip((y, RT, ST), cot)), leaves)
+        return [y, RT, ST, *grads]
+    once = run()
+    from ssmcraft.ops.precision_rank1 import parallel as PP
+    for mod in (P, PP):
+        real = mod.launch
+
+        def twice(kernel, grid, *args, real=real, **kw):
+            real(kernel, grid, *args, **kw)
+            real(kernel, grid, *args, **kw)
+        monkeypatch.setattr(mod, "launch", twice)
+    for a, b, name in zip(run(), once, "y R_T S_T dk dx dq dlam dR0 dS0".split()):
+        assert torch.equal(a, b), name
+
+
 def _covariances(k, lam, beta, R):
     """R_t = lam_t R_{t-1} + beta_t k_t k_t^T for every t (the list of [B, H, m, m])."""
     out = []

@@ -11,10 +11,10 @@ The family, with per-head ``lam`` (forgetting), ``beta`` (the covariance's weigh
 R (and so g) never reads S, so the layer splits in two:
 
 1. the gains g, chunked (``precision_fwd_kernel``, one program per (batch, head), sequential over
-   chunks of at most ``PCHUNK`` tokens, P = R^-1 [m, m] in float64 in registers). Within a chunk from P_c,
-   with Gamma_t = prod_{s <= t} lam_s (s from the chunk's first token), R_t = Gamma_t (R_c +
-   sum_{tau <= t} (beta_tau / Gamma_tau) k_tau k_tau^T): the chunk's C rank-1 updates are one
-   C x C system
+   chunks of at most ``PCHUNK`` tokens, P = R^-1 [m, m] in float64, read back between chunks from the
+   program's slot of its output). Within a chunk from P_c, with Gamma_t = prod_{s <= t} lam_s (s from
+   the chunk's first token), R_t = Gamma_t (R_c + sum_{tau <= t} (beta_tau / Gamma_tau) k_tau k_tau^T):
+   the chunk's C rank-1 updates are one C x C system
 
        A = diag(Gamma / beta) + K P_c K^T = L L^T  (Cholesky),   V = L^-1 K P_c,
 

@@ -10,7 +10,9 @@ from ssmcraft.ops.common.tuning import tune
 
 # float64 [K, K] tiles (P and, backward, its gradient): more warps keep them in registers. ptxas gives
 # the backward at 8 or 16 warps only 64 registers a thread unless told it may use more (then it spills
-# 10 KB a thread instead of 2.4 KB, sm_90, K = 64)
+# 10 KB a thread instead of 2.4 KB, sm_90, K = 64). A fourth config, 4 warps capped at 168 registers
+# (three programs an SM, the forward spilling ~0.3 KB a thread), won at no key on an H200: 4 warps
+# uncapped did (B=8 T=2048 H=16 and the checks' H=2, both forms)
 _WARPS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8, maxnreg=255),
           triton.Config({}, num_warps=16, maxnreg=128)]
 
@@ -28,14 +30,18 @@ def _sequence(cu, i_b, T, VARLEN: tl.constexpr):
 
 @triton.jit
 def _chunk(k, lam, beta, eta, bos, i_h, s0, n, H: tl.constexpr, K: tl.constexpr, o_k, m_k,
-           BC: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr):
+           BC: tl.constexpr, HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, KT: tl.constexpr):
     """The n (<= BC) tokens from token s0: their rows (``row [BC]``, int64, and mask ``m_t``) and k
-    [BC, BK], lam, beta, eta [BC] in float64. Rows past n read as k = 0, lam = beta = 1, eta = 0: a
-    token that changes nothing (its pivot is its Gamma, its gain and its share of every product zero)."""
+    ([BC, BK], or its transpose [BK, BC] where KT), lam, beta, eta [BC] in float64. Rows past n read
+    as k = 0, lam = beta = 1, eta = 0: a token that changes nothing (its pivot is its Gamma, its gain
+    and its share of every product zero)."""
     o_c = tl.arange(0, BC)
     m_t = o_c < n
     row = (bos + s0 + o_c).to(tl.int64) * H + i_h
-    b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float64)
+    if KT:
+        b_k = tl.load(k + row[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.).to(tl.float64)
+    else:
+        b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float64)
     b_lam = tl.load(lam + row, mask=m_t, other=1.).to(tl.float64)
     if HAS_BETA:
         b_beta = tl.load(beta + row, mask=m_t, other=1.).to(tl.float64)
@@ -102,7 +108,8 @@ def _sym(x):
 def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T, TS, H: tl.constexpr,
                          K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAU: tl.constexpr,
                          HAS_BETA: tl.constexpr, HAS_ETA: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr):
-    """One program per (sequence, head), sequential over chunks, P [K, K] in float64 in registers.
+    """One program per (sequence, head), sequential over chunks, P [K, K] in float64 (kept in the
+    program's slot of ``pt`` between chunks, which ends holding the final P).
     A chunk is the longest run of at most BC tokens whose forgetting Gamma (the product of its lam)
     stays >= TAU (at least one token). Per chunk (``chunk.py``'s algebra): A = diag(Gamma / beta) +
     K P K^T, its Cholesky factor L, V = L^-1 K P, gains G = diag(eta / (beta diag(L))) V,
@@ -115,45 +122,55 @@ def precision_fwd_kernel(k, lam, beta, eta, p0, g, v, lc, li, starts, pt, cu, T,
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     o_c = tl.arange(0, BC)
     eye = o_c[:, None] == o_c[None, :]
-    # symmetrised: the parallel form's P0 (a batched inverse) is symmetric up to rounding only
-    b_p = _sym(tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64))
+    # P lives in this program's slot of pt between chunks, read back where needed (carried in
+    # registers, it and its dot-operand copy take half of them); the slot starts from P0 at every
+    # launch, so that the autotuner's reruns agree. Symmetrised: the parallel form's P0 (a batched
+    # inverse) is symmetric up to rounding only
+    p_p = pt + i_bh.to(tl.int64) * K * K + p_kk
+    tl.store(p_p, _sym(tl.load(p0 + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)), mask=m_kk)
+    tl.debug_barrier()
     bos, T = _sequence(cu, i_b, T, VARLEN)
     p_st = starts + i_bh.to(tl.int64) * TS
     s0 = T * 0
     n_ch = T * 0
     while s0 < T:
-        row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, T - s0, H, K, o_k, m_k, BC,
-                                                      HAS_BETA, HAS_ETA)
+        # every [chunk, key] tile transposed ([BK, BC]): the chained dots spread their warps along the
+        # first dimension, where 16 rows would sit in every warp whole (4x the registers and the products)
+        row, m_t, b_kt, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, T - s0, H, K, o_k, m_k, BC,
+                                                       HAS_BETA, HAS_ETA, True)
         # the cut: where Gamma would fall below TAU, the chunk's rounding (at P's scale at its start,
         # divided by Gamma at its end) would outgrow the token-by-token recurrence's
         n = tl.maximum(tl.min(tl.where(tl.cumprod(b_lam, 0) < TAU, o_c, BC), axis=0), 1)
         m_t = m_t & (o_c < n)
-        b_k = tl.where(m_t[:, None], b_k, 0.)
+        b_kt = tl.where(m_t[None, :], b_kt, 0.)
         b_lam = tl.where(m_t, b_lam, 1.)
         b_beta = tl.where(m_t, b_beta, 1.)
         b_eta = tl.where(m_t, b_eta, 0.)
         b_gam = tl.cumprod(b_lam, 0)
-        b_u = tl.dot(b_k, b_p)
-        b_a = tl.dot(b_u, tl.trans(b_k)) + tl.where(eye, (b_gam / b_beta)[:, None], 0.)
+        b_ut = tl.dot(tl.load(p_p, mask=m_kk, other=0.), b_kt)          # U^T = P K^T (P symmetric)
+        b_a = tl.dot(tl.trans(b_kt), b_ut) + tl.where(eye, (b_gam / b_beta)[:, None], 0.)
         b_l, b_li = _cholesky_inverse(b_a, o_c, BC)
-        b_v = tl.dot(b_li, b_u)
+        b_vt = tl.dot(b_ut, tl.trans(b_li))                             # V^T = U^T L^-T
         b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
-        m_tk = m_t[:, None] & m_k[None, :]
-        tl.store(g + row[:, None] * K + o_k[None, :], ((b_eta / (b_beta * b_c))[:, None] * b_v).to(g.dtype.element_ty),
-                 mask=m_tk)
+        m_kt = m_k[:, None] & m_t[None, :]
+        tl.store(g + row[None, :] * K + o_k[:, None],
+                 ((b_eta / (b_beta * b_c))[None, :] * b_vt).to(g.dtype.element_ty), mask=m_kt)
         if STORE:
-            tl.store(v + row[:, None] * K + o_k[None, :], b_v, mask=m_tk)
+            tl.store(v + row[None, :] * K + o_k[:, None], b_vt, mask=m_kt)
             tl.store(lc + row[:, None] * BC + o_c[None, :], b_l, mask=m_t[:, None])
             tl.store(li + row[:, None] * BC + o_c[None, :], b_li, mask=m_t[:, None])
             tl.store(p_st + n_ch, s0)
         # V^T V symmetrised: an asymmetric rounding error would grow as 1 / Gamma per chunk
-        b_p = (b_p - _sym(tl.dot(tl.trans(b_v), b_v))) / _pick(b_gam, o_c, BC - 1)
+        b_w = _sym(tl.dot(b_vt, tl.trans(b_vt)))
+        b_p = (tl.load(p_p, mask=m_kk, other=0.) - b_w) / _pick(b_gam, o_c, BC - 1)
+        tl.debug_barrier()      # every thread has read P
+        tl.store(p_p, b_p, mask=m_kk)
+        tl.debug_barrier()      # and stored its part of the next one
         s0 += tl.minimum(n, T - s0)
         n_ch += 1
     if STORE:
         tl.store(p_st + n_ch, T)
         tl.store(p_st + TS - 1, n_ch)
-    tl.store(pt + i_bh.to(tl.int64) * K * K + p_kk, b_p, mask=m_kk)
 
 
 @tune(_WARPS, key=["H", "K", "BC", "HAS_BETA", "HAS_ETA", "HAS_DPT", "VARLEN", "DR"])
@@ -168,14 +185,20 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
     k's, lam's, beta's, eta's gradients, then the initial P's, kept symmetric (the gradient with
     respect to a symmetric P; ``dpt`` must be symmetric). VARLEN as the forward. DR: the initial P
     was the inverse of a covariance R (the parallel form's segments): store R's gradient instead,
-    -P dP P, with P as rebuilt here (in registers, where a pass in PyTorch reads both from memory)."""
+    -P dP P, with P as rebuilt here (in the program, where a pass in PyTorch reads both from memory).
+    The rebuilt P waits in the program's slot of ``dp0`` between chunks."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
     o_k, m_k, _, _, m_kk, p_kk = state_block(0, 0, K, K, BK, BK)
     o_c = tl.arange(0, BC)
     eye = o_c[:, None] == o_c[None, :]
-    b_p = tl.load(pt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
+    # P lives in this program's slot of dp0 between chunks (read back where needed, the gradient
+    # overwriting it at the end; it starts from pt at every launch): carried in registers beside dP,
+    # it and its dot-operand copy spill
+    p_p = dp0 + i_bh.to(tl.int64) * K * K + p_kk
+    tl.store(p_p, tl.load(pt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.), mask=m_kk)
+    tl.debug_barrier()
     if HAS_DPT:
         b_dp = tl.load(dpt + i_bh.to(tl.int64) * K * K + p_kk, mask=m_kk, other=0.).to(tl.float64)
     else:
@@ -185,37 +208,41 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
     n_ch = tl.load(p_st + TS - 1)
     for j in range(n_ch):
         s0 = tl.load(p_st + n_ch - 1 - j)
-        row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, tl.load(p_st + n_ch - j) - s0,
-                                                      H, K, o_k, m_k, BC, HAS_BETA, HAS_ETA)
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_v = tl.load(v + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_dg = tl.load(dg + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float64)
+        # [chunk, key] tiles transposed, as in the forward
+        row, m_t, b_kt, b_lam, b_beta, b_eta = _chunk(k, lam, beta, eta, bos, i_h, s0, tl.load(p_st + n_ch - j) - s0,
+                                                       H, K, o_k, m_k, BC, HAS_BETA, HAS_ETA, True)
+        m_kt = m_k[:, None] & m_t[None, :]
+        b_vt = tl.load(v + row[None, :] * K + o_k[:, None], mask=m_kt, other=0.)
+        b_dgt = tl.load(dg + row[None, :] * K + o_k[:, None], mask=m_kt, other=0.).to(tl.float64)
         pad = eye & ~m_t[:, None]        # rows past the sequence: a unit diagonal (their factor's value is never read)
         b_l = tl.where(pad, 1., tl.load(lc + row[:, None] * BC + o_c[None, :], mask=m_t[:, None], other=0.))
         b_li = tl.where(pad, 1., tl.load(li + row[:, None] * BC + o_c[None, :], mask=m_t[:, None], other=0.))
         b_gam = tl.cumprod(b_lam, 0)
         gam_c = _pick(b_gam, o_c, BC - 1)
-        # Gamma_C divides P_next: its gradient, before P_next is replaced (in place) by P = Gamma_C P_next + V^T V
-        dgam_c = -tl.sum(tl.sum(b_dp * b_p, axis=1), axis=0) / gam_c
-        b_p = tl.dot(tl.trans(b_v), b_v, gam_c * b_p, out_dtype=tl.float64)
-        b_u = tl.dot(b_l, b_v)
         b_c = tl.sum(tl.where(eye, b_l, 0.), axis=1)
         b_h = b_eta / (b_beta * b_c)
-        # G = diag(h) V, P_next = (P - V^T V) / Gamma_C
-        b_dv = (-2. / gam_c) * tl.dot(b_v, b_dp) + b_h[:, None] * b_dg
-        b_hb = tl.sum(b_dg * b_v, axis=1)
+        # G = diag(h) V, P_next = (P - V^T V) / Gamma_C (dP symmetric: (V dP)^T = dP V^T)
+        b_dvt = (-2. / gam_c) * tl.dot(b_dp, b_vt) + b_h[None, :] * b_dgt
+        b_hb = tl.sum(b_dgt * b_vt, axis=0)
         b_deta = b_hb / (b_beta * b_c)
         b_dbeta = -b_hb * b_h / b_beta
         # V = L^-1 U (U = K P), L = chol(A), A = diag(Gamma / beta) + U K^T
-        b_du = tl.dot(tl.trans(b_li), b_dv)
-        b_dl = tl.where(o_c[:, None] >= o_c[None, :], -tl.dot(b_du, tl.trans(b_v)), 0.)
+        b_dut = tl.dot(b_dvt, b_li)                                     # dU^T = dV^T L^-1
+        b_dl = tl.where(o_c[:, None] >= o_c[None, :], -tl.dot(tl.trans(b_dut), b_vt), 0.)
         b_dl += tl.where(eye, (-b_hb * b_h / b_c)[:, None], 0.)
         b_x = tl.dot(tl.trans(b_l), b_dl)
         b_phi = tl.where(o_c[:, None] > o_c[None, :], b_x, tl.where(eye, 0.5 * b_x, 0.))
         b_da = _sym(tl.dot(tl.dot(tl.trans(b_li), b_phi), b_li))
         b_dad = tl.sum(tl.where(eye, b_da, 0.), axis=1)
-        b_dkk = tl.dot(b_du, b_p) + 2. * tl.dot(b_da, b_u)
-        tl.store(dk + row[:, None] * K + o_k[None, :], b_dkk.to(dk.dtype.element_ty), mask=m_tk)
+        # Gamma_C divides P_next: its gradient; then P = Gamma_C P_next + V^T V replaces P_next in its slot
+        b_p = tl.load(p_p, mask=m_kk, other=0.)
+        dgam_c = -tl.sum(tl.sum(b_dp * b_p, axis=1), axis=0) / gam_c
+        b_p = tl.dot(b_vt, tl.trans(b_vt), gam_c * b_p, out_dtype=tl.float64)
+        tl.debug_barrier()          # every thread has read P_next
+        tl.store(p_p, b_p, mask=m_kk)
+        # dK^T = P dU^T + 2 U^T dA (both symmetric), U^T = V^T L^T
+        b_dkt = tl.dot(b_p, b_dut) + 2. * tl.dot(b_vt, tl.dot(tl.trans(b_l), b_da))
+        tl.store(dk + row[None, :] * K + o_k[:, None], b_dkt.to(dk.dtype.element_ty), mask=m_kt)
         # Gamma_t = prod_{s <= t} lam_s; Gamma_C also divides P_next
         b_dgam = b_dad / b_beta + tl.where(o_c == BC - 1, dgam_c, 0.)
         b_dlam = tl.cumsum(b_dgam * b_gam, 0, reverse=True) / b_lam
@@ -224,14 +251,15 @@ def precision_bwd_kernel(k, lam, beta, eta, v, lc, li, starts, pt, dg, dpt, dk, 
             tl.store(dbeta + row, (b_dbeta - b_dad * b_gam / (b_beta * b_beta)).to(dbeta.dtype.element_ty), mask=m_t)
         if HAS_ETA:
             tl.store(deta + row, b_deta.to(deta.dtype.element_ty), mask=m_t)
-        # dP / Gamma_C + K^T dA K + (K^T dU + dU^T K) / 2, accumulated in place, then symmetrised: its
-        # antisymmetric rounding would grow as 1 / Gamma per chunk, unlike the symmetric part, which the
-        # next chunks' updates contract
-        b_y = 0.5 * b_du
-        b_dp = tl.dot(tl.trans(b_k), tl.dot(b_da, b_k) + b_y, b_dp / gam_c, out_dtype=tl.float64)
-        b_dp = _sym(tl.dot(tl.trans(b_y), b_k, b_dp, out_dtype=tl.float64))
+        # dP / Gamma_C + K^T dA K + (K^T dU + dU^T K) / 2, symmetrised: sym(dP / Gamma_C + (K^T dA + dU^T) K)
+        # (dA symmetric). Its antisymmetric rounding would grow as 1 / Gamma per chunk, unlike the
+        # symmetric part, which the next chunks' updates contract
+        b_dp = _sym(tl.dot(tl.dot(b_kt, b_da) + b_dut, tl.trans(b_kt), b_dp / gam_c, out_dtype=tl.float64))
+        tl.debug_barrier()          # P stored by every thread before the next chunk reads it
     if DR:
+        b_p = tl.load(p_p, mask=m_kk, other=0.)
         b_dp = -tl.dot(tl.dot(b_p, b_dp, out_dtype=tl.float64), b_p, out_dtype=tl.float64)
+        tl.debug_barrier()          # every thread has read P before its slot takes the gradient
     tl.store(dp0 + i_bh.to(tl.int64) * K * K + p_kk, b_dp, mask=m_kk)
 
 
@@ -248,7 +276,7 @@ def _segment(k, lam, beta, bos, i_h, s0, n, H: tl.constexpr, K: tl.constexpr, o_
     prod_{s > t} lam_s [C] and the segment's Gamma: w_t = beta_t prod_{s > t} lam_s weighs k_t k_t^T
     (rows past n: k = 0, no term)."""
     row, m_t, b_k, b_lam, b_beta, b_eta = _chunk(k, lam, beta, beta, bos, i_h, s0, n, H, K, o_k, m_k, C, HAS_BETA,
-                                                 False)
+                                                 False, False)
     inc = tl.cumprod(b_lam, 0, reverse=True)           # prod_{s >= t} lam_s
     gam = tl.sum(tl.where(tl.arange(0, C) == 0, inc, 0.), axis=0)
     return row, m_t, b_k, b_lam, b_beta, inc / b_lam, gam

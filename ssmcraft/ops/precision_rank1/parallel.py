@@ -93,6 +93,6 @@ def inverse(R: torch.Tensor) -> torch.Tensor:
     to rounding (the precision kernel symmetrises it as it loads it); NaN where the factorization
     fails (R not positive definite in float64), as the sequential form's chunk step turns a negative
     pivot into NaN. Its gradient, dR = -P dP P, is taken in the precision kernels' backward
-    (``chunk.PrecisionFunction`` with ``from_r``), where P is in registers."""
+    (``chunk.PrecisionFunction`` with ``from_r``), where P is at hand."""
     L, info = torch.linalg.cholesky_ex(R)
     return torch.cholesky_inverse(L).masked_fill((info > 0)[..., None, None], float("nan"))
