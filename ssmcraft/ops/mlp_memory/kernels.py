@@ -4,8 +4,10 @@ chunk back from its end state; the algorithm, shapes and host code are in
 
 Tiles, one program per (batch, head), fp32 in registers: ``W1 [BH, BM]`` as declared (``[h, m]``) and
 ``W2`` transposed, ``W2T [BH, BD]``, so both have the hidden width on their rows: every vector over
-h is a row vector of both and no layout conversion sits in the step's chain. Padded rows and
-columns stay zero (the activation of a padded hidden unit is masked: ``sigmoid(0)`` is not 0).
+h is a row vector of both and no layout conversion sits in the step's chain. The sequential kernels
+read and write W2 (initial and final weights, checkpoints, gradients) transposed, ``[h, d]``
+(``_w2t_offsets``), so that both tiles share one layout. Padded rows and columns stay zero (the
+activation of a padded hidden unit is masked: ``sigmoid(0)`` is not 0).
 """
 from __future__ import annotations
 
@@ -97,8 +99,9 @@ def _w2t_offsets(o_d, o_h, D):
     the initial and final weights and their gradients): contiguous along d, as ``W1 [h, m]`` is along m.
     Both tiles then load into one layout, the hidden width split over the warps and each warp holding
     whole rows: the reductions over m and d (``W1 k``, ``W2^T s``) stay inside a warp, and no tile is kept
-    in a second layout for the stores inside the time loop (with W2 read as ``[d, h]``, its load's layout,
-    lanes along h and warps along d, was carried through the loop, and W1 with it)."""
+    in a second layout for the stores inside the time loop. Read as ``[d, h]``, W2's load layout (lanes
+    along h, warps along d) would be carried through the loop, and W1 with it: every reduction over m or
+    d would cross the warps, through shared memory."""
     return o_h[:, None] * D + o_d[None, :]
 
 
@@ -445,11 +448,11 @@ def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, 
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce, cz2, cr2, ce2, ck1, ck2, dw1t, dw2t,
                           dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, BITS, H: tl.constexpr,
-                          D: tl.constexpr, M: tl.constexpr,
-                          HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
-                          BC: tl.constexpr, ACT: tl.constexpr, PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr,
-                          HAS_DEC: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr,
-                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
+                          D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                          BH: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, ACT: tl.constexpr,
+                          PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
+                          TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr, HAS_DHT: tl.constexpr,
+                          STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . psi(r)), then the step's

@@ -179,9 +179,9 @@ class MLPMemoryFunction(torch.autograd.Function):
                drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec,
                dk2=dk2 if two else dx, dx2=dx2 if two else dx, dw1=dw1, dw2=dw2, T=T, NT=NT,
                BITS=float(DIVIDE_BITS), H=H, D=D, M=M, HID=HID, BD=pow2(D),
-               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, BC=pow2(ctx.chunk), ACT=ctx.act, PSI=ctx.psi, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb, AT_ANCHOR=ctx.at_anchor,
-               HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, BC=pow2(ctx.chunk), ACT=ctx.act, PSI=ctx.psi,
+               HAS_ETA=eta is not None, HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb,
+               AT_ANCHOR=ctx.at_anchor, HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
         return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
                 None, None, None, None, None, None, None)
 
