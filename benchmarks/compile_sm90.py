@@ -1,6 +1,11 @@
 """Every Triton kernel an objective's fwd+bwd launches, compiled for sm_90 on a CPU-only machine:
 the GPU form of the kernels (typed integers, constexpr-only branches, the first autotune config),
 which the interpreter tests do not compile. A check for code paths no GPU run has covered yet.
+Arguments are specialised as Triton's launcher does (pointers 16-byte aligned and ints divisible by
+16 carry that hint, an int equal to 1 is a constexpr): without the hints loads are not vectorised,
+layouts differ from the GPU's, and so do the register and spill figures (mlp_cauchy_2key's
+MLP-memory forward at 4 warps read 32 registers and 15.5 KB of spills without them, 255 registers
+and 1 KB with them).
 
     python3 benchmarks/compile_sm90.py gla mamba kda_like --packed 0,17,5,33
 
@@ -28,7 +33,8 @@ os.environ["SSMCRAFT_DIRECT_LAUNCH"] = "0"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.runtime.jit import find_paths_if, get_iterable_path  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -36,10 +42,6 @@ import ssmcraft  # noqa: E402
 from ssmcraft.bench.classes_commands import class_specs  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.ops.common import launch as L  # noqa: E402
-
-_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
-          torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
-
 
 def _config(kernel):
     """(first autotune config's kwargs, num_warps, num_stages) and heuristics of ``kernel``'s wrappers."""
@@ -55,21 +57,13 @@ def _config(kernel):
     return k, kw, warps, stages, heur
 
 
-def _type(v, path: tuple, consts: dict):
-    """The signature type of one runtime argument (a tuple: a tuple of types; a ``None`` inside it
-    is a constexpr at its path)."""
-    if isinstance(v, tuple):
-        return tuple(_type(x, (*path, j), consts) for j, x in enumerate(v))
-    if v is None:
-        consts[path] = None
-        return "constexpr"
-    if isinstance(v, torch.Tensor):
-        return _TYPES[v.dtype]
-    if isinstance(v, bool):
-        return "i1"
-    if isinstance(v, int):
-        return "i64" if abs(v) >= 2 ** 31 else "i32"
-    return "fp32"
+def _specialised(v, p) -> tuple:
+    """(signature type, alignment key) of one runtime argument as Triton's launcher specialises it for
+    the parameter ``p``: pointers 16-byte aligned and ints divisible by 16 get ``tt.divisibility`` (the
+    key ``"D"``), an int equal to 1 becomes a constexpr; a tuple gives a tuple of each."""
+    from triton._C.libtriton import native_specialize_impl
+    return native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
+                                  not p.do_not_specialize_on_alignment)
 
 
 def ptxas_usage(ptx: str) -> str:
@@ -99,18 +93,23 @@ def compile_call(kernel, args, kw, seen: dict, regs: bool = False) -> None:
             bound[name] = rule(bound)
     warps = bound.pop("num_warps", warps)
     stages = bound.pop("num_stages", stages)
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         v = bound.get(p.name)
         if p.is_constexpr or v is None:
             sig[p.name], consts[p.name] = "constexpr", v
-        else:
-            sig[p.name] = _type(v, (i,), consts)
+            continue
+        sig[p.name], key = _specialised(v, p)
+        # the constexprs and alignment hints inside the argument, by path (Triton's ``_pack_args``)
+        consts.update({(i, *q): get_iterable_path(v, q) if q else v
+                       for q in find_paths_if(sig[p.name], lambda _, t: t == "constexpr")})
+        attrs.update({(i, *q): BaseBackend.parse_attr(get_iterable_path(key, q) if q else key)
+                      for q in find_paths_if(key, lambda _, a: isinstance(a, str))})
     key = (fn.__name__, str(sorted(sig.items())), str(sorted((str(k), str(v)) for k, v in consts.items())), warps)
     if key in seen:
         return
     try:
-        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages))
         seen[key] = (fn.__name__, None, ptxas_usage(compiled.asm["ptx"]) if regs else "")
     except Exception as e:  # noqa: BLE001 - the failure is the finding, reported by kernel

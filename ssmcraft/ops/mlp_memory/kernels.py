@@ -4,8 +4,10 @@ chunk back from its end state; the algorithm, shapes and host code are in
 
 Tiles, one program per (batch, head), fp32 in registers: ``W1 [BH, BM]`` as declared (``[h, m]``) and
 ``W2`` transposed, ``W2T [BH, BD]``, so both have the hidden width on their rows: every vector over
-h is a row vector of both and no layout conversion sits in the step's chain. Padded rows and
-columns stay zero (the activation of a padded hidden unit is masked: ``sigmoid(0)`` is not 0).
+h is a row vector of both and no layout conversion sits in the step's chain. The sequential kernels
+read and write W2 (initial and final weights, checkpoints, gradients) transposed, ``[h, d]``
+(``_w2t_offsets``), so that both tiles share one layout. Padded rows and columns stay zero (the
+activation of a padded hidden unit is masked: ``sigmoid(0)`` is not 0).
 """
 from __future__ import annotations
 
@@ -92,6 +94,18 @@ def _program(H, D, M, HID, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr)
 
 
 @triton.jit
+def _w2t_offsets(o_d, o_h, D):
+    """Offsets of ``W2T [BH, BD]`` in an array of W2 stored transposed, ``[h, d]`` (the host transposes
+    the initial and final weights and their gradients): contiguous along d, as ``W1 [h, m]`` is along m.
+    Both tiles then load into one layout, the hidden width split over the warps and each warp holding
+    whole rows: the reductions over m and d (``W1 k``, ``W2^T s``) stay inside a warp, and no tile is kept
+    in a second layout for the stores inside the time loop. Read as ``[d, h]``, W2's load layout (lanes
+    along h, warps along d) would be carried through the loop, and W1 with it: every reduction over m or
+    d would cross the warps, through shared memory."""
+    return o_h[:, None] * D + o_d[None, :]
+
+
+@triton.jit
 def _weights(w1, w2, i, p1, m1, p2, m2, D, M, HID, HAS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
              BH: tl.constexpr):
     """Pair ``i`` of weights ``w1 [*, h, m]``, ``w2 [*, d, h]`` as fp32 tiles ``W1 [BH, BM]``, ``W2T [BH, BD]``
@@ -158,16 +172,48 @@ def _psi_adjoint(b_ds, b_r, b_x, b_rw, PSI: tl.constexpr):
 
 
 @triton.jit
+def _hidden(b_w1, b_k, m_h, ACT: tl.constexpr):
+    """z = W1 k, a = act(z) (0 on padded hidden units), act'(z)."""
+    b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
+    b_a, b_a1, _ = _act(b_z, ACT)
+    return b_z, tl.where(m_h, b_a, 0.), b_a1
+
+
+@triton.jit
+def _back(b_w2, b_r, b_x, b_eta, b_rw, b_a1, PSI: tl.constexpr):
+    """From the residual r: s = psi(r) (``_psi``), e = W2^T s, gz = eta (e . act'(z))."""
+    b_s = _psi(b_r, b_x, b_rw, PSI)
+    b_e = tl.sum(b_w2 * b_s[None, :], axis=1)
+    return b_s, b_e, b_eta * b_e * b_a1
+
+
+@triton.jit
+def _add2(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
 def _grad(b_w1, b_w2, b_k, b_x, b_eta, b_rw, m_h, ACT: tl.constexpr, PSI: tl.constexpr):
     """One key's gradient terms at the weights ``W1, W2T``: z = W1 k, a = act(z), r = W2 a - x,
     s = psi(r) (``_psi``), e = W2^T s, gz = eta (e . act'(z)). Returns (z, a, r, s, e, gz)."""
-    b_z = tl.sum(b_w1 * b_k[None, :], axis=1)
-    b_a, b_a1, _ = _act(b_z, ACT)
-    b_a = tl.where(m_h, b_a, 0.)
+    b_z, b_a, b_a1 = _hidden(b_w1, b_k, m_h, ACT)
     b_r = tl.sum(b_w2 * b_a[:, None], axis=0) - b_x
-    b_s = _psi(b_r, b_x, b_rw, PSI)
-    b_e = tl.sum(b_w2 * b_s[None, :], axis=1)
-    return b_z, b_a, b_r, b_s, b_e, b_eta * b_e * b_a1
+    b_s, b_e, b_gz = _back(b_w2, b_r, b_x, b_eta, b_rw, b_a1, PSI)
+    return b_z, b_a, b_r, b_s, b_e, b_gz
+
+
+@triton.jit
+def _grad_pair(b_w1, b_w2, b_k, b_x, b_k2, b_x2, b_eta, b_rw, m_h, ACT: tl.constexpr, PSI: tl.constexpr):
+    """``_grad`` of two keys at the same weights, their two sums over the hidden width (split over the
+    warps: an exchange through shared memory) as one reduction."""
+    b_z, b_a, b_a1 = _hidden(b_w1, b_k, m_h, ACT)
+    b_z2, b_a2, b_a12 = _hidden(b_w1, b_k2, m_h, ACT)
+    b_r, b_r2 = tl.reduce((b_w2 * b_a[:, None], b_w2 * b_a2[:, None]), 0, _add2)
+    b_r -= b_x
+    b_r2 -= b_x2
+    b_s, b_e, b_gz = _back(b_w2, b_r, b_x, b_eta, b_rw, b_a1, PSI)
+    b_s2, b_e2, b_gz2 = _back(b_w2, b_r2, b_x2, b_eta, b_rw, b_a12, PSI)
+    return b_z, b_a, b_r, b_s, b_e, b_gz, b_z2, b_a2, b_r2, b_s2, b_e2, b_gz2
 
 
 @triton.jit
@@ -178,10 +224,11 @@ def _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2, b_eta, b_rw, b_c, m_h, A
     W1 <- c W1 - gz k^T, W2 <- c W2 - eta s a^T (c: the decay, HAS_DEC; AT_ANCHOR: weight decay
     taken at the anchors, W <- W - (1 - c) P), and with a second key and target (TWO) its terms too.
     Returns (W1, W2T, z, r, e, gz, z2, r2, e2, gz2) (the second key's equal the first's without TWO)."""
-    b_z, b_a, b_r, b_s, b_e, b_gz = _grad(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI)
     if TWO:
-        b_z2, b_a2, b_r2, b_s2, b_e2, b_gz2 = _grad(b_p1, b_p2, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI)
+        b_z, b_a, b_r, b_s, b_e, b_gz, b_z2, b_a2, b_r2, b_s2, b_e2, b_gz2 = _grad_pair(
+            b_p1, b_p2, b_k, b_x, b_k2, b_x2, b_eta, b_rw, m_h, ACT, PSI)
     else:
+        b_z, b_a, b_r, b_s, b_e, b_gz = _grad(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI)
         b_z2, b_a2, b_r2, b_s2, b_e2, b_gz2 = b_z, b_a, b_r, b_s, b_e, b_gz
     if HAS_DEC:
         if AT_ANCHOR:
@@ -240,11 +287,12 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
     of MB tokens, counted from each sequence's start): z, r, e are taken at the anchors P1, P2, the
     weights before the token's mini-batch, and the decay at the running weights (AT_ANCHOR: weight
     decay, a data term too, at the anchors). STORE (training): z, r, e (of each key) per token and the
-    weights after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, d, h]``), which
+    weights after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, h, d]``), which
     the backward starts each chunk from (with MB, CHUNK is a multiple of MB). VARLEN: program ``i_b``
     runs sequence ``i_b`` of a packed row (``cu`` its offsets, ``co`` each sequence's first chunk;
     ``ssmcraft.ops.common.rows.seq_state``)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
+    p2 = _w2t_offsets(o_d, o_h, D)
     b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
     b_p1, b_p2 = b_w1, b_w2
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
@@ -279,9 +327,11 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
         b_w1, b_w2, b_z, b_r, b_e, b_gz, b_z2, b_r2, b_e2, b_gz2 = _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2,
                                                                          b_eta, b_rw, b_c, m_h, ACT, PSI, HAS_DEC,
                                                                          AT_ANCHOR, TWO)
-        b_zq -= b_gz * tl.sum(b_k * b_q, axis=0)
+        # k . q as a sum over a row of the weights' layout: inside a warp (a vector of its own layout
+        # spreads over all warps, and its sum waits on shared memory)
+        b_zq -= b_gz * tl.sum(b_k[None, :] * b_q[None, :], axis=1)
         if TWO:
-            b_zq -= b_gz2 * tl.sum(b_k2 * b_q, axis=0)
+            b_zq -= b_gz2 * tl.sum(b_k2[None, :] * b_q[None, :], axis=1)
         b_aq, _, _ = _act(b_zq, ACT)
         b_aq = tl.where(m_h, b_aq, 0.)
         tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
@@ -364,6 +414,13 @@ def _token_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, 
 
 
 @triton.jit
+def _lost_bits(dec, rows, m):
+    """log2 of the most a walk back divided by the decays at ``rows`` (where ``m``) can amplify a rounding
+    error: the sum of -log2 |c| (inf where a c is 0)."""
+    return tl.sum(-tl.log2(tl.abs(tl.load(dec + rows, mask=m, other=1.).to(tl.float32))), axis=0)
+
+
+@triton.jit
 def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, o_m, m_m, m_h, D, M,
             ACT: tl.constexpr, PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr,
             HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr):
@@ -390,20 +447,23 @@ def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, 
                    "STORE_DH0"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce, cz2, cr2, ce2, ck1, ck2, dw1t, dw2t,
-                          dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, H: tl.constexpr,
-                          D: tl.constexpr, M: tl.constexpr,
-                          HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
-                          ACT: tl.constexpr, PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr,
-                          HAS_DEC: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr,
-                          HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
+                          dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, BITS, H: tl.constexpr,
+                          D: tl.constexpr, M: tl.constexpr, HID: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                          BH: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, ACT: tl.constexpr,
+                          PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
+                          TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr, HAS_DHT: tl.constexpr,
+                          STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . psi(r)), then the step's
     adjoint (``_token_adjoint``). Rounding drift of the walk back is bounded by one chunk: every chunk
-    restarts from its stored end state. With a decay c (HAS_DEC) the walk back would divide by c,
-    amplifying rounding by 1/c a token, so the weights before token t are instead replayed forward
-    (``_step``) from the chunk's start (the previous chunk's end state, or the initial weights
-    ``w1, w2``); the adjoint then scales G1, G2 by c and dc = <G1, W1_{t-1}> + <G2, W2_{t-1}>.
+    restarts from its stored end state. With a decay c (HAS_DEC) the walk back divides by c,
+    W_{t-1} = (W_t + eta (...)) / c, amplifying rounding by 1/|c| a token: a chunk is walked where
+    its decays amplify it by at most 2^BITS (the sum of -log2 |c| over its tokens, ``_lost_bits``);
+    in the others the weights before token t are replayed forward (``_step``) from the chunk's start
+    (the previous chunk's end state, or the initial weights ``w1, w2``), about CHUNK / 2 steps a
+    token. The adjoint then scales G1, G2 by c and dc = <G1, W1_{t-1}> + <G2, W2_{t-1}>. BC: CHUNK's
+    power of 2 (the chunk's decays as one vector).
 
     MB (a mini-batch of MB tokens; CHUNK is a multiple of MB): each mini-batch of a chunk, last first,
     replays its anchors P (the weights before it) from the chunk's start; the step's adjoint at P
@@ -413,6 +473,7 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
     W_t = W_{t-1} - (1 - c) P - ...): dc = <G, P>, and P's adjoint takes -(1 - c) G.
     VARLEN: as the forward."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
+    p2 = _w2t_offsets(o_d, o_h, D)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
     first = (bos.to(tl.int64) * H + i_h)
@@ -492,8 +553,12 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
         for i in range(NT):
             i_c = NT - 1 - i
             b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
-            end = tl.minimum(T, (i_c + 1) * CHUNK)
-            for j in range(end - i_c * CHUNK):
+            lo = i_c * CHUNK
+            end = tl.minimum(T, lo + CHUNK)
+            if HAS_DEC:
+                o_c = tl.arange(0, BC)
+                walk = _lost_bits(dec, first + (lo + o_c) * H, o_c < end - lo) <= BITS
+            for j in range(end - lo):
                 t = end - 1 - j
                 ok = t > 0
                 n_q, n_dy = _vec(q, row - H, o_m, m_m & ok, M), _vec(dy, row - H, o_d, m_d & ok, D)
@@ -512,12 +577,23 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                 tl.store(dq + row * M + o_m, b_dq.to(dq.dtype.element_ty), mask=m_m)
                 # back to the weights before token t
                 if HAS_DEC:
+                    # walked: W_{t-1} = (W_t + the step's terms) / c
+                    b_v1, b_v2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta,
+                                         b_rw, m_h, ACT, PSI, TWO)
+                    # rebuilt: replayed from the chunk's start; a walked chunk loads nothing and replays no
+                    # step (masks and a trip count: selects, not branches, as the mini-batch's anchors)
+                    rebuild = walk == 0
                     if i_c == 0:
-                        b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
+                        b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1 & rebuild, p2, m2 & rebuild, D, M, HID, True,
+                                              BD, BM, BH)
                     else:
-                        b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c - 1, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
-                    b_w1, b_w2 = _replay(b_w1, b_w2, i_c * CHUNK, t, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d,
-                                         o_m, m_m, m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, HAS_DEC, False, TWO, 0)
+                        b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c - 1, p1, m1 & rebuild, p2, m2 & rebuild, D, M,
+                                              HID, True, BD, BM, BH)
+                    b_w1, b_w2 = _replay(b_w1, b_w2, lo, tl.where(walk, lo, t), k, x, k2, x2, eta, rw, dec, first, H,
+                                         o_d, m_d, o_m, m_m, m_h, D, M, ACT, PSI, HAS_ETA, HAS_RW, HAS_DEC, False, TWO,
+                                         0)
+                    b_w1 = tl.where(walk, b_v1 / b_c, b_w1)
+                    b_w2 = tl.where(walk, b_v2 / b_c, b_w2)
                     _store_inner(ddec, row, b_g1, b_g2, b_w1, b_w2)
                 else:
                     b_w1, b_w2 = _unstep(b_w1, b_w2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, b_z2, b_r2, b_e2, b_eta,

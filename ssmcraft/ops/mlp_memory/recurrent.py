@@ -36,15 +36,18 @@ Anything else is refused with the reason.
 Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
 forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
 [B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens,
-``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H, NT, d, h]). The backward walks each chunk back from its stored end
-state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
-rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at
-h = 2m = 128 the two weights are 16k floats a program). Work per token: the forward's three
-matrix-vector products and two rank-1 updates; the backward's readout adjoint, the rank-1 walk back
-and the step's adjoint. A mini-batch carries the anchors beside the running weights (two more tiles
-forward; backward, their adjoint too, handed to the running weights' at the chunk's first token);
-its backward chunk is a multiple of C, and each mini-batch replays its anchors from the chunk's
-start (about CHUNK / (2 C) more steps a token).
+``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H, NT, h, d]: W2 transposed, as the kernels
+read it). The backward walks each chunk back from its stored end state: ``W_{t-1} = W_t + eta (...)``
+from the stored vectors, an exact inverse of the step but for rounding, which restarts at every
+chunk's stored end (no [CHUNK, h, m] scratch of states: at h = 2m = 128 the two weights are 16k
+floats a program). With a decay c the walk divides by it, ``W_{t-1} = (W_t + eta (...)) / c``, in a
+chunk whose decays amplify rounding by at most 2^DIVIDE_BITS; in the others each token's weights are
+replayed from the chunk's start. Work per token: the forward's three matrix-vector products and two
+rank-1 updates; the backward's readout adjoint, the rank-1 walk back and the step's adjoint. A
+mini-batch carries the anchors beside the running weights (two more tiles forward; backward, their
+adjoint too, handed to the running weights' at the chunk's first token); its backward chunk is a
+multiple of C, and each mini-batch replays its anchors from the chunk's start (about CHUNK / (2 C)
+more steps a token).
 
 Shapes: x, w [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H]; states (W1 [B, H, h, m], W2 [B, H, d, h]) as
 the API carries them, fp32 in the kernels. I/O in float32, bfloat16 or float16.
@@ -72,9 +75,13 @@ from ssmcraft.ops.mlp_memory.kernels import (CAUCHY, CAUCHY_NORM, HUBER, HUBER_N
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 BACKEND_NAME = "mlp-memory"
 CHUNK = 64                          # tokens between the backward's restart states
-# with a decay of the running weights the backward replays each token's weights from its chunk's start
-# (about DECAY_CHUNK / 2 steps a token, the most of its work): shorter chunks, at 4x the stored states
+# with a decay of the running weights the backward walks a chunk back dividing by its decays, or, where
+# that would amplify rounding by more than 2^DIVIDE_BITS, replays each token's weights from the chunk's
+# start (about DECAY_CHUNK / 2 steps a token): shorter chunks, at 4x the stored states of CHUNK's
 DECAY_CHUNK = 16
+# 6 bits: the walk's fp32 rounding grows by at most 64x (~1e-5 relative, far below what bf16 I/O rounds
+# away); at decays sigmoid(N(2, 1)) (the benchmarks' draws) ~94% of 16-token chunks are walked
+DIVIDE_BITS = 6.0
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
 # the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
 DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
@@ -88,18 +95,21 @@ def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
 
 
-def final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev):
+def final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev, w2_rows: bool = False):
     """A backward's cotangents of the final weights: (whether there are any, both fp32 and contiguous,
-    ``[N, H, h, m]`` and ``[N, H, d, h]``, zeros for a missing one; or None, None)."""
+    ``[N, H, h, m]`` and ``[N, H, d, h]`` (``w2_rows``: W2 transposed, ``[N, H, h, d]``), zeros for a
+    missing one; or None, None)."""
     if dw1t is None and dw2t is None:
         return False, None, None
     return (True, torch.zeros(N, H, HID, M, device=dev) if dw1t is None else dw1t.float().contiguous(),
-            torch.zeros(N, H, D, HID, device=dev) if dw2t is None else dw2t.float().contiguous())
+            torch.zeros(N, H, *((HID, D) if w2_rows else (D, HID)), device=dev) if dw2t is None
+            else dw2t.float().contiguous())
 
 
 class MLPMemoryFunction(torch.autograd.Function):
     """(x, k, q, eta | None, w | None, decay | None, k2 | None, x2 | None, W1_0 [N, H, h, m] fp32,
-    W2_0 [N, H, d, h] fp32) -> (y, W1_T | None, W2_T | None);
+    W2_0 transposed [N, H, h, d] fp32) -> (y, W1_T | None, W2_T transposed | None) (the kernels read W2
+    as ``[h, d]``: ``kernels._w2t_offsets``);
     ``packed``: the ``Chunks`` (of ``chunk`` tokens) of a packed row (B = 1, N sequences), else None (N = B);
     ``mb``: the mini-batch (0: none; ``chunk`` is then a multiple of it), ``at_anchor``: the decay is
     weight decay's, taken at the mini-batch's anchors."""
@@ -121,9 +131,9 @@ class MLPMemoryFunction(torch.autograd.Function):
         cr2 = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train and two else y
         ce2 = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train and two else y
         ck1 = _empty(B, H, NT, HID, M, device=dev, dtype=torch.float32) if train else y
-        ck2 = _empty(B, H, NT, D, HID, device=dev, dtype=torch.float32) if train else y
+        ck2 = _empty(B, H, NT, HID, D, device=dev, dtype=torch.float32) if train else y
         w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
-        w2t = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if output_final_state else y
+        w2t = _empty(N, H, HID, D, device=dev, dtype=torch.float32) if output_final_state else y
         launch(mlp_memory_fwd_kernel, (N * H,), x=x, k=k, q=q, eta=y if eta is None else eta,
                rw=y if rw is None else rw, dec=y if dec is None else dec, k2=k2 if two else y,
                x2=x2 if two else y, w1=w1, w2=w2, y=y, w1t=w1t, w2t=w2t, cz=cz, cr=cr, ce=ce, cz2=cz2, cr2=cr2,
@@ -149,7 +159,7 @@ class MLPMemoryFunction(torch.autograd.Function):
         dev = x.device
         N, NT, seq = sequences(B, T, ctx.chunk, ctx.packed, x)
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        has_dht, dw1t, dw2t = final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev)
+        has_dht, dw1t, dw2t = final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev, w2_rows=True)
         need_dh0 = ctx.needs_input_grad[8] or ctx.needs_input_grad[9]
         dx, dk, dq = _empty(*x.shape, device=dev, dtype=x.dtype), _empty(*k.shape, device=dev, dtype=k.dtype), \
             _empty(*q.shape, device=dev, dtype=q.dtype)
@@ -159,7 +169,7 @@ class MLPMemoryFunction(torch.autograd.Function):
         dk2 = _empty(*k2.shape, device=dev, dtype=k2.dtype) if two else None
         dx2 = _empty(*x2.shape, device=dev, dtype=x2.dtype) if two else None
         dw1 = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if need_dh0 else dx
-        dw2 = _empty(N, H, D, HID, device=dev, dtype=torch.float32) if need_dh0 else dx
+        dw2 = _empty(N, H, HID, D, device=dev, dtype=torch.float32) if need_dh0 else dx
         launch(mlp_memory_bwd_kernel, (N * H,), x=x, k=k, q=q, eta=dx if eta is None else eta,
                rw=dx if rw is None else rw, dec=dx if dec is None else dec, w1=dx if w1 is None else w1,
                w2=dx if w2 is None else w2, k2=k2 if two else dx, x2=x2 if two else dx, dy=dy, cz=cz, cr=cr, ce=ce,
@@ -167,11 +177,11 @@ class MLPMemoryFunction(torch.autograd.Function):
                ce2=ce2 if two else dx, ck1=ck1, ck2=ck2, dw1t=dw1t if has_dht else dx,
                dw2t=dw2t if has_dht else dx, dx=dx, dk=dk, dq=dq, deta=dx if deta is None else deta,
                drw=dx if drw is None else drw, ddec=dx if ddec is None else ddec,
-               dk2=dk2 if two else dx, dx2=dx2 if two else dx, dw1=dw1, dw2=dw2, T=T, NT=NT, H=H,
-               D=D, M=M, HID=HID, BD=pow2(D),
-               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, ACT=ctx.act, PSI=ctx.psi, HAS_ETA=eta is not None,
-               HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb, AT_ANCHOR=ctx.at_anchor,
-               HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+               dk2=dk2 if two else dx, dx2=dx2 if two else dx, dw1=dw1, dw2=dw2, T=T, NT=NT,
+               BITS=float(DIVIDE_BITS), H=H, D=D, M=M, HID=HID, BD=pow2(D),
+               BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, BC=pow2(ctx.chunk), ACT=ctx.act, PSI=ctx.psi,
+               HAS_ETA=eta is not None, HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb,
+               AT_ANCHOR=ctx.at_anchor, HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
         return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
                 None, None, None, None, None, None, None)
 
@@ -245,10 +255,10 @@ def mlp_memory(x, k, q, eta=None, *, w=None, decay=None, weight_decay=None, k2=N
                                           head(eta), head(w), head(decay),
                                           None if k2 is None else k2.to(x.dtype).contiguous(),
                                           None if x2 is None else x2.to(x.dtype).contiguous(), W1.float().contiguous(),
-                                          W2.float().contiguous(),
+                                          W2.float().transpose(-1, -2).contiguous(),
                                           ACTIVATIONS[act], DATA[data], minibatch, at_anchor, output_final_state,
                                           chunk, packed)
-    return y, ((w1t, w2t) if output_final_state else None)
+    return y, ((w1t, w2t.transpose(-1, -2)) if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------------
