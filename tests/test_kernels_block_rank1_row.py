@@ -105,3 +105,72 @@ def test_refuses_by_name():
     obj = ssmcraft.compile(ALL["grid10"])
     reasons = dict(select.families(obj, None, "interpret"))
     assert "block rank-1" in reasons["block_rank1_row"] and reasons["general"] is None
+
+
+# Where the first state does not read the second (a01 = 0), a chunk is walked back by inverting the
+# step where that amplifies rounding by few bits, else rebuilt from its checkpoint (``kernels.py``'s
+# docstring). T = 6 chunks + 3 steps (the last chunk cut, the reverse sweep's first pair a single step):
+# chunks 0-2 and 4 strong (the coefficient divided by in [0.02, 0.05]: some 20 bits per chunk of 4,
+# walked they would lose the fp32 result), chunk 3 mild except one row of the first row block (per row
+# coefficients; per head: mild), chunks 5 on mild (in [0.97, 1]).
+STRONG_CHUNKS = (0, 1, 2, 4)
+MIXED_CHUNK, MILD_CHUNK = 3, 5
+# objective, the input divided by (the slot it fills), whether it is per row
+WALKED = {"momentum_longhorn": ("mu", False),      # a00 = a10 = e0 per head, a11 = 1
+          "momentum_delta": ("mu", True),          # a00 = a10 per row
+          "momentum_decay": ("g", True)}           # a11 = e1 per row (mu mild)
+
+
+def _mixed(shape, chunk, g, per_row):
+    """Coefficients in (0, 1] laid out as above along T (axis 1); ``per_row``: row 2 strong in the
+    mixed chunk."""
+    x = 0.97 + 0.03 * torch.rand(shape, generator=g, dtype=torch.float64)
+    for c in STRONG_CHUNKS:
+        x[:, c * chunk:(c + 1) * chunk] = 0.02 + 0.03 * torch.rand(x[:, c * chunk:(c + 1) * chunk].shape, generator=g,
+                                                                   dtype=torch.float64)
+    if per_row:
+        x[:, MIXED_CHUNK * chunk:(MIXED_CHUNK + 1) * chunk, :, 2] = 0.03
+    return x
+
+
+def _walked_run(name, chunk, bits, monkeypatch):
+    """(errors against the float64 reference, our gradient of the divided input) through ``obj()``:
+    initial states, cotangents on y and both final states, outputs poisoned, three row blocks of 4
+    (d = 12): the decision is per program."""
+    monkeypatch.setattr(R, "DIVIDE_BITS", bits)
+    monkeypatch.setattr(R, "CONFIG", {"rows": 4, "chunk": chunk})
+    T = 6 * chunk + 3
+    obj, ins, params, S0, g = _case(name, T, seed=5, B=1)
+    key, per_row = WALKED[name]
+    ins[key] = _mixed(ins[key].shape, chunk, g, per_row)
+    if "mu" in ins and key != "mu":
+        ins["mu"] = 0.97 + 0.03 * torch.rand(ins["mu"].shape, generator=g, dtype=torch.float64)
+    got = []
+
+    def call(i, p, s):
+        i[key].register_hook(got.append)
+        return obj(i, p, s, True)
+    cmp = reference_errors(obj, call, ins, params, S0, g)
+    assert obj.backend.startswith("triton-interpret:block-rank1-row")
+    return cmp.errors, got[0]
+
+
+@pytest.mark.parametrize("name,chunk", [("momentum_longhorn", 4), ("momentum_delta", 4), ("momentum_decay", 4),
+                                        ("momentum_longhorn", 5)])
+def test_chunks_walked_where_mild_and_rebuilt_where_strong(name, chunk, monkeypatch):
+    """Both ways in one sequence against the float64 reference (output, both final states, every
+    gradient incl. both initial states'), and which way each chunk took: the mild chunks at the end
+    (the reverse sweep's first) give bit for bit the gradient of the divided input of a run that walks
+    every chunk and not that of one that rebuilds every chunk; walking every chunk loses the strong
+    chunks' gradients, so the default run rebuilt them. Chunks of 4 and of 5 (odd: pairs cut at the
+    chunk's start)."""
+    errs, dx = _walked_run(name, chunk, R.DIVIDE_BITS, monkeypatch)
+    assert_within(errs, TOL)
+    assert {"dD0", "dS0", "D_T", "S_T", "dmu"} <= set(errs), errs
+    errs_walk, dx_walk = _walked_run(name, chunk, float("inf"), monkeypatch)
+    errs_rebuild, dx_rebuild = _walked_run(name, chunk, -1.0, monkeypatch)
+    assert_within(errs_rebuild, TOL)
+    assert max(v for n, v in errs_walk.items() if n.startswith("d")) > 1e-3, errs_walk
+    mild = MILD_CHUNK * chunk
+    assert torch.equal(dx[:, mild:], dx_walk[:, mild:])
+    assert not torch.equal(dx[:, mild:], dx_rebuild[:, mild:])
