@@ -7,7 +7,8 @@ y, S_T and every gradient (inputs, decay, initial state) per gain. ``--block``: 
 rank-1 family (``ssmcraft.ops.block_rank1_row``: Longhorn with momentum, the momentum mu per head at that
 gain; its walk also adds the first state's errors into the second, up to log2(chunk) more bits). ``--time SHAPE`` (GPU) instead
 times wd/gated Longhorn through ``obj()`` (bf16, the bench's draws) at each of ``--time-configs``
-(checkpoint interval ``recurrent.DECAY_CHUNK``, bound ``DIVIDE_BITS``, ``ATOMIC_SUMS``; default: the
+(checkpoint interval ``recurrent.DECAY_CHUNK``, bound ``DIVIDE_BITS``, ``ATOMIC_SUMS`` with and without a
+decay; default: the
 module's interval and sums with every chunk rebuilt, the default bound, 6 bits and every chunk walked),
 with one reverse loop for both ways and with a loop per way (``recurrent.ONE_LOOP``; ``--one-loop-only``:
 the first only), beside DeltaNet and Longhorn (at each ``ATOMIC_SUMS`` of the configs), in one process.
@@ -113,13 +114,13 @@ def timings(shape, configs=None, one_loop_only=False):
     sums at every chunk rebuilt, the default bound, 6 bits and every chunk walked)."""
     from ssmcraft.bench.classes_commands import measure
     default, one, chunk, atomic = R.DIVIDE_BITS, R.ONE_LOOP, R.DECAY_CHUNK, R.ATOMIC_SUMS
-    configs = configs or [(chunk, b, atomic) for b in sorted({-1.0, default, 6.0, math.inf})]
-    rows = [("deltanet", (chunk, None, atomic), one)]
+    configs = configs or [(chunk, b, atomic[1]) for b in sorted({-1.0, default, 6.0, math.inf})]
+    rows = [("deltanet", (chunk, None, atomic[0]), one)]
     rows += [("longhorn", (chunk, None, x), one) for x in sorted({c[2] for c in configs})]
     rows += [(n, c, o) for c in configs for n in ("wd_longhorn", "gated_longhorn")
              for o in ((True,) if one_loop_only else (True, False))]
     for name, (c, b, x), loop in rows:
-        R.DECAY_CHUNK, R.DIVIDE_BITS, R.ATOMIC_SUMS, R.ONE_LOOP = c, (default if b is None else b), x, loop
+        R.DECAY_CHUNK, R.DIVIDE_BITS, R.ATOMIC_SUMS, R.ONE_LOOP = c, (default if b is None else b), (x, x), loop
         r = measure(name, name, shape, torch.bfloat16)
         print(f"{name:16s} chunk {c:3d} bits {'-' if b is None else b!s:5s} atomic {int(x)} "
               f"{'one loop' if loop else 'loop per way':12s} {r['backend']:28s} fwd {r['fwd_ms']:.3f} ms  "

@@ -23,7 +23,10 @@ from ssmcraft.ops.rank1_row.recurrent import _dedup_contig, _groups
 CHUNK = 16            # checkpoint interval of the backward (steps); its scratch keeps CHUNK/2 states of two tiles
 # a chunk whose walk back (inverting the step) amplifies rounding by at most 2^DIVIDE_BITS is walked, else
 # rebuilt from its checkpoint (``kernels.py``'s docstring; -1: every chunk rebuilt, inf: every one walked
-# where the transition is lower triangular)
+# where the transition is lower triangular). 8 bits walks ~95% of the 16-step chunks of the bench's
+# momentum draws (mu = sigmoid(N(2, 1)) per head) at a fp32 error ~2.5x the rebuild's; Longhorn with
+# momentum's fwd+bwd, H200, B=8 T=2048 H=16 d=m=64 bf16: 7.26 ms, 9.17 with every chunk rebuilt
+# (BENCHMARKS.md; ``benchmarks/bench_block_rank1.py --bits``, ``benchmarks/exp_divide_bits.py --block``)
 DIVIDE_BITS = 8.0
 POISON = False        # tests: fill outputs with NaN before the kernels run (unwritten -> NaN)
 PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always off when interpreting)

@@ -80,10 +80,12 @@ DECAY_CHUNK = 8
 # walked too few to pay for the selection (BENCHMARKS.md, `benchmarks/exp_divide_bits.py`)
 DIVIDE_BITS = 6.0
 ONE_LOOP = True       # benchmarks: False runs a reverse loop per way (``bwd``'s docstring)
-# the backward's K-vector gradients: every row block of a head adds into one [NG, B, T, H, K] buffer
-# (atomics in L2), else each stores its partial and the host sums NV partials (a pass over NV times
-# the gradients: ~0.3 ms for Longhorn at B=8 T=2048 H=16 d=m=64 with 8 row blocks)
-ATOMIC_SUMS = True
+# the backward's K-vector gradients, (without a decay, with one): True, every row block of a head adds into
+# one [NG, B, T, H, K] buffer (atomics in L2); False, each stores its partial and the host sums the NV
+# partials (one more pass over NV times the gradients). H200, B=8 T=2048 H=16 d=m=64 bf16, fwd+bwd, one
+# process (BENCHMARKS.md): Longhorn 3.15 ms with atomics, 3.24 without; wd / gated Longhorn 6.66 / 5.69 with,
+# 5.21 / 4.77 without (the decayed kernel spills more with atomics)
+ATOMIC_SUMS = (True, False)
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -253,7 +255,7 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None, key_decay=False):
         return None
 
     bufs = [row_buf(m) for m in modes]
-    atomic = bool(ATOMIC_SUMS) and NV > 1
+    atomic = bool(ATOMIC_SUMS[0 if _exact_inverse(a) else 1]) and NV > 1
     DM = torch.zeros((NG, B, T, H, K), device=dev) if atomic else _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
     # the decay path's kept states: one per reverse pair of steps of a chunk, per program
