@@ -174,3 +174,44 @@ def test_chunks_walked_where_mild_and_rebuilt_where_strong(name, chunk, monkeypa
     mild = MILD_CHUNK * chunk
     assert torch.equal(dx[:, mild:], dx_walk[:, mild:])
     assert not torch.equal(dx[:, mild:], dx_rebuild[:, mild:])
+
+
+@pytest.mark.parametrize("bits", [float("inf"), -1.0])
+def test_full_transition_is_rebuilt(bits, monkeypatch):
+    """A transition whose first state reads the second (``a01`` a per-head tensor, not the constant 0)
+    has no walk back of this form: every chunk is rebuilt whatever the bound, and the gradients of
+    every slot tensor and both initial states match the readable loop's (float64 autograd)."""
+    monkeypatch.setattr(R, "DIVIDE_BITS", bits)
+    monkeypatch.setattr(R, "CONFIG", {"rows": 4, "chunk": 4})
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K, V = 1, 11, 2, 8, 12
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, dtype=torch.float64), dim=-1)
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    mu = 0.5 + 0.4 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    a01 = 0.2 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    c = torch.rand(B, T, H, V, generator=g, dtype=torch.float64)
+    p = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    S0 = [torch.randn(B, H, K, V, generator=g, dtype=torch.float64) for _ in range(2)]
+    leaves = [k, q, mu, a01, c, p, *S0]
+    dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    dS = [torch.randn(B, H, K, V, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def run(k, q, mu, a01, c, p, D0, X0, naive):
+        rows = {"a00": mu, "a01": a01, "a10": mu, "a11": 1.0, "e0": mu, "e1": 1.0, "w0": 1.0, "w1": 1.0, "c": c,
+                "p": p, "ro0": 0.0, "ro1": 1.0}
+        if not naive:
+            return R.block_recurrence(k, k, k, q, rows, initial_state=(D0, X0), output_final_state=True)
+        row = lambda x: x[..., None] if x.dim() == 4 else x[..., None, None]  # noqa: E731
+        co = {s: row(x) if isinstance(x, torch.Tensor) else x for s, x in rows.items()}
+        co.update({"u": k[..., None, :], "v": k[..., None, :], "q": k[..., None, :], "oq": q[..., None, :], "oc": 1.0})
+        y, S = naive_block_rank1(co, 2, (D0.transpose(-1, -2), X0.transpose(-1, -2)))
+        return y, tuple(s.transpose(-1, -2) for s in S)
+
+    grads = []
+    for naive, dtype in ((True, torch.float64), (False, torch.float32)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in leaves]
+        y, S = run(*xs, naive)
+        loss = (y.double() * dy).sum() + sum((s.double() * d).sum() for s, d in zip(S, dS))
+        grads.append(torch.autograd.grad(loss, xs))
+    for name, ours, ref in zip(("k", "q", "mu", "a01", "c", "p", "D0", "S0"), grads[1], grads[0]):
+        assert rel_rms(ours, ref) < 5e-5, name

@@ -28,14 +28,15 @@ and step), both states every ``CHUNK`` steps and the final states. Chunk by chun
   back to j, ``walk_bits``: for momentum, ``1 + sum_j mu_j E0_j``). The chunk is walked where
   ``log2 max(E0, E1)`` over the program's rows is at most ``BITS`` (``recurrent.DIVIDE_BITS``); the
   error does not carry past the chunk (the next one restarts from its exact end state);
-- elsewhere, the states are rebuilt from the checkpoint with the stored ``z`` (a few multiply-adds,
-  no reduction); the one before every second step is kept in the per-program scratch
-  ``SCR [prog, CHUNK/2, 2, BK, BV]`` (L2-resident) and the other rebuilt in registers.
+- elsewhere (every chunk of a transition with ``a01`` not the constant 0), the states are rebuilt
+  from the checkpoint with the stored ``z`` (a few multiply-adds, no reduction); the one before
+  every second step is kept in the per-program scratch ``SCR [prog, CHUNK/2, 2, BK, BV]``
+  (L2-resident) and the other rebuilt in registers.
 
 One reverse loop runs both ways: it computes the walked and the rebuilt states and selects one per
 chunk (a select, not a branch: a branch reassigning loop-carried tiles inside a loop has compiled
-wrong on the GPU); the rebuild's loop and the kept states' loads run no step in a walked chunk.
-The bound reads the chunk's ``a00, a10, a11`` as one tile each, loaded a chunk ahead.
+wrong on the GPU); a walked chunk skips the rebuild (a branch around its stores only) and loads no
+kept state. The bound reads the chunk's ``a00, a10, a11`` as one tile each, loaded a chunk ahead.
 
 Row coefficients come as ``rows = (A00, A01, A10, A11, E0, E1, W0, W1, C, P, R0, R1)`` with the
 compile-time ``MODES`` (0 the constant of ``CONSTS``, 1 per head ``[B, T, H]``, 2 per row
