@@ -1,12 +1,14 @@
 """The block rank-1 family (``ssmcraft/ops/block_rank1_row/``: Longhorn with momentum and its class)
 through ``obj()`` at one shape, in one process: fwd and fwd+bwd ms as ``bench_classes.py`` measures
-them, for each forced (rows per program, num_warps, checkpoint interval), beside the same objective
-on the generated ``general`` family (the block family switched off) and the references.
+them, for each forced (rows per program, num_warps, checkpoint interval) and each bound of the walk
+back (``--bits``: ``recurrent.DIVIDE_BITS``, -1 every chunk rebuilt, inf every chunk walked), beside the
+same objective on the generated ``general`` family (the block family switched off) and the references.
 
 Run on a CUDA machine:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1.py [--shape 8,2048,16,64,64] [--dtype bf16]
-        [--only deltanet,longhorn] [--spec momentum_longhorn] [--sweep 8:1:16,2:1:16,4:1:32,4:1:16:8,8:1:16:8:0] [--general]
+        [--only deltanet,longhorn] [--spec momentum_longhorn] [--sweep 8:1:16,2:1:16,4:1:32,4:1:16:8,8:1:16:8:0]
+        [--bits -1,6,8,inf] [--general]
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default="", help="comma-separated ROWS:WARPS:CHUNK[:FWD_ROWS[:KEEP_AHEAD]], each timed "
                     "with that config forced (FWD_ROWS: the forward's rows per program, ROWS otherwise; KEEP_AHEAD 0: "
                     "the backward loads its kept states when it uses them, not a pair ahead)")
+    ap.add_argument("--bits", default="", help="comma-separated DIVIDE_BITS, each timed with the rule and every --sweep "
+                    "config (default: the module's)")
     ap.add_argument("--general", action="store_true", help="also time the objective on the general family")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -40,14 +44,20 @@ def main(argv=None) -> int:
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    runs = [(n, "rule", None) for n in args.only.split(",") if n] + [(args.spec, "rule", None)]
-    runs += [(args.spec, s, tuple(int(x) for x in s.split(":"))) for s in args.sweep.split(",") if s]
+    bits = [float(x) for x in args.bits.split(",") if x] or [R.DIVIDE_BITS]
+    runs = [(n, "rule", None, R.DIVIDE_BITS) for n in args.only.split(",") if n]
+    for b in bits:
+        tag = "" if not args.bits else f" bits {b:g}"
+        runs += [(args.spec, "rule" + tag, None, b)]
+        runs += [(args.spec, s + tag, tuple(int(x) for x in s.split(":")), b) for s in args.sweep.split(",") if s]
     if args.general:
-        runs.append((args.spec, "general", None))
+        runs.append((args.spec, "general", None, R.DIVIDE_BITS))
     rows = []
     supports = block_rank1_row.FAMILY.supports
-    for name, label, cfg in runs:
+    default_bits = R.DIVIDE_BITS
+    for name, label, cfg, b in runs:
         R.CONFIG.clear()
+        R.DIVIDE_BITS = b
         if cfg is not None:
             R.CONFIG.update(zip(("rows", "warps", "chunk", "fwd_rows", "keep_ahead"), cfg))
         if label == "general":
@@ -59,12 +69,13 @@ def main(argv=None) -> int:
         finally:
             block_rank1_row.FAMILY.supports = supports
             R.CONFIG.clear()
+            R.DIVIDE_BITS = default_bits
         rows.append(row)
         print(row, flush=True)
         torch.cuda.empty_cache()
     ref = {r["spec"]: r["fwd_bwd_ms"] for r in rows if r.get("config") == "rule" and "fwd_bwd_ms" in r}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
-    print("| objective | backend | config (rows:warps:chunk[:fwd rows[:keep ahead]]) | fwd ms | fwd+bwd ms | x DeltaNet | "
+    print("| objective | backend | config (rows:warps:chunk[:fwd rows[:keep ahead]][ bits]) | fwd ms | fwd+bwd ms | x DeltaNet | "
           "x Longhorn |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -82,6 +82,26 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
                         ins, {}, S0, g))
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("name,T,chunk", [("longhorn", 7, 4), ("wd_longhorn", 13, 5), ("gated_longhorn", 11, 6)])
+def test_row_blocks_sum_their_key_gradients(name, T, chunk, atomic, monkeypatch):
+    """``ATOMIC_SUMS``: the backward's three row blocks (V = 20 in blocks of 8, the last one partly
+    past the rows) add their K-vector gradients into one buffer (``atomic``) or store partials for
+    the host to sum: every output and gradient against the float64 reference, with and without a
+    decay."""
+    monkeypatch.setattr(R, "ATOMIC_SUMS", (atomic, atomic))
+    monkeypatch.setattr(R, "CHUNK", chunk)
+    monkeypatch.setattr(R, "DECAY_CHUNK", chunk)
+    R.set_config(fwd=(8, 1), bwd=(8, 1))
+    obj = ssmcraft.compile(name)
+    ins, S0, g = _inputs(obj, 2, T, 1, 20, 8, seed=T)
+    errs = kernel_errors(obj, lambda o, lay: R.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                         ins, {}, S0, g)
+    R.set_config()
+    assert {"dk", "dq", "dS0"} <= set(errs), errs
+    check(errs)
+
+
 def test_general_slots_fla_layout(monkeypatch):
     """Distinct u, v, q, oq; per-head a and c; per-row p, oc, oh; initial state in FLA layout."""
     monkeypatch.setattr(R, "CHUNK", 4)

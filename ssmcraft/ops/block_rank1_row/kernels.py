@@ -15,11 +15,28 @@ Backward (reverse time; ``g0, g1`` the adjoints of ``x0', x1'``)::
     g0 <- a00 g0 + a10 g1 + e0 gz u,    g1 <- a01 g0 + a11 g1 + e1 gz u
 
 The backward needs the states before every step. The forward stores ``z`` (one scalar per row
-and step) and both states every ``CHUNK`` steps; per chunk the backward rebuilds the states from
-the checkpoint with the stored ``z`` (a few multiply-adds, no reduction), keeps the one before
-every second step in the per-program scratch ``SCR [prog, CHUNK/2, 2, BK, BV]`` (L2-resident) and
-rebuilds the other in registers. Inverting the transition instead would divide by the momentum
-(``x1_prev = (x1 - R) / mu`` for Longhorn with momentum) and amplify rounding by ``1/mu`` per step.
+and step), both states every ``CHUNK`` steps and the final states. Chunk by chunk, one of two ways
+(as the per-row rank-1 family's decayed backward, ``ssmcraft.ops.rank1_row.bwd``):
+
+- where the transition is lower triangular (``a01`` the constant 0: the first state does not read
+  the second; Longhorn with momentum, ``D' = mu D + R``, ``S' = mu D + S + R``) and the chunk's
+  coefficients are mild, walked back from the chunk's exact end state (the next chunk's checkpoint
+  or the final states) by inverting the step (``retreat``): ``x0 = (x0' - w0 R) / a00``,
+  ``x1 = (x1' - w1 R - a10 x0) / a11``. A rounding error is amplified by the walk: per row, by
+  ``E0 = prod 1/|a00|`` in the first state and ``E1 = prod 1/|a11| + sum_j |a10_j| E0_j prod_{i<=j}
+  1/|a11_i|`` in the second (``E0_j`` the first state's gain over the chunk's steps from its end
+  back to j, ``walk_bits``: for momentum, ``1 + sum_j mu_j E0_j``). The chunk is walked where
+  ``log2 max(E0, E1)`` over the program's rows is at most ``BITS`` (``recurrent.DIVIDE_BITS``); the
+  error does not carry past the chunk (the next one restarts from its exact end state);
+- elsewhere (every chunk of a transition with ``a01`` not the constant 0), the states are rebuilt
+  from the checkpoint with the stored ``z`` (a few multiply-adds, no reduction); the one before
+  every second step is kept in the per-program scratch ``SCR [prog, CHUNK/2, 2, BK, BV]``
+  (L2-resident) and the other rebuilt in registers.
+
+One reverse loop runs both ways: it computes the walked and the rebuilt states and selects one per
+chunk (a select, not a branch: a branch reassigning loop-carried tiles inside a loop has compiled
+wrong on the GPU); a walked chunk skips the rebuild (a branch around its stores only) and loads no
+kept state. The bound reads the chunk's ``a00, a10, a11`` as one tile each, loaded a chunk ahead.
 
 Row coefficients come as ``rows = (A00, A01, A10, A11, E0, E1, W0, W1, C, P, R0, R1)`` with the
 compile-time ``MODES`` (0 the constant of ``CONSTS``, 1 per head ``[B, T, H]``, 2 per row
@@ -32,6 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.rank1_row.bwd import decay_tile, lost_bits
 from ssmcraft.ops.rank1_row.fwd import load_coef, load_vecs, prefetch_l2, prefetch_slots, row_tile
 
 # positions in ``rows``, ``MODES`` and ``CONSTS``
@@ -145,6 +163,53 @@ def advance(x0, x1, R, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
     n1 = combine(x0, x1, cf[A10], cf[A11], MODES[A10], CONSTS[A10], MODES[A11], CONSTS[A11]) \
         + scaled(R, cf[W1], MODES[W1], CONSTS[W1])
     return n0, n1
+
+
+@triton.jit
+def divided(x, c, MODE: tl.constexpr, CONST: tl.constexpr):
+    """``x / c`` on a [BV]-row tile; a row coefficient of 0 (masked rows load 0) divides by 1: a chunk
+    with a valid 0 has an unbounded walk and is rebuilt, its quotient never selected."""
+    if MODE == 0:
+        if CONST == 1.0:
+            r = x
+        else:
+            r = x / CONST
+    else:
+        r = x * (1. / tl.where(c == 0., 1., c))[None, :]
+    return r
+
+
+@triton.jit
+def retreat(y0, y1, R, cf, MODES: tl.constexpr, CONSTS: tl.constexpr):
+    """The states before a step from those after it, (y0, y1) = ``advance(x0, x1, R)``, where ``a01``
+    is the constant 0: x0 = (y0 - w0 R) / a00, x1 = (y1 - w1 R - a10 x0) / a11."""
+    x0 = divided(y0 - scaled(R, cf[W0], MODES[W0], CONSTS[W0]), cf[A00], MODES[A00], CONSTS[A00])
+    r1 = y1 - scaled(R, cf[W1], MODES[W1], CONSTS[W1])
+    if not ((MODES[A10] == 0) and (CONSTS[A10] == 0.0)):
+        r1 -= scaled(x0, cf[A10], MODES[A10], CONSTS[A10])
+    return x0, divided(r1, cf[A11], MODES[A11], CONSTS[A11])
+
+
+@triton.jit
+def walk_bits(rows, base, t0, T, H, h, K, V, ix, MODES: tl.constexpr, CONSTS: tl.constexpr, CHUNK: tl.constexpr,
+              CP: tl.constexpr):
+    """log2 of the most the walk back over the steps [t0, min(t0 + CHUNK, T)) amplifies a rounding
+    error of the states, over this program's rows (the module docstring's ``max(E0, E1)``; inf or
+    NaN where a coefficient it divides by is 0)."""
+    a00 = decay_tile(rows[0], base, t0, T, H, h, K, V, ix, MODES[A00], CONSTS[A00], CHUNK, CP).to(tl.float32)
+    a10 = decay_tile(rows[2], base, t0, T, H, h, K, V, ix, MODES[A10], CONSTS[A10], CHUNK, CP).to(tl.float32)
+    a11 = decay_tile(rows[3], base, t0, T, H, h, K, V, ix, MODES[A11], CONSTS[A11], CHUNK, CP).to(tl.float32)
+    j = tl.arange(0, CP)
+    on = ((j < CHUNK) & (t0 + j < T))[:, None]
+    l0 = -tl.log2(tl.abs(a00))
+    l1 = -tl.log2(tl.abs(a11))
+    m0 = tl.cumsum(l0, axis=0, reverse=True)           # log2 E0_j: the first state's gain from the end to j
+    m1 = tl.cumsum(l1, axis=0, reverse=True)
+    top = tl.sum(l1, axis=0)
+    # E1 = 2^top + sum_j |a10_j| E0_j prod_{i <= j} 1/|a11_i|  (prod_{i <= j} = 2^(top - m1_j + l1_j))
+    terms = tl.where(on & (a10 != 0.), tl.abs(a10) * tl.exp2(m0 + top[None, :] - m1 + l1), 0.)
+    e1 = tl.exp2(top) + tl.sum(terms, axis=0)
+    return tl.maximum(lost_bits(a00), tl.max(tl.log2(e1), axis=0))
 
 
 @triton.jit
@@ -325,9 +390,30 @@ def bwd_step(g0, g1, x0, x1, n0, n1, sl, t, t_hi, row, K, V, ix, grads, DM, NB, 
 
 
 @triton.jit
+def keep_pairs(ckp, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s, MODES: tl.constexpr,
+               CONSTS: tl.constexpr, GROUPS: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+    """Rebuild the states of steps [t0, t1) from the checkpoint ``ckp`` with the stored z and keep
+    the pair before every second step (scratch slot (t - t0) / 2)."""
+    x0 = tl.load(ckp + tile, mask=mask_s, other=0.)
+    x1 = tl.load(ckp + K * V + tile, mask=mask_s, other=0.)
+    nx1 = load_step(vecs, rows, Z, None, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
+    nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t0 + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                    GROUPS, BV)
+    for t in range(t0, t1):
+        if (t - t0) % 2 == 0:
+            tl.store(scr + ((t - t0) // 2) * 2 * BK * BV, x0)
+            tl.store(scr + ((t - t0) // 2) * 2 * BK * BV + BK * BV, x1)
+        vs, cf, z, _dy = nx1
+        nx1 = nx2
+        nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t + 2, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
+                        GROUPS, BV)
+        x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
+
+
+@triton.jit
 def block_bwd_kernel(
     U, Vv, Q, OQ, RA00, RA01, RA10, RA11, RE0, RE1, RW0, RW1, RC, RP, RR0, RR1,   # slots (None: a constant)
-    Z, CK, SCR, DY, DHT,     # z; checkpoints [B, H, NC, 2, K, V]; scratch; do [B, T, H, V]; dS_T [B, H, 2, K, V] or None
+    Z, CK, SCR, ST, DY, DHT,  # z; checkpoints [B, H, NC, 2, K, V]; scratch; S_T [B, H, 2, K, V]; do [B, T, H, V]; dS_T or None
     GA00, GA01, GA10, GA11, GE0, GE1, GW0, GW1, GC, GP, GR0, GR1,   # row gradients (None where constant; per head: zeros, added into)
     DM, DS0,                 # K-vector gradients [NG, B, T, H, K] (zeros: added into); dS0 [B, H, 2, K, V] or None
     T, H, V, K, NC, NB, NG,
@@ -335,11 +421,14 @@ def block_bwd_kernel(
     MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
     ROWG: tl.constexpr,      # per row slot: the first slot that is the same tensor (its gradient buffer)
     KEEP_AHEAD: tl.constexpr = True,    # the next pair's kept states loaded a pair ahead (two more live tiles)
+    BITS=0.,                 # the most bits a chunk's walk may lose (the module docstring; < 0: every chunk rebuilt)
+    CP: tl.constexpr = 1,    # CHUNK rounded up to a power of 2
 ):
     """Reverse sweep of rows [iv*BV, iv*BV+BV) of head (b, h), chunk by chunk from the last: the
-    chunk's states rebuilt from its checkpoint (every second one kept in SCR), then its steps in
-    reverse, two per iteration (the kept state and the one rebuilt from it); slots are loaded two
-    steps (one pair) ahead, and on the GPU L2 is asked for the previous chunk's."""
+    chunk walked back from its end state, or its states rebuilt from its checkpoint (every second one
+    kept in SCR; the module docstring says which), then its steps in reverse, two per iteration (the
+    kept state and the one rebuilt from it, or the two walked); slots are loaded two steps (one pair)
+    ahead, and on the GPU L2 is asked PF steps ahead."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -359,27 +448,31 @@ def block_bwd_kernel(
         g0 += tl.load(DHT + (i_bh.to(tl.int64) * 2) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
         g1 += tl.load(DHT + (i_bh.to(tl.int64) * 2 + 1) * K * V + tile, mask=mask_s, other=0.).to(tl.float32)
     ckp = CK + i_bh.to(tl.int64) * NC * 2 * K * V
+    stp = ST + (i_bh.to(tl.int64) * 2) * K * V
+    WALK: tl.constexpr = (MODES[A01] == 0) and (CONSTS[A01] == 0.0)
+    if WALK:
+        walk_next = walk_bits(rows, base, (NC - 1) * CHUNK, T, H, h, K, V, ix, MODES, CONSTS, CHUNK, CP) <= BITS
     for jc in range(0, NC):
         ci = NC - 1 - jc
         t0 = ci * CHUNK
         t1 = tl.minimum(t0 + CHUNK, T)
-        # rebuild: keep the state before every second step of the chunk
-        x0 = tl.load(ckp + ci * 2 * K * V + tile, mask=mask_s, other=0.)
-        x1 = tl.load(ckp + ci * 2 * K * V + K * V + tile, mask=mask_s, other=0.)
-        nx1 = load_step(vecs, rows, Z, None, (base + t0) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
-        nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t0 + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
-                        GROUPS, BV)
-        for t in range(t0, t1):
-            if PF > 0:
-                prefetch_step(vecs, rows, Z, DY, (base + tl.maximum(t - CHUNK, 0)) * H + h, K, V, ix, MODES, GROUPS)
-            if (t - t0) % 2 == 0:
-                tl.store(scr + ((t - t0) // 2) * 2 * BK * BV, x0)
-                tl.store(scr + ((t - t0) // 2) * 2 * BK * BV + BK * BV, x1)
-            vs, cf, z, _dy = nx1
-            nx1 = nx2
-            nx2 = load_step(vecs, rows, Z, None, (base + tl.minimum(t + 2, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
-                            GROUPS, BV)
-            x0, x1 = advance(x0, x1, innovation(vs, cf, z), cf, MODES, CONSTS)
+        n_kept = t1 - t0
+        walk = False
+        if WALK:
+            walk = walk_next
+            # the previous chunk's coefficients: loaded now, reduced once this chunk's steps are done
+            bound = walk_bits(rows, base, tl.maximum(ci - 1, 0) * CHUNK, T, H, h, K, V, ix, MODES, CONSTS, CHUNK, CP)
+            n_kept = tl.where(walk, 0, t1 - t0)
+        # the exact states after the chunk: the next chunk's checkpoint, or the final states
+        inner = ci + 1 < NC
+        e_at = ckp + (ci + 1) * 2 * K * V + tile
+        f0 = tl.load(e_at, mask=mask_s & inner, other=0.) + tl.load(stp + tile, mask=mask_s & (ci + 1 >= NC), other=0.)
+        f1 = tl.load(e_at + K * V, mask=mask_s & inner, other=0.) \
+            + tl.load(stp + K * V + tile, mask=mask_s & (ci + 1 >= NC), other=0.)
+        if n_kept > 0:
+            # a branch around stores only (it reassigns no tile the loop carries)
+            keep_pairs(ckp + ci * 2 * K * V, scr, vecs, rows, Z, t0, t1, base, H, h, K, V, ix, tile, mask_s,
+                       MODES, CONSTS, GROUPS, BV, BK)
         tl.debug_barrier()
         # reverse, a pair of steps (te, te + 1) per iteration, the next pair's loads issued ahead
         npair = (t1 - t0 + 1) // 2
@@ -387,31 +480,51 @@ def block_bwd_kernel(
         ne = load_step(vecs, rows, Z, DY, (base + te) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         no = load_step(vecs, rows, Z, DY, (base + tl.minimum(te + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
                        GROUPS, BV)
-        n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV, mask=KEEP_AHEAD, other=0.)
-        n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV, mask=KEEP_AHEAD, other=0.)
-        a0, a1 = x0, x1                                # the states after the pair's odd step
+        kept = walk == 0                                # a walked chunk kept nothing: no load issued
+        n0 = tl.zeros([BK, BV], dtype=tl.float32)
+        n1 = tl.zeros([BK, BV], dtype=tl.float32)
+        if KEEP_AHEAD:
+            n0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV, mask=kept, other=0.)
+            n1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV, mask=kept, other=0.)
+        a0, a1 = f0, f1                                # the states after the pair's odd step
         for jp in range(0, npair):
             te = t0 + 2 * (npair - 1 - jp)              # the pair's even step; te + 1 may be past t1
             to = te + 1
             se, so = ne, no
+            if PF > 0:
+                prefetch_step(vecs, rows, Z, DY, (base + tl.maximum(te - PF, 0)) * H + h, K, V, ix, MODES, GROUPS)
+                prefetch_step(vecs, rows, Z, DY, (base + tl.maximum(te + 1 - PF, 0)) * H + h, K, V, ix, MODES, GROUPS)
             if KEEP_AHEAD:
                 y0, y1 = n0, n1
             else:
-                y0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV)
-                y1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV)
+                y0 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV, mask=kept, other=0.)
+                y1 = tl.load(scr + ((te - t0) // 2) * 2 * BK * BV + BK * BV, mask=kept, other=0.)
             tn = tl.maximum(te - 2, t0)
             ne = load_step(vecs, rows, Z, DY, (base + tn) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
             no = load_step(vecs, rows, Z, DY, (base + tl.minimum(tn + 1, t1 - 1)) * H + h, K, V, ix, MODES, CONSTS,
                            GROUPS, BV)
             if KEEP_AHEAD:
-                n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV)
-                n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV)
-            w0, w1 = advance(y0, y1, innovation(se[0], se[1], se[2]), se[1], MODES, CONSTS)
+                n0 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV, mask=kept, other=0.)
+                n1 = tl.load(scr + ((tn - t0) // 2) * 2 * BK * BV + BK * BV, mask=kept, other=0.)
+            Re = innovation(se[0], se[1], se[2])
+            w0, w1 = advance(y0, y1, Re, se[1], MODES, CONSTS)
+            if WALK:
+                # walked: back over the odd step (none where it is past the chunk), then the even one
+                v0, v1 = retreat(a0, a1, innovation(so[0], so[1], so[2]), so[1], MODES, CONSTS)
+                v0 = tl.where(to < t1, v0, a0)
+                v1 = tl.where(to < t1, v1, a1)
+                u0, u1 = retreat(v0, v1, Re, se[1], MODES, CONSTS)
+                w0 = tl.where(walk, v0, w0)
+                w1 = tl.where(walk, v1, w1)
+                y0 = tl.where(walk, u0, y0)
+                y1 = tl.where(walk, u1, y1)
             g0, g1 = bwd_step(g0, g1, w0, w1, a0, a1, so, to, t1, (base + to) * H + h, K, V, ix, grads, DM, NB,
                               H, MODES, CONSTS, GROUPS, INDEX, ROWG)
             g0, g1 = bwd_step(g0, g1, y0, y1, w0, w1, se, te, t1, (base + te) * H + h, K, V, ix, grads,
                               DM, NB, H, MODES, CONSTS, GROUPS, INDEX, ROWG)
             a0, a1 = y0, y1
+        if WALK:
+            walk_next = bound <= BITS
         tl.debug_barrier()
     if DS0 is not None:
         tl.store(DS0 + (i_bh.to(tl.int64) * 2) * K * V + tile, g0, mask=mask_s)

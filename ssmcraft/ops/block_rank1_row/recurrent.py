@@ -21,6 +21,13 @@ from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_p
 from ssmcraft.ops.rank1_row.recurrent import _dedup_contig, _groups
 
 CHUNK = 16            # checkpoint interval of the backward (steps); its scratch keeps CHUNK/2 states of two tiles
+# a chunk whose walk back (inverting the step) amplifies rounding by at most 2^DIVIDE_BITS is walked, else
+# rebuilt from its checkpoint (``kernels.py``'s docstring; -1: every chunk rebuilt, inf: every one walked
+# where the transition is lower triangular). 8 bits walks ~95% of the 16-step chunks of the bench's
+# momentum draws (mu = sigmoid(N(2, 1)) per head) at a fp32 error ~2.5x the rebuild's; Longhorn with
+# momentum's fwd+bwd, H200, B=8 T=2048 H=16 d=m=64 bf16: 7.26 ms, 9.17 with every chunk rebuilt
+# (BENCHMARKS.md; ``benchmarks/bench_block_rank1.py --bits``, ``benchmarks/exp_divide_bits.py --block``)
+DIVIDE_BITS = 8.0
 POISON = False        # tests: fill outputs with NaN before the kernels run (unwritten -> NaN)
 PREFETCH = 16         # L2 prefetch distance in steps on the GPU (0: off; always off when interpreting)
 CONFIG: dict = {}     # benchmarks: {"rows": BV, "warps": num_warps, "chunk": CHUNK, "fwd_rows": the forward's BV,
@@ -82,13 +89,13 @@ class _BlockFunction(torch.autograd.Function):
                    GROUPS=tuple(_groups((u, v, q, oq))), num_warps=nw)
         elif ST is not None:
             ST.copy_(S0 if S0 is not None else torch.zeros_like(ST))
-        ctx.save_for_backward(S0, u, v, q, oq, Z, CK, *tens)
+        ctx.save_for_backward(S0, u, v, q, oq, Z, CK, ST, *tens)
         ctx.meta = (V, modes, consts, chunk, S0 is not None, _row_groups(tens))
         return o, (ST if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dST):
-        S0, u, v, q, oq, Z, CK, *tens = ctx.saved_tensors
+        S0, u, v, q, oq, Z, CK, ST, *tens = ctx.saved_tensors
         V, modes, consts, chunk, has_s0, rowg = ctx.meta
         B, T, H, K = u.shape
         dev = u.device
@@ -107,12 +114,13 @@ class _BlockFunction(torch.autograd.Function):
         DS0 = _new((B, H, 2, K, V), dev) if has_s0 and ctx.needs_input_grad[3] else None
         if T > 0:
             SCR = torch.empty(B * H * NV * ((chunk + 1) // 2) * 2 * BK * BV, device=dev, dtype=torch.float32)
-            launch(block_bwd_kernel, (B * H, NV), u, v, q, oq, *tens, Z, CK, SCR,
+            launch(block_bwd_kernel, (B * H, NV), u, v, q, oq, *tens, Z, CK, SCR, ST,
                    do.contiguous() if do is not None else None, dST.contiguous() if dST is not None else None,
                    *gbufs, DM, DS0, T, H, V, K, NC, B * T, NG,
                    BV=BV, BK=BK, CHUNK=chunk, PF=0 if INTERPRET else PREFETCH, MODES=modes, CONSTS=consts,
                    GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), ROWG=rowg,
-                   KEEP_AHEAD=bool(CONFIG.get("keep_ahead", True)), num_warps=nw)
+                   KEEP_AHEAD=bool(CONFIG.get("keep_ahead", True)), BITS=float(DIVIDE_BITS), CP=next_pow2(chunk),
+                   num_warps=nw)
         elif DS0 is not None:
             DS0.copy_(dST if dST is not None else torch.zeros_like(DS0))
         vec = [DM[index[0]]] + [DM[index[s]] if g == s else None for s, g in zip((1, 2, 3), groups)]

@@ -133,10 +133,22 @@ def store_row_grad(ptr, row, V, part, offs_v, mask_v, valid, g, MODE: tl.constex
 
 
 @triton.jit
+def put(ptr, x, mask, ATOMIC: tl.constexpr):
+    """Store ``x``, or add it into what is there (``ATOMIC``: the row blocks of a head share ``ptr``)."""
+    if ATOMIC:
+        tl.atomic_add(ptr, x, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
 def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
-             MODES: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, BV: tl.constexpr):
+             MODES: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr, BV: tl.constexpr,
+             ATOMIC: tl.constexpr = False):
     """One reverse step (a no-op when t < t_lo): ``st`` is s_t, ``sp`` s_{t-1}, ``ds`` the adjoint
-    of s_t from later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1})."""
+    of s_t from later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1}).
+    ``ATOMIC``: the K-vector gradients are added into one ``DM [NG, B, T, H, K]`` (else each row block
+    stores its partial in ``DM [NV, NG, B, T, H, K]``)."""
     u, v, q, oq, a, c, p, oc, dy, z = sl
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t >= t_lo
@@ -169,9 +181,12 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
     if GROUPS[2] == 0:
         g0 += st * wo[None, :]
     mk = mask_k & valid
-    dm = DM + (i_v * NG * NB * H + row) * K + offs_k
+    if ATOMIC:
+        dm = DM + row * K + offs_k
+    else:
+        dm = DM + (i_v * NG * NB * H + row) * K + offs_k
     gstride = NB * H * K
-    tl.store(dm, tl.sum(g0, axis=1), mask=mk)
+    put(dm, tl.sum(g0, axis=1), mk, ATOMIC)
     if GROUPS[0] == 1:
         d1 = wv
         if GROUPS[1] == 1:
@@ -179,14 +194,14 @@ def bwd_step(ds, st, sp, sl, t, t_lo, row, K, V, ix, grads, DM, i_v, NB, H, NG,
         g1 = ds * d1[None, :]
         if GROUPS[2] == 1:
             g1 += st * wo[None, :]
-        tl.store(dm + INDEX[0] * gstride, tl.sum(g1, axis=1), mask=mk)
+        put(dm + INDEX[0] * gstride, tl.sum(g1, axis=1), mk, ATOMIC)
     if GROUPS[1] == 2:
         g2 = ds * p[None, :]
         if GROUPS[2] == 2:
             g2 += st * wo[None, :]
-        tl.store(dm + INDEX[1] * gstride, tl.sum(g2, axis=1), mask=mk)
+        put(dm + INDEX[1] * gstride, tl.sum(g2, axis=1), mk, ATOMIC)
     if GROUPS[2] == 3:
-        tl.store(dm + INDEX[2] * gstride, tl.sum(st * wo[None, :], axis=1), mask=mk)
+        put(dm + INDEX[2] * gstride, tl.sum(st * wo[None, :], axis=1), mk, ATOMIC)
     # adjoint of s_{t-1}
     ds = tl.where(valid, decayed(a, ds, MODES[IA] == 3) - u[:, None] * (c * e)[None, :], ds_in)
     st = tl.where(valid, sp, st)
@@ -247,7 +262,8 @@ def keep_step(sp, lt, t, t0, t1, scr, QV: tl.constexpr, BK: tl.constexpr, BV: tl
 @triton.jit
 def reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z, grads, DM, i_v, NB, NG,
                   MODES: tl.constexpr, CONSTS: tl.constexpr, GROUPS: tl.constexpr, INDEX: tl.constexpr,
-                  BV: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, KEPT: tl.constexpr, DIVIDE: tl.constexpr):
+                  BV: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, KEPT: tl.constexpr, DIVIDE: tl.constexpr,
+                  ATOMIC: tl.constexpr = False):
     """The chunk [t0, t1)'s steps in reverse, ``s_{t-1}`` as ``state_before`` says (``KEPT``: the kept
     states are read, where not ``walk`` if ``DIVIDE`` too); ``n`` (t1 - t0 or 0) is the loop's trip
     count. Four steps per iteration with a 4-step register prefetch of the slots, as in the forward.
@@ -274,10 +290,10 @@ def reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows
             x0 = rebuild(x1, s1_, t - 1 >= t0, QV, KD)
         row = (base + t) * H + h
         ds, st = bwd_step(ds, st, state_before(st, s0_, x0, walk, KEPT, QV, DIVIDE, KD), s0_, t, t0, row, K, V,
-                          ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+                          ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV, ATOMIC)
         s0_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 4, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         ds, st = bwd_step(ds, st, state_before(st, s1_, x1, walk, KEPT, QV, DIVIDE, KD), s1_, t - 1, t0, row - H,
-                          K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+                          K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV, ATOMIC)
         s1_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 5, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         if KEPT:
             # past the chunk's start (t - 2 < t0) the slot is stale: read, never used
@@ -285,10 +301,10 @@ def reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows
                          other=0.)
             x2 = rebuild(x3, s3_, t - 3 >= t0, QV, KD)
         ds, st = bwd_step(ds, st, state_before(st, s2_, x2, walk, KEPT, QV, DIVIDE, KD), s2_, t - 2, t0,
-                          row - 2 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+                          row - 2 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV, ATOMIC)
         s2_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 6, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
         ds, st = bwd_step(ds, st, state_before(st, s3_, x3, walk, KEPT, QV, DIVIDE, KD), s3_, t - 3, t0,
-                          row - 3 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV)
+                          row - 3 * H, K, V, ix, grads, DM, i_v, NB, H, NG, MODES, GROUPS, INDEX, BV, ATOMIC)
         s3_ = load_bwd_slots(vecs, rows, DY, Z, (base + tl.maximum(t - 7, t0)) * H + h, K, V, ix, MODES, CONSTS, GROUPS, BV)
     return ds, st
 
@@ -307,6 +323,7 @@ def rank1_row_bwd_kernel(
     BITS=0.,                                  # a decay: the most bits a chunk's walk divided by it may lose
     CP: tl.constexpr = 1,                     # a decay: CHUNK rounded up to a power of 2
     ONE_LOOP: tl.constexpr = True,            # a decay: one reverse loop for both ways (else one per way)
+    ATOMIC: tl.constexpr = False,             # DM [NG, B, T, H, K] added into by every row block (``bwd_step``)
 ):
     """Reverse-time adjoint sweep for rows [iv*BV, iv*BV+BV) of head (b, h); tiles [BK, BV];
     ``s_{t-1}`` as the module docstring says. VARLEN: program row ``b`` is sequence ``b`` of a packed
@@ -353,15 +370,18 @@ def rank1_row_bwd_kernel(
             # ONE_LOOP, a select per state, not a branch: a branch reassigning loop-carried tiles inside a
             # loop has compiled wrong on the GPU
             n_kept = tl.where(walk, 0, t1 - t0)
-            keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, n_kept, base, H, h, K, V, ix, tile, mask_s,
-                        MODES, CONSTS, GROUPS, BV, BK, PF)
+            if n_kept > 0:
+                # a walked chunk neither reads its checkpoint nor preloads the rebuild's slots (a branch
+                # around stores only: it reassigns no tile the loop carries)
+                keep_states(ckp + ci * K * V, scr, vecs, rows, Z, t0, t1, n_kept, base, H, h, K, V, ix, tile,
+                            mask_s, MODES, CONSTS, GROUPS, BV, BK, PF)
             tl.debug_barrier()
             if not ONE_LOOP:
                 ds, st = reverse_steps(ds, st, scr, walk, n_kept, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z,
-                                       grads, DM, i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, True, False)
+                                       grads, DM, i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, True, False, ATOMIC)
                 n = t1 - t0 - n_kept
         ds, st = reverse_steps(ds, st, scr, walk, n, t0, t1, base, H, h, K, V, ix, vecs, rows, DY, Z, grads, DM,
-                               i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, REBUILT and ONE_LOOP, REBUILT)
+                               i_v, NB, NG, MODES, CONSTS, GROUPS, INDEX, BV, BK, PF, REBUILT and ONE_LOOP, REBUILT, ATOMIC)
         if REBUILT:
             walk_next = lost_bits(dec) <= BITS
         # the exact state at the chunk start: a walk's rounding does not carry into the next chunk (a

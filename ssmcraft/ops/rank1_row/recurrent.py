@@ -80,6 +80,12 @@ DECAY_CHUNK = 8
 # walked too few to pay for the selection (BENCHMARKS.md, `benchmarks/exp_divide_bits.py`)
 DIVIDE_BITS = 6.0
 ONE_LOOP = True       # benchmarks: False runs a reverse loop per way (``bwd``'s docstring)
+# the backward's K-vector gradients, (without a decay, with one): True, every row block of a head adds into
+# one [NG, B, T, H, K] buffer (atomics in L2); False, each stores its partial and the host sums the NV
+# partials (one more pass over NV times the gradients). H200, B=8 T=2048 H=16 d=m=64 bf16, fwd+bwd, one
+# process (BENCHMARKS.md): Longhorn 3.15 ms with atomics, 3.24 without; wd / gated Longhorn 6.66 / 5.69 with,
+# 5.21 / 4.77 without (the decayed kernel spills more with atomics)
+ATOMIC_SUMS = (True, False)
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
@@ -249,7 +255,8 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None, key_decay=False):
         return None
 
     bufs = [row_buf(m) for m in modes]
-    DM = _new((NV, NG, B, T, H, K), dev)
+    atomic = bool(ATOMIC_SUMS[0 if _exact_inverse(a) else 1]) and NV > 1
+    DM = torch.zeros((NG, B, T, H, K), device=dev) if atomic else _new((NV, NG, B, T, H, K), dev)
     DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
     # the decay path's kept states: one per reverse pair of steps of a chunk, per program
     SCR = None if _exact_inverse(a) else _new((N * H * NV * (cdiv(chunk, 2) + 1) * BK * BV,), dev)
@@ -262,8 +269,8 @@ def _backward(saved, groups, dy, dht, needs_ds0, packed=None, key_decay=False):
                T, H, V, K, NC if T > 0 else 0, NV, B * T, NG,
                BV=BV, BK=BK, CHUNK=chunk, PF=_prefetch_distance(), MODES=modes + (0,), CONSTS=consts + (0.0,),
                GROUPS=tuple(groups), INDEX=(index[1], index[2], index[3]), BITS=float(DIVIDE_BITS),
-               CP=next_pow2(chunk), ONE_LOOP=bool(ONE_LOOP), num_warps=nw, **flag)
-    dm = DM.sum(0) if NV > 1 else DM[0]
+               CP=next_pow2(chunk), ONE_LOOP=bool(ONE_LOOP), ATOMIC=atomic, num_warps=nw, **flag)
+    dm = DM if atomic else DM.sum(0) if NV > 1 else DM[0]
     vec_grads = [dm[index[0]]] + [dm[index[slot]] if g == slot else None for slot, g in zip((1, 2, 3), groups)]
     row_grads = [buf.sum(0) if buf is not None and m in (1, KEY_DECAY) else buf for buf, m in zip(bufs, modes)]
     return vec_grads, row_grads, (DS0.transpose(-1, -2) if DS0 is not None else None)
