@@ -69,17 +69,20 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
 
 def test_packed_sequential_kernels_compile_for_sm90():
     """The sequential families' packed form (VARLEN: each program row's offsets, lengths and first
-    checkpoint loaded from cu_seqlens): rank1_row, rankr_row's own kernels, the generated general ones
-    (one state row-tiled, the rows summed in the step, two states)."""
-    rc, out, err = _run("longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta", "momentum_longhorn",
-                        "--packed", "0,17,5,33")
+    checkpoint loaded from cu_seqlens): rank1_row (Gated Longhorn), rank1_row_chunk (Longhorn), rankr_row's
+    own kernels, the generated general ones (one state row-tiled, the rows summed in the step, two states)."""
+    rc, out, err = _run("longhorn", "gated_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
+                        "momentum_longhorn", "--packed", "0,17,5,33")
     assert rc == 0, out + err[-2000:]
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert backends == {"longhorn": "triton:rank1-row+prologue+packed", "longhorn_2key": "triton:rankr-row+prologue+packed",
+    assert backends == {"longhorn": "triton:rank1-row-chunk+prologue+packed",
+                        "gated_longhorn": "triton:rank1-row+prologue+packed",
+                        "longhorn_2key": "triton:rankr-row+prologue+packed",
                         "huber_longhorn": "triton:general+packed", "cauchy_delta": "triton:general+packed",
                         "momentum_longhorn": "triton:general+packed"}
     rows = _kernels(out)
-    assert {k for (label, k) in rows} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel", "rankr_row_fwd_kernel",
+    assert {k for (label, k) in rows} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel", "rank1_row_chunk_fwd_kernel",
+                                          "rank1_row_chunk_bwd_kernel", "rankr_row_fwd_kernel",
                                           "rankr_row_bwd_kernel", "general_fwd_kernel", "general_bwd_kernel"}
     assert {k for (label, k) in rows if label == "momentum_longhorn"} == {"general_fwd_kernel", "general_bwd_kernel"}
     assert set(rows.values()) == {"ok"}

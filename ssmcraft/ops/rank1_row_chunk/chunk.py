@@ -29,7 +29,8 @@ Backward (reverse over chunks; ``dH`` the adjoint of the chunk's end state, ``dO
 
 The key gradients are sums over rows: each row block writes its own slice ``[NR, B, T, H, K]``, summed
 on the host (as ``rank1_row`` does); so are per-head coefficients' (``[NR, B, T, H]``). The forward
-of a training step stores ``z`` ([B, T, H, V] fp32) and the final state; nothing per chunk.
+of a training step stores ``D`` ([B, T, H, V] fp32, the substitution's own result, so that the
+backward rebuilds exactly the states the forward walked) and the final state; nothing per chunk.
 
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
@@ -44,8 +45,8 @@ from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, ran
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-CHUNK = 32            # tokens per chunk on the GPU (16 or 32; the interpreter's tests set their own)
-ROWS = 32             # state rows per program on the GPU
+CHUNK = 16            # tokens per chunk (16 or 32)
+ROWS = 16             # state rows per program (16, 32 or 64)
 NUM_WARPS = 4
 ROW_SLOTS = ("c", "p", "oc", "oh")
 KEY_SLOTS = ("u", "v", "q", "oq")
@@ -66,6 +67,11 @@ def _mode(x):
     return (2 if x.dim() == 4 else 1), 0.0, x
 
 
+def one_key(keys) -> bool:
+    """Whether u, v and q are one tensor (Longhorn's k): the kernels' ``ONE_KEY``."""
+    return keys[0] is keys[1] and keys[1] is keys[2]
+
+
 def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
@@ -73,7 +79,7 @@ def _new(shape, device, dtype=torch.float32):
 def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
     """keys (u, v, q, oq) [B, T, H, K]; rows (c, p, oc, oh) per ``_mode``; h0 [N, H, K, V] fp32
     contiguous or None. Returns y [B, T, H, V], the final state [N, H, K, V] fp32 (with ``want_state``
-    or ``training``) and, when ``training``, z [B, T, H, V] fp32."""
+    or ``training``) and, when ``training``, D = c o z [B, T, H, V] fp32."""
     u = keys[0]
     B, T, H, K = u.shape
     N = B if N is None else N
@@ -82,15 +88,15 @@ def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=N
     modes = [_mode(x) for x in rows]
     y = _new((B, T, H, V), dev, out_dtype)
     ht = _new((N, H, K, V), dev) if (want_state or training) else None
-    z = _new((B, T, H, V), dev) if training else None
-    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, *[m[2] for m in modes], h0, y, ht, z, cu, T,
+    d = _new((B, T, H, V), dev) if training else None
+    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, *[m[2] for m in modes], h0, y, ht, d, cu, T,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-           CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_Z=training,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, num_warps=nw)
-    return y, ht, z
+           CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_D=training,
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), num_warps=nw)
+    return y, ht, d
 
 
-def _backward(keys, rows, z, ht, dy, dht, need_dh0, out_dtype, cu=None):
+def _backward(keys, rows, d, ht, dy, dht, need_dh0, out_dtype, cu=None):
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -102,15 +108,18 @@ def _backward(keys, rows, z, ht, dy, dht, need_dh0, out_dtype, cu=None):
     def row_buf(mode):
         return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
 
-    dkeys = [_new((NR, B, T, H, K), dev) for _ in KEY_SLOTS]
+    single = one_key(keys)
+    # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
+    dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
     drows = [row_buf(m[0]) for m in modes]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
-    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, *[m[2] for m in modes], z, ht, dy.contiguous(),
-           None if dht is None else dht.float().contiguous(), *dkeys, *drows, dh0, cu, T, B * T * H,
+    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, *[m[2] for m in modes], d, ht, dy.contiguous(),
+           None if dht is None else dht.float().contiguous(), *dkeys, *drows, dh0, cu, T,
+           B * T * H,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, num_warps=nw)
-    dkeys = [g.sum(0) if NR > 1 else g[0] for g in dkeys]
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, num_warps=nw)
+    dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     return dkeys, drows, dh0
 
@@ -120,11 +129,11 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
     def forward(ctx, u, v, q, oq, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N):
         keys, rows = (u, v, q, oq), (c, p, oc, oh)
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, *rows, h0))
-        y, ht, z = _forward(keys, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
+        y, ht, d = _forward(keys, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
                             cu=cu, N=N)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
-        ctx.save_for_backward(*keys, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], z, ht, cu)
+        ctx.save_for_backward(*keys, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, cu)
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
@@ -132,12 +141,12 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dht):
-        u, v, q, oq, tc, tp, toc, z, ht, cu = ctx.saved_tensors
+        u, v, q, oq, tc, tp, toc, d, ht, cu = ctx.saved_tensors
         rows = [t if t is not None else k for t, k in zip((tc, tp, toc), ctx.row_consts)]
         if dy is None:
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
         need_dh0 = ctx.needs_input_grad[8]
-        dkeys, drows, dh0 = _backward((u, v, q, oq), rows, z, ht, dy, dht, need_dh0, ctx.out_dtype, cu)
+        dkeys, drows, dh0 = _backward((u, v, q, oq), rows, d, ht, dy, dht, need_dh0, ctx.out_dtype, cu)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy
