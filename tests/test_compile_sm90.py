@@ -183,3 +183,13 @@ def test_a_kernel_that_does_not_compile_is_reported_by_name(tmp_path):
     script.write_text(FAILING)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.split() == ["typed_int_kernel", "FAIL"], out.stdout + out.stderr[-2000:]
+
+
+def test_chunked_per_row_kernels_compile_without_spills():
+    """rank1_row_chunk (Longhorn's one-key path) at its default tiles (16 tokens x 16 rows, 4 warps) in
+    bf16: no register spills (``--regs``), which larger tiles have (32 tokens or 32 rows)."""
+    rc, out, err = _run("longhorn", "--regs")
+    assert rc == 0, out + err[-2000:]
+    rows = {k: v for (label, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
+    assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
+    assert all("spills 0/0 bytes" in v for v in rows.values()), rows
