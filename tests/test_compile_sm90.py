@@ -185,11 +185,18 @@ def test_a_kernel_that_does_not_compile_is_reported_by_name(tmp_path):
     assert out.stdout.split() == ["typed_int_kernel", "FAIL"], out.stdout + out.stderr[-2000:]
 
 
-def test_chunked_per_row_kernels_compile_without_spills():
-    """rank1_row_chunk (Longhorn's one-key path) at its default tiles (16 tokens x 16 rows, 4 warps) in
-    bf16: no register spills (``--regs``), which larger tiles have (32 tokens or 32 rows)."""
+def _spill_bytes(verdict: str) -> int:
+    """The stored spill bytes of a ``--regs`` verdict ``ok (regs N, spills S/L bytes)``."""
+    return int(verdict.split("spills ")[1].split("/")[0])
+
+
+def test_chunked_per_row_kernels_spill_little():
+    """rank1_row_chunk (Longhorn's one-key path) at its default tiles (16 tokens x 32 rows, 4 warps) in
+    bf16 (``--regs``): the forward spills nothing; the backward spilled 208 bytes when its tiles were
+    chosen (the fastest measured, ``chunk.py``), and a blow-up fails."""
     rc, out, err = _run("longhorn", "--regs")
     assert rc == 0, out + err[-2000:]
     rows = {k: v for (label, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
     assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
-    assert all("spills 0/0 bytes" in v for v in rows.values()), rows
+    assert _spill_bytes(rows["rank1_row_chunk_fwd_kernel"]) == 0, rows
+    assert _spill_bytes(rows["rank1_row_chunk_bwd_kernel"]) <= 256, rows

@@ -45,8 +45,12 @@ from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, ran
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
+# tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
+# (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
+# at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
+# process. 16 x 32 spills ~210 bytes in the backward (``benchmarks/compile_sm90.py --regs``), 16 x 16 none
 CHUNK = 16            # tokens per chunk (16 or 32)
-ROWS = 16             # state rows per program (16, 32 or 64)
+ROWS = 32             # state rows per program (16, 32 or 64)
 NUM_WARPS = 4
 ROW_SLOTS = ("c", "p", "oc", "oh")
 KEY_SLOTS = ("u", "v", "q", "oq")
