@@ -135,11 +135,12 @@ def test_shared_key_and_no_grad_path():
     assert S3 is None and torch.equal(y3, y.detach())
 
 
-@pytest.mark.parametrize("T", [1, 33])
-def test_longhorn_on_reference_layout(T):
-    """Longhorn's generated coefficients on the reference layout (the exported module's path), against
-    the objective's float64 reference: output, final state, every input's and the initial state's gradient."""
-    obj = ssmcraft.compile("longhorn")
+@pytest.mark.parametrize("name,T", [("longhorn", 1), ("longhorn", 33), ("deltanet", 20)])
+def test_objective_on_reference_layout(name, T):
+    """The generated coefficients on the reference layout (the exported module's path: Longhorn's per-row
+    c and p, DeltaNet's per-head c), against the objective's float64 reference: output, final state,
+    every input's and the initial state's gradient."""
+    obj = ssmcraft.compile(name)
     ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 20, 8, seed=T)
     check(kernel_errors(obj, lambda o, lay: RC.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
                         ins, params, S0, g))

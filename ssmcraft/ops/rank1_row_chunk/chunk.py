@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.common.chunked import _per_head
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
@@ -226,20 +227,12 @@ def per_row_step(ir) -> bool:
     return supports(ir) is None and not ir.is_per_head_step()
 
 
-def _row(x, B, T, H, d, per_row):
-    """A laid-out row coefficient ([B|1, T|1, H|1, d|1, 1] tensor or number) as the kernels take it."""
-    if not isinstance(x, torch.Tensor):
-        return float(x)
-    if per_row:
-        return x.expand(B, T, H, d, x.shape[4]).reshape(B, T, H, d)
-    return x.expand(B, T, H, 1, 1).reshape(B, T, H)
-
-
 def forward(obj, lay, co, output_final_state):
     """Run the family on laid-out coefficients ``co`` (slot -> [B|1, T|1, H|1, r, c] or number).
     Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
     ir = obj.ir
     B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    d_dim = ir.dims[0]
     ref = next(x for x in co.values() if isinstance(x, torch.Tensor))
     keys = {}
     for slot in KEY_SLOTS:
@@ -250,10 +243,11 @@ def forward(obj, lay, co, output_final_state):
             else torch.full((B, T, H, m), float(x), device=ref.device, dtype=ref.dtype))
     rows = []
     for slot in ROW_SLOTS:
-        cf = ir.coefficient(slot)
-        default = 1.0 if slot == "oc" else None
-        rows.append(_row(co[slot], B, T, H, d, cf is not None and tuple(cf.dims) == (ir.dims[0],))
-                    if slot in co else default)
+        x = co.get(slot, 1.0 if slot == "oc" else None)
+        if isinstance(x, torch.Tensor):      # laid out [B|1, T|1, H|1, d|1, 1]: per row, or per head
+            x = (x.expand(B, T, H, d, 1).reshape(B, T, H, d) if tuple(ir.coefficient(slot).dims) == (d_dim,)
+                 else _per_head(x, B, T, H, x.device))
+        rows.append(float(x) if isinstance(x, (int, float)) else x)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state)
     return y.to(lay.dtype), (None if ST is None else ST.transpose(-1, -2))

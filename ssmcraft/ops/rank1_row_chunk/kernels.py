@@ -49,13 +49,25 @@ def store_rows(ptr, x, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK):
 
 
 @triton.jit
-def sequence(cu, i_b, T, VARLEN: tl.constexpr):
-    """(first row, length) of the program's sequence: batch row ``i_b``, or sequence ``i_b`` of a packed row."""
+def program(cu, T, H: tl.constexpr, VARLEN: tl.constexpr):
+    """This program's (sequence * head, row block, head, its sequence's first row, the sequence's
+    length): batch row ``i_b``, or sequence ``i_b`` of a packed row."""
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
     if VARLEN:
         bos = tl.load(cu + i_b).to(tl.int64)
-        return bos, (tl.load(cu + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+        T_s = (tl.load(cu + i_b + 1).to(tl.int64) - bos).to(tl.int32)
     else:
-        return i_b.to(tl.int64) * T, T
+        bos = i_b.to(tl.int64) * T
+        T_s = T
+    return i_bh, tl.program_id(1), i_bh % H, bos, T_s
+
+
+@triton.jit
+def chunk_masks(C: tl.constexpr):
+    """Token offsets of a chunk and its [C, C] masks over (t, tau): tau < t, and tau <= t."""
+    o_c = tl.arange(0, C)
+    return o_c, o_c[:, None] > o_c[None, :], o_c[:, None] >= o_c[None, :]
 
 
 @triton.jit
@@ -82,15 +94,9 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
     state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 [N, H, K, V] (``HAS_H0``). MODES/CONSTS: of
     (c, p, oc, oh). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v and q unread): A = Aq,
     Lv = Lq, and D enters only through E = P - D."""
-    i_bh = tl.program_id(0)
-    i_r = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T_s = sequence(cu, i_b, T, VARLEN)
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
-    o_c = tl.arange(0, C)
-    strict = o_c[:, None] > o_c[None, :]      # [t, tau]: tau < t
-    incl = o_c[:, None] >= o_c[None, :]
+    o_c, strict, incl = chunk_masks(C)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, R)
     for t0 in range(0, T_s, C):
         m_t = t0 + o_c < T_s
@@ -147,15 +153,9 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, c, p, oc, d, ht, dy, dht, du, dv, dq
     end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it). Writes this row block's slice of
     du, dv, dq, doq [NR, B, T, H, K] (``ONE_KEY``: du holds the three key slots' sum, dv and dq are
     unwritten), the row coefficients' gradients (``store_rows``) and dh0."""
-    i_bh = tl.program_id(0)
-    i_r = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, T_s = sequence(cu, i_b, T, VARLEN)
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
-    o_c = tl.arange(0, C)
-    strict = o_c[:, None] > o_c[None, :]
-    incl = o_c[:, None] >= o_c[None, :]
+    o_c, strict, incl = chunk_masks(C)
     b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
     key_base = i_r.to(tl.int64) * NTOK * K
