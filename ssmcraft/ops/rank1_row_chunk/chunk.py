@@ -14,11 +14,13 @@ rows of a head, only the diagonal scaling ``c`` being per row::
 
 So a program per (sequence * head, block of R rows) walks the chunks in order with the state tile in
 registers: the products on tensor cores, and per chunk a C-step forward substitution on ``[C, R]``
-tiles, which replaces the per-token loop's chain of K-long dot products.
+tiles (``D + c o (A D) = c o (U H0 + Aq P)``), which replaces the per-token loop's chain of K-long dot
+products. Where u, v and q are one tensor (Longhorn's k: ``ONE_KEY``) A = Aq and Lv = Lq, and D and P
+enter only through ``E = P - D``: half the Gram matrices, one key gradient.
 
 Backward (reverse over chunks; ``dH`` the adjoint of the chunk's end state, ``dO = oc o dY``)::
 
-    H0  = H_C + V^T D - Q^T P                          (the start state, exactly, from the stored Z)
+    H0  = H_C + V^T D - Q^T P                          (the start state from the stored D; Z = U H0 + Aq P - A D)
     gD  = -Lv^T dO - V dH                              (adjoint of D through the outputs and H_C)
     (I + A diag(c))^T W = c o gD                       (backward substitution: W is the adjoint of U H0 + Aq P)
     dc  = Z o (gD - A^T W),   dp = Aq^T W + Lq^T dO + Q dH,   doc = dY o O
