@@ -72,17 +72,20 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
 
 def test_packed_sequential_kernels_compile_for_sm90():
     """The sequential families' packed form (VARLEN: each program row's offsets, lengths and first
-    checkpoint loaded from cu_seqlens): rank1_row, rankr_row's own kernels, the generated general ones
-    (one state row-tiled, the rows summed in the step, two states)."""
-    rc, out, err = _run("longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta", "momentum_longhorn",
-                        "--packed", "0,17,5,33")
+    checkpoint loaded from cu_seqlens): rank1_row (Gated Longhorn), rank1_row_chunk (Longhorn), rankr_row's
+    own kernels, the generated general ones (one state row-tiled, the rows summed in the step, two states)."""
+    rc, out, err = _run("longhorn", "gated_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
+                        "momentum_longhorn", "--packed", "0,17,5,33")
     assert rc == 0, out + err[-2000:]
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
-    assert backends == {"longhorn": "triton:rank1-row+prologue+packed", "longhorn_2key": "triton:rankr-row+prologue+packed",
+    assert backends == {"longhorn": "triton:rank1-row-chunk+prologue+packed",
+                        "gated_longhorn": "triton:rank1-row+prologue+packed",
+                        "longhorn_2key": "triton:rankr-row+prologue+packed",
                         "huber_longhorn": "triton:general+packed", "cauchy_delta": "triton:general+packed",
                         "momentum_longhorn": "triton:general+packed"}
     rows = _kernels(out)
-    assert {k for (label, k) in rows} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel", "rankr_row_fwd_kernel",
+    assert {k for (label, k) in rows} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel", "rank1_row_chunk_fwd_kernel",
+                                          "rank1_row_chunk_bwd_kernel", "rankr_row_fwd_kernel",
                                           "rankr_row_bwd_kernel", "general_fwd_kernel", "general_bwd_kernel"}
     assert {k for (label, k) in rows if label == "momentum_longhorn"} == {"general_fwd_kernel", "general_bwd_kernel"}
     assert set(rows.values()) == {"ok"}
@@ -185,3 +188,20 @@ def test_a_kernel_that_does_not_compile_is_reported_by_name(tmp_path):
     script.write_text(FAILING)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.split() == ["typed_int_kernel", "FAIL"], out.stdout + out.stderr[-2000:]
+
+
+def _spill_bytes(verdict: str) -> int:
+    """The stored spill bytes of a ``--regs`` verdict ``ok (regs N, spills S/L bytes)``."""
+    return int(verdict.split("spills ")[1].split("/")[0])
+
+
+def test_chunked_per_row_kernels_spill_little():
+    """rank1_row_chunk (Longhorn's one-key path) at its default tiles (16 tokens x 32 rows, 4 warps) in
+    bf16 (``--regs``): the forward spills nothing; the backward spilled 208 bytes when its tiles were
+    chosen (the fastest measured, ``chunk.py``), and a blow-up fails."""
+    rc, out, err = _run("longhorn", "--regs")
+    assert rc == 0, out + err[-2000:]
+    rows = {k: v for (label, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
+    assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
+    assert _spill_bytes(rows["rank1_row_chunk_fwd_kernel"]) == 0, rows
+    assert _spill_bytes(rows["rank1_row_chunk_bwd_kernel"]) <= 256, rows

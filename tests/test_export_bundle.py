@@ -184,7 +184,7 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     from ssmcraft.export.exporter import export_model
 
     folders = []
-    families = {"longhorn": "rank1_row", "deltanet": "rank1_chunk", "gla": "keydecay_chunk",
+    families = {"longhorn": "rank1_row_chunk", "deltanet": "rank1_chunk", "gla": "keydecay_chunk",
                 "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: its generated kernels pasted in
     for name, family in families.items():
         result = export_model(tiny_lm(compiled, name, heads=2), tmp_path / name, source(tmp_path), check=False)
@@ -307,9 +307,9 @@ def test_inline_kernel_text_is_the_family_without_prepare(compiled):
     from ssmcraft.export.exporter import triton_kernel_source
 
     text, phrase = triton_kernel_source(compiled("longhorn"), {"d": 8, "m": 4})
-    assert phrase == "inline (rank1_row)", phrase
+    assert phrase == "inline (rank1_row_chunk)", phrase
     assert "def prepare(" not in text and "def forward(" in text and "def launch(" in text
-    assert "from ssmcraft" not in text and text.rstrip().endswith("FAMILY = 'rank1_row'")
+    assert "from ssmcraft" not in text and text.rstrip().endswith("FAMILY = 'rank1_row_chunk'")
 
 
 def test_no_inline_kernel_names_the_chaining_family_that_runs_it():

@@ -229,7 +229,8 @@ def test_chunked_delta_family_packed_equals_separate(name, family, poisoned, gpu
 
 
 @pytest.mark.parametrize("name, family", [("gla", "keydecay-chunked"), ("mamba", "diagonal-chunked"),
-                                          ("gated_deltanet", "rank1-chunk"), ("longhorn", "rank1-row+prologue"),
+                                          ("gated_deltanet", "rank1-chunk"), ("longhorn", "rank1-row-chunk+prologue"),
+                                          ("gated_longhorn", "rank1-row+prologue"),
                                           ("huber_longhorn", "general"), ("longhorn_2key", "rankr-row+prologue")])
 def test_native_family_packed_without_final_state(name, family, poisoned, gpu_order):
     """No final state asked (as a training forward calls it): the output and every input's gradient
@@ -279,18 +280,20 @@ def test_sequential_family_packed_equals_separate(name, family, poisoned):
 
 
 def test_family_without_packed_kernels_runs_each_sequence_and_says_why(monkeypatch):
-    """Exact Longhorn with ``rank1_row`` declared without packed kernels, under the interpreter: each
-    sequence runs the row kernel on its own, equal to the separate reference calls, and the backend
-    names both."""
+    """Exact Longhorn with ``rank1_row`` (and ``rank1_row_chunk``, which runs it too) declared without
+    packed kernels, under the interpreter: each sequence runs the row kernel on its own, equal to the
+    separate reference calls, and the backend names both."""
     from ssmcraft.ops.registry import family
     assert family("keydecay_chunk").varlen is None and family("diagonal").varlen is None
-    assert family("rank1_row").varlen is None
+    assert family("rank1_row").varlen is None and family("rank1_row_chunk").varlen is None
     monkeypatch.setattr(family("rank1_row"), "varlen", "no packed-sequence (cu_seqlens) kernels")
+    monkeypatch.setattr(family("rank1_row_chunk"), "varlen", "no packed-sequence (cu_seqlens) kernels")
     obj = ssmcraft.compile("longhorn")
     errs = packed_errors(obj, [0, 5, 1, 3], _interpret, dtype=torch.float32)
     assert_within(errs, {"y": 1e-5, "grad": 2e-5})
     assert obj.backend == ("triton-interpret:rank1-row+prologue+per-sequence (no packed kernel: rank1_row: "
-                           "no packed-sequence (cu_seqlens) kernels; no later family runs it)")
+                           "no packed-sequence (cu_seqlens) kernels; rank1_row_chunk: no packed-sequence (cu_seqlens) "
+                           "kernels; no later family runs it)")
 
 
 def test_all_sequences_empty(compiled):

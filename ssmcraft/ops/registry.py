@@ -8,7 +8,8 @@ dimension, provably positive: GLA, RetNet, HGRN, linear attention; chunked, on t
 extrapolated state: Longhorn with momentum), ``minibatch_chunk`` (mini-batch regression steps with a
 scalar or weight decay, on tensor cores: ahead of ``general``, which runs every other mini-batch
 update), ``general`` (anything else the generator prints), then ``rank1_chunk``, which declares itself
-ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu``), ``rankr_chunk``,
+ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu``), ``rank1_row_chunk``
+(a per-row step with no decay, chunked: ahead of ``rank1_row`` on CUDA, after ``rank1_chunk``), ``rankr_chunk``,
 ahead of ``rankr_row`` likewise, ``precision_rank1`` (recursive least squares, the preconditioned
 delta rule), ``precision_general`` (the other metric compositions: the precision's gains, then the
 memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a
@@ -33,11 +34,12 @@ from ssmcraft.ops.precision_rank1 import FAMILY as PRECISION_RANK1
 from ssmcraft.ops.rank1_chunk import FAMILY as RANK1_CHUNK
 from ssmcraft.ops.rank1_keydecay_chunk import FAMILY as RANK1_KEYDECAY_CHUNK
 from ssmcraft.ops.rank1_row import FAMILY as RANK1_ROW
+from ssmcraft.ops.rank1_row_chunk import FAMILY as RANK1_ROW_CHUNK
 from ssmcraft.ops.rankr_chunk import FAMILY as RANKR_CHUNK
 from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
 FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW,
-                                      MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
+                                      MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANK1_ROW_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
                                       PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MINIBATCH_CHUNK, MLP_MEMORY)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 

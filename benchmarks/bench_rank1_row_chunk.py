@@ -1,0 +1,178 @@
+"""GPU checks and timings of the chunked per-row rank-1 family (``ssmcraft.ops.rank1_row_chunk``)
+beside the per-token one (``rank1_row``) and the chunked per-head one (``rank1_chunk``, DeltaNet), in
+one process:
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_rank1_row_chunk.py [--shape 8,2048,16,64,64]
+        [--configs 16x16x4,16x32x4,32x16x4] [--no-check]
+
+1. Correctness (``--check``, default on): Longhorn exact's recurrence (u = v = q = k, c and p per row)
+   and the general slot form (distinct keys, per-row oc and oh) at B=2, T=1000 (the last chunk cut to
+   8 tokens), H=2, K=V=64, fp32 and bf16, the first configs (the general form: the first): output, final state and every gradient (keys, c, p,
+   initial state, with a gradient on the final state) against the float64 loop (``rank1_row``'s
+   ``naive.py``) on the same (rounded) inputs; rank1_row's own errors beside them.
+2. Timings, bf16, at ``--shape`` (B, T, H, K, V), ``triton.testing.do_bench`` medians of the kernels
+   alone (c and p given, as the objectives' prologue hands them over): forward, and forward+backward
+   (every input's gradient, none of the state's), for rank1_row and each (C, R, num_warps) config of
+   the chunked family; FLA-style DeltaNet (per-head step) on rank1_chunk as the anchor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ssmcraft.ops.rank1_chunk.chunk import delta_rule  # noqa: E402
+from ssmcraft.ops.rank1_row import recurrent as R  # noqa: E402
+from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
+from ssmcraft.ops.rank1_row_chunk import chunk as RC  # noqa: E402
+from ssmcraft.runtime.checking import rel_rms as rel  # noqa: E402
+
+DEV = "cuda"
+
+
+def longhorn(B, T, H, K, V, dtype, seed=0, general=False):
+    """Leaves (u, v, q, oq, c, p, oc, oh, S0 [B, H, K, V]) of Longhorn exact (u = v = q = k, unit-scale
+    keys, c = beta / (1 + beta k.k), p = c x), in ``dtype`` (S0 fp32); ``general``: distinct u, v, q and
+    per-row oc, oh."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=DEV, dtype=torch.float32)  # noqa: E731
+    k = r(B, T, H, K) / K ** 0.5
+    beta = torch.nn.functional.softplus(r(B, T, H, V))
+    c = beta / (1 + beta * (k * k).sum(-1, keepdim=True))
+    p = c * r(B, T, H, V)
+    q = r(B, T, H, K) / K ** 0.5
+    S0 = r(B, H, K, V) * 0.5
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    if general:
+        u, v, qq = (cast(r(B, T, H, K) / K ** 0.5) for _ in range(3))
+        return u, v, qq, cast(q), cast(c * 0.8), cast(p), cast(r(B, T, H, V)), cast(r(B, T, H, V)), S0
+    k = cast(k)
+    return k, k, k, cast(q), cast(c), cast(p), 1.0, None, S0
+
+
+def leaves_of(xs):
+    seen = []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and not any(x is s for s in seen):
+            seen.append(x)
+    return seen
+
+
+def reference(xs):
+    """The float64 loop on ``xs``' values: (output, final state, cotangents dy and dS, the gradients of
+    every distinct tensor of ``xs`` under them)."""
+    leaves = {id(x): x.detach().double().requires_grad_() for x in leaves_of(xs)}
+    u, v, q, oq, c, p, oc, oh, S0 = [leaves[id(x)] if isinstance(x, torch.Tensor) else x for x in xs]
+    B, T, H, K = u.shape
+    V = S0.shape[-1]
+    ones = torch.ones(B, T, H, device=DEV, dtype=torch.float64)
+    oc = ones if not isinstance(oc, torch.Tensor) else oc
+    oh = torch.zeros(B, T, H, V, device=DEV, dtype=torch.float64) if oh is None else oh
+    y, S = naive_recurrent_rank1_row(u, v, q, oq, ones, c, p, oc, oh, S0)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    dy = torch.randn(y.shape, generator=g, device=DEV, dtype=torch.float64)
+    dS = torch.randn(S.shape, generator=g, device=DEV, dtype=torch.float64)
+    grads = torch.autograd.grad((y * dy).sum() + (S * dS).sum(), list(leaves.values()))
+    return y, S, dy, dS, grads
+
+
+def errors(run, xs, ref):
+    """Relative RMS errors of ``run(*xs) -> (y, S)`` against ``reference(xs)``."""
+    y_ref, S_ref, dy, dS, ref_g = ref
+    leaves = {id(x): x.detach().clone().requires_grad_() for x in leaves_of(xs)}
+    y, S = run(*[leaves[id(x)] if isinstance(x, torch.Tensor) else x for x in xs])
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), list(leaves.values()))
+    out = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    out.update({f"d{i}": rel(a, b) for i, (a, b) in enumerate(zip(got, ref_g))})
+    return out
+
+
+def run_row(u, v, q, oq, c, p, oc, oh, S0):
+    return R.rank1_row_recurrence(u, v, q, oq, c, p, oc=oc, oh=oh, initial_state=S0, output_final_state=True)
+
+
+def run_chunk(u, v, q, oq, c, p, oc, oh, S0):
+    return RC.rank1_row_chunk(u, v, q, oq, c, p, oc=oc, oh=oh, initial_state=S0, output_final_state=True)
+
+
+def fmt(errs):
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items()) + f"  max={max(errs.values()):.1e}"
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def timings(run, xs):
+    """(fwd ms, fwd+bwd ms) of ``run(*xs)`` (bf16): the gradients of every tensor but the last (the
+    initial state), one tensor given in several places (u = v = q) staying one."""
+    table = {}
+
+    def leaf(x):
+        if not isinstance(x, torch.Tensor) or x is xs[-1]:
+            return x
+        return table.setdefault(id(x), x.detach().requires_grad_())
+    args = [leaf(x) for x in xs]
+    grads = list(table.values())
+    with torch.no_grad():
+        f = bench(lambda: run(*args))
+    dy = torch.randn_like(run(*args)[0])
+
+    def fb():
+        torch.autograd.grad(run(*args)[0], grads, dy)
+    return f, bench(fb)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8,2048,16,64,64")
+    ap.add_argument("--configs", default="16x16x4,16x32x4,32x16x4,16x64x4,32x32x8")
+    ap.add_argument("--check-shape", default="2,1000,2,64,64", help="B,T,H,K,V of the float64 checks")
+    ap.add_argument("--check-configs", type=int, default=2, help="how many of the configs Longhorn's check runs "
+                    "(the general form runs the first)")
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    print(torch.cuda.get_device_name() if DEV == "cuda" else DEV, "triton", triton.__version__, flush=True)
+    if not args.no_check:
+        for general in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                xs = longhorn(*(int(x) for x in args.check_shape.split(",")), dtype, seed=1, general=general)
+                name = ("general" if general else "longhorn") + (" fp32" if dtype == torch.float32 else " bf16")
+                ref = reference(xs)
+                print(f"check {name:<13} rank1_row          {fmt(errors(run_row, xs, ref))}", flush=True)
+                for C, Rw, W in configs[:args.check_configs] if not general else configs[:1]:
+                    RC.CHUNK, RC.ROWS, RC.NUM_WARPS = C, Rw, W
+                    try:
+                        e = fmt(errors(run_chunk, xs, ref))
+                    except Exception as ex:  # noqa: BLE001 - a config that fails says so and the others run
+                        e = f"FAILED: {type(ex).__name__}: {str(ex)[:200]}"
+                    print(f"check {name:<13} chunk C{C} R{Rw} w{W}  {e}", flush=True)
+    B, T, H, K, V = (int(x) for x in args.shape.split(","))
+    xs = longhorn(B, T, H, K, V, torch.bfloat16)
+    print(f"timings bf16 B={B} T={T} H={H} K={K} V={V} (ms, median): fwd  fwd+bwd", flush=True)
+    f, fb = timings(run_row, xs)
+    print(f"rank1_row (per token)          {f:7.3f} {fb:7.3f}", flush=True)
+    for C, Rw, W in configs:
+        RC.CHUNK, RC.ROWS, RC.NUM_WARPS = C, Rw, W
+        try:
+            f, fb = timings(run_chunk, xs)
+            print(f"rank1_row_chunk C{C} R{Rw} w{W:<2}       {f:7.3f} {fb:7.3f}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - as above
+            print(f"rank1_row_chunk C{C} R{Rw} w{W:<2}       FAILED: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+    k, _, _, q, _, _, _, _, S0 = xs
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(B, T, H, V, generator=g, device=DEV).to(torch.bfloat16)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g, device=DEV)).to(torch.bfloat16)
+    f, fb = timings(lambda k_, q_, x_, b_, S: delta_rule(q_, k_, x_, b_, initial_state=S, output_final_state=True),
+                    (k, q, x, beta, S0))
+    print(f"rank1_chunk DeltaNet (anchor)  {f:7.3f} {fb:7.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

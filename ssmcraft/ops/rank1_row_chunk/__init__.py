@@ -1,0 +1,10 @@
+"""Family ``rank1_row_chunk``: identity-minus-rank-1 recurrences with a per-row step and no decay
+(Longhorn exact), chunked: per chunk of tokens one shared-matrix triangular system per state row,
+its products on tensor cores (``chunk.py``). Its float64 reference is ``rank1_row``'s ``naive.py``
+with ``a = 1``."""
+from ssmcraft.ops.family import KernelFamily
+from ssmcraft.ops.rank1_row_chunk import chunk
+
+FAMILY = KernelFamily(name="rank1_row_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
+                      prepare=chunk.prepare, forward=chunk.forward, varlen=None,
+                      ahead_on_gpu=("rank1_row", chunk.per_row_step))

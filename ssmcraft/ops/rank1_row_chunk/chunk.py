@@ -1,0 +1,276 @@
+"""Chunked identity-minus-rank-1 recurrences with a per-row step and no decay (Longhorn exact).
+
+The recurrence (``ssmcraft.ops.rank1_row``), per state row ``i`` (``s_i`` a row vector over K)::
+
+    z_t,i = s_{t-1,i} . u_t,   s_t,i = s_{t-1,i} - c_t,i z_t,i v_t + p_t,i q_t,   y_t,i = oc_i (s_t,i . oq_t) + oh_i
+
+Over a chunk of C tokens from the start state ``H0 = S_0^T [K, V]``, with ``D = c o Z`` ([C, V]), the
+per-row scalars satisfy one unit lower-triangular system per row whose matrices are shared by the
+rows of a head, only the diagonal scaling ``c`` being per row::
+
+    Z + A D = U H0 + Aq P          A = strict_lower(U V^T), Aq = strict_lower(U Q^T)   [C, C]
+    O = OQ H0 - Lv D + Lq P        Lv = lower(OQ V^T), Lq = lower(OQ Q^T) (diagonal included)
+    H_C = H0 - V^T D + Q^T P
+
+So a program per (sequence * head, block of R rows) walks the chunks in order with the state tile in
+registers: the products on tensor cores, and per chunk a C-step forward substitution on ``[C, R]``
+tiles (``D + c o (A D) = c o (U H0 + Aq P)``), which replaces the per-token loop's chain of K-long dot
+products. Where u, v and q are one tensor (Longhorn's k: ``ONE_KEY``) A = Aq and Lv = Lq, and D and P
+enter only through ``E = P - D``: half the Gram matrices, one key gradient.
+
+Backward (reverse over chunks; ``dH`` the adjoint of the chunk's end state, ``dO = oc o dY``)::
+
+    H0  = H_C + V^T D - Q^T P                          (the start state from the stored D; Z = U H0 + Aq P - A D)
+    gD  = -Lv^T dO - V dH                              (adjoint of D through the outputs and H_C)
+    (I + A diag(c))^T W = c o gD                       (backward substitution: W is the adjoint of U H0 + Aq P)
+    dc  = Z o (gD - A^T W),   dp = Aq^T W + Lq^T dO + Q dH,   doc = dY o O
+    dA  = -strict(W D^T), dAq = strict(W P^T), dLv = -lower(dO D^T), dLq = lower(dO P^T)
+    dU  = W H0^T + dA V + dAq Q,        dV = dA^T U + dLv^T OQ - D dH^T
+    dQ  = dAq^T U + dLq^T OQ + P dH^T,  dOQ = dO H0^T + dLv V + dLq Q
+    dH0 = dH + U^T W + OQ^T dO
+
+The key gradients are sums over rows: each row block writes its own slice ``[NR, B, T, H, K]``, summed
+on the host (as ``rank1_row`` does); so are per-head coefficients' (``[NR, B, T, H]``). The forward
+of a training step stores ``D`` ([B, T, H, V] fp32, the substitution's own result, so that the
+backward rebuilds exactly the states the forward walked) and the final state; nothing per chunk.
+
+Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
+straddles two sequences; states are ``[N, H, ...]``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ssmcraft.ops.common.chunked import _per_head
+from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
+
+BACKEND_NAME = "rank1-row-chunk"
+POISON = False        # tests: fill every output buffer with NaN before the kernels write it
+# tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
+# (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
+# at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
+# process. 16 x 32 spills ~210 bytes in the backward (``benchmarks/compile_sm90.py --regs``), 16 x 16 none
+CHUNK = 16            # tokens per chunk (16 or 32)
+ROWS = 32             # state rows per program (16, 32 or 64)
+NUM_WARPS = 4
+ROW_SLOTS = ("c", "p", "oc", "oh")
+KEY_SLOTS = ("u", "v", "q", "oq")
+
+
+def config(V: int) -> tuple[int, int, int]:
+    """(C, R, num_warps): the module's constants (``tl.dot`` needs C, R >= 16); one warp under the
+    interpreter, where warps cost only time."""
+    return CHUNK, ROWS, 1 if INTERPRET else NUM_WARPS
+
+
+def _mode(x):
+    """(mode, const, tensor) of a row coefficient: 0 constant (None: 0), 1 per head [B, T, H], 2 per row."""
+    if x is None:
+        return 0, 0.0, None
+    if not isinstance(x, torch.Tensor):
+        return 0, float(x), None
+    return (2 if x.dim() == 4 else 1), 0.0, x
+
+
+def one_key(keys) -> bool:
+    """Whether u, v and q are one tensor (Longhorn's k): the kernels' ``ONE_KEY``."""
+    return keys[0] is keys[1] and keys[1] is keys[2]
+
+
+def _new(shape, device, dtype=torch.float32):
+    return buffer(shape, device, dtype, POISON)
+
+
+def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
+    """keys (u, v, q, oq) [B, T, H, K]; rows (c, p, oc, oh) per ``_mode``; h0 [N, H, K, V] fp32
+    contiguous or None. Returns y [B, T, H, V], the final state [N, H, K, V] fp32 (with ``want_state``
+    or ``training``) and, when ``training``, D = c o z [B, T, H, V] fp32."""
+    u = keys[0]
+    B, T, H, K = u.shape
+    N = B if N is None else N
+    dev = u.device
+    C, R, nw = config(V)
+    modes = [_mode(x) for x in rows]
+    y = _new((B, T, H, V), dev, out_dtype)
+    ht = _new((N, H, K, V), dev) if (want_state or training) else None
+    d = _new((B, T, H, V), dev) if training else None
+    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, *[m[2] for m in modes], h0, y, ht, d, cu, T,
+           H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+           CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_D=training,
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), num_warps=nw)
+    return y, ht, d
+
+
+def _backward(keys, rows, d, ht, dy, dht, need_dh0, out_dtype, cu=None):
+    u = keys[0]
+    B, T, H, K = u.shape
+    N, V = ht.shape[0], ht.shape[-1]
+    dev = u.device
+    C, R, nw = config(V)
+    NR = cdiv(V, R)
+    modes = [_mode(x) for x in rows[:3]]
+
+    def row_buf(mode):
+        return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
+
+    single = one_key(keys)
+    # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
+    dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
+    drows = [row_buf(m[0]) for m in modes]
+    dh0 = _new((N, H, K, V), dev) if need_dh0 else None
+    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, *[m[2] for m in modes], d, ht, dy.contiguous(),
+           None if dht is None else dht.float().contiguous(), *dkeys, *drows, dh0, cu, T,
+           B * T * H,
+           H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+           CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, num_warps=nw)
+    dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
+    drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
+    return dkeys, drows, dh0
+
+
+class _Rank1RowChunkFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, v, q, oq, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N):
+        keys, rows = (u, v, q, oq), (c, p, oc, oh)
+        training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, *rows, h0))
+        y, ht, d = _forward(keys, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
+                            cu=cu, N=N)
+        ctx.set_materialize_grads(False)
+        ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
+        ctx.save_for_backward(*keys, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, cu)
+        ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
+        ctx.out_dtype = out_dtype
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        return y, (ht if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, dy, dht):
+        u, v, q, oq, tc, tp, toc, d, ht, cu = ctx.saved_tensors
+        rows = [t if t is not None else k for t, k in zip((tc, tp, toc), ctx.row_consts)]
+        if dy is None:
+            dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
+        need_dh0 = ctx.needs_input_grad[8]
+        dkeys, drows, dh0 = _backward((u, v, q, oq), rows, d, ht, dy, dht, need_dh0, ctx.out_dtype, cu)
+        doh = None
+        if ctx.oh_dim == 4:
+            doh = dy
+        elif ctx.oh_dim == 3:
+            doh = dy.float().sum(-1)
+        grads = [None if g is None or not isinstance(x, torch.Tensor) else g.to(x.dtype)
+                 for g, x in zip((*dkeys, *drows), (u, v, q, oq, *rows))]
+        return (*grads, doh, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None, None, None)
+
+
+def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, out_dtype=None):
+    """``s_t,i = s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t``, ``y_t,i = oc_i (s_t,i . oq_t) + oh_i``
+    (``rank1_row_recurrence`` with ``a = 1``), chunked.
+
+    Args:
+        u, v, q, oq: ``[B, T, H, K]`` (the same tensor may fill several slots).
+        c, p, oc, oh: ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a float (``oh`` may be None).
+        initial_state: ``[B, H, K, V]`` (FLA's layout) or None.
+        cu_seqlens: offsets ``[N + 1]`` of N sequences packed in one row (B = 1); states are then
+            ``[N, H, K, V]``.
+    Returns ``y [B, T, H, V]`` (``out_dtype``, else the dtype of ``u``), the final state ``[B, H, K, V]`` fp32 or None."""
+    V = next((x.shape[3] for x in (p, c, oc, oh) if isinstance(x, torch.Tensor) and x.dim() == 4), None)
+    if V is None:
+        if initial_state is None:
+            raise ValueError("rank1_row_chunk: no per-row coefficient and no initial state give the row count V")
+        V = initial_state.shape[-1]
+    N = None
+    if cu_seqlens is not None:
+        N = cu_seqlens.numel() - 1
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    keys = [x.contiguous() for x in (u, v, q, oq)]
+    keys = [next(keys[j] for j in range(4) if (u, v, q, oq)[j] is x) for x in (u, v, q, oq)]
+    rows = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in (c, p, oc, oh)]
+    return _Rank1RowChunkFunction.apply(*keys, *rows, h0, V, io_dtype(out_dtype or u.dtype), output_final_state, cu_seqlens, N)
+
+
+# ----------------------------------------------------------------------------------------
+# family interface (ssmcraft.runtime.select)
+# ----------------------------------------------------------------------------------------
+
+def supports(ir) -> str | None:
+    """None if this family runs ``ir``: a rank-1 update with no decay (``a == 1``), step ``c`` and input
+    ``p`` per row or per head, one key per slot (u, v, q, oq over m, shared by the rows), and the
+    readout ``oc (S oq) + oh``; else the reason."""
+    if ir.kind != "rank1":
+        return f"not a rank-1 update ({ir.kind})"
+    if ir.readout is not None:
+        return "the readout is not of the form oc . (S oq) + oh"
+    if "B" in ir.slots or "p" not in ir.slots:
+        return "the input term does not factor as p q^T"
+    d, m = ir.dims
+    a = ir.coefficient("a")
+    if a is not None and not (tuple(a.dims) == () and a.expr == 1):
+        return "a decay (a != 1): this family runs a == 1 only (rank1_row runs decays)"
+    allowed = {"c": ((), (d,)), "p": ((), (d,)), "oc": ((), (d,)), "oh": ((), (d,)),
+               "u": ((), (m,)), "v": ((), (m,)), "q": ((), (m,)), "oq": ((), (m,))}
+    for slot, dims_ok in allowed.items():
+        co = ir.coefficient(slot)
+        if co is None:
+            if slot in ("oh", "oc"):
+                continue
+            return f"slot {slot!r} is missing"
+        if tuple(co.dims) not in dims_ok:
+            return f"slot {slot!r} varies over {co.dims}; this kernel takes {' or '.join(map(str, dims_ok))}"
+    return None
+
+
+def per_row_step(ir) -> bool:
+    """Where this family goes ahead of ``rank1_row`` on CUDA: what it supports with a step per row (a
+    per-head step runs on ``rank1_chunk``, which goes ahead of both)."""
+    return supports(ir) is None and not ir.is_per_head_step()
+
+
+def forward(obj, lay, co, output_final_state):
+    """Run the family on laid-out coefficients ``co`` (slot -> [B|1, T|1, H|1, r, c] or number).
+    Returns (y [B, T, H, d] in lay.dtype, S_T [B, H, d, m] fp32 or None)."""
+    ir = obj.ir
+    B, T, H, d, m = lay.B, lay.T, lay.H, lay.d, lay.m
+    d_dim = ir.dims[0]
+    ref = next(x for x in co.values() if isinstance(x, torch.Tensor))
+    keys = {}
+    for slot in KEY_SLOTS:
+        x = co[slot]
+        same = next((keys[s] for s in keys if co[s] is x and isinstance(x, torch.Tensor)), None)
+        keys[slot] = same if same is not None else (
+            x.expand(B, T, H, 1, m).reshape(B, T, H, m) if isinstance(x, torch.Tensor)
+            else torch.full((B, T, H, m), float(x), device=ref.device, dtype=ref.dtype))
+    rows = []
+    for slot in ROW_SLOTS:
+        x = co.get(slot, 1.0 if slot == "oc" else None)
+        if isinstance(x, torch.Tensor):      # laid out [B|1, T|1, H|1, d|1, 1]: per row, or per head
+            x = (x.expand(B, T, H, d, 1).reshape(B, T, H, d) if tuple(ir.coefficient(slot).dims) == (d_dim,)
+                 else _per_head(x, B, T, H, x.device))
+        rows.append(float(x) if isinstance(x, (int, float)) else x)
+    h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
+    y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state)
+    return y.to(lay.dtype), (None if ST is None else ST.transpose(-1, -2))
+
+
+def prepare(obj, lay):
+    """The family's runner for one call signature: key slots go to the kernels as the caller's tensors
+    (Longhorn's ``u = v = q = k`` is one tensor), computed row coefficients (Longhorn's
+    ``c = beta / (1 + beta k.k)``, ``p = c x``) from ``slots.computed_path``.
+    Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None)``."""
+    from ssmcraft.ops.common.slots import slot_runner
+    from ssmcraft.ops.common.varlen import check
+    out_dtype = io_dtype(lay.out_dtype)
+
+    def run(cs, initial_state, output_final_state, cu_seqlens=None):
+        keys = [cs.get(s) for s in KEY_SLOTS]
+        rows = [cs.get(s, 1.0 if s == "oc" else None) for s in ROW_SLOTS]
+        if cu_seqlens is not None:
+            check(obj.name, cu_seqlens, cs.inputs, initial_state)
+        h0 = None if initial_state is None else initial_state.transpose(-1, -2)
+        y, ST = rank1_row_chunk(*keys, *rows, initial_state=h0, output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens, out_dtype=out_dtype)
+        return y.to(lay.out_dtype), (None if ST is None else ST.transpose(-1, -2))
+    return slot_runner(obj, lay, run)

@@ -1,0 +1,255 @@
+"""Triton kernels of the chunked per-row rank-1 family (``chunk.py`` has the algebra).
+
+One program per (sequence * head, block of R state rows), sequential over chunks of C tokens, the
+state tile ``H = S^T [BK, R]`` (FLA's ``[K, V]`` layout) in registers. Tiles over a chunk are
+``[C, R]`` (token, row) for the per-row scalars (z, c, p, outputs) and ``[C, BK]`` for the keys.
+Every product is ``tl.dot`` in fp32 operands (``PREC``: tf32x3 for fp32 I/O, one tf32 pass for
+16-bit I/O); the only per-token chain is the C-step substitution on ``[C, R]`` tiles.
+Row coefficients (``c, p, oc, oh``) come per row (``[B, T, H, V]``, mode 2), per head
+(``[B, T, H]``, mode 1) or as a constant (mode 0, ``CONSTS``); padded tokens read as 0, so that a
+chunk cut by the sequence's end contributes nothing.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.common.tiles import state_block, state_or_zero
+
+
+@triton.jit
+def row_tile(ptr, CONST, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, C: tl.constexpr, R: tl.constexpr):
+    """``[C, R]`` fp32 tile of a row coefficient at token rows ``rows`` (``(bos + t) * H + h``, int64);
+    0 at padded tokens and rows."""
+    m = m_t[:, None] & m_v[None, :]
+    if MODE == 2:
+        x = tl.load(ptr + rows[:, None] * V + o_v[None, :], mask=m, other=0.).to(tl.float32)
+    elif MODE == 1:
+        x = tl.load(ptr + rows, mask=m_t, other=0.).to(tl.float32)[:, None] + tl.zeros([C, R], dtype=tl.float32)
+        x = tl.where(m, x, 0.)
+    else:
+        x = tl.where(m, CONST, 0.)
+    return x
+
+
+@triton.jit
+def key_tile(ptr, rows, o_k, m_t, m_k, K: tl.constexpr):
+    """``[C, BK]`` fp32 tile of a key slot at token rows ``rows``; 0 at padded tokens and keys."""
+    return tl.load(ptr + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK):
+    """A row coefficient's gradient ``x [C, R]``: per row into ``[B, T, H, V]``; per head summed over
+    the block's rows into this row block's slice ``i_r`` of ``[NR, B * T * H]``; nothing for a constant."""
+    if MODE == 2:
+        tl.store(ptr + rows[:, None] * V + o_v[None, :], x, mask=m_t[:, None] & m_v[None, :])
+    elif MODE == 1:
+        tl.store(ptr + i_r.to(tl.int64) * NTOK + rows, tl.sum(tl.where(m_v[None, :], x, 0.), 1), mask=m_t)
+
+
+@triton.jit
+def program(cu, T, H: tl.constexpr, VARLEN: tl.constexpr):
+    """This program's (sequence * head, row block, head, its sequence's first row, the sequence's
+    length): batch row ``i_b``, or sequence ``i_b`` of a packed row."""
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
+    if VARLEN:
+        bos = tl.load(cu + i_b).to(tl.int64)
+        T_s = (tl.load(cu + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+        T_s = T
+    return i_bh, tl.program_id(1), i_bh % H, bos, T_s
+
+
+@triton.jit
+def chunk_masks(C: tl.constexpr):
+    """Token offsets of a chunk and its [C, C] masks over (t, tau): tau < t, and tau <= t."""
+    o_c = tl.arange(0, C)
+    return o_c, o_c[:, None] > o_c[None, :], o_c[:, None] >= o_c[None, :]
+
+
+@triton.jit
+def solve(b_g, b_c, b_M, o_c, C: tl.constexpr, R: tl.constexpr, REVERSE: tl.constexpr):
+    """W [C, R] solving W + c o (M W) = G row by row, M [C, C] shared by the rows: strictly lower
+    (first token first) or, ``REVERSE``, strictly upper (last token first). Row t of G is final once
+    the rows before it are done, so G itself becomes W; each step reads one row and one column of M."""
+    for j in range(C):
+        t = C - 1 - j if REVERSE else j
+        sel = o_c == t
+        w_t = tl.sum(tl.where(sel[:, None], b_g, 0.), 0)
+        m_t = tl.sum(tl.where(sel[None, :], b_M, 0.), 1)
+        b_g -= b_c * m_t[:, None] * w_t[None, :]
+    return b_g
+
+
+@triton.jit
+def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
+                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                               R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
+                               HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_D: tl.constexpr,
+                               PREC: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY: tl.constexpr):
+    """y [B, T, H, V] = oc o (S_t oq_t) + oh; d [B, T, H, V] fp32 = c o (S_{t-1} u_t) (``STORE_D``); the final
+    state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 [N, H, K, V] (``HAS_H0``). MODES/CONSTS: of
+    (c, p, oc, oh). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v and q unread): A = Aq,
+    Lv = Lq, and D enters only through E = P - D."""
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, R)
+    for t0 in range(0, T_s, C):
+        m_t = t0 + o_c < T_s
+        rows = (bos + t0 + o_c) * H + i_h
+        b_u = key_tile(u, rows, o_k, m_t, m_k, K)
+        b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
+        b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
+        # A[t, tau] = u_t . v_tau, Aq[t, tau] = u_t . q_tau (tau < t): shared by every row of the head
+        if ONE_KEY:
+            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+            b_x = tl.dot(b_u, b_h, input_precision=PREC) + tl.dot(b_A, b_p, input_precision=PREC)
+        else:
+            b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
+            b_q = key_tile(q, rows, o_k, m_t, m_k, K)
+            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Aq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            b_x = tl.dot(b_u, b_h, input_precision=PREC) + tl.dot(b_Aq, b_p, input_precision=PREC)
+        # z = X - A D with D = c o z, X = U H0 + Aq P: D + c o (A D) = c o X, one token per step on [C, R]
+        b_d = solve(b_c * b_x, b_c, b_A, o_c, C, R, False)
+        # O = OQ H0 - Lv D + Lq P, Lv[t, tau] = oq_t . v_tau, Lq = oq_t . q_tau (tau <= t);
+        # H_C = H0 - V^T D + Q^T P
+        if ONE_KEY:
+            b_e = b_p - b_d
+            b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            b_o = tl.dot(b_oq, b_h, input_precision=PREC) + tl.dot(b_L, b_e, input_precision=PREC)
+            b_h += tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
+        else:
+            b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            b_o = (tl.dot(b_oq, b_h, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC)
+                   + tl.dot(b_Lq, b_p, input_precision=PREC))
+            b_h = (b_h - tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
+                   + tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
+        b_o = b_o * row_tile(oc, CONSTS[2], MODES[2], rows, o_v, m_t, m_v, V, C, R)
+        if MODES[3] != 0 or CONSTS[3] != 0.0:
+            b_o += row_tile(oh, CONSTS[3], MODES[3], rows, o_v, m_t, m_v, V, C, R)
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = rows[:, None] * V + o_v[None, :]
+        tl.store(y + p_tv, b_o.to(y.dtype.element_ty), mask=m_tv)
+        if STORE_D:
+            tl.store(d + p_tv, b_d, mask=m_tv)
+    if STORE_HT:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def rank1_row_chunk_bwd_kernel(u, v, q, oq, c, p, oc, d, ht, dy, dht, du, dv, dq, doq, dc, dp, doc, dh0, cu, T,
+                               NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                               R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
+                               HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr):
+    """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
+    end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it). Writes this row block's slice of
+    du, dv, dq, doq [NR, B, T, H, K] (``ONE_KEY``: du holds the three key slots' sum, dv and dq are
+    unwritten), the row coefficients' gradients (``store_rows``) and dh0."""
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
+    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
+    key_base = i_r.to(tl.int64) * NTOK * K
+    NC = tl.cdiv(T_s, C)
+    for j_c in range(0, NC):
+        t0 = (NC - 1 - j_c) * C
+        m_t = t0 + o_c < T_s
+        rows = (bos + t0 + o_c) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = rows[:, None] * V + o_v[None, :]
+        b_u = key_tile(u, rows, o_k, m_t, m_k, K)
+        b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
+        b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
+        b_oc = row_tile(oc, CONSTS[2], MODES[2], rows, o_v, m_t, m_v, V, C, R)
+        b_d = tl.load(d + p_tv, mask=m_tv, other=0.)
+        b_dy = tl.load(dy + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_do = b_oc * b_dy
+        b_dht = tl.trans(b_dh)
+        p_tk = key_base + rows[:, None] * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        if ONE_KEY:
+            b_e = b_p - b_d
+            # the chunk's start state from its end state
+            b_h0 = b_h - tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
+            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+            b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            if MODES[2] != 0:
+                b_o = tl.dot(b_oq, b_h0, input_precision=PREC) + tl.dot(b_L, b_e, input_precision=PREC)
+                store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            # adjoint of D = c o z through the outputs and the end state
+            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - tl.dot(b_u, b_dh, input_precision=PREC)
+            b_AT = tl.trans(b_A)
+            b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
+            # dp = Aq^T W + Lq^T dO + Q dH = A^T W - gD, and dc = Z o (gD - A^T W) = -Z o dp
+            b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
+            if MODES[0] != 0:
+                b_z = tl.dot(b_u, b_h0, input_precision=PREC) + tl.dot(b_A, b_e, input_precision=PREC)
+                store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            if MODES[1] != 0:
+                store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            # A (as both A and Aq) and L (as Lv and Lq) see D and P only through E = P - D
+            b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
+            b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
+            b_du = (tl.dot(b_w, tl.trans(b_h0), input_precision=PREC)
+                    + tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC) + tl.dot(b_e, b_dht, input_precision=PREC))
+            b_doq = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC) + tl.dot(b_dL, b_u, input_precision=PREC)
+            tl.store(du + p_tk, b_du, mask=m_tk)
+        else:
+            b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
+            b_q = key_tile(q, rows, o_k, m_t, m_k, K)
+            b_h0 = (b_h + tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
+                    - tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
+            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Aq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            if MODES[2] != 0:
+                b_o = (tl.dot(b_oq, b_h0, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC)
+                       + tl.dot(b_Lq, b_p, input_precision=PREC))
+                store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - tl.dot(b_vk, b_dh, input_precision=PREC)
+            b_AT = tl.trans(b_A)
+            b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
+            if MODES[0] != 0:
+                b_z = (tl.dot(b_u, b_h0, input_precision=PREC) + tl.dot(b_Aq, b_p, input_precision=PREC)
+                       - tl.dot(b_A, b_d, input_precision=PREC))
+                store_rows(dc, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t,
+                           m_v, V, i_r, NTOK)
+            b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
+            b_dAq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
+            b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
+            b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
+            if MODES[1] != 0:
+                b_dp = (tl.dot(tl.trans(b_Aq), b_w, input_precision=PREC)
+                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC) + tl.dot(b_q, b_dh, input_precision=PREC))
+                store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            b_h0t = tl.trans(b_h0)
+            b_du = (tl.dot(b_w, b_h0t, input_precision=PREC) + tl.dot(b_dA, b_vk, input_precision=PREC)
+                    + tl.dot(b_dAq, b_q, input_precision=PREC))
+            b_dv = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC) - tl.dot(b_d, b_dht, input_precision=PREC))
+            b_dq = (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC) + tl.dot(b_p, b_dht, input_precision=PREC))
+            b_doq = (tl.dot(b_do, b_h0t, input_precision=PREC) + tl.dot(b_dLv, b_vk, input_precision=PREC)
+                     + tl.dot(b_dLq, b_q, input_precision=PREC))
+            tl.store(du + p_tk, b_du, mask=m_tk)
+            tl.store(dv + p_tk, b_dv, mask=m_tk)
+            tl.store(dq + p_tk, b_dq, mask=m_tk)
+        tl.store(doq + p_tk, b_doq, mask=m_tk)
+        # adjoint of the chunk's start state: the end state's, the substitution's right side, the outputs
+        b_dh = (b_dh + tl.dot(tl.trans(b_u), b_w, input_precision=PREC)
+                + tl.dot(tl.trans(b_oq), b_do, input_precision=PREC))
+        b_h = b_h0
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)

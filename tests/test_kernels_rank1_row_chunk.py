@@ -1,0 +1,185 @@
+"""Chunked per-row rank-1 family (``rank1_row_chunk``: Longhorn exact and the general slot form with
+``a = 1``) under the Triton interpreter, against the float64 per-row recurrence (``rank1_row``'s
+``naive.py``): output, final state and every gradient (keys, row coefficients per row, per head and
+constant, initial state; with a gradient on the final state), outputs poisoned with NaN first, over
+several chunks, lengths cut mid-chunk and several row blocks; packed rows against separate calls;
+and where the dispatch puts the family."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ssmcraft  # noqa: E402
+from ssmcraft.ops import registry  # noqa: E402
+from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
+from ssmcraft.ops.rank1_row_chunk import chunk as RC  # noqa: E402
+from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
+
+# relative RMS error ||ours - ref|| / ||ref||: fp32 kernels (tf32x3 products) vs float64 references
+TOL = {"y": 1e-5, "S_T": 1e-5, "grad": 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(RC, "POISON", True)
+    monkeypatch.setattr(RC, "CHUNK", 16)
+    monkeypatch.setattr(RC, "ROWS", 16)
+
+
+def check(errs):
+    assert_within(errs, TOL)
+
+
+def test_supports():
+    for name in ("longhorn", "deltanet"):
+        assert RC.supports(ssmcraft.compile(name).ir) is None, name
+    for name in ("gated_longhorn", "wd_longhorn", "gated_deltanet"):
+        assert "a != 1" in RC.supports(ssmcraft.compile(name).ir), name
+    assert "rank-1" in RC.supports(ssmcraft.compile("longhorn_diag").ir)
+
+
+def test_dispatch_order():
+    """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn); a
+    per-head step (DeltaNet) stays on rank1_chunk, a decay on rank1_row; the interpreter keeps the
+    registry's order (rank1_row first). (``decode`` runs one-token calls only.)"""
+    def first(name, mode):
+        ir = ssmcraft.compile(name).ir
+        return next(f.name for f in registry.order(ir, mode) if not f.one_token and f.reason(ir) is None)
+    assert first("longhorn", "triton") == "rank1_row_chunk"
+    assert first("deltanet", "triton") == "rank1_chunk"
+    assert first("gated_longhorn", "triton") == "rank1_row"
+    assert first("longhorn", "interpret") == "rank1_row"
+
+
+def _general(B, T, H, K, V, modes, seed):
+    """Float64 leaves (u, v, q, oq, c, p, oc, oh, S0) with c, p, oc, oh per row (4-d), per head (3-d)
+    or constant, as ``modes`` says."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    keys = [r(B, T, H, K) / K ** 0.5 for _ in range(3)] + [r(B, T, H, K)]
+    shape = {"row": (B, T, H, V), "head": (B, T, H)}
+    rows = []
+    for slot, mode in zip(("c", "p", "oc", "oh"), modes):
+        if mode == "const":
+            rows.append(0.3 if slot != "oh" else None)
+        else:
+            x = r(*shape[mode])
+            rows.append(torch.sigmoid(x) if slot == "c" else x)
+    return keys, rows, r(B, H, K, V)
+
+
+def _as_ref(x, B, T, H, V, per_row=False):
+    """A row coefficient as the naive loop takes it: a tensor, ``[B, T, H, V]`` where ``per_row`` (its oh)."""
+    if x is None:
+        return torch.zeros(B, T, H, V, dtype=torch.float64)
+    if not isinstance(x, torch.Tensor):
+        x = torch.full((B, T, H), x, dtype=torch.float64)
+    return x[..., None].expand(B, T, H, V) if per_row and x.dim() == 3 else x
+
+
+# (T, C, R, V, modes of c, p, oc, oh): T = 1, T cut mid-chunk over several chunks, a chunk of 32 tokens,
+# several row blocks with the last one cut, per-head and constant coefficients
+CASES = [
+    (1, 16, 16, 12, ("row", "row", "row", "row")),
+    (37, 16, 16, 20, ("row", "row", "row", "row")),
+    (40, 32, 16, 12, ("row", "row", "const", "const")),
+    (23, 16, 16, 40, ("head", "row", "head", "head")),
+    (19, 16, 32, 20, ("row", "head", "const", "row")),
+    (17, 16, 16, 12, ("const", "const", "row", "const")),
+]
+
+
+@pytest.mark.parametrize("T,C,R,V,modes", CASES)
+def test_general_slots_match_reference(T, C, R, V, modes, monkeypatch):
+    monkeypatch.setattr(RC, "CHUNK", C)
+    monkeypatch.setattr(RC, "ROWS", R)
+    B, H, K = 2, 2, 8
+    keys, rows, S0 = _general(B, T, H, K, V, modes, seed=T)
+    leaves = [x for x in (*keys, *rows, S0) if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        x.requires_grad_()
+    f32 = {id(x): x.detach().float().requires_grad_() for x in leaves}
+    ours = lambda x: f32[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
+    ones = torch.ones(B, T, H, dtype=torch.float64)
+    y_ref, S_ref = naive_recurrent_rank1_row(*keys, ones, *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)], S0)
+    dy, dS = torch.randn_like(y_ref), torch.randn_like(S_ref)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), leaves)
+    y, S = RC.rank1_row_chunk(*[ours(x) for x in keys], *[ours(x) for x in rows], initial_state=ours(S0),
+                              output_final_state=True)
+    assert y.shape == (B, T, H, V) and S.shape == (B, H, K, V) and S.dtype == torch.float32
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [f32[id(x)] for x in leaves])
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{i}": rel(a, b) for i, (a, b) in enumerate(zip(got, ref_g))})
+    check(errs)
+
+
+def test_shared_key_and_no_grad_path():
+    """u = v = q passed as one tensor (Longhorn's k): its gradient is the sum of the three slots'; no
+    initial state and no final-state gradient; inference returns no state and the same output."""
+    B, T, H, K, V = 1, 21, 1, 8, 16
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(B, T, H, K, generator=g).requires_grad_()
+    oq = torch.randn(B, T, H, K, generator=g)
+    c = torch.sigmoid(torch.randn(B, T, H, V, generator=g))
+    p = torch.randn(B, T, H, V, generator=g)
+    y, S = RC.rank1_row_chunk(k, k, k, oq, c, p, output_final_state=True)
+    (gk,) = torch.autograd.grad(y.sum(), [k])
+    k2 = k.detach().double().requires_grad_()
+    y2, S2 = naive_recurrent_rank1_row(k2, k2, k2, oq.double(), torch.ones(B, T, H).double(), c.double(), p.double(),
+                                       torch.ones(B, T, H).double(), torch.zeros(B, T, H, V).double(),
+                                       torch.zeros(B, H, K, V).double())
+    (gk2,) = torch.autograd.grad(y2.sum(), [k2])
+    check({"y": rel(y, y2), "S_T": rel(S, S2), "dk": rel(gk, gk2)})
+    with torch.no_grad():
+        y3, S3 = RC.rank1_row_chunk(k, k, k, oq, c, p)
+    assert S3 is None and torch.equal(y3, y.detach())
+
+
+@pytest.mark.parametrize("name,T", [("longhorn", 1), ("longhorn", 33), ("deltanet", 20)])
+def test_objective_on_reference_layout(name, T):
+    """The generated coefficients on the reference layout (the exported module's path: Longhorn's per-row
+    c and p, DeltaNet's per-head c), against the objective's float64 reference: output, final state,
+    every input's and the initial state's gradient."""
+    obj = ssmcraft.compile(name)
+    ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 20, 8, seed=T)
+    check(kernel_errors(obj, lambda o, lay: RC.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                        ins, params, S0, g))
+
+
+def _only_this_family(monkeypatch):
+    from ssmcraft.runtime import select as TB
+    monkeypatch.setattr(TB, "order", lambda ir, mode: [registry.family("rank1_row_chunk")])
+
+
+def test_longhorn_through_obj(monkeypatch):
+    """Longhorn through ``obj()`` on this family (the computed c, p from the prologue; k read once)."""
+    from ssmcraft.runtime.checking import reference_errors
+    _only_this_family(monkeypatch)
+    obj = ssmcraft.compile("longhorn")
+    obj.prefer = "interpret"
+    calls, real = [], RC._Rank1RowChunkFunction.apply
+    monkeypatch.setattr(RC._Rank1RowChunkFunction, "apply", lambda *a: calls.append(a) or real(*a))
+    ins, params, S0, g = kernel_inputs(obj, 2, 35, 2, 20, 8, seed=4)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
+    assert calls[0][0] is calls[0][1] is calls[0][2]
+    assert obj.backend == "triton-interpret:rank1-row-chunk+prologue"
+    assert cmp.written, cmp.errors
+    assert {"dk", "dx", "dbeta", "dq", "dS0", "S_T"} <= set(cmp.errors), cmp.errors
+    check(cmp.errors)
+
+
+def test_packed_equals_separate(monkeypatch):
+    """A packed row through ``obj()``: lengths under, at and across chunks (of 16), empty sequences
+    first and in the middle; equal to the separate float64 reference calls (output, final states,
+    every gradient), outputs poisoned."""
+    from ssmcraft.runtime.checking import compare, packed_reference
+    from test_varlen import _interpret, packed_inputs
+    _only_this_family(monkeypatch)
+    obj = ssmcraft.compile("longhorn")
+    lens = [0, 17, 5, 0, 16, 35]
+    ins, params, S0, cu, g = packed_inputs(obj, lens, d=20, m=8)
+    ref = packed_reference(obj, ins, params, S0, cu, g)
+    errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
+    assert obj.backend == "triton-interpret:rank1-row-chunk+prologue+packed"
+    assert {"dk", "dx", "dbeta", "dS0", "S_T"} <= set(errs), errs
+    check(errs)
