@@ -39,7 +39,7 @@ LENS = [0, 1, 37, 64, 129, 300, 511]
 CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-chunked+packed", TOL_CHUNKED),
          ("deltanet", "rank1-chunk+packed", TOL_CHUNKED), ("gated_deltanet", "rank1-chunk+packed", TOL_CHUNKED),
          ("mamba", "diagonal-chunked+packed", TOL), ("longhorn_diag", "diagonal-chunked+packed", TOL),
-         ("longhorn", "rank1-row+prologue+packed", TOL), ("gated_longhorn", "rank1-row+prologue+packed", TOL),
+         ("longhorn", "rank1-row-chunk+prologue+packed", TOL), ("gated_longhorn", "rank1-row+prologue+packed", TOL),
          ("longhorn_2key", "rankr-row+prologue+packed", TOL), ("huber_longhorn", "general+packed", TOL),
          ("cauchy_delta", "general+packed", TOL), ("momentum_longhorn", "general+packed", TOL),
          ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
