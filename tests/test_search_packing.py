@@ -121,6 +121,7 @@ def test_a_failed_probe_packs_nothing_and_says_so(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+@pytest.mark.xdist_group("ray")
 def test_ray_executor_asks_ray_for_the_packed_fraction(tmp_path):
     """A local Ray instance declaring 2 GPUs (there are none): the probe is faked, so the
     plan is 3 per GPU by the spec's cap; each trial is given a GPU id by Ray and then, as
