@@ -3,6 +3,12 @@
 Compiler fixtures: an isolated cache directory for generated code, a memoised
 ``compile`` of library objectives, and a generator of random inputs that respect each
 input's declared constraints (positive / bounded / normalize) and each param's sign.
+
+The suite runs in parallel (pytest-xdist, ``-n auto --dist loadgroup``): each worker is its own
+process with its own cache folder (``compiler_cache_dir``), temporary folders and environment. What
+is shared by the machine is kept apart: every test that starts Ray is in ``xdist_group("ray")``, so
+one worker runs them one after another; and each worker gets its share of the cores for torch's
+threads (``pytest_configure``), since two workers each using every core slow each other down.
 """
 from __future__ import annotations
 
@@ -21,6 +27,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # `pytest` without `pip install -e .` still imports ssmcraft
     sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    """Under xdist, torch's intra-op threads (and those of the subprocesses a test starts, through
+    ``OMP_NUM_THREADS``) are the worker's share of the cores the process may use."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,6 +35,11 @@ def _poison(monkeypatch, request):
     return request.param
 
 
+# the tests whose path does not depend on the form (float64 algebra, refusals, the I/O dtypes around
+# the precision) run once, in the default form
+ONE_FORM = pytest.mark.parametrize("_poison", [True], indirect=True, ids=["parallel"])
+
+
 def _spd(B, H, m, g):
     A = torch.randn(B, H, m, m, generator=g, dtype=F64)
     return torch.eye(m, dtype=F64) + 0.1 * A @ A.transpose(-1, -2)
@@ -95,6 +100,7 @@ def _check_twin(T, beta, eta, chunk, lo):
 
 # (lam's lower end, m, tolerance): R's condition number reaches ~1e2, ~2e7 and ~3e8, where the
 # token-by-token Sherman-Morrison recurrence is off by ~1e-13, ~2e-7 and ~4e-10
+@ONE_FORM
 @pytest.mark.parametrize("segment", [None, 16])
 @pytest.mark.parametrize("lo,m,tol", [(0.6, 8, 1e-11), (0.3, 16, 1e-6), (0.5, 64, 1e-8)])
 def test_the_chunked_algebra_equals_the_token_by_token_solve(lo, m, tol, segment):
@@ -266,6 +272,7 @@ def test_the_gpu_checks_case_at_64_is_within_the_fp32_tolerance():
     assert_within(cmp.errors, 1e-4)
 
 
+@ONE_FORM
 def test_bf16_at_a_long_length_is_within_the_gpu_checks_tolerance(monkeypatch):
     """``benchmarks/bench_rls.py``'s bf16 check case at one (batch, head) (T = 1029, d = m = 64, unit
     keys, lam = sigmoid(N(2, 1))) against the float64 reference on the unrounded values, within the
@@ -307,6 +314,7 @@ def test_dispatch_runs_the_family_and_says_so():
     assert rel(y, yr) < 1e-5 and rel(RT, Rr) < 1e-5 and rel(ST, Sr) < 1e-5
 
 
+@ONE_FORM
 @pytest.mark.parametrize("choices,why", [
     ({"proximity": "metric", "step": "scalar"}, "the update is not R_t = lam R + beta k k^T"),
     ({"proximity": "metric"}, "not one target over d"),
@@ -315,6 +323,7 @@ def test_refusals_say_why(choices, why):
     assert why in P.supports(ssmcraft.compile(compose_objective(choices)).ir)
 
 
+@ONE_FORM
 def test_key_dimensions_past_64_are_refused_by_name():
     obj = ssmcraft.compile("rls")
     assert P.supports_sizes(obj.ir, {"m": 64}, "triton") is None
@@ -323,5 +332,6 @@ def test_key_dimensions_past_64_are_refused_by_name():
     assert "K = 128 > 64" in P.supports_inputs(obj.ir, ins, "triton")
 
 
+@ONE_FORM
 def test_other_structures_are_refused():
     assert "no square state" in P.supports(ssmcraft.compile("deltanet").ir)

@@ -30,7 +30,8 @@ from optuna.trial import TrialState
 from ssmcraft.search.rundir import open_study
 from ssmcraft.search.testing import tiny_spec
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
+              pytest.mark.xdist_group("ray")]   # conftest: one Ray instance on the machine at a time
 
 REPO = Path(__file__).resolve().parent.parent
 # Ray on loopback (ENV.md), no usage stats, no token auth; a lost raylet noticed in ~1.5 s

@@ -121,6 +121,7 @@ def test_a_failed_probe_packs_nothing_and_says_so(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+@pytest.mark.xdist_group("ray")
 def test_ray_executor_asks_ray_for_the_packed_fraction(tmp_path):
     """A local Ray instance declaring 2 GPUs (there are none): the probe is faked, so the
     plan is 3 per GPU by the spec's cap; each trial is given a GPU id by Ray and then, as
@@ -136,9 +137,11 @@ def test_ray_executor_asks_ray_for_the_packed_fraction(tmp_path):
     try:
         executor = RayExecutor(log=lambda line: None)
         executor._probe = lambda config: {"peak_bytes": GIB, "gpu_bytes": H200}
+        # the trials fail as soon as they run; their time limit also counts the start of their Ray
+        # workers (three processes importing torch), slow on a 2-core machine that runs the suite in parallel
         spec = load_search_spec(tiny_spec(resources={"cpus_per_trial": 0.25, "max_trials_per_gpu": 3,
                                                      "max_retries": 0},
-                                          budget={"trials": 3, "tokens_per_trial": 1000, "seconds_per_trial": 20}))
+                                          budget={"trials": 3, "tokens_per_trial": 1000, "seconds_per_trial": 60}))
         result = run_search(spec, tmp_path, executor=executor, trial_fn=quadratic, compile_fn=None,
                             plots=False, log=lambda line: None)
     finally:

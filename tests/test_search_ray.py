@@ -20,7 +20,8 @@ from ssmcraft.search.reports import columns
 from ssmcraft.search.testing import Scripted, curve, quadratic, tiny_spec
 from tests.test_search_fidelity import fidelity_spec
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
+              pytest.mark.xdist_group("ray")]   # conftest: one Ray instance on the machine at a time
 
 
 @pytest.fixture(scope="module")

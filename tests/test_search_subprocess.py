@@ -96,6 +96,7 @@ def test_a_killed_driver_resumes_with_the_same_command(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+@pytest.mark.xdist_group("ray")
 def test_the_ray_executor_starts_its_own_loopback_instance(tmp_path):
     spec = tmp_path / "search.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec(budget={"trials": 2, "tokens_per_trial": 1000,
