@@ -294,3 +294,13 @@ def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
     binds = bindings(ir)
     cs = CallSlots(obj, binds, inputs, params, B, T, H, sizes.get(d, 1), sizes.get(m, 1), NO_COMPUTED)
     return run(module(ir, binds), cs)
+
+
+def row_mode(x):
+    """(mode, const, tensor) of a per-row kernel's row coefficient (``a``, ``c``, ``p``, ``oc``, ``oh``):
+    0 a constant (None: 0), 1 per head [B, T, H], 2 per row [B, T, H, d] (the kernels' ``MODES``)."""
+    if x is None:
+        return 0, 0.0, None
+    if not isinstance(x, torch.Tensor):
+        return 0, float(x), None
+    return (2 if x.dim() == 4 else 1), 0.0, x

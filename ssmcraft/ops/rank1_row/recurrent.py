@@ -62,6 +62,7 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate_kernel, rank1_row_segment_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
@@ -124,15 +125,6 @@ ROW_SLOTS = ("a", "c", "p", "oc", "oh")
 VEC_SLOTS = ("u", "v", "q", "oq")
 
 
-def _row_mode(x):
-    """(mode, const, tensor) of a row coefficient: 0 constant, 1 per head, 2 per row."""
-    if x is None:
-        return 0, 0.0, None
-    if not isinstance(x, torch.Tensor):
-        return 0, float(x), None
-    return (2 if x.dim() == 4 else 1), 0.0, x
-
-
 def _groups(vecs):
     """For v, q, oq: index (0..3) of the first of (u, v, q, oq) that is the same tensor."""
     out = []
@@ -166,9 +158,9 @@ KEY_DECAY = 3          # the decay's mode when it is per key ([B, T, H, K])
 
 
 def _modes(xs, key_decay=False):
-    """(MODES, CONSTS, tensors) of row coefficients for the kernels (``_row_mode`` of each; the
+    """(MODES, CONSTS, tensors) of row coefficients for the kernels (``slots.row_mode`` of each; the
     first, the decay, ``KEY_DECAY`` when ``key_decay``)."""
-    ms = [_row_mode(x) for x in xs]
+    ms = [row_mode(x) for x in xs]
     if key_decay:
         ms[0] = (KEY_DECAY, 0.0, xs[0])
     return tuple(m[0] for m in ms), tuple(m[1] for m in ms), [m[2] for m in ms]
@@ -176,7 +168,7 @@ def _modes(xs, key_decay=False):
 
 def _exact_inverse(a) -> bool:
     """Whether s_{t-1} follows from s_t without dividing by a decay (a == 1)."""
-    mode, const, _ = _row_mode(a)
+    mode, const, _ = row_mode(a)
     return mode == 0 and const == 1.0
 
 

@@ -43,6 +43,7 @@ import torch
 
 from ssmcraft.ops.common.chunked import _per_head
 from ssmcraft.ops.common.launch import launch
+from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
 
@@ -65,15 +66,6 @@ def config(V: int) -> tuple[int, int, int]:
     return CHUNK, ROWS, 1 if INTERPRET else NUM_WARPS
 
 
-def _mode(x):
-    """(mode, const, tensor) of a row coefficient: 0 constant (None: 0), 1 per head [B, T, H], 2 per row."""
-    if x is None:
-        return 0, 0.0, None
-    if not isinstance(x, torch.Tensor):
-        return 0, float(x), None
-    return (2 if x.dim() == 4 else 1), 0.0, x
-
-
 def one_key(keys) -> bool:
     """Whether u, v and q are one tensor (Longhorn's k): the kernels' ``ONE_KEY``."""
     return keys[0] is keys[1] and keys[1] is keys[2]
@@ -84,7 +76,7 @@ def _new(shape, device, dtype=torch.float32):
 
 
 def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
-    """keys (u, v, q, oq) [B, T, H, K]; rows (c, p, oc, oh) per ``_mode``; h0 [N, H, K, V] fp32
+    """keys (u, v, q, oq) [B, T, H, K]; rows (c, p, oc, oh) per ``slots.row_mode``; h0 [N, H, K, V] fp32
     contiguous or None. Returns y [B, T, H, V], the final state [N, H, K, V] fp32 (with ``want_state``
     or ``training``) and, when ``training``, D = c o z [B, T, H, V] fp32."""
     u = keys[0]
@@ -92,7 +84,7 @@ def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=N
     N = B if N is None else N
     dev = u.device
     C, R, nw = config(V)
-    modes = [_mode(x) for x in rows]
+    modes = [row_mode(x) for x in rows]
     y = _new((B, T, H, V), dev, out_dtype)
     ht = _new((N, H, K, V), dev) if (want_state or training) else None
     d = _new((B, T, H, V), dev) if training else None
@@ -110,7 +102,7 @@ def _backward(keys, rows, d, ht, dy, dht, need_dh0, out_dtype, cu=None):
     dev = u.device
     C, R, nw = config(V)
     NR = cdiv(V, R)
-    modes = [_mode(x) for x in rows[:3]]
+    modes = [row_mode(x) for x in rows[:3]]
 
     def row_buf(mode):
         return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None

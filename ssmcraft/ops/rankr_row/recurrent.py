@@ -32,7 +32,8 @@ import torch
 
 from ssmcraft.ops.general import recurrent as general
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.rank1_row.recurrent import (_config, _dedup_contig, _prefetch_distance, _row_mode, checkpoints,
+from ssmcraft.ops.common.slots import row_mode
+from ssmcraft.ops.rank1_row.recurrent import (_config, _dedup_contig, _prefetch_distance, checkpoints,
                                               sequences)
 from ssmcraft.ops.rankr_row.kernels import rankr_row_bwd_kernel, rankr_row_fwd_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
@@ -201,8 +202,8 @@ class _RankRRowFunction(torch.autograd.Function):
 
 
 def _modes_of(xs):
-    """(modes, constants, tensors or None) of row factors (``rank1_row._row_mode``)."""
-    ms = [_row_mode(x) for x in xs]
+    """(modes, constants, tensors or None) of row factors (``slots.row_mode``)."""
+    ms = [row_mode(x) for x in xs]
     return tuple(m[0] for m in ms), tuple(m[1] for m in ms), [m[2] for m in ms]
 
 
