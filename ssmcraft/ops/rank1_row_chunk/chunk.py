@@ -45,6 +45,7 @@ from ssmcraft.ops.common.chunked import _per_head
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.rank1_row.recurrent import supports as rank1_row_supports
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
 
 BACKEND_NAME = "rank1-row-chunk"
@@ -189,30 +190,13 @@ def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, outp
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if this family runs ``ir``: a rank-1 update with no decay (``a == 1``), step ``c`` and input
-    ``p`` per row or per head, one key per slot (u, v, q, oq over m, shared by the rows), and the
-    readout ``oc (S oq) + oh``; else the reason."""
-    if ir.kind != "rank1":
-        return f"not a rank-1 update ({ir.kind})"
-    if ir.readout is not None:
-        return "the readout is not of the form oc . (S oq) + oh"
-    if "B" in ir.slots or "p" not in ir.slots:
-        return "the input term does not factor as p q^T"
-    d, m = ir.dims
-    a = ir.coefficient("a")
+    """None if this family runs ``ir``: what ``rank1_row`` runs (a rank-1 update, step ``c`` and input
+    ``p`` per row or per head, one key per slot shared by the rows, the readout ``oc (S oq) + oh``)
+    without a decay (``a == 1``); else the reason."""
+    a = ir.coefficient("a") if ir.kind == "rank1" else None
     if a is not None and not (tuple(a.dims) == () and a.expr == 1):
         return "a decay (a != 1): this family runs a == 1 only (rank1_row runs decays)"
-    allowed = {"c": ((), (d,)), "p": ((), (d,)), "oc": ((), (d,)), "oh": ((), (d,)),
-               "u": ((), (m,)), "v": ((), (m,)), "q": ((), (m,)), "oq": ((), (m,))}
-    for slot, dims_ok in allowed.items():
-        co = ir.coefficient(slot)
-        if co is None:
-            if slot in ("oh", "oc"):
-                continue
-            return f"slot {slot!r} is missing"
-        if tuple(co.dims) not in dims_ok:
-            return f"slot {slot!r} varies over {co.dims}; this kernel takes {' or '.join(map(str, dims_ok))}"
-    return None
+    return rank1_row_supports(ir)
 
 
 def per_row_step(ir) -> bool:
