@@ -31,17 +31,16 @@ def check(errs):
 
 
 def test_supports():
-    for name in ("longhorn", "deltanet"):
+    for name in ("longhorn", "deltanet", "gated_longhorn", "gated_deltanet"):
         assert RC.supports(ssmcraft.compile(name).ir) is None, name
-    for name in ("gated_longhorn", "wd_longhorn", "gated_deltanet"):
-        assert "a != 1" in RC.supports(ssmcraft.compile(name).ir), name
+    assert "per row or per key" in RC.supports(ssmcraft.compile("wd_longhorn").ir)
     assert "rank-1" in RC.supports(ssmcraft.compile("longhorn_diag").ir)
 
 
-def test_dispatch_order():
+def test_dispatch_order(monkeypatch):
     """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn); a
-    per-head step (DeltaNet) stays on rank1_chunk, a decay on rank1_row; the interpreter keeps the
-    registry's order (rank1_row first). (``decode`` runs one-token calls only.)"""
+    per-head step (DeltaNet) stays on rank1_chunk, a decay on rank1_row unless ``DECAY_AHEAD``; the
+    interpreter keeps the registry's order (rank1_row first). (``decode`` runs one-token calls only.)"""
     def first(name, mode):
         ir = ssmcraft.compile(name).ir
         return next(f.name for f in registry.order(ir, mode) if not f.one_token and f.reason(ir) is None)
@@ -49,6 +48,9 @@ def test_dispatch_order():
     assert first("deltanet", "triton") == "rank1_chunk"
     assert first("gated_longhorn", "triton") == "rank1_row"
     assert first("longhorn", "interpret") == "rank1_row"
+    monkeypatch.setattr(RC, "DECAY_AHEAD", True)
+    assert first("gated_longhorn", "triton") == "rank1_row_chunk"
+    assert first("gated_deltanet", "triton") == "rank1_chunk"
 
 
 def _general(B, T, H, K, V, modes, seed):
@@ -182,4 +184,125 @@ def test_packed_equals_separate(monkeypatch):
     errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
     assert obj.backend == "triton-interpret:rank1-row-chunk+prologue+packed"
     assert {"dk", "dx", "dbeta", "dS0", "S_T"} <= set(errs), errs
+    check(errs)
+
+
+def _decay_case(B, T, H, K, V, modes, one_key, decay, seed):
+    """Float64 leaves with a per-head decay ``a [B, T, H]``: ``decay`` "ordinary" in (0.3, 1), "tiny"
+    drawn as ``checking.tiny_decays`` draws them (below 1e-6, 15 % exact zeros, half ordinary mixed in)."""
+    keys, rows, S0 = _general(B, T, H, K, V, modes, seed)
+    if one_key:
+        keys = [keys[0]] * 3 + keys[3:]
+    g = torch.Generator().manual_seed(seed + 1)
+    a = 0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    if decay == "tiny":
+        tiny = torch.exp(-14 - 50 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
+        tiny = torch.where(torch.rand(B, T, H, generator=g) < 0.15, torch.zeros_like(tiny), tiny)
+        a = torch.where(torch.rand(B, T, H, generator=g) < 0.5, tiny, a)
+    return keys, a, rows, S0
+
+
+# (T, C, R, V, modes of c, p, oc, oh, one key, decays): several chunks cut mid-chunk, one token, chunks of
+# 32, several row blocks, per-head and constant coefficients, the shared key (Gated Longhorn's form), tiny
+# and zero decays among ordinary ones
+DECAY_CASES = [
+    (37, 16, 16, 20, ("row", "row", "row", "row"), False, "ordinary"),
+    (37, 16, 16, 20, ("row", "row", "row", "row"), True, "ordinary"),
+    (1, 16, 16, 12, ("row", "row", "row", "row"), True, "ordinary"),
+    (40, 32, 16, 12, ("row", "row", "const", "const"), False, "ordinary"),
+    (23, 16, 16, 40, ("head", "row", "head", "head"), True, "ordinary"),
+    (19, 16, 32, 20, ("row", "head", "const", "row"), False, "ordinary"),
+    (37, 16, 16, 20, ("row", "row", "row", "row"), False, "tiny"),
+    (37, 16, 16, 20, ("row", "row", "row", "row"), True, "tiny"),
+]
+
+
+@pytest.mark.parametrize("T,C,R,V,modes,one_key,decay", DECAY_CASES)
+def test_decay_matches_reference(T, C, R, V, modes, one_key, decay, monkeypatch):
+    """A per-head decay against the float64 recurrence: output, final state and every gradient (the
+    decay's and the initial state's included), outputs poisoned with NaN."""
+    monkeypatch.setattr(RC, "CHUNK", C)
+    monkeypatch.setattr(RC, "ROWS", R)
+    B, H, K = 2, 2, 8
+    keys, a, rows, S0 = _decay_case(B, T, H, K, V, modes, one_key, decay, seed=T + 3 * one_key)
+    leaves = list({id(x): x for x in (*keys, a, *rows, S0) if isinstance(x, torch.Tensor)}.values())
+    for x in leaves:
+        x.requires_grad_()
+    f32 = {id(x): x.detach().float().requires_grad_() for x in leaves}
+    ours = lambda x: f32[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
+    y_ref, S_ref = naive_recurrent_rank1_row(*keys, a, *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)],
+                                             S0)
+    dy, dS = torch.randn_like(y_ref), torch.randn_like(S_ref)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), leaves)
+    assert all(bool(torch.isfinite(x).all()) for x in ref_g)
+    y, S = RC.rank1_row_chunk(*[ours(x) for x in keys], *[ours(x) for x in rows], initial_state=ours(S0),
+                              output_final_state=True, a=ours(a))
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [f32[id(x)] for x in leaves])
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{i}": rel(x, r) for i, (x, r) in enumerate(zip(got, ref_g))})
+    errs["da"] = errs[f"d{[id(x) for x in leaves].index(id(a))}"]
+    check(errs)
+
+
+def test_constant_decay_and_no_grad_path():
+    """A constant decay (a float) equals the same decay as a tensor; inference stores no chunk states
+    and returns the training call's output."""
+    B, T, H, K, V = 1, 21, 2, 8, 16
+    keys, a, rows, S0 = _decay_case(B, T, H, K, V, ("row", "row", "const", "const"), True, "ordinary", seed=5)
+    f = [x.float() if isinstance(x, torch.Tensor) else x for x in (*keys, *rows)]
+    y1, S1 = RC.rank1_row_chunk(*f, initial_state=S0.float(), output_final_state=True, a=0.7)
+    y2, S2 = RC.rank1_row_chunk(*f, initial_state=S0.float(), output_final_state=True,
+                                a=torch.full((B, T, H), 0.7))
+    assert torch.equal(y1, y2) and torch.equal(S1, S2)
+    y_ref, S_ref = naive_recurrent_rank1_row(*keys, torch.full((B, T, H), 0.7, dtype=torch.float64),
+                                             *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)], S0)
+    check({"y": rel(y1, y_ref), "S_T": rel(S1, S_ref)})
+    with pytest.raises(ValueError, match="per head"):
+        RC.rank1_row_chunk(*f, a=torch.full((B, T, H, V), 0.7))
+
+
+@pytest.mark.parametrize("T", [1, 35])
+def test_gated_longhorn_through_obj(T, monkeypatch):
+    """Gated Longhorn through ``obj()`` on this family: u = alpha k folded into the step, so k is read
+    once (one key); output, final state and every gradient (alpha's and the initial state's included)
+    against the objective's float64 reference."""
+    from ssmcraft.runtime.checking import reference_errors
+    _only_this_family(monkeypatch)
+    obj = ssmcraft.compile("gated_longhorn")
+    obj.prefer = "interpret"
+    calls, real = [], RC._Rank1RowChunkFunction.apply
+    monkeypatch.setattr(RC._Rank1RowChunkFunction, "apply", lambda *a: calls.append(a) or real(*a))
+    ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 20, 8, seed=T)
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
+    assert calls[0][0] is calls[0][1] is calls[0][2] and calls[0][4] is not None
+    assert obj.backend == "triton-interpret:rank1-row-chunk+prologue"
+    assert cmp.written, cmp.errors
+    assert {"dk", "dx", "dbeta", "dalpha", "dq", "dS0", "S_T"} <= set(cmp.errors), cmp.errors
+    check(cmp.errors)
+
+
+def test_gated_longhorn_on_reference_layout():
+    obj = ssmcraft.compile("gated_longhorn")
+    ins, params, S0, g = kernel_inputs(obj, 2, 33, 2, 20, 8, seed=6)
+    check(kernel_errors(obj, lambda o, lay: RC.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                        ins, params, S0, g))
+
+
+@pytest.mark.parametrize("decay", ["ordinary", "tiny"])
+def test_packed_decay_equals_separate(decay, monkeypatch):
+    """Gated Longhorn on a packed row through ``obj()`` (lengths under, at and across chunks of 16, empty
+    sequences first and in the middle; ordinary or tiny and zero decays): equal to the separate float64
+    reference calls, every gradient, outputs poisoned; the chunk-start states of the sequences never overlap."""
+    from ssmcraft.runtime.checking import compare, packed_reference, tiny_decays
+    from test_varlen import _interpret, packed_inputs
+    _only_this_family(monkeypatch)
+    obj = ssmcraft.compile("gated_longhorn")
+    lens = [0, 17, 5, 0, 16, 35]
+    ins, params, S0, cu, g = packed_inputs(obj, lens, d=20, m=8)
+    if decay == "tiny":
+        ins, params = tiny_decays(obj, ins, params, g, True)
+    ref = packed_reference(obj, ins, params, S0, cu, g)
+    errs = compare(ref, lambda i, p, s: _interpret(obj, i, p, s, cu), torch.float32).errors
+    assert obj.backend == "triton-interpret:rank1-row-chunk+prologue+packed"
+    assert {"dk", "dx", "dbeta", "dalpha", "dS0", "S_T"} <= set(errs), errs
     check(errs)

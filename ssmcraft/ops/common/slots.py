@@ -296,6 +296,16 @@ def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
     return run(module(ir, binds), cs)
 
 
+def fold_scaled_u(cs, keys, c):
+    """(u, c) for the per-row kernels: where ``u = s k`` with k another key slot in ``keys`` and s per
+    head (Gated Longhorn's u = alpha k), c (s_{t-1} . s k) = (s c)(s_{t-1} . k), so u is k itself and
+    c carries s: the kernel reads k once and sums one gradient less over the rows. Else (cs's u, c)."""
+    scale, u = cs.split("u")
+    if scale is None or not any(u is x for x in keys):
+        return cs.get("u"), c
+    return u, c * (scale.float().unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() == 4 else scale.float())
+
+
 def row_mode(x):
     """(mode, const, tensor) of a per-row kernel's row coefficient (``a``, ``c``, ``p``, ``oc``, ``oh``):
     0 a constant (None: 0), 1 per head [B, T, H], 2 per row [B, T, H, d] (the kernels' ``MODES``)."""

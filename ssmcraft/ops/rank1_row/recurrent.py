@@ -62,7 +62,7 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.launch import launch
-from ssmcraft.ops.common.slots import row_mode
+from ssmcraft.ops.common.slots import fold_scaled_u, row_mode
 from ssmcraft.ops.rank1_row.bwd import rank1_row_bwd_kernel
 from ssmcraft.ops.rank1_row.fwd import rank1_row_fwd_kernel, rank1_row_propagate_kernel, rank1_row_segment_kernel
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_pow2
@@ -506,15 +506,7 @@ def prepare(obj, lay):
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
         keys = [cs.get(s) for s in VEC_SLOTS[1:]]
         rows = [cs.get(s, 1.0 if s in ("a", "oc") else None) for s in ROW_SLOTS]
-        scale, u = cs.split("u")
-        if scale is not None and not any(u is x for x in keys):
-            scale, u = None, cs.get("u")
-        if scale is not None:
-            # u = s k with k another key slot and s per head (Gated Longhorn's u = alpha k): c (s_{t-1} . s k)
-            # = (s c)(s_{t-1} . k), so the kernel reads k once and sums one gradient less over the rows
-            c = rows[1]
-            rows[1] = c * (scale.float().unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() == 4
-                           else scale.float())
+        u, rows[1] = fold_scaled_u(cs, keys, rows[1])
         u, v, q, oq = _dedup_contig((u, *keys))
         a, c, p, oc, oh = _dedup_contig(rows)
         packed = None if cu_seqlens is None else packing(obj.name, cu_seqlens, cs.inputs, initial_state, chunk_of(a))

@@ -50,6 +50,10 @@ from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, ran
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
+# Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): off until a
+# GPU timing shows it faster (``benchmarks/bench_rank1_row_chunk.py --gated`` times both in one process);
+# without a decay it goes ahead (measured faster). Read at dispatch time, so a benchmark may flip it.
+DECAY_AHEAD = False
 # tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
 # (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
 # at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
@@ -76,10 +80,16 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
-def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
-    """keys (u, v, q, oq) [B, T, H, K]; rows (c, p, oc, oh) per ``slots.row_mode``; h0 [N, H, K, V] fp32
-    contiguous or None. Returns y [B, T, H, V], the final state [N, H, K, V] fp32 (with ``want_state``
-    or ``training``) and, when ``training``, D = c o z [B, T, H, V] fp32."""
+def start_slots(B, T, N, C):
+    """Slots of the chunk-start states a decayed forward stores (``kernels.start_slot``)."""
+    return B * T // C + N
+
+
+def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
+    """keys (u, v, q, oq) [B, T, H, K]; a [B, T, H] or None (no decay); rows (c, p, oc, oh) per
+    ``slots.row_mode``; h0 [N, H, K, V] fp32 contiguous or None. Returns y [B, T, H, V], the final state
+    [N, H, K, V] fp32 (with ``want_state`` or ``training``), and, when ``training``, D = c o z
+    [B, T, H, V] fp32 and with a decay the chunk-start states [NS, H, K, V] fp32 (else None)."""
     u = keys[0]
     B, T, H, K = u.shape
     N = B if N is None else N
@@ -89,14 +99,17 @@ def _forward(keys, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=N
     y = _new((B, T, H, V), dev, out_dtype)
     ht = _new((N, H, K, V), dev) if (want_state or training) else None
     d = _new((B, T, H, V), dev) if training else None
-    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, *[m[2] for m in modes], h0, y, ht, d, cu, T,
+    hs = _new((start_slots(B, T, N, C), H, K, V), dev) if training and a is not None else None
+    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, *[m[2] for m in modes], h0, y, ht, d, hs, cu,
+           T,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_D=training,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), num_warps=nw)
-    return y, ht, d
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), HAS_A=a is not None,
+           num_warps=nw)
+    return y, ht, d, hs
 
 
-def _backward(keys, rows, d, ht, dy, dht, need_dh0, out_dtype, cu=None):
+def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -113,27 +126,29 @@ def _backward(keys, rows, d, ht, dy, dht, need_dh0, out_dtype, cu=None):
     dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
     drows = [row_buf(m[0]) for m in modes]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
-    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, *[m[2] for m in modes], d, ht, dy.contiguous(),
-           None if dht is None else dht.float().contiguous(), *dkeys, *drows, dh0, cu, T,
+    da = None if a is None else _new((NR, B * T * H), dev)
+    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, *[m[2] for m in modes], d, ht, hs, dy.contiguous(),
+           None if dht is None else dht.float().contiguous(), *dkeys[:4], da, *drows, dh0, cu, T,
            B * T * H,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, num_warps=nw)
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, HAS_A=a is not None, num_warps=nw)
     dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
-    return dkeys, drows, dh0
+    return dkeys, None if da is None else da.sum(0).view(B, T, H), drows, dh0
 
 
 class _Rank1RowChunkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, v, q, oq, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N):
+    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N):
         keys, rows = (u, v, q, oq), (c, p, oc, oh)
-        training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, *rows, h0))
-        y, ht, d = _forward(keys, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
-                            cu=cu, N=N)
+        training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, a, *rows, h0))
+        y, ht, d, hs = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
+                                cu=cu, N=N)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
-        ctx.save_for_backward(*keys, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, cu)
+        ctx.save_for_backward(*keys, a, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, hs,
+                              cu)
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
@@ -141,29 +156,30 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dht):
-        u, v, q, oq, tc, tp, toc, d, ht, cu = ctx.saved_tensors
+        u, v, q, oq, a, tc, tp, toc, d, ht, hs, cu = ctx.saved_tensors
         rows = [t if t is not None else k for t, k in zip((tc, tp, toc), ctx.row_consts)]
         if dy is None:
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
-        need_dh0 = ctx.needs_input_grad[8]
-        dkeys, drows, dh0 = _backward((u, v, q, oq), rows, d, ht, dy, dht, need_dh0, ctx.out_dtype, cu)
+        need_dh0 = ctx.needs_input_grad[9]
+        dkeys, da, drows, dh0 = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype, cu)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy
         elif ctx.oh_dim == 3:
             doh = dy.float().sum(-1)
         grads = [None if g is None or not isinstance(x, torch.Tensor) else g.to(x.dtype)
-                 for g, x in zip((*dkeys, *drows), (u, v, q, oq, *rows))]
+                 for g, x in zip((*dkeys, da, *drows), (u, v, q, oq, a, *rows))]
         return (*grads, doh, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None, None, None)
 
 
 def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, out_dtype=None):
-    """``s_t,i = s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t``, ``y_t,i = oc_i (s_t,i . oq_t) + oh_i``
-    (``rank1_row_recurrence`` with ``a = 1``), chunked.
+                    cu_seqlens=None, out_dtype=None, a=None):
+    """``s_t,i = a s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t``, ``y_t,i = oc_i (s_t,i . oq_t) + oh_i``
+    (``rank1_row_recurrence`` with a per-head decay), chunked.
 
     Args:
         u, v, q, oq: ``[B, T, H, K]`` (the same tensor may fill several slots).
+        a: the decay, ``[B, T, H]`` (per head), a float or None (no decay).
         c, p, oc, oh: ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a float (``oh`` may be None).
         initial_state: ``[B, H, K, V]`` (FLA's layout) or None.
         cu_seqlens: offsets ``[N + 1]`` of N sequences packed in one row (B = 1); states are then
@@ -182,27 +198,40 @@ def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, outp
     keys = [x.contiguous() for x in (u, v, q, oq)]
     keys = [next(keys[j] for j in range(4) if (u, v, q, oq)[j] is x) for x in (u, v, q, oq)]
     rows = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in (c, p, oc, oh)]
-    return _Rank1RowChunkFunction.apply(*keys, *rows, h0, V, io_dtype(out_dtype or u.dtype), output_final_state, cu_seqlens, N)
+    if a is not None and not isinstance(a, torch.Tensor):
+        a = None if float(a) == 1.0 else torch.full(u.shape[:3], float(a), device=u.device, dtype=torch.float32)
+    if a is not None and a.dim() != 3:
+        raise ValueError(f"rank1_row_chunk: the decay a must be per head [B, T, H], got shape {tuple(a.shape)}")
+    a = None if a is None else a.contiguous()
+    return _Rank1RowChunkFunction.apply(*keys, a, *rows, h0, V, io_dtype(out_dtype or u.dtype), output_final_state,
+                                        cu_seqlens, N)
 
 
 # ----------------------------------------------------------------------------------------
 # family interface (ssmcraft.runtime.select)
 # ----------------------------------------------------------------------------------------
 
+def _decay(ir):
+    """The IR's decay coefficient, or None where there is none (``a == 1``)."""
+    a = ir.coefficient("a") if ir.kind == "rank1" else None
+    return None if a is None or (tuple(a.dims) == () and a.expr == 1) else a
+
+
 def supports(ir) -> str | None:
     """None if this family runs ``ir``: what ``rank1_row`` runs (a rank-1 update, step ``c`` and input
     ``p`` per row or per head, one key per slot shared by the rows, the readout ``oc (S oq) + oh``)
-    without a decay (``a == 1``); else the reason."""
-    a = ir.coefficient("a") if ir.kind == "rank1" else None
-    if a is not None and not (tuple(a.dims) == () and a.expr == 1):
-        return "a decay (a != 1): this family runs a == 1 only (rank1_row runs decays)"
+    with no decay or a per-head one; else the reason."""
+    a = _decay(ir)
+    if a is not None and tuple(a.dims) != ():
+        return f"a decay per row or per key (a varies over {a.dims}): this family runs a per-head decay only"
     return rank1_row_supports(ir)
 
 
 def per_row_step(ir) -> bool:
     """Where this family goes ahead of ``rank1_row`` on CUDA: what it supports with a step per row (a
-    per-head step runs on ``rank1_chunk``, which goes ahead of both)."""
-    return supports(ir) is None and not ir.is_per_head_step()
+    per-head step runs on ``rank1_chunk``, which goes ahead of both), with a decay only where
+    ``DECAY_AHEAD``."""
+    return supports(ir) is None and not ir.is_per_head_step() and (DECAY_AHEAD or _decay(ir) is None)
 
 
 def forward(obj, lay, co, output_final_state):
@@ -226,8 +255,10 @@ def forward(obj, lay, co, output_final_state):
             x = (x.expand(B, T, H, d, 1).reshape(B, T, H, d) if tuple(ir.coefficient(slot).dims) == (d_dim,)
                  else _per_head(x, B, T, H, x.device))
         rows.append(float(x) if isinstance(x, (int, float)) else x)
+    a = co.get("a", 1.0)
+    a = _per_head(a, B, T, H, a.device) if isinstance(a, torch.Tensor) else float(a)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
-    y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state)
+    y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state, a=a)
     return y.to(lay.dtype), (None if ST is None else ST.transpose(-1, -2))
 
 
@@ -236,17 +267,19 @@ def prepare(obj, lay):
     (Longhorn's ``u = v = q = k`` is one tensor), computed row coefficients (Longhorn's
     ``c = beta / (1 + beta k.k)``, ``p = c x``) from ``slots.computed_path``.
     Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None)``."""
-    from ssmcraft.ops.common.slots import slot_runner
+    from ssmcraft.ops.common.slots import fold_scaled_u, slot_runner
     from ssmcraft.ops.common.varlen import check
     out_dtype = io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
-        keys = [cs.get(s) for s in KEY_SLOTS]
+        keys = [cs.get(s) for s in KEY_SLOTS[1:]]
         rows = [cs.get(s, 1.0 if s == "oc" else None) for s in ROW_SLOTS]
+        u, rows[0] = fold_scaled_u(cs, keys, rows[0])
+        keys = [u, *keys]
         if cu_seqlens is not None:
             check(obj.name, cu_seqlens, cs.inputs, initial_state)
         h0 = None if initial_state is None else initial_state.transpose(-1, -2)
         y, ST = rank1_row_chunk(*keys, *rows, initial_state=h0, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens, out_dtype=out_dtype)
+                                cu_seqlens=cu_seqlens, out_dtype=out_dtype, a=cs.get("a", 1.0))
         return y.to(lay.out_dtype), (None if ST is None else ST.transpose(-1, -2))
     return slot_runner(obj, lay, run)

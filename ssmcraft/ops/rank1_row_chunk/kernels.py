@@ -8,13 +8,16 @@ Every product is ``tl.dot`` in fp32 operands (``PREC``: tf32x3 for fp32 I/O, one
 Row coefficients (``c, p, oc, oh``) come per row (``[B, T, H, V]``, mode 2), per head
 (``[B, T, H]``, mode 1) or as a constant (mode 0, ``CONSTS``); padded tokens read as 0, so that a
 chunk cut by the sequence's end contributes nothing.
+A per-head decay (``HAS_A``, ``a [B, T, H]``) enters as the chunk's cumulative log decays ``g`` (read
+as 0 at padded tokens, so a cut chunk's last row holds its last token's sum) through factors
+``e^{g_t - g_tau}`` with t later than tau, never ``e^{-g}`` alone (``chunk.py``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import state_block, state_or_zero
+from ssmcraft.ops.common.tiles import decay_after, decay_before, log_decay, pair_decay_grad, state_block, state_or_zero
 
 
 @triton.jit
@@ -71,6 +74,30 @@ def chunk_masks(C: tl.constexpr):
 
 
 @triton.jit
+def chunk_decays(a, rows, m_t, o_c, strict, incl, C: tl.constexpr):
+    """A chunk's decay factors from its per-head decays ``a`` (1 at padded tokens): the cumulative logs
+    ``g`` and ``gp`` (through the token before) [C], ``Gp [C, C] = e^{gp_t - g_tau}`` (tau < t, else 0),
+    ``G = e^{g_t - g_tau}`` (tau <= t, else 0), and ``e^g``, ``e^gp``, ``e^{g_last - g}`` [C], ``e^g_last``:
+    every exponent a later sum minus an earlier one (<= 0)."""
+    b_la = log_decay(tl.load(a + rows, mask=m_t, other=1.).to(tl.float32))
+    b_g = tl.cumsum(b_la, axis=0)
+    b_gp = b_g - b_la
+    b_gl = tl.sum(tl.where(o_c == C - 1, b_g, 0.), axis=0)
+    Gp = tl.where(strict, tl.exp(tl.where(strict, b_gp[:, None] - b_g[None, :], 0.)), 0.)
+    G = tl.where(incl, tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.)), 0.)
+    return b_g, b_gp, Gp, G, tl.exp(b_g), tl.exp(b_gp), tl.exp(b_gl - b_g), tl.exp(b_gl)
+
+
+@triton.jit
+def start_slot(hs, i_bh, bos, t0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """The address of the start state of the chunk at ``t0`` of the sequence whose first row is ``bos``
+    in ``hs [NS, H, K, V]``: slot ``bos // C + i_b + t0 // C``, so that the sequences of a batch or a
+    packed row (each taking at most ``len // C + 1`` slots) never overlap, ``NS = B T // C + N``."""
+    slot = bos // C + i_bh // H + t0 // C
+    return hs + (slot * H + i_bh % H) * K * V
+
+
+@triton.jit
 def solve(b_g, b_c, b_M, o_c, C: tl.constexpr, R: tl.constexpr, REVERSE: tl.constexpr):
     """W [C, R] solving W + c o (M W) = G row by row, M [C, C] shared by the rows: strictly lower
     (first token first) or, ``REVERSE``, strictly upper (last token first). Row t of G is final once
@@ -85,15 +112,17 @@ def solve(b_g, b_c, b_M, o_c, C: tl.constexpr, R: tl.constexpr, REVERSE: tl.cons
 
 
 @triton.jit
-def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
+def rank1_row_chunk_fwd_kernel(u, v, q, oq, a, c, p, oc, oh, h0, y, ht, d, hs, cu, T,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_D: tl.constexpr,
-                               PREC: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY: tl.constexpr):
+                               PREC: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY: tl.constexpr,
+                               HAS_A: tl.constexpr):
     """y [B, T, H, V] = oc o (S_t oq_t) + oh; d [B, T, H, V] fp32 = c o (S_{t-1} u_t) (``STORE_D``); the final
     state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 [N, H, K, V] (``HAS_H0``). MODES/CONSTS: of
     (c, p, oc, oh). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v and q unread): A = Aq,
-    Lv = Lq, and D enters only through E = P - D."""
+    Lv = Lq, and D enters only through E = P - D. ``HAS_A``: a per-head decay a [B, T, H]; with
+    ``STORE_D`` every chunk's start state goes to hs (``start_slot``) for the backward."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -105,16 +134,31 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
         b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
+        b_uh = tl.dot(b_u, b_h, input_precision=PREC)
+        b_oh = tl.dot(b_oq, b_h, input_precision=PREC)
+        if HAS_A:
+            if STORE_D:
+                tl.store(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, b_h, mask=m_kv)
+            # decayed: A and Aq carry e^{gp_t - g_tau}, Lv and Lq e^{g_t - g_tau}, H0's terms e^gp and e^g,
+            # the end state's e^{g_last - g_tau}
+            b_g, b_gp, Gp, G, b_eg, b_egp, b_ebar, b_egl = chunk_decays(a, rows, m_t, o_c, strict, incl, C)
+            b_uh = b_uh * b_egp[:, None]
+            b_oh = b_oh * b_eg[:, None]
         # A[t, tau] = u_t . v_tau, Aq[t, tau] = u_t . q_tau (tau < t): shared by every row of the head
         if ONE_KEY:
             b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
-            b_x = tl.dot(b_u, b_h, input_precision=PREC) + tl.dot(b_A, b_p, input_precision=PREC)
+            if HAS_A:
+                b_A = b_A * Gp
+            b_x = b_uh + tl.dot(b_A, b_p, input_precision=PREC)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
             b_q = key_tile(q, rows, o_k, m_t, m_k, K)
             b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_vk), input_precision=PREC), 0.)
             b_Aq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-            b_x = tl.dot(b_u, b_h, input_precision=PREC) + tl.dot(b_Aq, b_p, input_precision=PREC)
+            if HAS_A:
+                b_A = b_A * Gp
+                b_Aq = b_Aq * Gp
+            b_x = b_uh + tl.dot(b_Aq, b_p, input_precision=PREC)
         # z = X - A D with D = c o z, X = U H0 + Aq P: D + c o (A D) = c o X, one token per step on [C, R]
         b_d = solve(b_c * b_x, b_c, b_A, o_c, C, R, False)
         # O = OQ H0 - Lv D + Lq P, Lv[t, tau] = oq_t . v_tau, Lq = oq_t . q_tau (tau <= t);
@@ -122,15 +166,24 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
         if ONE_KEY:
             b_e = b_p - b_d
             b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
-            b_o = tl.dot(b_oq, b_h, input_precision=PREC) + tl.dot(b_L, b_e, input_precision=PREC)
-            b_h += tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
+            if HAS_A:
+                b_L = b_L * G
+                b_h = b_h * b_egl + tl.dot(tl.trans(b_u * b_ebar[:, None]), b_e, input_precision=PREC)
+            else:
+                b_h += tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
+            b_o = b_oh + tl.dot(b_L, b_e, input_precision=PREC)
         else:
             b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_vk), input_precision=PREC), 0.)
             b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
-            b_o = (tl.dot(b_oq, b_h, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC)
-                   + tl.dot(b_Lq, b_p, input_precision=PREC))
-            b_h = (b_h - tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
-                   + tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
+            if HAS_A:
+                b_Lv = b_Lv * G
+                b_Lq = b_Lq * G
+                b_h = (b_h * b_egl - tl.dot(tl.trans(b_vk * b_ebar[:, None]), b_d, input_precision=PREC)
+                       + tl.dot(tl.trans(b_q * b_ebar[:, None]), b_p, input_precision=PREC))
+            else:
+                b_h = (b_h - tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
+                       + tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
+            b_o = b_oh - tl.dot(b_Lv, b_d, input_precision=PREC) + tl.dot(b_Lq, b_p, input_precision=PREC)
         b_o = b_o * row_tile(oc, CONSTS[2], MODES[2], rows, o_v, m_t, m_v, V, C, R)
         if MODES[3] != 0 or CONSTS[3] != 0.0:
             b_o += row_tile(oh, CONSTS[3], MODES[3], rows, o_v, m_t, m_v, V, C, R)
@@ -144,19 +197,36 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, c, p, oc, oh, h0, y, ht, d, cu, T,
 
 
 @triton.jit
-def rank1_row_chunk_bwd_kernel(u, v, q, oq, c, p, oc, d, ht, dy, dht, du, dv, dq, doq, dc, dp, doc, dh0, cu, T,
-                               NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+def decay_grad(X_p, x0p, X_g, x0g, b_g, b_gp, o_c, PREC: tl.constexpr):
+    """d a [C] of a chunk, term by term (``tiles.pair_decay_grad``: each factor's coefficient times the
+    product of the other decays in its span, exact at tiny and zero decays): the pairs e^{gp_t - g_tau}
+    with coefficients ``X_p`` and the start factors e^gp_t with ``x0p``; the pairs e^{g_t - g_tau} with
+    ``X_g`` and e^g_t with ``x0g`` (the end state's factors folded into the last row). Coefficients
+    without their decays, summed over the block's rows."""
+    E = decay_before(b_g, b_gp, o_c, o_c)
+    Fgp = decay_after(b_gp, b_g, o_c[:, None] > o_c[None, :], o_c[:, None] == o_c[None, :] + 1)
+    Fg = decay_after(b_g, b_g, o_c[:, None] >= o_c[None, :], o_c[:, None] == o_c[None, :])
+    return pair_decay_grad(X_p, x0p, Fgp, E, b_gp, PREC) + pair_decay_grad(X_g, x0g, Fg, E, b_gp, PREC)
+
+
+@triton.jit
+def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du, dv, dq, doq, da, dc, dp, doc, dh0,
+                               cu, T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
-                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr):
+                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr):
     """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
-    end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it). Writes this row block's slice of
+    end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it; ``HAS_A``: read
+    from the forward's hs, as the decays cannot be divided out). Writes this row block's slice of
     du, dv, dq, doq [NR, B, T, H, K] (``ONE_KEY``: du holds the three key slots' sum, dv and dq are
-    unwritten), the row coefficients' gradients (``store_rows``) and dh0."""
+    unwritten), of da [NR, B * T * H] (``HAS_A``), the row coefficients' gradients (``store_rows``) and dh0.
+    With a decay the products below take the decayed matrices (``chunk_decays``) and the undecayed
+    adjoints ``G o dM`` for the keys."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
-    b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
+    if not HAS_A:
+        b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
     key_base = i_r.to(tl.int64) * NTOK * K
     NC = tl.cdiv(T_s, C)
@@ -177,53 +247,113 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, c, p, oc, d, ht, dy, dht, du, dv, dq
         b_dht = tl.trans(b_dh)
         p_tk = key_base + rows[:, None] * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
+        if HAS_A:
+            b_h0 = tl.load(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, mask=m_kv, other=0.)
+            b_g, b_gp, Gp, G, b_eg, b_egp, b_ebar, b_egl = chunk_decays(a, rows, m_t, o_c, strict, incl, C)
         if ONE_KEY:
             b_e = b_p - b_d
-            # the chunk's start state from its end state
-            b_h0 = b_h - tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
-            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
-            b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            if not HAS_A:
+                # the chunk's start state from its end state
+                b_h0 = b_h - tl.dot(tl.trans(b_u), b_e, input_precision=PREC)
+            b_Au = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+            b_Lu = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
+            b_ud = tl.dot(b_u, b_dh, input_precision=PREC)
+            if HAS_A:
+                b_A = b_Au * Gp
+                b_L = b_Lu * G
+                b_uhs = b_uh * b_egp[:, None]
+                b_uds = b_ud * b_ebar[:, None]
+            else:
+                b_A = b_Au
+                b_L = b_Lu
+                b_uhs = b_uh
+                b_uds = b_ud
+            if MODES[2] != 0 or HAS_A:
+                b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
             if MODES[2] != 0:
-                b_o = tl.dot(b_oq, b_h0, input_precision=PREC) + tl.dot(b_L, b_e, input_precision=PREC)
-                store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
+                b_ohs = b_oh
+                if HAS_A:
+                    b_ohs = b_oh * b_eg[:, None]
+                store_rows(doc, b_dy * (b_ohs + tl.dot(b_L, b_e, input_precision=PREC)), MODES[2], rows, o_v, m_t,
+                           m_v, V, i_r, NTOK)
             # adjoint of D = c o z through the outputs and the end state
-            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - tl.dot(b_u, b_dh, input_precision=PREC)
+            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - b_uds
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             # dp = Aq^T W + Lq^T dO + Q dH = A^T W - gD, and dc = Z o (gD - A^T W) = -Z o dp
             b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
             if MODES[0] != 0:
-                b_z = tl.dot(b_u, b_h0, input_precision=PREC) + tl.dot(b_A, b_e, input_precision=PREC)
+                b_z = b_uhs + tl.dot(b_A, b_e, input_precision=PREC)
                 store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
             if MODES[1] != 0:
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             # A (as both A and Aq) and L (as Lv and Lq) see D and P only through E = P - D
             b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
             b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
-            b_du = (tl.dot(b_w, tl.trans(b_h0), input_precision=PREC)
-                    + tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
-                    + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC) + tl.dot(b_e, b_dht, input_precision=PREC))
-            b_doq = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC) + tl.dot(b_dL, b_u, input_precision=PREC)
+            if HAS_A:
+                # the decay's factors: A's pairs and X's start terms (row sums gp); L's pairs, O's start
+                # terms and the end state's (the last row's, row sums g)
+                b_Xg = b_dL * b_Lu
+                b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + tl.sum(b_ud * b_e, axis=1)[None, :], b_Xg)
+                b_x0g = tl.sum(b_do * b_oh, axis=1) + tl.where(o_c == C - 1, tl.sum(tl.sum(b_dh * b_h0, 1), 0), 0.)
+                b_da = decay_grad(b_dA * b_Au, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp, o_c, PREC)
+                tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
+                b_dA = b_dA * Gp
+                b_dL = b_dL * G
+                b_du = (tl.dot(b_w * b_egp[:, None], tl.trans(b_h0), input_precision=PREC)
+                        + tl.dot(b_e * b_ebar[:, None], b_dht, input_precision=PREC))
+                b_doq = tl.dot(b_do * b_eg[:, None], tl.trans(b_h0), input_precision=PREC)
+            else:
+                b_du = (tl.dot(b_w, tl.trans(b_h0), input_precision=PREC)
+                        + tl.dot(b_e, b_dht, input_precision=PREC))
+                b_doq = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC)
+            b_du += (tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
+                     + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
+            b_doq += tl.dot(b_dL, b_u, input_precision=PREC)
             tl.store(du + p_tk, b_du, mask=m_tk)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
             b_q = key_tile(q, rows, o_k, m_t, m_k, K)
-            b_h0 = (b_h + tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
-                    - tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
-            b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_vk), input_precision=PREC), 0.)
-            b_Aq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-            b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_vk), input_precision=PREC), 0.)
-            b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            if not HAS_A:
+                b_h0 = (b_h + tl.dot(tl.trans(b_vk), b_d, input_precision=PREC)
+                        - tl.dot(tl.trans(b_q), b_p, input_precision=PREC))
+            b_Au = tl.where(strict, tl.dot(b_u, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Aqu = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            b_Lvu = tl.where(incl, tl.dot(b_oq, tl.trans(b_vk), input_precision=PREC), 0.)
+            b_Lqu = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            b_vd = tl.dot(b_vk, b_dh, input_precision=PREC)
+            b_qd = tl.dot(b_q, b_dh, input_precision=PREC)
+            if HAS_A:
+                b_A = b_Au * Gp
+                b_Aq = b_Aqu * Gp
+                b_Lv = b_Lvu * G
+                b_Lq = b_Lqu * G
+                b_vds = b_vd * b_ebar[:, None]
+                b_qds = b_qd * b_ebar[:, None]
+            else:
+                b_A = b_Au
+                b_Aq = b_Aqu
+                b_Lv = b_Lvu
+                b_Lq = b_Lqu
+                b_vds = b_vd
+                b_qds = b_qd
+            b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
+            b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
+            if HAS_A:
+                b_ohs = b_oh * b_eg[:, None]
+                b_uhs = b_uh * b_egp[:, None]
+            else:
+                b_ohs = b_oh
+                b_uhs = b_uh
             if MODES[2] != 0:
-                b_o = (tl.dot(b_oq, b_h0, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC)
-                       + tl.dot(b_Lq, b_p, input_precision=PREC))
+                b_o = b_ohs - tl.dot(b_Lv, b_d, input_precision=PREC) + tl.dot(b_Lq, b_p, input_precision=PREC)
                 store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
-            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - tl.dot(b_vk, b_dh, input_precision=PREC)
+            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - b_vds
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             if MODES[0] != 0:
-                b_z = (tl.dot(b_u, b_h0, input_precision=PREC) + tl.dot(b_Aq, b_p, input_precision=PREC)
-                       - tl.dot(b_A, b_d, input_precision=PREC))
+                b_z = b_uhs + tl.dot(b_Aq, b_p, input_precision=PREC) - tl.dot(b_A, b_d, input_precision=PREC)
                 store_rows(dc, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t,
                            m_v, V, i_r, NTOK)
             b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
@@ -232,24 +362,47 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, c, p, oc, d, ht, dy, dht, du, dv, dq
             b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
             if MODES[1] != 0:
                 b_dp = (tl.dot(tl.trans(b_Aq), b_w, input_precision=PREC)
-                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC) + tl.dot(b_q, b_dh, input_precision=PREC))
+                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC) + b_qds)
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             b_h0t = tl.trans(b_h0)
-            b_du = (tl.dot(b_w, b_h0t, input_precision=PREC) + tl.dot(b_dA, b_vk, input_precision=PREC)
-                    + tl.dot(b_dAq, b_q, input_precision=PREC))
-            b_dv = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
-                    + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC) - tl.dot(b_d, b_dht, input_precision=PREC))
-            b_dq = (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
-                    + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC) + tl.dot(b_p, b_dht, input_precision=PREC))
-            b_doq = (tl.dot(b_do, b_h0t, input_precision=PREC) + tl.dot(b_dLv, b_vk, input_precision=PREC)
-                     + tl.dot(b_dLq, b_q, input_precision=PREC))
+            if HAS_A:
+                b_Xg = b_dLv * b_Lvu + b_dLq * b_Lqu
+                b_x7 = tl.sum(b_qd * b_p - b_vd * b_d, axis=1)
+                b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + b_x7[None, :], b_Xg)
+                b_x0g = tl.sum(b_do * b_oh, axis=1) + tl.where(o_c == C - 1, tl.sum(tl.sum(b_dh * b_h0, 1), 0), 0.)
+                b_da = decay_grad(b_dA * b_Au + b_dAq * b_Aqu, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp,
+                                  o_c, PREC)
+                tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
+                b_dA = b_dA * Gp
+                b_dAq = b_dAq * Gp
+                b_dLv = b_dLv * G
+                b_dLq = b_dLq * G
+                b_du = tl.dot(b_w * b_egp[:, None], b_h0t, input_precision=PREC)
+                b_dv = -tl.dot(b_d * b_ebar[:, None], b_dht, input_precision=PREC)
+                b_dq = tl.dot(b_p * b_ebar[:, None], b_dht, input_precision=PREC)
+                b_doq = tl.dot(b_do * b_eg[:, None], b_h0t, input_precision=PREC)
+            else:
+                b_du = tl.dot(b_w, b_h0t, input_precision=PREC)
+                b_dv = -tl.dot(b_d, b_dht, input_precision=PREC)
+                b_dq = tl.dot(b_p, b_dht, input_precision=PREC)
+                b_doq = tl.dot(b_do, b_h0t, input_precision=PREC)
+            b_du += tl.dot(b_dA, b_vk, input_precision=PREC) + tl.dot(b_dAq, b_q, input_precision=PREC)
+            b_dv += (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
+                     + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC))
+            b_dq += (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
+                     + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC))
+            b_doq += tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC)
             tl.store(du + p_tk, b_du, mask=m_tk)
             tl.store(dv + p_tk, b_dv, mask=m_tk)
             tl.store(dq + p_tk, b_dq, mask=m_tk)
         tl.store(doq + p_tk, b_doq, mask=m_tk)
         # adjoint of the chunk's start state: the end state's, the substitution's right side, the outputs
-        b_dh = (b_dh + tl.dot(tl.trans(b_u), b_w, input_precision=PREC)
-                + tl.dot(tl.trans(b_oq), b_do, input_precision=PREC))
-        b_h = b_h0
+        if HAS_A:
+            b_dh = (b_dh * b_egl + tl.dot(tl.trans(b_u), b_w * b_egp[:, None], input_precision=PREC)
+                    + tl.dot(tl.trans(b_oq), b_do * b_eg[:, None], input_precision=PREC))
+        else:
+            b_dh = (b_dh + tl.dot(tl.trans(b_u), b_w, input_precision=PREC)
+                    + tl.dot(tl.trans(b_oq), b_do, input_precision=PREC))
+            b_h = b_h0
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
