@@ -205,3 +205,19 @@ def test_chunked_per_row_kernels_spill_little():
     assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
     assert _spill_bytes(rows["rank1_row_chunk_fwd_kernel"]) == 0, rows
     assert _spill_bytes(rows["rank1_row_chunk_bwd_kernel"]) <= 256, rows
+
+
+def test_decayed_per_row_chunk_kernels_compile_for_sm90():
+    """rank1_row_chunk's decayed form (Gated Longhorn, one key, ``--decay-ahead``: the family ahead of
+    rank1_row as ``DECAY_AHEAD`` puts it), unpacked and packed, bf16 at its default tiles (``--regs``):
+    the forward spills nothing; the backward spilled 440 bytes (255 registers) when written, and a
+    blow-up fails."""
+    for extra in ((), ("--packed", "0,17,5,33")):
+        rc, out, err = _run("gated_longhorn", "--regs", "--decay-ahead", *extra)
+        assert rc == 0, out + err[-2000:]
+        assert {line.split()[1] for line in out.splitlines()} == {
+            "triton:rank1-row-chunk+prologue" + ("+packed" if extra else "")}, out
+        rows = {k: v for (label, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
+        assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
+        assert _spill_bytes(rows["rank1_row_chunk_fwd_kernel"]) == 0, rows
+        assert _spill_bytes(rows["rank1_row_chunk_bwd_kernel"]) <= 512, rows

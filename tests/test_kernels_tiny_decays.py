@@ -41,8 +41,8 @@ OBJECTIVES = {
 }
 # (objective, family): every family that takes a decay, with the objectives it runs
 CASES = [
-    ("gated_deltanet", "rank1_chunk"), ("gated_deltanet", "rank1_row"),
-    ("composed_implicit", "rank1_chunk"), ("composed_implicit", "rank1_row"),
+    ("gated_deltanet", "rank1_chunk"), ("gated_deltanet", "rank1_row"), ("gated_deltanet", "rank1_row_chunk"),
+    ("composed_implicit", "rank1_chunk"), ("composed_implicit", "rank1_row"), ("composed_implicit", "rank1_row_chunk"),
     ("composed_decay_explicit", "rank1_chunk"),
     ("gla", "keydecay_chunk"), ("gla", "diagonal"), ("hgrn", "keydecay_chunk"), ("hgrn", "diagonal"),
     ("retnet", "keydecay_chunk"), ("retnet", "diagonal"), ("mamba", "diagonal"),

@@ -1,7 +1,8 @@
 """Family ``rank1_row_chunk``: identity-minus-rank-1 recurrences with a per-row step and no decay
-(Longhorn exact), chunked: per chunk of tokens one shared-matrix triangular system per state row,
-its products on tensor cores (``chunk.py``). Its float64 reference is ``rank1_row``'s ``naive.py``
-with ``a = 1``."""
+(Longhorn exact) or a per-head one (Gated Longhorn), chunked: per chunk of tokens one shared-matrix
+triangular system per state row, its products on tensor cores (``chunk.py``). Its float64 reference
+is ``rank1_row``'s ``naive.py``. On CUDA it goes ahead of ``rank1_row`` without a decay, and with one
+only where ``chunk.DECAY_AHEAD``."""
 from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.rank1_row_chunk import chunk
 

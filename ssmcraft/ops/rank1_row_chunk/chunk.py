@@ -1,8 +1,11 @@
-"""Chunked identity-minus-rank-1 recurrences with a per-row step and no decay (Longhorn exact).
+"""Chunked identity-minus-rank-1 recurrences with a per-row step, with no decay (Longhorn exact) or a
+per-head one (Gated Longhorn).
 
 The recurrence (``ssmcraft.ops.rank1_row``), per state row ``i`` (``s_i`` a row vector over K)::
 
-    z_t,i = s_{t-1,i} . u_t,   s_t,i = s_{t-1,i} - c_t,i z_t,i v_t + p_t,i q_t,   y_t,i = oc_i (s_t,i . oq_t) + oh_i
+    z_t,i = s_{t-1,i} . u_t,   s_t,i = a_t s_{t-1,i} - c_t,i z_t,i v_t + p_t,i q_t,   y_t,i = oc_i (s_t,i . oq_t) + oh_i
+
+The algebra below is written for ``a = 1``; the decay is described after it.
 
 Over a chunk of C tokens from the start state ``H0 = S_0^T [K, V]``, with ``D = c o Z`` ([C, V]), the
 per-row scalars satisfy one unit lower-triangular system per row whose matrices are shared by the
@@ -33,6 +36,24 @@ The key gradients are sums over rows: each row block writes its own slice ``[NR,
 on the host (as ``rank1_row`` does); so are per-head coefficients' (``[NR, B, T, H]``). The forward
 of a training step stores ``D`` ([B, T, H, V] fp32, the substitution's own result, so that the
 backward rebuilds exactly the states the forward walked) and the final state; nothing per chunk.
+
+A per-head decay ``a [B, T, H]`` (as gated DeltaNet's chunked form takes it): with ``g_t`` the chunk's
+cumulative log decays (``log a`` floored at ``tiles.LOG_DECAY_MIN``, so that 0 and tiny decays stay
+finite) and ``gp_t = g_t - log a_t``, every matrix carries the decays between its two tokens and every
+term of the start state the decays from the chunk's start::
+
+    A, Aq *= e^{gp_t - g_tau} (tau < t),   Lv, Lq *= e^{g_t - g_tau} (tau <= t)
+    U H0 -> e^{gp} o U H0,   OQ H0 -> e^g o OQ H0,   H_C = e^{g_C} H0 - V~^T D + Q~^T P,  V~ = e^{g_C - g} o V
+
+each exponent a later sum minus an earlier one (<= 0; never ``e^{-g}`` alone), so nothing overflows.
+The backward is the one above on these matrices, the keys' gradients taking the decayed adjoints
+(``e^{..} o dA`` and so on). The decay's gradient is taken term by term in every chunk
+(``tiles.pair_decay_grad``: each factor's coefficient times the product of the other decays in its
+span), exact at tiny and zero decays, where d log a / a loses its digits; it costs two ``[C, C]``
+products a chunk, beside the ``[C, K]`` ones, so no chunk takes the d log a / a shortcut. A chunk's
+start state cannot be rebuilt from its end state by dividing by the decays: the forward of a training
+step stores every chunk's start state (``hs``, ``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C``
+bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
 
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
