@@ -3,7 +3,7 @@ beside the per-token one (``rank1_row``) and the chunked per-head one (``rank1_c
 one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 16x16x4,16x32x4,32x16x4] [--no-check]
+        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--gated]
 
 1. Correctness (``--check``, default on): Longhorn exact's recurrence (u = v = q = k, c and p per row)
    and the general slot form (distinct keys, per-row oc and oh) at B=2, T=1000 (the last chunk cut to
@@ -14,6 +14,12 @@ one process:
    alone (c and p given, as the objectives' prologue hands them over): forward, and forward+backward
    (every input's gradient, none of the state's), for rank1_row and each (C, R, num_warps) config of
    the chunked family; FLA-style DeltaNet (per-head step) on rank1_chunk as the anchor.
+3. ``--gated``: Gated Longhorn (a per-head decay) through ``obj()`` both ways in one process: on
+   rank1_row (the default dispatch) and on this family (``chunk.DECAY_AHEAD = True``): first the two
+   checked against each other in fp32 at ``--check-shape`` (output, final state, every input's and the
+   initial state's gradient; rank1_row is checked against float64 by its own tests), then each timed in
+   bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd) beside Longhorn (no decay,
+   this family) for the ratio to Longhorn. What decides ``DECAY_AHEAD``.
 """
 from __future__ import annotations
 
@@ -136,7 +142,11 @@ def main(argv=None):
     ap.add_argument("--check-configs", type=int, default=2, help="how many of the configs Longhorn's check runs "
                     "(the general form runs the first)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--gated", action="store_true", help="Gated Longhorn through obj() on rank1_row and on this "
+                    "family (DECAY_AHEAD), checked against each other and timed (only this)")
     args = ap.parse_args(argv)
+    if args.gated:
+        return gated(args)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     print(torch.cuda.get_device_name() if DEV == "cuda" else DEV, "triton", triton.__version__, flush=True)
     if not args.no_check:
@@ -172,6 +182,49 @@ def main(argv=None):
     f, fb = timings(lambda k_, q_, x_, b_, S: delta_rule(q_, k_, x_, b_, initial_state=S, output_final_state=True),
                     (k, q, x, beta, S0))
     print(f"rank1_chunk DeltaNet (anchor)  {f:7.3f} {fb:7.3f}", flush=True)
+
+
+def _gated_run(ahead, shape, dtype, grad, seed=0):
+    """Gated Longhorn through ``obj()`` on CUDA with ``DECAY_AHEAD = ahead``: (backend, y, S_T, grads of
+    every input and of the initial state, the leaves' names) with ``grad``, else (backend, None...)."""
+    import ssmcraft
+    from ssmcraft.bench.run import random_inputs, random_state
+    RC.DECAY_AHEAD = ahead
+    B, T, H, d, m = shape
+    obj = ssmcraft.compile("gated_longhorn")
+    ins, params = random_inputs(obj, B, T, H, d, m, dtype, torch.device(DEV), seed=seed, requires_grad=grad)
+    S0 = random_state(obj, B, H, d, m, torch.device(DEV), requires_grad=grad)
+    y, S = obj(ins, params, S0, True)
+    names = [*ins, "S0"]
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    dy = torch.randn(y.shape, generator=g, device=DEV)
+    dS = torch.randn(S.shape, generator=g, device=DEV)
+    grads = torch.autograd.grad((y.float() * dy).sum() + (S.float() * dS).sum(), [*ins.values(), S0])
+    return obj.backend, y, S, dict(zip(names, grads))
+
+
+def gated(args):
+    """``--gated`` (module docstring, 3.)."""
+    from ssmcraft.bench.classes_commands import measure
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
+    check = tuple(int(x) for x in args.check_shape.split(","))
+    if not args.no_check:
+        b0, y0, S0, g0 = _gated_run(False, check, torch.float32, True)
+        b1, y1, S1, g1 = _gated_run(True, check, torch.float32, True)
+        errs = {"y": rel(y1, y0), "S_T": rel(S1, S0), **{f"d{k}": rel(g1[k], g0[k]) for k in g0}}
+        print(f"check gated_longhorn fp32 {b1} vs {b0}: {fmt(errs)}", flush=True)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    RC.DECAY_AHEAD = False
+    rows = [("longhorn (rank1_row_chunk)", "longhorn"), ("gated_longhorn DECAY_AHEAD=False", "gated_longhorn")]
+    res = [measure(label, spec, shape, torch.bfloat16) for label, spec in rows]
+    RC.DECAY_AHEAD = True
+    res.append(measure("gated_longhorn DECAY_AHEAD=True", "gated_longhorn", shape, torch.bfloat16))
+    RC.DECAY_AHEAD = False
+    print(f"obj() bf16 B,T,H,d,m={shape} (ms, median): fwd  fwd+bwd  x Longhorn's fwd+bwd", flush=True)
+    for r in res:
+        print(f"{r['spec']:<34} {r['backend']:<34} {r['fwd_ms']:7.3f} {r['fwd_bwd_ms']:7.3f} "
+              f"{r['fwd_bwd_ms'] / res[0]['fwd_bwd_ms']:6.2f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
