@@ -89,6 +89,15 @@ def chunk_decays(a, rows, m_t, o_c, strict, incl, C: tl.constexpr):
 
 
 @triton.jit
+def decayed(x, f, HAS_A: tl.constexpr):
+    """``x * f`` with a decay, else ``x`` untouched (``f`` then a placeholder)."""
+    if HAS_A:
+        return x * f
+    else:
+        return x
+
+
+@triton.jit
 def start_slot(hs, i_bh, bos, t0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
     """The address of the start state of the chunk at ``t0`` of the sequence whose first row is ``bos``
     in ``hs [NS, H, K, V]``: slot ``bos // C + i_b + t0 // C``, so that the sequences of a batch or a
@@ -250,6 +259,9 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
         if HAS_A:
             b_h0 = tl.load(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, mask=m_kv, other=0.)
             b_g, b_gp, Gp, G, b_eg, b_egp, b_ebar, b_egl = chunk_decays(a, rows, m_t, o_c, strict, incl, C)
+            b_eg, b_egp, b_ebar = b_eg[:, None], b_egp[:, None], b_ebar[:, None]
+        else:
+            Gp, G, b_eg, b_egp, b_ebar, b_egl = 1., 1., 1., 1., 1., 1.   # unread: ``decayed`` returns x as it is
         if ONE_KEY:
             b_e = b_p - b_d
             if not HAS_A:
@@ -259,32 +271,21 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
             b_Lu = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
             b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
             b_ud = tl.dot(b_u, b_dh, input_precision=PREC)
-            if HAS_A:
-                b_A = b_Au * Gp
-                b_L = b_Lu * G
-                b_uhs = b_uh * b_egp[:, None]
-                b_uds = b_ud * b_ebar[:, None]
-            else:
-                b_A = b_Au
-                b_L = b_Lu
-                b_uhs = b_uh
-                b_uds = b_ud
+            b_A = decayed(b_Au, Gp, HAS_A)
+            b_L = decayed(b_Lu, G, HAS_A)
             if MODES[2] != 0 or HAS_A:
                 b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
             if MODES[2] != 0:
-                b_ohs = b_oh
-                if HAS_A:
-                    b_ohs = b_oh * b_eg[:, None]
-                store_rows(doc, b_dy * (b_ohs + tl.dot(b_L, b_e, input_precision=PREC)), MODES[2], rows, o_v, m_t,
-                           m_v, V, i_r, NTOK)
+                store_rows(doc, b_dy * (decayed(b_oh, b_eg, HAS_A) + tl.dot(b_L, b_e, input_precision=PREC)), MODES[2],
+                           rows, o_v, m_t, m_v, V, i_r, NTOK)
             # adjoint of D = c o z through the outputs and the end state
-            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - b_uds
+            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - decayed(b_ud, b_ebar, HAS_A)
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             # dp = Aq^T W + Lq^T dO + Q dH = A^T W - gD, and dc = Z o (gD - A^T W) = -Z o dp
             b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
             if MODES[0] != 0:
-                b_z = b_uhs + tl.dot(b_A, b_e, input_precision=PREC)
+                b_z = decayed(b_uh, b_egp, HAS_A) + tl.dot(b_A, b_e, input_precision=PREC)
                 store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
             if MODES[1] != 0:
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
@@ -299,18 +300,14 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                 b_x0g = tl.sum(b_do * b_oh, axis=1) + tl.where(o_c == C - 1, tl.sum(tl.sum(b_dh * b_h0, 1), 0), 0.)
                 b_da = decay_grad(b_dA * b_Au, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp, o_c, PREC)
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
-                b_dA = b_dA * Gp
-                b_dL = b_dL * G
-                b_du = (tl.dot(b_w * b_egp[:, None], tl.trans(b_h0), input_precision=PREC)
-                        + tl.dot(b_e * b_ebar[:, None], b_dht, input_precision=PREC))
-                b_doq = tl.dot(b_do * b_eg[:, None], tl.trans(b_h0), input_precision=PREC)
-            else:
-                b_du = (tl.dot(b_w, tl.trans(b_h0), input_precision=PREC)
-                        + tl.dot(b_e, b_dht, input_precision=PREC))
-                b_doq = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC)
-            b_du += (tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
-                     + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
-            b_doq += tl.dot(b_dL, b_u, input_precision=PREC)
+            b_dA = decayed(b_dA, Gp, HAS_A)
+            b_dL = decayed(b_dL, G, HAS_A)
+            b_du = (tl.dot(decayed(b_w, b_egp, HAS_A), tl.trans(b_h0), input_precision=PREC)
+                    + tl.dot(decayed(b_e, b_ebar, HAS_A), b_dht, input_precision=PREC)
+                    + tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
+            b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), tl.trans(b_h0), input_precision=PREC)
+                     + tl.dot(b_dL, b_u, input_precision=PREC))
             tl.store(du + p_tk, b_du, mask=m_tk)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
@@ -324,36 +321,22 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
             b_Lqu = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
             b_vd = tl.dot(b_vk, b_dh, input_precision=PREC)
             b_qd = tl.dot(b_q, b_dh, input_precision=PREC)
-            if HAS_A:
-                b_A = b_Au * Gp
-                b_Aq = b_Aqu * Gp
-                b_Lv = b_Lvu * G
-                b_Lq = b_Lqu * G
-                b_vds = b_vd * b_ebar[:, None]
-                b_qds = b_qd * b_ebar[:, None]
-            else:
-                b_A = b_Au
-                b_Aq = b_Aqu
-                b_Lv = b_Lvu
-                b_Lq = b_Lqu
-                b_vds = b_vd
-                b_qds = b_qd
+            b_A = decayed(b_Au, Gp, HAS_A)
+            b_Aq = decayed(b_Aqu, Gp, HAS_A)
+            b_Lv = decayed(b_Lvu, G, HAS_A)
+            b_Lq = decayed(b_Lqu, G, HAS_A)
             b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
             b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
-            if HAS_A:
-                b_ohs = b_oh * b_eg[:, None]
-                b_uhs = b_uh * b_egp[:, None]
-            else:
-                b_ohs = b_oh
-                b_uhs = b_uh
             if MODES[2] != 0:
-                b_o = b_ohs - tl.dot(b_Lv, b_d, input_precision=PREC) + tl.dot(b_Lq, b_p, input_precision=PREC)
+                b_o = (decayed(b_oh, b_eg, HAS_A) - tl.dot(b_Lv, b_d, input_precision=PREC)
+                       + tl.dot(b_Lq, b_p, input_precision=PREC))
                 store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
-            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - b_vds
+            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - decayed(b_vd, b_ebar, HAS_A)
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             if MODES[0] != 0:
-                b_z = b_uhs + tl.dot(b_Aq, b_p, input_precision=PREC) - tl.dot(b_A, b_d, input_precision=PREC)
+                b_z = (decayed(b_uh, b_egp, HAS_A) + tl.dot(b_Aq, b_p, input_precision=PREC)
+                       - tl.dot(b_A, b_d, input_precision=PREC))
                 store_rows(dc, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t,
                            m_v, V, i_r, NTOK)
             b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
@@ -362,7 +345,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
             b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
             if MODES[1] != 0:
                 b_dp = (tl.dot(tl.trans(b_Aq), b_w, input_precision=PREC)
-                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC) + b_qds)
+                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC) + decayed(b_qd, b_ebar, HAS_A))
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             b_h0t = tl.trans(b_h0)
             if HAS_A:
@@ -373,36 +356,28 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                 b_da = decay_grad(b_dA * b_Au + b_dAq * b_Aqu, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp,
                                   o_c, PREC)
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
-                b_dA = b_dA * Gp
-                b_dAq = b_dAq * Gp
-                b_dLv = b_dLv * G
-                b_dLq = b_dLq * G
-                b_du = tl.dot(b_w * b_egp[:, None], b_h0t, input_precision=PREC)
-                b_dv = -tl.dot(b_d * b_ebar[:, None], b_dht, input_precision=PREC)
-                b_dq = tl.dot(b_p * b_ebar[:, None], b_dht, input_precision=PREC)
-                b_doq = tl.dot(b_do * b_eg[:, None], b_h0t, input_precision=PREC)
-            else:
-                b_du = tl.dot(b_w, b_h0t, input_precision=PREC)
-                b_dv = -tl.dot(b_d, b_dht, input_precision=PREC)
-                b_dq = tl.dot(b_p, b_dht, input_precision=PREC)
-                b_doq = tl.dot(b_do, b_h0t, input_precision=PREC)
-            b_du += tl.dot(b_dA, b_vk, input_precision=PREC) + tl.dot(b_dAq, b_q, input_precision=PREC)
-            b_dv += (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
-                     + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC))
-            b_dq += (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
-                     + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC))
-            b_doq += tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC)
+            b_dA = decayed(b_dA, Gp, HAS_A)
+            b_dAq = decayed(b_dAq, Gp, HAS_A)
+            b_dLv = decayed(b_dLv, G, HAS_A)
+            b_dLq = decayed(b_dLq, G, HAS_A)
+            b_du = (tl.dot(decayed(b_w, b_egp, HAS_A), b_h0t, input_precision=PREC)
+                    + tl.dot(b_dA, b_vk, input_precision=PREC) + tl.dot(b_dAq, b_q, input_precision=PREC))
+            b_dv = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC)
+                    - tl.dot(decayed(b_d, b_ebar, HAS_A), b_dht, input_precision=PREC))
+            b_dq = (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC)
+                    + tl.dot(decayed(b_p, b_ebar, HAS_A), b_dht, input_precision=PREC))
+            b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), b_h0t, input_precision=PREC)
+                     + tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC))
             tl.store(du + p_tk, b_du, mask=m_tk)
             tl.store(dv + p_tk, b_dv, mask=m_tk)
             tl.store(dq + p_tk, b_dq, mask=m_tk)
         tl.store(doq + p_tk, b_doq, mask=m_tk)
         # adjoint of the chunk's start state: the end state's, the substitution's right side, the outputs
-        if HAS_A:
-            b_dh = (b_dh * b_egl + tl.dot(tl.trans(b_u), b_w * b_egp[:, None], input_precision=PREC)
-                    + tl.dot(tl.trans(b_oq), b_do * b_eg[:, None], input_precision=PREC))
-        else:
-            b_dh = (b_dh + tl.dot(tl.trans(b_u), b_w, input_precision=PREC)
-                    + tl.dot(tl.trans(b_oq), b_do, input_precision=PREC))
+        b_dh = (decayed(b_dh, b_egl, HAS_A) + tl.dot(tl.trans(b_u), decayed(b_w, b_egp, HAS_A), input_precision=PREC)
+                + tl.dot(tl.trans(b_oq), decayed(b_do, b_eg, HAS_A), input_precision=PREC))
+        if not HAS_A:
             b_h = b_h0
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
