@@ -8,4 +8,7 @@ from ssmcraft.ops.rank1_row_chunk import chunk
 
 FAMILY = KernelFamily(name="rank1_row_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
                       prepare=chunk.prepare, forward=chunk.forward, varlen=None,
-                      ahead_on_gpu=("rank1_row", chunk.per_row_step))
+                      ahead_on_gpu=("rank1_row", chunk.per_row_step),
+                      # the dispatch's checks (rank1_row's supports among them) stay in ssmcraft: an exported
+                      # module runs the family it was exported with
+                      export_exclude=frozenset({"prepare", "supports", "per_row_step", "_decay"}))
