@@ -207,6 +207,57 @@ def test_a_killed_report_broker_restarts_and_no_report_is_lost(ray, tmp_path, pr
     assert any("report broker restarted" in line for line in logs), logs
 
 
+def test_the_time_a_restarting_broker_takes_does_not_count_against_running_trials(monkeypatch, tmp_path):
+    """A broker restart takes seconds, tens on a loaded machine, and a running trial may wait for
+    it all along (its last resend, an answer): a fake Ray and clock show that the hard limit (7 s)
+    pauses for that time, and still kills a trial that goes on past it."""
+    import ray.exceptions as rex
+
+    import ssmcraft.search.executor_ray as executor_ray
+
+    clock = SimpleNamespace(t=0.0)
+    drains = iter([(0.0, "old", [1, 2]),    # (seconds the drain takes, incarnation, trials started)
+                   (0.0, "old", []),
+                   (20.0, "new", []),       # the broker died meanwhile: 20 s until it is back
+                   (0.0, "new", []), (0.0, "new", []), (0.0, "new", []), (0.0, "new", [])])
+    finished, cancelled = set(), []
+
+    def get(ref):
+        if ref == "drain":
+            seconds, incarnation, started = next(drains)
+            clock.t += seconds
+            return incarnation, started, []
+        return executor_ray.Outcome(metrics={"loss": 1.0})
+
+    broker = SimpleNamespace(drain=SimpleNamespace(remote=lambda: "drain"))
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
+        wait=lambda refs, num_returns, timeout: ([r for r in refs if r in finished], []), get=get,
+        cancel=lambda ref, force: cancelled.append(ref), exceptions=rex))
+    monkeypatch.setattr(executor_ray, "time", SimpleNamespace(monotonic=lambda: clock.t))
+    logs = []
+    executor = RayExecutor(log=logs.append)
+    executor._broker = broker
+    for n in (1, 2):
+        job = SimpleNamespace(number=n, out_dir=tmp_path / str(n), time_limit_s=7.0, on_report=None)
+        executor._running[f"task{n}"] = job
+
+    def wait_at(t):
+        clock.t = t
+        return [(job.number, outcome.error) for job, outcome in executor.wait(0.2)]
+
+    assert wait_at(1.0) == []       # both started at 1
+    assert wait_at(5.8) == []       # the broker last answered at 5.8
+    assert wait_at(6.0) == []       # seen running at 6; the drain returns at 26, the broker restarted
+    assert logs == ["search: the report broker restarted (its worker died); running trials send their "
+                    "reports again"]
+    assert wait_at(27.0) == []      # 5.8 s of their own (1-5.8, 26-27): within the limit
+    finished.add("task1")
+    assert wait_at(28.0) == [(1, None)]
+    assert wait_at(28.1) == []      # trial 2: 6.9 s of its own
+    assert wait_at(28.3) == [(2, "timeout: no result within 7 s (hard limit); its worker was killed")]
+    assert cancelled == ["task2"]
+
+
 def test_pruning_decisions_reach_running_ray_trials(ray, tmp_path):
     fn = Scripted({2: "bad_curve"}, sleep_s=0.2, steps=40)
     result = search(tmp_path / "run", fn, budget=budget(trials=3), resources={"cpus_per_trial": 2},

@@ -27,8 +27,11 @@
   report again with each poll, and every trial sends its reports again before it returns
   (``resend``): the broker keeps those it does not know, so a report that was in the dead
   broker is relayed again (the coordinator ignores a step it has seen). The coordinator
-  notices the restart (``drain`` names the broker's incarnation), logs it, and starts the
-  hard-limit clock of any running trial whose start the dead broker held.
+  notices the restart (``drain`` names the broker's incarnation), logs it, and pauses the
+  hard-limit clock of every running trial for the time the broker may have been down (since
+  it last answered a drain): a trial can spend that time waiting for it, and a restart
+  (a new worker process) takes seconds, tens on a loaded machine. The clock of a trial
+  whose start the dead broker held starts then.
 - On a cluster the run folder must be on a filesystem every node sees, or trial folders
   (checkpoints) stay on the node that ran them; metrics come back either way.
 """
@@ -229,6 +232,7 @@ class RayExecutor:
         self._task = None
         self._broker = None
         self._incarnation: str | None = None    # the broker's, as last seen
+        self._drained_at = 0.0                  # when the broker last answered a drain (was last seen alive)
         self._wants_gpu = False
         self._running: dict = {}  # ObjectRef -> job
         self._started: dict[int, float] = {}  # trial number -> start of its latest attempt
@@ -280,6 +284,7 @@ class RayExecutor:
         self._broker = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
                                   max_task_retries=-1)(ReportBroker).remote()
         self._incarnation = None
+        self._drained_at = time.monotonic()
 
     def submit(self, job: Job) -> None:
         task = self._task
@@ -300,10 +305,13 @@ class RayExecutor:
         refs = list(self._running)
         ray.wait(refs, num_returns=1, timeout=timeout)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        # the hard limits are judged at this moment, when the tasks not in ``ready`` were seen
+        # unfinished: the drain below can wait long for a restarting broker, and a task that
+        # returns meanwhile has its result, not a timeout
+        now = time.monotonic()
         # a finished task's reports are all in the broker (the task waits for its last one
         # before it returns): relay them while the task still counts as running, so none is lost
         self._relay_reports()
-        now = time.monotonic()
         done: list[tuple[Job, Outcome]] = []
         for ref in ready:
             job = self._running.pop(ref)
@@ -355,6 +363,7 @@ class RayExecutor:
         jobs = {job.number: job for job in self._running.values()}
         try:
             incarnation, started, reports = ray.get(self._broker.drain.remote())
+            drained_at, self._drained_at = self._drained_at, time.monotonic()
         except ray.exceptions.RayActorError as e:   # not restartable (killed for good): the trials' reports fail them
             self.log(f"search: the report broker is gone ({describe_ray_error(e, None)}); a new one takes "
                      f"the next trials' reports")
@@ -364,8 +373,12 @@ class RayExecutor:
             if self._incarnation is not None:
                 self.log("search: the report broker restarted (its worker died); running trials send their "
                          "reports again")
-                for number in jobs:     # the dead broker held when they started: time them from now
-                    self._started.setdefault(number, time.monotonic())
+                # a running trial may have waited for the broker (an answer, its last resend) since it was
+                # last seen alive: that time is not the trial's. Those whose start the dead broker held are
+                # timed from now.
+                down_s = self._drained_at - drained_at
+                for number in jobs:
+                    self._started[number] = self._started.get(number, drained_at) + down_s
             self._incarnation = incarnation
         for number in started:
             if number in jobs:
