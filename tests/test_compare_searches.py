@@ -42,7 +42,7 @@ def test_groups_by_family_with_ratios_to_longhorn_and_the_spread(tmp_path):
     s = cmp.summarise(cmp.trials(study(tmp_path / "a.json", rows))[1], {})
     fam = s["by"]["family"]["groups"]
     assert s["anchor_tokens_per_s"] == 200.0 and s["trials"] == 4
-    assert fam["rank1_row"] == {"trials": 2, "median_tokens_per_s": 200.0, "x_longhorn": 1.0}
+    assert fam["rank1_row_chunk"] == {"trials": 2, "median_tokens_per_s": 200.0, "x_longhorn": 1.0}
     assert fam["rank1_chunk"]["x_longhorn"] == 0.25 and fam["diagonal"]["x_longhorn"] == 2.0
     assert s["by"]["family"]["spread"] == 8.0
     assert s["front_not_in_library"] == ["mamba"] and s["front"] == ["longhorn", "mamba"]

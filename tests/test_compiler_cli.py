@@ -224,7 +224,7 @@ def test_derive_and_codegen_under_one_second(compiled):
     ("mamba", "diagonal", "N_a = libdevice.exp2(L_A * (L_delta * 1.4426950408889634))"),   # GPU form
     ("huber_longhorn", "general", "def "),
     ("longhorn_2key", "rankr_row", "def "),
-    ("longhorn", "rank1_row", "prologue of the computed slots"),    # hand-written: its computed slots' prologue
+    ("longhorn", "rank1_row_chunk", "prologue of the computed slots"),    # hand-written: its computed slots' prologue
     ("gla", "keydecay_chunk", "no per-objective source"),
 ])
 def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, family, marker, capsys):
@@ -232,19 +232,21 @@ def test_derive_kernel_prints_the_gpu_family_and_its_generated_source(name, fami
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"# {name}: family {family!r} runs it on the GPU (ssmcraft/ops/{family}/)"
     assert marker in out
-    if family in ("diagonal", "general", "rankr_row", "rank1_row"):
+    if family in ("diagonal", "general", "rankr_row", "rank1_row_chunk"):
         compile(out[out.index("# spec:"):], f"{name} kernels", "exec")   # the printed source is the module
 
 
 def test_derive_kernel_without_a_family_names_every_reason(monkeypatch, capsys):
-    """No family runs the objective: an error (exit 2) with each family's reason, decode aside."""
+    """No family runs the objective: an error (exit 2) with each family's reason in the order CUDA tries
+    them (``registry.order``), decode aside."""
     from ssmcraft.ops import registry
     for fam in registry.FAMILIES:
         monkeypatch.setattr(fam, "supports", lambda ir, name=fam.name: f"{name} refused here")
     assert main(["derive", "longhorn", "--kernel"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    reasons = "; ".join(f"{f.name}: {f.name} refused here" for f in registry.FAMILIES if not f.one_token)
+    tried = registry.order(ssmcraft.compile("longhorn").ir, "triton")
+    reasons = "; ".join(f"{f.name}: {f.name} refused here" for f in tried if not f.one_token)
     assert err == (f"ssmcraft derive: error: longhorn: no Triton kernel family runs it on CUDA tensors "
                    f"({reasons})\n")
 
