@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.rank1_row.bwd import store_row_grad
+from ssmcraft.ops.rank1_row.bwd import put, store_row_grad
 from ssmcraft.ops.rank1_row.fwd import load_coef, prefetch_l2, row_tile, seq_rows, store_checkpoint
 
 
@@ -173,9 +173,11 @@ def load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, row, K, V, ix, NKV: tl.constexpr, L
 def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
              NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr,
              OQI: tl.constexpr, CM: tl.constexpr, PM: tl.constexpr, OM: tl.constexpr, BV: tl.constexpr,
-             BK: tl.constexpr):
+             BK: tl.constexpr, ATOMIC: tl.constexpr):
     """One reverse step (a no-op when t < t_lo): ``st`` is s_t, ``ds`` the adjoint of s_t from
-    later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1})."""
+    later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1}). ``ATOMIC``: the
+    K-vector gradients are added into one ``DM [NKV, B, T, H, K]`` shared by the row blocks (else
+    each row block stores its partial in ``DM [NV, NKV, B, T, H, K]``)."""
     kvs, c, p, oc, dy, z = sl
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t >= t_lo
@@ -202,8 +204,11 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
                 store_row_grad(dcs[r * L + l], row, V, part, offs_v, mask_v, valid, -z[l] * e[r], CM[r * L + l])
     if OM[0] != 0:
         store_row_grad(DOC, row, V, part, offs_v, mask_v, valid, dy * tl.sum(st * kvs[OQI][:, None], axis=0), OM[0])
-    # K-vector gradients, one row-reduction per distinct tensor: DM [NV, NKV, B, T, H, K]
+    # K-vector gradients, one row-reduction per distinct tensor
     mk = mask_k & valid
+    blk = i_v
+    if ATOMIC:
+        blk = 0
     for j in tl.static_range(NKV):
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         for l in tl.static_range(L):
@@ -214,7 +219,7 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
                 acc += ds * g[r][None, :]
         if OQI == j:
             acc += st * wo[None, :]
-        tl.store(DM + ((i_v * NKV + j) * NB * H + row) * K + offs_k, tl.sum(acc, axis=1), mask=mk)
+        put(DM + ((blk * NKV + j) * NB * H + row) * K + offs_k, tl.sum(acc, axis=1), mk, ATOMIC)
     ds = tl.where(valid, add_terms(ds, kvs, dz, UI, L, 1.0), ds_in)
     st = tl.where(valid, sp, st)
     return ds, st
@@ -227,7 +232,7 @@ def rankr_row_bwd_kernel(
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, ATOMIC: tl.constexpr = False,
 ):
     """Reverse-time sweep for rows [iv*BV, iv*BV+BV) of head (b, h): s_{t-1} rebuilt exactly from
     the stored z, reset to the checkpoint at every chunk start; two steps per iteration with a
@@ -264,11 +269,11 @@ def rankr_row_bwd_kernel(
                     prefetch_l2(Z + l * ZS + rowf * V + offs_v)
             row = (base + t) * H + h
             ds, st = bwd_step(ds, st, b0, t, t0, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
-                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK)
+                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK, ATOMIC)
             b0 = load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, (base + tl.maximum(t - 2, t0)) * H + h, K, V, ix, NKV, L,
                                R, CM, CC, PM, PC, OM, OCC, BV)
             ds, st = bwd_step(ds, st, b1, t - 1, t0, row - H, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
-                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK)
+                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK, ATOMIC)
             b1 = load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, (base + tl.maximum(t - 3, t0)) * H + h, K, V, ix, NKV, L,
                                R, CM, CC, PM, PC, OM, OCC, BV)
         # the exact state at the chunk start (the reconstruction's rounding does not accumulate)
