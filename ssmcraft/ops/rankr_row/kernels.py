@@ -81,10 +81,21 @@ def inputs_g(c, p, z, L: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def add_terms(s, vs, coef, VI: tl.constexpr, R: tl.constexpr, SIGN: tl.constexpr):
-    """s + SIGN * sum_r vs[VI[r]] coef_r (an outer product per r)."""
+    """s + SIGN * sum_r vs[VI[r]] coef_r (an outer product per r; the sign on the row vector, so that
+    each term is one multiply-add on the tile)."""
     for r in tl.static_range(R):
-        s = s + SIGN * (vs[VI[r]][:, None] * coef[r][None, :])
+        s = s + vs[VI[r]][:, None] * (SIGN * coef[r])[None, :]
     return s
+
+
+@triton.jit
+def zero_unless(valid, xs, N: tl.constexpr):
+    """The row vectors ``xs`` or zeros where not ``valid``: a skipped step's terms vanish, so that it
+    selects on row vectors instead of on the state tiles (``rank1_row``'s ``identity_unless``)."""
+    out = ()
+    for j in tl.static_range(N):
+        out = out + (tl.where(valid, xs[j], 0.),)
+    return out
 
 
 @triton.jit
@@ -98,7 +109,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
     z = ()
     for l in tl.static_range(L):
         z = z + (tl.sum(s * kvs[UI[l]][:, None], axis=0),)
-    s = tl.where(valid, add_terms(s, kvs, inputs_g(c, p, z, L, R), VI, R, 1.0), s)
+    s = add_terms(s, kvs, zero_unless(valid, inputs_g(c, p, z, L, R), R), VI, R, 1.0)
     y = oc * tl.sum(s * kvs[OQI][:, None], axis=0) + oh
     tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
     if Z is not None:
@@ -181,10 +192,9 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
     kvs, c, p, oc, dy, z = sl
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t >= t_lo
-    g = inputs_g(c, p, z, L, R)
+    g = zero_unless(valid, inputs_g(c, p, z, L, R), R)
     sp = add_terms(st, kvs, g, VI, R, -1.0)
-    wo = oc * dy
-    ds_in = ds
+    wo = tl.where(valid, oc * dy, 0.)
     ds = ds + kvs[OQI][:, None] * wo[None, :]
     e = ()
     for r in tl.static_range(R):
@@ -194,7 +204,7 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
         dzl = tl.zeros([BV], dtype=tl.float32)
         for r in tl.static_range(R):
             dzl = dzl - c[r * L + l] * e[r]
-        dz = dz + (dzl,)
+        dz = dz + (tl.where(valid, dzl, 0.),)
     part = i_v * NB * H + row                  # [NV, B, T, H] partials of per-head factors
     for r in tl.static_range(R):
         if PM[r] != 0:
@@ -220,9 +230,8 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
         if OQI == j:
             acc += st * wo[None, :]
         put(DM + ((blk * NKV + j) * NB * H + row) * K + offs_k, tl.sum(acc, axis=1), mk, ATOMIC)
-    ds = tl.where(valid, add_terms(ds, kvs, dz, UI, L, 1.0), ds_in)
-    st = tl.where(valid, sp, st)
-    return ds, st
+    # a skipped step (g, wo, dz zero) leaves ds and the state as they were
+    return add_terms(ds, kvs, dz, UI, L, 1.0), sp
 
 
 @triton.jit
