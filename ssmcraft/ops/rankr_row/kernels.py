@@ -122,7 +122,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
 @triton.jit
 def rankr_row_fwd_kernel(
     kv, cs, ps, OC, OH, S0, Y, ST, Z, CK, CU, CO,
-    T, H, V, K, NC, ZS,
+    T, H, V: tl.constexpr, K: tl.constexpr, NC, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
@@ -237,7 +237,7 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
 @triton.jit
 def rankr_row_bwd_kernel(
     kv, cs, ps, OC, Z, CK, ST, DY, DHT, dcs, dps, DOC, DM, DS0, CU, CO,
-    T, H, V, K, NC, NV, NB, ZS,
+    T, H, V: tl.constexpr, K: tl.constexpr, NC, NV, NB, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
