@@ -76,6 +76,27 @@ def test_the_key_holds_what_a_compiled_kernel_is_specialised_on():
     assert L.launch_key(0, (base, 1), {}) != L.launch_key(0, (base,), {"n": 1})
 
 
+def test_a_tuple_argument_is_keyed_by_its_elements_and_not_kept():
+    """Tuples of tensors (``rankr_row``'s key vectors and factors): keyed per element as Triton
+    specialises them, so the next call's new tensors of the same kind find the key, and the key keeps
+    none of them alive (it did: every call's buffers stayed in the cache)."""
+    import gc
+    import weakref
+    base = torch.zeros(64)
+    a, b = torch.zeros(64), torch.ones(64)
+    assert _entry((a, None, 2.0)) == (tuple, (torch.float32, True), (type(None), None), (float, 2.0))
+    assert _entry((a, b)) == _entry((torch.ones(64), torch.zeros(64)))
+    assert _entry((a, b)) != _entry((a, base[1:])) and _entry((a, b)) != _entry((a, b.to(torch.bfloat16)))
+    assert _entry((a, b)) != _entry((a, None)) and _entry((a,)) != _entry(a) and _entry((a, (b,))) != _entry((a, b))
+    kw_key = L.launch_key(0, (), {"vecs": (a, b)})
+    assert kw_key == (0, ("vecs", tuple, (torch.float32, True), (torch.float32, True)))
+    ref = weakref.ref(b)
+    key = L.launch_key(0, ((a, b),), {"vecs": (a, b)})
+    del b
+    gc.collect()
+    assert ref() is None and key == L.launch_key(0, ((a, torch.ones(64)),), {"vecs": (a, torch.ones(64))})
+
+
 def test_under_the_interpreter_every_launch_goes_through_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(L, "_THROUGH_TRITON", L._through_triton())     # as an import under the interpreter reads it
