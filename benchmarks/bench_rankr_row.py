@@ -17,8 +17,7 @@
    ``old`` (``ATOMIC_SUMS`` off: partials summed on the host), ``atomic=0|1``, ``fwd=BVxW`` /
    ``bwd=BVxW`` (rows per program x warps, ``rank1_row.set_config``), ``chunk=N`` (the backward's
    checkpoint interval), ``budget=N`` (the prologue backward's fp32 values per tile,
-   ``codegen.prologue.BUDGET``), ``pf=N`` (the L2 prefetch distance in steps, ``rank1_row.PREFETCH``),
-   ``regs=N`` (the backward kernel's register cap, ``BWD_MAX_REGS``).
+   ``codegen.prologue.BUDGET``), ``pf=N`` (the L2 prefetch distance in steps, ``rank1_row.PREFETCH``).
    ``--profile``: each row's kernels (GPU us per fwd+bwd). Runs on CPU with ``--quick`` under
    ``TRITON_INTERPRET=1`` (checks at tiny shapes only).
 """
@@ -59,10 +58,10 @@ def check(rep, obj, B, T, H, K, V, dtype, dev, seed=0):
 
 def apply_variant(text: str):
     """Set a variant's module constants (module docstring); returns the function that restores them."""
-    saved = (RR.ATOMIC_SUMS, RR.CHUNK, dict(P.BUDGET), dict(R1._CONFIG_OVERRIDE), R1.PREFETCH, RR.BWD_MAX_REGS)
+    saved = (RR.ATOMIC_SUMS, RR.CHUNK, dict(P.BUDGET), dict(R1._CONFIG_OVERRIDE), R1.PREFETCH)
 
     def restore():
-        RR.ATOMIC_SUMS, RR.CHUNK, R1.PREFETCH, RR.BWD_MAX_REGS = saved[0], saved[1], saved[4], saved[5]
+        RR.ATOMIC_SUMS, RR.CHUNK, R1.PREFETCH = saved[0], saved[1], saved[4]
         P.BUDGET.update(saved[2])
         R1._CONFIG_OVERRIDE.clear()
         R1._CONFIG_OVERRIDE.update(saved[3])
@@ -82,8 +81,6 @@ def apply_variant(text: str):
             P.BUDGET[True] = int(val)
         elif key == "pf":
             R1.PREFETCH = int(val)
-        elif key == "regs":
-            RR.BWD_MAX_REGS = int(val)
         else:
             raise SystemExit(f"bench_rankr_row: variant {text!r}: unknown setting {item!r}")
     if cfg:

@@ -47,7 +47,6 @@ POISON = False                    # tests: fill the own kernels' outputs with Na
 # partial in [NV, NKV, B, T, H, K] and the host sums the NV partials (at d = m = 64, 8 row blocks:
 # 1.6 GB written and read again in bf16 longhorn_2key's fwd+bwd at B=8 T=2048 H=16)
 ATOMIC_SUMS = True
-BWD_MAX_REGS: int | None = None   # benchmarks: the own backward kernel's register cap (ptxas maxnreg); None: ptxas's choice
 generated_source = general.generated_source   # the kernels it runs (``ssmcraft derive SPEC --kernel``)
 
 
@@ -194,8 +193,7 @@ class _RankRRowFunction(torch.autograd.Function):
                    NV, B * T, B * T * H * V,
                    BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(), NKV=nkv, L=L, R=R,
                    UI=tuple(index[:L]), VI=tuple(index[L:L + R]), OQI=index[L + R], CM=cm, CC=cc, PM=pm, PC=pc,
-                   OM=om, OCC=occ, ATOMIC=atomic, num_warps=nw, **flag,
-                   **({} if BWD_MAX_REGS is None else {"maxnreg": int(BWD_MAX_REGS)}))
+                   OM=om, OCC=occ, ATOMIC=atomic, num_warps=nw, **flag)
         dm = DM if atomic else DM.sum(0) if NV > 1 else DM[0]
         seen, vec_grads = set(), []
         for j in index:
