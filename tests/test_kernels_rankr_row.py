@@ -136,6 +136,7 @@ def test_row_blocks_sum_their_key_gradients(which, T, chunk, monkeypatch):
     host sums: each way every output and gradient against the float64 reference, and the two ways
     the same gradients to fp32 rounding (the order of the row blocks' additions differs)."""
     from ssmcraft.ops.common import launch as launch_mod
+    from ssmcraft.ops.common.reference import layout
     monkeypatch.setattr(RR, "CHUNK", chunk)
     obj = ssmcraft.compile(SPECS.get(which, which))
     assert RR.own_kernel_reason(obj.ir) is None
@@ -156,7 +157,6 @@ def test_row_blocks_sum_their_key_gradients(which, T, chunk, monkeypatch):
         assert {"dk", "dk2", "dq", "dS0"} <= set(errs), errs
         assert_within(errs, TOL)
         leaves = {n: x.float().requires_grad_() for n, x in ins.items()}
-        from ssmcraft.ops.common.reference import layout
         y, S = RR.forward(obj, layout(obj.ir, obj.spec, leaves, {}, S0.float()), None, True)
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
         grads[atomic] = dict(zip(leaves, torch.autograd.grad((y * dy).sum() + S.sum(), list(leaves.values()))))
