@@ -76,6 +76,27 @@ def test_the_key_holds_what_a_compiled_kernel_is_specialised_on():
     assert L.launch_key(0, (base, 1), {}) != L.launch_key(0, (base,), {"n": 1})
 
 
+def test_a_tuple_argument_is_keyed_by_its_elements_and_not_kept():
+    """Tuples of tensors (``rankr_row``'s key vectors and factors): keyed per element as Triton
+    specialises them, so the next call's new tensors of the same kind find the key, and the key keeps
+    none of them alive (it did: every call's buffers stayed in the cache)."""
+    import gc
+    import weakref
+    base = torch.zeros(64)
+    a, b = torch.zeros(64), torch.ones(64)
+    assert _entry((a, None, 2.0)) == (tuple, (torch.float32, True), (type(None), None), (float, 2.0))
+    assert _entry((a, b)) == _entry((torch.ones(64), torch.zeros(64)))
+    assert _entry((a, b)) != _entry((a, base[1:])) and _entry((a, b)) != _entry((a, b.to(torch.bfloat16)))
+    assert _entry((a, b)) != _entry((a, None)) and _entry((a,)) != _entry(a) and _entry((a, (b,))) != _entry((a, b))
+    kw_key = L.launch_key(0, (), {"vecs": (a, b)})
+    assert kw_key == (0, ("vecs", tuple, (torch.float32, True), (torch.float32, True)))
+    ref = weakref.ref(b)
+    key = L.launch_key(0, ((a, b),), {"vecs": (a, b)})
+    del b
+    gc.collect()
+    assert ref() is None and key == L.launch_key(0, ((a, torch.ones(64)),), {"vecs": (a, torch.ones(64))})
+
+
 def test_under_the_interpreter_every_launch_goes_through_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(L, "_THROUGH_TRITON", L._through_triton())     # as an import under the interpreter reads it
@@ -123,11 +144,8 @@ class _Launchable(_Tuned):
         return lambda *a, **k: self.through.append((grid, a, k)) or self.compiled
 
 
-def test_after_the_first_launch_of_a_key_the_compiled_launcher_is_called_directly(monkeypatch):
-    """The GPU route on CPU stand-ins: the first launch of a key goes through Triton and is kept;
-    the next calls the kept launcher with the grid (a callable grid evaluated on the call's
-    parameters), the current stream and every parameter in order, config values included; a new
-    key (another int) goes through Triton again."""
+def _direct_route(monkeypatch):
+    """Launches take the GPU route (direct after the first of a key) on CPU stand-ins."""
     class _Driver:
         class active:
             @staticmethod
@@ -136,6 +154,14 @@ def test_after_the_first_launch_of_a_key_the_compiled_launcher_is_called_directl
     monkeypatch.setattr(L, "_THROUGH_TRITON", False)
     monkeypatch.setattr(L, "driver", _Driver)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_after_the_first_launch_of_a_key_the_compiled_launcher_is_called_directly(monkeypatch):
+    """The GPU route on CPU stand-ins: the first launch of a key goes through Triton and is kept;
+    the next calls the kept launcher with the grid (a callable grid evaluated on the call's
+    parameters), the current stream and every parameter in order, config values included; a new
+    key (another int) goes through Triton again."""
+    _direct_route(monkeypatch)
     k = _Launchable({"BLOCK": 64})
     x, y = torch.zeros(8), torch.ones(8)
     grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]), 2)      # noqa: E731
@@ -148,3 +174,27 @@ def test_after_the_first_launch_of_a_key_the_compiled_launcher_is_called_directl
     assert run[9] is x and run[10] is y and run[11:] == (130, 0.5, 64, False)
     L.launch(k, grid, x, y, 16, 0.5)                                    # n = 16: another key
     assert len(k.through) == 2 and L.stats(k) == {"triton": 2, "direct": 1}
+
+
+def test_a_call_with_new_tensors_in_a_tuple_launches_directly(monkeypatch):
+    """A tuple of tensors (``rankr_row``'s arguments): the next call with other tensors of the same
+    kinds is the same key, so it launches directly with its own tuple, and the cache keeps none of
+    the first call's tensors alive."""
+    import gc
+    import weakref
+    _direct_route(monkeypatch)
+    k = _Launchable({"BLOCK": 64})
+    a, b = torch.zeros(8), torch.ones(8)
+    ref = weakref.ref(a)
+    L.launch(k, (1,), (a, b), b, 130, 0.5)
+    k.through.clear()                   # the stand-in's record of the call through Triton
+    del a
+    gc.collect()
+    assert ref() is None
+    c, d = torch.zeros(8), torch.ones(8)
+    L.launch(k, (1,), (c, d), d, 130, 0.5)
+    assert L.stats(k) == {"triton": 1, "direct": 1}
+    (run,) = k.compiled.runs
+    assert run[9] == (c, d) and run[9][0] is c and run[10] is d
+    L.launch(k, (1,), (c, d.to(torch.bfloat16)), d, 130, 0.5)           # another dtype in the tuple: a new key
+    assert L.stats(k) == {"triton": 2, "direct": 1}

@@ -127,3 +127,39 @@ def test_row_kernel_and_decode_share_one_derivation_and_keep_no_ir_alive(monkeyp
     del obj
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("which,T,chunk", [("longhorn_2key", 7, 4), ("rr_three_key", 5, 2)])
+def test_row_blocks_sum_their_key_gradients(which, T, chunk, monkeypatch):
+    """``ATOMIC_SUMS``: the own backward's three row blocks (d = 10 in blocks of 4, the last one
+    partly past the rows) add their K-vector gradients into one buffer, or store partials that the
+    host sums: each way every output and gradient against the float64 reference, and the two ways
+    the same gradients to fp32 rounding (the order of the row blocks' additions differs)."""
+    from ssmcraft.ops.common import launch as launch_mod
+    from ssmcraft.ops.common.reference import layout
+    monkeypatch.setattr(RR, "CHUNK", chunk)
+    obj = ssmcraft.compile(SPECS.get(which, which))
+    assert RR.own_kernel_reason(obj.ir) is None
+    seen = []
+    real = launch_mod.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is RR.rankr_row_bwd_kernel:
+            seen.append((grid[1], kw["ATOMIC"]))
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(RR, "launch", spy)
+    H, d, m = 1, 10, 8
+    grads = {}
+    for atomic in (True, False):
+        monkeypatch.setattr(RR, "ATOMIC_SUMS", atomic)
+        ins, params, S0, g = kernel_inputs(obj, 2, T, H, d, m, seed=T, unit_keys=True)
+        errs = kernel_errors(obj, lambda o, lay: RR.forward(o, lay, None, True), ins, params, S0, g)
+        assert {"dk", "dk2", "dq", "dS0"} <= set(errs), errs
+        assert_within(errs, TOL)
+        leaves = {n: x.float().requires_grad_() for n, x in ins.items()}
+        y, S = RR.forward(obj, layout(obj.ir, obj.spec, leaves, {}, S0.float()), None, True)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+        grads[atomic] = dict(zip(leaves, torch.autograd.grad((y * dy).sum() + S.sum(), list(leaves.values()))))
+    assert seen == [(3, True), (3, True), (3, False), (3, False)]
+    for n in grads[True]:
+        assert rel(grads[True][n], grads[False][n]) < 1e-6, n

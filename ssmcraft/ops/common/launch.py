@@ -59,15 +59,24 @@ def _jit(kernel):
     return k
 
 
+def _tuple_entry(t: tuple) -> tuple:
+    """A tuple argument's key entry (Triton specialises each element): ``tuple`` then each element's
+    entry, never the tensors themselves (a key that held them would keep every call's buffers alive
+    in the cache and never match the next call's)."""
+    return (tuple, *[(x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, _Tensor)
+                     else _tuple_entry(x) if type(x) is tuple else (type(x), x) for x in t])
+
+
 def launch_key(device, args: tuple, kw: dict) -> tuple:
     """The launch key of one call (the module docstring): the device, then per positional argument
-    ``(dtype, 16-byte aligned)`` for a tensor and ``(type, value)`` for anything else, then per keyword
-    argument the same with its name first. Built in one pass without a call per argument: this is
-    on every launch's path."""
+    ``(dtype, 16-byte aligned)`` for a tensor, ``_tuple_entry`` for a tuple and ``(type, value)`` for
+    anything else, then per keyword argument the same with its name first. Built in one pass without
+    a call per argument (but per tuple): this is on every launch's path."""
     return (device,
-            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else (type(a), a) for a in args],
-            *[(n, v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor) else (n, type(v), v)
-              for n, v in kw.items()])
+            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor)
+              else _tuple_entry(a) if type(a) is tuple else (type(a), a) for a in args],
+            *[(n, v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor)
+              else (n, *_tuple_entry(v)) if type(v) is tuple else (n, type(v), v) for n, v in kw.items()])
 
 
 def plan(kernel, n_args: int, kw_names) -> tuple:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.rank1_row.bwd import store_row_grad
+from ssmcraft.ops.rank1_row.bwd import put, store_row_grad
 from ssmcraft.ops.rank1_row.fwd import load_coef, prefetch_l2, row_tile, seq_rows, store_checkpoint
 
 
@@ -81,10 +81,21 @@ def inputs_g(c, p, z, L: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def add_terms(s, vs, coef, VI: tl.constexpr, R: tl.constexpr, SIGN: tl.constexpr):
-    """s + SIGN * sum_r vs[VI[r]] coef_r (an outer product per r)."""
+    """s + SIGN * sum_r vs[VI[r]] coef_r (an outer product per r; the sign on the row vector, so that
+    each term is one multiply-add on the tile)."""
     for r in tl.static_range(R):
-        s = s + SIGN * (vs[VI[r]][:, None] * coef[r][None, :])
+        s = s + vs[VI[r]][:, None] * (SIGN * coef[r])[None, :]
     return s
+
+
+@triton.jit
+def zero_unless(valid, xs, N: tl.constexpr):
+    """The row vectors ``xs`` or zeros where not ``valid``: a skipped step's terms vanish, so that it
+    selects on row vectors instead of on the state tiles (``rank1_row``'s ``identity_unless``)."""
+    out = ()
+    for j in tl.static_range(N):
+        out = out + (tl.where(valid, xs[j], 0.),)
+    return out
 
 
 @triton.jit
@@ -98,7 +109,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
     z = ()
     for l in tl.static_range(L):
         z = z + (tl.sum(s * kvs[UI[l]][:, None], axis=0),)
-    s = tl.where(valid, add_terms(s, kvs, inputs_g(c, p, z, L, R), VI, R, 1.0), s)
+    s = add_terms(s, kvs, zero_unless(valid, inputs_g(c, p, z, L, R), R), VI, R, 1.0)
     y = oc * tl.sum(s * kvs[OQI][:, None], axis=0) + oh
     tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v & valid)
     if Z is not None:
@@ -111,7 +122,7 @@ def fwd_step(s, sl, t, t_end, row, V, ix, Y, Z, ZS, CKP, KV_, NC, tile, mask_s,
 @triton.jit
 def rankr_row_fwd_kernel(
     kv, cs, ps, OC, OH, S0, Y, ST, Z, CK, CU, CO,
-    T, H, V, K, NC, ZS,
+    T, H, V: tl.constexpr, K: tl.constexpr, NC, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
@@ -173,16 +184,17 @@ def load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, row, K, V, ix, NKV: tl.constexpr, L
 def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
              NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr,
              OQI: tl.constexpr, CM: tl.constexpr, PM: tl.constexpr, OM: tl.constexpr, BV: tl.constexpr,
-             BK: tl.constexpr):
+             BK: tl.constexpr, ATOMIC: tl.constexpr):
     """One reverse step (a no-op when t < t_lo): ``st`` is s_t, ``ds`` the adjoint of s_t from
-    later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1})."""
+    later steps; stores step t's gradients; returns (adjoint of s_{t-1}, s_{t-1}). ``ATOMIC``: the
+    K-vector gradients are added into one ``DM [NKV, B, T, H, K]`` shared by the row blocks (else
+    each row block stores its partial in ``DM [NV, NKV, B, T, H, K]``)."""
     kvs, c, p, oc, dy, z = sl
     offs_k, mask_k, offs_v, mask_v = ix
     valid = t >= t_lo
-    g = inputs_g(c, p, z, L, R)
+    g = zero_unless(valid, inputs_g(c, p, z, L, R), R)
     sp = add_terms(st, kvs, g, VI, R, -1.0)
-    wo = oc * dy
-    ds_in = ds
+    wo = tl.where(valid, oc * dy, 0.)
     ds = ds + kvs[OQI][:, None] * wo[None, :]
     e = ()
     for r in tl.static_range(R):
@@ -192,7 +204,7 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
         dzl = tl.zeros([BV], dtype=tl.float32)
         for r in tl.static_range(R):
             dzl = dzl - c[r * L + l] * e[r]
-        dz = dz + (dzl,)
+        dz = dz + (tl.where(valid, dzl, 0.),)
     part = i_v * NB * H + row                  # [NV, B, T, H] partials of per-head factors
     for r in tl.static_range(R):
         if PM[r] != 0:
@@ -202,8 +214,11 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
                 store_row_grad(dcs[r * L + l], row, V, part, offs_v, mask_v, valid, -z[l] * e[r], CM[r * L + l])
     if OM[0] != 0:
         store_row_grad(DOC, row, V, part, offs_v, mask_v, valid, dy * tl.sum(st * kvs[OQI][:, None], axis=0), OM[0])
-    # K-vector gradients, one row-reduction per distinct tensor: DM [NV, NKV, B, T, H, K]
+    # K-vector gradients, one row-reduction per distinct tensor
     mk = mask_k & valid
+    blk = i_v
+    if ATOMIC:
+        blk = 0
     for j in tl.static_range(NKV):
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         for l in tl.static_range(L):
@@ -214,20 +229,19 @@ def bwd_step(ds, st, sl, t, t_lo, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
                 acc += ds * g[r][None, :]
         if OQI == j:
             acc += st * wo[None, :]
-        tl.store(DM + ((i_v * NKV + j) * NB * H + row) * K + offs_k, tl.sum(acc, axis=1), mask=mk)
-    ds = tl.where(valid, add_terms(ds, kvs, dz, UI, L, 1.0), ds_in)
-    st = tl.where(valid, sp, st)
-    return ds, st
+        put(DM + ((blk * NKV + j) * NB * H + row) * K + offs_k, tl.sum(acc, axis=1), mk, ATOMIC)
+    # a skipped step (g, wo, dz zero) leaves ds and the state as they were
+    return add_terms(ds, kvs, dz, UI, L, 1.0), sp
 
 
 @triton.jit
 def rankr_row_bwd_kernel(
     kv, cs, ps, OC, Z, CK, ST, DY, DHT, dcs, dps, DOC, DM, DS0, CU, CO,
-    T, H, V, K, NC, NV, NB, ZS,
+    T, H, V: tl.constexpr, K: tl.constexpr, NC, NV, NB, ZS,
     BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr, PF: tl.constexpr,
     NKV: tl.constexpr, L: tl.constexpr, R: tl.constexpr, UI: tl.constexpr, VI: tl.constexpr, OQI: tl.constexpr,
     CM: tl.constexpr, CC: tl.constexpr, PM: tl.constexpr, PC: tl.constexpr, OM: tl.constexpr, OCC: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, ATOMIC: tl.constexpr = False,
 ):
     """Reverse-time sweep for rows [iv*BV, iv*BV+BV) of head (b, h): s_{t-1} rebuilt exactly from
     the stored z, reset to the checkpoint at every chunk start; two steps per iteration with a
@@ -264,11 +278,11 @@ def rankr_row_bwd_kernel(
                     prefetch_l2(Z + l * ZS + rowf * V + offs_v)
             row = (base + t) * H + h
             ds, st = bwd_step(ds, st, b0, t, t0, row, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
-                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK)
+                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK, ATOMIC)
             b0 = load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, (base + tl.maximum(t - 2, t0)) * H + h, K, V, ix, NKV, L,
                                R, CM, CC, PM, PC, OM, OCC, BV)
             ds, st = bwd_step(ds, st, b1, t - 1, t0, row - H, K, V, ix, dcs, dps, DOC, DM, i_v, NB, H,
-                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK)
+                              NKV, L, R, UI, VI, OQI, CM, PM, OM, BV, BK, ATOMIC)
             b1 = load_bwd_step(kv, cs, ps, OC, DY, Z, ZS, (base + tl.maximum(t - 3, t0)) * H + h, K, V, ix, NKV, L,
                                R, CM, CC, PM, PC, OM, OCC, BV)
         # the exact state at the chunk start (the reconstruction's rounding does not accumulate)

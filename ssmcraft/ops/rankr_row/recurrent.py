@@ -42,6 +42,12 @@ BACKEND_NAME = "rankr-row"
 ROW_BLOCK: int | None = None      # rows per program; None: by rule (tests set it to tile rows)
 CHUNK = 64                        # checkpoint interval of the own kernels' backward (steps)
 POISON = False                    # tests: fill the own kernels' outputs with NaN first
+# the own backward's K-vector gradients: True, every row block of a head adds into one fp32
+# [NKV, B, T, H, K] buffer (atomics in L2, ``rank1_row``'s ``ATOMIC_SUMS``); False, each stores its
+# partial in [NV, NKV, B, T, H, K] and the host sums the NV partials (at d = m = 64, 8 row blocks:
+# 1.6 GB written and read again). H200, bf16 longhorn_2key at B=8 T=2048 H=16, fwd+bwd through obj(),
+# one process (BENCHMARKS.md): 5.17 ms with atomics, 5.65 without (the host sum alone 0.46 ms)
+ATOMIC_SUMS = True
 generated_source = general.generated_source   # the kernels it runs (``ssmcraft derive SPEC --kernel``)
 
 
@@ -177,7 +183,8 @@ class _RankRRowFunction(torch.autograd.Function):
             return _new((B, T, H, V), dev) if mode == 2 else (_new((NV, B, T, H), dev) if mode == 1 else None)
 
         dcs, dps, doc = [row_buf(m) for m in cm], [row_buf(m) for m in pm], row_buf(om[0])
-        DM = _new((NV, nkv, B, T, H, K), dev)
+        atomic = bool(ATOMIC_SUMS) and NV > 1
+        DM = torch.zeros((nkv, B, T, H, K), device=dev) if atomic else _new((NV, nkv, B, T, H, K), dev)
         needs_ds0 = has_s0 and ctx.needs_input_grad[-1]
         DS0 = _new((N, H, K, V), dev) if needs_ds0 else None
         dht = dST.transpose(-1, -2).contiguous() if dST is not None else None
@@ -187,8 +194,8 @@ class _RankRRowFunction(torch.autograd.Function):
                    NV, B * T, B * T * H * V,
                    BV=BV, BK=next_pow2(K), CHUNK=CHUNK, PF=_prefetch_distance(), NKV=nkv, L=L, R=R,
                    UI=tuple(index[:L]), VI=tuple(index[L:L + R]), OQI=index[L + R], CM=cm, CC=cc, PM=pm, PC=pc,
-                   OM=om, OCC=occ, num_warps=nw, **flag)
-        dm = DM.sum(0)
+                   OM=om, OCC=occ, ATOMIC=atomic, num_warps=nw, **flag)
+        dm = DM if atomic else DM.sum(0) if NV > 1 else DM[0]
         seen, vec_grads = set(), []
         for j in index:
             vec_grads.append(dm[j] if j not in seen else None)    # a shared tensor's gradient once
