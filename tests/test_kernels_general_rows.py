@@ -64,3 +64,30 @@ def test_rows_by_rule(monkeypatch):
     assert G.rows_per_program(huber.ir, 64, 64) == 16 and G.rows_per_program(huber.ir, 64, 16) == 64
     assert G.rows_per_program(momentum.ir, 64, 64) == 8
     assert G._warps(64, 16, 64) == 1 and G._warps(64, 64, 64) == 4
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("which,shared", [("huber_longhorn", ["k", "q"]), ("cauchy_channel", ["k", "q", "alpha"])])
+def test_row_blocks_sum_shared_gradients(which, shared, atomic, monkeypatch):
+    """``ATOMIC_SUMS``: the gradients of the leaves shared by the rows (the keys; cauchy_channel's
+    per-head decay, a scalar) from d = 12 rows in blocks of 8 (the second half masked), added into
+    one buffer by every row block (``atomic``) or stored as partials for the host to sum, against the
+    float64 reference; the per-row gradients are written in the leaves' dtype either way."""
+    monkeypatch.setattr(G, "CHUNK", 4)
+    monkeypatch.setattr(G, "CONFIG", {"rows": 8})
+    monkeypatch.setattr(G, "ATOMIC_SUMS", atomic)
+    obj = ssmcraft.compile(SPECS.get(which, which))
+    assert [n for n, dims, _ in G._module(obj.ir)[0].leaves if obj.ir.dims[0] not in dims] == shared
+    launched = []
+    real = G.launch
+
+    def spy(kernel, grid, *args, **kw):
+        launched.append((kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), grid, kw.get("ATOMIC")))
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(G, "launch", spy)
+    B, T, H, d, m = 2, 6, 2, 12, 8
+    ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=3)
+    errs = kernel_errors(obj, lambda o, lay: G.forward(o, lay, None, True), ins, params, S0, g)
+    assert [(grid, at) for name, grid, at in launched if "bwd" in name] == [((B * H, 2), atomic)]
+    assert {f"d{n}" for n in shared} <= set(errs), (shared, errs)
+    assert_within(errs, TOL)
