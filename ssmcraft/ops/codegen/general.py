@@ -38,6 +38,10 @@ reductions read about eight distinct sums); a key-indexed gradient that adds sev
 over the rows takes one (``merged_key_grads``). The per-step instruction count is what a
 row-tiled backward is bound by (``benchmarks/bench_general.py``; BENCHMARKS.md has the figures).
 
+Leaves are loaded a step ahead as they lie in memory and converted to fp32 values over the tile
+(``general_lines._leaf_take``) where the step reads them: a vector's conversion to the tile's layout
+goes through shared memory, and placed at the load it waited for the load in every step.
+
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
 generated source is readable and cached (``ssmcraft.compiler.cache``).
@@ -49,7 +53,8 @@ row-separable one (every row of every state reads only the same row of the state
 or shared inputs: huber_longhorn's per-channel loss, momentum_longhorn's two states, the
 ``rankr`` fallback of ``ssmcraft.ops.rankr_row.recurrent``) runs several
 (``recurrent.rows_per_program``), and the gradients of leaves shared by the rows (over ``m`` or
-per head) are written per row block (``[NV, ...]``) and summed on the host. Structured updates
+per head) are added by every row block into one buffer (``ATOMIC``; else written per row block,
+``[NV, ...]``, and summed on the host: ``recurrent.ATOMIC_SUMS``). Structured updates
 are lowered to their element form (``ssmcraft.compiler.structure.element_form``), general ones
 give ``ir.state_update``.
 

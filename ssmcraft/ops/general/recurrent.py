@@ -16,13 +16,15 @@ from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_p
 CHUNK = 16               # checkpoint interval of the backward (steps; CONFIG["chunk"] over it): the
                          # scratch of every program's chunk, B*H*CHUNK*K*V fp32, stays in L2 (32 MB at
                          # B=8 H=16 K=V=64; H100 bf16 T=2048 fwd+bwd ms, 32 -> 16: huber_longhorn 8.09 ->
-                         # 7.41, cauchy_delta 6.82 -> 6.42)
+                         # 7.41, cauchy_delta 6.82 -> 6.42; H200, huber_longhorn 5.74 -> 4.98)
 POISON = False           # tests: allocate outputs with NaN
 PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
 CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps, "chunk": CHUNK} over the rules below
 # the backward's gradients of leaves shared by the rows (over m or per head) with several row blocks:
 # True, every block adds into one fp32 buffer (atomics in L2), cast once to the leaf's dtype; False,
-# each stores its partial [NV, ...] and the host sums them (one more pass over NV times the gradients)
+# each stores its partial [NV, ...] and the host sums them (one more pass over NV times the gradients).
+# H200, bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd, one process (``benchmarks/bench_general.py``):
+# huber_longhorn 4.98 ms with atomics, 5.38 without (its backward kernel alone 3.79 / 4.00 ms)
 ATOMIC_SUMS = True
 
 
@@ -87,7 +89,7 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
     fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
     ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
-    7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
+    7.41 with 8 (H200: 0.98 / 4.98 with 16, 0.92 / 5.17 with 8); momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
     backward spills). A mini-batch update's anchors count as states (not measured on a GPU yet)."""
     step = _module(ir)[0]
     if row_sums(step):
