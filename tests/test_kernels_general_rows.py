@@ -91,3 +91,30 @@ def test_row_blocks_sum_shared_gradients(which, shared, atomic, monkeypatch):
     assert [(grid, at) for name, grid, at in launched if "bwd" in name] == [((B * H, 2), atomic)]
     assert {f"d{n}" for n in shared} <= set(errs), (shared, errs)
     assert_within(errs, TOL)
+
+
+def test_gradients_written_in_the_leaves_dtype(monkeypatch):
+    """bf16 leaves, two row blocks: the backward writes the per-row gradients in bf16 itself and casts
+    the added shared ones once; each is the fp32 run's gradient on the same (bf16-exact) values in
+    bf16: the kernel's arithmetic is fp32 either way. The shared ones are cast by torch (equal to
+    the fp32 gradient's cast); the per-row ones within one bf16 ulp of the fp32 gradient (the
+    interpreter's conversion to bf16 does not round to nearest as the GPU's does)."""
+    monkeypatch.setattr(G, "CHUNK", 4)
+    monkeypatch.setattr(G, "CONFIG", {"rows": 8})
+    obj = ssmcraft.compile("huber_longhorn")
+    B, T, H, d, m = 1, 6, 2, 16, 8
+    ins, _, _, g = kernel_inputs(obj, B, T, H, d, m, seed=5)
+    exact = {n: x.to(torch.bfloat16) for n, x in ins.items()}
+    dy = torch.randn(B, T, H, d, generator=g).to(torch.bfloat16)
+    grads = {}
+    for dt in (torch.float32, torch.bfloat16):
+        leaves = {n: x.to(dt).requires_grad_() for n, x in exact.items()}
+        y, _ = G.general_scan(obj, leaves)
+        grads[dt] = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy.to(y.dtype))))
+    for n, got in grads[torch.bfloat16].items():
+        want = grads[torch.float32][n]
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32, n
+        if n in ("k", "q"):
+            assert torch.equal(got, want.to(torch.bfloat16)), n
+        else:
+            assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7).all(), n
