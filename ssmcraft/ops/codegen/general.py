@@ -40,7 +40,8 @@ row-tiled backward is bound by (``benchmarks/bench_general.py``; BENCHMARKS.md h
 
 Leaves are loaded a step ahead as they lie in memory and converted to fp32 values over the tile
 (``general_lines._leaf_take``) where the step reads them: a vector's conversion to the tile's layout
-goes through shared memory, and placed at the load it waited for the load in every step.
+goes through shared memory and waits for its load, so at the load it would stall every step for the
+memory's latency, and where it is read it waits on a load issued a step before.
 
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The

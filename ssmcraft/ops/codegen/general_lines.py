@@ -150,7 +150,7 @@ def leaf_store(name, ldims, step, value, indent) -> list[str]:
                 "mask=mask_v)"]
     if tuple(ldims) in ((m,), ()):
         if ldims:
-            ptr, val, mask = f"row * K + offs_k", f"tl.sum({value} + ZC, axis=1)", ", mask=mask_k"
+            ptr, val, mask = "row * K + offs_k", f"tl.sum({value} + ZC, axis=1)", ", mask=mask_k"
         else:
             ptr, val, mask = "row", f"tl.sum(tl.sum({value} + Z11, axis=1), axis=0)", ""
         block = f"i_v * NBT{' * K' if ldims else ''}"

@@ -89,8 +89,9 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
     fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
     ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
-    7.41 with 8 (H200: 0.98 / 4.98 with 16, 0.92 / 5.17 with 8); momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
-    backward spills). A mini-batch update's anchors count as states (not measured on a GPU yet)."""
+    7.41 with 8 (H200: 0.98 / 4.98 with 16, 0.92 / 5.17 with 8); momentum_longhorn (two states)
+    1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its backward spills). A mini-batch update's
+    anchors count as states (not measured on a GPU yet)."""
     step = _module(ir)[0]
     if row_sums(step):
         return None
