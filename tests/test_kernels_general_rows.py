@@ -64,3 +64,57 @@ def test_rows_by_rule(monkeypatch):
     assert G.rows_per_program(huber.ir, 64, 64) == 16 and G.rows_per_program(huber.ir, 64, 16) == 64
     assert G.rows_per_program(momentum.ir, 64, 64) == 8
     assert G._warps(64, 16, 64) == 1 and G._warps(64, 64, 64) == 4
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("which,shared", [("huber_longhorn", ["k", "q"]), ("cauchy_channel", ["k", "q", "alpha"])])
+def test_row_blocks_sum_shared_gradients(which, shared, atomic, monkeypatch):
+    """``ATOMIC_SUMS``: the gradients of the leaves shared by the rows (the keys; cauchy_channel's
+    per-head decay, a scalar) from d = 12 rows in blocks of 8 (the second half masked), added into
+    one buffer by every row block (``atomic``) or stored as partials for the host to sum, against the
+    float64 reference; the per-row gradients are written in the leaves' dtype either way."""
+    monkeypatch.setattr(G, "CHUNK", 4)
+    monkeypatch.setattr(G, "CONFIG", {"rows": 8})
+    monkeypatch.setattr(G, "ATOMIC_SUMS", atomic)
+    obj = ssmcraft.compile(SPECS.get(which, which))
+    assert [n for n, dims, _ in G._module(obj.ir)[0].leaves if obj.ir.dims[0] not in dims] == shared
+    launched = []
+    real = G.launch
+
+    def spy(kernel, grid, *args, **kw):
+        launched.append((kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), grid, kw.get("ATOMIC")))
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(G, "launch", spy)
+    B, T, H, d, m = 2, 6, 2, 12, 8
+    ins, params, S0, g = kernel_inputs(obj, B, T, H, d, m, seed=3)
+    errs = kernel_errors(obj, lambda o, lay: G.forward(o, lay, None, True), ins, params, S0, g)
+    assert [(grid, at) for name, grid, at in launched if "bwd" in name] == [((B * H, 2), atomic)]
+    assert {f"d{n}" for n in shared} <= set(errs), (shared, errs)
+    assert_within(errs, TOL)
+
+
+def test_gradients_written_in_the_leaves_dtype(monkeypatch):
+    """bf16 leaves, two row blocks: the backward writes the per-row gradients in bf16 itself and casts
+    the added shared ones once; each is the fp32 run's gradient on the same (bf16-exact) values in
+    bf16: the kernel's arithmetic is fp32 either way. The shared ones are cast by torch (equal to
+    the fp32 gradient's cast); the per-row ones within one bf16 ulp of the fp32 gradient (the
+    interpreter's conversion to bf16 does not round to nearest as the GPU's does)."""
+    monkeypatch.setattr(G, "CHUNK", 4)
+    monkeypatch.setattr(G, "CONFIG", {"rows": 8})
+    obj = ssmcraft.compile("huber_longhorn")
+    B, T, H, d, m = 1, 6, 2, 16, 8
+    ins, _, _, g = kernel_inputs(obj, B, T, H, d, m, seed=5)
+    exact = {n: x.to(torch.bfloat16) for n, x in ins.items()}
+    dy = torch.randn(B, T, H, d, generator=g).to(torch.bfloat16)
+    grads = {}
+    for dt in (torch.float32, torch.bfloat16):
+        leaves = {n: x.to(dt).requires_grad_() for n, x in exact.items()}
+        y, _ = G.general_scan(obj, leaves)
+        grads[dt] = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy.to(y.dtype))))
+    for n, got in grads[torch.bfloat16].items():
+        want = grads[torch.float32][n]
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32, n
+        if n in ("k", "q"):
+            assert torch.equal(got, want.to(torch.bfloat16)), n
+        else:
+            assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7).all(), n

@@ -38,6 +38,11 @@ reductions read about eight distinct sums); a key-indexed gradient that adds sev
 over the rows takes one (``merged_key_grads``). The per-step instruction count is what a
 row-tiled backward is bound by (``benchmarks/bench_general.py``; BENCHMARKS.md has the figures).
 
+Leaves are loaded a step ahead as they lie in memory and converted to fp32 values over the tile
+(``general_lines._leaf_take``) where the step reads them: a vector's conversion to the tile's layout
+goes through shared memory and waits for its load, so at the load it would stall every step for the
+memory's latency, and where it is read it waits on a load issued a step before.
+
 Every leaf is laid out ``[B, T, H, n]`` (``[B, T, H]`` for scalars; params are expanded to that
 form by autograd-aware ``expand``, so their gradients are reduced by autograd). The
 generated source is readable and cached (``ssmcraft.compiler.cache``).
@@ -49,7 +54,8 @@ row-separable one (every row of every state reads only the same row of the state
 or shared inputs: huber_longhorn's per-channel loss, momentum_longhorn's two states, the
 ``rankr`` fallback of ``ssmcraft.ops.rankr_row.recurrent``) runs several
 (``recurrent.rows_per_program``), and the gradients of leaves shared by the rows (over ``m`` or
-per head) are written per row block (``[NV, ...]``) and summed on the host. Structured updates
+per head) are added by every row block into one buffer (``ATOMIC``; else written per row block,
+``[NV, ...]``, and summed on the host: ``recurrent.ATOMIC_SUMS``). Structured updates
 are lowered to their element form (``ssmcraft.compiler.structure.element_form``), general ones
 give ``ir.state_update``.
 
@@ -260,6 +266,14 @@ class TilePrinter:
             return _triton_code(e, self.names)
         return " + ".join(_triton_code(c, self.names) if mon == 1 else _triton_code(mon, self.names) if c == 1 else
                           f"{_triton_code(mon, self.names)}*({_triton_code(c, self.names)})" for mon, c in terms)
+
+    def tile(self, e) -> str:
+        """``e`` printed as a ``[BK, BV]`` value: broadcast against the zero tile ``Z2`` only where it
+        does not vary over both dims (adding ``+0.0`` is not folded by the compiler: it costs one
+        add per element of the tile in every step)."""
+        d, m = self.dims
+        code = self.expr(e)
+        return code if {d, m} <= self.dims_of(self.rewrite.get(e, e)) else f"{code} + Z2"
 
     def tile_terms(self, e):
         """``e``, a value over the whole ``[BK, BV]`` tile, as ``[(monomial, coefficient)]``: the
@@ -521,7 +535,7 @@ def _forward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, states: list, F
         *prefetches(step, I2, "row_p"),
         *anchor_reset(step, I1),
         *[line.replace(I2, I1, 1) for line in fwd_red_F],
-        *[f"        st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
+        *[f"        st{x} = tl.where(MASK, {F_codes[i]}, 0.0)" for i, x in states],
         *[line.replace(I2, I1, 1) for line in pr_ro],
         f"        y = tl.sum({pr.expr(step.readout)} + ZR, axis=0)",
         "        tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)",
@@ -555,14 +569,14 @@ def _step_back(step: Step, pr: TilePrinter, states: list, F_codes: list) -> tupl
     adjoint by its previous one (the reverse pass), a mini-batch's anchor adjoints included."""
     mb = bool(step.anchors)
     # a mini-batch's anchors take their adjoint first: it reads the adjoints that the step then replaces
-    anchor_back = [f"            ga{x} = ga{x} + tl.where(MASK, {pr.expr(step.dAs[i])} + Z2, 0.0)" for i, x in states if mb]
+    anchor_back = [f"            ga{x} = ga{x} + tl.where(MASK, {pr.tile(step.dAs[i])}, 0.0)" for i, x in states if mb]
     if step.n_states == 1:     # one state: the step's new value and adjoint replace the old ones in place
-        recompute = [f"            sp = tl.where(MASK, {F_codes[0]} + Z2, 0.0)"]
-        adjoint_back = [*anchor_back, f"            g = tl.where(MASK, {pr.expr(step.dS_prevs[0])} + Z2, 0.0)"]
+        recompute = [f"            sp = tl.where(MASK, {F_codes[0]}, 0.0)"]
+        adjoint_back = [*anchor_back, f"            g = tl.where(MASK, {pr.tile(step.dS_prevs[0])}, 0.0)"]
     else:           # several: every new value (adjoint) reads every old one, so two phases
-        recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states),
+        recompute = [*(f"            st{x} = tl.where(MASK, {F_codes[i]}, 0.0)" for i, x in states),
                      *(f"            sp{x} = st{x}" for _, x in states)]
-        adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.expr(step.dS_prevs[i])} + Z2, 0.0)" for i, x in states),
+        adjoint_back = [*(f"            gn{x} = tl.where(MASK, {pr.tile(step.dS_prevs[i])}, 0.0)" for i, x in states),
                         *anchor_back, *(f"            g{x} = gn{x}" for _, x in states)]
     if mb:          # the chunk's first step read its anchor as S_prev: the anchor's adjoint joins S_prev's there
         adjoint_back += ["            first = (t % MB) == 0",
@@ -601,12 +615,13 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         f"def general_bwd_kernel({leaf_ptrs}, {grad_ptrs}, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,",
         "               BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,",
         "               HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,",
-        "               VARLEN: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
+        "               VARLEN: tl.constexpr, ATOMIC: tl.constexpr" + (", MB: tl.constexpr):" if mb else "):"),
         '    """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.',
         *(['    MB: the mini-batch; a step reads its anchor ``ac`` from the scratch: the state before the',
            "    mini-batch's first step or, for a mini-batch begun before the chunk, the checkpoint's anchor;",
            "    ``ga``, the anchor's adjoint, gathers over the mini-batch and joins ``g`` at its first step."] if mb else []),
-        '    VARLEN: program row b is sequence b of a packed row."""',
+        '    VARLEN: program row b is sequence b of a packed row. ATOMIC: the row blocks add the gradients of',
+        '    the leaves shared by the rows (over m, per head) into one buffer, else each stores its partial."""',
         *PREAMBLE,
         *[f"    g{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states],
         *[f"    ga{x} = tl.zeros([BK, BV], dtype=tl.float32)" for _, x in states if mb],
@@ -646,7 +661,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
         "            row = (bos + t) * H + h",
         "            row_n = (bos + tl.maximum(t - 1, t0)) * H + h",
         *loads_ahead(step, I2, "row_n"),
-        "            dy = n_dy",
+        "            dy = n_dy.to(tl.float32)[None, :]",
         dy_load(I2, "n_dy", "row_n"),
         *[f"            sp{x} = n_sp{x}" for _, x in states],
         *[f"            n_sp{x} = tl.load(scr{x} + (tl.maximum(t - 1, t0) - t0) * BK * BV)" for _, x in states],
@@ -658,11 +673,11 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
           if mb else []),
         *b_fwd,
         *b_shared,
-        *[f"            st{x} = tl.where(MASK, {F_codes[i]} + Z2, 0.0)" for i, x in states],
+        *[f"            st{x} = tl.where(MASK, {F_codes[i]}, 0.0)" for i, x in states],
         *b_ro,
         "            # readout adjoint: G += d(sum DY*y)/dS",
         *b_a,
-        *[f"            g{x} = g{x} + tl.where(MASK, {pr.expr(step.dS_ros[i])} + Z2, 0.0)" for i, x in states],
+        *[f"            g{x} = g{x} + tl.where(MASK, {pr.tile(step.dS_ros[i])}, 0.0)" for i, x in states],
         "            # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev",
         *b_b,
         *[line for n, ld, val in grads for line in leaf_store(n, ld, step, val, I2)],
@@ -678,7 +693,7 @@ def kernel_source(ir, step: Step, header: str) -> str:
     leaf_ptrs = ", ".join(f"P_{n}" for n, _, _ in step.leaves)
     grad_ptrs = ", ".join(f"D_{n}" for n, _, _ in step.leaves)
     states = list(zip(range(step.n_states), suffixes(step)))
-    F_codes = [pr.expr(F) for F in step.Fs]
+    F_codes = [pr.tile(F) for F in step.Fs]
     fwd = _forward_kernel(step, pr, leaf_ptrs, states, F_codes)
     bwd = _backward_kernel(step, pr, leaf_ptrs, grad_ptrs, states, F_codes)
     doc = "\n".join([safe_source.comment(header), "# Generated by ssmcraft (ssmcraft/ops/codegen/general.py): edit the spec, not this file.",

@@ -77,18 +77,29 @@ def scr_block(i: int, ns: int) -> str:
 
 def _leaf_load(name, ldims, step, indent, var=None, row="row") -> str:
     """The line loading leaf ``name`` at step ``row`` (a row index of ``[B, T, H]``) into ``var``
-    (default ``l_<name>``), as an fp32 value over the tile."""
+    (default ``l_<name>``) as it lies in memory (its dtype, 1D for a vector): ``_leaf_take`` makes
+    it an fp32 value over the tile where the step reads it."""
     d, m = step.dims
     v = var or f"l_{name}"
     if tuple(ldims) == (d,):
-        return f"{indent}{v} = tl.load(P_{name} + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * V + offs_v, mask=mask_v, other=0.)"
     if tuple(ldims) == (m,):
-        return f"{indent}{v} = tl.load(P_{name} + {row} * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]"
+        return f"{indent}{v} = tl.load(P_{name} + {row} * K + offs_k, mask=mask_k, other=0.)"
     if not ldims:
-        return f"{indent}{v} = tl.load(P_{name} + {row}).to(tl.float32)"
+        return f"{indent}{v} = tl.load(P_{name} + {row})"
     # [d, m] leaf laid out [B, T, H, V, K]
     return (f"{indent}{v} = tl.load(P_{name} + {row} * V * K + offs_v[None, :] * K + offs_k[:, None], "
-            f"mask=MASK, other=0.).to(tl.float32)")
+            f"mask=MASK, other=0.)")
+
+
+def _leaf_take(name, ldims, step, indent) -> str:
+    """``l_<name>``, the step's fp32 value over the tile, from the value loaded a step ahead
+    (``n_<name>``). Converted here, not at the load: a vector's conversion to the tile's layout
+    goes through shared memory and waits for the load, which at the load would stall every step
+    for the full memory latency; here it waits on a load issued a step before."""
+    d, m = step.dims
+    bcast = "[None, :]" if tuple(ldims) == (d,) else "[:, None]" if tuple(ldims) == (m,) else ""
+    return f"{indent}l_{name} = n_{name}.to(tl.float32){bcast}"
 
 
 def _leaf_prefetch(name, ldims, step, indent, row) -> list[str]:
@@ -108,7 +119,7 @@ def loads_ahead(step, indent, row_next) -> list[str]:
     """Lines that take this step's leaves from the values loaded one step ahead (``n_<name>``)
     and load the next step's (at ``row_next``): the loads' latency overlaps the step's work
     instead of starting its dependency chain."""
-    take = [f"{indent}l_{n} = n_{n}" for n, _, _ in step.leaves]
+    take = [_leaf_take(n, ld, step, indent) for n, ld, _ in step.leaves]
     return take + [_leaf_load(n, ld, step, indent, f"n_{n}", row_next) for n, ld, _ in step.leaves]
 
 
@@ -124,18 +135,31 @@ def prefetches(step, indent, row, dy=False) -> list[str]:
 
 
 def dy_load(indent, var, row) -> str:
-    return f"{indent}{var} = tl.load(DY + {row} * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]"
+    """The load of the output's cotangent at step ``row`` as it lies in memory (see ``_leaf_take``)."""
+    return f"{indent}{var} = tl.load(DY + {row} * V + offs_v, mask=mask_v, other=0.)"
 
 
 def leaf_store(name, ldims, step, value, indent) -> list[str]:
+    """The lines that write leaf ``name``'s gradient at this step, in its buffer's dtype. A leaf
+    shared by the rows (over ``m`` or per head) gets one value per row block: ``ATOMIC``, every
+    block adds it into one fp32 buffer; else each stores its partial at its block's offset
+    (``partials_stride``) for the host to sum."""
     d, m = step.dims
     if tuple(ldims) == (d,):
-        return [f"{indent}tl.store(D_{name} + row * V + offs_v, tl.sum({value} + ZR, axis=0), mask=mask_v)"]
-    if tuple(ldims) == (m,):       # shared by the rows: one partial sum per row block
-        return [f"{indent}tl.store(D_{name} + i_v * NBT * K + row * K + offs_k, tl.sum({value} + ZC, axis=1), mask=mask_k)"]
-    if not ldims:
-        return [f"{indent}tl.store(D_{name} + i_v * NBT + row, tl.sum(tl.sum({value} + Z11, axis=1), axis=0))"]
-    return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], {value} + Z2, mask=MASK)"]
+        return [f"{indent}tl.store(D_{name} + row * V + offs_v, tl.sum({value} + ZR, axis=0).to(D_{name}.dtype.element_ty), "
+                "mask=mask_v)"]
+    if tuple(ldims) in ((m,), ()):
+        if ldims:
+            ptr, val, mask = "row * K + offs_k", f"tl.sum({value} + ZC, axis=1)", ", mask=mask_k"
+        else:
+            ptr, val, mask = "row", f"tl.sum(tl.sum({value} + Z11, axis=1), axis=0)", ""
+        block = f"i_v * NBT{' * K' if ldims else ''}"
+        return [f"{indent}if ATOMIC:",
+                f"{indent}    tl.atomic_add(D_{name} + {ptr}, {val}{mask}, sem=\"relaxed\")",
+                f"{indent}else:",
+                f"{indent}    tl.store(D_{name} + {block} + {ptr}, ({val}).to(D_{name}.dtype.element_ty){mask})"]
+    return [f"{indent}tl.store(D_{name} + row * V * K + offs_v[None, :] * K + offs_k[:, None], "
+            f"({value} + Z2).to(D_{name}.dtype.element_ty), mask=MASK)"]
 
 
 IN1, IN2, IN3 = " " * 8, " " * 12, " " * 16

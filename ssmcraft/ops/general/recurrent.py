@@ -16,10 +16,16 @@ from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, io_dtype, next_p
 CHUNK = 16               # checkpoint interval of the backward (steps; CONFIG["chunk"] over it): the
                          # scratch of every program's chunk, B*H*CHUNK*K*V fp32, stays in L2 (32 MB at
                          # B=8 H=16 K=V=64; H100 bf16 T=2048 fwd+bwd ms, 32 -> 16: huber_longhorn 8.09 ->
-                         # 7.41, cauchy_delta 6.82 -> 6.42)
+                         # 7.41, cauchy_delta 6.82 -> 6.42; H200, huber_longhorn 5.74 -> 4.98)
 POISON = False           # tests: allocate outputs with NaN
 PREFETCH = 16            # L2 prefetch distance of the forward on the GPU (steps; 0: off, and always off when interpreting)
 CONFIG: dict = {}        # benchmarks and tests: {"rows": rows per program, "warps": num_warps, "chunk": CHUNK} over the rules below
+# the backward's gradients of leaves shared by the rows (over m or per head) with several row blocks:
+# True, every block adds into one fp32 buffer (atomics in L2), cast once to the leaf's dtype; False,
+# each stores its partial [NV, ...] and the host sums them (one more pass over NV times the gradients).
+# H200, bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd, one process (``benchmarks/bench_general.py``):
+# huber_longhorn 4.98 ms with atomics, 5.38 without (its backward kernel alone 3.79 / 4.00 ms)
+ATOMIC_SUMS = True
 
 
 _MODULES: dict = {}    # content hash of the element form -> (step, module, source)
@@ -83,8 +89,9 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
     fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
     ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
-    7.41 with 8; momentum_longhorn (two states) 1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its
-    backward spills). A mini-batch update's anchors count as states (not measured on a GPU yet)."""
+    7.41 with 8 (H200: 0.98 / 4.98 with 16, 0.92 / 5.17 with 8); momentum_longhorn (two states)
+    1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its backward spills). A mini-batch update's
+    anchors count as states (not measured on a GPU yet)."""
     step = _module(ir)[0]
     if row_sums(step):
         return None
@@ -138,6 +145,17 @@ def _minibatch(ir, step) -> dict:
     return {"MB": ir.minibatch} if step.anchors else {}
 
 
+def _grad_buffer(x, shared: bool, NV: int, atomic: bool):
+    """The backward kernel's gradient buffer of leaf ``x``: in ``x``'s dtype where the kernel writes
+    each value once (a per-row leaf; a shared one with one row block: ``[1, ...]``), else fp32, zeroed
+    for the row blocks to add into (``atomic``) or ``[NV, ...]`` partials."""
+    if not shared:
+        return _new(x.shape, x.device, x.dtype)
+    if atomic:
+        return torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    return _new((NV, *x.shape), x.device, x.dtype if NV == 1 else torch.float32)
+
+
 class _GeneralFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ir, shape, out_dtype, output_final_state, packed, S0, *leaves):
@@ -181,7 +199,8 @@ class _GeneralFunction(torch.autograd.Function):
         N, NC, seq = _sequences(B, T, chunk, ctx.packed, d)
         d_dim = ctx.ir.dims[0]
         shared = [d_dim not in dims for _, dims, _ in step.leaves]     # over m or per head: per row block
-        grads = [_new((NV, *x.shape) if sh else x.shape, dev) for sh, x in zip(shared, leaves)]
+        atomic = bool(ATOMIC_SUMS) and NV > 1
+        grads = [_grad_buffer(x, sh, NV, atomic) for sh, x in zip(shared, leaves)]
         ns = _stacked(ctx.ir)
         DS0 = _new((N, H, *ns, K, V), dev) if ctx.has_s0 else None
         slots = chunk + (1 if step.anchors else 0)       # codegen.general_lines.scratch_slots
@@ -193,12 +212,12 @@ class _GeneralFunction(torch.autograd.Function):
             launch(mod.general_bwd_kernel, (N * H, NV), *leaves, *grads, CK, SCR, dy.contiguous(),
                    dht if dht is not None else d, DS0 if DS0 is not None else d, seq["CU"], seq["CO"], T, H, V, K, NC,
                    BV=BV, BK=BK, CHUNK=chunk, HAS_DHT=dht is not None, STORE_DS0=DS0 is not None, PF=_prefetch(),
-                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], num_warps=_warps(BK, BV, V),
+                   EVEN=K == BK and V % BV == 0, VARLEN=seq["VARLEN"], ATOMIC=atomic, num_warps=_warps(BK, BV, V),
                    **_minibatch(ctx.ir, step))
         elif DS0 is not None:
             DS0.copy_(dht if dht is not None else torch.zeros_like(DS0))
         dS0 = DS0.transpose(-1, -2).to(ctx.s0_dtype) if DS0 is not None else None
-        grads = [(g.sum(0) if NV > 1 else g[0]) if sh else g for sh, g in zip(shared, grads)]
+        grads = [(g if atomic else g.sum(0) if NV > 1 else g[0]) if sh else g for sh, g in zip(shared, grads)]
         return (None, None, None, None, None, dS0, *[g.to(x.dtype) for g, x in zip(grads, leaves)])
 
 

@@ -60,21 +60,21 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, CU, CO, T, H, V, K,
         if (NC > 0) | (not VARLEN):     # an empty packed sequence has no checkpoint
             tl.store(CK + (ck_row * NCS + c0) * K * V + tile, sp, mask=MASK)
     row_n = bos * H + h
-    n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-    n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-    n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-    n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+    n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+    n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+    n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+    n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
     for t in range(0, T):
         row = (bos + t) * H + h
         row_n = (bos + tl.minimum(t + 1, T - 1)) * H + h
-        l_x = n_x
-        l_k = n_k
-        l_q = n_q
-        l_beta = n_beta
-        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        l_x = n_x.to(tl.float32)[None, :]
+        l_k = n_k.to(tl.float32)[:, None]
+        l_q = n_q.to(tl.float32)[:, None]
+        l_beta = n_beta.to(tl.float32)[None, :]
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
         if PF > 0:
             row_p = (bos + tl.minimum(t + PF, T - 1)) * H + h
             prefetch_l2(P_x + row_p * V + offs_v)
@@ -83,7 +83,7 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, CU, CO, T, H, V, K,
             prefetch_l2(P_beta + row_p * V + offs_v)
         r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
         r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-        st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
+        st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))), 0.0)
         r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
         y = tl.sum(r_r1000 + ZR, axis=0)
         tl.store(Y + row * V + offs_v, y.to(Y.dtype.element_ty), mask=mask_v)
@@ -100,9 +100,10 @@ def general_fwd_kernel(P_x, P_k, P_q, P_beta, S0, Y, ST, CK, CU, CO, T, H, V, K,
 def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY, DHT, DS0, CU, CO, T, H, V, K, NC,
                BV: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DS0: tl.constexpr, PF: tl.constexpr, EVEN: tl.constexpr,
-               VARLEN: tl.constexpr):
+               VARLEN: tl.constexpr, ATOMIC: tl.constexpr):
     """Reverse sweep: per chunk, recompute the states into SCR, then step the adjoint back.
-    VARLEN: program row b is sequence b of a packed row."""
+    VARLEN: program row b is sequence b of a packed row. ATOMIC: the row blocks add the gradients of
+    the leaves shared by the rows (over m, per head) into one buffer, else each stores its partial."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // H
@@ -142,49 +143,49 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
         t1 = tl.minimum(t0 + CHUNK, T)
         sp = tl.load(CK + ((ck_row * NCS + c0) + ci) * K * V + tile, mask=MASK, other=0.)
         row_n = (bos + t0) * H + h
-        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
         for t in range(t0, t1):
             row = (bos + t) * H + h
             row_n = (bos + tl.minimum(t + 1, t1 - 1)) * H + h
-            l_x = n_x
-            l_k = n_k
-            l_q = n_q
-            l_beta = n_beta
-            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            l_x = n_x.to(tl.float32)[None, :]
+            l_k = n_k.to(tl.float32)[:, None]
+            l_q = n_q.to(tl.float32)[:, None]
+            l_beta = n_beta.to(tl.float32)[None, :]
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
             if PF > 0:     # the reverse sweep below reads DY at this step
                 prefetch_l2(DY + row * V + offs_v)
             tl.store(scr + (t - t0) * BK * BV, sp)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            sp = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
+            sp = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))), 0.0)
         tl.debug_barrier()
         row_n = (bos + t1 - 1) * H + h
-        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-        n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+        n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+        n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+        n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
+        n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.)
         n_sp = tl.load(scr + (t1 - 1 - t0) * BK * BV)
         for jt in range(0, t1 - t0):
             t = t1 - 1 - jt
             row = (bos + t) * H + h
             row_n = (bos + tl.maximum(t - 1, t0)) * H + h
-            l_x = n_x
-            l_k = n_k
-            l_q = n_q
-            l_beta = n_beta
-            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.).to(tl.float32)[:, None]
-            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
-            dy = n_dy
-            n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.).to(tl.float32)[None, :]
+            l_x = n_x.to(tl.float32)[None, :]
+            l_k = n_k.to(tl.float32)[:, None]
+            l_q = n_q.to(tl.float32)[:, None]
+            l_beta = n_beta.to(tl.float32)[None, :]
+            n_x = tl.load(P_x + row_n * V + offs_v, mask=mask_v, other=0.)
+            n_k = tl.load(P_k + row_n * K + offs_k, mask=mask_k, other=0.)
+            n_q = tl.load(P_q + row_n * K + offs_k, mask=mask_k, other=0.)
+            n_beta = tl.load(P_beta + row_n * V + offs_v, mask=mask_v, other=0.)
+            dy = n_dy.to(tl.float32)[None, :]
+            n_dy = tl.load(DY + row_n * V + offs_v, mask=mask_v, other=0.)
             sp = n_sp
             n_sp = tl.load(scr + (tl.maximum(t - 1, t0) - t0) * BK * BV)
             if PF > 0:     # the previous chunk's steps: its recompute pass reads them next
@@ -200,11 +201,11 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             c_1 = r_r0*l_beta
             c_2 = -l_x
             c_3 = r_r0*(l_beta*l_beta)
-            st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))) + Z2, 0.0)
+            st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))), 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1005 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
-            g = g + tl.where(MASK, l_q*(dy) + Z2, 0.0)
+            g = g + tl.where(MASK, l_q*(dy), 0.0)
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
             s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
             s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
@@ -214,10 +215,16 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             r_r1012 = s_0*(r_r0*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(c_1*(c_2 + r_r1) + (c_2 + r_r1)*(-c_1 - ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
             u_2 = s_0*(l_beta/(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
             r_r1009 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
-            tl.store(D_x + row * V + offs_v, tl.sum((r_r1006/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(-c_0 - 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(c_2 + r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + ZR, axis=0), mask=mask_v)
-            tl.store(D_k + i_v * NBT * K + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k)
-            tl.store(D_q + i_v * NBT * K + row * K + offs_k, tl.sum((r_r1005) + ZC, axis=1), mask=mask_k)
-            tl.store(D_beta + row * V + offs_v, tl.sum((r_r1012/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*r_r0/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))) + ZR, axis=0), mask=mask_v)
-            g = tl.where(MASK, g + l_k*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + Z2, 0.0)
+            tl.store(D_x + row * V + offs_v, tl.sum((r_r1006/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(-c_0 - 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(c_2 + r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
+            if ATOMIC:
+                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
+            else:
+                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
+            if ATOMIC:
+                tl.atomic_add(D_q + row * K + offs_k, tl.sum((r_r1005) + ZC, axis=1), mask=mask_k, sem="relaxed")
+            else:
+                tl.store(D_q + i_v * NBT * K + row * K + offs_k, (tl.sum((r_r1005) + ZC, axis=1)).to(D_q.dtype.element_ty), mask=mask_k)
+            tl.store(D_beta + row * V + offs_v, tl.sum((r_r1012/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*r_r0/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))) + ZR, axis=0).to(D_beta.dtype.element_ty), mask=mask_v)
+            g = tl.where(MASK, g + l_k*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))), 0.0)
     if STORE_DS0:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, g, mask=MASK)
