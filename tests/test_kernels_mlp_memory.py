@@ -134,6 +134,16 @@ def test_matches_the_reference(which, T, B, d, m, scale):
     assert_within(errs, TOL)
 
 
+@pytest.mark.parametrize("which,T,B,d,m", [
+    ("ttt_mlp", 37, 1, 6, 4), ("scalar_decay_per_channel", 35, 2, 5, 4), ("two_weight_decay_scalar", 33, 1, 6, 5),
+])
+def test_unfused_kernels_match_the_reference(which, T, B, d, m, monkeypatch):
+    """The kernels' other form (``FUSE`` off: each readout after its step, one prefetch through the whole
+    backward), kept to time against the default, is exact too."""
+    monkeypatch.setattr(R, "FUSE", False)
+    test_matches_the_reference(which, T, B, d, m, 1.0)
+
+
 def test_declared_initial_weights_and_no_final_gradient():
     """No initial state: the declared rectangular identities; only the output has a cotangent."""
     obj = ssmcraft.compile("ttt_mlp")

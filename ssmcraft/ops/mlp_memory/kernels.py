@@ -52,6 +52,23 @@ def _vec(ptr, row, o, m, N):
 
 
 @triton.jit
+def _put_ze(ptr, row, b_z, b_e, o_h, m_h, HID):
+    """Store token ``row``'s z and e ``[BH]`` in one ``[B, T, H, 2, h]`` array (``_ze`` reads them back)."""
+    o_2 = tl.arange(0, 2)
+    tl.store(ptr + (row * 2 + o_2[None, :]) * HID + o_h[:, None], tl.join(b_z, b_e), mask=m_h[:, None])
+
+
+@triton.jit
+def _ze(ptr, row, o, m, N, ZE: tl.constexpr, SECOND: tl.constexpr):
+    """``_vec`` of z (or e, ``SECOND``) from the forward's stored vectors: their own ``[B, T, H, h]`` arrays,
+    or (ZE) both in one ``[B, T, H, 2, h]`` (``_put_ze``), ``ptr`` its start either way."""
+    if ZE:
+        return tl.load(ptr + (row * 2 + SECOND) * N + o, mask=m, other=0.).to(tl.float32)
+    else:
+        return tl.load(ptr + row * N + o, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
 def _opt_vec(ptr, row, o, m, N, HAS: tl.constexpr):
     """``_vec`` when ``HAS`` (the second key and target), else zeros (nothing read)."""
     if HAS:
@@ -193,6 +210,11 @@ def _add2(a, b, c, d):
 
 
 @triton.jit
+def _add3(a, b, c, d, e, f):
+    return a + d, b + e, c + f
+
+
+@triton.jit
 def _grad(b_w1, b_w2, b_k, b_x, b_eta, b_rw, m_h, ACT: tl.constexpr, PSI: tl.constexpr):
     """One key's gradient terms at the weights ``W1, W2T``: z = W1 k, a = act(z), r = W2 a - x,
     s = psi(r) (``_psi``), e = W2^T s, gz = eta (e . act'(z)). Returns (z, a, r, s, e, gz)."""
@@ -230,6 +252,16 @@ def _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2, b_eta, b_rw, b_c, m_h, A
     else:
         b_z, b_a, b_r, b_s, b_e, b_gz = _grad(b_p1, b_p2, b_k, b_x, b_eta, b_rw, m_h, ACT, PSI)
         b_z2, b_a2, b_r2, b_s2, b_e2, b_gz2 = b_z, b_a, b_r, b_s, b_e, b_gz
+    b_w1, b_w2 = _apply(b_w1, b_w2, b_p1, b_p2, b_k, b_k2, b_a, b_a2, b_s, b_s2, b_gz, b_gz2, b_eta, b_c, HAS_DEC,
+                        AT_ANCHOR, TWO)
+    return b_w1, b_w2, b_z, b_r, b_e, b_gz, b_z2, b_r2, b_e2, b_gz2
+
+
+@triton.jit
+def _apply(b_w1, b_w2, b_p1, b_p2, b_k, b_k2, b_a, b_a2, b_s, b_s2, b_gz, b_gz2, b_eta, b_c, HAS_DEC: tl.constexpr,
+           AT_ANCHOR: tl.constexpr, TWO: tl.constexpr):
+    """``_step``'s update of the running weights from each key's gradient terms (a, s, gz):
+    W1 <- c W1 - gz k^T, W2 <- c W2 - eta s a^T (AT_ANCHOR: W <- W - (1 - c) P - ...)."""
     if HAS_DEC:
         if AT_ANCHOR:
             b_w1 = b_w1 - (1. - b_c) * b_p1
@@ -242,7 +274,7 @@ def _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2, b_eta, b_rw, b_c, m_h, A
     if TWO:
         b_w1 -= b_gz2[:, None] * b_k2[None, :]
         b_w2 -= (b_eta * b_a2)[:, None] * b_s2[None, :]
-    return b_w1, b_w2, b_z, b_r, b_e, b_gz, b_z2, b_r2, b_e2, b_gz2
+    return b_w1, b_w2
 
 
 @triton.jit
@@ -270,7 +302,8 @@ def _adjoint(b_g1, b_g2, b_w1, b_w2, b_k, b_z, b_r, b_x, b_e, b_eta, b_rw, m_h, 
     return b_dk, b_dr, b_dx, b_dw, -tl.sum(b_gz * b_gk + b_a * b_g2s, axis=0), b_dz, b_de, b_s, b_a
 
 
-@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "TWO", "MB", "STORE", "STORE_T"])
+@tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "TWO", "MB", "STORE", "STORE_T",
+                   "FUSE"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz, cr, ce, cz2, cr2, ce2, ck1, ck2, cu,
                           co, T, NT,
@@ -278,7 +311,7 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
                           BM: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr,
                           PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
                           TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr, STORE: tl.constexpr,
-                          STORE_T: tl.constexpr, VARLEN: tl.constexpr):
+                          STORE_T: tl.constexpr, VARLEN: tl.constexpr, FUSE: tl.constexpr):
     """Sequential over tokens. Per token, with W1, W2 the previous weights, ``_step``:
     z = W1 k, a = act(z), r = W2 a - x, s = w . psi(r), e = W2^T s; W1 <- c W1 - eta (e . act'(z)) k^T,
     W2 <- c W2 - eta s a^T; y = W2 act(W1 q) with the new weights (w: the loss's weight of each output
@@ -290,11 +323,17 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
     weights after every chunk's last token (``ck1 [B*H, NT, h, m]``, ``ck2 [B*H, NT, h, d]``), which
     the backward starts each chunk from (with MB, CHUNK is a multiple of MB). VARLEN: program ``i_b``
     runs sequence ``i_b`` of a packed row (``cu`` its offsets, ``co`` each sequence's first chunk;
-    ``ssmcraft.ops.common.rows.seq_state``)."""
+    ``ssmcraft.ops.common.rows.seq_state``).
+
+    FUSE (without MB): token t - 1's readout and token t's gradient read the same weights, so each pair
+    of their sums is one reduction (over m: W1 q and W1 k; over h, across the warps: W2 act(W1 q) and
+    W2 a), and the last token's readout follows the loop; else each token's readout follows its step
+    (W1 q off the step's chain through k . q)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     p2 = _w2t_offsets(o_d, o_h, D)
     b_w1, b_w2 = _weights(w1, w2, i_bh, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
     b_p1, b_p2 = b_w1, b_w2
+    FUSED: tl.constexpr = FUSE and not MB
     bos, T, NT, c0 = seq_state(cu, co, i_b, i_h, T, NT, H, CHUNK, VARLEN)
     row = bos.to(tl.int64) * H + i_h
     # each token's inputs are loaded while the previous token's step runs: the step's chain of
@@ -304,51 +343,111 @@ def mlp_memory_fwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, y, w1t, w2t, cz
     b_q, b_eta = _vec(q, row, o_m, m_m & ok, M), _step_of(eta, row, ok, HAS_ETA)
     b_rw, b_c = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row, ok, HAS_DEC)
     b_k2, b_x2 = _opt_vec(k2, row, o_m, m_m & ok, M, TWO), _opt_vec(x2, row, o_d, m_d & ok, D, TWO)
+    b_qp = tl.zeros([BM], dtype=tl.float32)         # FUSED: the previous token's query (none before the first)
     for t in range(T):
         ok = t + 1 < T
         n_k, n_x = _vec(k, row + H, o_m, m_m & ok, M), _vec(x, row + H, o_d, m_d & ok, D)
         n_q, n_eta = _vec(q, row + H, o_m, m_m & ok, M), _step_of(eta, row + H, ok, HAS_ETA)
         n_rw, n_c = _row_weight(rw, row + H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row + H, ok, HAS_DEC)
         n_k2, n_x2 = _opt_vec(k2, row + H, o_m, m_m & ok, M, TWO), _opt_vec(x2, row + H, o_d, m_d & ok, D, TWO)
-        if MB:
-            # a select, not a branch: the anchors are loop-carried tiles (a branch that reassigns them
-            # gave wrong final weights on an H100 with Triton 3.6, while the interpreter agreed)
-            fresh = t % MB == 0
-            b_p1, b_p2 = tl.where(fresh, b_w1, b_p1), tl.where(fresh, b_w2, b_p2)
-        else:
-            b_p1, b_p2 = b_w1, b_w2
-        # the readout's W1 q off the step's chain: (c W1 - eta gz k^T) q = c W1 q - eta gz (k . q)
-        b_zq = tl.sum(b_w1 * b_q[None, :], axis=1)
-        if HAS_DEC:
-            if AT_ANCHOR:
-                b_zq -= (1. - b_c) * tl.sum(b_p1 * b_q[None, :], axis=1)
-            else:
-                b_zq *= b_c
-        b_w1, b_w2, b_z, b_r, b_e, b_gz, b_z2, b_r2, b_e2, b_gz2 = _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2,
-                                                                         b_eta, b_rw, b_c, m_h, ACT, PSI, HAS_DEC,
-                                                                         AT_ANCHOR, TWO)
-        # k . q as a sum over a row of the weights' layout: inside a warp (a vector of its own layout
-        # spreads over all warps, and its sum waits on shared memory)
-        b_zq -= b_gz * tl.sum(b_k[None, :] * b_q[None, :], axis=1)
-        if TWO:
-            b_zq -= b_gz2 * tl.sum(b_k2[None, :] * b_q[None, :], axis=1)
-        b_aq, _, _ = _act(b_zq, ACT)
-        b_aq = tl.where(m_h, b_aq, 0.)
-        tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
-        if STORE:
-            tl.store(cz + row * HID + o_h, b_z, mask=m_h)
-            tl.store(cr + row * D + o_d, b_r, mask=m_d)
-            tl.store(ce + row * HID + o_h, b_e, mask=m_h)
+        if FUSED:
+            # the previous token's readout and this token's gradient, both at the weights before this token
             if TWO:
-                tl.store(cz2 + row * HID + o_h, b_z2, mask=m_h)
+                b_zq, b_z, b_z2 = tl.reduce((b_w1 * b_qp[None, :], b_w1 * b_k[None, :], b_w1 * b_k2[None, :]), 1,
+                                            _add3)
+            else:
+                b_zq, b_z = tl.reduce((b_w1 * b_qp[None, :], b_w1 * b_k[None, :]), 1, _add2)
+                b_z2 = b_z
+            b_aq, _, _ = _act(b_zq, ACT)
+            b_aq = tl.where(m_h, b_aq, 0.)
+            b_a, b_a1, _ = _act(b_z, ACT)
+            b_a = tl.where(m_h, b_a, 0.)
+            if TWO:
+                b_a2, b_a12, _ = _act(b_z2, ACT)
+                b_a2 = tl.where(m_h, b_a2, 0.)
+                b_yp, b_r, b_r2 = tl.reduce((b_w2 * b_aq[:, None], b_w2 * b_a[:, None], b_w2 * b_a2[:, None]), 0,
+                                            _add3)
+            else:
+                b_a2, b_a12 = b_a, b_a1
+                b_yp, b_r = tl.reduce((b_w2 * b_aq[:, None], b_w2 * b_a[:, None]), 0, _add2)
+                b_r2 = b_r
+            tl.store(y + (row - H) * D + o_d, b_yp.to(y.dtype.element_ty), mask=m_d & (t > 0))
+            b_r -= b_x
+            b_s, b_e, b_gz = _back(b_w2, b_r, b_x, b_eta, b_rw, b_a1, PSI)
+            if TWO:
+                b_r2 -= b_x2
+                b_s2, b_e2, b_gz2 = _back(b_w2, b_r2, b_x2, b_eta, b_rw, b_a12, PSI)
+            else:
+                b_s2, b_e2, b_gz2 = b_s, b_e, b_gz
+            b_w1, b_w2 = _apply(b_w1, b_w2, b_w1, b_w2, b_k, b_k2, b_a, b_a2, b_s, b_s2, b_gz, b_gz2, b_eta, b_c,
+                                HAS_DEC, False, TWO)
+            b_qp = b_q
+        else:
+            b_w1, b_w2, b_z, b_r, b_e, b_z2, b_r2, b_e2, b_p1, b_p2 = _fwd_token(
+                b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_q, b_k2, b_x2, b_eta, b_rw, b_c, y, row, t, o_d, m_d, m_h, D,
+                ACT, PSI, HAS_DEC, AT_ANCHOR, TWO, MB)
+        if STORE:
+            tl.store(cr + row * D + o_d, b_r, mask=m_d)
+            if TWO:
                 tl.store(cr2 + row * D + o_d, b_r2, mask=m_d)
-                tl.store(ce2 + row * HID + o_h, b_e2, mask=m_h)
+            if FUSED:
+                # z and e side by side, one store: each store of a vector over h waits on its own
+                # conversion to the store's layout (through shared memory, two barriers)
+                _put_ze(cz, row, b_z, b_e, o_h, m_h, HID)
+                if TWO:
+                    _put_ze(cz2, row, b_z2, b_e2, o_h, m_h, HID)
+            else:
+                tl.store(cz + row * HID + o_h, b_z, mask=m_h)
+                tl.store(ce + row * HID + o_h, b_e, mask=m_h)
+                if TWO:
+                    tl.store(cz2 + row * HID + o_h, b_z2, mask=m_h)
+                    tl.store(ce2 + row * HID + o_h, b_e2, mask=m_h)
             if ((t + 1) % CHUNK == 0) | (t + 1 == T):
                 _put(ck1, ck2, c0 + t // CHUNK, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
         row += H
         b_k, b_x, b_q, b_eta, b_rw, b_c, b_k2, b_x2 = n_k, n_x, n_q, n_eta, n_rw, n_c, n_k2, n_x2
+    if FUSED:
+        # the last token's readout, at the final weights
+        b_aq, _, _ = _act(tl.sum(b_w1 * b_qp[None, :], axis=1), ACT)
+        b_aq = tl.where(m_h, b_aq, 0.)
+        tl.store(y + (row - H) * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty),
+                 mask=m_d & (T > 0))
     if STORE_T:
         _put(w1t, w2t, i_bh, b_w1, b_w2, p1, m1, p2, m2, D, M, HID)
+
+
+@triton.jit
+def _fwd_token(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_q, b_k2, b_x2, b_eta, b_rw, b_c, y, row, t, o_d, m_d, m_h, D,
+               ACT: tl.constexpr, PSI: tl.constexpr, HAS_DEC: tl.constexpr, AT_ANCHOR: tl.constexpr,
+               TWO: tl.constexpr, MB: tl.constexpr):
+    """The forward's token ``t`` with its readout after its step (``_step``; the unfused forward, and every
+    mini-batch): stores y; returns (W1, W2T, z, r, e, z2, r2, e2, P1, P2T)."""
+    if MB:
+        # a select, not a branch: the anchors are loop-carried tiles (a branch that reassigns them
+        # gave wrong final weights on an H100 with Triton 3.6, while the interpreter agreed)
+        fresh = t % MB == 0
+        b_p1, b_p2 = tl.where(fresh, b_w1, b_p1), tl.where(fresh, b_w2, b_p2)
+    else:
+        b_p1, b_p2 = b_w1, b_w2
+    # the readout's W1 q off the step's chain: (c W1 - eta gz k^T) q = c W1 q - eta gz (k . q)
+    b_zq = tl.sum(b_w1 * b_q[None, :], axis=1)
+    if HAS_DEC:
+        if AT_ANCHOR:
+            b_zq -= (1. - b_c) * tl.sum(b_p1 * b_q[None, :], axis=1)
+        else:
+            b_zq *= b_c
+    b_w1, b_w2, b_z, b_r, b_e, b_gz, b_z2, b_r2, b_e2, b_gz2 = _step(b_w1, b_w2, b_p1, b_p2, b_k, b_x, b_k2, b_x2,
+                                                                     b_eta, b_rw, b_c, m_h, ACT, PSI, HAS_DEC,
+                                                                     AT_ANCHOR, TWO)
+    # k . q as a sum over a row of the weights' layout: inside a warp (a vector of its own layout
+    # spreads over all warps, and its sum waits on shared memory)
+    b_zq -= b_gz * tl.sum(b_k[None, :] * b_q[None, :], axis=1)
+    if TWO:
+        b_zq -= b_gz2 * tl.sum(b_k2[None, :] * b_q[None, :], axis=1)
+    b_aq, _, _ = _act(b_zq, ACT)
+    b_aq = tl.where(m_h, b_aq, 0.)
+    tl.store(y + row * D + o_d, tl.sum(b_w2 * b_aq[:, None], axis=0).to(y.dtype.element_ty), mask=m_d)
+    return b_w1, b_w2, b_z, b_r, b_e, b_z2, b_r2, b_e2, b_p1, b_p2
 
 
 @triton.jit
@@ -414,6 +513,25 @@ def _token_adjoint(b_g1, b_g2, b_p1, b_p2, b_k, b_x, b_z, b_r, b_e, b_k2, b_x2, 
 
 
 @triton.jit
+def _bwd_inputs(q, dy, k, cz, cr, ce, x, eta, rw, dec, k2, cz2, cr2, ce2, x2, row, ok, o_d, m_d, o_m, m_m, o_h, m_h,
+                D, M, HID, NX: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
+                TWO: tl.constexpr, ZE: tl.constexpr):
+    """The backward's vectors of the token at ``row`` (zeros where ``ok`` is False): its inputs q, dy, k
+    (x only where the data term reads it, NX), eta, w, c, the second key's, and the forward's z, r, e
+    (``_ze``; without a second key its z2, e2 are zeros)."""
+    if TWO:
+        z2, e2 = _ze(cz2, row, o_h, m_h & ok, HID, ZE, 0), _ze(ce2, row, o_h, m_h & ok, HID, ZE, ZE)
+    else:
+        z2, e2 = tl.zeros([o_h.shape[0]], dtype=tl.float32), tl.zeros([o_h.shape[0]], dtype=tl.float32)
+    return (_vec(q, row, o_m, m_m & ok, M), _vec(dy, row, o_d, m_d & ok, D), _vec(k, row, o_m, m_m & ok, M),
+            _ze(cz, row, o_h, m_h & ok, HID, ZE, 0), _vec(cr, row, o_d, m_d & ok, D),
+            _ze(ce, row, o_h, m_h & ok, HID, ZE, ZE), _opt_vec(x, row, o_d, m_d & ok, D, NX),
+            _step_of(eta, row, ok, HAS_ETA), _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW),
+            _step_of(dec, row, ok, HAS_DEC), _opt_vec(k2, row, o_m, m_m & ok, M, TWO), z2,
+            _opt_vec(cr2, row, o_d, m_d & ok, D, TWO), e2, _opt_vec(x2, row, o_d, m_d & ok, D, TWO and NX))
+
+
+@triton.jit
 def _lost_bits(dec, rows, m):
     """log2 of the most a walk back divided by the decays at ``rows`` (where ``m``) can amplify a rounding
     error: the sum of -log2 |c| (inf where a c is 0)."""
@@ -444,7 +562,7 @@ def _replay(b_w1, b_w2, lo, hi, k, x, k2, x2, eta, rw, dec, first, H, o_d, m_d, 
 
 
 @tune(_WARPS, key=["H", "D", "M", "HID", "ACT", "PSI", "HAS_ETA", "HAS_RW", "HAS_DEC", "TWO", "MB", "HAS_DHT",
-                   "STORE_DH0"])
+                   "STORE_DH0", "ZE"])
 @triton.jit(do_not_specialize=["T", "NT"])
 def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce, cz2, cr2, ce2, ck1, ck2, dw1t, dw2t,
                           dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1, dw2, cu, co, T, NT, BITS, H: tl.constexpr,
@@ -452,7 +570,7 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                           BH: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, ACT: tl.constexpr,
                           PSI: tl.constexpr, HAS_ETA: tl.constexpr, HAS_RW: tl.constexpr, HAS_DEC: tl.constexpr,
                           TWO: tl.constexpr, MB: tl.constexpr, AT_ANCHOR: tl.constexpr, HAS_DHT: tl.constexpr,
-                          STORE_DH0: tl.constexpr, VARLEN: tl.constexpr):
+                          STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, ZE: tl.constexpr):
     """Chunks in reverse, each from the weights after its last token (the forward's checkpoint), token
     by token back to its start: the readout's adjoint at W_t, then W_{t-1} = W_t + eta (e . act'(z))
     k^T and W2_{t-1} = W2_t + eta s a^T from the stored z, r, e (s = w . psi(r)), then the step's
@@ -471,7 +589,9 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
     token; the weights walk back (or, with a decay, replay from P, which are exactly the weights
     before the mini-batch), and the mini-batch ends at W = P. AT_ANCHOR (weight decay at the anchors,
     W_t = W_{t-1} - (1 - c) P - ...): dc = <G, P>, and P's adjoint takes -(1 - c) G.
-    VARLEN: as the forward."""
+    VARLEN: as the forward.
+
+    ZE (without MB): the forward stored z and e together (its FUSE form, ``_put_ze``)."""
     i_bh, i_b, i_h, o_d, m_d, o_m, m_m, o_h, m_h, p1, m1, p2, m2 = _program(H, D, M, HID, BD, BM, BH)
     p2 = _w2t_offsets(o_d, o_h, D)
     b_g1, b_g2 = _weights(dw1t, dw2t, i_bh, p1, m1, p2, m2, D, M, HID, HAS_DHT, BD, BM, BH)
@@ -538,18 +658,12 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                 b_g2 += b_h2
                 b_w1, b_w2 = b_p1, b_p2
     else:
+        NX: tl.constexpr = PSI == LIN      # a linear term's s reads the target
         # token t - 1's inputs and stored vectors are loaded while token t's adjoint runs (as the forward)
         row = (bos + T - 1).to(tl.int64) * H + i_h
-        ok = T > 0
-        NX: tl.constexpr = PSI == LIN      # a linear term's s reads the target
-        b_q, b_dy, b_k = _vec(q, row, o_m, m_m & ok, M), _vec(dy, row, o_d, m_d & ok, D), _vec(k, row, o_m, m_m & ok, M)
-        b_z, b_r = _vec(cz, row, o_h, m_h & ok, HID), _vec(cr, row, o_d, m_d & ok, D)
-        b_e, b_x = _vec(ce, row, o_h, m_h & ok, HID), _opt_vec(x, row, o_d, m_d & ok, D, NX)
-        b_eta = _step_of(eta, row, ok, HAS_ETA)
-        b_rw, b_c = _row_weight(rw, row, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row, ok, HAS_DEC)
-        b_k2, b_z2 = _opt_vec(k2, row, o_m, m_m & ok, M, TWO), _opt_vec(cz2, row, o_h, m_h & ok, HID, TWO)
-        b_r2, b_e2 = _opt_vec(cr2, row, o_d, m_d & ok, D, TWO), _opt_vec(ce2, row, o_h, m_h & ok, HID, TWO)
-        b_x2 = _opt_vec(x2, row, o_d, m_d & ok, D, TWO and NX)
+        (b_q, b_dy, b_k, b_z, b_r, b_e, b_x, b_eta, b_rw, b_c, b_k2, b_z2, b_r2, b_e2, b_x2) = _bwd_inputs(
+            q, dy, k, cz, cr, ce, x, eta, rw, dec, k2, cz2, cr2, ce2, x2, row, T > 0, o_d, m_d, o_m, m_m, o_h, m_h,
+            D, M, HID, NX, HAS_ETA, HAS_RW, HAS_DEC, TWO, ZE)
         for i in range(NT):
             i_c = NT - 1 - i
             b_w1, b_w2 = _weights(ck1, ck2, c0 + i_c, p1, m1, p2, m2, D, M, HID, True, BD, BM, BH)
@@ -560,18 +674,9 @@ def mlp_memory_bwd_kernel(x, k, q, eta, rw, dec, k2, x2, w1, w2, dy, cz, cr, ce,
                 walk = _lost_bits(dec, first + (lo + o_c) * H, o_c < end - lo) <= BITS
             for j in range(end - lo):
                 t = end - 1 - j
-                ok = t > 0
-                n_q, n_dy = _vec(q, row - H, o_m, m_m & ok, M), _vec(dy, row - H, o_d, m_d & ok, D)
-                n_k, n_z = _vec(k, row - H, o_m, m_m & ok, M), _vec(cz, row - H, o_h, m_h & ok, HID)
-                n_r, n_e = _vec(cr, row - H, o_d, m_d & ok, D), _vec(ce, row - H, o_h, m_h & ok, HID)
-                n_x = _opt_vec(x, row - H, o_d, m_d & ok, D, NX)
-                n_eta = _step_of(eta, row - H, ok, HAS_ETA)
-                n_rw, n_c = _row_weight(rw, row - H, o_d, m_d & ok, D, HAS_RW), _step_of(dec, row - H, ok, HAS_DEC)
-                n_k2 = _opt_vec(k2, row - H, o_m, m_m & ok, M, TWO)
-                n_z2 = _opt_vec(cz2, row - H, o_h, m_h & ok, HID, TWO)
-                n_r2 = _opt_vec(cr2, row - H, o_d, m_d & ok, D, TWO)
-                n_e2 = _opt_vec(ce2, row - H, o_h, m_h & ok, HID, TWO)
-                n_x2 = _opt_vec(x2, row - H, o_d, m_d & ok, D, TWO and NX)
+                (n_q, n_dy, n_k, n_z, n_r, n_e, n_x, n_eta, n_rw, n_c, n_k2, n_z2, n_r2, n_e2, n_x2) = _bwd_inputs(
+                    q, dy, k, cz, cr, ce, x, eta, rw, dec, k2, cz2, cr2, ce2, x2, row - H, t > 0, o_d, m_d,
+                    o_m, m_m, o_h, m_h, D, M, HID, NX, HAS_ETA, HAS_RW, HAS_DEC, TWO, ZE)
                 # the readout y = W2 act(W1 q) at the weights after token t
                 b_g1, b_g2, b_dq = _readout_adjoint(b_g1, b_g2, b_w1, b_w2, b_q, b_dy, m_h, ACT)
                 tl.store(dq + row * M + o_m, b_dq.to(dq.dtype.element_ty), mask=m_m)

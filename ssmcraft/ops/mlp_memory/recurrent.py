@@ -33,21 +33,21 @@ inputs besides, no params; then the objective's generated reference loop must eq
 and query, of step, of decay and of data term, with the IR's mini-batch (``_probe``).
 Anything else is refused with the reason.
 
-Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32:
-forward, sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h],
-[B, T, H, d], [B, T, H, h], fp32) and the weights after every chunk's last token (``CHUNK`` tokens,
-``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H, NT, h, d]: W2 transposed, as the kernels
-read it). The backward walks each chunk back from its stored end state: ``W_{t-1} = W_t + eta (...)``
-from the stored vectors, an exact inverse of the step but for rounding, which restarts at every
-chunk's stored end (no [CHUNK, h, m] scratch of states: at h = 2m = 128 the two weights are 16k
-floats a program). With a decay c the walk divides by it, ``W_{t-1} = (W_t + eta (...)) / c``, in a
-chunk whose decays amplify rounding by at most 2^DIVIDE_BITS; in the others each token's weights are
-replayed from the chunk's start. Work per token: the forward's three matrix-vector products and two
-rank-1 updates; the backward's readout adjoint, the rank-1 walk back and the step's adjoint. A
-mini-batch carries the anchors beside the running weights (two more tiles forward; backward, their
-adjoint too, handed to the running weights' at the chunk's first token); its backward chunk is a
-multiple of C, and each mini-batch replays its anchors from the chunk's start (about CHUNK / (2 C)
-more steps a token).
+Kernels (``kernels.py``), one program per (batch, head), both weights in registers in fp32: forward,
+sequential over tokens; for training it also stores ``z, r, e`` per token ([B, T, H, h], [B, T, H, d],
+[B, T, H, h], fp32; z and e as one [B, T, H, 2, h] in the fused form, ``FUSE``) and the weights after
+every chunk's last token (``CHUNK`` tokens, ``DECAY_CHUNK`` with a decay; [B, H, NT, h, m] and [B, H,
+NT, h, d]: W2 transposed, as the kernels read it). The backward walks each chunk back from its stored
+end state: ``W_{t-1} = W_t + eta (...)`` from the stored vectors, an exact inverse of the step but for
+rounding, which restarts at every chunk's stored end (no [CHUNK, h, m] scratch of states: at h = 2m =
+128 the two weights are 16k floats a program). With a decay c the walk divides by it, ``W_{t-1} = (W_t +
+eta (...)) / c``, in a chunk whose decays amplify rounding by at most 2^DIVIDE_BITS; in the others each
+token's weights are replayed from the chunk's start. Work per token: the forward's three matrix-vector
+products and two rank-1 updates; the backward's readout adjoint, the rank-1 walk back and the step's
+adjoint. A mini-batch carries the anchors beside the running weights (two more tiles forward; backward,
+their adjoint too, handed to the running weights' at the chunk's first token); its backward chunk is a
+multiple of C, and each mini-batch replays its anchors from the chunk's start (about CHUNK / (2 C) more
+steps a token).
 
 Shapes: x, w [B, T, H, d]; k, q [B, T, H, m]; eta [B, T, H]; states (W1 [B, H, h, m], W2 [B, H, d, h]) as
 the API carries them, fp32 in the kernels. I/O in float32, bfloat16 or float16.
@@ -82,6 +82,10 @@ DECAY_CHUNK = 16
 # 6 bits: the walk's fp32 rounding grows by at most 64x (~1e-5 relative, far below what bf16 I/O rounds
 # away); at decays sigmoid(N(2, 1)) (the benchmarks' draws) ~94% of 16-token chunks are walked
 DIVIDE_BITS = 6.0
+# the forward kernel's FUSE (its docstring): token t - 1's readout taken in the reductions of token t's
+# gradient, z and e stored together; False: each readout after its step (the other form, kept to time
+# against: ``benchmarks/bench_mlp_memory.py``)
+FUSE = True
 ACTIVATIONS = {"silu": SILU.value, "tanh": TANH.value, "sigmoid": SIGMOID.value}
 # the data terms (``naive.DATA`` writes each loss): the kernels' ``PSI``, its derivative at the prediction
 DATA = {"regression": REG.value, "linear": LIN.value, "huber": HUBER.value, "cauchy": CAUCHY.value,
@@ -93,6 +97,19 @@ DECAYS = {"decay": lambda a: a, "weight_decay": lambda lam: 1 - lam}
 
 def _empty(*shape, device, dtype):
     return buffer(shape, device, dtype, POISON)
+
+
+def _ze_buffers(store, B, T, H, HID, dev, none, joint):
+    """The forward's stored z and e of one key, fp32: ``[B, T, H, h]`` each, or (``joint``: the fused forward
+    stores them together, ``kernels._put_ze``) one ``[B, T, H, 2, h]`` array as both; ``none`` for both
+    when nothing is stored."""
+    if not store:
+        return none, none
+    if joint:
+        ze = _empty(B, T, H, 2, HID, device=dev, dtype=torch.float32)
+        return ze, ze
+    return (_empty(B, T, H, HID, device=dev, dtype=torch.float32),
+            _empty(B, T, H, HID, device=dev, dtype=torch.float32))
 
 
 def final_cotangents(dw1t, dw2t, N, H, D, M, HID, dev, w2_rows: bool = False):
@@ -124,12 +141,11 @@ class MLPMemoryFunction(torch.autograd.Function):
         two = k2 is not None
         N, NT, seq = sequences(B, T, chunk, packed, x)
         y = _empty(B, T, H, D, device=dev, dtype=x.dtype)
-        cz = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
+        ze = FUSE and not mb
+        cz, ce = _ze_buffers(train, B, T, H, HID, dev, y, ze)
         cr = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train else y
-        ce = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train else y
-        cz2 = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train and two else y
+        cz2, ce2 = _ze_buffers(train and two, B, T, H, HID, dev, y, ze)
         cr2 = _empty(B, T, H, D, device=dev, dtype=torch.float32) if train and two else y
-        ce2 = _empty(B, T, H, HID, device=dev, dtype=torch.float32) if train and two else y
         ck1 = _empty(B, H, NT, HID, M, device=dev, dtype=torch.float32) if train else y
         ck2 = _empty(B, H, NT, HID, D, device=dev, dtype=torch.float32) if train else y
         w1t = _empty(N, H, HID, M, device=dev, dtype=torch.float32) if output_final_state else y
@@ -140,9 +156,10 @@ class MLPMemoryFunction(torch.autograd.Function):
                ce2=ce2, ck1=ck1, ck2=ck2, T=T, NT=NT, H=H, D=D, M=M, HID=HID,
                BD=pow2(D), BM=pow2(M), BH=pow2(HID), CHUNK=chunk, ACT=act, PSI=psi, HAS_ETA=eta is not None,
                HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=mb, AT_ANCHOR=at_anchor, STORE=train,
-               STORE_T=output_final_state, **packed_args(seq, "cu", "co"))
+               STORE_T=output_final_state, FUSE=FUSE, **packed_args(seq, "cu", "co"))
         ctx.set_materialize_grads(False)
         ctx.act, ctx.psi, ctx.mb, ctx.at_anchor, ctx.chunk, ctx.packed = act, psi, mb, at_anchor, chunk, packed
+        ctx.ze = ze      # z and e stored together (the backward reads them as the forward laid them out)
         if train:
             # the initial weights: a decay's backward, and a mini-batch's, replay each chunk from its start
             ctx.save_for_backward(x, k, q, eta, rw, dec, k2, x2,
@@ -181,7 +198,8 @@ class MLPMemoryFunction(torch.autograd.Function):
                BITS=float(DIVIDE_BITS), H=H, D=D, M=M, HID=HID, BD=pow2(D),
                BM=pow2(M), BH=pow2(HID), CHUNK=ctx.chunk, BC=pow2(ctx.chunk), ACT=ctx.act, PSI=ctx.psi,
                HAS_ETA=eta is not None, HAS_RW=rw is not None, HAS_DEC=dec is not None, TWO=two, MB=ctx.mb,
-               AT_ANCHOR=ctx.at_anchor, HAS_DHT=has_dht, STORE_DH0=need_dh0, **packed_args(seq, "cu", "co"))
+               AT_ANCHOR=ctx.at_anchor, HAS_DHT=has_dht, STORE_DH0=need_dh0, ZE=ctx.ze,
+               **packed_args(seq, "cu", "co"))
         return (dx, dk, dq, deta, drw, ddec, dk2, dx2, dw1 if need_dh0 else None, dw2 if need_dh0 else None,
                 None, None, None, None, None, None, None)
 
