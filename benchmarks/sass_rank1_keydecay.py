@@ -4,7 +4,7 @@ launches it (bf16 I/O, K = V = 64, chunk 64, u = a o v, p's scale fused; fp32 g,
 scratch) at 4 and 8 warps, and printed: registers, spilled bytes (stack) and the counts of the
 opcodes that say most about these kernels (local memory = spills, barriers, shuffles, MUFU = exp/log).
 
-    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out] [--leaf 4]
+    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out] [--leaf 4] [--chunk 32] [--fast 0]
 
 A change to these kernels can be weighed here (spills above all) before any device time.
 """
@@ -56,7 +56,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--leaf", type=int, default=None, help="rows of the elementwise diagonal blocks, forward and backward "
                     "(chunk.LEAF_FWD, LEAF_BWD)")
+    ap.add_argument("--chunk", type=int, default=SHAPE["BT"], help="chunk size BT (chunk.CHUNK: 16, 32 or 64)")
+    ap.add_argument("--fast", type=int, default=int(R.FAST_DIAG), help="1: the diagonal sub-blocks' products "
+                    "(chunk.FAST_DIAG), 0: their elementwise sums only")
     args = ap.parse_args(argv)
+    SHAPE["BT"] = args.chunk
+    R.FAST_DIAG = bool(args.fast)
     if args.leaf:
         R.LEAF_FWD = R.LEAF_BWD = args.leaf
     for name in args.kernels.split(","):
