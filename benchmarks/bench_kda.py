@@ -21,7 +21,12 @@ backward, ``LEAF_FWD`` / ``LEAF_BWD``) in one process (an A/B of the sub-block h
 ``FWD/BWD/CHUNK/SUB/FAST`` also sets the chunk size (``CHUNK``: 16, 32 or 64), the sub-block
 (``SUB``) and the products on the diagonal sub-blocks (``FAST_DIAG``, 0 or 1), each left at the
 module's value where the item stops early: ``--leaf 16/4/64/16/0,16/4/64/16/1,16/4/32/16/1`` times
-the elementwise diagonal sub-blocks against their products, at chunks of 64 and 32, in one process. FLA's
+the elementwise diagonal sub-blocks against their products, at chunks of 64 and 32, in one process.
+Each item compiles kernels of its own: on an H200 machine, seven processes compiling at once, the
+checks of the chunk-32 items took 46-48 s and those of the chunk-64 items (255 registers, long
+unrolled code) did not finish within 75 s. Warm them in processes of their own first
+(``--only-check --check-shape 1,300,16,64,64 --leaf ITEM``: H=16 d=m=64 compiles the timed case's
+kernels too) with more time than that, then time all items in one process. FLA's
 kernels take minutes to compile (259 s for its forward and backward at one config per kernel on an
 H200): compile them in a process of its own beside the checks (``--fla-warmup``; the compiled
 kernels stay in Triton's disk cache, and FLA asks Triton to cache its autotune choices there too,
@@ -186,22 +191,23 @@ def main(argv=None) -> int:
         print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
     if args.only_check:
         return 0 if ok else 1
-    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False)]
-    for knobs in leaves:
-        _set(family, knobs)
-        rows.append(measure(f"KDA-like (composed), {_label(knobs)}", kda, shape, torch.bfloat16, args.profile))
-    ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
-          "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
-    print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['spec']} [{r['backend']}] | "
-              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
+          "ratio: fwd+bwd / deltanet's fwd+bwd (same process); each row printed once timed (a run cut short "
+          "keeps the rows it reached)")
+    print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|", flush=True)
+    rows = []
+    for label, spec, knobs in [("deltanet", "deltanet", None)] + [("KDA-like (composed)", kda, k) for k in leaves]:
+        if knobs is not None:
+            _set(family, knobs)
+            label = f"{label}, {_label(knobs)}"
+        r = measure(label, spec, shape, torch.bfloat16, args.profile and knobs is not None)
+        rows.append(r)
+        print(f"| {r['spec']} [{r['backend']}] | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+              f"{r['fwd_bwd_ms'] / rows[0]['fwd_bwd_ms']:.2f} |", flush=True)
+        for k, c, us in r.get("kernels", [])[:16]:
+            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}", flush=True)
+    ref = rows[0]["fwd_bwd_ms"]
     print(f"[timed in {time.time() - t0:.0f} s]", flush=True)
-    for r in rows[1:] if args.profile else []:
-        print(f"-- {r['spec']}: GPU kernels of one fwd+bwd")
-        for k, c, us in r["kernels"][:16]:
-            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
             f, fb = fla_kda(shape, ref, args.profile, args.fla_configs)

@@ -137,14 +137,16 @@ def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkey
     assert_within(errs, TOL)
 
 
-def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
-    """Halved sub-blocks in a packed row: the references between halves are read within each
-    sequence (odd lengths, empty ones, chunks of 16), and the packed call equals N separate
-    float64 reference calls on the output, final states and every gradient."""
+@pytest.mark.parametrize("fast", [False, True], ids=["halved", "products"])
+def test_sub_block_references_packed(tmp_path, monkeypatch, fast):
+    """Halved sub-blocks, or the diagonal sub-blocks' products (``FAST_DIAG``), in a packed row: the
+    references between halves or at the sub-blocks' middle rows are read within each sequence (odd
+    lengths, empty ones, chunks of 16), and the packed call equals N separate float64 reference calls
+    on the output, final states and every gradient."""
     from test_varlen import _interpret, packed_errors
     monkeypatch.setattr(R, "LEAF_FWD", 4)
     monkeypatch.setattr(R, "LEAF_BWD", 4)
-    monkeypatch.setattr(R, "FAST_DIAG", False)
+    monkeypatch.setattr(R, "FAST_DIAG", fast)
     monkeypatch.setattr(R, "INTERPRET_BV", 8)
     monkeypatch.setattr(R, "CHUNK", 16)
     obj = _composed(tmp_path)

@@ -119,9 +119,10 @@ EXACT_DECAY_GRAD = True
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 # the diagonal sub-blocks as one tensor-core product per program where the decays allow it
 # (``kernels.FAST_DIAG_SPAN``), in the forward's prep and in the backward; False: always the halvings
-# and elementwise sums of LEAF_FWD / LEAF_BWD (benchmarks time both in one process). With it on,
-# LEAF_BWD is unused: the backward's programs that turn the products away sum leaves of SUB rows
-FAST_DIAG = True
+# and elementwise sums of LEAF_FWD / LEAF_BWD. Off until timed on a GPU against them (checked there;
+# ``bench_kda.py --leaf 16/4/64/16/0,16/4/64/16/1``). With it on, LEAF_BWD is unused: the
+# backward's programs that turn the products away sum leaves of SUB rows
+FAST_DIAG = False
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
