@@ -8,7 +8,7 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
 1. Correctness: the composed KDA-like objective and a held-out one of the class (keys not
    normalised) through ``obj()``, fp32 and bf16, against the float64 reference loop (output,
    final state, every gradient incl. the initial state's; ``checks.compare``) at B=2 T=300 H=2
-   d=m=64.
+   d=m=64 (``--check-shape``).
 2. Timings at ``--shape`` (bf16, one process): ssmcraft DeltaNet and the KDA-like layer through
    ``obj()`` as ``bench_classes.py`` times them (``timing.obj_calls`` / ``time_calls``), then FLA's
    ``chunk_kda`` fwd and fwd+bwd (``timing.bench_ms``; log-space decay, unit keys, scale 1), each
@@ -17,7 +17,16 @@ Run on a CUDA machine (FLA 0.6.0 importable for its row):
    ``--profile``: the GPU kernels of one fwd+bwd of the KDA-like layer and of FLA's.
 
 ``--leaf 16/16,16/4,4/4`` checks and times the family at each pair of leaf sizes (forward's prep /
-backward, ``LEAF_FWD`` / ``LEAF_BWD``) in one process (an A/B of the sub-block halving). FLA's
+backward, ``LEAF_FWD`` / ``LEAF_BWD``) in one process (an A/B of the sub-block halving); an item
+``FWD/BWD/CHUNK/SUB/FAST`` also sets the chunk size (``CHUNK``: 16, 32 or 64), the sub-block
+(``SUB``) and the products on the diagonal sub-blocks (``FAST_DIAG``, 0 or 1), each left at the
+module's value where the item stops early: ``--leaf 16/4/64/16/0,16/4/64/16/1,16/4/32/16/1`` times
+the elementwise diagonal sub-blocks against their products, at chunks of 64 and 32, in one process.
+Each item compiles kernels of its own: on an H200 machine, seven processes compiling at once, the
+checks of the chunk-32 items took 46-48 s and those of the chunk-64 items (255 registers, long
+unrolled code) did not finish within 75 s. Warm them in processes of their own first
+(``--only-check --check-shape 1,300,16,64,64 --leaf ITEM``: H=16 d=m=64 compiles the timed case's
+kernels too) with more time than that, then time all items in one process. FLA's
 kernels take minutes to compile (259 s for its forward and backward at one config per kernel on an
 H200): compile them in a process of its own beside the checks (``--fla-warmup``; the compiled
 kernels stay in Triton's disk cache, and FLA asks Triton to cache its autotune choices there too,
@@ -53,9 +62,9 @@ KDA_LIKE = os.path.join(SPECS, "kda_like.yaml")
 HELD_OUT = os.path.join(SPECS, "kda_like_unnormalized.yaml")
 
 
-def check(path: str) -> bool:
+def check(path: str, shape=(2, 300, 2, 64, 64)) -> bool:
     obj = ssmcraft.compile(path)
-    B, T, H, d, m = 2, 300, 2, 64, 64
+    B, T, H, d, m = shape
     ins, params = random_inputs(obj, B, T, H, d, m, torch.float64, torch.device("cuda"), seed=1)
     S0 = 0.5 * torch.randn(B, H, d, m, dtype=torch.float64, device="cuda")
     ref = reference(obj, ins, params, S0, torch.Generator().manual_seed(2))
@@ -67,6 +76,28 @@ def check(path: str) -> bool:
         print(f"{obj.spec.name} {dtype_name(dtype)} B{B} T{T} H{H} d{d} m{m} [{obj.backend}]: "
               f"{summary(cmp, TOL_CHUNKED[dtype])}", flush=True)
     return ok
+
+
+KNOBS = ("LEAF_FWD", "LEAF_BWD", "CHUNK", "SUB", "FAST_DIAG")
+
+
+def _knobs(item: str, family) -> tuple[int, ...]:
+    """``FWD/BWD[/CHUNK[/SUB[/FAST]]]`` as the module constants of ``KNOBS``, the module's own where
+    the item leaves them out ("" keeps them all)."""
+    given = [int(n) for n in item.split("/")] if item else []
+    if item and not 2 <= len(given) <= len(KNOBS):
+        raise SystemExit(f"bench_kda.py: --leaf: item {item!r} is not FWD/BWD[/CHUNK[/SUB[/FAST]]]")
+    return tuple(given) + tuple(getattr(family, k) for k in KNOBS[len(given):])
+
+
+def _set(family, knobs) -> None:
+    for name, value in zip(KNOBS, knobs):
+        setattr(family, name, value)
+
+
+def _label(knobs) -> str:
+    fwd, bwd, chunk, sub, fast = knobs
+    return f"chunk {chunk}, sub {sub}, leaves {fwd}/{bwd}, diagonal {'products' if fast else 'elementwise'}"
 
 
 def fla_calls(shape, keep: int):
@@ -128,14 +159,18 @@ def main(argv=None) -> int:
     ap.add_argument("--diag-unroll", type=int, default=None,
                     help="in-block offsets per step of the backward's diagonal block sums (chunk.DIAG_UNROLL)")
     ap.add_argument("--leaf", default=None,
-                    help="FWD/BWD: rows of the diagonal blocks summed elementwise in the forward's prep and in the "
-                         "backward, SUB halved down to them (chunk.LEAF_FWD, LEAF_BWD); a comma list checks and "
-                         "times the layer at each pair, in this process")
+                    help="FWD/BWD[/CHUNK[/SUB[/FAST]]]: rows of the diagonal blocks summed elementwise in the "
+                         "forward's prep and in the backward, SUB halved down to them (chunk.LEAF_FWD, LEAF_BWD), "
+                         "then chunk.CHUNK, SUB and FAST_DIAG; a comma list checks and times the layer at each "
+                         "item, in this process")
+    ap.add_argument("--check-shape", default="2,300,2,64,64",
+                    help="B,T,H,d,m of the correctness checks (H=16 d=m=64 shares the timed case's compiled kernels)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda.py needs a CUDA device")
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
+    check_shape = tuple(int(x) for x in args.check_shape.split(","))
     t0 = time.time()
     if args.fla_warmup:
         for fn in fla_calls(shape, args.fla_configs):
@@ -145,32 +180,34 @@ def main(argv=None) -> int:
         return 0
     from ssmcraft.ops.rank1_keydecay_chunk import chunk as family
     family.DIAG_UNROLL = args.diag_unroll or family.DIAG_UNROLL
-    leaves = ([tuple(int(n) for n in pair.split("/")) for pair in args.leaf.split(",")] if args.leaf
-              else [(family.LEAF_FWD, family.LEAF_BWD)])
+    leaves = [_knobs(item, family) for item in args.leaf.split(",")] if args.leaf else [_knobs("", family)]
     kda, held_out = KDA_LIKE, HELD_OUT
     ok = True
     if not args.no_check:
-        for family.LEAF_FWD, family.LEAF_BWD in leaves:
-            ok = all([check(kda), check(held_out)]) and ok
+        for knobs in leaves:
+            _set(family, knobs)
+            print(f"-- {_label(knobs)}", flush=True)
+            ok = all([check(kda, check_shape), check(held_out, check_shape)]) and ok
         print(f"[checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s]", flush=True)
     if args.only_check:
         return 0 if ok else 1
-    rows = [measure("deltanet", "deltanet", shape, torch.bfloat16, False)]
-    for family.LEAF_FWD, family.LEAF_BWD in leaves:
-        rows.append(measure(f"KDA-like (composed), leaves {family.LEAF_FWD}/{family.LEAF_BWD}", kda, shape,
-                            torch.bfloat16, args.profile))
-    ref = rows[0]["fwd_bwd_ms"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16; "
-          "ratio: fwd+bwd / deltanet's fwd+bwd (same process)")
-    print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['spec']} [{r['backend']}] | "
-              f"{r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_ms'] / ref:.2f} |", flush=True)
+          "ratio: fwd+bwd / deltanet's fwd+bwd (same process); each row printed once timed (a run cut short "
+          "keeps the rows it reached)")
+    print("| layer | fwd ms | fwd+bwd ms | x deltanet |\n|---|---|---|---|", flush=True)
+    rows = []
+    for label, spec, knobs in [("deltanet", "deltanet", None)] + [("KDA-like (composed)", kda, k) for k in leaves]:
+        if knobs is not None:
+            _set(family, knobs)
+            label = f"{label}, {_label(knobs)}"
+        r = measure(label, spec, shape, torch.bfloat16, args.profile and knobs is not None)
+        rows.append(r)
+        print(f"| {r['spec']} [{r['backend']}] | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+              f"{r['fwd_bwd_ms'] / rows[0]['fwd_bwd_ms']:.2f} |", flush=True)
+        for k, c, us in r.get("kernels", [])[:16]:
+            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}", flush=True)
+    ref = rows[0]["fwd_bwd_ms"]
     print(f"[timed in {time.time() - t0:.0f} s]", flush=True)
-    for r in rows[1:] if args.profile else []:
-        print(f"-- {r['spec']}: GPU kernels of one fwd+bwd")
-        for k, c, us in r["kernels"][:16]:
-            print(f"   {us:10.1f} us  x{c:<3d} {k[:110]}")
     if not args.no_fla:
         try:
             f, fb = fla_kda(shape, ref, args.profile, args.fla_configs)

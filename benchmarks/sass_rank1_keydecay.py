@@ -1,10 +1,12 @@
 """Offline SASS of the chunked rank-1 key-decay kernels (``ssmcraft.ops.rank1_keydecay_chunk``): no
 GPU needed. Each kernel is compiled for sm_90 with Triton's bundled ptxas as the timed KDA-like case
 launches it (bf16 I/O, K = V = 64, chunk 64, u = a o v, p's scale fused; fp32 g, states and
-scratch) at 4 and 8 warps, and printed: registers, spilled bytes (stack) and the counts of the
-opcodes that say most about these kernels (local memory = spills, barriers, shuffles, MUFU = exp/log).
+scratch) at 4 and 8 warps, and printed: registers, spilled bytes (stack), the counts of the
+opcodes that say most about these kernels (local memory = spills, barriers, shuffles, MUFU = exp/log),
+the instruction count and the size of each loop body left (``sass_count.loops``; the leaf loops run
+LEAF times, or SUB times in the backward's programs that turn the diagonal products away).
 
-    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out] [--leaf 4]
+    python3 benchmarks/sass_rank1_keydecay.py [--kernels prep,fwd_state,bwd_state,bwd_wy,bwd_out] [--leaf 4] [--chunk 32] [--fast 0]
 
 A change to these kernels can be weighed here (spills above all) before any device time.
 """
@@ -18,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.pop("TRITON_INTERPRET", None)       # compiled kernels only (see sass_count.py)
 
-from sass_count import sm90  # noqa: E402
+from sass_count import loops, sm90  # noqa: E402
 from ssmcraft.ops.rank1_keydecay_chunk import chunk as R, kernels as KK  # noqa: E402
 
 OPS = ("LDL", "STL", "LDG", "STG", "BAR", "SHFL", "MUFU")
@@ -34,8 +36,9 @@ KERNELS = {   # name -> (kernel, its constexprs besides SHAPE and the family's s
 }
 
 
-def count(kernel, consts: dict, warps: int) -> tuple[int, int, dict]:
-    """(registers, stack bytes, {opcode: count}) of an autotuned kernel compiled for sm_90."""
+def count(kernel, consts: dict, warps: int) -> tuple[int, int, dict, int, list]:
+    """(registers, stack bytes, {opcode: count}, instructions, loop body sizes) of an autotuned kernel
+    compiled for sm_90."""
     fn = kernel.fn
     consts = {k: v for k, v in {**SHAPE, **consts}.items() if k in fn.arg_names}
     sig, attrs = {}, {}
@@ -48,7 +51,9 @@ def count(kernel, consts: dict, warps: int) -> tuple[int, int, dict]:
             attrs[(i,)] = [["tt.divisibility", 16]]
     regs, stack, sass = sm90(fn, sig, consts, attrs, warps)
     lines = sass.splitlines()
-    return regs, stack, {op: sum(1 for ln in lines if f" {op}" in ln) for op in OPS}
+    n = sum(1 for ln in lines if ln.strip().startswith("/*") and ";" in ln)
+    return (regs, stack, {op: sum(1 for ln in lines if f" {op}" in ln) for op in OPS}, n,
+            [size for size, _ in loops(sass)])
 
 
 def main(argv=None) -> int:
@@ -56,16 +61,22 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--leaf", type=int, default=None, help="rows of the elementwise diagonal blocks, forward and backward "
                     "(chunk.LEAF_FWD, LEAF_BWD)")
+    ap.add_argument("--chunk", type=int, default=SHAPE["BT"], help="chunk size BT (chunk.CHUNK: 16, 32 or 64)")
+    ap.add_argument("--fast", type=int, default=int(R.FAST_DIAG), help="1: the diagonal sub-blocks' products "
+                    "(chunk.FAST_DIAG), 0: their elementwise sums only")
     args = ap.parse_args(argv)
+    SHAPE["BT"] = args.chunk
+    R.FAST_DIAG = bool(args.fast)
     if args.leaf:
         R.LEAF_FWD = R.LEAF_BWD = args.leaf
     for name in args.kernels.split(","):
         kernel, consts = KERNELS[name]
         consts = {**R._diag(SHAPE["BT"], name.startswith("bwd")), **consts}
         for warps in (4, 8):
-            regs, stack, ops = count(kernel, consts, warps)
+            regs, stack, ops, n, bodies = count(kernel, consts, warps)
             print(f"{name:10s} {warps} warps: {regs} registers, {stack} bytes spilled; "
-                  + ", ".join(f"{op} {n}" for op, n in ops.items()), flush=True)
+                  + ", ".join(f"{op} {k}" for op, k in ops.items())
+                  + f"; {n} instructions, loop bodies {bodies}", flush=True)
     return 0
 
 

@@ -9,7 +9,9 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.ops import registry  # noqa: E402
-from ssmcraft.ops.rank1_keydecay_chunk import chunk as R  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ssmcraft.ops.rank1_keydecay_chunk import chunk as R, kernels as KK  # noqa: E402
 from ssmcraft.ops.rank1_keydecay_chunk.naive import naive_recurrent_rank1_keydecay  # noqa: E402
 from ssmcraft.runtime import select as TB  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
@@ -127,6 +129,7 @@ def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkey
     tensor-core products, elementwise sums only on the LEAF x LEAF diagonal blocks."""
     monkeypatch.setattr(R, "LEAF_FWD", leaf)
     monkeypatch.setattr(R, "LEAF_BWD", leaf)
+    monkeypatch.setattr(R, "FAST_DIAG", False)      # these decays would take the products instead
     monkeypatch.setattr(R, "INTERPRET_BV", 16)
     ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K + leaf, scale=scale)
     errs, grads, _, _ = _run_both(ins, g, chunk)
@@ -134,13 +137,16 @@ def test_halved_sub_blocks_match_naive(T, K, V, chunk, read, scale, leaf, monkey
     assert_within(errs, TOL)
 
 
-def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
-    """Halved sub-blocks in a packed row: the references between halves are read within each
-    sequence (odd lengths, empty ones, chunks of 16), and the packed call equals N separate
-    float64 reference calls on the output, final states and every gradient."""
+@pytest.mark.parametrize("fast", [False, True], ids=["halved", "products"])
+def test_sub_block_references_packed(tmp_path, monkeypatch, fast):
+    """Halved sub-blocks, or the diagonal sub-blocks' products (``FAST_DIAG``), in a packed row: the
+    references between halves or at the sub-blocks' middle rows are read within each sequence (odd
+    lengths, empty ones, chunks of 16), and the packed call equals N separate float64 reference calls
+    on the output, final states and every gradient."""
     from test_varlen import _interpret, packed_errors
     monkeypatch.setattr(R, "LEAF_FWD", 4)
     monkeypatch.setattr(R, "LEAF_BWD", 4)
+    monkeypatch.setattr(R, "FAST_DIAG", fast)
     monkeypatch.setattr(R, "INTERPRET_BV", 8)
     monkeypatch.setattr(R, "CHUNK", 16)
     obj = _composed(tmp_path)
@@ -149,23 +155,74 @@ def test_halved_sub_blocks_packed(tmp_path, monkeypatch):
     assert obj.backend == "triton-interpret:rank1-keydecay-chunk+packed"
 
 
-@pytest.mark.parametrize("strong,leaf", [(8.0, 16), (30.0, 16), (30.0, 4)])
-def test_strong_decays_stay_finite_and_accurate(strong, leaf, monkeypatch):
+@pytest.mark.parametrize("strong,leaf,fast", [(8.0, 16, True), (30.0, 16, True), (30.0, 4, True), (30.0, 4, False)])
+def test_strong_decays_stay_finite_and_accurate(strong, leaf, fast, monkeypatch):
     """Decays down to ~1e-10 within a chunk (log a ~ -23 per step, cumulative sums of hundreds):
     the sub-block references keep every exponent <= 0, so nothing overflows. The decay's
     gradient is checked in log space (a * da = d log a), which is what the kernels form: dividing
     by a tiny a magnifies its fp32 rounding, and any parametrisation of a in (0, 1) multiplies
     that back by a factor of order a. ``strong`` 30: log a down to ~ -100 per step, sums of a few
     steps far past fp32's exponent range, so a reference on the wrong side of a row overflows (NaN);
-    with halved sub-blocks (leaves of 4) every reference sits between the rows it serves."""
+    with halved sub-blocks (leaves of 4) every reference sits between the rows it serves. ``fast``: the
+    diagonal sub-blocks' products on (``FAST_DIAG``), which these decays must turn away."""
     monkeypatch.setattr(R, "LEAF_FWD", leaf)
     monkeypatch.setattr(R, "LEAF_BWD", leaf)
+    monkeypatch.setattr(R, "FAST_DIAG", fast)
     ins, g = _kernel_case(45, 16, 24, "own", strong, seed=5)
     assert ins["a"].min() < 1e-8
-    errs, grads, ours, ref = _run_both(ins, g, 32)
+    _assert_log_decay_case(ins, g, 32)
+
+
+def _assert_log_decay_case(ins, g, chunk):
+    """The kernels against the naive loop with the decay's gradient compared in log space (a * da)."""
+    errs, grads, ours, ref = _run_both(ins, g, chunk)
     errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items() if n != "a"})
     errs["dlog_a"] = rel(ours["a"].grad * ours["a"].detach(), ref["a"].grad * ref["a"].detach())
     assert_within(errs, {"y": 1e-5, "S_T": 1e-5, "grad": 1e-4})
+
+
+@pytest.mark.parametrize("T,K,V,chunk,sub,read,scale", [
+    (67, 20, 40, 64, 16, "own", False),     # u its own tensor (row exponent gp), a partial chunk
+    (50, 20, 24, 32, 16, "av", True),       # u = a o v (KDA), p's scale fused
+    (45, 16, 24, 32, 32, "av", False),      # the chunk is one sub-block of 32 rows
+    (21, 16, 16, 16, 16, "v", False),       # the chunk is one sub-block
+])
+@pytest.mark.parametrize("span", [1e9, -1.0], ids=["products", "elementwise"])
+def test_diagonal_sub_blocks_both_paths_match_naive(T, K, V, chunk, sub, read, scale, span, monkeypatch):
+    """Every program on one path of the diagonal sub-blocks (``FAST_DIAG``): their tensor-core products
+    against each sub-block's middle row (a span bound no decay exceeds) or the elementwise sums (a
+    bound every program exceeds), forward and backward, against the float64 loop."""
+    monkeypatch.setattr(R, "FAST_DIAG", True)
+    monkeypatch.setattr(R, "SUB", sub)
+    monkeypatch.setattr(KK, "FAST_DIAG_SPAN", tl.constexpr(span))
+    monkeypatch.setattr(R, "INTERPRET_BV", 16)
+    ins, g = _kernel_case(T, K, V, read, 1.0, seed=T + K, scale=scale)
+    errs, grads, _, _ = _run_both(ins, g, chunk)
+    errs.update({f"d{n}": rel(a, b) for n, (a, b) in grads.items()})
+    assert_within(errs, TOL)
+
+
+def test_diagonal_products_need_their_span_bound(monkeypatch):
+    """Without the span bound, decays down to ~1e-40 per step overflow the products' factors (the
+    elementwise sums are what keeps such chunks finite): the bound is what the fast path relies on,
+    and the tests above that lift it do reach the products."""
+    monkeypatch.setattr(R, "FAST_DIAG", True)
+    monkeypatch.setattr(KK, "FAST_DIAG_SPAN", tl.constexpr(1e9))
+    ins, g = _kernel_case(45, 16, 24, "own", 30.0, seed=5)
+    with pytest.raises(AssertionError):
+        _assert_log_decay_case(ins, g, 32)
+
+
+def test_diagonal_paths_mixed_in_one_call(monkeypatch):
+    """Ordinary decays in the first chunks and strong ones (down to ~1e-10) in the last, one call: each
+    program picks its own path of the diagonal sub-blocks (products, or elementwise sums where the
+    span bound fails), and the whole agrees with the float64 loop."""
+    monkeypatch.setattr(R, "FAST_DIAG", True)
+    ins, g = _kernel_case(70, 16, 24, "av", 1.0, seed=9, scale=True)
+    strong, _ = _kernel_case(70, 16, 24, "av", 30.0, seed=10)
+    ins["a"][:, 64:] = strong["a"][:, 64:]
+    assert ins["a"][:, :64].min() > 1e-3 and ins["a"][:, 64:].min() < 1e-8
+    _assert_log_decay_case(ins, g, 32)
 
 
 def test_registered():

@@ -35,8 +35,19 @@ blocks of that many rows first: the second half against the first is a tensor-co
 (both exponents <= 0 again), and only the LEAF x LEAF diagonal blocks are summed elementwise
 (fewer exponentials and serial steps, a few more products). The backward's products against dA and dL (``gated_grads``) use the same references
 (the row side) or g at the column block's last row (the column side); their diagonal sub-blocks
-are summed ``DIAG_UNROLL`` in-block offsets per step, row and column side together. Exponents
-are differences of chunk-long cumulative sums: a factor's relative error is about the fp32 ulp
+are summed ``DIAG_UNROLL`` in-block offsets per step, row and column side together.
+
+Diagonal sub-blocks as products (``FAST_DIAG``). Where every |g - Rm| of a chunk program's rows and
+keys stays within ``kernels.FAST_DIAG_SPAN`` (30; Rm = g at the middle row of each row's sub-block),
+the diagonal sub-blocks are one tensor-core product each way, (x e^{gx - Rm}) (y e^{Rm - g})^T kept on
+s < t (A) or s <= t (L), and likewise in the backward: factors up to e^30 each, so nothing overflows
+(the upper entries discarded included) and each kept term carries the rounding of the off-diagonal
+products. That holds whenever every decay of the chunk is above e^{-60 / SUB} (SUB / 2 steps from
+the middle row: e^-3.75 at SUB = 16); a program holding a stronger one takes the halvings and
+elementwise sums above (in the backward without halvings, one offset per step: fewer registers where
+the products run).
+
+Exponents are differences of chunk-long cumulative sums: a factor's relative error is about the fp32 ulp
 of |g| (3e-5 at |g| ~ 300), far below the bf16 I/O's.
 
 Backward, per chunk with dO and dH_C (gradient at the chunk's end):
@@ -106,6 +117,12 @@ LEAF_BWD = 4
 # holding a tiny decay (its cost where none is; wrong gradients where one is)
 EXACT_DECAY_GRAD = True
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
+# the diagonal sub-blocks as one tensor-core product per program where the decays allow it
+# (``kernels.FAST_DIAG_SPAN``), in the forward's prep and in the backward; False: always the halvings
+# and elementwise sums of LEAF_FWD / LEAF_BWD. Off until timed on a GPU against them (checked there;
+# ``bench_kda.py --leaf 16/4/64/16/0,16/4/64/16/1``). With it on, LEAF_BWD is unused: the
+# backward's programs that turn the products away sum leaves of SUB rows
+FAST_DIAG = False
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels
@@ -118,10 +135,11 @@ def _bv(V: int, dtype) -> int:
 
 def _diag(BT: int, backward: bool) -> dict:
     """The sub-block constexprs of the parallel kernels: SUB, the halvings inside a sub-block
-    (LEVELS, down to blocks of ``LEAF_FWD`` or ``LEAF_BWD`` rows) and, in the backward, UNROLL."""
+    (LEVELS, down to blocks of ``LEAF_FWD`` or ``LEAF_BWD`` rows), FAST (``FAST_DIAG``) and, in the
+    backward, UNROLL."""
     sub = min(SUB, BT)
     leaf = min(LEAF_BWD if backward else LEAF_FWD, sub)
-    opts = {"SUB": sub, "LEVELS": (sub // leaf).bit_length() - 1}
+    opts = {"SUB": sub, "LEVELS": (sub // leaf).bit_length() - 1, "FAST": FAST_DIAG}
     return {**opts, "UNROLL": min(DIAG_UNROLL, leaf)} if backward else opts
 
 

@@ -66,35 +66,53 @@ def _halves(g, bos, i_h, i_t, o_i, T, H, K: tl.constexpr, o_k, m_k, BT: tl.const
     return pair, hi, lo, Rg
 
 
-@triton.jit
-def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
-                BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, SAME_G: tl.constexpr, DT: tl.constexpr,
-                PREC: tl.constexpr):
-    """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
-    for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
+# The diagonal sub-blocks as one tensor-core product against g at each sub-block's middle row (``_mid``),
+# where every |g - that reference| of the program's rows and keys is at most this: the factors are then
+# at most e^30 each, and every product of two, the discarded upper entries included, stays far inside
+# fp32's (and bf16's) range. Larger spans (strong decays, a = 0) take the elementwise sums.
+FAST_DIAG_SPAN = tl.constexpr(30.0)
 
-    ``b_x, b_gx`` and ``b_q`` the row sides (gx <= g at the same row: ``gp``, or ``g`` itself when
-    SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
-    rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
-    sub-blocks (row block I, columns before it) are tensor-core products against the reference
-    R_I = g at row SUB I - 1, both exponents <= 0. Inside the sub-blocks, LEVELS halvings
-    (``_halves``: blocks of SUB, SUB/2, ... rows, second half against first half) are tensor-core
-    products the same way, and the diagonal blocks of SUB / 2^LEVELS rows left are summed column by
-    column with the exact e^{gx_t - g_s}, s <= t (exponent <= 0)."""
-    o_i = tl.arange(0, BT)
-    blk = o_i // SUB
-    A = tl.zeros([BT, BT], dtype=tl.float32)
-    L = tl.zeros([BT, BT], dtype=tl.float32)
-    for I in tl.static_range(1, BT // SUB):
-        R = _ref(b_gy, o_i, I * SUB - 1)
-        rows = blk == I
-        cols = o_i < I * SUB
-        ys = tl.where(cols[:, None], b_y * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.).to(DT)
-        e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gy - R[None, :], 0.)), 0.)
-        L += tl.dot((b_q * e).to(DT), tl.trans(ys), input_precision=PREC)
-        if not SAME_G:
-            e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
-        A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
+
+@triton.jit
+def _mid(g, bos, i_h, i_t, o_i, T, H, K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, b_g1, b_g2,
+         b_g3):
+    """The reference of the fast diagonal sub-blocks, ``Rm [BT, BK]``: g at the middle row of each row's
+    sub-block (rows clamped into the sequence as ``_g_at`` reads them), and whether the exponents
+    ``b_g1 - Rm``, ``b_g2 - Rm`` and ``b_g3 - Rm`` all stay within ``FAST_DIAG_SPAN`` (a scalar)."""
+    Rm = _g_at(g, g, bos, i_h, i_t, ((o_i // SUB) * SUB + SUB // 2 - 1)[:, None], T, H, K, o_k[None, :], m_k[None, :],
+               BT, False)
+    span = tl.maximum(tl.maximum(tl.abs(b_g1 - Rm), tl.abs(b_g2 - Rm)), tl.abs(b_g3 - Rm))
+    return Rm, tl.max(tl.max(span, axis=1), axis=0) <= FAST_DIAG_SPAN
+
+
+@triton.jit
+def _same_block(o_i, SUB: tl.constexpr):
+    """[BT, BT]: the pairs (t, s) in one sub-block."""
+    return (o_i[:, None] // SUB) == (o_i[None, :] // SUB)
+
+
+@triton.jit
+def _lower_diag_fast(A, L, b_x, b_gx, b_q, b_y, b_gy, Rm, o_i, SUB: tl.constexpr, SAME_G: tl.constexpr,
+                     DT: tl.constexpr, PREC: tl.constexpr):
+    """``gated_lower``'s diagonal sub-blocks as products against ``Rm`` (``_mid``), for a program whose
+    exponents all stay within FAST_DIAG_SPAN: (x e^{gx - Rm}) (y e^{Rm - gy})^T, kept on the pairs s < t
+    (A) and s <= t (L) of each sub-block."""
+    same = _same_block(o_i, SUB)
+    ys = tl.trans((b_y * tl.exp(Rm - b_gy)).to(DT))
+    e = tl.exp(b_gy - Rm)
+    L = tl.where(same & (o_i[:, None] >= o_i[None, :]), tl.dot((b_q * e).to(DT), ys, input_precision=PREC), L)
+    if not SAME_G:
+        e = tl.exp(b_gx - Rm)
+    A = tl.where(same & (o_i[:, None] > o_i[None, :]), tl.dot((b_x * e).to(DT), ys, input_precision=PREC), A)
+    return A, L
+
+
+@triton.jit
+def _lower_diag_exact(A, L, b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, o_i, T, H, K: tl.constexpr, o_k, m_k,
+                      BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, SAME_G: tl.constexpr,
+                      DT: tl.constexpr, PREC: tl.constexpr):
+    """``gated_lower``'s diagonal sub-blocks at any decay: LEVELS halvings (``_halves``), then the
+    LEAF x LEAF diagonal blocks summed column by column with the exact exponents."""
     for lv in tl.static_range(LEVELS):
         pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
         ys = tl.where(lo[:, None], b_y * tl.exp(tl.where(lo[:, None], Rg - b_gy, 0.)), 0.).to(DT)
@@ -119,10 +137,54 @@ def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.cons
 
 
 @triton.jit
+def gated_lower(b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, T, H, K: tl.constexpr, o_k, m_k,
+                BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, SAME_G: tl.constexpr, FAST: tl.constexpr,
+                DT: tl.constexpr, PREC: tl.constexpr):
+    """(A, L) [BT, BT] fp32 against one column side y: A[t, s] = sum_k x_tk y_sk e^{gx_tk - g_sk}
+    for s < t and L[t, s] = sum_k q_tk y_sk e^{g_tk - g_sk} for s <= t.
+
+    ``b_x, b_gx`` and ``b_q`` the row sides (gx <= g at the same row: ``gp``, or ``g`` itself when
+    SAME_G, and then every exponential is shared), ``b_y, b_gy`` the column side at the chunk's
+    rows; ``y`` and ``g`` the same in memory, read again for the diagonal sub-blocks. Off-diagonal
+    sub-blocks (row block I, columns before it) are tensor-core products against the reference
+    R_I = g at row SUB I - 1, both exponents <= 0. Inside the sub-blocks, LEVELS halvings
+    (``_halves``: blocks of SUB, SUB/2, ... rows, second half against first half) are tensor-core
+    products the same way, and the diagonal blocks of SUB / 2^LEVELS rows left are summed column by
+    column with the exact e^{gx_t - g_s}, s <= t (exponent <= 0). FAST: a program whose exponents
+    against each sub-block's middle row all stay within FAST_DIAG_SPAN (``_mid``) takes the diagonal
+    sub-blocks as one product instead (``_lower_diag_fast``)."""
+    o_i = tl.arange(0, BT)
+    blk = o_i // SUB
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
+    for I in tl.static_range(1, BT // SUB):
+        R = _ref(b_gy, o_i, I * SUB - 1)
+        rows = blk == I
+        cols = o_i < I * SUB
+        ys = tl.where(cols[:, None], b_y * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.).to(DT)
+        e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gy - R[None, :], 0.)), 0.)
+        L += tl.dot((b_q * e).to(DT), tl.trans(ys), input_precision=PREC)
+        if not SAME_G:
+            e = tl.where(rows[:, None], tl.exp(tl.where(rows[:, None], b_gx - R[None, :], 0.)), 0.)
+        A += tl.dot((b_x * e).to(DT), tl.trans(ys), input_precision=PREC)
+    if FAST:
+        Rm, fast = _mid(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB, b_gy, b_gx, b_gy)
+        if fast:
+            A, L = _lower_diag_fast(A, L, b_x, b_gx, b_q, b_y, b_gy, Rm, o_i, SUB, SAME_G, DT, PREC)
+        else:
+            A, L = _lower_diag_exact(A, L, b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT,
+                                     SUB, LEVELS, SAME_G, DT, PREC)
+    else:
+        A, L = _lower_diag_exact(A, L, b_x, b_gx, b_q, b_y, b_gy, y, g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT,
+                                 SUB, LEVELS, SAME_G, DT, PREC)
+    return A, L
+
+
+@triton.jit
 def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h, i_t, T, H,
                 K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr,
-                UNROLL: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr, DT: tl.constexpr,
-                PREC: tl.constexpr):
+                UNROLL: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr,
+                FAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """The two gradients through a ``gated_lower`` product with a lower triangular D [BT, BT] (fp32;
     strictly lower when STRICT), both [BT, BK]:
 
@@ -138,7 +200,9 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
     UNROLL in-block offsets per step for both sides (2 UNROLL independent chains): D's
     entries from ``Ds`` (D in memory, ``[B, T, H, BT]``, this chunk's rows ``row``), times ``c`` at
     row t when SCALE, and ``y``, ``x`` and ``g`` (gxc: ``gp`` from ``g`` and ``a`` when SHIFT, else
-    ``g``) read again at the step's rows."""
+    ``g``) read again at the step's rows. FAST: a program whose exponents against each sub-block's middle
+    row all stay within FAST_DIAG_SPAN (``_mid``) takes the diagonal sub-blocks as one product per side
+    instead (``_grads_diag_fast``)."""
     o_i = tl.arange(0, BT)
     blk = o_i // SUB
     Y = tl.zeros(b_y.shape, dtype=tl.float32)
@@ -161,6 +225,43 @@ def gated_grads(D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_
             Dm = Dm * b_c[:, None]
         part = tl.dot(tl.trans(Dm.to(DT)), xs.to(DT), input_precision=PREC)
         Z += tl.where(cols[:, None], part * tl.exp(tl.where(cols[:, None], R[None, :] - b_gy, 0.)), 0.)
+    if FAST:
+        Rm, fast = _mid(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB, b_gy, b_gxr, b_gxc)
+        if fast:
+            Y, Z = _grads_diag_fast(Y, Z, D, b_c, b_y, b_gxr, b_x, b_gxc, b_gy, Rm, o_i, SUB, SCALE, DT, PREC)
+        else:
+            Y, Z = _grads_diag_exact(Y, Z, D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos,
+                                     i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB, 0, 1, SHIFT, SCALE, STRICT, DT, PREC)
+    else:
+        Y, Z = _grads_diag_exact(Y, Z, D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h,
+                                 i_t, o_i, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, SHIFT, SCALE, STRICT, DT, PREC)
+    return Y, Z
+
+
+@triton.jit
+def _grads_diag_fast(Y, Z, D, b_c, b_y, b_gxr, b_x, b_gxc, b_gy, Rm, o_i, SUB: tl.constexpr, SCALE: tl.constexpr,
+                     DT: tl.constexpr, PREC: tl.constexpr):
+    """``gated_grads``' diagonal sub-blocks as products against ``Rm`` (``_mid``), for a program whose
+    exponents all stay within FAST_DIAG_SPAN: D's sub-block diagonal (lower triangular already) against
+    y e^{Rm - gy}, times e^{gxr - Rm} by row (Y), and its transpose against x e^{gxc - Rm}, times
+    e^{Rm - gy} by column (Z)."""
+    Dm = tl.where(_same_block(o_i, SUB), D, 0.)
+    up = tl.exp(Rm - b_gy)
+    Y += tl.dot(Dm.to(DT), (b_y * up).to(DT), input_precision=PREC) * tl.exp(b_gxr - Rm)
+    if SCALE:
+        Dm = Dm * b_c[:, None]
+    Z += tl.dot(tl.trans(Dm.to(DT)), (b_x * tl.exp(b_gxc - Rm)).to(DT), input_precision=PREC) * up
+    return Y, Z
+
+
+@triton.jit
+def _grads_diag_exact(Y, Z, D, b_c, Ds, c, b_y, b_gxr, b_x, b_gxc, b_gy, y, x, g, a, row, m_t, bos, i_h, i_t, o_i, T, H,
+                      K: tl.constexpr, o_k, m_k, BT: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr,
+                      UNROLL: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, STRICT: tl.constexpr,
+                      DT: tl.constexpr, PREC: tl.constexpr):
+    """``gated_grads``' diagonal sub-blocks at any decay: LEVELS halvings (``_halves``), then the
+    LEAF x LEAF diagonal blocks summed elementwise with the exact exponents, UNROLL in-block offsets
+    per step."""
     for lv in tl.static_range(LEVELS):
         pair, hi, lo, Rg = _halves(g, bos, i_h, i_t, o_i, T, H, K, o_k, m_k, BT, SUB >> lv)
         Dm = tl.where(pair, D, 0.)
@@ -223,14 +324,15 @@ def _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE: tl.constexpr):
 # kernels
 # ----------------------------------------------------------------------------------------
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
-      prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+      key=["H", "K", "V", "BT", "SUB", "LEVELS", "FAST", "U_MODE", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, ci,
                                      T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     SUB: tl.constexpr, LEVELS: tl.constexpr, U_MODE: tl.constexpr,
-                                     HAS_PS: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                     SUB: tl.constexpr, LEVELS: tl.constexpr, FAST: tl.constexpr,
+                                     U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
+                                     VARLEN: tl.constexpr):
     """Per chunk: g (cumulative log-decay), A, M = (I + A)^{-1}, W [K], Up [V], L [BT].
     HAS_PS: p is scaled by the per-head ``ps`` here (KDA's beta x), so ps x is never formed.
     VARLEN: the chunk is one of a packed row's (``rows.seq_chunk``); T is then its sequence's length."""
@@ -259,7 +361,7 @@ def rank1_keydecay_chunk_prep_kernel(u, v, p, ps, oq, c, a, g, M, W, Up, L, cu, 
     b_x, b_gx = _read_key(u, b_v, b_g, b_gp, p_tk, m_tk, U_MODE)
     b_oq = tl.load(oq + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_A, b_L = gated_lower(b_x, b_gx, b_oq, b_v, b_g, v, g, bos, i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS,
-                           U_MODE == U_IS_AV, DT, PREC)
+                           U_MODE == U_IS_AV, FAST, DT, PREC)
     tl.store(L + row[:, None] * BT + o_i[None, :], b_L.to(DT), mask=m_tt)
     b_M = solve_unit_lower(b_A * b_c[:, None], BT, PREC)
     tl.store(M + row[:, None] * BT + o_i[None, :], b_M.to(DT), mask=m_tt)
@@ -374,15 +476,15 @@ def _grad_program(cu, ci, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, T, 
     return i_t, bos, T, i_h, o_i, m_t, row, o_k, m_k, m_tk, row[:, None] * K + o_k[None, :], m_tt, base
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "U_MODE", "HAS_PS"],
-      prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)],
+      key=["H", "K", "V", "BT", "SUB", "LEVELS", "UNROLL", "FAST", "U_MODE", "HAS_PS"], prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du, dp, dps, dc, dvs, dlas, cu, ci,
                                        T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                        SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                       U_MODE: tl.constexpr, HAS_PS: tl.constexpr, PREC: tl.constexpr,
-                                       VARLEN: tl.constexpr):
+                                       FAST: tl.constexpr, U_MODE: tl.constexpr, HAS_PS: tl.constexpr,
+                                       PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the WY transform (Psi = M P - W H0, W = M diag(c) U e^{gp},
     M = (I + A)^{-1}): dp (and dps), dc, du (or, where u = a o v, its share of dv and d log a),
     and this half's share of dv and d log a, kept in fp32 (``dvs``, ``dlas``) for
@@ -440,10 +542,10 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     tl.debug_barrier()       # the diagonal sub-blocks read dA back, across the program's threads
     if U_MODE == U_IS_AV:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, v, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, False, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, False, True, True, FAST, DT, PREC)
     else:
         b_Y, b_Z = gated_grads(b_dA, b_c, Ds, c, b_v, b_gx, b_x, b_gx, b_g, v, u, g, a, row, m_t, bos,
-                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, True, True, True, DT, PREC)
+                               i_h, i_t, T, H, K, o_k, m_k, BT, SUB, LEVELS, UNROLL, True, True, True, FAST, DT, PREC)
     b_dc += tl.sum(b_Y * b_x, axis=1)
     b_du += b_Y * b_c[:, None]
     b_dgx += b_Y * b_c[:, None] * b_x
@@ -459,13 +561,14 @@ def rank1_keydecay_chunk_bwd_wy_kernel(u, v, p, ps, c, a, g, M, hs, dpsi, Ds, du
     tl.store(dlas + p_tk, b_dla, mask=m_tk)
 
 
-@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT"], prune=warp_rule)
+@tune([triton.Config({}, num_warps=w) for w in (4, 8)], key=["H", "K", "V", "BT", "SUB", "LEVELS", "UNROLL", "FAST"],
+      prune=warp_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, dlas, dv, doq, da, cu, ci,
                                         T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                         SUB: tl.constexpr, LEVELS: tl.constexpr, UNROLL: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        FAST: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk, the gradients through the readout O = (OQ e^g) H0 + L Psi and the state's
     (V e^{gl - g})^T Psi: doq, and dv and da (as d log a / a) with the WY half's shares (``dvs``, ``dlas``)
     added. dL goes to ``Ds`` (per chunk row, fp32: the host passes a buffer other than the WY kernel's
@@ -486,7 +589,7 @@ def rank1_keydecay_chunk_bwd_out_kernel(v, oq, a, g, hs, dhs, psi, do, Ds, dvs, 
     tl.store(Ds + row[:, None] * BT + o_i[None, :], b_dL, mask=m_tt)
     tl.debug_barrier()       # the diagonal sub-blocks read dL back, across the program's threads
     b_Yl, b_dv = gated_grads(b_dL, m_t, Ds, oq, b_v, b_g, b_oq, b_g, b_g, v, oq, g, a, row, m_t, bos, i_h, i_t, T, H, K,
-                             o_k, m_k, BT, SUB, LEVELS, UNROLL, False, False, False, DT, PREC)
+                             o_k, m_k, BT, SUB, LEVELS, UNROLL, False, False, False, FAST, DT, PREC)
     b_doq += b_Yl
     tl.store(doq + p_tk, b_doq.to(doq.dtype.element_ty), mask=m_tk)
     b_dg = b_doq * b_oq
