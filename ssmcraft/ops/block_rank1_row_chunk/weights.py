@@ -1,0 +1,54 @@
+"""The per-head chunk weights of the block rank-1 recurrence, on the host, differentiable (torch).
+
+Over a chunk of C tokens (``s = 0 .. C-1``), with the per-head 2 x 2 transitions ``A_s``, ``Phi(k, j)``
+the product of the transitions of steps ``j+1 .. k`` (states after step k from states after step j,
+``Phi(k, k) = I``; the chunk's start is step 0, token s is step s+1)::
+
+    G[s, s'] = e_s^T Phi(s, s'+1) w_s'     (s' < s)     g[b, s] = [Phi(s, 0)^T e_s]_b
+    Hm[s, s'] = r_s^T Phi(s+1, s'+1) w_s'  (s' <= s)    h[b, s] = [Phi(s+1, 0)^T r_s]_b
+    E[a, s'] = [Phi(C, s'+1) w_s']_a                     F[a, b] = Phi(C, 0)[a, b]
+
+All of ``Phi`` at once is the inverse of the chunk's block bidiagonal matrix ``L`` (2 (C+1) square,
+identity blocks on the diagonal, ``-A_s`` below them): ``L X = input`` is the recurrence of the states
+after each step, so ``L^{-1}``'s block (k, j) is ``Phi(k, j)``; one batched unit-triangular solve
+(forward substitution: the products themselves, nothing inverted that could be near-singular).
+Tokens past the sequence's end take ``A = I`` and ``e = w = r = 0``: the last chunk's end state is
+the sequence's final state, and the padded tokens weigh nothing. Torch autograd takes the kernels'
+gradients of the weights back to the per-head coefficients.
+"""
+from __future__ import annotations
+
+import torch
+
+from ssmcraft.ops.common.chunked import _per_head
+from ssmcraft.ops.common.tuning import cdiv
+
+
+def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor, dtype=torch.float32):
+    """A: ``[[a00, a01], [a10, a11]]``; e, w, r: pairs; each entry ``[B, T, H]`` or a number.
+    Returns (G, Hm ``[B, H, NC, C, C]``, g, h, E ``[B, H, NC, 2, C]``, F ``[B, H, NC, 4]``), ``dtype``,
+    NC = ceil(T / C)."""
+    NC = max(1, cdiv(T, C))
+    pad = NC * C - T
+    ph = lambda x: _per_head(x, B, T, H, ref.device).to(dtype)  # noqa: E731
+    At = torch.stack([torch.stack([ph(A[a][b]) for b in range(2)], -1) for a in range(2)], -2)   # [B, T, H, 2, 2]
+    e, w, r = (torch.stack([ph(x[0]), ph(x[1])], -1) for x in (e, w, r))                          # [B, T, H, 2]
+    if pad:
+        eye = torch.eye(2, device=ref.device, dtype=dtype).expand(B, pad, H, 2, 2)
+        At = torch.cat([At, eye], 1)
+        e, w, r = (torch.cat([x, x.new_zeros(B, pad, H, 2)], 1) for x in (e, w, r))
+    At = At.view(B, NC, C, H, 2, 2).permute(0, 3, 1, 4, 5, 2)                  # [B, H, NC, a, b, s]
+    e, w, r = (x.view(B, NC, C, H, 2).permute(0, 3, 1, 2, 4) for x in (e, w, r))   # [B, H, NC, s, 2]
+    n = 2 * (C + 1)
+    sub = torch.diag_embed(At, offset=-1)                                        # [.., a, b, k, j]: A at k = j + 1
+    eye = torch.eye(n, device=ref.device, dtype=dtype)
+    L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
+    Phi = torch.linalg.solve_triangular(L, eye.expand(B, H, NC, n, n), upper=False, unitriangular=True)
+    P = Phi.view(B, H, NC, C + 1, 2, C + 1, 2)
+    G = torch.einsum("...sa,...sakb,...kb->...sk", e, P[..., :C, :, 1:, :], w)
+    g = torch.einsum("...sa,...sab->...bs", e, P[..., :C, :, 0, :])
+    Hm = torch.einsum("...sa,...sakb,...kb->...sk", r, P[..., 1:, :, 1:, :], w)
+    h = torch.einsum("...sa,...sab->...bs", r, P[..., 1:, :, 0, :])
+    E = torch.einsum("...akb,...kb->...ak", P[..., C, :, 1:, :], w)
+    F = P[..., C, :, 0, :].reshape(B, H, NC, 4)
+    return G, Hm, g, h, E, F
