@@ -44,6 +44,7 @@ from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
+from ssmcraft.ops.rank1_row_chunk.chunk import one_key
 
 BACKEND_NAME = "block-rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
@@ -91,7 +92,7 @@ class _BlockChunkFunction(torch.autograd.Function):
         launch(block_chunk_fwd_kernel, (B * H, cdiv(V, R)), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew,
                Fw, h0, y, ht, d, hs, T, NC, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, TRAINING=training,
-               PREC=dot_precision(out_dtype), num_warps=nw)
+               PREC=dot_precision(out_dtype), ONE_KEY=one_key((u, v, q)), num_warps=nw)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in rows]
         ctx.save_for_backward(u, v, q, oq, *[x if isinstance(x, torch.Tensor) else None for x in rows],
@@ -114,7 +115,9 @@ class _BlockChunkFunction(torch.autograd.Function):
 
         def row_buf(mode):
             return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
-        dkeys = [_new((NR, B, T, H, K), dev) for _ in KEY_SLOTS]
+        single = one_key((u, v, q))
+        # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
+        dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
         drows = [row_buf(m[0]) for m in modes]
         dws = [_new((NR, *x.shape), dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
         need_dh0 = ctx.needs_input_grad[12]
@@ -123,8 +126,8 @@ class _BlockChunkFunction(torch.autograd.Function):
                dy.contiguous(), None if dht is None else dht.float().contiguous(), *dkeys, *drows, *dws, dh0, T, NC,
                B * T * H, NW, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-               PREC=dot_precision(out_dtype), num_warps=nw)
-        dkeys = [g.sum(0).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
+               PREC=dot_precision(out_dtype), ONE_KEY=single, num_warps=nw)
+        dkeys = [None if g is None else g.sum(0).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
         drows = [None if g is None or not isinstance(x, torch.Tensor) else
                  (g if m[0] == 2 else g.sum(0).view(B, T, H)).to(x.dtype) for g, m, x in zip(drows, modes, rows)]
         dws = [g.sum(0) for g in dws]

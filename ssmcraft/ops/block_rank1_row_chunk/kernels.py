@@ -34,11 +34,13 @@ def chunk_weights(Gw, Hw, gw, hw, Ew, Fw, wb, o_c, C: tl.constexpr):
 def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht, d, hs, T, NC,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_H0: tl.constexpr,
-                           STORE_HT: tl.constexpr, TRAINING: tl.constexpr, PREC: tl.constexpr):
+                           STORE_HT: tl.constexpr, TRAINING: tl.constexpr, PREC: tl.constexpr,
+                           ONE_KEY: tl.constexpr):
     """y [B, T, H, V] = (sum_a r_a X_a,t) oq_t (the readout's weights folded in h, Hm); the final states
     ht [B*H*2, K, V] fp32 (``STORE_HT``) from h0 (same layout, ``HAS_H0``). ``TRAINING``: also d = c o z
     [B, T, H, V] fp32 and each chunk's start states hs [B*H*NC*2, K, V] fp32 for the backward.
-    MODES/CONSTS: of (c, p) (``slots.row_mode``)."""
+    MODES/CONSTS: of (c, p) (``slots.row_mode``). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v
+    and q unread): M = Mq, Lv = Lq, and D enters only through P - D."""
     i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -53,36 +55,45 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
             tl.store(hs + wb * 2 * K * V + p_kv, b_x0, mask=m_kv)
             tl.store(hs + (wb * 2 + 1) * K * V + p_kv, b_x1, mask=m_kv)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
-        b_v = key_tile(v, rows, o_k, m_t, m_k, K)
-        b_q = key_tile(q, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
         b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
         b_G, b_Hm, b_g0, b_g1, b_h0, b_h1, b_E0, b_E1, f00, f01, f10, f11 = chunk_weights(Gw, Hw, gw, hw, Ew, Fw,
                                                                                            wb, o_c, C)
-        # z + M D = g0 o U X0 + g1 o U X1 + Mq P, D = c o z: M = (U V^T) o G, Mq = (U Q^T) o G (tau < t)
-        b_M = tl.where(strict, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.) * b_G
-        b_Mq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.) * b_G
-        b_x = (b_g0[:, None] * tl.dot(b_u, b_x0, input_precision=PREC)
-               + b_g1[:, None] * tl.dot(b_u, b_x1, input_precision=PREC) + tl.dot(b_Mq, b_p, input_precision=PREC))
-        b_d = solve(b_c * b_x, b_c, b_M, o_c, C, R, False)
-        # O = h0 o OQ X0 + h1 o OQ X1 + Lq P - Lv D: Lv = (OQ V^T) o Hm, Lq = (OQ Q^T) o Hm (tau <= t)
-        b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.) * b_Hm
-        b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.) * b_Hm
-        b_o = (b_h0[:, None] * tl.dot(b_oq, b_x0, input_precision=PREC)
-               + b_h1[:, None] * tl.dot(b_oq, b_x1, input_precision=PREC)
-               + tl.dot(b_Lq, b_p, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC))
+        b_ux = (b_g0[:, None] * tl.dot(b_u, b_x0, input_precision=PREC)
+                + b_g1[:, None] * tl.dot(b_u, b_x1, input_precision=PREC))
+        b_ox = (b_h0[:, None] * tl.dot(b_oq, b_x0, input_precision=PREC)
+                + b_h1[:, None] * tl.dot(b_oq, b_x1, input_precision=PREC))
+        # z + M D = g0 o U X0 + g1 o U X1 + Mq P, D = c o z: M = (U V^T) o G, Mq = (U Q^T) o G (tau < t);
+        # O = h0 o OQ X0 + h1 o OQ X1 + Lq P - Lv D: Lv = (OQ V^T) o Hm, Lq = (OQ Q^T) o Hm (tau <= t);
+        # X_a,C = F_a0 X0 + F_a1 X1 + (Q o E_a)^T P - (V o E_a)^T D
+        if ONE_KEY:
+            b_M = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.) * b_G
+            b_d = solve(b_c * (b_ux + tl.dot(b_M, b_p, input_precision=PREC)), b_c, b_M, o_c, C, R, False)
+            b_e = b_p - b_d
+            b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.) * b_Hm
+            b_o = b_ox + tl.dot(b_L, b_e, input_precision=PREC)
+            b_n0 = f00 * b_x0 + f01 * b_x1 + tl.dot(tl.trans(b_u * b_E0[:, None]), b_e, input_precision=PREC)
+            b_x1 = f10 * b_x0 + f11 * b_x1 + tl.dot(tl.trans(b_u * b_E1[:, None]), b_e, input_precision=PREC)
+        else:
+            b_v = key_tile(v, rows, o_k, m_t, m_k, K)
+            b_q = key_tile(q, rows, o_k, m_t, m_k, K)
+            b_M = tl.where(strict, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.) * b_G
+            b_Mq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.) * b_G
+            b_d = solve(b_c * (b_ux + tl.dot(b_Mq, b_p, input_precision=PREC)), b_c, b_M, o_c, C, R, False)
+            b_Lv = tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.) * b_Hm
+            b_Lq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.) * b_Hm
+            b_o = b_ox + tl.dot(b_Lq, b_p, input_precision=PREC) - tl.dot(b_Lv, b_d, input_precision=PREC)
+            b_n0 = (f00 * b_x0 + f01 * b_x1 + tl.dot(tl.trans(b_q * b_E0[:, None]), b_p, input_precision=PREC)
+                    - tl.dot(tl.trans(b_v * b_E0[:, None]), b_d, input_precision=PREC))
+            b_x1 = (f10 * b_x0 + f11 * b_x1 + tl.dot(tl.trans(b_q * b_E1[:, None]), b_p, input_precision=PREC)
+                    - tl.dot(tl.trans(b_v * b_E1[:, None]), b_d, input_precision=PREC))
+        b_x0 = b_n0
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = rows[:, None] * V + o_v[None, :]
         tl.store(y + p_tv, b_o.to(y.dtype.element_ty), mask=m_tv)
         if TRAINING:
             tl.store(d + p_tv, b_d, mask=m_tv)
-        # X_a,C = F_a0 X0 + F_a1 X1 + (Q o E_a)^T P - (V o E_a)^T D
-        b_n0 = (f00 * b_x0 + f01 * b_x1 + tl.dot(tl.trans(b_q * b_E0[:, None]), b_p, input_precision=PREC)
-                - tl.dot(tl.trans(b_v * b_E0[:, None]), b_d, input_precision=PREC))
-        b_x1 = (f10 * b_x0 + f11 * b_x1 + tl.dot(tl.trans(b_q * b_E1[:, None]), b_p, input_precision=PREC)
-                - tl.dot(tl.trans(b_v * b_E1[:, None]), b_d, input_precision=PREC))
-        b_x0 = b_n0
     if STORE_HT:
         tl.store(ht + (i_bh.to(tl.int64) * 2) * K * V + p_kv, b_x0, mask=m_kv)
         tl.store(ht + (i_bh.to(tl.int64) * 2 + 1) * K * V + p_kv, b_x1, mask=m_kv)
@@ -93,12 +104,13 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                            du, dv, dq, doq, dc, dp, dGw, dHw, dgw, dhw, dEw, dFw, dh0, T, NC, NTOK, NW,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_DHT: tl.constexpr,
-                           STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                           STORE_DH0: tl.constexpr, PREC: tl.constexpr, ONE_KEY: tl.constexpr):
     """Reverse over chunks from the final states' adjoints dht (``HAS_DHT``), each chunk's start states
     read from the forward's hs (exact), D from its d. Writes this row block's slice ``i_r`` of the key
     gradients du, dv, dq, doq [NR, B, T, H, K] (sums over its rows), of the weights' gradients dGw, dHw
     [NR, NW, C, C], dgw, dhw, dEw [NR, NW, 2, C], dFw [NR, NW, 4] (NW = B*H*NC), the row coefficients'
-    gradients (``store_rows``: per row, or this block's slice of [NR, B*T*H]) and dh0 [B*H*2, K, V]."""
+    gradients (``store_rows``: per row, or this block's slice of [NR, B*T*H]) and dh0 [B*H*2, K, V].
+    ``ONE_KEY``: du holds the three key slots' sum, dv and dq are unwritten."""
     i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -117,8 +129,6 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.)
         b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
-        b_v = key_tile(v, rows, o_k, m_t, m_k, K)
-        b_q = key_tile(q, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
         b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
@@ -126,79 +136,122 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         b_do = tl.load(dy + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_G, b_Hm, b_g0, b_g1, b_h0, b_h1, b_E0, b_E1, f00, f01, f10, f11 = chunk_weights(Gw, Hw, gw, hw, Ew, Fw,
                                                                                            wb, o_c, C)
-        b_uv = tl.where(strict, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
-        b_uq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-        b_ov = tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
-        b_oqq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
-        b_M = b_uv * b_G
-        b_Mq = b_uq * b_G
-        b_Lv = b_ov * b_Hm
-        b_Lq = b_oqq * b_Hm
         b_uh0 = tl.dot(b_u, b_x0, input_precision=PREC)
         b_uh1 = tl.dot(b_u, b_x1, input_precision=PREC)
-        b_vd0 = tl.dot(b_v, b_dx0, input_precision=PREC)
-        b_vd1 = tl.dot(b_v, b_dx1, input_precision=PREC)
-        b_qd0 = tl.dot(b_q, b_dx0, input_precision=PREC)
-        b_qd1 = tl.dot(b_q, b_dx1, input_precision=PREC)
-        # adjoint of D through the outputs and the end states, then of the substitution's right side
-        b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - b_E0[:, None] * b_vd0 - b_E1[:, None] * b_vd1
-        b_MT = tl.trans(b_M)
-        b_w = solve(b_c * b_gd, b_c, b_MT, o_c, C, R, True)
-        if MODES[0] != 0:
-            b_z = (b_g0[:, None] * b_uh0 + b_g1[:, None] * b_uh1 + tl.dot(b_Mq, b_p, input_precision=PREC)
-                   - tl.dot(b_M, b_d, input_precision=PREC))
-            store_rows(dc, b_z * (b_gd - tl.dot(b_MT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t, m_v,
-                       V, i_r, NTOK)
-        if MODES[1] != 0:
-            b_dp = (tl.dot(tl.trans(b_Mq), b_w, input_precision=PREC) + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC)
-                    + b_E0[:, None] * b_qd0 + b_E1[:, None] * b_qd1)
-            store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
-        b_dM = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
-        b_dMq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
-        b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
-        b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
-        # the weights' gradients, summed over this block's rows
+        # the weights' gradients that need no key products: g, h and F (sums over this block's rows)
         p_cc = (wbase + wb) * C * C + o_c[:, None] * C + o_c[None, :]
         p_2c = (wbase + wb) * 2 * C + o_c
-        tl.store(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq)
-        tl.store(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq)
-        tl.store(dgw + p_2c, tl.sum(b_w * b_uh0, 1))
-        tl.store(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1))
         tl.store(dhw + p_2c, tl.sum(b_do * tl.dot(b_oq, b_x0, input_precision=PREC), 1))
         tl.store(dhw + p_2c + C, tl.sum(b_do * tl.dot(b_oq, b_x1, input_precision=PREC), 1))
-        tl.store(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1))
-        tl.store(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1))
         p_f = (wbase + wb) * 4
         tl.store(dFw + p_f, tl.sum(tl.sum(b_dx0 * b_x0, 1), 0))
         tl.store(dFw + p_f + 1, tl.sum(tl.sum(b_dx0 * b_x1, 1), 0))
         tl.store(dFw + p_f + 2, tl.sum(tl.sum(b_dx1 * b_x0, 1), 0))
         tl.store(dFw + p_f + 3, tl.sum(tl.sum(b_dx1 * b_x1, 1), 0))
-        # the keys' gradients
-        b_dM = b_dM * b_G
-        b_dMq = b_dMq * b_G
-        b_dLv = b_dLv * b_Hm
-        b_dLq = b_dLq * b_Hm
-        b_w0 = b_g0[:, None] * b_w
-        b_w1 = b_g1[:, None] * b_w
         b_o0 = b_h0[:, None] * b_do
         b_o1 = b_h1[:, None] * b_do
         b_dx0t = tl.trans(b_dx0)
         b_dx1t = tl.trans(b_dx1)
-        b_du = (tl.dot(b_w0, tl.trans(b_x0), input_precision=PREC) + tl.dot(b_w1, tl.trans(b_x1), input_precision=PREC)
-                + tl.dot(b_dM, b_v, input_precision=PREC) + tl.dot(b_dMq, b_q, input_precision=PREC))
-        b_dv = (tl.dot(tl.trans(b_dM), b_u, input_precision=PREC) + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC)
-                - tl.dot(b_d * b_E0[:, None], b_dx0t, input_precision=PREC)
-                - tl.dot(b_d * b_E1[:, None], b_dx1t, input_precision=PREC))
-        b_dq = (tl.dot(tl.trans(b_dMq), b_u, input_precision=PREC) + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC)
-                + tl.dot(b_p * b_E0[:, None], b_dx0t, input_precision=PREC)
-                + tl.dot(b_p * b_E1[:, None], b_dx1t, input_precision=PREC))
-        b_doq = (tl.dot(b_o0, tl.trans(b_x0), input_precision=PREC) + tl.dot(b_o1, tl.trans(b_x1), input_precision=PREC)
-                 + tl.dot(b_dLv, b_v, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC))
         p_tk = key_base + rows[:, None] * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
+        if ONE_KEY:
+            # M = Mq, Lv = Lq: D and P enter through E' = P - D; dp = M^T W - gD and dc = -z o dp
+            b_uu = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+            b_ou = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            b_M = b_uu * b_G
+            b_L = b_ou * b_Hm
+            b_e = b_p - b_d
+            b_ud0 = tl.dot(b_u, b_dx0, input_precision=PREC)
+            b_ud1 = tl.dot(b_u, b_dx1, input_precision=PREC)
+            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - b_E0[:, None] * b_ud0 - b_E1[:, None] * b_ud1
+            b_MT = tl.trans(b_M)
+            b_w = solve(b_c * b_gd, b_c, b_MT, o_c, C, R, True)
+            b_dp = tl.dot(b_MT, b_w, input_precision=PREC) - b_gd
+            if MODES[0] != 0:
+                b_z = b_g0[:, None] * b_uh0 + b_g1[:, None] * b_uh1 + tl.dot(b_M, b_e, input_precision=PREC)
+                store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            if MODES[1] != 0:
+                store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
+            b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
+            tl.store(dGw + p_cc, b_dA * b_uu)
+            tl.store(dHw + p_cc, b_dL * b_ou)
+            tl.store(dEw + p_2c, tl.sum(b_e * b_ud0, 1))
+            tl.store(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1))
+            b_dA = b_dA * b_G
+            b_dL = b_dL * b_Hm
+            b_du = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC) + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC)
+                    + tl.dot(b_e * b_E0[:, None], b_dx0t, input_precision=PREC)
+                    + tl.dot(b_e * b_E1[:, None], b_dx1t, input_precision=PREC))
+            b_doq = tl.dot(b_dL, b_u, input_precision=PREC)
+            b_dM = b_dA
+        else:
+            b_v = key_tile(v, rows, o_k, m_t, m_k, K)
+            b_q = key_tile(q, rows, o_k, m_t, m_k, K)
+            b_uv = tl.where(strict, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
+            b_uq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
+            b_ov = tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
+            b_oqq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
+            b_M = b_uv * b_G
+            b_Mq = b_uq * b_G
+            b_Lv = b_ov * b_Hm
+            b_Lq = b_oqq * b_Hm
+            b_vd0 = tl.dot(b_v, b_dx0, input_precision=PREC)
+            b_vd1 = tl.dot(b_v, b_dx1, input_precision=PREC)
+            b_qd0 = tl.dot(b_q, b_dx0, input_precision=PREC)
+            b_qd1 = tl.dot(b_q, b_dx1, input_precision=PREC)
+            # adjoint of D through the outputs and the end states, then of the substitution's right side
+            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - b_E0[:, None] * b_vd0 - b_E1[:, None] * b_vd1
+            b_MT = tl.trans(b_M)
+            b_w = solve(b_c * b_gd, b_c, b_MT, o_c, C, R, True)
+            if MODES[0] != 0:
+                b_z = (b_g0[:, None] * b_uh0 + b_g1[:, None] * b_uh1 + tl.dot(b_Mq, b_p, input_precision=PREC)
+                       - tl.dot(b_M, b_d, input_precision=PREC))
+                store_rows(dc, b_z * (b_gd - tl.dot(b_MT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t,
+                           m_v, V, i_r, NTOK)
+            if MODES[1] != 0:
+                b_dp = (tl.dot(tl.trans(b_Mq), b_w, input_precision=PREC)
+                        + tl.dot(tl.trans(b_Lq), b_do, input_precision=PREC)
+                        + b_E0[:, None] * b_qd0 + b_E1[:, None] * b_qd1)
+                store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
+            b_dM = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
+            b_dMq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
+            b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
+            b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
+            tl.store(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq)
+            tl.store(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq)
+            tl.store(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1))
+            tl.store(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1))
+            b_dM = b_dM * b_G
+            b_dMq = b_dMq * b_G
+            b_dLv = b_dLv * b_Hm
+            b_dLq = b_dLq * b_Hm
+            b_du = tl.dot(b_dMq, b_q, input_precision=PREC)
+            b_dv = (tl.dot(tl.trans(b_dM), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLv), b_oq, input_precision=PREC)
+                    - tl.dot(b_d * b_E0[:, None], b_dx0t, input_precision=PREC)
+                    - tl.dot(b_d * b_E1[:, None], b_dx1t, input_precision=PREC))
+            b_dq = (tl.dot(tl.trans(b_dMq), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC)
+                    + tl.dot(b_p * b_E0[:, None], b_dx0t, input_precision=PREC)
+                    + tl.dot(b_p * b_E1[:, None], b_dx1t, input_precision=PREC))
+            b_doq = tl.dot(b_dLv, b_v, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC)
+            tl.store(dv + p_tk, b_dv, mask=m_tk)
+            tl.store(dq + p_tk, b_dq, mask=m_tk)
+        # the terms of the keys' gradients both forms share: W through U X0 (g), dO through OQ X0 (h), dM's v
+        b_w0 = b_g0[:, None] * b_w
+        b_w1 = b_g1[:, None] * b_w
+        tl.store(dgw + p_2c, tl.sum(b_w * b_uh0, 1))
+        tl.store(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1))
+        if ONE_KEY:
+            b_kv = b_u
+        else:
+            b_kv = b_v
+        b_du += (tl.dot(b_w0, tl.trans(b_x0), input_precision=PREC) + tl.dot(b_w1, tl.trans(b_x1), input_precision=PREC)
+                 + tl.dot(b_dM, b_kv, input_precision=PREC))
+        b_doq += (tl.dot(b_o0, tl.trans(b_x0), input_precision=PREC)
+                  + tl.dot(b_o1, tl.trans(b_x1), input_precision=PREC))
         tl.store(du + p_tk, b_du, mask=m_tk)
-        tl.store(dv + p_tk, b_dv, mask=m_tk)
-        tl.store(dq + p_tk, b_dq, mask=m_tk)
         tl.store(doq + p_tk, b_doq, mask=m_tk)
         # adjoints of the chunk's start states: through the end states, the right side and the outputs
         b_n0 = (f00 * b_dx0 + f10 * b_dx1 + tl.dot(tl.trans(b_u), b_w0, input_precision=PREC)
