@@ -223,3 +223,26 @@ def test_dispatch_order(monkeypatch):
     assert first(HEAD_DECAY, "triton") == "block_rank1_row_chunk"
     assert first(HELD_OUT["momentum_delta"], "triton") == "block_rank1_row"
     assert first("momentum_longhorn", "interpret") == "block_rank1_row"
+
+
+def test_tiny_and_zero_weights(monkeypatch):
+    """Momentum and decay where a sigmoid reaches in training (below 1e-6, 15 % exact zeros, half of
+    them ordinary among them): the chunk's products of transitions are formed by substitution, nothing
+    divided or logged, so the output, both final states and every gradient stay as close to the float64
+    reference as with ordinary values."""
+    _only_this_family(monkeypatch)
+    obj = ssmcraft.compile(HEAD_DECAY)
+    B, T, H = 2, 37, 2
+    ins, params = random_inputs(obj.spec, B=B, T=T, H=H, sizes={"d": 20, "m": 8}, seed=7)
+    g = torch.Generator().manual_seed(8)
+    for name in ("mu", "g"):
+        a = torch.exp(-14 - 50 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
+        a = torch.where(torch.rand(B, T, H, generator=g) < 0.15, torch.zeros_like(a), a)
+        ins[name] = torch.where(torch.rand(B, T, H, generator=g) < 0.5,
+                                0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64), a)
+    S0 = tuple(0.5 * torch.randn(B, H, 20, 8, generator=g, dtype=torch.float64) for _ in obj.spec.states)
+    obj.prefer = "interpret"
+    cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
+    assert obj.backend.startswith("triton-interpret:block-rank1-row-chunk")
+    assert {"dmu", "dg", "dD0", "dS0"} <= set(cmp.errors), cmp.errors
+    assert_within(cmp.errors, TOL)
