@@ -179,8 +179,9 @@ def _only_this_family(monkeypatch):
 def test_through_obj(name, T, monkeypatch):
     """Longhorn with momentum and held-out composed objectives of the class (a per-head decay read
     through the other state with a readout of both states; an explicit delta-rule step with a per-head
-    step and momentum; the multistate tests' explicit step) through ``obj()`` on this family, against the derived update's float64
-    reference: output, both final states and every gradient (inputs, both initial states)."""
+    step and momentum; the multistate tests' explicit step) through ``obj()`` on this family, against
+    the derived update's float64 reference: output, both final states and every gradient (inputs, both
+    initial states)."""
     _only_this_family(monkeypatch)
     obj = ssmcraft.compile(SPECS[name])
     ins, params = random_inputs(obj.spec, B=2, T=T, H=2, sizes={"d": 20, "m": 8}, seed=T)

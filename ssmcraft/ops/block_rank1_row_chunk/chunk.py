@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.compiler.blockrank1 import block_rank1
+from ssmcraft.ops.block_rank1_row.recurrent import supports as block_rank1_row_supports
 from ssmcraft.ops.block_rank1_row_chunk.kernels import block_chunk_bwd_kernel, block_chunk_fwd_kernel
 from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights
 from ssmcraft.ops.common.launch import launch
@@ -179,31 +179,17 @@ def block_rank1_chunk(u, v, q, oq, c, p, heads: dict, initial_state=None, output
 # ----------------------------------------------------------------------------------------
 
 def supports(ir) -> str | None:
-    """None if this family runs ``ir``: the block form (``ssmcraft.compiler.blockrank1``) with two states,
-    an input term ``p q^T``, the state weights (transition, extrapolation, write, read) per head or
-    constant, ``c, p, oc, oh`` per row or per head and ``u, v, q, oq`` vectors over the columns; else the
-    reason."""
-    form = block_rank1(ir)
-    if isinstance(form, str):
-        return form
-    if form.n_states != 2:
-        return f"{form.n_states} states; the kernels carry two"
-    d, m = ir.dims
-    if "p" not in ir.slots:
-        return "no input term (p q^T)"
+    """None if this family runs ``ir``: what ``block_rank1_row`` runs (the block form with two states, an
+    input term ``p q^T``, row slots per row or per head, ``u, v, q, oq`` vectors over the columns) with
+    the state weights (transition, extrapolation, write, read) per head or constant; else the reason."""
+    why = block_rank1_row_supports(ir)
+    if why is not None:
+        return why
     for slot in HEAD_SLOTS:
         co = ir.coefficient(slot)
         if co is not None and tuple(co.dims) != ():
             return (f"slot {slot!r} varies over {co.dims}: this family takes the state weights per head "
                     f"(the chunk's products of transitions are shared by the rows)")
-    for slot in (*ROW_SLOTS, "oc", "oh"):
-        co = ir.coefficient(slot)
-        if co is not None and tuple(co.dims) not in ((), (d,)):
-            return f"slot {slot!r} varies over {co.dims}; this kernel takes () or ({d},)"
-    for slot in KEY_SLOTS:
-        co = ir.coefficient(slot)
-        if co is None or tuple(co.dims) not in ((), (m,)):
-            return f"slot {slot!r} is missing or not a vector over {m}"
     return None
 
 

@@ -180,7 +180,8 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
             tl.store(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1))
             b_dA = b_dA * b_G
             b_dL = b_dL * b_Hm
-            b_du = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC) + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC)
+            b_du = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
+                    + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC)
                     + tl.dot(b_e * b_E0[:, None], b_dx0t, input_precision=PREC)
                     + tl.dot(b_e * b_E1[:, None], b_dx1t, input_precision=PREC))
             b_doq = tl.dot(b_dL, b_u, input_precision=PREC)
