@@ -8,10 +8,12 @@ the product of the transitions of steps ``j+1 .. k`` (states after step k from s
     Hm[s, s'] = r_s^T Phi(s+1, s'+1) w_s'  (s' <= s)    h[b, s] = [Phi(s+1, 0)^T r_s]_b
     E[a, s'] = [Phi(C, s'+1) w_s']_a                     F[a, b] = Phi(C, 0)[a, b]
 
-All of ``Phi`` at once is the inverse of the chunk's block bidiagonal matrix ``L`` (2 (C+1) square,
-identity blocks on the diagonal, ``-A_s`` below them): ``L X = input`` is the recurrence of the states
-after each step, so ``L^{-1}``'s block (k, j) is ``Phi(k, j)``; one batched unit-triangular solve
-(forward substitution: the products themselves, nothing inverted that could be near-singular).
+``L^{-1}``, with ``L`` the chunk's block bidiagonal matrix (2 (C+1) square, identity blocks on the
+diagonal, ``-A_s`` below them: ``L X = input`` is the recurrence of the states after each step), has
+``Phi(k, j)`` as its block (k, j); the weights need it only applied to the writes ``w_s'`` (placed at
+block row s'+1) and to the start (the identity at block row 0): one batched unit-triangular solve with
+C + 2 right sides (forward substitution: the products themselves, nothing inverted that could be
+near-singular), then contractions with e and r.
 Tokens past the sequence's end take ``A = I`` and ``e = w = r = 0``: the last chunk's end state is
 the sequence's final state, and the padded tokens weigh nothing. Torch autograd takes the kernels'
 gradients of the weights back to the per-head coefficients.
@@ -43,12 +45,17 @@ def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor,
     sub = torch.diag_embed(At, offset=-1)                                        # [.., a, b, k, j]: A at k = j + 1
     eye = torch.eye(n, device=ref.device, dtype=dtype)
     L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
-    Phi = torch.linalg.solve_triangular(L, eye.expand(B, H, NC, n, n), upper=False, unitriangular=True)
-    P = Phi.view(B, H, NC, C + 1, 2, C + 1, 2)
-    G = torch.einsum("...sa,...sakb,...kb->...sk", e, P[..., :C, :, 1:, :], w)
-    g = torch.einsum("...sa,...sab->...bs", e, P[..., :C, :, 0, :])
-    Hm = torch.einsum("...sa,...sakb,...kb->...sk", r, P[..., 1:, :, 1:, :], w)
-    h = torch.einsum("...sa,...sab->...bs", r, P[..., 1:, :, 0, :])
-    E = torch.einsum("...akb,...kb->...ak", P[..., C, :, 1:, :], w)
-    F = P[..., C, :, 0, :].reshape(B, H, NC, 4)
+    # right sides: w_s' at block row s' + 1 (column s'), and the identity at block row 0 (columns C, C+1)
+    Wr = torch.diag_embed(w.transpose(-1, -2), offset=-1)[..., :C].transpose(-3, -2)   # [.., k, a, s']
+    I0 = torch.zeros(C + 1, 2, 2, device=ref.device, dtype=dtype)
+    I0[0] = torch.eye(2, device=ref.device, dtype=dtype)
+    rhs = torch.cat([Wr, I0.expand(B, H, NC, C + 1, 2, 2)], -1).reshape(B, H, NC, n, C + 2)
+    # Y[k, a, s'] = [Phi(k, s'+1) w_s']_a (0 where k <= s'), Y[k, a, C + b] = Phi(k, 0)[a, b]
+    Y = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
+    G = torch.einsum("...sa,...sak->...sk", e, Y[..., :C, :, :C])
+    Hm = torch.einsum("...sa,...sak->...sk", r, Y[..., 1:, :, :C])
+    g = torch.einsum("...sa,...sab->...bs", e, Y[..., :C, :, C:])
+    h = torch.einsum("...sa,...sab->...bs", r, Y[..., 1:, :, C:])
+    E = Y[..., C, :, :C]
+    F = Y[..., C, :, C:].reshape(B, H, NC, 4)
     return G, Hm, g, h, E, F
