@@ -2,7 +2,7 @@
 beside the per-token one (``block_rank1_row``), in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 32x4x16,16x4x16,16x8x16,16x4x32] [--no-check]
+        [--configs 32x4x16xtriangular,32x4x16xloop,16x4x16xtriangular] [--no-check]
     TRITON_INTERPRET=1 python3 benchmarks/bench_block_rank1_row_chunk.py --tiny   (the checks on CPU, small)
 
 1. Correctness (``--check``, default on), this family forced (``chunk.AHEAD = True``) at the first
@@ -13,9 +13,9 @@ beside the per-token one (``block_rank1_row``), in one process:
    against the readable loop (``block_rank1_row``'s ``naive.py``) under float64 autograd.
 2. Timings through ``obj()``, bf16, at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd):
    DeltaNet and Longhorn (the anchors), Longhorn with momentum on ``block_rank1_row`` (``AHEAD = False``)
-   and on this family (``AHEAD = True``) at each (rows per program, num_warps, chunk) config, the first
-   one's kernel profile (GPU us per fwd+bwd, host weights included). What decides ``AHEAD``, ``ROWS``,
-   ``NUM_WARPS`` and ``CHUNK``.
+   and on this family (``AHEAD = True``) at each (rows per program, num_warps, chunk, ``weights.SOLVE``)
+   config, the first one's kernel profile (GPU us per fwd+bwd, host weights included). What decides
+   ``AHEAD``, ``ROWS``, ``NUM_WARPS``, ``CHUNK`` and ``SOLVE``.
 """
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ from ssmcraft.bench.classes_commands import measure  # noqa: E402
 from ssmcraft.bench.run import random_inputs, random_state  # noqa: E402
 from ssmcraft.ops.block_rank1_row.naive import naive_block_rank1  # noqa: E402
 from ssmcraft.ops.block_rank1_row_chunk import chunk as CH  # noqa: E402
+from ssmcraft.ops.block_rank1_row_chunk import weights as W  # noqa: E402
 from ssmcraft.runtime.checking import rel_rms  # noqa: E402
 
 
 def _set(cfg):
-    CH.ROWS, CH.NUM_WARPS, CH.CHUNK = cfg
+    CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.SOLVE = cfg
 
 
 def check_obj(dtype, dev, T, d) -> bool:
@@ -99,8 +100,9 @@ def check_general(dev, T, K) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
-    ap.add_argument("--configs", default="32x4x16,16x4x16,16x8x16,16x4x32", help="ROWSxWARPSxCHUNK of this family, "
-                    "comma-separated; the first also runs the checks and the profile")
+    ap.add_argument("--configs", default="32x4x16xtriangular,32x4x16xloop,16x4x16xtriangular,16x8x16xtriangular,"
+                    "16x4x32xtriangular", help="ROWSxWARPSxCHUNKxSOLVE (weights.SOLVE) of this family, comma-separated; "
+                    "the first also runs the checks and the profile")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="the checks only, on CPU under TRITON_INTERPRET=1, small")
     args = ap.parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         print("bench_block_rank1_row_chunk.py needs a CUDA device")
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
+    configs = [(*(int(x) for x in c.split("x")[:3]), c.split("x")[3]) for c in args.configs.split(",") if c]
     ok = True
     if args.check:
         CH.AHEAD, CH.POISON = True, True
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
     runs = [("deltanet", "deltanet", None, False), ("longhorn", "longhorn", None, False),
             ("momentum_longhorn AHEAD=False", "momentum_longhorn", None, False)]
     runs += [(f"momentum_longhorn AHEAD=True {'x'.join(map(str, c))}", "momentum_longhorn", c, True) for c in configs]
-    default = (CH.ROWS, CH.NUM_WARPS, CH.CHUNK)
+    default = (CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.SOLVE)
     for label, spec, cfg, ahead in runs:
         CH.AHEAD = ahead
         if cfg is not None:

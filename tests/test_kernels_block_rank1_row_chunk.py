@@ -16,7 +16,7 @@ import ssmcraft  # noqa: E402
 from ssmcraft.ops import registry  # noqa: E402
 from ssmcraft.ops.block_rank1_row.naive import naive_block_rank1  # noqa: E402
 from ssmcraft.ops.block_rank1_row_chunk import chunk as CH  # noqa: E402
-from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights  # noqa: E402
+from ssmcraft.ops.block_rank1_row_chunk import weights as W  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
 from test_compiler_blockrank1 import _BASE, HELD_OUT  # noqa: E402
@@ -44,15 +44,18 @@ def _poison(monkeypatch):
     monkeypatch.setattr(CH, "ROWS", 16)
 
 
-def test_weights_are_the_products_of_transitions():
+@pytest.mark.parametrize("solve", ["triangular", "loop"])
+def test_weights_are_the_products_of_transitions(solve, monkeypatch):
     """G, g, Hm, h, E, F of ``weights.chunk_weights`` against the products of the per-head transitions
-    written out token by token (float64, exact), over two chunks, the second cut (T = 7, C = 4)."""
+    written out token by token (float64, exact), over two chunks, the second cut (T = 7, C = 4); both
+    ways of forming them (``weights.SOLVE``)."""
+    monkeypatch.setattr(W, "SOLVE", solve)
     g = torch.Generator().manual_seed(0)
     B, T, H, C = 1, 7, 2, 4
     rnd = lambda: torch.rand(B, T, H, generator=g, dtype=torch.float64)  # noqa: E731
     A = [[rnd(), rnd()], [rnd(), rnd()]]
     e, w, r = (rnd(), rnd()), (rnd(), 1.0), (0.0, rnd())
-    G, Hm, gv, hv, E, F = chunk_weights(A, e, w, r, B, T, H, C, A[0][0], torch.float64)
+    G, Hm, gv, hv, E, F = W.chunk_weights(A, e, w, r, B, T, H, C, A[0][0], torch.float64)
 
     def at(x, t, h):
         return torch.tensor([float(x[i][0, t, h]) if isinstance(x[i], torch.Tensor) else x[i] for i in range(2)],

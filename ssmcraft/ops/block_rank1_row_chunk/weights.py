@@ -25,6 +25,10 @@ import torch
 from ssmcraft.ops.common.chunked import _per_head
 from ssmcraft.ops.common.tuning import cdiv
 
+# how the chunk's products are formed: one batched unit-triangular solve ("triangular") or C batched
+# 2 x 2 products in a loop ("loop"); the same forward substitution, different launch counts
+SOLVE = "triangular"
+
 
 def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor, dtype=torch.float32):
     """A: ``[[a00, a01], [a10, a11]]``; e, w, r: pairs; each entry ``[B, T, H]`` or a number.
@@ -41,17 +45,26 @@ def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor,
         e, w, r = (torch.cat([x, x.new_zeros(B, pad, H, 2)], 1) for x in (e, w, r))
     At = At.view(B, NC, C, H, 2, 2).permute(0, 3, 1, 4, 5, 2)                  # [B, H, NC, a, b, s]
     e, w, r = (x.view(B, NC, C, H, 2).permute(0, 3, 1, 2, 4) for x in (e, w, r))   # [B, H, NC, s, 2]
-    n = 2 * (C + 1)
-    sub = torch.diag_embed(At, offset=-1)                                        # [.., a, b, k, j]: A at k = j + 1
-    eye = torch.eye(n, device=ref.device, dtype=dtype)
-    L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
     # right sides: w_s' at block row s' + 1 (column s'), and the identity at block row 0 (columns C, C+1)
     Wr = torch.diag_embed(w.transpose(-1, -2), offset=-1)[..., :C].transpose(-3, -2)   # [.., k, a, s']
     I0 = torch.zeros(C + 1, 2, 2, device=ref.device, dtype=dtype)
     I0[0] = torch.eye(2, device=ref.device, dtype=dtype)
-    rhs = torch.cat([Wr, I0.expand(B, H, NC, C + 1, 2, 2)], -1).reshape(B, H, NC, n, C + 2)
+    rhs = torch.cat([Wr, I0.expand(B, H, NC, C + 1, 2, 2)], -1)                # [.., k, a, C + 2]
     # Y[k, a, s'] = [Phi(k, s'+1) w_s']_a (0 where k <= s'), Y[k, a, C + b] = Phi(k, 0)[a, b]
-    Y = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
+    if SOLVE == "triangular":
+        n = 2 * (C + 1)
+        sub = torch.diag_embed(At, offset=-1)                                    # [.., a, b, k, j]: A at k = j + 1
+        eye = torch.eye(n, device=ref.device, dtype=dtype)
+        L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
+        Y = torch.linalg.solve_triangular(L, rhs.reshape(B, H, NC, n, C + 2), upper=False,
+                                          unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
+    else:
+        # the same forward substitution as C batched 2 x 2 products: Y_k = rhs_k + A_{k-1} Y_{k-1}
+        At = At.permute(0, 1, 2, 5, 3, 4)                                         # [.., s, a, b]
+        ys = [rhs[..., 0, :, :]]
+        for k in range(1, C + 1):
+            ys.append(rhs[..., k, :, :] + At[..., k - 1, :, :] @ ys[-1])
+        Y = torch.stack(ys, -3)
     G = torch.einsum("...sa,...sak->...sk", e, Y[..., :C, :, :C])
     Hm = torch.einsum("...sa,...sak->...sk", r, Y[..., 1:, :, :C])
     g = torch.einsum("...sa,...sab->...bs", e, Y[..., :C, :, C:])
