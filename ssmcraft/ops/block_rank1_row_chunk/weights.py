@@ -59,16 +59,21 @@ def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor,
         Y = torch.linalg.solve_triangular(L, rhs.reshape(B, H, NC, n, C + 2), upper=False,
                                           unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
     else:
-        # the same forward substitution as C batched 2 x 2 products: Y_k = rhs_k + A_{k-1} Y_{k-1}
-        At = At.permute(0, 1, 2, 5, 3, 4)                                         # [.., s, a, b]
+        # the same forward substitution, Y_k = rhs_k + A_{k-1} Y_{k-1}, written out over the 2 x 2 entries:
+        # elementwise products (a batched matmul of 2 x 2 blocks runs as many tiny GEMMs)
         ys = [rhs[..., 0, :, :]]
         for k in range(1, C + 1):
-            ys.append(rhs[..., k, :, :] + At[..., k - 1, :, :] @ ys[-1])
+            y = ys[-1]
+            a = At[..., k - 1].unsqueeze(-1)                                      # [.., a, b, 1]
+            ys.append(torch.addcmul(torch.addcmul(rhs[..., k, :, :], a[..., 0, :], y[..., 0:1, :]),
+                                    a[..., 1, :], y[..., 1:2, :]))
         Y = torch.stack(ys, -3)
-    G = torch.einsum("...sa,...sak->...sk", e, Y[..., :C, :, :C])
-    Hm = torch.einsum("...sa,...sak->...sk", r, Y[..., 1:, :, :C])
-    g = torch.einsum("...sa,...sab->...bs", e, Y[..., :C, :, C:])
-    h = torch.einsum("...sa,...sab->...bs", r, Y[..., 1:, :, C:])
+    # contractions over the two states, elementwise (as einsums they ran as batched GEMMs of 1 x 2 x C)
+    e0, e1, r0, r1 = e[..., 0, None], e[..., 1, None], r[..., 0, None], r[..., 1, None]
+    G = e0 * Y[..., :C, 0, :C] + e1 * Y[..., :C, 1, :C]
+    Hm = r0 * Y[..., 1:, 0, :C] + r1 * Y[..., 1:, 1, :C]
+    g = (e0 * Y[..., :C, 0, C:] + e1 * Y[..., :C, 1, C:]).transpose(-1, -2)
+    h = (r0 * Y[..., 1:, 0, C:] + r1 * Y[..., 1:, 1, C:]).transpose(-1, -2)
     E = Y[..., C, :, :C]
     F = Y[..., C, :, C:].reshape(B, H, NC, 4)
     return G, Hm, g, h, E, F
