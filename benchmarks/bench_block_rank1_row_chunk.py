@@ -2,7 +2,7 @@
 beside the per-token one (``block_rank1_row``), in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 32x4x16xtriangular,32x4x16xloop,16x4x16xtriangular] [--no-check]
+        [--configs 32x4x16xtriton,32x4x16xtorch,16x4x16xtriton] [--no-check]
     TRITON_INTERPRET=1 python3 benchmarks/bench_block_rank1_row_chunk.py --tiny   (the checks on CPU, small)
 
 1. Correctness (``--check``, default on), this family forced (``chunk.AHEAD = True``) at the first
@@ -13,9 +13,9 @@ beside the per-token one (``block_rank1_row``), in one process:
    against the readable loop (``block_rank1_row``'s ``naive.py``) under float64 autograd.
 2. Timings through ``obj()``, bf16, at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd):
    DeltaNet and Longhorn (the anchors), Longhorn with momentum on ``block_rank1_row`` (``AHEAD = False``)
-   and on this family (``AHEAD = True``) at each (rows per program, num_warps, chunk, ``weights.SOLVE``)
-   config, the first one's kernel profile (GPU us per fwd+bwd, host weights included). What decides
-   ``AHEAD``, ``ROWS``, ``NUM_WARPS``, ``CHUNK`` and ``SOLVE``.
+   and on this family (``AHEAD = True``) at each (rows per program, num_warps, chunk, ``weights.HOW``)
+   config, the first one's kernel profile (GPU us per fwd+bwd, the weights included). What decides
+   ``AHEAD``, ``ROWS``, ``NUM_WARPS``, ``CHUNK`` and ``HOW``.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from ssmcraft.runtime.checking import rel_rms  # noqa: E402
 
 
 def _set(cfg):
-    CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.SOLVE = cfg
+    CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.HOW = cfg
 
 
 def check_obj(dtype, dev, T, d) -> bool:
@@ -100,8 +100,8 @@ def check_general(dev, T, K) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
-    ap.add_argument("--configs", default="32x4x16xtriangular,32x4x16xloop,16x4x16xtriangular,16x8x16xtriangular,"
-                    "16x4x32xtriangular", help="ROWSxWARPSxCHUNKxSOLVE (weights.SOLVE) of this family, comma-separated; "
+    ap.add_argument("--configs", default="32x4x16xtriton,32x4x16xtorch,16x4x16xtriton", help="ROWSxWARPSxCHUNKxHOW "
+                    "(weights.HOW) of this family, comma-separated; "
                     "the first also runs the checks and the profile")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="the checks only, on CPU under TRITON_INTERPRET=1, small")
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     runs = [("deltanet", "deltanet", None, False), ("longhorn", "longhorn", None, False),
             ("momentum_longhorn AHEAD=False", "momentum_longhorn", None, False)]
     runs += [(f"momentum_longhorn AHEAD=True {'x'.join(map(str, c))}", "momentum_longhorn", c, True) for c in configs]
-    default = (CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.SOLVE)
+    default = (CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.HOW)
     for label, spec, cfg, ahead in runs:
         CH.AHEAD = ahead
         if cfg is not None:

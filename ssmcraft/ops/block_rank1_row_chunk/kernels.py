@@ -263,3 +263,157 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
     if STORE_DH0:
         tl.store(dh0 + (i_bh.to(tl.int64) * 2) * K * V + p_kv, b_dx0, mask=m_kv)
         tl.store(dh0 + (i_bh.to(tl.int64) * 2 + 1) * K * V + p_kv, b_dx1, mask=m_kv)
+
+
+# ----------------------------------------------------------------------------------------
+# the per-head chunk weights (``weights.py``): one program per (batch * head, chunk), the columns of the
+# forward substitution Y_k = A_{k-1} Y_{k-1} + rhs_k on lanes (C write columns, then the 2 start columns)
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _pick(x, o, k):
+    """``x[k]`` of a vector ``x`` over offsets ``o``."""
+    return tl.sum(tl.where(o == k, x, 0.), 0)
+
+
+@triton.jit
+def _head_coefs(co, rows, m_t, NTOK):
+    """The chunk's per-head coefficients from ``co [10, B*T*H]`` (a00 a01 a10 a11 e0 e1 w0 w1 r0 r1):
+    past the sequence's end the transition is the identity and e, w, r are 0."""
+    a00 = tl.load(co + rows, mask=m_t, other=1.)
+    a01 = tl.load(co + NTOK + rows, mask=m_t, other=0.)
+    a10 = tl.load(co + 2 * NTOK + rows, mask=m_t, other=0.)
+    a11 = tl.load(co + 3 * NTOK + rows, mask=m_t, other=1.)
+    e0 = tl.load(co + 4 * NTOK + rows, mask=m_t, other=0.)
+    e1 = tl.load(co + 5 * NTOK + rows, mask=m_t, other=0.)
+    w0 = tl.load(co + 6 * NTOK + rows, mask=m_t, other=0.)
+    w1 = tl.load(co + 7 * NTOK + rows, mask=m_t, other=0.)
+    r0 = tl.load(co + 8 * NTOK + rows, mask=m_t, other=0.)
+    r1 = tl.load(co + 9 * NTOK + rows, mask=m_t, other=0.)
+    return a00, a01, a10, a11, e0, e1, w0, w1, r0, r1
+
+
+@triton.jit
+def _advance(y0, y1, a00, a01, a10, a11, w0, w1, o_c, o_j, k):
+    """Y_k from Y_{k-1} (k >= 1): the transition of token k-1 and its write in column k-1."""
+    b00, b01, b10, b11 = _pick(a00, o_c, k - 1), _pick(a01, o_c, k - 1), _pick(a10, o_c, k - 1), _pick(a11, o_c, k - 1)
+    col = o_j == k - 1
+    n0 = b00 * y0 + b01 * y1 + tl.where(col, _pick(w0, o_c, k - 1), 0.)
+    n1 = b10 * y0 + b11 * y1 + tl.where(col, _pick(w1, o_c, k - 1), 0.)
+    return n0, n1
+
+
+@triton.jit
+def block_weights_fwd_kernel(co, Gw, Hw, gw, hw, Ew, Fw, T, NC, NTOK, H: tl.constexpr, C: tl.constexpr,
+                             CP: tl.constexpr):
+    """G, Hm [B*H*NC, C, C], g, h, E [B*H*NC, 2, C], F [B*H*NC, 4] of ``weights.py`` from the per-head
+    coefficients ``co`` [10, B*T*H]; CP >= C + 2 lanes."""
+    i_bh, i_c = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_j = tl.arange(0, CP)
+    m_t = i_c * C + o_c < T
+    rows = (i_b.to(tl.int64) * T + i_c * C + o_c) * H + i_h
+    a00, a01, a10, a11, e0, e1, w0, w1, r0, r1 = _head_coefs(co, rows, m_t, NTOK)
+    wb = i_bh.to(tl.int64) * NC + i_c
+    m_w, m_s = o_j < C, (o_j >= C) & (o_j < C + 2)
+    y0 = tl.where(o_j == C, 1., 0.)
+    y1 = tl.where(o_j == C + 1, 1., 0.)
+    for k in range(0, C + 1):
+        if k >= 1:
+            y0, y1 = _advance(y0, y1, a00, a01, a10, a11, w0, w1, o_c, o_j, k)
+            # Hm[k-1, s'] = r_{k-1} . Phi(k, s'+1) w_s',  h[b, k-1] = r_{k-1} . Phi(k, 0)[:, b]
+            hk = _pick(r0, o_c, k - 1) * y0 + _pick(r1, o_c, k - 1) * y1
+            tl.store(Hw + wb * C * C + (k - 1) * C + o_j, hk, mask=m_w)
+            tl.store(hw + wb * 2 * C + (o_j - C) * C + (k - 1), hk, mask=m_s)
+        if k < C:
+            # G[k, s'] = e_k . Phi(k, s'+1) w_s',  g[b, k] = e_k . Phi(k, 0)[:, b]
+            gk = _pick(e0, o_c, k) * y0 + _pick(e1, o_c, k) * y1
+            tl.store(Gw + wb * C * C + k * C + o_j, gk, mask=m_w)
+            tl.store(gw + wb * 2 * C + (o_j - C) * C + k, gk, mask=m_s)
+    tl.store(Ew + wb * 2 * C + o_j, y0, mask=m_w)
+    tl.store(Ew + wb * 2 * C + C + o_j, y1, mask=m_w)
+    tl.store(Fw + wb * 4 + (o_j - C), y0, mask=m_s)
+    tl.store(Fw + wb * 4 + 2 + (o_j - C), y1, mask=m_s)
+
+
+@triton.jit
+def _out_grad(M, v, wb, k, o_j, m_w, m_s, C: tl.constexpr):
+    """Row k of an output's gradient over the lanes: ``M [.., C, C]``'s row k on the write lanes and
+    ``v [.., 2, C]``'s column k on the two start lanes."""
+    x = tl.load(M + wb * C * C + k * C + o_j, mask=m_w, other=0.)
+    return x + tl.load(v + wb * 2 * C + (o_j - C) * C + k, mask=m_s, other=0.)
+
+
+@triton.jit
+def block_weights_bwd_kernel(co, dGw, dHw, dgw, dhw, dEw, dFw, dco, T, NC, NTOK, H: tl.constexpr,
+                             C: tl.constexpr, CP: tl.constexpr, CK: tl.constexpr):
+    """The gradients of the per-head coefficients ``dco`` [10, B*T*H] from those of the weights: the
+    substitution's states recomputed into [CK, CP] tiles (CK >= C + 1), then its adjoint in reverse."""
+    i_bh, i_c = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, C)
+    o_j = tl.arange(0, CP)
+    o_k = tl.arange(0, CK)
+    m_t = i_c * C + o_c < T
+    rows = (i_b.to(tl.int64) * T + i_c * C + o_c) * H + i_h
+    a00, a01, a10, a11, e0, e1, w0, w1, r0, r1 = _head_coefs(co, rows, m_t, NTOK)
+    wb = i_bh.to(tl.int64) * NC + i_c
+    m_w, m_s = o_j < C, (o_j >= C) & (o_j < C + 2)
+    y0 = tl.where(o_j == C, 1., 0.)
+    y1 = tl.where(o_j == C + 1, 1., 0.)
+    Y0 = tl.where(o_k[:, None] == 0, y0[None, :], 0.)
+    Y1 = tl.where(o_k[:, None] == 0, y1[None, :], 0.)
+    for k in range(1, C + 1):
+        y0, y1 = _advance(y0, y1, a00, a01, a10, a11, w0, w1, o_c, o_j, k)
+        Y0 = tl.where(o_k[:, None] == k, y0[None, :], Y0)
+        Y1 = tl.where(o_k[:, None] == k, y1[None, :], Y1)
+    # lambda: the adjoint of Y_k; first the end state's (E, F)
+    l0 = tl.load(dEw + wb * 2 * C + o_j, mask=m_w, other=0.) + tl.load(dFw + wb * 4 + (o_j - C), mask=m_s, other=0.)
+    l1 = (tl.load(dEw + wb * 2 * C + C + o_j, mask=m_w, other=0.)
+          + tl.load(dFw + wb * 4 + 2 + (o_j - C), mask=m_s, other=0.))
+    z = tl.zeros([C], dtype=tl.float32)
+    da00, da01, da10, da11, de0, de1, dw0, dw1, dr0, dr1 = z, z, z, z, z, z, z, z, z, z
+    for j in range(0, C + 1):
+        k = C - j
+        y0 = tl.sum(tl.where(o_k[:, None] == k, Y0, 0.), 0)
+        y1 = tl.sum(tl.where(o_k[:, None] == k, Y1, 0.), 0)
+        sel = o_c == k
+        if k < C:
+            dG = _out_grad(dGw, dgw, wb, k, o_j, m_w, m_s, C)
+            de0 = tl.where(sel, tl.sum(dG * y0, 0), de0)
+            de1 = tl.where(sel, tl.sum(dG * y1, 0), de1)
+            l0 += _pick(e0, o_c, k) * dG
+            l1 += _pick(e1, o_c, k) * dG
+        if k >= 1:
+            sel = o_c == k - 1
+            dHk = _out_grad(dHw, dhw, wb, k - 1, o_j, m_w, m_s, C)
+            dr0 = tl.where(sel, tl.sum(dHk * y0, 0), dr0)
+            dr1 = tl.where(sel, tl.sum(dHk * y1, 0), dr1)
+            l0 += _pick(r0, o_c, k - 1) * dHk
+            l1 += _pick(r1, o_c, k - 1) * dHk
+            # Y_k = A_{k-1} Y_{k-1} + w_{k-1} in column k-1
+            p0 = tl.sum(tl.where(o_k[:, None] == k - 1, Y0, 0.), 0)
+            p1 = tl.sum(tl.where(o_k[:, None] == k - 1, Y1, 0.), 0)
+            da00 = tl.where(sel, tl.sum(l0 * p0, 0), da00)
+            da01 = tl.where(sel, tl.sum(l0 * p1, 0), da01)
+            da10 = tl.where(sel, tl.sum(l1 * p0, 0), da10)
+            da11 = tl.where(sel, tl.sum(l1 * p1, 0), da11)
+            col = o_j == k - 1
+            dw0 = tl.where(sel, tl.sum(tl.where(col, l0, 0.), 0), dw0)
+            dw1 = tl.where(sel, tl.sum(tl.where(col, l1, 0.), 0), dw1)
+            b00, b01 = _pick(a00, o_c, k - 1), _pick(a01, o_c, k - 1)
+            b10, b11 = _pick(a10, o_c, k - 1), _pick(a11, o_c, k - 1)
+            n0 = b00 * l0 + b10 * l1
+            l1 = b01 * l0 + b11 * l1
+            l0 = n0
+    tl.store(dco + rows, da00, mask=m_t)
+    tl.store(dco + NTOK + rows, da01, mask=m_t)
+    tl.store(dco + 2 * NTOK + rows, da10, mask=m_t)
+    tl.store(dco + 3 * NTOK + rows, da11, mask=m_t)
+    tl.store(dco + 4 * NTOK + rows, de0, mask=m_t)
+    tl.store(dco + 5 * NTOK + rows, de1, mask=m_t)
+    tl.store(dco + 6 * NTOK + rows, dw0, mask=m_t)
+    tl.store(dco + 7 * NTOK + rows, dw1, mask=m_t)
+    tl.store(dco + 8 * NTOK + rows, dr0, mask=m_t)
+    tl.store(dco + 9 * NTOK + rows, dr1, mask=m_t)

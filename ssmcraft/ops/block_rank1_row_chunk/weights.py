@@ -23,20 +23,54 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.common.chunked import _per_head
-from ssmcraft.ops.common.tuning import cdiv
+from ssmcraft.ops.common.tuning import cdiv, pow2
 
-# how the chunk's products are formed: one batched unit-triangular solve ("triangular") or C batched
-# 2 x 2 products in a loop ("loop"); the same forward substitution, different launch counts
-SOLVE = "triangular"
+# where the weights are formed: "triton" (``kernels.block_weights_fwd_kernel`` and its backward: one
+# program per chunk, fp32) or "torch" (the batched triangular solve below, differentiable by torch autograd
+# in any float dtype: the readable form the tests check the kernels with). As torch ops at B=8 T=2048 H=16
+# C=16 on the H200 they took some 6 of the family's 10.1 ms fwd+bwd (tiny batched GEMMs and solves).
+HOW = "triton"
 
 
-def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor, dtype=torch.float32):
+class _WeightsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, co, B, T, H, C):
+        """co: [10, B, T, H] fp32 (a00 a01 a10 a11 e0 e1 w0 w1 r0 r1). Returns G, Hm, g, h, E, F."""
+        from ssmcraft.ops.block_rank1_row_chunk.kernels import block_weights_fwd_kernel
+        from ssmcraft.ops.common.launch import launch
+        NC = max(1, cdiv(T, C))
+        out = [torch.empty(B, H, NC, *s, device=co.device, dtype=torch.float32)
+               for s in ((C, C), (C, C), (2, C), (2, C), (2, C), (4,))]
+        launch(block_weights_fwd_kernel, (B * H, NC), co, *out, T, NC, B * T * H, H=H, C=C, CP=pow2(C + 2, 1),
+               num_warps=1)
+        ctx.save_for_backward(co)
+        ctx.sizes = (B, T, H, C, NC)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from ssmcraft.ops.block_rank1_row_chunk.kernels import block_weights_bwd_kernel
+        from ssmcraft.ops.common.launch import launch
+        (co,) = ctx.saved_tensors
+        B, T, H, C, NC = ctx.sizes
+        grads = [torch.zeros(B, H, NC, *s, device=co.device, dtype=torch.float32) if g is None else g.contiguous()
+                 for g, s in zip(grads, ((C, C), (C, C), (2, C), (2, C), (2, C), (4,)))]
+        dco = torch.empty_like(co)
+        launch(block_weights_bwd_kernel, (B * H, NC), co, *grads, dco, T, NC, B * T * H, H=H, C=C,
+               CP=pow2(C + 2, 1), CK=pow2(C + 1, 1), num_warps=1)
+        return dco, None, None, None, None
+
+
+def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor, dtype=torch.float32, how=None):
     """A: ``[[a00, a01], [a10, a11]]``; e, w, r: pairs; each entry ``[B, T, H]`` or a number.
-    Returns (G, Hm ``[B, H, NC, C, C]``, g, h, E ``[B, H, NC, 2, C]``, F ``[B, H, NC, 4]``), ``dtype``,
-    NC = ceil(T / C)."""
+    Returns (G, Hm ``[B, H, NC, C, C]``, g, h, E ``[B, H, NC, 2, C]``, F ``[B, H, NC, 4]``), ``dtype``
+    (fp32 from the kernels), NC = ceil(T / C). ``how``: ``HOW`` when None."""
     NC = max(1, cdiv(T, C))
     pad = NC * C - T
     ph = lambda x: _per_head(x, B, T, H, ref.device).to(dtype)  # noqa: E731
+    if (how or HOW) == "triton":
+        co = torch.stack([ph(x) for x in (A[0][0], A[0][1], A[1][0], A[1][1], *e, *w, *r)]).float().contiguous()
+        return _WeightsFunction.apply(co, B, T, H, C)
     At = torch.stack([torch.stack([ph(A[a][b]) for b in range(2)], -1) for a in range(2)], -2)   # [B, T, H, 2, 2]
     e, w, r = (torch.stack([ph(x[0]), ph(x[1])], -1) for x in (e, w, r))                          # [B, T, H, 2]
     if pad:
@@ -51,23 +85,12 @@ def chunk_weights(A, e, w, r, B: int, T: int, H: int, C: int, ref: torch.Tensor,
     I0[0] = torch.eye(2, device=ref.device, dtype=dtype)
     rhs = torch.cat([Wr, I0.expand(B, H, NC, C + 1, 2, 2)], -1)                # [.., k, a, C + 2]
     # Y[k, a, s'] = [Phi(k, s'+1) w_s']_a (0 where k <= s'), Y[k, a, C + b] = Phi(k, 0)[a, b]
-    if SOLVE == "triangular":
-        n = 2 * (C + 1)
-        sub = torch.diag_embed(At, offset=-1)                                    # [.., a, b, k, j]: A at k = j + 1
-        eye = torch.eye(n, device=ref.device, dtype=dtype)
-        L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
-        Y = torch.linalg.solve_triangular(L, rhs.reshape(B, H, NC, n, C + 2), upper=False,
-                                          unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
-    else:
-        # the same forward substitution, Y_k = rhs_k + A_{k-1} Y_{k-1}, written out over the 2 x 2 entries:
-        # elementwise products (a batched matmul of 2 x 2 blocks runs as many tiny GEMMs)
-        ys = [rhs[..., 0, :, :]]
-        for k in range(1, C + 1):
-            y = ys[-1]
-            a = At[..., k - 1].unsqueeze(-1)                                      # [.., a, b, 1]
-            ys.append(torch.addcmul(torch.addcmul(rhs[..., k, :, :], a[..., 0, :], y[..., 0:1, :]),
-                                    a[..., 1, :], y[..., 1:2, :]))
-        Y = torch.stack(ys, -3)
+    n = 2 * (C + 1)
+    sub = torch.diag_embed(At, offset=-1)                                        # [.., a, b, k, j]: A at k = j + 1
+    eye = torch.eye(n, device=ref.device, dtype=dtype)
+    L = eye - sub.permute(0, 1, 2, 5, 3, 6, 4).reshape(B, H, NC, n, n)
+    Y = torch.linalg.solve_triangular(L, rhs.reshape(B, H, NC, n, C + 2), upper=False,
+                                      unitriangular=True).view(B, H, NC, C + 1, 2, C + 2)
     # contractions over the two states, elementwise (as einsums they ran as batched GEMMs of 1 x 2 x C)
     e0, e1, r0, r1 = e[..., 0, None], e[..., 1, None], r[..., 0, None], r[..., 1, None]
     G = e0 * Y[..., :C, 0, :C] + e1 * Y[..., :C, 1, :C]
