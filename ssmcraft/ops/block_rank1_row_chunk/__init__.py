@@ -1,7 +1,7 @@
 """Family ``block_rank1_row_chunk``: two states updated by one rank-1 step of an extrapolated state
-(``ssmcraft.compiler.blockrank1``: Longhorn with momentum) with the state weights per head, chunked:
-per chunk of tokens one shared-matrix triangular system per state row, its per-head weights (the
-chunk's products of transitions) from the host (``weights.py``), its products on tensor cores
+(``ssmcraft.compiler.blockrank1``: Longhorn with momentum) with the state weights per head, chunked: per
+chunk of tokens one shared-matrix triangular system per state row, its per-head weights (the chunk's
+products of transitions) from small kernels of their own (``weights.py``), its products on tensor cores
 (``chunk.py``, kernels in ``kernels.py``). Its float64 reference is ``block_rank1_row``'s ``naive.py``.
 On CUDA it goes ahead of ``block_rank1_row`` only where ``chunk.AHEAD``."""
 from ssmcraft.ops.block_rank1_row_chunk import chunk

@@ -30,9 +30,9 @@ the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's en
 
 (``rows``: summed over the rows), and the keys' gradients as ``rank1_row_chunk``'s with the weighted
 matrices. The weights' gradients are sums over the rows: each row block writes its own slice, summed on
-the host, and torch autograd takes them through ``weights.chunk_weights`` to the per-head coefficients
-(Longhorn with momentum's mu). The keys' and per-head row coefficients' gradients are per-block slices
-summed on the host likewise.
+the host, and torch autograd takes them through ``weights.chunk_weights`` (its kernels' backward) to the
+per-head coefficients (Longhorn with momentum's mu). The keys' and per-head row coefficients' gradients
+are per-block slices summed on the host likewise.
 """
 from __future__ import annotations
 

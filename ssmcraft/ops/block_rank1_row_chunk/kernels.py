@@ -1,14 +1,14 @@
 """Triton kernels of the chunked block rank-1 family (``chunk.py`` has the algebra).
 
-One program per (batch * head, block of R state rows), sequential over chunks of C tokens, both
-state tiles ``X_a^T [BK, R]`` (FLA's ``[K, V]`` layout) in registers. The per-head chunk weights
-(``G, Hm [C, C]``, ``g, h, E [2, C]``, ``F [4]``: ``weights.py``) come from the host, one set per
-(batch * head, chunk); the kernels never see the transition itself, so any per-head 2 x 2 transition,
-extrapolation, write and read weights run on the same code. Tiles and helpers are the chunked
-per-row rank-1 family's (``ssmcraft.ops.rank1_row_chunk.kernels``: row and key tiles, the chunk's
-masks, the C-step substitution on ``[C, R]`` tiles); products are ``tl.dot`` in fp32 operands
-(``PREC``). Padded tokens read as 0 (keys, row coefficients, weights), so a chunk cut by the
-sequence's end contributes nothing.
+One program per (batch * head, block of R state rows), sequential over chunks of C tokens, both state
+tiles ``X_a^T [BK, R]`` (FLA's ``[K, V]`` layout) in registers. The per-head chunk weights
+(``G, Hm [C, C]``, ``g, h, E [2, C]``, ``F [4]``: ``weights.py``, formed by the last two kernels of this file) come
+in one set per (batch * head, chunk); the chunk kernels never see the transition itself, so any per-head
+2 x 2 transition, extrapolation, write and read weights run on the same code. Tiles and helpers are the
+chunked per-row rank-1 family's (``ssmcraft.ops.rank1_row_chunk.kernels``: row and key tiles, the
+chunk's masks, the C-step substitution on ``[C, R]`` tiles); products are ``tl.dot`` in fp32 operands
+(``PREC``). Padded tokens read as 0 (keys, row coefficients, weights), so a chunk cut by the sequence's
+end contributes nothing.
 """
 from __future__ import annotations
 

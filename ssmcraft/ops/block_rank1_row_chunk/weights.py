@@ -1,4 +1,5 @@
-"""The per-head chunk weights of the block rank-1 recurrence, on the host, differentiable (torch).
+"""The per-head chunk weights of the block rank-1 recurrence, differentiable: small Triton kernels with
+their own backward (``kernels.block_weights_*``), or torch ops (``HOW``).
 
 Over a chunk of C tokens (``s = 0 .. C-1``), with the per-head 2 x 2 transitions ``A_s``, ``Phi(k, j)``
 the product of the transitions of steps ``j+1 .. k`` (states after step k from states after step j,
@@ -13,10 +14,14 @@ diagonal, ``-A_s`` below them: ``L X = input`` is the recurrence of the states a
 ``Phi(k, j)`` as its block (k, j); the weights need it only applied to the writes ``w_s'`` (placed at
 block row s'+1) and to the start (the identity at block row 0): one batched unit-triangular solve with
 C + 2 right sides (forward substitution: the products themselves, nothing inverted that could be
-near-singular), then contractions with e and r.
+near-singular), then contractions with e and r. The kernels run the same substitution column by column:
+one program per chunk, the C + 2 right sides on lanes, C + 1 steps of 2 x 2 products; their backward
+recomputes the steps and runs the adjoint recurrence (``lambda_{k-1} = A_{k-1}^T lambda_k`` plus the
+outputs' gradients at step k) in reverse.
 Tokens past the sequence's end take ``A = I`` and ``e = w = r = 0``: the last chunk's end state is
-the sequence's final state, and the padded tokens weigh nothing. Torch autograd takes the kernels'
-gradients of the weights back to the per-head coefficients.
+the sequence's final state, and the padded tokens weigh nothing. Torch autograd takes the chunk kernels'
+gradients of the weights back to the per-head coefficients (through the weights kernels' backward, or
+through the torch ops).
 """
 from __future__ import annotations
 
