@@ -269,3 +269,24 @@ def test_tiny_and_zero_weights(monkeypatch):
     assert obj.backend.startswith("triton-interpret:block-rank1-row-chunk")
     assert {"dmu", "dg", "dD0", "dS0"} <= set(cmp.errors), cmp.errors
     assert_within(cmp.errors, TOL)
+
+
+def test_kernels_compile_for_sm90():
+    """The family's four kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as
+    Longhorn with momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    for dtype in ("bf16", "fp32"):
+        out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_sm90.py"), "momentum_longhorn",
+                              "--block-chunk-ahead", "--dtype", dtype], capture_output=True, text=True, env=env,
+                             timeout=900)
+        assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+        rows = {line.split()[2]: line.split(None, 3)[3] for line in out.stdout.splitlines()}
+        assert {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_weights_fwd_kernel",
+                "block_weights_bwd_kernel"} <= set(rows), out.stdout
+        assert set(rows.values()) == {"ok"}, out.stdout
+        assert "triton:block-rank1-row-chunk" in out.stdout
