@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from ssmcraft.ops.block_rank1_row_chunk.kernels import block_weights_bwd_kernel, block_weights_fwd_kernel
 from ssmcraft.ops.common.chunked import _per_head
+from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.tuning import cdiv, pow2
 
 # where the weights are formed: "triton" (``kernels.block_weights_fwd_kernel`` and its backward: one
@@ -41,8 +43,6 @@ class _WeightsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, co, B, T, H, C):
         """co: [10, B, T, H] fp32 (a00 a01 a10 a11 e0 e1 w0 w1 r0 r1). Returns G, Hm, g, h, E, F."""
-        from ssmcraft.ops.block_rank1_row_chunk.kernels import block_weights_fwd_kernel
-        from ssmcraft.ops.common.launch import launch
         NC = max(1, cdiv(T, C))
         out = [torch.empty(B, H, NC, *s, device=co.device, dtype=torch.float32)
                for s in ((C, C), (C, C), (2, C), (2, C), (2, C), (4,))]
@@ -54,8 +54,6 @@ class _WeightsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from ssmcraft.ops.block_rank1_row_chunk.kernels import block_weights_bwd_kernel
-        from ssmcraft.ops.common.launch import launch
         (co,) = ctx.saved_tensors
         B, T, H, C, NC = ctx.sizes
         grads = [torch.zeros(B, H, NC, *s, device=co.device, dtype=torch.float32) if g is None else g.contiguous()
