@@ -290,3 +290,10 @@ def test_kernels_compile_for_sm90():
                 "block_weights_bwd_kernel"} <= set(rows), out.stdout
         assert set(rows.values()) == {"ok"}, out.stdout
         assert "triton:block-rank1-row-chunk" in out.stdout
+
+
+def test_packed_rows_refused_by_name():
+    """No packed-sequence kernels: the family says so (``KernelFamily.varlen``), so ``runtime.packed``,
+    which picks the first family whose ``varlen`` is None, never sends it a packed call."""
+    fam = registry.family("block_rank1_row_chunk")
+    assert fam.varlen is not None and "cu_seqlens" in fam.varlen
