@@ -71,7 +71,8 @@ def test_why_not_names_every_family():
     assert list(reasons) == ["decode", "keydecay_chunk", "diagonal", "rank1_row", "rankr_row", "block_rank1_row",
                              "minibatch_chunk", "general",
                              "rank1_chunk", "rank1_row_chunk", "rankr_chunk", "precision_rank1",
-                             "precision_general", "rank1_keydecay_chunk", "mlp_minibatch_chunk", "mlp_memory"]
+                             "precision_general", "rank1_keydecay_chunk", "mlp_minibatch_chunk", "mlp_memory",
+                             "block_rank1_row_chunk"]
     assert "rank-r" in reasons["rankr_row"]
     assert reasons["keydecay_chunk"] is not None
     assert reasons["diagonal"] is not None

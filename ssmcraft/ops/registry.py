@@ -16,12 +16,15 @@ delta rule), ``precision_general`` (the other metric compositions: the precision
 memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a
 per-key decay and a per-head step: a KDA-like layer; chunked, on tensor cores), ``mlp_minibatch_chunk``
 (the MLP memory with mini-batches of 16 to 64 tokens, chunk-parallel on tensor cores) and ``mlp_memory``
-(a two-layer MLP memory: two weight states of different shapes, sequential), which no other family runs. A family that does not support an IR says why
+(a two-layer MLP memory: two weight states of different shapes, sequential), which no other family runs,
+and ``block_rank1_row_chunk`` (the block form with per-head state weights, chunked: ahead of
+``block_rank1_row`` on CUDA only where its ``AHEAD``). A family that does not support an IR says why
 (``KernelFamily.reason``); nothing falls back silently.
 """
 from __future__ import annotations
 
 from ssmcraft.ops.block_rank1_row import FAMILY as BLOCK_RANK1_ROW
+from ssmcraft.ops.block_rank1_row_chunk import FAMILY as BLOCK_RANK1_ROW_CHUNK
 from ssmcraft.ops.decode import FAMILY as DECODE
 from ssmcraft.ops.diagonal import FAMILY as DIAGONAL
 from ssmcraft.ops.family import KernelFamily
@@ -41,7 +44,8 @@ from ssmcraft.ops.rankr_row import FAMILY as RANKR_ROW
 
 FAMILIES: tuple[KernelFamily, ...] = (DECODE, KEYDECAY_CHUNK, DIAGONAL, RANK1_ROW, RANKR_ROW, BLOCK_RANK1_ROW,
                                       MINIBATCH_CHUNK, GENERAL, RANK1_CHUNK, RANK1_ROW_CHUNK, RANKR_CHUNK, PRECISION_RANK1,
-                                      PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MINIBATCH_CHUNK, MLP_MEMORY)
+                                      PRECISION_GENERAL, RANK1_KEYDECAY_CHUNK, MLP_MINIBATCH_CHUNK, MLP_MEMORY,
+                                      BLOCK_RANK1_ROW_CHUNK)
 BY_NAME: dict[str, KernelFamily] = {f.name: f for f in FAMILIES}
 
 
