@@ -72,14 +72,16 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
 
 def test_packed_sequential_kernels_compile_for_sm90():
     """The sequential families' packed form (VARLEN: each program row's offsets, lengths and first
-    checkpoint loaded from cu_seqlens): rank1_row (Gated Longhorn), rank1_row_chunk (Longhorn), rankr_row's
-    own kernels, the generated general ones (one state row-tiled, the rows summed in the step, two states)."""
-    rc, out, err = _run("longhorn", "gated_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
+    checkpoint loaded from cu_seqlens): rank1_row (wd_longhorn: a per-row decay), rank1_row_chunk (Longhorn,
+    Gated Longhorn), rankr_row's own kernels, the generated general ones (one state row-tiled, the rows
+    summed in the step, two states)."""
+    rc, out, err = _run("longhorn", "gated_longhorn", "wd_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
                         "momentum_longhorn", "--packed", "0,17,5,33")
     assert rc == 0, out + err[-2000:]
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
     assert backends == {"longhorn": "triton:rank1-row-chunk+prologue+packed",
-                        "gated_longhorn": "triton:rank1-row+prologue+packed",
+                        "gated_longhorn": "triton:rank1-row-chunk+prologue+packed",
+                        "wd_longhorn": "triton:rank1-row+prologue+packed",
                         "longhorn_2key": "triton:rankr-row+prologue+packed",
                         "huber_longhorn": "triton:general+packed", "cauchy_delta": "triton:general+packed",
                         "momentum_longhorn": "triton:general+packed"}

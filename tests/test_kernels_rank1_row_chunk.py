@@ -38,19 +38,39 @@ def test_supports():
 
 
 def test_dispatch_order(monkeypatch):
-    """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn); a
-    per-head step (DeltaNet) stays on rank1_chunk, a decay on rank1_row unless ``DECAY_AHEAD``; the
-    interpreter keeps the registry's order (rank1_row first). (``decode`` runs one-token calls only.)"""
+    """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn) and with a
+    per-head decay (Gated Longhorn, ``DECAY_AHEAD``; off, rank1_row first); a per-head step (DeltaNet)
+    stays on rank1_chunk; the interpreter keeps the registry's order (rank1_row first). (``decode`` runs
+    one-token calls only.)"""
     def first(name, mode):
         ir = ssmcraft.compile(name).ir
         return next(f.name for f in registry.order(ir, mode) if not f.one_token and f.reason(ir) is None)
     assert first("longhorn", "triton") == "rank1_row_chunk"
     assert first("deltanet", "triton") == "rank1_chunk"
-    assert first("gated_longhorn", "triton") == "rank1_row"
-    assert first("longhorn", "interpret") == "rank1_row"
-    monkeypatch.setattr(RC, "DECAY_AHEAD", True)
     assert first("gated_longhorn", "triton") == "rank1_row_chunk"
     assert first("gated_deltanet", "triton") == "rank1_chunk"
+    assert first("longhorn", "interpret") == "rank1_row"
+    monkeypatch.setattr(RC, "DECAY_AHEAD", False)
+    assert first("gated_longhorn", "triton") == "rank1_row"
+
+
+@pytest.mark.parametrize("K", [8, 16, 32, 64, 128])
+def test_dispatch_by_key_size(K):
+    """On CUDA the family refuses keys fewer than ``MIN_KEYS`` (rank1_row, measured faster there, runs
+    them: the first family without a reason); the interpreter takes every size; the exporter's size check
+    says the same."""
+    from ssmcraft.bench.run import random_inputs
+    obj = ssmcraft.compile("longhorn")
+    ins, _ = random_inputs(obj, 1, 3, 1, 8, K, torch.float32, torch.device("cpu"))
+    fam = registry.family("rank1_row_chunk")
+    runs = [f.name for f in registry.order(obj.ir, "triton") if not f.one_token and f.reason(obj.ir, ins, "triton") is None]
+    want = "rank1_row_chunk" if K >= RC.MIN_KEYS else "rank1_row"
+    assert runs[0] == want, runs
+    assert fam.reason(obj.ir, ins, "interpret") is None
+    why = fam.size_reason(obj.ir, {"d": 8, "m": K}, "triton")
+    assert (why is None) == (K >= RC.MIN_KEYS), why
+    if why is not None:
+        assert why == f"K = {K} < MIN_KEYS = {RC.MIN_KEYS} (rank1_row's per-token loop is faster with few keys)"
 
 
 def _general(B, T, H, K, V, modes, seed):

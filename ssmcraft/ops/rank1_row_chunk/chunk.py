@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _per_head
+from ssmcraft.ops.common.chunked import _per_head, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
@@ -71,10 +71,18 @@ from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, ran
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-# Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): off until a
-# GPU timing shows it faster (``benchmarks/bench_rank1_row_chunk.py --gated`` times both in one process);
-# without a decay it goes ahead (measured faster). Read at dispatch time, so a benchmark may flip it.
-DECAY_AHEAD = False
+# Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): measured
+# faster and checked (``benchmarks/bench_rank1_row_chunk.py --gated``, one H200, bf16 B=8 T=2048 H=16
+# d=m=64, fwd / fwd+bwd ms through obj(): 0.904 / 3.643 here, 1.061 / 4.765 on rank1_row; the two agree
+# in fp32 to 4.2e-7 over y, S_T and every gradient). Read at dispatch time, so a benchmark may flip it.
+DECAY_AHEAD = True
+# The smallest key size at which the family goes ahead of rank1_row on CUDA: with few keys the per-token
+# loop's K-long chains are short and its one pass over the tokens wins. Measured (one H200, bf16, kernels
+# alone, ``bench_rank1_row_chunk.py --no-check --shape B,T,H,K,V``), fwd / fwd+bwd ms:
+#   B8 T2048 H24 K16 V64: rank1_row 0.747 / 2.112; this family R16 1.223 / 4.164, R32 0.711 / 2.624;
+#   B16 T512 H4 K16 V64:  rank1_row 0.189 / 0.655; this family R32 0.163 / 0.773;
+#   B8 T2048 H16 K64 V64: rank1_row 1.193 / 3.185; this family R32 0.744 / 2.482.
+MIN_KEYS = 64
 # tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
 # (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
 # at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
@@ -246,6 +254,20 @@ def supports(ir) -> str | None:
     if a is not None and tuple(a.dims) != ():
         return f"a decay per row or per key (a varies over {a.dims}): this family runs a per-head decay only"
     return rank1_row_supports(ir)
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """On CUDA, refuse keys fewer than ``MIN_KEYS`` (``rank1_row``, next in the order, was measured
+    faster there and runs everything this family does); the interpreter takes any size."""
+    K = sizes.get(ir.dims[1])
+    if mode == "triton" and K is not None and K < MIN_KEYS:
+        return f"K = {K} < MIN_KEYS = {MIN_KEYS} (rank1_row's per-token loop is faster with few keys)"
+    return None
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def per_row_step(ir) -> bool:
