@@ -3,7 +3,7 @@ beside the per-token one (``rank1_row``) and the chunked per-head one (``rank1_c
 one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--gated]
+        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--decayed [--profile]]
 
 1. Correctness (``--check``, default on): Longhorn exact's recurrence (u = v = q = k, c and p per row)
    and the general slot form (distinct keys, per-row oc and oh) at B=2, T=1000 (the last chunk cut to
@@ -14,12 +14,14 @@ one process:
    alone (c and p given, as the objectives' prologue hands them over): forward, and forward+backward
    (every input's gradient, none of the state's), for rank1_row and each (C, R, num_warps) config of
    the chunked family; FLA-style DeltaNet (per-head step) on rank1_chunk as the anchor.
-3. ``--gated``: Gated Longhorn (a per-head decay) through ``obj()`` both ways in one process: on
-   rank1_row (the default dispatch) and on this family (``chunk.DECAY_AHEAD = True``): first the two
-   checked against each other in fp32 at ``--check-shape`` (output, final state, every input's and the
-   initial state's gradient; rank1_row is checked against float64 by its own tests), then each timed in
-   bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd) beside Longhorn (no decay,
-   this family) for the ratio to Longhorn. What decides ``DECAY_AHEAD``.
+3. ``--decayed``: the per-row decay's kernels (one key) against the float64 loop at B=1 T=300 H=2
+   K=V=64, fp32 and bf16, ordinary and tiny/zero decays; then Gated Longhorn (a per-head decay) and
+   wd_longhorn (a per-row one) through ``obj()`` both ways in one process, on rank1_row and on this
+   family (``DECAYED``: each one's switch, ``DECAY_AHEAD`` / ``ROW_DECAY_AHEAD``): first checked against
+   each other at ``--check-shape`` in fp32 and bf16 (output, final state, every input's and the initial
+   state's gradient; rank1_row is checked against float64 by its own tests), then each timed in bf16 at
+   ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd; ``--profile``: its kernels' GPU time)
+   beside Longhorn (no decay, this family) for the ratio to Longhorn. What decides the two switches.
 """
 from __future__ import annotations
 
@@ -142,11 +144,13 @@ def main(argv=None):
     ap.add_argument("--check-configs", type=int, default=2, help="how many of the configs Longhorn's check runs "
                     "(the general form runs the first)")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--gated", action="store_true", help="Gated Longhorn through obj() on rank1_row and on this "
-                    "family (DECAY_AHEAD), checked against each other and timed (only this)")
+    ap.add_argument("--decayed", action="store_true", help="the per-row decay's kernels against float64, then "
+                    "Gated Longhorn and wd_longhorn through obj() on rank1_row and on this family (DECAYED), checked "
+                    "against each other and timed (only this)")
+    ap.add_argument("--profile", action="store_true", help="with --decayed: each row's kernels, GPU time")
     args = ap.parse_args(argv)
-    if args.gated:
-        return gated(args)
+    if args.decayed:
+        return decayed(args)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     print(torch.cuda.get_device_name() if DEV == "cuda" else DEV, "triton", triton.__version__, flush=True)
     if not args.no_check:
@@ -184,16 +188,20 @@ def main(argv=None):
     print(f"rank1_chunk DeltaNet (anchor)  {f:7.3f} {fb:7.3f}", flush=True)
 
 
-def _gated_run(ahead, shape, dtype, grad, seed=0):
-    """Gated Longhorn through ``obj()`` on CUDA with ``DECAY_AHEAD = ahead``: (backend, y, S_T, grads of
-    every input and of the initial state, the leaves' names) with ``grad``, else (backend, None...)."""
+# the objectives with a decay and the switch that puts each on this family on CUDA
+DECAYED = {"gated_longhorn": "DECAY_AHEAD", "wd_longhorn": "ROW_DECAY_AHEAD"}
+
+
+def _obj_run(spec, ahead, shape, dtype, seed=0):
+    """``spec`` through ``obj()`` on CUDA with its switch (``DECAYED``) at ``ahead``: (backend, y, S_T,
+    {name: gradient} of every input and the initial state under fixed random cotangents)."""
     import ssmcraft
     from ssmcraft.bench.run import random_inputs, random_state
-    RC.DECAY_AHEAD = ahead
+    setattr(RC, DECAYED[spec], ahead)
     B, T, H, d, m = shape
-    obj = ssmcraft.compile("gated_longhorn")
-    ins, params = random_inputs(obj, B, T, H, d, m, dtype, torch.device(DEV), seed=seed, requires_grad=grad)
-    S0 = random_state(obj, B, H, d, m, torch.device(DEV), requires_grad=grad)
+    obj = ssmcraft.compile(spec)
+    ins, params = random_inputs(obj, B, T, H, d, m, dtype, torch.device(DEV), seed=seed, requires_grad=True)
+    S0 = random_state(obj, B, H, d, m, torch.device(DEV), requires_grad=True)
     y, S = obj(ins, params, S0, True)
     names = [*ins, "S0"]
     g = torch.Generator(device=DEV).manual_seed(seed + 1)
@@ -203,27 +211,68 @@ def _gated_run(ahead, shape, dtype, grad, seed=0):
     return obj.backend, y, S, dict(zip(names, grads))
 
 
-def gated(args):
-    """``--gated`` (module docstring, 3.)."""
+def _row_decay_check(shape, dtype, tiny):
+    """The per-row decay's kernels (one key, c and p per row) against the float64 loop on the same
+    rounded values: errors of the output, final state and every gradient (k, oq, a, c, p, S0); ``tiny``:
+    half the decays below 1e-6, 15 % of those exact zeros."""
+    B, T, H, K, V = shape
+    g = torch.Generator(device=DEV).manual_seed(5)
+    k, _, _, q, c, p, _, _, S0 = longhorn(B, T, H, K, V, dtype, seed=5)
+    a = 0.3 + 0.7 * torch.rand(B, T, H, V, generator=g, device=DEV)
+    if tiny:
+        t = torch.exp(-14 - 50 * torch.rand(B, T, H, V, generator=g, device=DEV))
+        t = torch.where(torch.rand(B, T, H, V, generator=g, device=DEV) < 0.15, torch.zeros_like(t), t)
+        a = torch.where(torch.rand(B, T, H, V, generator=g, device=DEV) < 0.5, t, a)
+    a = a.to(dtype)
+    leaves = [k, q, a, c, p, S0]
+    ref64 = [x.detach().double().requires_grad_() for x in leaves]
+    kk, qq, aa, cc, pp, ss = ref64
+    ones = torch.ones(B, T, H, device=DEV, dtype=torch.float64)
+    y_ref, S_ref = naive_recurrent_rank1_row(kk, kk, kk, qq, aa, cc, pp, ones, torch.zeros_like(cc), ss)
+    dy = torch.randn(y_ref.shape, generator=g, device=DEV, dtype=torch.float64)
+    dS = torch.randn(S_ref.shape, generator=g, device=DEV, dtype=torch.float64)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), ref64)
+    ours = [x.detach().clone().requires_grad_() for x in leaves]
+    ok, oqq, oa, oc_, op, os_ = ours
+    y, S = RC.rank1_row_chunk(ok, ok, ok, oqq, oc_, op, initial_state=os_, output_final_state=True, a=oa)
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), ours)
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{n}": rel(x, r) for n, x, r in zip(("k", "oq", "a", "c", "p", "S0"), got, ref_g)})
+    return errs
+
+
+def decayed(args):
+    """``--decayed`` (module docstring, 3.)."""
     from ssmcraft.bench.classes_commands import measure
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     check = tuple(int(x) for x in args.check_shape.split(","))
     if not args.no_check:
-        b0, y0, S0, g0 = _gated_run(False, check, torch.float32, True)
-        b1, y1, S1, g1 = _gated_run(True, check, torch.float32, True)
-        errs = {"y": rel(y1, y0), "S_T": rel(S1, S0), **{f"d{k}": rel(g1[k], g0[k]) for k in g0}}
-        print(f"check gated_longhorn fp32 {b1} vs {b0}: {fmt(errs)}", flush=True)
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            for tiny in (False, True):
+                errs = _row_decay_check((1, 300, 2, 64, 64), dtype, tiny)
+                print(f"check per-row decay kernels {name} {'tiny' if tiny else 'ordinary'} vs float64: {fmt(errs)}",
+                      flush=True)
+        for spec in DECAYED:
+            for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                b0, y0, S0, g0 = _obj_run(spec, False, check, dtype)
+                b1, y1, S1, g1 = _obj_run(spec, True, check, dtype)
+                errs = {"y": rel(y1, y0), "S_T": rel(S1, S0), **{f"d{k}": rel(g1[k], g0[k]) for k in g0}}
+                print(f"check {spec} {name} {b1} vs {b0}: {fmt(errs)}", flush=True)
     shape = tuple(int(x) for x in args.shape.split(","))
-    RC.DECAY_AHEAD = False
-    rows = [("longhorn (rank1_row_chunk)", "longhorn"), ("gated_longhorn DECAY_AHEAD=False", "gated_longhorn")]
-    res = [measure(label, spec, shape, torch.bfloat16) for label, spec in rows]
-    RC.DECAY_AHEAD = True
-    res.append(measure("gated_longhorn DECAY_AHEAD=True", "gated_longhorn", shape, torch.bfloat16))
-    RC.DECAY_AHEAD = False
+    rows = [("longhorn", "longhorn", None)] + [(f"{spec} {DECAYED[spec]}={ahead}", spec, ahead)
+                                                for spec in DECAYED for ahead in (False, True)]
+    res = []
+    for label, spec, ahead in rows:
+        if spec in DECAYED:
+            setattr(RC, DECAYED[spec], ahead)
+        res.append(measure(label, spec, shape, torch.bfloat16, profile=args.profile))
     print(f"obj() bf16 B,T,H,d,m={shape} (ms, median): fwd  fwd+bwd  x Longhorn's fwd+bwd", flush=True)
     for r in res:
         print(f"{r['spec']:<34} {r['backend']:<34} {r['fwd_ms']:7.3f} {r['fwd_bwd_ms']:7.3f} "
               f"{r['fwd_bwd_ms'] / res[0]['fwd_bwd_ms']:6.2f}", flush=True)
+    for r in res if args.profile else ():
+        print(f"profile {r['spec']} (GPU us per fwd+bwd): " + "; ".join(
+            f"{name[:40]} x{n} {us:.0f}" for name, n, us in r["kernels"][:8]), flush=True)
     return 0
 
 

@@ -33,7 +33,7 @@ def check(errs):
 def test_supports():
     for name in ("longhorn", "deltanet", "gated_longhorn", "gated_deltanet"):
         assert RC.supports(ssmcraft.compile(name).ir) is None, name
-    assert "per row or per key" in RC.supports(ssmcraft.compile("wd_longhorn").ir)
+    assert RC.supports(ssmcraft.compile("wd_longhorn").ir) is None       # per row: test_kernels_rank1_row_chunk_rowdecay
     assert "rank-1" in RC.supports(ssmcraft.compile("longhorn_diag").ir)
 
 
@@ -277,8 +277,8 @@ def test_constant_decay_and_no_grad_path():
     y_ref, S_ref = naive_recurrent_rank1_row(*keys, torch.full((B, T, H), 0.7, dtype=torch.float64),
                                              *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)], S0)
     check({"y": rel(y1, y_ref), "S_T": rel(S1, S_ref)})
-    with pytest.raises(ValueError, match="per head"):
-        RC.rank1_row_chunk(*f, a=torch.full((B, T, H, V), 0.7))
+    with pytest.raises(ValueError, match=r"per head \[B, T, H\] or per row \[B, T, H, V\], got shape \(1, 21\)"):
+        RC.rank1_row_chunk(*f, a=torch.full((B, T), 0.7))
 
 
 @pytest.mark.parametrize("T", [1, 35])

@@ -1,5 +1,5 @@
-"""Chunked identity-minus-rank-1 recurrences with a per-row step, with no decay (Longhorn exact) or a
-per-head one (Gated Longhorn).
+"""Chunked identity-minus-rank-1 recurrences with a per-row step, with no decay (Longhorn exact), a
+per-head one (Gated Longhorn) or a per-row one (wd_longhorn, ``rowdecay.py``).
 
 The recurrence (``ssmcraft.ops.rank1_row``), per state row ``i`` (``s_i`` a row vector over K)::
 
@@ -55,6 +55,11 @@ start state cannot be rebuilt from its end state by dividing by the decays: the 
 step stores every chunk's start state (``hs``, ``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C``
 bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
 
+A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
+log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
+take every product that carries a per-row factor between two tokens one token at a time on the
+``[C, R]`` tiles, and store Z (not D) and every chunk's start state.
+
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
 """
@@ -68,11 +73,13 @@ from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_row.recurrent import supports as rank1_row_supports
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
+from ssmcraft.ops.rank1_row_chunk.rowdecay import (rank1_row_chunk_rowdecay_bwd_kernel,
+                                                   rank1_row_chunk_rowdecay_fwd_kernel)
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
 # Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): measured
-# faster and checked (``benchmarks/bench_rank1_row_chunk.py --gated``, one H200, bf16 B=8 T=2048 H=16
+# faster and checked (``benchmarks/bench_rank1_row_chunk.py --decayed``, one H200, bf16 B=8 T=2048 H=16
 # d=m=64, fwd / fwd+bwd ms through obj(): 0.904 / 3.643 here, 1.061 / 4.765 on rank1_row; the two agree
 # in fp32 to 4.2e-7 over y, S_T and every gradient). Read at dispatch time, so a benchmark may flip it.
 DECAY_AHEAD = True
@@ -83,6 +90,9 @@ DECAY_AHEAD = True
 #   B16 T512 H4 K16 V64:  rank1_row 0.189 / 0.655; this family R32 0.163 / 0.773;
 #   B8 T2048 H16 K64 V64: rank1_row 1.193 / 3.185; this family R32 0.744 / 2.482.
 MIN_KEYS = 64
+# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): off until a GPU
+# timing shows it faster (``bench_rank1_row_chunk.py --decayed``). Read at dispatch time, as DECAY_AHEAD.
+ROW_DECAY_AHEAD = False
 # tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
 # (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
 # at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
@@ -129,6 +139,13 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
     ht = _new((N, H, K, V), dev) if (want_state or training) else None
     d = _new((B, T, H, V), dev) if training else None
     hs = _new((start_slots(B, T, N, C), H, K, V), dev) if training and a is not None else None
+    if a is not None and a.dim() == 4:
+        launch(rank1_row_chunk_rowdecay_fwd_kernel, (N * H, cdiv(V, R)), u, keys[3], a,
+               *[m[2] for m in modes], h0, y, ht, d, hs, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
+               MODES=tuple(m[0] for m in modes), CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None,
+               STORE_HT=ht is not None, STORE_Z=training, PREC=dot_precision(out_dtype), VARLEN=cu is not None,
+               num_warps=nw)
+        return y, ht, d, hs
     launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, *[m[2] for m in modes], h0, y, ht, d, hs, cu,
            T,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
@@ -150,6 +167,8 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
     def row_buf(mode):
         return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
 
+    if a is not None and a.dim() == 4:
+        return _backward_rows(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu)
     single = one_key(keys)
     # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
     dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
@@ -165,6 +184,31 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
     dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     return dkeys, None if da is None else da.sum(0).view(B, T, H), drows, dh0
+
+
+def _backward_rows(keys, a, rows, z, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
+    """``_backward`` with a per-row decay (``rowdecay.py``): one key, ``z`` the forward's Z; the decay's
+    gradient per row [B, T, H, V], whole."""
+    k, oq = keys[0], keys[3]
+    B, T, H, K = k.shape
+    N, V = ht.shape[0], ht.shape[-1]
+    dev = k.device
+    C, R, nw = config(V)
+    NR = cdiv(V, R)
+    modes = [row_mode(x) for x in rows[:3]]
+    drows = [_new((B, T, H, V), dev) if m[0] == 2 else _new((NR, B * T * H), dev) if m[0] == 1 else None
+             for m in modes[:2]]
+    dk, doq = _new((NR, B, T, H, K), dev), _new((NR, B, T, H, K), dev)
+    da = _new((B, T, H, V), dev)
+    dh0 = _new((N, H, K, V), dev) if need_dh0 else None
+    launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), k, oq, a, *[m[2] for m in modes[:2]], z, hs,
+           dy.contiguous(), None if dht is None else dht.float().contiguous(), dk, doq, da, *drows, dh0, cu, T,
+           B * T * H, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+           CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, num_warps=nw)
+    dk, doq = [g.sum(0) if NR > 1 else g[0] for g in (dk, doq)]
+    drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
+    return [dk, None, None, doq], da, drows + [None], dh0
 
 
 class _Rank1RowChunkFunction(torch.autograd.Function):
@@ -204,11 +248,12 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
 def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, output_final_state=False,
                     cu_seqlens=None, out_dtype=None, a=None):
     """``s_t,i = a s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t``, ``y_t,i = oc_i (s_t,i . oq_t) + oh_i``
-    (``rank1_row_recurrence`` with a per-head decay), chunked.
+    (``rank1_row_recurrence`` with a per-head or per-row decay), chunked.
 
     Args:
         u, v, q, oq: ``[B, T, H, K]`` (the same tensor may fill several slots).
-        a: the decay, ``[B, T, H]`` (per head), a float or None (no decay).
+        a: the decay, ``[B, T, H]`` (per head), ``[B, T, H, V]`` (per row: one key, u = v = q, and a
+            constant ``oc``), a float or None (no decay).
         c, p, oc, oh: ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a float (``oh`` may be None).
         initial_state: ``[B, H, K, V]`` (FLA's layout) or None.
         cu_seqlens: offsets ``[N + 1]`` of N sequences packed in one row (B = 1); states are then
@@ -229,8 +274,13 @@ def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, outp
     rows = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in (c, p, oc, oh)]
     if a is not None and not isinstance(a, torch.Tensor):
         a = None if float(a) == 1.0 else torch.full(u.shape[:3], float(a), device=u.device, dtype=torch.float32)
-    if a is not None and a.dim() != 3:
-        raise ValueError(f"rank1_row_chunk: the decay a must be per head [B, T, H], got shape {tuple(a.shape)}")
+    if a is not None and a.dim() == 4:
+        if not one_key(keys) or isinstance(oc, torch.Tensor):
+            raise ValueError("rank1_row_chunk: a per-row decay a [B, T, H, V] takes one key (u, v and q one "
+                             "tensor) and a constant readout scale oc")
+    elif a is not None and a.dim() != 3:
+        raise ValueError(f"rank1_row_chunk: the decay a must be per head [B, T, H] or per row [B, T, H, V], got "
+                         f"shape {tuple(a.shape)}")
     a = None if a is None else a.contiguous()
     return _Rank1RowChunkFunction.apply(*keys, a, *rows, h0, V, io_dtype(out_dtype or u.dtype), output_final_state,
                                         cu_seqlens, N)
@@ -246,13 +296,31 @@ def _decay(ir):
     return None if a is None or (tuple(a.dims) == () and a.expr == 1) else a
 
 
+def _one_key_reason(ir) -> str | None:
+    """Why the keys of ``ir`` are not one tensor in the kernels (u, v and q the same input, u perhaps
+    times a per-head scale, which ``slots.fold_scaled_u`` folds into c), or None."""
+    from ssmcraft.ops.common.slots import bindings
+    b = bindings(ir)
+    v, q, u = b.get("v"), b.get("q"), b.get("u")
+    if v is None or v.kind != "leaf" or q != v or not (u == v or (u.kind == "scaled" and u.leaf == v.leaf)):
+        return "u, v and q are not one key input (u may carry a per-head scale)"
+    return None
+
+
 def supports(ir) -> str | None:
     """None if this family runs ``ir``: what ``rank1_row`` runs (a rank-1 update, step ``c`` and input
     ``p`` per row or per head, one key per slot shared by the rows, the readout ``oc (S oq) + oh``)
-    with no decay or a per-head one; else the reason."""
+    with no decay, a per-head one, or a per-row one where the keys are one input and ``oc`` a
+    constant (``rowdecay.py``); else the reason."""
     a = _decay(ir)
-    if a is not None and tuple(a.dims) != ():
-        return f"a decay per row or per key (a varies over {a.dims}): this family runs a per-head decay only"
+    if a is not None and tuple(a.dims) not in ((), (ir.dims[0],)):
+        return f"a decay per key (a varies over {a.dims}): this family runs a per-head or per-row decay"
+    if a is not None and tuple(a.dims) == (ir.dims[0],):
+        oc = ir.coefficient("oc")
+        why = _one_key_reason(ir) or (None if oc is None or tuple(oc.dims) == () and oc.expr.is_number
+                                      else "the readout scale oc is not a constant")
+        if why is not None:
+            return f"a per-row decay runs with one key and a constant readout scale only: {why}"
     return rank1_row_supports(ir)
 
 
@@ -272,9 +340,12 @@ def supports_inputs(ir, inputs, mode) -> str | None:
 
 def per_row_step(ir) -> bool:
     """Where this family goes ahead of ``rank1_row`` on CUDA: what it supports with a step per row (a
-    per-head step runs on ``rank1_chunk``, which goes ahead of both), with a decay only where
-    ``DECAY_AHEAD``."""
-    return supports(ir) is None and not ir.is_per_head_step() and (DECAY_AHEAD or _decay(ir) is None)
+    per-head step runs on ``rank1_chunk``, which goes ahead of both), with a per-head decay only where
+    ``DECAY_AHEAD``, with a per-row one only where ``ROW_DECAY_AHEAD``."""
+    if supports(ir) is not None or ir.is_per_head_step():
+        return False
+    a = _decay(ir)
+    return a is None or (ROW_DECAY_AHEAD if tuple(a.dims) else DECAY_AHEAD)
 
 
 def forward(obj, lay, co, output_final_state):
@@ -299,7 +370,11 @@ def forward(obj, lay, co, output_final_state):
                  else _per_head(x, B, T, H, x.device))
         rows.append(float(x) if isinstance(x, (int, float)) else x)
     a = co.get("a", 1.0)
-    a = _per_head(a, B, T, H, a.device) if isinstance(a, torch.Tensor) else float(a)
+    if isinstance(a, torch.Tensor):
+        a = (a.expand(B, T, H, d, 1).reshape(B, T, H, d) if tuple(ir.coefficient("a").dims) == (d_dim,)
+             else _per_head(a, B, T, H, a.device))
+    else:
+        a = float(a)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state, a=a)
     return y.to(lay.dtype), (None if ST is None else ST.transpose(-1, -2))
