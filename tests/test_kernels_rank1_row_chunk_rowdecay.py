@@ -199,3 +199,23 @@ def test_packed_tiny_row_decays_equal_separate():
     errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
     errs.update({f"d{n}": rel(x, r) for n, x, r in zip(("k", "oq", "a", "c", "p", "oh", "S0"), got, ref_g)})
     assert_within(errs, TOL)
+
+
+@pytest.mark.parametrize("decay", [None, "head", "row"])
+def test_atomic_key_sums_equal_the_host_sums(decay, monkeypatch):
+    """Two row blocks adding their key gradients into one buffer (``ATOMIC_KEYS``) give the host's sum of
+    their partials bit for bit (0 + x + y is x + y), with no decay, a per-head or a per-row one."""
+    B, T, H, K, V = 1, 37, 2, 8, 20                 # 20 rows in blocks of 16: two row blocks
+    keys, rows, S0 = _general(B, T, H, K, V, ("row", "row", "const", "const"), seed=3)
+    g = torch.Generator().manual_seed(4)
+    a = None if decay is None else _row_decays((B, T, H, V) if decay == "row" else (B, T, H), "ordinary", g).float()
+    k, oq = keys[0].float(), keys[3].float()
+    out = []
+    for atomic in (True, False):
+        monkeypatch.setattr(RC, "ATOMIC_KEYS", atomic)
+        kk, qq = k.clone().requires_grad_(), oq.clone().requires_grad_()
+        y, S = RC.rank1_row_chunk(kk, kk, kk, qq, rows[0].float(), rows[1].float(), initial_state=S0.float(),
+                                  output_final_state=True, a=a)
+        out.append(torch.autograd.grad(y.sum() + S.sum(), [kk, qq]))
+    assert all(torch.equal(x, r) for x, r in zip(*out))
+    assert all(bool(torch.isfinite(x).all()) and bool(x.abs().sum() > 0) for x in out[0])

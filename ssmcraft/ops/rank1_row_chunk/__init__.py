@@ -13,4 +13,4 @@ FAMILY = KernelFamily(name="rank1_row_chunk", backend=chunk.BACKEND_NAME, module
                       # the dispatch's checks (rank1_row's supports among them) stay in ssmcraft: an exported
                       # module runs the family it was exported with
                       export_exclude=frozenset({"prepare", "supports", "supports_inputs", "supports_sizes",
-                                                 "per_row_step", "_decay"}))
+                                                 "_one_key_reason", "per_row_step", "_decay"}))

@@ -97,6 +97,10 @@ ROW_DECAY_AHEAD = False
 # (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
 # at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
 # process. 16 x 32 spills ~210 bytes in the backward (``benchmarks/compile_sm90.py --regs``), 16 x 16 none
+# The backward's key gradients: True, every row block of a head adds into one [B, T, H, K] fp32 buffer
+# (atomics in L2; with two row blocks, 0 + x + y, the same sum in either order); False, each stores
+# its partial [NR, B, T, H, K] and the host sums them (one more pass over NR times the gradients).
+ATOMIC_KEYS = True
 CHUNK = 16            # tokens per chunk (16 or 32)
 ROWS = 32             # state rows per program (16, 32 or 64)
 NUM_WARPS = 4
@@ -155,6 +159,22 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
     return y, ht, d, hs
 
 
+def atomic_keys(NR: int) -> bool:
+    """Whether the backward's row blocks add their key gradients into one buffer (``ATOMIC_KEYS``)."""
+    return ATOMIC_KEYS and NR > 1
+
+
+def key_grad(B, T, H, K, NR, atomic, dev):
+    """A key gradient's buffer: [B, T, H, K] zeros the row blocks add into (``atomic``), else one
+    partial per row block [NR, B, T, H, K]."""
+    return torch.zeros((B, T, H, K), device=dev) if atomic else _new((NR, B, T, H, K), dev)
+
+
+def key_sum(g, atomic):
+    """The key gradient [B, T, H, K] from ``key_grad``'s buffer after the backward."""
+    return g if atomic else g.sum(0) if g.shape[0] > 1 else g[0]
+
+
 def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
     u = keys[0]
     B, T, H, K = u.shape
@@ -171,7 +191,8 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
         return _backward_rows(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu)
     single = one_key(keys)
     # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
-    dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
+    atomic = atomic_keys(NR)
+    dkeys = [None if single and slot in ("v", "q") else key_grad(B, T, H, K, NR, atomic, dev) for slot in KEY_SLOTS]
     drows = [row_buf(m[0]) for m in modes]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
     da = None if a is None else _new((NR, B * T * H), dev)
@@ -180,8 +201,9 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
            B * T * H,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, HAS_A=a is not None, num_warps=nw)
-    dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, HAS_A=a is not None, ATOMIC=atomic,
+           num_warps=nw)
+    dkeys = [None if g is None else key_sum(g, atomic) for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     return dkeys, None if da is None else da.sum(0).view(B, T, H), drows, dh0
 
@@ -198,15 +220,16 @@ def _backward_rows(keys, a, rows, z, ht, hs, dy, dht, need_dh0, out_dtype, cu=No
     modes = [row_mode(x) for x in rows[:3]]
     drows = [_new((B, T, H, V), dev) if m[0] == 2 else _new((NR, B * T * H), dev) if m[0] == 1 else None
              for m in modes[:2]]
-    dk, doq = _new((NR, B, T, H, K), dev), _new((NR, B, T, H, K), dev)
+    atomic = atomic_keys(NR)
+    dk, doq = key_grad(B, T, H, K, NR, atomic, dev), key_grad(B, T, H, K, NR, atomic, dev)
     da = _new((B, T, H, V), dev)
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
     launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), k, oq, a, *[m[2] for m in modes[:2]], z, hs,
            dy.contiguous(), None if dht is None else dht.float().contiguous(), dk, doq, da, *drows, dh0, cu, T,
            B * T * H, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, num_warps=nw)
-    dk, doq = [g.sum(0) if NR > 1 else g[0] for g in (dk, doq)]
+           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ATOMIC=atomic, num_warps=nw)
+    dk, doq = key_sum(dk, atomic), key_sum(doq, atomic)
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     return [dk, None, None, doq], da, drows + [None], dh0
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import decay_after, decay_before, log_decay, pair_decay_grad, state_block, state_or_zero
+from ssmcraft.ops.rank1_row.bwd import put
 
 
 @triton.jit
@@ -223,7 +224,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                                cu, T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
-                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr):
+                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr,
+                               ATOMIC: tl.constexpr):
     """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
     end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it; ``HAS_A``: read
     from the forward's hs, as the decays cannot be divided out). Writes this row block's slice of
@@ -237,7 +239,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
     if not HAS_A:
         b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    key_base = i_r.to(tl.int64) * NTOK * K
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
     NC = tl.cdiv(T_s, C)
     for j_c in range(0, NC):
         t0 = (NC - 1 - j_c) * C
@@ -308,7 +310,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                     + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
             b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), tl.trans(b_h0), input_precision=PREC)
                      + tl.dot(b_dL, b_u, input_precision=PREC))
-            tl.store(du + p_tk, b_du, mask=m_tk)
+            put(du + p_tk, b_du, m_tk, ATOMIC)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
             b_q = key_tile(q, rows, o_k, m_t, m_k, K)
@@ -370,10 +372,10 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                     + tl.dot(decayed(b_p, b_ebar, HAS_A), b_dht, input_precision=PREC))
             b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), b_h0t, input_precision=PREC)
                      + tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC))
-            tl.store(du + p_tk, b_du, mask=m_tk)
-            tl.store(dv + p_tk, b_dv, mask=m_tk)
-            tl.store(dq + p_tk, b_dq, mask=m_tk)
-        tl.store(doq + p_tk, b_doq, mask=m_tk)
+            put(du + p_tk, b_du, m_tk, ATOMIC)
+            put(dv + p_tk, b_dv, m_tk, ATOMIC)
+            put(dq + p_tk, b_dq, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
         # adjoint of the chunk's start state: the end state's, the substitution's right side, the outputs
         b_dh = (decayed(b_dh, b_egl, HAS_A) + tl.dot(tl.trans(b_u), decayed(b_w, b_egp, HAS_A), input_precision=PREC)
                 + tl.dot(tl.trans(b_oq), decayed(b_do, b_eg, HAS_A), input_precision=PREC))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import log_decay, state_block, state_or_zero
-from ssmcraft.ops.rank1_row_chunk.kernels import chunk_masks, key_tile, program, row_tile, start_slot, store_rows
+from ssmcraft.ops.rank1_row_chunk.kernels import chunk_masks, key_tile, program, put, row_tile, start_slot, store_rows
 
 
 @triton.jit
@@ -127,7 +127,8 @@ def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq,
                                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                         R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
                                         CONSTS: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                                        PREC: tl.constexpr, VARLEN: tl.constexpr):
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr,
+                                        ATOMIC: tl.constexpr):
     """Reverse over chunks, each from its stored start state and Z. Writes this row block's slice of dk
     and doq [NR, B, T, H, K], da [B, T, H, V] (per row: whole), the row coefficients' gradients
     (``kernels.store_rows``) and dh0 [N, H, K, V]."""
@@ -135,7 +136,7 @@ def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq,
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    key_base = i_r.to(tl.int64) * NTOK * K
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
     NC = tl.cdiv(T_s, C)
     for j_c in range(0, NC):
         t0 = (NC - 1 - j_c) * C
@@ -199,8 +200,8 @@ def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq,
                                                                               input_precision=PREC)
         p_tk = key_base + rows[:, None] * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        tl.store(dk + p_tk, b_dk, mask=m_tk)
-        tl.store(doq + p_tk, b_doq, mask=m_tk)
+        put(dk + p_tk, b_dk, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
         b_dh = (b_dh * tl.exp(b_gl)[None, :] + tl.dot(tl.trans(b_u), b_duh, input_precision=PREC)
                 + tl.dot(tl.trans(b_oq), b_dohh, input_precision=PREC))
     if STORE_DH0:
