@@ -19,8 +19,9 @@ one process:
    Gated Longhorn (a per-head decay) and wd_longhorn (a per-row one) through ``obj()`` in one process, on
    rank1_row and on this family (``DECAYED``: each one's switch, ``DECAY_AHEAD`` / ``ROW_DECAY_AHEAD``),
    each timed in bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd; ``--profile``: its
-   kernels' GPU time) beside Longhorn (no decay, this family; with ``ATOMIC_KEYS`` off too) for the ratio
-   to Longhorn. What decides the two switches.
+   kernels' GPU time) beside Longhorn (no decay, this family) for the ratio to Longhorn, and Gated
+   Longhorn with its u's factor folded into c on the host (``SCALE_IN_KERNEL`` off). What decides the
+   switches.
 """
 from __future__ import annotations
 
@@ -243,6 +244,7 @@ def decayed(args):
     rows = [("longhorn", "longhorn", {})]
     for spec in DECAYED:
         rows += [(f"{spec} {DECAYED[spec]}={ahead}", spec, {DECAYED[spec]: ahead}) for ahead in (False, True)]
+    rows.append(("gated_longhorn SCALE_IN_KERNEL=False", "gated_longhorn", {"SCALE_IN_KERNEL": False}))
     for tiles in filter(None, args.decay_tiles.split(",")):
         C, Rw = (int(x) for x in tiles.split("x"))
         rows += [(f"{spec} C{C} R{Rw}", spec, {DECAYED[spec]: True, "CHUNK": C, "ROWS": Rw}) for spec in DECAYED]

@@ -245,6 +245,15 @@ def test_decay_matches_reference(T, C, R, V, modes, one_key, decay, monkeypatch)
     monkeypatch.setattr(RC, "ROWS", R)
     B, H, K = 2, 2, 8
     keys, a, rows, S0 = _decay_case(B, T, H, K, V, modes, one_key, decay, seed=T + 3 * one_key)
+    check(decay_errors(keys, a, rows, S0))
+
+
+def decay_errors(keys, a, rows, S0):
+    """Relative errors of the family in fp32 on float64 leaves (keys [B, T, H, K], a decay, rows as
+    ``_general`` gives them, S0 [B, H, K, V]) against the float64 recurrence on them: output, final state
+    and every distinct leaf's gradient (``d0``... in order of first use; ``da`` the decay's)."""
+    B, T, H, _ = keys[0].shape
+    V = S0.shape[-1]
     leaves = list({id(x): x for x in (*keys, a, *rows, S0) if isinstance(x, torch.Tensor)}.values())
     for x in leaves:
         x.requires_grad_()
@@ -261,7 +270,7 @@ def test_decay_matches_reference(T, C, R, V, modes, one_key, decay, monkeypatch)
     errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
     errs.update({f"d{i}": rel(x, r) for i, (x, r) in enumerate(zip(got, ref_g))})
     errs["da"] = errs[f"d{[id(x) for x in leaves].index(id(a))}"]
-    check(errs)
+    return errs
 
 
 def test_constant_decay_and_no_grad_path():
@@ -295,6 +304,7 @@ def test_gated_longhorn_through_obj(T, monkeypatch):
     ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 20, 8, seed=T)
     cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
     assert calls[0][0] is calls[0][1] is calls[0][2] and calls[0][4] is not None
+    assert calls[0][-1] is not None and calls[0][-1].shape == (2, T, 2)     # alpha of u = alpha k: c's factor
     assert obj.backend == "triton-interpret:rank1-row-chunk+prologue"
     assert cmp.written, cmp.errors
     assert {"dk", "dx", "dbeta", "dalpha", "dq", "dS0", "S_T"} <= set(cmp.errors), cmp.errors
@@ -326,3 +336,36 @@ def test_packed_decay_equals_separate(decay, monkeypatch):
     assert obj.backend == "triton-interpret:rank1-row-chunk+prologue+packed"
     assert {"dk", "dx", "dbeta", "dalpha", "dS0", "S_T"} <= set(errs), errs
     check(errs)
+
+
+@pytest.mark.parametrize("c_mode,one_key,decay", [("row", True, True), ("head", False, True), ("const", True, False),
+                                                  ("row", False, False)])
+def test_c_scale_equals_the_product(c_mode, one_key, decay):
+    """``c_scale`` (a per-head factor of c formed in the kernels) against c times it formed by autograd on
+    the host: output, final state and every gradient, the factor's own included (c per row, per head or
+    a constant; one key or three; with a per-head decay or none); over two row blocks, a cut chunk."""
+    B, T, H, K, V = 2, 23, 2, 8, 20
+    keys, rows, S0 = _general(B, T, H, K, V, (c_mode, "row", "const", "const"), seed=7)
+    if one_key:
+        keys = [keys[0]] * 3 + keys[3:]
+    g = torch.Generator().manual_seed(8)
+    s = (0.2 + 0.8 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
+    a = (0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64)).float() if decay else None
+    dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    out = []
+    for in_kernel in (True, False):
+        leaves = {id(x): x.detach().float().requires_grad_() for x in (*keys, s, S0, *rows) if isinstance(x, torch.Tensor)}
+        f = lambda x: leaves[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
+        c = f(rows[0])
+        if in_kernel:
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], c, f(rows[1]), initial_state=f(S0), output_final_state=True,
+                                      a=a, c_scale=f(s))
+        else:
+            cs = c * (f(s)[..., None] if isinstance(c, torch.Tensor) and c.dim() == 4 else f(s))
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], cs, f(rows[1]), initial_state=f(S0), output_final_state=True,
+                                      a=a)
+        grads = torch.autograd.grad((y.double() * dy).sum() + S.double().sum(), list(leaves.values()))
+        out.append((y, S, *grads))
+    errs = {f"out{i}": rel(x, r) for i, (x, r) in enumerate(zip(*out))}
+    assert_within({"y": errs.pop("out0"), "S_T": errs.pop("out1"), **{f"d{k}": v for k, v in errs.items()}},
+                  {"y": 1e-6, "S_T": 1e-6, "grad": 1e-6})

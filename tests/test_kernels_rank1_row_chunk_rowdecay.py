@@ -15,7 +15,7 @@ from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
 from ssmcraft.ops.rank1_row_chunk import chunk as RC  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
-from test_kernels_rank1_row_chunk import TOL, _as_ref, _general, _only_this_family  # noqa: E402
+from test_kernels_rank1_row_chunk import TOL, _as_ref, _general, _only_this_family, decay_errors  # noqa: E402
 
 # a held-out composition: a decay per value channel (one per row of S), Longhorn's implicit step
 CHANNEL = {"proximity": "channel_decay", "data": "regression", "step": "per_channel", "update": "implicit"}
@@ -63,22 +63,7 @@ def test_row_decay_matches_reference(T, C, R, V, modes, decay, monkeypatch):
     keys, rows, S0 = _general(B, T, H, K, V, modes, seed=T)
     keys = [keys[0]] * 3 + keys[3:]
     a = _row_decays((B, T, H, V), decay, torch.Generator().manual_seed(T + 1))
-    leaves = list({id(x): x for x in (*keys, a, *rows, S0) if isinstance(x, torch.Tensor)}.values())
-    for x in leaves:
-        x.requires_grad_()
-    f32 = {id(x): x.detach().float().requires_grad_() for x in leaves}
-    ours = lambda x: f32[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
-    y_ref, S_ref = naive_recurrent_rank1_row(*keys, a, *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)],
-                                             S0)
-    dy, dS = torch.randn_like(y_ref), torch.randn_like(S_ref)
-    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), leaves)
-    assert all(bool(torch.isfinite(x).all()) for x in ref_g)
-    y, S = RC.rank1_row_chunk(*[ours(x) for x in keys], *[ours(x) for x in rows], initial_state=ours(S0),
-                              output_final_state=True, a=ours(a))
-    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), [f32[id(x)] for x in leaves])
-    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
-    errs.update({f"d{i}": rel(x, r) for i, (x, r) in enumerate(zip(got, ref_g))})
-    errs["da"] = errs[f"d{[id(x) for x in leaves].index(id(a))}"]
+    errs = decay_errors(keys, a, rows, S0)
     assert_within(errs, TOL)
 
 

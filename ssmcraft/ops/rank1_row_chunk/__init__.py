@@ -1,8 +1,9 @@
 """Family ``rank1_row_chunk``: identity-minus-rank-1 recurrences with a per-row step and no decay
-(Longhorn exact) or a per-head one (Gated Longhorn), chunked: per chunk of tokens one shared-matrix
-triangular system per state row, its products on tensor cores (``chunk.py``). Its float64 reference
-is ``rank1_row``'s ``naive.py``. On CUDA it goes ahead of ``rank1_row`` (with a decay where
-``chunk.DECAY_AHEAD``) for keys of ``chunk.MIN_KEYS`` or more, where it was measured faster."""
+(Longhorn exact), a per-head one (Gated Longhorn) or a per-row one (wd_longhorn; ``rowdecay.py``),
+chunked: per chunk of tokens one shared-matrix triangular system per state row, its products on tensor
+cores (``chunk.py``). Its float64 reference is ``rank1_row``'s ``naive.py``. On CUDA it goes ahead of
+``rank1_row`` (with a per-head decay where ``chunk.DECAY_AHEAD``, a per-row one where
+``chunk.ROW_DECAY_AHEAD``) for keys of ``chunk.MIN_KEYS`` or more, where it was measured faster."""
 from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.rank1_row_chunk import chunk
 
