@@ -186,7 +186,7 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     folders = []
     # Longhorn's chunked family runs keys of rank1_row_chunk.MIN_KEYS or more; with 4, rank1_row
     families = {"longhorn": "rank1_row_chunk", "wd_longhorn": "rank1_row", "deltanet": "rank1_chunk",
-                "gla": "keydecay_chunk", "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: generated kernels
+                "gla": "keydecay_chunk", "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: generated
     for name, family in families.items():
         result = export_model(tiny_lm(compiled, name, heads=2, state_size=64 if name == "longhorn" else 4),
                               tmp_path / name, source(tmp_path), check=False)

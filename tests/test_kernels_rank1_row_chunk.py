@@ -33,7 +33,7 @@ def check(errs):
 def test_supports():
     for name in ("longhorn", "deltanet", "gated_longhorn", "gated_deltanet"):
         assert RC.supports(ssmcraft.compile(name).ir) is None, name
-    assert RC.supports(ssmcraft.compile("wd_longhorn").ir) is None       # per row: test_kernels_rank1_row_chunk_rowdecay
+    assert RC.supports(ssmcraft.compile("wd_longhorn").ir) is None       # per row: its own test file
     assert "rank-1" in RC.supports(ssmcraft.compile("longhorn_diag").ir)
 
 
@@ -354,16 +354,17 @@ def test_c_scale_equals_the_product(c_mode, one_key, decay):
     dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
     out = []
     for in_kernel in (True, False):
-        leaves = {id(x): x.detach().float().requires_grad_() for x in (*keys, s, S0, *rows) if isinstance(x, torch.Tensor)}
+        leaves = {id(x): x.detach().float().requires_grad_() for x in (*keys, s, S0, *rows)
+                  if isinstance(x, torch.Tensor)}
         f = lambda x: leaves[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
         c = f(rows[0])
         if in_kernel:
-            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], c, f(rows[1]), initial_state=f(S0), output_final_state=True,
-                                      a=a, c_scale=f(s))
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], c, f(rows[1]), initial_state=f(S0),
+                                      output_final_state=True, a=a, c_scale=f(s))
         else:
             cs = c * (f(s)[..., None] if isinstance(c, torch.Tensor) and c.dim() == 4 else f(s))
-            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], cs, f(rows[1]), initial_state=f(S0), output_final_state=True,
-                                      a=a)
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], cs, f(rows[1]), initial_state=f(S0),
+                                      output_final_state=True, a=a)
         grads = torch.autograd.grad((y.double() * dy).sum() + S.double().sum(), list(leaves.values()))
         out.append((y, S, *grads))
     errs = {f"out{i}": rel(x, r) for i, (x, r) in enumerate(zip(*out))}

@@ -139,8 +139,9 @@ def start_slots(B, T, N, C):
 
 
 def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None, cs=None):
-    """keys (u, v, q, oq) [B, T, H, K]; a [B, T, H] or None (no decay); rows (c, p, oc, oh) per
-    ``slots.row_mode``; cs: a per-head factor of c [B, T, H] or None; h0 [N, H, K, V] fp32 contiguous or None. Returns y [B, T, H, V], the final state
+    """keys (u, v, q, oq) [B, T, H, K]; a [B, T, H], [B, T, H, V] or None (no decay); rows (c, p, oc, oh)
+    per ``slots.row_mode``; cs: a per-head factor of c [B, T, H] or None; h0 [N, H, K, V] fp32 contiguous
+    or None. Returns y [B, T, H, V], the final state
     [N, H, K, V] fp32 (with ``want_state`` or ``training``), and, when ``training``, D = c o z
     [B, T, H, V] fp32 and with a decay the chunk-start states [NS, H, K, V] fp32 (else None)."""
     u = keys[0]
@@ -186,7 +187,9 @@ def key_sum(g, atomic):
 
 
 def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None):
-    """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H]."""
+    """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H].
+    With a per-row decay (``rowdecay.py``): one key, ``d`` the forward's Z, the decay's gradient per row
+    [B, T, H, V], whole."""
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -194,58 +197,33 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
     C, R, nw = config(V)
     NR = cdiv(V, R)
     modes = [row_mode(x) for x in rows[:3]]
-
-    def row_buf(mode):
-        return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
-
-    if a is not None and a.dim() == 4:
-        return (*_backward_rows(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu), None)
+    per_row = a is not None and a.dim() == 4
     single = one_key(keys)
     # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
     atomic = atomic_keys(NR)
     dkeys = [None if single and slot in ("v", "q") else key_grad(B, T, H, K, NR, atomic, dev) for slot in KEY_SLOTS]
-    drows = [row_buf(m[0]) for m in modes]
+    # the row coefficients' gradients; no readout scale's with a per-row decay (a constant there)
+    drows = [_new((B, T, H, V), dev) if m[0] == 2 else _new((NR, B * T * H), dev) if m[0] == 1 else None
+             for m in modes[:2 if per_row else 3]]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
-    da = None if a is None else _new((NR, B * T * H), dev)
+    da = None if a is None else _new((B, T, H, V) if per_row else (NR, B * T * H), dev)
     dcs = None if cs is None else _new((NR, B * T * H), dev)
     c, p, oc = (m[2] for m in modes)
-    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(),
-           None if dht is None else dht.float().contiguous(), *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T,
-           B * T * H,
-           H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-           CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, HAS_A=a is not None,
-           HAS_CS=cs is not None, ATOMIC=atomic, num_warps=nw)
+    common = dict(H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+                  CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+                  PREC=dot_precision(out_dtype), VARLEN=cu is not None, ATOMIC=atomic, num_warps=nw)
+    dht = None if dht is None else dht.float().contiguous()
+    if per_row:
+        launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy.contiguous(), dht,
+               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, **common)
+    else:
+        launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
+               *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
+               HAS_A=a is not None, HAS_CS=cs is not None, **common)
     dkeys = [None if g is None else key_sum(g, atomic) for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
-    heads = [None if g is None else g.sum(0).view(B, T, H) for g in (da, dcs)]
-    return dkeys, heads[0], drows, dh0, heads[1]
-
-
-def _backward_rows(keys, a, rows, z, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
-    """``_backward`` with a per-row decay (``rowdecay.py``): one key, ``z`` the forward's Z; the decay's
-    gradient per row [B, T, H, V], whole."""
-    k, oq = keys[0], keys[3]
-    B, T, H, K = k.shape
-    N, V = ht.shape[0], ht.shape[-1]
-    dev = k.device
-    C, R, nw = config(V)
-    NR = cdiv(V, R)
-    modes = [row_mode(x) for x in rows[:3]]
-    drows = [_new((B, T, H, V), dev) if m[0] == 2 else _new((NR, B * T * H), dev) if m[0] == 1 else None
-             for m in modes[:2]]
-    atomic = atomic_keys(NR)
-    dk, doq = key_grad(B, T, H, K, NR, atomic, dev), key_grad(B, T, H, K, NR, atomic, dev)
-    da = _new((B, T, H, V), dev)
-    dh0 = _new((N, H, K, V), dev) if need_dh0 else None
-    launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), k, oq, a, *[m[2] for m in modes[:2]], z, hs,
-           dy.contiguous(), None if dht is None else dht.float().contiguous(), dk, doq, da, *drows, dh0, cu, T,
-           B * T * H, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-           CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ATOMIC=atomic, num_warps=nw)
-    dk, doq = key_sum(dk, atomic), key_sum(doq, atomic)
-    drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
-    return [dk, None, None, doq], da, drows + [None], dh0
+    heads = [None if g is None or g.dim() == 4 else g.sum(0).view(B, T, H) for g in (da, dcs)]
+    return dkeys, da if per_row else heads[0], drows + [None] * (3 - len(drows)), dh0, heads[1]
 
 
 class _Rank1RowChunkFunction(torch.autograd.Function):

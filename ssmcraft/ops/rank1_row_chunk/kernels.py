@@ -92,6 +92,15 @@ def program(cu, T, H: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H: tl.constexpr, V: tl.constexpr):
+    """The chunk of tokens from ``t0`` of a sequence (first row ``bos``, length ``T_s``): its token mask
+    ``m_t`` [C], rows ``(bos + t) * H + h`` [C], and the mask and offsets of its [C, R] row tiles."""
+    m_t = t0 + o_c < T_s
+    rows = (bos + t0 + o_c) * H + i_h
+    return m_t, rows, m_t[:, None] & m_v[None, :], rows[:, None] * V + o_v[None, :]
+
+
+@triton.jit
 def chunk_masks(C: tl.constexpr):
     """Token offsets of a chunk and its [C, C] masks over (t, tau): tau < t, and tau <= t."""
     o_c = tl.arange(0, C)
@@ -272,10 +281,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
     NC = tl.cdiv(T_s, C)
     for j_c in range(0, NC):
         t0 = (NC - 1 - j_c) * C
-        m_t = t0 + o_c < T_s
-        rows = (bos + t0 + o_c) * H + i_h
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = rows[:, None] * V + o_v[None, :]
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import log_decay, state_block, state_or_zero
-from ssmcraft.ops.rank1_row_chunk.kernels import chunk_masks, key_tile, program, put, row_tile, start_slot, store_rows
+from ssmcraft.ops.rank1_row_chunk.kernels import (chunk_at, chunk_masks, key_tile, program, put, row_tile,
+                                                  start_slot, store_rows)
 
 
 @triton.jit
@@ -92,8 +93,7 @@ def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs
     o_c, strict, incl = chunk_masks(C)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, R)
     for t0 in range(0, T_s, C):
-        m_t = t0 + o_c < T_s
-        rows = (bos + t0 + o_c) * H + i_h
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
         if STORE_Z:
             tl.store(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, b_h, mask=m_kv)
         b_u = key_tile(k, rows, o_k, m_t, m_k, K)
@@ -113,8 +113,6 @@ def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs
         b_o = b_o * CONSTS[2]
         if MODES[3] != 0 or CONSTS[3] != 0.0:
             b_o += row_tile(oh, CONSTS[3], MODES[3], rows, o_v, m_t, m_v, V, C, R)
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = rows[:, None] * V + o_v[None, :]
         tl.store(y + p_tv, b_o.to(y.dtype.element_ty), mask=m_tv)
         if STORE_Z:
             tl.store(z + p_tv, b_uh + b_ae, mask=m_tv)
@@ -140,10 +138,7 @@ def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq,
     NC = tl.cdiv(T_s, C)
     for j_c in range(0, NC):
         t0 = (NC - 1 - j_c) * C
-        m_t = t0 + o_c < T_s
-        rows = (bos + t0 + o_c) * H + i_h
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = rows[:, None] * V + o_v[None, :]
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
         b_h0 = tl.load(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, mask=m_kv, other=0.)
         b_u = key_tile(k, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
