@@ -3,7 +3,7 @@ beside the per-token one (``rank1_row``) and the chunked per-head one (``rank1_c
 one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--gated]
+        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--no-anchor] [--decayed [--profile]]
 
 1. Correctness (``--check``, default on): Longhorn exact's recurrence (u = v = q = k, c and p per row)
    and the general slot form (distinct keys, per-row oc and oh) at B=2, T=1000 (the last chunk cut to
@@ -14,12 +14,14 @@ one process:
    alone (c and p given, as the objectives' prologue hands them over): forward, and forward+backward
    (every input's gradient, none of the state's), for rank1_row and each (C, R, num_warps) config of
    the chunked family; FLA-style DeltaNet (per-head step) on rank1_chunk as the anchor.
-3. ``--gated``: Gated Longhorn (a per-head decay) through ``obj()`` both ways in one process: on
-   rank1_row (the default dispatch) and on this family (``chunk.DECAY_AHEAD = True``): first the two
-   checked against each other in fp32 at ``--check-shape`` (output, final state, every input's and the
-   initial state's gradient; rank1_row is checked against float64 by its own tests), then each timed in
-   bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd) beside Longhorn (no decay,
-   this family) for the ratio to Longhorn. What decides ``DECAY_AHEAD``.
+3. ``--decayed``: the decayed kernels (one key; the decay per row, then per head) against the float64
+   loop at B=1 T=320 and ``--shape``'s H, K, V, fp32 and bf16, ordinary and tiny/zero decays; then
+   Gated Longhorn (a per-head decay) and wd_longhorn (a per-row one) through ``obj()`` in one process, on
+   rank1_row and on this family (``DECAYED``: each one's switch, ``DECAY_AHEAD`` / ``ROW_DECAY_AHEAD``),
+   each timed in bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd; ``--profile``: its
+   kernels' GPU time) beside Longhorn (no decay, this family) for the ratio to Longhorn, and Gated
+   Longhorn with its u's factor folded into c on the host (``SCALE_IN_KERNEL`` off). What decides the
+   switches.
 """
 from __future__ import annotations
 
@@ -142,11 +144,15 @@ def main(argv=None):
     ap.add_argument("--check-configs", type=int, default=2, help="how many of the configs Longhorn's check runs "
                     "(the general form runs the first)")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--gated", action="store_true", help="Gated Longhorn through obj() on rank1_row and on this "
-                    "family (DECAY_AHEAD), checked against each other and timed (only this)")
+    ap.add_argument("--no-anchor", action="store_true", help="time no DeltaNet anchor")
+    ap.add_argument("--decayed", action="store_true", help="the decayed kernels against float64, then Gated "
+                    "Longhorn and wd_longhorn through obj() on rank1_row and on this family (DECAYED), timed (only this)")
+    ap.add_argument("--profile", action="store_true", help="with --decayed: each row's kernels, GPU time")
+    ap.add_argument("--decay-tiles", default="", help="with --decayed: the decayed objectives on this family at "
+                    "these tiles too (CxR,...)")
     args = ap.parse_args(argv)
-    if args.gated:
-        return gated(args)
+    if args.decayed:
+        return decayed(args)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     print(torch.cuda.get_device_name() if DEV == "cuda" else DEV, "triton", triton.__version__, flush=True)
     if not args.no_check:
@@ -175,6 +181,8 @@ def main(argv=None):
             print(f"rank1_row_chunk C{C} R{Rw} w{W:<2}       {f:7.3f} {fb:7.3f}", flush=True)
         except Exception as ex:  # noqa: BLE001 - as above
             print(f"rank1_row_chunk C{C} R{Rw} w{W:<2}       FAILED: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+    if args.no_anchor:
+        return
     k, _, _, q, _, _, _, _, S0 = xs
     g = torch.Generator(device=DEV).manual_seed(3)
     x = torch.randn(B, T, H, V, generator=g, device=DEV).to(torch.bfloat16)
@@ -184,46 +192,77 @@ def main(argv=None):
     print(f"rank1_chunk DeltaNet (anchor)  {f:7.3f} {fb:7.3f}", flush=True)
 
 
-def _gated_run(ahead, shape, dtype, grad, seed=0):
-    """Gated Longhorn through ``obj()`` on CUDA with ``DECAY_AHEAD = ahead``: (backend, y, S_T, grads of
-    every input and of the initial state, the leaves' names) with ``grad``, else (backend, None...)."""
-    import ssmcraft
-    from ssmcraft.bench.run import random_inputs, random_state
-    RC.DECAY_AHEAD = ahead
-    B, T, H, d, m = shape
-    obj = ssmcraft.compile("gated_longhorn")
-    ins, params = random_inputs(obj, B, T, H, d, m, dtype, torch.device(DEV), seed=seed, requires_grad=grad)
-    S0 = random_state(obj, B, H, d, m, torch.device(DEV), requires_grad=grad)
-    y, S = obj(ins, params, S0, True)
-    names = [*ins, "S0"]
-    g = torch.Generator(device=DEV).manual_seed(seed + 1)
-    dy = torch.randn(y.shape, generator=g, device=DEV)
-    dS = torch.randn(S.shape, generator=g, device=DEV)
-    grads = torch.autograd.grad((y.float() * dy).sum() + (S.float() * dS).sum(), [*ins.values(), S0])
-    return obj.backend, y, S, dict(zip(names, grads))
+# the objectives with a decay and the switch that puts each on this family on CUDA
+DECAYED = {"gated_longhorn": "DECAY_AHEAD", "wd_longhorn": "ROW_DECAY_AHEAD"}
 
 
-def gated(args):
-    """``--gated`` (module docstring, 3.)."""
+def _decay_check(shape, dtype, tiny, per_row):
+    """The decayed kernels (one key, c and p per row; the decay per row, else per head) against the
+    float64 loop on the same rounded values: errors of the output, final state and every gradient (k, oq,
+    a, c, p, S0); ``tiny``: half the decays below 1e-6, 15 % of those exact zeros."""
+    B, T, H, K, V = shape
+    g = torch.Generator(device=DEV).manual_seed(5)
+    k, _, _, q, c, p, _, _, S0 = longhorn(B, T, H, K, V, dtype, seed=5)
+    dims = (B, T, H, V) if per_row else (B, T, H)
+    a = 0.3 + 0.7 * torch.rand(dims, generator=g, device=DEV)
+    if tiny:
+        t = torch.exp(-14 - 50 * torch.rand(dims, generator=g, device=DEV))
+        t = torch.where(torch.rand(dims, generator=g, device=DEV) < 0.15, torch.zeros_like(t), t)
+        a = torch.where(torch.rand(dims, generator=g, device=DEV) < 0.5, t, a)
+    a = a.to(dtype)
+    leaves = [k, q, a, c, p, S0]
+    ref64 = [x.detach().double().requires_grad_() for x in leaves]
+    kk, qq, aa, cc, pp, ss = ref64
+    ones = torch.ones(B, T, H, device=DEV, dtype=torch.float64)
+    y_ref, S_ref = naive_recurrent_rank1_row(kk, kk, kk, qq, aa, cc, pp, ones, torch.zeros_like(cc), ss)
+    dy = torch.randn(y_ref.shape, generator=g, device=DEV, dtype=torch.float64)
+    dS = torch.randn(S_ref.shape, generator=g, device=DEV, dtype=torch.float64)
+    ref_g = torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), ref64)
+    ours = [x.detach().clone().requires_grad_() for x in leaves]
+    ok, oqq, oa, oc_, op, os_ = ours
+    y, S = RC.rank1_row_chunk(ok, ok, ok, oqq, oc_, op, initial_state=os_, output_final_state=True, a=oa)
+    got = torch.autograd.grad((y.double() * dy).sum() + (S.double() * dS).sum(), ours)
+    errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
+    errs.update({f"d{n}": rel(x, r) for n, x, r in zip(("k", "oq", "a", "c", "p", "S0"), got, ref_g)})
+    return errs
+
+
+def decayed(args):
+    """``--decayed`` (module docstring, 3.)."""
     from ssmcraft.bench.classes_commands import measure
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    check = tuple(int(x) for x in args.check_shape.split(","))
-    if not args.no_check:
-        b0, y0, S0, g0 = _gated_run(False, check, torch.float32, True)
-        b1, y1, S1, g1 = _gated_run(True, check, torch.float32, True)
-        errs = {"y": rel(y1, y0), "S_T": rel(S1, S0), **{f"d{k}": rel(g1[k], g0[k]) for k in g0}}
-        print(f"check gated_longhorn fp32 {b1} vs {b0}: {fmt(errs)}", flush=True)
     shape = tuple(int(x) for x in args.shape.split(","))
-    RC.DECAY_AHEAD = False
-    rows = [("longhorn (rank1_row_chunk)", "longhorn"), ("gated_longhorn DECAY_AHEAD=False", "gated_longhorn")]
-    res = [measure(label, spec, shape, torch.bfloat16) for label, spec in rows]
-    RC.DECAY_AHEAD = True
-    res.append(measure("gated_longhorn DECAY_AHEAD=True", "gated_longhorn", shape, torch.bfloat16))
-    RC.DECAY_AHEAD = False
+    if not args.no_check:       # at T = 320 and the timed shape's H, K, V (the bf16 kernels compile once)
+        for per_row in (True, False):
+            for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                for tiny in (False, True):
+                    errs = _decay_check((1, 320, *shape[2:]), dtype, tiny, per_row)
+                    print(f"check {'per-row' if per_row else 'per-head'} decay kernels {name} "
+                          f"{'tiny' if tiny else 'ordinary'} vs float64: {fmt(errs)}", flush=True)
+    # (label, objective, switches): each decayed objective on both families, then on this family at each of
+    # ``--decay-tiles`` (C x R)
+    rows = [("longhorn", "longhorn", {})]
+    for spec in DECAYED:
+        rows += [(f"{spec} {DECAYED[spec]}={ahead}", spec, {DECAYED[spec]: ahead}) for ahead in (False, True)]
+    rows.append(("gated_longhorn SCALE_IN_KERNEL=False", "gated_longhorn", {"SCALE_IN_KERNEL": False}))
+    for tiles in filter(None, args.decay_tiles.split(",")):
+        C, Rw = (int(x) for x in tiles.split("x"))
+        rows += [(f"{spec} C{C} R{Rw}", spec, {DECAYED[spec]: True, "CHUNK": C, "ROWS": Rw}) for spec in DECAYED]
     print(f"obj() bf16 B,T,H,d,m={shape} (ms, median): fwd  fwd+bwd  x Longhorn's fwd+bwd", flush=True)
-    for r in res:
+    base = None
+    for label, spec, switches in rows:
+        saved = {k: getattr(RC, k) for k in switches}
+        for k, v in switches.items():
+            setattr(RC, k, v)
+        r = measure(label, spec, shape, torch.bfloat16, profile=args.profile and "ROWS" not in switches)
+        for k, v in saved.items():
+            setattr(RC, k, v)
+        base = base or r["fwd_bwd_ms"]
         print(f"{r['spec']:<34} {r['backend']:<34} {r['fwd_ms']:7.3f} {r['fwd_bwd_ms']:7.3f} "
-              f"{r['fwd_bwd_ms'] / res[0]['fwd_bwd_ms']:6.2f}", flush=True)
+              f"{r['fwd_bwd_ms'] / base:6.2f}", flush=True)
+        if "kernels" in r:
+            print("  profile (GPU us per fwd+bwd): " + "; ".join(
+                f"{name[:48]} x{n} {us:.0f}" for name, n, us in r["kernels"][:10]), flush=True)
     return 0
 
 

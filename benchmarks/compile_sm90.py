@@ -14,7 +14,7 @@ choices of a GPU), and every ``ssmcraft.ops.common.launch.launch`` compiles its 
 sm_90 (Triton's bundled ptxas) instead of running it: the outputs are never written, so the
 numbers mean nothing; what is checked is that each kernel compiles, with the arguments the host
 code passes. ``--packed`` runs one packed call (``cu_seqlens``) of those sequence lengths; ``--decay-ahead`` puts
-``rank1_row_chunk`` ahead of ``rank1_row`` for a per-head decay (its kernels' decayed form);
+``rank1_row_chunk`` ahead of ``rank1_row`` for a per-row decay (its ``rowdecay.py`` kernels);
 ``--block-chunk-ahead`` puts ``block_rank1_row_chunk`` ahead of ``block_rank1_row``.
 Prints one line per distinct kernel signature; exit status 1 when any fails to compile. ``--regs``
 adds each kernel's registers per thread and spill bytes, from Triton's bundled ptxas (``-v``) on
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--regs", action="store_true", help="print each kernel's registers and spills (ptxas -v)")
     ap.add_argument("--decay-ahead", action="store_true",
-                    help="rank1_row_chunk ahead of rank1_row for a per-head decay too (its DECAY_AHEAD)")
+                    help="rank1_row_chunk ahead of rank1_row for a per-row decay too (its ROW_DECAY_AHEAD)")
     ap.add_argument("--block-chunk-ahead", action="store_true",
                     help="block_rank1_row_chunk ahead of block_rank1_row (its AHEAD)")
     args = ap.parse_args(argv)
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         block_chunk.AHEAD = True
     if args.decay_ahead:
         from ssmcraft.ops.rank1_row_chunk import chunk as row_chunk
-        row_chunk.DECAY_AHEAD = True
+        row_chunk.ROW_DECAY_AHEAD = True
     packed = [int(x) for x in args.packed.split(",") if x] or None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     failed = 0

@@ -72,14 +72,16 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
 
 def test_packed_sequential_kernels_compile_for_sm90():
     """The sequential families' packed form (VARLEN: each program row's offsets, lengths and first
-    checkpoint loaded from cu_seqlens): rank1_row (Gated Longhorn), rank1_row_chunk (Longhorn), rankr_row's
-    own kernels, the generated general ones (one state row-tiled, the rows summed in the step, two states)."""
-    rc, out, err = _run("longhorn", "gated_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
+    checkpoint loaded from cu_seqlens): rank1_row (wd_longhorn: a per-row decay), rank1_row_chunk (Longhorn,
+    Gated Longhorn), rankr_row's own kernels, the generated general ones (one state row-tiled, the rows
+    summed in the step, two states)."""
+    rc, out, err = _run("longhorn", "gated_longhorn", "wd_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
                         "momentum_longhorn", "--packed", "0,17,5,33")
     assert rc == 0, out + err[-2000:]
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
     assert backends == {"longhorn": "triton:rank1-row-chunk+prologue+packed",
-                        "gated_longhorn": "triton:rank1-row+prologue+packed",
+                        "gated_longhorn": "triton:rank1-row-chunk+prologue+packed",
+                        "wd_longhorn": "triton:rank1-row+prologue+packed",
                         "longhorn_2key": "triton:rankr-row+prologue+packed",
                         "huber_longhorn": "triton:general+packed", "cauchy_delta": "triton:general+packed",
                         "momentum_longhorn": "triton:general+packed"}
@@ -208,16 +210,19 @@ def test_chunked_per_row_kernels_spill_little():
 
 
 def test_decayed_per_row_chunk_kernels_compile_for_sm90():
-    """rank1_row_chunk's decayed form (Gated Longhorn, one key, ``--decay-ahead``: the family ahead of
-    rank1_row as ``DECAY_AHEAD`` puts it), unpacked and packed, bf16 at its default tiles (``--regs``):
-    the forward spills nothing; the backward spilled 452 bytes (255 registers) when written, and a
-    blow-up fails."""
+    """rank1_row_chunk's decayed forms, unpacked and packed, bf16 at its default tiles (``--regs``): Gated
+    Longhorn's per-head decay (the forward spills nothing; the backward spilled 452 bytes, 255 registers,
+    when written) and wd_longhorn's per-row one (``--decay-ahead``: the family ahead of rank1_row as
+    ``ROW_DECAY_AHEAD`` puts it; the forward spills nothing, the backward spilled 156 bytes when written);
+    a blow-up fails."""
+    kernels = {"gated_longhorn": "rank1_row_chunk", "wd_longhorn": "rank1_row_chunk_rowdecay"}
     for extra in ((), ("--packed", "0,17,5,33")):
-        rc, out, err = _run("gated_longhorn", "--regs", "--decay-ahead", *extra)
+        rc, out, err = _run(*kernels, "--regs", "--decay-ahead", *extra)
         assert rc == 0, out + err[-2000:]
         assert {line.split()[1] for line in out.splitlines()} == {
             "triton:rank1-row-chunk+prologue" + ("+packed" if extra else "")}, out
-        rows = {k: v for (label, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
-        assert set(rows) == {"rank1_row_chunk_fwd_kernel", "rank1_row_chunk_bwd_kernel"}, out
-        assert _spill_bytes(rows["rank1_row_chunk_fwd_kernel"]) == 0, rows
-        assert _spill_bytes(rows["rank1_row_chunk_bwd_kernel"]) <= 512, rows
+        for label, prefix in kernels.items():
+            rows = {k: v for (lab, k), v in _kernels(out).items() if lab == label and k.startswith("rank1_row_chunk")}
+            assert set(rows) == {f"{prefix}_fwd_kernel", f"{prefix}_bwd_kernel"}, out
+            assert _spill_bytes(rows[f"{prefix}_fwd_kernel"]) == 0, rows
+            assert _spill_bytes(rows[f"{prefix}_bwd_kernel"]) <= 512, rows

@@ -18,13 +18,13 @@ LIBRARY = ("linear_attention", "retnet", "gla", "mamba", "hgrn", "deltanet", "ga
            "longhorn_diag", "gated_longhorn", "wd_longhorn", "cauchy_delta")
 
 
-def tiny_lm(compiled, name, heads=1, n_layers=1, seed=0):
+def tiny_lm(compiled, name, heads=1, n_layers=1, seed=0, state_size=4):
     from ssmcraft.layers import LM, LMConfig
 
     torch.manual_seed(seed)
     cfg = LMConfig(vocab_size=24, d_model=16, n_layers=n_layers, mlp_ratio=2,
                    mixer={"kind": "objective", "objective": dict(compiled(name).spec.raw), "heads": heads,
-                          "state_size": 4})
+                          "state_size": state_size})
     return LM(cfg, compiled(name)).eval()
 
 
@@ -184,10 +184,12 @@ def test_inline_triton_kernels_under_the_interpreter(compiled, tmp_path):
     from ssmcraft.export.exporter import export_model
 
     folders = []
-    families = {"longhorn": "rank1_row_chunk", "deltanet": "rank1_chunk", "gla": "keydecay_chunk",
-                "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: its generated kernels pasted in
+    # Longhorn's chunked family runs keys of rank1_row_chunk.MIN_KEYS or more; with 4, rank1_row
+    families = {"longhorn": "rank1_row_chunk", "wd_longhorn": "rank1_row", "deltanet": "rank1_chunk",
+                "gla": "keydecay_chunk", "longhorn_diag": "diagonal", "mamba": "diagonal"}   # diagonal: generated
     for name, family in families.items():
-        result = export_model(tiny_lm(compiled, name, heads=2), tmp_path / name, source(tmp_path), check=False)
+        result = export_model(tiny_lm(compiled, name, heads=2, state_size=64 if name == "longhorn" else 4),
+                              tmp_path / name, source(tmp_path), check=False)
         assert result.kernels == f"inline ({family})", result.kernels     # the family ssmcraft itself runs
         folders.append(str(tmp_path / name))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -306,7 +308,8 @@ def test_standalone_module_brings_what_it_reaches_of_another_family(tmp_path, mo
 def test_inline_kernel_text_is_the_family_without_prepare(compiled):
     from ssmcraft.export.exporter import triton_kernel_source
 
-    text, phrase = triton_kernel_source(compiled("longhorn"), {"d": 8, "m": 4})
+    assert triton_kernel_source(compiled("longhorn"), {"d": 8, "m": 4})[1] == "inline (rank1_row)"   # few keys
+    text, phrase = triton_kernel_source(compiled("longhorn"), {"d": 8, "m": 64})
     assert phrase == "inline (rank1_row_chunk)", phrase
     assert "def prepare(" not in text and "def forward(" in text and "def launch(" in text
     assert "from ssmcraft" not in text and text.rstrip().endswith("FAMILY = 'rank1_row_chunk'")

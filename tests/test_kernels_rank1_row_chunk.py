@@ -33,24 +33,44 @@ def check(errs):
 def test_supports():
     for name in ("longhorn", "deltanet", "gated_longhorn", "gated_deltanet"):
         assert RC.supports(ssmcraft.compile(name).ir) is None, name
-    assert "per row or per key" in RC.supports(ssmcraft.compile("wd_longhorn").ir)
+    assert RC.supports(ssmcraft.compile("wd_longhorn").ir) is None       # per row: its own test file
     assert "rank-1" in RC.supports(ssmcraft.compile("longhorn_diag").ir)
 
 
 def test_dispatch_order(monkeypatch):
-    """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn); a
-    per-head step (DeltaNet) stays on rank1_chunk, a decay on rank1_row unless ``DECAY_AHEAD``; the
-    interpreter keeps the registry's order (rank1_row first). (``decode`` runs one-token calls only.)"""
+    """On CUDA the family goes ahead of rank1_row for a per-row step with no decay (Longhorn) and with a
+    per-head decay (Gated Longhorn, ``DECAY_AHEAD``; off, rank1_row first); a per-head step (DeltaNet)
+    stays on rank1_chunk; the interpreter keeps the registry's order (rank1_row first). (``decode`` runs
+    one-token calls only.)"""
     def first(name, mode):
         ir = ssmcraft.compile(name).ir
         return next(f.name for f in registry.order(ir, mode) if not f.one_token and f.reason(ir) is None)
     assert first("longhorn", "triton") == "rank1_row_chunk"
     assert first("deltanet", "triton") == "rank1_chunk"
-    assert first("gated_longhorn", "triton") == "rank1_row"
-    assert first("longhorn", "interpret") == "rank1_row"
-    monkeypatch.setattr(RC, "DECAY_AHEAD", True)
     assert first("gated_longhorn", "triton") == "rank1_row_chunk"
     assert first("gated_deltanet", "triton") == "rank1_chunk"
+    assert first("longhorn", "interpret") == "rank1_row"
+    monkeypatch.setattr(RC, "DECAY_AHEAD", False)
+    assert first("gated_longhorn", "triton") == "rank1_row"
+
+
+@pytest.mark.parametrize("K", [8, 16, 32, 64, 128])
+def test_dispatch_by_key_size(K):
+    """On CUDA the family refuses keys fewer than ``MIN_KEYS`` (rank1_row, measured faster there, runs
+    them: the first family without a reason); the interpreter takes every size; the exporter's size check
+    says the same."""
+    from ssmcraft.bench.run import random_inputs
+    obj = ssmcraft.compile("longhorn")
+    ins, _ = random_inputs(obj, 1, 3, 1, 8, K, torch.float32, torch.device("cpu"))
+    fam = registry.family("rank1_row_chunk")
+    runs = [f.name for f in registry.order(obj.ir, "triton") if not f.one_token and f.reason(obj.ir, ins, "triton") is None]
+    want = "rank1_row_chunk" if K >= RC.MIN_KEYS else "rank1_row"
+    assert runs[0] == want, runs
+    assert fam.reason(obj.ir, ins, "interpret") is None
+    why = fam.size_reason(obj.ir, {"d": 8, "m": K}, "triton")
+    assert (why is None) == (K >= RC.MIN_KEYS), why
+    if why is not None:
+        assert why == f"K = {K} < MIN_KEYS = {RC.MIN_KEYS} (rank1_row's per-token loop is faster with few keys)"
 
 
 def _general(B, T, H, K, V, modes, seed):
@@ -225,6 +245,15 @@ def test_decay_matches_reference(T, C, R, V, modes, one_key, decay, monkeypatch)
     monkeypatch.setattr(RC, "ROWS", R)
     B, H, K = 2, 2, 8
     keys, a, rows, S0 = _decay_case(B, T, H, K, V, modes, one_key, decay, seed=T + 3 * one_key)
+    check(decay_errors(keys, a, rows, S0))
+
+
+def decay_errors(keys, a, rows, S0):
+    """Relative errors of the family in fp32 on float64 leaves (keys [B, T, H, K], a decay, rows as
+    ``_general`` gives them, S0 [B, H, K, V]) against the float64 recurrence on them: output, final state
+    and every distinct leaf's gradient (``d0``... in order of first use; ``da`` the decay's)."""
+    B, T, H, _ = keys[0].shape
+    V = S0.shape[-1]
     leaves = list({id(x): x for x in (*keys, a, *rows, S0) if isinstance(x, torch.Tensor)}.values())
     for x in leaves:
         x.requires_grad_()
@@ -241,7 +270,7 @@ def test_decay_matches_reference(T, C, R, V, modes, one_key, decay, monkeypatch)
     errs = {"y": rel(y, y_ref), "S_T": rel(S, S_ref)}
     errs.update({f"d{i}": rel(x, r) for i, (x, r) in enumerate(zip(got, ref_g))})
     errs["da"] = errs[f"d{[id(x) for x in leaves].index(id(a))}"]
-    check(errs)
+    return errs
 
 
 def test_constant_decay_and_no_grad_path():
@@ -257,8 +286,8 @@ def test_constant_decay_and_no_grad_path():
     y_ref, S_ref = naive_recurrent_rank1_row(*keys, torch.full((B, T, H), 0.7, dtype=torch.float64),
                                              *[_as_ref(x, B, T, H, V, i == 3) for i, x in enumerate(rows)], S0)
     check({"y": rel(y1, y_ref), "S_T": rel(S1, S_ref)})
-    with pytest.raises(ValueError, match="per head"):
-        RC.rank1_row_chunk(*f, a=torch.full((B, T, H, V), 0.7))
+    with pytest.raises(ValueError, match=r"per head \[B, T, H\] or per row \[B, T, H, V\], got shape \(1, 21\)"):
+        RC.rank1_row_chunk(*f, a=torch.full((B, T), 0.7))
 
 
 @pytest.mark.parametrize("T", [1, 35])
@@ -275,6 +304,7 @@ def test_gated_longhorn_through_obj(T, monkeypatch):
     ins, params, S0, g = kernel_inputs(obj, 2, T, 2, 20, 8, seed=T)
     cmp = reference_errors(obj, lambda i, p, s: obj(i, p, s, True), ins, params, S0, g)
     assert calls[0][0] is calls[0][1] is calls[0][2] and calls[0][4] is not None
+    assert calls[0][-1] is not None and calls[0][-1].shape == (2, T, 2)     # alpha of u = alpha k: c's factor
     assert obj.backend == "triton-interpret:rank1-row-chunk+prologue"
     assert cmp.written, cmp.errors
     assert {"dk", "dx", "dbeta", "dalpha", "dq", "dS0", "S_T"} <= set(cmp.errors), cmp.errors
@@ -306,3 +336,37 @@ def test_packed_decay_equals_separate(decay, monkeypatch):
     assert obj.backend == "triton-interpret:rank1-row-chunk+prologue+packed"
     assert {"dk", "dx", "dbeta", "dalpha", "dS0", "S_T"} <= set(errs), errs
     check(errs)
+
+
+@pytest.mark.parametrize("c_mode,one_key,decay", [("row", True, True), ("head", False, True), ("const", True, False),
+                                                  ("row", False, False)])
+def test_c_scale_equals_the_product(c_mode, one_key, decay):
+    """``c_scale`` (a per-head factor of c formed in the kernels) against c times it formed by autograd on
+    the host: output, final state and every gradient, the factor's own included (c per row, per head or
+    a constant; one key or three; with a per-head decay or none); over two row blocks, a cut chunk."""
+    B, T, H, K, V = 2, 23, 2, 8, 20
+    keys, rows, S0 = _general(B, T, H, K, V, (c_mode, "row", "const", "const"), seed=7)
+    if one_key:
+        keys = [keys[0]] * 3 + keys[3:]
+    g = torch.Generator().manual_seed(8)
+    s = (0.2 + 0.8 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
+    a = (0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64)).float() if decay else None
+    dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    out = []
+    for in_kernel in (True, False):
+        leaves = {id(x): x.detach().float().requires_grad_() for x in (*keys, s, S0, *rows)
+                  if isinstance(x, torch.Tensor)}
+        f = lambda x: leaves[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
+        c = f(rows[0])
+        if in_kernel:
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], c, f(rows[1]), initial_state=f(S0),
+                                      output_final_state=True, a=a, c_scale=f(s))
+        else:
+            cs = c * (f(s)[..., None] if isinstance(c, torch.Tensor) and c.dim() == 4 else f(s))
+            y, S = RC.rank1_row_chunk(*[f(x) for x in keys], cs, f(rows[1]), initial_state=f(S0),
+                                      output_final_state=True, a=a)
+        grads = torch.autograd.grad((y.double() * dy).sum() + S.double().sum(), list(leaves.values()))
+        out.append((y, S, *grads))
+    errs = {f"out{i}": rel(x, r) for i, (x, r) in enumerate(zip(*out))}
+    assert_within({"y": errs.pop("out0"), "S_T": errs.pop("out1"), **{f"d{k}": v for k, v in errs.items()}},
+                  {"y": 1e-6, "S_T": 1e-6, "grad": 1e-6})

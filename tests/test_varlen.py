@@ -230,7 +230,7 @@ def test_chunked_delta_family_packed_equals_separate(name, family, poisoned, gpu
 
 @pytest.mark.parametrize("name, family", [("gla", "keydecay-chunked"), ("mamba", "diagonal-chunked"),
                                           ("gated_deltanet", "rank1-chunk"), ("longhorn", "rank1-row-chunk+prologue"),
-                                          ("gated_longhorn", "rank1-row+prologue"),
+                                          ("gated_longhorn", "rank1-row-chunk+prologue"),
                                           ("huber_longhorn", "general"), ("longhorn_2key", "rankr-row+prologue")])
 def test_native_family_packed_without_final_state(name, family, poisoned, gpu_order):
     """No final state asked (as a training forward calls it): the output and every input's gradient

@@ -9,8 +9,9 @@ extrapolated state: Longhorn with momentum), ``minibatch_chunk`` (mini-batch reg
 scalar or weight decay, on tensor cores: ahead of ``general``, which runs every other mini-batch
 update), ``general`` (anything else the generator prints), then ``rank1_chunk``, which declares itself
 ahead of ``rank1_row`` on CUDA for a per-head step (``KernelFamily.ahead_on_gpu``), ``rank1_row_chunk``
-(a per-row step with no decay or a per-head one, chunked: ahead of ``rank1_row`` on CUDA, after
-``rank1_chunk``, with a decay only where its ``DECAY_AHEAD``), ``rankr_chunk``,
+(a per-row step with no decay, a per-head or a per-row one, chunked: ahead of ``rank1_row`` on CUDA
+for keys of its ``MIN_KEYS`` or more, after ``rank1_chunk``, with a decay only where its ``DECAY_AHEAD``
+or ``ROW_DECAY_AHEAD``), ``rankr_chunk``,
 ahead of ``rankr_row`` likewise, ``precision_rank1`` (recursive least squares, the preconditioned
 delta rule), ``precision_general`` (the other metric compositions: the precision's gains, then the
 memory's step on a chunked or the general family's kernels), ``rank1_keydecay_chunk`` (rank-1 with a

@@ -296,13 +296,21 @@ def computed_slots(objective, inputs: dict, params: dict | None = None) -> dict:
     return run(module(ir, binds), cs)
 
 
-def fold_scaled_u(cs, keys, c):
-    """(u, c) for the per-row kernels: where ``u = s k`` with k another key slot in ``keys`` and s per
-    head (Gated Longhorn's u = alpha k), c (s_{t-1} . s k) = (s c)(s_{t-1} . k), so u is k itself and
-    c carries s: the kernel reads k once and sums one gradient less over the rows. Else (cs's u, c)."""
+def scaled_u(cs, keys):
+    """(u, s): where ``u = s k`` with k another key slot in ``keys`` and s per head (Gated Longhorn's
+    u = alpha k), (k itself, s), as c (s_{t-1} . s k) = (s c)(s_{t-1} . k); else (cs's u, None)."""
     scale, u = cs.split("u")
     if scale is None or not any(u is x for x in keys):
-        return cs.get("u"), c
+        return cs.get("u"), None
+    return u, scale
+
+
+def fold_scaled_u(cs, keys, c):
+    """(u, c) for the per-row kernels: ``scaled_u``'s k and c times its s, so the kernel reads k once
+    and sums one gradient less over the rows. Else (cs's u, c)."""
+    u, scale = scaled_u(cs, keys)
+    if scale is None:
+        return u, c
     return u, c * (scale.float().unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() == 4 else scale.float())
 
 

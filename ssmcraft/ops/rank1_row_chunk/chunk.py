@@ -1,5 +1,5 @@
-"""Chunked identity-minus-rank-1 recurrences with a per-row step, with no decay (Longhorn exact) or a
-per-head one (Gated Longhorn).
+"""Chunked identity-minus-rank-1 recurrences with a per-row step, with no decay (Longhorn exact), a
+per-head one (Gated Longhorn) or a per-row one (wd_longhorn, ``rowdecay.py``).
 
 The recurrence (``ssmcraft.ops.rank1_row``), per state row ``i`` (``s_i`` a row vector over K)::
 
@@ -55,6 +55,11 @@ start state cannot be rebuilt from its end state by dividing by the decays: the 
 step stores every chunk's start state (``hs``, ``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C``
 bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
 
+A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
+log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
+take every product that carries a per-row factor between two tokens one token at a time on the
+``[C, R]`` tiles, and store Z (not D) and every chunk's start state.
+
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
 """
@@ -62,23 +67,50 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _per_head
+from ssmcraft.ops.common.chunked import _per_head, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_row.recurrent import supports as rank1_row_supports
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
+from ssmcraft.ops.rank1_row_chunk.rowdecay import (rank1_row_chunk_rowdecay_bwd_kernel,
+                                                   rank1_row_chunk_rowdecay_fwd_kernel)
 
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-# Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): off until a
-# GPU timing shows it faster (``benchmarks/bench_rank1_row_chunk.py --gated`` times both in one process);
-# without a decay it goes ahead (measured faster). Read at dispatch time, so a benchmark may flip it.
-DECAY_AHEAD = False
-# tiles: 16 tokens x 32 rows on 4 warps. Longhorn's kernels alone, bf16, B=8 T=2048 H=16 d=m=64, H200
-# (``benchmarks/bench_rank1_row_chunk.py``), fwd / fwd+bwd ms: 1.243 / 3.418 at 16 x 16, 0.744 / 2.482
-# at 16 x 32, 0.741 / 3.133 at 16 x 64, 1.330 / 4.431 at 32 x 16; rank1_row 1.193 / 3.185 in the same
-# process. 16 x 32 spills ~210 bytes in the backward (``benchmarks/compile_sm90.py --regs``), 16 x 16 none
+# Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): measured
+# faster and checked (``benchmarks/bench_rank1_row_chunk.py --decayed``, one H200, bf16 B=8 T=2048 H=16
+# d=m=64, fwd / fwd+bwd ms through obj(), one process: 0.915 / 3.553 here, 1.078 / 4.808 on rank1_row,
+# Longhorn 0.778 / 2.618; the decayed kernels against float64 on the GPU: 1.3e-5 in fp32 with tiny and
+# zero decays, 2.6e-3 in bf16). Read at dispatch time, so a benchmark may flip it.
+DECAY_AHEAD = True
+# The smallest key size at which the family goes ahead of rank1_row on CUDA: with few keys the per-token
+# loop's K-long chains are short and its one pass over the tokens wins. Measured (one H200, bf16, kernels
+# alone, ``bench_rank1_row_chunk.py --no-check --shape B,T,H,K,V``), fwd / fwd+bwd ms:
+#   B8 T2048 H24 K16 V64: rank1_row 0.747 / 2.112; this family R16 1.223 / 4.164, R32 0.711 / 2.624;
+#   B16 T512 H4 K16 V64:  rank1_row 0.189 / 0.655; this family R32 0.163 / 0.773;
+#   B8 T2048 H16 K32 V64: rank1_row 0.795 / 1.950; this family R32 0.691 / 2.983;
+#   B8 T2048 H16 K64 V64: rank1_row 1.193 / 3.185; this family R32 0.744 / 2.482.
+MIN_KEYS = 64
+# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured slower
+# (``bench_rank1_row_chunk.py --decayed``, same process and shape as DECAY_AHEAD's figures): 1.846 / 7.606
+# ms here (its kernels 1.81 ms forward, 5.46 ms backward: the token-by-token walks on [C, R] tiles),
+# 2.387 / 9.802 at 16 x 16 tiles, 1.033 / 5.272 on rank1_row. Read at dispatch time, as DECAY_AHEAD.
+ROW_DECAY_AHEAD = False
+# Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
+# does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
+# Longhorn's 3.55 ms fwd+bwd (one H200, bf16 B=8 T=2048 H=16 d=m=64, ``bench_rank1_row_chunk.py --decayed
+# --profile``: two broadcast products, the sum of dc o c over the rows for ds, one more product); in the
+# kernels they cost a per-head load and, in the backward, one more per-head sum (``kernels.store_c``) and
+# ~50 more bytes of spills a thread (``compile_sm90.py --regs``); not yet timed against the host's form
+# (``--decayed`` times both in one process).
+SCALE_IN_KERNEL = True
+# The backward's key gradients: True, every row block of a head adds into one [B, T, H, K] fp32 buffer
+# (atomics in L2; with two row blocks, 0 + x + y, the same sum in either order); False, each stores
+# its partial [NR, B, T, H, K] and the host sums them (one more pass over NR times the gradients).
+# Longhorn, one H200, bf16 B=8 T=2048 H=16 d=m=64 fwd+bwd: 2.618 ms with it, 2.678 without in another
+# process (not yet compared in one); ``rank1_row``'s same choice measured 3.15 ms against 3.24.
+ATOMIC_KEYS = True
 CHUNK = 16            # tokens per chunk (16 or 32)
 ROWS = 32             # state rows per program (16, 32 or 64)
 NUM_WARPS = 4
@@ -106,9 +138,10 @@ def start_slots(B, T, N, C):
     return B * T // C + N
 
 
-def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None):
-    """keys (u, v, q, oq) [B, T, H, K]; a [B, T, H] or None (no decay); rows (c, p, oc, oh) per
-    ``slots.row_mode``; h0 [N, H, K, V] fp32 contiguous or None. Returns y [B, T, H, V], the final state
+def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, N=None, cs=None):
+    """keys (u, v, q, oq) [B, T, H, K]; a [B, T, H], [B, T, H, V] or None (no decay); rows (c, p, oc, oh)
+    per ``slots.row_mode``; cs: a per-head factor of c [B, T, H] or None; h0 [N, H, K, V] fp32 contiguous
+    or None. Returns y [B, T, H, V], the final state
     [N, H, K, V] fp32 (with ``want_state`` or ``training``), and, when ``training``, D = c o z
     [B, T, H, V] fp32 and with a decay the chunk-start states [NS, H, K, V] fp32 (else None)."""
     u = keys[0]
@@ -121,16 +154,42 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
     ht = _new((N, H, K, V), dev) if (want_state or training) else None
     d = _new((B, T, H, V), dev) if training else None
     hs = _new((start_slots(B, T, N, C), H, K, V), dev) if training and a is not None else None
-    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, *[m[2] for m in modes], h0, y, ht, d, hs, cu,
-           T,
+    if a is not None and a.dim() == 4:
+        launch(rank1_row_chunk_rowdecay_fwd_kernel, (N * H, cdiv(V, R)), u, keys[3], a,
+               *[m[2] for m in modes], h0, y, ht, d, hs, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
+               MODES=tuple(m[0] for m in modes), CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None,
+               STORE_HT=ht is not None, STORE_Z=training, PREC=dot_precision(out_dtype), VARLEN=cu is not None,
+               num_warps=nw)
+        return y, ht, d, hs
+    c, p, oc, oh = (m[2] for m in modes)
+    launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, c, cs, p, oc, oh, h0, y, ht, d, hs, cu, T,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_D=training,
            PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), HAS_A=a is not None,
-           num_warps=nw)
+           HAS_CS=cs is not None, num_warps=nw)
     return y, ht, d, hs
 
 
-def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
+def atomic_keys(NR: int) -> bool:
+    """Whether the backward's row blocks add their key gradients into one buffer (``ATOMIC_KEYS``)."""
+    return ATOMIC_KEYS and NR > 1
+
+
+def key_grad(B, T, H, K, NR, atomic, dev):
+    """A key gradient's buffer: [B, T, H, K] zeros the row blocks add into (``atomic``), else one
+    partial per row block [NR, B, T, H, K]."""
+    return torch.zeros((B, T, H, K), device=dev) if atomic else _new((NR, B, T, H, K), dev)
+
+
+def key_sum(g, atomic):
+    """The key gradient [B, T, H, K] from ``key_grad``'s buffer after the backward."""
+    return g if atomic else g.sum(0) if g.shape[0] > 1 else g[0]
+
+
+def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None):
+    """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H].
+    With a per-row decay (``rowdecay.py``): one key, ``d`` the forward's Z, the decay's gradient per row
+    [B, T, H, V], whole."""
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -138,38 +197,46 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None):
     C, R, nw = config(V)
     NR = cdiv(V, R)
     modes = [row_mode(x) for x in rows[:3]]
-
-    def row_buf(mode):
-        return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
-
+    per_row = a is not None and a.dim() == 4
     single = one_key(keys)
     # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
-    dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
-    drows = [row_buf(m[0]) for m in modes]
+    atomic = atomic_keys(NR)
+    dkeys = [None if single and slot in ("v", "q") else key_grad(B, T, H, K, NR, atomic, dev) for slot in KEY_SLOTS]
+    # the row coefficients' gradients; no readout scale's with a per-row decay (a constant there)
+    drows = [_new((B, T, H, V), dev) if m[0] == 2 else _new((NR, B * T * H), dev) if m[0] == 1 else None
+             for m in modes[:2 if per_row else 3]]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
-    da = None if a is None else _new((NR, B * T * H), dev)
-    launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, *[m[2] for m in modes], d, ht, hs, dy.contiguous(),
-           None if dht is None else dht.float().contiguous(), *dkeys[:4], da, *drows, dh0, cu, T,
-           B * T * H,
-           H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-           CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-           PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=single, HAS_A=a is not None, num_warps=nw)
-    dkeys = [None if g is None else g.sum(0) if NR > 1 else g[0] for g in dkeys]
+    da = None if a is None else _new((B, T, H, V) if per_row else (NR, B * T * H), dev)
+    dcs = None if cs is None else _new((NR, B * T * H), dev)
+    c, p, oc = (m[2] for m in modes)
+    common = dict(H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+                  CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+                  PREC=dot_precision(out_dtype), VARLEN=cu is not None, ATOMIC=atomic, num_warps=nw)
+    dht = None if dht is None else dht.float().contiguous()
+    if per_row:
+        launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy.contiguous(), dht,
+               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, **common)
+    else:
+        launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
+               *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
+               HAS_A=a is not None, HAS_CS=cs is not None, **common)
+    dkeys = [None if g is None else key_sum(g, atomic) for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
-    return dkeys, None if da is None else da.sum(0).view(B, T, H), drows, dh0
+    heads = [None if g is None or g.dim() == 4 else g.sum(0).view(B, T, H) for g in (da, dcs)]
+    return dkeys, da if per_row else heads[0], drows + [None] * (3 - len(drows)), dh0, heads[1]
 
 
 class _Rank1RowChunkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N):
+    def forward(ctx, u, v, q, oq, a, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N, cs):
         keys, rows = (u, v, q, oq), (c, p, oc, oh)
-        training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, a, *rows, h0))
+        training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, a, *rows, h0, cs))
         y, ht, d, hs = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
-                                cu=cu, N=N)
+                                cu=cu, N=N, cs=cs)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
         ctx.save_for_backward(*keys, a, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, hs,
-                              cu)
+                              cu, cs)
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
@@ -177,30 +244,36 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dht):
-        u, v, q, oq, a, tc, tp, toc, d, ht, hs, cu = ctx.saved_tensors
+        u, v, q, oq, a, tc, tp, toc, d, ht, hs, cu, cs = ctx.saved_tensors
         rows = [t if t is not None else k for t, k in zip((tc, tp, toc), ctx.row_consts)]
         if dy is None:
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
         need_dh0 = ctx.needs_input_grad[9]
-        dkeys, da, drows, dh0 = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype, cu)
+        dkeys, da, drows, dh0, dcs = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype,
+                                               cu, cs)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy
         elif ctx.oh_dim == 3:
             doh = dy.float().sum(-1)
         grads = [None if g is None or not isinstance(x, torch.Tensor) else g.to(x.dtype)
-                 for g, x in zip((*dkeys, da, *drows), (u, v, q, oq, a, *rows))]
-        return (*grads, doh, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None, None, None)
+                 for g, x in zip((*dkeys, da, *drows, dcs), (u, v, q, oq, a, *rows[:3], cs))]
+        return (*grads[:8], doh, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None, None, None,
+                grads[8])
 
 
 def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, out_dtype=None, a=None):
+                    cu_seqlens=None, out_dtype=None, a=None, c_scale=None):
     """``s_t,i = a s_{t-1,i} - c_i (s_{t-1,i} . u_t) v_t + p_i q_t``, ``y_t,i = oc_i (s_t,i . oq_t) + oh_i``
-    (``rank1_row_recurrence`` with a per-head decay), chunked.
+    (``rank1_row_recurrence`` with a per-head or per-row decay), chunked.
 
     Args:
         u, v, q, oq: ``[B, T, H, K]`` (the same tensor may fill several slots).
-        a: the decay, ``[B, T, H]`` (per head), a float or None (no decay).
+        a: the decay, ``[B, T, H]`` (per head), ``[B, T, H, V]`` (per row: one key, u = v = q, and a
+            constant ``oc``), a float or None (no decay).
+        c_scale: a per-head factor of c ``[B, T, H]`` or None: the step is c o c_scale, formed in the
+            kernels (Gated Longhorn's alpha of u = alpha k, ``slots.fold_scaled_u``'s product, without its
+            passes over ``[B, T, H, V]`` on the host); not with a per-row decay.
         c, p, oc, oh: ``[B, T, H, V]`` (per row), ``[B, T, H]`` (per head) or a float (``oh`` may be None).
         initial_state: ``[B, H, K, V]`` (FLA's layout) or None.
         cu_seqlens: offsets ``[N + 1]`` of N sequences packed in one row (B = 1); states are then
@@ -221,11 +294,18 @@ def rank1_row_chunk(u, v, q, oq, c, p, oc=1.0, oh=None, initial_state=None, outp
     rows = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in (c, p, oc, oh)]
     if a is not None and not isinstance(a, torch.Tensor):
         a = None if float(a) == 1.0 else torch.full(u.shape[:3], float(a), device=u.device, dtype=torch.float32)
-    if a is not None and a.dim() != 3:
-        raise ValueError(f"rank1_row_chunk: the decay a must be per head [B, T, H], got shape {tuple(a.shape)}")
+    if a is not None and a.dim() == 4:
+        if not one_key(keys) or isinstance(oc, torch.Tensor):
+            raise ValueError("rank1_row_chunk: a per-row decay a [B, T, H, V] takes one key (u, v and q one "
+                             "tensor) and a constant readout scale oc")
+    elif a is not None and a.dim() != 3:
+        raise ValueError(f"rank1_row_chunk: the decay a must be per head [B, T, H] or per row [B, T, H, V], got "
+                         f"shape {tuple(a.shape)}")
     a = None if a is None else a.contiguous()
+    if c_scale is not None and a is not None and a.dim() == 4:
+        raise ValueError("rank1_row_chunk: c_scale with a per-row decay: pass c times c_scale as c")
     return _Rank1RowChunkFunction.apply(*keys, a, *rows, h0, V, io_dtype(out_dtype or u.dtype), output_final_state,
-                                        cu_seqlens, N)
+                                        cu_seqlens, N, None if c_scale is None else c_scale.contiguous())
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,21 +318,56 @@ def _decay(ir):
     return None if a is None or (tuple(a.dims) == () and a.expr == 1) else a
 
 
+def _one_key_reason(ir) -> str | None:
+    """Why the keys of ``ir`` are not one tensor in the kernels (u, v and q the same input, u perhaps
+    times a per-head scale, which ``slots.fold_scaled_u`` folds into c), or None."""
+    from ssmcraft.ops.common.slots import bindings
+    b = bindings(ir)
+    v, q, u = b.get("v"), b.get("q"), b.get("u")
+    if v is None or v.kind != "leaf" or q != v or not (u == v or (u.kind == "scaled" and u.leaf == v.leaf)):
+        return "u, v and q are not one key input (u may carry a per-head scale)"
+    return None
+
+
 def supports(ir) -> str | None:
     """None if this family runs ``ir``: what ``rank1_row`` runs (a rank-1 update, step ``c`` and input
     ``p`` per row or per head, one key per slot shared by the rows, the readout ``oc (S oq) + oh``)
-    with no decay or a per-head one; else the reason."""
+    with no decay, a per-head one, or a per-row one where the keys are one input and ``oc`` a
+    constant (``rowdecay.py``); else the reason."""
     a = _decay(ir)
-    if a is not None and tuple(a.dims) != ():
-        return f"a decay per row or per key (a varies over {a.dims}): this family runs a per-head decay only"
+    if a is not None and tuple(a.dims) not in ((), (ir.dims[0],)):
+        return f"a decay per key (a varies over {a.dims}): this family runs a per-head or per-row decay"
+    if a is not None and tuple(a.dims) == (ir.dims[0],):
+        oc = ir.coefficient("oc")
+        why = _one_key_reason(ir) or (None if oc is None or tuple(oc.dims) == () and oc.expr.is_number
+                                      else "the readout scale oc is not a constant")
+        if why is not None:
+            return f"a per-row decay runs with one key and a constant readout scale only: {why}"
     return rank1_row_supports(ir)
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """On CUDA, refuse keys fewer than ``MIN_KEYS`` (``rank1_row``, next in the order, was measured
+    faster there and runs everything this family does); the interpreter takes any size."""
+    K = sizes.get(ir.dims[1])
+    if mode == "triton" and K is not None and K < MIN_KEYS:
+        return f"K = {K} < MIN_KEYS = {MIN_KEYS} (rank1_row's per-token loop is faster with few keys)"
+    return None
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def per_row_step(ir) -> bool:
     """Where this family goes ahead of ``rank1_row`` on CUDA: what it supports with a step per row (a
-    per-head step runs on ``rank1_chunk``, which goes ahead of both), with a decay only where
-    ``DECAY_AHEAD``."""
-    return supports(ir) is None and not ir.is_per_head_step() and (DECAY_AHEAD or _decay(ir) is None)
+    per-head step runs on ``rank1_chunk``, which goes ahead of both), with a per-head decay only where
+    ``DECAY_AHEAD``, with a per-row one only where ``ROW_DECAY_AHEAD``."""
+    if supports(ir) is not None or ir.is_per_head_step():
+        return False
+    a = _decay(ir)
+    return a is None or (ROW_DECAY_AHEAD if tuple(a.dims) else DECAY_AHEAD)
 
 
 def forward(obj, lay, co, output_final_state):
@@ -277,7 +392,11 @@ def forward(obj, lay, co, output_final_state):
                  else _per_head(x, B, T, H, x.device))
         rows.append(float(x) if isinstance(x, (int, float)) else x)
     a = co.get("a", 1.0)
-    a = _per_head(a, B, T, H, a.device) if isinstance(a, torch.Tensor) else float(a)
+    if isinstance(a, torch.Tensor):
+        a = (a.expand(B, T, H, d, 1).reshape(B, T, H, d) if tuple(ir.coefficient("a").dims) == (d_dim,)
+             else _per_head(a, B, T, H, a.device))
+    else:
+        a = float(a)
     h0 = None if lay.S0 is None else lay.S0.transpose(-1, -2)
     y, ST = rank1_row_chunk(*keys.values(), *rows, initial_state=h0, output_final_state=output_final_state, a=a)
     return y.to(lay.dtype), (None if ST is None else ST.transpose(-1, -2))
@@ -288,19 +407,24 @@ def prepare(obj, lay):
     (Longhorn's ``u = v = q = k`` is one tensor), computed row coefficients (Longhorn's
     ``c = beta / (1 + beta k.k)``, ``p = c x``) from ``slots.computed_path``.
     Returns ``fn(inputs, params, initial_state, output_final_state, cu_seqlens=None)``."""
-    from ssmcraft.ops.common.slots import fold_scaled_u, slot_runner
+    from ssmcraft.ops.common.slots import fold_scaled_u, scaled_u, slot_runner
     from ssmcraft.ops.common.varlen import check
     out_dtype = io_dtype(lay.out_dtype)
 
     def run(cs, initial_state, output_final_state, cu_seqlens=None):
         keys = [cs.get(s) for s in KEY_SLOTS[1:]]
         rows = [cs.get(s, 1.0 if s == "oc" else None) for s in ROW_SLOTS]
-        u, rows[0] = fold_scaled_u(cs, keys, rows[0])
+        a = cs.get("a", 1.0)
+        c_scale = None
+        if SCALE_IN_KERNEL and not (isinstance(a, torch.Tensor) and a.dim() == 4):
+            u, c_scale = scaled_u(cs, keys)                  # the kernels form c o s
+        else:                                                # c o s formed here (the per-row kernels take it)
+            u, rows[0] = fold_scaled_u(cs, keys, rows[0])
         keys = [u, *keys]
         if cu_seqlens is not None:
             check(obj.name, cu_seqlens, cs.inputs, initial_state)
         h0 = None if initial_state is None else initial_state.transpose(-1, -2)
         y, ST = rank1_row_chunk(*keys, *rows, initial_state=h0, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens, out_dtype=out_dtype, a=cs.get("a", 1.0))
+                                cu_seqlens=cu_seqlens, out_dtype=out_dtype, a=a, c_scale=c_scale)
         return y.to(lay.out_dtype), (None if ST is None else ST.transpose(-1, -2))
     return slot_runner(obj, lay, run)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import decay_after, decay_before, log_decay, pair_decay_grad, state_block, state_or_zero
+from ssmcraft.ops.rank1_row.bwd import put
 
 
 @triton.jit
@@ -33,6 +34,15 @@ def row_tile(ptr, CONST, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, C: tl.const
     else:
         x = tl.where(m, CONST, 0.)
     return x
+
+
+@triton.jit
+def head_scale(ptr, rows, m_t, HAS: tl.constexpr):
+    """``[C]`` fp32 per-head factor of c at token rows ``rows`` (0 at padded tokens), or 1. where none."""
+    if HAS:
+        return tl.load(ptr + rows, mask=m_t, other=0.).to(tl.float32)
+    else:
+        return 1.
 
 
 @triton.jit
@@ -52,6 +62,21 @@ def store_rows(ptr, x, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK):
 
 
 @triton.jit
+def store_c(dc, dcs, x, c, cs, CONST, MODE: tl.constexpr, HAS_CS: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK,
+            C: tl.constexpr, R: tl.constexpr):
+    """The gradients of c from ``x [C, R]``, the gradient of the product c o cs (``HAS_CS``: cs [B, T, H]
+    c's per-head factor): c's by ``store_rows`` (x cs) and cs's summed over the block's rows into its
+    slice ``i_r`` of dcs [NR, B * T * H] (x c; c's and cs's tiles loaded again here rather than held
+    through the backward's products, where registers are short)."""
+    if HAS_CS:
+        store_rows(dc, x * head_scale(cs, rows, m_t, HAS_CS)[:, None], MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
+        store_rows(dcs, x * row_tile(c, CONST, MODE, rows, o_v, m_t, m_v, V, C, R), 1, rows, o_v, m_t, m_v, V, i_r,
+                   NTOK)
+    else:
+        store_rows(dc, x, MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
+
+
+@triton.jit
 def program(cu, T, H: tl.constexpr, VARLEN: tl.constexpr):
     """This program's (sequence * head, row block, head, its sequence's first row, the sequence's
     length): batch row ``i_b``, or sequence ``i_b`` of a packed row."""
@@ -64,6 +89,15 @@ def program(cu, T, H: tl.constexpr, VARLEN: tl.constexpr):
         bos = i_b.to(tl.int64) * T
         T_s = T
     return i_bh, tl.program_id(1), i_bh % H, bos, T_s
+
+
+@triton.jit
+def chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H: tl.constexpr, V: tl.constexpr):
+    """The chunk of tokens from ``t0`` of a sequence (first row ``bos``, length ``T_s``): its token mask
+    ``m_t`` [C], rows ``(bos + t) * H + h`` [C], and the mask and offsets of its [C, R] row tiles."""
+    m_t = t0 + o_c < T_s
+    rows = (bos + t0 + o_c) * H + i_h
+    return m_t, rows, m_t[:, None] & m_v[None, :], rows[:, None] * V + o_v[None, :]
 
 
 @triton.jit
@@ -121,17 +155,18 @@ def solve(b_g, b_c, b_M, o_c, C: tl.constexpr, R: tl.constexpr, REVERSE: tl.cons
 
 
 @triton.jit
-def rank1_row_chunk_fwd_kernel(u, v, q, oq, a, c, p, oc, oh, h0, y, ht, d, hs, cu, T,
+def rank1_row_chunk_fwd_kernel(u, v, q, oq, a, c, cs, p, oc, oh, h0, y, ht, d, hs, cu, T,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_D: tl.constexpr,
                                PREC: tl.constexpr, VARLEN: tl.constexpr, ONE_KEY: tl.constexpr,
-                               HAS_A: tl.constexpr):
+                               HAS_A: tl.constexpr, HAS_CS: tl.constexpr):
     """y [B, T, H, V] = oc o (S_t oq_t) + oh; d [B, T, H, V] fp32 = c o (S_{t-1} u_t) (``STORE_D``); the final
     state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 [N, H, K, V] (``HAS_H0``). MODES/CONSTS: of
     (c, p, oc, oh). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v and q unread): A = Aq,
     Lv = Lq, and D enters only through E = P - D. ``HAS_A``: a per-head decay a [B, T, H]; with
-    ``STORE_D`` every chunk's start state goes to hs (``start_slot``) for the backward."""
+    ``STORE_D`` every chunk's start state goes to hs (``start_slot``) for the backward. ``HAS_CS``: c is
+    the product of c and a per-head factor cs [B, T, H] (Gated Longhorn's alpha of u = alpha k)."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -142,6 +177,8 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, a, c, p, oc, oh, h0, y, ht, d, hs, c
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        if HAS_CS:
+            b_c = b_c * head_scale(cs, rows, m_t, HAS_CS)[:, None]
         b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
         b_uh = tl.dot(b_u, b_h, input_precision=PREC)
         b_oh = tl.dot(b_oq, b_h, input_precision=PREC)
@@ -219,35 +256,37 @@ def decay_grad(X_p, x0p, X_g, x0g, b_g, b_gp, o_c, PREC: tl.constexpr):
 
 
 @triton.jit
-def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du, dv, dq, doq, da, dc, dp, doc, dh0,
+def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht, du, dv, dq, doq, da, dc, dcs, dp,
+                               doc, dh0,
                                cu, T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
-                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr):
+                               VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr,
+                               HAS_CS: tl.constexpr, ATOMIC: tl.constexpr):
     """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
     end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it; ``HAS_A``: read
     from the forward's hs, as the decays cannot be divided out). Writes this row block's slice of
     du, dv, dq, doq [NR, B, T, H, K] (``ONE_KEY``: du holds the three key slots' sum, dv and dq are
     unwritten), of da [NR, B * T * H] (``HAS_A``), the row coefficients' gradients (``store_rows``) and dh0.
     With a decay the products below take the decayed matrices (``chunk_decays``) and the undecayed
-    adjoints ``G o dM`` for the keys."""
+    adjoints ``G o dM`` for the keys. ``HAS_CS``: c's per-head factor cs, its gradient (summed over the
+    block's rows) into this row block's slice of dcs [NR, B * T * H] (``store_c``)."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
     if not HAS_A:
         b_h = tl.load(ht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    key_base = i_r.to(tl.int64) * NTOK * K
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
     NC = tl.cdiv(T_s, C)
     for j_c in range(0, NC):
         t0 = (NC - 1 - j_c) * C
-        m_t = t0 + o_c < T_s
-        rows = (bos + t0 + o_c) * H + i_h
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = rows[:, None] * V + o_v[None, :]
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        if HAS_CS:
+            b_c = b_c * head_scale(cs, rows, m_t, HAS_CS)[:, None]
         b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
         b_oc = row_tile(oc, CONSTS[2], MODES[2], rows, o_v, m_t, m_v, V, C, R)
         b_d = tl.load(d + p_tv, mask=m_tv, other=0.)
@@ -284,9 +323,10 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             # dp = Aq^T W + Lq^T dO + Q dH = A^T W - gD, and dc = Z o (gD - A^T W) = -Z o dp
             b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
-            if MODES[0] != 0:
+            if MODES[0] != 0 or HAS_CS:
                 b_z = decayed(b_uh, b_egp, HAS_A) + tl.dot(b_A, b_e, input_precision=PREC)
-                store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
+                store_c(dc, dcs, -b_z * b_dp, c, cs, CONSTS[0], MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r,
+                        NTOK, C, R)
             if MODES[1] != 0:
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             # A (as both A and Aq) and L (as Lv and Lq) see D and P only through E = P - D
@@ -308,7 +348,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                     + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
             b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), tl.trans(b_h0), input_precision=PREC)
                      + tl.dot(b_dL, b_u, input_precision=PREC))
-            tl.store(du + p_tk, b_du, mask=m_tk)
+            put(du + p_tk, b_du, m_tk, ATOMIC)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
             b_q = key_tile(q, rows, o_k, m_t, m_k, K)
@@ -334,11 +374,11 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
             b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - decayed(b_vd, b_ebar, HAS_A)
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
-            if MODES[0] != 0:
+            if MODES[0] != 0 or HAS_CS:
                 b_z = (decayed(b_uh, b_egp, HAS_A) + tl.dot(b_Aq, b_p, input_precision=PREC)
                        - tl.dot(b_A, b_d, input_precision=PREC))
-                store_rows(dc, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), MODES[0], rows, o_v, m_t,
-                           m_v, V, i_r, NTOK)
+                store_c(dc, dcs, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), c, cs, CONSTS[0],
+                        MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r, NTOK, C, R)
             b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
             b_dAq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
             b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
@@ -370,10 +410,10 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, p, oc, d, ht, hs, dy, dht, du,
                     + tl.dot(decayed(b_p, b_ebar, HAS_A), b_dht, input_precision=PREC))
             b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), b_h0t, input_precision=PREC)
                      + tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC))
-            tl.store(du + p_tk, b_du, mask=m_tk)
-            tl.store(dv + p_tk, b_dv, mask=m_tk)
-            tl.store(dq + p_tk, b_dq, mask=m_tk)
-        tl.store(doq + p_tk, b_doq, mask=m_tk)
+            put(du + p_tk, b_du, m_tk, ATOMIC)
+            put(dv + p_tk, b_dv, m_tk, ATOMIC)
+            put(dq + p_tk, b_dq, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
         # adjoint of the chunk's start state: the end state's, the substitution's right side, the outputs
         b_dh = (decayed(b_dh, b_egl, HAS_A) + tl.dot(tl.trans(b_u), decayed(b_w, b_egp, HAS_A), input_precision=PREC)
                 + tl.dot(tl.trans(b_oq), decayed(b_do, b_eg, HAS_A), input_precision=PREC))

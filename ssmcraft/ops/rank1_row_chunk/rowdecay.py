@@ -1,0 +1,203 @@
+"""Triton kernels of the chunked per-row rank-1 family with a decay per state row (``a [B, T, H, V]``:
+wd_longhorn's ``1 / (1 + lambda)``), one key (``u = v = q = k``) and a constant readout scale (``chunk.py``
+has the algebra; ``kernels.py`` the helpers).
+
+Per row i its own cumulative log-decays over the chunk, ``g`` and ``gp = g - log a`` ([C, R] tiles, each
+token's log floored at ``tiles.LOG_DECAY_MIN``); the Gram matrices ``A = strict(K K^T)`` and
+``L = lower(OQ K^T)`` stay shared by the rows of a head, and every product that carries a per-row factor
+``e^{g_t - g_tau}`` between two tokens is taken on the ``[C, R]`` tiles one token at a time, with
+accumulators multiplied by each token's decay as the walk passes it (never ``e^{-g}``: every factor is a
+product of decays, <= 1, so nothing overflows at tiny or zero decays and no ``[C, C, R]`` tile exists).
+An accumulator row that is complete is left alone from then on ("frozen": the decay multiplies only the
+rows still to come), so that one tile holds every token's result when the walk ends.
+
+Forward per chunk (E = P - D, Z the per-row scalar ``s_{t-1,i} . k_t``)::
+
+    E + c o (A_i E) = P - c o (e^gp o K H0)          one walk: Ac = A_i E, Lc = L_i E
+    Z = e^gp o (K H0) + A_i E,   O = e^g o (OQ H0) + L_i E,   H_C = e^{g_C} o H0 + K^T (e^{g_C - g} o E)
+
+The forward of a training step stores Z (``[B, T, H, V]`` fp32; ``D = c o Z``, ``E = P - D``) and every
+chunk's start state (``hs``, as the per-head decay does). The backward walks each chunk once from its
+last token: the adjoint of E, ``gE = L_i^T dO + e^{g_C - g} o (K dH)``, and the substitution's adjoint
+``W`` (``W + A_i^T (c o W) = gE``) in one accumulator (they decay alike); then, at each token r, the
+decay's gradient term by term: ``da_r = sum_{tau < r} F_r[tau] Acc_r[tau] + e^{gp_r} acc0_r`` with
+``F_r[tau] = e^{gp_r - g_tau} E_tau`` (the coefficients before r, decayed to just before it) and
+``Acc_r`` the accumulator's rows before r (the coefficients after r, decayed back to it: outputs,
+substitution and the end state), ``acc0`` the same for the start state's terms (``e^gp o K H0``,
+``e^g o OQ H0``, ``e^{g_C} H0``); a_r is left out of every product, so it is exact at a = 0. The shared
+matrices' gradients, ``dA[r, tau] = -sum_i (c o W)[r, i] F_r[tau, i]`` and ``dL[r, tau] = sum_i dO[r, i]
+e^{g_r - g_tau} E[tau, i]``, are sums over the rows formed in the same walk.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ssmcraft.ops.common.tiles import log_decay, state_block, state_or_zero
+from ssmcraft.ops.rank1_row_chunk.kernels import (chunk_at, chunk_masks, key_tile, program, put, row_tile,
+                                                  start_slot, store_rows)
+
+
+@triton.jit
+def row_decays(a, rows, o_v, m_t, m_v, V, o_c, C: tl.constexpr):
+    """A chunk's per-row decays from ``a [B, T, H, V]`` (1 at padded tokens and rows): ``e = a`` (as
+    e^{log a}, floored), the cumulative logs ``g`` and ``gp = g - log a`` [C, R], and g's last row [R]."""
+    b_la = log_decay(tl.load(a + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                             other=1.).to(tl.float32))
+    b_g = tl.cumsum(b_la, axis=0)
+    b_gl = tl.sum(tl.where((o_c == C - 1)[:, None], b_g, 0.), axis=0)
+    return tl.exp(b_la), b_g, b_g - b_la, b_gl
+
+
+@triton.jit
+def row_of(x, sel):
+    """Row ``sel`` (a one-hot [C] mask) of a [C, n] tile, as [n]."""
+    return tl.sum(tl.where(sel[:, None], x, 0.), axis=0)
+
+
+@triton.jit
+def col_of(x, sel):
+    """Column ``sel`` (a one-hot [C] mask) of a [n, C] tile, as [n]."""
+    return tl.sum(tl.where(sel[None, :], x, 0.), axis=1)
+
+
+@triton.jit
+def decayed_walk(b_b, b_c, b_A, b_L, b_e, o_c, C: tl.constexpr, R: tl.constexpr):
+    """``E + c o (A_i E) = b`` token by token, A_i[t, tau] = A[t, tau] e^{gp_t - g_tau} (tau < t) per row:
+    returns ``A_i E`` and ``L_i E`` [C, R] (L_i[t, tau] = L[t, tau] e^{g_t - g_tau}, tau <= t), so that
+    E = b - c o (A_i E). ``b_e`` [C, R]: each token's decay per row."""
+    b_ae = tl.zeros([C, R], dtype=tl.float32)
+    b_le = tl.zeros([C, R], dtype=tl.float32)
+    for t in range(C):
+        sel = o_c == t
+        w = row_of(b_b - b_c * b_ae, sel)           # E_t: row t of A_i E is complete
+        e_t = row_of(b_e, sel)
+        # rows after t take a_t on what they hold, then token t's term; rows up to t are complete
+        b_ae = b_ae * tl.where(o_c[:, None] > t, e_t[None, :], 1.) + col_of(b_A, sel)[:, None] * w[None, :]
+        b_le = b_le * tl.where(o_c[:, None] >= t, e_t[None, :], 1.) + col_of(b_L, sel)[:, None] * w[None, :]
+    return b_ae, b_le
+
+
+@triton.jit
+def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs, cu, T,
+                                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                                        R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
+                                        CONSTS: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                                        STORE_Z: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
+    """y [B, T, H, V] = oc (S_t oq_t) + oh with ``s_t,i = a_t,i s_{t-1,i} - c_t,i (s_{t-1,i} . k_t) k_t
+    + p_t,i k_t``; a [B, T, H, V]; MODES/CONSTS of (c, p, oc, oh), oc constant (MODES[2] == 0). The
+    final state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 (``HAS_H0``); ``STORE_Z``: z [B, T, H, V]
+    fp32 = s_{t-1} . k_t and every chunk's start state in hs (``kernels.start_slot``)."""
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, R)
+    for t0 in range(0, T_s, C):
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
+        if STORE_Z:
+            tl.store(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, b_h, mask=m_kv)
+        b_u = key_tile(k, rows, o_k, m_t, m_k, K)
+        b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
+        b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
+        b_e, b_g, b_gp, b_gl = row_decays(a, rows, o_v, m_t, m_v, V, o_c, C)
+        b_uh = tl.dot(b_u, b_h, input_precision=PREC) * tl.exp(b_gp)
+        b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+        b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+        b_b = b_p - b_c * b_uh
+        b_ae, b_le = decayed_walk(b_b, b_c, b_A, b_L, b_e, o_c, C, R)
+        b_E = b_b - b_c * b_ae
+        b_o = tl.dot(b_oq, b_h, input_precision=PREC) * tl.exp(b_g) + b_le
+        b_h = b_h * tl.exp(b_gl)[None, :] + tl.dot(tl.trans(b_u), b_E * tl.exp(b_gl[None, :] - b_g),
+                                                    input_precision=PREC)
+        b_o = b_o * CONSTS[2]
+        if MODES[3] != 0 or CONSTS[3] != 0.0:
+            b_o += row_tile(oh, CONSTS[3], MODES[3], rows, o_v, m_t, m_v, V, C, R)
+        tl.store(y + p_tv, b_o.to(y.dtype.element_ty), mask=m_tv)
+        if STORE_Z:
+            tl.store(z + p_tv, b_uh + b_ae, mask=m_tv)
+    if STORE_HT:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq, da, dc, dp, dh0, cu, T, NTOK,
+                                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                                        R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
+                                        CONSTS: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                                        PREC: tl.constexpr, VARLEN: tl.constexpr,
+                                        ATOMIC: tl.constexpr):
+    """Reverse over chunks, each from its stored start state and Z. Writes this row block's slice of dk
+    and doq [NR, B, T, H, K], da [B, T, H, V] (per row: whole), the row coefficients' gradients
+    (``kernels.store_rows``) and dh0 [N, H, K, V]."""
+    i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
+    NC = tl.cdiv(T_s, C)
+    for j_c in range(0, NC):
+        t0 = (NC - 1 - j_c) * C
+        m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
+        b_h0 = tl.load(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, mask=m_kv, other=0.)
+        b_u = key_tile(k, rows, o_k, m_t, m_k, K)
+        b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
+        b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        b_p = row_tile(p, CONSTS[1], MODES[1], rows, o_v, m_t, m_v, V, C, R)
+        b_z = tl.load(z + p_tv, mask=m_tv, other=0.)
+        b_do = tl.load(dy + p_tv, mask=m_tv, other=0.).to(tl.float32) * CONSTS[2]
+        b_e, b_g, b_gp, b_gl = row_decays(a, rows, o_v, m_t, m_v, V, o_c, C)
+        b_E = b_p - b_c * b_z
+        b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
+        b_A = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
+        b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+        # the walk from the last token: acc's rows up to r hold, at step r, the coefficients after r
+        # decayed back to r: the outputs' (L_i^T dO), the end state's (K dH, started with) and the
+        # substitution's (-A_i^T (c o W)); acc0 the start state's terms likewise (one value a row)
+        b_acc = tl.dot(b_u, b_dh, input_precision=PREC)
+        b_acc0 = tl.sum(b_h0 * b_dh, axis=0)
+        b_doh = b_do * tl.dot(b_oq, b_h0, input_precision=PREC)
+        b_dAT = tl.zeros([C, C], dtype=tl.float32)
+        b_dLT = tl.zeros([C, C], dtype=tl.float32)
+        b_da = tl.zeros([C, R], dtype=tl.float32)
+        for j in range(C):
+            r = C - 1 - j
+            sel = o_c == r
+            before = o_c[:, None] < r
+            do_r = row_of(b_do, sel)
+            b_acc += row_of(b_L, sel)[:, None] * do_r[None, :]
+            b_acc0 += row_of(b_doh, sel)
+            e_r = row_of(b_e, sel)
+            gp_r = row_of(b_gp, sel)
+            wc_r = row_of(b_c, sel) * row_of(b_acc, sel)          # (c o W)_r: W's row r is complete
+            # F_r: E before r decayed to just before r (a_r left out)
+            b_F = tl.where(before, tl.exp(tl.where(before, gp_r[None, :] - b_g, 0.)), 0.) * b_E
+            b_da = tl.where(sel[:, None], (tl.sum(b_F * b_acc, axis=0) + tl.exp(gp_r) * b_acc0)[None, :], b_da)
+            b_dAT = tl.where(sel[None, :], -tl.sum(b_F * wc_r[None, :], axis=1)[:, None], b_dAT)
+            b_dLT = tl.where(sel[None, :], tl.sum(tl.where(sel[:, None], b_E, b_F * e_r[None, :]) * do_r[None, :],
+                                                  axis=1)[:, None], b_dLT)
+            b_acc = b_acc * tl.where(before, e_r[None, :], 1.) - row_of(b_A, sel)[:, None] * wc_r[None, :]
+            b_acc0 = b_acc0 * e_r - row_of(b_uh, sel) * wc_r
+        tl.store(da + p_tv, b_da, mask=m_tv)
+        b_wc = b_c * b_acc                                  # c o W; W = b_acc, the adjoint of P - c o UH
+        if MODES[0] != 0:
+            store_rows(dc, -b_acc * b_z, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
+        if MODES[1] != 0:
+            store_rows(dp, b_acc, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
+        b_duh = -b_wc * tl.exp(b_gp)                        # adjoints of K H0 and OQ H0, undecayed
+        b_dohh = b_do * tl.exp(b_g)
+        b_dA = tl.trans(b_dAT)
+        b_dk = (tl.dot(b_duh, tl.trans(b_h0), input_precision=PREC)
+                + tl.dot(b_E * tl.exp(b_gl[None, :] - b_g), tl.trans(b_dh), input_precision=PREC)
+                + tl.dot(b_dA + b_dAT, b_u, input_precision=PREC)
+                + tl.dot(b_dLT, b_oq, input_precision=PREC))
+        b_doq = tl.dot(b_dohh, tl.trans(b_h0), input_precision=PREC) + tl.dot(tl.trans(b_dLT), b_u,
+                                                                              input_precision=PREC)
+        p_tk = key_base + rows[:, None] * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        put(dk + p_tk, b_dk, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
+        b_dh = (b_dh * tl.exp(b_gl)[None, :] + tl.dot(tl.trans(b_u), b_duh, input_precision=PREC)
+                + tl.dot(tl.trans(b_oq), b_dohh, input_precision=PREC))
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
