@@ -39,7 +39,7 @@ LENS = [0, 1, 37, 64, 129, 300, 511]
 CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-chunked+packed", TOL_CHUNKED),
          ("deltanet", "rank1-chunk+packed", TOL_CHUNKED), ("gated_deltanet", "rank1-chunk+packed", TOL_CHUNKED),
          ("mamba", "diagonal-chunked+packed", TOL), ("longhorn_diag", "diagonal-chunked+packed", TOL),
-         ("longhorn", "rank1-row-chunk+prologue+packed", TOL), ("gated_longhorn", "rank1-row+prologue+packed", TOL),
+         ("longhorn", "rank1-row+prologue+packed", TOL), ("gated_longhorn", "rank1-row+prologue+packed", TOL),
          ("longhorn_2key", "rankr-row+prologue+packed", TOL), ("huber_longhorn", "general+packed", TOL),
          ("cauchy_delta", "general+packed", TOL), ("momentum_longhorn", "general+packed", TOL),
          ("kda_like", "rank1-keydecay-chunk+packed", TOL_CHUNKED), ("rank2_head_gated", "rankr-chunk+packed", TOL_CHUNKED),
@@ -47,7 +47,7 @@ CASES = [("gla", "keydecay-chunked+packed", TOL_CHUNKED), ("retnet", "keydecay-c
          ("ttt_mlp", "mlp-memory+packed", TOL), ("mlp_huber_minibatch", "mlp-minibatch-chunk+packed", TOL_CHUNKED),
          ("minibatch_huber", "general+packed", TOL), ("metric_rank2", "precision-fp64+rankr-chunk+packed", TOL_CHUNKED),
          ("metric_huber", "precision-fp64+general+packed", TOL_CHUNKED)]
-H, D, M = 4, 64, 16
+H, D, M = 4, 64, 16      # M below the chunked per-row families' MIN_KEYS: Longhorn runs on rank1_row here
 TIMED = [2048, 1500, 900, 700, 400, 300, 150, 100]     # the padded batch is [8, 2048]
 
 

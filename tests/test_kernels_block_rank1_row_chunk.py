@@ -297,3 +297,21 @@ def test_packed_rows_refused_by_name():
     which picks the first family whose ``varlen`` is None, never sends it a packed call."""
     fam = registry.family("block_rank1_row_chunk")
     assert fam.varlen is not None and "cu_seqlens" in fam.varlen
+
+
+@pytest.mark.parametrize("K", [16, 64])
+def test_dispatch_by_key_size(K, monkeypatch):
+    """On CUDA the family refuses keys fewer than ``MIN_KEYS`` (block_rank1_row, measured faster there,
+    runs them); the interpreter takes every size; the size check says why."""
+    from ssmcraft.bench.run import random_inputs as bench_inputs
+    monkeypatch.setattr(CH, "AHEAD", True)
+    obj = ssmcraft.compile("momentum_longhorn")
+    ins, _ = bench_inputs(obj, 1, 3, 1, 8, K, torch.float32, torch.device("cpu"))
+    runs = [f.name for f in registry.order(obj.ir, "triton") if not f.one_token and f.reason(obj.ir, ins, "triton") is None]
+    assert runs[0] == ("block_rank1_row_chunk" if K >= CH.MIN_KEYS else "block_rank1_row"), runs
+    fam = registry.family("block_rank1_row_chunk")
+    assert fam.reason(obj.ir, ins, "interpret") is None
+    why = fam.size_reason(obj.ir, {"d": 8, "m": K}, "triton")
+    assert (why is None) == (K >= CH.MIN_KEYS), why
+    if why is not None:
+        assert why == f"K = {K} < MIN_KEYS = {CH.MIN_KEYS} (block_rank1_row's per-token loop is faster with few keys)"

@@ -41,6 +41,7 @@ import torch
 from ssmcraft.ops.block_rank1_row.recurrent import supports as block_rank1_row_supports
 from ssmcraft.ops.block_rank1_row_chunk.kernels import block_chunk_bwd_kernel, block_chunk_fwd_kernel
 from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights
+from ssmcraft.ops.common.chunked import few_keys_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
@@ -48,9 +49,15 @@ from ssmcraft.ops.rank1_row_chunk.chunk import one_key
 
 BACKEND_NAME = "block-rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-# Whether the family goes ahead of block_rank1_row on CUDA: off until a GPU timing in one process shows
-# it faster (``benchmarks/bench_block_rank1.py --chunked`` times both). Read at dispatch time.
-AHEAD = False
+# Whether the family goes ahead of block_rank1_row on CUDA, read at dispatch time. Longhorn with momentum,
+# H200, bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd through obj(), one process: 5.07 ms here against 7.26 on
+# block_rank1_row (``benchmarks/bench_block_rank1_row_chunk.py --configs 32x4x16xtriton``)
+AHEAD = True
+# The smallest key size at which it goes ahead: with few keys the per-token loop wins, as for one state
+# (``rank1_row_chunk.MIN_KEYS``, whose K = 32 measurement sets this one's too). Measured, one H200, bf16,
+# B=8 T=2048 H=24 K=16 V=64, fwd+bwd through obj(), one process: 4.843 ms here, 3.707 on block_rank1_row
+# (``bench_block_rank1_row_chunk.py --no-check --shape 8,2048,24,16,64``)
+MIN_KEYS = 64
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
 NUM_WARPS = 4
@@ -191,6 +198,17 @@ def supports(ir) -> str | None:
             return (f"slot {slot!r} varies over {co.dims}: this family takes the state weights per head "
                     f"(the chunk's products of transitions are shared by the rows)")
     return None
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """On CUDA, refuse keys fewer than ``MIN_KEYS`` (``block_rank1_row`` runs them, and everything this
+    family does)."""
+    return few_keys_reason(ir, sizes, mode, MIN_KEYS, "block_rank1_row")
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def ahead(ir) -> bool:

@@ -70,6 +70,16 @@ def key_size_reason(ir, sizes: dict, max_k: int) -> str | None:
     return None
 
 
+def few_keys_reason(ir, sizes: dict, mode: str, min_keys: int, instead: str) -> str | None:
+    """On CUDA, why a chunked per-row family refuses keys fewer than ``min_keys``: the per-token family
+    ``instead``, next in the order and measured faster there, runs them (its K-long chains are short and
+    it makes one pass over the tokens); the interpreter takes any size."""
+    K = sizes.get(ir.dims[1])
+    if mode == "triton" and K is not None and K < min_keys:
+        return f"K = {K} < MIN_KEYS = {min_keys} ({instead}'s per-token loop is faster with few keys)"
+    return None
+
+
 def key_sizes(ir, inputs) -> dict:
     """``{key dim: size}`` read off the inputs that vary over the key dimension."""
     m = ir.dims[1]

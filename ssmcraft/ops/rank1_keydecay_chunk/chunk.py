@@ -106,7 +106,11 @@ from ssmcraft.ops.rank1_keydecay_chunk.kernels import (U_GIVEN, U_IS_AV, rank1_k
 
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
-CHUNK = 64                          # chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32)
+# chunk size used by ``forward`` / ``prepare`` (tests set 16 / 32). With FAST_DIAG, 32 halves the
+# masked [CHUNK, CHUNK] work of the three parallel kernels for twice the sequential state steps (H200,
+# bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd through obj(), one process: chunk 64 elementwise 2.911 ms,
+# chunk 64 products 2.182, chunk 32 products 1.599; ``bench_kda.py --leaf 16/4/64/16/0,16/4/64/16/1,16/4/32/16/1``)
+CHUNK = 32
 SUB = 16                            # sub-block of the intra-chunk matrices
 # rows of the diagonal blocks summed elementwise (SUB halved down to it), in the forward's prep and in
 # the backward: halving cuts the backward's instructions (its limit) and lengthens the prep's chain
@@ -119,10 +123,9 @@ EXACT_DECAY_GRAD = True
 DIAG_UNROLL = 4                     # in-block offsets per step of the backward's diagonal block sums
 # the diagonal sub-blocks as one tensor-core product per program where the decays allow it
 # (``kernels.FAST_DIAG_SPAN``), in the forward's prep and in the backward; False: always the halvings
-# and elementwise sums of LEAF_FWD / LEAF_BWD. Off until timed on a GPU against them (checked there;
-# ``bench_kda.py --leaf 16/4/64/16/0,16/4/64/16/1``). With it on, LEAF_BWD is unused: the
-# backward's programs that turn the products away sum leaves of SUB rows
-FAST_DIAG = False
+# and elementwise sums of LEAF_FWD / LEAF_BWD (timings at CHUNK). With it on, LEAF_BWD is unused:
+# the backward's programs that turn the products away sum leaves of SUB rows
+FAST_DIAG = True
 MAX_K = 128                         # whole key rows live in registers in the parallel kernels
 BACKEND_NAME = "rank1-keydecay-chunk"
 AV = "av"                           # ``u=AV``: the erase's read key is u = a o v, formed in the kernels

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _per_head, key_sizes
+from ssmcraft.ops.common.chunked import _per_head, few_keys_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
@@ -349,10 +349,7 @@ def supports(ir) -> str | None:
 def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
     """On CUDA, refuse keys fewer than ``MIN_KEYS`` (``rank1_row``, next in the order, was measured
     faster there and runs everything this family does); the interpreter takes any size."""
-    K = sizes.get(ir.dims[1])
-    if mode == "triton" and K is not None and K < MIN_KEYS:
-        return f"K = {K} < MIN_KEYS = {MIN_KEYS} (rank1_row's per-token loop is faster with few keys)"
-    return None
+    return few_keys_reason(ir, sizes, mode, MIN_KEYS, "rank1_row")
 
 
 def supports_inputs(ir, inputs, mode) -> str | None:
