@@ -304,21 +304,28 @@ def _advance(y0, y1, a00, a01, a10, a11, w0, w1, o_c, o_j, k):
 
 
 @triton.jit
+def _weights_program(T, NC, H: tl.constexpr, C: tl.constexpr, CP: tl.constexpr):
+    """A weight kernel's program (batch*head, chunk): the chunk's token lanes ``o_c`` and their mask,
+    the lanes ``o_j`` (C write lanes, then the two start lanes), the tokens' rows of the per-head
+    coefficients, the chunk's index into the weight buffers ``wb``, the write and start lane masks, and
+    the substitution's start (the identity on the start lanes)."""
+    i_bh, i_c = tl.program_id(0), tl.program_id(1)
+    o_c = tl.arange(0, C)
+    o_j = tl.arange(0, CP)
+    m_t = i_c * C + o_c < T
+    rows = ((i_bh // H).to(tl.int64) * T + i_c * C + o_c) * H + i_bh % H
+    m_w, m_s = o_j < C, (o_j >= C) & (o_j < C + 2)
+    return (o_c, o_j, m_t, rows, i_bh.to(tl.int64) * NC + i_c, m_w, m_s, tl.where(o_j == C, 1., 0.),
+            tl.where(o_j == C + 1, 1., 0.))
+
+
+@triton.jit
 def block_weights_fwd_kernel(co, Gw, Hw, gw, hw, Ew, Fw, T, NC, NTOK, H: tl.constexpr, C: tl.constexpr,
                              CP: tl.constexpr):
     """G, Hm [B*H*NC, C, C], g, h, E [B*H*NC, 2, C], F [B*H*NC, 4] of ``weights.py`` from the per-head
     coefficients ``co`` [10, B*T*H]; CP >= C + 2 lanes."""
-    i_bh, i_c = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_j = tl.arange(0, CP)
-    m_t = i_c * C + o_c < T
-    rows = (i_b.to(tl.int64) * T + i_c * C + o_c) * H + i_h
+    o_c, o_j, m_t, rows, wb, m_w, m_s, y0, y1 = _weights_program(T, NC, H, C, CP)
     a00, a01, a10, a11, e0, e1, w0, w1, r0, r1 = _head_coefs(co, rows, m_t, NTOK)
-    wb = i_bh.to(tl.int64) * NC + i_c
-    m_w, m_s = o_j < C, (o_j >= C) & (o_j < C + 2)
-    y0 = tl.where(o_j == C, 1., 0.)
-    y1 = tl.where(o_j == C + 1, 1., 0.)
     for k in range(0, C + 1):
         if k >= 1:
             y0, y1 = _advance(y0, y1, a00, a01, a10, a11, w0, w1, o_c, o_j, k)
@@ -350,18 +357,9 @@ def block_weights_bwd_kernel(co, dGw, dHw, dgw, dhw, dEw, dFw, dco, T, NC, NTOK,
                              C: tl.constexpr, CP: tl.constexpr, CK: tl.constexpr):
     """The gradients of the per-head coefficients ``dco`` [10, B*T*H] from those of the weights: the
     substitution's states recomputed into [CK, CP] tiles (CK >= C + 1), then its adjoint in reverse."""
-    i_bh, i_c = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_c = tl.arange(0, C)
-    o_j = tl.arange(0, CP)
-    o_k = tl.arange(0, CK)
-    m_t = i_c * C + o_c < T
-    rows = (i_b.to(tl.int64) * T + i_c * C + o_c) * H + i_h
+    o_c, o_j, m_t, rows, wb, m_w, m_s, y0, y1 = _weights_program(T, NC, H, C, CP)
     a00, a01, a10, a11, e0, e1, w0, w1, r0, r1 = _head_coefs(co, rows, m_t, NTOK)
-    wb = i_bh.to(tl.int64) * NC + i_c
-    m_w, m_s = o_j < C, (o_j >= C) & (o_j < C + 2)
-    y0 = tl.where(o_j == C, 1., 0.)
-    y1 = tl.where(o_j == C + 1, 1., 0.)
+    o_k = tl.arange(0, CK)
     Y0 = tl.where(o_k[:, None] == 0, y0[None, :], 0.)
     Y1 = tl.where(o_k[:, None] == 0, y1[None, :], 0.)
     for k in range(1, C + 1):
