@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import timing_table  # noqa: E402
 from ssmcraft.bench.classes_commands import measure  # noqa: E402
 from ssmcraft.ops import block_rank1_row  # noqa: E402
 from ssmcraft.ops.block_rank1_row import recurrent as R  # noqa: E402
@@ -74,17 +75,11 @@ def main(argv=None) -> int:
         print(row, flush=True)
         torch.cuda.empty_cache()
     ref = {r["spec"]: r["fwd_bwd_ms"] for r in rows if r.get("config") == "rule" and "fwd_bwd_ms" in r}
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
-    print("| objective | backend | config (rows:warps:chunk[:fwd rows[:keep ahead]][ bits]) | fwd ms | fwd+bwd ms | x DeltaNet | "
-          "x Longhorn |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['spec']} | - | {r['config']} | {r['error'][:80]} | - | - | - |")
-            continue
-        ratio = [f"{r['fwd_bwd_ms'] / ref[n]:.2f}" if n in ref else "-" for n in ("deltanet", "longhorn")]
-        print(f"| {r['spec']} | {r['backend']} | {r['config']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-              f"{ratio[0]} | {ratio[1]} |")
+    timing_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}",
+                 rows, [("objective", "spec"), ("backend", "backend"),
+                        ("config (rows:warps:chunk[:fwd rows[:keep ahead]][ bits])", "config"),
+                        ("fwd ms", "fwd_ms"), ("fwd+bwd ms", "fwd_bwd_ms")],
+                 {"x DeltaNet": ref.get("deltanet"), "x Longhorn": ref.get("longhorn")})
     return 0
 
 

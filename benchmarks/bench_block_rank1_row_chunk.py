@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import timing_table  # noqa: E402
 from checks import TOL_CHUNKED, dtype_name, reference_errors, summary  # noqa: E402
 
 import ssmcraft  # noqa: E402
@@ -150,15 +151,9 @@ def main(argv=None) -> int:
             print(f"    {us:9.1f} us  x{n}  {name[:90]}", flush=True)
         torch.cuda.empty_cache()
     ref = {r["spec"]: r["fwd_bwd_ms"] for r in rows if "fwd_bwd_ms" in r}
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16")
-    print("| run | backend | fwd ms | fwd+bwd ms | x DeltaNet | x Longhorn |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['spec']} | {r['error'][:80]} | - | - | - | - |")
-            continue
-        ratio = [f"{r['fwd_bwd_ms'] / ref[n]:.2f}" if n in ref else "-" for n in ("deltanet", "longhorn")]
-        print(f"| {r['spec']} | {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {ratio[0]} | {ratio[1]} |")
+    timing_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, bf16",
+                 rows, [("run", "spec"), ("backend", "backend"), ("fwd ms", "fwd_ms"), ("fwd+bwd ms", "fwd_bwd_ms")],
+                 {"x DeltaNet": ref.get("deltanet"), "x Longhorn": ref.get("longhorn")})
     return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import timing_table  # noqa: E402
 from ssmcraft.bench.classes_commands import measure  # noqa: E402
 from ssmcraft.ops.general import recurrent as G  # noqa: E402
 from ssmcraft.runtime import timing  # noqa: E402
@@ -89,14 +90,9 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if args.fla:
         rows.append(fla_delta_rule(shape, dtype) | {"config": "FLA's"})
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
-    print("| objective | backend | config | fwd ms | fwd+bwd ms |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['spec']} | - | {r['config']} | {r['error'][:80]} | - |")
-        else:
-            print(f"| {r['spec']} | {r['backend']} | {r['config']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} |")
+    timing_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}",
+                 rows, [("objective", "spec"), ("backend", "backend"), ("config", "config"), ("fwd ms", "fwd_ms"),
+                        ("fwd+bwd ms", "fwd_bwd_ms")])
     return 0
 
 

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import timing_table  # noqa: E402
 from bench_general import fla_delta_rule  # noqa: E402
 from ssmcraft.bench.classes_commands import class_specs, measure  # noqa: E402
 from ssmcraft.ops.mlp_memory import kernels as K, recurrent as R  # noqa: E402
@@ -70,18 +71,11 @@ def main(argv=None) -> int:
             print(row, flush=True)
             torch.cuda.empty_cache()
     fla = rows[0]["fwd_bwd_ms"] if args.fla else None
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}")
-    print("| objective | backend | form | warps fwd/bwd | fwd ms | fwd+bwd ms | x FLA fused_recurrent fwd+bwd |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['spec']} | - | {r['form']} | - | {r['error'][:80]} | - | - |")
-            continue
-        ratio = f"{r['fwd_bwd_ms'] / fla:.2f}" if fla else "-"
-        print(f"| {r['spec']} | {r['backend']} | {r['form']} | {r.get('warps', '-')} | {r['fwd_ms']:.3f} | "
-              f"{r['fwd_bwd_ms']:.3f} | {ratio} |")
-        for name, n, us in r.get("kernels", [])[:3]:
-            print(f"|   {name[:60]} x{n} | | | | | {us:.1f} us | |")
+    timing_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B,T,H,d,m = {args.shape}, {args.dtype}",
+                 rows, [("objective", "spec"), ("backend", "backend"), ("form", "form"), ("warps fwd/bwd", "warps"),
+                        ("fwd ms", "fwd_ms"), ("fwd+bwd ms", "fwd_bwd_ms")],
+                 {"x FLA fused_recurrent fwd+bwd": fla},
+                 after=lambda r: [f"|   {name[:60]} x{n} | | | | | {us:.1f} us | |" for name, n, us in r.get("kernels", [])[:3]])
     return 0
 
 

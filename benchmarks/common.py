@@ -81,6 +81,34 @@ def _fmt(v):
     return str(v)
 
 
+def timing_table(title: str, rows: list, columns: list, ratios: dict | None = None, after=None) -> None:
+    """Print ``title`` and a markdown table of timing ``rows`` (dicts, as ``classes_commands.measure``
+    returns them): one column per ``(header, key)`` of ``columns`` (floats as ``%.3f``, a missing key as
+    -), then one per ``header: ms`` of ``ratios``, the row's ``fwd_bwd_ms`` over ms (- where either is
+    missing). A row holding ``"error"`` prints it in the first column keyed ``fwd_ms`` and - after it.
+    ``after(row)``: extra lines printed under a row."""
+    heads = [h for h, _ in columns] + list(ratios or {})
+    print(f"\n{title}")
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        cells, failed = [], False
+        for _, key in columns:
+            if failed:
+                cells.append("-")
+            elif "error" in r and key == "fwd_ms":
+                cells.append(r["error"][:80])
+                failed = True
+            else:
+                v = r.get(key, "-")
+                cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
+        fb = None if "error" in r else r.get("fwd_bwd_ms")
+        cells += [f"{fb / ms:.2f}" if fb and ms else "-" for ms in (ratios or {}).values()]
+        print("| " + " | ".join(cells) + " |")
+        for line in (after(r) if after else ()):
+            print(line)
+
+
 def bound_fla_autotune(keep: int) -> int:
     """Cut every FLA autotuner to at most ``keep`` configs, so that its first call compiles a few
     configs per kernel rather than every one (minutes at this shape). Kept: 4 or 8 warps and 2 or 3
