@@ -16,7 +16,8 @@ this script; the families in their CUDA order).
 2. Timings through ``obj()``, bf16, at ``--shape`` (``timing.obj_calls`` + ``timing.time_calls``, as
    ``bench_classes.py``), in one process: DeltaNet (the ratio's reference), Gated DeltaNet, the
    composed rank-2 layers, FLA's ``chunk_gated_delta_product`` (two Householder factors, the same
-   shape) where FLA is installed; ``--row`` adds the composed layers on ``rankr_row`` (what ran them
+   shape) where FLA is installed, gated and ungated (``g=None``: DeltaProduct; on Triton 3.4-3.7.0
+   on Hopper FLA refuses the gated backward, not the ungated one); ``--row`` adds the composed layers on ``rankr_row`` (what ran them
    before this family).
 3. ``--smallk``: DeltaNet bf16 with an initial state at K = V = 32 on ``rank1_chunk``, in a child
    process (an illegal memory access ends the CUDA context), and what it printed.
@@ -149,9 +150,10 @@ def time_kernels_alone(shape, dtype, R=2) -> dict:
             "fwd_bwd": timing.bench_ms(lambda: torch.autograd.grad(run(), [v, p, q, beta, a], dy))}
 
 
-def time_fla_gdp(shape, dtype, keep: int = 0) -> dict:
-    """FLA's chunk_gated_delta_product, two Householder factors, at the same shape; its autotuners cut
-    to ``keep`` configs first (``common.bound_fla_autotune``; 0: all)."""
+def time_fla_gdp(shape, dtype, keep: int = 0, gated: bool = True) -> dict:
+    """FLA's chunk_gated_delta_product, two Householder factors, at the same shape, with a log-space
+    gate or without one (``g=None``, FLA's DeltaProduct); its autotuners cut to ``keep`` configs first
+    (``common.bound_fla_autotune``; 0: all)."""
     from fla.ops.gated_delta_product import chunk_gated_delta_product
     if keep:
         bound_fla_autotune(keep)
@@ -163,13 +165,15 @@ def time_fla_gdp(shape, dtype, keep: int = 0) -> dict:
     v = torch.randn(B, T * n, H, d, device=dev, dtype=dtype).requires_grad_()
     beta = torch.rand(B, T * n, H, device=dev, dtype=dtype).sigmoid().requires_grad_()
     gl = torch.nn.functional.logsigmoid(torch.rand(B, T, H, device=dev, dtype=torch.float32) + 3).requires_grad_()
-    run = (lambda: chunk_gated_delta_product(q, k, v, gl, beta, num_householder=n)[0])
-    row = {"label": "FLA chunk_gated_delta_product (2 factors)", "backend": "fla 0.6.0"}
+    leaves = [q, k, v, gl, beta] if gated else [q, k, v, beta]
+    run = (lambda: chunk_gated_delta_product(q, k, v, gl if gated else None, beta, num_householder=n)[0])
+    row = {"label": f"FLA chunk_gated_delta_product (2 factors{'' if gated else ', g=None'})",
+           "backend": "fla 0.6.0", "gated": gated}
     with torch.no_grad():
         row["fwd"] = timing.bench_ms(run)
     dy = torch.randn(B, T, H, d, device=dev, dtype=dtype)
     try:
-        row["fwd_bwd"] = timing.bench_ms(lambda: torch.autograd.grad(run(), [q, k, v, gl, beta], dy))
+        row["fwd_bwd"] = timing.bench_ms(lambda: torch.autograd.grad(run(), leaves, dy))
     except Exception as e:  # noqa: BLE001: FLA's backward refusing this Triton is a result to report
         row["fwd_bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
     return row
@@ -259,6 +263,7 @@ def main(argv=None) -> int:
             todo.append(("kernels", lambda: time_kernels_alone(shape, bf)))
         if not args.no_fla:
             todo.append(("fla", lambda: time_fla_gdp(shape, bf, args.fla_configs)))
+            todo.append(("fla ungated", lambda: time_fla_gdp(shape, bf, args.fla_configs, gated=False)))
         rows = []
         t0 = time.time()
         for label, fn in todo:       # each row printed as it comes: a run cut short keeps what it measured
@@ -277,16 +282,22 @@ def main(argv=None) -> int:
         if args.warm:
             return 0 if ok else 1
         ref = next((r["fwd_bwd"] for r in rows if r["label"] == "deltanet"), None)
-        gdp = next((r.get("fwd_bwd") for r in rows if r["backend"] == "fla 0.6.0"), None)
+        fla = {r["gated"]: r for r in rows if r["backend"] == "fla 0.6.0"}
         print(f"\n{torch.cuda.get_device_name()}, shape B,T,H,d,m = {args.shape}, bf16, through obj(); "
-              f"ratios: fwd+bwd / deltanet's, / FLA gated DeltaProduct's (same process)")
-        print("| layer | backend | fwd ms | fwd+bwd ms | x deltanet | x FLA GDP |")
-        print("|---|---|---|---|---|---|")
+              f"ratios: fwd and fwd+bwd / deltanet's fwd+bwd, / FLA's DeltaProduct of the same gating "
+              f"(a layer with a decay against the gated one; same process)")
+        print("| layer | backend | fwd ms | fwd+bwd ms | x deltanet | FLA fwd ratio | FLA fwd+bwd ratio |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             fb = r.get("fwd_bwd")
             fbs = f"{fb:.3f}" if fb is not None else r.get("fwd_bwd_error", "-")[:90]
+            composed = r["label"].split(" ")[0] in COMPOSED
+            anchor = fla.get("decay" in r["label"], {}) if composed else {}
+            afb = anchor.get("fwd_bwd")
             print(f"| {r['label']} | {r['backend']} | {r['fwd']:.3f} | {fbs} | "
-                  f"{fb / ref if fb and ref else float('nan'):.2f} | {fb / gdp if fb and gdp else float('nan'):.2f} |")
+                  f"{fb / ref if fb and ref else float('nan'):.2f} | "
+                  f"{r['fwd'] / anchor['fwd'] if anchor else float('nan'):.2f} | "
+                  f"{fb / afb if fb and afb else float('nan'):.2f} |")
     if args.smallk:
         print("\n-- DeltaNet bf16, initial state, K = V = 32 (rank1_chunk), child process", flush=True)
         try:
