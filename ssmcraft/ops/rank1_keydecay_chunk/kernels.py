@@ -633,7 +633,8 @@ def rank1_keydecay_chunk_bwd_da_kernel(da, a, u, v, c, oq, M, hs, dhs, psi, dpsi
         b_dVb = tl.zeros([BT, BK], dtype=tl.float32)     # Psi dH^T
         b_hdh = tl.zeros([BK], dtype=tl.float32)         # sum_v h0 dH
         # every product on fp32 tiles: N is a config's key block (16 or 32), below the least block of a
-        # 16-bit product on Hopper (``chunked._block_floor``)
+        # 16-bit product on Hopper (``chunked._block_floor``); on bf16 tiles at a key block of 16 (the
+        # autotuner's usual pick) this kernel gave NaN in d a on an H200 at chunks of 64, in half the runs
         for i_v in range(tl.cdiv(V, BV)):
             o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
             p_tv = row[:, None] * V + o_v[None, :]
