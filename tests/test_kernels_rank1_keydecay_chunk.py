@@ -11,6 +11,9 @@ import ssmcraft  # noqa: E402
 from ssmcraft.ops import registry  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from ssmcraft.ops.common.tuning import warp_rule  # noqa: E402
+from ssmcraft.ops.keydecay_chunk.decay_grad import DA_CONFIGS  # noqa: E402
+
 from ssmcraft.ops.rank1_keydecay_chunk import chunk as R, kernels as KK  # noqa: E402
 from ssmcraft.ops.rank1_keydecay_chunk.naive import naive_recurrent_rank1_keydecay  # noqa: E402
 from ssmcraft.runtime import select as TB  # noqa: E402
@@ -223,6 +226,79 @@ def test_diagonal_paths_mixed_in_one_call(monkeypatch):
     ins["a"][:, 64:] = strong["a"][:, 64:]
     assert ins["a"][:, :64].min() > 1e-3 and ins["a"][:, 64:].min() < 1e-8
     _assert_log_decay_case(ins, g, 32)
+
+
+# the key blocks the GPU's autotuner may pick for the exact decay gradient's kernel at 32 keys (its
+# configs as its prune keeps them): under the interpreter the launch passes the family's key block instead
+DA_KEY_BLOCKS = sorted({c.kwargs["BK"] for c in warp_rule(DA_CONFIGS, None, K=32)})
+
+
+def _da_key_block(monkeypatch, bk, products=None):
+    """Launch ``rank1_keydecay_chunk_bwd_da_kernel`` with key block ``bk``; with ``products`` (a list),
+    record there the operands of every tensor-core product it forms: (dtype, shape) of each side."""
+    from triton.runtime import interpreter as TI
+    launch, dot, inside = R.launch, TI.InterpreterBuilder.create_dot, []
+
+    def create_dot(self, a, b, *rest):
+        if inside and products is not None:
+            products.append(((a.dtype, a.data.shape), (b.dtype, b.data.shape)))
+        return dot(self, a, b, *rest)
+
+    def launch_at(kernel, grid, *args, **kw):
+        if kernel is not KK.rank1_keydecay_chunk_bwd_da_kernel:
+            return launch(kernel, grid, *args, **kw)
+        inside.append(kernel)
+        try:
+            return launch(kernel, grid, *args, **{**kw, "BK": bk})
+        finally:
+            inside.clear()
+    monkeypatch.setattr(TI.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(R, "launch", launch_at)
+
+
+@pytest.mark.parametrize("bk", DA_KEY_BLOCKS)
+def test_decay_gradient_kernel_takes_no_narrow_16bit_products(bk, monkeypatch):
+    """bf16 I/O, chunks of 64, decays that send every chunk through the exact decay gradient's kernel, at
+    each key block its autotuner may pick: no tensor-core product on 16-bit tiles with a side below
+    ``chunked._block_floor``, the least block of a 16-bit product on Hopper. On bf16 tiles at a key block
+    of 16 the kernel gave NaN in d alpha on an H200 at chunks of 64, in half the runs (none at 32 or 64,
+    none on fp32 tiles); the interpreter computes such products right, so the operands are what is checked."""
+    from ssmcraft.ops.common.chunked import _block_floor
+    products = []
+    _da_key_block(monkeypatch, bk, products)
+    monkeypatch.setattr(R, "FAST_DIAG", False)
+    ins, g = _kernel_case(67, 32, 24, "av", 1.0, seed=11, scale=True)
+    ins["a"][:, [3, 65]] = 1e-20                # a tiny decay at every key of each chunk: every program takes it
+    x = {n: t.to(torch.bfloat16).requires_grad_() for n, t in ins.items() if isinstance(t, torch.Tensor)}
+    o, hT = R.chunk_rank1_keydecay(x["v"], x["p"], x["c"], x["oq"], x["a"], u=R.AV, ps=x["ps"], initial_state=x["h0"],
+                                   output_final_state=True, chunk_size=64)
+    (o.float().sum() + hT.sum()).backward()
+    # chunks x heads x key blocks x (four over value blocks and M, two per key in the term-by-term sums)
+    assert len(products) == 2 * 2 * (32 // bk) * (4 + 2 * bk)
+    narrow = [(ta, tb) for ta, tb in products
+              if any(dt.primitive_bitwidth == 16 and min(shape) < _block_floor(torch.bfloat16) for dt, shape in (ta, tb))]
+    assert not narrow, narrow
+
+
+@pytest.mark.parametrize("bk,mix", [(DA_KEY_BLOCKS[0], False), (DA_KEY_BLOCKS[-1], True)], ids=["tiny", "mixed"])
+def test_decay_gradient_kernel_at_its_key_blocks(bk, mix, monkeypatch):
+    """The exact decay gradient at the least and the largest key block its autotuner may pick, on the
+    path where the GPU gave NaN in d alpha: chunks of 64, the elementwise diagonal sub-blocks, tiny and
+    zero decays (``checking.tiny_decays``), a partial last chunk, every buffer poisoned; the KDA-like layer
+    against the float64 reference, d alpha itself (not in log space)."""
+    from ssmcraft.runtime.checking import compare, reference, tiny_decays
+    from ssmcraft.runtime.select import validated_call
+    _da_key_block(monkeypatch, bk)
+    monkeypatch.setattr(R, "FAST_DIAG", False)
+    obj = ssmcraft.compile(compose_objective(KDA))
+    ins, params, S0, g = kernel_inputs(obj, 1, 67, 2, 24, 32, seed=5)
+    ins, params = tiny_decays(obj, ins, params, g, mix)
+    cmp = compare(reference(obj, ins, params, S0, g),
+                  lambda i, p, s: validated_call(registry.family("rank1_keydecay_chunk").prepare, obj, i, p, s, True))
+    assert "dalpha" in cmp.errors
+    # y: chunk sums of log-decays down to -80 a step reach thousands, whose fp32 ulp is each factor's
+    # relative error (chunk.py, "Exponents"): 1.2e-5 measured with mixed decays, 8.7e-8 with tiny ones alone
+    assert_within(cmp.errors, {**TOL, "y": 2e-5})
 
 
 def test_registered():

@@ -627,23 +627,26 @@ def rank1_keydecay_chunk_bwd_da_kernel(da, a, u, v, c, oq, M, hs, dhs, psi, dpsi
         return
     b_la = log_decay(tl.load(a + p, mask=m, other=1.).to(tl.float32))
     if tl.min(tl.min(b_la, axis=1), axis=0) < LOG_EXACT_DA:
-        DT = M.dtype.element_ty
         base = (cb + i_t) * K * V
         b_nW = tl.zeros([BT, BK], dtype=tl.float32)      # dPsi h0^T (= -dW)
         b_dOQ = tl.zeros([BT, BK], dtype=tl.float32)     # dO h0^T
         b_dVb = tl.zeros([BT, BK], dtype=tl.float32)     # Psi dH^T
         b_hdh = tl.zeros([BK], dtype=tl.float32)         # sum_v h0 dH
+        # every product on fp32 tiles: N is a config's key block (16 or 32), below the least block of a
+        # 16-bit product on Hopper (``chunked._block_floor``); on bf16 tiles at a key block of 16 (the
+        # autotuner's usual pick) this kernel gave NaN in d a on an H200 at chunks of 64, in half the runs
         for i_v in range(tl.cdiv(V, BV)):
             o_v, m_v, m_tv, m_kv = value_block(i_v, V, m_t, m_k, BV)
             p_tv = row[:, None] * V + o_v[None, :]
-            b_h = tl.load(hs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dh = tl.load(dhs + base + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_nW += tl.dot(tl.load(dpsi + p_tv, mask=m_tv, other=0.), tl.trans(b_h), input_precision=PREC)
-            b_dOQ += tl.dot(tl.load(do + p_tv, mask=m_tv, other=0.), tl.trans(b_h), input_precision=PREC)
-            b_dVb += tl.dot(tl.load(psi + p_tv, mask=m_tv, other=0.), tl.trans(b_dh), input_precision=PREC)
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
-        b_T1 = tl.dot(tl.trans(b_M), (-b_nW).to(DT), input_precision=PREC)
+            p_kv = base + o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(hs + p_kv, mask=m_kv, other=0.).to(tl.float32)
+            b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.).to(tl.float32)
+            b_nW += tl.dot(tl.load(dpsi + p_tv, mask=m_tv, other=0.).to(tl.float32), tl.trans(b_h), input_precision=PREC)
+            b_dOQ += tl.dot(tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32), tl.trans(b_h), input_precision=PREC)
+            b_dVb += tl.dot(tl.load(psi + p_tv, mask=m_tv, other=0.).to(tl.float32), tl.trans(b_dh), input_precision=PREC)
+            b_hdh += tl.sum(b_h * b_dh, axis=1)
+        b_M = tl.load(M + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        b_T1 = tl.dot(tl.trans(b_M), -b_nW, input_precision=PREC)
         b_g = tl.cumsum(b_la, axis=0)                   # rows past T: log 1 = 0, the sums stay flat
         b_gp = b_g - b_la
         b_gl = tl.sum(tl.where((o_i == BT - 1)[:, None], b_g, 0.), axis=0)
