@@ -186,10 +186,11 @@ def key_sum(g, atomic):
     return g if atomic else g.sum(0) if g.shape[0] > 1 else g[0]
 
 
-def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None):
+def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None, cs_is_a=False):
     """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H].
     With a per-row decay (``rowdecay.py``): one key, ``d`` the forward's Z, the decay's gradient per row
-    [B, T, H, V], whole."""
+    [B, T, H, V], whole. ``cs_is_a``: cs is the per-head decay itself (Gated Longhorn's alpha): the kernel
+    adds cs's gradient into a's (one buffer, one sum over the row blocks) and cs's is None."""
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -207,7 +208,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
              for m in modes[:2 if per_row else 3]]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
     da = None if a is None else _new((B, T, H, V) if per_row else (NR, B * T * H), dev)
-    dcs = None if cs is None else _new((NR, B * T * H), dev)
+    dcs = None if cs is None or cs_is_a else _new((NR, B * T * H), dev)
     c, p, oc = (m[2] for m in modes)
     common = dict(H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                   CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
@@ -219,7 +220,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
     else:
         launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
                *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
-               HAS_A=a is not None, HAS_CS=cs is not None, **common)
+               HAS_A=a is not None, HAS_CS=cs is not None, CS_IS_A=cs_is_a, **common)
     dkeys = [None if g is None else key_sum(g, atomic) for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     heads = [None if g is None or g.dim() == 4 else g.sum(0).view(B, T, H) for g in (da, dcs)]
@@ -240,6 +241,8 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
+        # one tensor as the decay and c's factor (Gated Longhorn's alpha): one gradient, summed in the kernel
+        ctx.cs_is_a = cs is not None and cs is a
         return y, (ht if output_final_state else None)
 
     @staticmethod
@@ -250,7 +253,7 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
         need_dh0 = ctx.needs_input_grad[9]
         dkeys, da, drows, dh0, dcs = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype,
-                                               cu, cs)
+                                               cu, cs, ctx.cs_is_a)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy

@@ -62,18 +62,25 @@ def store_rows(ptr, x, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK):
 
 
 @triton.jit
-def store_c(dc, dcs, x, c, cs, CONST, MODE: tl.constexpr, HAS_CS: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK,
-            C: tl.constexpr, R: tl.constexpr):
+def store_c(dc, dcs, x, c, cs, CONST, MODE: tl.constexpr, HAS_CS: tl.constexpr, CS_IS_A: tl.constexpr, rows, o_v,
+            m_t, m_v, V, i_r, NTOK, C: tl.constexpr, R: tl.constexpr):
     """The gradients of c from ``x [C, R]``, the gradient of the product c o cs (``HAS_CS``: cs [B, T, H]
     c's per-head factor): c's by ``store_rows`` (x cs) and cs's summed over the block's rows into its
     slice ``i_r`` of dcs [NR, B * T * H] (x c; c's and cs's tiles loaded again here rather than held
-    through the backward's products, where registers are short)."""
+    through the backward's products, where registers are short). ``CS_IS_A``: cs is the decay itself
+    (Gated Longhorn's alpha, both the decay and u's scale): cs's gradient [C] is returned, for the caller
+    to add to the decay's, and nothing is stored to dcs; else 0."""
     if HAS_CS:
         store_rows(dc, x * head_scale(cs, rows, m_t, HAS_CS)[:, None], MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
-        store_rows(dcs, x * row_tile(c, CONST, MODE, rows, o_v, m_t, m_v, V, C, R), 1, rows, o_v, m_t, m_v, V, i_r,
-                   NTOK)
+        x = x * row_tile(c, CONST, MODE, rows, o_v, m_t, m_v, V, C, R)
+        if CS_IS_A:
+            return tl.sum(tl.where(m_v[None, :], x, 0.), 1)
+        else:
+            store_rows(dcs, x, 1, rows, o_v, m_t, m_v, V, i_r, NTOK)
+            return 0.
     else:
         store_rows(dc, x, MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
+        return 0.
 
 
 @triton.jit
@@ -279,7 +286,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
                                VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr,
-                               HAS_CS: tl.constexpr, ATOMIC: tl.constexpr):
+                               HAS_CS: tl.constexpr, ATOMIC: tl.constexpr, CS_IS_A: tl.constexpr):
     """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
     end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it; ``HAS_A``: read
     from the forward's hs, as the decays cannot be divided out). Writes this row block's slice of
@@ -287,7 +294,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
     unwritten), of da [NR, B * T * H] (``HAS_A``), the row coefficients' gradients (``store_rows``) and dh0.
     With a decay the products below take the decayed matrices (``chunk_decays``) and the undecayed
     adjoints ``G o dM`` for the keys. ``HAS_CS``: c's per-head factor cs, its gradient (summed over the
-    block's rows) into this row block's slice of dcs [NR, B * T * H] (``store_c``)."""
+    block's rows) into this row block's slice of dcs [NR, B * T * H] (``store_c``), or, ``CS_IS_A`` (cs
+    is the decay a), added into da's."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -351,8 +359,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
             if MODES[0] != 0 or HAS_CS:
                 b_z = decayed(b_uh, b_egp, HAS_A) + tl.dot(b_A, b_e, input_precision=PREC)
-                store_c(dc, dcs, -b_z * b_dp, c, cs, CONSTS[0], MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r,
-                        NTOK, C, R)
+                b_dcs = store_c(dc, dcs, -b_z * b_dp, c, cs, CONSTS[0], MODES[0], HAS_CS, CS_IS_A, rows, o_v, m_t,
+                                m_v, V, i_r, NTOK, C, R)
             if MODES[1] != 0:
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             # A (as both A and Aq) and L (as Lv and Lq) see D and P only through E = P - D
@@ -360,6 +368,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             if HAS_A:
                 # A's pairs and X's start terms
                 b_da += decay_grad_gp(b_dA * b_Au, tl.sum(b_w * b_uh, axis=1), b_gp, Gp, PREC)
+                if CS_IS_A:
+                    b_da += b_dcs
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
             else:
                 b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
@@ -401,8 +411,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             if MODES[0] != 0 or HAS_CS:
                 b_z = (decayed(b_uh, b_egp, HAS_A) + tl.dot(b_Aq, b_p, input_precision=PREC)
                        - tl.dot(b_A, b_d, input_precision=PREC))
-                store_c(dc, dcs, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), c, cs, CONSTS[0],
-                        MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r, NTOK, C, R)
+                b_dcs = store_c(dc, dcs, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), c, cs, CONSTS[0],
+                                MODES[0], HAS_CS, CS_IS_A, rows, o_v, m_t, m_v, V, i_r, NTOK, C, R)
             b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
             b_dAq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
             b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
@@ -419,6 +429,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
                 b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + b_x7[None, :], b_Xg)
                 b_da = (decay_grad_gp(b_dA * b_Au + b_dAq * b_Aqu, tl.sum(b_w * b_uh, axis=1), b_gp, Gp, PREC)
                         + decay_grad_g(b_Xg, start_out_coef(b_oq, b_doh, b_hdh, o_c, C), b_gp, Gp, G, PREC))
+                if CS_IS_A:
+                    b_da += b_dcs
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
             b_dA = decayed(b_dA, Gp, HAS_A)
             b_dAq = decayed(b_dAq, Gp, HAS_A)
