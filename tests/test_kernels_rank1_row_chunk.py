@@ -339,7 +339,8 @@ def test_packed_decay_equals_separate(decay, monkeypatch):
 
 
 @pytest.mark.parametrize("c_mode,one_key,decay", [("row", True, "own"), ("head", False, "own"), ("const", True, None),
-                                                  ("row", False, None), ("row", True, "scale"), ("head", False, "scale")])
+                                                  ("row", False, None), ("row", True, "scale"),
+                                                  ("head", False, "scale")])
 def test_c_scale_equals_the_product(c_mode, one_key, decay):
     """``c_scale`` (a per-head factor of c formed in the kernels) against c times it formed by autograd on
     the host: output, final state and every gradient, the factor's own included (c per row, per head or

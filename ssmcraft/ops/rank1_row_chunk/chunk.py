@@ -50,10 +50,16 @@ The backward is the one above on these matrices, the keys' gradients taking the 
 (``e^{..} o dA`` and so on). The decay's gradient is taken term by term in every chunk
 (``tiles.pair_decay_grad``: each factor's coefficient times the product of the other decays in its
 span), exact at tiny and zero decays, where d log a / a loses its digits; it costs two ``[C, C]``
-products a chunk, beside the ``[C, K]`` ones, so no chunk takes the d log a / a shortcut. A chunk's
-start state cannot be rebuilt from its end state by dividing by the decays: the forward of a training
-step stores every chunk's start state (``hs``, ``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C``
-bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
+products a chunk, beside the ``[C, K]`` ones, so no chunk takes the d log a / a shortcut. Its factors
+are the decayed matrices' own (``Gp``, ``G``, with their empty products 1 exactly), and the part that
+the substitution does not reach (L's pairs, the outputs' and the end state's start factors) is taken
+before it, so that what it is formed from is not held through it (ptxas's spills a thread, bf16: 252
+bytes; 500 with both parts after the substitution on factor matrices of their own; Longhorn's 84).
+Where one tensor is both the decay and c's per-head factor (Gated Longhorn's alpha), the backward sums
+its two gradients in the kernel. A chunk's start state cannot be rebuilt from its end state by
+dividing by the decays: the forward of a training step stores every chunk's start state (``hs``,
+``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C`` bytes, 268 MB at B=8 T=2048 H=16 K=V=64
+C=16) and the backward reads it.
 
 A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
 log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
@@ -79,10 +85,12 @@ from ssmcraft.ops.rank1_row_chunk.rowdecay import (rank1_row_chunk_rowdecay_bwd_
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
 # Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): measured
-# faster and checked (``benchmarks/bench_rank1_row_chunk.py --decayed``, one H200, bf16 B=8 T=2048 H=16
-# d=m=64, fwd / fwd+bwd ms through obj(), one process: 0.915 / 3.553 here, 1.078 / 4.808 on rank1_row,
-# Longhorn 0.778 / 2.618; the decayed kernels against float64 on the GPU: 1.3e-5 in fp32 with tiny and
-# zero decays, 2.6e-3 in bf16). Read at dispatch time, so a benchmark may flip it.
+# faster and checked (one H200, bf16 B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd ms through obj(): 0.877 /
+# 3.310 here and Longhorn 0.779 / 2.618 in one process (1.26x; the kernels 2166 us backward and 879
+# forward against Longhorn's 1597 and 759); rank1_row 1.078 / 4.808 in another, beside 0.915 / 3.553 here
+# (``benchmarks/bench_rank1_row_chunk.py --decayed``); the decayed kernels against float64 on the GPU:
+# 8.6e-6 in fp32 with tiny and zero decays, 2.6e-3 in bf16). Read at dispatch time, so a benchmark may
+# flip it.
 DECAY_AHEAD = True
 # The smallest key size at which the family goes ahead of rank1_row on CUDA: with few keys the per-token
 # loop's K-long chains are short and its one pass over the tokens wins. Measured (one H200, bf16, kernels
