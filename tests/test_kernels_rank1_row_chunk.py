@@ -338,19 +338,21 @@ def test_packed_decay_equals_separate(decay, monkeypatch):
     check(errs)
 
 
-@pytest.mark.parametrize("c_mode,one_key,decay", [("row", True, True), ("head", False, True), ("const", True, False),
-                                                  ("row", False, False)])
+@pytest.mark.parametrize("c_mode,one_key,decay", [("row", True, "own"), ("head", False, "own"), ("const", True, None),
+                                                  ("row", False, None), ("row", True, "scale"),
+                                                  ("head", False, "scale")])
 def test_c_scale_equals_the_product(c_mode, one_key, decay):
     """``c_scale`` (a per-head factor of c formed in the kernels) against c times it formed by autograd on
     the host: output, final state and every gradient, the factor's own included (c per row, per head or
-    a constant; one key or three; with a per-head decay or none); over two row blocks, a cut chunk."""
+    a constant; one key or three; with a per-head decay of its own, none, or the factor itself as the
+    decay, Gated Longhorn's alpha, whose two gradients the kernel sums); over two row blocks, a cut chunk."""
     B, T, H, K, V = 2, 23, 2, 8, 20
     keys, rows, S0 = _general(B, T, H, K, V, (c_mode, "row", "const", "const"), seed=7)
     if one_key:
         keys = [keys[0]] * 3 + keys[3:]
     g = torch.Generator().manual_seed(8)
     s = (0.2 + 0.8 * torch.rand(B, T, H, generator=g, dtype=torch.float64))
-    a = (0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64)).float() if decay else None
+    a = (0.3 + 0.7 * torch.rand(B, T, H, generator=g, dtype=torch.float64)).float() if decay == "own" else None
     dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
     out = []
     for in_kernel in (True, False):
@@ -358,13 +360,14 @@ def test_c_scale_equals_the_product(c_mode, one_key, decay):
                   if isinstance(x, torch.Tensor)}
         f = lambda x: leaves[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
         c = f(rows[0])
+        dec = f(s) if decay == "scale" else a
         if in_kernel:
             y, S = RC.rank1_row_chunk(*[f(x) for x in keys], c, f(rows[1]), initial_state=f(S0),
-                                      output_final_state=True, a=a, c_scale=f(s))
+                                      output_final_state=True, a=dec, c_scale=f(s))
         else:
             cs = c * (f(s)[..., None] if isinstance(c, torch.Tensor) and c.dim() == 4 else f(s))
             y, S = RC.rank1_row_chunk(*[f(x) for x in keys], cs, f(rows[1]), initial_state=f(S0),
-                                      output_final_state=True, a=a)
+                                      output_final_state=True, a=dec)
         grads = torch.autograd.grad((y.double() * dy).sum() + S.double().sum(), list(leaves.values()))
         out.append((y, S, *grads))
     errs = {f"out{i}": rel(x, r) for i, (x, r) in enumerate(zip(*out))}

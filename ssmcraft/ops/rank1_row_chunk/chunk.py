@@ -50,10 +50,16 @@ The backward is the one above on these matrices, the keys' gradients taking the 
 (``e^{..} o dA`` and so on). The decay's gradient is taken term by term in every chunk
 (``tiles.pair_decay_grad``: each factor's coefficient times the product of the other decays in its
 span), exact at tiny and zero decays, where d log a / a loses its digits; it costs two ``[C, C]``
-products a chunk, beside the ``[C, K]`` ones, so no chunk takes the d log a / a shortcut. A chunk's
-start state cannot be rebuilt from its end state by dividing by the decays: the forward of a training
-step stores every chunk's start state (``hs``, ``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C``
-bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
+products a chunk, beside the ``[C, K]`` ones, so no chunk takes the d log a / a shortcut. Its factors
+are the decayed matrices' own (``Gp``, ``G``, with their empty products 1 exactly), and the part that
+the substitution does not reach (L's pairs, the outputs' and the end state's start factors) is taken
+before it, so that what it is formed from is not held through it (ptxas's spills a thread, bf16: 252
+bytes; 500 with both parts after the substitution on factor matrices of their own; Longhorn's 84).
+Where one tensor is both the decay and c's per-head factor (Gated Longhorn's alpha), the backward sums
+its two gradients in the kernel. A chunk's start state cannot be rebuilt from its end state by
+dividing by the decays: the forward of a training step stores every chunk's start state (``hs``,
+``[B T / C + N, H, K, V]`` fp32: about ``4 B H T K V / C`` bytes, 268 MB at B=8 T=2048 H=16 K=V=64
+C=16) and the backward reads it.
 
 A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
 log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
@@ -79,10 +85,12 @@ from ssmcraft.ops.rank1_row_chunk.rowdecay import (rank1_row_chunk_rowdecay_bwd_
 BACKEND_NAME = "rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
 # Whether the family goes ahead of rank1_row on CUDA for a per-head decay (Gated Longhorn): measured
-# faster and checked (``benchmarks/bench_rank1_row_chunk.py --decayed``, one H200, bf16 B=8 T=2048 H=16
-# d=m=64, fwd / fwd+bwd ms through obj(), one process: 0.915 / 3.553 here, 1.078 / 4.808 on rank1_row,
-# Longhorn 0.778 / 2.618; the decayed kernels against float64 on the GPU: 1.3e-5 in fp32 with tiny and
-# zero decays, 2.6e-3 in bf16). Read at dispatch time, so a benchmark may flip it.
+# faster and checked (one H200, bf16 B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd ms through obj(): 0.877 /
+# 3.310 here and Longhorn 0.779 / 2.618 in one process (1.26x; the kernels 2166 us backward and 879
+# forward against Longhorn's 1597 and 759); rank1_row 1.078 / 4.808 in another, beside 0.915 / 3.553 here
+# (``benchmarks/bench_rank1_row_chunk.py --decayed``); the decayed kernels against float64 on the GPU:
+# 8.6e-6 in fp32 with tiny and zero decays, 2.6e-3 in bf16). Read at dispatch time, so a benchmark may
+# flip it.
 DECAY_AHEAD = True
 # The smallest key size at which the family goes ahead of rank1_row on CUDA: with few keys the per-token
 # loop's K-long chains are short and its one pass over the tokens wins. Measured (one H200, bf16, kernels
@@ -186,10 +194,11 @@ def key_sum(g, atomic):
     return g if atomic else g.sum(0) if g.shape[0] > 1 else g[0]
 
 
-def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None):
+def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None, cs_is_a=False):
     """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H].
     With a per-row decay (``rowdecay.py``): one key, ``d`` the forward's Z, the decay's gradient per row
-    [B, T, H, V], whole."""
+    [B, T, H, V], whole. ``cs_is_a``: cs is the per-head decay itself (Gated Longhorn's alpha): the kernel
+    adds cs's gradient into a's (one buffer, one sum over the row blocks) and cs's is None."""
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -207,7 +216,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
              for m in modes[:2 if per_row else 3]]
     dh0 = _new((N, H, K, V), dev) if need_dh0 else None
     da = None if a is None else _new((B, T, H, V) if per_row else (NR, B * T * H), dev)
-    dcs = None if cs is None else _new((NR, B * T * H), dev)
+    dcs = None if cs is None or cs_is_a else _new((NR, B * T * H), dev)
     c, p, oc = (m[2] for m in modes)
     common = dict(H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                   CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
@@ -219,7 +228,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
     else:
         launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
                *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
-               HAS_A=a is not None, HAS_CS=cs is not None, **common)
+               HAS_A=a is not None, HAS_CS=cs is not None, CS_IS_A=cs_is_a, **common)
     dkeys = [None if g is None else key_sum(g, atomic) for g in dkeys]
     drows = [None if g is None else g if m[0] == 2 else g.sum(0).view(B, T, H) for g, m in zip(drows, modes)]
     heads = [None if g is None or g.dim() == 4 else g.sum(0).view(B, T, H) for g in (da, dcs)]
@@ -240,6 +249,8 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
+        # one tensor as the decay and c's factor (Gated Longhorn's alpha): one gradient, summed in the kernel
+        ctx.cs_is_a = cs is not None and cs is a
         return y, (ht if output_final_state else None)
 
     @staticmethod
@@ -250,7 +261,7 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
         need_dh0 = ctx.needs_input_grad[9]
         dkeys, da, drows, dh0, dcs = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype,
-                                               cu, cs)
+                                               cu, cs, ctx.cs_is_a)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy

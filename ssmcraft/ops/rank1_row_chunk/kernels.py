@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmcraft.ops.common.tiles import decay_after, decay_before, log_decay, pair_decay_grad, state_block, state_or_zero
+from ssmcraft.ops.common.tiles import decay_after, log_decay, pair_decay_grad, state_block, state_or_zero
 from ssmcraft.ops.rank1_row.bwd import put
 
 
@@ -62,18 +62,25 @@ def store_rows(ptr, x, MODE: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK):
 
 
 @triton.jit
-def store_c(dc, dcs, x, c, cs, CONST, MODE: tl.constexpr, HAS_CS: tl.constexpr, rows, o_v, m_t, m_v, V, i_r, NTOK,
-            C: tl.constexpr, R: tl.constexpr):
+def store_c(dc, dcs, x, c, cs, CONST, MODE: tl.constexpr, HAS_CS: tl.constexpr, CS_IS_A: tl.constexpr, rows, o_v,
+            m_t, m_v, V, i_r, NTOK, C: tl.constexpr, R: tl.constexpr):
     """The gradients of c from ``x [C, R]``, the gradient of the product c o cs (``HAS_CS``: cs [B, T, H]
     c's per-head factor): c's by ``store_rows`` (x cs) and cs's summed over the block's rows into its
     slice ``i_r`` of dcs [NR, B * T * H] (x c; c's and cs's tiles loaded again here rather than held
-    through the backward's products, where registers are short)."""
+    through the backward's products, where registers are short). ``CS_IS_A``: cs is the decay itself
+    (Gated Longhorn's alpha, both the decay and u's scale): cs's gradient [C] is returned, for the caller
+    to add to the decay's, and nothing is stored to dcs; else 0."""
     if HAS_CS:
         store_rows(dc, x * head_scale(cs, rows, m_t, HAS_CS)[:, None], MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
-        store_rows(dcs, x * row_tile(c, CONST, MODE, rows, o_v, m_t, m_v, V, C, R), 1, rows, o_v, m_t, m_v, V, i_r,
-                   NTOK)
+        x = x * row_tile(c, CONST, MODE, rows, o_v, m_t, m_v, V, C, R)
+        if CS_IS_A:
+            return tl.sum(tl.where(m_v[None, :], x, 0.), 1)
+        else:
+            store_rows(dcs, x, 1, rows, o_v, m_t, m_v, V, i_r, NTOK)
+            return 0.
     else:
         store_rows(dc, x, MODE, rows, o_v, m_t, m_v, V, i_r, NTOK)
+        return 0.
 
 
 @triton.jit
@@ -112,13 +119,15 @@ def chunk_decays(a, rows, m_t, o_c, strict, incl, C: tl.constexpr):
     """A chunk's decay factors from its per-head decays ``a`` (1 at padded tokens): the cumulative logs
     ``g`` and ``gp`` (through the token before) [C], ``Gp [C, C] = e^{gp_t - g_tau}`` (tau < t, else 0),
     ``G = e^{g_t - g_tau}`` (tau <= t, else 0), and ``e^g``, ``e^gp``, ``e^{g_last - g}`` [C], ``e^g_last``:
-    every exponent a later sum minus an earlier one (<= 0)."""
+    every exponent a later sum minus an earlier one (<= 0). The empty products (Gp's tau = t - 1, G's
+    diagonal) are 1 exactly, as ``tiles.decay_before`` and ``decay_after`` make them, so that Gp and G are
+    also the decay gradient's factors (``decay_grad_gp``, ``decay_grad_g``)."""
     b_la = log_decay(tl.load(a + rows, mask=m_t, other=1.).to(tl.float32))
     b_g = tl.cumsum(b_la, axis=0)
     b_gp = b_g - b_la
     b_gl = tl.sum(tl.where(o_c == C - 1, b_g, 0.), axis=0)
-    Gp = tl.where(strict, tl.exp(tl.where(strict, b_gp[:, None] - b_g[None, :], 0.)), 0.)
-    G = tl.where(incl, tl.exp(tl.where(incl, b_g[:, None] - b_g[None, :], 0.)), 0.)
+    Gp = decay_after(b_gp, b_g, strict, o_c[:, None] == o_c[None, :] + 1)
+    G = decay_after(b_g, b_g, incl, o_c[:, None] == o_c[None, :])
     return b_g, b_gp, Gp, G, tl.exp(b_g), tl.exp(b_gp), tl.exp(b_gl - b_g), tl.exp(b_gl)
 
 
@@ -242,17 +251,32 @@ def rank1_row_chunk_fwd_kernel(u, v, q, oq, a, c, cs, p, oc, oh, h0, y, ht, d, h
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
 
 
+# d a [C] of a chunk is taken term by term (``tiles.pair_decay_grad``: each factor's coefficient times the
+# product of the other decays in its span, exact at tiny and zero decays), in two parts, each where its
+# coefficients are at hand. Coefficients without their decays, summed over the block's rows. The factors
+# are ``chunk_decays``' own: Gp holds the decays after token r up to before row t's token
+# (``tiles.decay_after``'s Fgp), G those up to row t's token (Fg), Gp^T those strictly between a term row
+# and r (``tiles.decay_before``'s E).
+
 @triton.jit
-def decay_grad(X_p, x0p, X_g, x0g, b_g, b_gp, o_c, PREC: tl.constexpr):
-    """d a [C] of a chunk, term by term (``tiles.pair_decay_grad``: each factor's coefficient times the
-    product of the other decays in its span, exact at tiny and zero decays): the pairs e^{gp_t - g_tau}
-    with coefficients ``X_p`` and the start factors e^gp_t with ``x0p``; the pairs e^{g_t - g_tau} with
-    ``X_g`` and e^g_t with ``x0g`` (the end state's factors folded into the last row). Coefficients
-    without their decays, summed over the block's rows."""
-    E = decay_before(b_g, b_gp, o_c, o_c)
-    Fgp = decay_after(b_gp, b_g, o_c[:, None] > o_c[None, :], o_c[:, None] == o_c[None, :] + 1)
-    Fg = decay_after(b_g, b_g, o_c[:, None] >= o_c[None, :], o_c[:, None] == o_c[None, :])
-    return pair_decay_grad(X_p, x0p, Fgp, E, b_gp, PREC) + pair_decay_grad(X_g, x0g, Fg, E, b_gp, PREC)
+def decay_grad_gp(X_p, x0p, b_gp, Gp, PREC: tl.constexpr):
+    """d a's part of the pairs e^{gp_t - g_tau} (coefficients ``X_p``) and the start factors e^gp_t (``x0p``)."""
+    return pair_decay_grad(X_p, x0p, Gp, tl.trans(Gp), b_gp, PREC)
+
+
+@triton.jit
+def decay_grad_g(X_g, x0g, b_gp, Gp, G, PREC: tl.constexpr):
+    """d a's part of the pairs e^{g_t - g_tau} (coefficients ``X_g``, the end state's factors folded into the
+    last row) and the start factors e^g_t (``x0g``)."""
+    return pair_decay_grad(X_g, x0g, G, tl.trans(Gp), b_gp, PREC)
+
+
+@triton.jit
+def start_out_coef(b_oq, b_doh, b_hdh, o_c, C: tl.constexpr):
+    """x0g [C] of ``decay_grad_g``: the coefficients of e^g_t in the outputs (dO . (OQ H0) per token, taken
+    as OQ . (dO H0^T), whose product doq needs anyway) and of e^g_last in the end state (``b_hdh`` =
+    dH . H0, the last token's)."""
+    return tl.sum(b_oq * b_doh, axis=1) + tl.where(o_c == C - 1, b_hdh, 0.)
 
 
 @triton.jit
@@ -262,7 +286,7 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
                                R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
                                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
                                VARLEN: tl.constexpr, ONE_KEY: tl.constexpr, HAS_A: tl.constexpr,
-                               HAS_CS: tl.constexpr, ATOMIC: tl.constexpr):
+                               HAS_CS: tl.constexpr, ATOMIC: tl.constexpr, CS_IS_A: tl.constexpr):
     """Reverse over chunks from the final state ht (each chunk's start state rebuilt exactly from its
     end state and the stored D: H0 = H_C + V^T D - Q^T P; z = X - A D where dc needs it; ``HAS_A``: read
     from the forward's hs, as the decays cannot be divided out). Writes this row block's slice of
@@ -270,7 +294,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
     unwritten), of da [NR, B * T * H] (``HAS_A``), the row coefficients' gradients (``store_rows``) and dh0.
     With a decay the products below take the decayed matrices (``chunk_decays``) and the undecayed
     adjoints ``G o dM`` for the keys. ``HAS_CS``: c's per-head factor cs, its gradient (summed over the
-    block's rows) into this row block's slice of dcs [NR, B * T * H] (``store_c``)."""
+    block's rows) into this row block's slice of dcs [NR, B * T * H] (``store_c``), or, ``CS_IS_A`` (cs
+    is the decay a), added into da's."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
@@ -297,6 +322,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
         m_tk = m_t[:, None] & m_k[None, :]
         if HAS_A:
             b_h0 = tl.load(start_slot(hs, i_bh, bos, t0, H, K, V, C) + p_kv, mask=m_kv, other=0.)
+            # the end state's coefficient of e^g_last (``start_out_coef``), taken first: fewer tiles are live
+            b_hdh = tl.sum(tl.sum(b_dh * b_h0, 1), 0)
             b_g, b_gp, Gp, G, b_eg, b_egp, b_ebar, b_egl = chunk_decays(a, rows, m_t, o_c, strict, incl, C)
             b_eg, b_egp, b_ebar = b_eg[:, None], b_egp[:, None], b_ebar[:, None]
         else:
@@ -312,42 +339,49 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             b_ud = tl.dot(b_u, b_dh, input_precision=PREC)
             b_A = decayed(b_Au, Gp, HAS_A)
             b_L = decayed(b_Lu, G, HAS_A)
-            if MODES[2] != 0 or HAS_A:
-                b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
             if MODES[2] != 0:
+                b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
                 store_rows(doc, b_dy * (decayed(b_oh, b_eg, HAS_A) + tl.dot(b_L, b_e, input_precision=PREC)), MODES[2],
                            rows, o_v, m_t, m_v, V, i_r, NTOK)
             # adjoint of D = c o z through the outputs and the end state
             b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - decayed(b_ud, b_ebar, HAS_A)
+            if HAS_A:
+                # the decay's factors that the substitution does not reach, before it, so that what they are
+                # formed from dies before it: L's pairs, O's start terms and the end state's (the last row's)
+                b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
+                b_Xg = b_dL * b_Lu
+                b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + tl.sum(b_ud * b_e, axis=1)[None, :], b_Xg)
+                b_doh = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC)
+                b_da = decay_grad_g(b_Xg, start_out_coef(b_oq, b_doh, b_hdh, o_c, C), b_gp, Gp, G, PREC)
             b_AT = tl.trans(b_A)
             b_w = solve(b_c * b_gd, b_c, b_AT, o_c, C, R, True)
             # dp = Aq^T W + Lq^T dO + Q dH = A^T W - gD, and dc = Z o (gD - A^T W) = -Z o dp
             b_dp = tl.dot(b_AT, b_w, input_precision=PREC) - b_gd
             if MODES[0] != 0 or HAS_CS:
                 b_z = decayed(b_uh, b_egp, HAS_A) + tl.dot(b_A, b_e, input_precision=PREC)
-                store_c(dc, dcs, -b_z * b_dp, c, cs, CONSTS[0], MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r,
-                        NTOK, C, R)
+                b_dcs = store_c(dc, dcs, -b_z * b_dp, c, cs, CONSTS[0], MODES[0], HAS_CS, CS_IS_A, rows, o_v, m_t,
+                                m_v, V, i_r, NTOK, C, R)
             if MODES[1] != 0:
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             # A (as both A and Aq) and L (as Lv and Lq) see D and P only through E = P - D
             b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
-            b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
             if HAS_A:
-                # the decay's factors: A's pairs and X's start terms (row sums gp); L's pairs, O's start
-                # terms and the end state's (the last row's, row sums g)
-                b_Xg = b_dL * b_Lu
-                b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + tl.sum(b_ud * b_e, axis=1)[None, :], b_Xg)
-                b_x0g = tl.sum(b_do * b_oh, axis=1) + tl.where(o_c == C - 1, tl.sum(tl.sum(b_dh * b_h0, 1), 0), 0.)
-                b_da = decay_grad(b_dA * b_Au, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp, o_c, PREC)
+                # A's pairs and X's start terms
+                b_da += decay_grad_gp(b_dA * b_Au, tl.sum(b_w * b_uh, axis=1), b_gp, Gp, PREC)
+                if CS_IS_A:
+                    b_da += b_dcs
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
+            else:
+                b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
             b_dA = decayed(b_dA, Gp, HAS_A)
             b_dL = decayed(b_dL, G, HAS_A)
             b_du = (tl.dot(decayed(b_w, b_egp, HAS_A), tl.trans(b_h0), input_precision=PREC)
                     + tl.dot(decayed(b_e, b_ebar, HAS_A), b_dht, input_precision=PREC)
                     + tl.dot(b_dA + tl.trans(b_dA), b_u, input_precision=PREC)
                     + tl.dot(tl.trans(b_dL), b_oq, input_precision=PREC))
-            b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), tl.trans(b_h0), input_precision=PREC)
-                     + tl.dot(b_dL, b_u, input_precision=PREC))
+            if not HAS_A:
+                b_doh = tl.dot(b_do, tl.trans(b_h0), input_precision=PREC)
+            b_doq = decayed(b_doh, b_eg, HAS_A) + tl.dot(b_dL, b_u, input_precision=PREC)
             put(du + p_tk, b_du, m_tk, ATOMIC)
         else:
             b_vk = key_tile(v, rows, o_k, m_t, m_k, K)
@@ -365,9 +399,9 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             b_Aq = decayed(b_Aqu, Gp, HAS_A)
             b_Lv = decayed(b_Lvu, G, HAS_A)
             b_Lq = decayed(b_Lqu, G, HAS_A)
-            b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
             b_uh = tl.dot(b_u, b_h0, input_precision=PREC)
             if MODES[2] != 0:
+                b_oh = tl.dot(b_oq, b_h0, input_precision=PREC)
                 b_o = (decayed(b_oh, b_eg, HAS_A) - tl.dot(b_Lv, b_d, input_precision=PREC)
                        + tl.dot(b_Lq, b_p, input_precision=PREC))
                 store_rows(doc, b_dy * b_o, MODES[2], rows, o_v, m_t, m_v, V, i_r, NTOK)
@@ -377,8 +411,8 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             if MODES[0] != 0 or HAS_CS:
                 b_z = (decayed(b_uh, b_egp, HAS_A) + tl.dot(b_Aq, b_p, input_precision=PREC)
                        - tl.dot(b_A, b_d, input_precision=PREC))
-                store_c(dc, dcs, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), c, cs, CONSTS[0],
-                        MODES[0], HAS_CS, rows, o_v, m_t, m_v, V, i_r, NTOK, C, R)
+                b_dcs = store_c(dc, dcs, b_z * (b_gd - tl.dot(b_AT, b_w, input_precision=PREC)), c, cs, CONSTS[0],
+                                MODES[0], HAS_CS, CS_IS_A, rows, o_v, m_t, m_v, V, i_r, NTOK, C, R)
             b_dA = tl.where(strict, -tl.dot(b_w, tl.trans(b_d), input_precision=PREC), 0.)
             b_dAq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
             b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
@@ -389,12 +423,14 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             b_h0t = tl.trans(b_h0)
             if HAS_A:
+                b_doh = tl.dot(b_do, b_h0t, input_precision=PREC)
                 b_Xg = b_dLv * b_Lvu + b_dLq * b_Lqu
                 b_x7 = tl.sum(b_qd * b_p - b_vd * b_d, axis=1)
                 b_Xg = tl.where((o_c == C - 1)[:, None], b_Xg + b_x7[None, :], b_Xg)
-                b_x0g = tl.sum(b_do * b_oh, axis=1) + tl.where(o_c == C - 1, tl.sum(tl.sum(b_dh * b_h0, 1), 0), 0.)
-                b_da = decay_grad(b_dA * b_Au + b_dAq * b_Aqu, tl.sum(b_w * b_uh, axis=1), b_Xg, b_x0g, b_g, b_gp,
-                                  o_c, PREC)
+                b_da = (decay_grad_gp(b_dA * b_Au + b_dAq * b_Aqu, tl.sum(b_w * b_uh, axis=1), b_gp, Gp, PREC)
+                        + decay_grad_g(b_Xg, start_out_coef(b_oq, b_doh, b_hdh, o_c, C), b_gp, Gp, G, PREC))
+                if CS_IS_A:
+                    b_da += b_dcs
                 tl.store(da + i_r.to(tl.int64) * NTOK + rows, b_da, mask=m_t)
             b_dA = decayed(b_dA, Gp, HAS_A)
             b_dAq = decayed(b_dAq, Gp, HAS_A)
@@ -408,7 +444,9 @@ def rank1_row_chunk_bwd_kernel(u, v, q, oq, a, c, cs, p, oc, d, ht, hs, dy, dht,
             b_dq = (tl.dot(tl.trans(b_dAq), b_u, input_precision=PREC)
                     + tl.dot(tl.trans(b_dLq), b_oq, input_precision=PREC)
                     + tl.dot(decayed(b_p, b_ebar, HAS_A), b_dht, input_precision=PREC))
-            b_doq = (tl.dot(decayed(b_do, b_eg, HAS_A), b_h0t, input_precision=PREC)
+            if not HAS_A:
+                b_doh = tl.dot(b_do, b_h0t, input_precision=PREC)
+            b_doq = (decayed(b_doh, b_eg, HAS_A)
                      + tl.dot(b_dLv, b_vk, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC))
             put(du + p_tk, b_du, m_tk, ATOMIC)
             put(dv + p_tk, b_dv, m_tk, ATOMIC)
