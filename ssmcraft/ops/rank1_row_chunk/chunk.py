@@ -57,8 +57,9 @@ bytes, 268 MB at B=8 T=2048 H=16 K=V=64 C=16) and the backward reads it.
 
 A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
 log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
-take every product that carries a per-row factor between two tokens one token at a time on the
-``[C, R]`` tiles, and store Z (not D) and every chunk's start state.
+take every product that carries a per-row factor between two tokens on tensor cores, the factors split
+at a reference token, in chunks of mild decays, else one token at a time on the ``[C, R]`` tiles, and
+store Z (not D) and every chunk's start state.
 
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
@@ -97,6 +98,9 @@ MIN_KEYS = 64
 # ms here (its kernels 1.81 ms forward, 5.46 ms backward: the token-by-token walks on [C, R] tiles),
 # 2.387 / 9.802 at 16 x 16 tiles, 1.033 / 5.272 on rank1_row. Read at dispatch time, as DECAY_AHEAD.
 ROW_DECAY_AHEAD = False
+# Whether a per-row decay's mild chunks (every decay at least e^LOG_EXACT_DA: ``rowdecay.mild_chunk``) take
+# tensor-core products against a reference token instead of the token-by-token walks; read at each call.
+ROW_DECAY_FAST = True
 # Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
 # does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
 # Longhorn's 3.55 ms fwd+bwd (one H200, bf16 B=8 T=2048 H=16 d=m=64, ``bench_rank1_row_chunk.py --decayed
@@ -159,7 +163,7 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
                *[m[2] for m in modes], h0, y, ht, d, hs, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
                MODES=tuple(m[0] for m in modes), CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None,
                STORE_HT=ht is not None, STORE_Z=training, PREC=dot_precision(out_dtype), VARLEN=cu is not None,
-               num_warps=nw)
+               FAST=ROW_DECAY_FAST, num_warps=nw)
         return y, ht, d, hs
     c, p, oc, oh = (m[2] for m in modes)
     launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, c, cs, p, oc, oh, h0, y, ht, d, hs, cu, T,
@@ -215,7 +219,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
     dht = None if dht is None else dht.float().contiguous()
     if per_row:
         launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy.contiguous(), dht,
-               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, **common)
+               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, FAST=ROW_DECAY_FAST, **common)
     else:
         launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
                *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
