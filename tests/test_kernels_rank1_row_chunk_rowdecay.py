@@ -131,6 +131,19 @@ def test_supports_per_row_decays():
     assert "per key" in RC.supports(ssmcraft.compile(compose_objective(dict(CHANNEL, proximity="diagonal_decay"))).ir)
 
 
+def test_row_decay_dispatch(monkeypatch):
+    """On CUDA wd_longhorn and the held-out per-channel decay go to this family ahead of rank1_row
+    (``ROW_DECAY_AHEAD``, measured faster with the mild chunks' products); off, rank1_row runs them."""
+    from ssmcraft.ops import registry
+
+    def first(spec):
+        ir = ssmcraft.compile(spec).ir
+        return next(f.name for f in registry.order(ir, "triton") if not f.one_token and f.reason(ir) is None)
+    assert first("wd_longhorn") == first(compose_objective(CHANNEL)) == "rank1_row_chunk"
+    monkeypatch.setattr(RC, "ROW_DECAY_AHEAD", False)
+    assert first("wd_longhorn") == first(compose_objective(CHANNEL)) == "rank1_row"
+
+
 @pytest.mark.parametrize("name,T", [("wd_longhorn", 1), ("wd_longhorn", 35), ("channel", 33)])
 def test_row_decay_objectives_through_obj(name, T, monkeypatch):
     """wd_longhorn (a = 1 / (1 + lam) per row) and the held-out per-channel decay through ``obj()`` on
