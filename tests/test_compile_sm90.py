@@ -72,8 +72,8 @@ def test_packed_chunked_delta_kernels_compile_for_sm90():
 
 def test_packed_sequential_kernels_compile_for_sm90():
     """The sequential families' packed form (VARLEN: each program row's offsets, lengths and first
-    checkpoint loaded from cu_seqlens): rank1_row (wd_longhorn: a per-row decay), rank1_row_chunk (Longhorn,
-    Gated Longhorn), rankr_row's own kernels, the generated general ones (one state row-tiled, the rows
+    checkpoint loaded from cu_seqlens): rank1_row_chunk (Longhorn, Gated Longhorn, and wd_longhorn's per-row
+    decay: ``rowdecay.py``), rankr_row's own kernels, the generated general ones (one state row-tiled, the rows
     summed in the step, two states)."""
     rc, out, err = _run("longhorn", "gated_longhorn", "wd_longhorn", "longhorn_2key", "huber_longhorn", "cauchy_delta",
                         "momentum_longhorn", "--packed", "0,17,5,33")
@@ -81,12 +81,13 @@ def test_packed_sequential_kernels_compile_for_sm90():
     backends = {line.split()[0]: line.split()[1] for line in out.splitlines()}
     assert backends == {"longhorn": "triton:rank1-row-chunk+prologue+packed",
                         "gated_longhorn": "triton:rank1-row-chunk+prologue+packed",
-                        "wd_longhorn": "triton:rank1-row+prologue+packed",
+                        "wd_longhorn": "triton:rank1-row-chunk+prologue+packed",
                         "longhorn_2key": "triton:rankr-row+prologue+packed",
                         "huber_longhorn": "triton:general+packed", "cauchy_delta": "triton:general+packed",
                         "momentum_longhorn": "triton:general+packed"}
     rows = _kernels(out)
-    assert {k for (label, k) in rows} >= {"rank1_row_fwd_kernel", "rank1_row_bwd_kernel", "rank1_row_chunk_fwd_kernel",
+    assert {k for (label, k) in rows} >= {"rank1_row_chunk_rowdecay_fwd_kernel", "rank1_row_chunk_rowdecay_bwd_kernel",
+                                          "rank1_row_chunk_fwd_kernel",
                                           "rank1_row_chunk_bwd_kernel", "rankr_row_fwd_kernel",
                                           "rankr_row_bwd_kernel", "general_fwd_kernel", "general_bwd_kernel"}
     assert {k for (label, k) in rows if label == "momentum_longhorn"} == {"general_fwd_kernel", "general_bwd_kernel"}
@@ -212,10 +213,11 @@ def test_chunked_per_row_kernels_spill_little():
 def test_decayed_per_row_chunk_kernels_compile_for_sm90():
     """rank1_row_chunk's decayed forms, unpacked and packed, bf16 at its default tiles (``--regs``): Gated
     Longhorn's per-head decay (the forward spills nothing; the backward spilled 452 bytes, 255 registers,
-    when written) and wd_longhorn's per-row one (``--decay-ahead``: the family ahead of rank1_row as
-    ``ROW_DECAY_AHEAD`` puts it; the forward spills nothing, the backward spilled 156 bytes when written);
-    a blow-up fails."""
+    when written) and wd_longhorn's per-row one (the forward spills nothing; the backward, its mild chunks'
+    products and the walks in one kernel, spilled 704 bytes stored and 832 loaded when measured at 4.06 ms
+    fwd+bwd, the walks alone 156 bytes at 7.63 ms: ``chunk.ROW_DECAY_AHEAD``); a blow-up fails."""
     kernels = {"gated_longhorn": "rank1_row_chunk", "wd_longhorn": "rank1_row_chunk_rowdecay"}
+    bwd_spills = {"gated_longhorn": 512, "wd_longhorn": 1024}
     for extra in ((), ("--packed", "0,17,5,33")):
         rc, out, err = _run(*kernels, "--regs", "--decay-ahead", *extra)
         assert rc == 0, out + err[-2000:]
@@ -225,4 +227,4 @@ def test_decayed_per_row_chunk_kernels_compile_for_sm90():
             rows = {k: v for (lab, k), v in _kernels(out).items() if lab == label and k.startswith("rank1_row_chunk")}
             assert set(rows) == {f"{prefix}_fwd_kernel", f"{prefix}_bwd_kernel"}, out
             assert _spill_bytes(rows[f"{prefix}_fwd_kernel"]) == 0, rows
-            assert _spill_bytes(rows[f"{prefix}_bwd_kernel"]) <= 512, rows
+            assert _spill_bytes(rows[f"{prefix}_bwd_kernel"]) <= bwd_spills[label], rows

@@ -29,13 +29,23 @@ def _poison(monkeypatch):
 
 
 def _row_decays(shape, decay, g):
-    """Float64 decays of ``shape``: "ordinary" in (0.3, 1); "tiny" as ``checking.tiny_decays`` draws them
-    (below 1e-6, 15 % exact zeros, half ordinary mixed in), different in every row."""
+    """Float64 decays of ``shape``: "ordinary" in (0.3, 1); "low" in (0.06, 0.1), just above
+    e^LOG_EXACT_DA (mild, but 16 of them span more than ``rowdecay.FAST_SPAN``); "tiny" as
+    ``checking.tiny_decays`` draws them (below 1e-6, 15 % exact zeros, half ordinary mixed in), different
+    in every row; "mixed": ordinary, with tiny ones (as "tiny") in the first 16 tokens and, in tokens 16 to
+    31, in the rows from 16 on: chunks of 16 and row blocks of 16 where the scaled products run and where
+    the walks do (``rowdecay.mild_chunk``), in one call."""
     a = 0.3 + 0.7 * torch.rand(shape, generator=g, dtype=torch.float64)
-    if decay == "tiny":
+    if decay == "low":
+        return 0.06 + 0.04 * torch.rand(shape, generator=g, dtype=torch.float64)
+    if decay in ("tiny", "mixed"):
         tiny = torch.exp(-14 - 50 * torch.rand(shape, generator=g, dtype=torch.float64))
         tiny = torch.where(torch.rand(shape, generator=g) < 0.15, torch.zeros_like(tiny), tiny)
-        a = torch.where(torch.rand(shape, generator=g) < 0.5, tiny, a)
+        where = torch.rand(shape, generator=g) < 0.5
+        if decay == "mixed":
+            where[:, 16:] = False
+            where[:, 16:32, :, 16:] = True
+        a = torch.where(where, tiny, a)
     return a
 
 
@@ -50,6 +60,10 @@ CASES = [
     (17, 16, 16, 12, ("const", "const", "const", "const"), "ordinary"),
     (37, 16, 16, 20, ("row", "row", "const", "row"), "tiny"),
     (50, 32, 16, 20, ("head", "row", "const", "const"), "tiny"),
+    (37, 16, 16, 20, ("row", "row", "const", "row"), "mixed"),
+    (45, 16, 16, 20, ("row", "head", "const", "const"), "mixed"),
+    (37, 16, 16, 20, ("row", "row", "const", "const"), "low"),
+    (40, 32, 16, 12, ("row", "row", "const", "const"), "low"),
 ]
 
 
@@ -65,6 +79,26 @@ def test_row_decay_matches_reference(T, C, R, V, modes, decay, monkeypatch):
     a = _row_decays((B, T, H, V), decay, torch.Generator().manual_seed(T + 1))
     errs = decay_errors(keys, a, rows, S0)
     assert_within(errs, TOL)
+
+
+def test_scaled_products_run_per_chunk_and_row_block(monkeypatch):
+    """The scaled products (``ROW_DECAY_FAST``) change the output's last bits exactly where a chunk of a
+    row block is mild: with the "mixed" decays, the first chunk (tiny decays in every row) and the second
+    chunk's second row block (tiny ones there) equal the walks' output bit for bit, the other chunks and
+    row blocks do not; both within the float64 tolerance (``test_row_decay_matches_reference``)."""
+    B, T, H, K, V = 1, 37, 2, 8, 20
+    keys, rows, S0 = _general(B, T, H, K, V, ("row", "row", "const", "const"), seed=8)
+    a = _row_decays((B, T, H, V), "mixed", torch.Generator().manual_seed(9)).float()
+    k, oq = keys[0].float(), keys[3].float()
+    ys = []
+    for fast in (True, False):
+        monkeypatch.setattr(RC, "ROW_DECAY_FAST", fast)
+        with torch.no_grad():
+            ys.append(RC.rank1_row_chunk(k, k, k, oq, rows[0].float(), rows[1].float(), initial_state=S0.float(),
+                                         a=a)[0])
+    same = ys[0] == ys[1]
+    assert bool(same[:, :16].all()) and bool(same[:, 16:32, :, 16:].all())
+    assert not bool(same[:, 16:32, :, :16].all()) and not bool(same[:, 32:].all())
 
 
 def test_row_decay_no_grad_path_and_refusals():
@@ -95,6 +129,19 @@ def test_supports_per_row_decays():
     assert RC.supports(ssmcraft.compile(spec).ir) == ("a per-row decay runs with one key and a constant readout "
                                                       "scale only: the readout scale oc is not a constant")
     assert "per key" in RC.supports(ssmcraft.compile(compose_objective(dict(CHANNEL, proximity="diagonal_decay"))).ir)
+
+
+def test_row_decay_dispatch(monkeypatch):
+    """On CUDA wd_longhorn and the held-out per-channel decay go to this family ahead of rank1_row
+    (``ROW_DECAY_AHEAD``, measured faster with the mild chunks' products); off, rank1_row runs them."""
+    from ssmcraft.ops import registry
+
+    def first(spec):
+        ir = ssmcraft.compile(spec).ir
+        return next(f.name for f in registry.order(ir, "triton") if not f.one_token and f.reason(ir) is None)
+    assert first("wd_longhorn") == first(compose_objective(CHANNEL)) == "rank1_row_chunk"
+    monkeypatch.setattr(RC, "ROW_DECAY_AHEAD", False)
+    assert first("wd_longhorn") == first(compose_objective(CHANNEL)) == "rank1_row"
 
 
 @pytest.mark.parametrize("name,T", [("wd_longhorn", 1), ("wd_longhorn", 35), ("channel", 33)])

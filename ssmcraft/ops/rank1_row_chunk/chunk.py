@@ -63,8 +63,9 @@ C=16) and the backward reads it.
 
 A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row its own cumulative
 log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
-take every product that carries a per-row factor between two tokens one token at a time on the
-``[C, R]`` tiles, and store Z (not D) and every chunk's start state.
+take every product that carries a per-row factor between two tokens on tensor cores, the factors split
+at a reference token, in chunks of mild decays, else one token at a time on the ``[C, R]`` tiles, and
+store Z (not D) and every chunk's start state.
 
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
@@ -100,11 +101,20 @@ DECAY_AHEAD = True
 #   B8 T2048 H16 K32 V64: rank1_row 0.795 / 1.950; this family R32 0.691 / 2.983;
 #   B8 T2048 H16 K64 V64: rank1_row 1.193 / 3.185; this family R32 0.744 / 2.482.
 MIN_KEYS = 64
-# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured slower
-# (``bench_rank1_row_chunk.py --decayed``, same process and shape as DECAY_AHEAD's figures): 1.846 / 7.606
-# ms here (its kernels 1.81 ms forward, 5.46 ms backward: the token-by-token walks on [C, R] tiles),
-# 2.387 / 9.802 at 16 x 16 tiles, 1.033 / 5.272 on rank1_row. Read at dispatch time, as DECAY_AHEAD.
-ROW_DECAY_AHEAD = False
+# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured faster
+# with mild chunks as products (``ROW_DECAY_FAST``). One H200, bf16 B=8 T=2048 H=16 d=m=64 through obj(), one
+# process, fwd / fwd+bwd ms: 0.906 / 4.062 here (its kernels 0.87 ms forward, 2.86 ms backward), 1.005 /
+# 5.271 on rank1_row, 1.845 / 7.626 here with the walks alone; Longhorn 0.777 / 2.617 (so 1.55x Longhorn's,
+# against 2.01x on rank1_row); with the products at other tiles, fwd+bwd: 32 rows and 8 warps 6.70, 16 rows
+# and 4 warps 6.69, 64 rows and 8 warps 5.17. Every chunk was mild there (lam drawn as softplus(randn) / 2, so a >= 0.25); a chunk holding a
+# decay below e^LOG_EXACT_DA (lam > 19) takes the walks, 7.6 ms if every chunk did. The kernels against
+# float64 on the GPU (T=320 H=16 K=V=64): fp32 6.3e-7 ordinary, 6.2e-6 mixed, 9.8e-6 tiny and zero decays;
+# bf16 2.6e-3, 2.5e-3, 2.4e-3, and 9.6e-3 (d a) with every decay in (0.06, 0.1). Read at dispatch time, as
+# DECAY_AHEAD.
+ROW_DECAY_AHEAD = True
+# Whether a per-row decay's mild chunks (every decay at least e^LOG_EXACT_DA: ``rowdecay.mild_chunk``) take
+# tensor-core products against a reference token instead of the token-by-token walks; read at each call.
+ROW_DECAY_FAST = True
 # Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
 # does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
 # Longhorn's 3.55 ms fwd+bwd (one H200, bf16 B=8 T=2048 H=16 d=m=64, ``bench_rank1_row_chunk.py --decayed
@@ -167,7 +177,7 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
                *[m[2] for m in modes], h0, y, ht, d, hs, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
                MODES=tuple(m[0] for m in modes), CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None,
                STORE_HT=ht is not None, STORE_Z=training, PREC=dot_precision(out_dtype), VARLEN=cu is not None,
-               num_warps=nw)
+               FAST=ROW_DECAY_FAST, num_warps=nw)
         return y, ht, d, hs
     c, p, oc, oh = (m[2] for m in modes)
     launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, c, cs, p, oc, oh, h0, y, ht, d, hs, cu, T,
@@ -224,7 +234,7 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
     dht = None if dht is None else dht.float().contiguous()
     if per_row:
         launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy.contiguous(), dht,
-               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, **common)
+               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, FAST=ROW_DECAY_FAST, **common)
     else:
         launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
                *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
