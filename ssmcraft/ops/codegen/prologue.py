@@ -17,7 +17,8 @@ forward   one program per block of ``R`` (b, t, h) rows: load each leaf the comp
 backward  the same rows: with ``G_s`` the upstream gradient of slot ``s``, the loss
           ``L = sum_s sum G_s s`` is differentiated by reverse mode through the reductions
           (``ssmcraft.compiler.derive.gradient``, as ``ssmcraft.ops.codegen.general`` does for the step), and
-          ``dL/d leaf`` is written in the leaf's dtype. A param's gradient is written per row
+          ``dL/d leaf`` is written in the leaf's dtype: one adjoint sum per reduction the slots read,
+          whatever number of slots read it (``build``). A param's gradient is written per row
           (``[B, T, H, *shape]`` fp32) and summed over (b, t) -- and over heads when it is
           shared -- on the host: the kernel needs no atomics and no per-head partials.
 
@@ -25,6 +26,12 @@ Values live in a 3D register tile ``[R, BV, BK]`` (``V = d``, ``K = m``, padded 
 two): a d-indexed value is ``[R, BV, 1]``, an m-indexed one ``[R, 1, BK]``, a per-head scalar
 ``[R, 1, 1]``, so one printed element expression (``ssmcraft.ops.codegen.triton_printer``) serves
 every shape and a reduction is one ``tl.sum`` over axis 2 (m) or 1 (d).
+
+Shared work (``build``): reductions are hash-consed by body (``Algebra.reduce``), and a per-token sum
+of a polynomial in the keys is split into the sums of its monomials (``factor.factor_sums``), so a
+two-key Woodbury update reads ``k.k``, ``k.k2`` and ``k2.k2`` once each; a slot whose expression
+equals another's is one store (the other slot is a view of it); the common sub-expressions of the
+slots, and of the gradients and the adjoints' bodies, are printed once (``general.shared_lines``).
 
 Layout of this module: the symbolic part (``build``), the kernel source generator, the host
 wrappers with the autograd Function (``ssmcraft.ops.common.slots.computed_slots`` is the public
@@ -41,7 +48,7 @@ import torch
 
 from ssmcraft.compiler import cache, safe_source
 from ssmcraft.compiler.derive import gradient
-from ssmcraft.compiler.factor import split_terms
+from ssmcraft.compiler.factor import factor_sums
 from ssmcraft.compiler.symbolic import Algebra
 from ssmcraft.ops.codegen.general import TilePrinter, element_algebra, shared_lines
 from ssmcraft.ops.common.launch import launch
@@ -84,22 +91,6 @@ def computed_slot_names(binds: dict) -> list[str]:
     return [s for s, b in binds.items() if b.kind == "computed"]
 
 
-def leaf_sums(alg: Algebra, e) -> sympy.Expr:
-    """``e`` with every reduction of a polynomial in the summed leaves split into sums of its
-    monomials (``factor.split_terms``): ``sum_m (k + k2)^2`` reads ``k.k``, ``k.k2`` and ``k2.k2``,
-    each one reduction of the algebra (reductions are hash-consed by body and dimension), so that
-    slots and gradients that read the same products of keys share one sum."""
-    sub: dict = {}
-    for r in alg.reductions_in(e):
-        body = r.body.xreplace(sub)
-        groups = split_terms(alg, body, r.over)
-        if groups is not None:
-            sub[r.symbol] = sympy.Add(*(outer * alg.reduce(inner, r.over) for outer, inner in groups))
-        elif body != r.body:
-            sub[r.symbol] = alg.reduce(body, r.over)
-    return sympy.sympify(e).xreplace(sub) if sub else sympy.sympify(e)
-
-
 def build(ir, binds: dict) -> Prologue:
     """The computed slots of ``ir`` (``binds`` from ``slots.bindings``) and their adjoints.
 
@@ -118,7 +109,7 @@ def build(ir, binds: dict) -> Prologue:
     slots, G, aliases, first, weight = [], {}, {}, {}, {}
     for s in names:
         dims = tuple(binds[s].dims)
-        e = leaf_sums(alg, expanded[ir.slots[s]])
+        e, _ = factor_sums(alg, expanded[ir.slots[s]], per_token=True)      # k.k, k.k2, ... each one sum
         G[s] = sym(f"_G_{s}", dims)
         if (e, dims) in first:
             aliases[s] = first[(e, dims)]
