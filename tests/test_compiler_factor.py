@@ -7,7 +7,8 @@ whose body also varies over the other is split into smaller sums, exactly.
   spans [d, m] any more, ``UpdateIR.factored`` records each rewrite, ``derive`` prints it, and the
   factored update equals the unfactored one in float64 (output and final state of the generated
   reference loops on the same random inputs);
-- the prologue of longhorn_2key tiles many tokens per program (no [d, m] value in its tiles).
+- the prologue of longhorn_2key tiles many tokens per program (no [d, m] value in its tiles);
+- per token (the prologue's use): a sum of a polynomial in the keys reads the sums of its monomials.
 """
 import sympy
 import torch
@@ -64,6 +65,19 @@ def test_a_body_with_a_two_dimensional_part_or_a_constant_term_is_kept():
         e = alg.reduce(body, "m")
         out, done = factor_sums(alg, e)
         assert done == [] and out == e
+
+
+def test_a_per_token_sum_of_a_polynomial_in_the_keys_is_split_into_its_monomials():
+    """With ``per_token`` (the prologue's use), ``sum_m (k + k2)^2`` and ``sum_m 3 k k2`` read the same
+    ``k.k2``: three sums, not four; without it, a sum that leaves no dimension is kept."""
+    alg, s = _algebra()
+    k, k2, b = s["k"], s["k2"], s["b"]
+    e = b * alg.reduce((k + k2) ** 2, "m") + alg.reduce(3 * k * k2, "m")
+    assert factor_sums(alg, e) == (e, [])
+    out, _ = factor_sums(alg, e, per_token=True)
+    kk, kk2, k2k2 = (alg.reduce(x, "m") for x in (k ** 2, k * k2, k2 ** 2))
+    assert sympy.expand(out - (b * (kk + 2 * kk2 + k2k2) + 3 * kk2)) == 0
+    assert {r.body for r in alg.reductions_in(out)} == {k ** 2, k * k2, k2 ** 2}
 
 
 def _irs(text_or_name):

@@ -23,6 +23,7 @@ from ssmcraft.ops.keydecay_chunk import chunk as KD  # noqa: E402
 from ssmcraft.ops.rank1_chunk import chunk as RC  # noqa: E402
 from ssmcraft.ops import registry  # noqa: E402
 from ssmcraft.runtime import select as TB  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
 from ssmcraft.ops.common.slots import bindings  # noqa: E402
 from ssmcraft.runtime.checking import reference_errors  # noqa: E402
 from helpers import assert_within, random_inputs, rel_rms  # noqa: E402
@@ -204,7 +205,7 @@ def test_element_form_is_the_same_recurrence():
                                          ("gated_deltanet", "rank1_chunk"), ("gated_deltanet", "rank1_row"),
                                          ("hgrn", "keydecay_chunk"),
                                          ("retnet", "keydecay_chunk"), ("cauchy_delta", "general"),
-                                         ("longhorn_2key", "rankr_row")])
+                                         ("longhorn_2key", "rankr_row"), ("composed_2key_scalar_step", "rankr_row")])
 def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, name, family):
     """Families' specialised runners where some slots are expressions (Longhorn's c and p, Gated
     DeltaNet's c = alpha beta, HGRN's p = -x) or per-head params (RetNet's gamma), and the fused
@@ -218,7 +219,8 @@ def test_prepared_runners_with_computed_slots_match_the_reference(monkeypatch, n
     monkeypatch.setattr(RC, "POISON", True)
     monkeypatch.setattr(KD, "CHUNK", 16)
     monkeypatch.setattr(RC, "CHUNK", 16)
-    obj = _interpret(name)
+    # held out: two keys with one step per head (per-head Woodbury factors, computed by the prologue)
+    obj = _interpret(compose_objective({"keys": 2, "step": "scalar"}) if name == "composed_2key_scalar_step" else name)
     sizes = {obj.spec.dims[0]: 8, obj.spec.dims[1]: 4}
     inputs, params = random_inputs(obj.spec, B=2, T=19, sizes=sizes)
     S0 = torch.randn(2, 2, 8, 4, dtype=torch.float64)

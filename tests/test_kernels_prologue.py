@@ -4,6 +4,9 @@
   eager ``coefficients`` (float64, from the same leaf values) on every computed slot and, under
   random upstream gradients, on every leaf's gradient (inputs and params, per head or shared);
   fp32 and bf16 leaves, odd sizes, every output and gradient buffer poisoned by NaN first;
+- the sums the generated kernels take, counted in their source against the number derived by
+  hand (one sum per product of keys the slots read, one adjoint sum over the rows per such
+  product and per per-head leaf), and a slot equal to another stored once;
 - the public path: Longhorn's ``obj(...)`` through the rank1_row family takes the prologue (the
   eager coefficients are never called), says so in ``obj.backend``, chooses it once per call
   signature, and matches the reference loop on the output, the final state and every gradient
@@ -16,6 +19,7 @@ pytest.importorskip("triton")
 
 import ssmcraft  # noqa: E402
 from ssmcraft.compiler.library import library_names  # noqa: E402
+from ssmcraft.search.compose import compose_objective  # noqa: E402
 from ssmcraft.ops.codegen import prologue as P  # noqa: E402
 from ssmcraft.ops.rank1_row import recurrent as RR  # noqa: E402
 from ssmcraft.ops import registry  # noqa: E402
@@ -32,6 +36,11 @@ SIZES = dict(B=2, T=5, H=3)
 # stored: within one bf16 ulp, 2**-7 of the value per element (the interpreter truncates fp32 ->
 # bf16 instead of rounding to nearest as the GPU does: half an ulp there)
 TOL = {torch.float32: {"slot": 1e-5, "grad": 1e-5}, torch.bfloat16: {"slot": 1e-5, "grad": 2 ** -7}}
+
+
+# held out (no library spec): a composed two-key regression with one step per head, so that the
+# Woodbury factors c_rl are per head and only the inputs p_r vary over the rows
+TWO_KEY_SCALAR = compose_objective({"keys": 2, "step": "scalar"})
 
 
 def test_the_list_is_every_library_objective_with_a_computed_slot(compiled):
@@ -98,6 +107,58 @@ def _check(monkeypatch, name, dtype, per_head_params=True):
 @pytest.mark.parametrize("name", COMPUTED)
 def test_prologue_matches_the_eager_coefficients(monkeypatch, name, dtype):
     _check(monkeypatch, name, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prologue_of_a_held_out_two_key_objective(monkeypatch, dtype):
+    _check(monkeypatch, TWO_KEY_SCALAR, dtype)
+
+
+def _sums(source: str, kernel: str) -> tuple[int, int]:
+    """(sums over the keys, sums over the rows) that the generated ``kernel`` takes."""
+    body = source.split(f"def {kernel}(")[1].split("@triton.jit")[0]
+    return body.count("tl.sum(") - body.count("axis=1"), body.count("axis=1")
+
+
+@pytest.mark.parametrize("name,forward,backward", [
+    # Woodbury's 2 x 2 solve reads the three products of the keys, k.k, k2.k2 and k.k2: three sums
+    # over m, recomputed by the backward. Every slot varies over the rows, so the adjoint of each
+    # product, sum_d sum_s G_s ds/d(k.k), is one sum over d (three), and dk = 2 k d(k.k) + k2 d(k.k2)
+    # takes none; x, x2 and beta vary over the rows: their gradients take none either
+    ("longhorn_2key", (3, 0), (3, 3)),
+    # the same products; the factors c_rl are per head (no sum), the inputs p_r vary over the rows:
+    # one sum over d per product (from the p_r), and one for the per-head beta's gradient
+    (TWO_KEY_SCALAR, (3, 0), (3, 4)),
+    # Longhorn: k.k, and its adjoint from c and p together
+    ("longhorn", (1, 0), (1, 1)),
+])
+def test_each_product_of_keys_and_its_adjoint_is_one_sum(name, forward, backward):
+    obj = ssmcraft.compile(name)
+    _, _, source = P.module(obj.ir, bindings(obj.ir))
+    assert _sums(source, "prologue_fwd_kernel") == forward
+    assert _sums(source, "prologue_bwd_kernel") == backward
+
+
+def test_a_slot_equal_to_another_is_stored_once(monkeypatch):
+    """longhorn_2key's c10 is c01 (the Woodbury inverse is symmetric): one store, one tensor, and
+    its upstream gradient still counts (``_check`` draws one per slot)."""
+    monkeypatch.setattr(P, "POISON", True)
+    obj = ssmcraft.compile("longhorn_2key")
+    pro, _, source = P.module(obj.ir, bindings(obj.ir))
+    assert pro.aliases == {"c10": "c01"} and [s for s, _, _ in pro.slots] == ["c00", "c01", "c11", "p0", "p1"]
+    fwd = source.split("def prologue_fwd_kernel(")[1].split("@triton.jit")[0]
+    assert fwd.count("tl.store(") == 5 and "O_c10" not in fwd
+    assert "GO_c10" in source.split("def prologue_bwd_kernel(")[1]
+    inputs, _ = random_inputs(obj.spec, **SIZES, sizes={"d": 7, "m": 5})
+    out = computed_slots(obj, inputs)
+    assert out["c10"].data_ptr() == out["c01"].data_ptr() and torch.equal(out["c10"], out["c01"])
+
+
+def test_generated_source_is_deterministic():
+    """Built twice from scratch (new algebra, new reductions), the same text: it is cached by its hash."""
+    obj = ssmcraft.compile("longhorn_2key")
+    texts = {P.kernel_source(obj.ir, P.build(obj.ir, bindings(obj.ir)), "h") for _ in range(2)}
+    assert len(texts) == 1
 
 
 def test_shared_params_gradients_are_summed_over_heads(monkeypatch):

@@ -51,18 +51,21 @@ def split_terms(alg: Algebra, body, over: str):
     return [(outer, inner) for inner, outer in groups.items()]
 
 
-def factor_sums(alg: Algebra, e) -> tuple[sympy.Expr, list[Factoring]]:
+def factor_sums(alg: Algebra, e, per_token: bool = False) -> tuple[sympy.Expr, list[Factoring]]:
     """``e`` with every reduction it reads (directly or through others) factored where the module
-    docstring says, and the rewrites made (inner reductions first)."""
+    docstring says, and the rewrites made (inner reductions first). With ``per_token``, a sum that
+    leaves no dimension (one value per token, ``sum_m (k + k2)^2``) is split too, into the sums of
+    its monomials (``k.k + 2 k.k2 + k2.k2``): reductions are hash-consed by body, so code generated
+    from several such sums computes each product of keys once (``ssmcraft.ops.codegen.prologue``)."""
     e = sympy.sympify(e)
     sub: dict = {}
     done: list[Factoring] = []
     for r in alg.reductions_in(e):
-        if not r.dims or r.metric is not None:
+        if r.metric is not None or not (r.dims or per_token):
             continue
         body = r.body.xreplace(sub)
         groups = split_terms(alg, body, r.over)
-        if groups is None or any(not (alg.dims_of(inner) - {r.over}) < r.dims for _, inner in groups):
+        if groups is None or any(r.dims and not (alg.dims_of(inner) - {r.over}) < r.dims for _, inner in groups):
             if body != r.body:          # an inner reduction was rewritten: this one reads the new form
                 sub[r.symbol] = alg.reduce(body, r.over)
             continue

@@ -21,7 +21,7 @@ layout (``ssmcraft.ops.common.reference.validate``) and ``mode`` ``"triton"`` (C
   calls on a reference layout (None: the family cannot be exported). The exporter bundles
   ``module`` less ``export_exclude`` with the ssmcraft modules it imports; a family that
   generates its kernels per objective gives ``generated_source(ir) -> str`` (what ``ssmcraft
-  derive --kernel`` prints) and ``export_tail(obj, sizes) -> (title, text)``, the generated
+  derive --kernel`` prints; None where hand-written kernels run ``ir``) and ``export_tail(obj, sizes) -> (title, text)``, the generated
   kernels and what stands in for the excluded definitions, pasted after the module;
   a family whose ``forward`` reads the roles of the inputs off the IR's sympy expressions (a ``match(ir)``
   of plain data) records them at export instead (``recorded_match``);
@@ -57,7 +57,7 @@ class KernelFamily:
     forward: Callable | None = None
     supports_inputs: Callable[..., Reason] | None = None
     supports_sizes: Callable[..., Reason] | None = None
-    generated_source: Callable[..., str] | None = None
+    generated_source: Callable[..., str | None] | None = None
     export_exclude: frozenset = frozenset({"prepare"})
     export_tail: Callable[..., tuple[str, str]] | None = None
     one_token: bool = False

@@ -111,7 +111,8 @@ def kernel_source(obj) -> tuple[str, list[tuple[str, str]]]:
     """(family, [(what, text)]): the family that runs ``obj`` on CUDA tensors of a sequence
     (one-token decode aside) and the Triton source generated for ``obj``, as the GPU compiles it.
     A family generated per objective (diagonal, general) gives its kernels; a hand-written one
-    (specialised by constexpr modes) gives the generated prologue of its computed slots, if any
+    (specialised by constexpr modes; or one whose ``generated_source`` is None for ``obj``, as
+    rankr_row on its own kernels) gives the generated prologue of its computed slots, if any
     (``slots.computed_path``), or, where the eager coefficients compute them, ``("note", why)``.
     ``SsmcraftError`` with every family's reason when none runs it."""
     parts = []
@@ -121,8 +122,9 @@ def kernel_source(obj) -> tuple[str, list[tuple[str, str]]]:
         if reason is not None:
             parts.append(f"{fam.name}: {reason}")
             continue
-        if fam.generated_source is not None:
-            return fam.name, [("kernels", fam.generated_source(obj.ir))]
+        source = fam.generated_source(obj.ir) if fam.generated_source is not None else None
+        if source is not None:
+            return fam.name, [("kernels", source)]
         from ssmcraft.ops.common import slots
         path = slots.computed_path(obj, slots.bindings(obj.ir))
         if path.source is not None:

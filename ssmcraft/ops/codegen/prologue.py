@@ -17,7 +17,8 @@ forward   one program per block of ``R`` (b, t, h) rows: load each leaf the comp
 backward  the same rows: with ``G_s`` the upstream gradient of slot ``s``, the loss
           ``L = sum_s sum G_s s`` is differentiated by reverse mode through the reductions
           (``ssmcraft.compiler.derive.gradient``, as ``ssmcraft.ops.codegen.general`` does for the step), and
-          ``dL/d leaf`` is written in the leaf's dtype. A param's gradient is written per row
+          ``dL/d leaf`` is written in the leaf's dtype: one adjoint sum per reduction the slots read,
+          whatever number of slots read it (``build``). A param's gradient is written per row
           (``[B, T, H, *shape]`` fp32) and summed over (b, t) -- and over heads when it is
           shared -- on the host: the kernel needs no atomics and no per-head partials.
 
@@ -25,6 +26,12 @@ Values live in a 3D register tile ``[R, BV, BK]`` (``V = d``, ``K = m``, padded 
 two): a d-indexed value is ``[R, BV, 1]``, an m-indexed one ``[R, 1, BK]``, a per-head scalar
 ``[R, 1, 1]``, so one printed element expression (``ssmcraft.ops.codegen.triton_printer``) serves
 every shape and a reduction is one ``tl.sum`` over axis 2 (m) or 1 (d).
+
+Shared work (``build``): reductions are hash-consed by body (``Algebra.reduce``), and a per-token sum
+of a polynomial in the keys is split into the sums of its monomials (``factor.factor_sums``), so a
+two-key Woodbury update reads ``k.k``, ``k.k2`` and ``k2.k2`` once each; a slot whose expression
+equals another's is one store (the other slot is a view of it); the common sub-expressions of the
+slots, and of the gradients and the adjoints' bodies, are printed once (``general.shared_lines``).
 
 Layout of this module: the symbolic part (``build``), the kernel source generator, the host
 wrappers with the autograd Function (``ssmcraft.ops.common.slots.computed_slots`` is the public
@@ -34,13 +41,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
 
 from ssmcraft.compiler import cache, safe_source
 from ssmcraft.compiler.derive import gradient
+from ssmcraft.compiler.factor import factor_sums
 from ssmcraft.compiler.symbolic import Algebra
 from ssmcraft.ops.codegen.general import TilePrinter, element_algebra, shared_lines
 from ssmcraft.ops.common.launch import launch
@@ -67,10 +75,16 @@ class Prologue:
     alg: Algebra
     dims: tuple                 # (d, m)
     leaves: list                # [Leaf] the computed slots read, declaration order (inputs, then params)
-    slots: list                 # [(slot, dims, expr)] in leaves and reductions
-    G: dict                     # slot -> symbol of its upstream gradient
+    slots: list                 # [(slot, dims, expr)] in leaves and reductions, one per distinct value
+    G: dict                     # slot -> symbol of its upstream gradient, every computed slot (aliases too)
     grads: dict                 # leaf name -> d(sum_s sum G_s s)/d leaf
     kinds: frozenset = frozenset()   # the value kinds ('', 'V', 'K', 'VK') its tiles span (``_tiles``)
+    aliases: dict = field(default_factory=dict)     # slot -> the slot of ``slots`` with the same expression
+
+    @property
+    def names(self) -> list:
+        """Every computed slot, in the bindings' order (the outputs of ``run``)."""
+        return list(self.G)
 
 
 def computed_slot_names(binds: dict) -> list[str]:
@@ -78,7 +92,13 @@ def computed_slot_names(binds: dict) -> list[str]:
 
 
 def build(ir, binds: dict) -> Prologue:
-    """The computed slots of ``ir`` (``binds`` from ``slots.bindings``) and their adjoints."""
+    """The computed slots of ``ir`` (``binds`` from ``slots.bindings``) and their adjoints.
+
+    Each distinct slot expression is one value (Woodbury's ``c01`` and ``c10`` are the same
+    expression: the second is an alias, ``Prologue.aliases``). The loss of the reverse mode,
+    ``L = sum_s sum G_s s``, is one sum over the slots' dims per kind of slot (the upstream
+    gradients of aliases added first), so that the adjoint of each reduction the slots read
+    (``k.k``) is one sum over the rows, whatever number of slots read it."""
     d, m = ir.dims
     alg, sym = element_algebra(ir, ir.reductions)
     names = computed_slot_names(binds)
@@ -86,13 +106,23 @@ def build(ir, binds: dict) -> Prologue:
     leaves = [Leaf(n, tuple(dims), sym(n, dims), n in ir.params)
               for n, dims in (*ir.inputs.items(), *ir.params.items()) if n in need]
     expanded = ir.expanded_coefficients()
-    slots, G, loss = [], {}, sympy.Integer(0)
+    slots, G, aliases, first, weight = [], {}, {}, {}, {}
     for s in names:
         dims = tuple(binds[s].dims)
-        e = expanded[ir.slots[s]]
-        slots.append((s, dims, e))
+        e, _ = factor_sums(alg, expanded[ir.slots[s]], per_token=True)      # k.k, k.k2, ... each one sum
         G[s] = sym(f"_G_{s}", dims)
-        term = G[s] * e
+        if (e, dims) in first:
+            aliases[s] = first[(e, dims)]
+        else:
+            first[(e, dims)] = s
+            slots.append((s, dims, e))
+        primary = aliases.get(s, s)
+        weight[primary] = weight.get(primary, 0) + G[s]
+    groups: dict = {}
+    for s, dims, e in slots:
+        groups[dims] = groups.get(dims, 0) + weight[s] * e
+    loss = sympy.Integer(0)
+    for dims, term in groups.items():
         for dim in (m, d):
             if dim in dims:
                 term = alg.reduce(term, dim)
@@ -100,7 +130,7 @@ def build(ir, binds: dict) -> Prologue:
     grads = {lf.name: gradient(alg, loss, lf.symbol) for lf in leaves}
     kinds = {_key(lf.dims, (d, m)) for lf in leaves} | {_key(dims, (d, m)) for _, dims, _ in slots}
     kinds |= {_key(r.dims | {r.over}, (d, m)) for r in alg.reductions.values()}
-    return Prologue(alg, (d, m), leaves, slots, G, grads, frozenset(kinds | {""}))
+    return Prologue(alg, (d, m), leaves, slots, G, grads, frozenset(kinds | {""}), aliases)
 
 
 # ----------------------------------------------------------------------------------------
@@ -183,6 +213,13 @@ def _with_preamble(head: list, body: list) -> list:
     return [*head, *keep, *body]
 
 
+def _adjoints(pro: Prologue) -> set:
+    """The reductions of the backward that the slots do not read (the adjoints of those they read)."""
+    alg = pro.alg
+    forward = {r.symbol for r in alg.reductions_in(sympy.Add(*(e for _, _, e in pro.slots)))}
+    return {r.symbol for r in alg.reductions_in(sympy.Add(*pro.grads.values()))} - forward
+
+
 def kernel_source(ir, pro: Prologue, header: str) -> str:
     """The Triton source (forward and backward kernels) of the computed slots of ``ir``."""
     dm = pro.dims
@@ -205,16 +242,18 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
     ])
     pr = _Printer(pro)
     grad_ptrs = "".join(f"D_{lf.name}, " for lf in pro.leaves)
-    gin = "".join(f"GO_{s}, " for s, _, _ in pro.slots)
+    gin = "".join(f"GO_{s}, " for s in pro.names)
     bwd = _with_preamble([
         "@triton.jit",
         f"def prologue_bwd_kernel({leaf_ptrs}{gin}{grad_ptrs}{sizes}{consts}):",
         '    """The same rows: d(sum_s sum G_s s)/d leaf, in the leaf\'s dtype (a param\'s per row, fp32)."""'], [
         *_loads(pro),
-        *[f"    g_{s} = tl.load({_row_ptr(f'GO_{s}', _key(dims, dm))}, mask={_MASK[_key(dims, dm)]}, "
-          f"other=0.).to(tl.float32)" for s, dims, _ in pro.slots],
+        *[f"    g_{s} = tl.load({_row_ptr(f'GO_{s}', _key(pro.alg.symbol_dims[g], dm))}, "
+          f"mask={_MASK[_key(pro.alg.symbol_dims[g], dm)]}, other=0.).to(tl.float32)" for s, g in pro.G.items()],
+        # the leaves' sums, the common sub-expressions of the gradients and of the adjoints' bodies
+        # (which read no adjoint), then the adjoints: one sum over the rows per reduction of the slots
+        *shared_lines(pr, list(pro.grads.values()), "    ", ignore=_adjoints(pro)),
         *pr.reductions(list(pro.grads.values()), "    "),
-        *shared_lines(pr, list(pro.grads.values()), "    "),
         *[f"    tl.store({_row_ptr(f'D_{lf.name}', _key(lf.dims, dm))}, "
           f"({pr.expr(pro.grads[lf.name])} + {_ZERO[_key(lf.dims, dm)]}).to(D_{lf.name}.dtype.element_ty), "
           f"mask={_MASK[_key(lf.dims, dm)]})" for lf in pro.leaves],
@@ -223,6 +262,7 @@ def kernel_source(ir, pro: Prologue, header: str) -> str:
     doc = [safe_source.comment(header), "# Generated by ssmcraft (ssmcraft/ops/codegen/prologue.py): edit the spec, not this file.",
            safe_source.docstring("\n".join([f"Computed slots of {ir.spec_name!r} ({ir.kind}) and their leaves' gradients.", "",
            *(f"    {s} {list(dims)} = {sympy.sstr(e)}" for s, dims, e in pro.slots),
+           *(f"    {s} = {t} (the same expression: one value)" for s, t in pro.aliases.items()),
            *(f"    {r.symbol.name} = sum_{r.over} {sympy.sstr(r.body)}"
              for r in alg.reductions_in(sympy.Add(*(e for _, _, e in pro.slots), *pro.grads.values()))),
            *(f"    d{n} = {sympy.sstr(g)}" for n, g in pro.grads.items()), ""]))]
@@ -285,7 +325,8 @@ class _PrologueFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, shape, dev, *leaves):
         """shape: (B, T, H, V, K); dev: the device (a slot may read no leaf); leaves: the Prologue's, inputs ``[B, T, H, *]`` contiguous, params
-        compact (``[*shape]`` or ``[heads, *shape]``). Returns the computed slots, fp32."""
+        compact (``[*shape]`` or ``[heads, *shape]``). Returns every computed slot (``pro.names``), fp32; an
+        alias is a view of its slot's tensor (one store; its upstream gradient comes back apart)."""
         pro, mod, _ = entry
         B, T, H, V, K = shape
         N = B * T * H
@@ -297,7 +338,9 @@ class _PrologueFunction(torch.autograd.Function):
                    num_warps=warps)
         ctx.save_for_backward(*leaves)
         ctx.entry, ctx.shape, ctx.dev, ctx.strides = entry, shape, dev, strides
-        return tuple(outs)
+        value = {s: o for (s, _, _), o in zip(pro.slots, outs)}
+        return tuple(value[s] if s in value else value[pro.aliases[s]].view_as(value[pro.aliases[s]])
+                     for s in pro.names)
 
     @staticmethod
     def backward(ctx, *gouts):
@@ -334,4 +377,4 @@ def run(entry, cs) -> dict:
     pro = entry[0]
     leaves = [cs.param(lf.name).contiguous() if lf.param else cs.inputs[lf.name].contiguous() for lf in pro.leaves]
     outs = _PrologueFunction.apply(entry, (cs.B, cs.T, cs.H, cs.d, cs.m), cs.device, *leaves)
-    return {s: o for (s, _, _), o in zip(pro.slots, outs)}
+    return dict(zip(pro.names, outs))

@@ -48,7 +48,6 @@ POISON = False                    # tests: fill the own kernels' outputs with Na
 # 1.6 GB written and read again). H200, bf16 longhorn_2key at B=8 T=2048 H=16, fwd+bwd through obj(),
 # one process (BENCHMARKS.md): 5.17 ms with atomics, 5.65 without (the host sum alone 0.46 ms)
 ATOMIC_SUMS = True
-generated_source = general.generated_source   # the kernels it runs (``ssmcraft derive SPEC --kernel``)
 
 
 def supports(ir) -> str | None:
@@ -63,6 +62,13 @@ def supports(ir) -> str | None:
     if over_rows:
         return f"the step sums over the rows ({', '.join(over_rows)}), so rows cannot be tiled"
     return None
+
+
+def generated_source(ir) -> str | None:
+    """The generated row-tiled kernel where it runs ``ir`` (``ssmcraft derive SPEC --kernel``); None
+    where the family's own kernels run it: then what is generated for ``ir`` is the prologue of its
+    computed slots (``ssmcraft.runtime.select.kernel_source``)."""
+    return general.generated_source(ir) if own_kernel_reason(ir) is not None else None
 
 
 def row_block(V: int, K: int) -> int:

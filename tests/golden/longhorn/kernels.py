@@ -7,10 +7,9 @@
     c ['d'] = beta/(_r0*beta + 1)
     p ['d'] = beta*x/(_r0*beta + 1)
     _r0 = sum_m k**2
-    _r1002 = sum_d _G_p*beta**2*x/(_r0*beta + 1)**2
-    _r1003 = sum_d _G_c*beta**2/(_r0*beta + 1)**2
+    _r1001 = sum_d -_G_c*beta**2/(_r0*beta + 1)**2 - _G_p*beta**2*x/(_r0*beta + 1)**2
     dx = _G_p*beta/(_r0*beta + 1)
-    dk = 2*k*(-_r1002 - _r1003)
+    dk = 2*_r1001*k
     dbeta = -_G_c*_r0*beta/(_r0*beta + 1)**2 + _G_c/(_r0*beta + 1) - _G_p*_r0*beta*x/(_r0*beta + 1)**2 + _G_p*x/(_r0*beta + 1)
 """
 import triton
@@ -57,12 +56,14 @@ def prologue_bwd_kernel(P_x, P_k, P_beta, GO_c, GO_p, D_x, D_k, D_beta, N, H, V,
     g_c = tl.load(GO_c + r64[:, None, None] * V + offs_v[None, :, None], mask=MV, other=0.).to(tl.float32)
     g_p = tl.load(GO_p + r64[:, None, None] * V + offs_v[None, :, None], mask=MV, other=0.).to(tl.float32)
     r_r0 = tl.sum(tl.where(MK, (l_k*l_k), 0.0), axis=2, keep_dims=True)
-    r_r1002 = tl.sum(tl.where(MV, g_p*l_x*(l_beta*l_beta)/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)), 0.0), axis=1, keep_dims=True)
-    r_r1003 = tl.sum(tl.where(MV, g_c*(l_beta*l_beta)/((1.0 + r_r0*l_beta)*(1.0 + r_r0*l_beta)), 0.0), axis=1, keep_dims=True)
     c_0 = r_r0*l_beta
     c_1 = 1.0 + c_0
     c_2 = (1.0 / (c_1))
-    c_3 = c_0/(c_1*c_1)
+    c_3 = (1.0 / (c_1*c_1))
+    c_4 = c_3*g_c
+    c_5 = c_3*g_p*l_x
+    c_6 = (l_beta*l_beta)
+    r_r1001 = tl.sum(tl.where(MV, -c_4*c_6 - c_5*c_6, 0.0), axis=1, keep_dims=True)
     tl.store(D_x + r64[:, None, None] * V + offs_v[None, :, None], (c_2*g_p*l_beta + ZV).to(D_x.dtype.element_ty), mask=MV)
-    tl.store(D_k + r64[:, None, None] * K + offs_k[None, None, :], (2.0*l_k*(-r_r1002 - r_r1003) + ZK).to(D_k.dtype.element_ty), mask=MK)
-    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (c_2*g_c - c_3*g_c + c_2*g_p*l_x - c_3*g_p*l_x + ZV).to(D_beta.dtype.element_ty), mask=MV)
+    tl.store(D_k + r64[:, None, None] * K + offs_k[None, None, :], (2.0*r_r1001*l_k + ZK).to(D_k.dtype.element_ty), mask=MK)
+    tl.store(D_beta + r64[:, None, None] * V + offs_v[None, :, None], (c_2*g_c - c_0*c_4 - c_0*c_5 + c_2*g_p*l_x + ZV).to(D_beta.dtype.element_ty), mask=MV)
