@@ -132,12 +132,15 @@ def _naive(keys, heads, c, p, S0):
 @pytest.mark.parametrize("T,c_mode,p_mode,single", [(21, "row", "head", False), (5, "head", "row", False),
                                                     (32, "row", "const", False), (17, "const", "row", False),
                                                     (21, "row", "row", True), (7, "head", "head", True)])
-def test_public_function_against_float64_autograd(T, c_mode, p_mode, single):
+@pytest.mark.parametrize("atomic", [True, False])
+def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, atomic, monkeypatch):
     """Output, both final states and every gradient against the readable loop in float64: lengths cut
     mid-chunk (21, 17: chunks of 16), one short chunk (5, 7) and exact chunks (32); d = 20 rows on blocks
     of 16 (the last one partly past the rows): the key, per-head and weight gradients are sums over the
-    blocks. ``single``: u, v and q one tensor (the kernels' ``ONE_KEY`` form, as Longhorn's k), its
-    gradient the three slots' sum."""
+    blocks, added by the blocks into one buffer (``atomic``: ``ATOMIC_SUMS``) or summed on the host.
+    ``single``: u, v and q one tensor (the kernels' ``ONE_KEY`` form, as Longhorn's k), its gradient the
+    three slots' sum."""
+    monkeypatch.setattr(CH, "ATOMIC_SUMS", atomic)
     B, H, K, V = 1, 2, 8, 20
     keys, heads, c, p, S0 = _leaves(B, T, H, K, V, c_mode, p_mode, seed=T)
     if single:

@@ -29,10 +29,10 @@ the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's en
     dX0_b = sum_a F_ab dX_a + U^T (g_b o W) + OQ^T (h_b o dO)
 
 (``rows``: summed over the rows), and the keys' gradients as ``rank1_row_chunk``'s with the weighted
-matrices. The weights' gradients are sums over the rows: each row block writes its own slice, summed on
-the host, and torch autograd takes them through ``weights.chunk_weights`` (its kernels' backward) to the
-per-head coefficients (Longhorn with momentum's mu). The keys' and per-head row coefficients' gradients
-are per-block slices summed on the host likewise.
+matrices. The weights' and keys' gradients are sums over the rows: each row block adds its share into one
+zeroed buffer (``ATOMIC_SUMS``) or writes its own slice, summed on the host; torch autograd takes the
+weights' through ``weights.chunk_weights`` (its kernels' backward) to the per-head coefficients (Longhorn
+with momentum's mu). The per-head row coefficients' gradients are per-block slices summed on the host.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from ssmcraft.ops.common.chunked import few_keys_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
-from ssmcraft.ops.rank1_row_chunk.chunk import one_key
+from ssmcraft.ops.rank1_row_chunk.chunk import key_sum, one_key
 
 BACKEND_NAME = "block-rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
@@ -58,6 +58,11 @@ AHEAD = True
 # B=8 T=2048 H=24 K=16 V=64, fwd+bwd through obj(), one process: 4.843 ms here, 3.707 on block_rank1_row
 # (``bench_block_rank1_row_chunk.py --no-check --shape 8,2048,24,16,64``)
 MIN_KEYS = 64
+# The backward's key and weight gradients (sums over the row blocks): True, the row blocks of a head add
+# into one zeroed fp32 buffer each (atomics in L2; with two row blocks, 0 + x + y, the same sum in either
+# order); False, each stores its slice [NR, ...] and the host sums them (eight reduces of Longhorn with
+# momentum, 205 us of its 5.07 ms fwd+bwd on the H200 at bf16 B=8 T=2048 H=16 d=m=64).
+ATOMIC_SUMS = True
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
 NUM_WARPS = 4
@@ -76,6 +81,17 @@ def config() -> tuple[int, int, int]:
 
 def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
+
+
+def atomic_sums(NR: int) -> bool:
+    """Whether the backward's row blocks add their key and weight gradients into one buffer (``ATOMIC_SUMS``)."""
+    return ATOMIC_SUMS and NR > 1
+
+
+def sum_buf(shape, NR: int, atomic: bool, dev):
+    """A gradient the row blocks sum: zeros they add into (``atomic``), else one slice per block
+    ``[NR, *shape]``; ``rank1_row_chunk.chunk.key_sum`` takes it to the sum."""
+    return torch.zeros(tuple(shape), device=dev) if atomic else _new((NR, *shape), dev)
 
 
 class _BlockChunkFunction(torch.autograd.Function):
@@ -124,20 +140,22 @@ class _BlockChunkFunction(torch.autograd.Function):
             return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
         single = one_key((u, v, q))
         # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
-        dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
+        atomic = atomic_sums(NR)
+        dkeys = [None if single and slot in ("v", "q") else sum_buf((B, T, H, K), NR, atomic, dev)
+                 for slot in KEY_SLOTS]
         drows = [row_buf(m[0]) for m in modes]
-        dws = [_new((NR, *x.shape), dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
+        dws = [sum_buf(x.shape, NR, atomic, dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
         need_dh0 = ctx.needs_input_grad[12]
         dh0 = _new((B, H, 2, K, V), dev) if need_dh0 else None
         launch(block_chunk_bwd_kernel, (B * H, NR), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew, Fw, d, hs,
                dy.contiguous(), None if dht is None else dht.float().contiguous(), *dkeys, *drows, *dws, dh0, T, NC,
                B * T * H, NW, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-               PREC=dot_precision(out_dtype), ONE_KEY=single, num_warps=nw)
-        dkeys = [None if g is None else g.sum(0).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
+               PREC=dot_precision(out_dtype), ONE_KEY=single, ATOMIC=atomic, num_warps=nw)
+        dkeys = [None if g is None else key_sum(g, atomic).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
         drows = [None if g is None or not isinstance(x, torch.Tensor) else
                  (g if m[0] == 2 else g.sum(0).view(B, T, H)).to(x.dtype) for g, m, x in zip(drows, modes, rows)]
-        dws = [g.sum(0) for g in dws]
+        dws = [key_sum(g, atomic) for g in dws]
         return (*dkeys, *drows, *dws, None if dh0 is None else dh0.to(h0_dtype), None, None, None)
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import state_block, state_or_zero
+from ssmcraft.ops.rank1_row.bwd import put
 from ssmcraft.ops.rank1_row_chunk.kernels import chunk_masks, key_tile, program, row_tile, solve, store_rows
 
 
@@ -104,20 +105,22 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                            du, dv, dq, doq, dc, dp, dGw, dHw, dgw, dhw, dEw, dFw, dh0, T, NC, NTOK, NW,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_DHT: tl.constexpr,
-                           STORE_DH0: tl.constexpr, PREC: tl.constexpr, ONE_KEY: tl.constexpr):
+                           STORE_DH0: tl.constexpr, PREC: tl.constexpr, ONE_KEY: tl.constexpr,
+                           ATOMIC: tl.constexpr):
     """Reverse over chunks from the final states' adjoints dht (``HAS_DHT``), each chunk's start states
     read from the forward's hs (exact), D from its d. Writes this row block's slice ``i_r`` of the key
     gradients du, dv, dq, doq [NR, B, T, H, K] (sums over its rows), of the weights' gradients dGw, dHw
     [NR, NW, C, C], dgw, dhw, dEw [NR, NW, 2, C], dFw [NR, NW, 4] (NW = B*H*NC), the row coefficients'
     gradients (``store_rows``: per row, or this block's slice of [NR, B*T*H]) and dh0 [B*H*2, K, V].
-    ``ONE_KEY``: du holds the three key slots' sum, dv and dq are unwritten."""
+    ``ONE_KEY``: du holds the three key slots' sum, dv and dq are unwritten. ``ATOMIC``: the key and weight
+    gradients have no row-block axis (``[B, T, H, K]``, ``[NW, ...]``, zeroed): every row block adds into them."""
     i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
     b_dx0 = state_or_zero(dht, i_bh * 2, p_kv, m_kv, K, V, HAS_DHT, BK, R)
     b_dx1 = state_or_zero(dht, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    key_base = i_r.to(tl.int64) * NTOK * K
-    wbase = i_r.to(tl.int64) * NW
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
+    wbase = 0 if ATOMIC else i_r.to(tl.int64) * NW
     for j_c in range(0, NC):
         i_c = NC - 1 - j_c
         t0 = i_c * C
@@ -141,13 +144,13 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         # the weights' gradients that need no key products: g, h and F (sums over this block's rows)
         p_cc = (wbase + wb) * C * C + o_c[:, None] * C + o_c[None, :]
         p_2c = (wbase + wb) * 2 * C + o_c
-        tl.store(dhw + p_2c, tl.sum(b_do * tl.dot(b_oq, b_x0, input_precision=PREC), 1))
-        tl.store(dhw + p_2c + C, tl.sum(b_do * tl.dot(b_oq, b_x1, input_precision=PREC), 1))
+        put(dhw + p_2c, tl.sum(b_do * tl.dot(b_oq, b_x0, input_precision=PREC), 1), None, ATOMIC)
+        put(dhw + p_2c + C, tl.sum(b_do * tl.dot(b_oq, b_x1, input_precision=PREC), 1), None, ATOMIC)
         p_f = (wbase + wb) * 4
-        tl.store(dFw + p_f, tl.sum(tl.sum(b_dx0 * b_x0, 1), 0))
-        tl.store(dFw + p_f + 1, tl.sum(tl.sum(b_dx0 * b_x1, 1), 0))
-        tl.store(dFw + p_f + 2, tl.sum(tl.sum(b_dx1 * b_x0, 1), 0))
-        tl.store(dFw + p_f + 3, tl.sum(tl.sum(b_dx1 * b_x1, 1), 0))
+        put(dFw + p_f, tl.sum(tl.sum(b_dx0 * b_x0, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 1, tl.sum(tl.sum(b_dx0 * b_x1, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 2, tl.sum(tl.sum(b_dx1 * b_x0, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 3, tl.sum(tl.sum(b_dx1 * b_x1, 1), 0), None, ATOMIC)
         b_o0 = b_h0[:, None] * b_do
         b_o1 = b_h1[:, None] * b_do
         b_dx0t = tl.trans(b_dx0)
@@ -174,10 +177,10 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
             b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
-            tl.store(dGw + p_cc, b_dA * b_uu)
-            tl.store(dHw + p_cc, b_dL * b_ou)
-            tl.store(dEw + p_2c, tl.sum(b_e * b_ud0, 1))
-            tl.store(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1))
+            put(dGw + p_cc, b_dA * b_uu, None, ATOMIC)
+            put(dHw + p_cc, b_dL * b_ou, None, ATOMIC)
+            put(dEw + p_2c, tl.sum(b_e * b_ud0, 1), None, ATOMIC)
+            put(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1), None, ATOMIC)
             b_dA = b_dA * b_G
             b_dL = b_dL * b_Hm
             b_du = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
@@ -219,10 +222,10 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
             b_dMq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
             b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
             b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
-            tl.store(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq)
-            tl.store(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq)
-            tl.store(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1))
-            tl.store(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1))
+            put(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq, None, ATOMIC)
+            put(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq, None, ATOMIC)
+            put(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1), None, ATOMIC)
+            put(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1), None, ATOMIC)
             b_dM = b_dM * b_G
             b_dMq = b_dMq * b_G
             b_dLv = b_dLv * b_Hm
@@ -237,13 +240,13 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                     + tl.dot(b_p * b_E0[:, None], b_dx0t, input_precision=PREC)
                     + tl.dot(b_p * b_E1[:, None], b_dx1t, input_precision=PREC))
             b_doq = tl.dot(b_dLv, b_v, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC)
-            tl.store(dv + p_tk, b_dv, mask=m_tk)
-            tl.store(dq + p_tk, b_dq, mask=m_tk)
+            put(dv + p_tk, b_dv, m_tk, ATOMIC)
+            put(dq + p_tk, b_dq, m_tk, ATOMIC)
         # the terms of the keys' gradients both forms share: W through U X0 (g), dO through OQ X0 (h), dM's v
         b_w0 = b_g0[:, None] * b_w
         b_w1 = b_g1[:, None] * b_w
-        tl.store(dgw + p_2c, tl.sum(b_w * b_uh0, 1))
-        tl.store(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1))
+        put(dgw + p_2c, tl.sum(b_w * b_uh0, 1), None, ATOMIC)
+        put(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1), None, ATOMIC)
         if ONE_KEY:
             b_kv = b_u
         else:
@@ -252,8 +255,8 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                  + tl.dot(b_dM, b_kv, input_precision=PREC))
         b_doq += (tl.dot(b_o0, tl.trans(b_x0), input_precision=PREC)
                   + tl.dot(b_o1, tl.trans(b_x1), input_precision=PREC))
-        tl.store(du + p_tk, b_du, mask=m_tk)
-        tl.store(doq + p_tk, b_doq, mask=m_tk)
+        put(du + p_tk, b_du, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
         # adjoints of the chunk's start states: through the end states, the right side and the outputs
         b_n0 = (f00 * b_dx0 + f10 * b_dx1 + tl.dot(tl.trans(b_u), b_w0, input_precision=PREC)
                 + tl.dot(tl.trans(b_oq), b_o0, input_precision=PREC))
