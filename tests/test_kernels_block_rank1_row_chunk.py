@@ -41,7 +41,8 @@ SPECS = {"momentum_longhorn": "momentum_longhorn", "momentum_head_decay": HEAD_D
 def _poison(monkeypatch):
     monkeypatch.setattr(CH, "POISON", True)
     monkeypatch.setattr(CH, "CHUNK", 16)
-    monkeypatch.setattr(CH, "ROWS", 16)
+    for name in ("ROWS", "STATE_ROWS", "GRAD_ROWS"):
+        monkeypatch.setattr(CH, name, 16)
 
 
 @pytest.mark.parametrize("how,tol", [("torch", 1e-15), ("triton", 1e-6)])
@@ -132,15 +133,17 @@ def _naive(keys, heads, c, p, S0):
 @pytest.mark.parametrize("T,c_mode,p_mode,single", [(21, "row", "head", False), (5, "head", "row", False),
                                                     (32, "row", "const", False), (17, "const", "row", False),
                                                     (21, "row", "row", True), (7, "head", "head", True)])
-@pytest.mark.parametrize("atomic", [True, False])
-def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, atomic, monkeypatch):
+@pytest.mark.parametrize("atomic,split", [(True, True), (False, True), (True, False), (False, False)])
+def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, atomic, split, monkeypatch):
     """Output, both final states and every gradient against the readable loop in float64: lengths cut
     mid-chunk (21, 17: chunks of 16), one short chunk (5, 7) and exact chunks (32); d = 20 rows on blocks
     of 16 (the last one partly past the rows): the key, per-head and weight gradients are sums over the
-    blocks, added by the blocks into one buffer (``atomic``: ``ATOMIC_SUMS``) or summed on the host.
+    blocks, added by the blocks into one buffer (``atomic``: ``ATOMIC_SUMS``) or summed on the host. The
+    backward as a state pass then one program per chunk (``split``: ``SPLIT_BWD``, for T > 16) or one walk.
     ``single``: u, v and q one tensor (the kernels' ``ONE_KEY`` form, as Longhorn's k), its gradient the
     three slots' sum."""
     monkeypatch.setattr(CH, "ATOMIC_SUMS", atomic)
+    monkeypatch.setattr(CH, "SPLIT_BWD", split)
     B, H, K, V = 1, 2, 8, 20
     keys, heads, c, p, S0 = _leaves(B, T, H, K, V, c_mode, p_mode, seed=T)
     if single:
@@ -275,7 +278,7 @@ def test_tiny_and_zero_weights(monkeypatch):
 
 
 def test_kernels_compile_for_sm90():
-    """The family's four kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as
+    """The family's five kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as
     Longhorn with momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products."""
     import os
     import subprocess
@@ -289,8 +292,8 @@ def test_kernels_compile_for_sm90():
                              timeout=900)
         assert out.returncode == 0, out.stdout + out.stderr[-2000:]
         rows = {line.split()[2]: line.split(None, 3)[3] for line in out.stdout.splitlines()}
-        assert {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_weights_fwd_kernel",
-                "block_weights_bwd_kernel"} <= set(rows), out.stdout
+        assert {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_chunk_bwd_state_kernel",
+                "block_weights_fwd_kernel", "block_weights_bwd_kernel"} <= set(rows), out.stdout
         assert set(rows.values()) == {"ok"}, out.stdout
         assert "triton:block-rank1-row-chunk" in out.stdout
 

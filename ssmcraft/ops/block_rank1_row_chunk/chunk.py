@@ -29,7 +29,9 @@ the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's en
     dX0_b = sum_a F_ab dX_a + U^T (g_b o W) + OQ^T (h_b o dO)
 
 (``rows``: summed over the rows), and the keys' gradients as ``rank1_row_chunk``'s with the weighted
-matrices. The weights' and keys' gradients are sums over the rows: each row block adds its share into one
+matrices. Only the ``dX`` recurrence is sequential (W's substitution and the last line): with
+``SPLIT_BWD`` one walk carries just that and stores each chunk's ``dX_a``, and the rest runs with one
+program per chunk. The weights' and keys' gradients are sums over the rows: each row block adds its share into one
 zeroed buffer (``ATOMIC_SUMS``) or writes its own slice, summed on the host; torch autograd takes the
 weights' through ``weights.chunk_weights`` (its kernels' backward) to the per-head coefficients (Longhorn
 with momentum's mu). The per-head row coefficients' gradients are per-block slices summed on the host.
@@ -39,7 +41,8 @@ from __future__ import annotations
 import torch
 
 from ssmcraft.ops.block_rank1_row.recurrent import supports as block_rank1_row_supports
-from ssmcraft.ops.block_rank1_row_chunk.kernels import block_chunk_bwd_kernel, block_chunk_fwd_kernel
+from ssmcraft.ops.block_rank1_row_chunk.kernels import (block_chunk_bwd_kernel, block_chunk_bwd_state_kernel,
+                                                        block_chunk_fwd_kernel)
 from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights
 from ssmcraft.ops.common.chunked import few_keys_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
@@ -63,6 +66,17 @@ MIN_KEYS = 64
 # order); False, each stores its slice [NR, ...] and the host sums them (eight reduces of Longhorn with
 # momentum, 205 us of its 5.07 ms fwd+bwd on the H200 at bf16 B=8 T=2048 H=16 d=m=64).
 ATOMIC_SUMS = True
+# The backward in two passes: True, a sequential walk that carries only the state adjoints (W's
+# substitution and the adjoints' products per chunk: ``kernels.block_chunk_bwd_state_kernel``, its
+# programs STATE_ROWS rows x STATE_WARPS) and stores each chunk's end-state adjoints (as much memory as
+# the forward's start states), then every gradient with one program per (chunk, GRAD_ROWS rows)
+# (``block_chunk_bwd_kernel``'s ``PER_CHUNK``); False, one walk forms everything (B*H*V/ROWS programs in
+# all: 256 at the shape below, latency-bound). Sequences of one chunk take the single walk.
+SPLIT_BWD = True
+STATE_ROWS = 32
+STATE_WARPS = 4
+GRAD_ROWS = 32
+GRAD_WARPS = 4
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
 NUM_WARPS = 4
@@ -131,27 +145,38 @@ class _BlockChunkFunction(torch.autograd.Function):
         B, T, H, K = u.shape
         dev = u.device
         C, R, nw = config()
-        NC, NR, NW = Gw.shape[2], cdiv(V, R), B * H * Gw.shape[2]
+        NC, NW = Gw.shape[2], B * H * Gw.shape[2]
+        split = SPLIT_BWD and T > C
+        # the gradients' programs: per (batch * head * chunk, row block) after the state pass, else the walk's
+        RG, nwg = (GRAD_ROWS, 1 if INTERPRET else GRAD_WARPS) if split else (R, nw)
+        NR = cdiv(V, RG)
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev, dtype=torch.float32)
+        dy = dy.contiguous()
+        dht = None if dht is None else dht.float().contiguous()
         modes = [row_mode(x) for x in rows]
+        mode_kw = dict(H=H, K=K, V=V, C=C, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+                       CONSTS=tuple(m[1] for m in modes), PREC=dot_precision(out_dtype), ONE_KEY=one_key((u, v, q)))
 
         def row_buf(mode):
             return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
-        single = one_key((u, v, q))
         # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
         atomic = atomic_sums(NR)
-        dkeys = [None if single and slot in ("v", "q") else sum_buf((B, T, H, K), NR, atomic, dev)
+        dkeys = [None if mode_kw["ONE_KEY"] and slot in ("v", "q") else sum_buf((B, T, H, K), NR, atomic, dev)
                  for slot in KEY_SLOTS]
         drows = [row_buf(m[0]) for m in modes]
         dws = [sum_buf(x.shape, NR, atomic, dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
         need_dh0 = ctx.needs_input_grad[12]
         dh0 = _new((B, H, 2, K, V), dev) if need_dh0 else None
-        launch(block_chunk_bwd_kernel, (B * H, NR), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew, Fw, d, hs,
-               dy.contiguous(), None if dht is None else dht.float().contiguous(), *dkeys, *drows, *dws, dh0, T, NC,
-               B * T * H, NW, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-               CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-               PREC=dot_precision(out_dtype), ONE_KEY=single, ATOMIC=atomic, num_warps=nw)
+        dxs = None
+        if split:
+            dxs = _new(hs.shape, dev)
+            launch(block_chunk_bwd_state_kernel, (B * H, cdiv(V, STATE_ROWS)), u, v, oq, modes[0][2], Gw, Hw, gw, hw,
+                   Ew, Fw, dy, dht, dxs, dh0, T, NC, R=STATE_ROWS, HAS_DHT=dht is not None,
+                   STORE_DH0=need_dh0, num_warps=1 if INTERPRET else STATE_WARPS, **mode_kw)
+        launch(block_chunk_bwd_kernel, (B * H * NC if split else B * H, NR), u, v, q, oq, *[m[2] for m in modes], Gw,
+               Hw, gw, hw, Ew, Fw, d, hs, dy, dht, dxs, *dkeys, *drows, *dws, dh0, T, NC, B * T * H, NW, R=RG,
+               HAS_DHT=dht is not None, STORE_DH0=need_dh0, ATOMIC=atomic, PER_CHUNK=split, num_warps=nwg, **mode_kw)
         dkeys = [None if g is None else key_sum(g, atomic).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
         drows = [None if g is None or not isinstance(x, torch.Tensor) else
                  (g if m[0] == 2 else g.sum(0).view(B, T, H)).to(x.dtype) for g, m, x in zip(drows, modes, rows)]
