@@ -178,6 +178,41 @@ def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, ato
     assert all(e < TOL["grad"] for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("states_bf16", [True, False])
+def test_bf16_io_against_float64(states_bf16, monkeypatch):
+    """bf16 keys, row coefficients and output (the kernels' products in fp32 from bf16 loads) against
+    float64: the chunk states handed between the passes stored bf16 (``STATES_BF16``) or fp32, every
+    gradient within the chunked kernels' bf16 tolerance (``benchmarks/checks.py``'s ``TOL_CHUNKED``), T = 37
+    (three chunks, the last cut), both backward passes."""
+    monkeypatch.setattr(CH, "STATES_BF16", states_bf16)
+    B, T, H, K, V = 1, 37, 2, 16, 20
+    keys, heads, c, p, S0 = _leaves(B, T, H, K, V, "row", "row", seed=11)
+    keys = [keys[0]] * 3 + keys[3:]
+    g = torch.Generator().manual_seed(12)
+    dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    dS = [torch.randn(B, H, K, V, generator=g, dtype=torch.float64) for _ in range(2)]
+    leaves = [keys[0], keys[3], heads["a00"], c, p, *S0]
+    states = []       # the dtypes of the [B, H, NC, 2, K, V] buffers: hs, then the state pass's dxs
+    real = CH._new
+    monkeypatch.setattr(CH, "_new", lambda shape, *a: (len(shape) == 6 and states.append(a[1])) or real(shape, *a))
+    outs = []
+    for naive, dtype in ((True, torch.float64), (False, torch.bfloat16)):
+        xs = [x.detach().to(dtype if i in (0, 1, 3, 4) else torch.float64 if naive else torch.float32).requires_grad_()
+              for i, x in enumerate(leaves)]
+        hd = {**heads, "a00": xs[2]}
+        ks = [xs[0]] * 3 + [xs[1]]
+        y, S = (_naive(ks, hd, xs[3], xs[4], xs[5:]) if naive else
+                CH.block_rank1_chunk(*ks, xs[3], xs[4], hd, initial_state=xs[5:], output_final_state=True))
+        loss = (y.double() * dy).sum() + sum((s.double() * d).sum() for s, d in zip(S, dS))
+        outs.append((y, S, torch.autograd.grad(loss, xs)))
+    assert states == [torch.bfloat16 if states_bf16 else torch.float32] * 2
+    (y_ref, S_ref, g_ref), (y, S, g_got) = outs
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    errs = {"y": rel_rms(y, y_ref), **{f"S{i}": rel_rms(a, b) for i, (a, b) in enumerate(zip(S, S_ref))},
+            **{n: rel_rms(a, b) for n, a, b in zip(("k", "oq", "a00", "c", "p", "X0", "X1"), g_got, g_ref)}}
+    assert all(e < 3e-2 for e in errs.values()), errs
+
+
 def test_without_states():
     """No initial state, no final state: the forward starts at zero and the backward runs with the
     output's cotangent only."""

@@ -18,7 +18,7 @@ lower-triangular system per row, the matrices shared by the rows of a head (``D 
 the chunked per-row rank-1 system (``ssmcraft.ops.rank1_row_chunk``) with a general per-head weight in
 place of its decay factors. One program per (batch * head, block of R rows) walks the chunks with both
 state tiles in registers (``kernels.py``); the forward of a training step stores each chunk's start
-states (fp32, exact) and D. The backward walks the chunks in reverse from them (``W`` the adjoint of
+states (fp32, or bf16 at bf16 I/O: ``STATES_BF16``) and D. The backward walks the chunks in reverse from them (``W`` the adjoint of
 the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's end states)::
 
     gD = -Lv^T dO - sum_a E_a o (V dX_a);   (I + c o M^T) W = c o gD      (backward substitution)
@@ -77,6 +77,11 @@ STATE_ROWS = 32
 STATE_WARPS = 4
 GRAD_ROWS = 32
 GRAD_WARPS = 4
+# The chunk states one pass hands the next (the forward's start states for the backward, the state pass's
+# end-state adjoints for the gradients' programs), at bf16 I/O: True, stored bf16 (half the traffic of
+# the largest buffers: 2 x 512 MiB fp32 at the shape above); False, fp32. Each walk carries its states in
+# fp32 registers, so the rounding enters one chunk's gradients and does not accumulate; fp32 I/O keeps fp32.
+STATES_BF16 = True
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
 NUM_WARPS = 4
@@ -95,6 +100,11 @@ def config() -> tuple[int, int, int]:
 
 def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
+
+
+def states_dtype(out_dtype) -> torch.dtype:
+    """The dtype of the chunk states the passes hand on (``STATES_BF16``)."""
+    return torch.bfloat16 if STATES_BF16 and out_dtype == torch.bfloat16 else torch.float32
 
 
 def atomic_sums(NR: int) -> bool:
@@ -125,7 +135,7 @@ class _BlockChunkFunction(torch.autograd.Function):
         y = _new((B, T, H, V), dev, out_dtype)
         ht = _new((B, H, 2, K, V), dev) if (output_final_state or training) else None
         d = _new((B, T, H, V), dev) if training else None
-        hs = _new((B, H, NC, 2, K, V), dev) if training else None
+        hs = _new((B, H, NC, 2, K, V), dev, states_dtype(out_dtype)) if training else None
         launch(block_chunk_fwd_kernel, (B * H, cdiv(V, R)), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew,
                Fw, h0, y, ht, d, hs, T, NC, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, TRAINING=training,
@@ -170,7 +180,7 @@ class _BlockChunkFunction(torch.autograd.Function):
         dh0 = _new((B, H, 2, K, V), dev) if need_dh0 else None
         dxs = None
         if split:
-            dxs = _new(hs.shape, dev)
+            dxs = _new(hs.shape, dev, hs.dtype)
             launch(block_chunk_bwd_state_kernel, (B * H, cdiv(V, STATE_ROWS)), u, v, oq, modes[0][2], Gw, Hw, gw, hw,
                    Ew, Fw, dy, dht, dxs, dh0, T, NC, R=STATE_ROWS, HAS_DHT=dht is not None,
                    STORE_DH0=need_dh0, num_warps=1 if INTERPRET else STATE_WARPS, **mode_kw)

@@ -40,7 +40,8 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
                            ONE_KEY: tl.constexpr):
     """y [B, T, H, V] = (sum_a r_a X_a,t) oq_t (the readout's weights folded in h, Hm); the final states
     ht [B*H*2, K, V] fp32 (``STORE_HT``) from h0 (same layout, ``HAS_H0``). ``TRAINING``: also d = c o z
-    [B, T, H, V] fp32 and each chunk's start states hs [B*H*NC*2, K, V] fp32 for the backward.
+    [B, T, H, V] fp32 and each chunk's start states hs [B*H*NC*2, K, V] (fp32, or bf16: ``chunk.STATES_BF16``)
+    for the backward.
     MODES/CONSTS: of (c, p) (``slots.row_mode``). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v
     and q unread): M = Mq, Lv = Lq, and D enters only through P - D."""
     i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
@@ -54,8 +55,8 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
         rows = (bos + t0 + o_c) * H + i_h
         wb = i_bh.to(tl.int64) * NC + i_c
         if TRAINING:
-            tl.store(hs + wb * 2 * K * V + p_kv, b_x0, mask=m_kv)
-            tl.store(hs + (wb * 2 + 1) * K * V + p_kv, b_x1, mask=m_kv)
+            tl.store(hs + wb * 2 * K * V + p_kv, b_x0.to(hs.dtype.element_ty), mask=m_kv)
+            tl.store(hs + (wb * 2 + 1) * K * V + p_kv, b_x1.to(hs.dtype.element_ty), mask=m_kv)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
@@ -137,7 +138,7 @@ def block_chunk_bwd_state_kernel(u, v, oq, c, Gw, Hw, gw, hw, Ew, Fw, dy, dht, d
                                  ONE_KEY: tl.constexpr):
     """The backward's sequential part alone: reverse over chunks from the final states' adjoints dht
     (``HAS_DHT``), storing each chunk's end-state adjoints in dxs [B*H*NC*2, K, V] fp32 (the layout of the
-    forward's hs) and the initial states' in dh0 (``STORE_DH0``); per chunk only W's substitution and
+    forward's hs, its dtype) and the initial states' in dh0 (``STORE_DH0``); per chunk only W's substitution and
     the state adjoints' products. ``block_chunk_bwd_kernel`` with ``PER_CHUNK`` then forms every gradient,
     one program per chunk."""
     i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
@@ -150,8 +151,8 @@ def block_chunk_bwd_state_kernel(u, v, oq, c, Gw, Hw, gw, hw, Ew, Fw, dy, dht, d
         m_t = i_c * C + o_c < T_s
         rows = (bos + i_c * C + o_c) * H + i_h
         wb = i_bh.to(tl.int64) * NC + i_c
-        tl.store(dxs + wb * 2 * K * V + p_kv, b_dx0, mask=m_kv)
-        tl.store(dxs + (wb * 2 + 1) * K * V + p_kv, b_dx1, mask=m_kv)
+        tl.store(dxs + wb * 2 * K * V + p_kv, b_dx0.to(dxs.dtype.element_ty), mask=m_kv)
+        tl.store(dxs + (wb * 2 + 1) * K * V + p_kv, b_dx1.to(dxs.dtype.element_ty), mask=m_kv)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         if ONE_KEY:
             b_kv = b_u
@@ -213,10 +214,10 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = rows[:, None] * V + o_v[None, :]
         if PER_CHUNK:
-            b_dx0 = tl.load(dxs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.)
-            b_dx1 = tl.load(dxs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.)
-        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.)
-        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.)
+            b_dx0 = tl.load(dxs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+            b_dx1 = tl.load(dxs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
@@ -325,8 +326,8 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
             b_kv = b_u
         else:
             b_kv = b_v
-        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.)
-        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.)
+        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
         b_du += (tl.dot(b_w0, tl.trans(b_x0), input_precision=PREC) + tl.dot(b_w1, tl.trans(b_x1), input_precision=PREC)
                  + tl.dot(b_dM, b_kv, input_precision=PREC))
         b_doq += (tl.dot(b_o0, tl.trans(b_x0), input_precision=PREC)
