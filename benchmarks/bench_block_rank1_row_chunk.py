@@ -2,7 +2,7 @@
 beside the per-token one (``block_rank1_row``), in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs default,SPLIT_BWD=0+ATOMIC_SUMS=0,HOW=torch] [--no-check] [--no-per-token]
+        [--configs default,ATOMIC_SUMS=0+STATES_BF16=0,SPLIT_BWD=1] [--no-check] [--no-per-token]
     TRITON_INTERPRET=1 python3 benchmarks/bench_block_rank1_row_chunk.py --tiny   (the checks on CPU, small)
 
 1. Correctness (``--check``, default on), this family forced (``chunk.AHEAD = True``) at the first
@@ -116,9 +116,9 @@ def check_general(dev, T, K) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
-    ap.add_argument("--configs", default="default,SPLIT_BWD=0+ATOMIC_SUMS=0", help="settings of this family, "
-                    "comma-separated, each NAME=VALUE+... of chunk.py/weights.py constants or 'default'; "
-                    "the first also runs the checks and the profile")
+    ap.add_argument("--configs", default="default,ATOMIC_SUMS=0+STATES_BF16=0,SPLIT_BWD=1",
+                    help="settings of this family, comma-separated, each NAME=VALUE+... of chunk.py/weights.py "
+                    "constants or 'default'; the first also runs the checks and the profile")
     ap.add_argument("--no-per-token", dest="per_token", action="store_false",
                     help="leave out the row on block_rank1_row (AHEAD = False)")
     ap.add_argument("--no-check", dest="check", action="store_false")

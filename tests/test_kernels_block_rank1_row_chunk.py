@@ -179,12 +179,14 @@ def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, ato
 
 
 @pytest.mark.parametrize("states_bf16", [True, False])
-def test_bf16_io_against_float64(states_bf16, monkeypatch):
+@pytest.mark.parametrize("split", [True, False])
+def test_bf16_io_against_float64(states_bf16, split, monkeypatch):
     """bf16 keys, row coefficients and output (the kernels' products in fp32 from bf16 loads) against
     float64: the chunk states handed between the passes stored bf16 (``STATES_BF16``) or fp32, every
     gradient within the chunked kernels' bf16 tolerance (``benchmarks/checks.py``'s ``TOL_CHUNKED``), T = 37
-    (three chunks, the last cut), both backward passes."""
+    (three chunks, the last cut), the backward in two passes (``split``) or one walk."""
     monkeypatch.setattr(CH, "STATES_BF16", states_bf16)
+    monkeypatch.setattr(CH, "SPLIT_BWD", split)
     B, T, H, K, V = 1, 37, 2, 16, 20
     keys, heads, c, p, S0 = _leaves(B, T, H, K, V, "row", "row", seed=11)
     keys = [keys[0]] * 3 + keys[3:]
@@ -205,7 +207,7 @@ def test_bf16_io_against_float64(states_bf16, monkeypatch):
                 CH.block_rank1_chunk(*ks, xs[3], xs[4], hd, initial_state=xs[5:], output_final_state=True))
         loss = (y.double() * dy).sum() + sum((s.double() * d).sum() for s, d in zip(S, dS))
         outs.append((y, S, torch.autograd.grad(loss, xs)))
-    assert states == [torch.bfloat16 if states_bf16 else torch.float32] * 2
+    assert states == [torch.bfloat16 if states_bf16 else torch.float32] * (2 if split else 1)
     (y_ref, S_ref, g_ref), (y, S, g_got) = outs
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     errs = {"y": rel_rms(y, y_ref), **{f"S{i}": rel_rms(a, b) for i, (a, b) in enumerate(zip(S, S_ref))},
@@ -312,23 +314,29 @@ def test_tiny_and_zero_weights(monkeypatch):
     assert_within(cmp.errors, TOL)
 
 
-def test_kernels_compile_for_sm90():
-    """The family's five kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as
-    Longhorn with momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products."""
+@pytest.mark.parametrize("split", [False, True])
+def test_kernels_compile_for_sm90(split):
+    """The family's kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as Longhorn with
+    momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products: the backward in one
+    walk, or (``split``: ``SPLIT_BWD``) the state pass and the per-chunk gradients."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    bench = os.path.join(root, "benchmarks")
+    kernels = {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_weights_fwd_kernel",
+               "block_weights_bwd_kernel"} | ({"block_chunk_bwd_state_kernel"} if split else set())
     for dtype in ("bf16", "fp32"):
-        out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_sm90.py"), "momentum_longhorn",
-                              "--block-chunk-ahead", "--dtype", dtype], capture_output=True, text=True, env=env,
-                             timeout=900)
+        code = (f"import sys; sys.path.insert(0, {bench!r}); import compile_sm90; "
+                "from ssmcraft.ops.block_rank1_row_chunk import chunk; "
+                f"chunk.SPLIT_BWD = {split}; "
+                f"sys.exit(compile_sm90.main(['momentum_longhorn', '--block-chunk-ahead', '--dtype', {dtype!r}]))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
         assert out.returncode == 0, out.stdout + out.stderr[-2000:]
         rows = {line.split()[2]: line.split(None, 3)[3] for line in out.stdout.splitlines()}
-        assert {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_chunk_bwd_state_kernel",
-                "block_weights_fwd_kernel", "block_weights_bwd_kernel"} <= set(rows), out.stdout
+        assert {k for k in rows if k.startswith("block_")} == kernels, out.stdout
         assert set(rows.values()) == {"ok"}, out.stdout
         assert "triton:block-rank1-row-chunk" in out.stdout
 

@@ -18,8 +18,9 @@ lower-triangular system per row, the matrices shared by the rows of a head (``D 
 the chunked per-row rank-1 system (``ssmcraft.ops.rank1_row_chunk``) with a general per-head weight in
 place of its decay factors. One program per (batch * head, block of R rows) walks the chunks with both
 state tiles in registers (``kernels.py``); the forward of a training step stores each chunk's start
-states (fp32, or bf16 at bf16 I/O: ``STATES_BF16``) and D. The backward walks the chunks in reverse from them (``W`` the adjoint of
-the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's end states)::
+states (fp32, or bf16 at bf16 I/O: ``STATES_BF16``) and D. The backward walks the chunks in reverse from
+them (``W`` the adjoint of the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's
+end states)::
 
     gD = -Lv^T dO - sum_a E_a o (V dX_a);   (I + c o M^T) W = c o gD      (backward substitution)
     dc = z o (gD - M^T W),   dp = Mq^T W + Lq^T dO + sum_a E_a o (Q dX_a)
@@ -52,9 +53,11 @@ from ssmcraft.ops.rank1_row_chunk.chunk import key_sum, one_key
 
 BACKEND_NAME = "block-rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-# Whether the family goes ahead of block_rank1_row on CUDA, read at dispatch time. Longhorn with momentum,
-# H200, bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd through obj(), one process: 5.07 ms here against 7.26 on
-# block_rank1_row (``benchmarks/bench_block_rank1_row_chunk.py --configs 32x4x16xtriton``)
+# Figures below: one H200, bf16, B=8 T=2048 H=16 d=m=64, Longhorn with momentum's fwd+bwd through obj(),
+# all in one process (DeltaNet 0.680 ms, Longhorn 2.576 there): ``benchmarks/bench_block_rank1_row_chunk.py
+# --no-per-token``, each setting named in ``--configs``.
+# Whether the family goes ahead of block_rank1_row on CUDA, read at dispatch time: 5.07 ms here against
+# 7.26 on block_rank1_row (another process: ``--configs default``); 4.64 ms here with the defaults below.
 AHEAD = True
 # The smallest key size at which it goes ahead: with few keys the per-token loop wins, as for one state
 # (``rank1_row_chunk.MIN_KEYS``, whose K = 32 measurement sets this one's too). Measured, one H200, bf16,
@@ -63,24 +66,28 @@ AHEAD = True
 MIN_KEYS = 64
 # The backward's key and weight gradients (sums over the row blocks): True, the row blocks of a head add
 # into one zeroed fp32 buffer each (atomics in L2; with two row blocks, 0 + x + y, the same sum in either
-# order); False, each stores its slice [NR, ...] and the host sums them (eight reduces of Longhorn with
-# momentum, 205 us of its 5.07 ms fwd+bwd on the H200 at bf16 B=8 T=2048 H=16 d=m=64).
+# order); False, each stores its slice [NR, ...] and the host sums them (eight reduces, ~205 us in an
+# earlier profile). With STATES_BF16: 4.641 ms; both off: 4.720 (the two not timed apart).
 ATOMIC_SUMS = True
 # The backward in two passes: True, a sequential walk that carries only the state adjoints (W's
 # substitution and the adjoints' products per chunk: ``kernels.block_chunk_bwd_state_kernel``, its
 # programs STATE_ROWS rows x STATE_WARPS) and stores each chunk's end-state adjoints (as much memory as
 # the forward's start states), then every gradient with one program per (chunk, GRAD_ROWS rows)
-# (``block_chunk_bwd_kernel``'s ``PER_CHUNK``); False, one walk forms everything (B*H*V/ROWS programs in
-# all: 256 at the shape below, latency-bound). Sequences of one chunk take the single walk.
-SPLIT_BWD = True
+# (``block_chunk_bwd_kernel``'s ``PER_CHUNK``); False, one walk forms everything (B*H*V/ROWS programs).
+# Sequences of one chunk take the single walk. Measured slower: 4.909 ms split (the state walk 942 us, the
+# per-chunk gradients 2312 us: their products, not the walk's latency, are the cost) against 4.641 in one
+# walk; split with 16 gradient rows 6.538, 8 warps 6.810, 64 rows x 8 warps 5.432, fp32 states 5.795.
+SPLIT_BWD = False
 STATE_ROWS = 32
 STATE_WARPS = 4
 GRAD_ROWS = 32
 GRAD_WARPS = 4
 # The chunk states one pass hands the next (the forward's start states for the backward, the state pass's
 # end-state adjoints for the gradients' programs), at bf16 I/O: True, stored bf16 (half the traffic of
-# the largest buffers: 2 x 512 MiB fp32 at the shape above); False, fp32. Each walk carries its states in
-# fp32 registers, so the rounding enters one chunk's gradients and does not accumulate; fp32 I/O keeps fp32.
+# the largest buffers: 512 MiB each in fp32 at the shape above); False, fp32. Each walk carries its
+# states in fp32 registers, so the rounding enters one chunk's gradients and does not accumulate; fp32
+# I/O keeps fp32. Split backward: 4.909 ms against 5.795 with fp32 states; its bf16 check against float64
+# (``bench_block_rank1_row_chunk.py``, B2 T1000 H2 d=m=64) worst 2.27e-2 (S_T), within TOL_CHUNKED's 3e-2.
 STATES_BF16 = True
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
