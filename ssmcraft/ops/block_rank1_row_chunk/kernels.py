@@ -33,6 +33,20 @@ def chunk_weights(Gw, Hw, gw, hw, Ew, Fw, wb, o_c, C: tl.constexpr):
 
 
 @triton.jit
+def _walk_start(ptr, HAS: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                R: tl.constexpr, BK: tl.constexpr):
+    """A walk's program (batch * head, row block): ``program``'s indices, ``state_block``'s offsets and
+    masks, ``chunk_masks``' and the pair of state tiles it starts from (``ptr [B*H*2, K, V]``, zeros without
+    ``HAS``)."""
+    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_0 = state_or_zero(ptr, i_bh * 2, p_kv, m_kv, K, V, HAS, BK, R)
+    b_1 = state_or_zero(ptr, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS, BK, R)
+    return i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_0, b_1
+
+
+@triton.jit
 def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht, d, hs, T, NC,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_H0: tl.constexpr,
@@ -44,11 +58,8 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
     for the backward.
     MODES/CONSTS: of (c, p) (``slots.row_mode``). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v
     and q unread): M = Mq, Lv = Lq, and D enters only through P - D."""
-    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
-    o_c, strict, incl = chunk_masks(C)
-    b_x0 = state_or_zero(h0, i_bh * 2, p_kv, m_kv, K, V, HAS_H0, BK, R)
-    b_x1 = state_or_zero(h0, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_H0, BK, R)
+    (i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_x0,
+     b_x1) = _walk_start(h0, HAS_H0, T, H, K, V, C, R, BK)
     for i_c in range(0, NC):
         t0 = i_c * C
         m_t = t0 + o_c < T_s
@@ -141,11 +152,8 @@ def block_chunk_bwd_state_kernel(u, v, oq, c, Gw, Hw, gw, hw, Ew, Fw, dy, dht, d
     forward's hs, its dtype) and the initial states' in dh0 (``STORE_DH0``); per chunk only W's substitution and
     the state adjoints' products. ``block_chunk_bwd_kernel`` with ``PER_CHUNK`` then forms every gradient,
     one program per chunk."""
-    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
-    o_c, strict, incl = chunk_masks(C)
-    b_dx0 = state_or_zero(dht, i_bh * 2, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    b_dx1 = state_or_zero(dht, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_DHT, BK, R)
+    (i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_dx0,
+     b_dx1) = _walk_start(dht, HAS_DHT, T, H, K, V, C, R, BK)
     for j_c in range(0, NC):
         i_c = NC - 1 - j_c
         m_t = i_c * C + o_c < T_s
