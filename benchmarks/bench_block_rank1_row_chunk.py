@@ -2,7 +2,7 @@
 beside the per-token one (``block_rank1_row``), in one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_block_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 32x4x16xtriton,32x4x16xtorch,16x4x16xtriton] [--no-check]
+        [--configs default,ATOMIC_SUMS=0+STATES_BF16=0,SPLIT_BWD=1] [--no-check] [--no-per-token]
     TRITON_INTERPRET=1 python3 benchmarks/bench_block_rank1_row_chunk.py --tiny   (the checks on CPU, small)
 
 1. Correctness (``--check``, default on), this family forced (``chunk.AHEAD = True``) at the first
@@ -14,8 +14,9 @@ beside the per-token one (``block_rank1_row``), in one process:
 2. Timings through ``obj()``, bf16, at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd):
    DeltaNet and Longhorn (the anchors), Longhorn with momentum on ``block_rank1_row`` (``AHEAD = False``)
    and on this family (``AHEAD = True``) at each (rows per program, num_warps, chunk, ``weights.HOW``)
-   config, the first one's kernel profile (GPU us per fwd+bwd, the weights included). What decides
-   ``AHEAD``, ``ROWS``, ``NUM_WARPS``, ``CHUNK`` and ``HOW``.
+   config (module constants of ``chunk.py`` or ``weights.py`` set by name, ``+``-joined; ``default``: none
+   changed), the first one's kernel profile (GPU us per fwd+bwd, the weights included). What decides
+   ``AHEAD`` and the constants (``ROWS``, ``NUM_WARPS``, ``CHUNK``, ``SPLIT_BWD``, ``ATOMIC_SUMS``, ``HOW``, ...).
 """
 from __future__ import annotations
 
@@ -40,8 +41,22 @@ from ssmcraft.ops.block_rank1_row_chunk import weights as W  # noqa: E402
 from ssmcraft.runtime.checking import rel_rms  # noqa: E402
 
 
-def _set(cfg):
-    CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.HOW = cfg
+def _parse(cfg: str) -> dict:
+    """``NAME=VALUE+NAME=VALUE`` (``default``: {}) -> {name: value}, each name a constant of ``chunk.py`` or
+    ``weights.py``, values int where they parse as one."""
+    out = {}
+    for item in (x for x in cfg.split("+") if x and x != "default"):
+        name, _, val = item.partition("=")
+        if not hasattr(CH, name) and not hasattr(W, name):
+            raise SystemExit(f"bench_block_rank1_row_chunk.py: --configs: no constant {name!r} in chunk.py or "
+                             "weights.py")
+        out[name] = int(val) if val.lstrip("-").isdigit() else val
+    return out
+
+
+def _set(cfg: dict):
+    for name, val in cfg.items():
+        setattr(CH if hasattr(CH, name) else W, name, val)
 
 
 def check_obj(dtype, dev, T, d) -> bool:
@@ -101,9 +116,11 @@ def check_general(dev, T, K) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8,2048,16,64,64", help="B,T,H,d,m")
-    ap.add_argument("--configs", default="32x4x16xtriton,32x4x16xtorch,16x4x16xtriton", help="ROWSxWARPSxCHUNKxHOW "
-                    "(weights.HOW) of this family, comma-separated; "
-                    "the first also runs the checks and the profile")
+    ap.add_argument("--configs", default="default,ATOMIC_SUMS=0+STATES_BF16=0,SPLIT_BWD=1",
+                    help="settings of this family, comma-separated, each NAME=VALUE+... of chunk.py/weights.py "
+                    "constants or 'default'; the first also runs the checks and the profile")
+    ap.add_argument("--no-per-token", dest="per_token", action="store_false",
+                    help="leave out the row on block_rank1_row (AHEAD = False)")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="the checks only, on CPU under TRITON_INTERPRET=1, small")
     args = ap.parse_args(argv)
@@ -119,7 +136,9 @@ def main(argv=None) -> int:
         print("bench_block_rank1_row_chunk.py needs a CUDA device")
         return 2
     shape = tuple(int(x) for x in args.shape.split(","))
-    configs = [(*(int(x) for x in c.split("x")[:3]), c.split("x")[3]) for c in args.configs.split(",") if c]
+    names = [c for c in args.configs.split(",") if c]
+    configs = [_parse(c) for c in names]
+    default = {name: getattr(CH if hasattr(CH, name) else W, name) for c in configs for name in c}
     ok = True
     if args.check:
         CH.AHEAD, CH.POISON = True, True
@@ -128,18 +147,19 @@ def main(argv=None) -> int:
             ok &= check_obj(dtype, "cuda", 1000, 64)
         ok &= check_general("cuda", 1000, 64)
         CH.AHEAD, CH.POISON = False, False
+        _set(default)
         torch.cuda.empty_cache()
     rows = []
-    runs = [("deltanet", "deltanet", None, False), ("longhorn", "longhorn", None, False),
-            ("momentum_longhorn AHEAD=False", "momentum_longhorn", None, False)]
-    runs += [(f"momentum_longhorn AHEAD=True {'x'.join(map(str, c))}", "momentum_longhorn", c, True) for c in configs]
-    default = (CH.ROWS, CH.NUM_WARPS, CH.CHUNK, W.HOW)
+    runs = [("deltanet", "deltanet", None, False), ("longhorn", "longhorn", None, False)]
+    if args.per_token:
+        runs.append(("momentum_longhorn AHEAD=False", "momentum_longhorn", None, False))
+    runs += [(f"momentum_longhorn AHEAD=True {n}", "momentum_longhorn", c, True) for n, c in zip(names, configs)]
     for label, spec, cfg, ahead in runs:
         CH.AHEAD = ahead
         if cfg is not None:
             _set(cfg)
         try:
-            row = measure(label, spec, shape, torch.bfloat16, profile=cfg == configs[0])
+            row = measure(label, spec, shape, torch.bfloat16, profile=cfg is configs[0])
         except Exception as e:  # noqa: BLE001: one failure is a row of the table
             row = {"spec": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         finally:

@@ -41,7 +41,8 @@ SPECS = {"momentum_longhorn": "momentum_longhorn", "momentum_head_decay": HEAD_D
 def _poison(monkeypatch):
     monkeypatch.setattr(CH, "POISON", True)
     monkeypatch.setattr(CH, "CHUNK", 16)
-    monkeypatch.setattr(CH, "ROWS", 16)
+    for name in ("ROWS", "STATE_ROWS", "GRAD_ROWS"):
+        monkeypatch.setattr(CH, name, 16)
 
 
 @pytest.mark.parametrize("how,tol", [("torch", 1e-15), ("triton", 1e-6)])
@@ -132,12 +133,17 @@ def _naive(keys, heads, c, p, S0):
 @pytest.mark.parametrize("T,c_mode,p_mode,single", [(21, "row", "head", False), (5, "head", "row", False),
                                                     (32, "row", "const", False), (17, "const", "row", False),
                                                     (21, "row", "row", True), (7, "head", "head", True)])
-def test_public_function_against_float64_autograd(T, c_mode, p_mode, single):
+@pytest.mark.parametrize("atomic,split", [(True, True), (False, True), (True, False), (False, False)])
+def test_public_function_against_float64_autograd(T, c_mode, p_mode, single, atomic, split, monkeypatch):
     """Output, both final states and every gradient against the readable loop in float64: lengths cut
     mid-chunk (21, 17: chunks of 16), one short chunk (5, 7) and exact chunks (32); d = 20 rows on blocks
     of 16 (the last one partly past the rows): the key, per-head and weight gradients are sums over the
-    blocks. ``single``: u, v and q one tensor (the kernels' ``ONE_KEY`` form, as Longhorn's k), its
-    gradient the three slots' sum."""
+    blocks, added by the blocks into one buffer (``atomic``: ``ATOMIC_SUMS``) or summed on the host. The
+    backward as a state pass then one program per chunk (``split``: ``SPLIT_BWD``, for T > 16) or one walk.
+    ``single``: u, v and q one tensor (the kernels' ``ONE_KEY`` form, as Longhorn's k), its gradient the
+    three slots' sum."""
+    monkeypatch.setattr(CH, "ATOMIC_SUMS", atomic)
+    monkeypatch.setattr(CH, "SPLIT_BWD", split)
     B, H, K, V = 1, 2, 8, 20
     keys, heads, c, p, S0 = _leaves(B, T, H, K, V, c_mode, p_mode, seed=T)
     if single:
@@ -170,6 +176,43 @@ def test_public_function_against_float64_autograd(T, c_mode, p_mode, single):
     errs = {n: rel_rms(a, b) for n, a, b in zip(got_names, g_got, g_ref)}
     assert set(got_names) >= {"u", "oq", "a00", "a01", "a10", "a11", "e0", "e1", "w0", "ro0", "X0", "X1"}
     assert all(e < TOL["grad"] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("states_bf16", [True, False])
+@pytest.mark.parametrize("split", [True, False])
+def test_bf16_io_against_float64(states_bf16, split, monkeypatch):
+    """bf16 keys, row coefficients and output (the kernels' products in fp32 from bf16 loads) against
+    float64: the chunk states handed between the passes stored bf16 (``STATES_BF16``) or fp32, every
+    gradient within the chunked kernels' bf16 tolerance (``benchmarks/checks.py``'s ``TOL_CHUNKED``), T = 37
+    (three chunks, the last cut), the backward in two passes (``split``) or one walk."""
+    monkeypatch.setattr(CH, "STATES_BF16", states_bf16)
+    monkeypatch.setattr(CH, "SPLIT_BWD", split)
+    B, T, H, K, V = 1, 37, 2, 16, 20
+    keys, heads, c, p, S0 = _leaves(B, T, H, K, V, "row", "row", seed=11)
+    keys = [keys[0]] * 3 + keys[3:]
+    g = torch.Generator().manual_seed(12)
+    dy = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    dS = [torch.randn(B, H, K, V, generator=g, dtype=torch.float64) for _ in range(2)]
+    leaves = [keys[0], keys[3], heads["a00"], c, p, *S0]
+    states = []       # the dtypes of the [B, H, NC, 2, K, V] buffers: hs, then the state pass's dxs
+    real = CH._new
+    monkeypatch.setattr(CH, "_new", lambda shape, *a: (len(shape) == 6 and states.append(a[1])) or real(shape, *a))
+    outs = []
+    for naive, dtype in ((True, torch.float64), (False, torch.bfloat16)):
+        xs = [x.detach().to(dtype if i in (0, 1, 3, 4) else torch.float64 if naive else torch.float32).requires_grad_()
+              for i, x in enumerate(leaves)]
+        hd = {**heads, "a00": xs[2]}
+        ks = [xs[0]] * 3 + [xs[1]]
+        y, S = (_naive(ks, hd, xs[3], xs[4], xs[5:]) if naive else
+                CH.block_rank1_chunk(*ks, xs[3], xs[4], hd, initial_state=xs[5:], output_final_state=True))
+        loss = (y.double() * dy).sum() + sum((s.double() * d).sum() for s, d in zip(S, dS))
+        outs.append((y, S, torch.autograd.grad(loss, xs)))
+    assert states == [torch.bfloat16 if states_bf16 else torch.float32] * (2 if split else 1)
+    (y_ref, S_ref, g_ref), (y, S, g_got) = outs
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    errs = {"y": rel_rms(y, y_ref), **{f"S{i}": rel_rms(a, b) for i, (a, b) in enumerate(zip(S, S_ref))},
+            **{n: rel_rms(a, b) for n, a, b in zip(("k", "oq", "a00", "c", "p", "X0", "X1"), g_got, g_ref)}}
+    assert all(e < 3e-2 for e in errs.values()), errs
 
 
 def test_without_states():
@@ -271,23 +314,29 @@ def test_tiny_and_zero_weights(monkeypatch):
     assert_within(cmp.errors, TOL)
 
 
-def test_kernels_compile_for_sm90():
-    """The family's four kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as
-    Longhorn with momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products."""
+@pytest.mark.parametrize("split", [False, True])
+def test_kernels_compile_for_sm90(split):
+    """The family's kernels in their GPU form (``benchmarks/compile_sm90.py``, CPU only), as Longhorn with
+    momentum's fwd+bwd launches them with the family ahead, fp32 and bf16 products: the backward in one
+    walk, or (``split``: ``SPLIT_BWD``) the state pass and the per-chunk gradients."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    bench = os.path.join(root, "benchmarks")
+    kernels = {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_weights_fwd_kernel",
+               "block_weights_bwd_kernel"} | ({"block_chunk_bwd_state_kernel"} if split else set())
     for dtype in ("bf16", "fp32"):
-        out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_sm90.py"), "momentum_longhorn",
-                              "--block-chunk-ahead", "--dtype", dtype], capture_output=True, text=True, env=env,
-                             timeout=900)
+        code = (f"import sys; sys.path.insert(0, {bench!r}); import compile_sm90; "
+                "from ssmcraft.ops.block_rank1_row_chunk import chunk; "
+                f"chunk.SPLIT_BWD = {split}; "
+                f"sys.exit(compile_sm90.main(['momentum_longhorn', '--block-chunk-ahead', '--dtype', {dtype!r}]))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
         assert out.returncode == 0, out.stdout + out.stderr[-2000:]
         rows = {line.split()[2]: line.split(None, 3)[3] for line in out.stdout.splitlines()}
-        assert {"block_chunk_fwd_kernel", "block_chunk_bwd_kernel", "block_weights_fwd_kernel",
-                "block_weights_bwd_kernel"} <= set(rows), out.stdout
+        assert {k for k in rows if k.startswith("block_")} == kernels, out.stdout
         assert set(rows.values()) == {"ok"}, out.stdout
         assert "triton:block-rank1-row-chunk" in out.stdout
 

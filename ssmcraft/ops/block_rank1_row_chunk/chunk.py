@@ -18,8 +18,9 @@ lower-triangular system per row, the matrices shared by the rows of a head (``D 
 the chunked per-row rank-1 system (``ssmcraft.ops.rank1_row_chunk``) with a general per-head weight in
 place of its decay factors. One program per (batch * head, block of R rows) walks the chunks with both
 state tiles in registers (``kernels.py``); the forward of a training step stores each chunk's start
-states (fp32, exact) and D. The backward walks the chunks in reverse from them (``W`` the adjoint of
-the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's end states)::
+states (fp32, or bf16 at bf16 I/O: ``STATES_BF16``) and D. The backward walks the chunks in reverse from
+them (``W`` the adjoint of the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's
+end states)::
 
     gD = -Lv^T dO - sum_a E_a o (V dX_a);   (I + c o M^T) W = c o gD      (backward substitution)
     dc = z o (gD - M^T W),   dp = Mq^T W + Lq^T dO + sum_a E_a o (Q dX_a)
@@ -29,35 +30,65 @@ the substitution's right side, ``dO`` of the outputs, ``dX_a`` of the chunk's en
     dX0_b = sum_a F_ab dX_a + U^T (g_b o W) + OQ^T (h_b o dO)
 
 (``rows``: summed over the rows), and the keys' gradients as ``rank1_row_chunk``'s with the weighted
-matrices. The weights' gradients are sums over the rows: each row block writes its own slice, summed on
-the host, and torch autograd takes them through ``weights.chunk_weights`` (its kernels' backward) to the
-per-head coefficients (Longhorn with momentum's mu). The keys' and per-head row coefficients' gradients
-are per-block slices summed on the host likewise.
+matrices. Only the ``dX`` recurrence is sequential (W's substitution and the last line): with
+``SPLIT_BWD`` one walk carries just that and stores each chunk's ``dX_a``, and the rest runs with one
+program per chunk. The weights' and keys' gradients are sums over the rows: each row block adds its share into one
+zeroed buffer (``ATOMIC_SUMS``) or writes its own slice, summed on the host; torch autograd takes the
+weights' through ``weights.chunk_weights`` (its kernels' backward) to the per-head coefficients (Longhorn
+with momentum's mu). The per-head row coefficients' gradients are per-block slices summed on the host.
 """
 from __future__ import annotations
 
 import torch
 
 from ssmcraft.ops.block_rank1_row.recurrent import supports as block_rank1_row_supports
-from ssmcraft.ops.block_rank1_row_chunk.kernels import block_chunk_bwd_kernel, block_chunk_fwd_kernel
+from ssmcraft.ops.block_rank1_row_chunk.kernels import (block_chunk_bwd_kernel, block_chunk_bwd_state_kernel,
+                                                        block_chunk_fwd_kernel)
 from ssmcraft.ops.block_rank1_row_chunk.weights import chunk_weights
 from ssmcraft.ops.common.chunked import few_keys_reason, key_sizes
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
-from ssmcraft.ops.rank1_row_chunk.chunk import one_key
+from ssmcraft.ops.rank1_row_chunk.chunk import key_sum, one_key
 
 BACKEND_NAME = "block-rank1-row-chunk"
 POISON = False        # tests: fill every output buffer with NaN before the kernels write it
-# Whether the family goes ahead of block_rank1_row on CUDA, read at dispatch time. Longhorn with momentum,
-# H200, bf16, B=8 T=2048 H=16 d=m=64, fwd+bwd through obj(), one process: 5.07 ms here against 7.26 on
-# block_rank1_row (``benchmarks/bench_block_rank1_row_chunk.py --configs 32x4x16xtriton``)
+# Figures below: one H200, bf16, B=8 T=2048 H=16 d=m=64, Longhorn with momentum's fwd+bwd through obj(),
+# all in one process (DeltaNet 0.680 ms, Longhorn 2.576 there): ``benchmarks/bench_block_rank1_row_chunk.py
+# --no-per-token``, each setting named in ``--configs``.
+# Whether the family goes ahead of block_rank1_row on CUDA, read at dispatch time: 5.07 ms here against
+# 7.26 on block_rank1_row (another process: ``--configs default``); 4.64 ms here with the defaults below.
 AHEAD = True
 # The smallest key size at which it goes ahead: with few keys the per-token loop wins, as for one state
 # (``rank1_row_chunk.MIN_KEYS``, whose K = 32 measurement sets this one's too). Measured, one H200, bf16,
 # B=8 T=2048 H=24 K=16 V=64, fwd+bwd through obj(), one process: 4.843 ms here, 3.707 on block_rank1_row
 # (``bench_block_rank1_row_chunk.py --no-check --shape 8,2048,24,16,64``)
 MIN_KEYS = 64
+# The backward's key and weight gradients (sums over the row blocks): True, the row blocks of a head add
+# into one zeroed fp32 buffer each (atomics in L2; with two row blocks, 0 + x + y, the same sum in either
+# order); False, each stores its slice [NR, ...] and the host sums them (eight reduces, ~205 us in an
+# earlier profile). With STATES_BF16: 4.641 ms; both off: 4.720 (the two not timed apart).
+ATOMIC_SUMS = True
+# The backward in two passes: True, a sequential walk that carries only the state adjoints (W's
+# substitution and the adjoints' products per chunk: ``kernels.block_chunk_bwd_state_kernel``, its
+# programs STATE_ROWS rows x STATE_WARPS) and stores each chunk's end-state adjoints (as much memory as
+# the forward's start states), then every gradient with one program per (chunk, GRAD_ROWS rows)
+# (``block_chunk_bwd_kernel``'s ``PER_CHUNK``); False, one walk forms everything (B*H*V/ROWS programs).
+# Sequences of one chunk take the single walk. Measured slower: 4.909 ms split (the state walk 942 us, the
+# per-chunk gradients 2312 us: their products, not the walk's latency, are the cost) against 4.641 in one
+# walk; split with 16 gradient rows 6.538, 8 warps 6.810, 64 rows x 8 warps 5.432, fp32 states 5.795.
+SPLIT_BWD = False
+STATE_ROWS = 32
+STATE_WARPS = 4
+GRAD_ROWS = 32
+GRAD_WARPS = 4
+# The chunk states one pass hands the next (the forward's start states for the backward, the state pass's
+# end-state adjoints for the gradients' programs), at bf16 I/O: True, stored bf16 (half the traffic of
+# the largest buffers: 512 MiB each in fp32 at the shape above); False, fp32. Each walk carries its
+# states in fp32 registers, so the rounding enters one chunk's gradients and does not accumulate; fp32
+# I/O keeps fp32. Split backward: 4.909 ms against 5.795 with fp32 states; its bf16 check against float64
+# (``bench_block_rank1_row_chunk.py``, B2 T1000 H2 d=m=64) worst 2.27e-2 (S_T), within TOL_CHUNKED's 3e-2.
+STATES_BF16 = True
 CHUNK = 16            # tokens per chunk
 ROWS = 32             # state rows per program (tl.dot needs >= 16)
 NUM_WARPS = 4
@@ -78,6 +109,22 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
+def states_dtype(out_dtype) -> torch.dtype:
+    """The dtype of the chunk states the passes hand on (``STATES_BF16``)."""
+    return torch.bfloat16 if STATES_BF16 and out_dtype == torch.bfloat16 else torch.float32
+
+
+def atomic_sums(NR: int) -> bool:
+    """Whether the backward's row blocks add their key and weight gradients into one buffer (``ATOMIC_SUMS``)."""
+    return ATOMIC_SUMS and NR > 1
+
+
+def sum_buf(shape, NR: int, atomic: bool, dev):
+    """A gradient the row blocks sum: zeros they add into (``atomic``), else one slice per block
+    ``[NR, *shape]``; ``rank1_row_chunk.chunk.key_sum`` takes it to the sum."""
+    return torch.zeros(tuple(shape), device=dev) if atomic else _new((NR, *shape), dev)
+
+
 class _BlockChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, V, out_dtype, output_final_state):
@@ -95,7 +142,7 @@ class _BlockChunkFunction(torch.autograd.Function):
         y = _new((B, T, H, V), dev, out_dtype)
         ht = _new((B, H, 2, K, V), dev) if (output_final_state or training) else None
         d = _new((B, T, H, V), dev) if training else None
-        hs = _new((B, H, NC, 2, K, V), dev) if training else None
+        hs = _new((B, H, NC, 2, K, V), dev, states_dtype(out_dtype)) if training else None
         launch(block_chunk_fwd_kernel, (B * H, cdiv(V, R)), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew,
                Fw, h0, y, ht, d, hs, T, NC, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
                CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, TRAINING=training,
@@ -115,29 +162,42 @@ class _BlockChunkFunction(torch.autograd.Function):
         B, T, H, K = u.shape
         dev = u.device
         C, R, nw = config()
-        NC, NR, NW = Gw.shape[2], cdiv(V, R), B * H * Gw.shape[2]
+        NC, NW = Gw.shape[2], B * H * Gw.shape[2]
+        split = SPLIT_BWD and T > C
+        # the gradients' programs: per (batch * head * chunk, row block) after the state pass, else the walk's
+        RG, nwg = (GRAD_ROWS, 1 if INTERPRET else GRAD_WARPS) if split else (R, nw)
+        NR = cdiv(V, RG)
         if dy is None:
             dy = torch.zeros(B, T, H, V, device=dev, dtype=torch.float32)
+        dy = dy.contiguous()
+        dht = None if dht is None else dht.float().contiguous()
         modes = [row_mode(x) for x in rows]
+        mode_kw = dict(H=H, K=K, V=V, C=C, BK=pow2(K), MODES=tuple(m[0] for m in modes),
+                       CONSTS=tuple(m[1] for m in modes), PREC=dot_precision(out_dtype), ONE_KEY=one_key((u, v, q)))
 
         def row_buf(mode):
             return _new((B, T, H, V), dev) if mode == 2 else _new((NR, B * T * H), dev) if mode == 1 else None
-        single = one_key((u, v, q))
         # one key in three slots: its one gradient (the three slots' sum) in du, none for v and q
-        dkeys = [None if single and slot in ("v", "q") else _new((NR, B, T, H, K), dev) for slot in KEY_SLOTS]
+        atomic = atomic_sums(NR)
+        dkeys = [None if mode_kw["ONE_KEY"] and slot in ("v", "q") else sum_buf((B, T, H, K), NR, atomic, dev)
+                 for slot in KEY_SLOTS]
         drows = [row_buf(m[0]) for m in modes]
-        dws = [_new((NR, *x.shape), dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
+        dws = [sum_buf(x.shape, NR, atomic, dev) for x in (Gw, Hw, gw, hw, Ew, Fw)]
         need_dh0 = ctx.needs_input_grad[12]
         dh0 = _new((B, H, 2, K, V), dev) if need_dh0 else None
-        launch(block_chunk_bwd_kernel, (B * H, NR), u, v, q, oq, *[m[2] for m in modes], Gw, Hw, gw, hw, Ew, Fw, d, hs,
-               dy.contiguous(), None if dht is None else dht.float().contiguous(), *dkeys, *drows, *dws, dh0, T, NC,
-               B * T * H, NW, H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
-               CONSTS=tuple(m[1] for m in modes), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-               PREC=dot_precision(out_dtype), ONE_KEY=single, num_warps=nw)
-        dkeys = [None if g is None else g.sum(0).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
+        dxs = None
+        if split:
+            dxs = _new(hs.shape, dev, hs.dtype)
+            launch(block_chunk_bwd_state_kernel, (B * H, cdiv(V, STATE_ROWS)), u, v, oq, modes[0][2], Gw, Hw, gw, hw,
+                   Ew, Fw, dy, dht, dxs, dh0, T, NC, R=STATE_ROWS, HAS_DHT=dht is not None,
+                   STORE_DH0=need_dh0, num_warps=1 if INTERPRET else STATE_WARPS, **mode_kw)
+        launch(block_chunk_bwd_kernel, (B * H * NC if split else B * H, NR), u, v, q, oq, *[m[2] for m in modes], Gw,
+               Hw, gw, hw, Ew, Fw, d, hs, dy, dht, dxs, *dkeys, *drows, *dws, dh0, T, NC, B * T * H, NW, R=RG,
+               HAS_DHT=dht is not None, STORE_DH0=need_dh0, ATOMIC=atomic, PER_CHUNK=split, num_warps=nwg, **mode_kw)
+        dkeys = [None if g is None else key_sum(g, atomic).to(x.dtype) for g, x in zip(dkeys, (u, v, q, oq))]
         drows = [None if g is None or not isinstance(x, torch.Tensor) else
                  (g if m[0] == 2 else g.sum(0).view(B, T, H)).to(x.dtype) for g, m, x in zip(drows, modes, rows)]
-        dws = [g.sum(0) for g in dws]
+        dws = [key_sum(g, atomic) for g in dws]
         return (*dkeys, *drows, *dws, None if dh0 is None else dh0.to(h0_dtype), None, None, None)
 
 

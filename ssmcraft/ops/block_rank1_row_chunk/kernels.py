@@ -1,7 +1,8 @@
 """Triton kernels of the chunked block rank-1 family (``chunk.py`` has the algebra).
 
 One program per (batch * head, block of R state rows), sequential over chunks of C tokens, both state
-tiles ``X_a^T [BK, R]`` (FLA's ``[K, V]`` layout) in registers. The per-head chunk weights
+tiles ``X_a^T [BK, R]`` (FLA's ``[K, V]`` layout) in registers; the backward's gradients either inside
+that walk or, after a walk of the state adjoints alone, with one program per chunk. The per-head chunk weights
 (``G, Hm [C, C]``, ``g, h, E [2, C]``, ``F [4]``: ``weights.py``, formed by the last two kernels of this file) come
 in one set per (batch * head, chunk); the chunk kernels never see the transition itself, so any per-head
 2 x 2 transition, extrapolation, write and read weights run on the same code. Tiles and helpers are the
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ssmcraft.ops.common.tiles import state_block, state_or_zero
+from ssmcraft.ops.rank1_row.bwd import put
 from ssmcraft.ops.rank1_row_chunk.kernels import chunk_masks, key_tile, program, row_tile, solve, store_rows
 
 
@@ -31,6 +33,20 @@ def chunk_weights(Gw, Hw, gw, hw, Ew, Fw, wb, o_c, C: tl.constexpr):
 
 
 @triton.jit
+def _walk_start(ptr, HAS: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                R: tl.constexpr, BK: tl.constexpr):
+    """A walk's program (batch * head, row block): ``program``'s indices, ``state_block``'s offsets and
+    masks, ``chunk_masks``' and the pair of state tiles it starts from (``ptr [B*H*2, K, V]``, zeros without
+    ``HAS``)."""
+    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
+    o_c, strict, incl = chunk_masks(C)
+    b_0 = state_or_zero(ptr, i_bh * 2, p_kv, m_kv, K, V, HAS, BK, R)
+    b_1 = state_or_zero(ptr, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS, BK, R)
+    return i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_0, b_1
+
+
+@triton.jit
 def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht, d, hs, T, NC,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_H0: tl.constexpr,
@@ -38,22 +54,20 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
                            ONE_KEY: tl.constexpr):
     """y [B, T, H, V] = (sum_a r_a X_a,t) oq_t (the readout's weights folded in h, Hm); the final states
     ht [B*H*2, K, V] fp32 (``STORE_HT``) from h0 (same layout, ``HAS_H0``). ``TRAINING``: also d = c o z
-    [B, T, H, V] fp32 and each chunk's start states hs [B*H*NC*2, K, V] fp32 for the backward.
+    [B, T, H, V] fp32 and each chunk's start states hs [B*H*NC*2, K, V] (fp32, or bf16: ``chunk.STATES_BF16``)
+    for the backward.
     MODES/CONSTS: of (c, p) (``slots.row_mode``). ``ONE_KEY``: u, v and q are one tensor (Longhorn's k; v
     and q unread): M = Mq, Lv = Lq, and D enters only through P - D."""
-    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
-    o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
-    o_c, strict, incl = chunk_masks(C)
-    b_x0 = state_or_zero(h0, i_bh * 2, p_kv, m_kv, K, V, HAS_H0, BK, R)
-    b_x1 = state_or_zero(h0, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_H0, BK, R)
+    (i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_x0,
+     b_x1) = _walk_start(h0, HAS_H0, T, H, K, V, C, R, BK)
     for i_c in range(0, NC):
         t0 = i_c * C
         m_t = t0 + o_c < T_s
         rows = (bos + t0 + o_c) * H + i_h
         wb = i_bh.to(tl.int64) * NC + i_c
         if TRAINING:
-            tl.store(hs + wb * 2 * K * V + p_kv, b_x0, mask=m_kv)
-            tl.store(hs + (wb * 2 + 1) * K * V + p_kv, b_x1, mask=m_kv)
+            tl.store(hs + wb * 2 * K * V + p_kv, b_x0.to(hs.dtype.element_ty), mask=m_kv)
+            tl.store(hs + (wb * 2 + 1) * K * V + p_kv, b_x1.to(hs.dtype.element_ty), mask=m_kv)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
@@ -100,25 +114,106 @@ def block_chunk_fwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, h0, y, ht,
 
 
 @triton.jit
-def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy, dht,
+def _adjoint(b_u, b_kv, b_oq, b_c, b_do, b_dx0, b_dx1, b_G, b_Hm, b_E0, b_E1, o_c, strict, incl,
+             C: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+    """The adjoint of D through the outputs and the end states, ``gD = -Lv^T dO - sum_a E_a o (V dX_a)``,
+    and W solving ``(I + c o M^T) W = c o gD`` (``b_kv``: V, the tile of u where ``ONE_KEY``). Returns
+    (W, gD, strict(U V^T), incl(OQ V^T), V dX0, V dX1)."""
+    b_uv = tl.where(strict, tl.dot(b_u, tl.trans(b_kv), input_precision=PREC), 0.)
+    b_ov = tl.where(incl, tl.dot(b_oq, tl.trans(b_kv), input_precision=PREC), 0.)
+    b_vd0 = tl.dot(b_kv, b_dx0, input_precision=PREC)
+    b_vd1 = tl.dot(b_kv, b_dx1, input_precision=PREC)
+    b_gd = (-tl.dot(tl.trans(b_ov * b_Hm), b_do, input_precision=PREC) - b_E0[:, None] * b_vd0
+            - b_E1[:, None] * b_vd1)
+    b_w = solve(b_c * b_gd, b_c, tl.trans(b_uv * b_G), o_c, C, R, True)
+    return b_w, b_gd, b_uv, b_ov, b_vd0, b_vd1
+
+
+@triton.jit
+def _start_adjoints(b_dx0, b_dx1, b_w, b_do, b_u, b_oq, b_g0, b_g1, b_h0, b_h1, f00, f01, f10, f11,
+                    PREC: tl.constexpr):
+    """The adjoints of the chunk's start states from its end states' and W, dO:
+    ``dX0_b = sum_a F_ab dX_a + U^T (g_b o W) + OQ^T (h_b o dO)``."""
+    b_n0 = (f00 * b_dx0 + f10 * b_dx1 + tl.dot(tl.trans(b_u), b_g0[:, None] * b_w, input_precision=PREC)
+            + tl.dot(tl.trans(b_oq), b_h0[:, None] * b_do, input_precision=PREC))
+    b_n1 = (f01 * b_dx0 + f11 * b_dx1 + tl.dot(tl.trans(b_u), b_g1[:, None] * b_w, input_precision=PREC)
+            + tl.dot(tl.trans(b_oq), b_h1[:, None] * b_do, input_precision=PREC))
+    return b_n0, b_n1
+
+
+@triton.jit
+def block_chunk_bwd_state_kernel(u, v, oq, c, Gw, Hw, gw, hw, Ew, Fw, dy, dht, dxs, dh0, T, NC,
+                                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                                 R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr,
+                                 HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+                                 ONE_KEY: tl.constexpr):
+    """The backward's sequential part alone: reverse over chunks from the final states' adjoints dht
+    (``HAS_DHT``), storing each chunk's end-state adjoints in dxs [B*H*NC*2, K, V] fp32 (the layout of the
+    forward's hs, its dtype) and the initial states' in dh0 (``STORE_DH0``); per chunk only W's substitution and
+    the state adjoints' products. ``block_chunk_bwd_kernel`` with ``PER_CHUNK`` then forms every gradient,
+    one program per chunk."""
+    (i_bh, i_r, i_h, bos, T_s, o_k, m_k, o_v, m_v, m_kv, p_kv, o_c, strict, incl, b_dx0,
+     b_dx1) = _walk_start(dht, HAS_DHT, T, H, K, V, C, R, BK)
+    for j_c in range(0, NC):
+        i_c = NC - 1 - j_c
+        m_t = i_c * C + o_c < T_s
+        rows = (bos + i_c * C + o_c) * H + i_h
+        wb = i_bh.to(tl.int64) * NC + i_c
+        tl.store(dxs + wb * 2 * K * V + p_kv, b_dx0.to(dxs.dtype.element_ty), mask=m_kv)
+        tl.store(dxs + (wb * 2 + 1) * K * V + p_kv, b_dx1.to(dxs.dtype.element_ty), mask=m_kv)
+        b_u = key_tile(u, rows, o_k, m_t, m_k, K)
+        if ONE_KEY:
+            b_kv = b_u
+        else:
+            b_kv = key_tile(v, rows, o_k, m_t, m_k, K)
+        b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
+        b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
+        b_do = tl.load(dy + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_do = b_do.to(tl.float32)
+        b_G, b_Hm, b_g0, b_g1, b_h0, b_h1, b_E0, b_E1, f00, f01, f10, f11 = chunk_weights(Gw, Hw, gw, hw, Ew, Fw,
+                                                                                           wb, o_c, C)
+        b_w = _adjoint(b_u, b_kv, b_oq, b_c, b_do, b_dx0, b_dx1, b_G, b_Hm, b_E0, b_E1, o_c, strict, incl, C, R,
+                       PREC)[0]
+        b_dx0, b_dx1 = _start_adjoints(b_dx0, b_dx1, b_w, b_do, b_u, b_oq, b_g0, b_g1, b_h0, b_h1, f00, f01, f10,
+                                       f11, PREC)
+    if STORE_DH0:
+        tl.store(dh0 + (i_bh.to(tl.int64) * 2) * K * V + p_kv, b_dx0, mask=m_kv)
+        tl.store(dh0 + (i_bh.to(tl.int64) * 2 + 1) * K * V + p_kv, b_dx1, mask=m_kv)
+
+
+@triton.jit
+def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy, dht, dxs,
                            du, dv, dq, doq, dc, dp, dGw, dHw, dgw, dhw, dEw, dFw, dh0, T, NC, NTOK, NW,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                            BK: tl.constexpr, MODES: tl.constexpr, CONSTS: tl.constexpr, HAS_DHT: tl.constexpr,
-                           STORE_DH0: tl.constexpr, PREC: tl.constexpr, ONE_KEY: tl.constexpr):
+                           STORE_DH0: tl.constexpr, PREC: tl.constexpr, ONE_KEY: tl.constexpr,
+                           ATOMIC: tl.constexpr, PER_CHUNK: tl.constexpr):
     """Reverse over chunks from the final states' adjoints dht (``HAS_DHT``), each chunk's start states
     read from the forward's hs (exact), D from its d. Writes this row block's slice ``i_r`` of the key
     gradients du, dv, dq, doq [NR, B, T, H, K] (sums over its rows), of the weights' gradients dGw, dHw
     [NR, NW, C, C], dgw, dhw, dEw [NR, NW, 2, C], dFw [NR, NW, 4] (NW = B*H*NC), the row coefficients'
     gradients (``store_rows``: per row, or this block's slice of [NR, B*T*H]) and dh0 [B*H*2, K, V].
-    ``ONE_KEY``: du holds the three key slots' sum, dv and dq are unwritten."""
-    i_bh, i_r, i_h, bos, T_s = program(None, T, H, False)
+    ``ONE_KEY``: du holds the three key slots' sum, dv and dq are unwritten. ``ATOMIC``: the key and weight
+    gradients have no row-block axis (``[B, T, H, K]``, ``[NW, ...]``, zeroed): every row block adds into them.
+    ``PER_CHUNK``: one program per (batch * head * chunk, row block), the chunk's end-state adjoints read
+    from dxs (``block_chunk_bwd_state_kernel``'s), no state adjoints carried or stored: the gradients'
+    products run in parallel over the chunks instead of inside the sequential walk."""
+    if PER_CHUNK:
+        i_bh = tl.program_id(0) // NC
+        j_lo = NC - 1 - tl.program_id(0) % NC
+        j_hi = j_lo + 1
+    else:
+        i_bh = tl.program_id(0)
+        j_lo = 0
+        j_hi = NC
+    i_r, i_h, bos, T_s = tl.program_id(1), i_bh % H, (i_bh // H).to(tl.int64) * T, T
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
-    b_dx0 = state_or_zero(dht, i_bh * 2, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    b_dx1 = state_or_zero(dht, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_DHT, BK, R)
-    key_base = i_r.to(tl.int64) * NTOK * K
-    wbase = i_r.to(tl.int64) * NW
-    for j_c in range(0, NC):
+    b_dx0 = state_or_zero(dht, i_bh * 2, p_kv, m_kv, K, V, HAS_DHT and not PER_CHUNK, BK, R)
+    b_dx1 = state_or_zero(dht, i_bh * 2 + 1, p_kv, m_kv, K, V, HAS_DHT and not PER_CHUNK, BK, R)
+    key_base = 0 if ATOMIC else i_r.to(tl.int64) * NTOK * K
+    wbase = 0 if ATOMIC else i_r.to(tl.int64) * NW
+    for j_c in range(j_lo, j_hi):
         i_c = NC - 1 - j_c
         t0 = i_c * C
         m_t = t0 + o_c < T_s
@@ -126,8 +221,11 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         wb = i_bh.to(tl.int64) * NC + i_c
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = rows[:, None] * V + o_v[None, :]
-        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.)
-        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.)
+        if PER_CHUNK:
+            b_dx0 = tl.load(dxs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+            b_dx1 = tl.load(dxs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
         b_u = key_tile(u, rows, o_k, m_t, m_k, K)
         b_oq = key_tile(oq, rows, o_k, m_t, m_k, K)
         b_c = row_tile(c, CONSTS[0], MODES[0], rows, o_v, m_t, m_v, V, C, R)
@@ -141,13 +239,13 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         # the weights' gradients that need no key products: g, h and F (sums over this block's rows)
         p_cc = (wbase + wb) * C * C + o_c[:, None] * C + o_c[None, :]
         p_2c = (wbase + wb) * 2 * C + o_c
-        tl.store(dhw + p_2c, tl.sum(b_do * tl.dot(b_oq, b_x0, input_precision=PREC), 1))
-        tl.store(dhw + p_2c + C, tl.sum(b_do * tl.dot(b_oq, b_x1, input_precision=PREC), 1))
+        put(dhw + p_2c, tl.sum(b_do * tl.dot(b_oq, b_x0, input_precision=PREC), 1), None, ATOMIC)
+        put(dhw + p_2c + C, tl.sum(b_do * tl.dot(b_oq, b_x1, input_precision=PREC), 1), None, ATOMIC)
         p_f = (wbase + wb) * 4
-        tl.store(dFw + p_f, tl.sum(tl.sum(b_dx0 * b_x0, 1), 0))
-        tl.store(dFw + p_f + 1, tl.sum(tl.sum(b_dx0 * b_x1, 1), 0))
-        tl.store(dFw + p_f + 2, tl.sum(tl.sum(b_dx1 * b_x0, 1), 0))
-        tl.store(dFw + p_f + 3, tl.sum(tl.sum(b_dx1 * b_x1, 1), 0))
+        put(dFw + p_f, tl.sum(tl.sum(b_dx0 * b_x0, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 1, tl.sum(tl.sum(b_dx0 * b_x1, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 2, tl.sum(tl.sum(b_dx1 * b_x0, 1), 0), None, ATOMIC)
+        put(dFw + p_f + 3, tl.sum(tl.sum(b_dx1 * b_x1, 1), 0), None, ATOMIC)
         b_o0 = b_h0[:, None] * b_do
         b_o1 = b_h1[:, None] * b_do
         b_dx0t = tl.trans(b_dx0)
@@ -156,17 +254,11 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         m_tk = m_t[:, None] & m_k[None, :]
         if ONE_KEY:
             # M = Mq, Lv = Lq: D and P enter through E' = P - D; dp = M^T W - gD and dc = -z o dp
-            b_uu = tl.where(strict, tl.dot(b_u, tl.trans(b_u), input_precision=PREC), 0.)
-            b_ou = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
+            b_w, b_gd, b_uu, b_ou, b_ud0, b_ud1 = _adjoint(b_u, b_u, b_oq, b_c, b_do, b_dx0, b_dx1, b_G, b_Hm, b_E0,
+                                                           b_E1, o_c, strict, incl, C, R, PREC)
             b_M = b_uu * b_G
-            b_L = b_ou * b_Hm
             b_e = b_p - b_d
-            b_ud0 = tl.dot(b_u, b_dx0, input_precision=PREC)
-            b_ud1 = tl.dot(b_u, b_dx1, input_precision=PREC)
-            b_gd = -tl.dot(tl.trans(b_L), b_do, input_precision=PREC) - b_E0[:, None] * b_ud0 - b_E1[:, None] * b_ud1
-            b_MT = tl.trans(b_M)
-            b_w = solve(b_c * b_gd, b_c, b_MT, o_c, C, R, True)
-            b_dp = tl.dot(b_MT, b_w, input_precision=PREC) - b_gd
+            b_dp = tl.dot(tl.trans(b_M), b_w, input_precision=PREC) - b_gd
             if MODES[0] != 0:
                 b_z = b_g0[:, None] * b_uh0 + b_g1[:, None] * b_uh1 + tl.dot(b_M, b_e, input_precision=PREC)
                 store_rows(dc, -b_z * b_dp, MODES[0], rows, o_v, m_t, m_v, V, i_r, NTOK)
@@ -174,10 +266,10 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                 store_rows(dp, b_dp, MODES[1], rows, o_v, m_t, m_v, V, i_r, NTOK)
             b_dA = tl.where(strict, tl.dot(b_w, tl.trans(b_e), input_precision=PREC), 0.)
             b_dL = tl.where(incl, tl.dot(b_do, tl.trans(b_e), input_precision=PREC), 0.)
-            tl.store(dGw + p_cc, b_dA * b_uu)
-            tl.store(dHw + p_cc, b_dL * b_ou)
-            tl.store(dEw + p_2c, tl.sum(b_e * b_ud0, 1))
-            tl.store(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1))
+            put(dGw + p_cc, b_dA * b_uu, None, ATOMIC)
+            put(dHw + p_cc, b_dL * b_ou, None, ATOMIC)
+            put(dEw + p_2c, tl.sum(b_e * b_ud0, 1), None, ATOMIC)
+            put(dEw + p_2c + C, tl.sum(b_e * b_ud1, 1), None, ATOMIC)
             b_dA = b_dA * b_G
             b_dL = b_dL * b_Hm
             b_du = (tl.dot(tl.trans(b_dA), b_u, input_precision=PREC)
@@ -189,22 +281,16 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
         else:
             b_v = key_tile(v, rows, o_k, m_t, m_k, K)
             b_q = key_tile(q, rows, o_k, m_t, m_k, K)
-            b_uv = tl.where(strict, tl.dot(b_u, tl.trans(b_v), input_precision=PREC), 0.)
+            b_w, b_gd, b_uv, b_ov, b_vd0, b_vd1 = _adjoint(b_u, b_v, b_oq, b_c, b_do, b_dx0, b_dx1, b_G, b_Hm, b_E0,
+                                                           b_E1, o_c, strict, incl, C, R, PREC)
             b_uq = tl.where(strict, tl.dot(b_u, tl.trans(b_q), input_precision=PREC), 0.)
-            b_ov = tl.where(incl, tl.dot(b_oq, tl.trans(b_v), input_precision=PREC), 0.)
             b_oqq = tl.where(incl, tl.dot(b_oq, tl.trans(b_q), input_precision=PREC), 0.)
             b_M = b_uv * b_G
+            b_MT = tl.trans(b_M)
             b_Mq = b_uq * b_G
-            b_Lv = b_ov * b_Hm
             b_Lq = b_oqq * b_Hm
-            b_vd0 = tl.dot(b_v, b_dx0, input_precision=PREC)
-            b_vd1 = tl.dot(b_v, b_dx1, input_precision=PREC)
             b_qd0 = tl.dot(b_q, b_dx0, input_precision=PREC)
             b_qd1 = tl.dot(b_q, b_dx1, input_precision=PREC)
-            # adjoint of D through the outputs and the end states, then of the substitution's right side
-            b_gd = -tl.dot(tl.trans(b_Lv), b_do, input_precision=PREC) - b_E0[:, None] * b_vd0 - b_E1[:, None] * b_vd1
-            b_MT = tl.trans(b_M)
-            b_w = solve(b_c * b_gd, b_c, b_MT, o_c, C, R, True)
             if MODES[0] != 0:
                 b_z = (b_g0[:, None] * b_uh0 + b_g1[:, None] * b_uh1 + tl.dot(b_Mq, b_p, input_precision=PREC)
                        - tl.dot(b_M, b_d, input_precision=PREC))
@@ -219,10 +305,10 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
             b_dMq = tl.where(strict, tl.dot(b_w, tl.trans(b_p), input_precision=PREC), 0.)
             b_dLv = tl.where(incl, -tl.dot(b_do, tl.trans(b_d), input_precision=PREC), 0.)
             b_dLq = tl.where(incl, tl.dot(b_do, tl.trans(b_p), input_precision=PREC), 0.)
-            tl.store(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq)
-            tl.store(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq)
-            tl.store(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1))
-            tl.store(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1))
+            put(dGw + p_cc, b_dM * b_uv + b_dMq * b_uq, None, ATOMIC)
+            put(dHw + p_cc, b_dLv * b_ov + b_dLq * b_oqq, None, ATOMIC)
+            put(dEw + p_2c, tl.sum(b_p * b_qd0 - b_d * b_vd0, 1), None, ATOMIC)
+            put(dEw + p_2c + C, tl.sum(b_p * b_qd1 - b_d * b_vd1, 1), None, ATOMIC)
             b_dM = b_dM * b_G
             b_dMq = b_dMq * b_G
             b_dLv = b_dLv * b_Hm
@@ -237,30 +323,30 @@ def block_chunk_bwd_kernel(u, v, q, oq, c, p, Gw, Hw, gw, hw, Ew, Fw, d, hs, dy,
                     + tl.dot(b_p * b_E0[:, None], b_dx0t, input_precision=PREC)
                     + tl.dot(b_p * b_E1[:, None], b_dx1t, input_precision=PREC))
             b_doq = tl.dot(b_dLv, b_v, input_precision=PREC) + tl.dot(b_dLq, b_q, input_precision=PREC)
-            tl.store(dv + p_tk, b_dv, mask=m_tk)
-            tl.store(dq + p_tk, b_dq, mask=m_tk)
+            put(dv + p_tk, b_dv, m_tk, ATOMIC)
+            put(dq + p_tk, b_dq, m_tk, ATOMIC)
         # the terms of the keys' gradients both forms share: W through U X0 (g), dO through OQ X0 (h), dM's v
         b_w0 = b_g0[:, None] * b_w
         b_w1 = b_g1[:, None] * b_w
-        tl.store(dgw + p_2c, tl.sum(b_w * b_uh0, 1))
-        tl.store(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1))
+        put(dgw + p_2c, tl.sum(b_w * b_uh0, 1), None, ATOMIC)
+        put(dgw + p_2c + C, tl.sum(b_w * b_uh1, 1), None, ATOMIC)
         if ONE_KEY:
             b_kv = b_u
         else:
             b_kv = b_v
+        b_x0 = tl.load(hs + wb * 2 * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+        b_x1 = tl.load(hs + (wb * 2 + 1) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
         b_du += (tl.dot(b_w0, tl.trans(b_x0), input_precision=PREC) + tl.dot(b_w1, tl.trans(b_x1), input_precision=PREC)
                  + tl.dot(b_dM, b_kv, input_precision=PREC))
         b_doq += (tl.dot(b_o0, tl.trans(b_x0), input_precision=PREC)
                   + tl.dot(b_o1, tl.trans(b_x1), input_precision=PREC))
-        tl.store(du + p_tk, b_du, mask=m_tk)
-        tl.store(doq + p_tk, b_doq, mask=m_tk)
-        # adjoints of the chunk's start states: through the end states, the right side and the outputs
-        b_n0 = (f00 * b_dx0 + f10 * b_dx1 + tl.dot(tl.trans(b_u), b_w0, input_precision=PREC)
-                + tl.dot(tl.trans(b_oq), b_o0, input_precision=PREC))
-        b_dx1 = (f01 * b_dx0 + f11 * b_dx1 + tl.dot(tl.trans(b_u), b_w1, input_precision=PREC)
-                 + tl.dot(tl.trans(b_oq), b_o1, input_precision=PREC))
-        b_dx0 = b_n0
-    if STORE_DH0:
+        put(du + p_tk, b_du, m_tk, ATOMIC)
+        put(doq + p_tk, b_doq, m_tk, ATOMIC)
+        if not PER_CHUNK:
+            # adjoints of the chunk's start states: through the end states, the right side and the outputs
+            b_dx0, b_dx1 = _start_adjoints(b_dx0, b_dx1, b_w, b_do, b_u, b_oq, b_g0, b_g1, b_h0, b_h1, f00, f01,
+                                           f10, f11, PREC)
+    if STORE_DH0 and not PER_CHUNK:
         tl.store(dh0 + (i_bh.to(tl.int64) * 2) * K * V + p_kv, b_dx0, mask=m_kv)
         tl.store(dh0 + (i_bh.to(tl.int64) * 2 + 1) * K * V + p_kv, b_dx1, mask=m_kv)
 
