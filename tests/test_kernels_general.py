@@ -71,6 +71,43 @@ def test_printer_half_integer_powers(expr, expected):
     assert eval(code, env, {"x": 1.7, "y": 0.3}) == pytest.approx(float(e.subs({x: 1.7, y: 0.3})), rel=1e-14)
 
 
+def test_reciprocals_invert_each_denominator_once():
+    """Negative powers of bases that read nothing ignored become powers of one new symbol per
+    base (the half-integer ones of its square root's); a base that reads an ignored symbol keeps
+    its division; substituted back, the value is unchanged."""
+    import sympy
+    a, b, c, s = sympy.symbols("a b c s", positive=True)
+    exprs = [s / (a * (1 + b)) + s**2 / (1 + b)**2, a / (1 + b)**sympy.Rational(3, 2) + c / (1 + s)]
+    inverses: dict = {}
+    out = GC._reciprocals(exprs, {s}, inverses)
+    assert set(inverses) == {a, 1 + b, sympy.sqrt(1 + b)}
+    left = [p for e in out for p in sympy.preorder_traversal(e) if p.is_Pow and p.exp < 0]
+    assert left == [1 / (1 + s)]
+    back = {r: 1 / base for base, r in inverses.values()}
+    vals = {a: 1.3, b: 0.4, c: -0.7, s: 2.2}
+    for e, o in zip(exprs, out):
+        assert float(o.subs(back).subs(vals)) == pytest.approx(float(e.subs(vals)), rel=1e-14)
+
+
+def _reverse_step(source: str) -> list[str]:
+    """The code lines (comments dropped) of the backward kernel's reverse loop over a chunk's steps."""
+    body = source[source.index("def general_bwd_kernel"):]
+    body = body[body.index("for jt in range"):body.index("if STORE_DS0")]
+    return [line.split("#")[0] for line in body.splitlines()[1:]]
+
+
+def test_newton_adjoint_divides_once_per_denominator():
+    """huber_longhorn's reverse step divides by its two per-row denominators (the Newton step's
+    ``r0 beta + (1 + r^2)^(3/2)`` and ``sqrt(1 + r^2)``) once each, as reciprocals the rest of the
+    step multiplies by, and recomputes the state as ``S_prev + k * coefficient`` (the quotient
+    cancelled before the reciprocals, no per-element product by ``D * (1/D)``)."""
+    lines = _reverse_step(G.generated_source(_compile("huber_longhorn").ir))
+    divisions = [line for line in lines if "/" in line]
+    assert len(divisions) == 2 and all("(1.0 / (" in line and line.count("/") == 1 for line in divisions)
+    (st,) = [line for line in lines if line.strip().startswith("st = ")]
+    assert "tl.where(MASK, sp + l_k*(" in st and "/" not in st
+
+
 @pytest.mark.parametrize("which,T,chunk", [
     ("cauchy_delta", 1, 32), ("cauchy_delta", 7, 4), ("cauchy_delta", 33, 16),
     ("col_delta", 7, 4), ("col_cauchy", 9, 4),

@@ -25,8 +25,10 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
              G   += dL_ro/dS_t;   d in += dL_ro/d in + dL_F/d in;   G <- dL_F/dS_prev
 
          and printed with the Triton printer (``ssmcraft.ops.codegen.triton_printer``); the
-         adjoint's sub-expressions that read no state (e.g. a Woodbury denominator) are
-         computed once per step (``shared_factors``) instead of in every term.
+         adjoint's sub-expressions that read no tile (the leaves and the reductions the step
+         has computed: a Woodbury denominator, a Newton step's ``sqrt(1 + r^2)``) are computed
+         once per step on per-row values (``shared_factors``) instead of in every term, and each
+         denominator among them is inverted once and multiplied by (``_reciprocals``).
 
 Printing (``TilePrinter``): a value over the whole tile is written as a sum of monomials in
 its key-indexed symbols (state, adjoint, keys) times coefficients that vary only per row
@@ -429,41 +431,96 @@ def _monomial_terms(e, gens: set):
 
 
 def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
-    """Lines computing the common sub-expressions of the backward step's adjoint that read no
-    state (leaves and reductions of leaves only: e.g. a Woodbury denominator
-    ``1 + r0 beta + r1 beta - r2^2 beta^2 + r0 r1 beta^2``), once per step, as ``c_<n>``; the
-    printer then prints the adjoint's expressions (and the bodies of the reductions they still
-    need) in terms of them (``pr.rewrite``). Without this, the symbolic adjoint repeats such a
-    factor in every term over the whole ``[BK, BV]`` tile. Reductions already computed
-    (``pr.done``: those of the update) keep their printed form."""
+    """Lines computing the common sub-expressions of the backward step's update and adjoint that
+    read no tile: leaves, reductions of leaves and the reductions the step has already computed
+    (``pr.done``: those of the update, e.g. a Woodbury denominator
+    ``1 + r0 beta + r1 beta - r2^2 beta^2 + r0 r1 beta^2`` or a Newton step's residual ``S k - x``),
+    once per step, as ``c_<n>``, each denominator inverted once (``shared_lines``' reciprocals);
+    the printer then prints the update, the adjoint's expressions and the bodies of the reductions
+    they still need in terms of them (``pr.rewrite``). Without this, the symbolic adjoint repeats
+    such a factor, and its division, in every term (huber_longhorn's adjoint reads its two per-row
+    denominators in about fourteen places; ``benchmarks/sass_general.py`` counts the instructions)."""
     alg = step.alg
     state = {*step.S_prevs, *step.Ss, *step.Gs, *step.anchors, step.DY}
-    ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
+    ignore = state | {sym for sym, r in alg.reductions.items()
+                      if sym not in pr.done and any(alg.depends_on(r.body, x) for x in state)}
     if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
         ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
-    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs, *step.din_F.values())
-               if sympy.sympify(e) != 0]
-    return shared_lines(pr, adjoint, indent, ignore)
+    adjoint = [e for e in (*step.Fs, *step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs,
+                           *step.din_F.values()) if sympy.sympify(e) != 0]
+    return shared_lines(pr, adjoint, indent, ignore, reciprocals=pr.factor)
 
 
-def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
+def shared_lines(pr, exprs: list, indent: str, ignore=(), reciprocals: bool = False) -> list[str]:
     """Lines computing the common sub-expressions of ``exprs`` (and of the bodies of the
     reductions they read that ``pr`` has not printed yet) once, as ``c_<n>`` (``sympy.cse``; the
     symbols in ``ignore`` are never part of one); ``pr`` then prints ``exprs`` in terms of them
-    (``pr.rewrite``)."""
+    (``pr.rewrite``). ``reciprocals``: every negative power of a base that reads nothing in
+    ``ignore`` becomes a power of that base's reciprocal, computed once as ``c_<n>`` (``_reciprocals``):
+    a Newton step's adjoint divides by the same two or three per-row values in a dozen places, and a
+    division costs several times a product."""
     bodies = [r.body for r in pr.alg.reductions_in(sympy.Add(*exprs)) if r.symbol not in pr.done]
     originals = [*exprs, *bodies]
-    temps, reduced = sympy.cse(originals, symbols=sympy.numbered_symbols("_cse"), ignore=tuple(ignore))
+    inverses: dict = {}
+    work = _reciprocals([_collected(pr, e) for e in originals], set(ignore), inverses) if reciprocals else originals
+    defs = list(inverses.values())
+    temps, reduced = sympy.cse([*work, *(base for base, _ in defs)], symbols=sympy.numbered_symbols("_cse"),
+                               ignore=tuple(ignore))
+    temps += [(sym, 1 / base) for (_, sym), base in zip(defs, reduced[len(work):])]
     if not temps:
         return []
     lines = pr.reductions([e for _, e in temps], indent)
-    for i, (sym, e) in enumerate(temps):
+    for i, (sym, e) in enumerate(_in_order(temps)):
         code = pr.expr(e)
         pr.temp_dims[sym] = pr.dims_of(e)
         pr.names[sym.name] = f"c_{i}"
         lines.append(f"{indent}c_{i} = {code}")
-    pr.rewrite = dict(zip(originals, reduced))
+    pr.rewrite = dict(zip(originals, reduced[:len(work)]))
     return lines
+
+
+def _collected(pr, e):
+    """``e`` as the sum of its monomials in the key-indexed symbols times their coefficients
+    (``_monomial_terms``) where it is such a polynomial: each coefficient is then one fraction,
+    cancelled before its denominators become reciprocals (a Newton step's ``(S A B + k C)/(A B)``
+    is ``S + k C/(A B)``, not ``S A B rA rB``)."""
+    e = sympy.sympify(e)
+    gens = {s for s in e.free_symbols if pr.dims[1] in pr.dims_of(s)}
+    terms = _monomial_terms(e, gens) if gens else None
+    return e if terms is None else sympy.Add(*(mon * c for mon, c in terms.items()))
+
+
+def _reciprocals(exprs: list, ignore: set, inverses: dict) -> list:
+    """``exprs`` with each negative power ``b**-n`` (``b**(-n/2)``) of a base ``b`` that reads nothing in
+    ``ignore`` written ``r**n`` with ``r`` a new symbol for ``1/b`` (``1/sqrt(b)``); ``inverses`` gets
+    ``{inverted value: (base, r)}``, one symbol per distinct value, its base as rewritten."""
+    def ready(e):
+        return e.is_Pow and e.exp.is_Rational and e.exp < 0 and e.exp.q in (1, 2) and not (e.base.free_symbols & ignore)
+
+    def invert(e):
+        root = e.exp.q == 2
+        value = sympy.sqrt(e.base) if root else e.base
+        if value not in inverses:
+            inverses[value] = (value, sympy.Symbol(f"_rcp{len(inverses)}", real=True))
+        return inverses[value][1] ** (-e.exp.p if root else -e.exp)
+    return [sympy.sympify(e).replace(ready, invert) for e in exprs]
+
+
+def _in_order(temps: list) -> list:
+    """``temps`` (symbol, definition) reordered so that each follows the temps its definition reads."""
+    defs = dict(temps)
+    out, seen = [], set()
+
+    def visit(sym):
+        if sym in seen:
+            return
+        seen.add(sym)
+        for s in sorted(sympy.sympify(defs[sym]).free_symbols & set(defs), key=lambda x: x.name):
+            visit(s)
+        out.append((sym, defs[sym]))
+    for sym, _ in temps:
+        visit(sym)
+    return out
 
 
 def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
@@ -673,7 +730,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
           if mb else []),
         *b_fwd,
         *b_shared,
-        *[f"            st{x} = tl.where(MASK, {F_codes[i]}, 0.0)" for i, x in states],
+        *[f"            st{x} = tl.where(MASK, {pr.tile(step.Fs[i])}, 0.0)" for i, x in states],     # in the shared factors
         *b_ro,
         "            # readout adjoint: G += d(sum DY*y)/dS",
         *b_a,

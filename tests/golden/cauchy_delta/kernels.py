@@ -195,8 +195,12 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
                 prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(mask_v[None, :], ((r_r0 - l_x)*(r_r0 - l_x)), 0.0), axis=1, keep_dims=True)
-            c_0 = -2.0*l_x
-            st = tl.where(MASK, sp + l_k*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0)
+            c_0 = l_x*l_beta - r_r0*l_beta
+            c_1 = -2.0*l_x + 2.0*r_r0
+            c_2 = 1.0 + r_r1
+            c_3 = (1.0 / (c_2))
+            c_4 = (c_3*c_3)
+            st = tl.where(MASK, sp + l_k*(c_0*c_3), 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1007 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
@@ -204,26 +208,26 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
             s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
             s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1002 = s_0*(1.0 + r_r1) + s_1*(l_x*l_beta - r_r0*l_beta)
+            r_r1002 = s_0*(c_2) + s_1*(c_0)
             r_r1003 = tl.sum(tl.where(mask_v[None, :], r_r1002, 0.0), axis=1, keep_dims=True)
             r_r1004 = s_1
             u_2 = s_0
             r_r1006 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
             u_3 = s_1*(l_x - r_r0)
             r_r1011 = tl.sum(tl.where(mask_v[None, :], u_3, 0.0), axis=1, keep_dims=True)
-            tl.store(D_x + row * V + offs_v, tl.sum(((-c_0 - 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) + r_r1004*l_beta/(1.0 + r_r1)) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
+            tl.store(D_x + row * V + offs_v, tl.sum((-c_1*(r_r1006*c_3 - c_4*r_r1003) + r_r1004*c_3*l_beta) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
             if ATOMIC:
-                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + g*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True) + ZC, axis=1), mask=mask_k, sem="relaxed")
+                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(c_1*(r_r1006*c_3 - c_4*r_r1003) - r_r1004*c_3*l_beta) + g*(c_0*c_3), 0.0), axis=1, keep_dims=True) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
-                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)) + g*((l_x*l_beta - r_r0*l_beta)/(1.0 + r_r1)), 0.0), axis=1, keep_dims=True) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
+                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(c_1*(r_r1006*c_3 - c_4*r_r1003) - r_r1004*c_3*l_beta) + g*(c_0*c_3), 0.0), axis=1, keep_dims=True) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
             if ATOMIC:
                 tl.atomic_add(D_q + row * K + offs_k, tl.sum((r_r1007) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
                 tl.store(D_q + i_v * NBT * K + row * K + offs_k, (tl.sum((r_r1007) + ZC, axis=1)).to(D_q.dtype.element_ty), mask=mask_k)
             if ATOMIC:
-                tl.atomic_add(D_beta + row, tl.sum(tl.sum((r_r1011/(1.0 + r_r1)) + Z11, axis=1), axis=0), sem="relaxed")
+                tl.atomic_add(D_beta + row, tl.sum(tl.sum((r_r1011*c_3) + Z11, axis=1), axis=0), sem="relaxed")
             else:
-                tl.store(D_beta + i_v * NBT + row, (tl.sum(tl.sum((r_r1011/(1.0 + r_r1)) + Z11, axis=1), axis=0)).to(D_beta.dtype.element_ty))
-            g = tl.where(MASK, g + l_k*((c_0 + 2.0*r_r0)*(r_r1006/(1.0 + r_r1) - r_r1003/((1.0 + r_r1)*(1.0 + r_r1))) - r_r1004*l_beta/(1.0 + r_r1)), 0.0)
+                tl.store(D_beta + i_v * NBT + row, (tl.sum(tl.sum((r_r1011*c_3) + Z11, axis=1), axis=0)).to(D_beta.dtype.element_ty))
+            g = tl.where(MASK, g + l_k*(c_1*(r_r1006*c_3 - c_4*r_r1003) - r_r1004*c_3*l_beta), 0.0)
     if STORE_DS0:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, g, mask=MASK)

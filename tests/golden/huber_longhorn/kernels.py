@@ -197,11 +197,26 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
                 prefetch_l2(DY + row_p * V + offs_v)
             r_r0 = tl.sum(tl.where(mask_k[:, None], (l_k*l_k), 0.0), axis=0, keep_dims=True)
             r_r1 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
-            c_0 = -3.0*l_x
-            c_1 = r_r0*l_beta
-            c_2 = -l_x
-            c_3 = r_r0*(l_beta*l_beta)
-            st = tl.where(MASK, sp + l_k*((r_r0*(l_beta*l_beta)*(r_r1 - l_x) - l_beta*(r_r1 - l_x)*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))/(tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*(((1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))*tl.sqrt(1.0 + ((r_r1 - l_x)*(r_r1 - l_x)))) + r_r0*l_beta))), 0.0)
+            c_0 = r_r1 - l_x
+            c_1 = r_r0*(l_beta*l_beta)
+            c_2 = r_r0*l_beta
+            c_3 = 1.0 + (c_0*c_0)
+            c_4 = c_2 + (c_3*tl.sqrt(c_3))
+            c_5 = c_4*l_beta
+            c_6 = c_0*c_1 - c_0*c_5
+            c_7 = tl.sqrt(c_3)
+            c_8 = (1.0 / (c_7))
+            c_9 = (1.0 / (c_4))
+            c_10 = c_8*c_9
+            c_11 = c_6*c_10
+            c_12 = -c_0
+            c_13 = (c_8*c_8*c_8)
+            c_14 = -3.0*l_x + 3.0*r_r1
+            c_15 = (c_9*c_9)
+            c_16 = -c_14
+            c_17 = c_0*c_7*l_beta
+            c_18 = c_4*c_12
+            st = tl.where(MASK, sp + l_k*(c_11), 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1005 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
@@ -209,22 +224,22 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
             s_0 = tl.sum(tl.where(MASK, sp*g, 0.0), axis=0, keep_dims=True)
             s_1 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
-            r_r1002 = s_0*(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + s_1*(c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))
-            r_r1004 = s_0*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(c_3 - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_0 + 3.0*r_r1)*(c_2 + r_r1))
-            r_r1006 = s_0*((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(-c_0 - 3.0*r_r1) + (c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(-c_2 - r_r1)/tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(-c_3 + l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))) - l_beta*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_2 + r_r1)*(-c_0 - 3.0*r_r1))
-            r_r1012 = s_0*(r_r0*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))) + s_1*(c_1*(c_2 + r_r1) + (c_2 + r_r1)*(-c_1 - ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
-            u_2 = s_0*(l_beta/(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))
+            r_r1002 = s_0*(c_7*c_4) + s_1*(c_6)
+            r_r1004 = s_0*(c_14*c_3 + c_0*c_4*c_8) + s_1*(c_1 - c_5 - c_14*c_17)
+            r_r1006 = s_0*(c_16*c_3 + c_18*c_8) + s_1*(c_5 - c_1 - c_16*c_17)
+            r_r1012 = s_0*(c_7*r_r0) + s_1*(c_18 + c_0*c_2)
+            u_2 = s_0*(c_9*l_beta)
             r_r1009 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
-            tl.store(D_x + row * V + offs_v, tl.sum((r_r1006/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(-c_0 - 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(c_2 + r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
+            tl.store(D_x + row * V + offs_v, tl.sum((c_10*r_r1006 - c_15*c_16*r_r1002 + c_0*c_13*r_r1002*c_9) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
             if ATOMIC:
-                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
+                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11) + l_k*(-2.0*c_15*r_r1002*c_8*l_beta), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
-                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + g*((c_3*(c_2 + r_r1) - l_beta*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_2 + r_r1))/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))) + l_k*(-2.0*r_r1002*l_beta/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
+                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11) + l_k*(-2.0*c_15*r_r1002*c_8*l_beta), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
             if ATOMIC:
                 tl.atomic_add(D_q + row * K + offs_k, tl.sum((r_r1005) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
                 tl.store(D_q + i_v * NBT * K + row * K + offs_k, (tl.sum((r_r1005) + ZC, axis=1)).to(D_q.dtype.element_ty), mask=mask_k)
-            tl.store(D_beta + row * V + offs_v, tl.sum((r_r1012/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*r_r0/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))))) + ZR, axis=0).to(D_beta.dtype.element_ty), mask=mask_v)
-            g = tl.where(MASK, g + l_k*(r_r1004/(tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) - r_r1002*(c_0 + 3.0*r_r1)/((c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))))) + r_r1002*(-c_2 - r_r1)/(((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))*(c_1 + ((1.0 + ((c_2 + r_r1)*(c_2 + r_r1)))*tl.sqrt(1.0 + ((c_2 + r_r1)*(c_2 + r_r1))))))), 0.0)
+            tl.store(D_beta + row * V + offs_v, tl.sum((r_r1012*c_8*c_9 - c_15*r_r1002*c_8*r_r0) + ZR, axis=0).to(D_beta.dtype.element_ty), mask=mask_v)
+            g = tl.where(MASK, g + l_k*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9), 0.0)
     if STORE_DS0:
         tl.store(DS0 + i_bh.to(tl.int64) * K * V + tile, g, mask=MASK)

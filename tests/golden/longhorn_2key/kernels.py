@@ -231,39 +231,48 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             r_r2 = tl.sum(tl.where(mask_k[:, None], l_k*l_k2, 0.0), axis=0, keep_dims=True)
             r_rS0 = tl.sum(tl.where(MASK, sp*l_k, 0.0), axis=0, keep_dims=True)
             r_rS1 = tl.sum(tl.where(MASK, sp*l_k2, 0.0), axis=0, keep_dims=True)
-            c_0 = r_r0*l_beta
-            c_1 = (r_r2*r_r2)
-            c_2 = (l_beta*l_beta)
-            c_3 = c_2*r_r1
+            c_0 = (l_beta*l_beta)
+            c_1 = r_r0*l_beta
+            c_2 = c_0*r_r1
+            c_3 = (r_r2*r_r2)
             c_4 = r_r1*l_beta
             c_5 = 1.0 + c_4
-            c_6 = c_0 + c_5 + c_3*r_r0 - c_1*c_2
-            c_7 = (1.0 / (c_6))
-            c_8 = c_2*r_r2
-            c_9 = c_7*l_beta
-            c_10 = c_5*c_9
-            c_11 = 1.0 + c_0
-            c_12 = c_11*c_9
-            c_13 = -c_3 - l_beta
-            c_14 = c_13*c_8
-            c_15 = (1.0 / (c_6*c_6))
-            c_16 = c_15*l_beta
-            c_17 = c_13*c_16
-            c_18 = r_r2*l_x2
-            c_19 = l_x + c_4*l_x - c_18*l_beta
-            c_20 = r_r2*l_x
-            c_21 = l_x2 + c_0*l_x2 - c_20*l_beta
-            c_22 = c_1*(l_beta*l_beta*l_beta*l_beta)
-            c_23 = (l_beta*l_beta*l_beta)
-            c_24 = c_15*c_23
-            c_25 = c_7*c_8
-            c_26 = -l_beta - c_2*r_r0
-            c_27 = c_26*c_8
-            c_28 = c_16*c_26
-            c_29 = -r_r0 - r_r1 - 2.0*c_0*r_r1 + 2.0*c_1*l_beta
-            c_30 = c_29*c_8
-            c_31 = c_16*c_29
-            st = tl.where(MASK, sp + l_k*(l_beta*(l_x + l_x*r_r1*l_beta - r_r2*l_x2*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS1*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS0*l_beta*(1.0 + r_r1*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))) + l_k2*(l_beta*(l_x2 + l_x2*r_r0*l_beta - r_r2*l_x*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) + r_r2*r_rS0*(l_beta*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta)) - r_rS1*l_beta*(1.0 + r_r0*l_beta)/(1.0 + r_r0*l_beta + r_r1*l_beta - (r_r2*r_r2)*(l_beta*l_beta) + r_r0*r_r1*(l_beta*l_beta))), 0.0)
+            c_6 = (1.0 / ((c_1 + c_5 + c_2*r_r0 - c_0*c_3)))
+            c_7 = c_0*c_6
+            c_8 = c_7*r_rS1
+            c_9 = c_6*l_beta
+            c_10 = c_5*r_rS0
+            c_11 = r_r2*l_x2
+            c_12 = l_x + c_4*l_x - c_11*l_beta
+            c_13 = c_12*c_6
+            c_14 = c_8*r_r2 + c_13*l_beta - c_9*c_10
+            c_15 = c_7*r_rS0
+            c_16 = 1.0 + c_1
+            c_17 = c_16*r_rS1
+            c_18 = r_r2*l_x
+            c_19 = l_x2 + c_1*l_x2 - c_18*l_beta
+            c_20 = c_19*c_6
+            c_21 = c_15*r_r2 + c_20*l_beta - c_17*c_9
+            c_22 = c_7*r_r2
+            c_23 = -c_2 - l_beta
+            c_24 = (c_6*c_6)
+            c_25 = c_24*r_r2
+            c_26 = c_0*c_25
+            c_27 = c_23*c_26
+            c_28 = c_24*l_beta
+            c_29 = c_23*c_28
+            c_30 = c_7*l_x2
+            c_31 = 2.0*c_24*c_3*(l_beta*l_beta*l_beta*l_beta)
+            c_32 = 2.0*c_25*(l_beta*l_beta*l_beta)
+            c_33 = c_7*l_x
+            c_34 = -l_beta - c_0*r_r0
+            c_35 = c_26*c_34
+            c_36 = c_28*c_34
+            c_37 = 2.0*c_9*r_r2
+            c_38 = -r_r0 - r_r1 - 2.0*c_4*r_r0 + 2.0*c_3*l_beta
+            c_39 = c_26*c_38
+            c_40 = c_28*c_38
+            st = tl.where(MASK, sp + l_k*(c_14) + l_k2*(c_21), 0.0)
             r_r1000 = tl.sum(tl.where(MASK, st*l_q, 0.0), axis=0, keep_dims=True)
             # readout adjoint: G += d(sum DY*y)/dS
             r_r1006 = tl.sum(tl.where(MASK, st*(dy), 0.0), axis=1, keep_dims=True)
@@ -271,27 +280,27 @@ def general_bwd_kernel(P_x, P_x2, P_k, P_k2, P_q, P_beta, D_x, D_x2, D_k, D_k2, 
             # transition adjoint: d(sum G*F)/d(inputs), then G <- d(sum G*F)/dS_prev
             s_0 = tl.sum(tl.where(MASK, g*l_k, 0.0), axis=0, keep_dims=True)
             s_1 = tl.sum(tl.where(MASK, g*l_k2, 0.0), axis=0, keep_dims=True)
-            r_r1004 = s_0*(-c_10) + s_1*(c_7*c_8)
-            r_r1005 = s_0*(c_7*c_8) + s_1*(-c_12)
-            r_r1007 = s_0*(c_10) + s_1*(-c_7*c_8)
-            r_r1008 = s_0*(-c_7*c_8) + s_1*(c_12)
-            r_r1019 = s_0*(c_19*c_31 + c_19*c_7 + c_9*(-c_18 + l_x*r_r1) + c_15*c_30*r_rS1 - c_31*c_5*r_rS0 - c_4*c_7*r_rS0 - c_5*c_7*r_rS0 + 2.0*c_9*r_r2*r_rS1) + s_1*(c_21*c_31 + c_21*c_7 + c_9*(-c_20 + l_x2*r_r0) + c_15*c_30*r_rS0 - c_0*c_7*r_rS1 - c_11*c_31*r_rS1 - c_11*c_7*r_rS1 + 2.0*c_9*r_r2*r_rS0)
-            u_2 = s_0*(c_17*c_19 + c_14*c_15*r_rS1 - c_17*c_5*r_rS0) + s_1*(c_17*c_21 + c_14*c_15*r_rS0 + c_2*c_7*l_x2 - c_11*c_17*r_rS1 - c_2*c_7*r_rS1)
+            r_r1004 = s_0*(-c_9*c_5) + s_1*(c_22)
+            r_r1005 = s_0*(c_22) + s_1*(-c_16*c_9)
+            r_r1007 = s_0*(c_9*c_5) + s_1*(-c_22)
+            r_r1008 = s_0*(-c_22) + s_1*(c_16*c_9)
+            r_r1019 = s_0*(c_13 + c_9*(-c_11 + l_x*r_r1) + c_37*r_rS1 + c_39*r_rS1 + c_40*c_12 - c_40*c_10 - c_10*c_6 - c_4*r_rS0*c_6) + s_1*(c_20 + c_19*c_40 + c_9*(-c_18 + l_x2*r_r0) + c_37*r_rS0 + c_39*r_rS0 - c_17*c_40 - c_17*c_6 - c_1*r_rS1*c_6)
+            u_2 = s_0*(c_27*r_rS1 + c_29*c_12 - c_29*c_10) + s_1*(c_30 - c_8 + c_19*c_29 + c_27*r_rS0 - c_17*c_29)
             r_r1010 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
-            u_3 = s_0*(c_2*c_7*r_rS1 - c_2*c_7*l_x2 + 2.0*c_15*c_22*r_rS1 + 2.0*c_19*c_24*r_r2 - 2.0*c_15*c_23*c_5*r_r2*r_rS0) + s_1*(c_2*c_7*r_rS0 - c_2*c_7*l_x + 2.0*c_15*c_22*r_rS0 + 2.0*c_21*c_24*r_r2 - 2.0*c_11*c_15*c_23*r_r2*r_rS1)
+            u_3 = s_0*(c_8 - c_30 + c_31*r_rS1 + c_32*c_12 - c_32*c_10) + s_1*(c_15 - c_33 + c_19*c_32 + c_31*r_rS0 - c_17*c_32)
             r_r1012 = tl.sum(tl.where(mask_v[None, :], u_3, 0.0), axis=1, keep_dims=True)
-            u_4 = s_0*(c_19*c_28 + c_15*c_27*r_rS1 + c_2*c_7*l_x - c_2*c_7*r_rS0 - c_28*c_5*r_rS0) + s_1*(c_21*c_28 + c_15*c_27*r_rS0 - c_11*c_28*r_rS1)
+            u_4 = s_0*(c_33 - c_15 + c_35*r_rS1 + c_36*c_12 - c_36*c_10) + s_1*(c_19*c_36 + c_35*r_rS0 - c_17*c_36)
             r_r1016 = tl.sum(tl.where(mask_v[None, :], u_4, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((r_r1007) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
             tl.store(D_x2 + row * V + offs_v, tl.sum((r_r1008) + ZR, axis=0).to(D_x2.dtype.element_ty), mask=mask_v)
             if ATOMIC:
-                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_19*c_9 + c_25*r_rS1 - c_10*r_rS0), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k2 + 2.0*r_r1010*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
+                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_14), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k2 + 2.0*r_r1010*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
-                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_19*c_9 + c_25*r_rS1 - c_10*r_rS0), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k2 + 2.0*r_r1010*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
+                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1004) + g*(c_14), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k2 + 2.0*r_r1010*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
             if ATOMIC:
-                tl.atomic_add(D_k2 + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1005) + g*(c_21*c_9 + c_25*r_rS0 - c_12*r_rS1), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k + 2.0*r_r1016*l_k2) + ZC, axis=1), mask=mask_k, sem="relaxed")
+                tl.atomic_add(D_k2 + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(r_r1005) + g*(c_21), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k + 2.0*r_r1016*l_k2) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
-                tl.store(D_k2 + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1005) + g*(c_21*c_9 + c_25*r_rS0 - c_12*r_rS1), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k + 2.0*r_r1016*l_k2) + ZC, axis=1)).to(D_k2.dtype.element_ty), mask=mask_k)
+                tl.store(D_k2 + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(r_r1005) + g*(c_21), 0.0), axis=1, keep_dims=True) + (r_r1012*l_k + 2.0*r_r1016*l_k2) + ZC, axis=1)).to(D_k2.dtype.element_ty), mask=mask_k)
             if ATOMIC:
                 tl.atomic_add(D_q + row * K + offs_k, tl.sum((r_r1006) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
