@@ -100,12 +100,17 @@ def test_newton_adjoint_divides_once_per_denominator():
     """huber_longhorn's reverse step divides by its two per-row denominators (the Newton step's
     ``r0 beta + (1 + r^2)^(3/2)`` and ``sqrt(1 + r^2)``) once each, as reciprocals the rest of the
     step multiplies by, and recomputes the state as ``S_prev + k * coefficient`` (the quotient
-    cancelled before the reciprocals, no per-element product by ``D * (1/D)``)."""
+    cancelled before the reciprocals, no per-element product by ``D * (1/D)``); the key gradient's
+    one sum of the tile over the rows holds only the terms that read a tile (``2 k sum_d B`` with a
+    per-row ``B`` is summed over the rows as per-row values, not as ``2 k B`` over the tile)."""
     lines = _reverse_step(G.generated_source(_compile("huber_longhorn").ir))
     divisions = [line for line in lines if "/" in line]
     assert len(divisions) == 2 and all("(1.0 / (" in line and line.count("/") == 1 for line in divisions)
     (st,) = [line for line in lines if line.strip().startswith("st = ")]
     assert "tl.where(MASK, sp + l_k*(" in st and "/" not in st
+    (dk,) = [line for line in lines if "tl.atomic_add(D_k" in line]
+    tile_sum = dk[dk.index("tl.where(MASK, "):dk.index(", 0.0), axis=1")]
+    assert "sp*(" in tile_sum and "g*(" in tile_sum and "l_k" not in tile_sum
 
 
 @pytest.mark.parametrize("which,T,chunk", [

@@ -527,8 +527,10 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
     """``{leaf: (body, rest)}`` for the key-indexed leaves whose transition adjoint is
     ``sum_i a_i * (sum_d B_i) + rest`` with ``a_i`` constant over the rows and no other expression
     of the step reading those sums: the gradient is then ``sum_d (sum_i a_i B_i) + rest``, one
-    sum over the rows (a cross-thread reduction of the tile) instead of one per term. ``body`` and
-    ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
+    sum over the rows (a cross-thread reduction of the tile) instead of one per term. Only the
+    ``B_i`` that read a tile are merged: a per-row ``B_i``'s sum is a sum of per-row values, which
+    merged would cost a product over the whole tile (``2 k sum_d B`` as ``sum_d 2 k B``). ``body``
+    and ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
     d, m = step.dims
     alg = step.alg
     keyed = [n for n, ld, _ in step.leaves if tuple(ld) == (m,) and step.din_F[n] != 0]
@@ -544,7 +546,8 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
                   *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
         elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
                                               for r in alg.reductions_in(alg.reductions[x].body)}
-        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere}
+        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere
+                 and m in pr.dims_of(pr.rewrite.get(alg.reductions[x].body, alg.reductions[x].body))}
         terms = _monomial_terms(e, cands) if len(cands) > 1 else None
         if terms is None or any(mon != 1 and (mon not in cands or d in pr.dims_of(c)) for mon, c in terms.items()):
             continue

@@ -228,13 +228,14 @@ def general_bwd_kernel(P_x, P_k, P_q, P_beta, D_x, D_k, D_q, D_beta, CK, SCR, DY
             r_r1004 = s_0*(c_14*c_3 + c_0*c_4*c_8) + s_1*(c_1 - c_5 - c_14*c_17)
             r_r1006 = s_0*(c_16*c_3 + c_18*c_8) + s_1*(c_5 - c_1 - c_16*c_17)
             r_r1012 = s_0*(c_7*r_r0) + s_1*(c_18 + c_0*c_2)
+            r_r1007 = tl.sum(tl.where(mask_v[None, :], c_15*r_r1002*c_8*l_beta, 0.0), axis=1, keep_dims=True)
             u_2 = s_0*(c_9*l_beta)
             r_r1009 = tl.sum(tl.where(mask_v[None, :], u_2, 0.0), axis=1, keep_dims=True)
             tl.store(D_x + row * V + offs_v, tl.sum((c_10*r_r1006 - c_15*c_16*r_r1002 + c_0*c_13*r_r1002*c_9) + ZR, axis=0).to(D_x.dtype.element_ty), mask=mask_v)
             if ATOMIC:
-                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11) + l_k*(-2.0*c_15*r_r1002*c_8*l_beta), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1), mask=mask_k, sem="relaxed")
+                tl.atomic_add(D_k + row * K + offs_k, tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11), 0.0), axis=1, keep_dims=True) + (l_k*(-2.0*r_r1007 + 2.0*r_r1009)) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
-                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11) + l_k*(-2.0*c_15*r_r1002*c_8*l_beta), 0.0), axis=1, keep_dims=True) + (2.0*r_r1009*l_k) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
+                tl.store(D_k + i_v * NBT * K + row * K + offs_k, (tl.sum(tl.sum(tl.where(MASK, sp*(c_10*r_r1004 - c_14*c_15*r_r1002 + c_13*c_12*r_r1002*c_9) + g*(c_11), 0.0), axis=1, keep_dims=True) + (l_k*(-2.0*r_r1007 + 2.0*r_r1009)) + ZC, axis=1)).to(D_k.dtype.element_ty), mask=mask_k)
             if ATOMIC:
                 tl.atomic_add(D_q + row * K + offs_k, tl.sum((r_r1005) + ZC, axis=1), mask=mask_k, sem="relaxed")
             else:
