@@ -24,6 +24,9 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
              L_ro = sum_i DY_i y_i(S_t, in)          L_F = sum_ij G_ij F_ij(S_prev, in)
              G   += dL_ro/dS_t;   d in += dL_ro/d in + dL_F/d in;   G <- dL_F/dS_prev
 
+         with ``F`` first written as its monomials in the key-indexed symbols times simplified
+         per-row coefficients (``collected``, ``_simplest``: a Newton step is ``S_prev + k c``,
+         not the quotient ``(S_prev A B + k C)/(A B)``, whose derivative carries terms that cancel),
          and printed with the Triton printer (``ssmcraft.ops.codegen.triton_printer``); the
          adjoint's sub-expressions that read no tile (the leaves and the reductions the step
          has computed: a Woodbury denominator, a Newton step's ``sqrt(1 + r^2)``) are computed
@@ -190,7 +193,11 @@ def build_step(ir) -> Step:
     else:
         readout = coef("oc", 1) * alg.reduce(Ss[0] * coef("oq", None), m) + coef("oh", 0)
     readout = alg.substitute(sympy.sympify(readout), {})
-    Fs = [sympy.sympify(F) for F in (ir.state_updates if several else (ir.state_update,))]
+    # each update as S_prev + k * (a per-row quotient), not (S_prev A B + k C)/(A B): differentiated in the
+    # quotient's form, the adjoint carries terms in sum_m G S_prev that cancel (a reduction and its
+    # per-row algebra computed for nothing, and rounding that does not cancel)
+    Fs = [collected(sympy.sympify(F), lambda s: m in alg.symbol_dims.get(s, frozenset()), _simplest)
+          for F in (ir.state_updates if several else (ir.state_update,))]
     L_ro = alg.reduce(DY * readout, d)
     L_F = sympy.Add(*(alg.reduce(alg.reduce(G * F, m), d) for G, F in zip(Gs, Fs)))
     dS_ros = [gradient(alg, L_ro, S) for S in Ss]
@@ -462,7 +469,8 @@ def shared_lines(pr, exprs: list, indent: str, ignore=(), reciprocals: bool = Fa
     bodies = [r.body for r in pr.alg.reductions_in(sympy.Add(*exprs)) if r.symbol not in pr.done]
     originals = [*exprs, *bodies]
     inverses: dict = {}
-    work = _reciprocals([_collected(pr, e) for e in originals], set(ignore), inverses) if reciprocals else originals
+    keyed = (lambda s: pr.dims[1] in pr.dims_of(s))
+    work = _reciprocals([collected(e, keyed) for e in originals], set(ignore), inverses) if reciprocals else originals
     defs = list(inverses.values())
     temps, reduced = sympy.cse([*work, *(base for base, _ in defs)], symbols=sympy.numbered_symbols("_cse"),
                                ignore=tuple(ignore))
@@ -479,15 +487,34 @@ def shared_lines(pr, exprs: list, indent: str, ignore=(), reciprocals: bool = Fa
     return lines
 
 
-def _collected(pr, e):
-    """``e`` as the sum of its monomials in the key-indexed symbols times their coefficients
-    (``_monomial_terms``) where it is such a polynomial: each coefficient is then one fraction,
-    cancelled before its denominators become reciprocals (a Newton step's ``(S A B + k C)/(A B)``
-    is ``S + k C/(A B)``, not ``S A B rA rB``)."""
+def collected(e, keyed, tidy=None):
+    """``e`` as the sum of its monomials in the symbols ``keyed`` says vary over the keys times their
+    coefficients (``_monomial_terms``) where it is such a polynomial: each coefficient is then one
+    fraction, cancelled before its denominators become reciprocals (a Newton step's
+    ``(S A B + k C)/(A B)`` is ``S + k C/(A B)``, not ``S A B rA rB``); ``tidy`` rewrites each
+    coefficient."""
     e = sympy.sympify(e)
-    gens = {s for s in e.free_symbols if pr.dims[1] in pr.dims_of(s)}
+    gens = {s for s in e.free_symbols if keyed(s)}
     terms = _monomial_terms(e, gens) if gens else None
-    return e if terms is None else sympy.Add(*(mon * c for mon, c in terms.items()))
+    if terms is None:
+        return e
+    return sympy.Add(*(mon * (tidy(c) if tidy else c) for mon, c in terms.items()))
+
+
+def _simplest(c, most: int = 200):
+    """``sympy.simplify(c)`` where it takes fewer operations and reads no function ``c`` does not
+    (the printer prints what the spec's own functions need), else ``c``; coefficients over ``most``
+    operations are left as they are (simplify's time grows fast with them). huber_longhorn's Newton
+    coefficient ``(r0 b^2 r - b r D)/(sqrt(u) D)``, ``D = r0 b + u^(3/2)``, ``u = 1 + r^2``, is
+    ``-b r u / D``: 29 operations to 15, and its derivatives shrink with it."""
+    n = sympy.count_ops(c)
+    if n == 0 or n > most:
+        return c
+    s = sympy.simplify(c)
+    funcs = {type(f) for f in c.atoms(sympy.Function)}
+    if sympy.count_ops(s) >= n or not {type(f) for f in s.atoms(sympy.Function)} <= funcs or s.has(sympy.Piecewise):
+        return c
+    return s
 
 
 def _reciprocals(exprs: list, ignore: set, inverses: dict) -> list:
