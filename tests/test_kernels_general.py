@@ -71,6 +71,67 @@ def test_printer_half_integer_powers(expr, expected):
     assert eval(code, env, {"x": 1.7, "y": 0.3}) == pytest.approx(float(e.subs({x: 1.7, y: 0.3})), rel=1e-14)
 
 
+def test_reciprocals_invert_each_denominator_once():
+    """Negative powers of bases that read nothing ignored become powers of one new symbol per
+    base (the half-integer ones of its square root's); a base that reads an ignored symbol keeps
+    its division; substituted back, the value is unchanged."""
+    import sympy
+    a, b, c, s = sympy.symbols("a b c s", positive=True)
+    exprs = [s / (a * (1 + b)) + s**2 / (1 + b)**2, a / (1 + b)**sympy.Rational(3, 2) + c / (1 + s)]
+    inverses: dict = {}
+    out = GC._reciprocals(exprs, {s}, inverses)
+    assert set(inverses) == {a, 1 + b, sympy.sqrt(1 + b)}
+    left = [p for e in out for p in sympy.preorder_traversal(e) if p.is_Pow and p.exp < 0]
+    assert left == [1 / (1 + s)]
+    back = {r: 1 / base for base, r in inverses.values()}
+    vals = {a: 1.3, b: 0.4, c: -0.7, s: 2.2}
+    for e, o in zip(exprs, out):
+        assert float(o.subs(back).subs(vals)) == pytest.approx(float(e.subs(vals)), rel=1e-14)
+
+
+def test_simplest_keeps_what_the_printer_prints():
+    """An update's coefficient is simplified where that takes fewer operations and brings in no
+    function the coefficient did not read (``sqrt(x^2)`` of a real ``x`` stays: simplify writes
+    ``Abs``); one over the size limit is left as it is."""
+    import sympy
+    x, b, r0 = sympy.symbols("x b r0", real=True)
+    u = 1 + x**2
+    newton = (r0 * b**2 * x - b * x * (r0 * b + u**sympy.Rational(3, 2))) / (sympy.sqrt(u) * (r0 * b + u**sympy.Rational(3, 2)))
+    out = GC._simplest(newton)
+    assert sympy.count_ops(out) < sympy.count_ops(newton)
+    vals = {x: 0.7, b: 1.3, r0: 2.1}
+    assert float(out.subs(vals)) == pytest.approx(float(newton.subs(vals)), rel=1e-14)
+    assert GC._simplest(sympy.sqrt(x**2) + x) == sympy.sqrt(x**2) + x
+    assert GC._simplest(newton, most=5) is newton
+
+
+def _reverse_step(source: str) -> list[str]:
+    """The code lines (comments dropped) of the backward kernel's reverse loop over a chunk's steps."""
+    body = source[source.index("def general_bwd_kernel"):]
+    body = body[body.index("for jt in range"):body.index("if STORE_DS0")]
+    return [line.split("#")[0] for line in body.splitlines()[1:]]
+
+
+def test_newton_adjoint_divides_once_per_denominator():
+    """huber_longhorn's update is derived as ``S_prev + k c`` with its Newton coefficient simplified,
+    ``c = -beta r u / D`` (``r = S k - x``, ``u = 1 + r^2``, ``D = r0 beta + u^(3/2)``), so its reverse
+    step divides once, by ``D``, as a reciprocal the rest of the step multiplies by, and recomputes
+    the state as ``S_prev + k * coefficient`` (no per-element product by ``D * (1/D)``); the key
+    gradient's one sum of the tile over the rows holds only the terms that read a tile (``2 k sum_d
+    B`` with a per-row ``B`` is summed over the rows as per-row values, not as ``2 k B`` over the
+    tile); and the adjoint never sums ``G S_prev`` over the keys (the quotient form's derivative has
+    such terms, which cancel)."""
+    lines = _reverse_step(G.generated_source(_compile("huber_longhorn").ir))
+    divisions = [line for line in lines if "/" in line]
+    assert len(divisions) == 1 and all("(1.0 / (" in line and line.count("/") == 1 for line in divisions)
+    (st,) = [line for line in lines if line.strip().startswith("st = ")]
+    assert "tl.where(MASK, sp + l_k*(" in st and "/" not in st
+    (dk,) = [line for line in lines if "tl.atomic_add(D_k" in line]
+    tile_sum = dk[dk.index("tl.where(MASK, "):dk.index(", 0.0), axis=1")]
+    assert "sp*(" in tile_sum and "g*(" in tile_sum and "l_k" not in tile_sum
+    assert not [line for line in lines if "sp*g" in line or "g*sp" in line]
+
+
 @pytest.mark.parametrize("which,T,chunk", [
     ("cauchy_delta", 1, 32), ("cauchy_delta", 7, 4), ("cauchy_delta", 33, 16),
     ("col_delta", 7, 4), ("col_cauchy", 9, 4),

@@ -51,8 +51,8 @@ def test_row_tiled_matches_reference(which, T, chunk, rows, monkeypatch):
 
 
 def test_rows_by_rule(monkeypatch):
-    """Row-separable updates are tiled by rows on the GPU (about 1024 state values per program, all
-    states counted); one whose step sums over the rows (cauchy_delta: |S k - x|^2) keeps every row
+    """Row-separable updates are tiled by rows on the GPU (about 512 state values per program, all
+    states counted, at least 8 rows); one whose step sums over the rows (cauchy_delta: |S k - x|^2) keeps every row
     in one program; the interpreter runs one block of rows (fewest programs)."""
     huber, cauchy = ssmcraft.compile("huber_longhorn"), ssmcraft.compile("cauchy_delta")
     momentum = ssmcraft.compile("momentum_longhorn")
@@ -61,7 +61,8 @@ def test_rows_by_rule(monkeypatch):
     assert G.rows_per_program(huber.ir, 64, 64) == 64
     monkeypatch.setattr(G, "INTERPRET", False)
     assert G.rows_per_program(cauchy.ir, 64, 64) is None
-    assert G.rows_per_program(huber.ir, 64, 64) == 16 and G.rows_per_program(huber.ir, 64, 16) == 64
+    assert G.rows_per_program(huber.ir, 64, 64) == 8 and G.rows_per_program(huber.ir, 64, 16) == 32
+    assert G.rows_per_program(huber.ir, 4, 64) == 4
     assert G.rows_per_program(momentum.ir, 64, 64) == 8
     assert G._warps(64, 16, 64) == 1 and G._warps(64, 64, 64) == 4
 

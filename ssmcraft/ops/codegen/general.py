@@ -24,9 +24,14 @@ backward chunks in reverse: recompute the chunk's states from its checkpoint int
              L_ro = sum_i DY_i y_i(S_t, in)          L_F = sum_ij G_ij F_ij(S_prev, in)
              G   += dL_ro/dS_t;   d in += dL_ro/d in + dL_F/d in;   G <- dL_F/dS_prev
 
+         with ``F`` first written as its monomials in the key-indexed symbols times simplified
+         per-row coefficients (``collected``, ``_simplest``: a Newton step is ``S_prev + k c``,
+         not the quotient ``(S_prev A B + k C)/(A B)``, whose derivative carries terms that cancel),
          and printed with the Triton printer (``ssmcraft.ops.codegen.triton_printer``); the
-         adjoint's sub-expressions that read no state (e.g. a Woodbury denominator) are
-         computed once per step (``shared_factors``) instead of in every term.
+         adjoint's sub-expressions that read no tile (the leaves and the reductions the step
+         has computed: a Woodbury denominator, a Newton step's ``sqrt(1 + r^2)``) are computed
+         once per step on per-row values (``shared_factors``) instead of in every term, and each
+         denominator among them is inverted once and multiplied by (``_reciprocals``).
 
 Printing (``TilePrinter``): a value over the whole tile is written as a sum of monomials in
 its key-indexed symbols (state, adjoint, keys) times coefficients that vary only per row
@@ -188,7 +193,11 @@ def build_step(ir) -> Step:
     else:
         readout = coef("oc", 1) * alg.reduce(Ss[0] * coef("oq", None), m) + coef("oh", 0)
     readout = alg.substitute(sympy.sympify(readout), {})
-    Fs = [sympy.sympify(F) for F in (ir.state_updates if several else (ir.state_update,))]
+    # each update as S_prev + k * (a per-row quotient), not (S_prev A B + k C)/(A B): differentiated in the
+    # quotient's form, the adjoint carries terms in sum_m G S_prev that cancel (a reduction and its
+    # per-row algebra computed for nothing, and rounding that does not cancel)
+    Fs = [collected(sympy.sympify(F), lambda s: m in alg.symbol_dims.get(s, frozenset()), _simplest)
+          for F in (ir.state_updates if several else (ir.state_update,))]
     L_ro = alg.reduce(DY * readout, d)
     L_F = sympy.Add(*(alg.reduce(alg.reduce(G * F, m), d) for G, F in zip(Gs, Fs)))
     dS_ros = [gradient(alg, L_ro, S) for S in Ss]
@@ -429,49 +438,126 @@ def _monomial_terms(e, gens: set):
 
 
 def shared_factors(step: Step, pr: TilePrinter, indent: str) -> list[str]:
-    """Lines computing the common sub-expressions of the backward step's adjoint that read no
-    state (leaves and reductions of leaves only: e.g. a Woodbury denominator
-    ``1 + r0 beta + r1 beta - r2^2 beta^2 + r0 r1 beta^2``), once per step, as ``c_<n>``; the
-    printer then prints the adjoint's expressions (and the bodies of the reductions they still
-    need) in terms of them (``pr.rewrite``). Without this, the symbolic adjoint repeats such a
-    factor in every term over the whole ``[BK, BV]`` tile. Reductions already computed
-    (``pr.done``: those of the update) keep their printed form."""
+    """Lines computing the common sub-expressions of the backward step's update and adjoint that
+    read no tile: leaves, reductions of leaves and the reductions the step has already computed
+    (``pr.done``: those of the update, e.g. a Woodbury denominator
+    ``1 + r0 beta + r1 beta - r2^2 beta^2 + r0 r1 beta^2`` or a Newton step's residual ``S k - x``),
+    once per step, as ``c_<n>``, each denominator inverted once (``shared_lines``' reciprocals);
+    the printer then prints the update, the adjoint's expressions and the bodies of the reductions
+    they still need in terms of them (``pr.rewrite``). Without this, the symbolic adjoint repeats
+    such a factor, and its division, in every term (huber_longhorn's adjoint reads its two per-row
+    denominators in about fourteen places; ``benchmarks/sass_general.py`` counts the instructions)."""
     alg = step.alg
     state = {*step.S_prevs, *step.Ss, *step.Gs, *step.anchors, step.DY}
-    ignore = state | {sym for sym, r in alg.reductions.items() if any(alg.depends_on(r.body, x) for x in state)}
+    ignore = state | {sym for sym, r in alg.reductions.items()
+                      if sym not in pr.done and any(alg.depends_on(r.body, x) for x in state)}
     if pr.factor:      # factors that vary over the keys would hide the monomials ``tile_terms`` and the sums collect
         ignore |= {sym for sym, dims in alg.symbol_dims.items() if step.dims[1] in dims}
-    adjoint = [e for e in (*step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs, *step.din_F.values())
-               if sympy.sympify(e) != 0]
-    return shared_lines(pr, adjoint, indent, ignore)
+    adjoint = [e for e in (*step.Fs, *step.dS_ros, *step.din_ro.values(), *step.dS_prevs, *step.dAs,
+                           *step.din_F.values()) if sympy.sympify(e) != 0]
+    return shared_lines(pr, adjoint, indent, ignore, reciprocals=pr.factor)
 
 
-def shared_lines(pr, exprs: list, indent: str, ignore=()) -> list[str]:
+def shared_lines(pr, exprs: list, indent: str, ignore=(), reciprocals: bool = False) -> list[str]:
     """Lines computing the common sub-expressions of ``exprs`` (and of the bodies of the
     reductions they read that ``pr`` has not printed yet) once, as ``c_<n>`` (``sympy.cse``; the
     symbols in ``ignore`` are never part of one); ``pr`` then prints ``exprs`` in terms of them
-    (``pr.rewrite``)."""
+    (``pr.rewrite``). ``reciprocals``: every negative power of a base that reads nothing in
+    ``ignore`` becomes a power of that base's reciprocal, computed once as ``c_<n>`` (``_reciprocals``):
+    a Newton step's adjoint divides by the same two or three per-row values in a dozen places, and a
+    division costs several times a product."""
     bodies = [r.body for r in pr.alg.reductions_in(sympy.Add(*exprs)) if r.symbol not in pr.done]
     originals = [*exprs, *bodies]
-    temps, reduced = sympy.cse(originals, symbols=sympy.numbered_symbols("_cse"), ignore=tuple(ignore))
+    inverses: dict = {}
+    keyed = (lambda s: pr.dims[1] in pr.dims_of(s))
+    work = _reciprocals([collected(e, keyed) for e in originals], set(ignore), inverses) if reciprocals else originals
+    defs = list(inverses.values())
+    temps, reduced = sympy.cse([*work, *(base for base, _ in defs)], symbols=sympy.numbered_symbols("_cse"),
+                               ignore=tuple(ignore))
+    temps += [(sym, 1 / base) for (_, sym), base in zip(defs, reduced[len(work):])]
     if not temps:
         return []
     lines = pr.reductions([e for _, e in temps], indent)
-    for i, (sym, e) in enumerate(temps):
+    for i, (sym, e) in enumerate(_in_order(temps)):
         code = pr.expr(e)
         pr.temp_dims[sym] = pr.dims_of(e)
         pr.names[sym.name] = f"c_{i}"
         lines.append(f"{indent}c_{i} = {code}")
-    pr.rewrite = dict(zip(originals, reduced))
+    pr.rewrite = dict(zip(originals, reduced[:len(work)]))
     return lines
+
+
+def collected(e, keyed, tidy=None):
+    """``e`` as the sum of its monomials in the symbols ``keyed`` says vary over the keys times their
+    coefficients (``_monomial_terms``) where it is such a polynomial: each coefficient is then one
+    fraction, cancelled before its denominators become reciprocals (a Newton step's
+    ``(S A B + k C)/(A B)`` is ``S + k C/(A B)``, not ``S A B rA rB``); ``tidy`` rewrites each
+    coefficient."""
+    e = sympy.sympify(e)
+    gens = {s for s in e.free_symbols if keyed(s)}
+    terms = _monomial_terms(e, gens) if gens else None
+    if terms is None:
+        return e
+    return sympy.Add(*(mon * (tidy(c) if tidy else c) for mon, c in terms.items()))
+
+
+def _simplest(c, most: int = 200):
+    """``sympy.simplify(c)`` where it takes fewer operations and reads no function ``c`` does not
+    (the printer prints what the spec's own functions need), else ``c``; coefficients over ``most``
+    operations are left as they are (simplify's time grows fast with them). huber_longhorn's Newton
+    coefficient ``(r0 b^2 r - b r D)/(sqrt(u) D)``, ``D = r0 b + u^(3/2)``, ``u = 1 + r^2``, is
+    ``-b r u / D``: 29 operations to 15, and its derivatives shrink with it."""
+    n = sympy.count_ops(c)
+    if n == 0 or n > most:
+        return c
+    s = sympy.simplify(c)
+    funcs = {type(f) for f in c.atoms(sympy.Function)}
+    if sympy.count_ops(s) >= n or not {type(f) for f in s.atoms(sympy.Function)} <= funcs or s.has(sympy.Piecewise):
+        return c
+    return s
+
+
+def _reciprocals(exprs: list, ignore: set, inverses: dict) -> list:
+    """``exprs`` with each negative power ``b**-n`` (``b**(-n/2)``) of a base ``b`` that reads nothing in
+    ``ignore`` written ``r**n`` with ``r`` a new symbol for ``1/b`` (``1/sqrt(b)``); ``inverses`` gets
+    ``{inverted value: (base, r)}``, one symbol per distinct value, its base as rewritten."""
+    def ready(e):
+        return e.is_Pow and e.exp.is_Rational and e.exp < 0 and e.exp.q in (1, 2) and not (e.base.free_symbols & ignore)
+
+    def invert(e):
+        root = e.exp.q == 2
+        value = sympy.sqrt(e.base) if root else e.base
+        if value not in inverses:
+            inverses[value] = (value, sympy.Symbol(f"_rcp{len(inverses)}", real=True))
+        return inverses[value][1] ** (-e.exp.p if root else -e.exp)
+    return [sympy.sympify(e).replace(ready, invert) for e in exprs]
+
+
+def _in_order(temps: list) -> list:
+    """``temps`` (symbol, definition) reordered so that each follows the temps its definition reads."""
+    defs = dict(temps)
+    out, seen = [], set()
+
+    def visit(sym):
+        if sym in seen:
+            return
+        seen.add(sym)
+        for s in sorted(sympy.sympify(defs[sym]).free_symbols & set(defs), key=lambda x: x.name):
+            visit(s)
+        out.append((sym, defs[sym]))
+    for sym, _ in temps:
+        visit(sym)
+    return out
 
 
 def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
     """``{leaf: (body, rest)}`` for the key-indexed leaves whose transition adjoint is
     ``sum_i a_i * (sum_d B_i) + rest`` with ``a_i`` constant over the rows and no other expression
     of the step reading those sums: the gradient is then ``sum_d (sum_i a_i B_i) + rest``, one
-    sum over the rows (a cross-thread reduction of the tile) instead of one per term. ``body`` and
-    ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
+    sum over the rows (a cross-thread reduction of the tile) instead of one per term. Only the
+    ``B_i`` that read a tile are merged: a per-row ``B_i``'s sum is a sum of per-row values, which
+    merged would cost a product over the whole tile (``2 k sum_d B`` as ``sum_d 2 k B``). ``body``
+    and ``rest`` are in the printer's shared factors (``pr.rewrite``)."""
     d, m = step.dims
     alg = step.alg
     keyed = [n for n, ld, _ in step.leaves if tuple(ld) == (m,) and step.din_F[n] != 0]
@@ -487,7 +573,8 @@ def merged_key_grads(step: Step, pr: TilePrinter) -> dict:
                   *(step.din_F[x] for x, _, _ in step.leaves if x != n)]
         elsewhere = used(others) | pr.done | {r.symbol for x in e.free_symbols if x in alg.reductions
                                               for r in alg.reductions_in(alg.reductions[x].body)}
-        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere}
+        cands = {x for x in e.free_symbols if x in alg.reductions and alg.reductions[x].over == d and x not in elsewhere
+                 and m in pr.dims_of(pr.rewrite.get(alg.reductions[x].body, alg.reductions[x].body))}
         terms = _monomial_terms(e, cands) if len(cands) > 1 else None
         if terms is None or any(mon != 1 and (mon not in cands or d in pr.dims_of(c)) for mon, c in terms.items()):
             continue
@@ -673,7 +760,7 @@ def _backward_kernel(step: Step, pr: TilePrinter, leaf_ptrs: str, grad_ptrs: str
           if mb else []),
         *b_fwd,
         *b_shared,
-        *[f"            st{x} = tl.where(MASK, {F_codes[i]}, 0.0)" for i, x in states],
+        *[f"            st{x} = tl.where(MASK, {pr.tile(step.Fs[i])}, 0.0)" for i, x in states],     # in the shared factors
         *b_ro,
         "            # readout adjoint: G += d(sum DY*y)/dS",
         *b_a,

@@ -86,12 +86,14 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     step or its adjoint sums over the rows (``row_sums``: e.g. ``cauchy_delta``'s ``|S k - x|^2``),
     else a block of rows, so that B*H*V/rows programs share the chip. Row-separable updates are the
     nonlinear ones whose loss is per row (``huber_longhorn``) and several-state ones whose every
-    state's row depends only on the same row of the states (``momentum_longhorn``). About 1024
-    fp32 state values per program on one warp: H100, bf16, B=8 T=2048 H=16 d=m=64, fwd / fwd+bwd
-    ms (``benchmarks/bench_general.py --sweep``): huber_longhorn 1.20 / 7.04 with 16 rows, 1.59 /
-    7.41 with 8 (H200: 0.98 / 4.98 with 16, 0.92 / 5.17 with 8); momentum_longhorn (two states)
-    1.67 / 12.1 with 8 rows, 1.59 / 27.1 with 16 (its backward spills). A mini-batch update's
-    anchors count as states (not measured on a GPU yet)."""
+    state's row depends only on the same row of the states (``momentum_longhorn``). About 512
+    fp32 state values per program on one warp, at least 8 rows: B*H*d/rows programs of one warp
+    leave about one warp per scheduler at d=64, and the step is bound by its latency, so more
+    programs of fewer rows pay (``benchmarks/bench_general.py --sweep``, H200, bf16, B=8 T=2048
+    H=16 d=m=64, fwd / fwd+bwd ms, one process, Longhorn 0.78 / 2.62): huber_longhorn 0.92 / 4.61
+    with 8 rows, 0.98 / 4.85 with 16. momentum_longhorn (two states; H100): 1.67 / 12.1 with 8 rows,
+    1.59 / 27.1 with 16 (its backward spills). Measured at K=64 only; a mini-batch update's anchors
+    count as states (not measured on a GPU yet)."""
     step = _module(ir)[0]
     if row_sums(step):
         return None
@@ -101,7 +103,7 @@ def rows_per_program(ir, V: int, K: int) -> int | None:
     if INTERPRET:
         return full
     tiles = step.n_states * (2 if step.anchors else 1)     # a mini-batch's anchors are tiles of their own
-    return min(full, max(8, 1024 // (next_pow2(K) * tiles)))
+    return min(full, max(8, 512 // (next_pow2(K) * tiles)))
 
 
 def _stacked(ir) -> tuple:
