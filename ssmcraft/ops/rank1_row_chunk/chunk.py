@@ -121,9 +121,9 @@ ROW_DECAY_FAST = True
 # With ROW_DECAY_FAST, whether the per-row decay's backward is split in two launches of its kernel by the
 # forward's flag per (sequence, head, row block), "every chunk mild" (``rowdecay.PATH``): one with only the
 # products compiled, one deciding per chunk as the single kernel does; the same results bit for bit. The
-# single kernel spills 704 bytes stored / 832 loaded a thread on sm_90 (``compile_sm90.py --regs``), the
-# products-only one far fewer; not yet timed on the GPU (``bench_rank1_row_chunk.py --row-split`` times
-# both in one process). Read at each call.
+# single kernel spills 704 bytes stored / 832 loaded a thread on sm_90 (``compile_sm90.py --regs --show
+# PATH``), the products-only one 140 / 140, the mixed one as the single; not yet timed on the GPU
+# (``bench_rank1_row_chunk.py --decayed --row-split`` times both settings in one process). Read at each call.
 ROW_DECAY_SPLIT = True
 # Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
 # does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
@@ -274,8 +274,8 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
     def forward(ctx, u, v, q, oq, a, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N, cs):
         keys, rows = (u, v, q, oq), (c, p, oc, oh)
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, a, *rows, h0, cs))
-        y, ht, d, hs, mild = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
-                                cu=cu, N=N, cs=cs)
+        y, ht, d, hs, mild = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state,
+                                      training=training, cu=cu, N=N, cs=cs)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
         ctx.save_for_backward(*keys, a, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, hs,

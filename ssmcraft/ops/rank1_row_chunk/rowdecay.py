@@ -251,8 +251,8 @@ def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs
 
 
 @triton.jit
-def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq, da, dc, dp, dh0, mild, cu, T,
-                                        NTOK,
+def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq, da, dc, dp, dh0, mild,
+                                        cu, T, NTOK,
                                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                         R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
                                         CONSTS: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
