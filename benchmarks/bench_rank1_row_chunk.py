@@ -3,7 +3,7 @@ beside the per-token one (``rank1_row``) and the chunked per-head one (``rank1_c
 one process:
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_rank1_row_chunk.py [--shape 8,2048,16,64,64]
-        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--no-anchor] [--decayed [--profile]]
+        [--configs 16x16x4,16x32x4,32x16x4] [--no-check] [--no-anchor] [--decayed [--profile] [--row-split]]
 
 1. Correctness (``--check``, default on): Longhorn exact's recurrence (u = v = q = k, c and p per row)
    and the general slot form (distinct keys, per-row oc and oh) at B=2, T=1000 (the last chunk cut to
@@ -21,7 +21,9 @@ one process:
    each timed in bf16 at ``--shape`` (``bench.classes_commands.measure``: fwd, fwd+bwd; ``--profile``: its
    kernels' GPU time) beside Longhorn (no decay, this family) for the ratio to Longhorn, and Gated
    Longhorn with its u's factor folded into c on the host (``SCALE_IN_KERNEL`` off). What decides the
-   switches.
+   switches. ``--row-split``: in place of those rows, Longhorn, DeltaNet and wd_longhorn on this family
+   with its backward split in two kernels and as one (``ROW_DECAY_SPLIT``), and the per-row checks under
+   both settings.
 """
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--decayed", action="store_true", help="the decayed kernels against float64, then Gated "
                     "Longhorn and wd_longhorn through obj() on rank1_row and on this family (DECAYED), timed (only this)")
     ap.add_argument("--profile", action="store_true", help="with --decayed: each row's kernels, GPU time")
+    ap.add_argument("--row-split", action="store_true", help="with --decayed: time (and check) wd_longhorn with "
+                    "its backward split and not (ROW_DECAY_SPLIT) beside Longhorn and DeltaNet, only those")
     ap.add_argument("--decay-tiles", default="", help="with --decayed: the decayed objectives on this family at "
                     "these tiles too (CxR,...)")
     args = ap.parse_args(argv)
@@ -233,18 +237,30 @@ def decayed(args):
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     shape = tuple(int(x) for x in args.shape.split(","))
     if not args.no_check:       # at T = 320 and the timed shape's H, K, V (the bf16 kernels compile once)
-        for per_row in (True, False):
+        split_default = RC.ROW_DECAY_SPLIT
+        checks = [(True, split) for split in (True, False)] if args.row_split else [(True, None), (False, None)]
+        for per_row, split in checks:
+            if split is not None:
+                RC.ROW_DECAY_SPLIT = split
             for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
                 for tiny in (False, True):
                     errs = _decay_check((1, 320, *shape[2:]), dtype, tiny, per_row)
-                    print(f"check {'per-row' if per_row else 'per-head'} decay kernels {name} "
+                    print(f"check {'per-row' if per_row else 'per-head'} decay kernels "
+                          f"{'' if split is None else f'ROW_DECAY_SPLIT={split} '}{name} "
                           f"{'tiny' if tiny else 'ordinary'} vs float64: {fmt(errs)}", flush=True)
+        RC.ROW_DECAY_SPLIT = split_default
     # (label, objective, switches): each decayed objective on both families, then on this family at each of
     # ``--decay-tiles`` (C x R)
     rows = [("longhorn", "longhorn", {})]
-    for spec in DECAYED:
+    if args.row_split:
+        rows += [("deltanet", "deltanet", {})]
+        rows += [(f"wd_longhorn ROW_DECAY_SPLIT={split}", "wd_longhorn", {"ROW_DECAY_AHEAD": True,
+                                                                         "ROW_DECAY_SPLIT": split})
+                 for split in (False, True, False, True)]
+    for spec in DECAYED if not args.row_split else ():
         rows += [(f"{spec} {DECAYED[spec]}={ahead}", spec, {DECAYED[spec]: ahead}) for ahead in (False, True)]
-    rows.append(("gated_longhorn SCALE_IN_KERNEL=False", "gated_longhorn", {"SCALE_IN_KERNEL": False}))
+    if not args.row_split:
+        rows.append(("gated_longhorn SCALE_IN_KERNEL=False", "gated_longhorn", {"SCALE_IN_KERNEL": False}))
     for tiles in filter(None, args.decay_tiles.split(",")):
         C, Rw = (int(x) for x in tiles.split("x"))
         rows += [(f"{spec} C{C} R{Rw}", spec, {DECAYED[spec]: True, "CHUNK": C, "ROWS": Rw}) for spec in DECAYED]

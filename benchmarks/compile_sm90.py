@@ -15,7 +15,9 @@ sm_90 (Triton's bundled ptxas) instead of running it: the outputs are never writ
 numbers mean nothing; what is checked is that each kernel compiles, with the arguments the host
 code passes. ``--packed`` runs one packed call (``cu_seqlens``) of those sequence lengths; ``--decay-ahead`` puts
 ``rank1_row_chunk`` ahead of ``rank1_row`` for a per-row decay (its ``rowdecay.py`` kernels);
-``--block-chunk-ahead`` puts ``block_rank1_row_chunk`` ahead of ``block_rank1_row``.
+``--block-chunk-ahead`` puts ``block_rank1_row_chunk`` ahead of ``block_rank1_row``; ``--no-row-split`` runs
+that per-row decay's backward as one kernel (its ``ROW_DECAY_SPLIT`` off); ``--show PATH,...`` prints those
+constexprs' values after a kernel's name (``name[PATH=1]``: which specialisation of one source a line is).
 Prints one line per distinct kernel signature; exit status 1 when any fails to compile. ``--regs``
 adds each kernel's registers per thread and spill bytes, from Triton's bundled ptxas (``-v``) on
 the kernel's PTX: the figures the GPU's own load would report.
@@ -44,6 +46,9 @@ import ssmcraft  # noqa: E402
 from ssmcraft.bench.classes_commands import class_specs  # noqa: E402
 from ssmcraft.bench.run import random_inputs  # noqa: E402
 from ssmcraft.ops.common import launch as L  # noqa: E402
+
+SHOW: tuple[str, ...] = ()      # constexprs printed after a kernel's name (``--show``)
+
 
 def _config(kernel):
     """(first autotune config's kwargs, num_warps, num_stages) and heuristics of ``kernel``'s wrappers."""
@@ -110,12 +115,13 @@ def compile_call(kernel, args, kw, seen: dict, regs: bool = False) -> None:
     key = (fn.__name__, str(sorted(sig.items())), str(sorted((str(k), str(v)) for k, v in consts.items())), warps)
     if key in seen:
         return
+    name = fn.__name__ + "".join(f"[{n}={consts[n]}]" for n in SHOW if n in consts)
     try:
         compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages))
-        seen[key] = (fn.__name__, None, ptxas_usage(compiled.asm["ptx"]) if regs else "")
+        seen[key] = (name, None, ptxas_usage(compiled.asm["ptx"]) if regs else "")
     except Exception as e:  # noqa: BLE001 - the failure is the finding, reported by kernel
-        seen[key] = (fn.__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__, "")
+        seen[key] = (name, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__, "")
 
 
 @contextmanager
@@ -171,13 +177,21 @@ def main(argv=None) -> int:
                     help="rank1_row_chunk ahead of rank1_row for a per-row decay too (its ROW_DECAY_AHEAD)")
     ap.add_argument("--block-chunk-ahead", action="store_true",
                     help="block_rank1_row_chunk ahead of block_rank1_row (its AHEAD)")
+    ap.add_argument("--no-row-split", action="store_true",
+                    help="a per-row decay's rank1_row_chunk backward as one kernel (its ROW_DECAY_SPLIT off)")
+    ap.add_argument("--show", default="", help="comma-separated constexprs to print after each kernel's name")
     args = ap.parse_args(argv)
+    global SHOW
+    SHOW = tuple(n for n in args.show.split(",") if n)
     if args.block_chunk_ahead:
         from ssmcraft.ops.block_rank1_row_chunk import chunk as block_chunk
         block_chunk.AHEAD = True
     if args.decay_ahead:
         from ssmcraft.ops.rank1_row_chunk import chunk as row_chunk
         row_chunk.ROW_DECAY_AHEAD = True
+    if args.no_row_split:
+        from ssmcraft.ops.rank1_row_chunk import chunk as row_chunk
+        row_chunk.ROW_DECAY_SPLIT = False
     packed = [int(x) for x in args.packed.split(",") if x] or None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     failed = 0

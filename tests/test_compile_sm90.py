@@ -215,16 +215,26 @@ def test_decayed_per_row_chunk_kernels_compile_for_sm90():
     Longhorn's per-head decay (the forward spills nothing; the backward spilled 452 bytes, 255 registers,
     when written) and wd_longhorn's per-row one (the forward spills nothing; the backward, its mild chunks'
     products and the walks in one kernel, spilled 704 bytes stored and 832 loaded when measured at 4.06 ms
-    fwd+bwd, the walks alone 156 bytes at 7.63 ms: ``chunk.ROW_DECAY_AHEAD``); a blow-up fails."""
+    fwd+bwd, the walks alone 156 bytes at 7.63 ms: ``chunk.ROW_DECAY_AHEAD``). Split (``chunk.ROW_DECAY_SPLIT``,
+    ``--show PATH``), its products-only specialisation spilled 140 bytes and its mixed one 704 (700 packed)
+    when written; one kernel (``--no-row-split``) as above. A blow-up fails."""
     kernels = {"gated_longhorn": "rank1_row_chunk", "wd_longhorn": "rank1_row_chunk_rowdecay"}
-    bwd_spills = {"gated_longhorn": 512, "wd_longhorn": 1024}
+    bwd = {"gated_longhorn": {"rank1_row_chunk_bwd_kernel": 512},
+           "wd_longhorn": {"rank1_row_chunk_rowdecay_bwd_kernel[PATH=1]": 192,
+                           "rank1_row_chunk_rowdecay_bwd_kernel[PATH=2]": 768}}
     for extra in ((), ("--packed", "0,17,5,33")):
-        rc, out, err = _run(*kernels, "--regs", "--decay-ahead", *extra)
+        rc, out, err = _run(*kernels, "--regs", "--decay-ahead", "--show", "PATH", *extra)
         assert rc == 0, out + err[-2000:]
         assert {line.split()[1] for line in out.splitlines()} == {
             "triton:rank1-row-chunk+prologue" + ("+packed" if extra else "")}, out
         for label, prefix in kernels.items():
             rows = {k: v for (lab, k), v in _kernels(out).items() if lab == label and k.startswith("rank1_row_chunk")}
-            assert set(rows) == {f"{prefix}_fwd_kernel", f"{prefix}_bwd_kernel"}, out
+            assert set(rows) == {f"{prefix}_fwd_kernel", *bwd[label]}, out
             assert _spill_bytes(rows[f"{prefix}_fwd_kernel"]) == 0, rows
-            assert _spill_bytes(rows[f"{prefix}_bwd_kernel"]) <= bwd_spills[label], rows
+            for name, bound in bwd[label].items():
+                assert _spill_bytes(rows[name]) <= bound, rows
+    rc, out, err = _run("wd_longhorn", "--regs", "--decay-ahead", "--show", "PATH", "--no-row-split")
+    assert rc == 0, out + err[-2000:]
+    rows = {k: v for (lab, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
+    assert set(rows) == {"rank1_row_chunk_rowdecay_fwd_kernel", "rank1_row_chunk_rowdecay_bwd_kernel[PATH=0]"}, out
+    assert _spill_bytes(rows["rank1_row_chunk_rowdecay_bwd_kernel[PATH=0]"]) <= 768, rows

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 import ssmcraft  # noqa: E402
 from ssmcraft.ops.rank1_row.naive import naive_recurrent_rank1_row  # noqa: E402
 from ssmcraft.ops.rank1_row_chunk import chunk as RC  # noqa: E402
+from ssmcraft.ops.rank1_row_chunk import rowdecay as RD  # noqa: E402
 from ssmcraft.search.compose import compose_objective  # noqa: E402
 from helpers import assert_within, kernel_errors, kernel_inputs, rel_rms as rel  # noqa: E402
 from test_kernels_rank1_row_chunk import TOL, _as_ref, _general, _only_this_family, decay_errors  # noqa: E402
@@ -67,10 +68,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("T,C,R,V,modes,decay", CASES)
-def test_row_decay_matches_reference(T, C, R, V, modes, decay, monkeypatch):
+def test_row_decay_matches_reference(T, C, R, V, modes, decay, split, monkeypatch):
     """A per-row decay with one key against the float64 recurrence: output, final state and every
-    gradient (the decay's and the initial state's included), outputs poisoned with NaN."""
+    gradient (the decay's and the initial state's included), outputs and the forward's flags poisoned,
+    with the backward split in two kernels (``ROW_DECAY_SPLIT``) and as one."""
+    monkeypatch.setattr(RC, "ROW_DECAY_SPLIT", split)
     monkeypatch.setattr(RC, "CHUNK", C)
     monkeypatch.setattr(RC, "ROWS", R)
     B, H, K = 2, 2, 8
@@ -99,6 +103,82 @@ def test_scaled_products_run_per_chunk_and_row_block(monkeypatch):
     same = ys[0] == ys[1]
     assert bool(same[:, :16].all()) and bool(same[:, 16:32, :, 16:].all())
     assert not bool(same[:, 16:32, :, :16].all()) and not bool(same[:, 32:].all())
+
+
+def test_split_backward_runs_each_program_on_its_path(monkeypatch):
+    """The split backward (``ROW_DECAY_SPLIT``): with tiny decays only in head 1's second row block and
+    second chunk, the forward's flags (poisoned first) say "every chunk mild" for the other three
+    (head, row block) programs and not for that one; the products-only kernel writes exactly those three
+    (the decay's gradient still NaN-poisoned in the fourth after it) and walks no chunk, the mixed kernel
+    the fourth, its one chunk with tiny decays walked and its two others as products; every gradient
+    equals the one kernel's bit for bit, and the last chunk of every program (mild) differs from the
+    walks' (products there in both kernels). With every flag forced to 1, the products-only kernel takes
+    products in every chunk of all four (the walks not in it)."""
+    B, T, H, K, V = 1, 37, 2, 8, 20                 # chunks of 16, row blocks of 16: 2 x 2 programs
+    keys, rows, S0 = _general(B, T, H, K, V, ("row", "row", "const", "const"), seed=8)
+    g = torch.Generator().manual_seed(9)
+    a = _row_decays((B, T, H, V), "ordinary", g)
+    a[:, 16:32, 1, 16:] = _row_decays((B, 16, V - 16), "tiny", g)
+    a = a.float()
+    k, oq, c, p, h0 = keys[0].float(), keys[3].float(), rows[0].float(), rows[1].float(), S0.float()
+    flags, after_products, paths = [], [], []
+    real_flags, real_launch = RC.row_flags, RC.launch
+    chunk_calls = {path: [] for path in (RD.PATH_PRODUCTS.value, RD.PATH_MIXED.value)}
+
+    def spy_flags(*args):
+        f = real_flags(*args)
+        assert bool((f == -1).all())
+        flags.append(f)
+        return f
+
+    def spy_launch(kernel, grid, *args, **kw):
+        paths.append(kw.get("PATH"))
+        if forced and kw.get("PATH") == RD.PATH_PRODUCTS.value:
+            args[15].fill_(1)                           # the flags
+        real_launch(kernel, grid, *args, **kw)
+        if kw.get("PATH") == RD.PATH_PRODUCTS.value:
+            after_products.append(args[11].clone())   # da
+
+    def spy_chunk(name):         # under the interpreter the kernels call the module's functions
+        real = getattr(RD, name)
+
+        def call(*args):
+            if paths[-1] in chunk_calls:
+                chunk_calls[paths[-1]].append(name)
+            return real(*args)
+        monkeypatch.setattr(RD, name, call)
+    monkeypatch.setattr(RC, "row_flags", spy_flags)
+    monkeypatch.setattr(RC, "launch", spy_launch)
+    spy_chunk("scaled_adjoints")
+    spy_chunk("decayed_adjoints")
+
+    def grads(fast, split):
+        monkeypatch.setattr(RC, "ROW_DECAY_FAST", fast)
+        monkeypatch.setattr(RC, "ROW_DECAY_SPLIT", split)
+        leaves = [x.clone().requires_grad_() for x in (k, oq, a, c, p, h0)]
+        y, S = RC.rank1_row_chunk(leaves[0], leaves[0], leaves[0], leaves[1], *leaves[3:5],
+                                  initial_state=leaves[5], output_final_state=True, a=leaves[2])
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(10))
+        return torch.autograd.grad((y * dy).sum() + S.sum(), leaves)
+    forced = False
+    split, one, walks = grads(True, True), grads(True, False), grads(False, False)
+    assert len(flags) == 1 and flags[0].tolist() == [1, 1, 1, 0]
+    assert len(after_products) == 1
+    # 3 programs x 3 chunks as products; 1 program: chunks 2 and 0 as products, chunk 1 walked
+    assert chunk_calls[RD.PATH_PRODUCTS.value] == ["scaled_adjoints"] * 9
+    assert chunk_calls[RD.PATH_MIXED.value] == ["scaled_adjoints", "decayed_adjoints", "scaled_adjoints"]
+    nan = torch.isnan(after_products[0])
+    assert bool(nan[:, :, 1, 16:].all()) and not bool(nan[:, :, 0].any()) and not bool(nan[:, :, 1, :16].any())
+    assert all(torch.equal(x, r) for x, r in zip(split, one))
+    da, da_walks = split[2], walks[2]
+    for h, r in ((0, slice(0, 16)), (0, slice(16, V)), (1, slice(0, 16)), (1, slice(16, V))):
+        assert not torch.equal(da[:, 32:, h, r], da_walks[:, 32:, h, r])
+    assert all(bool(torch.isfinite(x).all()) for x in split)
+    # every flag forced to 1: the products-only kernel takes the fourth program too, products in every chunk
+    forced = True
+    chunk_calls[RD.PATH_PRODUCTS.value].clear()
+    grads(True, True)
+    assert chunk_calls[RD.PATH_PRODUCTS.value] == ["scaled_adjoints"] * 12
 
 
 def test_row_decay_no_grad_path_and_refusals():

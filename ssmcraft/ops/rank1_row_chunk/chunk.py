@@ -65,7 +65,9 @@ A per-row decay ``a [B, T, H, V]`` (one key, a constant readout scale): each row
 log decays, the Gram matrices still shared per head; its kernels (``rowdecay.py``, which derives them)
 take every product that carries a per-row factor between two tokens on tensor cores, the factors split
 at a reference token, in chunks of mild decays, else one token at a time on the ``[C, R]`` tiles, and
-store Z (not D) and every chunk's start state.
+store Z (not D) and every chunk's start state; with ``ROW_DECAY_SPLIT`` also one flag per (sequence,
+head, row block), "every chunk mild", by which the backward runs as two launches of its kernel: the
+products alone compiled where the flag is 1, the per-chunk choice where it is 0.
 
 Packed sequences (``cu_seqlens``): a program walks its own sequence from its first row, so no chunk
 straddles two sequences; states are ``[N, H, ...]``.
@@ -80,7 +82,8 @@ from ssmcraft.ops.common.slots import row_mode
 from ssmcraft.ops.common.tuning import INTERPRET, buffer, cdiv, dot_precision, io_dtype, pow2
 from ssmcraft.ops.rank1_row.recurrent import supports as rank1_row_supports
 from ssmcraft.ops.rank1_row_chunk.kernels import rank1_row_chunk_bwd_kernel, rank1_row_chunk_fwd_kernel
-from ssmcraft.ops.rank1_row_chunk.rowdecay import (rank1_row_chunk_rowdecay_bwd_kernel,
+from ssmcraft.ops.rank1_row_chunk.rowdecay import (PATH_MIXED, PATH_ONE, PATH_PRODUCTS,
+                                                   rank1_row_chunk_rowdecay_bwd_kernel,
                                                    rank1_row_chunk_rowdecay_fwd_kernel)
 
 BACKEND_NAME = "rank1-row-chunk"
@@ -115,6 +118,13 @@ ROW_DECAY_AHEAD = True
 # Whether a per-row decay's mild chunks (every decay at least e^LOG_EXACT_DA: ``rowdecay.mild_chunk``) take
 # tensor-core products against a reference token instead of the token-by-token walks; read at each call.
 ROW_DECAY_FAST = True
+# With ROW_DECAY_FAST, whether the per-row decay's backward is split in two launches of its kernel by the
+# forward's flag per (sequence, head, row block), "every chunk mild" (``rowdecay.PATH``): one with only the
+# products compiled, one deciding per chunk as the single kernel does; the same results bit for bit. The
+# single kernel spills 704 bytes stored / 832 loaded a thread on sm_90 (``compile_sm90.py --regs --show
+# PATH``), the products-only one 140 / 140, the mixed one as the single; not yet timed on the GPU
+# (``bench_rank1_row_chunk.py --decayed --row-split`` times both settings in one process). Read at each call.
+ROW_DECAY_SPLIT = True
 # Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
 # does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
 # Longhorn's 3.55 ms fwd+bwd (one H200, bf16 B=8 T=2048 H=16 d=m=64, ``bench_rank1_row_chunk.py --decayed
@@ -151,6 +161,14 @@ def _new(shape, device, dtype=torch.float32):
     return buffer(shape, device, dtype, POISON)
 
 
+def row_flags(N, H, NR, dev):
+    """The per-row decay's flags, one int32 per (sequence, head, row block) (``rowdecay.PATH``): -1 where
+    poisoned (neither of the split backward's kernels takes a -1), else uninitialised."""
+    if POISON:
+        return torch.full((N * H * NR,), -1, device=dev, dtype=torch.int32)
+    return torch.empty((N * H * NR,), device=dev, dtype=torch.int32)
+
+
 def start_slots(B, T, N, C):
     """Slots of the chunk-start states a decayed forward stores (``kernels.start_slot``)."""
     return B * T // C + N
@@ -161,7 +179,8 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
     per ``slots.row_mode``; cs: a per-head factor of c [B, T, H] or None; h0 [N, H, K, V] fp32 contiguous
     or None. Returns y [B, T, H, V], the final state
     [N, H, K, V] fp32 (with ``want_state`` or ``training``), and, when ``training``, D = c o z
-    [B, T, H, V] fp32 and with a decay the chunk-start states [NS, H, K, V] fp32 (else None)."""
+    [B, T, H, V] fp32 and with a decay the chunk-start states [NS, H, K, V] fp32 (else None), and with a
+    per-row decay whose backward is split (``ROW_DECAY_SPLIT``) its flags (``row_flags``; else None)."""
     u = keys[0]
     B, T, H, K = u.shape
     N = B if N is None else N
@@ -173,19 +192,20 @@ def _forward(keys, a, rows, h0, V, out_dtype, *, want_state, training, cu=None, 
     d = _new((B, T, H, V), dev) if training else None
     hs = _new((start_slots(B, T, N, C), H, K, V), dev) if training and a is not None else None
     if a is not None and a.dim() == 4:
+        mild = row_flags(N, H, cdiv(V, R), dev) if training and ROW_DECAY_FAST and ROW_DECAY_SPLIT else None
         launch(rank1_row_chunk_rowdecay_fwd_kernel, (N * H, cdiv(V, R)), u, keys[3], a,
-               *[m[2] for m in modes], h0, y, ht, d, hs, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
+               *[m[2] for m in modes], h0, y, ht, d, hs, mild, cu, T, H=H, K=K, V=V, C=C, R=R, BK=pow2(K),
                MODES=tuple(m[0] for m in modes), CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None,
                STORE_HT=ht is not None, STORE_Z=training, PREC=dot_precision(out_dtype), VARLEN=cu is not None,
-               FAST=ROW_DECAY_FAST, num_warps=nw)
-        return y, ht, d, hs
+               FAST=ROW_DECAY_FAST, STORE_MILD=mild is not None, num_warps=nw)
+        return y, ht, d, hs, mild
     c, p, oc, oh = (m[2] for m in modes)
     launch(rank1_row_chunk_fwd_kernel, (N * H, cdiv(V, R)), *keys, a, c, cs, p, oc, oh, h0, y, ht, d, hs, cu, T,
            H=H, K=K, V=V, C=C, R=R, BK=pow2(K), MODES=tuple(m[0] for m in modes),
            CONSTS=tuple(m[1] for m in modes), HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_D=training,
            PREC=dot_precision(out_dtype), VARLEN=cu is not None, ONE_KEY=one_key(keys), HAS_A=a is not None,
            HAS_CS=cs is not None, num_warps=nw)
-    return y, ht, d, hs
+    return y, ht, d, hs, None
 
 
 def atomic_keys(NR: int) -> bool:
@@ -204,11 +224,12 @@ def key_sum(g, atomic):
     return g if atomic else g.sum(0) if g.shape[0] > 1 else g[0]
 
 
-def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None, cs_is_a=False):
+def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, cs=None, cs_is_a=False, mild=None):
     """The gradients (keys, a, rows (c, p, oc), initial state) of ``_forward``'s call, and cs's [B, T, H].
     With a per-row decay (``rowdecay.py``): one key, ``d`` the forward's Z, the decay's gradient per row
     [B, T, H, V], whole. ``cs_is_a``: cs is the per-head decay itself (Gated Longhorn's alpha): the kernel
-    adds cs's gradient into a's (one buffer, one sum over the row blocks) and cs's is None."""
+    adds cs's gradient into a's (one buffer, one sum over the row blocks) and cs's is None. ``mild``: the
+    per-row decay's flags from the forward (its backward split in two launches) or None (one launch)."""
     u = keys[0]
     B, T, H, K = u.shape
     N, V = ht.shape[0], ht.shape[-1]
@@ -233,8 +254,11 @@ def _backward(keys, a, rows, d, ht, hs, dy, dht, need_dh0, out_dtype, cu=None, c
                   PREC=dot_precision(out_dtype), VARLEN=cu is not None, ATOMIC=atomic, num_warps=nw)
     dht = None if dht is None else dht.float().contiguous()
     if per_row:
-        launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy.contiguous(), dht,
-               dkeys[0], dkeys[3], da, *drows, dh0, cu, T, B * T * H, FAST=ROW_DECAY_FAST, **common)
+        dy = dy.contiguous()
+        for path in (PATH_ONE,) if mild is None else (PATH_PRODUCTS, PATH_MIXED):
+            launch(rank1_row_chunk_rowdecay_bwd_kernel, (N * H, NR), u, keys[3], a, c, p, d, hs, dy, dht,
+                   dkeys[0], dkeys[3], da, *drows, dh0, mild, cu, T, B * T * H, FAST=ROW_DECAY_FAST,
+                   PATH=path.value, **common)
     else:
         launch(rank1_row_chunk_bwd_kernel, (N * H, NR), *keys, a, c, cs, p, oc, d, ht, hs, dy.contiguous(), dht,
                *dkeys[:4], da, drows[0], dcs, *drows[1:], dh0, cu, T, B * T * H, ONE_KEY=single,
@@ -250,12 +274,12 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
     def forward(ctx, u, v, q, oq, a, c, p, oc, oh, h0, V, out_dtype, output_final_state, cu, N, cs):
         keys, rows = (u, v, q, oq), (c, p, oc, oh)
         training = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*keys, a, *rows, h0, cs))
-        y, ht, d, hs = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state, training=training,
-                                cu=cu, N=N, cs=cs)
+        y, ht, d, hs, mild = _forward(keys, a, rows, h0, V, out_dtype, want_state=output_final_state,
+                                      training=training, cu=cu, N=N, cs=cs)
         ctx.set_materialize_grads(False)
         ctx.row_consts = [None if isinstance(x, torch.Tensor) else x for x in (c, p, oc)]
         ctx.save_for_backward(*keys, a, *[x if isinstance(x, torch.Tensor) else None for x in (c, p, oc)], d, ht, hs,
-                              cu, cs)
+                              cu, cs, mild)
         ctx.oh_dim = oh.dim() if isinstance(oh, torch.Tensor) else None
         ctx.out_dtype = out_dtype
         ctx.h0_dtype = None if h0 is None else h0.dtype
@@ -265,13 +289,13 @@ class _Rank1RowChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dht):
-        u, v, q, oq, a, tc, tp, toc, d, ht, hs, cu, cs = ctx.saved_tensors
+        u, v, q, oq, a, tc, tp, toc, d, ht, hs, cu, cs, mild = ctx.saved_tensors
         rows = [t if t is not None else k for t, k in zip((tc, tp, toc), ctx.row_consts)]
         if dy is None:
             dy = torch.zeros(*u.shape[:3], ht.shape[-1], device=u.device, dtype=torch.float32)
         need_dh0 = ctx.needs_input_grad[9]
         dkeys, da, drows, dh0, dcs = _backward((u, v, q, oq), a, rows, d, ht, hs, dy, dht, need_dh0, ctx.out_dtype,
-                                               cu, cs, ctx.cs_is_a)
+                                               cu, cs, ctx.cs_is_a, mild)
         doh = None
         if ctx.oh_dim == 4:
             doh = dy

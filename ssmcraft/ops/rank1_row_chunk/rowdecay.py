@@ -11,6 +11,11 @@ product of decays, <= 1, so nothing overflows at tiny or zero decays and no ``[C
 An accumulator row that is complete is left alone from then on ("frozen": the decay multiplies only the
 rows still to come), so that one tile holds every token's result when the walk ends.
 
+Split backward. The forward also stores, per (sequence, head, row block), whether every chunk took the
+products (``mild``, int32); the backward then launches the same kernel twice (``PATH``): once with the
+products alone compiled, its programs returning at once where the flag is 0, and once deciding per
+chunk, returning at once where it is 1 (the same sums in the same order: bit for bit the one kernel's).
+
 Forward per chunk (E = P - D, Z the per-row scalar ``s_{t-1,i} . k_t``)::
 
     E + c o (A_i E) = P - c o (e^gp o K H0)          one walk: Ac = A_i E, Lc = L_i E
@@ -54,6 +59,14 @@ from ssmcraft.ops.rank1_row_chunk.kernels import (chunk_at, chunk_masks, key_til
 # fp32's range. With every decay at least e^LOG_EXACT_DA and m at the middle token of a chunk of 16, no
 # exponent exceeds 3 * 8 = 24: the bound turns chunks away only at C = 32.
 FAST_SPAN = tl.constexpr(30.0)
+# The backward's ``PATH``: one kernel deciding per chunk (``mild_chunk``), or split in two launches of
+# the same source by the forward's flag per (sequence, head, row block), "every chunk mild": one runs
+# only the programs whose flag is 1 with the products alone compiled (the walks' tiles, live beside the
+# products', made the one kernel spill: ``chunk.ROW_DECAY_SPLIT``), the other only those whose flag is
+# 0, deciding per chunk.
+PATH_ONE = tl.constexpr(0)
+PATH_PRODUCTS = tl.constexpr(1)
+PATH_MIXED = tl.constexpr(2)
 
 
 @triton.jit
@@ -184,21 +197,24 @@ def scaled_adjoints(b_E, b_z, b_c, b_e, b_g, b_gp, b_gl, m, b_A, b_L, b_do, b_do
 
 
 @triton.jit
-def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs, cu, T,
+def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs, mild, cu, T,
                                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                         R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
                                         CONSTS: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                                         STORE_Z: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
-                                        FAST: tl.constexpr):
+                                        FAST: tl.constexpr, STORE_MILD: tl.constexpr):
     """y [B, T, H, V] = oc (S_t oq_t) + oh with ``s_t,i = a_t,i s_{t-1,i} - c_t,i (s_{t-1,i} . k_t) k_t
     + p_t,i k_t``; a [B, T, H, V]; MODES/CONSTS of (c, p, oc, oh), oc constant (MODES[2] == 0). The
     final state ht [N, H, K, V] fp32 (``STORE_HT``) from h0 (``HAS_H0``); ``STORE_Z``: z [B, T, H, V]
     fp32 = s_{t-1} . k_t and every chunk's start state in hs (``kernels.start_slot``). ``FAST``: mild
-    chunks take the scaled products (``mild_chunk``), the others the decayed walk."""
+    chunks take the scaled products (``mild_chunk``), the others the decayed walk. ``STORE_MILD``: mild
+    [N * H * NR] int32 = 1 where every chunk of this program's rows was mild, else 0 (the split backward's
+    ``PATH``)."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
     b_h = state_or_zero(h0, i_bh, p_kv, m_kv, K, V, HAS_H0, BK, R)
+    n_walked = tl.zeros([], dtype=tl.int32)
     for t0 in range(0, T_s, C):
         m_t, rows, m_tv, p_tv = chunk_at(t0, o_c, bos, T_s, i_h, o_v, m_v, H, V)
         if STORE_Z:
@@ -213,6 +229,7 @@ def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs
         b_L = tl.where(incl, tl.dot(b_oq, tl.trans(b_u), input_precision=PREC), 0.)
         b_b = b_p - b_c * b_uh
         m, fast = mild_chunk(b_g, b_gp, o_c, C, FAST)
+        n_walked += tl.where(fast, 0, 1)
         if fast:
             b_ae, b_le = scaled_walk(b_b, b_c, b_A, b_L, b_e, b_g, b_gp, m, o_c, C, R, PREC)
         else:
@@ -229,20 +246,33 @@ def rank1_row_chunk_rowdecay_fwd_kernel(k, oq, a, c, p, oc, oh, h0, y, ht, z, hs
             tl.store(z + p_tv, b_uh + b_ae, mask=m_tv)
     if STORE_HT:
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+    if STORE_MILD:
+        tl.store(mild + i_bh * tl.num_programs(1) + i_r, (n_walked == 0).to(tl.int32))
 
 
 @triton.jit
-def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq, da, dc, dp, dh0, cu, T, NTOK,
+def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq, da, dc, dp, dh0, mild,
+                                        cu, T, NTOK,
                                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                                         R: tl.constexpr, BK: tl.constexpr, MODES: tl.constexpr,
                                         CONSTS: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                                         PREC: tl.constexpr, VARLEN: tl.constexpr,
-                                        ATOMIC: tl.constexpr, FAST: tl.constexpr):
+                                        ATOMIC: tl.constexpr, FAST: tl.constexpr, PATH: tl.constexpr):
     """Reverse over chunks, each from its stored start state and Z. Writes this row block's slice of dk
     and doq [NR, B, T, H, K], da [B, T, H, V] (per row: whole), the row coefficients' gradients
     (``kernels.store_rows``) and dh0 [N, H, K, V]. ``FAST``: mild chunks (``mild_chunk``) take
-    ``scaled_adjoints``, the others ``decayed_adjoints``."""
+    ``scaled_adjoints``, the others ``decayed_adjoints``. ``PATH`` (``PATH_ONE``): every program, each
+    chunk deciding; ``PATH_PRODUCTS``: only the programs whose ``mild`` flag (the forward's) is 1, every
+    chunk as products (the walks not compiled); ``PATH_MIXED``: only those whose flag is 0."""
     i_bh, i_r, i_h, bos, T_s = program(cu, T, H, VARLEN)
+    if PATH != PATH_ONE:
+        flag = tl.load(mild + i_bh * tl.num_programs(1) + i_r)
+        if PATH == PATH_PRODUCTS:
+            skip = flag != 1
+        else:
+            skip = flag != 0
+        if skip:
+            return
     o_k, m_k, o_v, m_v, m_kv, p_kv = state_block(0, i_r, K, V, BK, R)
     o_c, strict, incl = chunk_masks(C)
     b_dh = state_or_zero(dht, i_bh, p_kv, m_kv, K, V, HAS_DHT, BK, R)
@@ -267,6 +297,8 @@ def rank1_row_chunk_rowdecay_bwd_kernel(k, oq, a, c, p, z, hs, dy, dht, dk, doq,
         b_h0dh = tl.sum(b_h0 * b_dh, axis=0)
         b_doh = b_do * tl.dot(b_oq, b_h0, input_precision=PREC)
         m, fast = mild_chunk(b_g, b_gp, o_c, C, FAST)
+        if PATH == PATH_PRODUCTS:
+            fast = True                     # a compile-time True: only the products are compiled
         if fast:
             b_w, b_dA, b_dL, b_da = scaled_adjoints(b_E, b_z, b_c, b_e, b_g, b_gp, b_gl, m, b_A, b_L, b_do, b_doh,
                                                     b_kdh, b_h0dh, strict, incl, o_c, C, R, PREC)
