@@ -106,7 +106,8 @@ DECAY_AHEAD = True
 MIN_KEYS = 64
 # Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured faster
 # with mild chunks as products (``ROW_DECAY_FAST``). One H200, bf16 B=8 T=2048 H=16 d=m=64 through obj(), one
-# process, fwd / fwd+bwd ms: 0.906 / 4.062 here (its kernels 0.87 ms forward, 2.86 ms backward), 1.005 /
+# process, fwd / fwd+bwd ms: 0.906 / 4.062 here without ROW_DECAY_SPLIT (its kernels 0.87 ms forward, 2.86
+# ms backward), 1.005 /
 # 5.271 on rank1_row, 1.845 / 7.626 here with the walks alone; Longhorn 0.777 / 2.617 (so 1.55x Longhorn's,
 # against 2.01x on rank1_row); with the products at other tiles, fwd+bwd: 32 rows and 8 warps 6.70, 16 rows
 # and 4 warps 6.69, 64 rows and 8 warps 5.17. Every chunk was mild there (lam drawn as softplus(randn) / 2, so a >= 0.25); a chunk holding a
@@ -122,8 +123,10 @@ ROW_DECAY_FAST = True
 # forward's flag per (sequence, head, row block), "every chunk mild" (``rowdecay.PATH``): one with only the
 # products compiled, one deciding per chunk as the single kernel does; the same results bit for bit. The
 # single kernel spills 704 bytes stored / 832 loaded a thread on sm_90 (``compile_sm90.py --regs --show
-# PATH``), the products-only one 140 / 140, the mixed one as the single; not yet timed on the GPU
-# (``bench_rank1_row_chunk.py --decayed --row-split`` times both settings in one process). Read at each call.
+# PATH``), the products-only one 140 / 140, the mixed one as the single. wd_longhorn, one H200, bf16 B=8
+# T=2048 H=16 d=m=64 through obj(), one process (``bench_rank1_row_chunk.py --decayed --row-split``, each
+# setting twice): fwd+bwd 3.327 / 3.328 ms split, 4.001 / 3.992 not (backward kernels 2108-2111 against
+# 2781-2790 us); Longhorn 2.582, so 1.29x against 1.55x. Read at each call.
 ROW_DECAY_SPLIT = True
 # Where u = s k (s per head: Gated Longhorn's alpha), whether the kernels form c o s (True) or the host
 # does (``slots.fold_scaled_u``). Formed on the host, its passes over [B, T, H, V] took 0.22 ms of Gated
