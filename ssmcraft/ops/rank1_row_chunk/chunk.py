@@ -104,17 +104,16 @@ DECAY_AHEAD = True
 #   B8 T2048 H16 K32 V64: rank1_row 0.795 / 1.950; this family R32 0.691 / 2.983;
 #   B8 T2048 H16 K64 V64: rank1_row 1.193 / 3.185; this family R32 0.744 / 2.482.
 MIN_KEYS = 64
-# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured faster
-# with mild chunks as products (``ROW_DECAY_FAST``). One H200, bf16 B=8 T=2048 H=16 d=m=64 through obj(), one
+# Whether the family goes ahead of rank1_row on CUDA for a per-row decay (wd_longhorn): measured faster with
+# mild chunks as products (``ROW_DECAY_FAST``). One H200, bf16 B=8 T=2048 H=16 d=m=64 through obj(), one
 # process, fwd / fwd+bwd ms: 0.906 / 4.062 here without ROW_DECAY_SPLIT (its kernels 0.87 ms forward, 2.86
-# ms backward), 1.005 /
-# 5.271 on rank1_row, 1.845 / 7.626 here with the walks alone; Longhorn 0.777 / 2.617 (so 1.55x Longhorn's,
-# against 2.01x on rank1_row); with the products at other tiles, fwd+bwd: 32 rows and 8 warps 6.70, 16 rows
-# and 4 warps 6.69, 64 rows and 8 warps 5.17. Every chunk was mild there (lam drawn as softplus(randn) / 2, so a >= 0.25); a chunk holding a
-# decay below e^LOG_EXACT_DA (lam > 19) takes the walks, 7.6 ms if every chunk did. The kernels against
-# float64 on the GPU (T=320 H=16 K=V=64): fp32 6.3e-7 ordinary, 6.2e-6 mixed, 9.8e-6 tiny and zero decays;
-# bf16 2.6e-3, 2.5e-3, 2.4e-3, and 9.6e-3 (d a) with every decay in (0.06, 0.1). Read at dispatch time, as
-# DECAY_AHEAD.
+# ms backward), 1.005 / 5.271 on rank1_row, 1.845 / 7.626 here with the walks alone; Longhorn 0.777 / 2.617
+# (so 1.55x Longhorn's, against 2.01x on rank1_row); with the products at other tiles, fwd+bwd: 32 rows and
+# 8 warps 6.70, 16 rows and 4 warps 6.69, 64 rows and 8 warps 5.17. Every chunk was mild there (lam drawn as
+# softplus(randn) / 2, so a >= 0.25); a chunk holding a decay below e^LOG_EXACT_DA (lam > 19) takes the
+# walks, 7.6 ms if every chunk did. The kernels against float64 on the GPU (T=320 H=16 K=V=64): fp32 6.3e-7
+# ordinary, 6.2e-6 mixed, 9.8e-6 tiny and zero decays; bf16 2.6e-3, 2.5e-3, 2.4e-3, and 9.6e-3 (d a) with
+# every decay in (0.06, 0.1). Read at dispatch time, as DECAY_AHEAD.
 ROW_DECAY_AHEAD = True
 # Whether a per-row decay's mild chunks (every decay at least e^LOG_EXACT_DA: ``rowdecay.mild_chunk``) take
 # tensor-core products against a reference token instead of the token-by-token walks; read at each call.
