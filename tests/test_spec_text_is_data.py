@@ -328,7 +328,7 @@ def test_errors_never_carry_a_line_break_from_the_label():
     assert "\n" not in str(e.value) and len(str(e.value)) < 700
 
 
-@pytest.mark.parametrize("name, family", [("wd_longhorn", "rank1_row"), ("longhorn_diag", "diagonal"),
+@pytest.mark.parametrize("name, family", [("wd_longhorn", "rank1_row_chunk"), ("longhorn_diag", "diagonal"),
                                           ("huber_longhorn", "general")])
 def test_generated_triton_sources_hold_the_label_only_escaped(fresh_cache, tmp_path, name, family):
     """The prologue, diagonal and general generators (``ssmcraft derive --kernel``'s text, imported by
