@@ -59,6 +59,18 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
                         ins, {}, S0, g))
 
 
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_objective_at_128_keys_and_values(name, monkeypatch):
+    """d = m = 128 in fp32 with the GPU's tiles there: key block 128, value blocks of 32
+    (``chunked._value_block`` keeps fp32 tiles within ``TILE_BYTES`` for sm_90's shared memory; its
+    rule is tested in ``test_compile_sm90.py``), odd T over a partial chunk."""
+    monkeypatch.setattr(R, "INTERPRET_BV", 32)
+    obj = ssmcraft.compile(name)
+    ins, S0, g = _objective_case(name, 1, 37, 1, 128, 128, seed=128)
+    check(kernel_errors(obj, lambda o, lay: R.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                        ins, {}, S0, g))
+
+
 @pytest.mark.parametrize("T,K,V,chunk,general,sep_u,decay,scale,bv", [
     (33, 20, 40, 32, True, True, True, True, 16),     # every slot distinct, odd K and V, 3 value blocks
     (65, 16, 24, 64, False, True, False, False, None),  # u != v, merged insert (q == v), no decay

@@ -95,6 +95,17 @@ def test_composed_matches_reference(which, T, chunk, B, monkeypatch):
     assert_within(reference_errors(obj, ours, ins, params, S0, g).errors, TOL)
 
 
+def test_decay_explicit_at_128_keys_and_values(monkeypatch):
+    """rank2_head_gated's composition at d = m = 128 in fp32 with the GPU's tiles there: key block
+    128, value blocks of 32 (``chunked._value_block``: fp32 tiles within ``TILE_BYTES`` for sm_90's
+    shared memory), odd T over a partial chunk of 64 term rows."""
+    monkeypatch.setattr(R1, "INTERPRET_BV", 32)
+    obj = _compiled("decay_explicit")
+    ins, params, S0, g = kernel_inputs(obj, 1, 37, 1, 128, 128, seed=128)
+    assert_within(reference_errors(obj, lambda i, p, s: validated_call(RC.prepare, obj, i, p, s, True),
+                                   ins, params, S0, g).errors, TOL)
+
+
 @pytest.mark.parametrize("which,computed", [("decay_explicit", False), ("implicit", True)])
 def test_dispatch_in_the_gpu_order(which, computed, monkeypatch):
     """With the families in their CUDA order, ``obj()`` runs a per-head rank-r objective on this family
