@@ -158,7 +158,7 @@ def test_half_precision_pads_small_key_and_value_blocks():
     the interpreter's products on bf16 tiles are wrong (1e10 off, ENV.md), fp16 takes the same path."""
     assert R._key_block(16, torch.bfloat16) == 64 and R._key_block(16, torch.float16) == 64
     assert R._key_block(16, torch.float32) == 16 and R._key_block(80, torch.bfloat16) == 128
-    assert R._bv(24, torch.float16) == 64 and R._bv(32, torch.bfloat16) == 64 and R._bv(24, torch.float32) == 32
+    assert R._bv(24, torch.float16, 16) == 64 and R._bv(32, torch.bfloat16, 16) == 64 and R._bv(24, torch.float32, 16) == 32
     g = torch.Generator().manual_seed(3)
     B, T, H, K, V = 1, 37, 2, 16, 24
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
