@@ -32,6 +32,9 @@ def test_supports():
         assert R.supports(ssmcraft.compile(name).ir) is None
     assert "per head" in R.supports(ssmcraft.compile("longhorn").ir)
     assert "rank1" in R.supports(ssmcraft.compile("mamba").ir)
+    ir = ssmcraft.compile("gated_deltanet").ir      # past K = 128 the tiles outgrow sm_90's shared memory
+    assert R.supports_sizes(ir, {ir.dims[1]: 128}, "triton") is None
+    assert "K = 256 > 128" in R.supports_sizes(ir, {ir.dims[1]: 256}, "triton")
 
 
 def _objective_case(name, B, T, H, d, m, seed):

@@ -66,6 +66,9 @@ def test_supports_and_order():
         assert ir.kind == "rankr" and RC.supports(ir) is None and RC.per_head_step(ir), which
     assert "per head" in RC.supports(ssmcraft.compile("longhorn_2key").ir)
     assert "not rankr" in RC.supports(ssmcraft.compile("deltanet").ir)
+    ir = _compiled("decay_explicit").ir             # rank1_chunk's kernels: its K limit
+    assert RC.supports_sizes(ir, {ir.dims[1]: 128}, "triton") is None
+    assert "K = 256 > 128" in RC.supports_sizes(ir, {ir.dims[1]: 256}, "triton")
     ir = _compiled("implicit").ir
     names = [f.name for f in registry.order(ir, "triton")]
     assert names.index("rankr_chunk") < names.index("rankr_row")

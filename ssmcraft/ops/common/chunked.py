@@ -83,12 +83,12 @@ def _per_head(x, B, T, H, device, one_is_none=False):
     return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
 
 
-def key_size_reason(ir, sizes: dict, max_k: int) -> str | None:
+def key_size_reason(ir, sizes: dict, max_k: int, why: str = "whole key rows are held in registers") -> str | None:
     """Why a key dimension (``ir.dims[1]`` in ``sizes``) is too large for kernels that hold whole
-    key rows in registers, or None."""
+    key rows in registers (or ``why`` else), or None."""
     K = sizes.get(ir.dims[1])
     if K is not None and K > max_k:
-        return f"K = {K} > {max_k} (whole key rows are held in registers)"
+        return f"K = {K} > {max_k} ({why})"
     return None
 
 

@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, rank1_chunk_reason
+from ssmcraft.ops.common.chunked import (_key_block, _value_block, _per_head, _split_p, key_size_reason, key_sizes,
+                                         rank1_chunk_reason)
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
@@ -69,6 +70,10 @@ from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward``
+# the largest key dimension: with a key block of 256 the kernels outgrow sm_90's shared memory per block
+# in bf16 too, whose value block cannot go below 64 (``chunked._block_floor``): DeltaNet's gradient
+# kernel needs 278528 bytes of 232448 (``benchmarks/compile_sm90.py --shape 1,67,1,256,256``)
+MAX_K = 128
 BACKEND_NAME = "rank1-chunk"
 # benchmarks: False skips the exact decay gradient (the coefficients' stores in the chunks holding a tiny
 # decay and ``rank1_chunk_bwd_da_kernel``: their cost; wrong gradients where a decay is tiny)
@@ -327,6 +332,16 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not (a decay per head, or none)."""
     return rank1_chunk_reason(ir, (None, ()), "per head ()")
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """Refuse a key dimension past ``MAX_K`` (the kernels' shared memory)."""
+    return key_size_reason(ir, sizes, MAX_K, "the kernels' tiles outgrow sm_90's shared memory")
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def forward(obj, lay, co, output_final_state):
