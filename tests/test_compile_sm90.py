@@ -106,7 +106,7 @@ def test_minibatch_general_kernels_compile_for_sm90():
     rows = _kernels(out)
     assert set(rows) == {("minibatch_huber", "general_fwd_kernel"), ("minibatch_huber", "general_bwd_kernel")}
     for verdict in rows.values():
-        assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+        assert re.fullmatch(r"ok \(smem \d+, regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
 
 
 def test_mlp_memory_compiles_for_sm90():
@@ -133,7 +133,7 @@ def test_mlp_minibatch_chunk_compiles_for_sm90():
                              ("mlp_huber_minibatch", "mlp_chunk_bwd_kernel"),
                              ("mlp_huber_minibatch", "mlp_chunk_exact_dc_kernel")}   # the decay's exact gradient
         for verdict in rows.values():
-            assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+            assert re.fullmatch(r"ok \(smem \d+, regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
 
 
 def test_chunked_families_compile_for_sm90():
@@ -195,7 +195,7 @@ def test_a_kernel_that_does_not_compile_is_reported_by_name(tmp_path):
 
 
 def _spill_bytes(verdict: str) -> int:
-    """The stored spill bytes of a ``--regs`` verdict ``ok (regs N, spills S/L bytes)``."""
+    """The stored spill bytes of a ``--regs`` verdict ``ok (smem N, regs R, spills S/L bytes)``."""
     return int(verdict.split("spills ")[1].split("/")[0])
 
 
