@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+SM90_SHARED_LIMIT = 232448      # compile_sm90.SM90_SHARED_LIMIT, bytes per block
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -105,7 +106,7 @@ def test_minibatch_general_kernels_compile_for_sm90():
     rows = _kernels(out)
     assert set(rows) == {("minibatch_huber", "general_fwd_kernel"), ("minibatch_huber", "general_bwd_kernel")}
     for verdict in rows.values():
-        assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+        assert re.fullmatch(r"ok \(smem \d+, regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
 
 
 def test_mlp_memory_compiles_for_sm90():
@@ -132,7 +133,7 @@ def test_mlp_minibatch_chunk_compiles_for_sm90():
                              ("mlp_huber_minibatch", "mlp_chunk_bwd_kernel"),
                              ("mlp_huber_minibatch", "mlp_chunk_exact_dc_kernel")}   # the decay's exact gradient
         for verdict in rows.values():
-            assert re.fullmatch(r"ok \(regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
+            assert re.fullmatch(r"ok \(smem \d+, regs \d+, spills \d+/\d+ bytes\)", verdict), verdict
 
 
 def test_chunked_families_compile_for_sm90():
@@ -194,7 +195,7 @@ def test_a_kernel_that_does_not_compile_is_reported_by_name(tmp_path):
 
 
 def _spill_bytes(verdict: str) -> int:
-    """The stored spill bytes of a ``--regs`` verdict ``ok (regs N, spills S/L bytes)``."""
+    """The stored spill bytes of a ``--regs`` verdict ``ok (smem N, regs R, spills S/L bytes)``."""
     return int(verdict.split("spills ")[1].split("/")[0])
 
 
@@ -238,3 +239,45 @@ def test_decayed_per_row_chunk_kernels_compile_for_sm90():
     rows = {k: v for (lab, k), v in _kernels(out).items() if k.startswith("rank1_row_chunk")}
     assert set(rows) == {"rank1_row_chunk_rowdecay_fwd_kernel", "rank1_row_chunk_rowdecay_bwd_kernel[PATH=0]"}, out
     assert _spill_bytes(rows["rank1_row_chunk_rowdecay_bwd_kernel[PATH=0]"]) <= 768, rows
+
+
+def _shared_bytes(verdict: str) -> int:
+    """The shared bytes of a ``--regs`` verdict ``ok (smem N, regs R, ...)``."""
+    return int(verdict.split("smem ")[1].split(",")[0])
+
+
+def test_chunked_delta_kernels_fit_sm90_shared_memory_in_fp32_at_128():
+    """DeltaNet, Gated DeltaNet (rank1_chunk) and rank2_head_gated (rankr_chunk) at d = m = 128 in fp32:
+    every kernel within sm_90's shared memory per block. With fp32 tiles as large as bf16's in count
+    (value blocks of 64, the state kernels double-buffered), the gradient kernel needed 327680 bytes,
+    the decay gradient's 360448 and Gated DeltaNet's reverse state scan 237828 in its smallest config."""
+    rc, out, err = _run("deltanet", "gated_deltanet", "rank2_head_gated", "--dtype", "fp32", "--shape", "2,67,2,128,128",
+                        "--regs")
+    assert rc == 0, out + err[-2000:]
+    rows = _kernels(out)
+    assert {k for (label, k) in rows if label == "gated_deltanet"} == {
+        "rank1_chunk_prep_kernel", "rank1_chunk_fwd_state_kernel", "rank1_chunk_bwd_state_kernel",
+        "rank1_chunk_bwd_grad_kernel", "rank1_chunk_bwd_da_kernel"}
+    assert {label for (label, k) in rows} == {"deltanet", "gated_deltanet", "rank2_head_gated"}
+    for (label, kernel), verdict in rows.items():
+        assert verdict.startswith("ok ") and _shared_bytes(verdict) <= SM90_SHARED_LIMIT, (label, kernel, verdict)
+
+
+def test_value_block_and_state_stages_by_tile_bytes(monkeypatch):
+    """The GPU's tile rule (``chunked._value_block``, ``chunked.state_stage_rule``): bf16 keeps value
+    blocks of 64 and double-buffered state kernels up to K = 128; fp32 tiles stay within bf16's
+    [128, 64] bytes (value block 32 at K = 128, 16 at K = 256) and its state kernels run single-stage
+    from K = 128."""
+    import torch
+    import triton
+    from ssmcraft.ops.common import chunked
+    monkeypatch.setattr(chunked, "INTERPRET", False)
+    bv = lambda K, dt, V=128: chunked._value_block(V, dt, None, K)  # noqa: E731
+    assert [bv(K, torch.bfloat16) for K in (16, 64, 128, 256)] == [64, 64, 64, 64]
+    assert [bv(K, torch.float32) for K in (16, 64, 128, 256)] == [64, 64, 32, 16]
+    assert bv(128, torch.float32, V=20) == 32 and bv(64, torch.float32, V=20) == 32 and bv(16, torch.bfloat16, V=20) == 64
+    configs = [triton.Config({"BV": b}, num_warps=4, num_stages=s) for b, s in ((32, 2), (64, 2), (32, 1))]
+    stages = lambda BK, dt: [(c.kwargs["BV"], c.num_stages) for c in chunked.state_stage_rule(  # noqa: E731
+        configs, {}, BK=BK, K=BK, V=128, W=torch.empty(0, dtype=dt))]
+    assert stages(128, torch.bfloat16) == stages(64, torch.float32) == [(32, 2), (64, 2)]
+    assert stages(128, torch.float32) == stages(256, torch.bfloat16) == [(32, 1)]

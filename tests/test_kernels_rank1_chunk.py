@@ -32,6 +32,9 @@ def test_supports():
         assert R.supports(ssmcraft.compile(name).ir) is None
     assert "per head" in R.supports(ssmcraft.compile("longhorn").ir)
     assert "rank1" in R.supports(ssmcraft.compile("mamba").ir)
+    ir = ssmcraft.compile("gated_deltanet").ir      # past K = 128 the tiles outgrow sm_90's shared memory
+    assert R.supports_sizes(ir, {ir.dims[1]: 128}, "triton") is None
+    assert "K = 256 > 128" in R.supports_sizes(ir, {ir.dims[1]: 256}, "triton")
 
 
 def _objective_case(name, B, T, H, d, m, seed):
@@ -55,6 +58,18 @@ def test_objective_matches_reference(name, T, chunk, monkeypatch):
     ins, S0, g = _objective_case(name, B, T, H, d, m, seed=T)
     # the family on the reference layout and the generated coefficients, fp32 (shapes and the
     # fp32 state checked by kernel_errors)
+    check(kernel_errors(obj, lambda o, lay: R.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
+                        ins, {}, S0, g))
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_objective_at_128_keys_and_values(name, monkeypatch):
+    """d = m = 128 in fp32 with the GPU's tiles there: key block 128, value blocks of 32
+    (``chunked._value_block`` keeps fp32 tiles within ``TILE_BYTES`` for sm_90's shared memory; its
+    rule is tested in ``test_compile_sm90.py``), odd T over a partial chunk."""
+    monkeypatch.setattr(R, "INTERPRET_BV", 32)
+    obj = ssmcraft.compile(name)
+    ins, S0, g = _objective_case(name, 1, 37, 1, 128, 128, seed=128)
     check(kernel_errors(obj, lambda o, lay: R.forward(o, lay, o.module.coefficients(lay.env, lay.d, lay.m), True),
                         ins, {}, S0, g))
 
@@ -146,7 +161,7 @@ def test_half_precision_pads_small_key_and_value_blocks():
     the interpreter's products on bf16 tiles are wrong (1e10 off, ENV.md), fp16 takes the same path."""
     assert R._key_block(16, torch.bfloat16) == 64 and R._key_block(16, torch.float16) == 64
     assert R._key_block(16, torch.float32) == 16 and R._key_block(80, torch.bfloat16) == 128
-    assert R._bv(24, torch.float16) == 64 and R._bv(32, torch.bfloat16) == 64 and R._bv(24, torch.float32) == 32
+    assert R._bv(24, torch.float16, 16) == 64 and R._bv(32, torch.bfloat16, 16) == 64 and R._bv(24, torch.float32, 16) == 32
     g = torch.Generator().manual_seed(3)
     B, T, H, K, V = 1, 37, 2, 16, 24
     nk = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731

@@ -66,6 +66,9 @@ def test_supports_and_order():
         assert ir.kind == "rankr" and RC.supports(ir) is None and RC.per_head_step(ir), which
     assert "per head" in RC.supports(ssmcraft.compile("longhorn_2key").ir)
     assert "not rankr" in RC.supports(ssmcraft.compile("deltanet").ir)
+    ir = _compiled("decay_explicit").ir             # rank1_chunk's kernels: its K limit
+    assert RC.supports_sizes(ir, {ir.dims[1]: 128}, "triton") is None
+    assert "K = 256 > 128" in RC.supports_sizes(ir, {ir.dims[1]: 256}, "triton")
     ir = _compiled("implicit").ir
     names = [f.name for f in registry.order(ir, "triton")]
     assert names.index("rankr_chunk") < names.index("rankr_row")
@@ -93,6 +96,17 @@ def test_composed_matches_reference(which, T, chunk, B, monkeypatch):
         assert y.dtype == torch.float32 and S.dtype == torch.float32
         return y, S
     assert_within(reference_errors(obj, ours, ins, params, S0, g).errors, TOL)
+
+
+def test_decay_explicit_at_128_keys_and_values(monkeypatch):
+    """rank2_head_gated's composition at d = m = 128 in fp32 with the GPU's tiles there: key block
+    128, value blocks of 32 (``chunked._value_block``: fp32 tiles within ``TILE_BYTES`` for sm_90's
+    shared memory), odd T over a partial chunk of 64 term rows."""
+    monkeypatch.setattr(R1, "INTERPRET_BV", 32)
+    obj = _compiled("decay_explicit")
+    ins, params, S0, g = kernel_inputs(obj, 1, 37, 1, 128, 128, seed=128)
+    assert_within(reference_errors(obj, lambda i, p, s: validated_call(RC.prepare, obj, i, p, s, True),
+                                   ins, params, S0, g).errors, TOL)
 
 
 @pytest.mark.parametrize("which,computed", [("decay_explicit", False), ("implicit", True)])

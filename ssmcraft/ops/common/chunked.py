@@ -29,13 +29,35 @@ def _key_block(K: int, dtype) -> int:
     return pow2(K, lo=_block_floor(dtype))
 
 
-def _value_block(V: int, dtype, interpret_bv: int | None = None) -> int:
-    """The value block of the parallel kernels, at most 64 and padded as ``_block_floor`` says; under
-    the interpreter ``interpret_bv`` where given (the tests' way to run several value tiles)."""
+# bytes of the largest [key block, value block] tile the chunked kernels take: bf16's [128, 64], with
+# which every kernel of rank1_chunk and rankr_chunk fits sm_90's 227 KB of shared memory per block
+# (``benchmarks/compile_sm90.py``). fp32 tiles of the same shape take twice the bytes: at K = 128 with
+# a value block of 64, rank1_chunk's gradient kernel needs 320 KB, the decay gradient's 352 KB.
+TILE_BYTES = 128 * 64 * 2
+
+
+def _value_block(V: int, dtype, interpret_bv: int | None = None, K: int | None = None) -> int:
+    """The value block of the parallel kernels, at most 64 and padded as ``_block_floor`` says; with
+    the key dimension ``K``, also at most what keeps a ``[_key_block, value block]`` tile of ``dtype``
+    within ``TILE_BYTES`` (fp32 at K = 128 gets 32; bf16, whose floor is 64, keeps 64 at any K);
+    under the interpreter ``interpret_bv`` where given (the tests' way to run several value tiles)."""
     if INTERPRET and interpret_bv:
         return interpret_bv
     bv = pow2(V, lo=_block_floor(dtype))
-    return bv if INTERPRET else min(bv, 64)
+    if INTERPRET:
+        return bv
+    fit = 64 if K is None else TILE_BYTES // (_key_block(K, dtype) * dtype.itemsize)
+    return min(bv, max(_block_floor(dtype), min(fit, 64)))
+
+
+def state_stage_rule(configs, nargs=None, **kw):
+    """``early_config_prune`` of the state kernels (a ``[BK, BV]`` state carried over chunks, the
+    next chunk's loads double-buffered in ``num_stages=2`` configs): the single-stage configs where a
+    key column of the io dtype (the ``W`` buffer's) is longer than bf16's at K = 128, 256 bytes, else
+    the others. fp32 at K = 128 double-buffered needs 232 KB at a value block of 32 with a decay, past
+    sm_90's 227 KB (``benchmarks/compile_sm90.py``)."""
+    single = kw["BK"] * {**(nargs or {}), **kw}["W"].element_size() > 256
+    return [c for c in configs if (c.num_stages == 1) == single] or list(configs[:1])
 
 
 def _split_p(ir):
@@ -61,12 +83,12 @@ def _per_head(x, B, T, H, device, one_is_none=False):
     return None if one_is_none and float(x) == 1.0 else torch.full((B, T, H), float(x), device=device)
 
 
-def key_size_reason(ir, sizes: dict, max_k: int) -> str | None:
+def key_size_reason(ir, sizes: dict, max_k: int, why: str = "whole key rows are held in registers") -> str | None:
     """Why a key dimension (``ir.dims[1]`` in ``sizes``) is too large for kernels that hold whole
-    key rows in registers, or None."""
+    key rows in registers (or ``why`` else), or None."""
     K = sizes.get(ir.dims[1])
     if K is not None and K > max_k:
-        return f"K = {K} > {max_k} (whole key rows are held in registers)"
+        return f"K = {K} > {max_k} ({why})"
     return None
 
 

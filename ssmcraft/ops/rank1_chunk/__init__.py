@@ -11,4 +11,5 @@ def per_head_step(ir) -> bool:
 
 
 FAMILY = KernelFamily(name="rank1_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
-                      prepare=chunk.prepare, forward=chunk.forward, ahead_on_gpu=("rank1_row", per_head_step), varlen=None)
+                      prepare=chunk.prepare, forward=chunk.forward, supports_inputs=chunk.supports_inputs,
+                      supports_sizes=chunk.supports_sizes, ahead_on_gpu=("rank1_row", per_head_step), varlen=None)

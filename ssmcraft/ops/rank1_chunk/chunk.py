@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import torch
 
-from ssmcraft.ops.common.chunked import _key_block, _value_block, _per_head, _split_p, rank1_chunk_reason
+from ssmcraft.ops.common.chunked import (_key_block, _value_block, _per_head, _split_p, key_size_reason, key_sizes,
+                                         rank1_chunk_reason)
 from ssmcraft.ops.common.launch import launch
 from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_args, packed_chunks, sequences
@@ -69,6 +70,10 @@ from ssmcraft.ops.rank1_chunk.kernels import (C_GIVEN, C_IS_A_PS, C_IS_PS, rank1
 INTERPRET_BV: int | None = None     # value-block size under the interpreter (tests set it small)
 POISON = False                      # tests: fill every buffer with NaN before the kernels write it
 CHUNK = 64                          # chunk size used by ``forward``
+# the largest key dimension: with a key block of 256 the kernels outgrow sm_90's shared memory per block
+# in bf16 too, whose value block cannot go below 64 (``chunked._block_floor``): DeltaNet's gradient
+# kernel needs 278528 bytes of 232448 (``benchmarks/compile_sm90.py --shape 1,67,1,256,256``)
+MAX_K = 128
 BACKEND_NAME = "rank1-chunk"
 # benchmarks: False skips the exact decay gradient (the coefficients' stores in the chunks holding a tiny
 # decay and ``rank1_chunk_bwd_da_kernel``: their cost; wrong gradients where a decay is tiny)
@@ -79,14 +84,14 @@ EXACT_DECAY_GRAD = True
 # host wrappers
 # ----------------------------------------------------------------------------------------
 
-def _bv(V: int, dtype) -> int:
+def _bv(V: int, dtype, K: int) -> int:
     """Value block of the parallel kernels (and of the sequential ones under the interpreter)."""
-    return _value_block(V, dtype, INTERPRET_BV)
+    return _value_block(V, dtype, INTERPRET_BV, K)
 
 
-def _launch_opts(V: int, dtype) -> dict:
+def _launch_opts(V: int, dtype, K: int) -> dict:
     """Config chosen by rule under the interpreter (multi-config autotune fails there)."""
-    return {"BV": _bv(V, dtype)} if INTERPRET else {}
+    return {"BV": _bv(V, dtype, K)} if INTERPRET else {}
 
 
 def _empty(*shape, device, dtype):
@@ -139,7 +144,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
     g = _empty(B, T, H, device=dev, dtype=torch.float32) if has_a else cc
     launch(rank1_chunk_prep_kernel, (NT, B * H),
            u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, M=M, W=W, Up=Up, L=L, Lq=Lq, g=g, T=T, H=H, K=K, V=V,
-           BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R,
+           BT=BT, BK=BK, BV=_bv(V, dt, K), HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R,
            **packed_args(seq, "cu", "ci"))
     o = _empty(B, T, H, V, device=dev, dtype=dt)
     hs = _empty(B, H, NT, K, V, device=dev, dtype=dt) if store_states else o
@@ -150,7 +155,7 @@ def _fwd(v, u, q, p, ps, oq, c, a, h0, output_final_state, store_states, c_mode,
            v=v, q=qq, p=p, ps=pss, oq=oq, W=W, Up=Up, L=L, Lq=Lq, g=g, h0=o if h0 is None else h0, o=o, hs=hs, psi=psi,
            ht=ht, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, GENERAL=general, HAS_PS=has_ps, WRITE_O=True,
            STORE_H=store_states, HAS_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec, R=R,
-           **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
+           **packed_args(seq, "cu", "co"), **_launch_opts(V, dt, K))
     saved = (M, L, Lq, W, g, hs, psi)
     return o, (ht if output_final_state else None), saved
 
@@ -174,7 +179,7 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     launch(rank1_chunk_bwd_state_kernel, lambda meta: (cdiv(V, meta["BV"]), N * H),
            v=v, oq=oq, W=W, L=L, g=g, do=do, dht=dht.contiguous().float() if has_dht else do, dhs=dhs, dpsi=dpsi,
            dh0=dh0, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, HAS_A=has_a, HAS_DHT=has_dht, STORE_DH0=need_dh0,
-           PREC=prec, R=R, **packed_args(seq, "cu", "co"), **_launch_opts(V, dt))
+           PREC=prec, R=R, **packed_args(seq, "cu", "co"), **_launch_opts(V, dt, K))
     uu, qq, pss, cc, aa = _operands(v, u, q, ps, c, a)
     dv = _empty_like(v)
     du = _empty_like(v) if u is not None else dv
@@ -193,13 +198,13 @@ def _bwd(v, u, q, p, ps, oq, c, a, saved, do, dht, need_dh0, c_mode, BT, R, pack
     xb, xq = (_empty(B, TR, H, BT, **f32), _empty(B, T, H, BT, **f32)) if exact and general else (dv, dv)
     args = dict(u=uu, v=v, q=qq, p=p, ps=pss, oq=oq, c=cc, a=aa, g=g, M=M, L=L, Lq=Lq, hs=hs, dhs=dhs, psi=psi,
                 dpsi=dpsi, do=do, du=du, dv=dv, dq=dq, dp=dp, dps=dps, doq=doq, dc=dc, da=da if has_a else dc, xp=xp,
-                xb=xb, xq=xq, xw=xw, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt), HAS_A=has_a,
+                xb=xb, xq=xq, xw=xw, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt, K), HAS_A=has_a,
                 GENERAL=general, U_IS_V=u is None, HAS_PS=has_ps, C_MODE=c_mode, PREC=prec, R=R, EXACT=exact,
                 **packed_args(seq, "cu", "ci"))
     launch(rank1_chunk_bwd_grad_kernel, (NT, B * H), **args)
     if exact:   # d a rewritten term by term in the chunks holding a tiny decay
         launch(rank1_chunk_bwd_da_kernel, (NT, B * H), u=uu, v=v, q=qq, oq=oq, a=a, g=g, hs=hs, dhs=dhs, psi=psi,
-               do=do, xp=xp, xb=xb, xq=xq, xw=xw, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt),
+               do=do, xp=xp, xb=xb, xq=xq, xw=xw, da=da, T=T, NT=NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=_bv(V, dt, K),
                GENERAL=general, U_IS_V=u is None, C_MODE=c_mode, PREC=prec, R=R, **packed_args(seq, "cu", "ci"))
     return (dv, du if u is not None else None, dq if general else None, dp, dps if want_dps else None, doq,
             dc if c is not None else None, da, dh0 if need_dh0 else None)
@@ -327,6 +332,16 @@ def delta_rule(q, k, x, beta, alpha=None, *, initial_state=None, output_final_st
 def supports(ir) -> str | None:
     """None if this family runs ``ir``, else the reason it does not (a decay per head, or none)."""
     return rank1_chunk_reason(ir, (None, ()), "per head ()")
+
+
+def supports_sizes(ir, sizes: dict, mode: str) -> str | None:
+    """Refuse a key dimension past ``MAX_K`` (the kernels' shared memory)."""
+    return key_size_reason(ir, sizes, MAX_K, "the kernels' tiles outgrow sm_90's shared memory")
+
+
+def supports_inputs(ir, inputs, mode) -> str | None:
+    """``supports_sizes`` on the sizes of these inputs (the Triton backend's hook)."""
+    return supports_sizes(ir, key_sizes(ir, inputs), mode)
 
 
 def forward(obj, lay, co, output_final_state):

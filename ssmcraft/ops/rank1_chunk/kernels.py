@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ssmcraft.ops.common.chunked import state_stage_rule
 from ssmcraft.ops.common.rows import seq_chunk, state_scan
 from ssmcraft.ops.common.solvers import solve_unit_lower
 from ssmcraft.ops.common.tiles import (LOG_EXACT_DA, decay_after, decay_before, log_decay, pair_decay_grad,
@@ -177,8 +178,8 @@ def rank1_chunk_prep_kernel(u, v, q, p, ps, oq, c, a, M, W, Up, L, Lq, g, cu, ci
 
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT", "R", "VARLEN"])
+        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 4, 1))],
+       key=["H", "K", "V", "BT", "HAS_A", "GENERAL", "HAS_PS", "WRITE_O", "STORE_H", "HAS_H0", "STORE_HT", "R", "VARLEN"], prune=state_stage_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, psi, ht, cu, co,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -246,8 +247,8 @@ def rank1_chunk_fwd_state_kernel(v, q, p, ps, oq, W, Up, L, Lq, g, h0, o, hs, ps
 
 
 @tune([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv, w, s in ((32, 4, 2), (64, 4, 2))],
-       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0", "R", "VARLEN"])
+        for bv, w, s in ((32, 4, 2), (64, 4, 2), (32, 4, 1))],
+       key=["H", "K", "V", "BT", "HAS_A", "HAS_DHT", "STORE_DH0", "R", "VARLEN"], prune=state_stage_rule)
 @triton.jit(do_not_specialize=["T", "NT"])
 def rank1_chunk_bwd_state_kernel(v, oq, W, L, g, do, dht, dhs, dpsi, dh0, cu, co,
                       T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

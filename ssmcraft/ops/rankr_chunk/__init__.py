@@ -5,5 +5,6 @@ from ssmcraft.ops.family import KernelFamily
 from ssmcraft.ops.rankr_chunk import chunk
 
 FAMILY = KernelFamily(name="rankr_chunk", backend=chunk.BACKEND_NAME, module=chunk, supports=chunk.supports,
-                      prepare=chunk.prepare, forward=chunk.forward, ahead_on_gpu=("rankr_row", chunk.per_head_step),
+                      prepare=chunk.prepare, forward=chunk.forward, supports_inputs=chunk.supports_inputs,
+                      supports_sizes=chunk.supports_sizes, ahead_on_gpu=("rankr_row", chunk.per_head_step),
                       varlen=None)

@@ -31,6 +31,7 @@ from ssmcraft.ops.common.readout import finish_laid_out
 from ssmcraft.ops.common.rows import packed_chunks
 from ssmcraft.ops.common.tuning import IO_DTYPES, io_dtype
 from ssmcraft.ops.rank1_chunk.chunk import C_GIVEN, C_IS_PS, Rank1ChunkFunction, _per_head, as_operand
+from ssmcraft.ops.rank1_chunk.chunk import supports_inputs, supports_sizes  # noqa: F401 - its kernels' K limit
 
 CHUNK = 64                          # chunk size (term rows) used by the family
 BACKEND_NAME = "rankr-chunk"
